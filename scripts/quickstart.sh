@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One command from a fresh machine to keel's main job: install dependencies, build, and run
+# the embedded default. Today that job is the collective benchmark on whatever is here:
+# every local GPU through NCCL, or 4 CPU ranks under MPI when there is no GPU.
+# Results land in ./out (table on stdout, JSON, CSV and PNG plots).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+mkdir -p out
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+common=(--op all --json out/bench_comm.json --csv out/bench_comm.csv --plot out/bench_comm.png)
+if [ "$gpus" -gt 0 ]; then
+  echo "keel quickstart: $gpus GPU(s) found: one process drives them all through NCCL"
+  build/keel bench comm --backend nccl --dtype bf16 --min 8 --max 1G --factor 4 "${common[@]}"
+else
+  echo "keel quickstart: no GPU found: 4 CPU ranks under MPI (--backend mpi)"
+  mpi_flags=(--oversubscribe)
+  [ "$(id -u)" -eq 0 ] && mpi_flags+=(--allow-run-as-root)
+  mpiexec "${mpi_flags[@]}" -n 4 build/keel bench comm --backend mpi --dtype fp32 --min 64 --max 16M --factor 4 "${common[@]}"
+fi
+echo "keel quickstart: results in out/ (bench_comm.json, bench_comm.csv, bench_comm_*.png)"

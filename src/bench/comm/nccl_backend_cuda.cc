@@ -1,0 +1,502 @@
+// `--backend nccl`: collectives on GPU memory through NCCL. Under mpirun/srun each process
+// drives the GPU of its node-local rank; with no launcher one process drives every local
+// GPU, one NCCL communicator per device created by ncclCommInitAll and driven inside
+// ncclGroupStart/End. Sub-groups come from ncclCommSplit of the world communicator.
+#include <mpi.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "bench/comm/backend.h"
+#include "bench/comm/nccl_kernels.h"
+#include "common/mpi_session.h"
+#include "device/cuda_check.h"
+
+namespace keel::bench {
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+namespace {
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::kBF16: return ncclBfloat16;
+    case DType::kFP16: return ncclFloat16;
+    case DType::kFP32: return ncclFloat32;
+  }
+  return ncclFloat32;
+}
+
+struct Slot {
+  int rank = 0;
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  ncclComm_t world = nullptr;
+  ncclComm_t group = nullptr;   // == world when the group is the whole world
+  int group_rank = -1;          // -1: not in a group this round
+  void* send = nullptr;
+  void* recv = nullptr;
+  std::uint64_t send_cap = 0, recv_cap = 0;
+  std::vector<cudaEvent_t> events;
+  VerifyCounters* counters = nullptr;  // device memory
+  cudaGraphExec_t graph = nullptr;
+};
+
+class NcclBackend final : public Backend {
+ public:
+  explicit NcclBackend(int max_ranks) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &proc_rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &procs_);
+    const int devices = cuda_device_count();
+    if (devices == 0) fail("no CUDA device is visible to this process (use --backend mpi for CPU ranks)");
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    host_ = host;
+    if (procs_ > 1) {
+      MPI_Comm local;
+      mpi_check(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, proc_rank_, MPI_INFO_NULL, &local),
+                "MPI_Comm_split_type");
+      int local_rank = 0, local_size = 1;
+      MPI_Comm_rank(local, &local_rank);
+      MPI_Comm_size(local, &local_size);
+      MPI_Comm_free(&local);
+      if (local_size > devices)
+        fail("{} ranks run on host {} but it has only {} GPU(s): launch at most one rank per GPU", local_size, host_,
+             devices);
+      world_ = procs_;
+      slots_.resize(1);
+      slots_[0].rank = proc_rank_;
+      slots_[0].device = local_rank;
+      ncclUniqueId id;
+      if (proc_rank_ == 0) KEEL_NCCL_CHECK(ncclGetUniqueId(&id));
+      mpi_check(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast");
+      KEEL_CUDA_CHECK(cudaSetDevice(slots_[0].device));
+      KEEL_NCCL_CHECK(ncclCommInitRank(&slots_[0].world, world_, id, proc_rank_));
+    } else {
+      if (max_ranks > devices)
+        fail("--ranks asks for {} GPUs but this host has {} (launch under mpirun for GPUs on several hosts)",
+             max_ranks, devices);
+      world_ = devices;
+      slots_.resize(static_cast<size_t>(devices));
+      std::vector<ncclComm_t> comms(static_cast<size_t>(devices));
+      KEEL_NCCL_CHECK(ncclCommInitAll(comms.data(), devices, nullptr));
+      for (int d = 0; d < devices; ++d) {
+        slots_[static_cast<size_t>(d)].rank = d;
+        slots_[static_cast<size_t>(d)].device = d;
+        slots_[static_cast<size_t>(d)].world = comms[static_cast<size_t>(d)];
+      }
+    }
+    for (auto& s : slots_) {
+      ranks_.push_back(s.rank);
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+      KEEL_CUDA_CHECK(cudaMalloc(&s.counters, sizeof(VerifyCounters)));
+    }
+  }
+
+  ~NcclBackend() override {
+    for (auto& s : slots_) {
+      cudaSetDevice(s.device);
+      drop_graph(s);
+      if (s.group && s.group != s.world) ncclCommDestroy(s.group);
+      if (s.world) ncclCommDestroy(s.world);
+      for (auto e : s.events) cudaEventDestroy(e);
+      cudaFree(s.send);
+      cudaFree(s.recv);
+      cudaFree(s.counters);
+      if (s.stream) cudaStreamDestroy(s.stream);
+    }
+    if (group_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&group_mpi_);
+  }
+
+  std::string name() const override { return "nccl"; }
+  int world_size() const override { return world_; }
+  const std::vector<int>& local_ranks() const override { return ranks_; }
+
+  std::vector<DeviceDescription> local_devices() const override {
+    std::vector<DeviceDescription> out;
+    for (const auto& s : slots_) {
+      cudaDeviceProp p{};
+      KEEL_CUDA_CHECK(cudaGetDeviceProperties(&p, s.device));
+      char bus[64] = {0};
+      cudaDeviceGetPCIBusId(bus, sizeof(bus), s.device);
+      DeviceDescription d;
+      d.rank = s.rank;
+      d.host = host_;
+      d.name = p.name;
+      d.bus_id = bus;
+      d.device = s.device;
+      out.push_back(d);
+    }
+    return out;
+  }
+
+  std::map<std::string, std::string> library_versions() const override {
+    std::map<std::string, std::string> v;
+    int nccl = 0, rt = 0, drv = 0;
+    ncclGetVersion(&nccl);
+    cudaRuntimeGetVersion(&rt);
+    cudaDriverGetVersion(&drv);
+    v["nccl"] = fmt::format("{}.{}.{}", nccl / 10000, (nccl % 10000) / 100, nccl % 100);
+    v["cuda_runtime"] = fmt::format("{}.{}", rt / 1000, (rt % 1000) / 10);
+    v["cuda_driver"] = fmt::format("{}.{}", drv / 1000, (drv % 1000) / 10);
+    char text[MPI_MAX_LIBRARY_VERSION_STRING];
+    int len = 0;
+    MPI_Get_library_version(text, &len);
+    std::string mpi(text, static_cast<size_t>(len));
+    if (auto cut = mpi.find_first_of("\n,"); cut != std::string::npos) mpi.resize(cut);
+    v["mpi"] = mpi;
+    return v;
+  }
+
+  void form_groups(int group_size, bool all_groups) override {
+    const int ngroups = all_groups ? world_ / group_size : 1;
+    for (auto& s : slots_) {
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      drop_graph(s);
+      if (s.group && s.group != s.world) KEEL_NCCL_CHECK(ncclCommDestroy(s.group));
+      s.group = nullptr;
+      s.group_rank = -1;
+    }
+    if (group_size == world_) {
+      for (auto& s : slots_) {
+        s.group = s.world;
+        s.group_rank = s.rank;
+      }
+    } else {
+      KEEL_NCCL_CHECK(ncclGroupStart());
+      for (auto& s : slots_) {
+        const int g = s.rank / group_size;
+        const int color = g < ngroups ? g : NCCL_SPLIT_NOCOLOR;
+        KEEL_NCCL_CHECK(ncclCommSplit(s.world, color, s.rank, &s.group, nullptr));
+      }
+      KEEL_NCCL_CHECK(ncclGroupEnd());
+      for (auto& s : slots_) {
+        if (s.rank / group_size < ngroups) s.group_rank = s.rank % group_size;
+        else s.group = nullptr;
+      }
+    }
+    // Processes that take part also get an MPI communicator, for the barrier before timing.
+    if (group_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&group_mpi_);
+    const bool member = std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) { return s.group_rank >= 0; });
+    mpi_check(MPI_Comm_split(MPI_COMM_WORLD, member ? 0 : MPI_UNDEFINED, proc_rank_, &group_mpi_), "MPI_Comm_split");
+  }
+
+  void reserve(std::uint64_t send_bytes, std::uint64_t recv_bytes) override {
+    for (auto& s : slots_) {
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      if (send_bytes > s.send_cap) {
+        drop_graph(s);
+        KEEL_CUDA_CHECK(cudaFree(s.send));
+        s.send = nullptr;
+        allocate(&s.send, send_bytes, s);
+        s.send_cap = send_bytes;
+      }
+      if (recv_bytes > s.recv_cap) {
+        drop_graph(s);
+        KEEL_CUDA_CHECK(cudaFree(s.recv));
+        s.recv = nullptr;
+        allocate(&s.recv, recv_bytes, s);
+        s.recv_cap = recv_bytes;
+      }
+    }
+  }
+
+  void measure(const CollectiveCase& c, const TimingPlan& plan, std::vector<RankTiming>* out) override {
+    if (!any_member()) return;
+    fill(c, 0x5eedull);
+    for (int i = 0; i < plan.warmup; ++i) run(c);
+    wait_all();
+    mpi_check(MPI_Barrier(group_mpi_), "MPI_Barrier");
+
+    std::vector<RankTiming> timings;
+    for (auto& s : slots_)
+      if (s.group_rank >= 0) timings.push_back(RankTiming{s.rank, 0, {}});
+
+    if (plan.graph_replays > 0) {
+      capture_graphs(c, plan.iters);
+      launch_graphs();  // one replay to upload the graph
+      wait_all();
+      mpi_check(MPI_Barrier(group_mpi_), "MPI_Barrier");
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int r = 0; r < plan.graph_replays; ++r) launch_graphs();
+      wait_all();
+      const double per_op = seconds_since(t0) / (static_cast<double>(plan.graph_replays) * plan.iters);
+      ensure_events(plan.graph_replays + 1);
+      for (int r = 0; r < plan.graph_replays; ++r) {
+        record_events(r);
+        launch_graphs();
+      }
+      record_events(plan.graph_replays);
+      wait_all();
+      collect(timings, per_op, plan.graph_replays, plan.iters);
+    } else {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < plan.iters; ++i) run(c);
+      wait_all();
+      const double per_op = seconds_since(t0) / plan.iters;
+      ensure_events(plan.iters + 1);
+      mpi_check(MPI_Barrier(group_mpi_), "MPI_Barrier");
+      for (int i = 0; i < plan.iters; ++i) {
+        record_events(i);
+        run(c);
+      }
+      record_events(plan.iters);
+      wait_all();
+      collect(timings, per_op, plan.iters, 1);
+    }
+    for (auto& t : timings) out->push_back(std::move(t));
+  }
+
+  void check(const CollectiveCase& c, std::uint64_t seed, double, std::vector<RankCheck>* out) override {
+    if (!any_member()) return;
+    fill(c, seed);
+    run(c);
+    const ValueSpec v = make_value_spec(seed, c.nranks, c.dtype);
+    const CaseGeometry g = geometry(c);
+    for (auto& s : slots_) {
+      if (s.group_rank < 0) continue;
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      if (s.rank == corrupt_rank_) {
+        unsigned char raw[4];
+        store_from_float(raw, 0, c.dtype, kCorruptValue);
+        const std::size_t bytes = dtype_size(c.dtype);
+        KEEL_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(output(s, c)) + corrupt_index(c.shape.recv_count) * bytes, raw,
+                                        bytes, cudaMemcpyHostToDevice, s.stream));
+        KEEL_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+      }
+      const VerifyCounters init{0, ~0ull};
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(s.counters, &init, sizeof(init), cudaMemcpyHostToDevice, s.stream));
+      launch_verify(output(s, c), c.shape.recv_count, c.dtype, v, g, s.group_rank, s.counters, s.stream);
+    }
+    wait_all();
+    for (auto& s : slots_) {
+      if (s.group_rank < 0) continue;
+      VerifyCounters vc{};
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      KEEL_CUDA_CHECK(cudaMemcpy(&vc, s.counters, sizeof(vc), cudaMemcpyDeviceToHost));
+      RankCheck rc;
+      rc.rank = s.rank;
+      rc.wrong = vc.wrong;
+      if (vc.wrong) {
+        rc.first_wrong = static_cast<std::int64_t>(vc.first);
+        unsigned char raw[4] = {0};
+        const std::size_t ts = dtype_size(c.dtype);
+        KEEL_CUDA_CHECK(cudaMemcpy(raw, static_cast<const char*>(output(s, c)) + vc.first * ts, ts,
+                                   cudaMemcpyDeviceToHost));
+        rc.got = load_as_float(raw, 0, c.dtype);
+        rc.expected = expected_output(v, g, s.group_rank, vc.first);
+      }
+      out->push_back(rc);
+    }
+  }
+
+ private:
+  static CaseGeometry geometry(const CollectiveCase& c) {
+    CaseGeometry g;
+    g.op = c.op;
+    g.redop = c.redop;
+    g.root = c.root;
+    g.send_count = c.shape.send_count;
+    g.recv_count = c.shape.recv_count;
+    return g;
+  }
+
+  static double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  void allocate(void** p, std::uint64_t bytes, const Slot& s) {
+    const cudaError_t rc = cudaMalloc(p, bytes);
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      fail("cannot allocate {} bytes on GPU {} of host {}: {}", bytes, s.device, host_, cudaGetErrorString(rc));
+    }
+  }
+
+  bool any_member() const {
+    return std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) { return s.group_rank >= 0; });
+  }
+
+  static std::size_t ts(const CollectiveCase& c) { return dtype_size(c.dtype); }
+
+  // The input of this rank: its send buffer, or its place inside the receive buffer.
+  static void* input(const Slot& s, const CollectiveCase& c) {
+    if (!c.in_place) return s.send;
+    if (c.op == Collective::kAllGather)
+      return static_cast<char*>(s.recv) + static_cast<std::uint64_t>(s.group_rank) * c.shape.send_count * ts(c);
+    if (c.op == Collective::kReduceScatter) return s.send;
+    return s.recv;
+  }
+  // NCCL's in-place reduce-scatter writes this rank's block inside the full input vector.
+  static void* output(const Slot& s, const CollectiveCase& c) {
+    if (c.in_place && c.op == Collective::kReduceScatter)
+      return static_cast<char*>(s.send) + static_cast<std::uint64_t>(s.group_rank) * c.shape.recv_count * ts(c);
+    return s.recv;
+  }
+
+  void fill(const CollectiveCase& c, std::uint64_t seed) {
+    const ValueSpec v = make_value_spec(seed, c.nranks, c.dtype);
+    for (auto& s : slots_) {
+      if (s.group_rank < 0) continue;
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      KEEL_CUDA_CHECK(cudaMemsetAsync(s.recv, 0xff, c.shape.recv_count * ts(c), s.stream));  // NaN poison
+      if (c.in_place && c.op == Collective::kReduceScatter)
+        KEEL_CUDA_CHECK(cudaMemsetAsync(s.send, 0xff, c.shape.send_count * ts(c), s.stream));
+      launch_fill_inputs(input(s, c), c.shape.send_count, c.dtype, v, s.group_rank, s.stream);
+    }
+    wait_all();
+  }
+
+  void launch_one(Slot& s, const CollectiveCase& c) {
+    const ncclDataType_t type = nccl_type(c.dtype);
+    const ncclRedOp_t op = c.redop == RedOp::kAvg ? ncclAvg : ncclSum;
+    void* in = input(s, c);
+    void* out = output(s, c);
+    const int n = c.nranks;
+    switch (c.op) {
+      case Collective::kAllReduce:
+        KEEL_NCCL_CHECK(ncclAllReduce(in, out, c.shape.recv_count, type, op, s.group, s.stream));
+        break;
+      case Collective::kAllGather:
+        KEEL_NCCL_CHECK(ncclAllGather(in, out, c.shape.send_count, type, s.group, s.stream));
+        break;
+      case Collective::kReduceScatter:
+        KEEL_NCCL_CHECK(ncclReduceScatter(in, out, c.shape.recv_count, type, op, s.group, s.stream));
+        break;
+      case Collective::kBroadcast:
+        KEEL_NCCL_CHECK(ncclBroadcast(in, out, c.shape.recv_count, type, c.root, s.group, s.stream));
+        break;
+      case Collective::kAllToAll: {
+        // The MoE dispatch pattern: one send and one receive per peer, grouped (as nccl-tests does).
+        const std::uint64_t block = c.shape.send_count / static_cast<std::uint64_t>(n);
+        const std::uint64_t bytes = block * ts(c);
+        for (int p = 0; p < n; ++p) {
+          KEEL_NCCL_CHECK(ncclSend(static_cast<char*>(in) + p * bytes, block, type, p, s.group, s.stream));
+          KEEL_NCCL_CHECK(ncclRecv(static_cast<char*>(out) + p * bytes, block, type, p, s.group, s.stream));
+        }
+        break;
+      }
+      case Collective::kSendRecv:
+        KEEL_NCCL_CHECK(ncclSend(in, c.shape.send_count, type, (s.group_rank + 1) % n, s.group, s.stream));
+        KEEL_NCCL_CHECK(ncclRecv(out, c.shape.recv_count, type, (s.group_rank - 1 + n) % n, s.group, s.stream));
+        break;
+    }
+  }
+
+  void run(const CollectiveCase& c) {
+    KEEL_NCCL_CHECK(ncclGroupStart());
+    for (auto& s : slots_) {
+      if (s.group_rank < 0 || s.rank == hang_rank_) continue;  // an injected hang leaves its peers waiting
+      launch_one(s, c);
+    }
+    KEEL_NCCL_CHECK(ncclGroupEnd());
+  }
+
+  // Polls instead of blocking so NCCL's asynchronous errors (a dead peer's proxy, a network
+  // failure) surface as errors; a plain hang is left to the harness's watchdog.
+  void wait_all() {
+    for (auto& s : slots_) {
+      if (s.group_rank < 0) continue;
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      for (;;) {
+        const cudaError_t q = cudaStreamQuery(s.stream);
+        if (q == cudaSuccess) break;
+        if (q != cudaErrorNotReady) fail("GPU {} on host {}: {}", s.device, host_, cudaGetErrorString(q));
+        ncclResult_t async = ncclSuccess;
+        if (s.group) ncclCommGetAsyncError(s.group, &async);
+        if (async != ncclSuccess && async != ncclInProgress)
+          fail("NCCL reported an asynchronous error on GPU {} of host {}: {}", s.device, host_,
+               ncclGetErrorString(async));
+        std::this_thread::yield();
+      }
+    }
+  }
+
+  void ensure_events(int count) {
+    for (auto& s : slots_) {
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      while (static_cast<int>(s.events.size()) < count) {
+        cudaEvent_t e;
+        KEEL_CUDA_CHECK(cudaEventCreate(&e));
+        s.events.push_back(e);
+      }
+    }
+  }
+
+  void record_events(int index) {
+    for (auto& s : slots_) {
+      if (s.group_rank < 0) continue;
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      KEEL_CUDA_CHECK(cudaEventRecord(s.events[static_cast<size_t>(index)], s.stream));
+    }
+  }
+
+  // Per-iteration times from consecutive events; each interval covers `ops_per_interval` ops.
+  void collect(std::vector<RankTiming>& timings, double per_op, int intervals, int ops_per_interval) {
+    size_t k = 0;
+    for (auto& s : slots_) {
+      if (s.group_rank < 0) continue;
+      RankTiming& t = timings[k++];
+      t.seconds_per_op = per_op;
+      t.iter_seconds.resize(static_cast<size_t>(intervals));
+      for (int i = 0; i < intervals; ++i) {
+        float ms = 0;
+        KEEL_CUDA_CHECK(cudaEventElapsedTime(&ms, s.events[static_cast<size_t>(i)], s.events[static_cast<size_t>(i + 1)]));
+        t.iter_seconds[static_cast<size_t>(i)] = ms * 1e-3 / ops_per_interval;
+      }
+    }
+  }
+
+  void capture_graphs(const CollectiveCase& c, int iters) {
+    for (auto& s : slots_) {
+      if (s.group_rank < 0) continue;
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      drop_graph(s);
+      KEEL_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
+    }
+    for (int i = 0; i < iters; ++i) run(c);
+    for (auto& s : slots_) {
+      if (s.group_rank < 0) continue;
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      cudaGraph_t graph;
+      KEEL_CUDA_CHECK(cudaStreamEndCapture(s.stream, &graph));
+      KEEL_CUDA_CHECK(cudaGraphInstantiate(&s.graph, graph, 0));
+      KEEL_CUDA_CHECK(cudaGraphDestroy(graph));
+    }
+  }
+
+  void launch_graphs() {
+    for (auto& s : slots_) {
+      if (s.group_rank < 0 || !s.graph) continue;
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      KEEL_CUDA_CHECK(cudaGraphLaunch(s.graph, s.stream));
+    }
+  }
+
+  static void drop_graph(Slot& s) {
+    if (s.graph) cudaGraphExecDestroy(s.graph);
+    s.graph = nullptr;
+  }
+
+  int proc_rank_ = 0, procs_ = 1, world_ = 1;
+  std::string host_;
+  std::vector<Slot> slots_;
+  std::vector<int> ranks_;
+  MPI_Comm group_mpi_ = MPI_COMM_NULL;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_nccl_backend(int max_ranks) { return std::make_unique<NcclBackend>(max_ranks); }
+
+}  // namespace keel::bench

@@ -1,0 +1,42 @@
+// keel: the command-line entry point. Each subcommand lives in its module and registers
+// itself here; this file only dispatches and turns errors into one line and an exit code.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <exception>
+
+#include "bench/comm/command.h"
+#include "common/error.h"
+#include "common/process.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"keel: train mixture-of-experts foundation models full-stack, from cluster characterization to "
+               "checkpoints"};
+  app.set_version_flag("--version", std::string("keel ") + KEEL_VERSION);
+  app.require_subcommand(1);
+  app.fallthrough(false);
+
+  CLI::App* bench = app.add_subcommand("bench", "Cluster characterization microbenchmarks");
+  bench->require_subcommand(1);
+  keel::bench::add_comm_command(*bench);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // Under a launcher every rank parses the same flags: let one of them speak.
+    if (keel::launcher_rank() > 0) return e.get_exit_code() == 0 ? 0 : keel::kExitError;
+    const int code = app.exit(e);
+    return code == 0 ? 0 : keel::kExitError;
+  } catch (const keel::UsageError& e) {
+    if (keel::launcher_rank() == 0) keel::report_error(e.what());
+    return keel::kExitError;
+  } catch (const keel::Error& e) {
+    keel::report_error(e.what());
+    return keel::kExitError;
+  } catch (const std::exception& e) {
+    keel::report_error(e.what());
+    return keel::kExitError;
+  }
+  return keel::exit_code();
+}

@@ -1,0 +1,16 @@
+// Small file helpers with the guarantees keel's outputs need.
+#pragma once
+
+#include <string>
+
+namespace keel {
+
+// Writes `text` to `path` through a temporary file in the same directory, fsync and rename,
+// so a failure never leaves a truncated file where a good one was. Throws keel::Error
+// naming the path on failure.
+void write_file_atomically(const std::string& path, const std::string& text);
+
+// Reads a whole file; throws keel::Error naming the path when it cannot.
+std::string read_file(const std::string& path);
+
+}  // namespace keel

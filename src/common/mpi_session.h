@@ -1,0 +1,32 @@
+// MPI brings ranks up and down. keel initializes it only in commands that need ranks; with
+// no launcher it runs as a world of one.
+#pragma once
+
+#include <mpi.h>
+
+#include <string>
+
+namespace keel {
+
+class MpiSession {
+ public:
+  MpiSession();   // MPI_Init_thread (funneled); safe to construct once per process
+  ~MpiSession();  // MPI_Finalize
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int local_rank() const { return local_rank_; }   // rank among the processes of this node
+  int local_size() const { return local_size_; }
+  std::string host() const;
+  std::string version() const;  // e.g. "Open MPI v4.1.4"
+
+ private:
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
+};
+
+// Throws keel::Error with the MPI error string when `rc` is not MPI_SUCCESS.
+void mpi_check(int rc, const char* what);
+
+}  // namespace keel

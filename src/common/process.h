@@ -1,0 +1,23 @@
+// Process-wide facts and conventions shared by every subcommand: which rank this process is
+// under a launcher, how errors are printed, and the exit code a command chose.
+#pragma once
+
+#include <string>
+
+namespace keel {
+
+// This process's rank as the launcher set it (mpirun, srun), before MPI is initialized;
+// 0 without a launcher.
+int launcher_rank();
+// The world size the launcher set; 1 without a launcher.
+int launcher_size();
+
+// Prints "keel: error: <message>" on stderr. Under a launcher with several ranks, the rank
+// is named so a failing rank can be found among many.
+void report_error(const std::string& message);
+
+// The exit code a command wants main() to return (commands run inside CLI11 callbacks).
+void set_exit_code(int code);
+int exit_code();
+
+}  // namespace keel

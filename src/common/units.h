@@ -1,0 +1,27 @@
+// Human-readable sizes: "8", "1K", "64M", "8G" (binary units, as nccl-tests takes them).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace keel {
+
+// Parses a byte count with an optional K/M/G/T suffix (powers of 1024; a trailing "B"/"iB"
+// is accepted). Throws keel::Error naming `what` on anything else, zero included.
+std::uint64_t parse_size(std::string_view text, std::string_view what = "size");
+
+// "8 B", "64 KiB", "1.5 GiB": exact binary units where possible.
+std::string format_size(std::uint64_t bytes);
+
+// Sizes from min to max (inclusive) multiplying by factor (> 1): min, min*f, ... <= max.
+std::vector<std::uint64_t> geometric_sizes(std::uint64_t min, std::uint64_t max, double factor);
+
+// Parses a comma-separated list of positive integers ("2,4,8").
+std::vector<int> parse_int_list(std::string_view text, std::string_view what);
+
+// Splits "a,b,c" into trimmed, non-empty parts.
+std::vector<std::string> split_list(std::string_view text);
+
+}  // namespace keel
