@@ -1,0 +1,66 @@
+// The model description shared by `keel size`, `keel bench gemm` and (later) `keel train`:
+// one YAML file describes a dense or MoE decoder (see configs/*.yaml).
+// STATUS: interface fixed; the loader and validation are implemented in config.cc.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace keel::model {
+
+enum class AttentionKind { kMha, kGqa, kCca, kLinear };
+
+struct ModelConfig {
+  std::string name;
+  std::int64_t vocab_size = 0;
+  int hidden = 0;
+  int layers = 0;
+
+  // Attention. MHA/GQA: q = heads*head_dim, k = v = kv_heads*head_dim.
+  AttentionKind attention = AttentionKind::kGqa;
+  int heads = 0, kv_heads = 0, head_dim = 0;
+  // Per-layer attention kind for hybrids (e.g. linear attention for LASP-2 layers); empty:
+  // every layer uses `attention`.
+  std::vector<AttentionKind> layer_attention;
+  // CCA (ZAYA1): latent q/k/v widths and the two causal convolution widths.
+  int cca_q_dim = 0, cca_k_dim = 0, cca_v_dim = 0;
+  int cca_conv_width = 0, cca_group_conv_width = 0;
+
+  // MLP. Dense layers: SwiGLU of width ffn_hidden. MoE layers: `experts` SwiGLU experts of
+  // width expert_hidden, top_k routed per token, plus shared_experts always-on experts.
+  int ffn_hidden = 0;
+  int experts = 0, top_k = 0, expert_hidden = 0, shared_experts = 0;
+  int moe_layer_interval = 1;   // every n-th layer is MoE (1 = all) when experts > 0
+  int first_dense_layers = 0;   // leading dense layers before MoE starts
+  // Router: 0 = a linear hidden -> experts router; > 0 = ZAYA1's MLP router of this width.
+  int router_hidden = 0, router_mlp_layers = 0;
+  bool router_skip_expert = false;
+
+  bool tied_embeddings = false;
+  double rope_fraction = 1.0, rope_base = 10000.0, norm_eps = 1e-5;
+  int max_seq_len = 0;
+};
+
+// Loads and validates a model YAML. Throws keel::UsageError with a one-line message naming
+// the file and the offending key (unknown keys, heads not dividing hidden, top_k > experts...).
+ModelConfig load_model_config(const std::string& path);
+// Validates a config built in code (same checks as the loader).
+void validate(const ModelConfig& m);
+
+// One GEMM C[m x n] = A[m x k] * B[k x n], repeated `batch` times (e.g. once per expert).
+// FLOPs = 2 * m * n * k * batch.
+struct Gemm {
+  std::string name;   // e.g. "qkv", "attn_out", "expert_up_gate", "expert_down", "router", "lm_head"
+  std::string pass;   // "fwd", "bwd_data" (dX = dY * W^T), "bwd_weight" (dW = X^T * dY)
+  std::int64_t m = 0, n = 0, k = 0;
+  std::int64_t batch = 1;
+};
+
+// The GEMMs of one transformer/MoE layer at `tokens` tokens per step, and the LM head.
+// Forward: m = tokens (per expert for experts: ceil(tokens * top_k / experts)), k = input
+// features, n = output features. With `backward`, each forward GEMM also yields its
+// bwd_data (m = tokens, n = in, k = out) and bwd_weight (m = in, n = out, k = tokens) GEMMs.
+std::vector<Gemm> layer_gemms(const ModelConfig& m, std::int64_t tokens, bool backward);
+
+}  // namespace keel::model
