@@ -473,6 +473,15 @@ class NcclBackend final : public Backend {
       KEEL_CUDA_CHECK(cudaGraphInstantiate(&s.graph, graph, 0));
       KEEL_CUDA_CHECK(cudaGraphDestroy(graph));
     }
+    // Upload every graph before any runs: a first launch uploads implicitly, and when one
+    // thread drives several GPUs that upload on GPU 1 can wait behind GPU 0's collective
+    // kernel, which waits for GPU 1: a deadlock.
+    for (auto& s : slots_) {
+      if (s.group_rank < 0) continue;
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      KEEL_CUDA_CHECK(cudaGraphUpload(s.graph, s.stream));
+    }
+    wait_all();
   }
 
   void launch_graphs() {

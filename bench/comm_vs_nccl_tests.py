@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""keel bench comm beside NVIDIA nccl-tests, on the same GPUs in the same run.
+
+Both run as one process driving n GPUs (nccl-tests -g n; keel with no launcher and
+--ranks n), bf16, sum, the same sizes, warm-up and iterations, results checked by both.
+Prints, per op and GPU count, keel's busbw over nccl-tests' at every size >= 64 MiB
+(target: within 2%), and the small-message all-reduce latency in CUDA-graph mode against
+nccl-tests -G. nccl-tests is fetched beside keel (.peer/nccl-tests), never committed.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+OPS = {  # keel op -> nccl-tests binary
+    "all_reduce": "all_reduce_perf",
+    "all_gather": "all_gather_perf",
+    "reduce_scatter": "reduce_scatter_perf",
+    "broadcast": "broadcast_perf",
+    "all_to_all": "alltoall_perf",
+}
+
+
+def run(cmd, log):
+    print("+", " ".join(cmd), flush=True)
+    with open(log, "a") as f:
+        f.write("+ " + " ".join(cmd) + "\n")
+        f.flush()
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode != 0:
+        sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}; see {log}")
+
+
+def build_nccl_tests(src):
+    if os.path.exists(os.path.join(src, "build", "all_reduce_perf")):
+        return
+    nproc = str(os.cpu_count() or 8)
+    cmd = ["make", "-C", src, "-j", nproc, "MPI=0", "CUDA_HOME=/usr/local/cuda", "NCCL_HOME=/usr",
+           "NVCC_GENCODE=-gencode=arch=compute_90,code=sm_90"]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def nccl_rows(path):
+    doc = json.load(open(path))
+    return [(r["size"], r.get("out_of_place"), r.get("in_place")) for r in doc["results"]]
+
+
+def keel_rows(path):
+    doc = json.load(open(path))
+    out = {}
+    for r in doc["results"]:
+        out[(r["op"], r["ranks"], r["size_bytes"])] = (r["out_of_place"], r["in_place"])
+    wrong = doc["wrong_values"]
+    return out, wrong
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--keel", required=True)
+    ap.add_argument("--nccl-tests", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ranks", default=None, help="GPU counts, default 2,4,8 up to the GPUs present")
+    ap.add_argument("--min", default="64M")
+    ap.add_argument("--max", default="8G")
+    ap.add_argument("--iters", default="20")
+    ap.add_argument("--warmup", default="5")
+    ap.add_argument("--ops", default=",".join(OPS))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    log = os.path.join(args.out, "comm_runs.log")
+    open(log, "w").close()
+    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    gpus = sum(1 for line in listing.splitlines() if line.startswith("GPU"))
+    ranks = [int(x) for x in (args.ranks or ",".join(str(n) for n in (2, 4, 8) if n <= gpus)).split(",")]
+    ops = args.ops.split(",")
+    build_nccl_tests(args.nccl_tests)
+    bindir = os.path.join(args.nccl_tests, "build")
+    common = ["-b", args.min, "-e", args.max, "-f", "2", "-w", args.warmup, "-n", args.iters]
+
+    # keel: one invocation covers every op and GPU count.
+    keel_json = os.path.join(args.out, "keel_comm_large.json")
+    run([args.keel, "bench", "comm", "--op", ",".join(ops), "--dtype", "bf16", "--ranks", ",".join(map(str, ranks)),
+         *common, "--json", keel_json, "--plot", os.path.join(args.out, "keel_comm.png")], log)
+    keel, keel_wrong = keel_rows(keel_json)
+
+    table = []
+    worst = 9.9
+    for op in ops:
+        for n in ranks:
+            nj = os.path.join(args.out, f"nccl_{op}_{n}.json")
+            run([os.path.join(bindir, OPS[op]), "-g", str(n), "-d", "bfloat16", *common, "-c", "1", "-J", nj], log)
+            for size, n_oop, n_ip in nccl_rows(nj):
+                k = keel.get((op, n, size))
+                if k is None:
+                    continue
+                for place, kr, nr in (("out", k[0], n_oop), ("in", k[1], n_ip)):
+                    if not kr or not nr:
+                        continue
+                    ratio = kr["busbw_gbps"] / nr["bus_bw"] if nr["bus_bw"] > 0 else float("nan")
+                    worst = min(worst, ratio)
+                    table.append((op, n, size, place, kr["busbw_gbps"], nr["bus_bw"], ratio, kr["wrong"], nr["nwrong"]))
+
+    # Small-message latency: CUDA graph replay, all-reduce on every GPU, and the host loop at 8 B.
+    lat_keel = os.path.join(args.out, "keel_latency.json")
+    nmax = max(ranks)
+    run([args.keel, "bench", "comm", "--op", "all_reduce", "--dtype", "bf16", "--ranks", str(nmax), "-b", "8",
+         "-e", "64K", "-f", "2", "-w", "20", "-n", "20", "-G", "50", "--placement", "out", "--json", lat_keel], log)
+    lat_nccl = os.path.join(args.out, "nccl_latency.json")
+    run([os.path.join(bindir, "all_reduce_perf"), "-g", str(nmax), "-d", "bfloat16", "-b", "8", "-e", "64K", "-f", "2",
+         "-w", "20", "-n", "20", "-G", "50", "-c", "1", "-J", lat_nccl], log)
+    lat_keel_host = os.path.join(args.out, "keel_latency_host.json")
+    run([args.keel, "bench", "comm", "--op", "all_reduce", "--dtype", "bf16", "--ranks", str(nmax), "-b", "8",
+         "-e", "8", "-w", "20", "-n", "100", "--placement", "out", "--json", lat_keel_host], log)
+    lat_nccl_host = os.path.join(args.out, "nccl_latency_host.json")
+    run([os.path.join(bindir, "all_reduce_perf"), "-g", str(nmax), "-d", "bfloat16", "-b", "8", "-e", "8",
+         "-w", "20", "-n", "100", "-c", "1", "-J", lat_nccl_host], log)
+    kl, _ = keel_rows(lat_keel)
+    lat = []
+    for size, n_oop, _ in nccl_rows(lat_nccl):
+        k = kl.get(("all_reduce", nmax, size))
+        if k and n_oop:
+            lat.append((size, k[0]["time_us"], n_oop["time"], k[0]["time_us"] / n_oop["time"]))
+    kh, _ = keel_rows(lat_keel_host)
+    host8 = (kh[("all_reduce", nmax, 8)][0]["time_us"], nccl_rows(lat_nccl_host)[0][1]["time"])
+
+    def gib(s):
+        return f"{s / 2**30:g} GiB" if s >= 2**30 else f"{s / 2**20:g} MiB"
+
+    print("\n== bench comm vs nccl-tests (busbw GB/s, bf16 sum, 1 process x n GPUs, same run)")
+    print(f"{'op':<15}{'n':>3} {'size':>9} {'place':>5} {'keel':>8} {'nccl-t':>8} {'ratio':>7}  wrong(k/n)")
+    for op, n, size, place, kb, nb, r, kw, nw in table:
+        if size in (64 << 20, 1 << 30, 8 << 30) or r < 0.98:
+            print(f"{op:<15}{n:>3} {gib(size):>9} {place:>5} {kb:8.1f} {nb:8.1f} {r:7.3f}  {kw}/{nw}")
+    print(f"worst keel/nccl-tests busbw ratio over all sizes >= {args.min}: {worst:.3f} "
+          f"({'meets' if worst >= 0.98 else 'MISSES'} the 2% target); keel wrong values: {keel_wrong}")
+    print(f"\n== all_reduce latency on {nmax} GPUs, CUDA graph (-G 50), us")
+    print(f"{'size':>8} {'keel':>8} {'nccl-t':>8} {'ratio':>7}")
+    worst_lat = 0
+    for size, k, nt, r in lat:
+        worst_lat = max(worst_lat, r)
+        print(f"{size:>8} {k:8.2f} {nt:8.2f} {r:7.3f}")
+    print(f"worst keel/nccl-tests latency ratio 8 B..64 KiB: {worst_lat:.3f}")
+    print(f"8 B all_reduce, host-timed loop (no graph): keel {host8[0]:.2f} us, nccl-tests {host8[1]:.2f} us")
+    json.dump({"busbw": table, "latency": lat, "host8": host8}, open(os.path.join(args.out, "comm_compare.json"), "w"))
+
+
+if __name__ == "__main__":
+    main()

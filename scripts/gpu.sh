@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
+# included), run the benchmarks beside their peers, and print a short table last.
+#   scripts/gpu.sh [STEP ...]     steps: build test comm mpi memgemm (default: all of them)
+# Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
+# NVLink multicast stays off: it can take a shared host's GPUs out of service.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+out=${OUT:-out/gpu}
+mkdir -p "$out"
+build=${KEEL_BUILD_DIR:-build-gpu}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build test comm mpi memgemm)
+summary="$out/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+note "== keel on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) x $gpus, $(date -u +%F)"
+
+for step in "${steps[@]}"; do
+  case "$step" in
+    build)
+      start=$(date +%s)
+      if KEEL_BUILD_DIR=$build KEEL_CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 ${KEEL_CMAKE_ARGS:-}" scripts/build.sh \
+          >"$out/build.log" 2>&1; then
+        note "build: ok ($(( $(date +%s) - start )) s)"
+      else
+        tail -30 "$out/build.log"; note "build: FAILED (see build.log)"; exit 1
+      fi ;;
+    test)
+      ctest --test-dir "$build" --output-on-failure -j 8 >"$out/test.log" 2>&1
+      note "test: $(grep -E 'tests passed|tests failed' "$out/test.log" | tail -1)"
+      grep -E '^\s+[0-9]+ - .*\((Failed|Timeout|SEGFAULT|Subprocess aborted)\)' "$out/test.log" | head -20 | tee -a "$summary" ;;
+    comm)
+      if [ "$gpus" -lt 2 ]; then note "comm: skipped (needs 2+ GPUs)"; continue; fi
+      python3 bench/comm_vs_nccl_tests.py --keel "$build/keel" --nccl-tests .peer/nccl-tests --out "$out" \
+        ${KEEL_COMM_ARGS:-} 2>&1 | tee "$out/comm_vs_nccl_tests.log" | tail -60
+      grep -A100 '^== bench comm vs nccl-tests' "$out/comm_vs_nccl_tests.log" >>"$summary" ;;
+    mpi)
+      if [ "$gpus" -lt 2 ]; then note "mpi: skipped (needs 2+ GPUs)"; continue; fi
+      # One process per GPU under mpirun: every op, dtype, reduce op and placement, checked.
+      if mpirun --allow-run-as-root -n "$gpus" --bind-to none "$build/keel" bench comm --op all --dtype bf16,fp16,fp32 \
+          --redop sum,avg -b 1K -e 64M -f 8 --ranks "$(seq -s, 2 2 "$gpus")" -q --json "$out/mpi_launch.json" \
+          >"$out/mpi_launch.log" 2>&1; then
+        note "mpi launch ($gpus processes, all ops/dtypes/redops/placements, 1K..64M): ok, 0 wrong values"
+      else
+        tail -20 "$out/mpi_launch.log"; note "mpi launch: FAILED (see mpi_launch.log)"
+      fi ;;
+    memgemm)
+      if [ -f bench/mem_gemm_vs_torch.py ]; then
+        python3 bench/mem_gemm_vs_torch.py --keel "$build/keel" --out "$out" 2>&1 | tee "$out/mem_gemm_vs_torch.log" | tail -40
+        grep -A100 '^== bench mem/gemm vs PyTorch' "$out/mem_gemm_vs_torch.log" >>"$summary"
+      fi ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+echo
+echo "================ summary ================"
+cat "$summary"
