@@ -9,6 +9,7 @@
 #include "bench/comm/command.h"
 #include "common/error.h"
 #include "common/process.h"
+#include "size/command.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"keel: train mixture-of-experts foundation models full-stack, from cluster characterization to "
@@ -20,6 +21,7 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "Cluster characterization microbenchmarks");
   bench->require_subcommand(1);
   keel::bench::add_comm_command(*bench);
+  keel::size::add_command(app);
 
   try {
     app.parse(argc, argv);

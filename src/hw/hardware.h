@@ -23,6 +23,9 @@ struct HardwareProfile {
   int sm_count = 0;         // SMs (NVIDIA) or CUs (AMD): the wave-quantization divisor
   double l2_mib = 0;        // last-level on-chip cache seen by GEMMs
   double link_gbps = 0;     // intra-node GPU-to-GPU bandwidth per GPU, one direction
+  // Largest bf16 GEMM throughput measured in practice (max achievable matmul FLOPS): the
+  // ceiling of keel's analytic GEMM model. 0: assume 80% of bf16_tflops.
+  double mamf_bf16_tflops = 0;
 };
 
 // The built-in profiles, in a fixed order.

@@ -1,6 +1,7 @@
 // The model description shared by `keel size`, `keel bench gemm` and (later) `keel train`:
 // one YAML file describes a dense or MoE decoder (see configs/*.yaml).
-// STATUS: interface fixed; the loader and validation are implemented in config.cc.
+// The YAML keys are the field names below (flat, snake_case); docs/size.md lists them.
+// Loader and validation: config.cc; layer GEMMs: gemms.cc.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +27,10 @@ struct ModelConfig {
   // CCA (ZAYA1): latent q/k/v widths and the two causal convolution widths.
   int cca_q_dim = 0, cca_k_dim = 0, cca_v_dim = 0;
   int cca_conv_width = 0, cca_group_conv_width = 0;
+  // Linear attention (LASP-2 layers): chunk length of the chunked causal form (intra-chunk
+  // quadratic term, inter-chunk d x d state per head).
+  int linear_chunk = 256;
+  bool qk_norm = false;  // RMSNorm on q and k (OLMoE): 2 vectors of heads*head_dim / kv dims
 
   // MLP. Dense layers: SwiGLU of width ffn_hidden. MoE layers: `experts` SwiGLU experts of
   // width expert_hidden, top_k routed per token, plus shared_experts always-on experts.
@@ -38,6 +43,9 @@ struct ModelConfig {
   bool router_skip_expert = false;
 
   bool tied_embeddings = false;
+  // ZAYA1's two-stream residual scaling: per-channel (s_h, b_h, s_r, b_r) in every stage (a
+  // ZAYA1 layer is two stages: CCA and MoE) and once more before the final norm.
+  bool residual_scaling = false;
   double rope_fraction = 1.0, rope_base = 10000.0, norm_eps = 1e-5;
   int max_seq_len = 0;
 };
@@ -48,6 +56,17 @@ ModelConfig load_model_config(const std::string& path);
 // Validates a config built in code (same checks as the loader).
 void validate(const ModelConfig& m);
 
+// Per-layer structure, from the fields above.
+AttentionKind layer_attention_kind(const ModelConfig& m, int layer);
+// MoE layers: experts > 0, layer >= first_dense_layers and (layer - first_dense_layers) is a
+// multiple of moe_layer_interval (Megatron's moe_layer_freq: the first eligible layer is MoE).
+bool is_moe_layer(const ModelConfig& m, int layer);
+int moe_layer_count(const ModelConfig& m);
+int attention_layer_count(const ModelConfig& m, AttentionKind kind);
+const char* attention_kind_name(AttentionKind k);  // "mha", "gqa", "cca", "linear"
+// Tokens each expert sees when `tokens` are routed top_k ways evenly: ceil(tokens*top_k/experts).
+std::int64_t tokens_per_expert(const ModelConfig& m, std::int64_t tokens);
+
 // One GEMM C[m x n] = A[m x k] * B[k x n], repeated `batch` times (e.g. once per expert).
 // FLOPs = 2 * m * n * k * batch.
 struct Gemm {
@@ -55,12 +74,22 @@ struct Gemm {
   std::string pass;   // "fwd", "bwd_data" (dX = dY * W^T), "bwd_weight" (dW = X^T * dY)
   std::int64_t m = 0, n = 0, k = 0;
   std::int64_t batch = 1;
+  // Layers of the model that run this GEMM (1 for the LM head): a hybrid model's distinct
+  // layer types each appear once in layer_gemms() with their count here.
+  std::int64_t layers = 1;
 };
 
 // The GEMMs of one transformer/MoE layer at `tokens` tokens per step, and the LM head.
 // Forward: m = tokens (per expert for experts: ceil(tokens * top_k / experts)), k = input
 // features, n = output features. With `backward`, each forward GEMM also yields its
 // bwd_data (m = tokens, n = in, k = out) and bwd_weight (m = in, n = out, k = tokens) GEMMs.
+// The list (see gemms.cc for the exact set): per attention kind present, its projections
+// (GQA/MHA: "qkv" fused, "attn_out"; linear: "linear_qkv", "linear_out"; CCA: "q", "k", "v" (batch 2: current- and
+// previous-token halves), "attn_out"); per MLP kind present, dense "mlp_up_gate" (fused) and
+// "mlp_down", MoE "router" (linear) or "router_down" + "router_mlp<i>" (MLP router),
+// "shared_up_gate"/"shared_down" when shared_experts > 0, "expert_up_gate"/"expert_down"
+// (batch = experts); then "lm_head". Attention's score/value products are not listed (they
+// are not weight GEMMs; flash attention fuses them).
 std::vector<Gemm> layer_gemms(const ModelConfig& m, std::int64_t tokens, bool backward);
 
 }  // namespace keel::model

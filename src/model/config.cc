@@ -1,0 +1,256 @@
+#include "model/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+
+#include "common/error.h"
+
+namespace keel::model {
+namespace {
+
+AttentionKind parse_attention(const std::string& s, const std::string& key) {
+  if (s == "mha") return AttentionKind::kMha;
+  if (s == "gqa") return AttentionKind::kGqa;
+  if (s == "cca") return AttentionKind::kCca;
+  if (s == "linear") return AttentionKind::kLinear;
+  throw UsageError(fmt::format("key '{}': unknown attention kind '{}' (choose mha, gqa, cca or linear)", key, s));
+}
+
+// Scalar readers that name the key (and line) when a value has the wrong type.
+template <typename T>
+T scalar(const YAML::Node& v, const std::string& key, const char* type) {
+  if (!v.IsScalar())
+    throw UsageError(fmt::format("key '{}' (line {}) must be {}", key, v.Mark().line + 1, type));
+  try {
+    return v.as<T>();
+  } catch (const YAML::Exception&) {
+    throw UsageError(
+        fmt::format("key '{}' (line {}) must be {}, got '{}'", key, v.Mark().line + 1, type, v.Scalar()));
+  }
+}
+
+int as_int(const YAML::Node& v, const std::string& key) {
+  const auto x = scalar<std::int64_t>(v, key, "an integer");
+  if (x < INT32_MIN || x > INT32_MAX) throw UsageError(fmt::format("key '{}' is out of range ({})", key, x));
+  return static_cast<int>(x);
+}
+
+// Expands a per-layer attention list: one entry per layer, or a shorter pattern repeated
+// (its length must divide `layers`).
+std::vector<AttentionKind> attention_pattern(const YAML::Node& v, const std::string& key) {
+  if (!v.IsSequence())
+    throw UsageError(fmt::format("key '{}' (line {}) must be a list such as [linear, linear, linear, gqa]", key,
+                                 v.Mark().line + 1));
+  std::vector<AttentionKind> out;
+  for (const auto& e : v) out.push_back(parse_attention(scalar<std::string>(e, key, "an attention kind"), key));
+  return out;
+}
+
+}  // namespace
+
+const char* attention_kind_name(AttentionKind k) {
+  switch (k) {
+    case AttentionKind::kMha: return "mha";
+    case AttentionKind::kGqa: return "gqa";
+    case AttentionKind::kCca: return "cca";
+    case AttentionKind::kLinear: return "linear";
+  }
+  return "?";
+}
+
+AttentionKind layer_attention_kind(const ModelConfig& m, int layer) {
+  if (m.layer_attention.empty()) return m.attention;
+  return m.layer_attention[static_cast<size_t>(layer) % m.layer_attention.size()];
+}
+
+bool is_moe_layer(const ModelConfig& m, int layer) {
+  if (m.experts <= 0 || layer < m.first_dense_layers) return false;
+  return (layer - m.first_dense_layers) % std::max(1, m.moe_layer_interval) == 0;
+}
+
+int moe_layer_count(const ModelConfig& m) {
+  int n = 0;
+  for (int l = 0; l < m.layers; ++l) n += is_moe_layer(m, l);
+  return n;
+}
+
+int attention_layer_count(const ModelConfig& m, AttentionKind kind) {
+  int n = 0;
+  for (int l = 0; l < m.layers; ++l) n += layer_attention_kind(m, l) == kind;
+  return n;
+}
+
+std::int64_t tokens_per_expert(const ModelConfig& m, std::int64_t tokens) {
+  if (m.experts <= 0) return tokens;
+  return (tokens * m.top_k + m.experts - 1) / m.experts;
+}
+
+void validate(const ModelConfig& m) {
+  auto need_positive = [](std::int64_t v, const char* key) {
+    if (v <= 0) throw UsageError(fmt::format("key '{}' must be positive (got {})", key, v));
+  };
+  need_positive(m.vocab_size, "vocab_size");
+  need_positive(m.hidden, "hidden");
+  need_positive(m.layers, "layers");
+  need_positive(m.heads, "heads");
+  need_positive(m.kv_heads, "kv_heads");
+  need_positive(m.head_dim, "head_dim");
+  if (m.hidden % m.heads != 0)
+    throw UsageError(fmt::format("key 'heads' ({}) does not divide 'hidden' ({})", m.heads, m.hidden));
+  if (m.heads % m.kv_heads != 0)
+    throw UsageError(fmt::format("key 'kv_heads' ({}) does not divide 'heads' ({})", m.kv_heads, m.heads));
+  if (m.kv_heads > m.heads)
+    throw UsageError(fmt::format("key 'kv_heads' ({}) is larger than 'heads' ({})", m.kv_heads, m.heads));
+
+  if (!m.layer_attention.empty() && m.layers % static_cast<int>(m.layer_attention.size()) != 0)
+    throw UsageError(fmt::format("key 'layer_attention' has {} entries, which neither equals nor divides 'layers' ({})",
+                                 m.layer_attention.size(), m.layers));
+  bool any_cca = false, any_linear = false, any_softmax = false;
+  for (int l = 0; l < m.layers; ++l) {
+    const AttentionKind k = layer_attention_kind(m, l);
+    any_cca |= k == AttentionKind::kCca;
+    any_linear |= k == AttentionKind::kLinear;
+    any_softmax |= k == AttentionKind::kMha || k == AttentionKind::kGqa;
+    if (k == AttentionKind::kMha && m.kv_heads != m.heads)
+      throw UsageError(fmt::format("attention 'mha' needs 'kv_heads' ({}) equal to 'heads' ({}); use gqa",
+                                   m.kv_heads, m.heads));
+  }
+  (void)any_softmax;
+  if (any_cca) {
+    need_positive(m.cca_q_dim, "cca_q_dim");
+    need_positive(m.cca_k_dim, "cca_k_dim");
+    need_positive(m.cca_v_dim, "cca_v_dim");
+    need_positive(m.cca_conv_width, "cca_conv_width");
+    need_positive(m.cca_group_conv_width, "cca_group_conv_width");
+    if (m.cca_q_dim != m.heads * m.head_dim)
+      throw UsageError(fmt::format("key 'cca_q_dim' ({}) must equal heads*head_dim ({})", m.cca_q_dim,
+                                   m.heads * m.head_dim));
+    if (m.cca_k_dim != m.kv_heads * m.head_dim)
+      throw UsageError(fmt::format("key 'cca_k_dim' ({}) must equal kv_heads*head_dim ({})", m.cca_k_dim,
+                                   m.kv_heads * m.head_dim));
+    if (m.cca_v_dim % 2 != 0)
+      throw UsageError(fmt::format("key 'cca_v_dim' ({}) must be even (current- and previous-token halves)",
+                                   m.cca_v_dim));
+  }
+  if (any_linear) need_positive(m.linear_chunk, "linear_chunk");
+
+  if (m.moe_layer_interval < 1)
+    throw UsageError(fmt::format("key 'moe_layer_interval' must be at least 1 (got {})", m.moe_layer_interval));
+  if (m.first_dense_layers < 0 || m.first_dense_layers > m.layers)
+    throw UsageError(fmt::format("key 'first_dense_layers' ({}) must be in [0, layers={}]", m.first_dense_layers,
+                                 m.layers));
+  if (m.experts < 0) throw UsageError(fmt::format("key 'experts' must not be negative (got {})", m.experts));
+  if (m.experts > 0) {
+    need_positive(m.top_k, "top_k");
+    need_positive(m.expert_hidden, "expert_hidden");
+    if (m.top_k > m.experts)
+      throw UsageError(fmt::format("key 'top_k' ({}) is larger than 'experts' ({})", m.top_k, m.experts));
+    if (m.shared_experts < 0) throw UsageError("key 'shared_experts' must not be negative");
+    if (m.router_hidden < 0) throw UsageError("key 'router_hidden' must not be negative");
+    if (m.router_hidden > 0 && m.router_mlp_layers < 1)
+      throw UsageError(fmt::format("key 'router_mlp_layers' must be at least 1 with 'router_hidden' {} (the last "
+                                   "layer maps router_hidden to the expert logits)",
+                                   m.router_hidden));
+    if (m.router_skip_expert && m.top_k != 1)
+      throw UsageError("key 'router_skip_expert' needs 'top_k' 1 (ZAYA1's skip class is a top-1 choice)");
+  } else if (m.top_k != 0 || m.expert_hidden != 0 || m.shared_experts != 0) {
+    throw UsageError("keys 'top_k', 'expert_hidden', 'shared_experts' need 'experts' > 0");
+  }
+  const bool any_dense_mlp = moe_layer_count(m) < m.layers;
+  if (any_dense_mlp && m.ffn_hidden <= 0)
+    throw UsageError(fmt::format("key 'ffn_hidden' must be positive: {} of {} layers have a dense MLP",
+                                 m.layers - moe_layer_count(m), m.layers));
+  if (m.rope_fraction < 0 || m.rope_fraction > 1)
+    throw UsageError(fmt::format("key 'rope_fraction' ({}) must be in [0, 1]", m.rope_fraction));
+  if (m.norm_eps <= 0) throw UsageError("key 'norm_eps' must be positive");
+  if (m.max_seq_len < 0) throw UsageError("key 'max_seq_len' must not be negative");
+}
+
+ModelConfig load_model_config(const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    throw UsageError(fmt::format("{}: cannot read the model config", path));
+  } catch (const YAML::Exception& e) {
+    throw UsageError(fmt::format("{}: not valid YAML: {}", path, e.what()));
+  }
+  if (!root.IsMap()) throw UsageError(fmt::format("{}: a model config must be a YAML mapping of keys", path));
+
+  ModelConfig m;
+  m.name = std::filesystem::path(path).stem().string();
+  bool have_kv_heads = false, have_head_dim = false;
+  using Setter = std::function<void(const YAML::Node&, const std::string&)>;
+  auto i32 = [](int* f) -> Setter { return [f](const YAML::Node& v, const std::string& k) { *f = as_int(v, k); }; };
+  auto f64 = [](double* f) -> Setter {
+    return [f](const YAML::Node& v, const std::string& k) { *f = scalar<double>(v, k, "a number"); };
+  };
+  auto boolean = [](bool* f) -> Setter {
+    return [f](const YAML::Node& v, const std::string& k) { *f = scalar<bool>(v, k, "true or false"); };
+  };
+  const std::map<std::string, Setter> keys = {
+      {"name", [&](const YAML::Node& v, const std::string& k) { m.name = scalar<std::string>(v, k, "a string"); }},
+      {"vocab_size",
+       [&](const YAML::Node& v, const std::string& k) { m.vocab_size = scalar<std::int64_t>(v, k, "an integer"); }},
+      {"hidden", i32(&m.hidden)},
+      {"layers", i32(&m.layers)},
+      {"attention",
+       [&](const YAML::Node& v, const std::string& k) {
+         m.attention = parse_attention(scalar<std::string>(v, k, "a string"), k);
+       }},
+      {"heads", i32(&m.heads)},
+      {"kv_heads", [&](const YAML::Node& v, const std::string& k) { m.kv_heads = as_int(v, k), have_kv_heads = true; }},
+      {"head_dim", [&](const YAML::Node& v, const std::string& k) { m.head_dim = as_int(v, k), have_head_dim = true; }},
+      {"layer_attention",
+       [&](const YAML::Node& v, const std::string& k) { m.layer_attention = attention_pattern(v, k); }},
+      {"cca_q_dim", i32(&m.cca_q_dim)},
+      {"cca_k_dim", i32(&m.cca_k_dim)},
+      {"cca_v_dim", i32(&m.cca_v_dim)},
+      {"cca_conv_width", i32(&m.cca_conv_width)},
+      {"cca_group_conv_width", i32(&m.cca_group_conv_width)},
+      {"linear_chunk", i32(&m.linear_chunk)},
+      {"qk_norm", boolean(&m.qk_norm)},
+      {"ffn_hidden", i32(&m.ffn_hidden)},
+      {"experts", i32(&m.experts)},
+      {"top_k", i32(&m.top_k)},
+      {"expert_hidden", i32(&m.expert_hidden)},
+      {"shared_experts", i32(&m.shared_experts)},
+      {"moe_layer_interval", i32(&m.moe_layer_interval)},
+      {"first_dense_layers", i32(&m.first_dense_layers)},
+      {"router_hidden", i32(&m.router_hidden)},
+      {"router_mlp_layers", i32(&m.router_mlp_layers)},
+      {"router_skip_expert", boolean(&m.router_skip_expert)},
+      {"tied_embeddings", boolean(&m.tied_embeddings)},
+      {"residual_scaling", boolean(&m.residual_scaling)},
+      {"rope_fraction", f64(&m.rope_fraction)},
+      {"rope_base", f64(&m.rope_base)},
+      {"norm_eps", f64(&m.norm_eps)},
+      {"max_seq_len", i32(&m.max_seq_len)},
+  };
+  try {
+    for (const auto& kv : root) {
+      const std::string key = kv.first.as<std::string>();
+      const auto it = keys.find(key);
+      if (it == keys.end())
+        throw UsageError(fmt::format("unknown key '{}' (line {})", key, kv.first.Mark().line + 1));
+      it->second(kv.second, key);
+    }
+    // Defaults that follow from other keys: MHA has as many kv heads as heads; head_dim is
+    // hidden/heads unless given.
+    if (!have_kv_heads) m.kv_heads = m.heads;
+    if (!have_head_dim && m.heads > 0) m.head_dim = m.hidden / m.heads;
+    validate(m);
+  } catch (const UsageError& e) {
+    throw UsageError(fmt::format("{}: {}", path, e.what()));
+  } catch (const YAML::Exception& e) {
+    throw UsageError(fmt::format("{}: {}", path, e.what()));
+  }
+  return m;
+}
+
+}  // namespace keel::model

@@ -1,0 +1,144 @@
+#include "size/command.h"
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+
+#include "common/error.h"
+#include "common/fileio.h"
+#include "common/process.h"
+#include "common/units.h"
+#include "size/report.h"
+
+namespace keel::size {
+namespace {
+
+struct RawFlags {
+  std::string config, hardware = "h100", layout, tokens, recompute = "none", optimizer = "adamw";
+  std::string decode_batch = "1,8,32,128", json, plot, moe_budget = "active", moe_experts = "8,16,32,64",
+              moe_top_k = "1,2,4";
+  int gpus = 0, micro_batch = 1, micro_batches = 0;
+  std::int64_t seq = 0;
+  double mfu = 0.4;
+  bool moe_study = false, gemms = false, quiet = false;
+};
+
+// Token counts in decimal units: 14T, 500B (or 500G), 2.5e12, 300M.
+double parse_tokens(const std::string& text) {
+  std::size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    throw UsageError(fmt::format("--tokens '{}' is not a number (examples: 14T, 500B, 2.5e12)", text));
+  }
+  const std::string unit = text.substr(used);
+  double scale = 1;
+  if (unit == "K" || unit == "k") scale = 1e3;
+  else if (unit == "M") scale = 1e6;
+  else if (unit == "B" || unit == "G") scale = 1e9;
+  else if (unit == "T") scale = 1e12;
+  else if (!unit.empty()) throw UsageError(fmt::format("--tokens '{}' has an unknown unit (K, M, B/G, T)", text));
+  if (!(v > 0) || !std::isfinite(v)) throw UsageError(fmt::format("--tokens must be positive (got '{}')", text));
+  return v * scale;
+}
+
+std::vector<int> int_list(const std::string& text, const char* what) {
+  try {
+    return parse_int_list(text, what);
+  } catch (const UsageError&) {
+    throw;
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+}
+
+int run(const RawFlags& f) {
+  Setup s;
+  s.model = model::load_model_config(f.config);
+  s.hardware = hw::load_hardware(f.hardware);
+  bool dp_given = false;
+  s.layout = parse_layout(f.layout, &dp_given);
+  if (f.gpus < 0) throw UsageError("--gpus must be positive");
+  resolve_layout(s.layout, dp_given, f.gpus, s.model);
+  s.seq = f.seq > 0 ? f.seq : s.model.max_seq_len > 0 ? s.model.max_seq_len : 4096;
+  if (f.seq < 0) throw UsageError("--seq must be positive");
+  if (s.seq % (s.layout.cp * s.layout.tsp) != 0)
+    throw UsageError(fmt::format("--seq {} does not split over cp*tsp = {}", s.seq, s.layout.cp * s.layout.tsp));
+  if (f.micro_batch < 1) throw UsageError("--micro-batch must be at least 1");
+  s.micro_batch = f.micro_batch;
+  if (f.micro_batches < 0) throw UsageError("--micro-batches must be positive");
+  s.micro_batches = f.micro_batches > 0 ? f.micro_batches : (s.layout.pp > 1 ? 4 * s.layout.pp : 1);
+  s.recompute = model::parse_recompute(f.recompute);
+  if (f.optimizer == "adamw") s.optimizer = Optimizer::kAdamW;
+  else if (f.optimizer == "muon") s.optimizer = Optimizer::kMuon;
+  else throw UsageError(fmt::format("unknown --optimizer '{}' (choose adamw or muon)", f.optimizer));
+  if (!(f.mfu > 0 && f.mfu <= 1)) throw UsageError(fmt::format("--mfu must be in (0, 1] (got {})", f.mfu));
+  s.mfu = f.mfu;
+  if (!f.tokens.empty()) s.tokens = parse_tokens(f.tokens);
+  s.decode_batches = int_list(f.decode_batch, "--decode-batch");
+
+  std::unique_ptr<MoeStudyOptions> moe;
+  if (f.moe_study) {
+    moe = std::make_unique<MoeStudyOptions>();
+    moe->budget = f.moe_budget;
+    moe->experts = int_list(f.moe_experts, "--moe-experts");
+    moe->top_k = int_list(f.moe_top_k, "--moe-top-k");
+  } else if (!f.plot.empty()) {
+    throw UsageError("--plot draws the MoE width study: add --moe-study");
+  }
+
+  const SizeReport r = build_report(f.config, s, moe.get());
+  if (!f.quiet) print_report(r, stdout, f.gemms);
+  if (!f.json.empty()) {
+    write_file_atomically(f.json, report_json(r).dump(2) + "\n");
+    if (!f.quiet) std::printf("# json: %s\n", f.json.c_str());
+  }
+  if (!f.plot.empty()) {
+    plot_moe_study(s, *r.moe, f.plot);
+    if (!f.quiet) std::printf("# plot: %s\n", f.plot.c_str());
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void add_command(CLI::App& app) {
+  auto f = std::make_shared<RawFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "size",
+      "What a model costs and how to shape it for the hardware: parameters, FLOPs per token, memory per GPU for a "
+      "parallel layout, time to train, sizing rules for every GEMM, and an MoE width study.");
+  cmd->add_option("config", f->config, "Model YAML (configs/*.yaml)")->required();
+  cmd->add_option("--hardware", f->hardware,
+                  "Built-in profile (h100, h200, b200, a100, mi300x, mi325x) and/or keel bench JSON files, comma "
+                  "separated (e.g. h200,gemm.json,mem.json)")
+      ->capture_default_str();
+  cmd->add_option("--layout", f->layout,
+                  "Parallel layout, e.g. tp=2,pp=4,ep=8,cp=1,tsp=1,zero=1 (dp from --gpus when left out)");
+  cmd->add_option("--gpus", f->gpus, "GPUs in the run (default: the layout's product)");
+  cmd->add_option("--tokens", f->tokens, "Tokens to train (14T, 500B, 2.5e12): prints the time to train");
+  cmd->add_option("--seq", f->seq, "Sequence length (default: the config's max_seq_len, else 4096)");
+  cmd->add_option("--micro-batch", f->micro_batch, "Sequences per micro-batch per data-parallel rank")
+      ->capture_default_str();
+  cmd->add_option("--micro-batches", f->micro_batches,
+                  "Micro-batches per step per pipeline (sets the bubble; default 4 x pp when pp > 1)");
+  cmd->add_option("--recompute", f->recompute, "none, selective or full")->capture_default_str();
+  cmd->add_option("--optimizer", f->optimizer, "adamw or muon (Muon on 2-D matrices, AdamW on the rest)")
+      ->capture_default_str();
+  cmd->add_option("--mfu", f->mfu, "Assumed MFU for the time-to-train estimate")->capture_default_str();
+  cmd->add_option("--decode-batch", f->decode_batch, "Decode batch sizes for the inference estimate")
+      ->capture_default_str();
+  cmd->add_flag("--moe-study", f->moe_study, "Add the MoE width study (experts x top-k x width at a fixed budget)");
+  cmd->add_option("--moe-budget", f->moe_budget, "active (top_k x width fixed) or total (experts x width fixed)")
+      ->capture_default_str();
+  cmd->add_option("--moe-experts", f->moe_experts, "Expert counts for the study")->capture_default_str();
+  cmd->add_option("--moe-top-k", f->moe_top_k, "top-k values for the study")->capture_default_str();
+  cmd->add_option("--plot", f->plot, "PNG of the MoE study: decode latency against batch per candidate");
+  cmd->add_flag("--gemms", f->gemms, "List every predicted GEMM of the step");
+  cmd->add_option("--json", f->json, "Write everything as JSON (schema keel.size/1)");
+  cmd->add_flag("-q,--quiet", f->quiet, "No report on stdout");
+  cmd->callback([f] { set_exit_code(run(*f)); });
+}
+
+}  // namespace keel::size

@@ -1,0 +1,366 @@
+#include "size/estimate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "common/error.h"
+#include "common/units.h"
+
+namespace keel::size {
+namespace {
+
+using model::AttentionKind;
+using model::ModelConfig;
+using model::Recompute;
+
+constexpr double kBf16 = 2, kFp32 = 4;
+// Decode reads HBM at about this fraction of the spec when no measurement is given
+// (BabelStream copy/triad reach 84-89% on H100/H200; benchmarks.md 5.2).
+constexpr double kDecodeHbmFraction = 0.85;
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// Bytes one token leaves behind in one layer for backward, before any sharding (bf16
+// activations, fp32 softmax statistics and router logits). docs/size.md itemises them.
+double layer_activation_bytes(const ModelConfig& m, int layer, Recompute r) {
+  const double h = m.hidden, hd = m.head_dim, q = m.heads * hd, kv = m.kv_heads * hd;
+  if (r == Recompute::kFull) return kBf16 * h;  // the layer input only
+  const bool sel = r == Recompute::kSelective;
+  double b = 0;
+  // Attention half.
+  b += kBf16 * h;                // norm input (the residual)
+  if (!sel) b += kBf16 * h;      // norm output = projection input (selective: recomputed)
+  switch (model::layer_attention_kind(m, layer)) {
+    case AttentionKind::kMha:
+    case AttentionKind::kGqa:
+    case AttentionKind::kLinear:
+      b += kBf16 * (q + 2 * kv);            // q, k, v
+      if (m.qk_norm && !sel) b += kBf16 * (q + kv);  // pre-norm q, k
+      if (model::layer_attention_kind(m, layer) == AttentionKind::kLinear)
+        b += kFp32 * m.heads * hd * hd / m.linear_chunk;  // per-chunk d x d prefix states
+      break;
+    case AttentionKind::kCca: {
+      const double ch = m.cca_q_dim + m.cca_k_dim;
+      b += kBf16 * ch;                       // pre-conv q~|k~ (kept either way)
+      if (!sel) b += kBf16 * 3 * ch;         // conv1 out, conv2 out, normalised q|k
+      b += kBf16 * m.cca_v_dim;              // v (current | previous token)
+      break;
+    }
+  }
+  b += kBf16 * q + kFp32 * m.heads;  // attention output (o-proj input) and log-sum-exp
+  if (m.residual_scaling) b += kBf16 * 2 * h;  // (x + b) of both streams
+  // MLP half.
+  b += kBf16 * h;
+  if (!sel) b += kBf16 * h;
+  if (model::is_moe_layer(m, layer)) {
+    const double k = m.top_k, eh = m.expert_hidden, classes = m.experts + (m.router_skip_expert ? 1 : 0);
+    if (m.router_hidden > 0)
+      b += kBf16 * m.router_hidden * (2 + 2 * (m.router_mlp_layers - 1));  // down out, normed, MLP pre/post GELU
+    b += kFp32 * 2 * classes;                      // logits, probabilities
+    b += kBf16 * k * h;                            // dispatched (permuted) expert inputs
+    b += kBf16 * k * 2 * eh;                       // gate, up
+    if (!sel) b += kBf16 * k * eh;                 // SiLU(gate) * up = down input
+    b += kBf16 * k * h;                            // expert outputs (combine-weight gradient)
+    const double se = static_cast<double>(m.shared_experts) * eh;
+    b += kBf16 * (sel ? 2 : 3) * se;
+  } else {
+    b += kBf16 * (sel ? 2 : 3) * m.ffn_hidden;
+  }
+  if (m.residual_scaling) b += kBf16 * 2 * h;
+  return b;
+}
+
+bool column_parallel(const std::string& n) {
+  return n == "qkv" || n == "q" || n == "k" || n == "v" || n == "linear_qkv" || n == "mlp_up_gate" ||
+         n == "shared_up_gate" || n == "expert_up_gate" || n == "lm_head";
+}
+bool row_parallel(const std::string& n) {
+  return n == "attn_out" || n == "linear_out" || n == "mlp_down" || n == "shared_down" || n == "expert_down";
+}
+
+}  // namespace
+
+std::string Layout::str() const {
+  return fmt::format("dp={},tp={},ep={},pp={},cp={},tsp={},zero={}", dp, tp, ep, pp, cp, tsp, zero);
+}
+
+Layout parse_layout(const std::string& text, bool* dp_given) {
+  Layout l;
+  *dp_given = false;
+  for (const std::string& part : split_list(text)) {
+    const auto eq = part.find('=');
+    if (eq == std::string::npos)
+      throw UsageError(fmt::format("--layout: '{}' is not key=value (keys dp, tp, ep, pp, cp, tsp, zero)", part));
+    const std::string key = part.substr(0, eq), value = part.substr(eq + 1);
+    int v = 0;
+    try {
+      std::size_t used = 0;
+      v = std::stoi(value, &used);
+      if (used != value.size()) throw std::invalid_argument("trailing");
+    } catch (const std::exception&) {
+      throw UsageError(fmt::format("--layout: '{}' must be an integer, got '{}'", key, value));
+    }
+    if (key == "zero") {
+      if (v < 0 || v > 3) throw UsageError(fmt::format("--layout: 'zero' must be 0, 1, 2 or 3 (got {})", v));
+      l.zero = v;
+      continue;
+    }
+    if (v < 1) throw UsageError(fmt::format("--layout: '{}' must be at least 1 (got {})", key, v));
+    if (key == "dp") l.dp = v, *dp_given = true;
+    else if (key == "tp") l.tp = v;
+    else if (key == "ep") l.ep = v;
+    else if (key == "pp") l.pp = v;
+    else if (key == "cp") l.cp = v;
+    else if (key == "tsp") l.tsp = v;
+    else throw UsageError(fmt::format("--layout: unknown key '{}' (keys dp, tp, ep, pp, cp, tsp, zero)", key));
+  }
+  return l;
+}
+
+void resolve_layout(Layout& l, bool dp_given, int gpus, const ModelConfig& m) {
+  const int replica = l.tp * l.pp * l.cp * l.tsp;
+  if (!dp_given) {
+    if (gpus > 0) {
+      if (gpus % replica != 0)
+        throw UsageError(fmt::format("--layout: tp*pp*cp*tsp = {} does not divide --gpus {}", replica, gpus));
+      l.dp = gpus / replica;
+    }
+  } else if (gpus > 0 && l.gpus() != gpus) {
+    throw UsageError(fmt::format("--layout: dp*tp*pp*cp*tsp = {} but --gpus is {}", l.gpus(), gpus));
+  }
+  if (m.heads % (l.tp * l.tsp) != 0)
+    throw UsageError(fmt::format("--layout: tp*tsp = {} does not divide heads ({})", l.tp * l.tsp, m.heads));
+  if (l.pp > m.layers) throw UsageError(fmt::format("--layout: pp={} is more than the {} layers", l.pp, m.layers));
+  if (l.ep > 1 && m.experts == 0) throw UsageError(fmt::format("--layout: ep={} needs an MoE model", l.ep));
+  if (m.experts > 0 && m.experts % l.ep != 0)
+    throw UsageError(fmt::format("--layout: ep={} does not divide experts ({})", l.ep, m.experts));
+  if ((l.dp * l.cp) % l.ep != 0)
+    throw UsageError(fmt::format("--layout: ep={} does not divide dp*cp = {} (experts are sharded across "
+                                 "data-parallel ranks)",
+                                 l.ep, l.dp * l.cp));
+}
+
+double MemoryEstimate::total() const {
+  double t = 0;
+  for (const auto& i : items) t += i.bytes;
+  return t;
+}
+
+MemoryEstimate estimate_memory(const Setup& s) {
+  const ModelConfig& m = s.model;
+  const Layout& l = s.layout;
+  const model::ParamCounts pc = model::count_params(m);
+  const double L = m.layers, per_stage = static_cast<double>(ceil_div(m.layers, l.pp));
+  const double frac = per_stage / L;
+  const double shard_dense = l.dp * l.cp, shard_expert = static_cast<double>(l.dp) * l.cp / l.ep;
+
+  // Parameters on one GPU of the body (layers of one stage), split by how ZeRO shards them
+  // and by which optimizer Muon would give them.
+  double body_dense = 0, body_expert = 0, body_matrix = 0, emb = 0, head = 0;
+  for (const auto& c : pc.components) {
+    if (c.name == "embedding") {
+      emb = static_cast<double>(c.total) / (l.tp * l.tsp);  // vocab-parallel
+      continue;
+    }
+    if (c.name == "lm_head") {
+      head = static_cast<double>(c.total) / (l.tp * l.tsp);
+      continue;
+    }
+    const bool sharded = c.matrix && c.name != "router";  // router and norm vectors replicate over tp
+    double p = static_cast<double>(c.total) * frac / (sharded ? l.tp * l.tsp : 1);
+    if (c.expert) {
+      p /= l.ep;
+      body_expert += p;
+    } else {
+      body_dense += p;
+    }
+    if (c.matrix) body_matrix += p;
+  }
+  if (m.tied_embeddings && l.pp > 1) head = emb;  // the last stage keeps its own copy of the tied matrix
+
+  const double tokens_local = static_cast<double>(s.micro_batch) * s.seq / (l.cp * l.tsp);
+  const double act_tokens = tokens_local / l.tp;  // sequence parallelism shards the rest over tp
+  const int inflight = l.pp > 1 ? std::min(l.pp, s.micro_batches) : 1;
+
+  MemoryEstimate best;
+  double per_token[3] = {0, 0, 0}, worst_layer_none = 0;
+  for (int i = 0; i < 3; ++i)
+    for (int layer = 0; layer < m.layers; ++layer) {
+      const double b = layer_activation_bytes(m, layer, static_cast<Recompute>(i));
+      per_token[i] += b / L;
+      if (i == 0) worst_layer_none = std::max(worst_layer_none, b);
+    }
+  for (int i = 0; i < 3; ++i) best.activation_bytes_per_token_layer[i] = per_token[i];
+
+  struct Stage {
+    const char* name;
+    bool first, last;
+  };
+  std::vector<Stage> stages;
+  if (l.pp == 1) stages.push_back({"single stage", true, true});
+  else stages = {{"first", true, false}, {"last", false, true}};
+
+  double best_total = -1;
+  for (const Stage& st : stages) {
+    MemoryEstimate e;
+    e.stage = st.name;
+    double dense = body_dense, expert = body_expert, matrix = body_matrix;
+    if (st.first) dense += emb;
+    if (st.last) dense += head;  // embeddings and head stay on AdamW (ZAYA1's split), not in `matrix`
+    e.params_on_gpu = dense + expert;
+    const double params_sharded = dense / shard_dense + expert / shard_expert;
+    const double w = l.zero >= 3 ? params_sharded : e.params_on_gpu;
+    const double g = l.zero >= 2 ? params_sharded : e.params_on_gpu;
+    const double o = l.zero >= 1 ? params_sharded : e.params_on_gpu;
+    // Muon: momentum + fp32 master for 2-D hidden matrices; AdamW (m, v, master) for the rest.
+    const double matrix_share = s.optimizer == Optimizer::kMuon && e.params_on_gpu > 0 ? matrix / e.params_on_gpu : 0;
+    e.items.push_back({"weights (bf16)", kBf16 * w});
+    e.items.push_back({"gradients (fp32)", kFp32 * g});
+    e.items.push_back({s.optimizer == Optimizer::kMuon ? "optimizer (Muon 8 B matrices, AdamW 12 B rest)"
+                                                       : "optimizer (AdamW: master, m, v; 12 B)",
+                       o * (matrix_share * 8 + (1 - matrix_share) * 12)});
+    const double layers_tokens = per_stage * act_tokens * (st.first ? inflight : 1);
+    auto acts = [&](Recompute r) {
+      double a = per_token[static_cast<int>(r)] * layers_tokens;
+      if (r == Recompute::kFull) a += worst_layer_none * act_tokens;  // one layer rebuilt at a time
+      return a;
+    };
+    e.activations_none = acts(Recompute::kNone);
+    e.activations_selective = acts(Recompute::kSelective);
+    e.activations_full = acts(Recompute::kFull);
+    e.items.push_back({fmt::format("activations ({} recompute)", model::recompute_name(s.recompute)), acts(s.recompute)});
+    if (st.last)  // bf16 logits kept for backward + fp32 loss gradient
+      e.items.push_back({"logits (bf16 + fp32 loss)", tokens_local * (static_cast<double>(m.vocab_size) / (l.tp * l.tsp)) * 6});
+    for (int i = 0; i < 3; ++i) e.activation_bytes_per_token_layer[i] = per_token[i];
+    if (e.total() > best_total) best_total = e.total(), best = e;
+  }
+  return best;
+}
+
+DecodeState decode_state(const ModelConfig& m) {
+  DecodeState d;
+  for (int layer = 0; layer < m.layers; ++layer) {
+    switch (model::layer_attention_kind(m, layer)) {
+      case AttentionKind::kMha:
+      case AttentionKind::kGqa:
+        d.kv_bytes_per_token += kBf16 * 2.0 * m.kv_heads * m.head_dim;
+        break;
+      case AttentionKind::kCca:
+        d.kv_bytes_per_token += kBf16 * (m.cca_k_dim + m.cca_v_dim);
+        // conv_state: q~|k~ of the last (cw-1)+(gw-1) tokens; prev_hs: the previous hidden state.
+        d.fixed_bytes_per_sequence +=
+            kBf16 * ((m.cca_q_dim + m.cca_k_dim) * ((m.cca_conv_width - 1) + (m.cca_group_conv_width - 1)) + m.hidden);
+        break;
+      case AttentionKind::kLinear:
+        d.fixed_bytes_per_sequence += kFp32 * m.heads * static_cast<double>(m.head_dim) * m.head_dim;
+        break;
+    }
+  }
+  return d;
+}
+
+DecodePoint decode_step(const ModelConfig& m, const hw::Hardware& hw, int batch, std::int64_t context) {
+  const model::ParamCounts pc = model::count_params(m);
+  double experts_total = 0, expert_size = 3.0 * m.hidden * m.expert_hidden;
+  for (const auto& c : pc.components)
+    if (c.expert) experts_total = static_cast<double>(c.total);
+  // Weights: everything but the embedding table (B rows read) and the routed experts; the
+  // LM head matrix is read once per step, tied or not.
+  double params = static_cast<double>(pc.total_non_embedding) - experts_total + static_cast<double>(pc.lm_head_matmul);
+  double bytes = kBf16 * params + kBf16 * batch * static_cast<double>(m.hidden);
+  if (m.experts > 0) {
+    const double touched = m.experts * (1 - std::pow(1 - static_cast<double>(m.top_k) / m.experts, batch));
+    bytes += kBf16 * model::moe_layer_count(m) * touched * expert_size;
+  }
+  const DecodeState st = decode_state(m);
+  bytes += batch * (st.kv_bytes_per_token * static_cast<double>(context) + st.fixed_bytes_per_sequence);
+  const double bw = hw.measured_hbm_tbps > 0 ? hw.measured_hbm_tbps * 1e12 : hw.profile.hbm_tbps * 1e12 * kDecodeHbmFraction;
+  DecodePoint p;
+  p.batch = batch;
+  p.bytes = bytes;
+  p.seconds = bytes / bw;
+  return p;
+}
+
+StepEstimate estimate_step(const Setup& s) {
+  const ModelConfig& m = s.model;
+  const Layout& l = s.layout;
+  const hw::GemmModel gm(s.hardware.profile, s.hardware.gemm_profile);
+  StepEstimate st;
+  st.tokens_per_gpu_microbatch = static_cast<std::int64_t>(s.micro_batch) * s.seq / (l.cp * l.tsp);
+  const std::int64_t t = st.tokens_per_gpu_microbatch;
+  const int shard = l.tp * l.tsp;
+
+  for (model::Gemm g : model::layer_gemms(m, t, false)) {
+    // Per-GPU shape: column-parallel layers split their outputs, row-parallel their inputs;
+    // TSP runs its tsp shards one after another on local tokens. Experts: each GPU holds
+    // experts/ep and receives the tokens routed to them from ep ranks.
+    double repeats = 1;
+    if (column_parallel(g.name)) g.n = ceil_div(g.n, shard), repeats = l.tsp;
+    if (row_parallel(g.name)) g.k = ceil_div(g.k, shard), repeats = l.tsp;
+    if (g.name == "expert_up_gate" || g.name == "expert_down") {
+      g.m = ceil_div(t * l.ep * m.top_k, m.experts);
+      g.batch = m.experts / l.ep;
+    }
+    const double layers = static_cast<double>(g.layers) / l.pp;
+    const int passes = s.recompute == Recompute::kFull && g.name != "lm_head" ? 2 : 1;
+    for (int p = 0; p < passes; ++p) {
+      GemmTiming f{g, gm.predict({g.m, g.n, g.k, g.batch}), layers, repeats};
+      st.gemms.push_back(f);
+    }
+    model::Gemm dx{g.name, "bwd_data", g.m, g.k, g.n, g.batch, g.layers};
+    model::Gemm dw{g.name, "bwd_weight", g.k, g.n, g.m, g.batch, g.layers};
+    st.gemms.push_back({dx, gm.predict({dx.m, dx.n, dx.k, dx.batch}), layers, repeats});
+    st.gemms.push_back({dw, gm.predict({dw.m, dw.n, dw.k, dw.batch}), layers, repeats});
+  }
+  for (const auto& g : st.gemms) st.gemm_seconds += g.seconds();
+
+  // Attention core as GEMMs per layer: QK^T [s_local x s] and PV [s_local x d] per head,
+  // half of it under the causal mask; backward twice the forward. Linear attention: the
+  // chunked products (intra-chunk QK^T/PV, state update, readout).
+  const double passes = 3 + (s.recompute == Recompute::kFull ? 1 : 0);
+  const std::int64_t heads_local = m.heads / shard * l.tsp;  // tsp: every head, local queries
+  const std::int64_t hb = heads_local * s.micro_batch;
+  const std::int64_t d = m.head_dim;
+  const double softmax_layers = (model::attention_layer_count(m, AttentionKind::kMha) +
+                                 model::attention_layer_count(m, AttentionKind::kGqa) +
+                                 model::attention_layer_count(m, AttentionKind::kCca)) /
+                                static_cast<double>(l.pp);
+  const std::int64_t s_local = s.seq / (l.cp * l.tsp);
+  if (softmax_layers > 0) {
+    const double qk = gm.predict({s_local, s.seq, d, hb}).seconds, pv = gm.predict({s_local, d, s.seq, hb}).seconds;
+    st.attention_seconds += softmax_layers * passes * 0.5 * (qk + pv);
+  }
+  const double linear_layers = model::attention_layer_count(m, AttentionKind::kLinear) / static_cast<double>(l.pp);
+  if (linear_layers > 0) {
+    const std::int64_t c = std::min<std::int64_t>(m.linear_chunk, s_local);
+    const std::int64_t chunks = hb * ceil_div(s_local, c);
+    const double intra = 0.5 * (gm.predict({c, c, d, chunks}).seconds + gm.predict({c, d, c, chunks}).seconds);
+    const double state = gm.predict({d, d, c, chunks}).seconds + gm.predict({c, d, d, chunks}).seconds;
+    st.attention_seconds += linear_layers * passes * (intra + state);
+  }
+  st.gemm_seconds += st.attention_seconds;
+
+  const model::TokenFlops f = model::token_flops(m, s.seq);
+  st.model_flops_per_gpu = f.training() * s.micro_batch * s.seq / (static_cast<double>(shard) * l.cp * l.pp);
+  st.bubble = l.pp > 1 ? static_cast<double>(l.pp - 1) / (s.micro_batches + l.pp - 1) : 0;
+  st.predicted_mfu = st.model_flops_per_gpu / (st.gemm_seconds * gm.peak_tflops() * 1e12) * (1 - st.bubble);
+  return st;
+}
+
+TrainTime estimate_train_time(const Setup& s, const model::TokenFlops& f, const StepEstimate& step) {
+  TrainTime t;
+  t.flops_per_token = f.training();
+  const double peak = s.hardware.profile.bf16_tflops * 1e12;
+  const double G = s.layout.gpus();
+  t.tokens_per_s_per_gpu_at_mfu = peak * s.mfu / t.flops_per_token;
+  t.tokens_per_s_per_gpu_predicted = peak * step.predicted_mfu / t.flops_per_token;
+  if (s.tokens > 0) {
+    t.seconds_at_mfu = s.tokens / (t.tokens_per_s_per_gpu_at_mfu * G);
+    t.seconds_predicted = s.tokens / (t.tokens_per_s_per_gpu_predicted * G);
+  }
+  return t;
+}
+
+}  // namespace keel::size

@@ -1,0 +1,109 @@
+// `keel size` estimates for one parallel layout: memory per GPU, decode state, predicted
+// GEMM time per step and time to train. Formulas and conventions: docs/size.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "hw/gemm_model.h"
+#include "hw/measured.h"
+#include "model/config.h"
+#include "model/flops.h"
+#include "model/params.h"
+
+namespace keel::size {
+
+enum class Optimizer { kAdamW, kMuon };
+
+struct Layout {
+  int dp = 1, tp = 1, ep = 1, pp = 1, cp = 1, tsp = 1;
+  int zero = 1;  // 0: replicated; 1: optimizer states sharded; 2: + gradients; 3: + weights
+  int gpus() const { return dp * tp * pp * cp * tsp; }
+  std::string str() const;
+};
+
+// Parses "tp=2,pp=4,ep=8,zero=1" (keys dp, tp, ep, pp, cp, tsp, zero). dp left out is
+// filled from --gpus later. UsageError naming the key on anything else.
+Layout parse_layout(const std::string& text, bool* dp_given);
+// Fills dp from gpus when not given and checks the layout against the model and GPU count:
+// the product divides the GPUs, tp/tsp divide heads, ep divides experts and dp*cp, pp <= layers.
+void resolve_layout(Layout& l, bool dp_given, int gpus, const model::ModelConfig& m);
+
+struct Setup {
+  model::ModelConfig model;
+  hw::Hardware hardware;
+  Layout layout;
+  std::int64_t seq = 4096;
+  int micro_batch = 1;
+  int micro_batches = 1;  // per step per pipeline (gradient accumulation): sets the pipeline bubble
+  model::Recompute recompute = model::Recompute::kNone;
+  Optimizer optimizer = Optimizer::kAdamW;
+  double tokens = 0;  // to train; 0: skip the training-time estimate
+  double mfu = 0.4;   // assumed
+  std::vector<int> decode_batches = {1, 8, 32, 128};
+};
+
+struct MemoryItem {
+  std::string name;
+  double bytes = 0;
+};
+
+struct MemoryEstimate {
+  double params_on_gpu = 0;  // parameters this GPU holds before ZeRO-3 (heaviest pipeline stage)
+  std::string stage;         // which pipeline stage is heaviest ("single stage", "first", "last")
+  std::vector<MemoryItem> items;  // weights, gradients, optimizer, activations, logits
+  double total() const;
+  // Activations per recompute option (same layout), bytes, for the comparison table.
+  double activations_none = 0, activations_selective = 0, activations_full = 0;
+  double activation_bytes_per_token_layer[3] = {0, 0, 0};  // none, selective, full (one layer, one token, unsharded)
+};
+
+MemoryEstimate estimate_memory(const Setup& s);
+
+struct DecodeState {
+  double kv_bytes_per_token = 0;        // all layers, bf16: grows with context
+  double fixed_bytes_per_sequence = 0;  // conv states, previous hidden, linear-attention d x d states
+};
+DecodeState decode_state(const model::ModelConfig& m);
+
+// Bytes one decode step reads at `batch` sequences of `context` tokens, and its latency at the
+// HBM bandwidth (measured if given, else 85% of spec): weights (dense + expected distinct
+// experts touched, E*(1-(1-k/E)^B) per MoE layer) + KV/state.
+struct DecodePoint {
+  int batch = 1;
+  double bytes = 0, seconds = 0;
+  double ms_per_token() const { return seconds * 1e3; }
+  double tokens_per_s() const { return batch / seconds; }
+};
+DecodePoint decode_step(const model::ModelConfig& m, const hw::Hardware& hw, int batch, std::int64_t context);
+
+struct GemmTiming {
+  model::Gemm gemm;       // per-GPU shape (after tp/tsp/ep sharding)
+  hw::GemmPrediction prediction;
+  double layers = 1;      // layers of this GEMM on one GPU (model layers / pp)
+  double repeats = 1;     // times per layer (tsp runs each of its shards in turn)
+  double seconds() const { return prediction.seconds * layers * repeats; }
+  double flops() const { return 2.0 * gemm.m * gemm.n * gemm.k * gemm.batch * layers * repeats; }
+};
+
+struct StepEstimate {
+  std::int64_t tokens_per_gpu_microbatch = 0;  // b*s/(cp*tsp)
+  std::vector<GemmTiming> gemms;               // fwd + bwd (+ recomputed fwd)
+  double attention_seconds = 0;                // score/value products, modelled as GEMMs
+  double gemm_seconds = 0;                     // per micro-batch per GPU, all of the above
+  double model_flops_per_gpu = 0;              // per micro-batch: MFU numerator
+  double bubble = 0;                           // pipeline bubble fraction (pp-1)/(M+pp-1)
+  double predicted_mfu = 0;                    // GEMM-bound ceiling (no communication, no elementwise)
+};
+StepEstimate estimate_step(const Setup& s);
+
+struct TrainTime {
+  double flops_per_token = 0;     // model FLOPs (MFU numerator)
+  double seconds_at_mfu = 0;      // at Setup::mfu
+  double seconds_predicted = 0;   // at StepEstimate::predicted_mfu
+  double tokens_per_s_per_gpu_at_mfu = 0, tokens_per_s_per_gpu_predicted = 0;
+};
+TrainTime estimate_train_time(const Setup& s, const model::TokenFlops& f, const StepEstimate& step);
+
+}  // namespace keel::size

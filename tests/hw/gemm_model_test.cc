@@ -1,0 +1,124 @@
+#include "hw/gemm_model.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "common/error.h"
+#include "hw/measured.h"
+
+namespace keel::hw {
+namespace {
+
+TEST(GemmModel, WaveQuantization) {
+  // NVIDIA's example: on 108 SMs (A100), 108 tiles of 256x128 fill one wave; a little more
+  // work spills into a second wave (or smaller, less efficient tiles): it costs far more than
+  // the extra work.
+  const HardwareProfile a100 = *find_profile("a100");
+  const GemmModel gm(a100);
+  const GemmPrediction one = gm.analytic({12 * 256, 9 * 128, 8192, 1});
+  EXPECT_EQ(one.tiles, 108);
+  EXPECT_EQ(one.waves, 1);
+  EXPECT_DOUBLE_EQ(one.wave_efficiency, 1.0);
+  EXPECT_DOUBLE_EQ(one.tile_efficiency, 1.0);
+  const GemmPrediction more = gm.analytic({12 * 256, 9 * 128 + 64, 8192, 1});
+  EXPECT_GT(more.waves * 108, more.tiles - 1);
+  EXPECT_LT(more.tflops, one.tflops * 0.85);
+  EXPECT_GT(more.seconds, one.seconds * 1.1);
+}
+
+TEST(GemmModel, LargeGemmsApproachTheCeilingSmallOnesDoNot) {
+  const HardwareProfile h100 = *find_profile("h100");
+  const GemmModel gm(h100);
+  const GemmPrediction big = gm.predict({8192, 8192, 8192, 1});
+  EXPECT_GT(big.tflops, 0.9 * h100.mamf_bf16_tflops);
+  EXPECT_LE(big.tflops, h100.mamf_bf16_tflops);
+  const GemmPrediction small = gm.predict({256, 256, 256, 1});
+  EXPECT_LT(small.efficiency, 0.1);
+  const GemmPrediction skinny = gm.predict({1, 8192, 8192, 1});  // a decode GEMV: memory-bound
+  EXPECT_TRUE(skinny.memory_bound);
+}
+
+TEST(GemmModel, MisalignedDimensionsCost) {
+  const GemmModel gm(*find_profile("h100"));
+  const double aligned = gm.predict({8192, 10944, 4096, 1}).tflops;
+  const double odd = gm.predict({8192, 10922, 4096, 1}).tflops;
+  EXPECT_GT(aligned / odd, 1.3);  // measured +46% (ml-engineering swiglu-maf-bench)
+}
+
+TEST(GemmModel, ProfileExactAndNearest) {
+  const HardwareProfile h100 = *find_profile("h100");
+  std::vector<GemmSample> prof = {{{4096, 4096, 4096, 1}, "bf16", 600},
+                                  {{8192, 8192, 8192, 1}, "bf16", 700},
+                                  {{1024, 1024, 1024, 1}, "bf16", 200},
+                                  {{4096, 4096, 4096, 1}, "fp8", 1200}};
+  const GemmModel gm(h100, prof);
+  ASSERT_TRUE(gm.has_profile());
+  EXPECT_DOUBLE_EQ(gm.predict({4096, 4096, 4096, 1}).tflops, 600);  // measured shapes are returned as measured
+  EXPECT_DOUBLE_EQ(gm.predict({1024, 1024, 1024, 1}).tflops, 200);
+  const double between = gm.predict({6144, 6144, 6144, 1}).tflops;
+  EXPECT_GT(between, 550);
+  EXPECT_LT(between, 750);
+  EXPECT_NE(gm.predict({6144, 6144, 6144, 1}).source.find("profile"), std::string::npos);
+  // The analytic ceiling is calibrated to the measurements: 700 TFLOP/s at 8192^3.
+  EXPECT_NEAR(gm.analytic({8192, 8192, 8192, 1}).tflops, 700, 1);
+}
+
+std::string write(const std::string& name, const std::string& text) {
+  const auto dir = std::filesystem::temp_directory_path() / "keel_hw_test";
+  std::filesystem::create_directories(dir);
+  const auto p = dir / name;
+  std::ofstream(p) << text;
+  return p.string();
+}
+
+TEST(MeasuredHardware, BenchJsonOverridesTheProfile) {
+  const std::string comm = write("comm.json", R"({"schema": "keel.bench.comm/1",
+    "devices": [{"rank": 0, "name": "NVIDIA H200"}],
+    "results": [{"op": "all_reduce", "ranks": 8, "size_bytes": 1073741824, "out_of_place": {"busbw_gbps": 467.6}},
+                {"op": "all_reduce", "ranks": 8, "size_bytes": 8589934592, "out_of_place": {"busbw_gbps": 480.0}},
+                {"op": "all_reduce", "ranks": 2, "size_bytes": 8589934592, "out_of_place": {"busbw_gbps": 300.0}},
+                {"op": "all_gather", "ranks": 8, "size_bytes": 8589934592, "out_of_place": {"busbw_gbps": 370.0}}]})");
+  const std::string mem = write("mem.json", R"({"schema": "keel.bench.mem/1", "devices": [{"name": "NVIDIA H200"}],
+    "results": [{"kernel": "copy", "bytes": 1e9, "gbps": 4010}, {"kernel": "triad", "bytes": 1e9, "gbps": 4150}]})");
+  const std::string gemm = write("gemm.json", R"({"schema": "keel.bench.gemm/1",
+    "devices": [{"name": "NVIDIA H200", "sm_count": 132}],
+    "results": [{"m": 8192, "n": 8192, "k": 8192, "dtype": "bf16", "tflops": 760.5}]})");
+  const Hardware hw = load_hardware(comm + "," + mem + "," + gemm);
+  EXPECT_EQ(hw.profile.name, "h200");  // from the device name
+  EXPECT_DOUBLE_EQ(hw.measured_busbw_gbps, 480.0);
+  EXPECT_EQ(hw.measured_busbw_ranks, 8);
+  EXPECT_DOUBLE_EQ(hw.measured_hbm_tbps, 4.15);
+  EXPECT_DOUBLE_EQ(hw.profile.hbm_tbps, 4.15);
+  EXPECT_DOUBLE_EQ(hw.spec.hbm_tbps, 4.8);
+  ASSERT_EQ(hw.gemm_profile.size(), 1u);
+  EXPECT_DOUBLE_EQ(hw.gemm_profile[0].tflops, 760.5);
+  EXPECT_EQ(hw.sources.size(), 4u);
+}
+
+TEST(MeasuredHardware, ErrorsNameTheFile) {
+  auto error = [](const std::string& spec) -> std::string {
+    try {
+      load_hardware(spec);
+    } catch (const UsageError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(error("v100").find("unknown hardware 'v100'"), std::string::npos);
+  EXPECT_NE(error("h100,h200").find("two base profiles"), std::string::npos);
+  const std::string cpu = write("cpu.json", R"({"schema": "keel.bench.mem/1", "devices": [{"name": "cpu"}],
+    "results": [{"kernel": "copy", "bytes": 1e9, "gbps": 40}]})");
+  EXPECT_NE(error(cpu).find("device 'cpu' matches no built-in profile"), std::string::npos);
+  EXPECT_EQ(load_hardware("mi300x," + cpu).measured_hbm_tbps, 0.04);  // a named base takes any device
+  const std::string other = write("other.json", R"({"schema": "something/2", "results": []})");
+  EXPECT_NE(error("h100," + other).find("unsupported schema 'something/2'"), std::string::npos);
+  const std::string bad = write("bad.json", "{not json");
+  EXPECT_NE(error(bad).find("not valid JSON"), std::string::npos);
+  const std::string norow = write("norow.json", R"({"schema": "keel.bench.gemm/1", "results": [{"m": 1}]})");
+  EXPECT_NE(error("h100," + norow).find("no numeric 'n'"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace keel::hw

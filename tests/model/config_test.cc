@@ -1,0 +1,156 @@
+#include "model/config.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "common/error.h"
+
+namespace keel::model {
+namespace {
+
+std::string config_path(const std::string& name) { return std::string(KEEL_SOURCE_DIR) + "/configs/" + name; }
+
+// Writes a YAML file under the test's temp dir and returns its path.
+std::string write_yaml(const std::string& name, const std::string& text) {
+  const auto dir = std::filesystem::temp_directory_path() / "keel_model_config_test";
+  std::filesystem::create_directories(dir);
+  const auto path = dir / name;
+  std::ofstream(path) << text;
+  return path.string();
+}
+
+const char* kTinyGqa = R"(
+vocab_size: 1000
+hidden: 512
+layers: 4
+attention: gqa
+heads: 8
+kv_heads: 2
+ffn_hidden: 1376
+)";
+
+std::string load_error(const std::string& name, const std::string& text) {
+  const std::string path = write_yaml(name, text);
+  try {
+    load_model_config(path);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ModelConfig, LoadsZaya1) {
+  const ModelConfig m = load_model_config(config_path("zaya1-8b.yaml"));
+  EXPECT_EQ(m.name, "zaya1-8b");
+  EXPECT_EQ(m.vocab_size, 262272);
+  EXPECT_EQ(m.hidden, 2048);
+  EXPECT_EQ(m.layers, 40);
+  EXPECT_EQ(m.attention, AttentionKind::kCca);
+  EXPECT_EQ(m.heads, 8);
+  EXPECT_EQ(m.kv_heads, 2);
+  EXPECT_EQ(m.head_dim, 128);
+  EXPECT_EQ(m.cca_q_dim, 1024);
+  EXPECT_EQ(m.cca_k_dim, 256);
+  EXPECT_EQ(m.cca_v_dim, 256);
+  EXPECT_EQ(m.experts, 16);
+  EXPECT_EQ(m.top_k, 1);
+  EXPECT_EQ(m.expert_hidden, 2048);
+  EXPECT_EQ(m.router_hidden, 256);
+  EXPECT_TRUE(m.router_skip_expert);
+  EXPECT_TRUE(m.tied_embeddings);
+  EXPECT_DOUBLE_EQ(m.rope_fraction, 0.5);
+  EXPECT_EQ(moe_layer_count(m), 40);
+}
+
+TEST(ModelConfig, LoadsEveryShippedConfig) {
+  for (const auto& e : std::filesystem::directory_iterator(std::string(KEEL_SOURCE_DIR) + "/configs")) {
+    if (e.path().extension() != ".yaml") continue;
+    SCOPED_TRACE(e.path().string());
+    EXPECT_NO_THROW(load_model_config(e.path().string()));
+  }
+}
+
+TEST(ModelConfig, DefaultsFollowFromOtherKeys) {
+  const ModelConfig m = load_model_config(write_yaml("defaults.yaml", "vocab_size: 100\nhidden: 256\nlayers: 2\n"
+                                                                      "attention: mha\nheads: 4\nffn_hidden: 512\n"));
+  EXPECT_EQ(m.kv_heads, 4);
+  EXPECT_EQ(m.head_dim, 64);
+  EXPECT_EQ(m.name, "defaults");  // the file stem when no name is given
+}
+
+TEST(ModelConfig, LayerAttentionPatternRepeats) {
+  const ModelConfig m = load_model_config(config_path("lasp2-hybrid-1b.yaml"));
+  EXPECT_EQ(attention_layer_count(m, AttentionKind::kLinear), 12);
+  EXPECT_EQ(attention_layer_count(m, AttentionKind::kGqa), 4);
+  EXPECT_EQ(layer_attention_kind(m, 3), AttentionKind::kGqa);
+  EXPECT_EQ(layer_attention_kind(m, 4), AttentionKind::kLinear);
+}
+
+TEST(ModelConfig, MoeLayerPlacement) {
+  ModelConfig m = load_model_config(config_path("mixtral-8x7b.yaml"));
+  m.moe_layer_interval = 2;
+  m.first_dense_layers = 1;
+  m.ffn_hidden = 14336;
+  EXPECT_FALSE(is_moe_layer(m, 0));
+  EXPECT_TRUE(is_moe_layer(m, 1));
+  EXPECT_FALSE(is_moe_layer(m, 2));
+  EXPECT_TRUE(is_moe_layer(m, 3));
+  EXPECT_EQ(moe_layer_count(m), 16);
+  EXPECT_NO_THROW(validate(m));
+  m.ffn_hidden = 0;  // dense layers now need a width
+  EXPECT_THROW(validate(m), UsageError);
+}
+
+TEST(ModelConfig, BadConfigsNameTheKey) {
+  const std::string base = kTinyGqa;
+  EXPECT_NO_THROW(load_model_config(write_yaml("ok.yaml", base)));
+  std::string e = load_error("unknown.yaml", base + "hidden_size: 4\n");
+  EXPECT_NE(e.find("unknown key 'hidden_size'"), std::string::npos) << e;
+  EXPECT_NE(e.find("unknown.yaml"), std::string::npos) << e;
+  EXPECT_NE(e.find("line 9"), std::string::npos) << e;
+
+  e = load_error("heads.yaml", "vocab_size: 1000\nhidden: 500\nlayers: 2\nheads: 8\nkv_heads: 2\nffn_hidden: 64\n");
+  EXPECT_NE(e.find("'heads' (8) does not divide 'hidden' (500)"), std::string::npos) << e;
+
+  e = load_error("kv.yaml", "vocab_size: 1000\nhidden: 512\nlayers: 2\nheads: 8\nkv_heads: 3\nffn_hidden: 64\n");
+  EXPECT_NE(e.find("'kv_heads' (3) does not divide 'heads' (8)"), std::string::npos) << e;
+
+  e = load_error("topk.yaml", "vocab_size: 1000\nhidden: 512\nlayers: 2\nheads: 8\nexperts: 4\ntop_k: 5\n"
+                              "expert_hidden: 64\n");
+  EXPECT_NE(e.find("'top_k' (5) is larger than 'experts' (4)"), std::string::npos) << e;
+
+  e = load_error("type.yaml", base + "tied_embeddings: sometimes\n");
+  EXPECT_NE(e.find("'tied_embeddings'"), std::string::npos) << e;
+
+  e = load_error("int.yaml", "vocab_size: 1000\nhidden: wide\nlayers: 2\nheads: 8\nffn_hidden: 64\n");
+  EXPECT_NE(e.find("key 'hidden' (line 2) must be an integer, got 'wide'"), std::string::npos) << e;
+
+  e = load_error("kind.yaml", base + "layer_attention: [linear, softmax]\n");
+  EXPECT_NE(e.find("unknown attention kind 'softmax'"), std::string::npos) << e;
+
+  e = load_error("pattern.yaml", base + "layer_attention: [linear, linear, gqa]\n");
+  EXPECT_NE(e.find("'layer_attention' has 3 entries"), std::string::npos) << e;
+
+  e = load_error("cca.yaml", "vocab_size: 1000\nhidden: 512\nlayers: 2\nattention: cca\nheads: 4\nkv_heads: 2\n"
+                             "head_dim: 64\ncca_q_dim: 200\ncca_k_dim: 128\ncca_v_dim: 128\ncca_conv_width: 2\n"
+                             "cca_group_conv_width: 2\nffn_hidden: 64\n");
+  EXPECT_NE(e.find("'cca_q_dim' (200) must equal heads*head_dim (256)"), std::string::npos) << e;
+
+  e = load_error("dense.yaml", "vocab_size: 1000\nhidden: 512\nlayers: 2\nheads: 8\n");
+  EXPECT_NE(e.find("'ffn_hidden' must be positive"), std::string::npos) << e;
+
+  e = load_error("missing.yaml", "- a\n- b\n");
+  EXPECT_NE(e.find("must be a YAML mapping"), std::string::npos) << e;
+
+  try {
+    load_model_config("/nonexistent/model.yaml");
+    ADD_FAILURE() << "no error for a missing file";
+  } catch (const UsageError& err) {
+    EXPECT_NE(std::string(err.what()).find("/nonexistent/model.yaml: cannot read"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace keel::model

@@ -1,0 +1,50 @@
+# `keel size` as a user runs it. Published figures are checked in tests/model/params_test.cc;
+# here: the report's sections, the outputs, and one clear error line per bad input.
+set(cfg ${PROJECT_SOURCE_DIR}/configs)
+set(data ${CMAKE_CURRENT_SOURCE_DIR}/size/data)
+
+keel_cli_test(NAME size_zaya1 MATCH "non-embedding +8\\.30B +753\\.6M"
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware mi300x --gpus 1024 --tokens 12T --micro-batch 4)
+keel_cli_test(NAME size_zaya1_sections MATCH "## Sizing findings"
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware h200 --layout tp=2,ep=4,zero=2 --gpus 64)
+keel_cli_test(NAME size_zaya1_time MATCH "12\\.00T tokens on 1024 GPUs: [0-9.]+ days at 40% MFU"
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware mi300x --gpus 1024 --tokens 12T)
+keel_cli_test(NAME size_mixtral MATCH "with embeddings +46\\.70B +12\\.88B"
+  ARGS size ${cfg}/mixtral-8x7b.yaml --hardware h100 --layout tp=2,ep=8,pp=4 --gpus 64 --recompute full)
+keel_cli_test(NAME size_llama3 MATCH "with embeddings +8\\.03B"
+  ARGS size ${cfg}/llama3-8b.yaml --hardware a100 --gpus 8 --optimizer muon)
+keel_cli_test(NAME size_olmoe MATCH "with embeddings +6\\.92B +1\\.28B"
+  ARGS size ${cfg}/olmoe-1b-7b.yaml --hardware b200 --gpus 8 --layout ep=8)
+keel_cli_test(NAME size_lasp2_hybrid MATCH "linear_attention"
+  ARGS size ${cfg}/lasp2-hybrid-1b.yaml --hardware mi325x --layout cp=4 --gpus 32)
+keel_cli_test(NAME size_swiglu_finding MATCH "width 10922 -> 10944: predicted \\+[0-9]+%"
+  ARGS size ${data}/swiglu_10922.yaml --hardware h100 --gpus 8)
+keel_cli_test(NAME size_vocab_finding MATCH "vocab_size 50257 -> 50304"
+  ARGS size ${data}/swiglu_10922.yaml --hardware h100 --gpus 8)
+keel_cli_test(NAME size_moe_study MATCH "16 +1 +2048 .*<- config"
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware mi300x --gpus 8 --moe-study --moe-experts 8,16,32 --moe-top-k 1,2)
+add_test(NAME cli_size_outputs_files
+  COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/size/check_outputs.sh $<TARGET_FILE:keel> ${cfg})
+set_tests_properties(cli_size_outputs_files PROPERTIES TIMEOUT 120)
+
+# Bad input: one line naming what is wrong, exit 1.
+keel_cli_test(NAME size_unknown_key EXIT 1 MATCH "keel: error: .*unknown_key\\.yaml: unknown key 'num_experts' \\(line 6\\)"
+  ARGS size ${data}/unknown_key.yaml)
+keel_cli_test(NAME size_topk_above_experts EXIT 1 MATCH "keel: error: .*'top_k' \\(6\\) is larger than 'experts' \\(4\\)"
+  ARGS size ${data}/topk_above_experts.yaml)
+keel_cli_test(NAME size_heads_not_dividing EXIT 1 MATCH "keel: error: .*'heads' \\(16\\) does not divide 'hidden' \\(1000\\)"
+  ARGS size ${data}/heads_not_dividing.yaml)
+keel_cli_test(NAME size_layout_indivisible EXIT 1 MATCH "keel: error: --layout: tp\\*pp\\*cp\\*tsp = 12 does not divide --gpus 64"
+  ARGS size ${cfg}/llama3-8b.yaml --layout tp=4,pp=3 --gpus 64)
+keel_cli_test(NAME size_layout_ep EXIT 1 MATCH "keel: error: --layout: ep=3 does not divide experts \\(16\\)"
+  ARGS size ${cfg}/zaya1-8b.yaml --layout ep=3 --gpus 6)
+keel_cli_test(NAME size_layout_key EXIT 1 MATCH "keel: error: --layout: unknown key 'mp'"
+  ARGS size ${cfg}/zaya1-8b.yaml --layout mp=2)
+keel_cli_test(NAME size_unknown_hardware EXIT 1 MATCH "keel: error: unknown hardware 'v100'"
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware v100)
+keel_cli_test(NAME size_missing_config EXIT 1 MATCH "keel: error: /nonexistent\\.yaml: cannot read"
+  ARGS size /nonexistent.yaml)
+keel_cli_test(NAME size_bad_tokens EXIT 1 MATCH "keel: error: --tokens '12X' has an unknown unit"
+  ARGS size ${cfg}/zaya1-8b.yaml --tokens 12X)
+keel_cli_test(NAME size_moe_study_dense EXIT 1 MATCH "keel: error: --moe-study needs an MoE model"
+  ARGS size ${cfg}/llama3-8b.yaml --moe-study)
