@@ -22,14 +22,25 @@ OPS = {  # keel op -> nccl-tests binary
 }
 
 
-def run(cmd, log):
+FAILED = []
+
+
+def run(cmd, log, timeout=480):
+    """Runs one benchmark command, appending its output to `log`; a failure or a hang is
+    recorded and reported at the end instead of stopping the comparison."""
     print("+", " ".join(cmd), flush=True)
     with open(log, "a") as f:
         f.write("+ " + " ".join(cmd) + "\n")
         f.flush()
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
-    if r.returncode != 0:
-        sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}; see {log}")
+        try:
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            ok = r.returncode == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+    if not ok:
+        FAILED.append(" ".join(cmd))
+        print(f"FAILED: {' '.join(cmd)} (see {log})", flush=True)
+    return ok
 
 
 def build_nccl_tests(src):
@@ -82,15 +93,16 @@ def main():
     # keel: one invocation covers every op and GPU count.
     keel_json = os.path.join(args.out, "keel_comm_large.json")
     run([args.keel, "bench", "comm", "--op", ",".join(ops), "--dtype", "bf16", "--ranks", ",".join(map(str, ranks)),
-         *common, "--json", keel_json, "--plot", os.path.join(args.out, "keel_comm.png")], log)
-    keel, keel_wrong = keel_rows(keel_json)
+         *common, "--timeout", "120", "--json", keel_json, "--plot", os.path.join(args.out, "keel_comm.png")], log)
+    keel, keel_wrong = keel_rows(keel_json) if os.path.exists(keel_json) else ({}, "n/a")
 
     table = []
     worst = 9.9
     for op in ops:
         for n in ranks:
             nj = os.path.join(args.out, f"nccl_{op}_{n}.json")
-            run([os.path.join(bindir, OPS[op]), "-g", str(n), "-d", "bfloat16", *common, "-c", "1", "-J", nj], log)
+            if not run([os.path.join(bindir, OPS[op]), "-g", str(n), "-d", "bfloat16", *common, "-c", "1", "-J", nj], log):
+                continue
             for size, n_oop, n_ip in nccl_rows(nj):
                 k = keel.get((op, n, size))
                 if k is None:
@@ -106,24 +118,27 @@ def main():
     lat_keel = os.path.join(args.out, "keel_latency.json")
     nmax = max(ranks)
     run([args.keel, "bench", "comm", "--op", "all_reduce", "--dtype", "bf16", "--ranks", str(nmax), "-b", "8",
-         "-e", "64K", "-f", "2", "-w", "20", "-n", "20", "-G", "50", "--placement", "out", "--json", lat_keel], log)
+         "-e", "64K", "-f", "2", "-w", "20", "-n", "20", "-G", "50", "--placement", "out", "--timeout", "30",
+         "--json", lat_keel], log, timeout=120)
     lat_nccl = os.path.join(args.out, "nccl_latency.json")
     run([os.path.join(bindir, "all_reduce_perf"), "-g", str(nmax), "-d", "bfloat16", "-b", "8", "-e", "64K", "-f", "2",
          "-w", "20", "-n", "20", "-G", "50", "-c", "1", "-J", lat_nccl], log)
     lat_keel_host = os.path.join(args.out, "keel_latency_host.json")
     run([args.keel, "bench", "comm", "--op", "all_reduce", "--dtype", "bf16", "--ranks", str(nmax), "-b", "8",
-         "-e", "8", "-w", "20", "-n", "100", "--placement", "out", "--json", lat_keel_host], log)
+         "-e", "8", "-w", "20", "-n", "100", "--placement", "out", "--timeout", "30", "--json", lat_keel_host], log,
+        timeout=120)
     lat_nccl_host = os.path.join(args.out, "nccl_latency_host.json")
     run([os.path.join(bindir, "all_reduce_perf"), "-g", str(nmax), "-d", "bfloat16", "-b", "8", "-e", "8",
          "-w", "20", "-n", "100", "-c", "1", "-J", lat_nccl_host], log)
-    kl, _ = keel_rows(lat_keel)
+    kl = keel_rows(lat_keel)[0] if os.path.exists(lat_keel) else {}
     lat = []
     for size, n_oop, _ in nccl_rows(lat_nccl):
         k = kl.get(("all_reduce", nmax, size))
         if k and n_oop:
             lat.append((size, k[0]["time_us"], n_oop["time"], k[0]["time_us"] / n_oop["time"]))
-    kh, _ = keel_rows(lat_keel_host)
-    host8 = (kh[("all_reduce", nmax, 8)][0]["time_us"], nccl_rows(lat_nccl_host)[0][1]["time"])
+    kh = keel_rows(lat_keel_host)[0] if os.path.exists(lat_keel_host) else {}
+    host8 = (kh[("all_reduce", nmax, 8)][0]["time_us"] if kh else float("nan"),
+             nccl_rows(lat_nccl_host)[0][1]["time"] if os.path.exists(lat_nccl_host) else float("nan"))
 
     def gib(s):
         return f"{s / 2**30:g} GiB" if s >= 2**30 else f"{s / 2**20:g} MiB"
@@ -143,6 +158,8 @@ def main():
         print(f"{size:>8} {k:8.2f} {nt:8.2f} {r:7.3f}")
     print(f"worst keel/nccl-tests latency ratio 8 B..64 KiB: {worst_lat:.3f}")
     print(f"8 B all_reduce, host-timed loop (no graph): keel {host8[0]:.2f} us, nccl-tests {host8[1]:.2f} us")
+    for f in FAILED:
+        print(f"FAILED: {f}")
     json.dump({"busbw": table, "latency": lat, "host8": host8}, open(os.path.join(args.out, "comm_compare.json"), "w"))
 
 

@@ -43,7 +43,7 @@ for step in "${steps[@]}"; do
       if [ "$gpus" -lt 2 ]; then note "mpi: skipped (needs 2+ GPUs)"; continue; fi
       # One process per GPU under mpirun: every op, dtype, reduce op and placement, checked.
       if mpirun --allow-run-as-root -n "$gpus" --bind-to none "$build/keel" bench comm --op all --dtype bf16,fp16,fp32 \
-          --redop sum,avg -b 1K -e 64M -f 8 --ranks "$(seq -s, 2 2 "$gpus")" -q --json "$out/mpi_launch.json" \
+          --redop sum,avg -b 1K -e 64M -f 16 --ranks "2,$gpus" -q --json "$out/mpi_launch.json" \
           >"$out/mpi_launch.log" 2>&1; then
         note "mpi launch ($gpus processes, all ops/dtypes/redops/placements, 1K..64M): ok, 0 wrong values"
       else
@@ -60,3 +60,7 @@ done
 echo
 echo "================ summary ================"
 cat "$summary"
+# The device tool returns at most 8 files: pack everything into one archive beside the summary.
+if [ -n "${OUT:-}" ]; then
+  tar czf /tmp/keel_results.tgz -C "$out" . && find "$out" -type f ! -name summary.txt -delete && mv /tmp/keel_results.tgz "$out/results.tgz"
+fi

@@ -36,7 +36,7 @@ class NcclBackendTest : public ::testing::Test {
     o.factor = 16;
     o.plan.warmup = 2;
     o.plan.iters = 5;
-    o.plan.timeout_s = 120;
+    o.plan.timeout_s = 60;
     return o;
   }
 };
