@@ -25,6 +25,17 @@ struct CollectiveCase {
   int nranks = 1;  // ranks in each group
 };
 
+// The parts of a case that define its expected values (values.h).
+inline CaseGeometry geometry_of(const CollectiveCase& c) {
+  CaseGeometry g;
+  g.op = c.op;
+  g.redop = c.redop;
+  g.root = c.root;
+  g.send_count = c.shape.send_count;
+  g.recv_count = c.shape.recv_count;
+  return g;
+}
+
 struct TimingPlan {
   int warmup = 5;
   int iters = 20;

@@ -130,7 +130,7 @@ class MpiBackend final : public Backend {
       store_from_float(const_cast<std::byte*>(output_location(c)), corrupt_index(c.shape.recv_count), c.dtype,
                        kCorruptValue);
     const ValueSpec v = make_value_spec(seed, c.nranks, c.dtype);
-    const CaseGeometry g = geometry(c);
+    const CaseGeometry g = geometry_of(c);
     const std::byte* result = output_location(c);
     RankCheck rc;
     rc.rank = rank_;
@@ -150,16 +150,6 @@ class MpiBackend final : public Backend {
   }
 
  private:
-  static CaseGeometry geometry(const CollectiveCase& c) {
-    CaseGeometry g;
-    g.op = c.op;
-    g.redop = c.redop;
-    g.root = c.root;
-    g.send_count = c.shape.send_count;
-    g.recv_count = c.shape.recv_count;
-    return g;
-  }
-
   MPI_Datatype mpi_type(DType t) const { return t == DType::kFP32 ? MPI_FLOAT : MPI_UINT16_T; }
   MPI_Op mpi_sum(DType t) const {
     return t == DType::kFP32 ? MPI_SUM : t == DType::kBF16 ? bf16_sum_ : fp16_sum_;

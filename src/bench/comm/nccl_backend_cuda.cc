@@ -262,7 +262,7 @@ class NcclBackend final : public Backend {
     fill(c, seed);
     run(c);
     const ValueSpec v = make_value_spec(seed, c.nranks, c.dtype);
-    const CaseGeometry g = geometry(c);
+    const CaseGeometry g = geometry_of(c);
     for (auto& s : slots_) {
       if (s.group_rank < 0) continue;
       KEEL_CUDA_CHECK(cudaSetDevice(s.device));
@@ -301,16 +301,6 @@ class NcclBackend final : public Backend {
   }
 
  private:
-  static CaseGeometry geometry(const CollectiveCase& c) {
-    CaseGeometry g;
-    g.op = c.op;
-    g.redop = c.redop;
-    g.root = c.root;
-    g.send_count = c.shape.send_count;
-    g.recv_count = c.shape.recv_count;
-    return g;
-  }
-
   static double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
