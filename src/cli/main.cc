@@ -7,6 +7,8 @@
 #include <exception>
 
 #include "bench/comm/command.h"
+#include "bench/gemm/command.h"
+#include "bench/mem/command.h"
 #include "common/error.h"
 #include "common/process.h"
 #include "size/command.h"
@@ -21,6 +23,8 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "Cluster characterization microbenchmarks");
   bench->require_subcommand(1);
   keel::bench::add_comm_command(*bench);
+  keel::bench::add_mem_command(*bench);
+  keel::bench::add_gemm_command(*bench);
   keel::size::add_command(app);
 
   try {
