@@ -78,6 +78,7 @@ def main():
     ap.add_argument("--iters", default="20")
     ap.add_argument("--warmup", default="5")
     ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--latency-only", action="store_true", help="only the small-message latency comparison")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log = os.path.join(args.out, "comm_runs.log")
@@ -85,15 +86,16 @@ def main():
     listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     gpus = sum(1 for line in listing.splitlines() if line.startswith("GPU"))
     ranks = [int(x) for x in (args.ranks or ",".join(str(n) for n in (2, 4, 8) if n <= gpus)).split(",")]
-    ops = args.ops.split(",")
+    ops = [] if args.latency_only else args.ops.split(",")
     build_nccl_tests(args.nccl_tests)
     bindir = os.path.join(args.nccl_tests, "build")
     common = ["-b", args.min, "-e", args.max, "-f", "2", "-w", args.warmup, "-n", args.iters]
 
     # keel: one invocation covers every op and GPU count.
     keel_json = os.path.join(args.out, "keel_comm_large.json")
-    run([args.keel, "bench", "comm", "--op", ",".join(ops), "--dtype", "bf16", "--ranks", ",".join(map(str, ranks)),
-         *common, "--timeout", "120", "--json", keel_json, "--plot", os.path.join(args.out, "keel_comm.png")], log)
+    if ops:
+        run([args.keel, "bench", "comm", "--op", ",".join(ops), "--dtype", "bf16", "--ranks", ",".join(map(str, ranks)),
+             *common, "--timeout", "120", "--json", keel_json, "--plot", os.path.join(args.out, "keel_comm.png")], log)
     keel, keel_wrong = keel_rows(keel_json) if os.path.exists(keel_json) else ({}, "n/a")
 
     table = []

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <thread>
 
 #include "bench/comm/backend.h"
@@ -104,11 +105,15 @@ class NcclBackend final : public Backend {
   }
 
   ~NcclBackend() override {
+    // Unwinding from an error: a collective may still be in flight or a capture open, and
+    // ncclCommDestroy would wait on it forever. Abort instead, so the error reaches the user.
+    const bool failing = std::uncaught_exceptions() > 0;
+    auto release = [failing](ncclComm_t comm) { failing ? ncclCommAbort(comm) : ncclCommDestroy(comm); };
     for (auto& s : slots_) {
       cudaSetDevice(s.device);
       drop_graph(s);
-      if (s.group && s.group != s.world) ncclCommDestroy(s.group);
-      if (s.world) ncclCommDestroy(s.world);
+      if (s.group && s.group != s.world) release(s.group);
+      if (s.world) release(s.world);
       for (auto e : s.events) cudaEventDestroy(e);
       cudaFree(s.send);
       cudaFree(s.recv);
@@ -448,20 +453,36 @@ class NcclBackend final : public Backend {
   }
 
   void capture_graphs(const CollectiveCase& c, int iters) {
+    // Free old graphs before the first capture begins: destroying a graph while a stream of
+    // this thread is capturing is not permitted and silently invalidates that capture.
     for (auto& s : slots_) {
-      if (s.group_rank < 0) continue;
       KEEL_CUDA_CHECK(cudaSetDevice(s.device));
       drop_graph(s);
-      KEEL_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
     }
-    for (int i = 0; i < iters; ++i) run(c);
-    for (auto& s : slots_) {
-      if (s.group_rank < 0) continue;
-      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
-      cudaGraph_t graph;
-      KEEL_CUDA_CHECK(cudaStreamEndCapture(s.stream, &graph));
-      KEEL_CUDA_CHECK(cudaGraphInstantiate(&s.graph, graph, 0));
-      KEEL_CUDA_CHECK(cudaGraphDestroy(graph));
+    std::vector<cudaGraph_t> graphs(slots_.size(), nullptr);
+    try {
+      for (auto& s : slots_) {
+        if (s.group_rank < 0) continue;
+        KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+        KEEL_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
+      }
+      for (int i = 0; i < iters; ++i) run(c);
+      // End every capture before instantiating any: instantiation is not permitted while a
+      // stream this thread captures is still capturing.
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        if (slots_[i].group_rank < 0) continue;
+        KEEL_CUDA_CHECK(cudaSetDevice(slots_[i].device));
+        KEEL_CUDA_CHECK(cudaStreamEndCapture(slots_[i].stream, &graphs[i]));
+      }
+    } catch (...) {
+      abandon_captures();
+      throw;
+    }
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      if (!graphs[i]) continue;
+      KEEL_CUDA_CHECK(cudaSetDevice(slots_[i].device));
+      KEEL_CUDA_CHECK(cudaGraphInstantiate(&slots_[i].graph, graphs[i], 0));
+      KEEL_CUDA_CHECK(cudaGraphDestroy(graphs[i]));
     }
     // Upload every graph before any runs: a first launch uploads implicitly, and when one
     // thread drives several GPUs that upload on GPU 1 can wait behind GPU 0's collective
@@ -472,6 +493,21 @@ class NcclBackend final : public Backend {
       KEEL_CUDA_CHECK(cudaGraphUpload(s.graph, s.stream));
     }
     wait_all();
+  }
+
+  // Ends any capture still open after an error, so the streams are usable (and the error
+  // is the one reported, not a later "operation not permitted when stream is capturing").
+  void abandon_captures() {
+    for (auto& s : slots_) {
+      cudaSetDevice(s.device);
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      if (cudaStreamIsCapturing(s.stream, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+        cudaGraph_t g = nullptr;
+        cudaStreamEndCapture(s.stream, &g);
+        if (g) cudaGraphDestroy(g);
+      }
+    }
+    cudaGetLastError();
   }
 
   void launch_graphs() {
