@@ -105,8 +105,6 @@ class Backend {
 std::unique_ptr<Backend> make_mpi_backend();
 #if defined(KEEL_HAVE_CUDA)
 std::unique_ptr<Backend> make_nccl_backend(int max_ranks);
-// Number of CUDA devices visible to this process (0 when there is no driver or device).
-int cuda_device_count();
 #endif
 
 }  // namespace keel::bench

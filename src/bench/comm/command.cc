@@ -7,6 +7,7 @@
 #include "bench/comm/report.h"
 #include "bench/comm/runner.h"
 #include "common/error.h"
+#include "device/cuda_devices.h"
 #include "common/mpi_session.h"
 #include "common/process.h"
 #include "common/units.h"
@@ -80,7 +81,7 @@ int run(const RawFlags& flags) {
   std::unique_ptr<Backend> backend;
   std::string chosen = o.backend;
 #if defined(KEEL_HAVE_CUDA)
-  if (chosen == "auto") chosen = cuda_device_count() > 0 ? "nccl" : "mpi";
+  if (chosen == "auto") chosen = visible_cuda_devices() > 0 ? "nccl" : "mpi";
   if (chosen == "nccl") backend = make_nccl_backend(max_ranks);
 #else
   if (chosen == "auto") chosen = "mpi";

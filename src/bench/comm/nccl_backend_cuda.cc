@@ -14,17 +14,9 @@
 #include "bench/comm/nccl_kernels.h"
 #include "common/mpi_session.h"
 #include "device/cuda_check.h"
+#include "device/cuda_devices.h"
 
 namespace keel::bench {
-
-int cuda_device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no driver" error
-    return 0;
-  }
-  return n;
-}
 
 namespace {
 
@@ -57,7 +49,7 @@ class NcclBackend final : public Backend {
   explicit NcclBackend(int max_ranks) {
     MPI_Comm_rank(MPI_COMM_WORLD, &proc_rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &procs_);
-    const int devices = cuda_device_count();
+    const int devices = visible_cuda_devices();
     if (devices == 0) fail("no CUDA device is visible to this process (use --backend mpi for CPU ranks)");
     char host[256] = {0};
     gethostname(host, sizeof(host) - 1);

@@ -8,12 +8,12 @@
 #include <set>
 #include <tuple>
 
+#include "common/env_info.h"
 #include "common/error.h"
 #include "common/fileio.h"
 #include "common/plot.h"
 #include "common/units.h"
 
-extern char** environ;
 
 namespace keel::bench {
 namespace {
@@ -38,24 +38,6 @@ nlohmann::json placement_json(const PlacementResult& p) {
                       {"slowest_rank_us", p.slowest_rank_us}, {"wrong", p.wrong}};
   if (!p.first_wrong.empty()) j["first_wrong"] = p.first_wrong;
   return j;
-}
-
-// Environment worth recording: anything that changes how NCCL, CUDA or MPI behave.
-nlohmann::json relevant_env() {
-  nlohmann::json env = nlohmann::json::object();
-  for (char** e = environ; e && *e; ++e) {
-    const std::string kv = *e;
-    const auto eq = kv.find('=');
-    if (eq == std::string::npos) continue;
-    const std::string key = kv.substr(0, eq);
-    for (const char* prefix : {"NCCL_", "CUDA_", "UCX_", "OMPI_MCA_", "SLURM_JOB", "SLURM_NNODES", "SLURM_NTASKS"}) {
-      if (key.rfind(prefix, 0) == 0) {
-        env[key] = kv.substr(eq + 1);
-        break;
-      }
-    }
-  }
-  return env;
 }
 
 }  // namespace
@@ -153,7 +135,7 @@ void write_json(const CommReport& report, const CommOptions& o, const std::strin
       {"keel_version", KEEL_VERSION},
       {"command", "bench comm"},
       {"args", args},
-      {"env", relevant_env()},
+      {"env", recorded_env()},
       {"backend", report.backend},
       {"world_size", report.world_size},
       {"devices", devices},

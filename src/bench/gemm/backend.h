@@ -91,7 +91,6 @@ class GemmBackend {
 std::unique_ptr<GemmBackend> make_openblas_backend(int threads);
 #if defined(KEEL_HAVE_CUDA)
 std::unique_ptr<GemmBackend> make_cublaslt_backend(int device, const std::string& tune_cache);
-int cuda_gemm_device_count();
 #endif
 
 }  // namespace keel::bench

@@ -8,6 +8,7 @@
 #include "bench/gemm/runner.h"
 #include "bench/gemm/tune_cache.h"
 #include "common/error.h"
+#include "device/cuda_devices.h"
 #include "common/process.h"
 #include "common/units.h"
 
@@ -113,7 +114,7 @@ int run(const RawFlags& flags) {
   if (chosen != "auto" && chosen != "cuda" && chosen != "cpu")
     throw UsageError(fmt::format("unknown --backend '{}' (choose auto, cuda or cpu)", chosen));
 #if defined(KEEL_HAVE_CUDA)
-  if (chosen == "auto") chosen = cuda_gemm_device_count() > 0 ? "cuda" : "cpu";
+  if (chosen == "auto") chosen = visible_cuda_devices() > 0 ? "cuda" : "cpu";
 #else
   if (chosen == "auto") chosen = "cpu";
   if (chosen == "cuda") throw UsageError("this keel was built without CUDA: --backend cuda is unavailable");

@@ -18,6 +18,7 @@
 #include "common/dtype.h"
 #include "common/units.h"
 #include "device/cuda_check.h"
+#include "device/cuda_devices.h"
 
 #define KEEL_LT_CHECK(call)                                                                         \
   do {                                                                                              \
@@ -28,14 +29,6 @@
 
 namespace keel::bench {
 
-int cuda_gemm_device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
 
 namespace {
 
@@ -150,7 +143,7 @@ void set_batch(cublasLtMatrixLayout_t l, std::int64_t batch, std::int64_t stride
 class LtBackend final : public GemmBackend {
  public:
   LtBackend(int device, const std::string& cache_path) : device_(device) {
-    const int n = cuda_gemm_device_count();
+    const int n = visible_cuda_devices();
     if (n == 0) fail("no CUDA device is visible to this process (use --backend cpu for OpenBLAS)");
     if (device < 0 || device >= n) fail("--device {} does not exist: {} GPU(s) are visible", device, n);
     KEEL_CUDA_CHECK(cudaSetDevice(device));

@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "bench/mem/bench_env.h"
+#include "common/env_info.h"
 #include "common/error.h"
 #include "common/fileio.h"
 #include "common/plot.h"
@@ -223,7 +223,7 @@ void write_gemm_json(const GemmReport& report, const GemmOptions& o, const std::
       {"keel_version", KEEL_VERSION},
       {"command", "bench gemm"},
       {"args", args},
-      {"env", bench_relevant_env()},
+      {"env", recorded_env()},
       {"backend", report.backend},
       {"devices", devices},
       {"libraries", report.versions},

@@ -70,7 +70,6 @@ std::unique_ptr<MemBackend> make_cpu_mem_backend(int threads);
 #if defined(KEEL_HAVE_CUDA)
 // All visible GPUs; `device` is the one single-device ops run on. Throws when there is none.
 std::unique_ptr<MemBackend> make_cuda_mem_backend(int device);
-int cuda_mem_device_count();
 #endif
 
 }  // namespace keel::bench

@@ -7,6 +7,7 @@
 #include "bench/mem/report.h"
 #include "bench/mem/runner.h"
 #include "common/error.h"
+#include "device/cuda_devices.h"
 #include "common/process.h"
 #include "common/units.h"
 
@@ -72,7 +73,7 @@ int run(const RawFlags& flags) {
   std::unique_ptr<MemBackend> backend;
   std::string chosen = o.backend;
 #if defined(KEEL_HAVE_CUDA)
-  if (chosen == "auto") chosen = cuda_mem_device_count() > 0 ? "cuda" : "cpu";
+  if (chosen == "auto") chosen = visible_cuda_devices() > 0 ? "cuda" : "cpu";
   if (chosen == "cuda") backend = make_cuda_mem_backend(o.device);
 #else
   if (chosen == "auto") chosen = "cpu";

@@ -21,17 +21,9 @@
 #include "bench/mem/values.h"
 #include "common/units.h"
 #include "device/cuda_check.h"
+#include "device/cuda_devices.h"
 
 namespace keel::bench {
-
-int cuda_mem_device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no driver" error
-    return 0;
-  }
-  return n;
-}
 
 namespace {
 
@@ -99,7 +91,7 @@ struct Gpu {
 class CudaMemBackend final : public MemBackend {
  public:
   explicit CudaMemBackend(int device) : team_(std::max(1u, std::min(16u, std::thread::hardware_concurrency()))) {
-    const int n = cuda_mem_device_count();
+    const int n = visible_cuda_devices();
     if (n == 0) fail("no CUDA device is visible to this process (use --backend cpu for host memory)");
     if (device < 0 || device >= n) fail("--device {} does not exist: {} GPU(s) are visible", device, n);
     device_ = device;

@@ -5,7 +5,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "bench/mem/bench_env.h"
+#include "common/env_info.h"
 #include "common/error.h"
 #include "common/fileio.h"
 #include "common/plot.h"
@@ -183,7 +183,7 @@ void write_mem_json(const MemReport& report, const MemOptions& o, const std::str
       {"keel_version", KEEL_VERSION},
       {"command", "bench mem"},
       {"args", args},
-      {"env", bench_relevant_env()},
+      {"env", recorded_env()},
       {"backend", report.backend},
       {"devices", devices},
       {"libraries", report.versions},

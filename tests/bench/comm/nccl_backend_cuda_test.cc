@@ -8,6 +8,7 @@
 
 #include "bench/comm/backend.h"
 #include "bench/comm/runner.h"
+#include "device/cuda_devices.h"
 
 namespace keel::bench {
 namespace {
@@ -15,7 +16,7 @@ namespace {
 class NcclBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (cuda_device_count() < 1) GTEST_SKIP() << "no GPU";
+    if (visible_cuda_devices() < 1) GTEST_SKIP() << "no GPU";
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized) {
@@ -42,7 +43,7 @@ class NcclBackendTest : public ::testing::Test {
 };
 
 TEST_F(NcclBackendTest, EveryCaseIsCorrectOnEveryGroupSize) {
-  const int gpus = std::min(cuda_device_count(), 8);
+  const int gpus = std::min(visible_cuda_devices(), 8);
   CommOptions o = sweep();
   o.ranks = {gpus};
   if (gpus >= 2) o.ranks.push_back(2);
@@ -62,7 +63,7 @@ TEST_F(NcclBackendTest, EveryCaseIsCorrectOnEveryGroupSize) {
 }
 
 TEST_F(NcclBackendTest, GraphModeAndAllGroupsAreCorrect) {
-  const int gpus = std::min(cuda_device_count(), 8);
+  const int gpus = std::min(visible_cuda_devices(), 8);
   CommOptions o = sweep();
   o.ops = {Collective::kAllReduce, Collective::kAllGather, Collective::kSendRecv};
   o.dtypes = {DType::kBF16};
@@ -82,7 +83,7 @@ TEST_F(NcclBackendTest, GraphModeAndAllGroupsAreCorrect) {
 }
 
 TEST_F(NcclBackendTest, CheckerCatchesACorruptedResult) {
-  const int gpus = std::min(cuda_device_count(), 8);
+  const int gpus = std::min(visible_cuda_devices(), 8);
   CommOptions o = sweep();
   o.ops = {Collective::kAllReduce, Collective::kReduceScatter};
   o.dtypes = {DType::kBF16, DType::kFP32};

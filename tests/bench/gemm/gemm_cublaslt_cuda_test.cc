@@ -3,6 +3,8 @@
 // cleanly where no GPU is visible (CI builds this with CUDA but has no GPU).
 #include <gtest/gtest.h>
 
+#include "device/cuda_devices.h"
+
 #include <filesystem>
 
 #include "bench/gemm/backend.h"
@@ -14,7 +16,7 @@ namespace keel::bench {
 namespace {
 
 #define SKIP_WITHOUT_GPU() \
-  if (cuda_gemm_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"
+  if (visible_cuda_devices() == 0) GTEST_SKIP() << "no CUDA device visible"
 
 GemmPlan quick_plan() {
   GemmPlan p;

@@ -2,6 +2,8 @@
 // element. Skips cleanly where no GPU is visible (CI builds this with CUDA but has no GPU).
 #include <gtest/gtest.h>
 
+#include "device/cuda_devices.h"
+
 #include "bench/mem/backend.h"
 #include "bench/mem/runner.h"
 #include "common/error.h"
@@ -10,7 +12,7 @@ namespace keel::bench {
 namespace {
 
 #define SKIP_WITHOUT_GPU() \
-  if (cuda_mem_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"
+  if (visible_cuda_devices() == 0) GTEST_SKIP() << "no CUDA device visible"
 
 MemPlan quick_plan(std::uint64_t seed) {
   MemPlan p;
@@ -68,7 +70,7 @@ TEST(MemCudaBackend, CorruptionIsCaughtOnDeviceAndHost) {
 
 TEST(MemCudaBackend, PeerOpsRunBetweenEveryPair) {
   SKIP_WITHOUT_GPU();
-  if (cuda_mem_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (visible_cuda_devices() < 2) GTEST_SKIP() << "needs 2 GPUs";
   auto backend = make_cuda_mem_backend(0);
   for (MemOp op : parse_mem_ops("peer")) {
     MemResult r = backend->run({op, MemType::kF32, (1 << 20) + 1, 0, 1}, quick_plan(3));
