@@ -54,7 +54,9 @@ void TablePrinter::begin_block(const ResultRow& r) {
                r.ngroups > 1 ? fmt::format(", {} groups at once", r.ngroups).c_str() : "", timing.c_str(), o_.plan.warmup);
   const char* g = r.ngroups > 1 ? "grp " : "";
   const char* gp = r.ngroups > 1 ? "    " : "";
-  std::fprintf(out_, "# %s%12s %12s  %-62s  %-62s\n", gp, "", "", "  out-of-place", "  in-place");
+  // Each placement block is 60 columns wide (the cells of placement_cells()).
+  std::fprintf(out_, "# %s%12s %12s  %s  %s\n", gp, "", "", fmt::format("{:-^60}", " out-of-place ").c_str(),
+               fmt::format("{:-^60}", " in-place ").c_str());
   std::fprintf(out_, "# %s%12s %12s  %9s %8s %8s %9s %9s %4s %7s  %9s %8s %8s %9s %9s %4s %7s\n", g, "size", "count", "time",
                "algbw", "busbw", "iter-p50", "iter-p99", "slow", "#wrong", "time", "algbw", "busbw", "iter-p50", "iter-p99",
                "slow", "#wrong");
