@@ -91,6 +91,8 @@ class Backend {
   // --timeout watchdog must fire); `corrupt` overwrites one output element of this rank after
   // the checked run (the checker must report it).
   void set_hang_rank(int rank) { hang_rank_ = rank; }
+  // The run failed: on release, abort communicators instead of waiting for work in flight.
+  void set_failed() { failed_ = true; }
   void set_corrupt_rank(int rank) { corrupt_rank_ = rank; }
 
  protected:
@@ -100,6 +102,7 @@ class Backend {
 
   int hang_rank_ = -1;
   int corrupt_rank_ = -1;
+  bool failed_ = false;
 };
 
 std::unique_ptr<Backend> make_mpi_backend();

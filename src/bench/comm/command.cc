@@ -11,6 +11,7 @@
 #include "common/mpi_session.h"
 #include "common/process.h"
 #include "common/units.h"
+#include "common/watchdog.h"
 
 namespace keel::bench {
 namespace {
@@ -72,6 +73,49 @@ CommOptions to_options(const RawFlags& f) {
   }
 }
 
+// Runs the sweep, prints and writes the report on rank 0 and returns the exit code every
+// rank leaves with (rank 0's verdict).
+int report_and_judge(Backend& backend, const CommOptions& o, const MpiSession& mpi) {
+  const bool root = mpi.rank() == 0;
+  std::FILE* out = stdout;
+  if (root && !o.quiet) {
+    std::fprintf(out, "# keel bench comm  |  backend %s  |  world %d ranks  |  %s\n", o.backend.c_str(),
+                 backend.world_size(), mpi.version().c_str());
+    for (const auto& [k, v] : backend.library_versions())
+      if (k != "mpi") std::fprintf(out, "#   %s %s\n", k.c_str(), v.c_str());
+  }
+  TablePrinter printer(o, out);
+  CommReport report = run_comm_bench(backend, o, root && !o.quiet ? &printer : nullptr);
+  if (root && !o.quiet) {
+    std::fprintf(out, "#\n# Devices:\n");
+    for (const auto& d : report.devices)
+      std::fprintf(out, "#   rank %3d  %s  %s %s\n", d.rank, d.host.c_str(), d.name.c_str(), d.bus_id.c_str());
+  }
+
+  int code = kExitOk;
+  if (root) {
+    if (!o.quiet) print_summary(report, o, out);
+    std::uint64_t total_wrong = 0;
+    for (const auto& r : report.rows) total_wrong += r.out_of_place.wrong + r.in_place.wrong;
+    if (!o.json_path.empty()) write_json(report, o, o.json_path);
+    if (!o.csv_path.empty()) write_csv(report, o.csv_path);
+    if (!o.plot_path.empty())
+      for (const auto& f : write_plots(report, o.plot_path))
+        if (!o.quiet) std::fprintf(out, "# plot: %s\n", f.c_str());
+    if (total_wrong > 0) {
+      report_error(fmt::format("{} wrong values: the collectives did not produce their expected results", total_wrong));
+      code = kExitCheckFailed;
+    }
+    const auto misses = busbw_gate_failures(report, o.min_busbw);
+    for (const auto& m : misses) report_error(m);
+    if (code == kExitOk && !misses.empty()) code = kExitBelowGate;
+  }
+  std::fflush(stdout);
+  // Every rank leaves with rank 0's verdict.
+  mpi_check(MPI_Bcast(&code, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  return code;
+}
+
 int run(const RawFlags& flags) {
   CommOptions o = to_options(flags);  // before MPI: a bad flag needs no ranks
   MpiSession mpi;
@@ -91,44 +135,19 @@ int run(const RawFlags& flags) {
   o.backend = chosen;
   validate_options(o, backend->world_size());
 
-  const bool root = mpi.rank() == 0;
-  std::FILE* out = stdout;
-  if (root && !o.quiet) {
-    std::fprintf(out, "# keel bench comm  |  backend %s  |  world %d ranks  |  %s\n", chosen.c_str(),
-                 backend->world_size(), mpi.version().c_str());
-    for (const auto& [k, v] : backend->library_versions())
-      if (k != "mpi") std::fprintf(out, "#   %s %s\n", k.c_str(), v.c_str());
-  }
-  TablePrinter printer(o, out);
-  CommReport report = run_comm_bench(*backend, o, root && !o.quiet ? &printer : nullptr);
-  if (root && !o.quiet) {
-    std::fprintf(out, "#\n# Devices:\n");
-    for (const auto& d : report.devices)
-      std::fprintf(out, "#   rank %3d  %s  %s %s\n", d.rank, d.host.c_str(), d.name.c_str(), d.bus_id.c_str());
-  }
-
+  // Releasing communicators can itself hang after a failure (a kernel still waiting for a
+  // dead peer): the watchdog covers the teardown too.
+  Watchdog teardown;
   int code = kExitOk;
-  if (root) {
-    const std::uint64_t wrong = o.quiet ? 0 : print_summary(report, o, out);
-    std::uint64_t total_wrong = 0;
-    for (const auto& r : report.rows) total_wrong += r.out_of_place.wrong + r.in_place.wrong;
-    (void)wrong;
-    if (!o.json_path.empty()) write_json(report, o, o.json_path);
-    if (!o.csv_path.empty()) write_csv(report, o.csv_path);
-    if (!o.plot_path.empty())
-      for (const auto& f : write_plots(report, o.plot_path))
-        if (!o.quiet) std::fprintf(out, "# plot: %s\n", f.c_str());
-    if (total_wrong > 0) {
-      report_error(fmt::format("{} wrong values: the collectives did not produce their expected results", total_wrong));
-      code = kExitCheckFailed;
-    }
-    const auto misses = busbw_gate_failures(report, o.min_busbw);
-    for (const auto& m : misses) report_error(m);
-    if (code == kExitOk && !misses.empty()) code = kExitBelowGate;
+  try {
+    code = report_and_judge(*backend, o, mpi);
+  } catch (...) {
+    backend->set_failed();
+    teardown.arm("releasing communicators after an error", 30);
+    backend.reset();
+    throw;
   }
-  std::fflush(stdout);
-  // Every rank leaves with rank 0's verdict.
-  mpi_check(MPI_Bcast(&code, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  teardown.arm("releasing communicators", o.plan.timeout_s);
   backend.reset();
   return code;
 }

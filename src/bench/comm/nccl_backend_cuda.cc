@@ -99,7 +99,7 @@ class NcclBackend final : public Backend {
   ~NcclBackend() override {
     // Unwinding from an error: a collective may still be in flight or a capture open, and
     // ncclCommDestroy would wait on it forever. Abort instead, so the error reaches the user.
-    const bool failing = std::uncaught_exceptions() > 0;
+    const bool failing = failed_ || std::uncaught_exceptions() > 0;
     auto release = [failing](ncclComm_t comm) { failing ? ncclCommAbort(comm) : ncclCommDestroy(comm); };
     for (auto& s : slots_) {
       cudaSetDevice(s.device);
