@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test comm mpi memgemm (default: all of them)
+#   scripts/gpu.sh [STEP ...]     steps: build test comm latency mpi memgemm
+#                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
 set -uo pipefail
@@ -39,6 +40,11 @@ for step in "${steps[@]}"; do
       python3 bench/comm_vs_nccl_tests.py --keel "$build/keel" --nccl-tests .peer/nccl-tests --out "$out" \
         ${KEEL_COMM_ARGS:-} 2>&1 | tee "$out/comm_vs_nccl_tests.log" | tail -60
       grep -A100 '^== bench comm vs nccl-tests' "$out/comm_vs_nccl_tests.log" >>"$summary" ;;
+    latency)
+      if [ "$gpus" -lt 2 ]; then note "latency: skipped (needs 2+ GPUs)"; continue; fi
+      python3 bench/comm_vs_nccl_tests.py --keel "$build/keel" --nccl-tests .peer/nccl-tests --out "$out" \
+        --latency-only 2>&1 | tee "$out/comm_latency.log" | tail -30
+      grep -A40 '^== all_reduce latency' "$out/comm_latency.log" >>"$summary" ;;
     mpi)
       if [ "$gpus" -lt 2 ]; then note "mpi: skipped (needs 2+ GPUs)"; continue; fi
       # One process per GPU under mpirun: every op, dtype, reduce op and placement, checked.
