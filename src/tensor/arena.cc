@@ -1,0 +1,58 @@
+#include "tensor/arena.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "common/error.h"
+#include "common/units.h"
+
+namespace keel {
+
+Arena::Arena(std::string name, std::size_t capacity_bytes) : name_(std::move(name)) {
+  capacity_ = footprint(capacity_bytes);
+  if (capacity_ > 0) {
+    base_ = static_cast<std::byte*>(std::aligned_alloc(kAlignment, capacity_));
+    if (!base_) fail("arena '{}': cannot allocate {}", name_, format_size(capacity_));
+    std::memset(base_, 0, capacity_);
+  }
+}
+
+Arena::~Arena() { std::free(base_); }
+
+void* Arena::allocate_bytes(std::string_view what, std::size_t bytes) {
+  std::size_t need = footprint(bytes);
+  if (need > remaining())
+    fail("arena '{}': region '{}' needs {}, only {} of {} left", name_, what, format_size(bytes),
+         format_size(remaining()), format_size(capacity_));
+  void* p = base_ + used_;
+  regions_.push_back(Region{std::string(what), used_, bytes});
+  used_ += need;
+  return p;
+}
+
+Tensor Arena::tensor(std::string_view what, std::initializer_list<std::int64_t> shape) {
+  Tensor probe(nullptr, shape);  // validates the shape
+  float* p = allocate<float>(what, static_cast<std::size_t>(probe.numel()));
+  return Tensor(p, shape);
+}
+
+void Arena::reset() {
+  used_ = 0;
+  regions_.clear();
+}
+
+void Arena::zero_used() {
+  if (used_) std::memset(base_, 0, used_);
+}
+
+const Arena::Region* Arena::find(const void* p) const {
+  auto* b = static_cast<const std::byte*>(p);
+  if (b < base_ || b >= base_ + used_) return nullptr;
+  std::size_t off = static_cast<std::size_t>(b - base_);
+  for (const Region& r : regions_)
+    if (off >= r.offset && off < r.offset + footprint(r.bytes)) return &r;
+  return nullptr;
+}
+
+}  // namespace keel
