@@ -10,6 +10,7 @@
 #include "bench/gemm/command.h"
 #include "bench/mem/command.h"
 #include "common/error.h"
+#include "common/mpi_session.h"
 #include "common/process.h"
 #include "size/command.h"
 
@@ -36,12 +37,12 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : keel::kExitError;
   } catch (const keel::UsageError& e) {
     if (keel::launcher_rank() == 0) keel::report_error(e.what());
-    return keel::kExitError;
-  } catch (const keel::Error& e) {
-    keel::report_error(e.what());
+    keel::finish_mpi_after_error(/*all_ranks_failed=*/true);
     return keel::kExitError;
   } catch (const std::exception& e) {
+    // A failure of this rank alone (a library call, a file): say so, then stop the job.
     keel::report_error(e.what());
+    keel::finish_mpi_after_error(/*all_ranks_failed=*/false);
     return keel::kExitError;
   }
   return keel::exit_code();

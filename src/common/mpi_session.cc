@@ -2,6 +2,9 @@
 
 #include <unistd.h>
 
+#include <cstdio>
+#include <exception>
+
 #include "common/error.h"
 
 namespace keel {
@@ -33,10 +36,34 @@ MpiSession::MpiSession() {
   MPI_Comm_free(&local);
 }
 
+namespace {
+// Set when an error unwinds past a session of several ranks: main() decides, after printing
+// the error, whether to finalize or abort (finalizing first could block on the other ranks).
+bool g_unwound_with_peers = false;
+}  // namespace
+
 MpiSession::~MpiSession() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  if (finalized) return;
+  if (std::uncaught_exceptions() > 0 && size_ > 1) {
+    g_unwound_with_peers = true;
+    return;
+  }
+  MPI_Finalize();
+}
+
+void finish_mpi_after_error(bool all_ranks_failed) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return;
+  if (g_unwound_with_peers && !all_ranks_failed) {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, kExitError);
+  }
+  MPI_Finalize();
 }
 
 std::string MpiSession::host() const {

@@ -26,6 +26,12 @@ class MpiSession {
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
 };
 
+// After an error unwound past a live MpiSession: finalizes MPI when every rank failed the
+// same way (`all_ranks_failed`, a usage error), else aborts the whole job so the other ranks
+// stop at once instead of waiting in a collective until their --timeout. A no-op when MPI
+// was never started or already finalized.
+void finish_mpi_after_error(bool all_ranks_failed);
+
 // Throws keel::Error with the MPI error string when `rc` is not MPI_SUCCESS.
 void mpi_check(int rc, const char* what);
 

@@ -94,6 +94,7 @@ class Backend {
   // The run failed: on release, abort communicators instead of waiting for work in flight.
   void set_failed() { failed_ = true; }
   void set_corrupt_rank(int rank) { corrupt_rank_ = rank; }
+  void set_error_rank(int rank) { error_rank_ = rank; }
 
  protected:
   // The value and place an injected corruption writes: never a valid result.
@@ -102,6 +103,7 @@ class Backend {
 
   int hang_rank_ = -1;
   int corrupt_rank_ = -1;
+  int error_rank_ = -1;  // this rank fails its first measurement with an error
   bool failed_ = false;
 };
 

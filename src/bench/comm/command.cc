@@ -21,7 +21,7 @@ struct RawFlags {
   std::string min = "8", max = "64M", ranks;
   double factor = 2;
   bool all_groups = false, no_check = false, quiet = false;
-  int root = 0, warmup = 5, iters = 20, graph = 0, hang_rank = -1, corrupt_rank = -1;
+  int root = 0, warmup = 5, iters = 20, graph = 0, hang_rank = -1, corrupt_rank = -1, error_rank = -1;
   double timeout = 300, min_busbw = 0;
   std::uint64_t seed = 1;
   std::string json, csv, plot;
@@ -63,6 +63,7 @@ CommOptions to_options(const RawFlags& f) {
     o.min_busbw = f.min_busbw;
     o.hang_rank = f.hang_rank;
     o.corrupt_rank = f.corrupt_rank;
+    o.error_rank = f.error_rank;
     o.quiet = f.quiet;
     (void)geometric_sizes(o.min_bytes, o.max_bytes, o.factor);
     return o;
@@ -194,6 +195,8 @@ void add_comm_command(CLI::App& bench) {
       ->group("");
   cmd->add_option("--inject-corrupt", flags->corrupt_rank,
                   "Testing: overwrite one checked output element on this rank (exercises the checker)")
+      ->group("");
+  cmd->add_option("--inject-error", flags->error_rank, "Testing: this rank fails with an error (the job must stop)")
       ->group("");
   cmd->callback([flags] { set_exit_code(run(*flags)); });
 }

@@ -107,6 +107,7 @@ class MpiBackend final : public Backend {
     if (group_comm_ == MPI_COMM_NULL) return;
     fill(c, 0x5eedull);  // real data, not zeros: some MPI reductions have zero fast paths
     maybe_hang();
+    if (rank_ == error_rank_) fail("injected failure on rank {} (--inject-error)", rank_);
     for (int i = 0; i < plan.warmup; ++i) run(c);
     mpi_check(MPI_Barrier(group_comm_), "MPI_Barrier");
     RankTiming t;

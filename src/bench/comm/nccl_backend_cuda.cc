@@ -210,6 +210,8 @@ class NcclBackend final : public Backend {
 
   void measure(const CollectiveCase& c, const TimingPlan& plan, std::vector<RankTiming>* out) override {
     if (!any_member()) return;
+    for (const auto& s : slots_)
+      if (s.rank == error_rank_) fail("injected failure on rank {} (--inject-error)", s.rank);
     fill(c, 0x5eedull);
     for (int i = 0; i < plan.warmup; ++i) run(c);
     wait_all();

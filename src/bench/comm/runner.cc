@@ -222,6 +222,7 @@ CommReport run_comm_bench(Backend& b, const CommOptions& o, RowSink* sink) {
   report.devices = gather_devices(b);
   b.set_hang_rank(o.hang_rank);
   b.set_corrupt_rank(o.corrupt_rank);
+  b.set_error_rank(o.error_rank);
 
   Watchdog dog;
   const std::vector<int> ranks = o.ranks.empty() ? std::vector<int>{b.world_size()} : o.ranks;

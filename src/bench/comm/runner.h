@@ -32,7 +32,8 @@ struct CommOptions {
   std::string json_path, csv_path, plot_path;
   double min_busbw = 0;          // GB/s; 0 disables the gate
   int hang_rank = -1;            // fault injection (tests): this rank stops taking part
-  int corrupt_rank = -1;         // fault injection (tests): this rank's checked output is overwritten
+  int corrupt_rank = -1;
+  int error_rank = -1;           // fault injection (tests): this rank fails with an error         // fault injection (tests): this rank's checked output is overwritten
   bool quiet = false;            // no table on stdout
 };
 

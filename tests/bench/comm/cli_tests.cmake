@@ -32,6 +32,10 @@ keel_cli_test(NAME comm_hang_detected NP 2 EXIT nonzero MATCH "did not finish wi
   ARGS bench comm ${quick} --timeout 2 --inject-hang 1)
 keel_cli_test(NAME comm_corruption_detected NP 2 EXIT 2 MATCH "wrong values, first at rank 1 element"
   ARGS bench comm ${quick} --op all_reduce,broadcast --inject-corrupt 1)
+# One rank failing alone stops the whole job at once, not after the others' --timeout.
+keel_cli_test(NAME comm_failing_rank_stops_job NP 3 EXIT nonzero MATCH "\\[rank 1\\] injected failure on rank 1"
+  ARGS bench comm ${quick} --timeout 120 --inject-error 1)
+set_tests_properties(cli_comm_failing_rank_stops_job PROPERTIES TIMEOUT 60)
 keel_cli_test(NAME comm_busbw_gate NP 2 EXIT 3 MATCH "is below --min-busbw 1e\\+06"
   ARGS bench comm ${quick} --min-busbw 1e6)
 keel_cli_test(NAME comm_busbw_gate_passes NP 2 EXIT 0 MATCH "Wrong values: 0 OK"
