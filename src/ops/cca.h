@@ -1,0 +1,80 @@
+// ZAYA1's CCA block (compressed convolutional attention, GQA variant), composed from keel ops.
+// Source: Zyphra transformers fork, modeling_zaya.py classes `CCA` (q/k/v) and `ZayaAttention`
+// (RoPE, attention, o_proj); docs/zaya1_ops.md has the derivation and the choices made.
+//
+// Per sequence of T tokens (B sequences, N = B*T, token b*T + t), x [N, H] (the RMSNorm'd
+// residual). nq query heads, nkv kv heads, head dim d, G = nq / nkv, C = (nq + nkv) d:
+//   qk0 = x W_qk^T                    [N, C]  (W_qk = [linear_q.weight; linear_k.weight], no bias)
+//   conv = grouped(depthwise(qk0))    [N, C]  (causal_conv: W0, W1 taps, biases; per sequence,
+//                                              exactly the reference's single left padding)
+//   mixing (pre-conv skip terms), per q head h with kv head g = h / G:
+//     m_q[h] = (qk0_q[h] + qk0_k[g]) / 2;   m_k[g] = mean_{h in g} m_q[h]
+//   a_q = conv_q + m_q,  a_k = conv_k + m_k                                    (saved: qk)
+//   q[h] = sqrt(d) a_q[h] / ||a_q[h]||;  k[g] = temp[g] sqrt(d) a_k[g] / ||a_k[g]||
+//     (norm = sqrt(sum a^2 + l2_eps); the reference has no eps: l2_eps = 0 by default)
+//   q, k <- RoPE (the rope::Table given: ZAYA1 rotates the first 64 of 128 dims, rotate-half)
+//   v = [x_t W_v1^T | x_{t-1} W_v2^T]  [N, nkv d]  (W_v = [val_proj1.weight; val_proj2.weight];
+//     x_{-1} = 0: the first token of each sequence sees a zero previous hidden state, as the
+//     reference's F.pad(hs[:-1]) does. Computed as u = x W_v^T, then the second half of u
+//     shifted one token later within each sequence: linear maps commute with the shift.)
+//   att = causal GQA softmax attention(q, k, v), scale 1/sqrt(d)       [N, nq d]
+//   y = att W_o^T                                                       [N, H]
+// Positions are per token (rope); the conv and the value shift restart per sequence of T,
+// not at document boundaries inside a packed sequence (neither does the reference).
+//
+// Gradients: dx overwritten; parameter gradients accumulated (+=); any may be empty.
+#pragma once
+
+#include <cstdint>
+
+#include "ops/rope.h"
+#include "tensor/tensor.h"
+
+namespace keel::ops::cca {
+
+struct Config {
+  std::int64_t hidden = 2048;
+  std::int64_t q_heads = 8, kv_heads = 2, head_dim = 128;
+  int conv0_width = 2, conv1_width = 2;  // cca_time0, cca_time1
+  float l2_eps = 0.f;                     // added to the squared norm; 0 = the reference
+  std::int64_t qk_channels() const { return (q_heads + kv_heads) * head_dim; }
+};
+
+struct Params {
+  Tensor w_qk;     // [C, H]
+  Tensor w_v;      // [nkv d, H]
+  Tensor conv0_w;  // [C, W0]     depthwise (nn.Conv1d weight [C, 1, W0])
+  Tensor conv0_b;  // [C]
+  Tensor conv1_w;  // [C, d, W1]  grouped, one group per head
+  Tensor conv1_b;  // [C]
+  Tensor temp;     // [nkv]       per-kv-head temperature on k (HF init 0, Primus 1)
+  Tensor w_o;      // [H, nq d]
+};
+
+// What forward saves for backward (caller-allocated; saved_floats / carve_saved):
+struct Saved {
+  Tensor qk0;    // [N, C] pre-conv projections (conv input, mixing terms)
+  Tensor c0;     // [B, T + W1 - 1, C] depthwise output (grouped conv input)
+  Tensor qk;     // [N, C] conv output + mixing terms, before the L2 normalization
+  Tensor rnorm;  // [N, nq + nkv] 1 / norm per head (q heads first)
+  Tensor q;      // [N, nq d] attention query (normalized, scaled, rotated)
+  Tensor k;      // [N, nkv d] attention key (normalized, temperature, rotated)
+  Tensor v;      // [N, nkv d] values (current | previous token)
+  Tensor att;    // [N, nq d] attention output
+  Tensor lse;    // [B, nq, T] attention log-sum-exp
+};
+
+std::int64_t saved_floats(const Config& c, std::int64_t B, std::int64_t T);
+Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, float* p);
+
+// x [N, H] with N = B*T; positions [N] (rope positions); y [N, H].
+void forward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, const std::int32_t* positions,
+             const rope::Table& rope_table, const Params& p, const Saved& s, const Tensor& y);
+
+std::int64_t backward_scratch_floats(const Config& c, std::int64_t B, std::int64_t T);
+// dy [N, H] -> dx [N, H] (overwritten), grads (+=). Needs x, positions, p and s from forward.
+void backward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, const std::int32_t* positions,
+              const rope::Table& rope_table, const Params& p, const Saved& s, const Tensor& dy, const Tensor& dx,
+              const Params& grads, const Tensor& scratch);
+
+}  // namespace keel::ops::cca
