@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "common/process.h"
+#include "data/command.h"
 #include "size/command.h"
 
 int main(int argc, char** argv) {
@@ -27,6 +28,7 @@ int main(int argc, char** argv) {
   keel::bench::add_mem_command(*bench);
   keel::bench::add_gemm_command(*bench);
   keel::size::add_command(app);
+  keel::data::add_command(app);
 
   try {
     app.parse(argc, argv);

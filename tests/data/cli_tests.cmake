@@ -1,0 +1,52 @@
+# `keel data` as a user runs it: tokenize the shipped corpus, inspect it, walk batches; and one
+# clear error line (naming the file, and the line where there is one) per bad input.
+set(corpus ${PROJECT_SOURCE_DIR}/data/corpus)
+set(din ${CMAKE_CURRENT_SOURCE_DIR}/data/inputs)
+
+keel_cli_test(NAME data_tokenize_jsonl
+  MATCH "tokenized 1 file: 220 documents, [0-9]+ tokens \\(byte tokenizer, vocab 259, uint16\\)"
+  ARGS data tokenize ${corpus}/stories.jsonl --out data_stories --append-eos)
+set_tests_properties(cli_data_tokenize_jsonl PROPERTIES FIXTURES_SETUP data_stories)
+keel_cli_test(NAME data_inspect
+  MATCH "text \"(Once upon a time|[A-Z][a-z]+ and a |In ).*</s>\"$"
+  ARGS data inspect data_stories --tokens 100000)
+keel_cli_test(NAME data_inspect_summary MATCH "^documents +220$" ARGS data inspect data_stories)
+set_tests_properties(cli_data_inspect cli_data_inspect_summary PROPERTIES FIXTURES_REQUIRED data_stories)
+
+keel_cli_test(NAME data_tokenize_text MATCH "tokenized 2 files: 520 documents, .*uint32\\)"
+  ARGS data tokenize ${corpus}/stories.txt ${corpus}/arithmetic.txt --out data_text --dtype uint32)
+set_tests_properties(cli_data_tokenize_text PROPERTIES FIXTURES_SETUP data_text)
+keel_cli_test(NAME data_inspect_uint32 MATCH "^dtype +uint32 \\(Megatron dtype code 9\\)$"
+  ARGS data inspect data_text --document 300)
+set_tests_properties(cli_data_inspect_uint32 PROPERTIES FIXTURES_REQUIRED data_text)
+
+# Bad input.
+keel_cli_test(NAME data_tokenize_missing EXIT 1 MATCH "^keel: error: cannot read input .*nope\\.txt: No such file or directory$"
+  ARGS data tokenize ${corpus}/stories.txt ${din}/nope.txt --out data_never)
+keel_cli_test(NAME data_tokenize_bad_jsonl EXIT 1 MATCH "^keel: error: .*bad\\.jsonl:3: not a JSON line \\("
+  ARGS data tokenize ${din}/bad.jsonl --out data_never)
+keel_cli_test(NAME data_tokenize_no_key EXIT 1 MATCH "^keel: error: .*no_key\\.jsonl:2: no string field 'text'"
+  ARGS data tokenize ${din}/no_key.jsonl --out data_never)
+keel_cli_test(NAME data_tokenize_other_key EXIT 1 MATCH "no_key\\.jsonl:1: no string field 'body'"
+  ARGS data tokenize ${din}/no_key.jsonl --jsonl-key body --out data_never)
+keel_cli_test(NAME data_tokenize_empty EXIT 1 MATCH "^keel: error: no documents in the input \\(.*empty\\.txt\\): nothing to write$"
+  ARGS data tokenize ${din}/empty.txt --out data_never)
+keel_cli_test(NAME data_tokenize_spm_missing EXIT 1
+  MATCH "^keel: error: cannot read SentencePiece model .*missing\\.model: no such file$"
+  ARGS data tokenize ${corpus}/stories.txt --tokenizer spm:${din}/missing.model --out data_never)
+keel_cli_test(NAME data_tokenize_bad_tokenizer EXIT 1 MATCH "unknown tokenizer 'gpt2' \\(byte or spm:MODEL_FILE\\)"
+  ARGS data tokenize ${corpus}/stories.txt --tokenizer gpt2 --out data_never)
+keel_cli_test(NAME data_tokenize_bad_dtype EXIT 1 MATCH "unknown token dtype 'int8'"
+  ARGS data tokenize ${corpus}/stories.txt --dtype int8 --out data_never)
+keel_cli_test(NAME data_inspect_missing EXIT 1 MATCH "^keel: error: cannot open .*data_nothing\\.idx: No such file or directory$"
+  ARGS data inspect data_nothing)
+keel_cli_test(NAME data_batches_unknown_key EXIT 1
+  MATCH "^keel: error: .*unknown_key\\.yaml: unknown key 'weight' in phase 1 \\(allowed: name, tokens, weights\\) \\(line 7\\)$"
+  ARGS data batches ${din}/unknown_key.yaml)
+keel_cli_test(NAME data_batches_missing_dataset EXIT 1
+  MATCH "^keel: error: cannot open .*inputs/no_such_dataset\\.idx: No such file or directory$"
+  ARGS data batches ${din}/missing_dataset.yaml)
+
+# Truncated datasets, a two-dataset phased blend, resume and world-size independence end to end.
+add_test(NAME cli_data_pipeline COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/data/check_pipeline.sh $<TARGET_FILE:keel> ${corpus})
+set_tests_properties(cli_data_pipeline PROPERTIES TIMEOUT 120)
