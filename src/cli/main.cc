@@ -9,6 +9,7 @@
 #include "bench/comm/command.h"
 #include "bench/gemm/command.h"
 #include "bench/mem/command.h"
+#include "ckpt/command.h"
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "common/process.h"
@@ -28,6 +29,7 @@ int main(int argc, char** argv) {
   keel::bench::add_mem_command(*bench);
   keel::bench::add_gemm_command(*bench);
   keel::size::add_command(app);
+  keel::ckpt::add_command(app);
   keel::data::add_command(app);
 
   try {

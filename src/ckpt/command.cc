@@ -1,0 +1,275 @@
+#include "ckpt/command.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "ckpt/comm.h"
+#include "ckpt/demo.h"
+#include "ckpt/layout.h"
+#include "ckpt/reader.h"
+#include "ckpt/safetensors.h"
+#include "ckpt/store.h"
+#include "ckpt/tools.h"
+#include "ckpt/writer.h"
+#include "common/error.h"
+#include "common/mpi_session.h"
+#include "common/process.h"
+#include "common/units.h"
+#include "common/watchdog.h"
+
+namespace keel::ckpt {
+namespace {
+
+struct Flags {
+  std::string root, path, out, layout, model, to, format = "safetensors";
+  std::int64_t step = 1, import_step = -1;
+  int saves = 1, every = 1, threads = 2, keep_last = 0, keep_every = 0;
+  double timeout = 120;
+  bool verify_checksums = false, all = false, shards = false;
+  int die_rank = -1, enospc_rank = -1;
+  std::int64_t die_after = 0, inject_step = -1;
+};
+
+template <typename F>
+auto usage(F f) {
+  try {
+    return f();
+  } catch (const UsageError&) {
+    throw;
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+}
+
+double max_over_ranks(double v) {
+  double m = v;
+  mpi_check(MPI_Allreduce(&v, &m, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");
+  return m;
+}
+
+int run_demo_save_ranks(const Flags& f);
+
+// The save protocol gives every rank the same verdict: one rank prints it.
+int run_demo_save(const Flags& f) {
+  try {
+    return run_demo_save_ranks(f);
+  } catch (const UsageError&) {
+    throw;
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+}
+
+int run_demo_save_ranks(const Flags& f) {
+  const DemoConfig cfg = usage([&] { return parse_demo_config(f.model); });
+  if (f.saves < 1 || f.every < 1 || f.threads < 1) throw UsageError("--saves, --every and --threads must be at least 1");
+  MpiSession mpi;
+  const Mesh mesh = usage([&] { return parse_mesh(f.layout, mpi.size()); });
+  Watchdog dog;
+  WatchdogScope scope(dog, "keel ckpt demo-save", f.timeout);
+  auto comm = make_mpi_comm(MPI_COMM_WORLD);
+  SaveOptions so;
+  so.threads = f.threads;
+  so.keep_last = f.keep_last;
+  so.keep_every = f.keep_every;
+  const std::int64_t last = f.step + static_cast<std::int64_t>(f.saves - 1) * f.every;
+  const std::int64_t inject_at = f.inject_step >= 0 ? f.inject_step : last;
+  const bool root = mpi.rank() == 0;
+  if (root)
+    fmt::print("# keel ckpt demo-save  |  {} ranks  |  layout {}  |  model {}\n", mpi.size(), mesh.str(),
+               cfg.to_json().dump());
+  Saver saver(*comm, f.root, so);
+  auto report = [&](const SaveStats& st) {
+    const double stall = max_over_ranks(st.stall_s), blocked = max_over_ranks(st.blocked_s);
+    if (root)
+      fmt::print("saved step {}: stall {:.2f} ms (slowest rank), wrote {} in {} files in {:.1f} ms ({:.2f} GB/s) in "
+                 "the background, wait blocked {:.1f} ms, commit {:.1f} ms -> {}{}\n",
+                 st.step, stall * 1e3, format_size(st.bytes), st.files, st.write_s * 1e3, st.write_gbps(), blocked * 1e3,
+                 st.commit_s * 1e3, st.dir,
+                 st.removed.empty() ? "" : fmt::format(" (retention removed {})", st.removed.size()));
+    std::fflush(stdout);
+  };
+  for (int i = 0; i < f.saves; ++i) {
+    const std::int64_t step = f.step + static_cast<std::int64_t>(i) * f.every;
+    // The "training step": the state for this step is computed (generated) while the previous
+    // save is still being written in the background.
+    DemoShards state = demo_state(cfg, mesh, mpi.rank(), step);
+    nlohmann::json global = {{"data_loader", {{"epoch", 0}, {"samples_seen", step * 1024}}},
+                             {"config", cfg.to_json()},
+                             {"layout", mesh.str()},
+                             {"kind", "keel ckpt demo"}};
+    if (saver.in_flight()) {
+      if (auto st = saver.wait()) report(*st);
+    }
+    // A save hit by injected faults runs through its own Saver (same protocol on every rank).
+    Saver* s = &saver;
+    std::unique_ptr<Saver> injected;
+    if (step == inject_at && (f.die_rank >= 0 || f.enospc_rank >= 0)) {
+      SaveOptions faulty = so;
+      if (mpi.rank() == f.die_rank) faulty.die_after_bytes = f.die_after;
+      if (mpi.rank() == f.enospc_rank) faulty.fail_with_enospc = true;
+      injected = std::make_unique<Saver>(*comm, f.root, faulty);
+      s = injected.get();
+    }
+    s->save(step, state.shards, global, demo_rank_state(mpi.rank(), step), mesh.str());
+    // The buffers may be reused at once: save() copied them (the staging copy is the stall).
+    state = DemoShards();
+    if (injected) {
+      if (auto st = injected->wait()) report(*st);
+    }
+  }
+  if (auto st = saver.wait()) report(*st);
+  return kExitOk;
+}
+
+int run_demo_load(const Flags& f) {
+  if (f.threads < 1) throw UsageError("--threads must be at least 1");
+  MpiSession mpi;
+  const Mesh mesh = usage([&] { return parse_mesh(f.layout, mpi.size()); });
+  Watchdog dog;
+  WatchdogScope scope(dog, "keel ckpt demo-load", f.timeout);
+  // Rank-local work: an error on one rank must not leave the others waiting in a collective,
+  // so every rank agrees on the outcome before anyone leaves.
+  std::unique_ptr<Reader> reader;
+  LoadStats st;
+  std::string first, error;
+  std::int64_t wrong = 0;
+  try {
+    reader = std::make_unique<Reader>(f.path);
+    const Metadata& m = reader->metadata();
+    if (!m.state.contains("config")) fail("{}: not a demo checkpoint (its state has no demo config)", reader->dir());
+    const DemoConfig cfg = DemoConfig::from_json(m.state["config"]);
+    DemoTarget target = demo_target(cfg, mesh, mpi.rank());
+    LoadOptions lo;
+    lo.threads = f.threads;
+    lo.verify_checksums = f.verify_checksums;
+    st = reader->load(target.requests, lo);
+    wrong = demo_verify(target, m.step, &first);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  int failed = error.empty() ? 0 : 1, failed_ranks = 0;
+  mpi_check(MPI_Allreduce(&failed, &failed_ranks, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD), "MPI_Allreduce");
+  // Every rank leaves the same way (so all of them finalize MPI): the failing ones say why.
+  if (failed) report_error(error);
+  if (failed_ranks)
+    throw UsageError(fmt::format("the load failed on {} of {} rank(s); nothing was loaded", failed_ranks, mpi.size()));
+  const Metadata& m = reader->metadata();
+  double local[4] = {static_cast<double>(st.bytes_needed), static_cast<double>(st.bytes_read),
+                     static_cast<double>(st.reads), static_cast<double>(wrong)};
+  double sum[4];
+  mpi_check(MPI_Allreduce(local, sum, 4, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD), "MPI_Allreduce");
+  const double secs = max_over_ranks(st.seconds);
+  if (wrong) report_error(fmt::format("{} elements differ from what was saved; first: {}", wrong, first));
+  if (mpi.rank() == 0) {
+    fmt::print("# keel ckpt demo-load  |  {} ranks  |  layout {}\n", mpi.size(), mesh.str());
+    fmt::print("loaded step {} (saved by {} ranks in layout {}) from {}\n", m.step, m.world, m.layout, reader->dir());
+    fmt::print("  {} needed, {} read: read amplification {:.3f}, {} reads, {:.1f} ms, {:.2f} GB/s{}\n",
+               format_size(static_cast<std::uint64_t>(sum[0])), format_size(static_cast<std::uint64_t>(sum[1])),
+               sum[0] > 0 ? sum[1] / sum[0] : 1.0, static_cast<std::uint64_t>(sum[2]), secs * 1e3,
+               secs > 0 ? sum[1] / secs / 1e9 : 0.0, f.verify_checksums ? " (whole shards read to verify checksums)" : "");
+    if (sum[3] == 0) fmt::print("  every element bit-identical to what was saved\n");
+    else fmt::print("  {} elements WRONG\n", static_cast<std::int64_t>(sum[3]));
+  }
+  std::fflush(stdout);
+  return sum[3] == 0 ? kExitOk : kExitCheckFailed;
+}
+
+}  // namespace
+
+void add_command(CLI::App& app) {
+  auto f = std::make_shared<Flags>();
+  CLI::App* ckpt = app.add_subcommand(
+      "ckpt",
+      "Checkpoints: parallelism-agnostic sharded saves (async, deduplicated, atomic commit) and loads into any layout");
+  ckpt->require_subcommand(1);
+
+  CLI::App* save = ckpt->add_subcommand(
+      "demo-save", "Save a synthetic sharded MoE training state (deterministic contents) under MPI, asynchronously");
+  save->add_option("root", f->root, "Checkpoint root directory")->required();
+  save->add_option("--layout", f->layout, "Mesh: pp=,dp=,ep=,tp=,zero=0|1 (dp fills the world when omitted)");
+  save->add_option("--model", f->model, "Sizes: layers=,hidden=,vocab=,experts=,ffn= (default 2,64,1003,6,80)");
+  save->add_option("--step", f->step, "First step saved")->capture_default_str();
+  save->add_option("--saves", f->saves, "Number of saves (each overlaps the next step's work)")->capture_default_str();
+  save->add_option("--every", f->every, "Steps between saves")->capture_default_str();
+  save->add_option("--threads", f->threads, "Writer threads (= data files) per rank")->capture_default_str();
+  save->add_option("--keep-last", f->keep_last, "Retention: keep the newest K checkpoints (0 = all)");
+  save->add_option("--keep-every", f->keep_every, "Retention: also keep every step divisible by M");
+  save->add_option("--timeout", f->timeout, "Seconds before a hung save is an error (exit 124)")->capture_default_str();
+  save->add_option("--inject-die-rank", f->die_rank, "Testing: this rank _exit()s mid-save")->group("");
+  save->add_option("--inject-die-after", f->die_after, "Testing: ... after writing this many bytes")->group("");
+  save->add_option("--inject-enospc-rank", f->enospc_rank, "Testing: this rank's writes fail with ENOSPC")->group("");
+  save->add_option("--inject-step", f->inject_step, "Testing: the save the faults hit (default: the last)")->group("");
+  save->callback([f] { set_exit_code(run_demo_save(*f)); });
+
+  CLI::App* load = ckpt->add_subcommand(
+      "demo-load", "Load a demo checkpoint into this world's layout under MPI and check every element bit for bit");
+  load->add_option("path", f->path, "Checkpoint directory or root (follows `latest`)")->required();
+  load->add_option("--layout", f->layout, "Target mesh (as demo-save)");
+  load->add_option("--threads", f->threads, "Reader threads per rank")->capture_default_str();
+  load->add_flag("--verify-checksums", f->verify_checksums, "Read every touched shard whole to check its CRC32C");
+  load->add_option("--timeout", f->timeout, "Seconds before a hung load is an error (exit 124)")->capture_default_str();
+  load->callback([f] { set_exit_code(run_demo_load(*f)); });
+
+  CLI::App* insp = ckpt->add_subcommand("inspect", "Steps, layout, state, files and the tensor tree of a checkpoint");
+  insp->add_option("path", f->path, "Checkpoint directory or root")->required();
+  insp->add_flag("--shards", f->shards, "List every stored shard (box, file, byte range, CRC32C)");
+  insp->callback([f] {
+    inspect(f->path, stdout, f->shards);
+    set_exit_code(kExitOk);
+  });
+
+  CLI::App* ver = ckpt->add_subcommand(
+      "verify", "Check every shard's CRC32C and that every element of every tensor is stored exactly once (exit 2 if not)");
+  ver->add_option("path", f->path, "Checkpoint directory or root (verifies `latest`, lists incomplete saves)")->required();
+  ver->add_flag("--all", f->all, "Verify every committed step under the root");
+  ver->callback([f] {
+    const int problems = verify(f->path, f->all, stdout);
+    std::fflush(stdout);
+    if (problems) report_error(fmt::format("{}: {} problem(s) found", f->path, problems));
+    set_exit_code(problems ? kExitCheckFailed : kExitOk);
+  });
+
+  CLI::App* re = ckpt->add_subcommand("reshard", "Rewrite a checkpoint in another layout (offline, one process)");
+  re->add_option("src", f->path, "Source checkpoint directory or root")->required();
+  re->add_option("dst", f->out, "Destination root")->required();
+  re->add_option("--to", f->to, "Target mesh, e.g. pp=2,tp=2,dp=2,zero=1")->required();
+  re->add_option("--threads", f->threads, "I/O threads")->capture_default_str();
+  re->callback([f] {
+    usage([&] { return parse_mesh(f->to); });
+    const ReshardStats st = reshard(f->path, f->out, f->to, f->threads);
+    fmt::print("resharded to {} -> {}: {} written, read amplification {:.3f}, {:.1f} ms\n", parse_mesh(f->to).str(),
+               st.dir, format_size(st.bytes), st.amplification, st.seconds * 1e3);
+    set_exit_code(kExitOk);
+  });
+
+  CLI::App* ex = ckpt->add_subcommand("export", "Write a checkpoint's tensors whole into one file (Hugging Face safetensors)");
+  ex->add_option("src", f->path, "Checkpoint directory or root")->required();
+  ex->add_option("out", f->out, "Output file")->required();
+  ex->add_option("--format", f->format, "safetensors")->capture_default_str();
+  ex->callback([f] {
+    if (f->format != "safetensors") throw UsageError(fmt::format("unknown --format '{}' (safetensors)", f->format));
+    const auto st = export_safetensors(f->path, f->out, f->threads);
+    fmt::print("exported step {}: {} tensors, {} -> {}\n", st.step, st.tensors, format_size(st.bytes), st.path);
+    set_exit_code(kExitOk);
+  });
+
+  CLI::App* im = ckpt->add_subcommand("import", "Make a checkpoint from a Hugging Face safetensors file");
+  im->add_option("in", f->path, "Input .safetensors file")->required();
+  im->add_option("dst", f->out, "Destination root")->required();
+  im->add_option("--format", f->format, "safetensors")->capture_default_str();
+  im->add_option("--step", f->import_step, "Step to record (default: the file's keel.step, else 0)");
+  im->callback([f] {
+    if (f->format != "safetensors") throw UsageError(fmt::format("unknown --format '{}' (safetensors)", f->format));
+    const auto st = import_safetensors(f->path, f->out, f->import_step, f->threads);
+    fmt::print("imported {} tensors, {} as step {} -> {}\n", st.tensors, format_size(st.bytes), st.step, st.path);
+    set_exit_code(kExitOk);
+  });
+}
+
+}  // namespace keel::ckpt

@@ -1,0 +1,122 @@
+#include "ckpt/geometry.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include <fmt/format.h>
+
+namespace keel::ckpt {
+
+std::optional<Box> intersect(const Box& a, const Box& b) {
+  if (a.ndim() != b.ndim()) return std::nullopt;
+  Box r;
+  r.offsets.resize(a.ndim());
+  r.lengths.resize(a.ndim());
+  for (std::size_t d = 0; d < a.ndim(); ++d) {
+    const std::int64_t lo = std::max(a.offsets[d], b.offsets[d]);
+    const std::int64_t hi = std::min(a.offsets[d] + a.lengths[d], b.offsets[d] + b.lengths[d]);
+    if (hi <= lo) return std::nullopt;
+    r.offsets[d] = lo;
+    r.lengths[d] = hi - lo;
+  }
+  if (a.empty() || b.empty()) return std::nullopt;
+  return r;
+}
+
+void for_each_run(const Box& part, const Box& src_box, const Box& dst_box, const std::function<void(const Run&)>& f) {
+  const std::size_t nd = part.ndim();
+  if (part.empty()) return;
+  if (nd == 0) {
+    f(Run{0, 0, 1});
+    return;
+  }
+  // Row-major strides of both boxes.
+  std::vector<std::int64_t> ss(nd, 1), ds(nd, 1);
+  for (std::size_t d = nd - 1; d > 0; --d) {
+    ss[d - 1] = ss[d] * src_box.lengths[d];
+    ds[d - 1] = ds[d] * dst_box.lengths[d];
+  }
+  // Collapse trailing dimensions that part spans fully in both boxes.
+  std::size_t j = nd - 1;
+  std::int64_t run = part.lengths[j];
+  while (j > 0 && part.lengths[j] == src_box.lengths[j] && part.lengths[j] == dst_box.lengths[j]) {
+    --j;
+    run *= part.lengths[j];
+  }
+  // Iterate over the outer dimensions [0, j).
+  std::vector<std::int64_t> idx(j, 0);
+  while (true) {
+    std::int64_t so = 0, dof = 0;
+    for (std::size_t d = 0; d < nd; ++d) {
+      const std::int64_t g = part.offsets[d] + (d < j ? idx[d] : 0);
+      so += (g - src_box.offsets[d]) * ss[d];
+      dof += (g - dst_box.offsets[d]) * ds[d];
+    }
+    f(Run{so, dof, run});
+    std::size_t d = j;
+    while (d > 0) {
+      --d;
+      if (++idx[d] < part.lengths[d]) break;
+      idx[d] = 0;
+      if (d == 0) return;
+    }
+    if (j == 0) return;
+  }
+}
+
+namespace {
+std::int64_t start0(const Box& b) { return b.ndim() ? b.offsets[0] : 0; }
+std::int64_t end0(const Box& b) { return b.ndim() ? b.offsets[0] + b.lengths[0] : 1; }
+}  // namespace
+
+ShardIndex::ShardIndex(const std::vector<Box>& boxes) {
+  original_.resize(boxes.size());
+  std::iota(original_.begin(), original_.end(), 0);
+  std::stable_sort(original_.begin(), original_.end(),
+                   [&](std::size_t a, std::size_t b) { return start0(boxes[a]) < start0(boxes[b]); });
+  boxes_.reserve(boxes.size());
+  max_end_.reserve(boxes.size());
+  std::int64_t m = 0;
+  for (std::size_t i : original_) {
+    boxes_.push_back(boxes[i]);
+    m = std::max(m, end0(boxes[i]));
+    max_end_.push_back(m);
+  }
+}
+
+std::vector<std::size_t> ShardIndex::query(const Box& q) const {
+  std::vector<std::size_t> out;
+  if (q.empty()) return out;
+  const std::int64_t qs = start0(q), qe = end0(q);
+  // Candidates start before the query ends; walk back while some earlier box still reaches qs.
+  std::size_t hi = static_cast<std::size_t>(
+      std::lower_bound(boxes_.begin(), boxes_.end(), qe, [](const Box& b, std::int64_t v) { return start0(b) < v; }) -
+      boxes_.begin());
+  for (std::size_t i = hi; i > 0; --i) {
+    if (max_end_[i - 1] <= qs) break;
+    if (intersect(boxes_[i - 1], q)) out.push_back(original_[i - 1]);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string coverage_problem(const Shape& shape, const std::vector<Box>& boxes) {
+  std::int64_t total = 0;
+  std::vector<Box> nonempty;
+  for (const Box& b : boxes) {
+    if (!box_within(b, shape)) return fmt::format("shard {} lies outside the tensor {}", box_str(b), shape_str(shape));
+    if (b.empty()) continue;
+    total += b.volume();
+    nonempty.push_back(b);
+  }
+  ShardIndex index(nonempty);
+  for (std::size_t i = 0; i < nonempty.size(); ++i)
+    for (std::size_t j : index.query(nonempty[i]))
+      if (j != i) return fmt::format("shards {} and {} overlap", box_str(nonempty[i]), box_str(nonempty[j]));
+  if (total != numel(shape))
+    return fmt::format("shards hold {} of {} elements: the checkpoint does not cover the whole tensor", total,
+                       numel(shape));
+  return "";
+}
+
+}  // namespace keel::ckpt

@@ -1,0 +1,207 @@
+#include "ckpt/tools.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "ckpt/checksum.h"
+#include "ckpt/comm.h"
+#include "ckpt/geometry.h"
+#include "ckpt/layout.h"
+#include "ckpt/reader.h"
+#include "ckpt/store.h"
+#include "ckpt/writer.h"
+#include "common/error.h"
+#include "common/units.h"
+
+namespace fs = std::filesystem;
+
+namespace keel::ckpt {
+
+void inspect(const std::string& path, std::FILE* out, bool list_shards) {
+  if (fs::is_directory(path) && !fs::exists(fs::path(path) / kMetadataFile) && fs::exists(fs::path(path) / kLatestFile)) {
+    const std::string latest = latest_dir(path);
+    fmt::print(out, "root {}  (latest -> {})\n", path, fs::path(latest).filename().string());
+    for (const auto& s : list_steps(path))
+      fmt::print(out, "  {}  {}{}\n", fs::path(s.dir).filename().string(),
+                 s.committed ? "committed" : "INCOMPLETE (no metadata.json: never committed, ignored by load)",
+                 s.dir == latest ? "  <- latest" : "");
+  }
+  const std::string dir = resolve_checkpoint(path);
+  const Metadata m = read_metadata(dir);
+  std::uint64_t total = 0, shards = 0;
+  for (const auto& t : m.tensors) total += t.nbytes(), shards += t.shards.size();
+  fmt::print(out, "checkpoint {}\n", dir);
+  fmt::print(out, "  format {} v{}  step {}  saved by {} ranks in layout {}\n", kFormatName, m.version, m.step, m.world,
+             m.layout.empty() ? "(none)" : m.layout);
+  fmt::print(out, "  {} tensors, {} shards, {} in {} data files\n", m.tensors.size(), shards, format_size(total),
+             m.files.size());
+  fmt::print(out, "  state: {}\n", m.state.dump());
+  if (!m.rank_states.empty()) fmt::print(out, "  rank states: {} (rank 0: {})\n", m.rank_states.size(), m.rank_states[0].dump());
+  // Tree: group by the name's first component.
+  std::map<std::string, std::pair<std::uint64_t, int>> groups;
+  for (const auto& t : m.tensors) {
+    const std::string g = t.name.substr(0, t.name.find('.'));
+    groups[g].first += t.nbytes();
+    groups[g].second += 1;
+  }
+  std::string current;
+  for (const auto& t : m.tensors) {
+    const std::string g = t.name.substr(0, t.name.find('.'));
+    if (g != current) {
+      current = g;
+      fmt::print(out, "  {}/  ({} tensors, {})\n", g, groups[g].second, format_size(groups[g].first));
+    }
+    fmt::print(out, "    {:<44} {:<5} {:<16} {:>3} shards  {:>10}\n", t.name, elem_name(t.type), shape_str(t.shape),
+               t.shards.size(), format_size(t.nbytes()));
+    if (list_shards)
+      for (const auto& s : t.shards)
+        fmt::print(out, "      {:<28} {} @ {} +{}  crc32c {:08x}\n", box_str(s.box), s.file, s.offset, s.nbytes, s.crc);
+  }
+  fmt::print(out, "  files:\n");
+  for (const auto& [f, n] : m.files) fmt::print(out, "    {:<28} {:>10}\n", f, format_size(n));
+}
+
+VerifyResult verify_checkpoint(const std::string& dir) {
+  VerifyResult r;
+  Metadata m;
+  try {
+    m = read_metadata(dir);
+  } catch (const Error& e) {
+    r.problems.push_back(e.what());
+    return r;
+  }
+  // Shards by file, in file order, so each file is read once, sequentially.
+  std::map<std::string, std::vector<std::pair<const StoredShard*, const TensorMeta*>>> by_file;
+  for (const auto& t : m.tensors)
+    for (const auto& s : t.shards) by_file[s.file].push_back({&s, &t});
+  std::vector<char> buf;
+  for (const auto& [file, size] : m.files) {
+    const std::string path = (fs::path(dir) / file).string();
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    if (fd < 0) {
+      r.problems.push_back(fmt::format("data file {}: {}", path, std::strerror(errno)));
+      continue;
+    }
+    const off_t actual = ::lseek(fd, 0, SEEK_END);
+    if (static_cast<std::uint64_t>(actual) != size) {
+      r.problems.push_back(fmt::format("data file {} has {} bytes, the metadata says {}: truncated or damaged", path,
+                                       static_cast<long long>(actual), size));
+      ::close(fd);
+      continue;
+    }
+    auto& list = by_file[file];
+    std::sort(list.begin(), list.end(), [](const auto& a, const auto& b) { return a.first->offset < b.first->offset; });
+    for (const auto& [s, t] : list) {
+      buf.resize(s->nbytes);
+      std::uint64_t got = 0;
+      while (got < s->nbytes) {
+        const ssize_t n = ::pread(fd, buf.data() + got, s->nbytes - got, static_cast<off_t>(s->offset + got));
+        if (n <= 0) break;
+        got += static_cast<std::uint64_t>(n);
+      }
+      ++r.shards;
+      r.bytes += got;
+      if (got != s->nbytes || crc32c(0, buf.data(), s->nbytes) != s->crc)
+        r.problems.push_back(fmt::format("tensor '{}' shard {} in {} (bytes {}..{}): checksum mismatch, data corrupted",
+                                         t->name, box_str(s->box), file, s->offset, s->offset + s->nbytes));
+    }
+    ::close(fd);
+  }
+  for (const auto& t : m.tensors) {
+    std::vector<Box> boxes;
+    for (const auto& s : t.shards) boxes.push_back(s.box);
+    const std::string p = coverage_problem(t.shape, boxes);
+    if (!p.empty()) r.problems.push_back(fmt::format("tensor '{}' {}: {}", t.name, shape_str(t.shape), p));
+  }
+  return r;
+}
+
+int verify(const std::string& path, bool all, std::FILE* out) {
+  std::vector<std::string> dirs;
+  int problems = 0;
+  const bool is_root = fs::is_directory(path) && !fs::exists(fs::path(path) / kMetadataFile) &&
+                       (fs::exists(fs::path(path) / kLatestFile) || !list_steps(path).empty());
+  if (is_root) {
+    std::string latest;
+    try {
+      latest = latest_dir(path);
+    } catch (const Error& e) {
+      fmt::print(out, "PROBLEM {}\n", e.what());
+      ++problems;
+    }
+    fmt::print(out, "root {}  (latest -> {})\n", path, latest.empty() ? "none" : fs::path(latest).filename().string());
+    if (latest.empty()) {
+      fmt::print(out, "PROBLEM {}: no `latest` pointer: nothing committed\n", path);
+      ++problems;
+    }
+    for (const auto& s : list_steps(path)) {
+      fmt::print(out, "  {}  {}{}\n", fs::path(s.dir).filename().string(),
+                 s.committed ? "committed" : "INCOMPLETE (no metadata.json: a save that never committed; load ignores it)",
+                 s.dir == latest ? "  <- latest" : "");
+      if (s.committed && (all || s.dir == latest)) dirs.push_back(s.dir);
+    }
+    if (!latest.empty() && !fs::exists(fs::path(latest) / kMetadataFile)) {
+      fmt::print(out, "PROBLEM latest names {}, which is not committed\n", latest);
+      ++problems;
+    }
+  } else {
+    dirs.push_back(path);
+  }
+  for (const auto& d : dirs) {
+    const VerifyResult r = verify_checkpoint(d);
+    for (const auto& p : r.problems) fmt::print(out, "PROBLEM {}: {}\n", d, p);
+    problems += static_cast<int>(r.problems.size());
+    if (r.problems.empty())
+      fmt::print(out, "verified {}: {} shards, {} read, checksums match, every element of every tensor stored exactly once\n",
+                 d, r.shards, format_size(r.bytes));
+  }
+  return problems;
+}
+
+ReshardStats reshard(const std::string& src, const std::string& dst, const std::string& to, int threads) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Reader reader(src);
+  const Metadata& m = reader.metadata();
+  const Mesh mesh = parse_mesh(to);
+  std::vector<SaveShard> shards;
+  std::vector<LoadRequest> requests;
+  std::vector<std::unique_ptr<char[]>> buffers;
+  for (std::size_t i = 0; i < m.tensors.size(); ++i) {
+    const TensorMeta& t = m.tensors[i];
+    for (int v = 0; v < mesh.world(); ++v) {
+      const RankShard rs = rank_shard(t.shape, t.placement, mesh, v, i);
+      if (!rs.writer) continue;
+      const std::size_t n = static_cast<std::size_t>(rs.box.volume()) * elem_size(t.type);
+      buffers.emplace_back(new char[n]);
+      requests.push_back({t.name, t.type, t.shape, rs.box, buffers.back().get()});
+      shards.push_back({t.name, t.type, t.shape, t.placement, rs.box, buffers.back().get(), true});
+    }
+  }
+  LoadOptions lo;
+  lo.threads = threads;
+  const LoadStats ls = reader.load(requests, lo);
+  auto comm = make_self_comm();
+  fs::create_directories(dst);
+  SaveOptions so;
+  so.threads = threads;
+  Saver saver(*comm, dst, so);
+  saver.save(m.step, shards, m.state, nlohmann::json::object(), mesh.str());
+  const SaveStats ss = *saver.wait();
+  ReshardStats r;
+  r.bytes = ss.bytes;
+  r.amplification = ls.amplification();
+  r.dir = ss.dir;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+}  // namespace keel::ckpt

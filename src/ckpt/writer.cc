@@ -1,0 +1,320 @@
+#include "ckpt/writer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "ckpt/checksum.h"
+#include "ckpt/geometry.h"
+#include "ckpt/metadata.h"
+#include "ckpt/store.h"
+#include "common/error.h"
+#include "common/process.h"
+
+namespace fs = std::filesystem;
+
+namespace keel::ckpt {
+namespace {
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+// A staging buffer reused across saves and the shards laid out in it (= in its file).
+struct Saver::Bucket {
+  std::unique_ptr<char[]> buf;
+  std::uint64_t capacity = 0, used = 0;
+  std::string file, path;
+  struct Item {
+    std::size_t shard;  // index into report_["shards"]
+    std::uint64_t offset, nbytes;
+    std::uint32_t crc = 0;
+  };
+  std::vector<Item> items;
+  std::string error;
+  double seconds = 0;
+};
+
+Saver::Saver(Comm& comm, std::string root, SaveOptions options)
+    : comm_(comm), root_(std::move(root)), opt_(options) {
+  if (opt_.threads < 1) opt_.threads = 1;
+  if (opt_.chunk_bytes < 4096) opt_.chunk_bytes = 4096;
+}
+
+Saver::~Saver() {
+  if (!in_flight_) return;
+  // Do not leave threads running; a destructor cannot run the collective commit.
+  for (auto& t : threads_) t.join();
+}
+
+double Saver::save(std::int64_t step, const std::vector<SaveShard>& shards, const nlohmann::json& state,
+                   const nlohmann::json& rank_state, const std::string& layout) {
+  const double t0 = now_s();
+  if (in_flight_) wait();  // one save in flight: complete the previous one first
+  // No communication here, so the stall is the staging copy alone. Every rank sees the same
+  // answer to "is this step committed?" (nothing writes metadata while no save is in flight).
+  // Files a torn earlier attempt left are overwritten (O_TRUNC) or removed at commit.
+  const std::string dir = (fs::path(root_) / step_dir_name(step)).string();
+  if (fs::exists(fs::path(dir) / kMetadataFile)) throw Error(fmt::format("{}: step {} is already committed", dir, step));
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) fail("cannot create {}: {}", dir, ec.message());
+  step_ = step;
+  dir_ = dir;
+  layout_ = layout;
+  report_ = nlohmann::json::object();
+  report_["rank_state"] = rank_state;
+  if (comm_.rank() == 0) report_["state"] = state;
+  nlohmann::json tensors = nlohmann::json::array(), recs = nlohmann::json::array();
+
+  // Buckets: writable shards, largest first, each to the least-loaded bucket.
+  std::vector<std::size_t> order;
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    const SaveShard& s = shards[i];
+    if (!box_within(s.box, s.shape))
+      fail("tensor '{}': shard {} lies outside its shape {}", s.name, box_str(s.box), shape_str(s.shape));
+    tensors.push_back({{"name", s.name}, {"dtype", elem_name(s.type)}, {"shape", s.shape},
+                       {"placement", s.placement.to_json()}});
+    if (s.write && !s.box.empty()) {
+      if (!s.data) fail("tensor '{}': shard {} to write has no data", s.name, box_str(s.box));
+      order.push_back(i);
+    }
+  }
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return shards[a].box.volume() * elem_size(shards[a].type) > shards[b].box.volume() * elem_size(shards[b].type);
+  });
+  const int nb = std::max(1, std::min<int>(opt_.threads, static_cast<int>(order.size())));
+  while (static_cast<int>(buckets_.size()) < nb) buckets_.push_back(std::make_unique<Bucket>());
+  for (int b = 0; b < nb; ++b) {
+    Bucket& k = *buckets_[b];
+    k.used = 0;
+    k.items.clear();
+    k.error.clear();
+    k.seconds = 0;
+    k.file = fmt::format("data_r{:05d}_b{}.bin", comm_.rank(), b);
+    k.path = (fs::path(dir_) / k.file).string();
+  }
+  std::vector<int> bucket_of(shards.size(), -1);
+  for (std::size_t i : order) {
+    int best = 0;
+    for (int b = 1; b < nb; ++b)
+      if (buckets_[b]->used < buckets_[best]->used) best = b;
+    Bucket& k = *buckets_[best];
+    const std::uint64_t n = static_cast<std::uint64_t>(shards[i].box.volume()) * elem_size(shards[i].type);
+    k.items.push_back({i, k.used, n, 0});
+    k.used += n;
+    bucket_of[i] = best;
+  }
+  // The stall proper: copy into the staging buffers (grown, never shrunk).
+  for (int b = 0; b < nb; ++b) {
+    Bucket& k = *buckets_[b];
+    if (k.capacity < k.used) {
+      k.buf.reset(new char[k.used]);
+      k.capacity = k.used;
+    }
+    for (auto& it : k.items) std::memcpy(k.buf.get() + it.offset, shards[it.shard].data, it.nbytes);
+  }
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    if (bucket_of[i] < 0) continue;
+    const SaveShard& s = shards[i];
+    recs.push_back({{"name", s.name}, {"offsets", s.box.offsets}, {"lengths", s.box.lengths},
+                    {"file", buckets_[bucket_of[i]]->file}});
+  }
+  // Items point into recs by shard index; rewrite to record positions.
+  std::map<std::size_t, std::size_t> rec_of;
+  for (std::size_t i = 0, r = 0; i < shards.size(); ++i)
+    if (bucket_of[i] >= 0) rec_of[i] = r++;
+  for (int b = 0; b < nb; ++b)
+    for (auto& it : buckets_[b]->items) it.shard = rec_of[it.shard];
+  report_["tensors"] = std::move(tensors);
+  report_["shards"] = std::move(recs);
+
+  written_ = 0;
+  pending_ = nb;
+  in_flight_ = true;
+  threads_.clear();
+  for (int b = 0; b < nb; ++b) threads_.emplace_back([this, b] { write_bucket(*buckets_[b]); });
+  stall_s_ = now_s() - t0;
+  return stall_s_;
+}
+
+void Saver::write_bucket(Bucket& k) {
+  const double t0 = now_s();
+  try {
+    const int fd = ::open(k.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) fail("cannot create {}: {}", k.path, std::strerror(errno));
+    try {
+      for (auto& it : k.items) it.crc = crc32c(0, k.buf.get() + it.offset, it.nbytes);
+      std::uint64_t pos = 0;
+      while (pos < k.used) {
+        const std::uint64_t n = std::min(opt_.chunk_bytes, k.used - pos);
+        if (opt_.fail_with_enospc) {
+          errno = ENOSPC;
+          fail("cannot write {}: {}", k.path, std::strerror(errno));
+        }
+        const ssize_t w = ::pwrite(fd, k.buf.get() + pos, n, static_cast<off_t>(pos));
+        if (w < 0) {
+          if (errno == EINTR) continue;
+          fail("cannot write {}: {}", k.path, std::strerror(errno));
+        }
+        pos += static_cast<std::uint64_t>(w);
+        const std::int64_t total = written_ += w;
+        if (opt_.die_after_bytes >= 0 && total >= opt_.die_after_bytes) {
+          std::fprintf(stderr, "keel: fault injection: rank exits after writing %lld bytes of %s\n",
+                       static_cast<long long>(total), k.path.c_str());
+          std::fflush(stderr);
+          std::_Exit(137);
+        }
+      }
+      if (::fsync(fd) != 0) fail("cannot fsync {}: {}", k.path, std::strerror(errno));
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    if (::close(fd) != 0) fail("cannot close {}: {}", k.path, std::strerror(errno));
+  } catch (const std::exception& e) {
+    k.error = e.what();
+  }
+  k.seconds = now_s() - t0;
+  --pending_;
+}
+
+std::optional<SaveStats> Saver::wait() {
+  if (!in_flight_) return std::nullopt;
+  const double tj = now_s();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  const double t0 = now_s(), blocked = t0 - tj;
+  in_flight_ = false;
+
+  // This rank's report: shard records completed with byte ranges and CRCs.
+  std::string error;
+  double write_s = 0;
+  std::uint64_t bytes = 0;
+  nlohmann::json files = nlohmann::json::object();
+  for (auto& kp : buckets_) {
+    Bucket& k = *kp;
+    if (k.path.empty() || k.path.rfind(dir_, 0) != 0) continue;
+    if (!k.error.empty() && error.empty()) error = k.error;
+    write_s = std::max(write_s, k.seconds);
+    bytes += k.used;
+    files[k.file] = k.used;
+    for (const auto& it : k.items) {
+      auto& r = report_["shards"][it.shard];
+      r["byte_offset"] = it.offset;
+      r["nbytes"] = it.nbytes;
+      r["crc32c"] = it.crc;
+    }
+    k.path.clear();
+  }
+  report_["error"] = error;
+  report_["files"] = files;
+  report_["write_s"] = write_s;
+  report_["bytes"] = bytes;
+  const auto reports = comm_.gather(report_.dump());
+  report_ = nlohmann::json();
+
+  nlohmann::json outcome;
+  if (comm_.rank() == 0) {
+    try {
+      Metadata m;
+      m.step = step_;
+      m.layout = layout_;
+      m.world = comm_.size();
+      if (!layout_.empty()) m.world = parse_mesh(layout_).world();  // offline tools write other worlds
+      SaveStats st;
+      std::vector<nlohmann::json> rs;
+      for (const auto& text : reports) rs.push_back(nlohmann::json::parse(text));
+      int failed = 0;
+      std::string first;
+      for (std::size_t r = 0; r < rs.size(); ++r)
+        if (!rs[r]["error"].get<std::string>().empty()) {
+          if (!failed++) first = fmt::format("rank {}: {}", r, rs[r]["error"].get<std::string>());
+        }
+      if (failed) {
+        std::error_code ec;
+        fs::remove_all(dir_, ec);  // every rank has stopped writing: the torn directory goes
+        fail("save of step {} failed on {} rank(s), nothing committed, the previous checkpoint stays: {}", step_,
+             failed, first);
+      }
+      std::map<std::string, TensorMeta> tensors;
+      std::map<std::string, int> declared_by;
+      for (std::size_t r = 0; r < rs.size(); ++r) {
+        m.rank_states.push_back(rs[r]["rank_state"]);
+        for (const auto& [f, n] : rs[r]["files"].items()) m.files[f] = n.get<std::uint64_t>();
+        st.bytes += rs[r]["bytes"].get<std::uint64_t>();
+        st.write_s = std::max(st.write_s, rs[r]["write_s"].get<double>());
+        for (const auto& tj : rs[r]["tensors"]) {
+          const std::string name = tj["name"];
+          const ElemType type = parse_elem(tj["dtype"].get<std::string>());
+          const Shape shape = tj["shape"].get<Shape>();
+          auto [it, fresh] = tensors.try_emplace(name);
+          if (fresh) {
+            it->second.name = name;
+            it->second.type = type;
+            it->second.shape = shape;
+            it->second.placement = Placement::from_json(tj["placement"]);
+            declared_by[name] = static_cast<int>(r);
+          } else if (it->second.type != type || it->second.shape != shape) {
+            fail("tensor '{}': rank {} saves {} {}, rank {} saves {} {}", name, r, elem_name(type), shape_str(shape),
+                 declared_by[name], elem_name(it->second.type), shape_str(it->second.shape));
+          }
+        }
+        for (const auto& sj : rs[r]["shards"]) {
+          StoredShard s;
+          s.box.offsets = sj["offsets"].get<Shape>();
+          s.box.lengths = sj["lengths"].get<Shape>();
+          s.file = sj["file"];
+          s.offset = sj["byte_offset"];
+          s.nbytes = sj["nbytes"];
+          s.crc = sj["crc32c"];
+          tensors[sj["name"].get<std::string>()].shards.push_back(std::move(s));
+        }
+      }
+      for (auto& [name, t] : tensors) {
+        std::vector<Box> boxes;
+        for (const auto& s : t.shards) boxes.push_back(s.box);
+        const std::string problem = coverage_problem(t.shape, boxes);
+        if (!problem.empty()) fail("tensor '{}' {}: {}: refusing to commit step {}", name, shape_str(t.shape), problem, step_);
+        m.tensors.push_back(std::move(t));
+      }
+      // Leftovers of a torn earlier attempt at this step (e.g. from more ranks) go.
+      for (const auto& e : fs::directory_iterator(dir_))
+        if (!m.files.count(e.path().filename().string())) fs::remove_all(e.path());
+      fsync_dir(dir_);   // the data files' directory entries
+      fsync_dir(root_);  // the step directory's entry
+      m.state = rs[0]["state"];
+      m.state["step"] = step_;
+      commit_file((fs::path(dir_) / kMetadataFile).string(), metadata_to_json(m));
+      commit_file((fs::path(root_) / kLatestFile).string(), step_dir_name(step_) + "\n");
+      st.removed = apply_retention(root_, opt_.keep_last, opt_.keep_every);
+      st.files = static_cast<int>(m.files.size());
+      outcome = {{"bytes", st.bytes}, {"write_s", st.write_s}, {"files", st.files}, {"removed", st.removed}};
+    } catch (const std::exception& e) {
+      outcome = {{"error", std::string(e.what())}};
+    }
+  }
+  outcome = nlohmann::json::parse(comm_.bcast(comm_.rank() == 0 ? outcome.dump() : std::string()));
+  if (outcome.contains("error")) throw Error(outcome["error"].get<std::string>());
+  SaveStats st;
+  st.step = step_;
+  st.dir = dir_;
+  st.stall_s = stall_s_;
+  st.blocked_s = blocked;
+  st.write_s = outcome["write_s"];
+  st.bytes = outcome["bytes"];
+  st.files = outcome["files"];
+  st.removed = outcome["removed"].get<std::vector<std::string>>();
+  st.commit_s = now_s() - t0;
+  return st;
+}
+
+}  // namespace keel::ckpt

@@ -1,0 +1,105 @@
+// Asynchronous, deduplicated, bucketed checkpoint saves with an atomic commit.
+//
+// save() pays only for copying each shard this rank writes into reusable host staging
+// buffers (pinned memory on a GPU build; plain memcpy here), then returns. Background
+// threads, one per bucket, write each bucket's buffer to its own data file with large
+// sequential writes (chunk_bytes, default 8 MiB), CRC32C every shard and fsync. wait()
+// runs the commit on the calling thread: every rank's report is gathered at rank 0, which
+// checks that every tensor is covered exactly once, writes metadata.json (temp, fsync,
+// rename, fsync dir) and then `latest`, applies retention, and broadcasts the outcome so
+// every rank returns the same stats or throws the same error.
+//
+// One save is in flight at a time: save() while one is in flight first completes it (wait()),
+// so the caller sees the earlier save's error there. MPI calls happen only in save() and
+// wait(), on the caller's thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ckpt/comm.h"
+#include "ckpt/layout.h"
+#include "ckpt/types.h"
+
+namespace keel::ckpt {
+
+// One tensor as this rank holds it. Every rank lists every tensor it holds; `write` is true
+// on exactly one replica of each distinct shard (see rank_shard), and `data` then points to
+// box.volume() elements, row-major, valid only during save().
+struct SaveShard {
+  std::string name;
+  ElemType type = ElemType::kF32;
+  Shape shape;
+  Placement placement;
+  Box box;
+  const void* data = nullptr;
+  bool write = false;
+};
+
+struct SaveOptions {
+  int threads = 2;                           // write buckets (files) per rank
+  std::uint64_t chunk_bytes = 8ull << 20;    // bytes per write call
+  int keep_last = 0;                         // retention: newest K committed (0 = all)
+  int keep_every = 0;                        // retention: also every step divisible by M
+  // Fault injection (tests): this rank _exit()s after writing this many bytes; or the write
+  // of its data fails as on a full disk.
+  std::int64_t die_after_bytes = -1;
+  bool fail_with_enospc = false;
+};
+
+struct SaveStats {
+  std::int64_t step = 0;
+  std::string dir;
+  double stall_s = 0;         // time inside save() on this rank (staging copy; waiting for a previous save)
+  double write_s = 0;         // slowest rank's background write time
+  double blocked_s = 0;       // wait() blocked on this rank's writers (0 when the writes fully overlapped)
+  double commit_s = 0;        // wait() after the writes: gather, checks, metadata, latest, retention
+  std::uint64_t bytes = 0;    // bytes written by all ranks
+  int files = 0;
+  double write_gbps() const { return write_s > 0 ? bytes / write_s / 1e9 : 0; }
+  std::vector<std::string> removed;  // directories retention removed
+};
+
+class Saver {
+ public:
+  Saver(Comm& comm, std::string root, SaveOptions options = {});
+  ~Saver();
+  Saver(const Saver&) = delete;
+  Saver& operator=(const Saver&) = delete;
+
+  // Starts saving `step`. `state` (rank 0's is kept) holds the non-tensor state; `rank_state`
+  // is kept per rank (RNG states, ...). Returns the stall in seconds.
+  double save(std::int64_t step, const std::vector<SaveShard>& shards, const nlohmann::json& state,
+              const nlohmann::json& rank_state, const std::string& layout);
+  // Completes the in-flight save (collective). nullopt when none was in flight.
+  std::optional<SaveStats> wait();
+  bool in_flight() const { return in_flight_; }
+  // True once this rank's background writes are done (no communication).
+  bool writes_done() const { return pending_.load() == 0; }
+
+ private:
+  struct Bucket;
+  void write_bucket(Bucket& b);
+
+  Comm& comm_;
+  std::string root_;
+  SaveOptions opt_;
+  std::vector<std::unique_ptr<Bucket>> buckets_;
+  std::vector<std::thread> threads_;
+  std::atomic<int> pending_{0};
+  std::atomic<std::int64_t> written_{0};
+  bool in_flight_ = false;
+  std::int64_t step_ = 0;
+  std::string dir_, layout_;
+  double stall_s_ = 0;
+  nlohmann::json report_;  // this rank's tensors, shard records (less file results) and state
+};
+
+}  // namespace keel::ckpt

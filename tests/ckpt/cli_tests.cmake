@@ -1,0 +1,67 @@
+# `keel ckpt` as a user runs it: save at 4 ranks, load at 1, 2, 3 and 8 in other layouts
+# (exit 0 means every element was bit-identical), the offline tools, and one clear error per
+# bad input. Fault scenarios (a rank killed mid-save, corrupted and truncated files) are in
+# ckpt/faults.sh.
+set(ck ckpt_cli)
+add_test(NAME cli_ckpt_clean COMMAND ${CMAKE_COMMAND} -E rm -rf ${ck})
+set_tests_properties(cli_ckpt_clean PROPERTIES FIXTURES_SETUP ckpt_clean)
+
+keel_cli_test(NAME ckpt_save4 NP 4 MATCH "saved step 20: stall [0-9.]+ ms \\(slowest rank\\), wrote .* GB/s"
+  ARGS ckpt demo-save ${ck}/root --layout dp=2,tp=2,zero=1 --step 10 --saves 2 --every 10)
+set_tests_properties(cli_ckpt_save4 PROPERTIES FIXTURES_REQUIRED ckpt_clean FIXTURES_SETUP ckpt_saved)
+
+foreach(load "1;dp=1" "2;tp=2" "3;ep=3" "8;pp=2,ep=2,tp=2")
+  list(GET load 0 np)
+  list(GET load 1 layout)
+  keel_cli_test(NAME ckpt_load${np} NP ${np} MATCH "read amplification 1\\.000"
+    ARGS ckpt demo-load ${ck}/root --layout ${layout})
+  set_tests_properties(cli_ckpt_load${np} PROPERTIES FIXTURES_REQUIRED ckpt_saved)
+endforeach()
+keel_cli_test(NAME ckpt_load_identical NP 3 MATCH "every element bit-identical to what was saved"
+  ARGS ckpt demo-load ${ck}/root --layout dp=3,zero=1 --verify-checksums)
+keel_cli_test(NAME ckpt_inspect MATCH "step_00000020  committed  <- latest" ARGS ckpt inspect ${ck}/root)
+keel_cli_test(NAME ckpt_inspect_shards MATCH "data_r0000[0-3]_b[01]\\.bin @ [0-9]+ \\+[0-9]+  crc32c [0-9a-f]{8}"
+  ARGS ckpt inspect ${ck}/root/step_00000010 --shards)
+keel_cli_test(NAME ckpt_verify MATCH "verified .*checksums match, every element of every tensor stored exactly once"
+  ARGS ckpt verify ${ck}/root --all)
+keel_cli_test(NAME ckpt_reshard MATCH "resharded to pp=2,dp=1,ep=3,tp=1,zero=0 .* read amplification 1\\.000"
+  ARGS ckpt reshard ${ck}/root ${ck}/resharded --to pp=2,ep=3)
+keel_cli_test(NAME ckpt_export MATCH "exported step 20: 52 tensors"
+  ARGS ckpt export ${ck}/root ${ck}/model.safetensors --format safetensors)
+keel_cli_test(NAME ckpt_save_committed_step EXIT 1 MATCH "keel: error: .*step 20 is already committed"
+  ARGS ckpt demo-save ${ck}/root --step 20)
+set_tests_properties(cli_ckpt_load_identical cli_ckpt_inspect cli_ckpt_inspect_shards cli_ckpt_verify cli_ckpt_reshard
+  cli_ckpt_export cli_ckpt_save_committed_step PROPERTIES FIXTURES_REQUIRED ckpt_saved)
+set_tests_properties(cli_ckpt_reshard PROPERTIES FIXTURES_SETUP ckpt_resharded)
+set_tests_properties(cli_ckpt_export PROPERTIES FIXTURES_SETUP ckpt_exported)
+
+keel_cli_test(NAME ckpt_load_resharded NP 6 MATCH "saved by 6 ranks in layout pp=2,dp=1,ep=3,tp=1,zero=0"
+  ARGS ckpt demo-load ${ck}/resharded --layout tp=2,dp=3,zero=1)
+set_tests_properties(cli_ckpt_load_resharded PROPERTIES FIXTURES_REQUIRED ckpt_resharded)
+keel_cli_test(NAME ckpt_import MATCH "imported 52 tensors, .* as step 20"
+  ARGS ckpt import ${ck}/model.safetensors ${ck}/imported --format safetensors)
+set_tests_properties(cli_ckpt_import PROPERTIES FIXTURES_REQUIRED ckpt_exported FIXTURES_SETUP ckpt_imported)
+keel_cli_test(NAME ckpt_load_imported NP 2 MATCH "every element bit-identical to what was saved"
+  ARGS ckpt demo-load ${ck}/imported --layout ep=2)
+set_tests_properties(cli_ckpt_load_imported PROPERTIES FIXTURES_REQUIRED ckpt_imported)
+
+# A full disk on one rank: nothing commits, everyone exits 1 with one line naming rank and file.
+keel_cli_test(NAME ckpt_enospc NP 2 EXIT 1
+  MATCH "keel: error: (\\[rank 0\\] )?save of step 2 failed on 1 rank\\(s\\), nothing committed, the previous checkpoint stays: rank 1: cannot write .*data_r00001_b0\\.bin: No space left on device"
+  ARGS ckpt demo-save ${ck}/enospc --step 1 --saves 2 --inject-enospc-rank 1)
+set_tests_properties(cli_ckpt_enospc PROPERTIES FIXTURES_REQUIRED ckpt_clean)
+
+# Bad input.
+keel_cli_test(NAME ckpt_layout_world EXIT 1 NP 2 MATCH "keel: error: (\\[rank 0\\] )?layout 'tp=3' spans 3 ranks, but 2 ranks are running"
+  ARGS ckpt demo-load ${ck}/root --layout tp=3)
+keel_cli_test(NAME ckpt_layout_axis EXIT 1 MATCH "keel: error: layout 'mp=2': unknown axis 'mp'"
+  ARGS ckpt demo-save ${ck}/x --layout mp=2)
+keel_cli_test(NAME ckpt_missing EXIT 1 MATCH "keel: error: /nonexistent/ckpt: no such checkpoint"
+  ARGS ckpt demo-load /nonexistent/ckpt)
+keel_cli_test(NAME ckpt_format EXIT 1 MATCH "keel: error: unknown --format 'onnx'"
+  ARGS ckpt export ${ck}/root ${ck}/m.onnx --format onnx)
+keel_cli_test(NAME ckpt_import_garbage EXIT 1 MATCH "keel: error: .*faults\\.sh: .*not a safetensors file"
+  ARGS ckpt import ${CMAKE_CURRENT_SOURCE_DIR}/ckpt/faults.sh ${ck}/garbage)
+
+add_test(NAME cli_ckpt_faults COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/ckpt/faults.sh $<TARGET_FILE:keel> ${MPIEXEC_EXECUTABLE})
+set_tests_properties(cli_ckpt_faults PROPERTIES ENVIRONMENT "${KEEL_MPI_ENV}" TIMEOUT 120)
