@@ -1,3 +1,4 @@
+#include "common/hash.h"
 #include "ckpt/demo.h"
 
 #include <cstring>
@@ -11,12 +12,6 @@
 namespace keel::ckpt {
 namespace {
 
-std::uint64_t mix(std::uint64_t x) {  // splitmix64 finalizer
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 std::uint64_t name_hash(const std::string& s) {
   std::uint64_t h = 1469598103934665603ull;  // FNV-1a
@@ -111,11 +106,11 @@ std::vector<DemoTensor> demo_tensors(const DemoConfig& c) {
 void demo_fill(const std::string& name, ElemType type, const Shape& shape, const Box& box, std::int64_t step,
                void* out) {
   const std::size_t es = elem_size(type);
-  const std::uint64_t seed = mix(name_hash(name) ^ mix(static_cast<std::uint64_t>(step)));
+  const std::uint64_t seed = keel::splitmix64(name_hash(name) ^ keel::splitmix64(static_cast<std::uint64_t>(step)));
   char* dst = static_cast<char*>(out);
   for_each_row(shape, box, [&](std::int64_t g, std::int64_t d, std::int64_t n) {
     for (std::int64_t i = 0; i < n; ++i) {
-      const std::uint64_t v = mix(seed + static_cast<std::uint64_t>(g + i));
+      const std::uint64_t v = keel::splitmix64(seed + static_cast<std::uint64_t>(g + i));
       std::memcpy(dst + (d + i) * static_cast<std::int64_t>(es), &v, es);
     }
   });
@@ -124,12 +119,12 @@ void demo_fill(const std::string& name, ElemType type, const Shape& shape, const
 std::int64_t demo_check(const std::string& name, ElemType type, const Shape& shape, const Box& box,
                         std::int64_t step, const void* data, std::string* first) {
   const std::size_t es = elem_size(type);
-  const std::uint64_t seed = mix(name_hash(name) ^ mix(static_cast<std::uint64_t>(step)));
+  const std::uint64_t seed = keel::splitmix64(name_hash(name) ^ keel::splitmix64(static_cast<std::uint64_t>(step)));
   const char* src = static_cast<const char*>(data);
   std::int64_t wrong = 0;
   for_each_row(shape, box, [&](std::int64_t g, std::int64_t d, std::int64_t n) {
     for (std::int64_t i = 0; i < n; ++i) {
-      const std::uint64_t v = mix(seed + static_cast<std::uint64_t>(g + i));
+      const std::uint64_t v = keel::splitmix64(seed + static_cast<std::uint64_t>(g + i));
       if (std::memcmp(src + (d + i) * static_cast<std::int64_t>(es), &v, es) != 0) {
         if (wrong++ == 0 && first) *first = fmt::format("tensor '{}' element {} (global linear index)", name, g + i);
       }
@@ -140,7 +135,7 @@ std::int64_t demo_check(const std::string& name, ElemType type, const Shape& sha
 
 nlohmann::json demo_rank_state(int rank, std::int64_t step) {
   return {{"rank", rank},
-          {"rng", fmt::format("{:016x}", mix(static_cast<std::uint64_t>(rank) * 7919 + static_cast<std::uint64_t>(step)))},
+          {"rng", fmt::format("{:016x}", keel::splitmix64(static_cast<std::uint64_t>(rank) * 7919 + static_cast<std::uint64_t>(step)))},
           {"data_position", step * 1024}};
 }
 

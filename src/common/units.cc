@@ -3,6 +3,7 @@
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <string>
 
 #include "common/error.h"
 
@@ -71,6 +72,26 @@ std::vector<std::uint64_t> geometric_sizes(std::uint64_t min, std::uint64_t max,
     s *= factor;
   }
   return sizes;
+}
+
+double parse_decimal_count(std::string_view text, std::string_view what) {
+  const std::string s(text);
+  std::size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    throw UsageError(fmt::format("{} '{}' is not a number (examples: 1000, 300M, 500B, 14T, 2.5e12)", what, text));
+  }
+  const std::string unit = s.substr(used);
+  double scale = 1;
+  if (unit == "K" || unit == "k") scale = 1e3;
+  else if (unit == "M") scale = 1e6;
+  else if (unit == "B" || unit == "G") scale = 1e9;
+  else if (unit == "T") scale = 1e12;
+  else if (!unit.empty()) throw UsageError(fmt::format("{} '{}' has an unknown unit (K, M, B/G, T)", what, text));
+  if (!(v > 0) || !std::isfinite(v * scale)) throw UsageError(fmt::format("{} must be positive (got '{}')", what, text));
+  return v * scale;
 }
 
 std::vector<std::string> split_list(std::string_view text) {

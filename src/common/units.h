@@ -18,6 +18,10 @@ std::string format_size(std::uint64_t bytes);
 // Sizes from min to max (inclusive) multiplying by factor (> 1): min, min*f, ... <= max.
 std::vector<std::uint64_t> geometric_sizes(std::uint64_t min, std::uint64_t max, double factor);
 
+// Parses a positive count in decimal units, as token budgets are written: "1000", "300M",
+// "500B" (or "500G"), "14T", "2.5e12". Throws keel::UsageError naming `what` otherwise.
+double parse_decimal_count(std::string_view text, std::string_view what);
+
 // Parses a comma-separated list of positive integers ("2,4,8").
 std::vector<int> parse_int_list(std::string_view text, std::string_view what);
 

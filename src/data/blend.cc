@@ -8,6 +8,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "common/units.h"
 #include "common/fileio.h"
 
 namespace keel::data {
@@ -54,23 +55,8 @@ std::uint64_t get_u64(const nlohmann::json& j, const char* key) {
 }  // namespace
 
 std::uint64_t parse_token_count(const std::string& text) {
-  std::size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    throw UsageError(fmt::format("token count '{}' is not a number (examples: 1000, 300M, 2B)", text));
-  }
-  const std::string unit = text.substr(used);
-  double scale = 1;
-  if (unit == "K" || unit == "k") scale = 1e3;
-  else if (unit == "M") scale = 1e6;
-  else if (unit == "B" || unit == "G") scale = 1e9;
-  else if (unit == "T") scale = 1e12;
-  else if (!unit.empty()) throw UsageError(fmt::format("token count '{}' has an unknown unit (K, M, B/G, T)", text));
-  const double t = std::round(v * scale);
-  if (!(t >= 1) || !std::isfinite(t) || t > 1.8e19)
-    throw UsageError(fmt::format("token count '{}' must be a positive number", text));
+  const double t = std::round(parse_decimal_count(text, "token count"));
+  if (!(t >= 1) || t > 1.8e19) throw UsageError(fmt::format("token count '{}' must be a positive number", text));
   return static_cast<std::uint64_t>(t);
 }
 

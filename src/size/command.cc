@@ -23,25 +23,6 @@ struct RawFlags {
   bool moe_study = false, gemms = false, quiet = false;
 };
 
-// Token counts in decimal units: 14T, 500B (or 500G), 2.5e12, 300M.
-double parse_tokens(const std::string& text) {
-  std::size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    throw UsageError(fmt::format("--tokens '{}' is not a number (examples: 14T, 500B, 2.5e12)", text));
-  }
-  const std::string unit = text.substr(used);
-  double scale = 1;
-  if (unit == "K" || unit == "k") scale = 1e3;
-  else if (unit == "M") scale = 1e6;
-  else if (unit == "B" || unit == "G") scale = 1e9;
-  else if (unit == "T") scale = 1e12;
-  else if (!unit.empty()) throw UsageError(fmt::format("--tokens '{}' has an unknown unit (K, M, B/G, T)", text));
-  if (!(v > 0) || !std::isfinite(v)) throw UsageError(fmt::format("--tokens must be positive (got '{}')", text));
-  return v * scale;
-}
 
 std::vector<int> int_list(const std::string& text, const char* what) {
   try {
@@ -75,7 +56,7 @@ int run(const RawFlags& f) {
   else throw UsageError(fmt::format("unknown --optimizer '{}' (choose adamw or muon)", f.optimizer));
   if (!(f.mfu > 0 && f.mfu <= 1)) throw UsageError(fmt::format("--mfu must be in (0, 1] (got {})", f.mfu));
   s.mfu = f.mfu;
-  if (!f.tokens.empty()) s.tokens = parse_tokens(f.tokens);
+  if (!f.tokens.empty()) s.tokens = parse_decimal_count(f.tokens, "--tokens");
   s.decode_batches = int_list(f.decode_batch, "--decode-batch");
 
   std::unique_ptr<MoeStudyOptions> moe;

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "common/hash.h"
+
 #include "bench/comm/collective.h"
 
 #if defined(__CUDACC__)
@@ -37,17 +39,11 @@ inline ValueSpec make_value_spec(std::uint64_t seed, int nranks, DType t) {
   return v;
 }
 
-KEEL_HD std::uint64_t mix64(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 // Element `index` of rank `rank`'s input.
 KEEL_HD float input_value(const ValueSpec& v, int rank, std::uint64_t index) {
   if (rank >= v.contributing) return 0.f;
-  const std::uint64_t h = mix64(v.seed ^ mix64(static_cast<std::uint64_t>(rank) * 0x100000001b3ull + index));
+  const std::uint64_t h = keel::splitmix64(v.seed ^ keel::splitmix64(static_cast<std::uint64_t>(rank) * 0x100000001b3ull + index));
   const std::uint64_t span = 2ull * static_cast<std::uint64_t>(v.magnitude) + 1ull;
   return static_cast<float>(static_cast<std::int64_t>(h % span) - v.magnitude);
 }

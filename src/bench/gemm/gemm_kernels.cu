@@ -4,17 +4,12 @@
 
 #include <cmath>
 
+#include "common/hash.h"
 #include "bench/gemm/gemm_kernels.h"
 
 namespace keel::bench {
 namespace {
 
-__device__ __forceinline__ std::uint64_t mix(std::uint64_t x) {  // splitmix64 finalizer
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 __device__ __forceinline__ void store(void* p, std::uint64_t i, int storage, float v) {
   switch (storage) {
@@ -36,9 +31,9 @@ __device__ __forceinline__ float load(const void* p, std::uint64_t i, int storag
 
 __global__ void fill_kernel(void* p, std::uint64_t count, int storage, std::uint64_t seed) {
   const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
-  const std::uint64_t key = mix(seed);
+  const std::uint64_t key = keel::splitmix64(seed);
   for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    const std::uint64_t h = mix(key ^ i);
+    const std::uint64_t h = keel::splitmix64(key ^ i);
     const float v = static_cast<float>(h >> 40) * 0x1p-23f - 1.0f;  // [-1, 1)
     store(p, i, storage, v);
   }

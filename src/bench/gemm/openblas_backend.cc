@@ -11,6 +11,7 @@
 #include <fstream>
 #include <limits>
 
+#include "common/hash.h"
 #include "bench/gemm/backend.h"
 #include "common/error.h"
 #include "common/units.h"
@@ -18,16 +19,10 @@
 namespace keel::bench {
 namespace {
 
-std::uint64_t mix(std::uint64_t x) {  // splitmix64 finalizer
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 void fill(float* p, std::uint64_t count, std::uint64_t seed) {
-  const std::uint64_t key = mix(seed);
-  for (std::uint64_t i = 0; i < count; ++i) p[i] = static_cast<float>(mix(key ^ i) >> 40) * 0x1p-23f - 1.0f;
+  const std::uint64_t key = keel::splitmix64(seed);
+  for (std::uint64_t i = 0; i < count; ++i) p[i] = static_cast<float>(keel::splitmix64(key ^ i) >> 40) * 0x1p-23f - 1.0f;
 }
 
 std::string cpu_model() {

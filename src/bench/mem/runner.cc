@@ -128,7 +128,7 @@ MemReport run_mem_bench(MemBackend& backend, MemOptions& o,
       for (auto [src, dst] : pairs) {
         MemCase c{op, o.type, size / es, src, dst};
         MemPlan plan = o.plan;
-        plan.seed = stream_mix(o.plan.seed * 1000003 + case_index++);  // fresh inputs for every case
+        plan.seed = keel::splitmix64(o.plan.seed * 1000003 + case_index++);  // fresh inputs for every case
         MemResult r = backend.run(c, plan);
         MemRow row;
         row.op = op;

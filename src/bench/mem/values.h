@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "common/hash.h"
+
 #if defined(__CUDACC__)
 #define KEEL_HD __host__ __device__
 #else
@@ -23,16 +25,10 @@ inline constexpr double kStreamScalar = 0.4;
 enum StreamArray : int { kArrayA = 0, kArrayB = 1, kArrayC = 2 };
 enum StreamKernel : int { kKernelCopy, kKernelMul, kKernelAdd, kKernelTriad, kKernelDot, kKernelNstream };
 
-KEEL_HD inline std::uint64_t stream_mix(std::uint64_t x) {  // splitmix64 finalizer
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 // Element i of array `which` for `seed`: 0.5 + 23 random bits / 2^24, exact in fp32.
 KEEL_HD inline float stream_input(std::uint64_t seed, int which, std::uint64_t i) {
-  const std::uint64_t h = stream_mix(stream_mix(seed * 3 + static_cast<std::uint64_t>(which)) ^ i);
+  const std::uint64_t h = keel::splitmix64(keel::splitmix64(seed * 3 + static_cast<std::uint64_t>(which)) ^ i);
   return 0.5f + static_cast<float>(h >> 41) * 0x1p-24f;
 }
 
