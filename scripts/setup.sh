@@ -13,7 +13,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   nlohmann-json3-dev libcli11-dev libfmt-dev libyaml-cpp-dev libpng-dev
   libopenblas-dev libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev libsentencepiece-dev
-  python3
+  python3 python3-pip
 )
 
 missing=()
@@ -27,6 +27,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+
+# tensorboard (PyPI, no Debian package) for the test that reads keel's event files with it.
+python3 -c 'import tensorboard' 2>/dev/null || PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet tensorboard
 
 [ "${1:-}" = "--deps-only" ] && exit 0
 exec scripts/build.sh

@@ -15,6 +15,7 @@
 #include "common/process.h"
 #include "data/command.h"
 #include "size/command.h"
+#include "train/command.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"keel: train mixture-of-experts foundation models full-stack, from cluster characterization to "
@@ -31,6 +32,7 @@ int main(int argc, char** argv) {
   keel::size::add_command(app);
   keel::ckpt::add_command(app);
   keel::data::add_command(app);
+  keel::train::add_command(app);
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,135 @@
+// MoeTransformer: a decoder-only MoE transformer assembled from the CPU reference ops
+// (src/ops), with explicit forward and backward and no autograd (docs/train.md).
+//
+// Per layer (pre-norm):  h = x + Wo attn(rope(Wq n1(x)), rope(Wk n1(x)), Wv n1(x))
+//                        y = h + mlp(n2(h)),  mlp = dense SwiGLU or routed SwiGLU experts
+// then a final RMSNorm and the chunked cross-entropy LM head (tied to the embedding or not).
+// Loss = CE + aux_loss_weight * sum_layers aux + z_loss_weight * sum_layers z.
+//
+// Memory: three arenas. Parameters in one (named regions laid out by optim::assign_groups, so
+// the flat parameter buffer is the optimizer's buffer), gradients in a second with the same
+// offsets, activations in a third sized once from (micro_batch, seq). With recompute = full
+// only each layer's input is kept; backward re-runs the layer's forward into one shared
+// workspace before its backward (gradients identical to recompute = none).
+// Supported: attention mha/gqa, dense and MoE layers (linear router, no shared experts).
+// Anything else in the ModelConfig is rejected with a one-line keel::UsageError.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "ops/moe.h"
+#include "ops/rope.h"
+#include "optim/param_groups.h"
+#include "tensor/arena.h"
+#include "tensor/tensor.h"
+#include "train/parallel_context.h"
+
+namespace keel::train {
+
+enum class Recompute { kNone, kFull };
+Recompute parse_recompute(const std::string& s);  // "none" | "full"
+const char* to_string(Recompute r);
+
+struct ModelOptions {
+  int micro_batch = 1;  // B
+  int seq_length = 0;   // T
+  Recompute recompute = Recompute::kNone;
+  double aux_loss_weight = 0.01;  // Switch load-balancing loss weight (per MoE layer, summed)
+  double z_loss_weight = 0.001;   // router z-loss weight
+  bool renormalize_gates = true;  // gates renormalized over the top_k
+  double bias_update_rate = 0.0;  // aux-loss-free balancing: bias += rate * sign(mean - load)
+  std::int64_t ce_chunk = 8192;
+  double init_std = 0.02;
+  std::uint64_t init_seed = 1234;
+  // Recompute the returned CE in double from the fp32 final hidden states (an extra [N, V]
+  // pass): for finite-difference gradient checks, where the fp32 loss's rounding would
+  // dominate. Gradients are unchanged.
+  bool precise_loss = false;
+};
+
+struct LossParts {
+  double total = 0, ce = 0, aux = 0, z = 0;  // aux and z: unweighted sums over MoE layers
+};
+
+class MoeTransformer {
+ public:
+  MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const ParallelContext& ctx);
+  ~MoeTransformer();
+
+  const model::ModelConfig& config() const { return cfg_; }
+  const ModelOptions& options() const { return opt_; }
+  // Names, shapes, offsets (floats) of every parameter: the optimizer's and checkpoint's view.
+  const optim::ParamLayout& layout() const { return layout_; }
+  float* params() const { return params_; }
+  float* grads() const { return grads_; }
+  std::int64_t param_floats() const { return layout_.total_floats; }
+  std::int64_t param_count() const;  // without padding
+  Arena& param_arena() { return *param_arena_; }
+  Arena& grad_arena() { return *grad_arena_; }
+  Arena& act_arena() { return *act_arena_; }
+  // Tensor view of a parameter / its gradient by name (throws on an unknown name).
+  Tensor param(const std::string& name) const;
+  Tensor grad(const std::string& name) const;
+
+  // Re-initializes parameters from options.init_seed (normal(0, init_std), output projections
+  // scaled by 1/sqrt(2 layers), norms 1) and zeroes the router biases.
+  void init_parameters();
+  void zero_grads();
+
+  // tokens: B*T input ids, targets: B*T int32 labels (-1 ignored). Returns the loss parts of
+  // this micro-batch; keeps what backward needs. Adds the routing counts to the load counters.
+  LossParts forward(const std::uint32_t* tokens, const std::int32_t* targets);
+  // Accumulates d(loss_scale * total loss)/d(params) into the gradient arena.
+  void backward(float loss_scale = 1.0f);
+
+  // MoE layers (in layer order): index of each in [0, layers) and its load counters, summed
+  // over every forward since the last reset_load().
+  const std::vector<int>& moe_layers() const { return moe_layer_ids_; }
+  const std::vector<std::int64_t>& load(int moe_index) const { return load_[moe_index]; }
+  void reset_load();
+  // Router selection biases, one [E] vector per MoE layer (state, not parameters).
+  std::vector<float>& router_bias(int moe_index) { return bias_[moe_index]; }
+  // Aux-loss-free balancing: bias_e += rate * sign(mean load - load_e) per MoE layer, from
+  // the load counters; then resets them. No-op when the rate is 0.
+  void update_router_bias();
+
+  // FLOPs of one forward+backward of a micro-batch (6 * active matmul params * tokens +
+  // attention), for MFU.
+  double flops_per_micro_batch() const;
+
+ private:
+  struct LayerParams;
+  struct LayerActs;
+  void allocate_params();
+  std::size_t plan_acts(Arena* arena);  // nullptr: only count bytes
+  void layer_forward(int l, LayerActs& a, const Tensor& x_in, const Tensor& x_out, bool count_load, LossParts& lp);
+  void layer_backward(int l, LayerActs& a, const Tensor& x_in, const Tensor& dres);
+
+  model::ModelConfig cfg_;
+  ModelOptions opt_;
+  ParallelContext ctx_;
+  optim::ParamLayout layout_;
+  std::unique_ptr<Arena> param_arena_, grad_arena_, act_arena_;
+  float* params_ = nullptr;
+  float* grads_ = nullptr;
+  ops::rope::Table rope_;
+  std::vector<LayerParams> lp_, lg_;  // params and grads views per layer
+  Tensor embed_, final_norm_, lm_head_, d_embed_, d_final_norm_, d_lm_head_;
+  std::vector<LayerActs> acts_;  // one per layer (none) or one shared workspace (full)
+  std::vector<Tensor> resid_;    // [layers + 1] residual stream (layer inputs, final output)
+  Tensor final_h_, final_rstd_, ce_lse_, ce_scratch_;
+  Tensor dres_, dtmp_, dtmp2_;
+  std::vector<std::uint32_t> tokens_;
+  std::vector<std::int32_t> targets_, positions_;
+  std::vector<int> moe_layer_ids_, moe_index_of_layer_;
+  std::vector<std::vector<std::int64_t>> load_;
+  std::vector<std::vector<float>> bias_;
+  bool have_forward_ = false;
+  float cur_scale_ = 1.0f;
+};
+
+}  // namespace keel::train

@@ -1,0 +1,278 @@
+#include "train/train_config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include <unistd.h>
+
+#include "common/error.h"
+#include "common/fileio.h"
+
+namespace keel::train {
+namespace {
+
+struct Ctx {
+  std::string what;
+  std::set<std::string> overridden;
+  [[noreturn]] void bad(const std::string& key, const YAML::Node& n, const std::string& msg) const {
+    const std::string where = overridden.count(key) ? " (from --set)" : (n.Mark().line >= 0 ? fmt::format(" (line {})", n.Mark().line + 1) : "");
+    throw UsageError(fmt::format("{}: key '{}'{}: {}", what, key, where, msg));
+  }
+  void only(const YAML::Node& map, const std::string& prefix, std::initializer_list<const char*> allowed) const {
+    if (!map.IsMap()) bad(prefix, map, "must be a mapping");
+    for (const auto& kv : map) {
+      const std::string k = kv.first.as<std::string>();
+      bool ok = false;
+      for (const char* a : allowed) ok = ok || k == a;
+      if (!ok) {
+        const std::string full = prefix.empty() ? k : prefix + "." + k;
+        std::string list;
+        for (const char* a : allowed) list += (list.empty() ? "" : ", ") + std::string(a);
+        const std::string where = overridden.count(full) ? " (from --set)" : fmt::format(" (line {})", kv.first.Mark().line + 1);
+        throw UsageError(fmt::format("{}: unknown key '{}'{} (known: {})", what, full, where, list));
+      }
+    }
+  }
+  template <typename T>
+  T get(const YAML::Node& n, const std::string& key, const char* type) const {
+    if (!n.IsScalar()) bad(key, n, fmt::format("must be {}", type));
+    try {
+      return n.as<T>();
+    } catch (const YAML::Exception&) {
+      bad(key, n, fmt::format("must be {}, got '{}'", type, n.Scalar()));
+    }
+  }
+};
+
+void apply_override(YAML::Node& root, const std::string& spec, Ctx& ctx) {
+  const auto eq = spec.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw UsageError(fmt::format("--set '{}': expected key.sub=value", spec));
+  const std::string key = spec.substr(0, eq), value = spec.substr(eq + 1);
+  std::vector<std::string> parts;
+  std::size_t b = 0;
+  while (true) {
+    const auto d = key.find('.', b);
+    parts.push_back(key.substr(b, d == std::string::npos ? std::string::npos : d - b));
+    if (d == std::string::npos) break;
+    b = d + 1;
+  }
+  YAML::Node n = root;
+  for (std::size_t i = 0; i + 1 < parts.size(); ++i) {
+    if (parts[i].empty()) throw UsageError(fmt::format("--set '{}': empty key component", spec));
+    YAML::Node child = n[parts[i]];
+    if (child && !child.IsMap() && !child.IsNull())
+      throw UsageError(fmt::format("--set '{}': '{}' is not a mapping", spec, parts[i]));
+    n.reset(child);
+  }
+  YAML::Node v;
+  try {
+    v = YAML::Load(value);
+  } catch (const YAML::Exception& e) {
+    throw UsageError(fmt::format("--set '{}': value is not valid YAML", spec));
+  }
+  n[parts.back()] = v;
+  ctx.overridden.insert(key);
+}
+
+}  // namespace
+
+TrainConfig parse_train_config(const std::string& yaml_text, const std::string& what,
+                               const std::vector<std::string>& overrides) {
+  Ctx ctx{what, {}};
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    throw UsageError(fmt::format("{}: not valid YAML: {}", what, e.what()));
+  }
+  if (!root.IsMap()) throw UsageError(fmt::format("{}: a train config must be a YAML mapping of keys", what));
+  for (const auto& o : overrides) apply_override(root, o, ctx);
+
+  TrainConfig c;
+  c.path = what;
+  ctx.only(root, "", {"model", "recompute", "router", "ce_chunk", "data", "eval", "optimizer", "schedule", "batch",
+                      "steps", "log_interval", "output_dir", "checkpoint", "tensorboard", "mfu_peak_flops", "seed"});
+  auto need = [&](const char* key) {
+    if (!root[key]) throw UsageError(fmt::format("{}: missing key '{}'", what, key));
+    return root[key];
+  };
+  // model
+  const YAML::Node mnode = need("model");
+  try {
+    if (mnode.IsScalar()) {
+      c.model_source = mnode.as<std::string>();
+      c.model = model::load_model_config(c.model_source);
+    } else if (mnode.IsMap()) {
+      c.model_source = "inline";
+      const std::string tmp = (std::filesystem::temp_directory_path() /
+                               fmt::format("keel-train-model-{}-{}.yaml", ::getpid(), reinterpret_cast<std::uintptr_t>(&c)))
+                                  .string();
+      YAML::Emitter em;
+      em << mnode;
+      write_file_atomically(tmp, em.c_str());
+      try {
+        c.model = model::load_model_config(tmp);
+      } catch (const UsageError& e) {
+        std::filesystem::remove(tmp);
+        std::string msg = e.what();
+        if (msg.rfind(tmp, 0) == 0) msg = msg.substr(tmp.size() + 2);
+        throw UsageError(fmt::format("{}: model: {}", what, msg));
+      }
+      std::filesystem::remove(tmp);
+      if (c.model.name.rfind("keel-train-model-", 0) == 0) c.model.name = "inline";
+    } else {
+      ctx.bad("model", mnode, "must be a model YAML path or a mapping of model keys");
+    }
+  } catch (const UsageError&) {
+    throw;
+  } catch (const Error& e) {
+    throw UsageError(fmt::format("{}: model: {}", what, e.what()));
+  }
+  ModelOptions& mo = c.model_options;
+  if (root["recompute"]) {
+    try {
+      mo.recompute = parse_recompute(ctx.get<std::string>(root["recompute"], "recompute", "none or full"));
+    } catch (const UsageError& e) {
+      ctx.bad("recompute", root["recompute"], e.what());
+    }
+  }
+  if (const auto r = root["router"]) {
+    ctx.only(r, "router", {"aux_loss_weight", "z_loss_weight", "bias_update_rate", "renormalize"});
+    if (r["aux_loss_weight"]) mo.aux_loss_weight = ctx.get<double>(r["aux_loss_weight"], "router.aux_loss_weight", "a number");
+    if (r["z_loss_weight"]) mo.z_loss_weight = ctx.get<double>(r["z_loss_weight"], "router.z_loss_weight", "a number");
+    if (r["bias_update_rate"])
+      mo.bias_update_rate = ctx.get<double>(r["bias_update_rate"], "router.bias_update_rate", "a number");
+    if (r["renormalize"]) mo.renormalize_gates = ctx.get<bool>(r["renormalize"], "router.renormalize", "true or false");
+    if (!(mo.aux_loss_weight >= 0) || !(mo.z_loss_weight >= 0) || !(mo.bias_update_rate >= 0))
+      ctx.bad("router", r, "weights and bias_update_rate must be >= 0");
+  }
+  if (root["ce_chunk"]) mo.ce_chunk = ctx.get<std::int64_t>(root["ce_chunk"], "ce_chunk", "an integer");
+  if (mo.ce_chunk < 1) ctx.bad("ce_chunk", root["ce_chunk"], "must be >= 1");
+  if (root["seed"]) c.seed = ctx.get<std::uint64_t>(root["seed"], "seed", "a non-negative integer");
+  mo.init_seed = c.seed;
+
+  // data: a keel data config; phases default to one phase of equal weights
+  YAML::Node d = YAML::Clone(need("data"));
+  if (!d.IsMap()) ctx.bad("data", d, "must be a mapping (datasets, seq_length, seed, shuffle, phases)");
+  if (!d["phases"] && d["datasets"] && d["datasets"].IsMap()) {
+    YAML::Node w;
+    for (const auto& kv : d["datasets"]) w[kv.first.as<std::string>()] = 1.0;
+    YAML::Node ph;
+    ph["weights"] = w;
+    d["phases"].push_back(ph);
+  }
+  {
+    YAML::Emitter em;
+    em << d;
+    try {
+      c.data = data::parse_data_config(em.c_str(), what + " (data)", "");
+    } catch (const Error& e) {
+      throw UsageError(e.what());
+    }
+  }
+  if (const auto e = root["eval"]) {
+    ctx.only(e, "eval", {"prefix", "interval", "batches"});
+    if (e["prefix"]) c.eval_prefix = ctx.get<std::string>(e["prefix"], "eval.prefix", "a dataset prefix");
+    if (e["interval"]) c.eval_interval = ctx.get<std::int64_t>(e["interval"], "eval.interval", "an integer");
+    if (e["batches"]) c.eval_batches = ctx.get<std::int64_t>(e["batches"], "eval.batches", "an integer");
+    if (c.eval_interval < 0) ctx.bad("eval.interval", e["interval"], "must be >= 0");
+    if (c.eval_batches < 1) ctx.bad("eval.batches", e["batches"], "must be >= 1");
+  }
+  // optimizer + schedule
+  if (const auto o = root["optimizer"]) {
+    ctx.only(o, "optimizer", {"lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "clip"});
+    auto num = [&](const char* k, double* f) {
+      if (o[k]) *f = ctx.get<double>(o[k], std::string("optimizer.") + k, "a number");
+    };
+    num("lr", &c.schedule.peak_lr);
+    c.schedule.min_lr = c.schedule.peak_lr * 0.1;
+    num("min_lr", &c.schedule.min_lr);
+    num("beta1", &c.adamw.beta1);
+    num("beta2", &c.adamw.beta2);
+    num("eps", &c.adamw.eps);
+    num("weight_decay", &c.adamw.weight_decay);
+    num("clip", &c.clip);
+    try {
+      optim::validate(c.adamw);
+    } catch (const Error& e) {
+      ctx.bad("optimizer", o, e.what());
+    }
+    if (!(c.schedule.peak_lr > 0) || !std::isfinite(c.schedule.peak_lr)) ctx.bad("optimizer.lr", o["lr"], "must be > 0");
+  }
+  if (const auto s = root["schedule"]) {
+    ctx.only(s, "schedule", {"kind", "warmup_steps", "decay_fraction", "decay_shape"});
+    if (s["kind"]) {
+      const auto v = ctx.get<std::string>(s["kind"], "schedule.kind", "a string");
+      try {
+        c.schedule.kind = optim::parse_schedule_kind(v);
+      } catch (const Error& e) {
+        ctx.bad("schedule.kind", s["kind"], e.what());
+      }
+    }
+    if (s["decay_shape"]) {
+      const auto v = ctx.get<std::string>(s["decay_shape"], "schedule.decay_shape", "a string");
+      try {
+        c.schedule.decay_shape = optim::parse_decay_shape(v);
+      } catch (const Error& e) {
+        ctx.bad("schedule.decay_shape", s["decay_shape"], e.what());
+      }
+    }
+    if (s["warmup_steps"]) c.schedule.warmup_steps = ctx.get<std::int64_t>(s["warmup_steps"], "schedule.warmup_steps", "an integer");
+    if (s["decay_fraction"]) c.schedule.decay_fraction = ctx.get<double>(s["decay_fraction"], "schedule.decay_fraction", "a number");
+  }
+  if (const auto b = root["batch"]) {
+    ctx.only(b, "batch", {"micro_batch", "grad_accum"});
+    if (b["micro_batch"]) c.micro_batch = ctx.get<int>(b["micro_batch"], "batch.micro_batch", "an integer");
+    if (b["grad_accum"]) c.grad_accum = ctx.get<int>(b["grad_accum"], "batch.grad_accum", "an integer");
+    if (c.micro_batch < 1) ctx.bad("batch.micro_batch", b["micro_batch"], "must be >= 1");
+    if (c.grad_accum < 1) ctx.bad("batch.grad_accum", b["grad_accum"], "must be >= 1");
+  }
+  c.steps = ctx.get<std::int64_t>(need("steps"), "steps", "an integer");
+  if (c.steps < 1) ctx.bad("steps", root["steps"], "must be >= 1");
+  if (root["log_interval"]) c.log_interval = ctx.get<std::int64_t>(root["log_interval"], "log_interval", "an integer");
+  if (c.log_interval < 1) ctx.bad("log_interval", root["log_interval"], "must be >= 1");
+  if (root["output_dir"]) c.output_dir = ctx.get<std::string>(root["output_dir"], "output_dir", "a directory");
+  c.checkpoint_dir = c.output_dir;
+  if (const auto k = root["checkpoint"]) {
+    ctx.only(k, "checkpoint", {"dir", "interval"});
+    if (k["dir"]) c.checkpoint_dir = ctx.get<std::string>(k["dir"], "checkpoint.dir", "a directory");
+    if (k["interval"]) c.checkpoint_interval = ctx.get<std::int64_t>(k["interval"], "checkpoint.interval", "an integer");
+    if (c.checkpoint_interval < 0) ctx.bad("checkpoint.interval", k["interval"], "must be >= 0");
+  }
+  if (root["tensorboard"]) c.tensorboard = ctx.get<bool>(root["tensorboard"], "tensorboard", "true or false");
+  if (root["mfu_peak_flops"]) c.peak_flops = ctx.get<double>(root["mfu_peak_flops"], "mfu_peak_flops", "a number");
+  if (!(c.peak_flops > 0)) ctx.bad("mfu_peak_flops", root["mfu_peak_flops"], "must be > 0");
+
+  c.schedule.total_steps = c.steps;
+  try {
+    optim::validate(c.schedule);
+  } catch (const Error& e) {
+    throw UsageError(fmt::format("{}: {}", what, e.what()));
+  }
+  mo.micro_batch = c.micro_batch;
+  mo.seq_length = static_cast<int>(c.data.seq_length);
+  if (c.model.max_seq_len > 0 && mo.seq_length > c.model.max_seq_len)
+    throw UsageError(fmt::format("{}: data.seq_length {} exceeds the model's max_seq_len {}", what, mo.seq_length,
+                                 c.model.max_seq_len));
+  YAML::Emitter em;
+  em << root;
+  c.text = em.c_str();
+  return c;
+}
+
+TrainConfig load_train_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::string text;
+  try {
+    text = read_file(path);
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  return parse_train_config(text, path, overrides);
+}
+
+}  // namespace keel::train

@@ -1,0 +1,50 @@
+// The YAML training config of `keel train` (docs/train.md lists every key). Unknown keys are
+// rejected naming the key and the file; `--set key.sub=value` overrides apply before parsing.
+// Relative paths (model file, datasets, output_dir, checkpoint dir) are relative to the
+// working directory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "data/blend.h"
+#include "model/config.h"
+#include "optim/adamw.h"
+#include "optim/schedule.h"
+#include "train/model.h"
+
+namespace keel::train {
+
+struct TrainConfig {
+  std::string path;                 // the config file (for messages)
+  model::ModelConfig model;         // `model:` a model YAML path, or the model keys inline
+  std::string model_source;         // the path, or "inline"
+  ModelOptions model_options;       // recompute, router.*, ce_chunk, seed (micro_batch/seq from below)
+  data::DataConfig data;            // `data:` a keel data config (phases optional: one phase of equal weights)
+  std::string eval_prefix;          // `eval.prefix`: held-out dataset ("" = no eval)
+  std::int64_t eval_interval = 0;   // `eval.interval` steps (0: only at the end when a prefix is given)
+  std::int64_t eval_batches = 4;    // `eval.batches` micro-batches per eval
+  optim::AdamWConfig adamw;         // `optimizer.{beta1, beta2, eps, weight_decay}`
+  double clip = 1.0;                // `optimizer.clip` (<= 0: no clipping)
+  optim::LrSchedule schedule;       // `optimizer.lr`, `optimizer.min_lr`, `schedule.*`; total = steps
+  int micro_batch = 1;              // `batch.micro_batch` (sequences per micro-batch)
+  int grad_accum = 1;               // `batch.grad_accum`
+  std::int64_t steps = 0;
+  std::int64_t log_interval = 1;
+  std::string output_dir = "out/train";
+  std::string checkpoint_dir;       // `checkpoint.dir` (default: output_dir)
+  std::int64_t checkpoint_interval = 0;  // `checkpoint.interval` (0: only at the end)
+  bool tensorboard = false;
+  double peak_flops = 1e12;         // `mfu_peak_flops`: FLOP/s that MFU is measured against
+  std::uint64_t seed = 1234;        // model initialization
+  std::string text;                 // the effective config (YAML, overrides applied) for the log
+};
+
+// Loads `path`, applies overrides ("a.b=value", value parsed as YAML) and validates.
+// Every error is one keel::UsageError line naming the file and the key.
+TrainConfig load_train_config(const std::string& path, const std::vector<std::string>& overrides = {});
+TrainConfig parse_train_config(const std::string& yaml_text, const std::string& what,
+                               const std::vector<std::string>& overrides = {});
+
+}  // namespace keel::train

@@ -1,0 +1,70 @@
+// The training loop of `keel train` (docs/train.md): micro-batches from the data sampler,
+// gradient accumulation, global-norm clipping, AdamW on the scheduled learning rate, the
+// router-bias update, logging (console + metrics.jsonl, TensorBoard optional), periodic eval
+// on a held-out dataset and full checkpoints that resume bit for bit.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/blend.h"
+#include "optim/adamw.h"
+#include "tensor/arena.h"
+#include "train/metrics_log.h"
+#include "train/model.h"
+#include "train/parallel_context.h"
+#include "train/train_config.h"
+
+namespace keel::train {
+
+struct StepStats {
+  std::int64_t step = 0;  // 1-based: the number of optimizer steps done after this one
+  double loss = 0, ce = 0, aux = 0, z = 0, lr = 0, grad_norm = 0;
+  double load_min = 0, load_max = 0;  // expert load / mean load, over every MoE layer
+};
+
+class Trainer {
+ public:
+  // quiet: no console output (tests); the JSONL log is always written to output_dir.
+  Trainer(TrainConfig config, const ParallelContext& ctx = ParallelContext::single(), bool quiet = false);
+  ~Trainer();
+
+  // Loads a checkpoint file, or the newest checkpoint-*.keel of a directory.
+  void resume(const std::string& path);
+  // Trains until `until` optimizer steps are done (-1: config.steps). Saves checkpoints at
+  // checkpoint.interval and at the end of training. Returns the stats of the steps it ran.
+  std::vector<StepStats> run(std::int64_t until = -1);
+  // Mean CE over eval.batches micro-batches of the held-out dataset (always the same ones).
+  double evaluate();
+  void save_checkpoint(const std::string& path) const;
+  std::string checkpoint_path(std::int64_t step) const;
+
+  std::int64_t step() const { return step_; }
+  MoeTransformer& model() { return *model_; }
+  const TrainConfig& config() const { return cfg_; }
+
+ private:
+  StepStats train_step();
+  void log_step(const StepStats& s, double seconds, std::int64_t tokens);
+
+  TrainConfig cfg_;
+  ParallelContext ctx_;
+  bool quiet_;
+  std::unique_ptr<MoeTransformer> model_;
+  std::unique_ptr<Arena> opt_arena_;
+  float* adam_m_ = nullptr;
+  float* adam_v_ = nullptr;
+  std::unique_ptr<optim::AdamW> adam_;
+  std::unique_ptr<data::DataPipeline> data_;
+  std::unique_ptr<data::BatchLoader> loader_;
+  std::unique_ptr<data::IndexedDataset> eval_ds_;
+  std::unique_ptr<data::SequenceSampler> eval_sampler_;
+  std::unique_ptr<MetricsLog> log_;
+  std::int64_t step_ = 0;
+  std::vector<std::int32_t> targets_;
+  std::vector<std::uint32_t> inputs_;
+};
+
+}  // namespace keel::train

@@ -1,0 +1,40 @@
+# `keel train` as a user runs it: tokenize the shipped corpus, train the tiny config briefly,
+# stop and resume; one clear error line per bad input.
+set(tcfg ${PROJECT_SOURCE_DIR}/configs/train/tiny.yaml)
+set(tshort --set data.datasets.stories=train_stories --set steps=16 --set log_interval=8 --set schedule.warmup_steps=4
+    --set data.seq_length=64 --set batch.micro_batch=4)
+
+keel_cli_test(NAME train_tokenize MATCH "tokenized 1 file: 220 documents"
+  ARGS data tokenize ${PROJECT_SOURCE_DIR}/data/corpus/stories.jsonl --out train_stories --append-eos)
+set_tests_properties(cli_train_tokenize PROPERTIES FIXTURES_SETUP train_stories)
+
+keel_cli_test(NAME train_tiny MATCH "done: steps 0 -> 16 in .* s, loss 5\\.[0-9]+ -> "
+  ARGS train ${tcfg} ${tshort} --set output_dir=train_out)
+keel_cli_test(NAME train_stop MATCH "saved train_stop/checkpoint-00000008.keel"
+  ARGS train ${tcfg} ${tshort} --set output_dir=train_stop --stop-after 8)
+set_tests_properties(cli_train_stop PROPERTIES FIXTURES_SETUP train_stop)
+keel_cli_test(NAME train_resume MATCH "resumed from train_stop/checkpoint-00000008.keel at step 8"
+  ARGS train ${tcfg} ${tshort} --set output_dir=train_stop --resume train_stop)
+set_tests_properties(cli_train_resume PROPERTIES FIXTURES_REQUIRED "train_stories;train_stop")
+set_tests_properties(cli_train_tiny PROPERTIES FIXTURES_REQUIRED train_stories)
+# The stop/resume pair starts from an empty directory, so a rerun does not find the last run's
+# newer checkpoint.
+add_test(NAME cli_train_stop_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_stop WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_train_stop_clean PROPERTIES FIXTURES_SETUP train_stop_clean)
+set_tests_properties(cli_train_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_stop_clean")
+
+# Bad input.
+keel_cli_test(NAME train_unknown_key EXIT 1 MATCH "^keel: error: .*tiny\\.yaml: unknown key 'optimizer\\.lrr' \\(from --set\\)"
+  ARGS train ${tcfg} --set optimizer.lrr=1)
+keel_cli_test(NAME train_missing_config EXIT 1 MATCH "^keel: error: .*nope\\.yaml"
+  ARGS train nope.yaml)
+keel_cli_test(NAME train_missing_dataset EXIT 1 MATCH "^keel: error: .*no_such_prefix"
+  ARGS train ${tcfg} --set data.datasets.stories=no_such_prefix)
+keel_cli_test(NAME train_cca_rejected EXIT 1 MATCH "^keel: error: .*supports only mha and gqa"
+  ARGS train ${tcfg} --set model=${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --set data.datasets.stories=no_such_prefix)
+
+# The real tensorboard Python package reads the event file keel's MetricsLog writes
+# (src/train/tb_writer.*, docs/train_logging.md); fails, not skips, without the package.
+add_test(NAME train_tensorboard_reads_keel_events
+         COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/train/check_tensorboard.sh $<TARGET_FILE:keel_tests>)
+set_tests_properties(train_tensorboard_reads_keel_events PROPERTIES TIMEOUT 120)

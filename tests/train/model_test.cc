@@ -1,0 +1,216 @@
+// Whole-model tests of keel::train::MoeTransformer on CPU: finite-difference gradient check
+// through every op, recompute = full against none, overfitting one batch.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "../ops/gradcheck.h"
+#include "optim/adamw.h"
+#include "optim/clip.h"
+#include "train/model.h"
+
+namespace keel::train {
+namespace {
+
+model::ModelConfig tiny_config(bool tied, int layers = 2) {
+  model::ModelConfig m;
+  m.name = "test-tiny";
+  m.vocab_size = 23;
+  m.hidden = 16;
+  m.layers = layers;
+  m.attention = model::AttentionKind::kGqa;
+  m.heads = 4;
+  m.kv_heads = 2;
+  m.head_dim = 4;
+  m.ffn_hidden = 24;
+  m.experts = 4;
+  m.top_k = 2;
+  m.expert_hidden = 12;
+  m.first_dense_layers = 1;  // layer 0 dense, layer 1 MoE
+  m.tied_embeddings = tied;
+  m.rope_fraction = 1.0;
+  m.max_seq_len = 64;
+  return m;
+}
+
+struct Batch {
+  std::vector<std::uint32_t> tokens;
+  std::vector<std::int32_t> targets;
+};
+
+Batch random_batch(int n, int vocab, std::uint32_t seed) {
+  Batch b;
+  std::uint64_t s = seed;
+  for (int i = 0; i < n; ++i) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    b.tokens.push_back(static_cast<std::uint32_t>((s >> 33) % vocab));
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    b.targets.push_back(static_cast<std::int32_t>((s >> 33) % vocab));
+  }
+  return b;
+}
+
+void whole_model_gradcheck(bool tied) {
+  const auto cfg = tiny_config(tied);
+  ModelOptions o;
+  o.micro_batch = 2;
+  o.seq_length = 5;
+  o.aux_loss_weight = 0.1;  // large, so the aux and z terms visibly matter
+  o.z_loss_weight = 0.05;
+  o.init_std = 0.3;         // large weights: gradients well above the fp32 noise floor
+  o.ce_chunk = 7;           // several vocabulary chunks
+  o.precise_loss = true;    // the loss in double: fp32 rounding would dominate the differences
+  MoeTransformer model(cfg, o, ParallelContext::single());
+  const Batch b = random_batch(o.micro_batch * o.seq_length, static_cast<int>(cfg.vocab_size), 7);
+  model.zero_grads();
+  model.forward(b.tokens.data(), b.targets.data());
+  model.backward();
+  std::vector<float> grads(model.grads(), model.grads() + model.param_floats());
+  auto loss = [&] { return model.forward(b.tokens.data(), b.targets.data()).total; };
+  double worst = 0;
+  for (const auto& p : model.layout().params) {
+    const auto r = test::check_grad(p.name, loss, model.params() + p.offset, grads.data() + p.offset, p.numel,
+                                    /*eps=*/1e-3, /*max_elems=*/60);
+    EXPECT_LT(r.rel_err, test::kGradTol) << p.name;
+    EXPECT_GT(r.ana_norm, 0.0) << p.name;
+    worst = std::max(worst, r.rel_err);
+  }
+  std::printf("[gradcheck] whole model (tied=%d): worst rel_err %.3e\n", tied ? 1 : 0, worst);
+}
+
+TEST(TrainModel, WholeModelGradCheckUntied) { whole_model_gradcheck(false); }
+TEST(TrainModel, WholeModelGradCheckTied) { whole_model_gradcheck(true); }
+
+TEST(TrainModel, AuxLossesContributeToGradients) {
+  const auto cfg = tiny_config(false);
+  ModelOptions o;
+  o.micro_batch = 2;
+  o.seq_length = 5;
+  o.init_std = 0.3;
+  const Batch b = random_batch(10, 23, 3);
+  auto router_grad = [&](double aux, double z) {
+    o.aux_loss_weight = aux;
+    o.z_loss_weight = z;
+    MoeTransformer m(cfg, o, ParallelContext::single());
+    m.zero_grads();
+    const auto lp = m.forward(b.tokens.data(), b.targets.data());
+    EXPECT_GT(lp.aux, 0.0);
+    EXPECT_GT(lp.z, 0.0);
+    m.backward();
+    const Tensor g = m.grad("layers.1.moe.router");
+    return std::vector<float>(g.data(), g.data() + g.numel());
+  };
+  EXPECT_NE(router_grad(0, 0), router_grad(0.1, 0));
+  EXPECT_NE(router_grad(0, 0), router_grad(0, 0.1));
+}
+
+TEST(TrainModel, RecomputeFullGivesIdenticalGradients) {
+  const auto cfg = tiny_config(true, 3);
+  const Batch b = random_batch(2 * 8, 23, 11);
+  auto run = [&](Recompute r, float* loss) {
+    ModelOptions o;
+    o.micro_batch = 2;
+    o.seq_length = 8;
+    o.recompute = r;
+    o.init_std = 0.2;
+    MoeTransformer m(cfg, o, ParallelContext::single());
+    m.zero_grads();
+    *loss = static_cast<float>(m.forward(b.tokens.data(), b.targets.data()).total);
+    m.backward();
+    // a second micro-batch accumulates
+    m.forward(b.tokens.data(), b.targets.data());
+    m.backward(0.5f);
+    return std::vector<float>(m.grads(), m.grads() + m.param_floats());
+  };
+  float l0 = 0, l1 = 0;
+  const auto g0 = run(Recompute::kNone, &l0);
+  const auto g1 = run(Recompute::kFull, &l1);
+  EXPECT_EQ(l0, l1);
+  ASSERT_EQ(g0.size(), g1.size());
+  EXPECT_EQ(0, std::memcmp(g0.data(), g1.data(), g0.size() * sizeof(float)));
+}
+
+TEST(TrainModel, RecomputeFullUsesLessActivationMemory) {
+  const auto cfg = tiny_config(false, 4);
+  ModelOptions o;
+  o.micro_batch = 2;
+  o.seq_length = 16;
+  MoeTransformer none(cfg, o, ParallelContext::single());
+  o.recompute = Recompute::kFull;
+  MoeTransformer full(cfg, o, ParallelContext::single());
+  EXPECT_LT(full.act_arena().capacity(), none.act_arena().capacity());
+}
+
+TEST(TrainModel, OverfitsOneBatch) {
+  const auto cfg = tiny_config(false);
+  ModelOptions o;
+  o.micro_batch = 2;
+  o.seq_length = 8;
+  MoeTransformer m(cfg, o, ParallelContext::single());
+  const Batch b = random_batch(16, 23, 5);
+  optim::AdamWConfig ac;
+  ac.weight_decay = 0.0;
+  optim::AdamW adam(ac);
+  std::vector<float> mom(m.param_floats()), var(m.param_floats());
+  double first = 0, last = 0;
+  for (int step = 0; step < 100; ++step) {
+    m.zero_grads();
+    const double loss = m.forward(b.tokens.data(), b.targets.data()).ce;
+    m.backward();
+    if (step == 0) first = loss;
+    last = loss;
+    const auto clip = optim::clip_grad_norm_deferred(optim::grad_views(m.layout(), m.grads()), 1.0);
+    optim::FlatRange r{0, m.param_floats(), m.params(), m.grads(), mom.data(), var.data()};
+    adam.step(m.layout(), r, 1e-2, static_cast<float>(clip.coefficient));
+    m.update_router_bias();
+  }
+  std::printf("[overfit] ce %.4f -> %.4f\n", first, last);
+  EXPECT_LT(last, 0.1 * first);
+}
+
+TEST(TrainModel, RejectsUnsupportedConfigs) {
+  auto cfg = tiny_config(false);
+  ModelOptions o;
+  o.micro_batch = 1;
+  o.seq_length = 4;
+  cfg.attention = model::AttentionKind::kCca;
+  cfg.cca_q_dim = 16, cfg.cca_k_dim = 8, cfg.cca_v_dim = 8, cfg.cca_conv_width = 2, cfg.cca_group_conv_width = 2;
+  try {
+    MoeTransformer m(cfg, o, ParallelContext::single());
+    FAIL() << "CCA accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("supports only mha and gqa"), std::string::npos) << e.what();
+  }
+  ParallelContext ctx;
+  ctx.expert.size = 2;
+  EXPECT_THROW(MoeTransformer(tiny_config(false), o, ctx), UsageError);
+}
+
+TEST(TrainModel, RouterBiasBalancesLoad) {
+  const auto cfg = tiny_config(false);
+  ModelOptions o;
+  o.micro_batch = 2;
+  o.seq_length = 8;
+  o.bias_update_rate = 0.5;
+  MoeTransformer m(cfg, o, ParallelContext::single());
+  const Batch b = random_batch(16, 23, 9);
+  m.forward(b.tokens.data(), b.targets.data());
+  auto load = m.load(0);
+  std::int64_t total = 0;
+  for (auto c : load) total += c;
+  EXPECT_EQ(total, 16 * 2);
+  m.update_router_bias();
+  const auto& bias = m.router_bias(0);
+  const double mean = total / 4.0;
+  for (int e = 0; e < 4; ++e) {
+    if (load[e] > mean) EXPECT_LT(bias[e], 0.f);
+    if (load[e] < mean) EXPECT_GT(bias[e], 0.f);
+  }
+  EXPECT_EQ(m.load(0)[0], 0);  // reset
+}
+
+}  // namespace
+}  // namespace keel::train
