@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 
@@ -87,6 +88,11 @@ int run_tokenize(const TokenizeFlags& f) {
     if (!probe) throw UsageError(fmt::format("cannot read input {}: {}", in, std::strerror(errno)));
   }
 
+  // Like any output path, the prefix's directory is made when missing.
+  const std::filesystem::path parent = std::filesystem::path(f.out).parent_path();
+  std::error_code ec;
+  if (!parent.empty() && !std::filesystem::create_directories(parent, ec) && ec)
+    throw Error(fmt::format("cannot create {}: {}", parent.string(), ec.message()));
   IndexedDatasetWriter w(f.out, dtype);
   std::uint64_t empty = 0;
   for (const auto& in : f.inputs) {

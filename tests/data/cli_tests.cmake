@@ -7,6 +7,13 @@ keel_cli_test(NAME data_tokenize_jsonl
   MATCH "tokenized 1 file: 220 documents, [0-9]+ tokens \\(byte tokenizer, vocab 259, uint16\\)"
   ARGS data tokenize ${corpus}/stories.jsonl --out data_stories --append-eos)
 set_tests_properties(cli_data_tokenize_jsonl PROPERTIES FIXTURES_SETUP data_stories)
+# The prefix's directory is created when missing (as the quickstart's out/corpus/ is).
+add_test(NAME cli_data_tokenize_new_dir_clean COMMAND ${CMAKE_COMMAND} -E rm -rf data_new_dir
+         WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_data_tokenize_new_dir_clean PROPERTIES FIXTURES_SETUP data_new_dir_clean)
+keel_cli_test(NAME data_tokenize_new_dir MATCH "wrote data_new_dir/a/stories\\.bin and data_new_dir/a/stories\\.idx"
+  ARGS data tokenize ${corpus}/stories.jsonl --out data_new_dir/a/stories)
+set_tests_properties(cli_data_tokenize_new_dir PROPERTIES FIXTURES_REQUIRED data_new_dir_clean)
 keel_cli_test(NAME data_inspect
   MATCH "text \"(Once upon a time|[A-Z][a-z]+ and a |In ).*</s>\"$"
   ARGS data inspect data_stories --tokens 100000)
