@@ -4,6 +4,8 @@
 // amplification 1; a full disk on one rank; ranks that disagree about a tensor.
 #include <gtest/gtest.h>
 #include <mpi.h>
+
+#include "../mpi_test_util.h"
 #include <unistd.h>
 
 #include <filesystem>
@@ -20,16 +22,8 @@ using namespace keel::ckpt;
 
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using keel::test::world_rank;
+using keel::test::world_size;
 
 // A directory every rank sees (rank 0 picks the name).
 std::string shared_root(const std::string& name) {

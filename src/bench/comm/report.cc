@@ -8,7 +8,7 @@
 #include <set>
 #include <tuple>
 
-#include "common/env_info.h"
+#include "bench/bench_json.h"
 #include "common/error.h"
 #include "common/fileio.h"
 #include "common/plot.h"
@@ -132,16 +132,9 @@ void write_json(const CommReport& report, const CommOptions& o, const std::strin
                        {"out_of_place", placement_json(r.out_of_place)},
                        {"in_place", placement_json(r.in_place)}});
   }
-  nlohmann::json doc = {
-      {"schema", kCommJsonSchema},
-      {"keel_version", KEEL_VERSION},
-      {"command", "bench comm"},
-      {"args", args},
-      {"env", recorded_env()},
-      {"backend", report.backend},
+  nlohmann::json doc = bench_json_header(kCommJsonSchema, "bench comm", args, report.backend, devices, report.versions);
+  doc.update(nlohmann::json{
       {"world_size", report.world_size},
-      {"devices", devices},
-      {"libraries", report.versions},
       {"conventions",
        {{"size", "bytes of the larger of the send and receive buffers, per rank (nccl-tests)"},
         {"time_us", o.plan.graph_replays > 0 ? "CUDA-graph replay: elapsed / (replays x ops), averaged over ranks"
@@ -154,7 +147,7 @@ void write_json(const CommReport& report, const CommOptions& o, const std::strin
         {"slowest_rank", "the rank with the largest mean per-iteration time"}}},
       {"results", results},
       {"wrong_values", wrong},
-  };
+  });
   write_file_atomically(path, doc.dump(2) + "\n");
 }
 

@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "common/env_info.h"
+#include "bench/bench_json.h"
 #include "common/error.h"
 #include "common/fileio.h"
 #include "common/plot.h"
@@ -218,15 +218,8 @@ void write_gemm_json(const GemmReport& report, const GemmOptions& o, const std::
     if (!r.first_wrong.empty()) j["first_wrong"] = r.first_wrong;
     results.push_back(j);
   }
-  nlohmann::json doc = {
-      {"schema", kGemmJsonSchema},
-      {"keel_version", KEEL_VERSION},
-      {"command", "bench gemm"},
-      {"args", args},
-      {"env", recorded_env()},
-      {"backend", report.backend},
-      {"devices", devices},
-      {"libraries", report.versions},
+  nlohmann::json doc = bench_json_header(kGemmJsonSchema, "bench gemm", args, report.backend, devices, report.versions);
+  doc.update(nlohmann::json{
       {"conventions",
        {{"gemm", "row-major C[m x n] = op(A) op(B), batch independent GEMMs; layout: A then B, n = stored as used "
                  "([m x k], [k x n]), t = stored transposed"},
@@ -244,7 +237,7 @@ void write_gemm_json(const GemmReport& report, const GemmOptions& o, const std::
       {"notes", o.notes},
       {"results", results},
       {"check_failures", gemm_failures(report)},
-  };
+  });
   write_file_atomically(path, doc.dump(2) + "\n");
 }
 

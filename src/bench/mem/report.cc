@@ -5,7 +5,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "common/env_info.h"
+#include "bench/bench_json.h"
 #include "common/error.h"
 #include "common/fileio.h"
 #include "common/plot.h"
@@ -178,15 +178,8 @@ void write_mem_json(const MemReport& report, const MemOptions& o, const std::str
     if (!r.first_wrong.empty()) j["first_wrong"] = r.first_wrong;
     results.push_back(j);
   }
-  nlohmann::json doc = {
-      {"schema", kMemJsonSchema},
-      {"keel_version", KEEL_VERSION},
-      {"command", "bench mem"},
-      {"args", args},
-      {"env", recorded_env()},
-      {"backend", report.backend},
-      {"devices", devices},
-      {"libraries", report.versions},
+  nlohmann::json doc = bench_json_header(kMemJsonSchema, "bench mem", args, report.backend, devices, report.versions);
+  doc.update(nlohmann::json{
       {"conventions",
        {{"bytes", conv_bytes()},
         {"array_bytes", "bytes of one array (the swept size)"},
@@ -202,7 +195,7 @@ void write_mem_json(const MemReport& report, const MemOptions& o, const std::str
       {"notes", report.notes},
       {"results", results},
       {"wrong_values", wrong},
-  };
+  });
   write_file_atomically(path, doc.dump(2) + "\n");
 }
 

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include "../../mpi_test_util.h"
+
 #include "bench/comm/backend.h"
 #include "bench/comm/runner.h"
 
@@ -12,16 +14,8 @@
 namespace keel::bench {
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using keel::test::world_rank;
+using keel::test::world_size;
 
 CommOptions small_sweep() {
   CommOptions o;
