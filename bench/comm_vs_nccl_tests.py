@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 import subprocess
 import sys
 
@@ -80,6 +81,11 @@ def main():
     ap.add_argument("--warmup", default="5")
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--latency-only", action="store_true", help="only the small-message latency comparison")
+    ap.add_argument("--latency-ops", default="all_reduce,all_gather,reduce_scatter,broadcast,all_to_all",
+                    help="ops for the CUDA-graph latency comparison")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="start no new bandwidth run after this many seconds (0: no limit); points keep the "
+                         "repeats they got")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each tool per point; the median is compared")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -97,9 +103,14 @@ def main():
     # busbw is the median over the repeats, so a single noisy run does not decide a ratio.
     samples = {"keel": {}, "nccl": {}}
     keel_wrong = 0
+    started = time.monotonic()
+    cut_short = False
     for rep in range(args.repeat):
         for op in ops:
             for n in ranks:
+                if args.budget_s and time.monotonic() - started > args.budget_s:
+                    cut_short = True
+                    break
                 kj = os.path.join(args.out, f"keel_{op}_{n}_r{rep}.json")
                 plot = ["--plot", os.path.join(args.out, f"keel_{op}_{n}.png")] if rep == 0 else []
                 if run([args.keel, "bench", "comm", "--op", op, "--dtype", "bf16", "--ranks", str(n), *common,
@@ -120,25 +131,38 @@ def main():
 
     table = []
     worst = 9.9
+    min_reps = args.repeat
     order = {op: i for i, op in enumerate(ops)}
     common_keys = sorted(samples["keel"].keys() & samples["nccl"].keys(),
                          key=lambda k: (order[k[0]], k[1], k[2], k[3] != "out"))
     for key in common_keys:
+        reps = min(len(samples["keel"][key]), len(samples["nccl"][key]))
         kb = statistics.median(samples["keel"][key])
         nb = statistics.median(samples["nccl"][key])
         ratio = kb / nb if nb > 0 else float("nan")
         worst = min(worst, ratio)
         table.append((*key, kb, nb, ratio))
+        min_reps = min(min_reps, reps)
 
-    # Small-message latency: CUDA graph replay, all-reduce on every GPU, and the host loop at 8 B.
-    lat_keel = os.path.join(args.out, "keel_latency.json")
+    # Small-message latency: CUDA graph replay on every GPU for each op (8 B, or the smallest size
+    # that splits over the ranks, up to 64 KiB), and the host loop for an 8 B all-reduce.
     nmax = max(ranks)
-    run([args.keel, "bench", "comm", "--op", "all_reduce", "--dtype", "bf16", "--ranks", str(nmax), "-b", "8",
-         "-e", "64K", "-f", "2", "-w", "20", "-n", "20", "-G", "50", "--placement", "out", "--timeout", "30",
-         "--json", lat_keel], log, timeout=120)
-    lat_nccl = os.path.join(args.out, "nccl_latency.json")
-    run([os.path.join(bindir, "all_reduce_perf"), "-g", str(nmax), "-d", "bfloat16", "-b", "8", "-e", "64K", "-f", "2",
-         "-w", "20", "-n", "20", "-G", "50", "-c", "1", "-J", lat_nccl], log)
+    lat_ops = args.latency_ops.split(",")
+    lat = []
+    for op in lat_ops:
+        first = "8" if op in ("all_reduce", "broadcast") else str(2 * nmax)
+        lat_keel = os.path.join(args.out, f"keel_latency_{op}.json")
+        run([args.keel, "bench", "comm", "--op", op, "--dtype", "bf16", "--ranks", str(nmax), "-b", first,
+             "-e", "64K", "-f", "2", "-w", "20", "-n", "20", "-G", "50", "--placement", "out", "--timeout", "30",
+             "--json", lat_keel], log, timeout=120)
+        lat_nccl = os.path.join(args.out, f"nccl_latency_{op}.json")
+        run([os.path.join(bindir, OPS[op]), "-g", str(nmax), "-d", "bfloat16", "-b", first, "-e", "64K", "-f", "2",
+             "-w", "20", "-n", "20", "-G", "50", "-c", "1", "-J", lat_nccl], log, timeout=120)
+        kl = keel_rows(lat_keel)[0] if os.path.exists(lat_keel) else {}
+        for size, n_oop, _ in (nccl_rows(lat_nccl) if os.path.exists(lat_nccl) else []):
+            k = kl.get((op, nmax, size))
+            if k and k[0] and n_oop:
+                lat.append((op, size, k[0]["time_us"], n_oop["time"], k[0]["time_us"] / n_oop["time"]))
     lat_keel_host = os.path.join(args.out, "keel_latency_host.json")
     run([args.keel, "bench", "comm", "--op", "all_reduce", "--dtype", "bf16", "--ranks", str(nmax), "-b", "8",
          "-e", "8", "-w", "20", "-n", "100", "--placement", "out", "--timeout", "30", "--json", lat_keel_host], log,
@@ -146,12 +170,6 @@ def main():
     lat_nccl_host = os.path.join(args.out, "nccl_latency_host.json")
     run([os.path.join(bindir, "all_reduce_perf"), "-g", str(nmax), "-d", "bfloat16", "-b", "8", "-e", "8",
          "-w", "20", "-n", "100", "-c", "1", "-J", lat_nccl_host], log)
-    kl = keel_rows(lat_keel)[0] if os.path.exists(lat_keel) else {}
-    lat = []
-    for size, n_oop, _ in nccl_rows(lat_nccl):
-        k = kl.get(("all_reduce", nmax, size))
-        if k and n_oop:
-            lat.append((size, k[0]["time_us"], n_oop["time"], k[0]["time_us"] / n_oop["time"]))
     kh = keel_rows(lat_keel_host)[0] if os.path.exists(lat_keel_host) else {}
     host8 = (kh[("all_reduce", nmax, 8)][0]["time_us"] if kh else float("nan"),
              nccl_rows(lat_nccl_host)[0][1]["time"] if os.path.exists(lat_nccl_host) else float("nan"))
@@ -161,6 +179,8 @@ def main():
 
     print(f"\n== bench comm vs nccl-tests (busbw GB/s, bf16 sum, 1 process x n GPUs, median of {args.repeat} run(s) "
           "each, same machine)")
+    if cut_short:
+        print(f"(--budget-s {args.budget_s:g} reached: some points have only {min_reps} run(s) of each tool)")
     print(f"{'op':<15}{'n':>3} {'size':>9} {'place':>5} {'keel':>8} {'nccl-t':>8} {'ratio':>7}")
     for op, n, size, place, kb, nb, r in table:
         if size in (64 << 20, 1 << 30, 8 << 30) or r < 0.98:
@@ -170,13 +190,15 @@ def main():
         print(f"{len(table)} points >= {args.min}: median ratio {statistics.median(ratios):.3f}, worst {worst:.3f}, "
               f"{sum(1 for r in ratios if r < 0.98)} below 0.98 ({'meets' if worst >= 0.98 else 'MISSES'} the 2% target "
               f"at every point); keel wrong values: {keel_wrong}")
-    print(f"\n== all_reduce latency on {nmax} GPUs, CUDA graph (-G 50), us")
-    print(f"{'size':>8} {'keel':>8} {'nccl-t':>8} {'ratio':>7}")
-    worst_lat = 0
-    for size, k, nt, r in lat:
-        worst_lat = max(worst_lat, r)
-        print(f"{size:>8} {k:8.2f} {nt:8.2f} {r:7.3f}")
-    print(f"worst keel/nccl-tests latency ratio 8 B..64 KiB: {worst_lat:.3f}")
+    print(f"\n== latency on {nmax} GPUs, CUDA graph (-G 50), us; ratio keel/nccl-tests (<= 1 is no worse)")
+    print(f"{'op':<15}{'size':>8} {'keel':>8} {'nccl-t':>8} {'ratio':>7}")
+    for op, size, k, nt, r in lat:
+        if size in (8, 2 * nmax, 1024, 65536) or r > 1.0:
+            print(f"{op:<15}{size:>8} {k:8.2f} {nt:8.2f} {r:7.3f}")
+    for op in lat_ops:
+        rs = [r for o, _, _, _, r in lat if o == op]
+        if rs:
+            print(f"{op}: {len(rs)} sizes, median ratio {statistics.median(rs):.3f}, worst {max(rs):.3f}")
     print(f"8 B all_reduce, host-timed loop (no graph): keel {host8[0]:.2f} us, nccl-tests {host8[1]:.2f} us")
     for f in FAILED:
         print(f"FAILED: {f}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test comm latency mpi memgemm
+#   scripts/gpu.sh [STEP ...]     steps: build test comm latency mpi peer memgemm
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -32,8 +32,12 @@ for step in "${steps[@]}"; do
         tail -30 "$out/build.log"; note "build: FAILED (see build.log)"; exit 1
       fi ;;
     test)
-      ctest --test-dir "$build" --output-on-failure -j 8 >"$out/test.log" 2>&1
-      note "test: $(grep -E 'tests passed|tests failed' "$out/test.log" | tail -1)"
+      # GPU tests one at a time (they time kernels and share the GPUs); the rest 8 at a time.
+      gpu_tests='Cuda|cuda|Nccl|Cublas|cublas'
+      ctest --test-dir "$build" --output-on-failure -j 8 -E "$gpu_tests" >"$out/test.log" 2>&1
+      ctest --test-dir "$build" --output-on-failure -R "$gpu_tests" >>"$out/test.log" 2>&1
+      note "test (CPU): $(grep -E 'tests passed|tests failed' "$out/test.log" | head -1)"
+      note "test (GPU, serial): $(grep -E 'tests passed|tests failed' "$out/test.log" | tail -1)"
       grep -E '^\s+[0-9]+ - .*\((Failed|Timeout|SEGFAULT|Subprocess aborted)\)' "$out/test.log" | head -20 | tee -a "$summary" ;;
     comm)
       if [ "$gpus" -lt 2 ]; then note "comm: skipped (needs 2+ GPUs)"; continue; fi
@@ -44,7 +48,7 @@ for step in "${steps[@]}"; do
       if [ "$gpus" -lt 2 ]; then note "latency: skipped (needs 2+ GPUs)"; continue; fi
       python3 bench/comm_vs_nccl_tests.py --keel "$build/keel" --nccl-tests .peer/nccl-tests --out "$out" \
         --latency-only 2>&1 | tee "$out/comm_latency.log" | tail -30
-      grep -A40 '^== all_reduce latency' "$out/comm_latency.log" >>"$summary" ;;
+      grep -A60 '^== latency' "$out/comm_latency.log" >>"$summary" ;;
     mpi)
       if [ "$gpus" -lt 2 ]; then note "mpi: skipped (needs 2+ GPUs)"; continue; fi
       # One process per GPU under mpirun: every op, dtype, reduce op and placement, checked.
@@ -54,6 +58,15 @@ for step in "${steps[@]}"; do
         note "mpi launch ($gpus processes, all ops/dtypes/redops/placements, 1K..64M): ok, 0 wrong values"
       else
         tail -20 "$out/mpi_launch.log"; note "mpi launch: FAILED (see mpi_launch.log)"
+      fi ;;
+    peer)
+      if [ "$gpus" -lt 2 ]; then note "peer: skipped (needs 2+ GPUs)"; continue; fi
+      # GPU-to-GPU copy-engine bandwidth, every ordered pair, one way and both (N x N matrices).
+      if timeout 300 "$build/keel" bench mem --backend cuda --op peer,memcpy,h2d_pinned,d2h_pinned -b 256M -e 256M \
+          -n 20 --json "$out/peer.json" >"$out/peer.log" 2>&1; then
+        note "peer matrix (256 MiB, GB/s):"; grep -A$((gpus + 1)) 'GB/s at' "$out/peer.log" | head -60 >>"$summary"
+      else
+        tail -20 "$out/peer.log"; note "peer: FAILED (see peer.log)"
       fi ;;
     memgemm)
       if [ -f bench/mem_gemm_vs_torch.py ]; then

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Usage: expect.sh EXIT REGEX [NOT_REGEX] -- command...
 # Runs the command and passes only if its exit status is EXIT ("0", "nonzero", or a number),
+# ("any" where either is right, e.g. a GPU test that must fail cleanly without one) and
 # its combined output matches REGEX (extended grep; "" to skip) and does not match NOT_REGEX.
 set -u
 want_exit=$1; regex=$2; shift 2
@@ -10,6 +11,7 @@ shift  # the --
 out=$("$@" 2>&1); rc=$?
 printf '%s\n' "$out"
 case "$want_exit" in
+  any) ;;
   nonzero) [ "$rc" -ne 0 ] || { echo "expect.sh: wanted a non-zero exit, got 0"; exit 1; } ;;
   *) [ "$rc" -eq "$want_exit" ] || { echo "expect.sh: wanted exit $want_exit, got $rc"; exit 1; } ;;
 esac

@@ -197,15 +197,19 @@ class CudaMemBackend final : public MemBackend {
     cudaEvent_t e0, e1;
     KEEL_CUDA_CHECK(cudaEventCreate(&e0));
     KEEL_CUDA_CHECK(cudaEventCreate(&e1));
+    // Size the batch from the mean of a few back-to-back runs: one run of a tiny kernel is
+    // mostly launch latency and too noisy to decide on alone.
+    constexpr int kSizingRuns = 4;
     KEEL_CUDA_CHECK(cudaEventRecord(e0, g.stream));
-    op();
+    for (int k = 0; k < kSizingRuns; ++k) op();
     KEEL_CUDA_CHECK(cudaEventRecord(e1, g.stream));
     KEEL_CUDA_CHECK(cudaEventSynchronize(e1));
-    float one_ms = 0;
-    KEEL_CUDA_CHECK(cudaEventElapsedTime(&one_ms, e0, e1));
+    float all_ms = 0;
+    KEEL_CUDA_CHECK(cudaEventElapsedTime(&all_ms, e0, e1));
+    const float one_ms = all_ms / kSizingRuns;
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
-    r.runs = static_cast<std::uint64_t>(warm) + 1;
+    r.runs = static_cast<std::uint64_t>(warm) + kSizingRuns;
     r.batch = static_cast<int>(std::clamp(std::ceil(plan.min_sample_us / std::max(one_ms * 1e3, 1e-3)), 1.0, 4096.0));
 
     cudaGraphExec_t graph = nullptr;
@@ -290,20 +294,22 @@ class CudaMemBackend final : public MemBackend {
     launch_stream_fill(a.ptr, b.ptr, cc.ptr, n, f64(c), plan.seed, c.op == MemOp::kCopy,
                        stream_aux_grid(n, g.prop.multiProcessorCount), g.stream);
     KEEL_CUDA_CHECK(cudaGetLastError());
-    // Elementwise kernels: time both launch shapes (3 runs each, after one of each to warm up)
-    // and keep the faster. These runs count towards nstream's expected value like any other.
-    bool oneshot = false;
+    // Elementwise kernels: time every launch shape (3 runs each, after one of each to warm up)
+    // and keep the fastest. These runs count towards nstream's expected value like any other.
+    // launch = -1: the grid-stride loop; 0.. a one-shot variant.
+    int launch = -1;
     std::uint64_t trial_runs = 0;
+    auto run_once = [&](int shape) {
+      if (shape >= 0) launch_stream_kernel_oneshot(kernel, f64(c), a.ptr, b.ptr, cc.ptr, n, shape, g.stream);
+      else launch_stream_kernel(kernel, f64(c), a.ptr, b.ptr, cc.ptr, n, partials.ptr, grid, g.stream);
+    };
     if (c.op != MemOp::kDot) {
-      auto trial = [&](bool os) {
+      auto trial = [&](int shape) {
         cudaEvent_t e0, e1;
         KEEL_CUDA_CHECK(cudaEventCreate(&e0));
         KEEL_CUDA_CHECK(cudaEventCreate(&e1));
         KEEL_CUDA_CHECK(cudaEventRecord(e0, g.stream));
-        for (int k = 0; k < 3; ++k) {
-          if (os) launch_stream_kernel_oneshot(kernel, f64(c), a.ptr, b.ptr, cc.ptr, n, g.stream);
-          else launch_stream_kernel(kernel, f64(c), a.ptr, b.ptr, cc.ptr, n, partials.ptr, grid, g.stream);
-        }
+        for (int k = 0; k < 3; ++k) run_once(shape);
         KEEL_CUDA_CHECK(cudaEventRecord(e1, g.stream));
         KEEL_CUDA_CHECK(cudaEventSynchronize(e1));
         KEEL_CUDA_CHECK(cudaGetLastError());
@@ -314,21 +320,19 @@ class CudaMemBackend final : public MemBackend {
         trial_runs += 3;
         return ms;
       };
-      launch_stream_kernel(kernel, f64(c), a.ptr, b.ptr, cc.ptr, n, partials.ptr, grid, g.stream);
-      launch_stream_kernel_oneshot(kernel, f64(c), a.ptr, b.ptr, cc.ptr, n, g.stream);
-      trial_runs += 2;
-      const float t_stride = trial(false), t_oneshot = trial(true);
-      oneshot = t_oneshot < t_stride;
+      for (int shape = -1; shape < kStreamOneshotVariants; ++shape) {
+        run_once(shape);
+        ++trial_runs;
+      }
+      float best = trial(-1);
+      for (int shape = 0; shape < kStreamOneshotVariants; ++shape) {
+        const float t = trial(shape);
+        if (t < best) best = t, launch = shape;
+      }
     }
-    MemResult r = time_op(
-        g, plan,
-        [&] {
-          if (oneshot) launch_stream_kernel_oneshot(kernel, f64(c), a.ptr, b.ptr, cc.ptr, n, g.stream);
-          else launch_stream_kernel(kernel, f64(c), a.ptr, b.ptr, cc.ptr, n, partials.ptr, grid, g.stream);
-        },
-        true);
+    MemResult r = time_op(g, plan, [&] { run_once(launch); }, true);
     r.runs += trial_runs;
-    r.launch = oneshot ? "one-shot" : "grid-stride";
+    r.launch = launch >= 0 ? stream_oneshot_variant_name(launch) : "grid-stride";
     if (c.op == MemOp::kDot) {
       std::vector<double> p(static_cast<std::size_t>(grid));
       if (f64(c)) {

@@ -81,43 +81,55 @@ __global__ void __launch_bounds__(kStreamBlock) elementwise_kernel(T* __restrict
   if (t < n) out[t] = apply<K, T>(a[t], b[t], c[t], s);
 }
 
-// One-shot: block b owns vectors [b * 256 * kUnroll, (b + 1) * 256 * kUnroll), thread t the
-// ones at t + u * 256, so each warp's accesses stay contiguous.
-template <int K, typename T>
-__global__ void __launch_bounds__(kStreamBlock) oneshot_kernel(T* __restrict__ a, T* __restrict__ b,
-                                                               T* __restrict__ c, T s, std::uint64_t n) {
+// One-shot: block b owns vectors [b * Block * Unroll, (b + 1) * Block * Unroll), thread t the
+// ones at t + u * Block, so each warp's accesses stay contiguous. Streaming variants load and
+// store with the evict-first hints (ld.global.cs / st.global.cs): every byte is touched once.
+template <typename V, bool Streaming>
+__device__ __forceinline__ V load_vec(const V* p) {
+  if constexpr (Streaming) return __ldcs(p);
+  else return *p;
+}
+template <typename V, bool Streaming>
+__device__ __forceinline__ void store_vec(V* p, V v) {
+  if constexpr (Streaming) __stcs(p, v);
+  else *p = v;
+}
+
+template <int K, typename T, int Block, int Unroll, bool Streaming>
+__global__ void __launch_bounds__(Block) oneshot_kernel(T* __restrict__ a, T* __restrict__ b, T* __restrict__ c, T s,
+                                                        std::uint64_t n) {
   using V = typename Vec16<T>::type;
   constexpr int W = Vec16<T>::lanes;
   T* out = K == kKernelMul ? b : (K == kKernelCopy || K == kKernelAdd) ? c : a;
   const std::uint64_t nv = n / W;
-  const std::uint64_t base = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
+  const std::uint64_t base = static_cast<std::uint64_t>(blockIdx.x) * Block * Unroll + threadIdx.x;
   const V* av = reinterpret_cast<const V*>(a);
   const V* bv = reinterpret_cast<const V*>(b);
   const V* cv = reinterpret_cast<const V*>(c);
   V* ov = reinterpret_cast<V*>(out);
-  V x[kUnroll], y[kUnroll], z[kUnroll];
+  V x[Unroll], y[Unroll], z[Unroll];
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const std::uint64_t i = base + static_cast<std::uint64_t>(u) * blockDim.x;
+  for (int u = 0; u < Unroll; ++u) {
+    const std::uint64_t i = base + static_cast<std::uint64_t>(u) * Block;
     if (i < nv) {
-      if constexpr (reads_a<K>()) x[u] = av[i];
-      if constexpr (reads_b<K>()) y[u] = bv[i];
-      if constexpr (reads_c<K>()) z[u] = cv[i];
+      if constexpr (reads_a<K>()) x[u] = load_vec<V, Streaming>(av + i);
+      if constexpr (reads_b<K>()) y[u] = load_vec<V, Streaming>(bv + i);
+      if constexpr (reads_c<K>()) z[u] = load_vec<V, Streaming>(cv + i);
     }
   }
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const std::uint64_t i = base + static_cast<std::uint64_t>(u) * blockDim.x;
+  for (int u = 0; u < Unroll; ++u) {
+    const std::uint64_t i = base + static_cast<std::uint64_t>(u) * Block;
     if (i < nv) {
       V r;
 #pragma unroll
       for (int l = 0; l < W; ++l)
         lane<T>(r, l) = apply<K, T>(reads_a<K>() ? lane<T>(x[u], l) : T(0), reads_b<K>() ? lane<T>(y[u], l) : T(0),
                                     reads_c<K>() ? lane<T>(z[u], l) : T(0), s);
-      ov[i] = r;
+      store_vec<V, Streaming>(ov + i, r);
     }
   }
-  const std::uint64_t t = nv * W + static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::uint64_t t = nv * W + static_cast<std::uint64_t>(blockIdx.x) * Block + threadIdx.x;
   if (t < n) out[t] = apply<K, T>(a[t], b[t], c[t], s);
 }
 
@@ -204,17 +216,29 @@ void launch_kernel_typed(int kernel, T* a, T* b, T* c, std::uint64_t n, T* parti
   }
 }
 
-template <typename T>
-void launch_oneshot_typed(int kernel, T* a, T* b, T* c, std::uint64_t n, cudaStream_t s) {
+template <typename T, int Block, int Unroll, bool Streaming>
+void launch_oneshot_shape(int kernel, T* a, T* b, T* c, std::uint64_t n, cudaStream_t s) {
   const T scalar = static_cast<T>(kStreamScalar);
-  const std::uint64_t nv = n / Vec16<T>::lanes, per_block = static_cast<std::uint64_t>(kStreamBlock) * kUnroll;
-  const int grid = static_cast<int>(nv < per_block ? 1 : (nv + per_block - 1) / per_block);
+  const std::uint64_t nv = n / Vec16<T>::lanes, per_block = static_cast<std::uint64_t>(Block) * Unroll;
+  // The scalar tail (n % lanes elements) is handled by the first threads of the grid.
+  const std::uint64_t blocks = nv < per_block ? 1 : (nv + per_block - 1) / per_block;
+  const int grid = static_cast<int>(blocks);
   switch (kernel) {
-    case kKernelCopy: oneshot_kernel<kKernelCopy, T><<<grid, kStreamBlock, 0, s>>>(a, b, c, scalar, n); break;
-    case kKernelMul: oneshot_kernel<kKernelMul, T><<<grid, kStreamBlock, 0, s>>>(a, b, c, scalar, n); break;
-    case kKernelAdd: oneshot_kernel<kKernelAdd, T><<<grid, kStreamBlock, 0, s>>>(a, b, c, scalar, n); break;
-    case kKernelTriad: oneshot_kernel<kKernelTriad, T><<<grid, kStreamBlock, 0, s>>>(a, b, c, scalar, n); break;
-    case kKernelNstream: oneshot_kernel<kKernelNstream, T><<<grid, kStreamBlock, 0, s>>>(a, b, c, scalar, n); break;
+    case kKernelCopy: oneshot_kernel<kKernelCopy, T, Block, Unroll, Streaming><<<grid, Block, 0, s>>>(a, b, c, scalar, n); break;
+    case kKernelMul: oneshot_kernel<kKernelMul, T, Block, Unroll, Streaming><<<grid, Block, 0, s>>>(a, b, c, scalar, n); break;
+    case kKernelAdd: oneshot_kernel<kKernelAdd, T, Block, Unroll, Streaming><<<grid, Block, 0, s>>>(a, b, c, scalar, n); break;
+    case kKernelTriad: oneshot_kernel<kKernelTriad, T, Block, Unroll, Streaming><<<grid, Block, 0, s>>>(a, b, c, scalar, n); break;
+    case kKernelNstream: oneshot_kernel<kKernelNstream, T, Block, Unroll, Streaming><<<grid, Block, 0, s>>>(a, b, c, scalar, n); break;
+  }
+}
+
+template <typename T>
+void launch_oneshot_typed(int kernel, T* a, T* b, T* c, std::uint64_t n, int variant, cudaStream_t s) {
+  switch (variant) {
+    case 0: launch_oneshot_shape<T, 256, 4, false>(kernel, a, b, c, n, s); break;
+    case 1: launch_oneshot_shape<T, 128, 8, false>(kernel, a, b, c, n, s); break;
+    case 2: launch_oneshot_shape<T, 256, 4, true>(kernel, a, b, c, n, s); break;
+    default: launch_oneshot_shape<T, 128, 8, true>(kernel, a, b, c, n, s); break;
   }
 }
 
@@ -283,11 +307,20 @@ void launch_stream_verify(int kernel, bool f64, const void* out, std::uint64_t n
                                                        0x1p-24, counters);
 }
 
-void launch_stream_kernel_oneshot(int kernel, bool f64, void* a, void* b, void* c, std::uint64_t n, cudaStream_t s) {
+const char* stream_oneshot_variant_name(int variant) {
+  static const char* const names[kStreamOneshotVariants] = {"one-shot 256x4", "one-shot 128x8", "one-shot 256x4 cs",
+                                                             "one-shot 128x8 cs"};
+  return variant >= 0 && variant < kStreamOneshotVariants ? names[variant] : "?";
+}
+
+void launch_stream_kernel_oneshot(int kernel, bool f64, void* a, void* b, void* c, std::uint64_t n, int variant,
+                                  cudaStream_t s) {
   if (f64)
-    launch_oneshot_typed<double>(kernel, static_cast<double*>(a), static_cast<double*>(b), static_cast<double*>(c), n, s);
+    launch_oneshot_typed<double>(kernel, static_cast<double*>(a), static_cast<double*>(b), static_cast<double*>(c), n,
+                                 variant, s);
   else
-    launch_oneshot_typed<float>(kernel, static_cast<float*>(a), static_cast<float*>(b), static_cast<float*>(c), n, s);
+    launch_oneshot_typed<float>(kernel, static_cast<float*>(a), static_cast<float*>(b), static_cast<float*>(c), n,
+                                variant, s);
 }
 
 }  // namespace keel::bench

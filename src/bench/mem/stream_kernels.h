@@ -31,10 +31,15 @@ void launch_stream_fill(void* a, void* b, void* c, std::uint64_t n, bool f64, st
 // hold `grid` elements of T.
 void launch_stream_kernel(int kernel, bool f64, void* a, void* b, void* c, std::uint64_t n, void* dot_partials,
                           int grid, cudaStream_t s);
-// The same elementwise kernels (not dot) launched one-shot: a block per 4 x 256 vectors, no
-// loop, as PyTorch's elementwise kernels launch. Which shape streams faster depends on the
-// chip and the size, so the backend times both and keeps the faster.
-void launch_stream_kernel_oneshot(int kernel, bool f64, void* a, void* b, void* c, std::uint64_t n, cudaStream_t s);
+// The same elementwise kernels (not dot) launched one-shot, as PyTorch's elementwise kernels
+// launch: a block per Block x Unroll 16-byte vectors, no loop. Variants differ in block size,
+// unroll and cache hints (plain or evict-first streaming loads/stores). Which shape streams
+// fastest depends on the chip and the size, so the backend times every variant and the
+// grid-stride loop, and keeps the fastest (reported as the row's launch).
+inline constexpr int kStreamOneshotVariants = 4;
+const char* stream_oneshot_variant_name(int variant);
+void launch_stream_kernel_oneshot(int kernel, bool f64, void* a, void* b, void* c, std::uint64_t n, int variant,
+                                  cudaStream_t s);
 // Counts elements of `out` that are not stream_expected(kernel, seed, i, runs) within
 // tolerance (adds to *counters; zero them first).
 void launch_stream_verify(int kernel, bool f64, const void* out, std::uint64_t n, std::uint64_t seed,

@@ -57,7 +57,9 @@ TEST_F(NcclBackendTest, EveryCaseIsCorrectOnEveryGroupSize) {
     ASSERT_TRUE(r.out_of_place.measured);
     EXPECT_EQ(r.out_of_place.wrong, 0u) << r.out_of_place.first_wrong;
     EXPECT_EQ(r.in_place.wrong, 0u) << r.in_place.first_wrong;
-    EXPECT_GT(r.out_of_place.busbw, 0);
+    EXPECT_GT(r.out_of_place.algbw, 0);
+    // busbw is algbw x a factor that is 0 on one rank for the reductions (nccl-tests' definition).
+    if (r.nranks > 1) EXPECT_GT(r.out_of_place.busbw, 0);
     EXPECT_GT(r.out_of_place.iter_p50_us, 0);
   }
 }

@@ -4,6 +4,7 @@
 
 #include "device/cuda_devices.h"
 
+#include "bench/mem/stream_kernels.h"
 #include "bench/mem/backend.h"
 #include "bench/mem/runner.h"
 #include "common/error.h"
@@ -51,9 +52,12 @@ TEST(MemCudaBackend, SmallArraysAreBatchedAndNstreamCountsEveryRun) {
   MemResult r = backend->run({MemOp::kNstream, MemType::kF32, 1 << 12, 0, 0}, quick_plan(5));
   EXPECT_GT(r.batch, 1);  // a 16 KiB array takes far less than 30 us per run
   EXPECT_EQ(r.wrong, 0u) << r.first_wrong;
-  // 8 runs choosing the launch shape, 2 warm-up, 1 to size the batch, 1 batch warming the graph, 4 batches timed.
-  EXPECT_EQ(r.runs, 8u + 2u + 1u + static_cast<std::uint64_t>(r.batch) + 4u * static_cast<std::uint64_t>(r.batch));
-  EXPECT_TRUE(r.launch == "grid-stride" || r.launch == "one-shot") << r.launch;
+  // Choosing the launch shape: one warm-up and 3 timed runs of each of the grid-stride loop
+  // and the one-shot variants; then 2 warm-up, 4 to size the batch, 1 batch warming the graph
+  // (only when batched), 4 batches timed.
+  const std::uint64_t choose = 4u * (1u + kStreamOneshotVariants), batch = static_cast<std::uint64_t>(r.batch);
+  EXPECT_EQ(r.runs, choose + 2u + 4u + (batch > 1 ? batch : 0u) + 4u * batch);
+  EXPECT_TRUE(r.launch == "grid-stride" || r.launch.rfind("one-shot", 0) == 0) << r.launch;
 }
 
 TEST(MemCudaBackend, CorruptionIsCaughtOnDeviceAndHost) {
