@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test comm latency mpi peer memgemm
+#   scripts/gpu.sh [STEP ...]     steps: build test comm latency mpi peer memgemm train
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -73,6 +73,11 @@ for step in "${steps[@]}"; do
         python3 bench/mem_gemm_vs_torch.py --keel "$build/keel" --out "$out" 2>&1 | tee "$out/mem_gemm_vs_torch.log" | tail -40
         grep -A100 '^== bench mem/gemm vs PyTorch' "$out/mem_gemm_vs_torch.log" >>"$summary"
       fi ;;
+    train)
+      # keel train vs a PyTorch implementation of the same MoE and step (eager and torch.compile).
+      timeout 900 python3 bench/train_vs_torch.py --keel "$build/keel" --out "$out/train" ${KEEL_TRAIN_ARGS:-} 2>&1 \
+        | tee "$out/train_vs_torch.log" | tail -20
+      grep -A12 '^== keel train vs PyTorch' "$out/train_vs_torch.log" >>"$summary" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -81,13 +81,11 @@ std::vector<optim::GroupRule> adamw_rules() {
 
 }  // namespace
 
-MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const ParallelContext& ctx)
-    : cfg_(config), opt_(options), ctx_(ctx) {
-  ctx_.require_single("model");
-  model::validate(cfg_);
-  const std::string who = fmt::format("model '{}'", cfg_.name);
-  for (int l = 0; l < cfg_.layers; ++l) {
-    const auto k = model::layer_attention_kind(cfg_, l);
+void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt) {
+  model::validate(cfg);
+  const std::string who = fmt::format("model '{}'", cfg.name);
+  for (int l = 0; l < cfg.layers; ++l) {
+    const auto k = model::layer_attention_kind(cfg, l);
     if (k != model::AttentionKind::kMha && k != model::AttentionKind::kGqa)
       throw UsageError(fmt::format("{}: layer {} uses attention '{}': keel train supports only mha and gqa so far "
                                    "(CCA and linear attention come later)",
@@ -96,17 +94,89 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   auto reject = [&](bool bad, const char* what) {
     if (bad) throw UsageError(fmt::format("{}: {} is not supported by keel train yet", who, what));
   };
-  reject(cfg_.router_hidden > 0, "an MLP router (router_hidden > 0)");
-  reject(cfg_.router_skip_expert, "router_skip_expert");
-  reject(cfg_.shared_experts > 0, "shared_experts");
-  reject(cfg_.residual_scaling, "residual_scaling");
-  reject(cfg_.qk_norm, "qk_norm");
-  if (opt_.micro_batch < 1 || opt_.seq_length < 1)
-    throw UsageError(fmt::format("{}: micro_batch ({}) and seq_length ({}) must be >= 1", who, opt_.micro_batch, opt_.seq_length));
-  if (cfg_.max_seq_len > 0 && opt_.seq_length > cfg_.max_seq_len)
-    throw UsageError(fmt::format("{}: seq_length {} exceeds max_seq_len {}", who, opt_.seq_length, cfg_.max_seq_len));
-  if (opt_.ce_chunk < 1) throw UsageError("ce_chunk must be >= 1");
+  reject(cfg.router_hidden > 0, "an MLP router (router_hidden > 0)");
+  reject(cfg.router_skip_expert, "router_skip_expert");
+  reject(cfg.shared_experts > 0, "shared_experts");
+  reject(cfg.residual_scaling, "residual_scaling");
+  reject(cfg.qk_norm, "qk_norm");
+  if (opt.micro_batch < 1 || opt.seq_length < 1)
+    throw UsageError(fmt::format("{}: micro_batch ({}) and seq_length ({}) must be >= 1", who, opt.micro_batch, opt.seq_length));
+  if (cfg.max_seq_len > 0 && opt.seq_length > cfg.max_seq_len)
+    throw UsageError(fmt::format("{}: seq_length {} exceeds max_seq_len {}", who, opt.seq_length, cfg.max_seq_len));
+  if (opt.ce_chunk < 1) throw UsageError("ce_chunk must be >= 1");
+}
 
+optim::ParamLayout model_param_layout(const model::ModelConfig& cfg) {
+  const std::int64_t D = cfg.hidden, V = cfg.vocab_size, Dh = cfg.head_dim;
+  const std::int64_t Q = std::int64_t(cfg.heads) * Dh, KV = std::int64_t(cfg.kv_heads) * Dh;
+  std::vector<optim::ParamSpec> specs;
+  specs.push_back({"embed.weight", {V, D}});
+  for (int l = 0; l < cfg.layers; ++l) {
+    const std::string p = fmt::format("layers.{}.", l);
+    specs.push_back({p + "attn_norm.weight", {D}});
+    specs.push_back({p + "attn.wq", {Q, D}});
+    specs.push_back({p + "attn.wk", {KV, D}});
+    specs.push_back({p + "attn.wv", {KV, D}});
+    specs.push_back({p + "attn.wo", {D, Q}});
+    specs.push_back({p + "mlp_norm.weight", {D}});
+    if (model::is_moe_layer(cfg, l)) {
+      const std::int64_t E = cfg.experts, F = cfg.expert_hidden;
+      specs.push_back({p + "moe.router", {E, D}});
+      specs.push_back({p + "moe.w_gate", {E, F, D}});
+      specs.push_back({p + "moe.w_up", {E, F, D}});
+      specs.push_back({p + "moe.w_down", {E, D, F}});
+    } else {
+      const std::int64_t F = cfg.ffn_hidden;
+      if (F <= 0) throw UsageError(fmt::format("model '{}': dense layer {} needs ffn_hidden > 0", cfg.name, l));
+      specs.push_back({p + "mlp.w_gate", {F, D}});
+      specs.push_back({p + "mlp.w_up", {F, D}});
+      specs.push_back({p + "mlp.w_down", {D, F}});
+    }
+  }
+  specs.push_back({"final_norm.weight", {D}});
+  if (!cfg.tied_embeddings) specs.push_back({"lm_head.weight", {V, D}});
+  return optim::assign_groups(specs, adamw_rules());
+}
+
+void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayout& layout, double init_std,
+                           std::uint64_t seed, float* params) {
+  Rng rng{seed};
+  const double out_scale = 1.0 / std::sqrt(2.0 * cfg.layers);
+  std::memset(params, 0, static_cast<std::size_t>(layout.total_floats) * sizeof(float));
+  for (const auto& p : layout.params) {
+    float* d = params + p.offset;
+    if (p.ndim() == 1) {
+      std::fill(d, d + p.numel, 1.0f);
+      continue;
+    }
+    const bool out_proj = p.name.ends_with(".wo") || p.name.ends_with("w_down");
+    const double std = init_std * (out_proj ? out_scale : 1.0);
+    for (std::int64_t i = 0; i < p.numel; ++i) d[i] = static_cast<float>(std * rng.normal());
+  }
+}
+
+double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batch, int seq_length) {
+  const double tokens = static_cast<double>(micro_batch) * seq_length;
+  const double D = cfg.hidden, Dh = cfg.head_dim, Hq = cfg.heads, Hkv = cfg.kv_heads;
+  double active = 0;
+  for (int l = 0; l < cfg.layers; ++l) {
+    active += D * Dh * (2 * Hq + 2 * Hkv);
+    if (model::is_moe_layer(cfg, l))
+      active += D * cfg.experts + 3.0 * D * cfg.expert_hidden * cfg.top_k;
+    else
+      active += 3.0 * D * cfg.ffn_hidden;
+  }
+  active += D * static_cast<double>(cfg.vocab_size);  // LM head
+  // attention scores and values: 2 GEMMs of T x T x Dh per head and layer, causal half, x3
+  // (fwd + bwd): 6 * layers * T * (Hq * Dh) per token
+  const double attn = 3.0 * 2.0 * 2.0 * Hq * Dh * seq_length * 0.5 * tokens * cfg.layers;
+  return 6.0 * active * tokens + attn;
+}
+
+MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const ParallelContext& ctx)
+    : cfg_(config), opt_(options), ctx_(ctx) {
+  ctx_.require_single("model");
+  validate_trainable(cfg_, opt_);
   for (int l = 0; l < cfg_.layers; ++l) {
     if (model::is_moe_layer(cfg_, l)) {
       moe_index_of_layer_.push_back(static_cast<int>(moe_layer_ids_.size()));
@@ -132,35 +202,7 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
 MoeTransformer::~MoeTransformer() = default;
 
 void MoeTransformer::allocate_params() {
-  const std::int64_t D = cfg_.hidden, V = cfg_.vocab_size, Dh = cfg_.head_dim;
-  const std::int64_t Q = std::int64_t(cfg_.heads) * Dh, KV = std::int64_t(cfg_.kv_heads) * Dh;
-  std::vector<optim::ParamSpec> specs;
-  specs.push_back({"embed.weight", {V, D}});
-  for (int l = 0; l < cfg_.layers; ++l) {
-    const std::string p = fmt::format("layers.{}.", l);
-    specs.push_back({p + "attn_norm.weight", {D}});
-    specs.push_back({p + "attn.wq", {Q, D}});
-    specs.push_back({p + "attn.wk", {KV, D}});
-    specs.push_back({p + "attn.wv", {KV, D}});
-    specs.push_back({p + "attn.wo", {D, Q}});
-    specs.push_back({p + "mlp_norm.weight", {D}});
-    if (moe_index_of_layer_[l] >= 0) {
-      const std::int64_t E = cfg_.experts, F = cfg_.expert_hidden;
-      specs.push_back({p + "moe.router", {E, D}});
-      specs.push_back({p + "moe.w_gate", {E, F, D}});
-      specs.push_back({p + "moe.w_up", {E, F, D}});
-      specs.push_back({p + "moe.w_down", {E, D, F}});
-    } else {
-      const std::int64_t F = cfg_.ffn_hidden;
-      if (F <= 0) throw UsageError(fmt::format("model '{}': dense layer {} needs ffn_hidden > 0", cfg_.name, l));
-      specs.push_back({p + "mlp.w_gate", {F, D}});
-      specs.push_back({p + "mlp.w_up", {F, D}});
-      specs.push_back({p + "mlp.w_down", {D, F}});
-    }
-  }
-  specs.push_back({"final_norm.weight", {D}});
-  if (!cfg_.tied_embeddings) specs.push_back({"lm_head.weight", {V, D}});
-  layout_ = optim::assign_groups(specs, adamw_rules());
+  layout_ = model_param_layout(cfg_);
   const std::size_t bytes = static_cast<std::size_t>(layout_.total_floats) * sizeof(float);
   param_arena_ = std::make_unique<Arena>("parameters", Arena::footprint(bytes));
   grad_arena_ = std::make_unique<Arena>("gradients", Arena::footprint(bytes));
@@ -326,19 +368,7 @@ Tensor MoeTransformer::grad(const std::string& name) const {
 }
 
 void MoeTransformer::init_parameters() {
-  Rng rng{opt_.init_seed};
-  const double out_scale = 1.0 / std::sqrt(2.0 * cfg_.layers);
-  std::memset(params_, 0, static_cast<std::size_t>(layout_.total_floats) * sizeof(float));
-  for (const auto& p : layout_.params) {
-    float* d = params_ + p.offset;
-    if (p.ndim() == 1) {
-      std::fill(d, d + p.numel, 1.0f);
-      continue;
-    }
-    const bool out_proj = p.name.ends_with(".wo") || p.name.ends_with("w_down");
-    const double std = opt_.init_std * (out_proj ? out_scale : 1.0);
-    for (std::int64_t i = 0; i < p.numel; ++i) d[i] = static_cast<float>(std * rng.normal());
-  }
+  init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_);
   for (auto& b : bias_) std::fill(b.begin(), b.end(), 0.f);
   reset_load();
 }
@@ -509,20 +539,7 @@ void MoeTransformer::backward(float loss_scale) {
 }
 
 double MoeTransformer::flops_per_micro_batch() const {
-  const double tokens = static_cast<double>(opt_.micro_batch) * opt_.seq_length;
-  const double D = cfg_.hidden, Dh = cfg_.head_dim, Hq = cfg_.heads, Hkv = cfg_.kv_heads;
-  double active = 0;
-  for (int l = 0; l < cfg_.layers; ++l) {
-    active += D * Dh * (2 * Hq + 2 * Hkv);
-    if (moe_index_of_layer_[l] >= 0)
-      active += D * cfg_.experts + 3.0 * D * cfg_.expert_hidden * cfg_.top_k;
-    else
-      active += 3.0 * D * cfg_.ffn_hidden;
-  }
-  active += D * static_cast<double>(cfg_.vocab_size);  // LM head
-  // attention scores and values: 2 GEMMs of T x T x Dh per head, causal half, x3 (fwd + bwd)
-  const double attn = 3.0 * 2.0 * 2.0 * Hq * Dh * opt_.seq_length * 0.5 * tokens;
-  return 6.0 * active * tokens + attn;
+  return model_flops_per_micro_batch(cfg_, opt_.micro_batch, opt_.seq_length);
 }
 
 }  // namespace keel::train

@@ -55,6 +55,20 @@ struct LossParts {
   double total = 0, ce = 0, aux = 0, z = 0;  // aux and z: unweighted sums over MoE layers
 };
 
+// Throws keel::UsageError (one line naming the model) for anything keel train cannot train yet
+// or for micro_batch / seq_length / ce_chunk out of range. Every backend calls it first.
+void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt);
+// The parameters of the model, named and laid out in the flat buffer (optimizer groups:
+// embeddings, vectors without weight decay, matrices). Shared by the CPU and GPU models so a
+// checkpoint from one loads into the other.
+optim::ParamLayout model_param_layout(const model::ModelConfig& cfg);
+// normal(0, init_std) for matrices (output projections x 1/sqrt(2 layers)), 1 for norms; the
+// same values on every platform for a seed.
+void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayout& layout, double init_std,
+                           std::uint64_t seed, float* params);
+// 6 x active matmul parameters (LM head included) x tokens + causal attention, fwd + bwd.
+double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batch, int seq_length);
+
 class MoeTransformer {
  public:
   MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const ParallelContext& ctx);

@@ -96,7 +96,8 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   TrainConfig c;
   c.path = what;
   ctx.only(root, "", {"model", "recompute", "router", "ce_chunk", "data", "eval", "optimizer", "schedule", "batch",
-                      "steps", "log_interval", "output_dir", "checkpoint", "tensorboard", "mfu_peak_flops", "seed"});
+                      "steps", "log_interval", "output_dir", "checkpoint", "tensorboard", "mfu_peak_flops", "seed",
+                      "device"});
   auto need = [&](const char* key) {
     if (!root[key]) throw UsageError(fmt::format("{}: missing key '{}'", what, key));
     return root[key];
@@ -239,14 +240,22 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   if (root["output_dir"]) c.output_dir = ctx.get<std::string>(root["output_dir"], "output_dir", "a directory");
   c.checkpoint_dir = c.output_dir;
   if (const auto k = root["checkpoint"]) {
-    ctx.only(k, "checkpoint", {"dir", "interval"});
+    ctx.only(k, "checkpoint", {"dir", "interval", "final"});
+    if (k["final"]) c.checkpoint_final = ctx.get<bool>(k["final"], "checkpoint.final", "true or false");
     if (k["dir"]) c.checkpoint_dir = ctx.get<std::string>(k["dir"], "checkpoint.dir", "a directory");
     if (k["interval"]) c.checkpoint_interval = ctx.get<std::int64_t>(k["interval"], "checkpoint.interval", "an integer");
     if (c.checkpoint_interval < 0) ctx.bad("checkpoint.interval", k["interval"], "must be >= 0");
   }
   if (root["tensorboard"]) c.tensorboard = ctx.get<bool>(root["tensorboard"], "tensorboard", "true or false");
-  if (root["mfu_peak_flops"]) c.peak_flops = ctx.get<double>(root["mfu_peak_flops"], "mfu_peak_flops", "a number");
-  if (!(c.peak_flops > 0)) ctx.bad("mfu_peak_flops", root["mfu_peak_flops"], "must be > 0");
+  if (root["mfu_peak_flops"]) {
+    c.peak_flops = ctx.get<double>(root["mfu_peak_flops"], "mfu_peak_flops", "a number");
+    if (!(c.peak_flops > 0)) ctx.bad("mfu_peak_flops", root["mfu_peak_flops"], "must be > 0");
+  }
+  if (root["device"]) {
+    c.device = ctx.get<std::string>(root["device"], "device", "auto, cpu or cuda");
+    if (c.device != "auto" && c.device != "cpu" && c.device != "cuda")
+      ctx.bad("device", root["device"], "must be auto, cpu or cuda");
+  }
 
   c.schedule.total_steps = c.steps;
   try {

@@ -35,8 +35,11 @@ struct TrainConfig {
   std::string output_dir = "out/train";
   std::string checkpoint_dir;       // `checkpoint.dir` (default: output_dir)
   std::int64_t checkpoint_interval = 0;  // `checkpoint.interval` (0: only at the end)
+  bool checkpoint_final = true;     // `checkpoint.final`: save when training ends (off for benchmarks)
   bool tensorboard = false;
-  double peak_flops = 1e12;         // `mfu_peak_flops`: FLOP/s that MFU is measured against
+  double peak_flops = 0;            // `mfu_peak_flops`: FLOP/s that MFU is measured against (0: the
+                                    // GPU's dense bf16 peak from its hardware profile; 1e11 on CPUs)
+  std::string device = "auto";      // `device`: auto (cuda when a GPU is visible), cpu or cuda
   std::uint64_t seed = 1234;        // model initialization
   std::string text;                 // the effective config (YAML, overrides applied) for the log
 };

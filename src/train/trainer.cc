@@ -37,12 +37,12 @@ double mib(std::size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 10
 Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
     : cfg_(std::move(config)), ctx_(ctx), quiet_(quiet) {
   ctx_.require_single("keel train");
-  model_ = std::make_unique<MoeTransformer>(cfg_.model, cfg_.model_options, ctx_);
-  const std::size_t n = static_cast<std::size_t>(model_->param_floats());
-  opt_arena_ = std::make_unique<Arena>("optimizer", 2 * Arena::footprint(n * sizeof(float)));
-  adam_m_ = opt_arena_->allocate<float>("adamw.m", n);
-  adam_v_ = opt_arena_->allocate<float>("adamw.v", n);
-  adam_ = std::make_unique<optim::AdamW>(cfg_.adamw);
+  bool cuda = cfg_.device == "cuda";
+  if (cfg_.device == "auto") cuda = cuda_training_available();
+  backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, cfg_.adamw, ctx_)
+                  : make_cpu_backend(cfg_.model, cfg_.model_options, cfg_.adamw, ctx_);
+  // CPUs: about 2 cores of fp32 FMA, the CI machine's; set mfu_peak_flops for a real figure.
+  if (!(cfg_.peak_flops > 0)) cfg_.peak_flops = cuda ? device_peak_bf16_flops(backend_->device()) : 1e11;
   data_ = std::make_unique<data::DataPipeline>(cfg_.data);
   for (std::size_t i = 0; i < cfg_.data.prefixes.size(); ++i) {
     // every token id must fit the model's vocabulary: checked per batch below; here a quick size check
@@ -68,7 +68,7 @@ std::string Trainer::checkpoint_path(std::int64_t step) const {
 }
 
 StepStats Trainer::train_step() {
-  MoeTransformer& m = *model_;
+  TrainBackend& m = *backend_;
   const std::int64_t L = static_cast<std::int64_t>(cfg_.data.seq_length);
   const std::int64_t V = cfg_.model.vocab_size;
   StepStats s;
@@ -96,22 +96,20 @@ StepStats Trainer::train_step() {
     s.aux += lp.aux * scale;
     s.z += lp.z * scale;
   }
-  optim::ClipResult clip;
-  try {
-    clip = optim::clip_grad_norm_deferred(optim::grad_views(m.layout(), m.grads()), cfg_.clip);
-  } catch (const optim::NonFiniteGradient& e) {
-    throw Error(fmt::format("step {}: gradient norm is {} (first non-finite gradient in '{}'): stopping", s.step,
-                            num(e.norm()), e.param()));
-  }
-  s.grad_norm = clip.norm;
   s.lr = optim::lr_at(cfg_.schedule, step_);
-  optim::FlatRange r{0, m.param_floats(), m.params(), m.grads(), adam_m_, adam_v_};
-  adam_->step(m.layout(), r, s.lr, static_cast<float>(clip.coefficient));
+  StepResult r;
+  try {
+    r = m.clip_and_step(cfg_.clip, s.lr);
+  } catch (const optim::NonFiniteGradient& e) {
+    throw Error(fmt::format("step {}: gradient norm is {}{}: stopping", s.step, num(e.norm()),
+                            e.param().empty() ? "" : fmt::format(" (first non-finite gradient in '{}')", e.param())));
+  }
+  s.grad_norm = r.grad_norm;
   // expert load of this step (before the bias update resets the counters)
   s.load_min = 0, s.load_max = 0;
   bool first = true;
-  for (std::size_t i = 0; i < m.moe_layers().size(); ++i) {
-    const auto& load = m.load(static_cast<int>(i));
+  for (int i = 0; i < m.moe_layer_count(); ++i) {
+    const auto load = m.load(i);
     double mean = 0;
     for (auto c : load) mean += static_cast<double>(c);
     mean /= static_cast<double>(load.size());
@@ -129,12 +127,11 @@ StepStats Trainer::train_step() {
 
 void Trainer::log_step(const StepStats& s, double seconds, std::int64_t tokens) {
   const double tps = seconds > 0 ? tokens / seconds : 0;
-  const double flops = model_->flops_per_micro_batch() * cfg_.grad_accum;
+  const double flops = backend_->flops_per_micro_batch() * cfg_.grad_accum;
   const double steps_done = static_cast<double>(tokens) /
                             (double(cfg_.micro_batch) * cfg_.model_options.seq_length * cfg_.grad_accum);
   const double mfu = seconds > 0 ? flops * steps_done / seconds / cfg_.peak_flops : 0;
-  const double mem = mib(model_->param_arena().capacity() + model_->grad_arena().capacity() + opt_arena_->capacity() +
-                         model_->act_arena().capacity());
+  const double mem = mib(backend_->memory_bytes());
   if (!quiet_)
     std::printf("step %6lld/%lld | loss %.4f (ce %.4f aux %.3f z %.3f) | lr %.3e | grad norm %.3f | %.0f tok/s | "
                 "MFU %.2f%% | mem %.1f MiB | expert load %.2f-%.2f\n",
@@ -163,10 +160,11 @@ std::vector<StepStats> Trainer::run(std::int64_t until) {
   std::int64_t tokens = 0;
   const std::int64_t step_tokens = std::int64_t(cfg_.micro_batch) * cfg_.model_options.seq_length * cfg_.grad_accum;
   if (!quiet_ && step_ == 0)
-    std::printf("keel train: model '%s' (%lld parameters, %d layers, %zu MoE), %lld steps of %lld tokens, recompute %s\n",
-                cfg_.model.name.c_str(), static_cast<long long>(model_->param_count()), cfg_.model.layers,
-                model_->moe_layers().size(), static_cast<long long>(cfg_.steps), static_cast<long long>(step_tokens),
-                to_string(cfg_.model_options.recompute));
+    std::printf("keel train: model '%s' (%lld parameters, %d layers, %d MoE) on %s, %lld steps of %lld tokens, "
+                "recompute %s\n",
+                cfg_.model.name.c_str(), static_cast<long long>(backend_->param_count()), cfg_.model.layers,
+                backend_->moe_layer_count(), backend_->device().c_str(), static_cast<long long>(cfg_.steps),
+                static_cast<long long>(step_tokens), to_string(cfg_.model_options.recompute));
   while (step_ < until) {
     const StepStats s = train_step();
     tokens += step_tokens;
@@ -183,7 +181,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until) {
       if (!quiet_) std::printf("eval   %6lld | loss %.4f\n", static_cast<long long>(step_), e);
       log_->scalars(step_, {{"eval_loss", e}});
     }
-    if ((cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0) || last) {
+    if ((cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0) || (last && cfg_.checkpoint_final)) {
       const std::string p = checkpoint_path(step_);
       save_checkpoint(p);
       if (!quiet_) std::printf("saved %s\n", p.c_str());
@@ -209,39 +207,36 @@ double Trainer::evaluate() {
         targets_[r * L + t] = static_cast<std::int32_t>(row[t + 1]);
       }
     }
-    sum += model_->forward(inputs_.data(), targets_.data()).ce;
+    sum += backend_->forward(inputs_.data(), targets_.data()).ce;
   }
-  model_->reset_load();
+  backend_->reset_load();
   return sum / static_cast<double>(cfg_.eval_batches);
 }
 
 // File: magic "KEELTRN1", u64 header length, JSON header, then the blobs the header lists,
 // back to back: parameters, AdamW m, AdamW v (layout.total_floats fp32 each), router biases.
 void Trainer::save_checkpoint(const std::string& path) const {
-  const MoeTransformer& m = *model_;
-  const std::size_t pbytes = static_cast<std::size_t>(m.param_floats()) * sizeof(float);
+  const TrainState st = backend_->state();
+  const std::size_t pbytes = st.params.size() * sizeof(float);
   std::vector<float> biases;
-  for (std::size_t i = 0; i < m.moe_layers().size(); ++i) {
-    const auto& b = const_cast<MoeTransformer&>(m).router_bias(static_cast<int>(i));
-    biases.insert(biases.end(), b.begin(), b.end());
-  }
+  for (const auto& b : st.router_bias) biases.insert(biases.end(), b.begin(), b.end());
   std::string blobs;
-  blobs.append(reinterpret_cast<const char*>(m.params()), pbytes);
-  blobs.append(reinterpret_cast<const char*>(adam_m_), pbytes);
-  blobs.append(reinterpret_cast<const char*>(adam_v_), pbytes);
+  blobs.append(reinterpret_cast<const char*>(st.params.data()), pbytes);
+  blobs.append(reinterpret_cast<const char*>(st.adam_m.data()), pbytes);
+  blobs.append(reinterpret_cast<const char*>(st.adam_v.data()), pbytes);
   blobs.append(reinterpret_cast<const char*>(biases.data()), biases.size() * sizeof(float));
   nlohmann::json h;
   h["format"] = "keel.train.checkpoint/1";
   h["step"] = step_;
-  h["adamw_step"] = adam_->step_count();
+  h["adamw_step"] = st.adamw_step;
   h["model"] = cfg_.model.name;
-  h["total_floats"] = m.param_floats();
+  h["total_floats"] = backend_->layout().total_floats;
   h["blobs"] = nlohmann::json::array({{{"name", "params"}, {"bytes", pbytes}},
                                       {{"name", "adamw.m"}, {"bytes", pbytes}},
                                       {{"name", "adamw.v"}, {"bytes", pbytes}},
                                       {{"name", "router_bias"}, {"bytes", biases.size() * sizeof(float)}}});
   nlohmann::json params = nlohmann::json::array();
-  for (const auto& p : m.layout().params) params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}});
+  for (const auto& p : backend_->layout().params) params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}});
   h["params"] = params;
   h["sampler"] = loader_->state();
   h["rng"] = {{"init_seed", cfg_.seed}};  // the loop draws no random numbers beyond the sampler's
@@ -281,15 +276,15 @@ void Trainer::resume(const std::string& path_in) {
   } catch (const std::exception& e) {
     bad(std::string("header is not JSON: ") + e.what());
   }
-  MoeTransformer& m = *model_;
+  const optim::ParamLayout& layout = backend_->layout();
   if (h.value("format", "") != "keel.train.checkpoint/1") bad("unknown format");
-  if (h.at("total_floats").get<std::int64_t>() != m.param_floats())
+  if (h.at("total_floats").get<std::int64_t>() != layout.total_floats)
     bad(fmt::format("holds {} parameter floats, this model has {} (another model config?)",
-                    h.at("total_floats").get<std::int64_t>(), m.param_floats()));
+                    h.at("total_floats").get<std::int64_t>(), layout.total_floats));
   const auto& ps = h.at("params");
-  if (ps.size() != m.layout().params.size()) bad("parameter list differs from this model's");
+  if (ps.size() != layout.params.size()) bad("parameter list differs from this model's");
   for (std::size_t i = 0; i < ps.size(); ++i) {
-    const auto& p = m.layout().params[i];
+    const auto& p = layout.params[i];
     if (ps[i].at("name").get<std::string>() != p.name || ps[i].at("shape").get<std::vector<std::int64_t>>() != p.shape ||
         ps[i].at("offset").get<std::int64_t>() != p.offset)
       bad(fmt::format("parameter {} ('{}') differs from this model's '{}'", i, ps[i].at("name").get<std::string>(), p.name));
@@ -300,28 +295,29 @@ void Trainer::resume(const std::string& path_in) {
     bad(fmt::format("truncated or padded: {} bytes, expected {}", file.size(), 16 + hl + total));
   const char* p = file.data() + 16 + hl;
   if (fnv1a(p, total) != h.at("checksum").get<std::uint64_t>()) bad("checksum mismatch (corrupted)");
-  const std::size_t pbytes = static_cast<std::size_t>(m.param_floats()) * sizeof(float);
-  std::memcpy(m.params(), p, pbytes);
-  std::memcpy(adam_m_, p + pbytes, pbytes);
-  std::memcpy(adam_v_, p + 2 * pbytes, pbytes);
+  const std::size_t nfloats = static_cast<std::size_t>(layout.total_floats), pbytes = nfloats * sizeof(float);
+  TrainState st = backend_->state();  // for the router bias shapes
+  st.params.assign(reinterpret_cast<const float*>(p), reinterpret_cast<const float*>(p) + nfloats);
+  st.adam_m.assign(reinterpret_cast<const float*>(p + pbytes), reinterpret_cast<const float*>(p + pbytes) + nfloats);
+  st.adam_v.assign(reinterpret_cast<const float*>(p + 2 * pbytes),
+                   reinterpret_cast<const float*>(p + 2 * pbytes) + nfloats);
   std::size_t off = 3 * pbytes;
   const std::size_t bias_bytes = h.at("blobs")[3].at("bytes").get<std::size_t>();
   std::size_t expect = 0;
-  for (std::size_t i = 0; i < m.moe_layers().size(); ++i) expect += m.router_bias(static_cast<int>(i)).size() * sizeof(float);
+  for (const auto& b : st.router_bias) expect += b.size() * sizeof(float);
   if (bias_bytes != expect) bad("router bias size differs");
-  for (std::size_t i = 0; i < m.moe_layers().size(); ++i) {
-    auto& b = m.router_bias(static_cast<int>(i));
+  for (auto& b : st.router_bias) {
     std::memcpy(b.data(), p + off, b.size() * sizeof(float));
     off += b.size() * sizeof(float);
   }
-  adam_->set_step_count(h.at("adamw_step").get<std::int64_t>());
+  st.adamw_step = h.at("adamw_step").get<std::int64_t>();
+  backend_->set_state(st);
   try {
     loader_->restore(h.at("sampler"));
   } catch (const Error& e) {
     bad(std::string("sampler state: ") + e.what());
   }
   step_ = h.at("step").get<std::int64_t>();
-  m.reset_load();
   if (!quiet_) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step_));
 }
 

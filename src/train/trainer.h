@@ -1,4 +1,5 @@
-// The training loop of `keel train` (docs/train.md): micro-batches from the data sampler,
+// The training loop of `keel train` (docs/train.md), the same on every device (the model and
+// optimizer are a TrainBackend: CPU or one GPU): micro-batches from the data sampler,
 // gradient accumulation, global-norm clipping, AdamW on the scheduled learning rate, the
 // router-bias update, logging (console + metrics.jsonl, TensorBoard optional), periodic eval
 // on a held-out dataset and full checkpoints that resume bit for bit.
@@ -10,8 +11,7 @@
 #include <vector>
 
 #include "data/blend.h"
-#include "optim/adamw.h"
-#include "tensor/arena.h"
+#include "train/backend.h"
 #include "train/metrics_log.h"
 #include "train/model.h"
 #include "train/parallel_context.h"
@@ -42,7 +42,7 @@ class Trainer {
   std::string checkpoint_path(std::int64_t step) const;
 
   std::int64_t step() const { return step_; }
-  MoeTransformer& model() { return *model_; }
+  TrainBackend& backend() { return *backend_; }
   const TrainConfig& config() const { return cfg_; }
 
  private:
@@ -52,11 +52,7 @@ class Trainer {
   TrainConfig cfg_;
   ParallelContext ctx_;
   bool quiet_;
-  std::unique_ptr<MoeTransformer> model_;
-  std::unique_ptr<Arena> opt_arena_;
-  float* adam_m_ = nullptr;
-  float* adam_v_ = nullptr;
-  std::unique_ptr<optim::AdamW> adam_;
+  std::unique_ptr<TrainBackend> backend_;
   std::unique_ptr<data::DataPipeline> data_;
   std::unique_ptr<data::BatchLoader> loader_;
   std::unique_ptr<data::IndexedDataset> eval_ds_;

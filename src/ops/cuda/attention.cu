@@ -1,0 +1,666 @@
+#include "ops/cuda/attention.h"
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/error.h"
+
+namespace keel::ops::cuda::attention {
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- Warp-level building blocks: shared-memory addresses, cp.async, ldmatrix, bf16 MMA ----
+//
+// Fragment layouts of mma.m16n8k16 (g = lane / 4, c = lane % 4), which the code below relies on:
+//   A 16x16 (row major)  a0: (g, 2c..2c+1)  a1: (g+8, 2c..)  a2: (g, 2c+8..)  a3: (g+8, 2c+8..)
+//   B 16x8  (k x n)      b0: (k 2c..2c+1, n g)               b1: (k 2c+8..2c+9, n g)
+//   C 16x8  (fp32)       c0, c1: (g, 2c..2c+1)               c2, c3: (g+8, 2c..2c+1)
+// ldmatrix.x4 hands lane l the (l/4, 2(l%4)..) pair of each of four 8x8 matrices whose row
+// addresses lanes 8i..8i+7 supply; .trans hands the transposed pair. The four helpers below
+// choose those row addresses so that one ldmatrix yields a whole A fragment, or the B
+// fragments of two adjacent 8-column n-tiles, from a row-major tile in shared memory.
+
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; bytes == 0 zero-fills the destination (rows past the sequence end).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(std::uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+
+// A fragment (rows m0..m0+15, k k0..k0+15) of a tile stored [m][k] with row stride `ld`.
+__device__ __forceinline__ void load_a(std::uint32_t (&a)[4], const bf16* s, int ld, int m0, int k0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  ldsm_x4(a, s + (m0 + (i & 1) * 8 + r) * ld + k0 + (i >> 1) * 8);
+}
+// A fragment of the transpose of a tile stored [k][m] (A[m][k] = stored[k][m]).
+__device__ __forceinline__ void load_a_trans(std::uint32_t (&a)[4], const bf16* s, int ld, int m0, int k0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  ldsm_x4_trans(a, s + (k0 + (i >> 1) * 8 + r) * ld + m0 + (i & 1) * 8);
+}
+// B fragments of n-tiles n0 and n0+8 (k k0..k0+15) of B[k][n] = stored[n][k] (e.g. K for q.k):
+// b = {b0(n0), b1(n0), b0(n0+8), b1(n0+8)}.
+__device__ __forceinline__ void load_b_nk(std::uint32_t (&b)[4], const bf16* s, int ld, int n0, int k0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  ldsm_x4(b, s + (n0 + (i >> 1) * 8 + r) * ld + k0 + (i & 1) * 8);
+}
+// The same for B[k][n] = stored[k][n] (e.g. V for p.v).
+__device__ __forceinline__ void load_b_kn(std::uint32_t (&b)[4], const bf16* s, int ld, int n0, int k0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  ldsm_x4_trans(b, s + (k0 + (i & 1) * 8 + r) * ld + n0 + (i >> 1) * 8);
+}
+
+// d += a * b (16x8x16, bf16 in, fp32 accumulate).
+__device__ __forceinline__ void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ std::uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low half: the lower column
+  return *reinterpret_cast<std::uint32_t*>(&v);
+}
+
+// The A fragment (k-step kk) made of the fp32 accumulators of n-tiles 2kk and 2kk+1: how a
+// probability tile computed by one MMA feeds the next MMA without leaving registers.
+__device__ __forceinline__ void acc_to_a(std::uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack_bf16(lo[0], lo[1]);
+  a[1] = pack_bf16(lo[2], lo[3]);
+  a[2] = pack_bf16(hi[0], hi[1]);
+  a[3] = pack_bf16(hi[2], hi[3]);
+}
+
+// Rows [row0, row0 + rows) of a [T, ...] global matrix with `g_stride` elements between rows,
+// kDh columns, into shared memory at row stride `ld`; rows >= T are zero-filled so padded
+// rows contribute exact zeros (never garbage) to every MMA.
+template <int kDh>
+__device__ __forceinline__ void load_rows_async(bf16* s, int ld, const bf16* g, std::int64_t g_stride, int row0, int rows,
+                                                int T, int tid, int nthreads) {
+  constexpr int kChunks = kDh / 8;  // 16-byte chunks per row
+  for (int c = tid; c < rows * kChunks; c += nthreads) {
+    const int r = c / kChunks, ch = c % kChunks;
+    const int row = row0 + r;
+    const bool ok = row < T;
+    cp_async_16(s + r * ld + ch * 8, g + (ok ? row : 0) * g_stride + ch * 8, ok ? 16 : 0);
+  }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---------------------------------------------- forward ----------------------------------------------
+
+// 8 warps x 16 query rows; 64-key tiles. Shared memory: the Q tile (reused to stage the output
+// for coalesced stores) and two K/V stages. Rows are padded by 8 elements (16 bytes) so the 8
+// row addresses of an ldmatrix fall into distinct bank groups.
+template <int kDh>
+struct Fwd {
+  static constexpr int kBr = 128, kBc = 64, kWarps = 8, kThreads = kWarps * 32;
+  static constexpr int kLd = kDh + 8;
+  static constexpr int kSmemBytes = (kBr + 4 * kBc) * kLd * static_cast<int>(sizeof(bf16));
+};
+
+template <int kDh>
+__global__ void __launch_bounds__(Fwd<kDh>::kThreads)
+    forward_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                   bf16* __restrict__ out, float* __restrict__ lse, int T, int Hq, int Hkv, float scale_log2) {
+  using C = Fwd<kDh>;
+  constexpr int kBr = C::kBr, kBc = C::kBc, kLd = C::kLd;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* q_s = reinterpret_cast<bf16*>(smem);
+  bf16* k_s = q_s + kBr * kLd;      // [2][kBc][kLd]
+  bf16* v_s = k_s + 2 * kBc * kLd;  // [2][kBc][kLd]
+
+  const int b = blockIdx.x / Hq, h = blockIdx.x % Hq, g = h / (Hq / Hkv);
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBr;  // longest (last) query tiles first
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const std::int64_t q_stride = static_cast<std::int64_t>(Hq) * kDh, kv_stride = static_cast<std::int64_t>(Hkv) * kDh;
+  const bf16* q_g = q + (static_cast<std::int64_t>(b) * T * Hq + h) * kDh;
+  const bf16* k_g = k + (static_cast<std::int64_t>(b) * T * Hkv + g) * kDh;
+  const bf16* v_g = v + (static_cast<std::int64_t>(b) * T * Hkv + g) * kDh;
+
+  const int kv_end = min(T, q0 + kBr);  // causal: keys past the tile's last query are never read
+  const int n_kv = (kv_end + kBc - 1) / kBc;
+
+  load_rows_async<kDh>(q_s, kLd, q_g, q_stride, q0, kBr, T, tid, C::kThreads);
+  load_rows_async<kDh>(k_s, kLd, k_g, kv_stride, 0, kBc, T, tid, C::kThreads);
+  load_rows_async<kDh>(v_s, kLd, v_g, kv_stride, 0, kBc, T, tid, C::kThreads);
+  cp_async_commit();
+
+  const int w_row0 = q0 + warp * 16;            // this warp's first query row
+  const int row_lo = w_row0 + (lane >> 2);      // rows of accumulator elements 0, 1
+  const int row_hi = row_lo + 8;                // rows of accumulator elements 2, 3
+  std::uint32_t q_frag[kDh / 16][4];
+  float o[kDh / 8][4];
+#pragma unroll
+  for (int n = 0; n < kDh / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  // Running max (log2 units of the scaled score) and sum of the two rows this thread holds.
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+  for (int j = 0; j < n_kv; ++j) {
+    cp_async_wait_all();
+    __syncthreads();  // tile j landed for everyone, and everyone is done with tile j - 1's stage
+    if (j == 0) {
+#pragma unroll
+      for (int kk = 0; kk < kDh / 16; ++kk) load_a(q_frag[kk], q_s, kLd, warp * 16, kk * 16, lane);
+    }
+    if (j + 1 < n_kv) {  // prefetch tile j + 1 into the other stage while computing tile j
+      const int st = (j + 1) & 1;
+      load_rows_async<kDh>(k_s + st * kBc * kLd, kLd, k_g, kv_stride, (j + 1) * kBc, kBc, T, tid, C::kThreads);
+      load_rows_async<kDh>(v_s + st * kBc * kLd, kLd, v_g, kv_stride, (j + 1) * kBc, kBc, T, tid, C::kThreads);
+      cp_async_commit();
+    }
+    const int kv0 = j * kBc;
+    if (kv0 > w_row0 + 15) continue;  // the whole tile is above this warp's diagonal
+    const bf16* ks = k_s + (j & 1) * kBc * kLd;
+    const bf16* vs = v_s + (j & 1) * kBc * kLd;
+
+    // s = q k^T for this warp's 16 rows x 64 keys.
+    float s[kBc / 8][4];
+#pragma unroll
+    for (int n = 0; n < kBc / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kDh / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kBc / 16; ++np) {
+        std::uint32_t bf[4];
+        load_b_nk(bf, ks, kLd, np * 16, kk * 16, lane);
+        mma(s[2 * np], q_frag[kk], bf[0], bf[1]);
+        mma(s[2 * np + 1], q_frag[kk], bf[2], bf[3]);
+      }
+    }
+
+    // Scale into log2 units; mask keys above the diagonal and past the sequence end.
+    const bool need_mask = kv0 + kBc - 1 > w_row0 || kv0 + kBc > T;
+#pragma unroll
+    for (int n = 0; n < kBc / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[n][e] * scale_log2;
+        if (need_mask) {
+          const int key = kv0 + n * 8 + 2 * (lane & 3) + (e & 1);
+          const int row = e < 2 ? row_lo : row_hi;
+          if (key > row || key >= T) x = -INFINITY;
+        }
+        s[n][e] = x;
+      }
+    }
+
+    // Online softmax: rescale what was accumulated so far to the new running max.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kBc / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      mx = quad_max(mx);
+      const float m_new = fmaxf(m_run[r], mx);
+      // Key 0 is visible to every row, so m_new is finite from the first tile on; the guard
+      // only keeps a fully masked row from producing inf - inf = NaN.
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_run[r] - m_use);
+      m_run[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < kBc / 8; ++n) {
+        s[n][2 * r] = exp2f(s[n][2 * r] - m_use);
+        s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - m_use);
+        sum += s[n][2 * r] + s[n][2 * r + 1];
+      }
+      l_run[r] = l_run[r] * alpha + sum;  // per-thread partial; the quad is summed at the end
+#pragma unroll
+      for (int n = 0; n < kDh / 8; ++n) {
+        o[n][2 * r] *= alpha;
+        o[n][2 * r + 1] *= alpha;
+      }
+    }
+
+    // o += p v: the probabilities go from accumulators straight into A fragments.
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      std::uint32_t a[4];
+      acc_to_a(a, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+      for (int np = 0; np < kDh / 16; ++np) {
+        std::uint32_t bf[4];
+        load_b_kn(bf, vs, kLd, np * 16, kk * 16, lane);
+        mma(o[2 * np], a, bf[0], bf[1]);
+        mma(o[2 * np + 1], a, bf[2], bf[3]);
+      }
+    }
+  }
+
+  // Normalize; stage the warp's 16 output rows in its own (no longer needed) rows of q_s so the
+  // global stores are whole 16-byte vectors.
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] = quad_sum(l_run[r]);
+    inv[r] = 1.f / l_run[r];
+  }
+  bf16* o_s = q_s + warp * 16 * kLd;
+#pragma unroll
+  for (int n = 0; n < kDh / 8; ++n) {
+    const int col = n * 8 + 2 * (lane & 3);
+    *reinterpret_cast<std::uint32_t*>(o_s + (lane >> 2) * kLd + col) = pack_bf16(o[n][0] * inv[0], o[n][1] * inv[0]);
+    *reinterpret_cast<std::uint32_t*>(o_s + ((lane >> 2) + 8) * kLd + col) =
+        pack_bf16(o[n][2] * inv[1], o[n][3] * inv[1]);
+  }
+  __syncwarp();
+  bf16* out_g = out + (static_cast<std::int64_t>(b) * T * Hq + h) * kDh;
+  for (int c = lane; c < 16 * (kDh / 8); c += 32) {
+    const int r = c / (kDh / 8), ch = c % (kDh / 8);
+    if (w_row0 + r < T)
+      *reinterpret_cast<uint4*>(out_g + (w_row0 + r) * q_stride + ch * 8) =
+          *reinterpret_cast<const uint4*>(o_s + r * kLd + ch * 8);
+  }
+  if ((lane & 3) == 0) {
+    float* lse_g = lse + (static_cast<std::int64_t>(b) * Hq + h) * T;
+    if (row_lo < T) lse_g[row_lo] = (m_run[0] + log2f(l_run[0])) * kLn2;
+    if (row_hi < T) lse_g[row_hi] = (m_run[1] + log2f(l_run[1])) * kLn2;
+  }
+}
+
+// ---------------------------------------------- backward ----------------------------------------------
+
+// D_i = dout_i . out_i, one warp per (b, t, h) row, stored [B, Hq, T]. The row loops are
+// written for Dh a multiple of 64 (each lane reads bf16 pairs).
+__global__ void dot_rows_kernel(const bf16* __restrict__ dout, const bf16* __restrict__ out, float* __restrict__ d,
+                                std::int64_t rows, int T, int Hq, int Dh) {
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(dout + row * Dh);
+  const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(out + row * Dh);
+  float sum = 0.f;
+  for (int c = lane; c < Dh / 2; c += 32) {
+    const float2 x = __bfloat1622float2(a[c]), y = __bfloat1622float2(o[c]);
+    sum += x.x * y.x + x.y * y.y;
+  }
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) {
+    const std::int64_t h = row % Hq, t = (row / Hq) % T, bb = row / (static_cast<std::int64_t>(Hq) * T);
+    d[(bb * Hq + h) * T + t] = sum;
+  }
+}
+
+// fp32 accumulators -> bf16 gradients, 4 at a time (n is a multiple of 64).
+__global__ void to_bf16_kernel(const float* __restrict__ x, bf16* __restrict__ y, std::int64_t n4) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n4) return;
+  const float4 f = reinterpret_cast<const float4*>(x)[i];
+  uint2 packed;
+  packed.x = pack_bf16(f.x, f.y);
+  packed.y = pack_bf16(f.z, f.w);
+  reinterpret_cast<uint2*>(y)[i] = packed;
+}
+
+__device__ __forceinline__ void atomic_add2(float* p, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
+#else
+  atomicAdd(p, x);
+  atomicAdd(p + 1, y);
+#endif
+}
+
+// 4 warps x 16 keys (a 64-key tile per block), 64-query tiles. Each warp computes the
+// transposed tiles s^T = k q^T and dp^T = v dout^T for its 16 keys so that p^T and ds^T are
+// already A fragments for dv += p^T dout and dk += ds^T q. dq = ds k needs all 64 keys of the
+// tile per query row, so ds^T goes through shared memory once and each warp then owns 16 query
+// rows of dq. Shared memory: K, V of the tile; two stages of Q, dout, lse, D; ds^T.
+template <int kDh>
+struct Bwd {
+  static constexpr int kBr = 64, kBc = 64, kWarps = 4, kThreads = kWarps * 32;
+  static constexpr int kLd = kDh + 8, kDsLd = kBr + 8;
+  static constexpr int kSmemBytes = (2 * kBc * kLd + 4 * kBr * kLd + kBc * kDsLd) * static_cast<int>(sizeof(bf16)) +
+                                    4 * kBr * static_cast<int>(sizeof(float));
+};
+
+template <int kDh>
+__global__ void __launch_bounds__(Bwd<kDh>::kThreads)
+    backward_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                    const bf16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ d_row,
+                    float* __restrict__ dq_acc, float* __restrict__ dk_acc, float* __restrict__ dv_acc, int T, int Hq,
+                    int Hkv, float scale, float scale_log2) {
+  using C = Bwd<kDh>;
+  constexpr int kBr = C::kBr, kBc = C::kBc, kLd = C::kLd, kDsLd = C::kDsLd;
+  static_assert(kBr == kBc, "the first query tile of a key tile is the one starting at the same position");
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* k_s = reinterpret_cast<bf16*>(smem);
+  bf16* v_s = k_s + kBc * kLd;
+  bf16* q_s = v_s + kBc * kLd;        // [2][kBr][kLd]
+  bf16* do_s = q_s + 2 * kBr * kLd;   // [2][kBr][kLd]
+  bf16* ds_s = do_s + 2 * kBr * kLd;  // [kBc][kDsLd]: ds^T of the current pair of tiles
+  float* lse_s = reinterpret_cast<float*>(ds_s + kBc * kDsLd);  // [2][kBr], log2 units
+  float* dd_s = lse_s + 2 * kBr;                                // [2][kBr]
+
+  const int b = blockIdx.x / Hq, h = blockIdx.x % Hq, g = h / (Hq / Hkv);
+  const int kv0 = blockIdx.y * kBc;  // first key tiles see the most queries: scheduled first
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const std::int64_t q_stride = static_cast<std::int64_t>(Hq) * kDh, kv_stride = static_cast<std::int64_t>(Hkv) * kDh;
+  const std::int64_t q_off = (static_cast<std::int64_t>(b) * T * Hq + h) * kDh;
+  const std::int64_t kv_off = (static_cast<std::int64_t>(b) * T * Hkv + g) * kDh;
+  const float* lse_g = lse + (static_cast<std::int64_t>(b) * Hq + h) * T;
+  const float* d_g = d_row + (static_cast<std::int64_t>(b) * Hq + h) * T;
+
+  const int n_q = (T + kBr - 1) / kBr;
+  const int qt0 = kv0 / kBr;
+
+  auto load_q_tile = [&](int qt, int st) {
+    const int row0 = qt * kBr;
+    load_rows_async<kDh>(q_s + st * kBr * kLd, kLd, q + q_off, q_stride, row0, kBr, T, tid, C::kThreads);
+    load_rows_async<kDh>(do_s + st * kBr * kLd, kLd, dout + q_off, q_stride, row0, kBr, T, tid, C::kThreads);
+    for (int i = tid; i < kBr; i += C::kThreads) {
+      const int row = row0 + i;
+      lse_s[st * kBr + i] = row < T ? lse_g[row] * kLog2e : 0.f;
+      dd_s[st * kBr + i] = row < T ? d_g[row] : 0.f;
+    }
+  };
+  load_rows_async<kDh>(k_s, kLd, k + kv_off, kv_stride, kv0, kBc, T, tid, C::kThreads);
+  load_rows_async<kDh>(v_s, kLd, v + kv_off, kv_stride, kv0, kBc, T, tid, C::kThreads);
+  load_q_tile(qt0, 0);
+  cp_async_commit();
+
+  const int w_key0 = kv0 + warp * 16;
+  const int key_lo = w_key0 + (lane >> 2), key_hi = key_lo + 8;
+  float dk[kDh / 8][4], dv[kDh / 8][4];
+#pragma unroll
+  for (int n = 0; n < kDh / 8; ++n) {
+    dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.f;
+    dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
+  }
+
+  for (int qt = qt0; qt < n_q; ++qt) {
+    const int st = (qt - qt0) & 1;
+    cp_async_wait_all();
+    __syncthreads();  // this stage landed; everyone is done with the other stage and with ds_s
+    if (qt + 1 < n_q) {
+      load_q_tile(qt + 1, st ^ 1);
+      cp_async_commit();
+    }
+    const int q0 = qt * kBr;
+    const bf16* qs = q_s + st * kBr * kLd;
+    const bf16* dos = do_s + st * kBr * kLd;
+    const float* lses = lse_s + st * kBr;
+    const float* dds = dd_s + st * kBr;
+
+    // s^T = k q^T: this warp's 16 keys x 64 queries.
+    float p[kBr / 8][4];
+#pragma unroll
+    for (int n = 0; n < kBr / 8; ++n) p[n][0] = p[n][1] = p[n][2] = p[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kDh / 16; ++kk) {
+      std::uint32_t a[4];
+      load_a(a, k_s, kLd, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int np = 0; np < kBr / 16; ++np) {
+        std::uint32_t bf[4];
+        load_b_nk(bf, qs, kLd, np * 16, kk * 16, lane);
+        mma(p[2 * np], a, bf[0], bf[1]);
+        mma(p[2 * np + 1], a, bf[2], bf[3]);
+      }
+    }
+    // p^T = exp(scale s - lse), zero above the diagonal and for query rows past the end.
+    const bool need_mask = q0 < w_key0 + 15 || q0 + kBr > T;
+#pragma unroll
+    for (int n = 0; n < kBr / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = n * 8 + 2 * (lane & 3) + (e & 1);
+        float x = exp2f(p[n][e] * scale_log2 - lses[qi]);
+        if (need_mask) {
+          const int key = e < 2 ? key_lo : key_hi;
+          if (key > q0 + qi || q0 + qi >= T) x = 0.f;
+        }
+        p[n][e] = x;
+      }
+    }
+    // dv += p^T dout.
+#pragma unroll
+    for (int kk = 0; kk < kBr / 16; ++kk) {
+      std::uint32_t a[4];
+      acc_to_a(a, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+      for (int np = 0; np < kDh / 16; ++np) {
+        std::uint32_t bf[4];
+        load_b_kn(bf, dos, kLd, np * 16, kk * 16, lane);
+        mma(dv[2 * np], a, bf[0], bf[1]);
+        mma(dv[2 * np + 1], a, bf[2], bf[3]);
+      }
+    }
+    // dp^T = v dout^T, then ds^T = p^T (dp^T - D) in place.
+    float ds[kBr / 8][4];
+#pragma unroll
+    for (int n = 0; n < kBr / 8; ++n) ds[n][0] = ds[n][1] = ds[n][2] = ds[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kDh / 16; ++kk) {
+      std::uint32_t a[4];
+      load_a(a, v_s, kLd, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int np = 0; np < kBr / 16; ++np) {
+        std::uint32_t bf[4];
+        load_b_nk(bf, dos, kLd, np * 16, kk * 16, lane);
+        mma(ds[2 * np], a, bf[0], bf[1]);
+        mma(ds[2 * np + 1], a, bf[2], bf[3]);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kBr / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ds[n][e] = p[n][e] * (ds[n][e] - dds[n * 8 + 2 * (lane & 3) + (e & 1)]);
+    }
+    // dk += ds^T q (scaled once at the end); ds^T to shared memory for dq.
+#pragma unroll
+    for (int kk = 0; kk < kBr / 16; ++kk) {
+      std::uint32_t a[4];
+      acc_to_a(a, ds[2 * kk], ds[2 * kk + 1]);
+      const int row = warp * 16 + (lane >> 2), col = kk * 16 + 2 * (lane & 3);
+      *reinterpret_cast<std::uint32_t*>(ds_s + row * kDsLd + col) = a[0];
+      *reinterpret_cast<std::uint32_t*>(ds_s + (row + 8) * kDsLd + col) = a[1];
+      *reinterpret_cast<std::uint32_t*>(ds_s + row * kDsLd + col + 8) = a[2];
+      *reinterpret_cast<std::uint32_t*>(ds_s + (row + 8) * kDsLd + col + 8) = a[3];
+#pragma unroll
+      for (int np = 0; np < kDh / 16; ++np) {
+        std::uint32_t bf[4];
+        load_b_kn(bf, qs, kLd, np * 16, kk * 16, lane);
+        mma(dk[2 * np], a, bf[0], bf[1]);
+        mma(dk[2 * np + 1], a, bf[2], bf[3]);
+      }
+    }
+    __syncthreads();  // ds^T of all four warps is in ds_s
+
+    // dq rows warp*16.. of this query tile += scale * ds k, over all 64 keys of the tile.
+    std::uint32_t ds_frag[kBc / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) load_a_trans(ds_frag[kk], ds_s, kDsLd, warp * 16, kk * 16, lane);
+    const int qrow_lo = q0 + warp * 16 + (lane >> 2), qrow_hi = qrow_lo + 8;
+    float* dq_lo = dq_acc + q_off + static_cast<std::int64_t>(qrow_lo) * q_stride;
+    float* dq_hi = dq_lo + 8 * q_stride;
+#pragma unroll
+    for (int np = 0; np < kDh / 16; ++np) {
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < kBc / 16; ++kk) {
+        std::uint32_t bf[4];
+        load_b_kn(bf, k_s, kLd, np * 16, kk * 16, lane);
+        mma(acc[0], ds_frag[kk], bf[0], bf[1]);
+        mma(acc[1], ds_frag[kk], bf[2], bf[3]);
+      }
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int col = np * 16 + x * 8 + 2 * (lane & 3);
+        if (qrow_lo < T) atomic_add2(dq_lo + col, acc[x][0] * scale, acc[x][1] * scale);
+        if (qrow_hi < T) atomic_add2(dq_hi + col, acc[x][2] * scale, acc[x][3] * scale);
+      }
+    }
+  }
+
+  // This block's share of dk, dv (one query head of the group): summed over the group's heads
+  // by atomics.
+  float* dk_lo = dk_acc + kv_off + static_cast<std::int64_t>(key_lo) * kv_stride;
+  float* dv_lo = dv_acc + kv_off + static_cast<std::int64_t>(key_lo) * kv_stride;
+  const std::int64_t hi = 8 * kv_stride;
+#pragma unroll
+  for (int n = 0; n < kDh / 8; ++n) {
+    const int col = n * 8 + 2 * (lane & 3);
+    if (key_lo < T) {
+      atomic_add2(dk_lo + col, dk[n][0] * scale, dk[n][1] * scale);
+      atomic_add2(dv_lo + col, dv[n][0], dv[n][1]);
+    }
+    if (key_hi < T) {
+      atomic_add2(dk_lo + hi + col, dk[n][2] * scale, dk[n][3] * scale);
+      atomic_add2(dv_lo + hi + col, dv[n][2], dv[n][3]);
+    }
+  }
+}
+
+// ---------------------------------------------- host side ----------------------------------------------
+
+void check_extents(const char* what, int B, int T, int Hq, int Hkv, int Dh) {
+  if (B < 0 || T < 0) fail("attention {}: B and T must be >= 0, got B={} T={}", what, B, T);
+  if (Dh != 64 && Dh != 128) fail("attention {}: head dim {} is not supported (64 or 128)", what, Dh);
+  if (Hq <= 0 || Hkv <= 0 || Hq % Hkv != 0)
+    fail("attention {}: {} query heads do not split into groups over {} kv heads", what, Hq, Hkv);
+}
+
+void check_aligned(const char* what, const char* name, const void* p) {
+  if (p == nullptr) fail("attention {}: {} is null", what, name);
+  if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) fail("attention {}: {} is not 16-byte aligned", what, name);
+}
+
+constexpr std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
+
+struct WorkspaceLayout {
+  std::size_t d_row = 0, dq = 0, dk = 0, dv = 0, total = 0;  // byte offsets
+};
+
+WorkspaceLayout workspace_layout(int B, int T, int Hq, int Hkv, int Dh) {
+  const std::size_t rows_q = static_cast<std::size_t>(B) * T * Hq, rows_kv = static_cast<std::size_t>(B) * T * Hkv;
+  WorkspaceLayout w;
+  w.d_row = 0;
+  w.dq = align_up(rows_q * sizeof(float));
+  w.dk = w.dq + align_up(rows_q * Dh * sizeof(float));
+  w.dv = w.dk + align_up(rows_kv * Dh * sizeof(float));
+  w.total = w.dv + align_up(rows_kv * Dh * sizeof(float));
+  return w;
+}
+
+template <int kDh>
+void launch_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T, int Hq, int Hkv,
+                    float scale, cudaStream_t stream) {
+  using C = Fwd<kDh>;
+  KEEL_CUDA_CHECK(
+      cudaFuncSetAttribute(forward_kernel<kDh>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>((T + C::kBr - 1) / C::kBr));
+  forward_kernel<kDh><<<grid, C::kThreads, C::kSmemBytes, stream>>>(q, k, v, out, lse, T, Hq, Hkv, scale * kLog2e);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+template <int kDh>
+void launch_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* d_row,
+                     float* dq_acc, float* dk_acc, float* dv_acc, int B, int T, int Hq, int Hkv, float scale,
+                     cudaStream_t stream) {
+  using C = Bwd<kDh>;
+  KEEL_CUDA_CHECK(
+      cudaFuncSetAttribute(backward_kernel<kDh>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>((T + C::kBc - 1) / C::kBc));
+  backward_kernel<kDh><<<grid, C::kThreads, C::kSmemBytes, stream>>>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc,
+                                                                    T, Hq, Hkv, scale, scale * kLog2e);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+void launch_to_bf16(const float* x, bf16* y, std::size_t n, cudaStream_t stream) {
+  const std::int64_t n4 = static_cast<std::int64_t>(n / 4);
+  if (n4 == 0) return;
+  to_bf16_kernel<<<grid_for(n4, 256), 256, 0, stream>>>(x, y, n4);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T, int Hq, int Hkv, int Dh,
+             float scale, cudaStream_t stream) {
+  check_extents("forward", B, T, Hq, Hkv, Dh);
+  if (B == 0 || T == 0) return;
+  if (static_cast<std::int64_t>(B) * Hq > 0x7fffffff) fail("attention forward: B * Hq = {} is too large", B * Hq);
+  check_aligned("forward", "q", q);
+  check_aligned("forward", "k", k);
+  check_aligned("forward", "v", v);
+  check_aligned("forward", "out", out);
+  if (lse == nullptr) fail("attention forward: lse is null");
+  if (Dh == 64)
+    launch_forward<64>(q, k, v, out, lse, B, T, Hq, Hkv, scale, stream);
+  else
+    launch_forward<128>(q, k, v, out, lse, B, T, Hq, Hkv, scale, stream);
+}
+
+std::size_t backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh) {
+  check_extents("backward", B, T, Hq, Hkv, Dh);
+  return workspace_layout(B, T, Hq, Hkv, Dh).total;
+}
+
+void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout, bf16* dq,
+              bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv, int Dh, float scale,
+              cudaStream_t stream) {
+  check_extents("backward", B, T, Hq, Hkv, Dh);
+  if (B == 0 || T == 0) return;
+  const char* names[] = {"q", "k", "v", "out", "dout", "dq", "dk", "dv", "workspace"};
+  const void* ptrs[] = {q, k, v, out, dout, dq, dk, dv, workspace};
+  for (int i = 0; i < 9; ++i) check_aligned("backward", names[i], ptrs[i]);
+  if (lse == nullptr) fail("attention backward: lse is null");
+
+  const WorkspaceLayout w = workspace_layout(B, T, Hq, Hkv, Dh);
+  char* base = static_cast<char*>(workspace);
+  float* d_row = reinterpret_cast<float*>(base + w.d_row);
+  float* dq_acc = reinterpret_cast<float*>(base + w.dq);
+  float* dk_acc = reinterpret_cast<float*>(base + w.dk);
+  float* dv_acc = reinterpret_cast<float*>(base + w.dv);
+  // The three accumulators are contiguous: one memset clears them.
+  KEEL_CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, w.total - w.dq, stream));
+
+  const std::int64_t rows_q = static_cast<std::int64_t>(B) * T * Hq;
+  constexpr int kDotWarps = 8;
+  dot_rows_kernel<<<grid_for(rows_q, kDotWarps), kDotWarps * 32, 0, stream>>>(dout, out, d_row, rows_q, T, Hq, Dh);
+  KEEL_CUDA_CHECK_LAUNCH();
+
+  if (Dh == 64)
+    launch_backward<64>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, T, Hq, Hkv, scale, stream);
+  else
+    launch_backward<128>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, T, Hq, Hkv, scale, stream);
+
+  const std::size_t n_q = static_cast<std::size_t>(rows_q) * Dh, n_kv = static_cast<std::size_t>(B) * T * Hkv * Dh;
+  launch_to_bf16(dq_acc, dq, n_q, stream);
+  launch_to_bf16(dk_acc, dk, n_kv, stream);
+  launch_to_bf16(dv_acc, dv, n_kv, stream);
+}
+
+}  // namespace keel::ops::cuda::attention

@@ -1,0 +1,342 @@
+#include "ops/cuda/moe.h"
+
+#include <cstdint>
+
+#include "common/error.h"
+#include "ops/cuda/gemm.h"
+
+namespace keel::ops::cuda::moe {
+
+namespace {
+
+constexpr int kPlanThreads = 1024;  // one block: count + scan; one block per expert: scatter
+constexpr int kMaxExperts = 8192;   // the count kernel keeps E int32 counters in shared memory
+constexpr int kRowThreads = 128;    // one block per token or slot row
+constexpr int kElemThreads = 256;
+
+__device__ inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over a block of kRowThreads threads, result in every thread; fixed order.
+__device__ float block_sum(float v) {
+  __shared__ float part[kRowThreads / 32];
+  __shared__ float total;
+  v = warp_sum(v);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float w = threadIdx.x < kRowThreads / 32 ? part[threadIdx.x] : 0.f;
+    w = warp_sum(w);
+    if (threadIdx.x == 0) total = w;
+  }
+  __syncthreads();
+  return total;
+}
+
+// offsets[0..E] = exclusive prefix sum of the loads; offsets[E + 1] = slots whose expert index
+// is outside [0, E) (make_plan reports them).
+__global__ void plan_count_kernel(const std::int32_t* __restrict__ expert_idx, std::int64_t slots, int experts,
+                                  std::int32_t* __restrict__ offsets) {
+  extern __shared__ int load[];
+  __shared__ int bad;
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) load[e] = 0;
+  if (threadIdx.x == 0) bad = 0;
+  __syncthreads();
+  for (std::int64_t a = threadIdx.x; a < slots; a += blockDim.x) {
+    const int e = expert_idx[a];
+    if (e < 0 || e >= experts) atomicAdd(&bad, 1);
+    else atomicAdd(&load[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // E is small: a serial scan is a few microseconds at most
+    int run = 0;
+    for (int e = 0; e < experts; ++e) {
+      offsets[e] = run;
+      run += load[e];
+    }
+    offsets[experts] = run;
+    offsets[experts + 1] = bad;
+  }
+}
+
+// Block e walks the slots in increasing a, kPlanThreads at a time, and gives its matches
+// consecutive rows from offsets[e]: a stable counting sort, identical to the CPU plan.
+__global__ void plan_scatter_kernel(const std::int32_t* __restrict__ expert_idx, std::int64_t slots,
+                                    const std::int32_t* __restrict__ offsets, std::int32_t* __restrict__ source,
+                                    std::int32_t* __restrict__ position) {
+  __shared__ int warp_hits[kPlanThreads / 32];
+  const int e = blockIdx.x;
+  const int base = offsets[e], load = offsets[e + 1] - base;
+  if (load == 0) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int done = 0;  // rows of e assigned so far (uniform over the block)
+  for (std::int64_t start = 0; start < slots && done < load; start += kPlanThreads) {
+    const std::int64_t a = start + threadIdx.x;
+    const bool hit = a < slots && expert_idx[a] == e;
+    const unsigned mask = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0) warp_hits[warp] = __popc(mask);
+    __syncthreads();
+    int before = 0, total = 0;
+    for (int w = 0; w < kPlanThreads / 32; ++w) {
+      const int h = warp_hits[w];
+      before += w < warp ? h : 0;
+      total += h;
+    }
+    if (hit) {
+      const int slot = base + done + before + __popc(mask & ((1u << lane) - 1u));
+      source[slot] = static_cast<std::int32_t>(a);
+      position[a] = slot;
+    }
+    done += total;
+    __syncthreads();  // warp_hits is rewritten by the next round
+  }
+}
+
+// xs[slot] = x[source[slot] / top_k]. kVec: d % 8 == 0 and both pointers 16-byte aligned.
+template <bool kVec>
+__global__ void gather_kernel(const bf16* __restrict__ x, const std::int32_t* __restrict__ source, int top_k,
+                              std::int64_t d, bf16* __restrict__ xs) {
+  const std::int64_t slot = blockIdx.x;
+  const bf16* src = x + static_cast<std::int64_t>(source[slot] / top_k) * d;
+  bf16* dst = xs + slot * d;
+  if constexpr (kVec) {
+    for (std::int64_t j = threadIdx.x; j < d / 8; j += blockDim.x)
+      reinterpret_cast<uint4*>(dst)[j] = reinterpret_cast<const uint4*>(src)[j];
+  } else {
+    for (std::int64_t j = threadIdx.x; j < d; j += blockDim.x) dst[j] = src[j];
+  }
+}
+
+__device__ inline float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
+
+__global__ void swiglu_forward_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up,
+                                      bf16* __restrict__ act, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const float g = __bfloat162float(gate[i]);
+    act[i] = __float2bfloat16(g * sigmoid(g) * __bfloat162float(up[i]));
+  }
+}
+
+// dh_up = dact * silu(g); dh_gate = dact * up * silu'(g), silu'(g) = s (1 + g (1 - s)).
+__global__ void swiglu_backward_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up,
+                                       const float* __restrict__ dact, bf16* __restrict__ dgate,
+                                       bf16* __restrict__ dup, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const float g = __bfloat162float(gate[i]), u = __bfloat162float(up[i]), d = dact[i], s = sigmoid(g);
+    dup[i] = __float2bfloat16(d * g * s);
+    dgate[i] = __float2bfloat16(d * u * s * (1.f + g * (1.f - s)));
+  }
+}
+
+// y[n] = sum_k gates[n, k] ys[position[n k + k]] in fp32, k in order (the CPU order).
+__global__ void combine_kernel(const bf16* __restrict__ ys, const float* __restrict__ gates,
+                               const std::int32_t* __restrict__ position, int top_k, std::int64_t d,
+                               float* __restrict__ y) {
+  const std::int64_t n = blockIdx.x;
+  for (std::int64_t c = threadIdx.x; c < d; c += blockDim.x) {
+    float acc = 0.f;
+    for (int k = 0; k < top_k; ++k) {
+      const std::int64_t slot = position[n * top_k + k];
+      acc += gates[n * top_k + k] * __bfloat162float(ys[slot * d + c]);
+    }
+    y[n * d + c] = acc;
+  }
+}
+
+// dgates[n, k] = dy[n] . ys[slot]; dys[slot] = gates[n, k] dy[n] (bf16: a GEMM operand).
+__global__ void combine_backward_kernel(const bf16* __restrict__ ys, const float* __restrict__ gates,
+                                        const std::int32_t* __restrict__ position, int top_k, std::int64_t d,
+                                        const float* __restrict__ dy, bf16* __restrict__ dys,
+                                        float* __restrict__ dgates) {
+  const std::int64_t n = blockIdx.x;
+  const float* dyr = dy + n * d;
+  for (int k = 0; k < top_k; ++k) {
+    const std::int64_t slot = position[n * top_k + k];
+    const float g = gates[n * top_k + k];
+    float dot = 0.f;
+    for (std::int64_t c = threadIdx.x; c < d; c += blockDim.x) {
+      const float v = dyr[c];
+      dot += v * __bfloat162float(ys[slot * d + c]);
+      dys[slot * d + c] = __float2bfloat16(g * v);
+    }
+    if (dgates) {  // uniform branch: every thread takes part in the block reduction
+      dot = block_sum(dot);
+      if (threadIdx.x == 0) dgates[n * top_k + k] = dot;
+    }
+  }
+}
+
+// dx[n] = sum_k dxs[position[n k + k]], k in order.
+__global__ void scatter_dx_kernel(const float* __restrict__ dxs, const std::int32_t* __restrict__ position, int top_k,
+                                  std::int64_t d, bf16* __restrict__ dx) {
+  const std::int64_t n = blockIdx.x;
+  for (std::int64_t c = threadIdx.x; c < d; c += blockDim.x) {
+    float acc = 0.f;
+    for (int k = 0; k < top_k; ++k) acc += dxs[static_cast<std::int64_t>(position[n * top_k + k]) * d + c];
+    dx[n * d + c] = __float2bfloat16(acc);
+  }
+}
+
+unsigned elem_grid(std::int64_t n) {
+  const std::int64_t cap = 132 * 16;  // grid-stride: a few waves on an H100 are enough
+  const std::int64_t g = (n + kElemThreads - 1) / kElemThreads;
+  return static_cast<unsigned>(g < 1 ? 1 : (g > cap ? cap : g));
+}
+
+std::int64_t align_up(std::int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+void check_plan(const Plan& p, std::int64_t d, std::int64_t f) {
+  if (p.top_k < 1 || p.experts < 1 || p.tokens < 0) fail("cuda moe: the plan is empty or invalid (make_plan makes one)");
+  if (static_cast<std::int64_t>(p.host_offsets.size()) != p.experts + 1)
+    fail("cuda moe: plan has {} host offsets for {} experts", p.host_offsets.size(), p.experts);
+  if (d < 1 || f < 1) fail("cuda moe: model width {} and expert width {} must be >= 1", d, f);
+}
+
+GemmDesc desc(std::int64_t m, std::int64_t n, std::int64_t k, bool trans_a, bool trans_b, GemmOut out, float beta) {
+  GemmDesc g;
+  g.m = m, g.n = n, g.k = k;
+  g.trans_a = trans_a, g.trans_b = trans_b;
+  g.c_type = out;
+  g.beta = beta;
+  return g;
+}
+
+}  // namespace
+
+std::int64_t plan_ints(std::int64_t slots, int experts) { return experts + 2 + 2 * slots; }
+
+Plan make_plan(const std::int32_t* expert_idx, std::int64_t tokens, int top_k, int experts, std::int32_t* workspace,
+               cudaStream_t stream) {
+  if (top_k < 1 || experts < 1) fail("cuda moe: need top_k >= 1 and experts >= 1, got {} and {}", top_k, experts);
+  if (experts > kMaxExperts) fail("cuda moe: {} experts exceed the supported {}", experts, kMaxExperts);
+  if (tokens < 0 || tokens * top_k > INT32_MAX) fail("cuda moe: {} tokens x top_k {} is out of range", tokens, top_k);
+  if (!workspace || (tokens > 0 && !expert_idx)) fail("cuda moe: make_plan got a null pointer");
+  Plan p;
+  p.tokens = tokens;
+  p.top_k = top_k;
+  p.experts = experts;
+  const std::int64_t s = p.slots();
+  p.offsets = workspace;
+  p.source = workspace + experts + 2;
+  p.position = p.source + s;
+  plan_count_kernel<<<1, kPlanThreads, sizeof(int) * experts, stream>>>(expert_idx, s, experts, p.offsets);
+  KEEL_CUDA_CHECK_LAUNCH();
+  plan_scatter_kernel<<<experts, kPlanThreads, 0, stream>>>(expert_idx, s, p.offsets, p.source, p.position);
+  KEEL_CUDA_CHECK_LAUNCH();
+  // The one host sync of the MoE layer: the GEMM loop needs each expert's row range.
+  std::vector<std::int32_t> h(static_cast<std::size_t>(experts) + 2);
+  KEEL_CUDA_CHECK(cudaMemcpyAsync(h.data(), p.offsets, sizeof(std::int32_t) * h.size(), cudaMemcpyDeviceToHost, stream));
+  KEEL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (h[experts + 1] != 0)
+    fail("cuda moe: {} routed slots name an expert outside [0, {})", h[experts + 1], experts);
+  p.host_offsets.assign(h.begin(), h.begin() + experts + 1);
+  return p;
+}
+
+void forward(const Plan& plan, const bf16* x, const float* gates, const Weights& w, std::int64_t d, std::int64_t f,
+             const Saved& sv, float* y, cudaStream_t stream) {
+  check_plan(plan, d, f);
+  const std::int64_t n = plan.tokens, s = plan.slots();
+  const int k = plan.top_k;
+  if (n == 0) return;
+  if (!x || !gates || !w.w_gate || !w.w_up || !w.w_down || !sv.xs || !sv.h_gate || !sv.h_up || !sv.act || !sv.ys || !y)
+    fail("cuda moe: forward got a null pointer");
+  // Dispatch: gather each slot's token row in expert order.
+  const bool vec = d % 8 == 0 && reinterpret_cast<std::uintptr_t>(x) % 16 == 0 &&
+                   reinterpret_cast<std::uintptr_t>(sv.xs) % 16 == 0;
+  if (vec) gather_kernel<true><<<static_cast<unsigned>(s), kRowThreads, 0, stream>>>(x, plan.source, k, d, sv.xs);
+  else gather_kernel<false><<<static_cast<unsigned>(s), kRowThreads, 0, stream>>>(x, plan.source, k, d, sv.xs);
+  KEEL_CUDA_CHECK_LAUNCH();
+  GemmRunner& gemm = thread_gemm();
+  // Grouped expert MLPs: one GEMM per expert and projection over its contiguous rows.
+  for (int e = 0; e < plan.experts; ++e) {
+    const std::int64_t off = plan.host_offsets[e], cnt = plan.count(e);
+    if (cnt == 0) continue;
+    const GemmDesc up = desc(cnt, f, d, false, true, GemmOut::kBf16, 0.f);
+    gemm.run(up, sv.xs + off * d, w.w_gate + e * f * d, sv.h_gate + off * f, stream);
+    gemm.run(up, sv.xs + off * d, w.w_up + e * f * d, sv.h_up + off * f, stream);
+  }
+  swiglu_forward_kernel<<<elem_grid(s * f), kElemThreads, 0, stream>>>(sv.h_gate, sv.h_up, sv.act, s * f);
+  KEEL_CUDA_CHECK_LAUNCH();
+  for (int e = 0; e < plan.experts; ++e) {
+    const std::int64_t off = plan.host_offsets[e], cnt = plan.count(e);
+    if (cnt == 0) continue;
+    gemm.run(desc(cnt, d, f, false, true, GemmOut::kBf16, 0.f), sv.act + off * f, w.w_down + e * d * f,
+             sv.ys + off * d, stream);
+  }
+  combine_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(sv.ys, gates, plan.position, k, d, y);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+std::int64_t backward_scratch_bytes(std::int64_t slots, std::int64_t d, std::int64_t f) {
+  // dys bf16 [S, D], dact fp32 [S, F], dh_gate, dh_up bf16 [S, F], dxs fp32 [S, D]
+  return align_up(slots * d * 2) + align_up(slots * f * 4) + 2 * align_up(slots * f * 2) + align_up(slots * d * 4);
+}
+
+void backward(const Plan& plan, const float* gates, const Weights& w, std::int64_t d, std::int64_t f, const Saved& sv,
+              const float* dy, void* scratch, bf16* dx, float* dgates, const Grads& dw, cudaStream_t stream) {
+  check_plan(plan, d, f);
+  const std::int64_t n = plan.tokens, s = plan.slots();
+  const int k = plan.top_k;
+  if (n == 0) return;
+  if (!gates || !w.w_gate || !w.w_up || !w.w_down || !sv.xs || !sv.h_gate || !sv.h_up || !sv.act || !sv.ys || !dy ||
+      !scratch)
+    fail("cuda moe: backward got a null pointer");
+  char* base = static_cast<char*>(scratch);
+  bf16* dys = reinterpret_cast<bf16*>(base);
+  base += align_up(s * d * 2);
+  float* dact = reinterpret_cast<float*>(base);
+  base += align_up(s * f * 4);
+  bf16* dhg = reinterpret_cast<bf16*>(base);
+  base += align_up(s * f * 2);
+  bf16* dhu = reinterpret_cast<bf16*>(base);
+  base += align_up(s * f * 2);
+  float* dxs = reinterpret_cast<float*>(base);
+
+  combine_backward_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(sv.ys, gates, plan.position, k, d, dy,
+                                                                               dys, dgates);
+  KEEL_CUDA_CHECK_LAUNCH();
+  const bool need_dh = dx || dw.w_gate || dw.w_up;
+  if (!need_dh && !dw.w_down) return;
+  GemmRunner& gemm = thread_gemm();
+  for (int e = 0; e < plan.experts; ++e) {
+    const std::int64_t off = plan.host_offsets[e], cnt = plan.count(e);
+    if (cnt == 0) continue;  // no tokens: no gradient, and no zero-size GEMM
+    // dW_down[e] [D, F] += dys_e^T act_e
+    if (dw.w_down)
+      gemm.run(desc(d, f, cnt, true, false, GemmOut::kFp32, 1.f), dys + off * d, sv.act + off * f,
+               dw.w_down + e * d * f, stream);
+    // dact_e [cnt, F] = dys_e W_down[e]
+    if (need_dh)
+      gemm.run(desc(cnt, f, d, false, false, GemmOut::kFp32, 0.f), dys + off * d, w.w_down + e * d * f,
+               dact + off * f, stream);
+  }
+  if (!need_dh) return;
+  swiglu_backward_kernel<<<elem_grid(s * f), kElemThreads, 0, stream>>>(sv.h_gate, sv.h_up, dact, dhg, dhu, s * f);
+  KEEL_CUDA_CHECK_LAUNCH();
+  for (int e = 0; e < plan.experts; ++e) {
+    const std::int64_t off = plan.host_offsets[e], cnt = plan.count(e);
+    if (cnt == 0) continue;
+    // dW_gate[e] [F, D] += dh_gate_e^T xs_e; the same for up.
+    const GemmDesc wgrad = desc(f, d, cnt, true, false, GemmOut::kFp32, 1.f);
+    if (dw.w_gate) gemm.run(wgrad, dhg + off * f, sv.xs + off * d, dw.w_gate + e * f * d, stream);
+    if (dw.w_up) gemm.run(wgrad, dhu + off * f, sv.xs + off * d, dw.w_up + e * f * d, stream);
+    // dxs_e [cnt, D] = dh_gate_e W_gate[e] + dh_up_e W_up[e]
+    if (dx) {
+      gemm.run(desc(cnt, d, f, false, false, GemmOut::kFp32, 0.f), dhg + off * f, w.w_gate + e * f * d,
+               dxs + off * d, stream);
+      gemm.run(desc(cnt, d, f, false, false, GemmOut::kFp32, 1.f), dhu + off * f, w.w_up + e * f * d,
+               dxs + off * d, stream);
+    }
+  }
+  if (dx) {
+    scatter_dx_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(dxs, plan.position, k, d, dx);
+    KEEL_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace keel::ops::cuda::moe

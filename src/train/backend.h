@@ -1,0 +1,84 @@
+// TrainBackend: what the training loop (trainer.h) needs from a model and its optimizer,
+// wherever they live. The CPU backend wraps MoeTransformer and the host AdamW; the CUDA backend
+// (cuda_backend_cuda.cc) keeps fp32 master weights, AdamW state, bf16 working weights and bf16
+// activations on one GPU. Both lay parameters out with model_param_layout() and initialize
+// them with init_model_parameters(), so a checkpoint of one loads into the other.
+//
+// One training step, as the trainer drives it:
+//   zero_grads(); for each micro-batch: forward(tokens, targets); backward(1/accum);
+//   clip_and_step(clip, lr); loads(); update_router_bias();
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "optim/adamw.h"
+#include "optim/param_groups.h"
+#include "train/model.h"
+#include "train/parallel_context.h"
+
+namespace keel::train {
+
+// Everything a checkpoint holds of the model and optimizer, in host memory.
+struct TrainState {
+  std::vector<float> params, adam_m, adam_v;      // layout().total_floats each
+  std::vector<std::vector<float>> router_bias;    // one [E] per MoE layer
+  std::int64_t adamw_step = 0;
+};
+
+struct StepResult {
+  double grad_norm = 0;          // global L2 norm before clipping
+  double clip_coefficient = 1;   // what the gradients were multiplied by
+};
+
+class TrainBackend {
+ public:
+  virtual ~TrainBackend() = default;
+
+  virtual std::string device() const = 0;  // "cpu" or the GPU's name
+  virtual const optim::ParamLayout& layout() const = 0;
+  virtual std::int64_t param_count() const = 0;  // without padding
+  virtual int moe_layer_count() const = 0;
+  virtual double flops_per_micro_batch() const = 0;
+  // Bytes the backend holds (parameters, gradients, optimizer, activations, workspaces); on a
+  // GPU the allocator's peak.
+  virtual std::size_t memory_bytes() const = 0;
+
+  virtual void zero_grads() = 0;
+  // tokens: micro_batch * seq_length input ids (host), targets: labels (-1 ignored).
+  virtual LossParts forward(const std::uint32_t* tokens, const std::int32_t* targets) = 0;
+  virtual void backward(float loss_scale) = 0;
+  // Global-norm clipping (max_norm <= 0: none) and one AdamW step at `lr`. Throws
+  // optim::NonFiniteGradient (nothing updated) when the norm is not finite.
+  virtual StepResult clip_and_step(double max_norm, double lr) = 0;
+
+  // Expert load counters of MoE layer i, summed since the last reset.
+  virtual std::vector<std::int64_t> load(int moe_index) const = 0;
+  // Aux-loss-free balancing from the counters, then resets them.
+  virtual void update_router_bias() = 0;
+  virtual void reset_load() = 0;
+
+  // The fp32 gradients (layout().total_floats) in host memory: for tests and debugging.
+  virtual std::vector<float> gradients() const = 0;
+
+  virtual TrainState state() const = 0;
+  // Throws keel::Error when the sizes do not match this model.
+  virtual void set_state(const TrainState& s) = 0;
+};
+
+// True when this keel was built with CUDA and a GPU is visible (`device: auto` picks cuda then).
+bool cuda_training_available();
+// The dense bf16 tensor-core peak (FLOP/s) of a GPU from its name (hw/hardware.h profiles);
+// throws keel::UsageError naming the device when keel has no profile (set mfu_peak_flops).
+double device_peak_bf16_flops(const std::string& device_name);
+
+std::unique_ptr<TrainBackend> make_cpu_backend(const model::ModelConfig& cfg, const ModelOptions& options,
+                                               const optim::AdamWConfig& adamw, const ParallelContext& ctx);
+// One GPU (the current CUDA device). Throws keel::UsageError in a build without CUDA or when
+// no GPU is visible.
+std::unique_ptr<TrainBackend> make_cuda_backend(const model::ModelConfig& cfg, const ModelOptions& options,
+                                                const optim::AdamWConfig& adamw, const ParallelContext& ctx);
+
+}  // namespace keel::train

@@ -1,0 +1,625 @@
+// The CUDA TrainBackend: the MoE transformer of model.h on one GPU, with the ops of
+// src/ops/cuda (docs/gpu_training.md).
+//
+// Precision: fp32 master weights, gradients and AdamW states; a bf16 copy of the weights for
+// the GEMMs (refreshed by the fused AdamW step); bf16 activations with fp32 statistics; the
+// residual stream and its gradient in fp32. GEMMs accumulate in fp32 (cuBLASLt).
+//
+// Memory: four device arenas, each one allocation carved by a bump pointer: parameters
+// (fp32 master + bf16 copy), gradients, optimizer state (m, v) and activations (every layer's
+// saved tensors, the shared backward scratch and the op workspaces). Nothing is allocated per
+// step.
+//
+// Host synchronization per micro-batch: one per MoE layer in forward (the dispatch plan's
+// per-expert counts drive the expert GEMM loop, moe.h), one at the end of forward to read the
+// loss, and one per optimizer step to read the gradient norm (logging and the non-finite
+// check). Everything else is enqueued on one stream.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/error.h"
+#include "device/cuda_check.h"
+#include "device/cuda_devices.h"
+#include "ops/cuda/adamw.h"
+#include "ops/cuda/attention.h"
+#include "ops/cuda/cast.h"
+#include "ops/cuda/cross_entropy.h"
+#include "ops/cuda/embedding.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/grad_norm.h"
+#include "ops/cuda/linear.h"
+#include "ops/cuda/moe.h"
+#include "ops/cuda/rmsnorm.h"
+#include "ops/cuda/rope.h"
+#include "ops/cuda/router.h"
+#include "ops/cuda/swiglu.h"
+#include "ops/rope.h"
+#include "optim/clip.h"
+#include "train/backend.h"
+#include "train/cuda_kernels.h"
+
+namespace keel::train {
+namespace {
+
+using ops::cuda::bf16;
+namespace k = ops::cuda;
+
+// One cudaMalloc carved into 256-byte-aligned regions; the sizing pass (base == nullptr)
+// only counts bytes, so every arena is allocated once at its exact size.
+class DeviceArena {
+ public:
+  explicit DeviceArena(std::string name) : name_(std::move(name)) {}
+  ~DeviceArena() {
+    if (base_) cudaFree(base_);
+  }
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+
+  template <typename T>
+  T* take(std::size_t count) {
+    const std::size_t bytes = (count * sizeof(T) + 255) / 256 * 256;
+    std::byte* p = base_ ? base_ + used_ : nullptr;
+    used_ += bytes;
+    if (base_ && used_ > capacity_) fail("device arena '{}' overflow ({} > {} bytes)", name_, used_, capacity_);
+    return reinterpret_cast<T*>(p);
+  }
+  // Ends the sizing pass: allocates what was counted and starts handing out real pointers.
+  void allocate() {
+    capacity_ = std::max<std::size_t>(used_, 256);
+    const cudaError_t e = cudaMalloc(&base_, capacity_);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      std::size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      throw UsageError(fmt::format("out of GPU memory: the {} need {:.2f} GiB, {:.2f} GiB of {:.2f} GiB are free "
+                                   "(lower batch.micro_batch or data.seq_length, or set recompute: full)",
+                                   name_, capacity_ / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0));
+    }
+    KEEL_CUDA_CHECK(cudaMemset(base_, 0, capacity_));
+    used_ = 0;
+  }
+  std::size_t capacity() const { return capacity_; }
+
+ private:
+  std::string name_;
+  std::byte* base_ = nullptr;
+  std::size_t used_ = 0, capacity_ = 0;
+};
+
+struct LayerWeights {
+  // fp32 master views (norms; gradients use the same offsets) and bf16 GEMM operands
+  std::int64_t attn_norm = -1, wq = -1, wk = -1, wv = -1, wo = -1, mlp_norm = -1;
+  std::int64_t w_gate = -1, w_up = -1, w_down = -1, router = -1;  // dense [F,D] or experts [E,F,D]
+  bool moe = false;
+};
+
+// The saved tensors of one layer's forward (one set per layer, or one shared set with full
+// recompute).
+struct LayerActs {
+  bf16 *h1 = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *h2 = nullptr;
+  float *rstd1 = nullptr, *lse = nullptr, *x_mid = nullptr, *rstd2 = nullptr;
+  bf16 *g = nullptr, *u = nullptr, *a = nullptr;  // dense
+  float *rlogits = nullptr, *probs = nullptr, *rlse = nullptr, *gates = nullptr, *losses = nullptr;  // moe
+  std::int32_t *idx = nullptr, *counts = nullptr, *plan_ws = nullptr;
+  k::moe::Saved saved;
+  k::moe::Plan plan;
+};
+
+class CudaBackend final : public TrainBackend {
+ public:
+  CudaBackend(const model::ModelConfig& cfg, const ModelOptions& options, const optim::AdamWConfig& adamw,
+              const ParallelContext& ctx)
+      : cfg_(cfg), opt_(options), adam_(adamw), param_arena_("parameters"), grad_arena_("gradients"),
+        state_arena_("optimizer states"), act_arena_("activations") {
+    ctx.require_single("keel train (cuda)");
+    validate_trainable(cfg_, opt_);
+    if (visible_cuda_devices() == 0) throw UsageError("device: cuda: no CUDA device is visible");
+    KEEL_CUDA_CHECK(cudaGetDevice(&device_));
+    cudaDeviceProp prop{};
+    KEEL_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+    device_name_ = prop.name;
+    if (cfg_.head_dim != 64 && cfg_.head_dim != 128)
+      throw UsageError(fmt::format("model '{}': head_dim {}: the CUDA attention supports 64 and 128", cfg_.name,
+                                   cfg_.head_dim));
+    KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    // Keep the whole bf16 logits between forward and backward (no recomputed LM head) when they
+    // take at most an eighth of the GPU; otherwise walk the vocabulary in ce_chunk chunks.
+    ce_keep_logits_ = static_cast<double>(tokens()) * cfg_.vocab_size * 2 <= prop.totalGlobalMem / 8.0;
+    gemm_ = std::make_unique<k::GemmRunner>();
+
+    layout_ = model_param_layout(cfg_);
+    for (int l = 0; l < cfg_.layers; ++l) {
+      moe_index_of_layer_.push_back(model::is_moe_layer(cfg_, l) ? static_cast<int>(moe_layer_ids_.size()) : -1);
+      if (model::is_moe_layer(cfg_, l)) moe_layer_ids_.push_back(l);
+    }
+    load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(cfg_.experts, 0));
+    bias_.assign(moe_layer_ids_.size(), std::vector<float>(cfg_.experts, 0.f));
+    map_weights();
+
+    // parameters, gradients, states: the flat layout of the CPU model, so checkpoints move freely
+    const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
+    for (int pass = 0; pass < 2; ++pass) {
+      params_ = param_arena_.take<float>(n);
+      params_bf16_ = param_arena_.take<bf16>(n);
+      bias_dev_ = param_arena_.take<float>(std::max<std::size_t>(1, moe_layer_ids_.size() * cfg_.experts));
+      grads_ = grad_arena_.take<float>(n);
+      adam_m_ = state_arena_.take<float>(n);
+      adam_v_ = state_arena_.take<float>(n);
+      plan_acts();
+      if (pass == 0) {
+        param_arena_.allocate();
+        grad_arena_.allocate();
+        state_arena_.allocate();
+        act_arena_.allocate();
+      }
+    }
+    rope_ = std::make_unique<k::rope::UploadedTable>(
+        ops::rope::make_table(cfg_.head_dim, cfg_.rope_fraction, cfg_.rope_base, std::max(opt_.seq_length, cfg_.max_seq_len)));
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens()));
+    for (std::int64_t i = 0; i < tokens(); ++i) pos[i] = static_cast<std::int32_t>(i % opt_.seq_length);
+    KEEL_CUDA_CHECK(cudaMemcpy(positions_, pos.data(), pos.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+
+    std::vector<float> init(n);
+    init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, init.data());
+    upload_params(init);
+  }
+
+  ~CudaBackend() override {
+    if (stream_) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+  }
+
+  std::string device() const override { return device_name_; }
+  const optim::ParamLayout& layout() const override { return layout_; }
+  std::int64_t param_count() const override {
+    std::int64_t c = 0;
+    for (const auto& p : layout_.params) c += p.numel;
+    return c;
+  }
+  int moe_layer_count() const override { return static_cast<int>(moe_layer_ids_.size()); }
+  double flops_per_micro_batch() const override {
+    return model_flops_per_micro_batch(cfg_, opt_.micro_batch, opt_.seq_length);
+  }
+  std::size_t memory_bytes() const override {
+    return param_arena_.capacity() + grad_arena_.capacity() + state_arena_.capacity() + act_arena_.capacity();
+  }
+
+  void zero_grads() override {
+    KEEL_CUDA_CHECK(cudaMemsetAsync(grads_, 0, static_cast<std::size_t>(layout_.total_floats) * sizeof(float), stream_));
+  }
+
+  LossParts forward(const std::uint32_t* tokens_host, const std::int32_t* targets_host) override {
+    const std::int64_t N = tokens(), V = cfg_.vocab_size, D = cfg_.hidden;
+    for (std::int64_t i = 0; i < N; ++i)
+      if (tokens_host[i] >= static_cast<std::uint64_t>(V))
+        fail("token id {} at position {} is outside the vocabulary ({})", tokens_host[i], i, V);
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(tokens_, tokens_host, N * sizeof(std::uint32_t), cudaMemcpyHostToDevice, stream_));
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(targets_, targets_host, N * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
+    k::embedding::forward(tokens_, N, params_ + embed_, resid_[0], V, D, stream_);
+    for (int l = 0; l < cfg_.layers; ++l) layer_forward(l, acts_for(l), resid_[l], resid_[l + 1], /*count_load=*/true);
+    k::rmsnorm::forward(resid_[cfg_.layers], params_ + final_norm_, eps(), final_h_, final_rstd_, N, D, stream_);
+    k::cross_entropy::forward(final_h_, params_bf16_ + lm_head_, targets_, N, D, V, ce_options(), ce_lse_, ce_result_,
+                              ce_scratch_, stream_);
+    // one sync: the loss, the router losses and the expert loads of this micro-batch
+    LossParts lp;
+    const k::cross_entropy::Result r = k::cross_entropy::read_result(ce_result_, stream_);
+    lp.ce = r.loss;
+    std::vector<std::int32_t> counts(static_cast<std::size_t>(cfg_.experts));
+    for (std::size_t m = 0; m < moe_layer_ids_.size(); ++m) {
+      LayerActs& a = acts_for(moe_layer_ids_[m]);
+      if (opt_.recompute == Recompute::kNone || moe_layer_ids_.size() == 1) {
+        const auto losses = k::router::read_losses(a.losses, stream_);
+        lp.aux += losses.aux;
+        lp.z += losses.z;
+      } else {
+        lp.aux += host_losses_[m].aux;
+        lp.z += host_losses_[m].z;
+      }
+      for (int e = 0; e < cfg_.experts; ++e) load_[m][e] += layer_counts_[m][e];
+    }
+    lp.total = lp.ce + opt_.aux_loss_weight * lp.aux + opt_.z_loss_weight * lp.z;
+    have_forward_ = true;
+    return lp;
+  }
+
+  void backward(float loss_scale) override {
+    if (!have_forward_) fail("model: backward() without a forward()");
+    cur_scale_ = loss_scale;
+    const std::int64_t N = tokens(), V = cfg_.vocab_size, D = cfg_.hidden;
+    k::cross_entropy::backward(final_h_, params_bf16_ + lm_head_, targets_, ce_lse_, loss_scale, N, D, V, ce_options(),
+                               ce_scratch_, dh_bf_, grads_ + lm_head_, stream_);
+    KEEL_CUDA_CHECK(cudaMemsetAsync(dres_, 0, N * D * sizeof(float), stream_));
+    k::rmsnorm::backward(resid_[cfg_.layers], params_ + final_norm_, final_rstd_, dh_bf_, dres_, grads_ + final_norm_,
+                         N, D, stream_);
+    for (int l = cfg_.layers - 1; l >= 0; --l) {
+      LayerActs& a = acts_for(l);
+      if (opt_.recompute == Recompute::kFull) layer_forward(l, a, resid_[l], spare_resid_, /*count_load=*/false);
+      layer_backward(l, a, resid_[l]);
+    }
+    k::embedding::backward(tokens_, N, dres_, grads_ + embed_, V, D, stream_);
+    have_forward_ = false;
+  }
+
+  StepResult clip_and_step(double max_norm, double lr) override {
+    const std::int64_t n = layout_.total_floats;
+    k::grad_norm::sum_squares(grads_, n, norm_ws_, sum_sq_, /*accumulate=*/false, stream_);
+    k::grad_norm::clip_coefficient(sum_sq_, max_norm, coef_, norm_, stream_);
+    double norm = 0;
+    float coef = 1;
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(&coef, coef_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (!std::isfinite(norm))
+      throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), "", norm);
+    k::adamw::DeviceFlatRange r;
+    r.begin = 0;
+    r.end = n;
+    r.param = params_;
+    r.grad = grads_;
+    r.m = adam_m_;
+    r.v = adam_v_;
+    r.param_bf16 = params_bf16_;
+    adam_.step(layout_, r, lr, 1.0f, coef_, stream_);
+    return {norm, static_cast<double>(coef)};
+  }
+
+  std::vector<std::int64_t> load(int i) const override { return load_.at(static_cast<std::size_t>(i)); }
+  void reset_load() override {
+    for (auto& l : load_) std::fill(l.begin(), l.end(), 0);
+  }
+  void update_router_bias() override {
+    if (opt_.bias_update_rate != 0.0) {
+      for (std::size_t m = 0; m < load_.size(); ++m) {
+        double mean = 0;
+        for (auto c : load_[m]) mean += static_cast<double>(c);
+        mean /= static_cast<double>(load_[m].size());
+        for (std::size_t e = 0; e < load_[m].size(); ++e) {
+          const double d = mean - static_cast<double>(load_[m][e]);
+          bias_[m][e] += static_cast<float>(opt_.bias_update_rate) * (d > 0 ? 1.f : (d < 0 ? -1.f : 0.f));
+        }
+      }
+      upload_bias();
+    }
+    reset_load();
+  }
+
+  std::vector<float> gradients() const override {
+    std::vector<float> g(static_cast<std::size_t>(layout_.total_floats));
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KEEL_CUDA_CHECK(cudaMemcpy(g.data(), grads_, g.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return g;
+  }
+
+  TrainState state() const override {
+    TrainState s;
+    const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
+    s.params.resize(n);
+    s.adam_m.resize(n);
+    s.adam_v.resize(n);
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KEEL_CUDA_CHECK(cudaMemcpy(s.params.data(), params_, n * sizeof(float), cudaMemcpyDeviceToHost));
+    KEEL_CUDA_CHECK(cudaMemcpy(s.adam_m.data(), adam_m_, n * sizeof(float), cudaMemcpyDeviceToHost));
+    KEEL_CUDA_CHECK(cudaMemcpy(s.adam_v.data(), adam_v_, n * sizeof(float), cudaMemcpyDeviceToHost));
+    s.router_bias = bias_;
+    s.adamw_step = adam_.step_count();
+    return s;
+  }
+
+  void set_state(const TrainState& s) override {
+    const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
+    if (s.params.size() != n || s.adam_m.size() != n || s.adam_v.size() != n)
+      fail("train state holds {} parameter floats, this model has {}", s.params.size(), n);
+    if (s.router_bias.size() != bias_.size())
+      fail("train state holds {} router biases, this model has {} MoE layers", s.router_bias.size(), bias_.size());
+    for (std::size_t i = 0; i < bias_.size(); ++i)
+      if (s.router_bias[i].size() != bias_[i].size()) fail("router bias {} size differs", i);
+    upload_params(s.params);
+    KEEL_CUDA_CHECK(cudaMemcpy(adam_m_, s.adam_m.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    KEEL_CUDA_CHECK(cudaMemcpy(adam_v_, s.adam_v.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    bias_ = s.router_bias;
+    upload_bias();
+    adam_.set_step_count(s.adamw_step);
+    reset_load();
+  }
+
+ private:
+  std::int64_t tokens() const { return static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length; }
+  float eps() const { return static_cast<float>(cfg_.norm_eps); }
+  k::cross_entropy::Options ce_options() const {
+    k::cross_entropy::Options o;
+    o.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size);
+    o.keep_logits = ce_keep_logits_;
+    return o;
+  }
+  LayerActs& acts_for(int l) { return acts_[opt_.recompute == Recompute::kFull ? 0 : static_cast<std::size_t>(l)]; }
+
+  void map_weights() {
+    layers_.assign(static_cast<std::size_t>(cfg_.layers), LayerWeights{});
+    for (const auto& p : layout_.params) {
+      if (p.name == "embed.weight") { embed_ = p.offset; continue; }
+      if (p.name == "final_norm.weight") { final_norm_ = p.offset; continue; }
+      if (p.name == "lm_head.weight") { lm_head_ = p.offset; continue; }
+      const auto dot = p.name.find('.', 7);
+      const int l = std::stoi(p.name.substr(7, dot - 7));
+      const std::string rest = p.name.substr(dot + 1);
+      LayerWeights& w = layers_[static_cast<std::size_t>(l)];
+      if (rest == "attn_norm.weight") w.attn_norm = p.offset;
+      else if (rest == "attn.wq") w.wq = p.offset;
+      else if (rest == "attn.wk") w.wk = p.offset;
+      else if (rest == "attn.wv") w.wv = p.offset;
+      else if (rest == "attn.wo") w.wo = p.offset;
+      else if (rest == "mlp_norm.weight") w.mlp_norm = p.offset;
+      else if (rest == "moe.router") w.router = p.offset, w.moe = true;
+      else if (rest == "moe.w_gate" || rest == "mlp.w_gate") w.w_gate = p.offset;
+      else if (rest == "moe.w_up" || rest == "mlp.w_up") w.w_up = p.offset;
+      else if (rest == "moe.w_down" || rest == "mlp.w_down") w.w_down = p.offset;
+    }
+    if (cfg_.tied_embeddings) lm_head_ = embed_;
+  }
+
+  // Carves every activation and workspace out of act_arena_ (sizing pass when unallocated).
+  void plan_acts() {
+    const std::int64_t B = opt_.micro_batch, T = opt_.seq_length, N = B * T, D = cfg_.hidden;
+    const std::int64_t Hq = cfg_.heads, Hkv = cfg_.kv_heads, Dh = cfg_.head_dim, Q = Hq * Dh, KV = Hkv * Dh;
+    const std::int64_t E = std::max(cfg_.experts, 1), K = std::max(cfg_.top_k, 1), FE = std::max(cfg_.expert_hidden, 1);
+    const std::int64_t FD = std::max(cfg_.ffn_hidden, 1), S = N * K;
+    const bool any_moe = !moe_layer_ids_.empty(), any_dense = moe_layer_ids_.size() < std::size_t(cfg_.layers);
+    DeviceArena& A = act_arena_;
+    resid_.clear();
+    for (int l = 0; l <= cfg_.layers; ++l) resid_.push_back(A.take<float>(N * D));
+    spare_resid_ = opt_.recompute == Recompute::kFull ? A.take<float>(N * D) : nullptr;
+    const int sets = opt_.recompute == Recompute::kFull ? 1 : cfg_.layers;
+    acts_.assign(static_cast<std::size_t>(sets), LayerActs{});
+    for (int i = 0; i < sets; ++i) {
+      LayerActs& a = acts_[static_cast<std::size_t>(i)];
+      const bool moe = sets == 1 ? any_moe : moe_index_of_layer_[i] >= 0;
+      const bool dense = sets == 1 ? any_dense : !moe;
+      a.h1 = A.take<bf16>(N * D);
+      a.rstd1 = A.take<float>(N);
+      a.q = A.take<bf16>(N * Q);
+      a.k = A.take<bf16>(N * KV);
+      a.v = A.take<bf16>(N * KV);
+      a.att = A.take<bf16>(N * Q);
+      a.lse = A.take<float>(B * Hq * T);
+      a.x_mid = A.take<float>(N * D);
+      a.h2 = A.take<bf16>(N * D);
+      a.rstd2 = A.take<float>(N);
+      if (dense) {
+        a.g = A.take<bf16>(N * FD);
+        a.u = A.take<bf16>(N * FD);
+        a.a = A.take<bf16>(N * FD);
+      }
+      if (moe) {
+        a.rlogits = A.take<float>(N * E);
+        a.probs = A.take<float>(N * E);
+        a.rlse = A.take<float>(N);
+        a.gates = A.take<float>(N * K);
+        a.losses = A.take<float>(k::router::loss_floats(E));
+        a.idx = A.take<std::int32_t>(S);
+        a.counts = A.take<std::int32_t>(E);
+        a.plan_ws = A.take<std::int32_t>(k::moe::plan_ints(S, static_cast<int>(E)));
+        a.saved.xs = A.take<bf16>(S * D);
+        a.saved.h_gate = A.take<bf16>(S * FE);
+        a.saved.h_up = A.take<bf16>(S * FE);
+        a.saved.act = A.take<bf16>(S * FE);
+        a.saved.ys = A.take<bf16>(S * D);
+      }
+    }
+    // shared backward scratch
+    dres_ = A.take<float>(N * D);
+    dres_bf_ = A.take<bf16>(N * D);
+    dh_f32_ = A.take<float>(N * D);
+    dh_bf_ = A.take<bf16>(N * D);
+    moe_y_ = any_moe ? A.take<float>(N * D) : nullptr;
+    datt_ = A.take<bf16>(N * Q);
+    dq_ = A.take<bf16>(N * Q);
+    dk_ = A.take<bf16>(N * KV);
+    dv_ = A.take<bf16>(N * KV);
+    if (any_dense) {
+      dg_ = A.take<bf16>(N * FD);
+      du_ = A.take<bf16>(N * FD);
+      da_ = A.take<bf16>(N * FD);
+    }
+    if (any_moe) {
+      dgates_ = A.take<float>(N * K);
+      dlogits_ = A.take<float>(N * E);
+      dlogits_bf_ = A.take<bf16>(N * E);
+      moe_scratch_ = A.take<std::byte>(static_cast<std::size_t>(k::moe::backward_scratch_bytes(S, D, FE)));
+    }
+    attn_ws_ = A.take<std::byte>(k::attention::backward_workspace_bytes(static_cast<int>(B), static_cast<int>(T),
+                                                                          static_cast<int>(Hq), static_cast<int>(Hkv),
+                                                                          static_cast<int>(Dh)));
+    final_h_ = A.take<bf16>(N * D);
+    final_rstd_ = A.take<float>(N);
+    ce_lse_ = A.take<float>(N);
+    ce_result_ = A.take<k::cross_entropy::Result>(1);
+    ce_scratch_ = A.take<std::byte>(
+        static_cast<std::size_t>(k::cross_entropy::scratch_bytes(N, D, cfg_.vocab_size, ce_options())));
+    tokens_ = A.take<std::uint32_t>(N);
+    targets_ = A.take<std::int32_t>(N);
+    positions_ = A.take<std::int32_t>(N);
+    norm_ws_ = A.take<double>(k::grad_norm::kWorkspaceDoubles);
+    sum_sq_ = A.take<double>(1);
+    norm_ = A.take<double>(1);
+    coef_ = A.take<float>(1);
+    layer_counts_.assign(moe_layer_ids_.size(), std::vector<std::int32_t>(static_cast<std::size_t>(E), 0));
+    host_losses_.assign(moe_layer_ids_.size(), k::router::Losses{});
+  }
+
+  void upload_params(const std::vector<float>& host) {
+    const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KEEL_CUDA_CHECK(cudaMemcpy(params_, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    k::f32_to_bf16(params_, params_bf16_, static_cast<std::int64_t>(n), stream_);
+    upload_bias();
+  }
+
+  void upload_bias() {
+    std::vector<float> flat;
+    for (const auto& b : bias_) flat.insert(flat.end(), b.begin(), b.end());
+    if (!flat.empty())
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(bias_dev_, flat.data(), flat.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                      stream_));
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `flat` dies here
+  }
+
+  // C[m, n] (+)= A[m, k] B[n, k]^T or the other GEMMs of a linear layer, through the seam.
+  void gemm(std::int64_t m, std::int64_t n, std::int64_t kk, bool ta, bool tb, const bf16* a, const bf16* b, void* c,
+            bool f32_out, float beta) {
+    k::GemmDesc d;
+    d.m = m, d.n = n, d.k = kk, d.trans_a = ta, d.trans_b = tb;
+    d.c_type = f32_out ? k::GemmOut::kFp32 : k::GemmOut::kBf16;
+    d.beta = beta;
+    gemm_->run(d, a, b, c, stream_);
+  }
+
+  void layer_forward(int l, LayerActs& a, const float* x_in, float* x_out, bool count_load) {
+    const LayerWeights& W = layers_[static_cast<std::size_t>(l)];
+    const std::int64_t B = opt_.micro_batch, T = opt_.seq_length, N = B * T, D = cfg_.hidden;
+    const std::int64_t Hq = cfg_.heads, Hkv = cfg_.kv_heads, Dh = cfg_.head_dim, Q = Hq * Dh, KV = Hkv * Dh;
+    const bf16* w16 = params_bf16_;
+    k::rmsnorm::forward(x_in, params_ + W.attn_norm, eps(), a.h1, a.rstd1, N, D, stream_);
+    k::linear::forward(*gemm_, a.h1, w16 + W.wq, a.q, N, D, Q, stream_);
+    k::linear::forward(*gemm_, a.h1, w16 + W.wk, a.k, N, D, KV, stream_);
+    k::linear::forward(*gemm_, a.h1, w16 + W.wv, a.v, N, D, KV, stream_);
+    k::rope::forward(rope_->view(), a.q, positions_, N, Hq, stream_);
+    k::rope::forward(rope_->view(), a.k, positions_, N, Hkv, stream_);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+    k::attention::forward(a.q, a.k, a.v, a.att, a.lse, static_cast<int>(B), static_cast<int>(T), static_cast<int>(Hq),
+                          static_cast<int>(Hkv), static_cast<int>(Dh), scale, stream_);
+    // x_mid = x_in + att Wo^T: the residual add rides in the GEMM (fp32 C, beta = 1)
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(a.x_mid, x_in, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    gemm(N, D, Q, false, true, a.att, w16 + W.wo, a.x_mid, true, 1.f);
+    k::rmsnorm::forward(a.x_mid, params_ + W.mlp_norm, eps(), a.h2, a.rstd2, N, D, stream_);
+    const int m = moe_index_of_layer_[l];
+    if (m < 0) {
+      const std::int64_t F = cfg_.ffn_hidden;
+      k::linear::forward(*gemm_, a.h2, w16 + W.w_gate, a.g, N, D, F, stream_);
+      k::linear::forward(*gemm_, a.h2, w16 + W.w_up, a.u, N, D, F, stream_);
+      k::swiglu::forward(a.g, a.u, a.a, N * F, stream_);
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(x_out, a.x_mid, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      gemm(N, D, F, false, true, a.a, w16 + W.w_down, x_out, true, 1.f);
+      return;
+    }
+    const int E = cfg_.experts;
+    const std::int64_t F = cfg_.expert_hidden;
+    k::linear::forward_f32(*gemm_, a.h2, w16 + W.router, a.rlogits, N, D, E, stream_);
+    k::router::Options ro{cfg_.top_k, opt_.renormalize_gates};
+    k::router::forward(a.rlogits, bias_dev_ + static_cast<std::int64_t>(m) * E, N, E, ro, a.probs, a.rlse, a.idx,
+                       a.gates, a.counts, a.losses, stream_);
+    a.plan = k::moe::make_plan(a.idx, N, cfg_.top_k, E, a.plan_ws, stream_);  // syncs: host expert offsets
+    if (count_load) {
+      for (int e = 0; e < E; ++e) layer_counts_[static_cast<std::size_t>(m)][e] = static_cast<std::int32_t>(a.plan.count(e));
+      if (opt_.recompute == Recompute::kFull) host_losses_[static_cast<std::size_t>(m)] = k::router::read_losses(a.losses, stream_);
+    }
+    k::moe::Weights mw{w16 + W.w_gate, w16 + W.w_up, w16 + W.w_down};
+    k::moe::forward(a.plan, a.h2, a.gates, mw, D, F, a.saved, moe_y_, stream_);
+    cuda::add_f32(a.x_mid, moe_y_, x_out, N * D, stream_);
+  }
+
+  // dres_ holds dL/d(layer output) on entry and dL/d(layer input) on return.
+  void layer_backward(int l, LayerActs& a, const float* x_in) {
+    const LayerWeights& W = layers_[static_cast<std::size_t>(l)];
+    const std::int64_t B = opt_.micro_batch, T = opt_.seq_length, N = B * T, D = cfg_.hidden;
+    const std::int64_t Hq = cfg_.heads, Hkv = cfg_.kv_heads, Dh = cfg_.head_dim, Q = Hq * Dh, KV = Hkv * Dh;
+    const bf16* w16 = params_bf16_;
+    float* G = grads_;
+    const int m = moe_index_of_layer_[l];
+    // MLP block: out = x_mid + mlp(n2(x_mid)); dh_f32_ collects dL/dh2.
+    if (m < 0) {
+      const std::int64_t F = cfg_.ffn_hidden;
+      k::f32_to_bf16(dres_, dres_bf_, N * D, stream_);
+      k::linear::backward(*gemm_, a.a, w16 + W.w_down, dres_bf_, da_, G + W.w_down, N, F, D, stream_);
+      k::swiglu::backward(a.g, a.u, da_, dg_, du_, N * F, stream_);
+      k::linear::backward(*gemm_, a.h2, w16 + W.w_gate, dg_, nullptr, G + W.w_gate, N, D, F, stream_);
+      k::linear::backward(*gemm_, a.h2, w16 + W.w_up, du_, nullptr, G + W.w_up, N, D, F, stream_);
+      gemm(N, D, F, false, false, dg_, w16 + W.w_gate, dh_f32_, true, 0.f);
+      gemm(N, D, F, false, false, du_, w16 + W.w_up, dh_f32_, true, 1.f);
+    } else {
+      const int E = cfg_.experts;
+      const std::int64_t F = cfg_.expert_hidden;
+      k::moe::Weights mw{w16 + W.w_gate, w16 + W.w_up, w16 + W.w_down};
+      k::moe::Grads mg{G + W.w_gate, G + W.w_up, G + W.w_down};
+      k::moe::backward(a.plan, a.gates, mw, D, F, a.saved, dres_, moe_scratch_, dh_bf_, dgates_, mg, stream_);
+      k::router::Options ro{cfg_.top_k, opt_.renormalize_gates};
+      k::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, N, E, ro, dgates_,
+                          static_cast<float>(opt_.aux_loss_weight * cur_scale_),
+                          static_cast<float>(opt_.z_loss_weight * cur_scale_), dlogits_, stream_);
+      k::f32_to_bf16(dlogits_, dlogits_bf_, N * E, stream_);
+      k::bf16_to_f32(dh_bf_, dh_f32_, N * D, stream_);
+      gemm(N, D, E, false, false, dlogits_bf_, w16 + W.router, dh_f32_, true, 1.f);
+      k::linear::backward(*gemm_, a.h2, w16 + W.router, dlogits_bf_, nullptr, G + W.router, N, D, E, stream_);
+    }
+    k::f32_to_bf16(dh_f32_, dh_bf_, N * D, stream_);
+    k::rmsnorm::backward(a.x_mid, params_ + W.mlp_norm, a.rstd2, dh_bf_, dres_, G + W.mlp_norm, N, D, stream_);
+    // Attention block: x_mid = x_in + Wo attn(...); dres_ is now dL/dx_mid.
+    k::f32_to_bf16(dres_, dres_bf_, N * D, stream_);
+    k::linear::backward(*gemm_, a.att, w16 + W.wo, dres_bf_, datt_, G + W.wo, N, Q, D, stream_);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+    k::attention::backward(a.q, a.k, a.v, a.att, a.lse, datt_, dq_, dk_, dv_, attn_ws_, static_cast<int>(B),
+                           static_cast<int>(T), static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(Dh), scale,
+                           stream_);
+    k::rope::backward(rope_->view(), dq_, positions_, N, Hq, stream_);
+    k::rope::backward(rope_->view(), dk_, positions_, N, Hkv, stream_);
+    k::linear::backward(*gemm_, a.h1, w16 + W.wq, dq_, nullptr, G + W.wq, N, D, Q, stream_);
+    k::linear::backward(*gemm_, a.h1, w16 + W.wk, dk_, nullptr, G + W.wk, N, D, KV, stream_);
+    k::linear::backward(*gemm_, a.h1, w16 + W.wv, dv_, nullptr, G + W.wv, N, D, KV, stream_);
+    gemm(N, D, Q, false, false, dq_, w16 + W.wq, dh_f32_, true, 0.f);
+    gemm(N, D, KV, false, false, dk_, w16 + W.wk, dh_f32_, true, 1.f);
+    gemm(N, D, KV, false, false, dv_, w16 + W.wv, dh_f32_, true, 1.f);
+    k::f32_to_bf16(dh_f32_, dh_bf_, N * D, stream_);
+    k::rmsnorm::backward(x_in, params_ + W.attn_norm, a.rstd1, dh_bf_, dres_, G + W.attn_norm, N, D, stream_);
+  }
+
+  model::ModelConfig cfg_;
+  ModelOptions opt_;
+  k::adamw::DeviceAdamW adam_;
+  DeviceArena param_arena_, grad_arena_, state_arena_, act_arena_;
+  int device_ = 0;
+  std::string device_name_;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<k::GemmRunner> gemm_;
+  std::unique_ptr<k::rope::UploadedTable> rope_;
+  optim::ParamLayout layout_;
+  std::vector<int> moe_layer_ids_, moe_index_of_layer_;
+  std::vector<LayerWeights> layers_;
+  std::int64_t embed_ = -1, final_norm_ = -1, lm_head_ = -1;
+  std::vector<std::vector<std::int64_t>> load_;
+  std::vector<std::vector<std::int32_t>> layer_counts_;
+  std::vector<k::router::Losses> host_losses_;
+  std::vector<std::vector<float>> bias_;
+  bool have_forward_ = false;
+  bool ce_keep_logits_ = false;
+  float cur_scale_ = 1.0f;
+
+  float *params_ = nullptr, *grads_ = nullptr, *adam_m_ = nullptr, *adam_v_ = nullptr, *bias_dev_ = nullptr;
+  bf16* params_bf16_ = nullptr;
+  std::vector<float*> resid_;
+  float* spare_resid_ = nullptr;
+  std::vector<LayerActs> acts_;
+  float *dres_ = nullptr, *dh_f32_ = nullptr, *moe_y_ = nullptr, *dgates_ = nullptr, *dlogits_ = nullptr;
+  bf16 *dres_bf_ = nullptr, *dh_bf_ = nullptr, *datt_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr;
+  bf16 *dg_ = nullptr, *du_ = nullptr, *da_ = nullptr, *dlogits_bf_ = nullptr;
+  std::byte *moe_scratch_ = nullptr, *attn_ws_ = nullptr, *ce_scratch_ = nullptr;
+  bf16* final_h_ = nullptr;
+  float *final_rstd_ = nullptr, *ce_lse_ = nullptr;
+  k::cross_entropy::Result* ce_result_ = nullptr;
+  std::uint32_t* tokens_ = nullptr;
+  std::int32_t *targets_ = nullptr, *positions_ = nullptr;
+  double *norm_ws_ = nullptr, *sum_sq_ = nullptr, *norm_ = nullptr;
+  float* coef_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainBackend> make_cuda_backend(const model::ModelConfig& cfg, const ModelOptions& options,
+                                                const optim::AdamWConfig& adamw, const ParallelContext& ctx) {
+  return std::make_unique<CudaBackend>(cfg, options, adamw, ctx);
+}
+
+}  // namespace keel::train

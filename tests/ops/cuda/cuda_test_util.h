@@ -1,0 +1,133 @@
+// Helpers for the CUDA op tests: device arrays, bf16 round trips, fresh random inputs, and
+// dtype-aware comparisons against the CPU reference ops.
+// Every *_cuda_test.cc starts with KEEL_REQUIRE_GPU() so it skips cleanly where no GPU is
+// visible (CI builds the CUDA code but has no GPU).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "device/cuda_check.h"
+#include "device/cuda_devices.h"
+
+#define KEEL_REQUIRE_GPU() \
+  do {                     \
+    if (::keel::visible_cuda_devices() == 0) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+namespace keel::test {
+
+// An owning device allocation of n elements of T (zero-filled so unwritten memory is visible
+// as a failure of the caller's own poisoning, not as garbage).
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  explicit DeviceArray(std::size_t n) : n_(n) {
+    if (n_) {
+      KEEL_CUDA_CHECK(cudaMalloc(&p_, n_ * sizeof(T)));
+      KEEL_CUDA_CHECK(cudaMemset(p_, 0, n_ * sizeof(T)));
+    }
+  }
+  ~DeviceArray() { if (p_) cudaFree(p_); }
+  DeviceArray(DeviceArray&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr; o.n_ = 0; }
+  DeviceArray& operator=(DeviceArray&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    return *this;
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  T* get() const { return p_; }
+  std::size_t size() const { return n_; }
+
+ private:
+  T* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+inline float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// Host floats -> device (as T: float or __nv_bfloat16).
+template <typename T>
+DeviceArray<T> to_device(const std::vector<float>& h) {
+  DeviceArray<T> d(h.size());
+  std::vector<T> tmp(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) tmp[i] = static_cast<T>(h[i]);
+  if (!h.empty()) KEEL_CUDA_CHECK(cudaMemcpy(d.get(), tmp.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+template <>
+inline DeviceArray<__nv_bfloat16> to_device<__nv_bfloat16>(const std::vector<float>& h) {
+  DeviceArray<__nv_bfloat16> d(h.size());
+  std::vector<__nv_bfloat16> tmp(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) tmp[i] = __float2bfloat16(h[i]);
+  if (!h.empty())
+    KEEL_CUDA_CHECK(cudaMemcpy(d.get(), tmp.data(), h.size() * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice));
+  return d;
+}
+
+template <typename T>
+std::vector<float> to_host(const DeviceArray<T>& d) {
+  KEEL_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<T> tmp(d.size());
+  if (d.size()) KEEL_CUDA_CHECK(cudaMemcpy(tmp.data(), d.get(), d.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  std::vector<float> h(d.size());
+  for (std::size_t i = 0; i < d.size(); ++i) h[i] = static_cast<float>(tmp[i]);
+  return h;
+}
+template <>
+inline std::vector<float> to_host<__nv_bfloat16>(const DeviceArray<__nv_bfloat16>& d) {
+  KEEL_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<__nv_bfloat16> tmp(d.size());
+  if (d.size())
+    KEEL_CUDA_CHECK(cudaMemcpy(tmp.data(), d.get(), d.size() * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost));
+  std::vector<float> h(d.size());
+  for (std::size_t i = 0; i < d.size(); ++i) h[i] = __bfloat162float(tmp[i]);
+  return h;
+}
+
+// Fresh random inputs: uniform in [lo, hi), seeded per test so failures reproduce. Never zeros.
+inline std::vector<float> random_vector(std::size_t n, std::uint64_t seed, float lo = -1.f, float hi = 1.f) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+
+// Rounds every element to bf16 (so the CPU reference sees exactly the GPU's inputs).
+inline std::vector<float> rounded_bf16(std::vector<float> v) {
+  for (auto& x : v) x = bf16_round(x);
+  return v;
+}
+
+// Element-wise |got - want| <= atol + rtol * |want|; reports the worst element and how many
+// fail. Use rtol ~ 1e-2 for bf16 outputs (8 mantissa bits), ~1e-5 for fp32 elementwise.
+inline ::testing::AssertionResult all_close(const std::vector<float>& got, const std::vector<float>& want, float rtol,
+                                            float atol, const std::string& what = "") {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure() << what << ": size " << got.size() << " != " << want.size();
+  std::size_t bad = 0, worst = 0;
+  double worst_excess = -1;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    const double tol = atol + rtol * std::fabs(static_cast<double>(want[i]));
+    const double excess = std::isfinite(got[i]) ? err - tol : 1e30;
+    if (excess > 0) ++bad;
+    if (excess > worst_excess) worst_excess = excess, worst = i;
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << bad << " of " << got.size() << " elements off; worst at "
+                                       << worst << ": got " << got[worst] << ", want " << want[worst] << " (rtol "
+                                       << rtol << ", atol " << atol << ")";
+}
+
+}  // namespace keel::test
