@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test comm latency mpi peer memgemm train
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi peer memgemm train
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -39,6 +39,11 @@ for step in "${steps[@]}"; do
       note "test (CPU): $(grep -E 'tests passed|tests failed' "$out/test.log" | head -1)"
       note "test (GPU, serial): $(grep -E 'tests passed|tests failed' "$out/test.log" | tail -1)"
       grep -E '^\s+[0-9]+ - .*\((Failed|Timeout|SEGFAULT|Subprocess aborted)\)' "$out/test.log" | head -20 | tee -a "$summary" ;;
+    gtest)
+      # A subset of the GoogleTest cases (KEEL_GTEST_FILTER), e.g. the multi-GPU ones.
+      timeout 300 "$build/tests/keel_tests" --gtest_filter="${KEEL_GTEST_FILTER:-*Nccl*:*Cuda*}" >"$out/gtest.log" 2>&1
+      note "gtest ${KEEL_GTEST_FILTER:-*Nccl*:*Cuda*}: $(grep -E '^\[  (PASSED|FAILED) ' "$out/gtest.log" | tr '\n' ' ')"
+      grep -E '^\[  FAILED  \] [A-Za-z]' "$out/gtest.log" | sort -u | head -20 | tee -a "$summary" ;;
     comm)
       if [ "$gpus" -lt 2 ]; then note "comm: skipped (needs 2+ GPUs)"; continue; fi
       python3 bench/comm_vs_nccl_tests.py --keel "$build/keel" --nccl-tests .peer/nccl-tests --out "$out" \
