@@ -111,23 +111,31 @@ def main():
                 if args.budget_s and time.monotonic() - started > args.budget_s:
                     cut_short = True
                     break
-                kj = os.path.join(args.out, f"keel_{op}_{n}_r{rep}.json")
-                plot = ["--plot", os.path.join(args.out, f"keel_{op}_{n}.png")] if rep == 0 else []
-                if run([args.keel, "bench", "comm", "--op", op, "--dtype", "bf16", "--ranks", str(n), *common,
-                        "--timeout", "120", "--json", kj, *plot], log):
-                    rows, wrong = keel_rows(kj)
-                    keel_wrong += wrong
-                    for (_, _, size), (oop, ip) in rows.items():
-                        for place, r in (("out", oop), ("in", ip)):
-                            if r:
-                                samples["keel"].setdefault((op, n, size, place), []).append(r["busbw_gbps"])
-                nj = os.path.join(args.out, f"nccl_{op}_{n}_r{rep}.json")
-                if run([os.path.join(bindir, OPS[op]), "-g", str(n), "-d", "bfloat16", *common, "-c", "1", "-J", nj],
-                       log):
-                    for size, oop, ip in nccl_rows(nj):
-                        for place, r in (("out", oop), ("in", ip)):
-                            if r and (r.get("nwrong") is not None or place == "out"):
-                                samples["nccl"].setdefault((op, n, size, place), []).append(r["bus_bw"])
+                def run_keel():
+                    nonlocal keel_wrong
+                    kj = os.path.join(args.out, f"keel_{op}_{n}_r{rep}.json")
+                    plot = ["--plot", os.path.join(args.out, f"keel_{op}_{n}.png")] if rep == 0 else []
+                    if run([args.keel, "bench", "comm", "--op", op, "--dtype", "bf16", "--ranks", str(n), *common,
+                            "--timeout", "120", "--json", kj, *plot], log):
+                        rows, wrong = keel_rows(kj)
+                        keel_wrong += wrong
+                        for (_, _, size), (oop, ip) in rows.items():
+                            for place, r in (("out", oop), ("in", ip)):
+                                if r:
+                                    samples["keel"].setdefault((op, n, size, place), []).append(r["busbw_gbps"])
+
+                def run_nccl():
+                    nj = os.path.join(args.out, f"nccl_{op}_{n}_r{rep}.json")
+                    if run([os.path.join(bindir, OPS[op]), "-g", str(n), "-d", "bfloat16", *common, "-c", "1", "-J",
+                            nj], log):
+                        for size, oop, ip in nccl_rows(nj):
+                            for place, r in (("out", oop), ("in", ip)):
+                                if r and (r.get("nwrong") is not None or place == "out"):
+                                    samples["nccl"].setdefault((op, n, size, place), []).append(r["bus_bw"])
+
+                # Alternate which tool goes first, so an order effect (clocks, caches) cancels.
+                for tool in ((run_keel, run_nccl) if rep % 2 == 0 else (run_nccl, run_keel)):
+                    tool()
 
     table = []
     worst = 9.9
