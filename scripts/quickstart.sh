@@ -26,6 +26,6 @@ echo "keel quickstart: results in out/ (bench_comm.json, bench_comm.csv, bench_c
 
 # Then train the tiny MoE on the shipped corpus for about a minute and watch the loss fall.
 # (The trainer runs its CPU reference path everywhere for now; the CUDA path is not built yet.)
-build/keel data tokenize data/corpus/stories.jsonl --out out/corpus/stories --append-eos
+build/keel data tokenize data/corpus/stories.jsonl --out out/corpus/stories --append-eos --holdout 0.05
 build/keel train configs/train/tiny.yaml
 echo "keel quickstart: training log in out/train-tiny (metrics.jsonl, checkpoints)"

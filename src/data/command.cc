@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "common/error.h"
+#include "common/hash.h"
 #include "common/process.h"
 #include "common/units.h"
 #include "data/blend.h"
@@ -26,6 +27,7 @@ struct TokenizeFlags {
   std::vector<std::string> inputs;
   std::string out, tokenizer = "byte", jsonl_key = "text", dtype = "auto";
   bool append_eos = false, quiet = false;
+  double holdout = 0;  // fraction of documents written to PREFIX_heldout instead
 };
 
 bool is_jsonl(const std::string& path) {
@@ -93,8 +95,15 @@ int run_tokenize(const TokenizeFlags& f) {
   std::error_code ec;
   if (!parent.empty() && !std::filesystem::create_directories(parent, ec) && ec)
     throw Error(fmt::format("cannot create {}: {}", parent.string(), ec.message()));
+  if (!(f.holdout >= 0 && f.holdout < 1)) throw UsageError(fmt::format("--holdout must be in [0, 1), got {}", f.holdout));
+  // Held-out documents: chosen by a hash of the document's position, so the split is the same
+  // on every run and machine, spread over the whole input, and independent of document sizes.
+  const std::string held_prefix = f.out + "_heldout";
   IndexedDatasetWriter w(f.out, dtype);
-  std::uint64_t empty = 0;
+  std::unique_ptr<IndexedDatasetWriter> held;
+  if (f.holdout > 0) held = std::make_unique<IndexedDatasetWriter>(held_prefix, dtype);
+  const auto threshold = static_cast<std::uint64_t>(f.holdout * 18446744073709551616.0);
+  std::uint64_t empty = 0, doc_index = 0;
   for (const auto& in : f.inputs) {
     for_each_document(in, f.jsonl_key, [&](const std::string& text) {
       auto ids = tok->encode(text);
@@ -103,18 +112,28 @@ int run_tokenize(const TokenizeFlags& f) {
         return;
       }
       if (f.append_eos) ids.push_back(*tok->eos());
-      w.add_document(ids);
+      const bool hold = held && ::keel::splitmix64(doc_index++ ^ 0x6b65656c686f6c64ull) < threshold;
+      (hold ? *held : w).add_document(ids);
     });
   }
   if (w.documents() == 0)
-    throw UsageError(fmt::format("no documents in the input ({}): nothing to write", fmt::join(f.inputs, ", ")));
+    throw UsageError(fmt::format("no documents in the input ({}){}: nothing to write", fmt::join(f.inputs, ", "),
+                                 held ? " left for training after --holdout" : ""));
+  if (held && held->documents() == 0)
+    throw UsageError(fmt::format("--holdout {}: none of the {} documents was held out; raise the fraction", f.holdout,
+                                 w.documents()));
   w.finish();
+  if (held) held->finish();
   if (!f.quiet) {
     std::printf("tokenized %zu file%s: %llu documents, %llu tokens (%s tokenizer, vocab %u, %s)%s\n", f.inputs.size(),
                 f.inputs.size() == 1 ? "" : "s", static_cast<unsigned long long>(w.documents()),
                 static_cast<unsigned long long>(w.tokens()), tok->name().c_str(), tok->vocab_size(), dtype_name(dtype),
                 empty ? fmt::format(", {} empty skipped", empty).c_str() : "");
     std::printf("wrote %s.bin and %s.idx\n", f.out.c_str(), f.out.c_str());
+    if (held)
+      std::printf("held out %llu documents, %llu tokens (--holdout %g): wrote %s.bin and %s.idx\n",
+                  static_cast<unsigned long long>(held->documents()), static_cast<unsigned long long>(held->tokens()),
+                  f.holdout, held_prefix.c_str(), held_prefix.c_str());
   }
   return kExitOk;
 }
@@ -238,6 +257,10 @@ void add_command(CLI::App& app) {
       ->capture_default_str();
   tok->add_option("--jsonl-key", t->jsonl_key, "Field of each JSONL object holding the text")->capture_default_str();
   tok->add_flag("--append-eos", t->append_eos, "End every document with the tokenizer's EOS id");
+  tok->add_option("--holdout", t->holdout,
+                  "Fraction of documents (chosen by a hash of their position, the same every run) written to "
+                  "PREFIX_heldout instead, for eval.prefix")
+      ->capture_default_str();
   tok->add_option("--dtype", t->dtype, "Token dtype: auto (uint16 below 65500 ids, else int32), uint16, int32, uint32")
       ->capture_default_str();
   tok->add_flag("-q,--quiet", t->quiet, "No summary");

@@ -7,6 +7,10 @@ keel_cli_test(NAME data_tokenize_jsonl
   MATCH "tokenized 1 file: 220 documents, [0-9]+ tokens \\(byte tokenizer, vocab 259, uint16\\)"
   ARGS data tokenize ${corpus}/stories.jsonl --out data_stories --append-eos)
 set_tests_properties(cli_data_tokenize_jsonl PROPERTIES FIXTURES_SETUP data_stories)
+keel_cli_test(NAME data_tokenize_bad_holdout EXIT nonzero MATCH "--holdout must be in .0, 1\\), got 1.5"
+  ARGS data tokenize ${corpus}/stories.jsonl --out data_bad_holdout --holdout 1.5)
+keel_cli_test(NAME data_tokenize_holdout_too_small EXIT nonzero MATCH "none of the 220 documents was held out"
+  ARGS data tokenize ${corpus}/stories.jsonl --out data_tiny_holdout --holdout 0.0001)
 # The prefix's directory is created when missing (as the quickstart's out/corpus/ is).
 add_test(NAME cli_data_tokenize_new_dir_clean COMMAND ${CMAKE_COMMAND} -E rm -rf data_new_dir
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})

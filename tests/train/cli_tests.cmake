@@ -2,14 +2,18 @@
 # stop and resume; one clear error line per bad input.
 set(tcfg ${PROJECT_SOURCE_DIR}/configs/train/tiny.yaml)
 set(tshort --set data.datasets.stories=train_stories --set steps=16 --set log_interval=8 --set schedule.warmup_steps=4
-    --set data.seq_length=64 --set batch.micro_batch=4)
+    --set data.seq_length=64 --set batch.micro_batch=4 --set eval.prefix=train_stories_heldout --set eval.interval=8)
 
-keel_cli_test(NAME train_tokenize MATCH "tokenized 1 file: 220 documents"
-  ARGS data tokenize ${PROJECT_SOURCE_DIR}/data/corpus/stories.jsonl --out train_stories --append-eos)
+# 5% of the documents held out (by a hash of their position: the same split on every machine).
+keel_cli_test(NAME train_tokenize MATCH "held out 13 documents, [0-9]+ tokens \\(--holdout 0.05\\)"
+  ARGS data tokenize ${PROJECT_SOURCE_DIR}/data/corpus/stories.jsonl --out train_stories --append-eos --holdout 0.05)
 set_tests_properties(cli_train_tokenize PROPERTIES FIXTURES_SETUP train_stories)
 
 keel_cli_test(NAME train_tiny MATCH "done: steps 0 -> 16 in .* s, loss 5\\.[0-9]+ -> "
   ARGS train ${tcfg} ${tshort} --set output_dir=train_out)
+keel_cli_test(NAME train_eval_heldout MATCH "eval +8 \\| loss [0-9]+\\.[0-9]+"
+  ARGS train ${tcfg} ${tshort} --set steps=8 --set output_dir=train_eval)
+set_tests_properties(cli_train_eval_heldout PROPERTIES FIXTURES_REQUIRED train_stories)
 keel_cli_test(NAME train_stop MATCH "saved train_stop/checkpoint-00000008.keel"
   ARGS train ${tcfg} ${tshort} --set output_dir=train_stop --stop-after 8)
 set_tests_properties(cli_train_stop PROPERTIES FIXTURES_SETUP train_stop)
