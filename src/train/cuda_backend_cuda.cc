@@ -121,6 +121,18 @@ class CudaBackend final : public TrainBackend {
     cudaDeviceProp prop{};
     KEEL_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
     device_name_ = prop.name;
+    // The ZAYA1 layers (CCA attention, the MLP router, residual scaling) train on the CPU
+    // reference path so far; their CUDA kernels come next.
+    for (int l = 0; l < cfg_.layers; ++l)
+      if (model::layer_attention_kind(cfg_, l) != model::AttentionKind::kMha &&
+          model::layer_attention_kind(cfg_, l) != model::AttentionKind::kGqa)
+        throw UsageError(fmt::format("model '{}': layer {} uses attention '{}': the CUDA backend supports mha and gqa "
+                                     "so far (device: cpu trains it)",
+                                     cfg_.name, l, model::attention_kind_name(model::layer_attention_kind(cfg_, l))));
+    if (cfg_.router_hidden > 0 || cfg_.router_skip_expert || cfg_.residual_scaling)
+      throw UsageError(fmt::format("model '{}': the MLP router and residual scaling run on the CPU backend so far "
+                                   "(device: cpu)",
+                                   cfg_.name));
     if (cfg_.head_dim != 64 && cfg_.head_dim != 128)
       throw UsageError(fmt::format("model '{}': head_dim {}: the CUDA attention supports 64 and 128", cfg_.name,
                                    cfg_.head_dim));
