@@ -1,0 +1,77 @@
+// keel train's checkpoints through the keel ckpt library (src/ckpt, docs/checkpoint.md): a
+// checkpoint is a step directory under checkpoint.dir (data files + metadata.json, committed
+// atomically, `latest` pointer, retention), saved asynchronously: save() stages the state in
+// host buffers and returns; background threads write while training goes on; the next save()
+// or finish() completes the commit.
+//
+// Tensors, each an fp32 tensor of the parameter's shape (the parallelism-agnostic names every
+// layout loads from):
+//   model/<param>            the fp32 master weights
+//   optim/exp_avg/<param>    AdamW m (Muon's momentum for Muon parameters)
+//   optim/exp_avg_sq/<param> AdamW v (zeros for Muon parameters)
+//   router/bias.<i>          the router selection bias of MoE layer i, [E]
+// Non-tensor state (metadata.json "state"): step, optimizer step count, the data sampler's
+// position, the model name, the effective config text, and "format": "keel.train/2".
+//
+// Today the trainer runs on one rank (world 1, layout "dp=1"); each rank of a later
+// data-parallel run lists its own shards, and loading into another layout is the ckpt
+// library's resharding (every load names the boxes it needs).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "ckpt/comm.h"
+#include "ckpt/writer.h"
+#include "optim/param_groups.h"
+#include "train/backend.h"
+
+namespace keel::train {
+
+struct TrainCheckpointOptions {
+  int keep_last = 0;   // newest K committed checkpoints kept (0: all)
+  int keep_every = 0;  // also every step divisible by M
+  int threads = 2;     // writer threads (data files per rank)
+};
+
+class TrainCheckpointer {
+ public:
+  TrainCheckpointer(std::string root, const TrainCheckpointOptions& options);
+  ~TrainCheckpointer();
+
+  // Stages `state` (plus `extra`: step, sampler position, ...) and starts writing; completes a
+  // previous save first. Returns the stall: seconds this call blocked training.
+  double save(std::int64_t step, const TrainState& state, const optim::ParamLayout& layout,
+              const nlohmann::json& extra);
+  // Completes the save in flight, if any (commit, `latest`, retention).
+  std::optional<ckpt::SaveStats> finish();
+  const std::string& root() const { return root_; }
+
+ private:
+  std::string root_;
+  std::unique_ptr<ckpt::Comm> comm_;
+  std::unique_ptr<ckpt::Saver> saver_;
+};
+
+struct LoadedTrainState {
+  TrainState state;
+  nlohmann::json extra;  // the "state" saved beside the tensors
+  std::string dir;       // the step directory read
+  double read_amplification = 1.0;
+};
+
+// Reads a checkpoint directory (or a root whose `latest` names one) into the shapes of
+// `layout` and `like` (router bias sizes). Throws keel::Error naming the tensor or file on a
+// missing tensor, a shape or dtype mismatch, or a damaged file.
+LoadedTrainState load_train_checkpoint(const std::string& path, const optim::ParamLayout& layout,
+                                       const TrainState& like);
+
+// True when `path` looks like a keel ckpt root or step directory (has `latest` or
+// metadata.json), as opposed to a single-file checkpoint of the older format.
+bool is_ckpt_directory(const std::string& path);
+
+}  // namespace keel::train
