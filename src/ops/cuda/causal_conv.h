@@ -1,0 +1,46 @@
+// Causal 1-D convolutions over time on the GPU: the CUDA twin of ops/causal_conv.h (ZAYA1's CCA
+// `conv_qk`: a depthwise conv, then a grouped conv with one group per head, both with bias, on
+// a single up-front left padding that `extra` / `lead` reproduce exactly; the header of the CPU
+// op has the indexing). Same math, same weight layouts (PyTorch Conv1d), per sequence.
+//
+// Shapes and dtypes (B sequences of T tokens, C channels; weights and biases fp32 — they are
+// tiny and the convs run on CUDA cores in fp32, so no bf16 weight copy is needed):
+//   depthwise: x [B, T, C] bf16 (the W_qk GEMM output), w [C, W] fp32, b [C] fp32 or null,
+//              y [B, T + extra, C] bf16 (it is saved, and is the grouped conv's input).
+//   grouped:   x [B, T + lead, C] bf16, w [C, Cg, W] fp32, b [C] fp32 or null,
+//              y [B, T, C] fp32 (CCA adds the mixing terms and L2-normalizes it in fp32).
+//   backward:  dy fp32 (the shape of y), dx fp32 (the shape of x), dw, db fp32.
+// Gradients: dx OVERWRITTEN; dw, db ACCUMULATED (+=); any may be null. Saved for backward: x
+// and w. Widths W in [1, kMaxWidth]; extra >= 0; 0 <= lead <= T + lead. B or T == 0 runs nothing.
+//
+// Work split: element-wise kernels for the depthwise conv; the grouped conv and its dx are
+// 64 x 64 register-tiled fp32 products per (token tile, head, output tile), looping over taps
+// and 32-channel chunks through shared memory; dw is the same tiling over (output, input)
+// channel tiles with token chunks summed by atomicAdd (plain adds when one chunk covers all
+// tokens), so dw and db match the CPU op to fp32 rounding, not bit for bit. Launches only.
+// (ZAYA1's grouped conv is ~12% of the W_qk GEMM's FLOPs; a tensor-core version through the
+// GEMM seam would need its weight re-laid out per tap — a later optimisation.)
+#pragma once
+
+#include <cstdint>
+
+#include "ops/cuda/common.h"
+
+namespace keel::ops::cuda::causal_conv {
+
+inline constexpr int kMaxWidth = 8;
+
+void depthwise_forward(const bf16* x, const float* w, const float* b, int extra, bf16* y, std::int64_t B,
+                       std::int64_t T, std::int64_t C, int W, cudaStream_t stream);
+// dy [B, T + extra, C] -> dx [B, T, C] (overwritten), dw [C, W] and db [C] (+=).
+void depthwise_backward(const bf16* x, const float* w, int extra, const float* dy, float* dx, float* dw, float* db,
+                        std::int64_t B, std::int64_t T, std::int64_t C, int W, cudaStream_t stream);
+
+// T here is the OUTPUT length: x has T + lead rows per sequence. Cg must divide C.
+void grouped_forward(const bf16* x, const float* w, const float* b, int lead, float* y, std::int64_t B,
+                     std::int64_t T, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream);
+// dy [B, T, C] -> dx [B, T + lead, C] (overwritten), dw [C, Cg, W] and db [C] (+=).
+void grouped_backward(const bf16* x, const float* w, int lead, const float* dy, float* dx, float* dw, float* db,
+                      std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream);
+
+}  // namespace keel::ops::cuda::causal_conv

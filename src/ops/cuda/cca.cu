@@ -1,0 +1,350 @@
+#include "ops/cuda/cca.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/error.h"
+#include "ops/cuda/attention.h"
+#include "ops/cuda/causal_conv.h"
+#include "ops/cuda/linear.h"
+
+namespace keel::ops::cuda::cca {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTokenThreads = 128;  // one block per token in the per-token kernels (4 warps)
+constexpr std::size_t kAlign = 256;
+constexpr std::int64_t kMaxChannels = 12288;  // C fp32 values of one token in shared memory (48 KiB)
+
+std::size_t round_up(std::size_t b) { return (b + kAlign - 1) / kAlign * kAlign; }
+
+unsigned elementwise_grid(std::int64_t n) {
+  return static_cast<unsigned>(std::min<std::int64_t>(grid_for(n, kThreads), 1 << 16));
+}
+
+__device__ inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Per token (one block): a = conv + mixing terms (written over qk, saved), then per head
+// rn = (|a|^2 + eps)^-1/2 and q = sqrt(d) rn a, k = temp sqrt(d) rn a in bf16.
+__global__ void mix_norm_kernel(const bf16* __restrict__ qk0, float* __restrict__ qk, const float* __restrict__ temp,
+                                float* __restrict__ rnorm, bf16* __restrict__ q, bf16* __restrict__ k, int nq,
+                                int nkv, int d, float l2_eps, float sqrt_d) {
+  extern __shared__ float a_s[];
+  const std::int64_t n = blockIdx.x;
+  const int G = nq / nkv, dq = nq * d, dk = nkv * d, C = dq + dk;
+  const bf16* a0 = qk0 + n * C;
+  float* a = qk + n * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    float v = a[c];
+    if (c < dq) {
+      const int h = c / d, i = c % d, g = h / G;
+      v += 0.5f * (__bfloat162float(a0[c]) + __bfloat162float(a0[dq + g * d + i]));
+    } else {
+      const int g = (c - dq) / d, i = (c - dq) % d;
+      float mean_q = 0.f;
+      for (int j = 0; j < G; ++j) mean_q += __bfloat162float(a0[(g * G + j) * d + i]);
+      v += 0.5f * (mean_q / static_cast<float>(G)) + 0.5f * __bfloat162float(a0[c]);
+    }
+    a[c] = v;
+    a_s[c] = v;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int h = warp; h < nq + nkv; h += warps) {
+    const float* ah = a_s + h * d;
+    float ss = 0.f;
+    for (int i = lane; i < d; i += 32) ss += ah[i] * ah[i];
+    ss = warp_sum(ss);
+    const float rn = 1.f / sqrtf(ss + l2_eps);
+    if (lane == 0) rnorm[n * (nq + nkv) + h] = rn;
+    const float scale = h < nq ? sqrt_d * rn : temp[h - nq] * sqrt_d * rn;
+    bf16* out = h < nq ? q + n * dq + h * d : k + n * dk + (h - nq) * d;
+    for (int i = lane; i < d; i += 32) out[i] = __float2bfloat16(ah[i] * scale);
+  }
+}
+
+// Backward of the normalization, per token: g = dq / dk (after the inverse RoPE), c = sqrt(d)
+// (times temp for k): da = c (rn g - a rn^3 (a.g)) into dqk (fp32, overwritten), and the
+// per-token temperature partial sqrt(d) rn (a.g) into tpart [N, nkv].
+__global__ void norm_backward_kernel(const float* __restrict__ qk, const float* __restrict__ rnorm,
+                                     const float* __restrict__ temp, const bf16* __restrict__ dq,
+                                     const bf16* __restrict__ dk, float* __restrict__ dqk, float* __restrict__ tpart,
+                                     int nq, int nkv, int d, float sqrt_d) {
+  const std::int64_t n = blockIdx.x;
+  const int dqw = nq * d, dkw = nkv * d, C = dqw + dkw;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int h = warp; h < nq + nkv; h += warps) {
+    const float* ah = qk + n * C + h * d;
+    const bf16* gh = h < nq ? dq + n * dqw + h * d : dk + n * dkw + (h - nq) * d;
+    const float rn = rnorm[n * (nq + nkv) + h];
+    float ag = 0.f;
+    for (int i = lane; i < d; i += 32) ag += ah[i] * __bfloat162float(gh[i]);
+    ag = warp_sum(ag);
+    const float cc = h < nq ? sqrt_d : sqrt_d * temp[h - nq];
+    const float r3ag = rn * rn * rn * ag;
+    float* out = dqk + n * C + h * d;
+    for (int i = lane; i < d; i += 32) out[i] = cc * (rn * __bfloat162float(gh[i]) - ah[i] * r3ag);
+    if (h >= nq && lane == 0) tpart[n * nkv + (h - nq)] = sqrt_d * rn * ag;
+  }
+}
+
+// dtemp[g] += sum_n tpart[n, g]: one block per kv head, fixed order (deterministic).
+__global__ void temp_reduce_kernel(const float* __restrict__ tpart, float* __restrict__ dtemp, std::int64_t N,
+                                   int nkv) {
+  __shared__ float part[kThreads / 32];
+  const int g = blockIdx.x;
+  float acc = 0.f;
+  for (std::int64_t n = threadIdx.x; n < N; n += blockDim.x) acc += tpart[n * nkv + g];
+  acc = warp_sum(acc);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) s += part[w];
+    dtemp[g] += s;
+  }
+}
+
+// The mixing terms' direct path added to the conv path's dqk0 (fp32), written as bf16 for the
+// W_qk GEMMs: dq0[h] += dA_q[h]/2 + dA_k[h/G]/(2G);  dk0[g] += sum_j dA_q[gG+j]/2 + dA_k[g]/2.
+__global__ void mix_backward_kernel(const float* __restrict__ dqk, const float* __restrict__ dqk0_conv,
+                                    bf16* __restrict__ dqk0, std::int64_t N, int nq, int nkv, int d) {
+  const int G = nq / nkv, dq = nq * d, C = dq + nkv * d;
+  const std::int64_t total = N * C;
+  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t n = e / C;
+    const int c = static_cast<int>(e % C);
+    const float* ga = dqk + n * C;
+    float v = dqk0_conv[e];
+    if (c < dq) {
+      const int h = c / d, i = c % d, g = h / G;
+      v += 0.5f * ga[c] + 0.5f * ga[dq + g * d + i] / static_cast<float>(G);
+    } else {
+      const int g = (c - dq) / d, i = (c - dq) % d;
+      float sum_q = 0.f;
+      for (int j = 0; j < G; ++j) sum_q += ga[(g * G + j) * d + i];
+      v += 0.5f * sum_q + 0.5f * ga[c];
+    }
+    dqk0[e] = __float2bfloat16(v);
+  }
+}
+
+// v[n] = [u[n, :half] | u[n-1, half:]] with zeros at t = 0 of each sequence (u [N, 2 half]).
+__global__ void value_shift_kernel(const bf16* __restrict__ u, bf16* __restrict__ v, std::int64_t N, std::int64_t T,
+                                   std::int64_t half) {
+  const std::int64_t width = 2 * half, total = N * width;
+  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t n = e / width, col = e % width;
+    if (col < half)
+      v[e] = u[e];
+    else
+      v[e] = n % T == 0 ? __float2bfloat16(0.f) : u[e - width];
+  }
+}
+
+// The transpose: du[n] = [dv[n, :half] | dv[n+1, half:]] with zeros at t = T-1.
+__global__ void value_unshift_kernel(const bf16* __restrict__ dv, bf16* __restrict__ du, std::int64_t N,
+                                     std::int64_t T, std::int64_t half) {
+  const std::int64_t width = 2 * half, total = N * width;
+  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t n = e / width, col = e % width;
+    if (col < half)
+      du[e] = dv[e];
+    else
+      du[e] = n % T == T - 1 ? __float2bfloat16(0.f) : dv[e + width];
+  }
+}
+
+struct Dims {
+  std::int64_t N, H, d, nq, nkv, C, dq, dk, W0, W1, Tc0;
+};
+
+Dims check(const Config& c, std::int64_t B, std::int64_t T, const rope::DeviceTable& rt) {
+  if (c.hidden <= 0 || c.q_heads <= 0 || c.kv_heads <= 0 || c.q_heads % c.kv_heads)
+    fail("cuda cca: need positive sizes and q_heads % kv_heads == 0 (got q {}, kv {})", c.q_heads, c.kv_heads);
+  if (c.head_dim != 64 && c.head_dim != 128) fail("cuda cca: head_dim {} (the attention kernel takes 64 or 128)", c.head_dim);
+  if ((c.kv_heads * c.head_dim) % 2) fail("cuda cca: kv_heads * head_dim must be even (two value halves)");
+  if (c.conv0_width < 1 || c.conv1_width < 1 || c.conv0_width > causal_conv::kMaxWidth ||
+      c.conv1_width > causal_conv::kMaxWidth)
+    fail("cuda cca: conv widths must be in [1, {}], got {} and {}", causal_conv::kMaxWidth, c.conv0_width,
+         c.conv1_width);
+  if (c.qk_channels() > kMaxChannels) fail("cuda cca: {} q/k channels exceed {}", c.qk_channels(), kMaxChannels);
+  if (B < 0 || T < 0) fail("cuda cca: B and T must be >= 0, got {} and {}", B, T);
+  if (B * T > 0x7fffffff) fail("cuda cca: {} tokens exceed the grid", B * T);
+  if (rt.head_dim != c.head_dim) fail("cuda cca: rope table head_dim {} != head_dim {}", rt.head_dim, c.head_dim);
+  Dims d;
+  d.N = B * T, d.H = c.hidden, d.d = c.head_dim, d.nq = c.q_heads, d.nkv = c.kv_heads, d.C = c.qk_channels();
+  d.dq = d.nq * d.d, d.dk = d.nkv * d.d, d.W0 = c.conv0_width, d.W1 = c.conv1_width, d.Tc0 = T + c.conv1_width - 1;
+  return d;
+}
+
+struct Scratch {
+  bf16* datt;   // [N, dq]; after the attention backward, du [N, dk] (the unshifted value grad)
+  bf16* dq;     // [N, dq]
+  bf16* dk;     // [N, dk]
+  bf16* dv;     // [N, dk]
+  float* dqk;   // [N, C]
+  float* tpart; // [N, nkv]
+  float* dc0;   // [B, T + W1 - 1, C]
+  float* dqk0;  // [N, C] conv path
+  bf16* dqk0b;  // [N, C] conv + mixing path, bf16 for the GEMMs
+  void* attn_ws;
+};
+
+std::size_t scratch_layout(const Config& c, std::int64_t B, std::int64_t T, const Dims& d, void* base, Scratch* s) {
+  char* p = static_cast<char*>(base);
+  std::size_t off = 0;
+  auto take = [&](std::size_t bytes) {
+    char* r = p ? p + off : nullptr;
+    off += round_up(bytes);
+    return r;
+  };
+  const std::size_t N = static_cast<std::size_t>(d.N);
+  Scratch t;
+  t.datt = reinterpret_cast<bf16*>(take(N * d.dq * 2));
+  t.dq = reinterpret_cast<bf16*>(take(N * d.dq * 2));
+  t.dk = reinterpret_cast<bf16*>(take(N * d.dk * 2));
+  t.dv = reinterpret_cast<bf16*>(take(N * d.dk * 2));
+  t.dqk = reinterpret_cast<float*>(take(N * d.C * 4));
+  t.tpart = reinterpret_cast<float*>(take(N * d.nkv * 4));
+  t.dc0 = reinterpret_cast<float*>(take(static_cast<std::size_t>(B * d.Tc0 * d.C) * 4));
+  t.dqk0 = reinterpret_cast<float*>(take(N * d.C * 4));
+  t.dqk0b = reinterpret_cast<bf16*>(take(N * d.C * 2));
+  t.attn_ws = take(d.N > 0 ? attention::backward_workspace_bytes(int(B), int(T), int(d.nq), int(d.nkv), int(d.d)) : 0);
+  if (s) *s = t;
+  (void)c;
+  return off;
+}
+
+}  // namespace
+
+std::size_t saved_bytes(const Config& c, std::int64_t B, std::int64_t T) {
+  const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
+  const std::size_t Tc0 = static_cast<std::size_t>(B * (T + c.conv1_width - 1));
+  return round_up(N * C * 2) + round_up(Tc0 * C * 2) + round_up(N * C * 4) + round_up(N * (c.q_heads + c.kv_heads) * 4) +
+         round_up(N * dq * 2) + 2 * round_up(N * dk * 2) + round_up(N * dq * 2) + round_up(B * c.q_heads * T * 4);
+}
+
+Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, void* buffer) {
+  const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
+  char* p = static_cast<char*>(buffer);
+  auto take = [&p](std::size_t bytes) {
+    char* r = p;
+    p += round_up(bytes);
+    return r;
+  };
+  Saved s;
+  s.qk0 = reinterpret_cast<bf16*>(take(N * C * 2));
+  s.c0 = reinterpret_cast<bf16*>(take(static_cast<std::size_t>(B * (T + c.conv1_width - 1)) * C * 2));
+  s.qk = reinterpret_cast<float*>(take(N * C * 4));
+  s.rnorm = reinterpret_cast<float*>(take(N * (c.q_heads + c.kv_heads) * 4));
+  s.q = reinterpret_cast<bf16*>(take(N * dq * 2));
+  s.k = reinterpret_cast<bf16*>(take(N * dk * 2));
+  s.v = reinterpret_cast<bf16*>(take(N * dk * 2));
+  s.att = reinterpret_cast<bf16*>(take(N * dq * 2));
+  s.lse = reinterpret_cast<float*>(take(B * c.q_heads * T * 4));
+  return s;
+}
+
+void forward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, const bf16* x,
+             const std::int32_t* positions, const rope::DeviceTable& rt, const Weights& w, const Saved& s, bf16* y,
+             cudaStream_t stream) {
+  const Dims d = check(c, B, T, rt);
+  if (d.N == 0) return;
+  const float sqrt_d = static_cast<float>(std::sqrt(double(d.d)));
+  const int extra = static_cast<int>(d.W1 - 1);
+
+  // 1. W_qk projection and the two causal convolutions (conv output lands in qk, fp32).
+  linear::forward(gemm, x, w.w_qk, s.qk0, d.N, d.H, d.C, stream);
+  causal_conv::depthwise_forward(s.qk0, w.conv0_w, w.conv0_b, extra, s.c0, B, T, d.C, int(d.W0), stream);
+  causal_conv::grouped_forward(s.c0, w.conv1_w, w.conv1_b, extra, s.qk, B, T, d.C, d.d, int(d.W1), stream);
+
+  // 2. Mixing terms, L2 normalization, sqrt(d), temperature -> q, k (bf16).
+  mix_norm_kernel<<<static_cast<unsigned>(d.N), kTokenThreads, static_cast<std::size_t>(d.C) * sizeof(float), stream>>>(
+      s.qk0, s.qk, w.temp, s.rnorm, s.q, s.k, int(d.nq), int(d.nkv), int(d.d), c.l2_eps, sqrt_d);
+  KEEL_CUDA_CHECK_LAUNCH();
+
+  // 3. Partial RoPE in place.
+  rope::forward(rt, s.q, positions, d.N, d.nq, stream);
+  rope::forward(rt, s.k, positions, d.N, d.nkv, stream);
+
+  // 4. Values: u = x W_v^T into att (free until step 5; dk <= dq), then the shifted copy.
+  linear::forward(gemm, x, w.w_v, s.att, d.N, d.H, d.dk, stream);
+  value_shift_kernel<<<elementwise_grid(d.N * d.dk), kThreads, 0, stream>>>(s.att, s.v, d.N, T, d.dk / 2);
+  KEEL_CUDA_CHECK_LAUNCH();
+
+  // 5. Causal GQA attention and the output projection.
+  attention::forward(s.q, s.k, s.v, s.att, s.lse, int(B), int(T), int(d.nq), int(d.nkv), int(d.d),
+                     1.f / sqrt_d, stream);
+  linear::forward(gemm, s.att, w.w_o, y, d.N, d.dq, d.H, stream);
+}
+
+std::size_t backward_scratch_bytes(const Config& c, std::int64_t B, std::int64_t T) {
+  rope::DeviceTable rt;
+  rt.head_dim = static_cast<int>(c.head_dim);
+  const Dims d = check(c, B, T, rt);
+  return scratch_layout(c, B, T, d, nullptr, nullptr);
+}
+
+void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, const bf16* x,
+              const std::int32_t* positions, const rope::DeviceTable& rt, const Weights& w, const Saved& s,
+              const bf16* dy, bf16* dx, const Grads& g, void* scratch, cudaStream_t stream) {
+  const Dims d = check(c, B, T, rt);
+  if (d.N == 0) return;
+  Scratch k;
+  scratch_layout(c, B, T, d, scratch, &k);
+  const float sqrt_d = static_cast<float>(std::sqrt(double(d.d)));
+  const int extra = static_cast<int>(d.W1 - 1);
+
+  // 5. Output projection and attention.
+  linear::backward(gemm, s.att, w.w_o, dy, k.datt, g.w_o, d.N, d.dq, d.H, stream);
+  attention::backward(s.q, s.k, s.v, s.att, s.lse, k.datt, k.dq, k.dk, k.dv, k.attn_ws, int(B), int(T), int(d.nq),
+                      int(d.nkv), int(d.d), 1.f / sqrt_d, stream);
+
+  // 4. Values: undo the shift into du (datt's memory, free now). Its GEMMs run last, once the
+  //    W_qk dgrad has overwritten dx, so the W_v dgrad can add into dx (beta = 1).
+  bf16* du = k.datt;
+  value_unshift_kernel<<<elementwise_grid(d.N * d.dk), kThreads, 0, stream>>>(k.dv, du, d.N, T, d.dk / 2);
+  KEEL_CUDA_CHECK_LAUNCH();
+
+  // 3. RoPE: inverse rotation in place.
+  rope::backward(rt, k.dq, positions, d.N, d.nq, stream);
+  rope::backward(rt, k.dk, positions, d.N, d.nkv, stream);
+
+  // 2. Normalization (+ temperature).
+  norm_backward_kernel<<<static_cast<unsigned>(d.N), kTokenThreads, 0, stream>>>(
+      s.qk, s.rnorm, w.temp, k.dq, k.dk, k.dqk, k.tpart, int(d.nq), int(d.nkv), int(d.d), sqrt_d);
+  KEEL_CUDA_CHECK_LAUNCH();
+  if (g.temp) {
+    temp_reduce_kernel<<<static_cast<unsigned>(d.nkv), kThreads, 0, stream>>>(k.tpart, g.temp, d.N, int(d.nkv));
+    KEEL_CUDA_CHECK_LAUNCH();
+  }
+
+  // 1. Convolutions, the mixing terms' direct path, then W_qk.
+  causal_conv::grouped_backward(s.c0, w.conv1_w, extra, k.dqk, k.dc0, g.conv1_w, g.conv1_b, B, T, d.C, d.d,
+                                int(d.W1), stream);
+  causal_conv::depthwise_backward(s.qk0, w.conv0_w, extra, k.dc0, k.dqk0, g.conv0_w, g.conv0_b, B, T, d.C,
+                                  int(d.W0), stream);
+  mix_backward_kernel<<<elementwise_grid(d.N * d.C), kThreads, 0, stream>>>(k.dqk, k.dqk0, k.dqk0b, d.N, int(d.nq),
+                                                                            int(d.nkv), int(d.d));
+  KEEL_CUDA_CHECK_LAUNCH();
+  linear::backward(gemm, x, w.w_qk, k.dqk0b, dx, g.w_qk, d.N, d.H, d.C, stream);
+
+  // The value path: dW_v += du^T x, and dx += du W_v (bf16 C, beta = 1: one rounding of the sum).
+  linear::backward(gemm, x, w.w_v, du, nullptr, g.w_v, d.N, d.H, d.dk, stream);
+  if (dx) {
+    GemmDesc gd;
+    gd.m = d.N, gd.n = d.H, gd.k = d.dk;
+    gd.beta = 1.f;
+    gemm.run(gd, du, w.w_v, dx, stream);
+  }
+}
+
+}  // namespace keel::ops::cuda::cca

@@ -1,0 +1,88 @@
+// ZAYA1's CCA attention block on the GPU: the CUDA twin of ops/cca.h (same equations, same
+// parameter layouts, same saved set), composed from the CUDA ops: linear (W_qk, W_v, W_o),
+// causal_conv (depthwise + grouped, per sequence), rope, attention (flash, causal GQA), plus
+// fused kernels of its own for the mixing terms + L2 normalization (+ temperature), the value
+// shift, and their backward passes. docs/zaya1_ops.md §3 has the math; in short, per token:
+//   qk0 = x W_qk^T;  qk = grouped(depthwise(qk0)) + mixing(qk0);  q, k = L2-normalized heads of
+//   qk times sqrt(d) (k also times temp[g]);  RoPE;  v = [x_t W_v1^T | x_{t-1} W_v2^T];
+//   att = causal GQA attention(q, k, v, 1/sqrt(d));  y = att W_o^T.
+//
+// Dtypes (docs/gpu_training.md: bf16 where a tensor feeds a GEMM or the attention kernel, fp32
+// for statistics and the pre-normalization values):
+//   x, y, dy, dx [N, H] bf16 (x is the RMSNorm'd residual; y is the block output, fed to the
+//     residual scaling / residual add). N = B*T, token b*T + t.
+//   weights: w_qk [C, H], w_v [nkv d, H], w_o [H, nq d] bf16 copies (GEMMs); conv0_w [C, W0],
+//     conv0_b [C], conv1_w [C, d, W1], conv1_b [C], temp [nkv] fp32 (see cuda/causal_conv.h).
+//   gradients: all fp32, ACCUMULATED (+=); any may be null. dx bf16, OVERWRITTEN (may be null).
+// Saved by forward (Saved; saved_bytes / carve_saved lay it out, 256-byte aligned regions):
+//   qk0 [N, C] bf16, c0 [B, T + W1 - 1, C] bf16, qk [N, C] fp32, rnorm [N, nq + nkv] fp32,
+//   q [N, nq d], k [N, nkv d], v [N, nkv d], att [N, nq d] bf16, lse [B, nq, T] fp32;
+//   plus the caller's x and positions. Forward uses att as its scratch for the unshifted
+//   values before the attention overwrites it, so it needs no workspace.
+// Limits: head_dim 64 or 128 (the attention kernel), nkv d even, C <= 12288 (one token's C
+// fp32 values sit in shared memory), conv widths <= causal_conv::kMaxWidth, the rope table's
+// head_dim = d. Violations throw keel::Error before anything is launched.
+// Precision vs the CPU op: qk0, c0, q, k, v, att are rounded to bf16 (the CPU keeps fp32), so
+// outputs and gradients agree to bf16 rounding (norm-relative ~1e-2), not to fp32; dtemp is
+// reduced per token into scratch and summed in a fixed order (deterministic); the conv
+// weight gradients use atomics (fp32 rounding order varies).
+// Launches only; no host sync. One GemmRunner per stream (gemm.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "ops/cca.h"
+#include "ops/cuda/common.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/rope.h"
+
+namespace keel::ops::cuda::cca {
+
+using Config = ops::cca::Config;
+
+struct Weights {
+  const bf16* w_qk = nullptr;      // [C, H]
+  const bf16* w_v = nullptr;       // [nkv d, H]
+  const float* conv0_w = nullptr;  // [C, W0]
+  const float* conv0_b = nullptr;  // [C]
+  const float* conv1_w = nullptr;  // [C, d, W1]
+  const float* conv1_b = nullptr;  // [C]
+  const float* temp = nullptr;     // [nkv]
+  const bf16* w_o = nullptr;       // [H, nq d]
+};
+
+struct Grads {  // fp32, accumulated; null to skip
+  float *w_qk = nullptr, *w_v = nullptr, *conv0_w = nullptr, *conv0_b = nullptr, *conv1_w = nullptr,
+        *conv1_b = nullptr, *temp = nullptr, *w_o = nullptr;
+};
+
+struct Saved {
+  bf16* qk0 = nullptr;    // [N, C]
+  bf16* c0 = nullptr;     // [B, T + W1 - 1, C]
+  float* qk = nullptr;    // [N, C]
+  float* rnorm = nullptr; // [N, nq + nkv]
+  bf16* q = nullptr;      // [N, nq d]
+  bf16* k = nullptr;      // [N, nkv d]
+  bf16* v = nullptr;      // [N, nkv d]
+  bf16* att = nullptr;    // [N, nq d]
+  float* lse = nullptr;   // [B, nq, T]
+};
+
+std::size_t saved_bytes(const Config& c, std::int64_t B, std::int64_t T);
+Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, void* buffer);
+
+// positions [N] int32 (device; see cuda/rope.h). y overwritten.
+void forward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, const bf16* x,
+             const std::int32_t* positions, const rope::DeviceTable& rope_table, const Weights& w, const Saved& s,
+             bf16* y, cudaStream_t stream);
+
+// Device scratch of backward (256-byte aligned, contents ignored; includes the attention
+// backward workspace), not to be shared while this call's work runs.
+std::size_t backward_scratch_bytes(const Config& c, std::int64_t B, std::int64_t T);
+// dy [N, H] -> dx [N, H] (overwritten), grads (+=). Needs x, positions, w and s from forward.
+void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, const bf16* x,
+              const std::int32_t* positions, const rope::DeviceTable& rope_table, const Weights& w, const Saved& s,
+              const bf16* dy, bf16* dx, const Grads& g, void* scratch, cudaStream_t stream);
+
+}  // namespace keel::ops::cuda::cca
