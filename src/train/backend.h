@@ -1,8 +1,13 @@
 // TrainBackend: what the training loop (trainer.h) needs from a model and its optimizer,
-// wherever they live. The CPU backend wraps MoeTransformer and the host AdamW; the CUDA backend
-// (cuda_backend_cuda.cc) keeps fp32 master weights, AdamW state, bf16 working weights and bf16
-// activations on one GPU. Both lay parameters out with model_param_layout() and initialize
+// wherever they live. The CPU backend wraps MoeTransformer and the host AdamW (+ Muon); the CUDA
+// backend (cuda_backend_cuda.cc) keeps fp32 master weights, optimizer state, bf16 working
+// weights and bf16 activations on one GPU. Both lay parameters out with model_param_layout()
+// (groups re-assigned by param_rules.h when Muon is on; offsets never change) and initialize
 // them with init_model_parameters(), so a checkpoint of one loads into the other.
+//
+// Optimizers (OptimizerConfig, param_rules.h): AdamW for every parameter, or with
+// optimizer.muon.enabled Muon for the weight matrices and AdamW for the rest. Muon's momentum
+// is kept in the AdamW m buffer at the Muon parameters' offsets, so TrainState is the same.
 //
 // One training step, as the trainer drives it:
 //   zero_grads(); for each micro-batch: forward(tokens, targets); backward(1/accum);
@@ -17,13 +22,16 @@
 #include "optim/adamw.h"
 #include "optim/param_groups.h"
 #include "train/model.h"
+#include "train/param_rules.h"
 #include "train/parallel_context.h"
 
 namespace keel::train {
 
 // Everything a checkpoint holds of the model and optimizer, in host memory.
 struct TrainState {
-  std::vector<float> params, adam_m, adam_v;      // layout().total_floats each
+  // layout().total_floats each. adam_m holds Muon's momentum at Muon parameters (their adam_v
+  // stays zero).
+  std::vector<float> params, adam_m, adam_v;
   std::vector<std::vector<float>> router_bias;    // one [E] per MoE layer
   std::int64_t adamw_step = 0;
 };
@@ -50,8 +58,10 @@ class TrainBackend {
   // tokens: micro_batch * seq_length input ids (host), targets: labels (-1 ignored).
   virtual LossParts forward(const std::uint32_t* tokens, const std::int32_t* targets) = 0;
   virtual void backward(float loss_scale) = 0;
-  // Global-norm clipping (max_norm <= 0: none) and one AdamW step at `lr`. Throws
-  // optim::NonFiniteGradient (nothing updated) when the norm is not finite.
+  // Global-norm clipping over every gradient (max_norm <= 0: none), then one step of AdamW on
+  // its parameters and Muon on its matrices at `lr` (times each group's lr_scale), both with the
+  // clip coefficient as gradient scale. Throws optim::NonFiniteGradient (nothing updated) when
+  // the norm is not finite.
   virtual StepResult clip_and_step(double max_norm, double lr) = 0;
 
   // Expert load counters of MoE layer i, summed since the last reset.
@@ -64,7 +74,8 @@ class TrainBackend {
   virtual std::vector<float> gradients() const = 0;
 
   virtual TrainState state() const = 0;
-  // Throws keel::Error when the sizes do not match this model.
+  // Throws keel::Error when the sizes do not match this model, or when the state holds Muon
+  // momentum for a parameter this backend trains with AdamW (check_state_matches_optimizers).
   virtual void set_state(const TrainState& s) = 0;
 };
 
@@ -75,10 +86,10 @@ bool cuda_training_available();
 double device_peak_bf16_flops(const std::string& device_name);
 
 std::unique_ptr<TrainBackend> make_cpu_backend(const model::ModelConfig& cfg, const ModelOptions& options,
-                                               const optim::AdamWConfig& adamw, const ParallelContext& ctx);
+                                               const OptimizerConfig& optimizer, const ParallelContext& ctx);
 // One GPU (the current CUDA device). Throws keel::UsageError in a build without CUDA or when
 // no GPU is visible.
 std::unique_ptr<TrainBackend> make_cuda_backend(const model::ModelConfig& cfg, const ModelOptions& options,
-                                                const optim::AdamWConfig& adamw, const ParallelContext& ctx);
+                                                const OptimizerConfig& optimizer, const ParallelContext& ctx);
 
 }  // namespace keel::train

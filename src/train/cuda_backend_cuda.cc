@@ -1,12 +1,15 @@
 // The CUDA TrainBackend: the MoE transformer of model.h on one GPU, with the ops of
 // src/ops/cuda (docs/gpu_training.md).
 //
-// Precision: fp32 master weights, gradients and AdamW states; a bf16 copy of the weights for
-// the GEMMs (refreshed by the fused AdamW step); bf16 activations with fp32 statistics; the
-// residual stream and its gradient in fp32. GEMMs accumulate in fp32 (cuBLASLt).
+// Precision: fp32 master weights, gradients and optimizer states; a bf16 copy of the weights for
+// the GEMMs (refreshed by the fused AdamW and Muon steps); bf16 activations with fp32
+// statistics; the residual stream and its gradient in fp32. GEMMs accumulate in fp32
+// (cuBLASLt). With optimizer.muon on, the weight matrices step with ops/cuda/muon.h (bf16
+// Newton-Schulz GEMMs), the rest with AdamW; Muon's momentum sits in the m buffer.
 //
 // Memory: four device arenas, each one allocation carved by a bump pointer: parameters
-// (fp32 master + bf16 copy), gradients, optimizer state (m, v) and activations (every layer's
+// (fp32 master + bf16 copy), gradients, optimizer state (m, v, Muon's Newton-Schulz workspace)
+// and activations (every layer's
 // saved tensors, the shared backward scratch and the op workspaces). Nothing is allocated per
 // step.
 //
@@ -32,6 +35,7 @@
 #include "ops/cuda/grad_norm.h"
 #include "ops/cuda/linear.h"
 #include "ops/cuda/moe.h"
+#include "ops/cuda/muon.h"
 #include "ops/cuda/rmsnorm.h"
 #include "ops/cuda/rope.h"
 #include "ops/cuda/router.h"
@@ -40,6 +44,7 @@
 #include "optim/clip.h"
 #include "train/backend.h"
 #include "train/cuda_kernels.h"
+#include "train/param_rules.h"
 
 namespace keel::train {
 namespace {
@@ -110,11 +115,12 @@ struct LayerActs {
 
 class CudaBackend final : public TrainBackend {
  public:
-  CudaBackend(const model::ModelConfig& cfg, const ModelOptions& options, const optim::AdamWConfig& adamw,
+  CudaBackend(const model::ModelConfig& cfg, const ModelOptions& options, const OptimizerConfig& optimizer,
               const ParallelContext& ctx)
-      : cfg_(cfg), opt_(options), adam_(adamw), param_arena_("parameters"), grad_arena_("gradients"),
-        state_arena_("optimizer states"), act_arena_("activations") {
+      : cfg_(cfg), opt_(options), adam_(optimizer.adamw), muon_(optimizer.muon.config), param_arena_("parameters"),
+        grad_arena_("gradients"), state_arena_("optimizer states"), act_arena_("activations") {
     ctx.require_single("keel train (cuda)");
+    validate(optimizer.muon);
     validate_trainable(cfg_, opt_);
     if (visible_cuda_devices() == 0) throw UsageError("device: cuda: no CUDA device is visible");
     KEEL_CUDA_CHECK(cudaGetDevice(&device_));
@@ -143,6 +149,9 @@ class CudaBackend final : public TrainBackend {
     gemm_ = std::make_unique<k::GemmRunner>();
 
     layout_ = model_param_layout(cfg_);
+    // Muon: the same offsets, the matrices regrouped (param_rules.h)
+    if (optimizer.muon.enabled) layout_ = regroup_layout(layout_, train_group_rules(optimizer.muon));
+    const std::size_t muon_ws_bytes = k::muon::workspace_bytes(layout_);
     for (int l = 0; l < cfg_.layers; ++l) {
       moe_index_of_layer_.push_back(model::is_moe_layer(cfg_, l) ? static_cast<int>(moe_layer_ids_.size()) : -1);
       if (model::is_moe_layer(cfg_, l)) moe_layer_ids_.push_back(l);
@@ -160,6 +169,7 @@ class CudaBackend final : public TrainBackend {
       grads_ = grad_arena_.take<float>(n);
       adam_m_ = state_arena_.take<float>(n);
       adam_v_ = state_arena_.take<float>(n);
+      muon_ws_ = muon_ws_bytes ? state_arena_.take<std::byte>(muon_ws_bytes) : nullptr;
       plan_acts();
       if (pass == 0) {
         param_arena_.allocate();
@@ -276,7 +286,9 @@ class CudaBackend final : public TrainBackend {
     r.m = adam_m_;
     r.v = adam_v_;
     r.param_bf16 = params_bf16_;
-    adam_.step(layout_, r, lr, 1.0f, coef_, stream_);
+    adam_.step(layout_, r, lr, 1.0f, coef_, stream_);  // skips Muon parameters
+    // Muon on the matrices: the same device-side clip coefficient as gradient scale
+    if (muon_ws_) muon_.step(layout_, params_, grads_, adam_m_, params_bf16_, lr, 1.0f, coef_, muon_ws_, *gemm_, stream_);
     return {norm, static_cast<double>(coef)};
   }
 
@@ -330,6 +342,7 @@ class CudaBackend final : public TrainBackend {
       fail("train state holds {} router biases, this model has {} MoE layers", s.router_bias.size(), bias_.size());
     for (std::size_t i = 0; i < bias_.size(); ++i)
       if (s.router_bias[i].size() != bias_[i].size()) fail("router bias {} size differs", i);
+    check_state_matches_optimizers(layout_, s.adam_m.data(), s.adam_v.data());
     upload_params(s.params);
     KEEL_CUDA_CHECK(cudaMemcpy(adam_m_, s.adam_m.data(), n * sizeof(float), cudaMemcpyHostToDevice));
     KEEL_CUDA_CHECK(cudaMemcpy(adam_v_, s.adam_v.data(), n * sizeof(float), cudaMemcpyHostToDevice));
@@ -591,6 +604,7 @@ class CudaBackend final : public TrainBackend {
   model::ModelConfig cfg_;
   ModelOptions opt_;
   k::adamw::DeviceAdamW adam_;
+  k::muon::DeviceMuon muon_;
   DeviceArena param_arena_, grad_arena_, state_arena_, act_arena_;
   int device_ = 0;
   std::string device_name_;
@@ -618,6 +632,7 @@ class CudaBackend final : public TrainBackend {
   bf16 *dres_bf_ = nullptr, *dh_bf_ = nullptr, *datt_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr;
   bf16 *dg_ = nullptr, *du_ = nullptr, *da_ = nullptr, *dlogits_bf_ = nullptr;
   std::byte *moe_scratch_ = nullptr, *attn_ws_ = nullptr, *ce_scratch_ = nullptr;
+  std::byte* muon_ws_ = nullptr;  // Newton-Schulz workspace of the largest Muon parameter (null: no Muon)
   bf16* final_h_ = nullptr;
   float *final_rstd_ = nullptr, *ce_lse_ = nullptr;
   k::cross_entropy::Result* ce_result_ = nullptr;
@@ -630,8 +645,8 @@ class CudaBackend final : public TrainBackend {
 }  // namespace
 
 std::unique_ptr<TrainBackend> make_cuda_backend(const model::ModelConfig& cfg, const ModelOptions& options,
-                                                const optim::AdamWConfig& adamw, const ParallelContext& ctx) {
-  return std::make_unique<CudaBackend>(cfg, options, adamw, ctx);
+                                                const OptimizerConfig& optimizer, const ParallelContext& ctx) {
+  return std::make_unique<CudaBackend>(cfg, options, optimizer, ctx);
 }
 
 }  // namespace keel::train

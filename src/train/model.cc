@@ -10,6 +10,7 @@
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
+#include "ops/residual_scale.h"
 #include "ops/rmsnorm.h"
 #include "ops/router.h"
 #include "ops/swiglu.h"
@@ -24,21 +25,27 @@ Recompute parse_recompute(const std::string& s) {
 const char* to_string(Recompute r) { return r == Recompute::kFull ? "full" : "none"; }
 
 struct MoeTransformer::LayerParams {
-  Tensor attn_norm, wq, wk, wv, wo, mlp_norm;
+  Tensor attn_norm, wq, wk, wv, wo, mlp_norm;  // wq..wo: mha/gqa layers
+  ops::cca::Params cca;                        // CCA layers
   bool moe = false;
   Tensor w_gate, w_up, w_down;  // dense [F, D], [F, D], [D, F]
-  Tensor router;                // [E, D]
+  Tensor router;                // linear router [E, D]
+  ops::zaya_router::Params zrouter;  // MLP router (router_hidden > 0)
   ops::moe::Weights experts;
+  zaya::ResScale attn_scale, mlp_scale;  // residual scaling before each stage (residual_scaling)
 };
 
 struct MoeTransformer::LayerActs {
   Tensor h1, rstd1, q, k, v, att, lse, x_mid, h2, rstd2;
+  Tensor attn_out;                                   // residual scaling: the attention stage output
+  ops::cca::Saved cca;                               // CCA
   Tensor g, u, a;                                    // dense
-  Tensor rlogits, probs, rlse, gates, y;             // moe
+  Tensor rlogits, probs, rlse, gates, y;             // moe, linear router
   std::int32_t* idx = nullptr;
   std::int64_t* counts = nullptr;
   ops::moe::Plan plan;
   ops::moe::Saved saved;
+  zaya::MoeActs zmoe;                                // moe, MLP router (saved.* shared with it)
   // backward scratch (shared by every layer; only the pointers are copied)
   Tensor dq, dk, dv, datt, dg, du, da, dgates, dlogits, moe_scratch;
 };
@@ -65,18 +72,43 @@ void add_into(const Tensor& dst, const Tensor& src) {
   for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
 }
 
+// All AdamW for now (Muon comes with the optimizer work). The groups follow
+// optim::default_rules(): conv weights (CCA) are their own group, never Muon matrices; every
+// 1-D tensor (norms, biases, residual scales, temperatures, the EDA scale) is a vector without
+// weight decay.
 std::vector<optim::GroupRule> adamw_rules() {
-  std::vector<optim::GroupRule> r(3);
+  std::vector<optim::GroupRule> r(4);
   r[0].group = "embeddings";
   r[0].include = "*embed*|*lm_head*";
   r[0].min_ndim = 2;
-  r[1].group = "vectors";
-  r[1].max_ndim = 1;
-  r[1].weight_decay = false;
-  r[2].group = "matrices";
-  r[2].exclude = "*embed*|*lm_head*";
-  r[2].min_ndim = 2;
+  r[1].group = "convs";
+  r[1].include = "*conv*";
+  r[1].exclude = "*embed*|*lm_head*";
+  r[1].min_ndim = 2;
+  r[2].group = "vectors";
+  r[2].max_ndim = 1;
+  r[2].weight_decay = false;
+  r[3].group = "matrices";
+  r[3].exclude = "*embed*|*lm_head*|*conv*";
+  r[3].min_ndim = 2;
   return r;
+}
+
+void add_res_scale(std::vector<optim::ParamSpec>& specs, const std::string& prefix, std::int64_t D, bool with_r) {
+  specs.push_back({prefix + "h_scale", {D}});
+  specs.push_back({prefix + "h_bias", {D}});
+  if (!with_r) return;
+  specs.push_back({prefix + "r_scale", {D}});
+  specs.push_back({prefix + "r_bias", {D}});
+}
+
+// Parameter-name suffix -> slot of a ResScale.
+Tensor* res_scale_slot(zaya::ResScale& r, const std::string& what) {
+  if (what == "h_scale") return &r.h_scale;
+  if (what == "h_bias") return &r.h_bias;
+  if (what == "r_scale") return &r.r_scale;
+  if (what == "r_bias") return &r.r_bias;
+  return nullptr;
 }
 
 }  // namespace
@@ -84,20 +116,33 @@ std::vector<optim::GroupRule> adamw_rules() {
 void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt) {
   model::validate(cfg);
   const std::string who = fmt::format("model '{}'", cfg.name);
+  bool any_cca = false;
   for (int l = 0; l < cfg.layers; ++l) {
     const auto k = model::layer_attention_kind(cfg, l);
-    if (k != model::AttentionKind::kMha && k != model::AttentionKind::kGqa)
-      throw UsageError(fmt::format("{}: layer {} uses attention '{}': keel train supports only mha and gqa so far "
-                                   "(CCA and linear attention come later)",
-                                   who, l, model::attention_kind_name(k)));
+    any_cca |= k == model::AttentionKind::kCca;
+    if (k == model::AttentionKind::kLinear)
+      throw UsageError(fmt::format("{}: layer {} uses attention 'linear': keel train supports mha, gqa and cca so "
+                                   "far (linear attention comes later)",
+                                   who, l));
   }
+  // CCA: the value projection is kv_heads heads of head_dim (current- and previous-token halves).
+  if (any_cca && cfg.cca_v_dim != cfg.kv_heads * cfg.head_dim)
+    throw UsageError(fmt::format("{}: keel train's CCA needs cca_v_dim ({}) == kv_heads*head_dim ({})", who,
+                                 cfg.cca_v_dim, cfg.kv_heads * cfg.head_dim));
   auto reject = [&](bool bad, const char* what) {
     if (bad) throw UsageError(fmt::format("{}: {} is not supported by keel train yet", who, what));
   };
-  reject(cfg.router_hidden > 0, "an MLP router (router_hidden > 0)");
-  reject(cfg.router_skip_expert, "router_skip_expert");
+  if (cfg.experts > 0 && cfg.router_hidden > 0) {
+    // ops::zaya_router is ZAYA1's router exactly: down-projection, 2 hidden GELU layers, output.
+    if (cfg.router_mlp_layers != 3)
+      throw UsageError(fmt::format("{}: router_mlp_layers {}: keel train's MLP router has exactly 3 layers (ZAYA1)",
+                                   who, cfg.router_mlp_layers));
+    if (cfg.top_k != 1)
+      throw UsageError(fmt::format("{}: top_k {} with an MLP router: keel train's MLP router is top-1 (ZAYA1)", who,
+                                   cfg.top_k));
+  }
+  reject(cfg.router_skip_expert && cfg.router_hidden == 0, "router_skip_expert without an MLP router (router_hidden > 0)");
   reject(cfg.shared_experts > 0, "shared_experts");
-  reject(cfg.residual_scaling, "residual_scaling");
   reject(cfg.qk_norm, "qk_norm");
   if (opt.micro_batch < 1 || opt.seq_length < 1)
     throw UsageError(fmt::format("{}: micro_batch ({}) and seq_length ({}) must be >= 1", who, opt.micro_batch, opt.seq_length));
@@ -109,19 +154,50 @@ void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt) 
 optim::ParamLayout model_param_layout(const model::ModelConfig& cfg) {
   const std::int64_t D = cfg.hidden, V = cfg.vocab_size, Dh = cfg.head_dim;
   const std::int64_t Q = std::int64_t(cfg.heads) * Dh, KV = std::int64_t(cfg.kv_heads) * Dh;
+  const bool scaled = cfg.residual_scaling;
   std::vector<optim::ParamSpec> specs;
   specs.push_back({"embed.weight", {V, D}});
+  int moe_stage = 0;
   for (int l = 0; l < cfg.layers; ++l) {
     const std::string p = fmt::format("layers.{}.", l);
+    // Layer 0's attention stage scales the embedding only (no residual yet).
+    if (scaled) add_res_scale(specs, p + "res_scale.attn.", D, l > 0);
     specs.push_back({p + "attn_norm.weight", {D}});
-    specs.push_back({p + "attn.wq", {Q, D}});
-    specs.push_back({p + "attn.wk", {KV, D}});
-    specs.push_back({p + "attn.wv", {KV, D}});
-    specs.push_back({p + "attn.wo", {D, Q}});
+    if (model::layer_attention_kind(cfg, l) == model::AttentionKind::kCca) {
+      const std::int64_t C = Q + KV, W0 = cfg.cca_conv_width, W1 = cfg.cca_group_conv_width;
+      specs.push_back({p + "attn.cca.w_qk", {C, D}});  // [linear_q; linear_k]
+      specs.push_back({p + "attn.cca.w_v", {KV, D}});  // [val_proj1; val_proj2]
+      specs.push_back({p + "attn.cca.conv0.weight", {C, W0}});
+      specs.push_back({p + "attn.cca.conv0.bias", {C}});
+      specs.push_back({p + "attn.cca.conv1.weight", {C, Dh, W1}});
+      specs.push_back({p + "attn.cca.conv1.bias", {C}});
+      specs.push_back({p + "attn.cca.temp", {cfg.kv_heads}});
+      specs.push_back({p + "attn.cca.wo", {D, Q}});
+    } else {
+      specs.push_back({p + "attn.wq", {Q, D}});
+      specs.push_back({p + "attn.wk", {KV, D}});
+      specs.push_back({p + "attn.wv", {KV, D}});
+      specs.push_back({p + "attn.wo", {D, Q}});
+    }
+    if (scaled) add_res_scale(specs, p + "res_scale.mlp.", D, true);
     specs.push_back({p + "mlp_norm.weight", {D}});
     if (model::is_moe_layer(cfg, l)) {
       const std::int64_t E = cfg.experts, F = cfg.expert_hidden;
-      specs.push_back({p + "moe.router", {E, D}});
+      if (cfg.router_hidden > 0) {
+        const std::int64_t R = cfg.router_hidden, classes = E + (cfg.router_skip_expert ? 1 : 0);
+        specs.push_back({p + "moe.router.down.weight", {R, D}});
+        specs.push_back({p + "moe.router.down.bias", {R}});
+        if (moe_stage > 0) specs.push_back({p + "moe.router.eda_scale", {R}});  // no EDA on the first MoE stage
+        specs.push_back({p + "moe.router.norm.weight", {R}});
+        specs.push_back({p + "moe.router.mlp1.weight", {R, R}});
+        specs.push_back({p + "moe.router.mlp1.bias", {R}});
+        specs.push_back({p + "moe.router.mlp2.weight", {R, R}});
+        specs.push_back({p + "moe.router.mlp2.bias", {R}});
+        specs.push_back({p + "moe.router.out.weight", {classes, R}});
+      } else {
+        specs.push_back({p + "moe.router", {E, D}});
+      }
+      ++moe_stage;
       specs.push_back({p + "moe.w_gate", {E, F, D}});
       specs.push_back({p + "moe.w_up", {E, F, D}});
       specs.push_back({p + "moe.w_down", {E, D, F}});
@@ -133,6 +209,7 @@ optim::ParamLayout model_param_layout(const model::ModelConfig& cfg) {
       specs.push_back({p + "mlp.w_down", {D, F}});
     }
   }
+  if (scaled) add_res_scale(specs, "final_res_scale.", D, true);
   specs.push_back({"final_norm.weight", {D}});
   if (!cfg.tied_embeddings) specs.push_back({"lm_head.weight", {V, D}});
   return optim::assign_groups(specs, adamw_rules());
@@ -146,7 +223,10 @@ void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayo
   for (const auto& p : layout.params) {
     float* d = params + p.offset;
     if (p.ndim() == 1) {
-      std::fill(d, d + p.numel, 1.0f);
+      // Biases (router, conv, residual) 0; norms, residual scales, the EDA scale and the CCA
+      // temperatures 1 (temperature: Primus' from-scratch init, docs/zaya1_ops.md §6 #3).
+      const bool bias = p.name.ends_with("bias");
+      std::fill(d, d + p.numel, bias ? 0.0f : 1.0f);
       continue;
     }
     const bool out_proj = p.name.ends_with(".wo") || p.name.ends_with("w_down");
@@ -161,7 +241,13 @@ double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batc
   double active = 0;
   for (int l = 0; l < cfg.layers; ++l) {
     active += D * Dh * (2 * Hq + 2 * Hkv);
-    if (model::is_moe_layer(cfg, l))
+    if (model::layer_attention_kind(cfg, l) == model::AttentionKind::kCca)  // + both convs (per-token MACs)
+      active += (Hq + Hkv) * Dh * (cfg.cca_conv_width + Dh * cfg.cca_group_conv_width);
+    if (model::is_moe_layer(cfg, l) && cfg.router_hidden > 0) {
+      const double R = cfg.router_hidden, classes = cfg.experts + (cfg.router_skip_expert ? 1 : 0);
+      // skip-routed tokens run no expert: counted as routed (an upper bound)
+      active += D * R + 2 * R * R + R * classes + 3.0 * D * cfg.expert_hidden * cfg.top_k;
+    } else if (model::is_moe_layer(cfg, l))
       active += D * cfg.experts + 3.0 * D * cfg.expert_hidden * cfg.top_k;
     else
       active += 3.0 * D * cfg.ffn_hidden;
@@ -178,6 +264,7 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   ctx_.require_single("model");
   validate_trainable(cfg_, opt_);
   for (int l = 0; l < cfg_.layers; ++l) {
+    cca_layer_.push_back(model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca ? 1 : 0);
     if (model::is_moe_layer(cfg_, l)) {
       moe_index_of_layer_.push_back(static_cast<int>(moe_layer_ids_.size()));
       moe_layer_ids_.push_back(l);
@@ -185,8 +272,21 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
       moe_index_of_layer_.push_back(-1);
     }
   }
-  load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(cfg_.experts, 0));
-  bias_.assign(moe_layer_ids_.size(), std::vector<float>(cfg_.experts, 0.f));
+  cca_cfg_.hidden = cfg_.hidden;
+  cca_cfg_.q_heads = cfg_.heads;
+  cca_cfg_.kv_heads = cfg_.kv_heads;
+  cca_cfg_.head_dim = cfg_.head_dim;
+  cca_cfg_.conv0_width = cfg_.cca_conv_width;
+  cca_cfg_.conv1_width = cfg_.cca_group_conv_width;
+  zshape_.tokens = static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length;
+  zshape_.hidden = cfg_.hidden;
+  zshape_.router_hidden = cfg_.router_hidden;
+  zshape_.expert_hidden = cfg_.expert_hidden;
+  zshape_.experts = cfg_.experts;
+  zshape_.skip = cfg_.router_skip_expert;
+  const int classes = zshape_.classes();
+  load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(classes, 0));
+  bias_.assign(moe_layer_ids_.size(), std::vector<float>(classes, 0.f));
   rope_ = ops::rope::make_table(cfg_.head_dim, cfg_.rope_fraction, cfg_.rope_base,
                                 std::max(opt_.seq_length, cfg_.max_seq_len));
   allocate_params();
@@ -216,13 +316,20 @@ void MoeTransformer::allocate_params() {
     if (s.size() == 2) return Tensor(d, {s[0], s[1]});
     return Tensor(d, {s[0], s[1], s[2]});
   };
-  auto fill = [&](float* base, std::vector<LayerParams>& out, Tensor& embed, Tensor& fnorm, Tensor& head) {
+  auto fill = [&](float* base, std::vector<LayerParams>& out, Tensor& embed, Tensor& fnorm, Tensor& head,
+                  zaya::ResScale& fscale) {
     out.assign(cfg_.layers, LayerParams{});
     for (const auto& p : layout_.params) {
       const Tensor t = view(base, p);
       if (p.name == "embed.weight") { embed = t; continue; }
       if (p.name == "final_norm.weight") { fnorm = t; continue; }
       if (p.name == "lm_head.weight") { head = t; continue; }
+      if (p.name.starts_with("final_res_scale.")) {
+        Tensor* slot = res_scale_slot(fscale, p.name.substr(16));
+        if (!slot) fail("model: unmapped parameter '{}'", p.name);
+        *slot = t;
+        continue;
+      }
       const auto dot = p.name.find('.', 7);
       const int l = std::stoi(p.name.substr(7, dot - 7));
       const std::string rest = p.name.substr(dot + 1);
@@ -234,17 +341,39 @@ void MoeTransformer::allocate_params() {
       else if (rest == "attn.wo") L.wo = t;
       else if (rest == "mlp_norm.weight") L.mlp_norm = t;
       else if (rest == "moe.router") L.router = t, L.moe = true;
-      else if (rest == "moe.w_gate") L.experts.w_gate = t;
+      else if (rest == "moe.w_gate") L.experts.w_gate = t, L.moe = true;
       else if (rest == "moe.w_up") L.experts.w_up = t;
       else if (rest == "moe.w_down") L.experts.w_down = t;
       else if (rest == "mlp.w_gate") L.w_gate = t;
       else if (rest == "mlp.w_up") L.w_up = t;
       else if (rest == "mlp.w_down") L.w_down = t;
+      else if (rest == "attn.cca.w_qk") L.cca.w_qk = t;
+      else if (rest == "attn.cca.w_v") L.cca.w_v = t;
+      else if (rest == "attn.cca.conv0.weight") L.cca.conv0_w = t;
+      else if (rest == "attn.cca.conv0.bias") L.cca.conv0_b = t;
+      else if (rest == "attn.cca.conv1.weight") L.cca.conv1_w = t;
+      else if (rest == "attn.cca.conv1.bias") L.cca.conv1_b = t;
+      else if (rest == "attn.cca.temp") L.cca.temp = t;
+      else if (rest == "attn.cca.wo") L.cca.w_o = t;
+      else if (rest == "moe.router.down.weight") L.zrouter.w_down = t;
+      else if (rest == "moe.router.down.bias") L.zrouter.b_down = t;
+      else if (rest == "moe.router.eda_scale") L.zrouter.gamma = t;
+      else if (rest == "moe.router.norm.weight") L.zrouter.w_norm = t;
+      else if (rest == "moe.router.mlp1.weight") L.zrouter.w1 = t;
+      else if (rest == "moe.router.mlp1.bias") L.zrouter.b1 = t;
+      else if (rest == "moe.router.mlp2.weight") L.zrouter.w2 = t;
+      else if (rest == "moe.router.mlp2.bias") L.zrouter.b2 = t;
+      else if (rest == "moe.router.out.weight") L.zrouter.w3 = t;
+      else if (rest.starts_with("res_scale.attn.") && res_scale_slot(L.attn_scale, rest.substr(15)))
+        *res_scale_slot(L.attn_scale, rest.substr(15)) = t;
+      else if (rest.starts_with("res_scale.mlp.") && res_scale_slot(L.mlp_scale, rest.substr(14)))
+        *res_scale_slot(L.mlp_scale, rest.substr(14)) = t;
+      else fail("model: unmapped parameter '{}'", p.name);
     }
     if (cfg_.tied_embeddings) head = embed;
   };
-  fill(params_, lp_, embed_, final_norm_, lm_head_);
-  fill(grads_, lg_, d_embed_, d_final_norm_, d_lm_head_);
+  fill(params_, lp_, embed_, final_norm_, lm_head_, final_scale_);
+  fill(grads_, lg_, d_embed_, d_final_norm_, d_lm_head_, d_final_scale_);
 }
 
 std::size_t MoeTransformer::plan_acts(Arena* arena) {
@@ -269,26 +398,49 @@ std::size_t MoeTransformer::plan_acts(Arena* arena) {
   const std::int64_t Hq = cfg_.heads, Hkv = cfg_.kv_heads, Dh = cfg_.head_dim;
   const std::int64_t E = std::max(cfg_.experts, 1), K = std::max(cfg_.top_k, 1), FE = std::max(cfg_.expert_hidden, 1);
   const std::int64_t FD = std::max(cfg_.ffn_hidden, 1), SL = N * K;
+  const std::int64_t R = std::max(cfg_.router_hidden, 1), classes = zshape_.classes();
   const bool any_moe = !moe_layer_ids_.empty(), any_dense = moe_layer_ids_.size() < std::size_t(cfg_.layers);
+  const bool mlp_router = cfg_.router_hidden > 0, scaled = cfg_.residual_scaling;
+  const bool any_cca = std::count(cca_layer_.begin(), cca_layer_.end(), 1) > 0;
+  const bool any_softmax = std::count(cca_layer_.begin(), cca_layer_.end(), 0) > 0;
 
   resid_.clear();
   for (int l = 0; l <= cfg_.layers; ++l) resid_.push_back(T(fmt::format("resid.{}", l), {N, D}));
+  // Residual scaling keeps two streams: hres_[l] is the mixer output entering layer l (none
+  // for layer 0, whose stream is the embedding in resid_[0]).
+  hres_.assign(cfg_.layers + 1, Tensor());
+  if (scaled)
+    for (int l = 1; l <= cfg_.layers; ++l) hres_[l] = T(fmt::format("hres.{}", l), {N, D});
+  // The MLP router's EDA state of each MoE stage: read by the next stage in forward and in
+  // backward, so it lives outside the (possibly shared) layer workspaces.
+  eda_state_.clear();
+  if (mlp_router)
+    for (std::size_t m = 0; m < moe_layer_ids_.size(); ++m) eda_state_.push_back(T(fmt::format("eda_state.{}", m), {N, R}));
   const int sets = opt_.recompute == Recompute::kFull ? 1 : cfg_.layers;
   std::vector<LayerActs> acts(sets);
   for (int i = 0; i < sets; ++i) {
     LayerActs& a = acts[i];
     const std::string p = fmt::format("layer.{}.", i);
-    // with recompute none, layer i's set only needs its own MLP kind
+    // with recompute none, layer i's set only needs its own attention and MLP kinds
     const bool moe = sets == 1 ? any_moe : moe_index_of_layer_[i] >= 0;
     const bool dense = sets == 1 ? any_dense : !moe;
+    const bool cca = sets == 1 ? any_cca : cca_layer_[i] != 0;
+    const bool softmax = sets == 1 ? any_softmax : cca_layer_[i] == 0;
     a.h1 = T(p + "h1", {N, D});
     a.rstd1 = T(p + "rstd1", {N});
-    a.q = T(p + "q", {B, S, Hq, Dh});
-    a.k = T(p + "k", {B, S, Hkv, Dh});
-    a.v = T(p + "v", {B, S, Hkv, Dh});
-    a.att = T(p + "att", {B, S, Hq, Dh});
-    a.lse = T(p + "lse", {B, Hq, S});
+    if (softmax) {
+      a.q = T(p + "q", {B, S, Hq, Dh});
+      a.k = T(p + "k", {B, S, Hkv, Dh});
+      a.v = T(p + "v", {B, S, Hkv, Dh});
+      a.att = T(p + "att", {B, S, Hq, Dh});
+      a.lse = T(p + "lse", {B, Hq, S});
+    }
+    if (cca) {
+      const Tensor buf = T(p + "cca_saved", {ops::cca::saved_floats(cca_cfg_, B, S)});
+      if (arena) a.cca = ops::cca::carve_saved(cca_cfg_, B, S, buf.data());
+    }
     a.x_mid = T(p + "x_mid", {N, D});
+    if (scaled) a.attn_out = T(p + "attn_out", {N, D});
     a.h2 = T(p + "h2", {N, D});
     a.rstd2 = T(p + "rstd2", {N});
     if (dense) {
@@ -296,7 +448,7 @@ std::size_t MoeTransformer::plan_acts(Arena* arena) {
       a.u = T(p + "u", {N, FD});
       a.a = T(p + "a", {N, FD});
     }
-    if (moe) {
+    if (moe && !mlp_router) {
       a.rlogits = T(p + "router_logits", {N, E});
       a.probs = T(p + "router_probs", {N, E});
       a.rlse = T(p + "router_lse", {N});
@@ -304,36 +456,68 @@ std::size_t MoeTransformer::plan_acts(Arena* arena) {
       a.y = T(p + "moe_out", {N, D});
       a.idx = static_cast<std::int32_t*>(raw(p + "expert_idx", SL * sizeof(std::int32_t)));
       a.counts = static_cast<std::int64_t*>(raw(p + "counts", E * sizeof(std::int64_t)));
+    }
+    if (moe && mlp_router) {
+      // The router's `state` view in this buffer goes unused: forward points it at eda_state_.
+      const Tensor buf = T(p + "router_saved", {ops::zaya_router::saved_floats(N, R, classes)});
+      if (arena) a.zmoe.router = ops::zaya_router::carve_saved(buf.data(), N, R, classes);
+    }
+    if (moe) {
       a.saved.xs = T(p + "xs", {SL, D});
       a.saved.h_gate = T(p + "h_gate", {SL, FE});
       a.saved.h_up = T(p + "h_up", {SL, FE});
       a.saved.act = T(p + "act", {SL, FE});
       a.saved.ys = T(p + "ys", {SL, D});
+      a.zmoe.experts = a.saved;
     }
   }
   // Backward scratch, shared by all layers.
   LayerActs s;
-  s.dq = T("bwd.dq", {B, S, Hq, Dh});
-  s.dk = T("bwd.dk", {B, S, Hkv, Dh});
-  s.dv = T("bwd.dv", {B, S, Hkv, Dh});
-  s.datt = T("bwd.datt", {B, S, Hq, Dh});
+  if (any_softmax) {
+    s.dq = T("bwd.dq", {B, S, Hq, Dh});
+    s.dk = T("bwd.dk", {B, S, Hkv, Dh});
+    s.dv = T("bwd.dv", {B, S, Hkv, Dh});
+    s.datt = T("bwd.datt", {B, S, Hq, Dh});
+  }
   if (any_dense) {
     s.dg = T("bwd.dg", {N, FD});
     s.du = T("bwd.du", {N, FD});
     s.da = T("bwd.da", {N, FD});
   }
   if (any_moe) {
-    s.dgates = T("bwd.dgates", {N, K});
-    s.dlogits = T("bwd.dlogits", {N, E});
+    if (!mlp_router) {
+      s.dgates = T("bwd.dgates", {N, K});
+      s.dlogits = T("bwd.dlogits", {N, E});
+    }
     s.moe_scratch = T("bwd.moe_scratch", {ops::moe::backward_scratch_floats(SL, D, FE)});
   }
   for (auto& a : acts) {
     a.dq = s.dq, a.dk = s.dk, a.dv = s.dv, a.datt = s.datt, a.dg = s.dg, a.du = s.du, a.da = s.da;
     a.dgates = s.dgates, a.dlogits = s.dlogits, a.moe_scratch = s.moe_scratch;
   }
+  if (any_cca) cca_scratch_ = T("bwd.cca_scratch", {ops::cca::backward_scratch_floats(cca_cfg_, B, S)});
+  if (any_moe && mlp_router) {
+    zs_.xk = T("moe.xk", {N, D});
+    zs_.yk = T("moe.yk", {N, D});
+    zs_.dyk = T("bwd.moe.dyk", {N, D});
+    zs_.dxk = T("bwd.moe.dxk", {N, D});
+    zs_.dx_router = T("bwd.moe.dx_router", {N, D});
+    zs_.gk = T("moe.gk", {N, 1});
+    zs_.dgk = T("bwd.moe.dgk", {N, 1});
+    zs_.dgates = T("bwd.moe.dgates", {N, 1});
+    zs_.router = T("bwd.moe.router_scratch", {ops::zaya_router::backward_scratch_floats(N, R, classes)});
+    zs_.experts = s.moe_scratch;
+    deda_[0] = T("bwd.deda.0", {N, R});
+    deda_[1] = T("bwd.deda.1", {N, R});
+  }
   dres_ = T("bwd.dres", {N, D});
   dtmp_ = T("bwd.dtmp", {N, D});
   dtmp2_ = T("bwd.dtmp2", {N, D});
+  if (scaled) {
+    dhres_ = T("bwd.dhres", {N, D});
+    dtmp3_ = T("bwd.dtmp3", {N, D});
+    final_r_ = T("final_r", {N, D});
+  }
   final_h_ = T("final_h", {N, D});
   final_rstd_ = T("final_rstd", {N});
   ce_lse_ = T("ce_lse", {N});
@@ -369,7 +553,10 @@ Tensor MoeTransformer::grad(const std::string& name) const {
 
 void MoeTransformer::init_parameters() {
   init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_);
-  for (auto& b : bias_) std::fill(b.begin(), b.end(), 0.f);
+  for (auto& b : bias_) {
+    std::fill(b.begin(), b.end(), 0.f);
+    if (cfg_.router_skip_expert) b.back() = -1.f;  // ZAYA1: the skip class starts disfavoured
+  }
   reset_load();
 }
 
@@ -395,12 +582,15 @@ void MoeTransformer::update_router_bias() {
   reset_load();
 }
 
-void MoeTransformer::layer_forward(int l, LayerActs& a, const Tensor& x_in, const Tensor& x_out, bool count_load,
-                                   LossParts& lp) {
+// ---- attention sub-block: y = attn(a.h1) ----
+
+void MoeTransformer::attn_forward(int l, LayerActs& a, const Tensor& y) {
   const LayerParams& P = lp_[l];
-  const std::int64_t N = x_in.dim(0), D = cfg_.hidden;
-  const float eps = static_cast<float>(cfg_.norm_eps);
-  ops::rmsnorm::forward(x_in, P.attn_norm, eps, a.h1, a.rstd1);
+  const std::int64_t N = a.h1.dim(0);
+  if (cca_layer_[l]) {
+    ops::cca::forward(cca_cfg_, opt_.micro_batch, opt_.seq_length, a.h1, positions_.data(), rope_, P.cca, a.cca, y);
+    return;
+  }
   const Tensor q2 = a.q.reshaped({N, a.q.numel() / N}), k2 = a.k.reshaped({N, a.k.numel() / N}),
                v2 = a.v.reshaped({N, a.v.numel() / N});
   ops::linear::forward(a.h1, P.wq, {}, q2);
@@ -411,15 +601,54 @@ void MoeTransformer::layer_forward(int l, LayerActs& a, const Tensor& x_in, cons
   ops::rope::forward(rope_, k3, positions_.data(), k3);
   const float scale = 1.0f / std::sqrt(static_cast<float>(cfg_.head_dim));
   ops::attention::forward(a.q, a.k, a.v, scale, a.att, a.lse);
-  ops::linear::forward(a.att.reshaped({N, a.att.numel() / N}), P.wo, {}, a.x_mid);
-  add_into(a.x_mid, x_in);
-  ops::rmsnorm::forward(a.x_mid, P.mlp_norm, eps, a.h2, a.rstd2);
+  ops::linear::forward(a.att.reshaped({N, a.att.numel() / N}), P.wo, {}, y);
+}
+
+// dy: dL/dy; dh (overwritten): dL/d a.h1; scratch [N, D].
+void MoeTransformer::attn_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh, const Tensor& scratch) {
+  const LayerParams& P = lp_[l];
+  LayerParams& G = lg_[l];
+  const std::int64_t N = a.h1.dim(0);
+  if (cca_layer_[l]) {
+    ops::cca::backward(cca_cfg_, opt_.micro_batch, opt_.seq_length, a.h1, positions_.data(), rope_, P.cca, a.cca, dy,
+                       dh, G.cca, cca_scratch_);
+    return;
+  }
+  const Tensor datt2 = a.datt.reshaped({N, a.datt.numel() / N});
+  ops::linear::backward(a.att.reshaped({N, a.att.numel() / N}), P.wo, dy, datt2, G.wo, {});
+  const float scale = 1.0f / std::sqrt(static_cast<float>(cfg_.head_dim));
+  ops::attention::backward(a.q, a.k, a.v, a.att, a.lse, a.datt, scale, a.dq, a.dk, a.dv);
+  const Tensor dq3 = a.dq.reshaped({N, cfg_.heads, cfg_.head_dim}), dk3 = a.dk.reshaped({N, cfg_.kv_heads, cfg_.head_dim});
+  ops::rope::backward(rope_, dq3, positions_.data(), dq3);
+  ops::rope::backward(rope_, dk3, positions_.data(), dk3);
+  ops::linear::backward(a.h1, P.wq, a.dq.reshaped({N, a.dq.numel() / N}), dh, G.wq, {});
+  ops::linear::backward(a.h1, P.wk, a.dk.reshaped({N, a.dk.numel() / N}), scratch, G.wk, {});
+  add_into(dh, scratch);
+  ops::linear::backward(a.h1, P.wv, a.dv.reshaped({N, a.dv.numel() / N}), scratch, G.wv, {});
+  add_into(dh, scratch);
+}
+
+// ---- MLP sub-block: y = mlp(a.h2) (dense SwiGLU, or routed experts) ----
+
+zaya::MoeParams MoeTransformer::zaya_moe_params(const LayerParams& L) const { return {L.zrouter, L.experts}; }
+
+void MoeTransformer::mlp_forward(int l, LayerActs& a, bool count_load, LossParts& lp, const Tensor& y) {
+  const LayerParams& P = lp_[l];
+  const std::int64_t N = a.h2.dim(0);
   const int m = moe_index_of_layer_[l];
   if (m < 0) {
     ops::linear::forward(a.h2, P.w_gate, {}, a.g);
     ops::linear::forward(a.h2, P.w_up, {}, a.u);
     ops::swiglu::forward(a.g, a.u, a.a);
-    ops::linear::forward(a.a, P.w_down, {}, x_out);
+    ops::linear::forward(a.a, P.w_down, {}, y);
+  } else if (cfg_.router_hidden > 0) {
+    // ZAYA1 router: no aux or z loss (balancing is the bias controller's job).
+    a.zmoe.router.state = eda_state_[m];
+    const Tensor prev = m > 0 ? eda_state_[m - 1] : Tensor();
+    const Tensor bias(bias_[m].data(), {zshape_.classes()});
+    zaya::moe_forward(zshape_, zaya_moe_params(P), a.h2, prev, bias, static_cast<float>(cfg_.norm_eps), a.zmoe, zs_, y);
+    if (count_load)
+      for (int e = 0; e < zshape_.classes(); ++e) load_[m][e] += a.zmoe.router.counts[e];
   } else {
     ops::linear::forward(a.h2, P.router, {}, a.rlogits);
     ops::router::Options ro{cfg_.top_k, opt_.renormalize_gates};
@@ -430,10 +659,111 @@ void MoeTransformer::layer_forward(int l, LayerActs& a, const Tensor& x_in, cons
     if (count_load)
       for (int e = 0; e < cfg_.experts; ++e) load_[m][e] += a.counts[e];
     a.plan = ops::moe::make_plan(a.idx, N, cfg_.top_k, cfg_.experts);
-    ops::moe::forward(a.plan, a.h2, a.gates, P.experts, a.saved, x_out);
+    ops::moe::forward(a.plan, a.h2, a.gates, P.experts, a.saved, y);
   }
-  (void)D;
+}
+
+// dy: dL/dy; dh (overwritten): dL/d a.h2; scratch [N, D].
+void MoeTransformer::mlp_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh, const Tensor& scratch) {
+  const LayerParams& P = lp_[l];
+  LayerParams& G = lg_[l];
+  const int m = moe_index_of_layer_[l];
+  if (m < 0) {
+    ops::linear::backward(a.a, P.w_down, dy, a.da, G.w_down, {});
+    ops::swiglu::backward(a.g, a.u, a.da, a.dg, a.du);
+    ops::linear::backward(a.h2, P.w_gate, a.dg, dh, G.w_gate, {});
+    ops::linear::backward(a.h2, P.w_up, a.du, scratch, G.w_up, {});
+    add_into(dh, scratch);
+  } else if (cfg_.router_hidden > 0) {
+    // EDA chain: stage m + 1 left dL/d state_m in deda_[(m + 1) % 2]; this stage writes
+    // dL/d state_{m-1} into the other buffer.
+    const int nmoe = static_cast<int>(moe_layer_ids_.size());
+    const Tensor prev = m > 0 ? eda_state_[m - 1] : Tensor();
+    const Tensor dnext = m + 1 < nmoe ? deda_[(m + 1) % 2] : Tensor();
+    const Tensor dprev = m > 0 ? deda_[m % 2] : Tensor();
+    zaya::moe_backward(zshape_, zaya_moe_params(P), zaya_moe_params(G), a.h2, prev, a.zmoe, zs_, dy, dnext, dh, dprev);
+  } else {
+    ops::router::Options ro{cfg_.top_k, opt_.renormalize_gates};
+    ops::moe::backward(a.plan, a.h2, a.gates, P.experts, a.saved, dy, a.moe_scratch, dh, a.dgates, G.experts);
+    ops::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, ro, a.dgates,
+                          static_cast<float>(opt_.aux_loss_weight * cur_scale_), static_cast<float>(opt_.z_loss_weight * cur_scale_),
+                          a.dlogits);
+    ops::linear::backward(a.h2, P.router, a.dlogits, scratch, G.router, {});
+    add_into(dh, scratch);
+  }
+}
+
+// ---- plain pre-norm layer: x_mid = x + attn(n1(x)); y = x_mid + mlp(n2(x_mid)) ----
+
+void MoeTransformer::layer_forward(int l, LayerActs& a, const Tensor& x_in, const Tensor& x_out, bool count_load,
+                                   LossParts& lp) {
+  const LayerParams& P = lp_[l];
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  ops::rmsnorm::forward(x_in, P.attn_norm, eps, a.h1, a.rstd1);
+  attn_forward(l, a, a.x_mid);
+  add_into(a.x_mid, x_in);
+  ops::rmsnorm::forward(a.x_mid, P.mlp_norm, eps, a.h2, a.rstd2);
+  mlp_forward(l, a, count_load, lp, x_out);
   add_into(x_out, a.x_mid);
+}
+
+void MoeTransformer::layer_backward(int l, LayerActs& a, const Tensor& x_in, const Tensor& dres) {
+  const LayerParams& P = lp_[l];
+  LayerParams& G = lg_[l];
+  // MLP block: y = x_mid + mlp(n2(x_mid)); dres holds dL/dy.
+  mlp_backward(l, a, dres, dtmp_, dtmp2_);
+  ops::rmsnorm::backward(a.x_mid, P.mlp_norm, a.rstd2, dtmp_, dtmp2_, G.mlp_norm);
+  add_into(dres, dtmp2_);  // dres now dL/dx_mid
+  // Attention block: x_mid = x_in + attn(n1(x_in)).
+  attn_backward(l, a, dres, dtmp_, dtmp2_);
+  ops::rmsnorm::backward(x_in, P.attn_norm, a.rstd1, dtmp_, dtmp2_, G.attn_norm);
+  add_into(dres, dtmp2_);  // dres now dL/dx_in
+}
+
+// ---- ZAYA1 residual scaling: two streams (r, h) between stages ----
+// layer l takes (resid_[l], hres_[l]) (layer 0: the embedding in resid_[0] only) and gives
+//   r1 = merge_attn(r, h)   (layer 0: (emb + b_h) * s_h)      -> a.x_mid
+//   ya = attn(n1(r1))                                        -> a.attn_out
+//   r2 = merge_mlp(r1, ya)                                   -> r_out (resid_[l + 1])
+//   ym = mlp(n2(r2))                                         -> h_out (hres_[l + 1])
+// merge(r, h) = (r + r_bias) * r_scale + (h + h_bias) * h_scale (ops::residual_scale).
+
+void MoeTransformer::scaled_layer_forward(int l, LayerActs& a, const Tensor& r_out, const Tensor& h_out, bool count_load,
+                                          LossParts& lp) {
+  const LayerParams& P = lp_[l];
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  const zaya::ResScale& A = P.attn_scale;
+  const zaya::ResScale& M = P.mlp_scale;
+  if (l == 0)
+    ops::residual_scale::forward(resid_[0], A.h_bias, A.h_scale, a.x_mid);
+  else
+    ops::residual_scale::merge_forward(resid_[l], hres_[l], A.r_bias, A.r_scale, A.h_bias, A.h_scale, a.x_mid);
+  ops::rmsnorm::forward(a.x_mid, P.attn_norm, eps, a.h1, a.rstd1);
+  attn_forward(l, a, a.attn_out);
+  ops::residual_scale::merge_forward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, r_out);
+  ops::rmsnorm::forward(r_out, P.mlp_norm, eps, a.h2, a.rstd2);
+  mlp_forward(l, a, count_load, lp, h_out);
+}
+
+// In: dres_ = dL/d resid_[l + 1], dhres_ = dL/d hres_[l + 1]. Out: dres_ = dL/d resid_[l],
+// dhres_ = dL/d hres_[l] (layer 0: dres_ = dL/d embedding).
+void MoeTransformer::scaled_layer_backward(int l, LayerActs& a) {
+  const LayerParams& P = lp_[l];
+  LayerParams& G = lg_[l];
+  const zaya::ResScale &A = P.attn_scale, &M = P.mlp_scale, &dA = G.attn_scale, &dM = G.mlp_scale;
+  mlp_backward(l, a, dhres_, dtmp3_, dtmp_);                                         // dtmp3 = dL/dh2
+  ops::rmsnorm::backward(resid_[l + 1], P.mlp_norm, a.rstd2, dtmp3_, dtmp_, G.mlp_norm);
+  add_into(dres_, dtmp_);                                                             // dres = dL/dr2
+  ops::residual_scale::merge_backward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, dres_, dres_,
+                                      dtmp3_, dM.r_bias, dM.r_scale, dM.h_bias, dM.h_scale);  // dres = dL/dr1 (so far)
+  attn_backward(l, a, dtmp3_, dtmp_, dtmp2_);                                         // dtmp = dL/dh1
+  ops::rmsnorm::backward(a.x_mid, P.attn_norm, a.rstd1, dtmp_, dtmp2_, G.attn_norm);
+  add_into(dres_, dtmp2_);                                                            // dres = dL/dr1
+  if (l == 0)
+    ops::residual_scale::backward(resid_[0], A.h_bias, A.h_scale, dres_, dres_, dA.h_bias, dA.h_scale);
+  else
+    ops::residual_scale::merge_backward(resid_[l], hres_[l], A.r_bias, A.r_scale, A.h_bias, A.h_scale, dres_, dres_,
+                                        dhres_, dA.r_bias, dA.r_scale, dA.h_bias, dA.h_scale);
 }
 
 LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_t* targets) {
@@ -442,11 +772,22 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
   targets_.assign(targets, targets + N);
   LossParts lp;
   ops::embedding::forward(tokens_.data(), N, embed_, resid_[0]);
+  const bool scaled = cfg_.residual_scaling;
   for (int l = 0; l < cfg_.layers; ++l) {
     LayerActs& a = acts_[opt_.recompute == Recompute::kFull ? 0 : l];
-    layer_forward(l, a, resid_[l], resid_[l + 1], /*count_load=*/true, lp);
+    if (scaled)
+      scaled_layer_forward(l, a, resid_[l + 1], hres_[l + 1], /*count_load=*/true, lp);
+    else
+      layer_forward(l, a, resid_[l], resid_[l + 1], /*count_load=*/true, lp);
   }
-  ops::rmsnorm::forward(resid_[cfg_.layers], final_norm_, static_cast<float>(cfg_.norm_eps), final_h_, final_rstd_);
+  Tensor final_in = resid_[cfg_.layers];
+  if (scaled) {
+    const zaya::ResScale& F = final_scale_;
+    ops::residual_scale::merge_forward(resid_[cfg_.layers], hres_[cfg_.layers], F.r_bias, F.r_scale, F.h_bias,
+                                       F.h_scale, final_r_);
+    final_in = final_r_;
+  }
+  ops::rmsnorm::forward(final_in, final_norm_, static_cast<float>(cfg_.norm_eps), final_h_, final_rstd_);
   ops::cross_entropy::Options co;
   co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size);
   lp.ce = ops::cross_entropy::forward(final_h_, lm_head_, targets_.data(), co, ce_lse_, ce_scratch_);
@@ -478,61 +819,32 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
   return lp;
 }
 
-void MoeTransformer::layer_backward(int l, LayerActs& a, const Tensor& x_in, const Tensor& dres) {
-  const LayerParams& P = lp_[l];
-  LayerParams& G = lg_[l];
-  const std::int64_t N = x_in.dim(0);
-  const int m = moe_index_of_layer_[l];
-  // MLP block: y = x_mid + mlp(n2(x_mid)); dres holds dL/dy.
-  if (m < 0) {
-    ops::linear::backward(a.a, P.w_down, dres, a.da, G.w_down, {});
-    ops::swiglu::backward(a.g, a.u, a.da, a.dg, a.du);
-    ops::linear::backward(a.h2, P.w_gate, a.dg, dtmp_, G.w_gate, {});
-    ops::linear::backward(a.h2, P.w_up, a.du, dtmp2_, G.w_up, {});
-    add_into(dtmp_, dtmp2_);
-  } else {
-    ops::router::Options ro{cfg_.top_k, opt_.renormalize_gates};
-    ops::moe::backward(a.plan, a.h2, a.gates, P.experts, a.saved, dres, a.moe_scratch, dtmp_, a.dgates, G.experts);
-    ops::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, ro, a.dgates,
-                          static_cast<float>(opt_.aux_loss_weight * cur_scale_), static_cast<float>(opt_.z_loss_weight * cur_scale_),
-                          a.dlogits);
-    ops::linear::backward(a.h2, P.router, a.dlogits, dtmp2_, G.router, {});
-    add_into(dtmp_, dtmp2_);
-  }
-  ops::rmsnorm::backward(a.x_mid, P.mlp_norm, a.rstd2, dtmp_, dtmp2_, G.mlp_norm);
-  add_into(dres, dtmp2_);  // dres now dL/dx_mid
-  // Attention block: x_mid = x_in + Wo attn(...).
-  const Tensor datt2 = a.datt.reshaped({N, a.datt.numel() / N});
-  ops::linear::backward(a.att.reshaped({N, a.att.numel() / N}), P.wo, dres, datt2, G.wo, {});
-  const float scale = 1.0f / std::sqrt(static_cast<float>(cfg_.head_dim));
-  ops::attention::backward(a.q, a.k, a.v, a.att, a.lse, a.datt, scale, a.dq, a.dk, a.dv);
-  const Tensor dq3 = a.dq.reshaped({N, cfg_.heads, cfg_.head_dim}), dk3 = a.dk.reshaped({N, cfg_.kv_heads, cfg_.head_dim});
-  ops::rope::backward(rope_, dq3, positions_.data(), dq3);
-  ops::rope::backward(rope_, dk3, positions_.data(), dk3);
-  ops::linear::backward(a.h1, P.wq, a.dq.reshaped({N, a.dq.numel() / N}), dtmp_, G.wq, {});
-  ops::linear::backward(a.h1, P.wk, a.dk.reshaped({N, a.dk.numel() / N}), dtmp2_, G.wk, {});
-  add_into(dtmp_, dtmp2_);
-  ops::linear::backward(a.h1, P.wv, a.dv.reshaped({N, a.dv.numel() / N}), dtmp2_, G.wv, {});
-  add_into(dtmp_, dtmp2_);
-  ops::rmsnorm::backward(x_in, P.attn_norm, a.rstd1, dtmp_, dtmp2_, G.attn_norm);
-  add_into(dres, dtmp2_);  // dres now dL/dx_in
-}
-
 void MoeTransformer::backward(float loss_scale) {
   if (!have_forward_) fail("model: backward() without a forward()");
   cur_scale_ = loss_scale;
   const std::int64_t N = static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length;
+  const bool scaled = cfg_.residual_scaling, full = opt_.recompute == Recompute::kFull;
   ops::cross_entropy::Options co;
   co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size);
   ops::cross_entropy::backward(final_h_, lm_head_, targets_.data(), ce_lse_, loss_scale, co, ce_scratch_, dtmp_, d_lm_head_);
-  ops::rmsnorm::backward(resid_[cfg_.layers], final_norm_, final_rstd_, dtmp_, dres_, d_final_norm_);
+  ops::rmsnorm::backward(scaled ? final_r_ : resid_[cfg_.layers], final_norm_, final_rstd_, dtmp_, dres_, d_final_norm_);
+  if (scaled) {
+    const zaya::ResScale &F = final_scale_, &dF = d_final_scale_;
+    ops::residual_scale::merge_backward(resid_[cfg_.layers], hres_[cfg_.layers], F.r_bias, F.r_scale, F.h_bias,
+                                        F.h_scale, dres_, dres_, dhres_, dF.r_bias, dF.r_scale, dF.h_bias, dF.h_scale);
+  }
   for (int l = cfg_.layers - 1; l >= 0; --l) {
-    LayerActs& a = acts_[opt_.recompute == Recompute::kFull ? 0 : l];
-    if (opt_.recompute == Recompute::kFull) {
-      LossParts ignored;
-      layer_forward(l, a, resid_[l], dtmp_, /*count_load=*/false, ignored);  // output not needed again
+    LayerActs& a = acts_[full ? 0 : l];
+    LossParts ignored;
+    if (scaled) {
+      // Recompute rewrites resid_[l + 1] with the identical values (rmsnorm backward reads
+      // it); the MLP output is not needed again.
+      if (full) scaled_layer_forward(l, a, resid_[l + 1], dtmp_, /*count_load=*/false, ignored);
+      scaled_layer_backward(l, a);
+    } else {
+      if (full) layer_forward(l, a, resid_[l], dtmp_, /*count_load=*/false, ignored);  // output not needed again
+      layer_backward(l, a, resid_[l], dres_);
     }
-    layer_backward(l, a, resid_[l], dres_);
   }
   ops::embedding::backward(tokens_.data(), N, dres_, d_embed_);
   have_forward_ = false;

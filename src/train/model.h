@@ -1,18 +1,27 @@
 // MoeTransformer: a decoder-only MoE transformer assembled from the CPU reference ops
 // (src/ops), with explicit forward and backward and no autograd (docs/train.md).
 //
-// Per layer (pre-norm):  h = x + Wo attn(rope(Wq n1(x)), rope(Wk n1(x)), Wv n1(x))
-//                        y = h + mlp(n2(h)),  mlp = dense SwiGLU or routed SwiGLU experts
+// Per layer (pre-norm):  h = x + attn(n1(x)),  attn = GQA/MHA (Wo attn(rope(Wq .), rope(Wk .),
+//                        Wv .)) or ZAYA1's CCA (ops::cca)
+//                        y = h + mlp(n2(h)),  mlp = dense SwiGLU or routed SwiGLU experts (linear
+//                        top-k router, or ZAYA1's MLP router with EDA and the skip class)
 // then a final RMSNorm and the chunked cross-entropy LM head (tied to the embedding or not).
-// Loss = CE + aux_loss_weight * sum_layers aux + z_loss_weight * sum_layers z.
+// With residual_scaling (ZAYA1) the two `+` become scaled merges of two streams (residual r and
+// mixer output h): r <- (r + b_r) * s_r + (h + b_h) * s_h before each stage, and once more
+// before the final norm (docs/train.md has the exact data flow).
+// Loss = CE + aux_loss_weight * sum_layers aux + z_loss_weight * sum_layers z (linear routers
+// only: the MLP router has no aux or z loss, its balance is the bias controller's).
 //
 // Memory: three arenas. Parameters in one (named regions laid out by optim::assign_groups, so
 // the flat parameter buffer is the optimizer's buffer), gradients in a second with the same
 // offsets, activations in a third sized once from (micro_batch, seq). With recompute = full
 // only each layer's input is kept; backward re-runs the layer's forward into one shared
-// workspace before its backward (gradients identical to recompute = none).
-// Supported: attention mha/gqa, dense and MoE layers (linear router, no shared experts).
-// Anything else in the ModelConfig is rejected with a one-line keel::UsageError.
+// workspace before its backward (gradients identical to recompute = none); with residual
+// scaling both streams are kept, and the MLP routers' EDA states always are.
+// Supported: attention mha/gqa/cca, dense and MoE layers (linear router, or the ZAYA1 MLP router
+// with optional skip class; no shared experts), residual scaling. Anything else in the
+// ModelConfig (linear attention, qk_norm, shared experts) is rejected with a one-line
+// keel::UsageError.
 #pragma once
 
 #include <cstdint>
@@ -21,12 +30,14 @@
 #include <vector>
 
 #include "model/config.h"
+#include "ops/cca.h"
 #include "ops/moe.h"
 #include "ops/rope.h"
 #include "optim/param_groups.h"
 #include "tensor/arena.h"
 #include "tensor/tensor.h"
 #include "train/parallel_context.h"
+#include "train/zaya_layers.h"
 
 namespace keel::train {
 
@@ -42,6 +53,7 @@ struct ModelOptions {
   double z_loss_weight = 0.001;   // router z-loss weight
   bool renormalize_gates = true;  // gates renormalized over the top_k
   double bias_update_rate = 0.0;  // aux-loss-free balancing: bias += rate * sign(mean - load)
+                                  // (over E + 1 classes, skip included, for the MLP router)
   std::int64_t ce_chunk = 8192;
   double init_std = 0.02;
   std::uint64_t init_seed = 1234;
@@ -59,11 +71,13 @@ struct LossParts {
 // or for micro_batch / seq_length / ce_chunk out of range. Every backend calls it first.
 void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt);
 // The parameters of the model, named and laid out in the flat buffer (optimizer groups:
-// embeddings, vectors without weight decay, matrices). Shared by the CPU and GPU models so a
-// checkpoint from one loads into the other.
+// embeddings, convs, vectors without weight decay, matrices). Shared by the CPU and GPU models
+// so a checkpoint from one loads into the other. Names and order of configs without CCA, MLP
+// router or residual scaling are fixed (existing checkpoints rely on them).
 optim::ParamLayout model_param_layout(const model::ModelConfig& cfg);
-// normal(0, init_std) for matrices (output projections x 1/sqrt(2 layers)), 1 for norms; the
-// same values on every platform for a seed.
+// normal(0, init_std) for every tensor of >= 2 dims, convs included (output projections `*.wo`,
+// `*w_down` x 1/sqrt(2 layers)); 1-D: 0 for names ending in "bias", else 1 (norms, residual
+// scales, EDA scale, CCA temperatures). The same values on every platform for a seed.
 void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayout& layout, double init_std,
                            std::uint64_t seed, float* params);
 // 6 x active matmul parameters (LM head included) x tokens + causal attention, fwd + bwd.
@@ -89,8 +103,8 @@ class MoeTransformer {
   Tensor param(const std::string& name) const;
   Tensor grad(const std::string& name) const;
 
-  // Re-initializes parameters from options.init_seed (normal(0, init_std), output projections
-  // scaled by 1/sqrt(2 layers), norms 1) and zeroes the router biases.
+  // Re-initializes parameters from options.init_seed (init_model_parameters) and resets the
+  // router biases: 0, and -1 for the skip class (ZAYA1).
   void init_parameters();
   void zero_grads();
 
@@ -101,11 +115,12 @@ class MoeTransformer {
   void backward(float loss_scale = 1.0f);
 
   // MoE layers (in layer order): index of each in [0, layers) and its load counters, summed
-  // over every forward since the last reset_load().
+  // over every forward since the last reset_load(). One counter per router class: E, plus the
+  // skip class last (tokens that ran no expert) when router_skip_expert is on.
   const std::vector<int>& moe_layers() const { return moe_layer_ids_; }
   const std::vector<std::int64_t>& load(int moe_index) const { return load_[moe_index]; }
   void reset_load();
-  // Router selection biases, one [E] vector per MoE layer (state, not parameters).
+  // Router selection biases, one [classes] vector per MoE layer (state, not parameters).
   std::vector<float>& router_bias(int moe_index) { return bias_[moe_index]; }
   // Aux-loss-free balancing: bias_e += rate * sign(mean load - load_e) per MoE layer, from
   // the load counters; then resets them. No-op when the rate is 0.
@@ -120,8 +135,16 @@ class MoeTransformer {
   struct LayerActs;
   void allocate_params();
   std::size_t plan_acts(Arena* arena);  // nullptr: only count bytes
+  void attn_forward(int l, LayerActs& a, const Tensor& y);
+  void attn_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh, const Tensor& scratch);
+  zaya::MoeParams zaya_moe_params(const LayerParams& L) const;
+  void mlp_forward(int l, LayerActs& a, bool count_load, LossParts& lp, const Tensor& y);
+  void mlp_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh, const Tensor& scratch);
   void layer_forward(int l, LayerActs& a, const Tensor& x_in, const Tensor& x_out, bool count_load, LossParts& lp);
   void layer_backward(int l, LayerActs& a, const Tensor& x_in, const Tensor& dres);
+  void scaled_layer_forward(int l, LayerActs& a, const Tensor& r_out, const Tensor& h_out, bool count_load,
+                            LossParts& lp);
+  void scaled_layer_backward(int l, LayerActs& a);
 
   model::ModelConfig cfg_;
   ModelOptions opt_;
@@ -133,10 +156,18 @@ class MoeTransformer {
   ops::rope::Table rope_;
   std::vector<LayerParams> lp_, lg_;  // params and grads views per layer
   Tensor embed_, final_norm_, lm_head_, d_embed_, d_final_norm_, d_lm_head_;
+  zaya::ResScale final_scale_, d_final_scale_;  // residual scaling before the final norm
+  std::vector<char> cca_layer_;                 // per layer: attention is CCA
+  ops::cca::Config cca_cfg_;
+  zaya::Shape zshape_;                          // MLP-router MoE stages
   std::vector<LayerActs> acts_;  // one per layer (none) or one shared workspace (full)
   std::vector<Tensor> resid_;    // [layers + 1] residual stream (layer inputs, final output)
-  Tensor final_h_, final_rstd_, ce_lse_, ce_scratch_;
-  Tensor dres_, dtmp_, dtmp2_;
+  std::vector<Tensor> hres_;     // [layers + 1] residual scaling: mixer output into layer l (l >= 1)
+  std::vector<Tensor> eda_state_;  // per MoE stage: the MLP router's EDA state [N, router_hidden]
+  Tensor final_r_, final_h_, final_rstd_, ce_lse_, ce_scratch_;
+  Tensor dres_, dtmp_, dtmp2_, dtmp3_, dhres_, cca_scratch_;
+  Tensor deda_[2];  // dL/d EDA state, alternating between consecutive MoE stages
+  zaya::MoeScratch zs_;
   std::vector<std::uint32_t> tokens_;
   std::vector<std::int32_t> targets_, positions_;
   std::vector<int> moe_layer_ids_, moe_index_of_layer_;

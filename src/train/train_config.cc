@@ -5,7 +5,9 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <iterator>
 #include <set>
+#include <utility>
 
 #include <unistd.h>
 
@@ -77,6 +79,55 @@ void apply_override(YAML::Node& root, const std::string& spec, Ctx& ctx) {
   }
   n[parts.back()] = v;
   ctx.overridden.insert(key);
+}
+
+// `optimizer.muon`: a mapping (or null: the defaults, Muon off).
+void parse_muon(const YAML::Node& m, const Ctx& ctx, MuonTrainOptions& out) {
+  if (m.IsNull()) return;
+  ctx.only(m, "optimizer.muon",
+           {"enabled", "momentum", "nesterov", "ns_steps", "scale", "rms_target", "lr_scale", "weight_decay",
+            "adamw_matrices"});
+  const std::string pre = "optimizer.muon.";
+  auto num = [&](const char* k, double* f) {
+    if (m[k]) *f = ctx.get<double>(m[k], pre + k, "a number");
+  };
+  if (m["enabled"]) out.enabled = ctx.get<bool>(m["enabled"], pre + "enabled", "true or false");
+  num("momentum", &out.config.momentum);
+  if (m["nesterov"]) out.config.nesterov = ctx.get<bool>(m["nesterov"], pre + "nesterov", "true or false");
+  if (m["ns_steps"]) out.config.ns_steps = ctx.get<int>(m["ns_steps"], pre + "ns_steps", "an integer");
+  if (m["scale"]) {
+    const auto v = ctx.get<std::string>(m["scale"], pre + "scale", "match_adamw, exact_rms, keller or none");
+    try {
+      out.config.scale = parse_muon_scale(v);
+    } catch (const Error& e) {
+      ctx.bad(pre + "scale", m["scale"], e.what());
+    }
+  }
+  num("rms_target", &out.config.rms_target);
+  num("lr_scale", &out.lr_scale);
+  num("weight_decay", &out.config.weight_decay);
+  if (m["adamw_matrices"])
+    out.adamw_matrices = ctx.get<std::string>(m["adamw_matrices"], pre + "adamw_matrices", "a glob (\"*router*\")");
+  // Name the offending key: validate() says what is wrong but not where.
+  const std::pair<const char*, bool> checks[] = {
+      {"momentum", std::isfinite(out.config.momentum) && out.config.momentum >= 0 && out.config.momentum < 1},
+      {"ns_steps", out.config.ns_steps >= 1 && out.config.ns_steps <= 100},
+      {"rms_target", std::isfinite(out.config.rms_target) && out.config.rms_target > 0},
+      {"lr_scale", std::isfinite(out.lr_scale) && out.lr_scale >= 0},
+      {"weight_decay", std::isfinite(out.config.weight_decay) && out.config.weight_decay >= 0},
+  };
+  static const char* const kWhy[] = {"must be in [0, 1)", "must be in [1, 100]", "must be > 0", "must be >= 0",
+                                     "must be >= 0"};
+  for (std::size_t i = 0; i < std::size(checks); ++i)
+    if (!checks[i].second) {
+      const YAML::Node n = m[checks[i].first] ? m[checks[i].first] : m;
+      ctx.bad(pre + checks[i].first, n, kWhy[i]);
+    }
+  try {
+    validate(out);
+  } catch (const Error& e) {
+    ctx.bad("optimizer.muon", m, e.what());
+  }
 }
 
 }  // namespace
@@ -186,7 +237,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   }
   // optimizer + schedule
   if (const auto o = root["optimizer"]) {
-    ctx.only(o, "optimizer", {"lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "clip"});
+    ctx.only(o, "optimizer", {"lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "clip", "muon"});
     auto num = [&](const char* k, double* f) {
       if (o[k]) *f = ctx.get<double>(o[k], std::string("optimizer.") + k, "a number");
     };
@@ -205,6 +256,8 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     }
     if (!(c.schedule.peak_lr > 0) || !std::isfinite(c.schedule.peak_lr)) ctx.bad("optimizer.lr", o["lr"], "must be > 0");
   }
+  c.muon.config.weight_decay = c.adamw.weight_decay;  // RMS matching: Muon reuses AdamW's decay
+  if (const auto o = root["optimizer"]; o && o["muon"]) parse_muon(o["muon"], ctx, c.muon);
   if (const auto s = root["schedule"]) {
     ctx.only(s, "schedule", {"kind", "warmup_steps", "decay_fraction", "decay_shape"});
     if (s["kind"]) {

@@ -13,6 +13,7 @@
 #include "optim/adamw.h"
 #include "optim/schedule.h"
 #include "train/model.h"
+#include "train/param_rules.h"
 
 namespace keel::train {
 
@@ -27,6 +28,7 @@ struct TrainConfig {
   std::int64_t eval_batches = 4;    // `eval.batches` micro-batches per eval
   optim::AdamWConfig adamw;         // `optimizer.{beta1, beta2, eps, weight_decay}`
   double clip = 1.0;                // `optimizer.clip` (<= 0: no clipping)
+  MuonTrainOptions muon;            // `optimizer.muon.*`: Muon on the weight matrices (off by default)
   optim::LrSchedule schedule;       // `optimizer.lr`, `optimizer.min_lr`, `schedule.*`; total = steps
   int micro_batch = 1;              // `batch.micro_batch` (sequences per micro-batch)
   int grad_accum = 1;               // `batch.grad_accum`

@@ -39,8 +39,9 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
   ctx_.require_single("keel train");
   bool cuda = cfg_.device == "cuda";
   if (cfg_.device == "auto") cuda = cuda_training_available();
-  backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, cfg_.adamw, ctx_)
-                  : make_cpu_backend(cfg_.model, cfg_.model_options, cfg_.adamw, ctx_);
+  const OptimizerConfig optimizer(cfg_.adamw, cfg_.muon);
+  backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, optimizer, ctx_)
+                  : make_cpu_backend(cfg_.model, cfg_.model_options, optimizer, ctx_);
   // CPUs: about 2 cores of fp32 FMA, the CI machine's; set mfu_peak_flops for a real figure.
   if (!(cfg_.peak_flops > 0)) cfg_.peak_flops = cuda ? device_peak_bf16_flops(backend_->device()) : 1e11;
   data_ = std::make_unique<data::DataPipeline>(cfg_.data);

@@ -34,8 +34,17 @@ keel_cli_test(NAME train_missing_config EXIT 1 MATCH "^keel: error: .*nope\\.yam
   ARGS train nope.yaml)
 keel_cli_test(NAME train_missing_dataset EXIT 1 MATCH "^keel: error: .*no_such_prefix"
   ARGS train ${tcfg} --set data.datasets.stories=no_such_prefix)
-keel_cli_test(NAME train_cca_rejected EXIT 1 MATCH "^keel: error: .*supports only mha and gqa"
-  ARGS train ${tcfg} --set model=${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --set data.datasets.stories=no_such_prefix)
+keel_cli_test(NAME train_linear_attention_rejected EXIT 1 MATCH "^keel: error: .*attention 'linear': keel train supports mha, gqa and cca"
+  ARGS train ${tcfg} --set model=${PROJECT_SOURCE_DIR}/configs/lasp2-hybrid-1b.yaml --set data.datasets.stories=no_such_prefix)
+
+# ZAYA1 (CCA, MLP router with EDA and the skip class, residual scaling) on the CPU: a few steps
+# of the tiny config (docs/train.md).
+keel_cli_test(NAME train_zaya1_tiny MATCH "done: steps 0 -> 4 in .* s, loss 5\\.[0-9]+ -> "
+  ARGS train ${PROJECT_SOURCE_DIR}/configs/train/zaya1-tiny.yaml --set data.datasets.stories=train_stories
+       --set steps=4 --set log_interval=2 --set schedule.warmup_steps=2 --set data.seq_length=64
+       --set batch.micro_batch=2 --set eval.prefix=train_stories_heldout --set eval.interval=4
+       --set output_dir=train_zaya)
+set_tests_properties(cli_train_zaya1_tiny PROPERTIES FIXTURES_REQUIRED train_stories)
 
 # The real tensorboard Python package reads the event file keel's MetricsLog writes
 # (src/train/tb_writer.*, docs/train_logging.md); fails, not skips, without the package.

@@ -176,13 +176,12 @@ TEST(TrainModel, RejectsUnsupportedConfigs) {
   ModelOptions o;
   o.micro_batch = 1;
   o.seq_length = 4;
-  cfg.attention = model::AttentionKind::kCca;
-  cfg.cca_q_dim = 16, cfg.cca_k_dim = 8, cfg.cca_v_dim = 8, cfg.cca_conv_width = 2, cfg.cca_group_conv_width = 2;
+  cfg.attention = model::AttentionKind::kLinear;
   try {
     MoeTransformer m(cfg, o, ParallelContext::single());
-    FAIL() << "CCA accepted";
+    FAIL() << "linear attention accepted";
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("supports only mha and gqa"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("supports mha, gqa and cca"), std::string::npos) << e.what();
   }
   ParallelContext ctx;
   ctx.expert.size = 2;

@@ -117,18 +117,16 @@ TEST(TrainConfig, BadConfigsGiveClearErrors) {
   expect_usage_error("steps: 3\n", {}, "missing key 'model'");
 }
 
-TEST(TrainConfig, RejectsCcaModelAtBuild) {
-  const auto dir = temp_dir("cca");
+TEST(TrainConfig, RejectsLinearAttentionModelAtBuild) {
+  const auto dir = temp_dir("linear");
   const auto prefix = make_dataset(dir, "d");
   auto c = parse_train_config(config_text(prefix, dir / "out"), "t.yaml");
-  c.model.attention = model::AttentionKind::kCca;
-  c.model.cca_q_dim = 16, c.model.cca_k_dim = 8, c.model.cca_v_dim = 8, c.model.cca_conv_width = 2,
-  c.model.cca_group_conv_width = 2;
+  c.model.attention = model::AttentionKind::kLinear;
   try {
     Trainer t(c, ParallelContext::single(), true);
     FAIL();
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("supports only mha and gqa"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("supports mha, gqa and cca"), std::string::npos) << e.what();
   }
 }
 

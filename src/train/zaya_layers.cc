@@ -1,0 +1,73 @@
+#include "train/zaya_layers.h"
+
+#include <cstring>
+
+#include "common/error.h"
+
+namespace keel::train::zaya {
+namespace {
+
+// The first `rows` rows of a [N, C] buffer.
+Tensor head(const Tensor& t, std::int64_t rows) { return Tensor(t.data(), {rows, t.dim(1)}); }
+
+ops::moe::Saved head(const ops::moe::Saved& s, std::int64_t rows) {
+  return {head(s.xs, rows), head(s.h_gate, rows), head(s.h_up, rows), head(s.act, rows), head(s.ys, rows)};
+}
+
+void gather(const Tensor& src, const std::vector<std::int32_t>& rows, const Tensor& dst) {
+  const std::size_t bytes = sizeof(float) * static_cast<std::size_t>(src.dim(1));
+  for (std::size_t i = 0; i < rows.size(); ++i) std::memcpy(dst.row(std::int64_t(i)), src.row(rows[i]), bytes);
+}
+
+void scatter(const Tensor& src, const std::vector<std::int32_t>& rows, const Tensor& dst) {
+  const std::size_t bytes = sizeof(float) * static_cast<std::size_t>(dst.dim(1));
+  for (std::size_t i = 0; i < rows.size(); ++i) std::memcpy(dst.row(rows[i]), src.row(std::int64_t(i)), bytes);
+}
+
+}  // namespace
+
+void moe_forward(const Shape& s, const MoeParams& p, const Tensor& x, const Tensor& prev_state, const Tensor& bias,
+                 float eps, MoeActs& a, const MoeScratch& sc, const Tensor& y) {
+  ops::zaya_router::forward(x, prev_state, p.router, bias, eps, a.router);
+  const std::int64_t n = s.tokens;
+  a.kept.clear();
+  a.kept_idx.clear();
+  for (std::int64_t i = 0; i < n; ++i)
+    if (a.router.idx[i] < s.experts) a.kept.push_back(static_cast<std::int32_t>(i)), a.kept_idx.push_back(a.router.idx[i]);
+  // Skip rows get gate * x, every other row 0 (overwritten below by its expert output).
+  ops::zaya_router::skip_forward(x, a.router.idx.data(), a.router.gates, s.skip ? s.experts : -1, y);
+  const std::int64_t nk = static_cast<std::int64_t>(a.kept.size());
+  if (nk == 0) return;
+  a.plan = ops::moe::make_plan(a.kept_idx.data(), nk, 1, s.experts);
+  const Tensor xk = head(sc.xk, nk), gk = head(sc.gk, nk), yk = head(sc.yk, nk);
+  gather(x, a.kept, xk);
+  gather(a.router.gates, a.kept, gk);
+  ops::moe::forward(a.plan, xk, gk, p.experts, head(a.experts, nk), yk);
+  scatter(yk, a.kept, y);
+}
+
+void moe_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const Tensor& x, const Tensor& prev_state,
+                  MoeActs& a, const MoeScratch& sc, const Tensor& dy, const Tensor& dstate_next, const Tensor& dx,
+                  const Tensor& dprev_state) {
+  // Skip path first: it overwrites dx and dgates on every row (0 on routed rows).
+  ops::zaya_router::skip_backward(x, a.router.idx.data(), a.router.gates, s.skip ? s.experts : -1, dy, dx, sc.dgates);
+  const std::int64_t nk = static_cast<std::int64_t>(a.kept.size());
+  if (nk > 0) {
+    const Tensor xk = head(sc.xk, nk), gk = head(sc.gk, nk), dyk = head(sc.dyk, nk), dxk = head(sc.dxk, nk),
+                 dgk = head(sc.dgk, nk);
+    gather(x, a.kept, xk);
+    gather(a.router.gates, a.kept, gk);
+    gather(dy, a.kept, dyk);
+    ops::moe::backward(a.plan, xk, gk, p.experts, head(a.experts, nk), dyk, sc.experts, dxk, dgk, g.experts);
+    scatter(dxk, a.kept, dx);
+    scatter(dgk, a.kept, sc.dgates);
+  }
+  ops::zaya_router::backward(x, prev_state, p.router, a.router, sc.dgates, dstate_next, sc.dx_router, dprev_state,
+                             g.router, sc.router);
+  const std::int64_t total = dx.numel();
+  float* d = dx.data();
+  const float* r = sc.dx_router.data();
+  for (std::int64_t i = 0; i < total; ++i) d[i] += r[i];
+}
+
+}  // namespace keel::train::zaya

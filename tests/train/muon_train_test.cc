@@ -1,0 +1,424 @@
+// Muon in keel train on the CPU: the group rules (offsets unchanged, matrices to Muon), one
+// backend step equal bit for bit to optim's AdamW and Muon on the same clipped gradients, a loss
+// that falls, bit-exact resume through a checkpoint, and clear errors for bad `optimizer.muon`
+// keys and for Muon momentum resumed into an AdamW run.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "data/indexed_dataset.h"
+#include "optim/adamw.h"
+#include "optim/clip.h"
+#include "optim/muon.h"
+#include "train/backend.h"
+#include "train/param_rules.h"
+#include "train/trainer.h"
+
+namespace keel::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+model::ModelConfig tiny_config(bool tied) {
+  model::ModelConfig m;
+  m.name = "muon-tiny";
+  m.vocab_size = 23;
+  m.hidden = 16;
+  m.layers = 2;
+  m.attention = model::AttentionKind::kGqa;
+  m.heads = 4;
+  m.kv_heads = 2;
+  m.head_dim = 4;
+  m.ffn_hidden = 24;
+  m.experts = 4;
+  m.top_k = 2;
+  m.expert_hidden = 12;
+  m.first_dense_layers = 1;  // layer 0 dense, layer 1 MoE
+  m.tied_embeddings = tied;
+  m.rope_fraction = 1.0;
+  m.max_seq_len = 64;
+  return m;
+}
+
+ModelOptions tiny_options() {
+  ModelOptions o;
+  o.micro_batch = 2;
+  o.seq_length = 8;
+  return o;
+}
+
+MuonTrainOptions muon_on() {
+  MuonTrainOptions m;
+  m.enabled = true;
+  return m;
+}
+
+struct Batch {
+  std::vector<std::uint32_t> tokens;
+  std::vector<std::int32_t> targets;
+};
+
+Batch random_batch(int n, int vocab, std::uint64_t seed) {
+  Batch b;
+  std::uint64_t s = seed;
+  for (int i = 0; i < n; ++i) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    b.tokens.push_back(static_cast<std::uint32_t>((s >> 33) % vocab));
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    b.targets.push_back(static_cast<std::int32_t>((s >> 33) % vocab));
+  }
+  return b;
+}
+
+const optim::ParamInfo& find(const optim::ParamLayout& l, const std::string& name) {
+  for (const auto& p : l.params)
+    if (p.name == name) return p;
+  throw Error("no parameter " + name);
+}
+
+TEST(TrainParamRules, AdamWRulesMatchTheModelLayout) {
+  for (bool tied : {false, true}) {
+    const auto layout = model_param_layout(tiny_config(tied));
+    const auto again = regroup_layout(layout, train_group_rules(MuonTrainOptions{}));
+    ASSERT_EQ(again.params.size(), layout.params.size());
+    for (std::size_t i = 0; i < layout.params.size(); ++i) {
+      const auto &a = layout.params[i], &b = again.params[i];
+      EXPECT_EQ(a.group, b.group) << a.name;
+      EXPECT_EQ(a.optimizer, b.optimizer) << a.name;
+      EXPECT_EQ(a.weight_decay, b.weight_decay) << a.name;
+      EXPECT_EQ(a.lr_scale, b.lr_scale) << a.name;
+      EXPECT_EQ(a.offset, b.offset) << a.name;
+    }
+  }
+}
+
+// ZAYA1 layers: CCA (conv weights, temperatures), the MLP router, residual scales.
+model::ModelConfig zaya_config() {
+  model::ModelConfig m = tiny_config(false);
+  m.attention = model::AttentionKind::kCca;
+  m.cca_q_dim = 16, m.cca_k_dim = 8, m.cca_v_dim = 8, m.cca_conv_width = 2, m.cca_group_conv_width = 2;
+  m.router_hidden = 8;
+  m.router_mlp_layers = 3;
+  m.top_k = 1;
+  m.residual_scaling = true;
+  return m;
+}
+
+TEST(TrainParamRules, ZayaLayersGroups) {
+  const auto base = model_param_layout(zaya_config());
+  const auto again = regroup_layout(base, train_group_rules(MuonTrainOptions{}));
+  for (std::size_t i = 0; i < base.params.size(); ++i) {
+    EXPECT_EQ(again.params[i].group, base.params[i].group) << base.params[i].name;
+    EXPECT_EQ(again.params[i].weight_decay, base.params[i].weight_decay) << base.params[i].name;
+  }
+  const auto l = regroup_layout(base, train_group_rules(muon_on()));
+  for (const auto& p : l.params) {
+    const bool conv = p.name.find("conv") != std::string::npos;
+    const bool muon = p.ndim() >= 2 && !conv && p.name != "embed.weight" && p.name != "lm_head.weight";
+    EXPECT_EQ(p.optimizer, muon ? optim::OptimizerKind::kMuon : optim::OptimizerKind::kAdamW) << p.name;
+    if (conv && p.ndim() >= 2) EXPECT_EQ(p.group, "convs") << p.name;
+  }
+}
+
+TEST(TrainParamRules, MuonRulesTakeTheMatricesAndKeepOffsets) {
+  const auto base = model_param_layout(tiny_config(false));
+  MuonTrainOptions m = muon_on();
+  m.lr_scale = 0.5;
+  const auto l = regroup_layout(base, train_group_rules(m));
+  ASSERT_EQ(l.total_floats, base.total_floats);
+  for (std::size_t i = 0; i < l.params.size(); ++i) {
+    const auto& p = l.params[i];
+    EXPECT_EQ(p.offset, base.params[i].offset) << p.name;
+    EXPECT_EQ(p.name, base.params[i].name);
+    const bool matrix = p.ndim() >= 2 && p.name != "embed.weight" && p.name != "lm_head.weight";
+    EXPECT_EQ(p.optimizer, matrix ? optim::OptimizerKind::kMuon : optim::OptimizerKind::kAdamW) << p.name;
+    EXPECT_EQ(p.lr_scale, matrix ? 0.5 : 1.0) << p.name;
+    EXPECT_EQ(p.weight_decay, p.ndim() >= 2) << p.name;
+  }
+  EXPECT_EQ(find(l, "layers.1.moe.w_up").matrices(), 4);  // the expert stack: 4 matrices [12, 16]
+  EXPECT_EQ(find(l, "layers.1.moe.router").optimizer, optim::OptimizerKind::kMuon);
+
+  // routers kept on AdamW by glob
+  m.adamw_matrices = "*router*";
+  const auto k = regroup_layout(base, train_group_rules(m));
+  EXPECT_EQ(find(k, "layers.1.moe.router").optimizer, optim::OptimizerKind::kAdamW);
+  EXPECT_EQ(find(k, "layers.1.moe.router").group, "matrices_adamw");
+  EXPECT_TRUE(find(k, "layers.1.moe.router").weight_decay);
+  EXPECT_EQ(find(k, "layers.1.moe.w_gate").optimizer, optim::OptimizerKind::kMuon);
+  const auto share = optimizer_share(k, optim::OptimizerKind::kMuon);
+  EXPECT_EQ(share.tensors, 4 + 3 + 4 + 3);  // wq wk wv wo per layer, dense mlp, experts
+}
+
+// One backend step against optim's own AdamW and Muon on the same gradients and clip
+// coefficient: bit for bit (the same code on the same inputs), clipping active.
+TEST(MuonTrain, BackendStepIsAdamWPlusMuon) {
+  const auto cfg = tiny_config(false);
+  optim::AdamWConfig ac;
+  ac.weight_decay = 0.05;
+  MuonTrainOptions mo = muon_on();
+  mo.lr_scale = 0.7;
+  mo.config.weight_decay = 0.02;
+  auto b = make_cpu_backend(cfg, tiny_options(), OptimizerConfig(ac, mo), ParallelContext::single());
+  const auto& layout = b->layout();
+  const Batch batch = random_batch(16, 23, 3);
+  const double lr = 3e-3, max_norm = 0.05;
+  for (int step = 1; step <= 2; ++step) {  // the second step sees non-zero momentum
+    b->zero_grads();
+    b->forward(batch.tokens.data(), batch.targets.data());
+    b->backward(1.0f);
+    std::vector<float> g = b->gradients();
+    const TrainState before = b->state();
+    const StepResult r = b->clip_and_step(max_norm, lr);
+    const TrainState after = b->state();
+    const auto clip = optim::clip_grad_norm_deferred(optim::grad_views(layout, g.data()), max_norm);
+    ASSERT_EQ(r.grad_norm, clip.norm);
+    ASSERT_LT(clip.coefficient, 1.0) << "clipping should be active";
+    std::vector<float> p = before.params, m = before.adam_m, v = before.adam_v;
+    std::vector<float> scratch(static_cast<std::size_t>(muon_scratch_floats(layout)));
+    for (const auto& q : layout.params) {
+      const std::int64_t o = q.offset;
+      if (q.optimizer == optim::OptimizerKind::kAdamW)
+        optim::adamw_update(&p[o], &g[o], &m[o], &v[o], q.numel, ac, step, lr * q.lr_scale, q.weight_decay,
+                            static_cast<float>(clip.coefficient));
+      else
+        optim::muon_matrix_step(&p[o], &g[o], &m[o], q.matrices(), q.rows(), q.cols(), mo.config, lr * q.lr_scale,
+                                q.weight_decay, static_cast<float>(clip.coefficient), scratch.data());
+    }
+    for (const auto& q : layout.params) {
+      const auto o = static_cast<std::size_t>(q.offset), n = static_cast<std::size_t>(q.numel);
+      EXPECT_EQ(0, std::memcmp(&after.params[o], &p[o], n * sizeof(float))) << q.name << " step " << step;
+      EXPECT_EQ(0, std::memcmp(&after.adam_m[o], &m[o], n * sizeof(float))) << q.name << " step " << step;
+      EXPECT_EQ(0, std::memcmp(&after.adam_v[o], &v[o], n * sizeof(float))) << q.name << " step " << step;
+      bool moved = false, v_zero = true;
+      for (std::size_t i = o; i < o + n; ++i) moved |= after.params[i] != before.params[i], v_zero &= after.adam_v[i] == 0.f;
+      EXPECT_TRUE(moved) << q.name << " did not change";
+      if (q.optimizer == optim::OptimizerKind::kMuon) EXPECT_TRUE(v_zero) << q.name << ": Muon leaves v at zero";
+    }
+    EXPECT_EQ(after.adamw_step, step);
+  }
+}
+
+TEST(MuonTrain, OverfitsOneBatch) {
+  const auto cfg = tiny_config(true);
+  optim::AdamWConfig ac;
+  ac.weight_decay = 0.0;
+  auto b = make_cpu_backend(cfg, tiny_options(), OptimizerConfig(ac, muon_on()), ParallelContext::single());
+  const Batch batch = random_batch(16, 23, 5);
+  double first = 0, last = 0;
+  for (int step = 0; step < 60; ++step) {
+    b->zero_grads();
+    const double ce = b->forward(batch.tokens.data(), batch.targets.data()).ce;
+    b->backward(1.0f);
+    if (step == 0) first = ce;
+    last = ce;
+    b->clip_and_step(1.0, 2e-2);
+    b->update_router_bias();
+  }
+  std::printf("[muon overfit] ce %.4f -> %.4f\n", first, last);
+  EXPECT_LT(last, 0.2 * first);
+}
+
+TEST(MuonTrain, MuonStateIntoAnAdamWRunIsRefused) {
+  const auto cfg = tiny_config(false);
+  auto muon = make_cpu_backend(cfg, tiny_options(), OptimizerConfig({}, muon_on()), ParallelContext::single());
+  const Batch batch = random_batch(16, 23, 9);
+  muon->zero_grads();
+  muon->forward(batch.tokens.data(), batch.targets.data());
+  muon->backward(1.0f);
+  muon->clip_and_step(1.0, 1e-3);
+  const TrainState st = muon->state();
+  auto adamw = make_cpu_backend(cfg, tiny_options(), {}, ParallelContext::single());
+  try {
+    adamw->set_state(st);
+    FAIL() << "accepted Muon momentum for AdamW parameters";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Muon momentum"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("optimizer.muon.enabled"), std::string::npos) << e.what();
+  }
+  // AdamW state into a Muon run: a warm start, accepted
+  auto other = make_cpu_backend(cfg, tiny_options(), OptimizerConfig({}, muon_on()), ParallelContext::single());
+  adamw->zero_grads();
+  adamw->forward(batch.tokens.data(), batch.targets.data());
+  adamw->backward(1.0f);
+  adamw->clip_and_step(1.0, 1e-3);
+  EXPECT_NO_THROW(other->set_state(adamw->state()));
+}
+
+// --- through the trainer and the config ---
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / ("keel_muon_train_test_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+std::string make_dataset(const fs::path& dir) {
+  const std::string prefix = (dir / "d").string();
+  data::IndexedDatasetWriter w(prefix, data::TokenDtype::kUint16);
+  for (int d = 0; d < 40; ++d) {
+    std::vector<std::uint32_t> t;
+    for (int i = 0; i < 30 + d % 7; ++i) t.push_back(static_cast<std::uint32_t>((d + i) % 20));
+    w.add_document(t);
+  }
+  w.finish();
+  return prefix;
+}
+
+std::string config_text(const std::string& prefix, const fs::path& out) {
+  return R"(
+device: cpu
+model:
+  vocab_size: 24
+  hidden: 16
+  layers: 2
+  attention: gqa
+  heads: 4
+  kv_heads: 2
+  ffn_hidden: 32
+  experts: 4
+  top_k: 2
+  expert_hidden: 16
+  first_dense_layers: 1
+  max_seq_len: 64
+router:
+  bias_update_rate: 0.01
+data:
+  datasets: {train: )" + prefix + R"(}
+  seq_length: 16
+  seed: 7
+optimizer:
+  lr: 0.01
+  weight_decay: 0.01
+  clip: 1.0
+  muon:
+    enabled: true
+    momentum: 0.9
+schedule:
+  kind: cosine
+  warmup_steps: 2
+batch:
+  micro_batch: 2
+  grad_accum: 2
+steps: 12
+log_interval: 4
+output_dir: )" + out.string() + "\n";
+}
+
+TEST(MuonTrainConfig, ParsesAndDefaults) {
+  const auto dir = temp_dir("cfg");
+  const auto prefix = make_dataset(dir);
+  const auto c = parse_train_config(config_text(prefix, dir / "o"), "t.yaml",
+                                    {"optimizer.muon.scale=exact_rms", "optimizer.muon.lr_scale=0.5",
+                                     "optimizer.muon.adamw_matrices='*router*'", "optimizer.muon.nesterov=false"});
+  EXPECT_TRUE(c.muon.enabled);
+  EXPECT_DOUBLE_EQ(c.muon.config.momentum, 0.9);
+  EXPECT_FALSE(c.muon.config.nesterov);
+  EXPECT_EQ(c.muon.config.ns_steps, 5);
+  EXPECT_EQ(c.muon.config.scale, optim::MuonScale::kExactRms);
+  EXPECT_DOUBLE_EQ(c.muon.config.rms_target, 0.2);
+  EXPECT_DOUBLE_EQ(c.muon.config.weight_decay, 0.01) << "defaults to optimizer.weight_decay";
+  EXPECT_DOUBLE_EQ(c.muon.lr_scale, 0.5);
+  EXPECT_EQ(c.muon.adamw_matrices, "*router*");
+  const auto d = parse_train_config(config_text(prefix, dir / "o"), "t.yaml", {"optimizer.muon.weight_decay=0"});
+  EXPECT_DOUBLE_EQ(d.muon.config.weight_decay, 0.0);
+  EXPECT_DOUBLE_EQ(d.adamw.weight_decay, 0.01);
+  // off unless enabled
+  const auto e = parse_train_config(config_text(prefix, dir / "o"), "t.yaml", {"optimizer.muon.enabled=false"});
+  EXPECT_FALSE(e.muon.enabled);
+}
+
+void expect_usage_error(const std::string& text, const std::vector<std::string>& sets, const std::string& needle) {
+  try {
+    parse_train_config(text, "bad.yaml", sets);
+    FAIL() << "accepted; expected an error containing: " << needle;
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "multi-line error: " << e.what();
+  }
+}
+
+TEST(MuonTrainConfig, BadKeysGiveClearErrors) {
+  const auto dir = temp_dir("bad");
+  const auto prefix = make_dataset(dir);
+  const std::string good = config_text(prefix, dir / "o");
+  expect_usage_error(good, {"optimizer.muon.beta=0.9"}, "unknown key 'optimizer.muon.beta' (from --set) (known: enabled,");
+  expect_usage_error(good, {"optimizer.muon.momentum=1"}, "key 'optimizer.muon.momentum' (from --set): must be in [0, 1)");
+  expect_usage_error(good, {"optimizer.muon.momentum=fast"}, "key 'optimizer.muon.momentum' (from --set): must be a number");
+  expect_usage_error(good, {"optimizer.muon.ns_steps=0"}, "key 'optimizer.muon.ns_steps' (from --set): must be in [1, 100]");
+  expect_usage_error(good, {"optimizer.muon.ns_steps=2.5"}, "optimizer.muon.ns_steps' (from --set): must be an integer");
+  expect_usage_error(good, {"optimizer.muon.scale=spectral"},
+                     "key 'optimizer.muon.scale' (from --set): unknown Muon scale 'spectral' (match_adamw, exact_rms");
+  expect_usage_error(good, {"optimizer.muon.rms_target=0"}, "key 'optimizer.muon.rms_target' (from --set): must be > 0");
+  expect_usage_error(good, {"optimizer.muon.lr_scale=-1"}, "key 'optimizer.muon.lr_scale' (from --set): must be >= 0");
+  expect_usage_error(good, {"optimizer.muon.weight_decay=-0.1"}, "key 'optimizer.muon.weight_decay' (from --set): must be >= 0");
+  expect_usage_error(good, {"optimizer.muon.enabled=maybe"}, "key 'optimizer.muon.enabled' (from --set): must be true or false");
+  expect_usage_error(good, {"optimizer.muon=3"}, "key 'optimizer.muon' (from --set): must be a mapping");
+  std::string in_file = good;
+  in_file.replace(in_file.find("momentum: 0.9"), 13, "momentun: 0.9");
+  expect_usage_error(in_file, {}, "bad.yaml: unknown key 'optimizer.muon.momentun' (line");
+}
+
+// A 4-D matrix (not a model parameter today) has no Muon rule: a clear error naming it.
+TEST(MuonTrainConfig, UnassignableParameterIsNamed) {
+  optim::ParamLayout l = optim::assign_groups({{"x.weight", {2, 3}}, {"odd.kernel", {2, 2, 2, 2}}},
+                                              train_group_rules(MuonTrainOptions{}));
+  try {
+    regroup_layout(l, train_group_rules(muon_on()));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'odd.kernel' [2, 2, 2, 2] matches no group rule"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(MuonTrain, ResumeIsBitExact) {
+  const auto dir = temp_dir("resume");
+  const auto prefix = make_dataset(dir);
+  auto cfg = parse_train_config(config_text(prefix, dir / "a"), "t.yaml");
+  Trainer a(cfg, ParallelContext::single(), true);
+  const auto sa = a.run();
+  ASSERT_EQ(sa.size(), 12u);
+  EXPECT_LT(sa.back().ce, sa.front().ce);
+  std::printf("[muon trainer] loss %.4f -> %.4f\n", sa.front().loss, sa.back().loss);
+  cfg.output_dir = cfg.checkpoint_dir = (dir / "b").string();
+  std::vector<StepStats> sb;
+  {
+    Trainer b(cfg, ParallelContext::single(), true);
+    sb = b.run(5);
+    b.save_checkpoint(b.checkpoint_path(5));
+  }
+  Trainer c(cfg, ParallelContext::single(), true);
+  c.resume((dir / "b").string());
+  EXPECT_EQ(c.step(), 5);
+  const auto sc = c.run();
+  sb.insert(sb.end(), sc.begin(), sc.end());
+  ASSERT_EQ(sb.size(), sa.size());
+  for (std::size_t i = 0; i < sa.size(); ++i) {
+    EXPECT_EQ(sa[i].loss, sb[i].loss) << "step " << i + 1;
+    EXPECT_EQ(sa[i].grad_norm, sb[i].grad_norm) << "step " << i + 1;
+  }
+  const TrainState x = a.backend().state(), y = c.backend().state();
+  EXPECT_EQ(0, std::memcmp(x.params.data(), y.params.data(), x.params.size() * sizeof(float)));
+  EXPECT_EQ(x.adam_m, y.adam_m);
+  EXPECT_EQ(x.adam_v, y.adam_v);
+  // the Muon run's checkpoint refuses to resume without Muon
+  auto off = cfg;
+  off.muon.enabled = false;
+  Trainer d(off, ParallelContext::single(), true);
+  try {
+    d.resume((dir / "b").string());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Muon momentum"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace keel::train
