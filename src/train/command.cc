@@ -18,10 +18,10 @@ void add_command(CLI::App& app) {
     std::int64_t until = -1;
   };
   auto args = std::make_shared<Args>();
-  CLI::App* cmd = app.add_subcommand("train", "Train a decoder-only MoE transformer from a YAML training config (CPU)");
+  CLI::App* cmd = app.add_subcommand("train", "Train a decoder-only MoE transformer from a YAML training config (one GPU, or the CPU)");
   cmd->add_option("config", args->config, "Training config (YAML)")->required();
   cmd->add_option("--set", args->sets, "Override a config key: --set optimizer.lr=1e-3 (repeatable)");
-  cmd->add_option("--resume", args->resume, "Continue from a checkpoint file, or the newest one in a directory");
+  cmd->add_option("--resume", args->resume, "Continue from a checkpoint: a checkpoint.dir root (its latest) or one step directory");
   cmd->add_option("--stop-after", args->until,
                   "Stop after this many optimizer steps in total (the schedule still spans `steps`); saves a checkpoint");
   cmd->callback([args] {
@@ -32,9 +32,8 @@ void add_command(CLI::App& app) {
     const std::int64_t start = t.step();
     const auto stats = t.run(args->until);
     if (args->until >= 0 && t.step() < cfg.steps) {
-      const std::string p = t.checkpoint_path(t.step());
-      t.save_checkpoint(p);
-      std::printf("saved %s\n", p.c_str());
+      t.save_checkpoint();
+      t.finish_checkpoint();
     }
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!stats.empty())

@@ -293,7 +293,11 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   if (root["output_dir"]) c.output_dir = ctx.get<std::string>(root["output_dir"], "output_dir", "a directory");
   c.checkpoint_dir = c.output_dir;
   if (const auto k = root["checkpoint"]) {
-    ctx.only(k, "checkpoint", {"dir", "interval", "final"});
+    ctx.only(k, "checkpoint", {"dir", "interval", "final", "keep_last", "keep_every"});
+    if (k["keep_last"]) c.checkpoint_keep_last = ctx.get<int>(k["keep_last"], "checkpoint.keep_last", "an integer");
+    if (k["keep_every"]) c.checkpoint_keep_every = ctx.get<int>(k["keep_every"], "checkpoint.keep_every", "an integer");
+    if (c.checkpoint_keep_last < 0) ctx.bad("checkpoint.keep_last", k["keep_last"], "must be >= 0");
+    if (c.checkpoint_keep_every < 0) ctx.bad("checkpoint.keep_every", k["keep_every"], "must be >= 0");
     if (k["final"]) c.checkpoint_final = ctx.get<bool>(k["final"], "checkpoint.final", "true or false");
     if (k["dir"]) c.checkpoint_dir = ctx.get<std::string>(k["dir"], "checkpoint.dir", "a directory");
     if (k["interval"]) c.checkpoint_interval = ctx.get<std::int64_t>(k["interval"], "checkpoint.interval", "an integer");

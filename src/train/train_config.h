@@ -38,6 +38,8 @@ struct TrainConfig {
   std::string checkpoint_dir;       // `checkpoint.dir` (default: output_dir)
   std::int64_t checkpoint_interval = 0;  // `checkpoint.interval` (0: only at the end)
   bool checkpoint_final = true;     // `checkpoint.final`: save when training ends (off for benchmarks)
+  int checkpoint_keep_last = 0;     // `checkpoint.keep_last`: newest K kept (0: all)
+  int checkpoint_keep_every = 0;    // `checkpoint.keep_every`: also every step divisible by M
   bool tensorboard = false;
   double peak_flops = 0;            // `mfu_peak_flops`: FLOP/s that MFU is measured against (0: the
                                     // GPU's dense bf16 peak from its hardware profile; 1e11 on CPUs)

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "ckpt/store.h"
 #include "common/error.h"
 #include "common/fileio.h"
 #include "optim/clip.h"
@@ -16,13 +17,6 @@
 
 namespace keel::train {
 namespace {
-
-constexpr char kMagic[8] = {'K', 'E', 'E', 'L', 'T', 'R', 'N', '1'};
-
-std::uint64_t fnv1a(const char* p, std::size_t n, std::uint64_t h = 1469598103934665603ull) {
-  for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(p[i])) * 1099511628211ull;
-  return h;
-}
 
 std::string num(double x) {
   if (std::isnan(x)) return "NaN";
@@ -65,7 +59,7 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
 Trainer::~Trainer() = default;
 
 std::string Trainer::checkpoint_path(std::int64_t step) const {
-  return (std::filesystem::path(cfg_.checkpoint_dir) / fmt::format("checkpoint-{:08d}.keel", step)).string();
+  return (std::filesystem::path(cfg_.checkpoint_dir) / ckpt::step_dir_name(step)).string();
 }
 
 StepStats Trainer::train_step() {
@@ -182,13 +176,11 @@ std::vector<StepStats> Trainer::run(std::int64_t until) {
       if (!quiet_) std::printf("eval   %6lld | loss %.4f\n", static_cast<long long>(step_), e);
       log_->scalars(step_, {{"eval_loss", e}});
     }
-    if ((cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0) || (last && cfg_.checkpoint_final)) {
-      const std::string p = checkpoint_path(step_);
-      save_checkpoint(p);
-      if (!quiet_) std::printf("saved %s\n", p.c_str());
-    }
+    if ((cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0) || (last && cfg_.checkpoint_final))
+      save_checkpoint();
     std::fflush(stdout);
   }
+  finish_checkpoint();  // a run ends with its last checkpoint committed
   log_->flush();
   return out;
 }
@@ -214,112 +206,64 @@ double Trainer::evaluate() {
   return sum / static_cast<double>(cfg_.eval_batches);
 }
 
-// File: magic "KEELTRN1", u64 header length, JSON header, then the blobs the header lists,
-// back to back: parameters, AdamW m, AdamW v (layout.total_floats fp32 each), router biases.
-void Trainer::save_checkpoint(const std::string& path) const {
-  const TrainState st = backend_->state();
-  const std::size_t pbytes = st.params.size() * sizeof(float);
-  std::vector<float> biases;
-  for (const auto& b : st.router_bias) biases.insert(biases.end(), b.begin(), b.end());
-  std::string blobs;
-  blobs.append(reinterpret_cast<const char*>(st.params.data()), pbytes);
-  blobs.append(reinterpret_cast<const char*>(st.adam_m.data()), pbytes);
-  blobs.append(reinterpret_cast<const char*>(st.adam_v.data()), pbytes);
-  blobs.append(reinterpret_cast<const char*>(biases.data()), biases.size() * sizeof(float));
-  nlohmann::json h;
-  h["format"] = "keel.train.checkpoint/1";
-  h["step"] = step_;
-  h["adamw_step"] = st.adamw_step;
-  h["model"] = cfg_.model.name;
-  h["total_floats"] = backend_->layout().total_floats;
-  h["blobs"] = nlohmann::json::array({{{"name", "params"}, {"bytes", pbytes}},
-                                      {{"name", "adamw.m"}, {"bytes", pbytes}},
-                                      {{"name", "adamw.v"}, {"bytes", pbytes}},
-                                      {{"name", "router_bias"}, {"bytes", biases.size() * sizeof(float)}}});
-  nlohmann::json params = nlohmann::json::array();
-  for (const auto& p : backend_->layout().params) params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}});
-  h["params"] = params;
-  h["sampler"] = loader_->state();
-  h["rng"] = {{"init_seed", cfg_.seed}};  // the loop draws no random numbers beyond the sampler's
-  h["checksum"] = fnv1a(blobs.data(), blobs.size());
-  const std::string header = h.dump();
-  std::string file(kMagic, 8);
-  const std::uint64_t hl = header.size();
-  file.append(reinterpret_cast<const char*>(&hl), 8);
-  file += header;
-  file += blobs;
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path().empty()
-                                          ? std::filesystem::path(".")
-                                          : std::filesystem::path(path).parent_path());
-  write_file_atomically(path, file);
+void Trainer::save_checkpoint() {
+  if (!ckpt_) {
+    TrainCheckpointOptions o;
+    o.keep_last = cfg_.checkpoint_keep_last;
+    o.keep_every = cfg_.checkpoint_keep_every;
+    ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const TrainState st = backend_->state();  // the device-to-host copy (a memcpy on the CPU)
+  nlohmann::json extra;
+  extra["model"] = cfg_.model.name;
+  extra["sampler"] = loader_->state();
+  extra["rng"] = {{"init_seed", cfg_.seed}};  // the loop draws no random numbers beyond the sampler's
+  extra["config"] = cfg_.text;
+  extra["device"] = backend_->device();
+  // save() first completes the previous save (its commit line prints here).
+  finish_checkpoint();
+  ckpt_->save(step_, st, backend_->layout(), extra);
+  const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  log_->scalars(step_, {{"checkpoint_stall_s", stall}});
+  if (!quiet_)
+    std::printf("checkpoint step %lld: training stalled %.3f s (state copy and staging); writing in the background\n",
+                static_cast<long long>(step_), stall);
+}
+
+void Trainer::finish_checkpoint() {
+  if (!ckpt_) return;
+  const auto stats = ckpt_->finish();
+  if (!stats) return;
+  log_->scalars(stats->step, {{"checkpoint_write_gbps", stats->write_gbps()}});
+  if (!quiet_)
+    std::printf("saved %s (%.1f MiB in %d files, %.2f GB/s)\n", stats->dir.c_str(), stats->bytes / 1048576.0,
+                stats->files, stats->write_gbps());
 }
 
 void Trainer::resume(const std::string& path_in) {
   std::string path = path_in;
-  if (std::filesystem::is_directory(path)) {
-    std::string best;
-    for (const auto& e : std::filesystem::directory_iterator(path)) {
-      const std::string n = e.path().filename().string();
-      if (n.rfind("checkpoint-", 0) == 0 && n.ends_with(".keel") && n > best) best = n;
+  if (is_ckpt_directory(path)) {
+    const TrainState like = backend_->state();  // the router bias shapes
+    LoadedTrainState got;
+    try {
+      got = load_train_checkpoint(path, backend_->layout(), like);
+    } catch (const Error& e) {
+      throw Error(fmt::format("--resume {}: {}", path, e.what()));
     }
-    if (best.empty()) throw UsageError(fmt::format("--resume {}: no checkpoint-*.keel in that directory", path));
-    path = (std::filesystem::path(path) / best).string();
+    backend_->set_state(got.state);
+    try {
+      loader_->restore(got.extra.at("sampler"));
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("checkpoint {}: sampler state: {}", got.dir, e.what()));
+    }
+    step_ = got.extra.at("step").get<std::int64_t>();
+    if (!quiet_) std::printf("resumed from %s at step %lld\n", got.dir.c_str(), static_cast<long long>(step_));
+    return;
   }
-  const std::string file = read_file(path);
-  auto bad = [&](const std::string& why) { throw Error(fmt::format("checkpoint {}: {}", path, why)); };
-  if (file.size() < 16 || std::memcmp(file.data(), kMagic, 8) != 0) bad("not a keel train checkpoint (bad magic)");
-  std::uint64_t hl = 0;
-  std::memcpy(&hl, file.data() + 8, 8);
-  if (16 + hl > file.size()) bad("truncated header");
-  nlohmann::json h;
-  try {
-    h = nlohmann::json::parse(file.substr(16, hl));
-  } catch (const std::exception& e) {
-    bad(std::string("header is not JSON: ") + e.what());
-  }
-  const optim::ParamLayout& layout = backend_->layout();
-  if (h.value("format", "") != "keel.train.checkpoint/1") bad("unknown format");
-  if (h.at("total_floats").get<std::int64_t>() != layout.total_floats)
-    bad(fmt::format("holds {} parameter floats, this model has {} (another model config?)",
-                    h.at("total_floats").get<std::int64_t>(), layout.total_floats));
-  const auto& ps = h.at("params");
-  if (ps.size() != layout.params.size()) bad("parameter list differs from this model's");
-  for (std::size_t i = 0; i < ps.size(); ++i) {
-    const auto& p = layout.params[i];
-    if (ps[i].at("name").get<std::string>() != p.name || ps[i].at("shape").get<std::vector<std::int64_t>>() != p.shape ||
-        ps[i].at("offset").get<std::int64_t>() != p.offset)
-      bad(fmt::format("parameter {} ('{}') differs from this model's '{}'", i, ps[i].at("name").get<std::string>(), p.name));
-  }
-  std::size_t total = 0;
-  for (const auto& b : h.at("blobs")) total += b.at("bytes").get<std::size_t>();
-  if (file.size() != 16 + hl + total)
-    bad(fmt::format("truncated or padded: {} bytes, expected {}", file.size(), 16 + hl + total));
-  const char* p = file.data() + 16 + hl;
-  if (fnv1a(p, total) != h.at("checksum").get<std::uint64_t>()) bad("checksum mismatch (corrupted)");
-  const std::size_t nfloats = static_cast<std::size_t>(layout.total_floats), pbytes = nfloats * sizeof(float);
-  TrainState st = backend_->state();  // for the router bias shapes
-  st.params.assign(reinterpret_cast<const float*>(p), reinterpret_cast<const float*>(p) + nfloats);
-  st.adam_m.assign(reinterpret_cast<const float*>(p + pbytes), reinterpret_cast<const float*>(p + pbytes) + nfloats);
-  st.adam_v.assign(reinterpret_cast<const float*>(p + 2 * pbytes),
-                   reinterpret_cast<const float*>(p + 2 * pbytes) + nfloats);
-  std::size_t off = 3 * pbytes;
-  const std::size_t bias_bytes = h.at("blobs")[3].at("bytes").get<std::size_t>();
-  std::size_t expect = 0;
-  for (const auto& b : st.router_bias) expect += b.size() * sizeof(float);
-  if (bias_bytes != expect) bad("router bias size differs");
-  for (auto& b : st.router_bias) {
-    std::memcpy(b.data(), p + off, b.size() * sizeof(float));
-    off += b.size() * sizeof(float);
-  }
-  st.adamw_step = h.at("adamw_step").get<std::int64_t>();
-  backend_->set_state(st);
-  try {
-    loader_->restore(h.at("sampler"));
-  } catch (const Error& e) {
-    bad(std::string("sampler state: ") + e.what());
-  }
-  step_ = h.at("step").get<std::int64_t>();
-  if (!quiet_) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step_));
+  throw UsageError(fmt::format("--resume {}: not a keel checkpoint (expected a checkpoint.dir root with `latest`, or a "
+                               "step_NNNNNNNN directory with metadata.json)",
+                               path));
 }
 
 }  // namespace keel::train

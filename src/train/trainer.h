@@ -15,6 +15,7 @@
 #include "train/metrics_log.h"
 #include "train/model.h"
 #include "train/parallel_context.h"
+#include "train/train_checkpoint.h"
 #include "train/train_config.h"
 
 namespace keel::train {
@@ -31,14 +32,21 @@ class Trainer {
   Trainer(TrainConfig config, const ParallelContext& ctx = ParallelContext::single(), bool quiet = false);
   ~Trainer();
 
-  // Loads a checkpoint file, or the newest checkpoint-*.keel of a directory.
+  // Loads a keel ckpt checkpoint (a checkpoint.dir root: its `latest`; or one step directory),
+  // or, from keel before the ckpt library, a checkpoint-*.keel file or the newest in a directory.
   void resume(const std::string& path);
   // Trains until `until` optimizer steps are done (-1: config.steps). Saves checkpoints at
   // checkpoint.interval and at the end of training. Returns the stats of the steps it ran.
   std::vector<StepStats> run(std::int64_t until = -1);
   // Mean CE over eval.batches micro-batches of the held-out dataset (always the same ones).
   double evaluate();
-  void save_checkpoint(const std::string& path) const;
+  // Starts an asynchronous save of the current step into checkpoint.dir (train_checkpoint.h):
+  // training pays only for staging the state in host memory; the write overlaps the next steps
+  // and commits at the next save or finish_checkpoint().
+  void save_checkpoint();
+  // Commits the save in flight, if any, and prints what was saved.
+  void finish_checkpoint();
+  // The step directory a checkpoint of `step` is committed to.
   std::string checkpoint_path(std::int64_t step) const;
 
   std::int64_t step() const { return step_; }
@@ -53,6 +61,7 @@ class Trainer {
   ParallelContext ctx_;
   bool quiet_;
   std::unique_ptr<TrainBackend> backend_;
+  std::unique_ptr<TrainCheckpointer> ckpt_;
   std::unique_ptr<data::DataPipeline> data_;
   std::unique_ptr<data::BatchLoader> loader_;
   std::unique_ptr<data::IndexedDataset> eval_ds_;

@@ -14,10 +14,10 @@ keel_cli_test(NAME train_tiny MATCH "done: steps 0 -> 16 in .* s, loss 5\\.[0-9]
 keel_cli_test(NAME train_eval_heldout MATCH "eval +8 \\| loss [0-9]+\\.[0-9]+"
   ARGS train ${tcfg} ${tshort} --set steps=8 --set output_dir=train_eval)
 set_tests_properties(cli_train_eval_heldout PROPERTIES FIXTURES_REQUIRED train_stories)
-keel_cli_test(NAME train_stop MATCH "saved train_stop/checkpoint-00000008.keel"
+keel_cli_test(NAME train_stop MATCH "saved train_stop/step_00000008 "
   ARGS train ${tcfg} ${tshort} --set output_dir=train_stop --stop-after 8)
 set_tests_properties(cli_train_stop PROPERTIES FIXTURES_SETUP train_stop)
-keel_cli_test(NAME train_resume MATCH "resumed from train_stop/checkpoint-00000008.keel at step 8"
+keel_cli_test(NAME train_resume MATCH "resumed from train_stop/step_00000008 at step 8"
   ARGS train ${tcfg} ${tshort} --set output_dir=train_stop --resume train_stop)
 set_tests_properties(cli_train_resume PROPERTIES FIXTURES_REQUIRED "train_stories;train_stop")
 set_tests_properties(cli_train_tiny PROPERTIES FIXTURES_REQUIRED train_stories)

@@ -392,7 +392,8 @@ TEST(MuonTrain, ResumeIsBitExact) {
   {
     Trainer b(cfg, ParallelContext::single(), true);
     sb = b.run(5);
-    b.save_checkpoint(b.checkpoint_path(5));
+    b.save_checkpoint();
+    b.finish_checkpoint();
   }
   Trainer c(cfg, ParallelContext::single(), true);
   c.resume((dir / "b").string());

@@ -188,7 +188,8 @@ TEST(Trainer, ResumeIsBitExact) {
   {
     Trainer b(cfg, ParallelContext::single(), true);
     sb = b.run(5);
-    b.save_checkpoint(b.checkpoint_path(5));
+    b.save_checkpoint();
+    b.finish_checkpoint();
   }
   Trainer c(cfg, ParallelContext::single(), true);
   c.resume((dir / "b").string());
@@ -205,10 +206,14 @@ TEST(Trainer, ResumeIsBitExact) {
   EXPECT_EQ(sa_state.adam_m, sc_state.adam_m);
   EXPECT_EQ(sa_state.router_bias, sc_state.router_bias);
   EXPECT_TRUE(fs::exists(dir / "a" / "metrics.jsonl"));
-  EXPECT_TRUE(fs::exists(dir / "a" / "checkpoint-00000012.keel"));
-  // a truncated checkpoint is refused clearly
-  const auto ck = dir / "b" / "checkpoint-00000005.keel";
-  fs::resize_file(ck, fs::file_size(ck) - 4);
+  EXPECT_TRUE(fs::exists(dir / "a" / "step_00000012" / "metadata.json"));
+  // a truncated data file is refused clearly
+  const auto ck = dir / "b" / "step_00000005";
+  fs::path data;
+  for (const auto& e : fs::directory_iterator(ck))
+    if (e.path().extension() == ".bin" && fs::file_size(e.path()) > 4) data = e.path();
+  ASSERT_FALSE(data.empty());
+  fs::resize_file(data, fs::file_size(data) - 4);
   Trainer d(cfg, ParallelContext::single(), true);
   try {
     d.resume(ck.string());
