@@ -1,5 +1,5 @@
 // The elementwise / normalization CUDA ops against their CPU references (src/ops) on fresh
-// random inputs: embedding, rmsnorm, rope, swiglu and the residual adds. Shapes include odd
+// random inputs: embedding, rmsnorm, rope, swiglu. Shapes include odd
 // sizes and tails that are not a multiple of the vector width, and misaligned pointers, so both
 // the vector and the element-wise paths run.
 #include <gtest/gtest.h>
@@ -11,7 +11,6 @@
 #include "common/error.h"
 #include "cuda_test_util.h"
 #include "ops/cuda/embedding.h"
-#include "ops/cuda/residual.h"
 #include "ops/cuda/rmsnorm.h"
 #include "ops/cuda/rope.h"
 #include "ops/cuda/swiglu.h"
@@ -290,29 +289,6 @@ TEST(ElementwiseCudaSwiGlu, BackwardInPlaceOverInputs) {
   ops::cuda::swiglu::backward(d_gate.get(), d_up.get(), d_dout.get(), d_gate.get(), d_up.get(), n, nullptr);
   EXPECT_TRUE(all_close(to_host(d_gate), dgate, 1e-2f, 1e-3f, "dgate over gate"));
   EXPECT_TRUE(all_close(to_host(d_up), dup, 1e-2f, 1e-3f, "dup over up"));
-}
-
-// ---------------------------------------------------------------- residual
-
-TEST(ElementwiseCudaResidual, AddsBf16IntoFp32) {
-  KEEL_REQUIRE_GPU();
-  const std::vector<std::pair<std::int64_t, std::size_t>> cases = {{37 * 96 + 1, 0}, {37 * 2048, 1}, {3, 0}};
-  for (const auto& [n, off] : cases) {
-    SCOPED_TRACE(testing::Message() << "n " << n << " offset " << off);
-    auto y = rounded_bf16(random_vector(n + off, 50));
-    auto resid = random_vector(n + off, 51, -10.f, 10.f);
-    auto d_y = to_device<cuda_bf16>(y);
-    auto d_r = to_device<float>(resid);
-    ops::cuda::residual::add_bf16_into_f32(d_y.get() + off, d_r.get() + off, n, nullptr);
-    std::vector<float> want = resid;
-    for (std::int64_t i = 0; i < n; ++i) want[off + i] += y[off + i];
-    EXPECT_TRUE(all_close(to_host(d_r), want, 0.f, 0.f, "resid += y (exact)"));
-
-    const float s = 0.37f;
-    ops::cuda::residual::add_scaled_bf16_into_f32(d_y.get() + off, s, d_r.get() + off, n, nullptr);
-    for (std::int64_t i = 0; i < n; ++i) want[off + i] += s * y[off + i];
-    EXPECT_TRUE(all_close(to_host(d_r), want, 1e-6f, 1e-6f, "resid += s * y"));
-  }
 }
 
 }  // namespace
