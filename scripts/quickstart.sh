@@ -24,8 +24,10 @@ else
 fi
 echo "keel quickstart: results in out/ (bench_comm.json, bench_comm.csv, bench_comm_*.png)"
 
-# Then train the tiny MoE on the shipped corpus for about a minute and watch the loss fall.
-# (The trainer runs its CPU reference path everywhere for now; the CUDA path is not built yet.)
+# Then train the tiny MoE on the shipped corpus and watch the loss fall: on the GPU when there
+# is one (seconds), else on the CPU reference path (about a minute). Each quickstart starts a
+# fresh demo run (keel train refuses to write over an earlier run's checkpoints).
 build/keel data tokenize data/corpus/stories.jsonl --out out/corpus/stories --append-eos --holdout 0.05
+rm -rf out/train-tiny
 build/keel train configs/train/tiny.yaml
 echo "keel quickstart: training log in out/train-tiny (metrics.jsonl, checkpoints)"

@@ -28,8 +28,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# tensorboard (PyPI, no Debian package) for the test that reads keel's event files with it.
-python3 -c 'import tensorboard' 2>/dev/null || PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet tensorboard
+# tensorboard (PyPI, no Debian package) for the test that reads keel's event files with it;
+# safetensors (+ numpy) for the test that reads keel's ZAYA1 safetensors export with it.
+python3 -c "import tensorboard, safetensors, numpy" 2>/dev/null ||
+  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet tensorboard safetensors numpy
 
 [ "${1:-}" = "--deps-only" ] && exit 0
 exec scripts/build.sh

@@ -16,17 +16,22 @@
 #include "ckpt/store.h"
 #include "ckpt/tools.h"
 #include "ckpt/writer.h"
+#include "ckpt/zaya_names.h"
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "common/process.h"
 #include "common/units.h"
 #include "common/watchdog.h"
+#include "common/fileio.h"
+#include "model/config.h"
+#include "train/train_config.h"
 
 namespace keel::ckpt {
 namespace {
 
 struct Flags {
   std::string root, path, out, layout, model, to, format = "safetensors";
+  std::string names, dtype;  // export/import: released parameter names (zaya1, ...), export dtype
   std::int64_t step = 1, import_step = -1;
   int saves = 1, every = 1, threads = 2, keep_last = 0, keep_every = 0;
   double timeout = 120;
@@ -44,6 +49,16 @@ auto usage(F f) {
   } catch (const Error& e) {
     throw UsageError(e.what());
   }
+}
+
+// --model of export/import --names: a model YAML, or a keel train YAML (its `model:`, a path or
+// the keys inline), so the config a checkpoint was trained with can be passed as is.
+model::ModelConfig load_model_for_names(const std::string& path) {
+  return usage([&] {
+    const std::string text = read_file(path);
+    const bool train_config = text.rfind("model:", 0) == 0 || text.find("\nmodel:") != std::string::npos;
+    return train_config ? train::load_train_config(path).model : model::load_model_config(path);
+  });
 }
 
 double max_over_ranks(double v) {
@@ -250,24 +265,59 @@ void add_command(CLI::App& app) {
 
   CLI::App* ex = ckpt->add_subcommand("export", "Write a checkpoint's tensors whole into one file (Hugging Face safetensors)");
   ex->add_option("src", f->path, "Checkpoint directory or root")->required();
-  ex->add_option("out", f->out, "Output file")->required();
+  ex->add_option("out", f->out, "Output file (with --names: a name not ending in .safetensors is a directory for model.safetensors)")->required();
   ex->add_option("--format", f->format, "safetensors")->capture_default_str();
+  ex->add_option("--names", f->names,
+                 "Write a keel train checkpoint's model under released names: zaya1 (Zyphra's transformers, "
+                 "branch zaya1) or zaya1-alternating (the original alternating-layer layout); writes config.json "
+                 "beside the file");
+  ex->add_option("--model", f->model, "With --names: the model config (a model YAML, or the keel train YAML) the checkpoint holds");
+  ex->add_option("--dtype", f->dtype, "With --names: fp32 (default) or bf16");
+  ex->add_option("--threads", f->threads, "Reader threads")->capture_default_str();
   ex->callback([f] {
     if (f->format != "safetensors") throw UsageError(fmt::format("unknown --format '{}' (safetensors)", f->format));
-    const auto st = export_safetensors(f->path, f->out, f->threads);
-    fmt::print("exported step {}: {} tensors, {} -> {}\n", st.step, st.tensors, format_size(st.bytes), st.path);
+    if (f->names.empty()) {
+      if (!f->model.empty() || !f->dtype.empty()) throw UsageError("--model and --dtype need --names");
+      const auto st = export_safetensors(f->path, f->out, f->threads);
+      fmt::print("exported step {}: {} tensors, {} -> {}\n", st.step, st.tensors, format_size(st.bytes), st.path);
+      set_exit_code(kExitOk);
+      return;
+    }
+    const auto names = zaya::parse_names(f->names);
+    if (f->model.empty()) throw UsageError("--names needs --model CONFIG.yaml (the model the checkpoint holds)");
+    const auto dtype = zaya::parse_export_dtype(f->dtype.empty() ? "fp32" : f->dtype);
+    const auto cfg = load_model_for_names(f->model);
+    const auto st = zaya::export_zaya_safetensors(f->path, f->out, cfg, names, dtype, f->threads);
+    fmt::print("exported step {} of model '{}' under {} names: {} tensors ({}), {} -> {} (+ {})\n", st.step, cfg.name,
+               zaya::to_string(names), st.tensors, elem_name(dtype), format_size(st.bytes), st.path, st.config);
     set_exit_code(kExitOk);
   });
 
   CLI::App* im = ckpt->add_subcommand("import", "Make a checkpoint from a Hugging Face safetensors file");
-  im->add_option("in", f->path, "Input .safetensors file")->required();
+  im->add_option("in", f->path, "Input .safetensors file (with --names also a directory of a sharded release)")
+      ->required();
   im->add_option("dst", f->out, "Destination root")->required();
   im->add_option("--format", f->format, "safetensors")->capture_default_str();
   im->add_option("--step", f->import_step, "Step to record (default: the file's keel.step, else 0)");
+  im->add_option("--names", f->names,
+                 "Read released weights (zaya1 or zaya1-alternating names) into keel's model/<param> tensors");
+  im->add_option("--model", f->model, "With --names: the model config (a model YAML, or a keel train YAML) to import into");
+  im->add_option("--threads", f->threads, "Writer threads")->capture_default_str();
   im->callback([f] {
     if (f->format != "safetensors") throw UsageError(fmt::format("unknown --format '{}' (safetensors)", f->format));
-    const auto st = import_safetensors(f->path, f->out, f->import_step, f->threads);
-    fmt::print("imported {} tensors, {} as step {} -> {}\n", st.tensors, format_size(st.bytes), st.step, st.path);
+    if (f->names.empty()) {
+      if (!f->model.empty()) throw UsageError("--model needs --names");
+      const auto st = import_safetensors(f->path, f->out, f->import_step, f->threads);
+      fmt::print("imported {} tensors, {} as step {} -> {}\n", st.tensors, format_size(st.bytes), st.step, st.path);
+      set_exit_code(kExitOk);
+      return;
+    }
+    const auto names = zaya::parse_names(f->names);
+    if (f->model.empty()) throw UsageError("--names needs --model CONFIG.yaml (the model to import into)");
+    const auto cfg = load_model_for_names(f->model);
+    const auto st = zaya::import_zaya_safetensors(f->path, f->out, cfg, names, f->import_step, f->threads);
+    fmt::print("imported {} weights into model '{}': {} keel tensors, {} as step {} -> {}\n", zaya::to_string(names),
+               cfg.name, st.tensors, format_size(st.bytes), st.step, st.path);
     set_exit_code(kExitOk);
   });
 }

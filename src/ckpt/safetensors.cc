@@ -48,124 +48,178 @@ void read_all(int fd, char* p, std::uint64_t n, std::uint64_t at, const std::str
 
 }  // namespace
 
-SafetensorsStats export_safetensors(const std::string& src, const std::string& out, int threads) {
-  const Reader reader(src);
-  const Metadata& m = reader.metadata();
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  const std::string& in = path_;
+  fd_ = ::open(in.c_str(), O_RDONLY);
+  if (fd_ < 0) fail("cannot read {}: {}", in, std::strerror(errno));
+  try {
+    const off_t size = ::lseek(fd_, 0, SEEK_END);
+    if (size < 8) fail("{}: not a safetensors file ({} bytes, shorter than the 8-byte header length)", in, size);
+    unsigned char len[8];
+    read_all(fd_, reinterpret_cast<char*>(len), 8, 0, in);
+    std::uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
+    if (n > kMaxHeader || 8 + n > static_cast<std::uint64_t>(size))
+      fail("{}: header length {} is beyond the file ({} bytes) or the 100 MB limit: not a safetensors file", in, n,
+           size);
+    std::string text(n, '\0');
+    read_all(fd_, text.data(), n, 8, in);
+    if (text.empty() || text[0] != '{') fail("{}: the header does not start with '{{': not a safetensors file", in);
+    nlohmann::json header;
+    try {
+      header = nlohmann::json::parse(text);
+    } catch (const std::exception& e) {
+      fail("{}: the header is not valid JSON ({})", in, e.what());
+    }
+    data_start_ = 8 + n;
+    const std::uint64_t data_size = static_cast<std::uint64_t>(size) - data_start_;
+    for (const auto& [name, v] : header.items()) {
+      if (name == "__metadata__") {
+        if (!v.is_object()) fail("{}: __metadata__ is not an object", in);
+        metadata_ = v;
+        continue;
+      }
+      try {
+        SafetensorsEntry e{name, parse_elem(v.at("dtype").get<std::string>()), v.at("shape").get<Shape>(), 0, 0};
+        const auto off = v.at("data_offsets").get<std::vector<std::uint64_t>>();
+        if (off.size() != 2 || off[1] < off[0]) fail("bad data_offsets");
+        e.begin = off[0];
+        e.end = off[1];
+        for (auto d : e.shape)
+          if (d < 0) fail("negative dimension");
+        if (e.end - e.begin != static_cast<std::uint64_t>(numel(e.shape)) * elem_size(e.type))
+          fail("data_offsets span {} bytes, {} {} needs {}", e.end - e.begin, elem_name(e.type), shape_str(e.shape),
+               numel(e.shape) * static_cast<std::int64_t>(elem_size(e.type)));
+        entries_.push_back(std::move(e));
+      } catch (const std::exception& e) {
+        fail("{}: tensor '{}': {}", in, name, e.what());
+      }
+    }
+    std::vector<const SafetensorsEntry*> order;
+    for (const auto& e : entries_) order.push_back(&e);
+    std::sort(order.begin(), order.end(),
+              [](const SafetensorsEntry* a, const SafetensorsEntry* b) { return a->begin < b->begin; });
+    std::uint64_t pos = 0;
+    for (const SafetensorsEntry* e : order) {
+      if (e->begin != pos)
+        fail("{}: tensor '{}' starts at byte {} of the data buffer, expected {} (a hole or an overlap)", in, e->name,
+             e->begin, pos);
+      pos = e->end;
+    }
+    if (pos != data_size)
+      fail("{}: the tensors cover {} bytes of a {}-byte data buffer: the file is truncated or has trailing bytes", in,
+           pos, data_size);
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+const SafetensorsEntry* SafetensorsFile::find(const std::string& name) const {
+  for (const auto& e : entries_)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+void SafetensorsFile::read(const SafetensorsEntry& e, void* out) const {
+  read_all(fd_, static_cast<char*>(out), e.nbytes(), data_start_ + e.begin, path_);
+}
+
+SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<Tensor>& tensors,
+                                     const nlohmann::json& metadata)
+    : path_(std::move(path)) {
   nlohmann::ordered_json header;
-  header["__metadata__"] = {{"format", "pt"}, {"keel.step", std::to_string(m.step)}, {"keel.layout", m.layout},
-                            {"keel.state", m.state.dump()}};
-  std::uint64_t pos = 0;
-  for (const auto& t : m.tensors) {
-    header[t.name] = {{"dtype", safetensors_name(t.type)}, {"shape", t.shape}, {"data_offsets", {pos, pos + t.nbytes()}}};
-    pos += t.nbytes();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  for (const auto& t : tensors) {
+    if (t.name == "__metadata__" || header.contains(t.name)) fail("{}: tensor name '{}' used twice", path_, t.name);
+    const std::uint64_t n = static_cast<std::uint64_t>(numel(t.shape)) * elem_size(t.type);
+    header[t.name] = {{"dtype", safetensors_name(t.type)}, {"shape", t.shape}, {"data_offsets", {total_, total_ + n}}};
+    total_ += n;
   }
   std::string text = header.dump();
   while ((8 + text.size()) % 8) text.push_back(' ');  // data starts 8-byte aligned
-  const std::string tmp = out + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) fail("cannot write {}: {}", out, std::strerror(errno));
+  tmp_ = path_ + ".tmp." + std::to_string(::getpid());
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd_ < 0) fail("cannot write {}: {}", path_, std::strerror(errno));
   try {
-    std::uint64_t n = text.size();
+    const std::uint64_t n = text.size();
     char len[8];
     for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-    write_all(fd, len, 8, out);
-    write_all(fd, text.data(), n, out);
-    LoadOptions lo;
-    lo.threads = threads;
-    for (const auto& t : m.tensors) {
-      std::unique_ptr<char[]> buf(new char[std::max<std::uint64_t>(1, t.nbytes())]);
-      reader.load({{t.name, t.type, t.shape, full_box(t.shape), buf.get()}}, lo);
-      write_all(fd, buf.get(), t.nbytes(), out);
-    }
-    if (::fsync(fd) != 0) fail("cannot fsync {}: {}", out, std::strerror(errno));
-    ::close(fd);
-    if (::rename(tmp.c_str(), out.c_str()) != 0) fail("cannot rename {} to {}: {}", tmp, out, std::strerror(errno));
+    write_all(fd_, len, 8, path_);
+    write_all(fd_, text.data(), n, path_);
   } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+    fd_ = -1;
     throw;
   }
-  return {m.tensors.size(), pos, m.step, out};
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void SafetensorsWriter::append(const void* data, std::uint64_t bytes) {
+  if (fd_ < 0) fail("{}: append after commit", path_);
+  if (written_ + bytes > total_)
+    fail("{}: {} bytes appended beyond the {} bytes the header declares", path_, written_ + bytes, total_);
+  write_all(fd_, static_cast<const char*>(data), bytes, path_);
+  written_ += bytes;
+}
+
+void SafetensorsWriter::commit() {
+  if (written_ != total_) fail("{}: {} of the {} data bytes written", path_, written_, total_);
+  if (::fsync(fd_) != 0) fail("cannot fsync {}: {}", path_, std::strerror(errno));
+  ::close(fd_);
+  fd_ = -1;
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    ::unlink(tmp_.c_str());
+    fail("cannot rename {} to {}: {}", tmp_, path_, std::strerror(errno));
+  }
+}
+
+SafetensorsStats export_safetensors(const std::string& src, const std::string& out, int threads) {
+  const Reader reader(src);
+  const Metadata& m = reader.metadata();
+  const nlohmann::json meta = {{"format", "pt"}, {"keel.step", std::to_string(m.step)}, {"keel.layout", m.layout},
+                               {"keel.state", m.state.dump()}};
+  std::vector<SafetensorsWriter::Tensor> list;
+  for (const auto& t : m.tensors) list.push_back({t.name, t.type, t.shape});
+  SafetensorsWriter w(out, list, meta);
+  LoadOptions lo;
+  lo.threads = threads;
+  for (const auto& t : m.tensors) {
+    std::unique_ptr<char[]> buf(new char[std::max<std::uint64_t>(1, t.nbytes())]);
+    reader.load({{t.name, t.type, t.shape, full_box(t.shape), buf.get()}}, lo);
+    w.append(buf.get(), t.nbytes());
+  }
+  w.commit();
+  return {m.tensors.size(), w.data_bytes(), m.step, out};
 }
 
 SafetensorsStats import_safetensors(const std::string& in, const std::string& dst, std::int64_t step, int threads) {
-  const int fd = ::open(in.c_str(), O_RDONLY);
-  if (fd < 0) fail("cannot read {}: {}", in, std::strerror(errno));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  const off_t size = ::lseek(fd, 0, SEEK_END);
-  if (size < 8) fail("{}: not a safetensors file ({} bytes, shorter than the 8-byte header length)", in, size);
-  unsigned char len[8];
-  read_all(fd, reinterpret_cast<char*>(len), 8, 0, in);
-  std::uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
-  if (n > kMaxHeader || 8 + n > static_cast<std::uint64_t>(size))
-    fail("{}: header length {} is beyond the file ({} bytes) or the 100 MB limit: not a safetensors file", in, n, size);
-  std::string text(n, '\0');
-  read_all(fd, text.data(), n, 8, in);
-  if (text.empty() || text[0] != '{') fail("{}: the header does not start with '{{': not a safetensors file", in);
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(text);
-  } catch (const std::exception& e) {
-    fail("{}: the header is not valid JSON ({})", in, e.what());
-  }
-  const std::uint64_t data_start = 8 + n, data_size = static_cast<std::uint64_t>(size) - data_start;
-  struct Entry {
-    std::string name;
-    ElemType type;
-    Shape shape;
-    std::uint64_t begin, end;
-  };
-  std::vector<Entry> entries;
+  const SafetensorsFile file(in);
   nlohmann::json state = {{"imported_from", in}};
-  for (const auto& [name, v] : header.items()) {
-    if (name == "__metadata__") {
-      try {
-        if (v.contains("keel.step") && step < 0) step = std::stoll(v["keel.step"].get<std::string>());
-        if (v.contains("keel.state")) state.update(nlohmann::json::parse(v["keel.state"].get<std::string>()));
-      } catch (const std::exception& e) {
-        fail("{}: bad keel entries in __metadata__ ({})", in, e.what());
-      }
-      continue;
-    }
-    try {
-      Entry e{name, parse_elem(v.at("dtype").get<std::string>()), v.at("shape").get<Shape>(), 0, 0};
-      const auto off = v.at("data_offsets").get<std::vector<std::uint64_t>>();
-      if (off.size() != 2 || off[1] < off[0]) fail("bad data_offsets");
-      e.begin = off[0];
-      e.end = off[1];
-      for (auto d : e.shape)
-        if (d < 0) fail("negative dimension");
-      if (e.end - e.begin != static_cast<std::uint64_t>(numel(e.shape)) * elem_size(e.type))
-        fail("data_offsets span {} bytes, {} {} needs {}", e.end - e.begin, elem_name(e.type), shape_str(e.shape),
-             numel(e.shape) * static_cast<std::int64_t>(elem_size(e.type)));
-      entries.push_back(std::move(e));
-    } catch (const std::exception& e) {
-      fail("{}: tensor '{}': {}", in, name, e.what());
-    }
+  const nlohmann::json& v = file.metadata();
+  try {
+    if (v.contains("keel.step") && step < 0) step = std::stoll(v["keel.step"].get<std::string>());
+    if (v.contains("keel.state")) state.update(nlohmann::json::parse(v["keel.state"].get<std::string>()));
+  } catch (const std::exception& e) {
+    fail("{}: bad keel entries in __metadata__ ({})", in, e.what());
   }
-  std::vector<const Entry*> order;
-  for (const auto& e : entries) order.push_back(&e);
-  std::sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) { return a->begin < b->begin; });
-  std::uint64_t pos = 0;
-  for (const Entry* e : order) {
-    if (e->begin != pos)
-      fail("{}: tensor '{}' starts at byte {} of the data buffer, expected {} (a hole or an overlap)", in, e->name,
-           e->begin, pos);
-    pos = e->end;
-  }
-  if (pos != data_size)
-    fail("{}: the tensors cover {} bytes of a {}-byte data buffer: the file is truncated or has trailing bytes", in, pos,
-         data_size);
   if (step < 0) step = 0;
   std::vector<std::unique_ptr<char[]>> buffers;
   std::vector<SaveShard> shards;
-  for (const auto& e : entries) {
-    buffers.emplace_back(new char[std::max<std::uint64_t>(1, e.end - e.begin)]);
-    read_all(fd, buffers.back().get(), e.end - e.begin, data_start + e.begin, in);
+  for (const auto& e : file.entries()) {
+    buffers.emplace_back(new char[std::max<std::uint64_t>(1, e.nbytes())]);
+    file.read(e, buffers.back().get());
     Placement p;
     p.dims.assign(e.shape.size(), {});
     shards.push_back({e.name, e.type, e.shape, p, full_box(e.shape), buffers.back().get(), true});
@@ -178,7 +232,7 @@ SafetensorsStats import_safetensors(const std::string& in, const std::string& ds
   state["step"] = step;
   saver.save(step, shards, state, nlohmann::json::object(), "");
   const SaveStats st = *saver.wait();
-  return {entries.size(), st.bytes, step, st.dir};
+  return {file.entries().size(), st.bytes, step, st.dir};
 }
 
 }  // namespace keel::ckpt

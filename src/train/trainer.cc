@@ -147,6 +147,12 @@ void Trainer::log_step(const StepStats& s, double seconds, std::int64_t tokens) 
 }
 
 std::vector<StepStats> Trainer::run(std::int64_t until) {
+  // A fresh run must not write over the checkpoints of another: checked before any work.
+  if (step_ == 0 && !resumed_ && !ckpt_ && (cfg_.checkpoint_final || cfg_.checkpoint_interval > 0) &&
+      is_ckpt_directory(cfg_.checkpoint_dir))
+    throw UsageError(fmt::format("checkpoint.dir {} already holds checkpoints (its `latest`: {}): continue with --resume "
+                                 "{}, or train into another directory",
+                                 cfg_.checkpoint_dir, ckpt::latest_dir(cfg_.checkpoint_dir), cfg_.checkpoint_dir));
   if (until < 0) until = cfg_.steps;
   until = std::min(until, cfg_.steps);
   std::vector<StepStats> out;
@@ -258,6 +264,7 @@ void Trainer::resume(const std::string& path_in) {
       throw Error(fmt::format("checkpoint {}: sampler state: {}", got.dir, e.what()));
     }
     step_ = got.extra.at("step").get<std::int64_t>();
+    resumed_ = true;
     if (!quiet_) std::printf("resumed from %s at step %lld\n", got.dir.c_str(), static_cast<long long>(step_));
     return;
   }

@@ -68,6 +68,7 @@ class Trainer {
   std::unique_ptr<data::SequenceSampler> eval_sampler_;
   std::unique_ptr<MetricsLog> log_;
   std::int64_t step_ = 0;
+  bool resumed_ = false;
   std::vector<std::int32_t> targets_;
   std::vector<std::uint32_t> inputs_;
 };

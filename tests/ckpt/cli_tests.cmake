@@ -65,3 +65,51 @@ keel_cli_test(NAME ckpt_import_garbage EXIT 1 MATCH "keel: error: .*faults\\.sh:
 
 add_test(NAME cli_ckpt_faults COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/ckpt/faults.sh $<TARGET_FILE:keel> ${MPIEXEC_EXECUTABLE})
 set_tests_properties(cli_ckpt_faults PROPERTIES ENVIRONMENT "${KEEL_MPI_ENV}" TIMEOUT 120)
+
+# ZAYA1 weights under the released names (src/ckpt/zaya_names.*, docs/checkpoint.md): train the
+# tiny ZAYA1 two steps, export its checkpoint as Hugging Face safetensors in both layouts, read
+# them with the real safetensors package, import them back, and one clear error per bad input.
+set(zcfg ${PROJECT_SOURCE_DIR}/configs/train/zaya1-tiny.yaml)
+add_test(NAME cli_ckpt_zaya_clean COMMAND ${CMAKE_COMMAND} -E rm -rf ckpt_zaya)
+set_tests_properties(cli_ckpt_zaya_clean PROPERTIES FIXTURES_SETUP ckpt_zaya_clean)
+keel_cli_test(NAME ckpt_zaya_train MATCH "saved ckpt_zaya/train/step_00000002 "
+  ARGS train ${zcfg} --set data.datasets.stories=train_stories --set eval.prefix=train_stories_heldout
+       --set steps=2 --set log_interval=1 --set schedule.warmup_steps=1 --set data.seq_length=64
+       --set batch.micro_batch=2 --set eval.interval=100 --set checkpoint.interval=2 --set output_dir=ckpt_zaya/train)
+set_tests_properties(cli_ckpt_zaya_train PROPERTIES FIXTURES_REQUIRED "train_stories;ckpt_zaya_clean"
+  FIXTURES_SETUP ckpt_zaya_trained)
+keel_cli_test(NAME ckpt_zaya_export MATCH
+  "exported step 2 of model 'zaya1-tiny' under zaya1 names: 67 tensors \\(bf16\\), .* -> ckpt_zaya/hf/model\\.safetensors \\(\\+ ckpt_zaya/hf/config\\.json\\)"
+  ARGS ckpt export ckpt_zaya/train ckpt_zaya/hf --format safetensors --names zaya1 --model ${zcfg} --dtype bf16)
+keel_cli_test(NAME ckpt_zaya_export_alternating MATCH
+  "exported step 2 of model 'zaya1-tiny' under zaya1-alternating names: 79 tensors \\(f32\\)"
+  ARGS ckpt export ckpt_zaya/train ckpt_zaya/alt --format safetensors --names zaya1-alternating --model ${zcfg})
+set_tests_properties(cli_ckpt_zaya_export cli_ckpt_zaya_export_alternating PROPERTIES
+  FIXTURES_REQUIRED ckpt_zaya_trained FIXTURES_SETUP ckpt_zaya_exported)
+# The real safetensors package (numpy) reads both files; fails, not skips, without it.
+add_test(NAME ckpt_zaya_safetensors_package_reads_export
+         COMMAND python3 ${CMAKE_CURRENT_SOURCE_DIR}/ckpt/check_zaya_safetensors.py ckpt_zaya/hf ckpt_zaya/alt
+         WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(ckpt_zaya_safetensors_package_reads_export PROPERTIES FIXTURES_REQUIRED ckpt_zaya_exported
+  TIMEOUT 120)
+keel_cli_test(NAME ckpt_zaya_import MATCH
+  "imported zaya1-alternating weights into model 'zaya1-tiny': 65 keel tensors, .* as step 2 -> ckpt_zaya/imported/step_00000002"
+  ARGS ckpt import ckpt_zaya/alt ckpt_zaya/imported --format safetensors --names zaya1-alternating --model ${zcfg})
+set_tests_properties(cli_ckpt_zaya_import PROPERTIES FIXTURES_REQUIRED ckpt_zaya_exported)
+keel_cli_test(NAME ckpt_zaya_import_other_layout EXIT 1 MATCH
+  "keel: error: ckpt_zaya/hf/model\\.safetensors: tensor '.*' is not a zaya1-alternating parameter of model 'zaya1-tiny' \\(2 layers, 4 experts\\) \\(it is a name of the zaya1 branch's layout: use --names zaya1\\)"
+  ARGS ckpt import ckpt_zaya/hf ckpt_zaya/bad --names zaya1-alternating --model ${zcfg})
+keel_cli_test(NAME ckpt_zaya_import_wrong_model EXIT 1 MATCH
+  "keel: error: .*tensor 'model\\.embed_tokens\\.weight' is \\[264, 256\\], model 'zaya1-tiny' needs \\[1024, 256\\]"
+  ARGS ckpt import ckpt_zaya/hf ckpt_zaya/bad --names zaya1 --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml)
+keel_cli_test(NAME ckpt_zaya_export_not_zaya EXIT 1 MATCH
+  "keel: error: --names zaya1: model 'moe-tiny' layer 0 attention is not cca: not a ZAYA1-shaped model"
+  ARGS ckpt export ckpt_zaya/train ckpt_zaya/bad --names zaya1 --model ${PROJECT_SOURCE_DIR}/configs/train/tiny.yaml)
+set_tests_properties(cli_ckpt_zaya_import_other_layout cli_ckpt_zaya_import_wrong_model cli_ckpt_zaya_export_not_zaya
+  PROPERTIES FIXTURES_REQUIRED ckpt_zaya_exported)
+keel_cli_test(NAME ckpt_zaya_names_need_model EXIT 1 MATCH "keel: error: --names needs --model CONFIG\\.yaml"
+  ARGS ckpt export ckpt_zaya/train ckpt_zaya/bad --names zaya1)
+keel_cli_test(NAME ckpt_zaya_unknown_names EXIT 1 MATCH "keel: error: unknown --names 'llama' \\(zaya1, zaya1-alternating\\)"
+  ARGS ckpt import ckpt_zaya/hf ckpt_zaya/bad --names llama --model ${zcfg})
+keel_cli_test(NAME ckpt_zaya_unknown_dtype EXIT 1 MATCH "keel: error: unknown --dtype 'fp8' \\(fp32, bf16\\)"
+  ARGS ckpt export ckpt_zaya/train ckpt_zaya/bad --names zaya1 --model ${zcfg} --dtype fp8)

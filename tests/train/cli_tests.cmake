@@ -13,19 +13,27 @@ keel_cli_test(NAME train_tiny MATCH "done: steps 0 -> 16 in .* s, loss 5\\.[0-9]
   ARGS train ${tcfg} ${tshort} --set output_dir=train_out)
 keel_cli_test(NAME train_eval_heldout MATCH "eval +8 \\| loss [0-9]+\\.[0-9]+"
   ARGS train ${tcfg} ${tshort} --set steps=8 --set output_dir=train_eval)
-set_tests_properties(cli_train_eval_heldout PROPERTIES FIXTURES_REQUIRED train_stories)
+set_tests_properties(cli_train_eval_heldout PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 keel_cli_test(NAME train_stop MATCH "saved train_stop/step_00000008 "
   ARGS train ${tcfg} ${tshort} --set output_dir=train_stop --stop-after 8)
 set_tests_properties(cli_train_stop PROPERTIES FIXTURES_SETUP train_stop)
 keel_cli_test(NAME train_resume MATCH "resumed from train_stop/step_00000008 at step 8"
   ARGS train ${tcfg} ${tshort} --set output_dir=train_stop --resume train_stop)
 set_tests_properties(cli_train_resume PROPERTIES FIXTURES_REQUIRED "train_stories;train_stop")
-set_tests_properties(cli_train_tiny PROPERTIES FIXTURES_REQUIRED train_stories)
+set_tests_properties(cli_train_tiny PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 # The stop/resume pair starts from an empty directory, so a rerun does not find the last run's
 # newer checkpoint.
 add_test(NAME cli_train_stop_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_stop WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_stop_clean PROPERTIES FIXTURES_SETUP train_stop_clean)
 set_tests_properties(cli_train_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_stop_clean")
+# A fresh run into a directory that holds checkpoints is refused before any work.
+keel_cli_test(NAME train_refuses_existing_checkpoints EXIT 1 MATCH "already holds checkpoints.*--resume"
+  ARGS train ${tcfg} ${tshort} --set output_dir=train_stop)
+set_tests_properties(cli_train_refuses_existing_checkpoints PROPERTIES FIXTURES_REQUIRED "train_stories;train_stop")
+# The other runs write checkpoints too: each starts from an empty directory so reruns work.
+add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_zaya
+         WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
 # Bad input.
 keel_cli_test(NAME train_unknown_key EXIT 1 MATCH "^keel: error: .*tiny\\.yaml: unknown key 'optimizer\\.lrr' \\(from --set\\)"
@@ -44,7 +52,7 @@ keel_cli_test(NAME train_zaya1_tiny MATCH "done: steps 0 -> 4 in .* s, loss 5\\.
        --set steps=4 --set log_interval=2 --set schedule.warmup_steps=2 --set data.seq_length=64
        --set batch.micro_batch=2 --set eval.prefix=train_stories_heldout --set eval.interval=4
        --set output_dir=train_zaya)
-set_tests_properties(cli_train_zaya1_tiny PROPERTIES FIXTURES_REQUIRED train_stories)
+set_tests_properties(cli_train_zaya1_tiny PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 
 # The real tensorboard Python package reads the event file keel's MetricsLog writes
 # (src/train/tb_writer.*, docs/train_logging.md); fails, not skips, without the package.
