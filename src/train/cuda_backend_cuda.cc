@@ -1,5 +1,7 @@
 // The CUDA TrainBackend: the MoE transformer of model.h on one GPU, with the ops of
-// src/ops/cuda (docs/gpu_training.md).
+// src/ops/cuda (docs/gpu_training.md): mha/gqa or ZAYA1's CCA attention, dense, linear-router
+// or ZAYA1 MLP-router MoE stages (EDA, skip class: cuda_zaya_layers_cuda.h), plain residual
+// adds or ZAYA1's residual scaling (two streams, as MoeTransformer::scaled_layer_forward).
 //
 // Precision: fp32 master weights, gradients and optimizer states; a bf16 copy of the weights for
 // the GEMMs (refreshed by the fused AdamW and Muon steps); bf16 activations with fp32
@@ -14,7 +16,8 @@
 // step.
 //
 // Host synchronization per micro-batch: one per MoE layer in forward (the dispatch plan's
-// per-expert counts drive the expert GEMM loop, moe.h), one at the end of forward to read the
+// per-expert counts drive the expert GEMM loop, moe.h; two with ZAYA1's skip class, whose
+// packed token count comes first), one at the end of forward to read the
 // loss, and one per optimizer step to read the gradient norm (logging and the non-finite
 // check). Everything else is enqueued on one stream.
 #include <fmt/format.h>
@@ -29,6 +32,8 @@
 #include "ops/cuda/adamw.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cast.h"
+#include "ops/cuda/causal_conv.h"
+#include "ops/cuda/cca.h"
 #include "ops/cuda/cross_entropy.h"
 #include "ops/cuda/embedding.h"
 #include "ops/cuda/gemm.h"
@@ -36,14 +41,17 @@
 #include "ops/cuda/linear.h"
 #include "ops/cuda/moe.h"
 #include "ops/cuda/muon.h"
+#include "ops/cuda/residual_scale.h"
 #include "ops/cuda/rmsnorm.h"
 #include "ops/cuda/rope.h"
 #include "ops/cuda/router.h"
 #include "ops/cuda/swiglu.h"
+#include "ops/cuda/zaya_router.h"
 #include "ops/rope.h"
 #include "optim/clip.h"
 #include "train/backend.h"
 #include "train/cuda_kernels.h"
+#include "train/cuda_zaya_layers_cuda.h"
 #include "train/param_rules.h"
 
 namespace keel::train {
@@ -94,11 +102,24 @@ class DeviceArena {
   std::size_t used_ = 0, capacity_ = 0;
 };
 
+// Offsets (floats) of one residual-scaling stage's vectors: (r + r_bias) * r_scale +
+// (h + h_bias) * h_scale; layer 0's attention stage has only the h pair.
+struct ResScaleOffsets {
+  std::int64_t h_scale = -1, h_bias = -1, r_scale = -1, r_bias = -1;
+};
+
 struct LayerWeights {
-  // fp32 master views (norms; gradients use the same offsets) and bf16 GEMM operands
+  // Offsets into the flat buffers: fp32 master / gradient views, and the bf16 GEMM operands.
   std::int64_t attn_norm = -1, wq = -1, wk = -1, wv = -1, wo = -1, mlp_norm = -1;
   std::int64_t w_gate = -1, w_up = -1, w_down = -1, router = -1;  // dense [F,D] or experts [E,F,D]
   bool moe = false;
+  bool cca = false;  // CCA attention (ops/cuda/cca.h)
+  std::int64_t cca_w_qk = -1, cca_w_v = -1, conv0_w = -1, conv0_b = -1, conv1_w = -1, conv1_b = -1, cca_temp = -1,
+               cca_wo = -1;
+  // ZAYA1 MLP router (eda_scale -1 on the first MoE stage)
+  std::int64_t zr_down_w = -1, zr_down_b = -1, zr_eda = -1, zr_norm = -1, zr_w1 = -1, zr_b1 = -1, zr_w2 = -1,
+               zr_b2 = -1, zr_out = -1;
+  ResScaleOffsets attn_scale, mlp_scale;
 };
 
 // The saved tensors of one layer's forward (one set per layer, or one shared set with full
@@ -106,11 +127,14 @@ struct LayerWeights {
 struct LayerActs {
   bf16 *h1 = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *h2 = nullptr;
   float *rstd1 = nullptr, *lse = nullptr, *x_mid = nullptr, *rstd2 = nullptr;
+  k::cca::Saved cca;          // CCA layers
+  bf16* attn_out = nullptr;   // the attention block's output [N, D] (CCA, or residual scaling)
   bf16 *g = nullptr, *u = nullptr, *a = nullptr;  // dense
   float *rlogits = nullptr, *probs = nullptr, *rlse = nullptr, *gates = nullptr, *losses = nullptr;  // moe
   std::int32_t *idx = nullptr, *counts = nullptr, *plan_ws = nullptr;
   k::moe::Saved saved;
   k::moe::Plan plan;
+  cuda_zaya::Acts zmoe;  // MLP-router MoE (its experts' Saved is `saved`)
 };
 
 class CudaBackend final : public TrainBackend {
@@ -127,18 +151,7 @@ class CudaBackend final : public TrainBackend {
     cudaDeviceProp prop{};
     KEEL_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
     device_name_ = prop.name;
-    // The ZAYA1 layers (CCA attention, the MLP router, residual scaling) train on the CPU
-    // reference path so far; their CUDA kernels come next.
-    for (int l = 0; l < cfg_.layers; ++l)
-      if (model::layer_attention_kind(cfg_, l) != model::AttentionKind::kMha &&
-          model::layer_attention_kind(cfg_, l) != model::AttentionKind::kGqa)
-        throw UsageError(fmt::format("model '{}': layer {} uses attention '{}': the CUDA backend supports mha and gqa "
-                                     "so far (device: cpu trains it)",
-                                     cfg_.name, l, model::attention_kind_name(model::layer_attention_kind(cfg_, l))));
-    if (cfg_.router_hidden > 0 || cfg_.router_skip_expert || cfg_.residual_scaling)
-      throw UsageError(fmt::format("model '{}': the MLP router and residual scaling run on the CPU backend so far "
-                                   "(device: cpu)",
-                                   cfg_.name));
+    // validate_trainable() leaves mha, gqa and cca; the attention kernel (CCA's too) needs:
     if (cfg_.head_dim != 64 && cfg_.head_dim != 128)
       throw UsageError(fmt::format("model '{}': head_dim {}: the CUDA attention supports 64 and 128", cfg_.name,
                                    cfg_.head_dim));
@@ -155,9 +168,37 @@ class CudaBackend final : public TrainBackend {
     for (int l = 0; l < cfg_.layers; ++l) {
       moe_index_of_layer_.push_back(model::is_moe_layer(cfg_, l) ? static_cast<int>(moe_layer_ids_.size()) : -1);
       if (model::is_moe_layer(cfg_, l)) moe_layer_ids_.push_back(l);
+      const bool cca = model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca;
+      any_cca_ |= cca;
+      any_softmax_ |= !cca;
     }
-    load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(cfg_.experts, 0));
-    bias_.assign(moe_layer_ids_.size(), std::vector<float>(cfg_.experts, 0.f));
+    mlp_router_ = cfg_.router_hidden > 0;
+    scaled_ = cfg_.residual_scaling;
+    zshape_.tokens = tokens();
+    zshape_.hidden = cfg_.hidden;
+    zshape_.router_hidden = cfg_.router_hidden;
+    zshape_.expert_hidden = cfg_.expert_hidden;
+    zshape_.experts = cfg_.experts;
+    zshape_.skip = cfg_.router_skip_expert;
+    zshape_.eps = eps();
+    classes_ = mlp_router_ ? zshape_.classes() : cfg_.experts;
+    // the CUDA CCA's limits (ops/cuda/cca.h), reported here rather than at the first step
+    if (any_cca_ && (cfg_.cca_conv_width > k::causal_conv::kMaxWidth ||
+                     cfg_.cca_group_conv_width > k::causal_conv::kMaxWidth ||
+                     std::int64_t(cfg_.heads + cfg_.kv_heads) * cfg_.head_dim > 12288))
+      throw UsageError(fmt::format("model '{}': the CUDA CCA takes conv widths <= {} and (heads + kv_heads) * "
+                                   "head_dim <= 12288 (device: cpu trains it)",
+                                   cfg_.name, k::causal_conv::kMaxWidth));
+    cca_cfg_.hidden = cfg_.hidden;
+    cca_cfg_.q_heads = cfg_.heads;
+    cca_cfg_.kv_heads = cfg_.kv_heads;
+    cca_cfg_.head_dim = cfg_.head_dim;
+    cca_cfg_.conv0_width = cfg_.cca_conv_width;
+    cca_cfg_.conv1_width = cfg_.cca_group_conv_width;
+    load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(classes_, 0));
+    bias_.assign(moe_layer_ids_.size(), std::vector<float>(classes_, 0.f));
+    for (auto& b : bias_)
+      if (cfg_.router_skip_expert) b.back() = -1.f;  // ZAYA1: the skip class starts disfavoured (as the CPU model)
     map_weights();
 
     // parameters, gradients, states: the flat layout of the CPU model, so checkpoints move freely
@@ -165,7 +206,7 @@ class CudaBackend final : public TrainBackend {
     for (int pass = 0; pass < 2; ++pass) {
       params_ = param_arena_.take<float>(n);
       params_bf16_ = param_arena_.take<bf16>(n);
-      bias_dev_ = param_arena_.take<float>(std::max<std::size_t>(1, moe_layer_ids_.size() * cfg_.experts));
+      bias_dev_ = param_arena_.take<float>(std::max<std::size_t>(1, moe_layer_ids_.size() * classes_));
       grads_ = grad_arena_.take<float>(n);
       adam_m_ = state_arena_.take<float>(n);
       adam_v_ = state_arena_.take<float>(n);
@@ -223,18 +264,31 @@ class CudaBackend final : public TrainBackend {
     KEEL_CUDA_CHECK(cudaMemcpyAsync(tokens_, tokens_host, N * sizeof(std::uint32_t), cudaMemcpyHostToDevice, stream_));
     KEEL_CUDA_CHECK(cudaMemcpyAsync(targets_, targets_host, N * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
     k::embedding::forward(tokens_, N, params_ + embed_, resid_[0], V, D, stream_);
-    for (int l = 0; l < cfg_.layers; ++l) layer_forward(l, acts_for(l), resid_[l], resid_[l + 1], /*count_load=*/true);
-    k::rmsnorm::forward(resid_[cfg_.layers], params_ + final_norm_, eps(), final_h_, final_rstd_, N, D, stream_);
+    for (int l = 0; l < cfg_.layers; ++l) {
+      if (scaled_)
+        scaled_layer_forward(l, acts_for(l), resid_[l + 1], hres_[l + 1], /*count_load=*/true);
+      else
+        layer_forward(l, acts_for(l), resid_[l], resid_[l + 1], /*count_load=*/true);
+    }
+    const float* final_in = resid_[cfg_.layers];
+    if (scaled_) {
+      const ResScaleOffsets& F = final_scale_;
+      k::residual_scale::merge_forward(resid_[cfg_.layers], hres_[cfg_.layers], params_ + F.r_bias, params_ + F.r_scale,
+                                       params_ + F.h_bias, params_ + F.h_scale, final_r_, N, D, stream_);
+      final_in = final_r_;
+    }
+    k::rmsnorm::forward(final_in, params_ + final_norm_, eps(), final_h_, final_rstd_, N, D, stream_);
     k::cross_entropy::forward(final_h_, params_bf16_ + lm_head_, targets_, N, D, V, ce_options(), ce_lse_, ce_result_,
                               ce_scratch_, stream_);
     // one sync: the loss, the router losses and the expert loads of this micro-batch
     LossParts lp;
     const k::cross_entropy::Result r = k::cross_entropy::read_result(ce_result_, stream_);
     lp.ce = r.loss;
-    std::vector<std::int32_t> counts(static_cast<std::size_t>(cfg_.experts));
     for (std::size_t m = 0; m < moe_layer_ids_.size(); ++m) {
       LayerActs& a = acts_for(moe_layer_ids_[m]);
-      if (opt_.recompute == Recompute::kNone || moe_layer_ids_.size() == 1) {
+      if (mlp_router_) {
+        // the MLP router has no aux or z loss (its balance is the bias controller's)
+      } else if (opt_.recompute == Recompute::kNone || moe_layer_ids_.size() == 1) {
         const auto losses = k::router::read_losses(a.losses, stream_);
         lp.aux += losses.aux;
         lp.z += losses.z;
@@ -242,7 +296,7 @@ class CudaBackend final : public TrainBackend {
         lp.aux += host_losses_[m].aux;
         lp.z += host_losses_[m].z;
       }
-      for (int e = 0; e < cfg_.experts; ++e) load_[m][e] += layer_counts_[m][e];
+      for (int e = 0; e < classes_; ++e) load_[m][e] += layer_counts_[m][e];
     }
     lp.total = lp.ce + opt_.aux_loss_weight * lp.aux + opt_.z_loss_weight * lp.z;
     have_forward_ = true;
@@ -256,12 +310,28 @@ class CudaBackend final : public TrainBackend {
     k::cross_entropy::backward(final_h_, params_bf16_ + lm_head_, targets_, ce_lse_, loss_scale, N, D, V, ce_options(),
                                ce_scratch_, dh_bf_, grads_ + lm_head_, stream_);
     KEEL_CUDA_CHECK(cudaMemsetAsync(dres_, 0, N * D * sizeof(float), stream_));
-    k::rmsnorm::backward(resid_[cfg_.layers], params_ + final_norm_, final_rstd_, dh_bf_, dres_, grads_ + final_norm_,
-                         N, D, stream_);
+    k::rmsnorm::backward(scaled_ ? final_r_ : resid_[cfg_.layers], params_ + final_norm_, final_rstd_, dh_bf_, dres_,
+                         grads_ + final_norm_, N, D, stream_);
+    if (scaled_) {  // dres_ = dL/d resid_[L], dhres_ = dL/d hres_[L]
+      const ResScaleOffsets& F = final_scale_;
+      k::residual_scale::merge_backward(resid_[cfg_.layers], hres_[cfg_.layers], params_ + F.r_bias,
+                                        params_ + F.r_scale, params_ + F.h_bias, params_ + F.h_scale, dres_, dres_,
+                                        dhres_, grads_ + F.r_bias, grads_ + F.r_scale, grads_ + F.h_bias,
+                                        grads_ + F.h_scale, N, D, stream_);
+    }
     for (int l = cfg_.layers - 1; l >= 0; --l) {
       LayerActs& a = acts_for(l);
-      if (opt_.recompute == Recompute::kFull) layer_forward(l, a, resid_[l], spare_resid_, /*count_load=*/false);
-      layer_backward(l, a, resid_[l]);
+      const bool full = opt_.recompute == Recompute::kFull;
+      if (scaled_) {
+        // Recompute: the residual output goes to the spare (resid_[l + 1] already holds it and
+        // the MLP-norm backward reads it there); the mixer output to hres_[l + 1], which only
+        // layer l + 1's backward read, and that has run.
+        if (full) scaled_layer_forward(l, a, spare_resid_, hres_[l + 1], /*count_load=*/false);
+        scaled_layer_backward(l, a);
+      } else {
+        if (full) layer_forward(l, a, resid_[l], spare_resid_, /*count_load=*/false);
+        layer_backward(l, a, resid_[l]);
+      }
     }
     k::embedding::backward(tokens_, N, dres_, grads_ + embed_, V, D, stream_);
     have_forward_ = false;
@@ -369,6 +439,10 @@ class CudaBackend final : public TrainBackend {
       if (p.name == "embed.weight") { embed_ = p.offset; continue; }
       if (p.name == "final_norm.weight") { final_norm_ = p.offset; continue; }
       if (p.name == "lm_head.weight") { lm_head_ = p.offset; continue; }
+      if (p.name.starts_with("final_res_scale.")) {
+        if (!set_res_scale(final_scale_, p.name.substr(16), p.offset)) fail("cuda backend: unmapped parameter '{}'", p.name);
+        continue;
+      }
       const auto dot = p.name.find('.', 7);
       const int l = std::stoi(p.name.substr(7, dot - 7));
       const std::string rest = p.name.substr(dot + 1);
@@ -383,8 +457,81 @@ class CudaBackend final : public TrainBackend {
       else if (rest == "moe.w_gate" || rest == "mlp.w_gate") w.w_gate = p.offset;
       else if (rest == "moe.w_up" || rest == "mlp.w_up") w.w_up = p.offset;
       else if (rest == "moe.w_down" || rest == "mlp.w_down") w.w_down = p.offset;
+      else if (rest == "attn.cca.w_qk") w.cca_w_qk = p.offset, w.cca = true;
+      else if (rest == "attn.cca.w_v") w.cca_w_v = p.offset;
+      else if (rest == "attn.cca.conv0.weight") w.conv0_w = p.offset;
+      else if (rest == "attn.cca.conv0.bias") w.conv0_b = p.offset;
+      else if (rest == "attn.cca.conv1.weight") w.conv1_w = p.offset;
+      else if (rest == "attn.cca.conv1.bias") w.conv1_b = p.offset;
+      else if (rest == "attn.cca.temp") w.cca_temp = p.offset;
+      else if (rest == "attn.cca.wo") w.cca_wo = p.offset;
+      else if (rest == "moe.router.down.weight") w.zr_down_w = p.offset, w.moe = true;
+      else if (rest == "moe.router.down.bias") w.zr_down_b = p.offset;
+      else if (rest == "moe.router.eda_scale") w.zr_eda = p.offset;
+      else if (rest == "moe.router.norm.weight") w.zr_norm = p.offset;
+      else if (rest == "moe.router.mlp1.weight") w.zr_w1 = p.offset;
+      else if (rest == "moe.router.mlp1.bias") w.zr_b1 = p.offset;
+      else if (rest == "moe.router.mlp2.weight") w.zr_w2 = p.offset;
+      else if (rest == "moe.router.mlp2.bias") w.zr_b2 = p.offset;
+      else if (rest == "moe.router.out.weight") w.zr_out = p.offset;
+      else if (rest.starts_with("res_scale.attn.") && set_res_scale(w.attn_scale, rest.substr(15), p.offset)) {
+      } else if (rest.starts_with("res_scale.mlp.") && set_res_scale(w.mlp_scale, rest.substr(14), p.offset)) {
+      } else fail("cuda backend: unmapped parameter '{}'", p.name);
     }
     if (cfg_.tied_embeddings) lm_head_ = embed_;
+  }
+
+  static bool set_res_scale(ResScaleOffsets& r, const std::string& what, std::int64_t offset) {
+    if (what == "h_scale") r.h_scale = offset;
+    else if (what == "h_bias") r.h_bias = offset;
+    else if (what == "r_scale") r.r_scale = offset;
+    else if (what == "r_bias") r.r_bias = offset;
+    else return false;
+    return true;
+  }
+
+  cuda_zaya::Weights zaya_weights(const LayerWeights& W) const {
+    const bf16* w16 = params_bf16_;
+    cuda_zaya::Weights z;
+    z.router.w_down = w16 + W.zr_down_w;
+    z.router.b_down = params_ + W.zr_down_b;
+    z.router.gamma = W.zr_eda >= 0 ? params_ + W.zr_eda : nullptr;
+    z.router.w_norm = params_ + W.zr_norm;
+    z.router.w1 = w16 + W.zr_w1;
+    z.router.b1 = params_ + W.zr_b1;
+    z.router.w2 = w16 + W.zr_w2;
+    z.router.b2 = params_ + W.zr_b2;
+    z.router.w3 = w16 + W.zr_out;
+    z.experts = {w16 + W.w_gate, w16 + W.w_up, w16 + W.w_down};
+    return z;
+  }
+
+  cuda_zaya::Grads zaya_grads(const LayerWeights& W) const {
+    float* G = grads_;
+    cuda_zaya::Grads g;
+    g.router.w_down = G + W.zr_down_w;
+    g.router.b_down = G + W.zr_down_b;
+    g.router.gamma = W.zr_eda >= 0 ? G + W.zr_eda : nullptr;
+    g.router.w_norm = G + W.zr_norm;
+    g.router.w1 = G + W.zr_w1;
+    g.router.b1 = G + W.zr_b1;
+    g.router.w2 = G + W.zr_w2;
+    g.router.b2 = G + W.zr_b2;
+    g.router.w3 = G + W.zr_out;
+    g.experts = {G + W.w_gate, G + W.w_up, G + W.w_down};
+    return g;
+  }
+
+  k::cca::Weights cca_weights(const LayerWeights& W) const {
+    const bf16* w16 = params_bf16_;
+    return {w16 + W.cca_w_qk, w16 + W.cca_w_v, params_ + W.conv0_w, params_ + W.conv0_b,
+            params_ + W.conv1_w, params_ + W.conv1_b, params_ + W.cca_temp, w16 + W.cca_wo};
+  }
+
+  k::cca::Grads cca_grads(const LayerWeights& W) const {
+    float* G = grads_;
+    return {G + W.cca_w_qk, G + W.cca_w_v, G + W.conv0_w, G + W.conv0_b, G + W.conv1_w, G + W.conv1_b,
+            G + W.cca_temp, G + W.cca_wo};
   }
 
   // Carves every activation and workspace out of act_arena_ (sizing pass when unallocated).
@@ -392,25 +539,44 @@ class CudaBackend final : public TrainBackend {
     const std::int64_t B = opt_.micro_batch, T = opt_.seq_length, N = B * T, D = cfg_.hidden;
     const std::int64_t Hq = cfg_.heads, Hkv = cfg_.kv_heads, Dh = cfg_.head_dim, Q = Hq * Dh, KV = Hkv * Dh;
     const std::int64_t E = std::max(cfg_.experts, 1), K = std::max(cfg_.top_k, 1), FE = std::max(cfg_.expert_hidden, 1);
-    const std::int64_t FD = std::max(cfg_.ffn_hidden, 1), S = N * K;
+    const std::int64_t FD = std::max(cfg_.ffn_hidden, 1), S = N * K, R = std::max(cfg_.router_hidden, 1);
     const bool any_moe = !moe_layer_ids_.empty(), any_dense = moe_layer_ids_.size() < std::size_t(cfg_.layers);
+    const bool zaya_moe = any_moe && mlp_router_;
     DeviceArena& A = act_arena_;
     resid_.clear();
     for (int l = 0; l <= cfg_.layers; ++l) resid_.push_back(A.take<float>(N * D));
+    // residual scaling: hres_[l] is the mixer output entering layer l (none for layer 0)
+    hres_.assign(static_cast<std::size_t>(cfg_.layers + 1), nullptr);
+    if (scaled_)
+      for (int l = 1; l <= cfg_.layers; ++l) hres_[l] = A.take<float>(N * D);
+    // The MLP router's EDA state of each MoE stage: read by the next stage in forward and in
+    // backward, so it lives outside the (possibly shared) layer sets.
+    eda_state_.assign(zaya_moe ? moe_layer_ids_.size() : 0, nullptr);
+    for (auto& e : eda_state_) e = A.take<float>(N * R);
     spare_resid_ = opt_.recompute == Recompute::kFull ? A.take<float>(N * D) : nullptr;
     const int sets = opt_.recompute == Recompute::kFull ? 1 : cfg_.layers;
     acts_.assign(static_cast<std::size_t>(sets), LayerActs{});
+    const k::zaya_router::Dims zdims = zshape_.router_dims();
     for (int i = 0; i < sets; ++i) {
       LayerActs& a = acts_[static_cast<std::size_t>(i)];
       const bool moe = sets == 1 ? any_moe : moe_index_of_layer_[i] >= 0;
       const bool dense = sets == 1 ? any_dense : !moe;
+      const bool cca = sets == 1 ? any_cca_ : layers_[static_cast<std::size_t>(i)].cca;
+      const bool softmax = sets == 1 ? any_softmax_ : !cca;
       a.h1 = A.take<bf16>(N * D);
       a.rstd1 = A.take<float>(N);
-      a.q = A.take<bf16>(N * Q);
-      a.k = A.take<bf16>(N * KV);
-      a.v = A.take<bf16>(N * KV);
-      a.att = A.take<bf16>(N * Q);
-      a.lse = A.take<float>(B * Hq * T);
+      if (softmax) {
+        a.q = A.take<bf16>(N * Q);
+        a.k = A.take<bf16>(N * KV);
+        a.v = A.take<bf16>(N * KV);
+        a.att = A.take<bf16>(N * Q);
+        a.lse = A.take<float>(B * Hq * T);
+      }
+      if (cca) {
+        std::byte* buf = A.take<std::byte>(k::cca::saved_bytes(cca_cfg_, B, T));
+        if (buf) a.cca = k::cca::carve_saved(cca_cfg_, B, T, buf);
+      }
+      if (cca || scaled_) a.attn_out = A.take<bf16>(N * D);
       a.x_mid = A.take<float>(N * D);
       a.h2 = A.take<bf16>(N * D);
       a.rstd2 = A.take<float>(N);
@@ -419,7 +585,17 @@ class CudaBackend final : public TrainBackend {
         a.u = A.take<bf16>(N * FD);
         a.a = A.take<bf16>(N * FD);
       }
-      if (moe) {
+      if (moe && mlp_router_) {
+        // the router's `state` region goes unused: forward points it at eda_state_
+        std::byte* buf = A.take<std::byte>(k::zaya_router::saved_bytes(zdims));
+        if (buf) a.zmoe.router = k::zaya_router::carve_saved(zdims, buf);
+        a.zmoe.kept = A.take<std::int32_t>(N);
+        a.zmoe.kept_idx = A.take<std::int32_t>(N);
+        a.zmoe.pos = A.take<std::int32_t>(N);
+        a.zmoe.count = A.take<std::int32_t>(1);
+        a.zmoe.plan_ws = A.take<std::int32_t>(k::moe::plan_ints(N, static_cast<int>(E)));
+      }
+      if (moe && !mlp_router_) {
         a.rlogits = A.take<float>(N * E);
         a.probs = A.take<float>(N * E);
         a.rlse = A.take<float>(N);
@@ -428,11 +604,14 @@ class CudaBackend final : public TrainBackend {
         a.idx = A.take<std::int32_t>(S);
         a.counts = A.take<std::int32_t>(E);
         a.plan_ws = A.take<std::int32_t>(k::moe::plan_ints(S, static_cast<int>(E)));
+      }
+      if (moe) {
         a.saved.xs = A.take<bf16>(S * D);
         a.saved.h_gate = A.take<bf16>(S * FE);
         a.saved.h_up = A.take<bf16>(S * FE);
         a.saved.act = A.take<bf16>(S * FE);
         a.saved.ys = A.take<bf16>(S * D);
+        a.zmoe.experts = a.saved;
       }
     }
     // shared backward scratch
@@ -440,25 +619,47 @@ class CudaBackend final : public TrainBackend {
     dres_bf_ = A.take<bf16>(N * D);
     dh_f32_ = A.take<float>(N * D);
     dh_bf_ = A.take<bf16>(N * D);
-    moe_y_ = any_moe ? A.take<float>(N * D) : nullptr;
-    datt_ = A.take<bf16>(N * Q);
-    dq_ = A.take<bf16>(N * Q);
-    dk_ = A.take<bf16>(N * KV);
-    dv_ = A.take<bf16>(N * KV);
+    moe_y_ = any_moe && !scaled_ ? A.take<float>(N * D) : nullptr;
+    if (any_softmax_) {
+      datt_ = A.take<bf16>(N * Q);
+      dq_ = A.take<bf16>(N * Q);
+      dk_ = A.take<bf16>(N * KV);
+      dv_ = A.take<bf16>(N * KV);
+    }
     if (any_dense) {
       dg_ = A.take<bf16>(N * FD);
       du_ = A.take<bf16>(N * FD);
       da_ = A.take<bf16>(N * FD);
     }
-    if (any_moe) {
+    if (any_moe && !mlp_router_) {
       dgates_ = A.take<float>(N * K);
       dlogits_ = A.take<float>(N * E);
       dlogits_bf_ = A.take<bf16>(N * E);
-      moe_scratch_ = A.take<std::byte>(static_cast<std::size_t>(k::moe::backward_scratch_bytes(S, D, FE)));
     }
-    attn_ws_ = A.take<std::byte>(k::attention::backward_workspace_bytes(static_cast<int>(B), static_cast<int>(T),
-                                                                          static_cast<int>(Hq), static_cast<int>(Hkv),
-                                                                          static_cast<int>(Dh)));
+    if (any_moe)
+      moe_scratch_ = A.take<std::byte>(static_cast<std::size_t>(k::moe::backward_scratch_bytes(S, D, FE)));
+    if (zaya_moe) {
+      zs_.xk = A.take<bf16>(N * D);
+      zs_.dxk = A.take<bf16>(N * D);
+      zs_.yk = A.take<float>(N * D);
+      zs_.dyk = A.take<float>(N * D);
+      zs_.gk = A.take<float>(N);
+      zs_.dgk = A.take<float>(N);
+      zs_.dgates = A.take<float>(N);
+      zs_.router = A.take<std::byte>(k::zaya_router::backward_scratch_bytes(zdims));
+      zs_.experts = moe_scratch_;
+      deda_[0] = A.take<float>(N * R);
+      deda_[1] = A.take<float>(N * R);
+    }
+    if (any_softmax_)
+      attn_ws_ = A.take<std::byte>(k::attention::backward_workspace_bytes(static_cast<int>(B), static_cast<int>(T),
+                                                                            static_cast<int>(Hq), static_cast<int>(Hkv),
+                                                                            static_cast<int>(Dh)));
+    if (any_cca_) cca_scratch_ = A.take<std::byte>(k::cca::backward_scratch_bytes(cca_cfg_, B, T));
+    if (scaled_) {
+      dhres_ = A.take<float>(N * D);
+      final_r_ = A.take<float>(N * D);
+    }
     final_h_ = A.take<bf16>(N * D);
     final_rstd_ = A.take<float>(N);
     ce_lse_ = A.take<float>(N);
@@ -472,7 +673,7 @@ class CudaBackend final : public TrainBackend {
     sum_sq_ = A.take<double>(1);
     norm_ = A.take<double>(1);
     coef_ = A.take<float>(1);
-    layer_counts_.assign(moe_layer_ids_.size(), std::vector<std::int32_t>(static_cast<std::size_t>(E), 0));
+    layer_counts_.assign(moe_layer_ids_.size(), std::vector<std::int32_t>(static_cast<std::size_t>(classes_), 0));
     host_losses_.assign(moe_layer_ids_.size(), k::router::Losses{});
   }
 
@@ -503,12 +704,12 @@ class CudaBackend final : public TrainBackend {
     gemm_->run(d, a, b, c, stream_);
   }
 
-  void layer_forward(int l, LayerActs& a, const float* x_in, float* x_out, bool count_load) {
+  // q, k, v projections, RoPE and flash attention of a mha/gqa layer: a.h1 -> a.att.
+  void softmax_attend(int l, LayerActs& a) {
     const LayerWeights& W = layers_[static_cast<std::size_t>(l)];
     const std::int64_t B = opt_.micro_batch, T = opt_.seq_length, N = B * T, D = cfg_.hidden;
     const std::int64_t Hq = cfg_.heads, Hkv = cfg_.kv_heads, Dh = cfg_.head_dim, Q = Hq * Dh, KV = Hkv * Dh;
     const bf16* w16 = params_bf16_;
-    k::rmsnorm::forward(x_in, params_ + W.attn_norm, eps(), a.h1, a.rstd1, N, D, stream_);
     k::linear::forward(*gemm_, a.h1, w16 + W.wq, a.q, N, D, Q, stream_);
     k::linear::forward(*gemm_, a.h1, w16 + W.wk, a.k, N, D, KV, stream_);
     k::linear::forward(*gemm_, a.h1, w16 + W.wv, a.v, N, D, KV, stream_);
@@ -517,9 +718,71 @@ class CudaBackend final : public TrainBackend {
     const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
     k::attention::forward(a.q, a.k, a.v, a.att, a.lse, static_cast<int>(B), static_cast<int>(T), static_cast<int>(Hq),
                           static_cast<int>(Hkv), static_cast<int>(Dh), scale, stream_);
-    // x_mid = x_in + att Wo^T: the residual add rides in the GEMM (fp32 C, beta = 1)
+  }
+
+  // The attention block's output into a.attn_out (bf16): CCA, or mha/gqa with the output GEMM.
+  void attn_forward_to_out(int l, LayerActs& a) {
+    const LayerWeights& W = layers_[static_cast<std::size_t>(l)];
+    const std::int64_t N = tokens(), D = cfg_.hidden, Q = std::int64_t(cfg_.heads) * cfg_.head_dim;
+    if (W.cca) {
+      k::cca::forward(*gemm_, cca_cfg_, opt_.micro_batch, opt_.seq_length, a.h1, positions_, rope_->view(),
+                      cca_weights(W), a.cca, a.attn_out, stream_);
+      return;
+    }
+    softmax_attend(l, a);
+    k::linear::forward(*gemm_, a.att, params_bf16_ + W.wo, a.attn_out, N, Q, D, stream_);
+  }
+
+  // A routed MLP block (linear top-k router or ZAYA1's MLP router): y = mlp(a.h2), fp32 [N, D]
+  // overwritten. Records the layer's loads when count_load.
+  void moe_forward(int l, LayerActs& a, bool count_load, float* y) {
+    const LayerWeights& W = layers_[static_cast<std::size_t>(l)];
+    const std::int64_t N = tokens(), D = cfg_.hidden;
+    const bf16* w16 = params_bf16_;
+    const int m = moe_index_of_layer_[l];
+    const int E = cfg_.experts;
+    const std::int64_t F = cfg_.expert_hidden;
+    auto& counts = layer_counts_[static_cast<std::size_t>(m)];
+    if (mlp_router_) {
+      a.zmoe.router.state = eda_state_[static_cast<std::size_t>(m)];
+      const float* prev = m > 0 ? eda_state_[static_cast<std::size_t>(m - 1)] : nullptr;
+      cuda_zaya::moe_forward(*gemm_, zshape_, zaya_weights(W), a.h2, prev, bias_dev_ + std::int64_t(m) * classes_,
+                             a.zmoe, zs_, y, stream_);
+      if (count_load) {
+        for (int e = 0; e < E; ++e) counts[e] = a.zmoe.nk > 0 ? static_cast<std::int32_t>(a.zmoe.plan.count(e)) : 0;
+        if (zshape_.skip) counts[E] = static_cast<std::int32_t>(N - a.zmoe.nk);
+      }
+      return;
+    }
+    k::linear::forward_f32(*gemm_, a.h2, w16 + W.router, a.rlogits, N, D, E, stream_);
+    k::router::Options ro{cfg_.top_k, opt_.renormalize_gates};
+    k::router::forward(a.rlogits, bias_dev_ + static_cast<std::int64_t>(m) * E, N, E, ro, a.probs, a.rlse, a.idx,
+                       a.gates, a.counts, a.losses, stream_);
+    a.plan = k::moe::make_plan(a.idx, N, cfg_.top_k, E, a.plan_ws, stream_);  // syncs: host expert offsets
+    if (count_load) {
+      for (int e = 0; e < E; ++e) counts[e] = static_cast<std::int32_t>(a.plan.count(e));
+      if (opt_.recompute == Recompute::kFull) host_losses_[static_cast<std::size_t>(m)] = k::router::read_losses(a.losses, stream_);
+    }
+    k::moe::Weights mw{w16 + W.w_gate, w16 + W.w_up, w16 + W.w_down};
+    k::moe::forward(a.plan, a.h2, a.gates, mw, D, F, a.saved, y, stream_);
+  }
+
+  // Plain pre-norm layer: x_mid = x_in + attn(n1(x_in)); x_out = x_mid + mlp(n2(x_mid)).
+  void layer_forward(int l, LayerActs& a, const float* x_in, float* x_out, bool count_load) {
+    const LayerWeights& W = layers_[static_cast<std::size_t>(l)];
+    const std::int64_t B = opt_.micro_batch, T = opt_.seq_length, N = B * T, D = cfg_.hidden;
+    const std::int64_t Hq = cfg_.heads, Dh = cfg_.head_dim, Q = Hq * Dh;
+    const bf16* w16 = params_bf16_;
+    k::rmsnorm::forward(x_in, params_ + W.attn_norm, eps(), a.h1, a.rstd1, N, D, stream_);
     KEEL_CUDA_CHECK(cudaMemcpyAsync(a.x_mid, x_in, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-    gemm(N, D, Q, false, true, a.att, w16 + W.wo, a.x_mid, true, 1.f);
+    if (W.cca) {
+      attn_forward_to_out(l, a);
+      k::add_bf16_to_f32(a.attn_out, a.x_mid, N * D, stream_);
+    } else {
+      softmax_attend(l, a);
+      // x_mid = x_in + att Wo^T: the residual add rides in the GEMM (fp32 C, beta = 1)
+      gemm(N, D, Q, false, true, a.att, w16 + W.wo, a.x_mid, true, 1.f);
+    }
     k::rmsnorm::forward(a.x_mid, params_ + W.mlp_norm, eps(), a.h2, a.rstd2, N, D, stream_);
     const int m = moe_index_of_layer_[l];
     if (m < 0) {
@@ -531,60 +794,99 @@ class CudaBackend final : public TrainBackend {
       gemm(N, D, F, false, true, a.a, w16 + W.w_down, x_out, true, 1.f);
       return;
     }
-    const int E = cfg_.experts;
-    const std::int64_t F = cfg_.expert_hidden;
-    k::linear::forward_f32(*gemm_, a.h2, w16 + W.router, a.rlogits, N, D, E, stream_);
-    k::router::Options ro{cfg_.top_k, opt_.renormalize_gates};
-    k::router::forward(a.rlogits, bias_dev_ + static_cast<std::int64_t>(m) * E, N, E, ro, a.probs, a.rlse, a.idx,
-                       a.gates, a.counts, a.losses, stream_);
-    a.plan = k::moe::make_plan(a.idx, N, cfg_.top_k, E, a.plan_ws, stream_);  // syncs: host expert offsets
-    if (count_load) {
-      for (int e = 0; e < E; ++e) layer_counts_[static_cast<std::size_t>(m)][e] = static_cast<std::int32_t>(a.plan.count(e));
-      if (opt_.recompute == Recompute::kFull) host_losses_[static_cast<std::size_t>(m)] = k::router::read_losses(a.losses, stream_);
-    }
-    k::moe::Weights mw{w16 + W.w_gate, w16 + W.w_up, w16 + W.w_down};
-    k::moe::forward(a.plan, a.h2, a.gates, mw, D, F, a.saved, moe_y_, stream_);
+    moe_forward(l, a, count_load, moe_y_);
     cuda::add_f32(a.x_mid, moe_y_, x_out, N * D, stream_);
   }
 
-  // dres_ holds dL/d(layer output) on entry and dL/d(layer input) on return.
-  void layer_backward(int l, LayerActs& a, const float* x_in) {
+  // ZAYA1 residual scaling (MoeTransformer::scaled_layer_forward): layer l takes (resid_[l],
+  // hres_[l]) (layer 0: the embedding only) and gives
+  //   r1 = merge_attn(r, h) (layer 0: (emb + b_h) * s_h) -> a.x_mid;  ya = attn(n1(r1)) -> a.attn_out
+  //   r2 = merge_mlp(r1, ya) -> r_out;  ym = mlp(n2(r2)) -> h_out (fp32)
+  void scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h_out, bool count_load) {
     const LayerWeights& W = layers_[static_cast<std::size_t>(l)];
-    const std::int64_t B = opt_.micro_batch, T = opt_.seq_length, N = B * T, D = cfg_.hidden;
-    const std::int64_t Hq = cfg_.heads, Hkv = cfg_.kv_heads, Dh = cfg_.head_dim, Q = Hq * Dh, KV = Hkv * Dh;
+    const std::int64_t N = tokens(), D = cfg_.hidden;
+    const ResScaleOffsets &A = W.attn_scale, &M = W.mlp_scale;
+    const float* P = params_;
+    if (l == 0)
+      k::residual_scale::forward(resid_[0], P + A.h_bias, P + A.h_scale, a.x_mid, N, D, stream_);
+    else
+      k::residual_scale::merge_forward(resid_[l], hres_[l], P + A.r_bias, P + A.r_scale, P + A.h_bias, P + A.h_scale,
+                                       a.x_mid, N, D, stream_);
+    k::rmsnorm::forward(a.x_mid, P + W.attn_norm, eps(), a.h1, a.rstd1, N, D, stream_);
+    attn_forward_to_out(l, a);
+    k::residual_scale::merge_forward(a.x_mid, a.attn_out, P + M.r_bias, P + M.r_scale, P + M.h_bias, P + M.h_scale,
+                                     r_out, N, D, stream_);
+    k::rmsnorm::forward(r_out, P + W.mlp_norm, eps(), a.h2, a.rstd2, N, D, stream_);
+    if (moe_index_of_layer_[l] >= 0) {
+      moe_forward(l, a, count_load, h_out);
+      return;
+    }
+    const std::int64_t F = cfg_.ffn_hidden;
+    const bf16* w16 = params_bf16_;
+    k::linear::forward(*gemm_, a.h2, w16 + W.w_gate, a.g, N, D, F, stream_);
+    k::linear::forward(*gemm_, a.h2, w16 + W.w_up, a.u, N, D, F, stream_);
+    k::swiglu::forward(a.g, a.u, a.a, N * F, stream_);
+    gemm(N, D, F, false, true, a.a, w16 + W.w_down, h_out, true, 0.f);
+  }
+
+  // MLP block backward: dy [N, D] fp32 = dL/d(block output) -> dh_f32_ = dL/d a.h2 (overwritten).
+  // Uses dres_bf_ and dh_bf_ as scratch.
+  void mlp_backward(int l, LayerActs& a, const float* dy) {
+    const LayerWeights& W = layers_[static_cast<std::size_t>(l)];
+    const std::int64_t N = tokens(), D = cfg_.hidden;
     const bf16* w16 = params_bf16_;
     float* G = grads_;
     const int m = moe_index_of_layer_[l];
-    // MLP block: out = x_mid + mlp(n2(x_mid)); dh_f32_ collects dL/dh2.
     if (m < 0) {
       const std::int64_t F = cfg_.ffn_hidden;
-      k::f32_to_bf16(dres_, dres_bf_, N * D, stream_);
+      k::f32_to_bf16(dy, dres_bf_, N * D, stream_);
       k::linear::backward(*gemm_, a.a, w16 + W.w_down, dres_bf_, da_, G + W.w_down, N, F, D, stream_);
       k::swiglu::backward(a.g, a.u, da_, dg_, du_, N * F, stream_);
       k::linear::backward(*gemm_, a.h2, w16 + W.w_gate, dg_, nullptr, G + W.w_gate, N, D, F, stream_);
       k::linear::backward(*gemm_, a.h2, w16 + W.w_up, du_, nullptr, G + W.w_up, N, D, F, stream_);
       gemm(N, D, F, false, false, dg_, w16 + W.w_gate, dh_f32_, true, 0.f);
       gemm(N, D, F, false, false, du_, w16 + W.w_up, dh_f32_, true, 1.f);
-    } else {
-      const int E = cfg_.experts;
-      const std::int64_t F = cfg_.expert_hidden;
-      k::moe::Weights mw{w16 + W.w_gate, w16 + W.w_up, w16 + W.w_down};
-      k::moe::Grads mg{G + W.w_gate, G + W.w_up, G + W.w_down};
-      k::moe::backward(a.plan, a.gates, mw, D, F, a.saved, dres_, moe_scratch_, dh_bf_, dgates_, mg, stream_);
-      k::router::Options ro{cfg_.top_k, opt_.renormalize_gates};
-      k::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, N, E, ro, dgates_,
-                          static_cast<float>(opt_.aux_loss_weight * cur_scale_),
-                          static_cast<float>(opt_.z_loss_weight * cur_scale_), dlogits_, stream_);
-      k::f32_to_bf16(dlogits_, dlogits_bf_, N * E, stream_);
-      k::bf16_to_f32(dh_bf_, dh_f32_, N * D, stream_);
-      gemm(N, D, E, false, false, dlogits_bf_, w16 + W.router, dh_f32_, true, 1.f);
-      k::linear::backward(*gemm_, a.h2, w16 + W.router, dlogits_bf_, nullptr, G + W.router, N, D, E, stream_);
+      return;
     }
-    k::f32_to_bf16(dh_f32_, dh_bf_, N * D, stream_);
-    k::rmsnorm::backward(a.x_mid, params_ + W.mlp_norm, a.rstd2, dh_bf_, dres_, G + W.mlp_norm, N, D, stream_);
-    // Attention block: x_mid = x_in + Wo attn(...); dres_ is now dL/dx_mid.
-    k::f32_to_bf16(dres_, dres_bf_, N * D, stream_);
-    k::linear::backward(*gemm_, a.att, w16 + W.wo, dres_bf_, datt_, G + W.wo, N, Q, D, stream_);
+    if (mlp_router_) {
+      // EDA chain: stage m + 1 left dL/d state_m in deda_[(m + 1) % 2]; this stage writes
+      // dL/d state_{m-1} into the other buffer.
+      const int nmoe = static_cast<int>(moe_layer_ids_.size());
+      const float* prev = m > 0 ? eda_state_[static_cast<std::size_t>(m - 1)] : nullptr;
+      const float* dnext = m + 1 < nmoe ? deda_[(m + 1) % 2] : nullptr;
+      float* dprev = m > 0 ? deda_[m % 2] : nullptr;
+      cuda_zaya::moe_backward(*gemm_, zshape_, zaya_weights(W), zaya_grads(W), a.h2, prev, a.zmoe, zs_, dy, dnext,
+                              dh_f32_, dprev, stream_);
+      return;
+    }
+    const int E = cfg_.experts;
+    const std::int64_t F = cfg_.expert_hidden;
+    k::moe::Weights mw{w16 + W.w_gate, w16 + W.w_up, w16 + W.w_down};
+    k::moe::Grads mg{G + W.w_gate, G + W.w_up, G + W.w_down};
+    k::moe::backward(a.plan, a.gates, mw, D, F, a.saved, dy, moe_scratch_, dh_bf_, dgates_, mg, stream_);
+    k::router::Options ro{cfg_.top_k, opt_.renormalize_gates};
+    k::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, N, E, ro, dgates_,
+                        static_cast<float>(opt_.aux_loss_weight * cur_scale_),
+                        static_cast<float>(opt_.z_loss_weight * cur_scale_), dlogits_, stream_);
+    k::f32_to_bf16(dlogits_, dlogits_bf_, N * E, stream_);
+    k::bf16_to_f32(dh_bf_, dh_f32_, N * D, stream_);
+    gemm(N, D, E, false, false, dlogits_bf_, w16 + W.router, dh_f32_, true, 1.f);
+    k::linear::backward(*gemm_, a.h2, w16 + W.router, dlogits_bf_, nullptr, G + W.router, N, D, E, stream_);
+  }
+
+  // Attention block backward: dy [N, D] bf16 = dL/d(block output) -> dh_bf_ = dL/d a.h1.
+  void attn_backward(int l, LayerActs& a, const bf16* dy) {
+    const LayerWeights& W = layers_[static_cast<std::size_t>(l)];
+    const std::int64_t B = opt_.micro_batch, T = opt_.seq_length, N = B * T, D = cfg_.hidden;
+    const std::int64_t Hq = cfg_.heads, Hkv = cfg_.kv_heads, Dh = cfg_.head_dim, Q = Hq * Dh, KV = Hkv * Dh;
+    const bf16* w16 = params_bf16_;
+    float* G = grads_;
+    if (W.cca) {
+      k::cca::backward(*gemm_, cca_cfg_, B, T, a.h1, positions_, rope_->view(), cca_weights(W), a.cca, dy, dh_bf_,
+                       cca_grads(W), cca_scratch_, stream_);
+      return;
+    }
+    k::linear::backward(*gemm_, a.att, w16 + W.wo, dy, datt_, G + W.wo, N, Q, D, stream_);
     const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
     k::attention::backward(a.q, a.k, a.v, a.att, a.lse, datt_, dq_, dk_, dv_, attn_ws_, static_cast<int>(B),
                            static_cast<int>(T), static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(Dh), scale,
@@ -598,7 +900,47 @@ class CudaBackend final : public TrainBackend {
     gemm(N, D, KV, false, false, dk_, w16 + W.wk, dh_f32_, true, 1.f);
     gemm(N, D, KV, false, false, dv_, w16 + W.wv, dh_f32_, true, 1.f);
     k::f32_to_bf16(dh_f32_, dh_bf_, N * D, stream_);
+  }
+
+  // dres_ holds dL/d(layer output) on entry and dL/d(layer input) on return.
+  void layer_backward(int l, LayerActs& a, const float* x_in) {
+    const LayerWeights& W = layers_[static_cast<std::size_t>(l)];
+    const std::int64_t N = tokens(), D = cfg_.hidden;
+    float* G = grads_;
+    // MLP block: out = x_mid + mlp(n2(x_mid)); dh_f32_ collects dL/dh2.
+    mlp_backward(l, a, dres_);
+    k::f32_to_bf16(dh_f32_, dh_bf_, N * D, stream_);
+    k::rmsnorm::backward(a.x_mid, params_ + W.mlp_norm, a.rstd2, dh_bf_, dres_, G + W.mlp_norm, N, D, stream_);
+    // Attention block: x_mid = x_in + attn(n1(x_in)); dres_ is now dL/dx_mid.
+    k::f32_to_bf16(dres_, dres_bf_, N * D, stream_);
+    attn_backward(l, a, dres_bf_);
     k::rmsnorm::backward(x_in, params_ + W.attn_norm, a.rstd1, dh_bf_, dres_, G + W.attn_norm, N, D, stream_);
+  }
+
+  // In: dres_ = dL/d resid_[l + 1], dhres_ = dL/d hres_[l + 1]. Out: dres_ = dL/d resid_[l],
+  // dhres_ = dL/d hres_[l] (layer 0: dres_ = dL/d embedding).
+  void scaled_layer_backward(int l, LayerActs& a) {
+    const LayerWeights& W = layers_[static_cast<std::size_t>(l)];
+    const std::int64_t N = tokens(), D = cfg_.hidden;
+    const ResScaleOffsets &A = W.attn_scale, &M = W.mlp_scale;
+    const float* P = params_;
+    float* G = grads_;
+    mlp_backward(l, a, dhres_);
+    k::f32_to_bf16(dh_f32_, dh_bf_, N * D, stream_);
+    k::rmsnorm::backward(resid_[l + 1], P + W.mlp_norm, a.rstd2, dh_bf_, dres_, G + W.mlp_norm, N, D, stream_);
+    // dres_ = dL/dr2 -> dL/dr1 (so far); dres_bf_ = dL/d attn_out (bf16: it feeds the output GEMM)
+    k::residual_scale::merge_backward(a.x_mid, a.attn_out, P + M.r_bias, P + M.r_scale, P + M.h_bias, P + M.h_scale,
+                                      dres_, dres_, dres_bf_, G + M.r_bias, G + M.r_scale, G + M.h_bias, G + M.h_scale,
+                                      N, D, stream_);
+    attn_backward(l, a, dres_bf_);
+    k::rmsnorm::backward(a.x_mid, P + W.attn_norm, a.rstd1, dh_bf_, dres_, G + W.attn_norm, N, D, stream_);
+    if (l == 0)
+      k::residual_scale::backward(resid_[0], P + A.h_bias, P + A.h_scale, dres_, dres_, G + A.h_bias, G + A.h_scale, N,
+                                  D, stream_);
+    else
+      k::residual_scale::merge_backward(resid_[l], hres_[l], P + A.r_bias, P + A.r_scale, P + A.h_bias, P + A.h_scale,
+                                        dres_, dres_, dhres_, G + A.r_bias, G + A.r_scale, G + A.h_bias,
+                                        G + A.h_scale, N, D, stream_);
   }
 
   model::ModelConfig cfg_;
@@ -619,6 +961,11 @@ class CudaBackend final : public TrainBackend {
   std::vector<std::vector<std::int32_t>> layer_counts_;
   std::vector<k::router::Losses> host_losses_;
   std::vector<std::vector<float>> bias_;
+  bool any_cca_ = false, any_softmax_ = false, mlp_router_ = false, scaled_ = false;
+  int classes_ = 0;                      // router classes per MoE layer (experts, + skip)
+  k::cca::Config cca_cfg_;
+  cuda_zaya::Shape zshape_;
+  ResScaleOffsets final_scale_;          // residual scaling before the final norm
   bool have_forward_ = false;
   bool ce_keep_logits_ = false;
   float cur_scale_ = 1.0f;
@@ -626,6 +973,12 @@ class CudaBackend final : public TrainBackend {
   float *params_ = nullptr, *grads_ = nullptr, *adam_m_ = nullptr, *adam_v_ = nullptr, *bias_dev_ = nullptr;
   bf16* params_bf16_ = nullptr;
   std::vector<float*> resid_;
+  std::vector<float*> hres_;       // residual scaling: [layers + 1] mixer output entering layer l (fp32)
+  std::vector<float*> eda_state_;  // per MoE stage: the MLP router's EDA state [N, R]
+  float* deda_[2] = {nullptr, nullptr};  // dL/d EDA state, alternating between consecutive stages
+  float *dhres_ = nullptr, *final_r_ = nullptr;
+  cuda_zaya::Scratch zs_;
+  std::byte* cca_scratch_ = nullptr;
   float* spare_resid_ = nullptr;
   std::vector<LayerActs> acts_;
   float *dres_ = nullptr, *dh_f32_ = nullptr, *moe_y_ = nullptr, *dgates_ = nullptr, *dlogits_ = nullptr;

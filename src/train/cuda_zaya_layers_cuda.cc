@@ -1,0 +1,55 @@
+#include "train/cuda_zaya_layers_cuda.h"
+
+#include "ops/cuda/cast.h"
+#include "train/cuda_kernels.h"
+
+namespace keel::train::cuda_zaya {
+
+namespace k = ops::cuda;
+
+void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf16* x, const float* prev_state,
+                 const float* bias, Acts& a, const Scratch& sc, float* y, cudaStream_t stream) {
+  const std::int64_t N = s.tokens, D = s.hidden;
+  k::zaya_router::forward(gemm, s.router_dims(), x, prev_state, w.router, bias, a.router, stream);
+  cuda::pack_routed(a.router.idx, N, s.experts, a.kept, a.kept_idx, a.pos, a.count, stream);
+  a.nk = N;
+  if (s.skip) {  // the expert GEMM loop needs nk on the host (make_plan syncs right after anyway)
+    std::int32_t nk = 0;
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(&nk, a.count, sizeof(nk), cudaMemcpyDeviceToHost, stream));
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream));
+    a.nk = nk;
+  }
+  if (a.nk > 0) {
+    a.plan = k::moe::make_plan(a.kept_idx, a.nk, 1, s.experts, a.plan_ws, stream);
+    cuda::gather_rows(x, a.kept, a.nk, D, sc.xk, stream);
+    cuda::gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
+    k::moe::forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
+  }
+  // Expert rows from the packed output, 0 on skipped rows; then the skip path adds gate * x there.
+  cuda::unpack_rows(sc.yk, a.pos, N, D, y, stream);
+  if (s.skip) k::zaya_router::skip_add_forward(x, a.router.idx, a.router.gates, s.experts, y, N, D, stream);
+}
+
+void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const Grads& g, const bf16* x,
+                  const float* prev_state, Acts& a, const Scratch& sc, const float* dy, const float* dstate_next,
+                  float* dx, float* dprev_state, cudaStream_t stream) {
+  const std::int64_t N = s.tokens, D = s.hidden;
+  if (a.nk > 0) {
+    cuda::gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
+    cuda::gather_rows(dy, a.kept, a.nk, D, sc.dyk, stream);
+    k::moe::backward(a.plan, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.dyk, sc.experts, sc.dxk, sc.dgk,
+                     g.experts, stream);
+  }
+  // dx: the experts' dx on routed rows, gate * dy on skipped rows (fp32). dL/d gate: the
+  // experts' on routed rows, dy . x on skipped rows (skip_add_backward adds it onto the 0s).
+  cuda::unpack_moe_dx(sc.dxk, a.pos, a.router.gates, dy, N, D, dx, stream);
+  cuda::unpack_rows(sc.dgk, a.pos, N, 1, sc.dgates, stream);
+  if (s.skip)
+    k::zaya_router::skip_add_backward(x, a.router.idx, a.router.gates, s.experts, dy, nullptr, sc.dgates, N, D, stream);
+  // The router's share of dx goes through the bf16 scratch (the expert dx there is consumed).
+  k::zaya_router::backward(gemm, s.router_dims(), x, prev_state, w.router, a.router, sc.dgates, dstate_next, sc.dxk,
+                           dprev_state, g.router, sc.router, stream);
+  k::add_bf16_to_f32(sc.dxk, dx, N * D, stream);
+}
+
+}  // namespace keel::train::cuda_zaya
