@@ -14,6 +14,7 @@
 #include "common/mpi_session.h"
 #include "common/process.h"
 #include "data/command.h"
+#include "generate/command.h"
 #include "size/command.h"
 #include "train/command.h"
 
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
   keel::ckpt::add_command(app);
   keel::data::add_command(app);
   keel::train::add_command(app);
+  keel::generate::add_command(app);
 
   try {
     app.parse(argc, argv);

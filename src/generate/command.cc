@@ -1,0 +1,166 @@
+#include "generate/command.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/fileio.h"
+#include "data/tokenizer.h"
+#include "generate/generate.h"
+#include "model/config.h"
+#include "train/train_checkpoint.h"
+#include "train/train_config.h"
+
+namespace keel::generate {
+namespace {
+
+struct Args {
+  std::string checkpoint, model, config, prompt, prompt_file, tokenizer = "byte";
+  int max_new = 32, top_k = 0;
+  double temperature = 0.0, init_std = 0.02;
+  std::uint64_t seed = 1, init_seed = 1234;
+  std::vector<int> batch{1};
+  bool ignore_eos = false, bos = false;
+};
+
+ModelWeights load_weights(const Args& a) {
+  const int sources = int(!a.checkpoint.empty()) + int(!a.model.empty()) + int(!a.config.empty());
+  if (sources != 1)
+    throw UsageError("generate: give exactly one model: a checkpoint directory, --model MODEL.yaml or --config TRAIN.yaml "
+                     "(the last two: freshly initialized weights)");
+  if (!a.checkpoint.empty()) {
+    if (!train::is_ckpt_directory(a.checkpoint))
+      throw UsageError(fmt::format("generate: {} is not a keel checkpoint (expected a checkpoint.dir root with `latest`, "
+                                   "or a step directory with metadata.json)",
+                                   a.checkpoint));
+    return load_checkpoint_weights(a.checkpoint);
+  }
+  if (!a.model.empty()) return fresh_weights(model::load_model_config(a.model), true, a.init_std, a.init_seed);
+  const train::TrainConfig tc = train::load_train_config(a.config);
+  return fresh_weights(tc.model, tc.model_options.renormalize_gates, a.init_std, a.init_seed);
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[static_cast<std::size_t>(q * double(v.size() - 1) + 0.5)];
+}
+
+void run(const Args& a) {
+  if (a.max_new < 1) throw UsageError(fmt::format("generate: --max-new-tokens must be >= 1, got {}", a.max_new));
+  if (a.temperature < 0) throw UsageError(fmt::format("generate: --temperature must be >= 0, got {}", a.temperature));
+  if (a.top_k < 0) throw UsageError(fmt::format("generate: --top-k must be >= 0, got {}", a.top_k));
+  for (int b : a.batch)
+    if (b < 1) throw UsageError(fmt::format("generate: --batch sizes must be >= 1, got {}", b));
+  if (!a.prompt.empty() && !a.prompt_file.empty()) throw UsageError("generate: give --prompt or --prompt-file, not both");
+  const std::unique_ptr<data::Tokenizer> tok = data::make_tokenizer(a.tokenizer);
+  ModelWeights weights = load_weights(a);
+  const model::ModelConfig cfg = weights.config;
+  if (static_cast<std::int64_t>(tok->vocab_size()) > cfg.vocab_size)
+    throw UsageError(fmt::format("generate: tokenizer {} has {} ids, model '{}' only {}", tok->name(), tok->vocab_size(),
+                                 cfg.name, cfg.vocab_size));
+  const std::string text = a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file);
+  std::vector<std::uint32_t> prompt;
+  if (a.bos && tok->bos()) prompt.push_back(*tok->bos());
+  const auto enc = tok->encode(text);
+  prompt.insert(prompt.end(), enc.begin(), enc.end());
+  // Training documents end with EOS (data tokenize --append-eos), so an empty prompt starts
+  // where a new document would.
+  if (prompt.empty()) {
+    if (!tok->eos()) throw UsageError("generate: empty prompt and the tokenizer has no EOS to start from");
+    prompt.push_back(*tok->eos());
+  }
+  // The same check as make_cache, before anything is printed.
+  const std::int64_t positions = static_cast<std::int64_t>(prompt.size()) + a.max_new - 1;
+  if (cfg.max_seq_len > 0 && positions > cfg.max_seq_len)
+    throw UsageError(fmt::format("generate: prompt + new tokens = {} positions exceeds model '{}' max_seq_len {}", positions,
+                                 cfg.name, cfg.max_seq_len));
+  const std::string source = weights.source;
+  InferenceModel model(std::move(weights));
+
+  const int moe = model::moe_layer_count(cfg);
+  std::string arch = fmt::format("{} layers ({})", cfg.layers, model::attention_kind_name(cfg.attention));
+  if (cfg.experts > 0)
+    arch += fmt::format(", {} MoE layers of {} experts top-{}{}", moe, cfg.experts, cfg.top_k,
+                        cfg.router_hidden > 0 ? (cfg.router_skip_expert ? " (MLP router, skip class)" : " (MLP router)") : "");
+  std::printf("model %s: %s; %s\n", cfg.name.c_str(), arch.c_str(), source.c_str());
+  std::string how = a.temperature <= 0 ? std::string("greedy")
+                                       : fmt::format("temperature {}, top-k {}, seed {}", a.temperature, a.top_k, a.seed);
+  std::printf("tokenizer %s; prompt %zu tokens; up to %d new tokens, %s%s\n", tok->name().c_str(), prompt.size(), a.max_new,
+              how.c_str(), a.ignore_eos ? ", EOS ignored" : "");
+
+  GenerateOptions o;
+  o.max_new_tokens = a.max_new;
+  o.sampling = {a.temperature, a.top_k, a.seed};
+  o.allowed_vocab = tok->vocab_size();
+  if (!a.ignore_eos) o.eos = tok->eos();
+  struct Row {
+    int batch;
+    GenerateResult r;
+  };
+  std::vector<Row> rows;
+  for (int b : a.batch) {
+    o.batch = b;
+    // Untimed warm-up at this batch size: the first call grows the workspaces and pages them in.
+    GenerateOptions warm = o;
+    warm.max_new_tokens = std::min(2, a.max_new);
+    (void)generate(model, prompt, warm);
+    rows.push_back({b, generate(model, prompt, o)});
+    if (rows.size() == 1) {
+      std::vector<std::uint32_t> all = prompt;
+      const auto& g = rows[0].r.generated[0];
+      all.insert(all.end(), g.begin(), g.end());
+      std::printf("--- sequence 0 of batch %d: prompt + %zu generated tokens ---\n%s\n---\n", b, g.size(),
+                  tok->decode(all).c_str());
+      std::fflush(stdout);
+    }
+  }
+  std::printf("%6s %7s %6s %11s %13s %15s %14s %14s %13s\n", "batch", "prompt", "steps", "prefill_ms", "prefill_tok/s",
+              "decode_ms/step", "p50_ms/step", "decode_tok/s", "cache_KiB/seq");
+  for (const auto& row : rows) {
+    const auto& r = row.r;
+    double sum = 0;
+    for (double s : r.step_seconds) sum += s;
+    const std::size_t steps = r.step_seconds.size();
+    const double per = steps ? sum / double(steps) : 0.0;
+    const double prefill_tps = r.prefill_seconds > 0 ? double(prompt.size()) * row.batch / r.prefill_seconds : 0.0;
+    const double tps = per > 0 ? row.batch / per : 0.0;
+    std::printf("%6d %7zu %6zu %11.3f %13.1f %15.3f %14.3f %14.1f %13.1f\n", row.batch, prompt.size(), steps,
+                r.prefill_seconds * 1e3, prefill_tps, per * 1e3, percentile(r.step_seconds, 0.5) * 1e3, tps,
+                double(r.cache_bytes_per_sequence) / 1024.0);
+  }
+}
+
+}  // namespace
+
+void add_command(CLI::App& app) {
+  auto a = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand(
+      "generate", "Generate text from a keel model on the CPU (prefill + cached incremental decoding) and report latency");
+  cmd->add_option("checkpoint", a->checkpoint, "keel train checkpoint: a checkpoint.dir root (its latest) or a step directory");
+  cmd->add_option("--model", a->model, "Model YAML (configs/*.yaml) with freshly initialized weights instead of a checkpoint");
+  cmd->add_option("--config", a->config, "Train config (YAML): its model, freshly initialized, instead of a checkpoint");
+  cmd->add_option("--prompt,-p", a->prompt, "Prompt text (empty: start a new document after EOS)");
+  cmd->add_option("--prompt-file", a->prompt_file, "Read the prompt from a file");
+  cmd->add_option("--tokenizer", a->tokenizer, "byte or spm:MODEL_FILE (the one the training data was tokenized with)")
+      ->capture_default_str();
+  cmd->add_option("--max-new-tokens,-n", a->max_new, "Tokens to generate per sequence")->capture_default_str();
+  cmd->add_option("--temperature,-t", a->temperature, "Sampling temperature (0: greedy)")->capture_default_str();
+  cmd->add_option("--top-k", a->top_k, "Sample among the k most likely tokens (0: all)")->capture_default_str();
+  cmd->add_option("--seed", a->seed, "Sampling seed (each sequence of a batch draws its own stream)")->capture_default_str();
+  cmd->add_option("--batch,-b", a->batch, "Batch sizes to time, comma-separated: --batch 1,8,64 (the text is the first's)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_flag("--ignore-eos", a->ignore_eos, "Decode all --max-new-tokens even past EOS (fixed-length latency runs)");
+  cmd->add_flag("--bos", a->bos, "Start the prompt with the tokenizer's BOS id");
+  cmd->add_option("--init-seed", a->init_seed, "Seed of the fresh weights (--model / --config)")->capture_default_str();
+  cmd->add_option("--init-std", a->init_std, "Std of the fresh weights (--model / --config)")->capture_default_str();
+  cmd->callback([a] { run(*a); });
+}
+
+}  // namespace keel::generate

@@ -1,0 +1,179 @@
+// Incremental decoding on the CPU (`keel generate`, docs/generate.md): an inference-only copy of
+// MoeTransformer's forward (src/train/model.{h,cc}) that reads the same flat fp32 parameter
+// buffer (train::model_param_layout names and offsets, so a keel train checkpoint loads as it
+// is), plus per-layer caches, so that after a prefill over the prompt every new token costs one
+// forward of that token alone.
+//
+// Two forwards, deliberately on different code paths so that each checks the other:
+//   prefill  the whole prompt at once with the training ops unchanged (ops::attention::forward,
+//            ops::cca::forward, ...): the same computation as MoeTransformer::forward. It then
+//            fills the caches from what those ops computed.
+//   decode   one token per sequence at position cache.length: per-token ops (norms,
+//            projections, routers, experts) are the same ops on B rows; what depends on earlier
+//            tokens (attention over the cache, the causal convs, CCA's previous-token values,
+//            RoPE at the position) is computed here from the cache.
+// Decoding from an empty cache is valid (it is a prefill one token at a time).
+//
+// Caches, per layer and sequence (fp32):
+//   mha/gqa  k (rotated) and v: [capacity, kv_heads, head_dim] each.
+//   CCA      the same k/v cache of its kv heads (the attention operands: k normalized, scaled by
+//            the temperature and rotated; v = [x_t W_v1^T | x_{t-1} W_v2^T]), plus a state of
+//            fixed size: the last (W0 - 1) inputs of the depthwise conv (qk0 rows; zeros before
+//            the sequence), the last (W1 - 1) depthwise outputs feeding the grouped conv (before
+//            the sequence these are the conv0 bias alone, as in the reference's single up-front
+//            padding: ops/causal_conv.h), and the previous token's value half x_{t-1} W_v2^T
+//            (stored projected: kv_heads*head_dim/2 floats instead of the hidden state it comes
+//            from, the same values; zeros before the sequence).
+//   MoE      nothing across tokens. ZAYA1's EDA state flows from MoE stage to MoE stage within
+//            one token (ops/zaya_router.h: state_m = a_m + gamma * state_{m-1}, per token row),
+//            so it lives in the per-call workspace only.
+//
+// Shapes: B sequences decoded together (all at the same position), V = vocab_size. Logits are
+// fp32 [B, V] (or [B, T, V] from a prefill asked for every position).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/config.h"
+#include "ops/cca.h"
+#include "ops/rope.h"
+#include "optim/param_groups.h"
+#include "tensor/tensor.h"
+#include "train/zaya_layers.h"
+
+namespace keel::generate {
+
+// What a generator needs of a trained (or freshly initialized) model.
+struct ModelWeights {
+  model::ModelConfig config;
+  bool renormalize_gates = true;  // linear-router MoE: gates renormalized over the top_k (training's choice)
+  std::vector<float> params;      // train::model_param_layout(config).total_floats
+  std::vector<std::vector<float>> router_bias;  // one [classes] per MoE layer, in layer order
+  std::string source;             // "checkpoint DIR (step N)" or "fresh init (seed S)"
+};
+
+// The model of a keel train checkpoint (a checkpoint.dir root, its `latest`, or a step
+// directory): the model config and router.renormalize come from the train config saved in the
+// checkpoint; weights and router biases from model/* and router/bias.*. Throws keel::Error
+// naming the file or tensor on anything missing or mismatched.
+ModelWeights load_checkpoint_weights(const std::string& path);
+// A freshly initialized model (train::init_model_parameters; router biases 0, -1 for the skip
+// class), as MoeTransformer::init_parameters makes it.
+ModelWeights fresh_weights(const model::ModelConfig& config, bool renormalize_gates, double init_std,
+                           std::uint64_t seed);
+
+struct LayerCache {
+  std::vector<float> k, v;       // [B, capacity, kv_heads, head_dim]
+  std::vector<float> conv0_in;   // CCA: [B, W0 - 1, C] last depthwise-conv inputs, oldest first
+  std::vector<float> conv1_in;   // CCA: [B, W1 - 1, C] last depthwise outputs, oldest first
+  std::vector<float> prev_v;     // CCA: [B, kv_heads*head_dim/2] previous token's x W_v2^T
+};
+
+struct Cache {
+  int batch = 0;
+  int capacity = 0;  // positions the k/v caches hold
+  int length = 0;    // positions filled (the next token's position)
+  std::vector<LayerCache> layers;
+  // Bytes one sequence's cache holds at `length` positions (k/v rows in use plus the fixed CCA
+  // state), the quantity that bounds batch x context in memory.
+  std::int64_t bytes_per_sequence() const;
+};
+
+class InferenceModel {
+ public:
+  // Validates the config like keel train does (train::validate_trainable) and views the
+  // parameters by name. Takes the weights by value (move them in).
+  explicit InferenceModel(ModelWeights weights);
+  ~InferenceModel();
+  InferenceModel(const InferenceModel&) = delete;
+  InferenceModel& operator=(const InferenceModel&) = delete;
+
+  const model::ModelConfig& config() const { return w_.config; }
+  const ModelWeights& weights() const { return w_; }
+
+  // Empty caches for `batch` sequences of up to `capacity` positions (throws keel::UsageError
+  // beyond the model's max_seq_len when it has one).
+  Cache make_cache(int batch, int capacity) const;
+
+  // tokens [B, T] row-major (B = cache.batch), cache empty (length 0). Full-sequence forward
+  // with the training ops; leaves the cache at length T. logits: [B, T, V] with all_positions,
+  // else [B, V] of the last position (resized).
+  void prefill(const std::uint32_t* tokens, int T, Cache& cache, std::vector<float>& logits, bool all_positions);
+  // One token per sequence (tokens [B]) at position cache.length; logits [B, V] (resized).
+  void decode(const std::uint32_t* tokens, Cache& cache, std::vector<float>& logits);
+
+ private:
+  struct LayerParams;
+  struct Work;
+  void embed(const std::uint32_t* ids, std::int64_t n, const Tensor& out);
+  // n rows each. Residual scaling: x_mid = merge of the streams r, h entering layer l.
+  void attn_stage_input(int l, std::int64_t n, const Tensor& r, const Tensor& h, const Tensor& x_mid);
+  // After the attention: plain layers r_out = x_mid (+ attn already added) + mlp(n2(x_mid));
+  // residual scaling r_out = merge(x_mid, attn_out), h_out = mlp(n2(r_out)). r_out/h_out may
+  // be the layer's input streams (already consumed into x_mid).
+  void mlp_stage(int l, std::int64_t n, const Tensor& x_mid, const Tensor& attn_out, const Tensor& r_out,
+                 const Tensor& h_out);
+  void mlp(int l, std::int64_t n, const Tensor& x, const Tensor& y);  // dense, linear-router or ZAYA1 MoE
+  void head(std::int64_t n, const Tensor& r, const Tensor& h, float* logits);  // final merge, norm, LM head
+  void cca_decode(int l, Cache& cache, const Tensor& x, const Tensor& y);
+  void attn_decode(int l, Cache& cache, const Tensor& x, const Tensor& y);
+
+  ModelWeights w_;
+  optim::ParamLayout layout_;
+  std::vector<LayerParams> lp_;
+  Tensor embed_, final_norm_, lm_head_;
+  train::zaya::ResScale final_scale_;
+  std::vector<int> moe_index_;  // per layer: MoE stage index or -1
+  std::vector<char> cca_;       // per layer: attention is CCA
+  ops::cca::Config cca_cfg_;
+  train::zaya::Shape zshape_;
+  ops::rope::Table rope_;
+  std::unique_ptr<Work> work_;
+};
+
+// Next-token choice: greedy (temperature 0) or sampling from softmax(logits / temperature)
+// restricted to the top_k largest (0: all), from a seeded generator of its own per sequence
+// (seed, sequence index), the same on every platform. Only ids < allowed_vocab are eligible
+// (the model's padded vocabulary beyond the tokenizer's is never produced).
+struct SamplingOptions {
+  double temperature = 0.0;
+  int top_k = 0;
+  std::uint64_t seed = 1;
+};
+
+class Sampler {
+ public:
+  Sampler(const SamplingOptions& options, std::uint64_t sequence);
+  std::uint32_t next(const float* logits, std::int64_t allowed_vocab);
+
+ private:
+  double uniform();
+  SamplingOptions o_;
+  std::uint64_t state_;
+  std::vector<std::pair<float, std::uint32_t>> cand_;
+};
+
+struct GenerateOptions {
+  int batch = 1;                // sequences decoded together (each starts from the prompt)
+  int max_new_tokens = 32;
+  SamplingOptions sampling;
+  std::int64_t allowed_vocab = 0;  // 0: the model's vocab_size
+  std::optional<std::uint32_t> eos;  // stop a sequence there (all stopped: stop decoding)
+};
+
+struct GenerateResult {
+  std::vector<std::vector<std::uint32_t>> generated;  // per sequence, new tokens (EOS included)
+  double prefill_seconds = 0;
+  std::vector<double> step_seconds;  // one per decode step (B tokens each)
+  std::int64_t cache_bytes_per_sequence = 0;  // at the end
+};
+
+// Prefill the prompt (the same for every sequence) then decode up to max_new_tokens.
+GenerateResult generate(InferenceModel& model, const std::vector<std::uint32_t>& prompt, const GenerateOptions& o);
+
+}  // namespace keel::generate

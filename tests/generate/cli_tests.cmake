@@ -1,0 +1,50 @@
+# `keel generate` as a user runs it: train the tiny config for a few steps, then generate from
+# its checkpoint (text and the latency table at two batch sizes); a fresh ZAYA1-tiny from its
+# model YAML (CCA caches, MLP router); one clear error line per bad input.
+set(gen_train_args train ${PROJECT_SOURCE_DIR}/configs/train/tiny.yaml --set data.datasets.stories=train_stories
+    --set steps=4 --set log_interval=2 --set schedule.warmup_steps=2 --set data.seq_length=64
+    --set batch.micro_batch=2 --set eval.prefix=train_stories_heldout --set eval.interval=4 --set output_dir=gen_train)
+add_test(NAME cli_generate_clean COMMAND ${CMAKE_COMMAND} -E rm -rf gen_train gen_zaya WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_generate_clean PROPERTIES FIXTURES_SETUP generate_clean)
+keel_cli_test(NAME generate_train MATCH "done: steps 0 -> 4 in" ARGS ${gen_train_args})
+# train_stories: the tokenized corpus of tests/train/cli_tests.cmake.
+set_tests_properties(cli_generate_train PROPERTIES FIXTURES_REQUIRED "train_stories;generate_clean"
+                     FIXTURES_SETUP generate_ckpt)
+
+# (expect.sh greps line by line: one line's regex per test.)
+set(gen_args generate gen_train --prompt "Once upon a time" --max-new-tokens 12 --batch 1,4 --ignore-eos)
+keel_cli_test(NAME generate_from_checkpoint MATCH "^model moe-tiny: 4 layers \\(gqa\\), .*; checkpoint gen_train/step_00000004 \\(step 4\\)$"
+  ARGS ${gen_args})
+keel_cli_test(NAME generate_text MATCH "^--- sequence 0 of batch 1: prompt \\+ 12 generated tokens ---$" ARGS ${gen_args})
+# The latency row at batch 4: prompt 16 tokens, 11 decode steps after the prefill's token.
+keel_cli_test(NAME generate_latency_table MATCH "^ +4 +16 +11 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$"
+  ARGS ${gen_args})
+keel_cli_test(NAME generate_sampling MATCH "^tokenizer byte; prompt 7 tokens; up to 8 new tokens, temperature 0.8, top-k 20, seed 7$"
+  ARGS generate gen_train --prompt "The dog" -n 8 -t 0.8 --top-k 20 --seed 7)
+set_tests_properties(cli_generate_from_checkpoint cli_generate_text cli_generate_latency_table cli_generate_sampling
+                     PROPERTIES FIXTURES_REQUIRED generate_ckpt)
+
+# ZAYA1 from a checkpoint: CCA's small cache and the MLP router's biases come back from it.
+keel_cli_test(NAME generate_zaya1_train MATCH "done: steps 0 -> 2 in"
+  ARGS train ${PROJECT_SOURCE_DIR}/configs/train/zaya1-tiny.yaml --set data.datasets.stories=train_stories
+       --set steps=2 --set log_interval=1 --set schedule.warmup_steps=1 --set data.seq_length=64
+       --set batch.micro_batch=2 --set eval.prefix=train_stories_heldout --set eval.interval=2 --set output_dir=gen_zaya)
+set_tests_properties(cli_generate_zaya1_train PROPERTIES FIXTURES_REQUIRED "train_stories;generate_clean"
+                     FIXTURES_SETUP generate_zaya_ckpt)
+keel_cli_test(NAME generate_zaya1_from_checkpoint MATCH "^ +2 +7 +7 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$"
+  ARGS generate gen_zaya --prompt "Tom ran" -n 8 --batch 1,2 --ignore-eos)
+set_tests_properties(cli_generate_zaya1_from_checkpoint PROPERTIES FIXTURES_REQUIRED generate_zaya_ckpt)
+
+keel_cli_test(NAME generate_zaya1_fresh
+  MATCH "model zaya1-tiny: 2 layers \\(cca\\), 2 MoE layers of 4 experts top-1 \\(MLP router, skip class\\); fresh init"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt "hello" -n 6 --batch 1,2 --ignore-eos)
+
+# Bad input.
+keel_cli_test(NAME generate_not_a_checkpoint EXIT 1 MATCH "^keel: error: generate: no_such_dir is not a keel checkpoint"
+  ARGS generate no_such_dir --prompt hi)
+keel_cli_test(NAME generate_no_model EXIT 1 MATCH "^keel: error: generate: give exactly one model"
+  ARGS generate --prompt hi)
+keel_cli_test(NAME generate_bad_temperature EXIT 1 MATCH "^keel: error: generate: --temperature must be >= 0"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml -t -1)
+keel_cli_test(NAME generate_too_long EXIT 1 MATCH "^keel: error: generate: prompt \\+ new tokens = 304 positions exceeds model 'zaya1-tiny' max_seq_len 256"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt hello -n 300)
