@@ -68,16 +68,6 @@ ModelWeights fresh_weights(const model::ModelConfig& config, bool renormalize_ga
 
 // ---------------------------------------------------------------- model
 
-struct InferenceModel::LayerParams {
-  Tensor attn_norm, wq, wk, wv, wo, mlp_norm;
-  ops::cca::Params cca;
-  Tensor w_gate, w_up, w_down;  // dense
-  Tensor router;                // linear router [E, D]
-  ops::zaya_router::Params zrouter;
-  ops::moe::Weights experts;
-  train::zaya::ResScale attn_scale, mlp_scale;
-};
-
 // Grow-only scratch: buffers keep their capacity across calls, so decode steps do not allocate.
 struct InferenceModel::Work {
   enum Slot {
@@ -98,22 +88,6 @@ struct InferenceModel::Work {
 };
 
 namespace {
-
-Tensor view(float* base, const optim::ParamInfo& p) {
-  const auto& s = p.shape;
-  float* d = base + p.offset;
-  if (s.size() == 1) return Tensor(d, {s[0]});
-  if (s.size() == 2) return Tensor(d, {s[0], s[1]});
-  return Tensor(d, {s[0], s[1], s[2]});
-}
-
-Tensor* res_scale_slot(train::zaya::ResScale& r, const std::string& what) {
-  if (what == "h_scale") return &r.h_scale;
-  if (what == "h_bias") return &r.h_bias;
-  if (what == "r_scale") return &r.r_scale;
-  if (what == "r_bias") return &r.r_bias;
-  return nullptr;
-}
 
 void add_into(const Tensor& dst, const Tensor& src) {
   const std::int64_t n = dst.numel();
@@ -198,60 +172,9 @@ InferenceModel::InferenceModel(ModelWeights weights) : w_(std::move(weights)), w
     if (static_cast<int>(b.size()) != classes)
       fail("generate: router bias of {} classes, the model routes over {}", b.size(), classes);
 
-  lp_.assign(cfg.layers, LayerParams{});
-  float* base = w_.params.data();
-  for (const auto& p : layout_.params) {
-    const Tensor t = view(base, p);
-    if (p.name == "embed.weight") { embed_ = t; continue; }
-    if (p.name == "final_norm.weight") { final_norm_ = t; continue; }
-    if (p.name == "lm_head.weight") { lm_head_ = t; continue; }
-    if (p.name.starts_with("final_res_scale.")) {
-      Tensor* slot = res_scale_slot(final_scale_, p.name.substr(16));
-      if (!slot) fail("generate: unmapped parameter '{}'", p.name);
-      *slot = t;
-      continue;
-    }
-    const auto dot_pos = p.name.find('.', 7);
-    const int l = std::stoi(p.name.substr(7, dot_pos - 7));
-    const std::string rest = p.name.substr(dot_pos + 1);
-    LayerParams& L = lp_[l];
-    if (rest == "attn_norm.weight") L.attn_norm = t;
-    else if (rest == "attn.wq") L.wq = t;
-    else if (rest == "attn.wk") L.wk = t;
-    else if (rest == "attn.wv") L.wv = t;
-    else if (rest == "attn.wo") L.wo = t;
-    else if (rest == "mlp_norm.weight") L.mlp_norm = t;
-    else if (rest == "moe.router") L.router = t;
-    else if (rest == "moe.w_gate") L.experts.w_gate = t;
-    else if (rest == "moe.w_up") L.experts.w_up = t;
-    else if (rest == "moe.w_down") L.experts.w_down = t;
-    else if (rest == "mlp.w_gate") L.w_gate = t;
-    else if (rest == "mlp.w_up") L.w_up = t;
-    else if (rest == "mlp.w_down") L.w_down = t;
-    else if (rest == "attn.cca.w_qk") L.cca.w_qk = t;
-    else if (rest == "attn.cca.w_v") L.cca.w_v = t;
-    else if (rest == "attn.cca.conv0.weight") L.cca.conv0_w = t;
-    else if (rest == "attn.cca.conv0.bias") L.cca.conv0_b = t;
-    else if (rest == "attn.cca.conv1.weight") L.cca.conv1_w = t;
-    else if (rest == "attn.cca.conv1.bias") L.cca.conv1_b = t;
-    else if (rest == "attn.cca.temp") L.cca.temp = t;
-    else if (rest == "attn.cca.wo") L.cca.w_o = t;
-    else if (rest == "moe.router.down.weight") L.zrouter.w_down = t;
-    else if (rest == "moe.router.down.bias") L.zrouter.b_down = t;
-    else if (rest == "moe.router.eda_scale") L.zrouter.gamma = t;
-    else if (rest == "moe.router.norm.weight") L.zrouter.w_norm = t;
-    else if (rest == "moe.router.mlp1.weight") L.zrouter.w1 = t;
-    else if (rest == "moe.router.mlp1.bias") L.zrouter.b1 = t;
-    else if (rest == "moe.router.mlp2.weight") L.zrouter.w2 = t;
-    else if (rest == "moe.router.mlp2.bias") L.zrouter.b2 = t;
-    else if (rest == "moe.router.out.weight") L.zrouter.w3 = t;
-    else if (rest.starts_with("res_scale.attn.") && res_scale_slot(L.attn_scale, rest.substr(15)))
-      *res_scale_slot(L.attn_scale, rest.substr(15)) = t;
-    else if (rest.starts_with("res_scale.mlp.") && res_scale_slot(L.mlp_scale, rest.substr(14)))
-      *res_scale_slot(L.mlp_scale, rest.substr(14)) = t;
-    else fail("generate: unmapped parameter '{}'", p.name);
-  }
-  if (cfg.tied_embeddings) lm_head_ = embed_;
+  train::WeightViews views = train::map_weights(cfg, layout_, w_.params.data());
+  lp_ = std::move(views.layers);
+  embed_ = views.embed, final_norm_ = views.final_norm, lm_head_ = views.lm_head, final_scale_ = views.final_scale;
 
   cca_cfg_.hidden = cfg.hidden;
   cca_cfg_.q_heads = cfg.heads;

@@ -44,6 +44,7 @@
 #include "ops/rope.h"
 #include "optim/param_groups.h"
 #include "tensor/tensor.h"
+#include "train/model.h"
 #include "train/zaya_layers.h"
 
 namespace keel::generate {
@@ -108,7 +109,7 @@ class InferenceModel {
   void decode(const std::uint32_t* tokens, Cache& cache, std::vector<float>& logits);
 
  private:
-  struct LayerParams;
+  using LayerParams = train::LayerWeights;
   struct Work;
   void embed(const std::uint32_t* ids, std::int64_t n, const Tensor& out);
   // n rows each. Residual scaling: x_mid = merge of the streams r, h entering layer l.

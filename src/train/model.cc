@@ -24,17 +24,6 @@ Recompute parse_recompute(const std::string& s) {
 }
 const char* to_string(Recompute r) { return r == Recompute::kFull ? "full" : "none"; }
 
-struct MoeTransformer::LayerParams {
-  Tensor attn_norm, wq, wk, wv, wo, mlp_norm;  // wq..wo: mha/gqa layers
-  ops::cca::Params cca;                        // CCA layers
-  bool moe = false;
-  Tensor w_gate, w_up, w_down;  // dense [F, D], [F, D], [D, F]
-  Tensor router;                // linear router [E, D]
-  ops::zaya_router::Params zrouter;  // MLP router (router_hidden > 0)
-  ops::moe::Weights experts;
-  zaya::ResScale attn_scale, mlp_scale;  // residual scaling before each stage (residual_scaling)
-};
-
 struct MoeTransformer::LayerActs {
   Tensor h1, rstd1, q, k, v, att, lse, x_mid, h2, rstd2;
   Tensor attn_out;                                   // residual scaling: the attention stage output
@@ -299,6 +288,76 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   init_parameters();
 }
 
+namespace {
+
+Tensor param_view(float* base, const optim::ParamInfo& p) {
+  const auto& s = p.shape;
+  float* d = base + p.offset;
+  if (s.size() == 1) return Tensor(d, {s[0]});
+  if (s.size() == 2) return Tensor(d, {s[0], s[1]});
+  return Tensor(d, {s[0], s[1], s[2]});
+}
+
+}  // namespace
+
+WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* base) {
+  WeightViews w;
+  w.layers.assign(static_cast<std::size_t>(cfg.layers), LayerWeights{});
+  for (const auto& p : layout.params) {
+    const Tensor t = param_view(base, p);
+    if (p.name == "embed.weight") { w.embed = t; continue; }
+    if (p.name == "final_norm.weight") { w.final_norm = t; continue; }
+    if (p.name == "lm_head.weight") { w.lm_head = t; continue; }
+    if (p.name.starts_with("final_res_scale.")) {
+      Tensor* slot = res_scale_slot(w.final_scale, p.name.substr(16));
+      if (!slot) fail("model: unmapped parameter '{}'", p.name);
+      *slot = t;
+      continue;
+    }
+    const auto dot = p.name.find('.', 7);
+    const int l = std::stoi(p.name.substr(7, dot - 7));
+    const std::string rest = p.name.substr(dot + 1);
+    LayerWeights& L = w.layers[static_cast<std::size_t>(l)];
+    if (rest == "attn_norm.weight") L.attn_norm = t;
+    else if (rest == "attn.wq") L.wq = t;
+    else if (rest == "attn.wk") L.wk = t;
+    else if (rest == "attn.wv") L.wv = t;
+    else if (rest == "attn.wo") L.wo = t;
+    else if (rest == "mlp_norm.weight") L.mlp_norm = t;
+    else if (rest == "moe.router") L.router = t, L.moe = true;
+    else if (rest == "moe.w_gate") L.experts.w_gate = t, L.moe = true;
+    else if (rest == "moe.w_up") L.experts.w_up = t;
+    else if (rest == "moe.w_down") L.experts.w_down = t;
+    else if (rest == "mlp.w_gate") L.w_gate = t;
+    else if (rest == "mlp.w_up") L.w_up = t;
+    else if (rest == "mlp.w_down") L.w_down = t;
+    else if (rest == "attn.cca.w_qk") L.cca.w_qk = t;
+    else if (rest == "attn.cca.w_v") L.cca.w_v = t;
+    else if (rest == "attn.cca.conv0.weight") L.cca.conv0_w = t;
+    else if (rest == "attn.cca.conv0.bias") L.cca.conv0_b = t;
+    else if (rest == "attn.cca.conv1.weight") L.cca.conv1_w = t;
+    else if (rest == "attn.cca.conv1.bias") L.cca.conv1_b = t;
+    else if (rest == "attn.cca.temp") L.cca.temp = t;
+    else if (rest == "attn.cca.wo") L.cca.w_o = t;
+    else if (rest == "moe.router.down.weight") L.zrouter.w_down = t;
+    else if (rest == "moe.router.down.bias") L.zrouter.b_down = t;
+    else if (rest == "moe.router.eda_scale") L.zrouter.gamma = t;
+    else if (rest == "moe.router.norm.weight") L.zrouter.w_norm = t;
+    else if (rest == "moe.router.mlp1.weight") L.zrouter.w1 = t;
+    else if (rest == "moe.router.mlp1.bias") L.zrouter.b1 = t;
+    else if (rest == "moe.router.mlp2.weight") L.zrouter.w2 = t;
+    else if (rest == "moe.router.mlp2.bias") L.zrouter.b2 = t;
+    else if (rest == "moe.router.out.weight") L.zrouter.w3 = t;
+    else if (rest.starts_with("res_scale.attn.") && res_scale_slot(L.attn_scale, rest.substr(15)))
+      *res_scale_slot(L.attn_scale, rest.substr(15)) = t;
+    else if (rest.starts_with("res_scale.mlp.") && res_scale_slot(L.mlp_scale, rest.substr(14)))
+      *res_scale_slot(L.mlp_scale, rest.substr(14)) = t;
+    else fail("model: unmapped parameter '{}'", p.name);
+  }
+  if (cfg.tied_embeddings) w.lm_head = w.embed;
+  return w;
+}
+
 MoeTransformer::~MoeTransformer() = default;
 
 void MoeTransformer::allocate_params() {
@@ -309,71 +368,13 @@ void MoeTransformer::allocate_params() {
   params_ = param_arena_->allocate<float>("flat", static_cast<std::size_t>(layout_.total_floats));
   grads_ = grad_arena_->allocate<float>("flat", static_cast<std::size_t>(layout_.total_floats));
 
-  auto view = [](float* base, const optim::ParamInfo& p) {
-    const auto& s = p.shape;
-    float* d = base + p.offset;
-    if (s.size() == 1) return Tensor(d, {s[0]});
-    if (s.size() == 2) return Tensor(d, {s[0], s[1]});
-    return Tensor(d, {s[0], s[1], s[2]});
+  auto take = [](WeightViews v, std::vector<LayerParams>& layers, Tensor& embed, Tensor& fnorm, Tensor& head,
+                 zaya::ResScale& fscale) {
+    layers = std::move(v.layers);
+    embed = v.embed, fnorm = v.final_norm, head = v.lm_head, fscale = v.final_scale;
   };
-  auto fill = [&](float* base, std::vector<LayerParams>& out, Tensor& embed, Tensor& fnorm, Tensor& head,
-                  zaya::ResScale& fscale) {
-    out.assign(cfg_.layers, LayerParams{});
-    for (const auto& p : layout_.params) {
-      const Tensor t = view(base, p);
-      if (p.name == "embed.weight") { embed = t; continue; }
-      if (p.name == "final_norm.weight") { fnorm = t; continue; }
-      if (p.name == "lm_head.weight") { head = t; continue; }
-      if (p.name.starts_with("final_res_scale.")) {
-        Tensor* slot = res_scale_slot(fscale, p.name.substr(16));
-        if (!slot) fail("model: unmapped parameter '{}'", p.name);
-        *slot = t;
-        continue;
-      }
-      const auto dot = p.name.find('.', 7);
-      const int l = std::stoi(p.name.substr(7, dot - 7));
-      const std::string rest = p.name.substr(dot + 1);
-      LayerParams& L = out[l];
-      if (rest == "attn_norm.weight") L.attn_norm = t;
-      else if (rest == "attn.wq") L.wq = t;
-      else if (rest == "attn.wk") L.wk = t;
-      else if (rest == "attn.wv") L.wv = t;
-      else if (rest == "attn.wo") L.wo = t;
-      else if (rest == "mlp_norm.weight") L.mlp_norm = t;
-      else if (rest == "moe.router") L.router = t, L.moe = true;
-      else if (rest == "moe.w_gate") L.experts.w_gate = t, L.moe = true;
-      else if (rest == "moe.w_up") L.experts.w_up = t;
-      else if (rest == "moe.w_down") L.experts.w_down = t;
-      else if (rest == "mlp.w_gate") L.w_gate = t;
-      else if (rest == "mlp.w_up") L.w_up = t;
-      else if (rest == "mlp.w_down") L.w_down = t;
-      else if (rest == "attn.cca.w_qk") L.cca.w_qk = t;
-      else if (rest == "attn.cca.w_v") L.cca.w_v = t;
-      else if (rest == "attn.cca.conv0.weight") L.cca.conv0_w = t;
-      else if (rest == "attn.cca.conv0.bias") L.cca.conv0_b = t;
-      else if (rest == "attn.cca.conv1.weight") L.cca.conv1_w = t;
-      else if (rest == "attn.cca.conv1.bias") L.cca.conv1_b = t;
-      else if (rest == "attn.cca.temp") L.cca.temp = t;
-      else if (rest == "attn.cca.wo") L.cca.w_o = t;
-      else if (rest == "moe.router.down.weight") L.zrouter.w_down = t;
-      else if (rest == "moe.router.down.bias") L.zrouter.b_down = t;
-      else if (rest == "moe.router.eda_scale") L.zrouter.gamma = t;
-      else if (rest == "moe.router.norm.weight") L.zrouter.w_norm = t;
-      else if (rest == "moe.router.mlp1.weight") L.zrouter.w1 = t;
-      else if (rest == "moe.router.mlp1.bias") L.zrouter.b1 = t;
-      else if (rest == "moe.router.mlp2.weight") L.zrouter.w2 = t;
-      else if (rest == "moe.router.mlp2.bias") L.zrouter.b2 = t;
-      else if (rest == "moe.router.out.weight") L.zrouter.w3 = t;
-      else if (rest.starts_with("res_scale.attn.") && res_scale_slot(L.attn_scale, rest.substr(15)))
-        *res_scale_slot(L.attn_scale, rest.substr(15)) = t;
-      else if (rest.starts_with("res_scale.mlp.") && res_scale_slot(L.mlp_scale, rest.substr(14)))
-        *res_scale_slot(L.mlp_scale, rest.substr(14)) = t;
-      else fail("model: unmapped parameter '{}'", p.name);
-    }
-    if (cfg_.tied_embeddings) head = embed;
-  };
-  fill(params_, lp_, embed_, final_norm_, lm_head_, final_scale_);
-  fill(grads_, lg_, d_embed_, d_final_norm_, d_lm_head_, d_final_scale_);
+  take(map_weights(cfg_, layout_, params_), lp_, embed_, final_norm_, lm_head_, final_scale_);
+  take(map_weights(cfg_, layout_, grads_), lg_, d_embed_, d_final_norm_, d_lm_head_, d_final_scale_);
 }
 
 std::size_t MoeTransformer::plan_acts(Arena* arena) {
@@ -535,11 +536,7 @@ std::int64_t MoeTransformer::param_count() const {
 
 Tensor MoeTransformer::param(const std::string& name) const {
   for (const auto& p : layout_.params)
-    if (p.name == name) {
-      const auto& s = p.shape;
-      float* d = params_ + p.offset;
-      return s.size() == 1 ? Tensor(d, {s[0]}) : s.size() == 2 ? Tensor(d, {s[0], s[1]}) : Tensor(d, {s[0], s[1], s[2]});
-    }
+    if (p.name == name) return param_view(params_, p);
   fail("model: no parameter '{}'", name);
 }
 

@@ -83,6 +83,29 @@ void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayo
 // 6 x active matmul parameters (LM head included) x tokens + causal attention, fwd + bwd.
 double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batch, int seq_length);
 
+// Views, by role, of every parameter of a model in one flat buffer laid out by
+// model_param_layout() (the parameters, or the gradients at the same offsets). The training
+// model and the inference model (keel generate) both read their weights through it.
+struct LayerWeights {
+  Tensor attn_norm, wq, wk, wv, wo, mlp_norm;  // wq..wo: mha/gqa layers
+  ops::cca::Params cca;                        // CCA layers
+  bool moe = false;
+  Tensor w_gate, w_up, w_down;       // dense [F, D], [F, D], [D, F]
+  Tensor router;                     // linear router [E, D]
+  ops::zaya_router::Params zrouter;  // MLP router (router_hidden > 0)
+  ops::moe::Weights experts;
+  zaya::ResScale attn_scale, mlp_scale;  // residual scaling before each stage (residual_scaling)
+};
+
+struct WeightViews {
+  std::vector<LayerWeights> layers;
+  Tensor embed, final_norm, lm_head;  // lm_head views embed with tied embeddings
+  zaya::ResScale final_scale;         // residual scaling before the final norm
+};
+
+// Throws keel::Error naming a parameter of the layout it has no role for.
+WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* base);
+
 class MoeTransformer {
  public:
   MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const ParallelContext& ctx);
@@ -131,7 +154,7 @@ class MoeTransformer {
   double flops_per_micro_batch() const;
 
  private:
-  struct LayerParams;
+  using LayerParams = LayerWeights;
   struct LayerActs;
   void allocate_params();
   std::size_t plan_acts(Arena* arena);  // nullptr: only count bytes
