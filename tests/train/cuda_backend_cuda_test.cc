@@ -12,6 +12,8 @@
 #include "device/cuda_devices.h"
 #include "train/backend.h"
 
+#include "train_test_util.h"
+
 namespace keel::train {
 namespace {
 
@@ -63,23 +65,6 @@ ModelOptions small_options(Recompute r = Recompute::kNone) {
   return o;
 }
 
-struct Batch {
-  std::vector<std::uint32_t> tokens;
-  std::vector<std::int32_t> targets;
-};
-
-Batch random_batch(int n, int vocab, std::uint64_t seed) {
-  Batch b;
-  std::uint64_t s = seed;
-  for (int i = 0; i < n; ++i) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    b.tokens.push_back(static_cast<std::uint32_t>((s >> 33) % vocab));
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    b.targets.push_back(i % 17 == 5 ? -1 : static_cast<std::int32_t>((s >> 33) % vocab));  // some ignored
-  }
-  return b;
-}
-
 // ||a - b|| / ||b|| over [begin, begin + n).
 double rel_error(const std::vector<float>& a, const std::vector<float>& b, std::int64_t begin, std::int64_t n) {
   double num = 0, den = 0;
@@ -123,7 +108,7 @@ void compare_with_cpu(const model::ModelConfig& cfg, Recompute r) {
   ASSERT_EQ(cpu->layout().total_floats, gpu->layout().total_floats);
   const bool mlp_router = cfg.router_hidden > 0;
   if (mlp_router) sharpen_router(*cpu, *gpu);
-  const Batch b = random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 11);
+  const fixtures::Batch b = fixtures::random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 11, 17);
   cpu->zero_grads();
   gpu->zero_grads();
   const LossParts lc = cpu->forward(b.tokens.data(), b.targets.data());
@@ -203,7 +188,7 @@ TEST(CudaBackend, ZayaOverfitsOneBatchAndStateRoundTrips) {
   ASSERT_EQ(gpu->load(0).size(), 5u);
   ASSERT_EQ(gpu->state().router_bias[0].back(), -1.f) << "the skip class starts disfavoured, as on the CPU";
   gpu->set_state(sharpened_router(*gpu));  // (skip bias 0: the skip path trains too)
-  const Batch b = random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 5);
+  const fixtures::Batch b = fixtures::random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 5, 17);
   double first = 0, last = 0;
   for (int step = 0; step < 60; ++step) {
     gpu->zero_grads();
@@ -239,7 +224,7 @@ TEST(CudaBackend, OverfitsOneBatchAndStateRoundTrips) {
   optim::AdamWConfig adamw;
   adamw.weight_decay = 0;
   auto gpu = make_cuda_backend(cfg, opt, adamw, ParallelContext::single());
-  const Batch b = random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 5);
+  const fixtures::Batch b = fixtures::random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 5, 17);
   double first = 0, last = 0;
   for (int step = 0; step < 40; ++step) {
     gpu->zero_grads();
@@ -275,7 +260,7 @@ TEST(CudaBackend, BadInputIsAClearError) {
   auto cfg = small_config(false);
   const auto opt = small_options();
   auto gpu = make_cuda_backend(cfg, opt, {}, ParallelContext::single());
-  Batch b = random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 3);
+  fixtures::Batch b = fixtures::random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 3, 17);
   b.tokens[7] = 100000;
   EXPECT_THROW(gpu->forward(b.tokens.data(), b.targets.data()), Error);
   cfg.head_dim = 32;

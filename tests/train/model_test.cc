@@ -12,49 +12,13 @@
 #include "optim/clip.h"
 #include "train/model.h"
 
+#include "train_test_util.h"
+
 namespace keel::train {
 namespace {
 
-model::ModelConfig tiny_config(bool tied, int layers = 2) {
-  model::ModelConfig m;
-  m.name = "test-tiny";
-  m.vocab_size = 23;
-  m.hidden = 16;
-  m.layers = layers;
-  m.attention = model::AttentionKind::kGqa;
-  m.heads = 4;
-  m.kv_heads = 2;
-  m.head_dim = 4;
-  m.ffn_hidden = 24;
-  m.experts = 4;
-  m.top_k = 2;
-  m.expert_hidden = 12;
-  m.first_dense_layers = 1;  // layer 0 dense, layer 1 MoE
-  m.tied_embeddings = tied;
-  m.rope_fraction = 1.0;
-  m.max_seq_len = 64;
-  return m;
-}
-
-struct Batch {
-  std::vector<std::uint32_t> tokens;
-  std::vector<std::int32_t> targets;
-};
-
-Batch random_batch(int n, int vocab, std::uint32_t seed) {
-  Batch b;
-  std::uint64_t s = seed;
-  for (int i = 0; i < n; ++i) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    b.tokens.push_back(static_cast<std::uint32_t>((s >> 33) % vocab));
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    b.targets.push_back(static_cast<std::int32_t>((s >> 33) % vocab));
-  }
-  return b;
-}
-
 void whole_model_gradcheck(bool tied) {
-  const auto cfg = tiny_config(tied);
+  const auto cfg = fixtures::tiny_config(tied);
   ModelOptions o;
   o.micro_batch = 2;
   o.seq_length = 5;
@@ -64,7 +28,7 @@ void whole_model_gradcheck(bool tied) {
   o.ce_chunk = 7;           // several vocabulary chunks
   o.precise_loss = true;    // the loss in double: fp32 rounding would dominate the differences
   MoeTransformer model(cfg, o, ParallelContext::single());
-  const Batch b = random_batch(o.micro_batch * o.seq_length, static_cast<int>(cfg.vocab_size), 7);
+  const fixtures::Batch b = fixtures::random_batch(o.micro_batch * o.seq_length, static_cast<int>(cfg.vocab_size), 7);
   model.zero_grads();
   model.forward(b.tokens.data(), b.targets.data());
   model.backward();
@@ -85,12 +49,12 @@ TEST(TrainModel, WholeModelGradCheckUntied) { whole_model_gradcheck(false); }
 TEST(TrainModel, WholeModelGradCheckTied) { whole_model_gradcheck(true); }
 
 TEST(TrainModel, AuxLossesContributeToGradients) {
-  const auto cfg = tiny_config(false);
+  const auto cfg = fixtures::tiny_config(false);
   ModelOptions o;
   o.micro_batch = 2;
   o.seq_length = 5;
   o.init_std = 0.3;
-  const Batch b = random_batch(10, 23, 3);
+  const fixtures::Batch b = fixtures::random_batch(10, 23, 3);
   auto router_grad = [&](double aux, double z) {
     o.aux_loss_weight = aux;
     o.z_loss_weight = z;
@@ -108,8 +72,8 @@ TEST(TrainModel, AuxLossesContributeToGradients) {
 }
 
 TEST(TrainModel, RecomputeFullGivesIdenticalGradients) {
-  const auto cfg = tiny_config(true, 3);
-  const Batch b = random_batch(2 * 8, 23, 11);
+  const auto cfg = fixtures::tiny_config(true, 3);
+  const fixtures::Batch b = fixtures::random_batch(2 * 8, 23, 11);
   auto run = [&](Recompute r, float* loss) {
     ModelOptions o;
     o.micro_batch = 2;
@@ -134,7 +98,7 @@ TEST(TrainModel, RecomputeFullGivesIdenticalGradients) {
 }
 
 TEST(TrainModel, RecomputeFullUsesLessActivationMemory) {
-  const auto cfg = tiny_config(false, 4);
+  const auto cfg = fixtures::tiny_config(false, 4);
   ModelOptions o;
   o.micro_batch = 2;
   o.seq_length = 16;
@@ -145,12 +109,12 @@ TEST(TrainModel, RecomputeFullUsesLessActivationMemory) {
 }
 
 TEST(TrainModel, OverfitsOneBatch) {
-  const auto cfg = tiny_config(false);
+  const auto cfg = fixtures::tiny_config(false);
   ModelOptions o;
   o.micro_batch = 2;
   o.seq_length = 8;
   MoeTransformer m(cfg, o, ParallelContext::single());
-  const Batch b = random_batch(16, 23, 5);
+  const fixtures::Batch b = fixtures::random_batch(16, 23, 5);
   optim::AdamWConfig ac;
   ac.weight_decay = 0.0;
   optim::AdamW adam(ac);
@@ -172,7 +136,7 @@ TEST(TrainModel, OverfitsOneBatch) {
 }
 
 TEST(TrainModel, RejectsUnsupportedConfigs) {
-  auto cfg = tiny_config(false);
+  auto cfg = fixtures::tiny_config(false);
   ModelOptions o;
   o.micro_batch = 1;
   o.seq_length = 4;
@@ -185,17 +149,17 @@ TEST(TrainModel, RejectsUnsupportedConfigs) {
   }
   ParallelContext ctx;
   ctx.expert.size = 2;
-  EXPECT_THROW(MoeTransformer(tiny_config(false), o, ctx), UsageError);
+  EXPECT_THROW(MoeTransformer(fixtures::tiny_config(false), o, ctx), UsageError);
 }
 
 TEST(TrainModel, RouterBiasBalancesLoad) {
-  const auto cfg = tiny_config(false);
+  const auto cfg = fixtures::tiny_config(false);
   ModelOptions o;
   o.micro_batch = 2;
   o.seq_length = 8;
   o.bias_update_rate = 0.5;
   MoeTransformer m(cfg, o, ParallelContext::single());
-  const Batch b = random_batch(16, 23, 9);
+  const fixtures::Batch b = fixtures::random_batch(16, 23, 9);
   m.forward(b.tokens.data(), b.targets.data());
   auto load = m.load(0);
   std::int64_t total = 0;

@@ -20,31 +20,12 @@
 #include "train/param_rules.h"
 #include "train/trainer.h"
 
+#include "train_test_util.h"
+
 namespace keel::train {
 namespace {
 
 namespace fs = std::filesystem;
-
-model::ModelConfig tiny_config(bool tied) {
-  model::ModelConfig m;
-  m.name = "muon-tiny";
-  m.vocab_size = 23;
-  m.hidden = 16;
-  m.layers = 2;
-  m.attention = model::AttentionKind::kGqa;
-  m.heads = 4;
-  m.kv_heads = 2;
-  m.head_dim = 4;
-  m.ffn_hidden = 24;
-  m.experts = 4;
-  m.top_k = 2;
-  m.expert_hidden = 12;
-  m.first_dense_layers = 1;  // layer 0 dense, layer 1 MoE
-  m.tied_embeddings = tied;
-  m.rope_fraction = 1.0;
-  m.max_seq_len = 64;
-  return m;
-}
 
 ModelOptions tiny_options() {
   ModelOptions o;
@@ -59,23 +40,6 @@ MuonTrainOptions muon_on() {
   return m;
 }
 
-struct Batch {
-  std::vector<std::uint32_t> tokens;
-  std::vector<std::int32_t> targets;
-};
-
-Batch random_batch(int n, int vocab, std::uint64_t seed) {
-  Batch b;
-  std::uint64_t s = seed;
-  for (int i = 0; i < n; ++i) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    b.tokens.push_back(static_cast<std::uint32_t>((s >> 33) % vocab));
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    b.targets.push_back(static_cast<std::int32_t>((s >> 33) % vocab));
-  }
-  return b;
-}
-
 const optim::ParamInfo& find(const optim::ParamLayout& l, const std::string& name) {
   for (const auto& p : l.params)
     if (p.name == name) return p;
@@ -84,7 +48,7 @@ const optim::ParamInfo& find(const optim::ParamLayout& l, const std::string& nam
 
 TEST(TrainParamRules, AdamWRulesMatchTheModelLayout) {
   for (bool tied : {false, true}) {
-    const auto layout = model_param_layout(tiny_config(tied));
+    const auto layout = model_param_layout(fixtures::tiny_config(tied));
     const auto again = regroup_layout(layout, train_group_rules(MuonTrainOptions{}));
     ASSERT_EQ(again.params.size(), layout.params.size());
     for (std::size_t i = 0; i < layout.params.size(); ++i) {
@@ -100,7 +64,7 @@ TEST(TrainParamRules, AdamWRulesMatchTheModelLayout) {
 
 // ZAYA1 layers: CCA (conv weights, temperatures), the MLP router, residual scales.
 model::ModelConfig zaya_config() {
-  model::ModelConfig m = tiny_config(false);
+  model::ModelConfig m = fixtures::tiny_config(false);
   m.attention = model::AttentionKind::kCca;
   m.cca_q_dim = 16, m.cca_k_dim = 8, m.cca_v_dim = 8, m.cca_conv_width = 2, m.cca_group_conv_width = 2;
   m.router_hidden = 8;
@@ -127,7 +91,7 @@ TEST(TrainParamRules, ZayaLayersGroups) {
 }
 
 TEST(TrainParamRules, MuonRulesTakeTheMatricesAndKeepOffsets) {
-  const auto base = model_param_layout(tiny_config(false));
+  const auto base = model_param_layout(fixtures::tiny_config(false));
   MuonTrainOptions m = muon_on();
   m.lr_scale = 0.5;
   const auto l = regroup_layout(base, train_group_rules(m));
@@ -158,7 +122,7 @@ TEST(TrainParamRules, MuonRulesTakeTheMatricesAndKeepOffsets) {
 // One backend step against optim's own AdamW and Muon on the same gradients and clip
 // coefficient: bit for bit (the same code on the same inputs), clipping active.
 TEST(MuonTrain, BackendStepIsAdamWPlusMuon) {
-  const auto cfg = tiny_config(false);
+  const auto cfg = fixtures::tiny_config(false);
   optim::AdamWConfig ac;
   ac.weight_decay = 0.05;
   MuonTrainOptions mo = muon_on();
@@ -166,7 +130,7 @@ TEST(MuonTrain, BackendStepIsAdamWPlusMuon) {
   mo.config.weight_decay = 0.02;
   auto b = make_cpu_backend(cfg, tiny_options(), OptimizerConfig(ac, mo), ParallelContext::single());
   const auto& layout = b->layout();
-  const Batch batch = random_batch(16, 23, 3);
+  const fixtures::Batch batch = fixtures::random_batch(16, 23, 3);
   const double lr = 3e-3, max_norm = 0.05;
   for (int step = 1; step <= 2; ++step) {  // the second step sees non-zero momentum
     b->zero_grads();
@@ -205,11 +169,11 @@ TEST(MuonTrain, BackendStepIsAdamWPlusMuon) {
 }
 
 TEST(MuonTrain, OverfitsOneBatch) {
-  const auto cfg = tiny_config(true);
+  const auto cfg = fixtures::tiny_config(true);
   optim::AdamWConfig ac;
   ac.weight_decay = 0.0;
   auto b = make_cpu_backend(cfg, tiny_options(), OptimizerConfig(ac, muon_on()), ParallelContext::single());
-  const Batch batch = random_batch(16, 23, 5);
+  const fixtures::Batch batch = fixtures::random_batch(16, 23, 5);
   double first = 0, last = 0;
   for (int step = 0; step < 60; ++step) {
     b->zero_grads();
@@ -225,9 +189,9 @@ TEST(MuonTrain, OverfitsOneBatch) {
 }
 
 TEST(MuonTrain, MuonStateIntoAnAdamWRunIsRefused) {
-  const auto cfg = tiny_config(false);
+  const auto cfg = fixtures::tiny_config(false);
   auto muon = make_cpu_backend(cfg, tiny_options(), OptimizerConfig({}, muon_on()), ParallelContext::single());
-  const Batch batch = random_batch(16, 23, 9);
+  const fixtures::Batch batch = fixtures::random_batch(16, 23, 9);
   muon->zero_grads();
   muon->forward(batch.tokens.data(), batch.targets.data());
   muon->backward(1.0f);
@@ -252,69 +216,15 @@ TEST(MuonTrain, MuonStateIntoAnAdamWRunIsRefused) {
 
 // --- through the trainer and the config ---
 
-fs::path temp_dir(const std::string& name) {
-  const fs::path d = fs::temp_directory_path() / ("keel_muon_train_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
-
-std::string make_dataset(const fs::path& dir) {
-  const std::string prefix = (dir / "d").string();
-  data::IndexedDatasetWriter w(prefix, data::TokenDtype::kUint16);
-  for (int d = 0; d < 40; ++d) {
-    std::vector<std::uint32_t> t;
-    for (int i = 0; i < 30 + d % 7; ++i) t.push_back(static_cast<std::uint32_t>((d + i) % 20));
-    w.add_document(t);
-  }
-  w.finish();
-  return prefix;
-}
-
-std::string config_text(const std::string& prefix, const fs::path& out) {
-  return R"(
-device: cpu
-model:
-  vocab_size: 24
-  hidden: 16
-  layers: 2
-  attention: gqa
-  heads: 4
-  kv_heads: 2
-  ffn_hidden: 32
-  experts: 4
-  top_k: 2
-  expert_hidden: 16
-  first_dense_layers: 1
-  max_seq_len: 64
-router:
-  bias_update_rate: 0.01
-data:
-  datasets: {train: )" + prefix + R"(}
-  seq_length: 16
-  seed: 7
-optimizer:
-  lr: 0.01
-  weight_decay: 0.01
-  clip: 1.0
-  muon:
-    enabled: true
-    momentum: 0.9
-schedule:
-  kind: cosine
-  warmup_steps: 2
-batch:
-  micro_batch: 2
-  grad_accum: 2
-steps: 12
-log_interval: 4
-output_dir: )" + out.string() + "\n";
+// The tests' train config with Muon on (momentum 0.9).
+std::string muon_config_text(const std::string& prefix, const fs::path& out) {
+  return fixtures::train_config_text(prefix, out, "  muon:\n    enabled: true\n    momentum: 0.9\n");
 }
 
 TEST(MuonTrainConfig, ParsesAndDefaults) {
-  const auto dir = temp_dir("cfg");
-  const auto prefix = make_dataset(dir);
-  const auto c = parse_train_config(config_text(prefix, dir / "o"), "t.yaml",
+  const auto dir = fixtures::temp_dir("muon_train_test", "cfg");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const auto c = parse_train_config(muon_config_text(prefix, dir / "o"), "t.yaml",
                                     {"optimizer.muon.scale=exact_rms", "optimizer.muon.lr_scale=0.5",
                                      "optimizer.muon.adamw_matrices='*router*'", "optimizer.muon.nesterov=false"});
   EXPECT_TRUE(c.muon.enabled);
@@ -326,11 +236,11 @@ TEST(MuonTrainConfig, ParsesAndDefaults) {
   EXPECT_DOUBLE_EQ(c.muon.config.weight_decay, 0.01) << "defaults to optimizer.weight_decay";
   EXPECT_DOUBLE_EQ(c.muon.lr_scale, 0.5);
   EXPECT_EQ(c.muon.adamw_matrices, "*router*");
-  const auto d = parse_train_config(config_text(prefix, dir / "o"), "t.yaml", {"optimizer.muon.weight_decay=0"});
+  const auto d = parse_train_config(muon_config_text(prefix, dir / "o"), "t.yaml", {"optimizer.muon.weight_decay=0"});
   EXPECT_DOUBLE_EQ(d.muon.config.weight_decay, 0.0);
   EXPECT_DOUBLE_EQ(d.adamw.weight_decay, 0.01);
   // off unless enabled
-  const auto e = parse_train_config(config_text(prefix, dir / "o"), "t.yaml", {"optimizer.muon.enabled=false"});
+  const auto e = parse_train_config(muon_config_text(prefix, dir / "o"), "t.yaml", {"optimizer.muon.enabled=false"});
   EXPECT_FALSE(e.muon.enabled);
 }
 
@@ -345,9 +255,9 @@ void expect_usage_error(const std::string& text, const std::vector<std::string>&
 }
 
 TEST(MuonTrainConfig, BadKeysGiveClearErrors) {
-  const auto dir = temp_dir("bad");
-  const auto prefix = make_dataset(dir);
-  const std::string good = config_text(prefix, dir / "o");
+  const auto dir = fixtures::temp_dir("muon_train_test", "bad");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const std::string good = muon_config_text(prefix, dir / "o");
   expect_usage_error(good, {"optimizer.muon.beta=0.9"}, "unknown key 'optimizer.muon.beta' (from --set) (known: enabled,");
   expect_usage_error(good, {"optimizer.muon.momentum=1"}, "key 'optimizer.muon.momentum' (from --set): must be in [0, 1)");
   expect_usage_error(good, {"optimizer.muon.momentum=fast"}, "key 'optimizer.muon.momentum' (from --set): must be a number");
@@ -379,9 +289,9 @@ TEST(MuonTrainConfig, UnassignableParameterIsNamed) {
 }
 
 TEST(MuonTrain, ResumeIsBitExact) {
-  const auto dir = temp_dir("resume");
-  const auto prefix = make_dataset(dir);
-  auto cfg = parse_train_config(config_text(prefix, dir / "a"), "t.yaml");
+  const auto dir = fixtures::temp_dir("muon_train_test", "resume");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  auto cfg = parse_train_config(muon_config_text(prefix, dir / "a"), "t.yaml");
   Trainer a(cfg, ParallelContext::single(), true);
   const auto sa = a.run();
   ASSERT_EQ(sa.size(), 12u);

@@ -12,76 +12,18 @@
 #include "data/indexed_dataset.h"
 #include "train/trainer.h"
 
+#include "train_test_util.h"
+
 namespace keel::train {
 namespace {
 
 namespace fs = std::filesystem;
 
-fs::path temp_dir(const std::string& name) {
-  const fs::path d = fs::temp_directory_path() / ("keel_train_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
-
-// A small dataset of "documents" with structure (repeating ramps) so the loss can fall.
-std::string make_dataset(const fs::path& dir, const std::string& name, int docs = 40) {
-  const std::string prefix = (dir / name).string();
-  data::IndexedDatasetWriter w(prefix, data::TokenDtype::kUint16);
-  for (int d = 0; d < docs; ++d) {
-    std::vector<std::uint32_t> t;
-    for (int i = 0; i < 30 + d % 7; ++i) t.push_back(static_cast<std::uint32_t>((d + i) % 20));
-    w.add_document(t);
-  }
-  w.finish();
-  return prefix;
-}
-
-// device: cpu: these tests pin the CPU reference (bit-exact resume, exact grad-accum equality);
-// the GPU backend has its own tests (cuda_backend_cuda_test.cc).
-std::string config_text(const std::string& prefix, const fs::path& out) {
-  return R"(
-device: cpu
-model:
-  vocab_size: 24
-  hidden: 16
-  layers: 2
-  attention: gqa
-  heads: 4
-  kv_heads: 2
-  ffn_hidden: 32
-  experts: 4
-  top_k: 2
-  expert_hidden: 16
-  first_dense_layers: 1
-  max_seq_len: 64
-router:
-  aux_loss_weight: 0.01
-  z_loss_weight: 0.001
-  bias_update_rate: 0.01
-data:
-  datasets: {train: )" + prefix + R"(}
-  seq_length: 16
-  seed: 7
-optimizer:
-  lr: 0.01
-  weight_decay: 0.01
-  clip: 1.0
-schedule:
-  kind: cosine
-  warmup_steps: 2
-batch:
-  micro_batch: 2
-  grad_accum: 2
-steps: 12
-log_interval: 4
-output_dir: )" + out.string() + "\n";
-}
 
 TEST(TrainConfig, ParsesAndOverrides) {
-  const auto dir = temp_dir("cfg");
-  const auto prefix = make_dataset(dir, "d");
-  const auto c = parse_train_config(config_text(prefix, dir / "out"), "t.yaml",
+  const auto dir = fixtures::temp_dir("train_test", "cfg");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "out"), "t.yaml",
                                     {"optimizer.lr=0.5", "batch.grad_accum=3", "recompute=full", "schedule.kind=wsd"});
   EXPECT_DOUBLE_EQ(c.schedule.peak_lr, 0.5);
   EXPECT_EQ(c.grad_accum, 3);
@@ -103,9 +45,9 @@ void expect_usage_error(const std::string& text, const std::vector<std::string>&
 }
 
 TEST(TrainConfig, BadConfigsGiveClearErrors) {
-  const auto dir = temp_dir("badcfg");
-  const auto prefix = make_dataset(dir, "d");
-  const std::string good = config_text(prefix, dir / "out");
+  const auto dir = fixtures::temp_dir("train_test", "badcfg");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const std::string good = fixtures::train_config_text(prefix, dir / "out");
   expect_usage_error(good + "learning_rate: 3\n", {}, "bad.yaml: unknown key 'learning_rate' (line");
   expect_usage_error(good, {"optimizer.lrr=1"}, "unknown key 'optimizer.lrr' (from --set)");
   expect_usage_error(good, {"steps=0"}, "key 'steps' (from --set): must be >= 1");
@@ -118,9 +60,9 @@ TEST(TrainConfig, BadConfigsGiveClearErrors) {
 }
 
 TEST(TrainConfig, RejectsLinearAttentionModelAtBuild) {
-  const auto dir = temp_dir("linear");
-  const auto prefix = make_dataset(dir, "d");
-  auto c = parse_train_config(config_text(prefix, dir / "out"), "t.yaml");
+  const auto dir = fixtures::temp_dir("train_test", "linear");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "out"), "t.yaml");
   c.model.attention = model::AttentionKind::kLinear;
   try {
     Trainer t(c, ParallelContext::single(), true);
@@ -131,10 +73,10 @@ TEST(TrainConfig, RejectsLinearAttentionModelAtBuild) {
 }
 
 TEST(Trainer, MissingAndTruncatedDataset) {
-  const auto dir = temp_dir("trunc");
-  const auto prefix = make_dataset(dir, "d");
+  const auto dir = fixtures::temp_dir("train_test", "trunc");
+  const auto prefix = fixtures::make_dataset(dir, "d");
   {
-    const auto c = parse_train_config(config_text((dir / "nope").string(), dir / "out"), "t.yaml");
+    const auto c = parse_train_config(fixtures::train_config_text((dir / "nope").string(), dir / "out"), "t.yaml");
     try {
       Trainer t(c, ParallelContext::single(), true);
       FAIL();
@@ -143,7 +85,7 @@ TEST(Trainer, MissingAndTruncatedDataset) {
     }
   }
   fs::resize_file(prefix + ".bin", fs::file_size(prefix + ".bin") - 10);
-  const auto c = parse_train_config(config_text(prefix, dir / "out"), "t.yaml");
+  const auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "out"), "t.yaml");
   try {
     Trainer t(c, ParallelContext::single(), true);
     FAIL();
@@ -153,9 +95,9 @@ TEST(Trainer, MissingAndTruncatedDataset) {
 }
 
 TEST(Trainer, NanLossStopsNamingTheStep) {
-  const auto dir = temp_dir("nan");
-  const auto prefix = make_dataset(dir, "d");
-  const auto c = parse_train_config(config_text(prefix, dir / "out"), "t.yaml");
+  const auto dir = fixtures::temp_dir("train_test", "nan");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "out"), "t.yaml");
   Trainer t(c, ParallelContext::single(), true);
   t.run(3);
   {
@@ -174,9 +116,9 @@ TEST(Trainer, NanLossStopsNamingTheStep) {
 }
 
 TEST(Trainer, ResumeIsBitExact) {
-  const auto dir = temp_dir("resume");
-  const auto prefix = make_dataset(dir, "d");
-  auto cfg = parse_train_config(config_text(prefix, dir / "a"), "t.yaml", {"eval.prefix=" + prefix, "eval.interval=5"});
+  const auto dir = fixtures::temp_dir("train_test", "resume");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  auto cfg = parse_train_config(fixtures::train_config_text(prefix, dir / "a"), "t.yaml", {"eval.prefix=" + prefix, "eval.interval=5"});
   // uninterrupted
   Trainer a(cfg, ParallelContext::single(), true);
   const auto sa = a.run();
@@ -225,11 +167,11 @@ TEST(Trainer, ResumeIsBitExact) {
 
 TEST(Trainer, GradAccumMatchesLargerMicroBatch) {
   // 2 micro-batches of 2 rows == 1 micro-batch of 4 rows (same samples) up to fp32 rounding.
-  const auto dir = temp_dir("accum");
-  const auto prefix = make_dataset(dir, "d");
-  auto c1 = parse_train_config(config_text(prefix, dir / "o1"), "t.yaml",
+  const auto dir = fixtures::temp_dir("train_test", "accum");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  auto c1 = parse_train_config(fixtures::train_config_text(prefix, dir / "o1"), "t.yaml",
                                {"steps=1", "schedule.warmup_steps=0", "router.aux_loss_weight=0", "router.z_loss_weight=0"});
-  auto c2 = parse_train_config(config_text(prefix, dir / "o2"), "t.yaml",
+  auto c2 = parse_train_config(fixtures::train_config_text(prefix, dir / "o2"), "t.yaml",
                                {"steps=1", "schedule.warmup_steps=0", "batch.micro_batch=4", "batch.grad_accum=1", "router.aux_loss_weight=0",
                                 "router.z_loss_weight=0"});
   Trainer a(c1, ParallelContext::single(), true), b(c2, ParallelContext::single(), true);
