@@ -12,6 +12,7 @@
 #include "device/cuda_devices.h"
 #include "train/backend.h"
 
+#include "../ops/cuda/cuda_test_util.h"
 #include "train_test_util.h"
 
 namespace keel::train {
@@ -63,17 +64,6 @@ ModelOptions small_options(Recompute r = Recompute::kNone) {
   o.z_loss_weight = 0.001;
   o.init_std = 0.05;
   return o;
-}
-
-// ||a - b|| / ||b|| over [begin, begin + n).
-double rel_error(const std::vector<float>& a, const std::vector<float>& b, std::int64_t begin, std::int64_t n) {
-  double num = 0, den = 0;
-  for (std::int64_t i = begin; i < begin + n; ++i) {
-    const double d = static_cast<double>(a[i]) - b[i];
-    num += d * d;
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 // At init the MLP router's logits are tiny (products of three small-std layers), so a top-1
@@ -132,7 +122,7 @@ void compare_with_cpu(const model::ModelConfig& cfg, Recompute r) {
     // the last stage's experts, norms and scales were 0.094-0.113 off on an H100 while the
     // class loads agreed within the 3% checked below and the skip-free runs stay within 0.08.
     if (cfg.router_skip_expert) tol = std::max(tol, 0.15);
-    EXPECT_LT(rel_error(gg, gc, p.offset, p.numel), tol) << p.name;
+    EXPECT_LT(keel::test::norm_rel_err(gg, gc, p.offset, p.numel), tol) << p.name;
   }
   const std::int64_t N = std::int64_t(opt.micro_batch) * opt.seq_length;
   for (int i = 0; i < cpu->moe_layer_count(); ++i) {

@@ -24,32 +24,14 @@ namespace gpu_ce = ops::cuda::cross_entropy;
 using ops::cuda::bf16;
 using test::all_close;
 using test::DeviceArray;
+using test::ints_to_device;
+using test::ints_to_host;
+using test::minus;
+using test::norm_rel_err;
 using test::random_vector;
 using test::rounded_bf16;
 using test::to_device;
 using test::to_host;
-
-DeviceArray<std::int32_t> ints_to_device(const std::vector<std::int32_t>& h) {
-  DeviceArray<std::int32_t> d(h.size());
-  if (!h.empty()) KEEL_CUDA_CHECK(cudaMemcpy(d.get(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
-  return d;
-}
-
-double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double d = double(got[i]) - want[i];
-    num += d * d;
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-
-std::vector<float> minus(const std::vector<float>& a, const std::vector<float>& b) {
-  std::vector<float> r(a.size());
-  for (std::size_t i = 0; i < a.size(); ++i) r[i] = a[i] - b[i];
-  return r;
-}
 
 // Random targets in [0, V), every `ignore_every`-th one ignored (-1).
 std::vector<std::int32_t> random_targets(std::int64_t n, std::int64_t v, int ignore_every, std::uint64_t seed) {
@@ -116,8 +98,8 @@ TEST(CrossEntropyCuda, MatchesCpuForwardAndBackward) {
     const float loss_tol = keep ? 2e-3f : 1e-5f, lse_rtol = keep ? 2e-3f : 1e-5f, lse_atol = keep ? 2e-2f : 1e-4f;
     EXPECT_NEAR(got.loss, want, loss_tol * std::fabs(want) + 1e-5);
     EXPECT_TRUE(all_close(to_host(d_lse), lse, lse_rtol, lse_atol, "lse"));
-    const double e_dh = rel_err(to_host(d_dhidden), dhidden);
-    const double e_dw = rel_err(minus(to_host(d_dw), dw0), minus(dw, dw0));
+    const double e_dh = norm_rel_err(to_host(d_dhidden), dhidden);
+    const double e_dw = norm_rel_err(minus(to_host(d_dw), dw0), minus(dw, dw0));
     EXPECT_LT(e_dh, keep ? 2e-2 : 1e-2);
     EXPECT_LT(e_dw, keep ? 2e-2 : 1e-2);
     std::printf("ce N=%lld D=%lld V=%lld chunk=%lld: loss %.6f vs %.6f, rel err dhidden %.1e dW %.1e\n", (long long)n,

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -128,6 +129,51 @@ inline ::testing::AssertionResult all_close(const std::vector<float>& got, const
   return ::testing::AssertionFailure() << what << ": " << bad << " of " << got.size() << " elements off; worst at "
                                        << worst << ": got " << got[worst] << ", want " << want[worst] << " (rtol "
                                        << rtol << ", atol " << atol << ")";
+}
+
+// int32 host values -> device, and back (the device copy synchronizes first).
+inline DeviceArray<std::int32_t> ints_to_device(const std::vector<std::int32_t>& h) {
+  DeviceArray<std::int32_t> d(h.size());
+  if (!h.empty()) KEEL_CUDA_CHECK(cudaMemcpy(d.get(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+  return d;
+}
+inline std::vector<std::int32_t> ints_to_host(const std::int32_t* d, std::size_t n) {
+  KEEL_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<std::int32_t> h(n);
+  if (n) KEEL_CUDA_CHECK(cudaMemcpy(h.data(), d, n * 4, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// a - b elementwise (e.g. an accumulated gradient minus its starting value).
+inline std::vector<float> minus(const std::vector<float>& a, const std::vector<float>& b) {
+  std::vector<float> r(a.size());
+  for (std::size_t i = 0; i < a.size(); ++i) r[i] = a[i] - b[i];
+  return r;
+}
+
+// ||got - want|| / ||want||, the error measure for bf16 paths; a non-finite element of got
+// counts as an infinite error.
+inline double norm_rel_err(const std::vector<float>& got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - want[i];
+    num += std::isfinite(got[i]) ? d * d : 1e30;
+    den += static_cast<double>(want[i]) * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// The same over [begin, begin + n) of two flat buffers (one parameter of a flat parameter or
+// gradient buffer); where want is all zero, the absolute ||got||.
+inline double norm_rel_err(const std::vector<float>& got, const std::vector<float>& want, std::int64_t begin,
+                           std::int64_t n) {
+  double num = 0, den = 0;
+  for (std::int64_t i = begin; i < begin + n; ++i) {
+    const double d = static_cast<double>(got[i]) - want[i];
+    num += d * d;
+    den += static_cast<double>(want[i]) * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 }  // namespace keel::test

@@ -27,6 +27,10 @@ namespace {
 using cuda_bf16 = __nv_bfloat16;
 using test::all_close;
 using test::DeviceArray;
+using test::ints_to_device;
+using test::ints_to_host;
+using test::minus;
+using test::norm_rel_err;
 using test::to_device;
 using test::to_host;
 
@@ -36,17 +40,6 @@ std::vector<float> randn(std::size_t n, std::uint64_t seed, float scale) {
   std::vector<float> v(n);
   for (auto& x : v) x = d(rng);
   return v;
-}
-
-// ||a - b|| / ||b|| over [begin, begin + n).
-double rel_error(const std::vector<float>& a, const std::vector<float>& b, std::size_t begin, std::size_t n) {
-  double num = 0, den = 0;
-  for (std::size_t i = begin; i < begin + n; ++i) {
-    const double d = static_cast<double>(a[i]) - b[i];
-    num += d * d;
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 struct Case {
@@ -86,7 +79,7 @@ void step_against_cpu(const Case& k) {
   float max_u = 0;
   for (float x : upd) max_u = std::max(max_u, std::fabs(x));
   for (std::int64_t e = 0; e < k.matrices; ++e) {
-    const double err = rel_error(gu, upd, e * mn, mn);
+    const double err = norm_rel_err(gu, upd, e * mn, mn);
     worst = std::max(worst, err);
     EXPECT_LT(err, 0.05) << "update of matrix " << e;
   }
@@ -96,7 +89,7 @@ void step_against_cpu(const Case& k) {
   // parameters: the same decay, an update lr k X within the same tolerance
   std::vector<float> dp_gpu(n), dp_cpu(n);
   for (std::size_t i = 0; i < n; ++i) dp_gpu[i] = gp[i] - p0[i], dp_cpu[i] = p[i] - p0[i];
-  EXPECT_LT(rel_error(dp_gpu, dp_cpu, 0, n), 0.05) << "parameter change";
+  EXPECT_LT(norm_rel_err(dp_gpu, dp_cpu, 0, n), 0.05) << "parameter change";
   std::vector<float> want_b(n);
   for (std::size_t i = 0; i < n; ++i) want_b[i] = test::bf16_round(gp[i]);
   EXPECT_TRUE(all_close(gpb, want_b, 0.f, 0.f, "bf16 copy"));
@@ -169,7 +162,7 @@ TEST(MuonCuda, DeviceMuonStepsOnlyMuonParameters) {
         ASSERT_EQ(gpb[i], 3.f) << q.name << " bf16 copy was touched";
       }
     } else {
-      EXPECT_LT(rel_error(gp, p, o, len), 1e-2) << q.name;
+      EXPECT_LT(norm_rel_err(gp, p, o, len), 1e-2) << q.name;
     }
   }
   EXPECT_THROW(gpu.step(layout, d_p.get(), d_g.get(), d_m.get(), nullptr, -1.0, 1.f, nullptr, ws.get(),
@@ -262,11 +255,11 @@ TEST(MuonCuda, BackendMatchesCpuBackendAfterOneStep) {
     if (q.optimizer == optim::OptimizerKind::kMuon) {
       // bf16 activations move the gradients a few % (routers more); Newton-Schulz in bf16 adds ~2%
       const bool router = q.name.find("router") != std::string::npos;
-      const double err = rel_error(ug, uc, 0, len);
+      const double err = norm_rel_err(ug, uc, 0, len);
       std::printf("[muon backend] %-22s update rel error %.4f\n", q.name.c_str(), err);
       EXPECT_LT(err, router ? 0.35 : 0.2) << q.name;
       for (std::size_t i = o; i < o + len; ++i) ASSERT_EQ(tg.adam_v[i], 0.f) << q.name << ": Muon leaves v at zero";
-      EXPECT_LT(rel_error(tg.adam_m, tc.adam_m, o, len), router ? 0.2 : 0.1) << q.name << " momentum";
+      EXPECT_LT(norm_rel_err(tg.adam_m, tc.adam_m, o, len), router ? 0.2 : 0.1) << q.name << " momentum";
     } else {
       for (std::size_t i = 0; i < len; ++i) adam_diff += double(ug[i] - uc[i]) * (ug[i] - uc[i]), adam_norm += double(uc[i]) * uc[i];
     }

@@ -29,40 +29,14 @@ namespace gpu_moe = ops::cuda::moe;
 using ops::cuda::bf16;
 using test::all_close;
 using test::DeviceArray;
+using test::ints_to_device;
+using test::ints_to_host;
+using test::minus;
+using test::norm_rel_err;
 using test::random_vector;
 using test::rounded_bf16;
 using test::to_device;
 using test::to_host;
-
-DeviceArray<std::int32_t> ints_to_device(const std::vector<std::int32_t>& h) {
-  DeviceArray<std::int32_t> d(h.size());
-  if (!h.empty()) KEEL_CUDA_CHECK(cudaMemcpy(d.get(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
-  return d;
-}
-
-std::vector<std::int32_t> ints_to_host(const std::int32_t* d, std::size_t n) {
-  KEEL_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<std::int32_t> h(n);
-  if (n) KEEL_CUDA_CHECK(cudaMemcpy(h.data(), d, n * 4, cudaMemcpyDeviceToHost));
-  return h;
-}
-
-// ||got - want|| / ||want||
-double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double d = double(got[i]) - want[i];
-    num += d * d;
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-
-std::vector<float> minus(const std::vector<float>& a, const std::vector<float>& b) {
-  std::vector<float> r(a.size());
-  for (std::size_t i = 0; i < a.size(); ++i) r[i] = a[i] - b[i];
-  return r;
-}
 
 // Smallest gap between consecutive scores (p + bias) among the top_k + 1 best of one row: a
 // near-tie there could legitimately pick differently in fp32 on two devices.
@@ -267,8 +241,8 @@ TEST(MoeCuda, MatchesCpuForwardAndBackward) {
     const gpu_moe::Saved gsv{d_xs.get(), d_hg.get(), d_hu.get(), d_act.get(), d_ys.get()};
     gpu_moe::forward(gp, d_x.get(), d_gates.get(), gw, d, f, gsv, d_y.get(), nullptr);
     EXPECT_EQ(to_host(d_xs), xs);  // the gather is a copy
-    const double e_h = rel_err(to_host(d_hg), hg), e_act = rel_err(to_host(d_act), act),
-                 e_ys = rel_err(to_host(d_ys), ys), e_y = rel_err(to_host(d_y), y);
+    const double e_h = norm_rel_err(to_host(d_hg), hg), e_act = norm_rel_err(to_host(d_act), act),
+                 e_ys = norm_rel_err(to_host(d_ys), ys), e_y = norm_rel_err(to_host(d_y), y);
     EXPECT_LT(e_h, 1e-2);
     EXPECT_LT(e_act, 1e-2);
     EXPECT_LT(e_ys, 1.5e-2);
@@ -283,10 +257,10 @@ TEST(MoeCuda, MatchesCpuForwardAndBackward) {
     gpu_moe::backward(gp, d_gates.get(), gw, d, f, gsv, d_dy.get(), d_scratch.get(), d_dx.get(), d_dgates.get(),
                       gpu_moe::Grads{d_dwg.get(), d_dwu.get(), d_dwd.get()}, nullptr);
     const std::vector<float> got_dwg = to_host(d_dwg), got_dwu = to_host(d_dwu), got_dwd = to_host(d_dwd);
-    const double e_dx = rel_err(to_host(d_dx), dx), e_dg = rel_err(to_host(d_dgates), dgates),
-                 e_wg = rel_err(minus(got_dwg, g0_gate), minus(dwg, g0_gate)),
-                 e_wu = rel_err(minus(got_dwu, g0_up), minus(dwu, g0_up)),
-                 e_wd = rel_err(minus(got_dwd, g0_down), minus(dwd, g0_down));
+    const double e_dx = norm_rel_err(to_host(d_dx), dx), e_dg = norm_rel_err(to_host(d_dgates), dgates),
+                 e_wg = norm_rel_err(minus(got_dwg, g0_gate), minus(dwg, g0_gate)),
+                 e_wu = norm_rel_err(minus(got_dwu, g0_up), minus(dwu, g0_up)),
+                 e_wd = norm_rel_err(minus(got_dwd, g0_down), minus(dwd, g0_down));
     EXPECT_LT(e_dx, 2e-2);
     EXPECT_LT(e_dg, 1.5e-2);
     EXPECT_LT(e_wg, 2e-2);

@@ -34,6 +34,10 @@ namespace {
 using cuda_bf16 = __nv_bfloat16;
 using test::all_close;
 using test::DeviceArray;
+using test::ints_to_device;
+using test::ints_to_host;
+using test::minus;
+using test::norm_rel_err;
 using test::random_vector;
 using test::rounded_bf16;
 using test::to_device;
@@ -62,28 +66,11 @@ std::vector<float> download_bf16(const cuda_bf16* d, std::size_t n) {
   return h;
 }
 
-// ||got - want|| / ||want||
-double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double d = double(got[i]) - want[i];
-    num += std::isfinite(got[i]) ? d * d : 1e30;
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-
 // rel_err, also printed so the log documents the measured bf16 gap.
 double logged_rel_err(const char* what, const std::vector<float>& got, const std::vector<float>& want) {
-  const double e = rel_err(got, want);
+  const double e = norm_rel_err(got, want);
   std::printf("    %-14s norm-relative error %.2e\n", what, e);
   return e;
-}
-
-std::vector<float> minus(const std::vector<float>& a, const std::vector<float>& b) {
-  std::vector<float> r(a.size());
-  for (std::size_t i = 0; i < a.size(); ++i) r[i] = a[i] - b[i];
-  return r;
 }
 
 std::vector<float> plus(const std::vector<float>& a, const std::vector<float>& b) {
@@ -337,7 +324,7 @@ TEST(ZayaRouterCuda, ForwardAndBackwardMatchCpu) {
                gates = download_f32(s.gates, N);
     const auto idx = download_raw(s.idx, N);
     const auto counts = download_raw(s.counts, E);
-    EXPECT_LT(rel_err(state, std::vector<float>(cs.state.data(), cs.state.data() + N * D)), 1e-5) << "state";
+    EXPECT_LT(norm_rel_err(state, std::vector<float>(cs.state.data(), cs.state.data() + N * D)), 1e-5) << "state";
     EXPECT_LT(logged_rel_err("probs", probs, std::vector<float>(cs.probs.data(), cs.probs.data() + N * E)), 2e-2) << "probs";
     // Selection: identical wherever the CPU's biased top-2 gap is not a near tie that bf16
     // intermediates could flip; gates are the chosen probabilities; counts its histogram.
@@ -506,11 +493,11 @@ TEST(CcaCuda, ForwardAndBackwardMatchCpu) {
     kca::forward(gemm, c, B, T, d_x.get(), d_pos.get(), d_rt.view(), w, s, d_y.get(), nullptr);
 
     auto cpu = [](const Tensor& t) { return std::vector<float>(t.data(), t.data() + t.numel()); };
-    EXPECT_LT(rel_err(download_f32(s.qk, N * C), cpu(sv.qk)), 1e-2) << "qk (pre-norm)";
-    EXPECT_LT(rel_err(download_bf16(s.q, N * nq * d), cpu(sv.q)), 1e-2) << "q";
-    EXPECT_LT(rel_err(download_bf16(s.k, N * nkv * d), cpu(sv.k)), 1e-2) << "k";
-    EXPECT_LT(rel_err(download_bf16(s.v, N * nkv * d), cpu(sv.v)), 1e-2) << "v";
-    EXPECT_LT(rel_err(download_bf16(s.att, N * nq * d), cpu(sv.att)), 2e-2) << "att";
+    EXPECT_LT(norm_rel_err(download_f32(s.qk, N * C), cpu(sv.qk)), 1e-2) << "qk (pre-norm)";
+    EXPECT_LT(norm_rel_err(download_bf16(s.q, N * nq * d), cpu(sv.q)), 1e-2) << "q";
+    EXPECT_LT(norm_rel_err(download_bf16(s.k, N * nkv * d), cpu(sv.k)), 1e-2) << "k";
+    EXPECT_LT(norm_rel_err(download_bf16(s.v, N * nkv * d), cpu(sv.v)), 1e-2) << "v";
+    EXPECT_LT(norm_rel_err(download_bf16(s.att, N * nq * d), cpu(sv.att)), 2e-2) << "att";
     EXPECT_LT(logged_rel_err("y", to_host(d_y), y), 2e-2) << "y";
 
     // Backward: gradients accumulate onto non-zero buffers.
