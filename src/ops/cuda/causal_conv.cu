@@ -254,23 +254,6 @@ __global__ void __launch_bounds__(256) grouped_dw_kernel(const bf16* __restrict_
 
 // ---------------------------------------------------------------- launch helpers
 
-unsigned elementwise_grid(std::int64_t n) {
-  return static_cast<unsigned>(std::min<std::int64_t>(grid_for(n, kThreads), 1 << 16));
-}
-
-// (column blocks, row chunks, chunk length) for a per-column reduction over `rows`.
-struct ColumnSplit {
-  dim3 grid;
-  std::int64_t chunk;
-};
-ColumnSplit column_split(std::int64_t rows, std::int64_t cols) {
-  const std::int64_t col_blocks = (cols + kColThreads - 1) / kColThreads;
-  const std::int64_t want = std::max<std::int64_t>(1, kTargetBlocks / col_blocks);
-  const std::int64_t chunks = std::min<std::int64_t>({want, (rows + 31) / 32, 65535});
-  const std::int64_t chunk = std::max<std::int64_t>(1, (rows + chunks - 1) / chunks);
-  return {dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>((rows + chunk - 1) / chunk)), chunk};
-}
-
 void check_common(std::int64_t B, std::int64_t T, std::int64_t C, int W, const char* what) {
   if (B < 0 || T < 0 || C <= 0) fail("causal_conv {}: need B, T >= 0 and C > 0, got B {}, T {}, C {}", what, B, T, C);
   if (W < 1 || W > kMaxWidth) fail("causal_conv {}: width {} outside [1, {}]", what, W, kMaxWidth);
@@ -292,7 +275,7 @@ void depthwise_forward(const bf16* x, const float* w, const float* b, int extra,
   if (extra < 0) fail("causal_conv depthwise_forward: extra must be >= 0, got {}", extra);
   const std::int64_t n = B * (T + extra) * C;
   if (B == 0 || T == 0) return;
-  depthwise_forward_kernel<<<elementwise_grid(n), kThreads, 0, stream>>>(x, w, b, extra, y, B, T, C, W);
+  depthwise_forward_kernel<<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(x, w, b, extra, y, B, T, C, W);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
@@ -302,11 +285,11 @@ void depthwise_backward(const bf16* x, const float* w, int extra, const float* d
   if (extra < 0) fail("causal_conv depthwise_backward: extra must be >= 0, got {}", extra);
   if (B == 0 || T == 0) return;
   if (dx) {
-    depthwise_dx_kernel<<<elementwise_grid(B * T * C), kThreads, 0, stream>>>(w, extra, dy, dx, B, T, C, W);
+    depthwise_dx_kernel<<<elementwise_grid(B * T * C, kThreads), kThreads, 0, stream>>>(w, extra, dy, dx, B, T, C, W);
     KEEL_CUDA_CHECK_LAUNCH();
   }
   if (dw || db) {
-    const ColumnSplit s = column_split(B * (T + extra), C);
+    const ColumnSplit s = column_split(B * (T + extra), C, kColThreads, kTargetBlocks);
     depthwise_dw_kernel<<<s.grid, kColThreads, 0, stream>>>(x, extra, dy, dw, db, B, T, C, W, s.chunk);
     KEEL_CUDA_CHECK_LAUNCH();
   }
@@ -345,7 +328,7 @@ void grouped_backward(const bf16* x, const float* w, int lead, const float* dy, 
     KEEL_CUDA_CHECK_LAUNCH();
   }
   if (db) {
-    const ColumnSplit s = column_split(B * T, C);
+    const ColumnSplit s = column_split(B * T, C, kColThreads, kTargetBlocks);
     column_sum_kernel<<<s.grid, kColThreads, 0, stream>>>(dy, db, B * T, C, s.chunk);
     KEEL_CUDA_CHECK_LAUNCH();
   }

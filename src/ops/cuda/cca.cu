@@ -19,15 +19,6 @@ constexpr std::int64_t kMaxChannels = 12288;  // C fp32 values of one token in s
 
 std::size_t round_up(std::size_t b) { return (b + kAlign - 1) / kAlign * kAlign; }
 
-unsigned elementwise_grid(std::int64_t n) {
-  return static_cast<unsigned>(std::min<std::int64_t>(grid_for(n, kThreads), 1 << 16));
-}
-
-__device__ inline float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // Per token (one block): a = conv + mixing terms (written over qk, saved), then per head
 // rn = (|a|^2 + eps)^-1/2 and q = sqrt(d) rn a, k = temp sqrt(d) rn a in bf16.
 __global__ void mix_norm_kernel(const bf16* __restrict__ qk0, float* __restrict__ qk, const float* __restrict__ temp,
@@ -277,7 +268,7 @@ void forward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, 
 
   // 4. Values: u = x W_v^T into att (free until step 5; dk <= dq), then the shifted copy.
   linear::forward(gemm, x, w.w_v, s.att, d.N, d.H, d.dk, stream);
-  value_shift_kernel<<<elementwise_grid(d.N * d.dk), kThreads, 0, stream>>>(s.att, s.v, d.N, T, d.dk / 2);
+  value_shift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(s.att, s.v, d.N, T, d.dk / 2);
   KEEL_CUDA_CHECK_LAUNCH();
 
   // 5. Causal GQA attention and the output projection.
@@ -311,7 +302,7 @@ void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T,
   // 4. Values: undo the shift into du (datt's memory, free now). Its GEMMs run last, once the
   //    W_qk dgrad has overwritten dx, so the W_v dgrad can add into dx (beta = 1).
   bf16* du = k.datt;
-  value_unshift_kernel<<<elementwise_grid(d.N * d.dk), kThreads, 0, stream>>>(k.dv, du, d.N, T, d.dk / 2);
+  value_unshift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(k.dv, du, d.N, T, d.dk / 2);
   KEEL_CUDA_CHECK_LAUNCH();
 
   // 3. RoPE: inverse rotation in place.
@@ -332,7 +323,7 @@ void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T,
                                 int(d.W1), stream);
   causal_conv::depthwise_backward(s.qk0, w.conv0_w, extra, k.dc0, k.dqk0, g.conv0_w, g.conv0_b, B, T, d.C,
                                   int(d.W0), stream);
-  mix_backward_kernel<<<elementwise_grid(d.N * d.C), kThreads, 0, stream>>>(k.dqk, k.dqk0, k.dqk0b, d.N, int(d.nq),
+  mix_backward_kernel<<<elementwise_grid(d.N * d.C, kThreads), kThreads, 0, stream>>>(k.dqk, k.dqk0, k.dqk0b, d.N, int(d.nq),
                                                                             int(d.nkv), int(d.d));
   KEEL_CUDA_CHECK_LAUNCH();
   linear::backward(gemm, x, w.w_qk, k.dqk0b, dx, g.w_qk, d.N, d.H, d.C, stream);

@@ -27,6 +27,71 @@ inline unsigned grid_for(std::int64_t n, int threads) {
   return static_cast<unsigned>(g < 1 ? 1 : g);
 }
 
+// Blocks for a grid-stride elementwise kernel of `threads`-thread blocks over n items, capped
+// at 65536 (the loop covers the rest).
+inline unsigned elementwise_grid(std::int64_t n, int threads) {
+  const unsigned g = grid_for(n, threads);
+  return g < (1u << 16) ? g : (1u << 16);
+}
+
+// The launch of a per-column reduction over `rows` (parameter gradients of a [rows, cols]
+// activation): col_threads columns per block across, and enough chunks of at least 32 rows
+// down for about target_blocks blocks; each block sums `chunk` rows of its columns.
+struct ColumnSplit {
+  dim3 grid;
+  std::int64_t chunk;
+};
+inline ColumnSplit column_split(std::int64_t rows, std::int64_t cols, int col_threads, int target_blocks) {
+  const std::int64_t col_blocks = (cols + col_threads - 1) / col_threads;
+  const std::int64_t want = target_blocks / col_blocks > 1 ? target_blocks / col_blocks : 1;
+  std::int64_t chunks = (rows + 31) / 32;
+  if (want < chunks) chunks = want;
+  if (chunks > 65535) chunks = 65535;
+  if (chunks < 1) chunks = 1;
+  std::int64_t chunk = (rows + chunks - 1) / chunks;
+  if (chunk < 1) chunk = 1;
+  return {dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>((rows + chunk - 1) / chunk)), chunk};
+}
+
+#if defined(__CUDACC__)
+template <typename T>
+__device__ inline T warp_sum(T v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum of one value per thread over a block of kThreads threads, returned to every thread.
+// Fixed order (warp sums, then warp 0 over them): deterministic.
+template <int kThreads, typename T>
+__device__ T block_sum_all(T v) {
+  __shared__ T part[kThreads / 32];
+  __shared__ T total;
+  v = warp_sum(v);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    T w = threadIdx.x < kThreads / 32 ? part[threadIdx.x] : T(0);
+    w = warp_sum(w);
+    if (threadIdx.x == 0) total = w;
+  }
+  __syncthreads();
+  return total;
+}
+
+// The same sum, valid in thread 0 only, adding the warp sums in warp order on that thread.
+template <int kThreads, typename T>
+__device__ T block_sum_to_thread0(T v) {
+  __shared__ T warp_sums[kThreads / 32];
+  v = warp_sum(v);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
+  __syncthreads();
+  T total = 0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+  return total;
+}
+#endif
+
 // Checks the last launch (a bad configuration shows up here, not at the next sync).
 #define KEEL_CUDA_CHECK_LAUNCH() KEEL_CUDA_CHECK(cudaGetLastError())
 

@@ -12,19 +12,6 @@ namespace {
 constexpr int kThreads = 256;
 static_assert(kWorkspaceDoubles == 4 * kThreads, "the final reduction has 4 partials per thread");
 
-// Block-wide sum of one double per thread; the result is valid in thread 0. Fixed order.
-__device__ double block_sum(double v) {
-  __shared__ double warp_sums[kThreads / 32];
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  double total = 0;
-  if (threadIdx.x == 0)
-    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
-  return total;
-}
-
 // Stage 1: block b sums the squares of its grid-stride share into partials[b]. kVec: g is
 // 16-byte aligned (float4 body, element-wise tail).
 template <bool kVec>
@@ -42,7 +29,7 @@ __global__ void partial_kernel(const float* __restrict__ g, std::int64_t n, doub
     }
   }
   for (std::int64_t i = body + tid; i < n; i += stride) acc += static_cast<double>(g[i]) * g[i];
-  const double total = block_sum(acc);
+  const double total = block_sum_to_thread0<kThreads>(acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
@@ -50,7 +37,7 @@ __global__ void partial_kernel(const float* __restrict__ g, std::int64_t n, doub
 __global__ void final_kernel(const double* __restrict__ partials, int count, double* sum_sq, bool accumulate) {
   double acc = 0;
   for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
-  const double total = block_sum(acc);
+  const double total = block_sum_to_thread0<kThreads>(acc);
   if (threadIdx.x == 0) *sum_sq = accumulate ? *sum_sq + total : total;
 }
 

@@ -14,27 +14,6 @@ constexpr int kMaxExperts = 8192;   // the count kernel keeps E int32 counters i
 constexpr int kRowThreads = 128;    // one block per token or slot row
 constexpr int kElemThreads = 256;
 
-__device__ inline float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// Sum over a block of kRowThreads threads, result in every thread; fixed order.
-__device__ float block_sum(float v) {
-  __shared__ float part[kRowThreads / 32];
-  __shared__ float total;
-  v = warp_sum(v);
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float w = threadIdx.x < kRowThreads / 32 ? part[threadIdx.x] : 0.f;
-    w = warp_sum(w);
-    if (threadIdx.x == 0) total = w;
-  }
-  __syncthreads();
-  return total;
-}
-
 // offsets[0..E] = exclusive prefix sum of the loads; offsets[E + 1] = slots whose expert index
 // is outside [0, E) (make_plan reports them).
 __global__ void plan_count_kernel(const std::int32_t* __restrict__ expert_idx, std::int64_t slots, int experts,
@@ -164,7 +143,7 @@ __global__ void combine_backward_kernel(const bf16* __restrict__ ys, const float
       dys[slot * d + c] = __float2bfloat16(g * v);
     }
     if (dgates) {  // uniform branch: every thread takes part in the block reduction
-      dot = block_sum(dot);
+      dot = block_sum_all<kRowThreads>(dot);
       if (threadIdx.x == 0) dgates[n * top_k + k] = dot;
     }
   }

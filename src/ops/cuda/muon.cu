@@ -47,19 +47,6 @@ Workspace carve(void* base, std::int64_t matrices, std::int64_t rows, std::int64
   return w;
 }
 
-// Block-wide sum of one double per thread, valid in thread 0; fixed order.
-__device__ double block_sum(double v) {
-  __shared__ double warp_sums[kThreads / 32];
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  double total = 0;
-  if (threadIdx.x == 0)
-    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
-  return total;
-}
-
 __device__ inline float effective_scale(float host_scale, const float* device_scale) {
   return device_scale ? __fmul_rn(host_scale, *device_scale) : host_scale;
 }
@@ -94,7 +81,7 @@ __global__ void momentum_kernel(const float* __restrict__ grad, float* __restric
     m[i] = mi;
     acc += static_cast<double>(u) * u;
   }
-  const double total = block_sum(acc);
+  const double total = block_sum_to_thread0<kThreads>(acc);
   if (threadIdx.x == 0) partials[e * gridDim.x + blockIdx.x] = total;
 }
 
@@ -102,7 +89,7 @@ __global__ void momentum_kernel(const float* __restrict__ grad, float* __restric
 __global__ void inv_norm_kernel(const double* __restrict__ partials, int chunks, double* __restrict__ factor) {
   double acc = 0;
   for (int i = threadIdx.x; i < chunks; i += blockDim.x) acc += partials[blockIdx.x * chunks + i];
-  const double total = block_sum(acc);
+  const double total = block_sum_to_thread0<kThreads>(acc);
   // rounded to fp32 once, as newton_schulz() does
   if (threadIdx.x == 0) factor[blockIdx.x] = static_cast<float>(1.0 / (sqrt(total) + static_cast<double>(kNormEps)));
 }
@@ -144,7 +131,7 @@ __global__ void x_squares_kernel(const bf16* __restrict__ x, std::int64_t mn, st
     const double v = __bfloat162float(x[e * mn + i]);
     acc += v * v;
   }
-  const double total = block_sum(acc);
+  const double total = block_sum_to_thread0<kThreads>(acc);
   if (threadIdx.x == 0) partials[e * gridDim.x + blockIdx.x] = total;
 }
 
@@ -153,7 +140,7 @@ __global__ void exact_rms_kernel(const double* __restrict__ partials, int chunks
                                  double rms_target, double* __restrict__ factor) {
   double acc = 0;
   for (int i = threadIdx.x; i < chunks; i += blockDim.x) acc += partials[blockIdx.x * chunks + i];
-  const double total = block_sum(acc);
+  const double total = block_sum_to_thread0<kThreads>(acc);
   if (threadIdx.x == 0) {
     const double rms = sqrt(total / static_cast<double>(mn));
     factor[blockIdx.x] = rms > 0 ? rms_target / rms : 0.0;

@@ -81,18 +81,12 @@ void check(std::int64_t rows, std::int64_t dim, const char* what) {
   if (rows < 0 || dim <= 0) fail("residual_scale {}: need rows >= 0 and dim > 0, got rows {}, dim {}", what, rows, dim);
 }
 
-unsigned elementwise_grid(std::int64_t n) { return static_cast<unsigned>(std::min<std::int64_t>(grid_for(n, kThreads), 1 << 16)); }
-
 template <typename X>
 void launch_param_grads(const X* x, const float* b, const float* s, const float* dy, float* db, float* ds,
                         std::int64_t rows, std::int64_t dim, cudaStream_t stream) {
   if (!db && !ds) return;
-  const std::int64_t col_blocks = (dim + kColThreads - 1) / kColThreads;
-  const std::int64_t want = std::max<std::int64_t>(1, kColTargetBlocks / col_blocks);
-  const std::int64_t chunks = std::min<std::int64_t>({want, (rows + 31) / 32, 65535});
-  const std::int64_t chunk = (rows + chunks - 1) / chunks;
-  const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>((rows + chunk - 1) / chunk));
-  param_grad_kernel<X><<<grid, kColThreads, 0, stream>>>(x, b, s, dy, db, ds, rows, dim, chunk);
+  const ColumnSplit split = column_split(rows, dim, kColThreads, kColTargetBlocks);
+  param_grad_kernel<X><<<split.grid, kColThreads, 0, stream>>>(x, b, s, dy, db, ds, rows, dim, split.chunk);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
@@ -102,7 +96,7 @@ void merge_forward_impl(const float* r, const H* h, const float* b_r, const floa
   check(rows, dim, "merge_forward");
   if (rows == 0) return;
   const std::int64_t n = rows * dim;
-  merge_forward_kernel<H><<<elementwise_grid(n), kThreads, 0, stream>>>(r, h, b_r, s_r, b_h, s_h, out, n, dim);
+  merge_forward_kernel<H><<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(r, h, b_r, s_r, b_h, s_h, out, n, dim);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
@@ -119,11 +113,11 @@ void merge_backward_impl(const float* r, const H* h, const float* b_r, const flo
   launch_param_grads<float>(r, b_r, s_r, dout, db_r, ds_r, rows, dim, stream);
   const std::int64_t n = rows * dim;
   if (dh) {
-    scale_grad_kernel<H><<<elementwise_grid(n), kThreads, 0, stream>>>(dout, s_h, dh, n, dim);
+    scale_grad_kernel<H><<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(dout, s_h, dh, n, dim);
     KEEL_CUDA_CHECK_LAUNCH();
   }
   if (dr) {
-    scale_grad_kernel<float><<<elementwise_grid(n), kThreads, 0, stream>>>(dout, s_r, dr, n, dim);
+    scale_grad_kernel<float><<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(dout, s_r, dr, n, dim);
     KEEL_CUDA_CHECK_LAUNCH();
   }
 }
@@ -135,7 +129,7 @@ void forward(const float* x, const float* b, const float* s, float* y, std::int6
   check(rows, dim, "forward");
   if (rows == 0) return;
   const std::int64_t n = rows * dim;
-  forward_kernel<<<elementwise_grid(n), kThreads, 0, stream>>>(x, b, s, y, n, dim);
+  forward_kernel<<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(x, b, s, y, n, dim);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
@@ -146,7 +140,7 @@ void backward(const float* x, const float* b, const float* s, const float* dy, f
   launch_param_grads<float>(x, b, s, dy, db, ds, rows, dim, stream);  // before dx: dx may alias dy
   if (dx) {
     const std::int64_t n = rows * dim;
-    scale_grad_kernel<float><<<elementwise_grid(n), kThreads, 0, stream>>>(dy, s, dx, n, dim);
+    scale_grad_kernel<float><<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(dy, s, dx, n, dim);
     KEEL_CUDA_CHECK_LAUNCH();
   }
 }

@@ -12,11 +12,6 @@ constexpr int kWarpsPerBlock = 4;  // rows per block in the row kernels
 constexpr int kDwThreads = 256;    // columns per block in the dw kernel
 constexpr int kDwTargetBlocks = 528;  // ~4 blocks per SM on an H100 (132 SMs)
 
-__device__ inline float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 __device__ inline float4 load_bf16x4(const bf16* p) {
   const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(p);
   const float2 a = __bfloat1622float2(q[0]), b = __bfloat1622float2(q[1]);

@@ -11,10 +11,6 @@ namespace {
 constexpr int kWarpsPerBlock = 8;  // tokens per block in the row kernels
 constexpr int kReduceThreads = 256;
 
-__device__ inline float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 __device__ inline float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
@@ -82,23 +78,6 @@ __global__ void forward_kernel(const float* __restrict__ logits, const float* __
   }
 }
 
-// Block reduction of one float per thread (blockDim.x == kReduceThreads); the result in all
-// threads. Fixed order, so deterministic.
-__device__ float block_sum(float v) {
-  __shared__ float part[kReduceThreads / 32];
-  __shared__ float total;
-  v = warp_sum(v);
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float w = threadIdx.x < kReduceThreads / 32 ? part[threadIdx.x] : 0.f;
-    w = warp_sum(w);
-    if (threadIdx.x == 0) total = w;
-  }
-  __syncthreads();
-  return total;
-}
-
 // Blocks 0..E-1: P_e = mean_n p[n, e] into losses[2 + e]. Block E: z = mean_n lse^2.
 __global__ void column_means_kernel(const float* __restrict__ probs, const float* __restrict__ lse,
                                     std::int64_t tokens, int experts, float* __restrict__ losses) {
@@ -109,7 +88,7 @@ __global__ void column_means_kernel(const float* __restrict__ probs, const float
   } else {
     for (std::int64_t n = threadIdx.x; n < tokens; n += blockDim.x) acc += lse[n] * lse[n];
   }
-  acc = block_sum(acc);
+  acc = block_sum_all<kReduceThreads>(acc);
   if (threadIdx.x == 0) {
     const float mean = tokens > 0 ? acc / static_cast<float>(tokens) : 0.f;
     if (e < experts) losses[2 + e] = mean;

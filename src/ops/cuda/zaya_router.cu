@@ -24,22 +24,6 @@ __device__ inline float gelu_grad(float x) {
   return 0.5f * (1.f + erff(x * 0.70710678118654752f)) + x * expf(-0.5f * x * x) * 0.39894228040143268f;
 }
 
-unsigned elementwise_grid(std::int64_t n) {
-  return static_cast<unsigned>(std::min<std::int64_t>(grid_for(n, kThreads), 1 << 16));
-}
-
-struct ColumnSplit {
-  dim3 grid;
-  std::int64_t chunk;
-};
-ColumnSplit column_split(std::int64_t rows, std::int64_t cols) {
-  const std::int64_t col_blocks = (cols + kColThreads - 1) / kColThreads;
-  const std::int64_t want = std::max<std::int64_t>(1, kTargetBlocks / col_blocks);
-  const std::int64_t chunks = std::min<std::int64_t>({want, (rows + 31) / 32, 65535});
-  const std::int64_t chunk = std::max<std::int64_t>(1, (rows + chunks - 1) / chunks);
-  return {dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>((rows + chunk - 1) / chunk)), chunk};
-}
-
 __device__ inline void add_partial(float* p, float v, bool one) {
   if (one)
     *p += v;
@@ -216,14 +200,14 @@ void forward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_s
     return;
   }
   linear::forward_f32(gemm, x, w.w_down, s.state, N, d.hidden, D, stream);
-  eda_kernel<<<elementwise_grid(nd), kThreads, 0, stream>>>(s.state, w.b_down, w.gamma, prev_state, nd, D);
+  eda_kernel<<<elementwise_grid(nd, kThreads), kThreads, 0, stream>>>(s.state, w.b_down, w.gamma, prev_state, nd, D);
   KEEL_CUDA_CHECK_LAUNCH();
   rmsnorm::forward(s.state, w.w_norm, d.eps, s.u, s.rstd, N, D, stream);
   linear::forward_f32(gemm, s.u, w.w1, s.z1, N, D, D, stream);
-  bias_gelu_kernel<<<elementwise_grid(nd), kThreads, 0, stream>>>(s.z1, w.b1, s.h1, nd, D);
+  bias_gelu_kernel<<<elementwise_grid(nd, kThreads), kThreads, 0, stream>>>(s.z1, w.b1, s.h1, nd, D);
   KEEL_CUDA_CHECK_LAUNCH();
   linear::forward_f32(gemm, s.h1, w.w2, s.z2, N, D, D, stream);
-  bias_gelu_kernel<<<elementwise_grid(nd), kThreads, 0, stream>>>(s.z2, w.b2, s.h2, nd, D);
+  bias_gelu_kernel<<<elementwise_grid(nd, kThreads), kThreads, 0, stream>>>(s.z2, w.b2, s.h2, nd, D);
   KEEL_CUDA_CHECK_LAUNCH();
   linear::forward_f32(gemm, s.h2, w.w3, s.logits, N, D, d.classes, stream);
   router::forward(s.logits, bias, N, d.classes, o, s.probs, s.lse, s.idx, s.gates, s.counts, s.losses, stream);
@@ -248,7 +232,7 @@ void backward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_
   o.renormalize = false;
   router::backward(s.probs, s.lse, s.idx, s.gates, s.counts, N, d.classes, o, dgates, 0.f, 0.f, k.dlogits, stream);
   f32_to_bf16(k.dlogits, k.dlogits_b, N * E, stream);
-  const ColumnSplit cs = column_split(N, D);
+  const ColumnSplit cs = column_split(N, D, kColThreads, kTargetBlocks);
   // W3 -> GELU' -> W2 -> GELU' -> W1, ping-ponging between the two bf16 buffers a and b.
   linear::backward(gemm, s.h2, w.w3, k.dlogits_b, k.a, g.w3, N, D, E, stream);  // a = dh2
   gelu_backward_kernel<<<cs.grid, kColThreads, 0, stream>>>(k.a, s.z2, g.b2, N, D, cs.chunk);  // a = dz2
