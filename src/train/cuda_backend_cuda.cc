@@ -368,15 +368,7 @@ class CudaBackend final : public TrainBackend {
   }
   void update_router_bias() override {
     if (opt_.bias_update_rate != 0.0) {
-      for (std::size_t m = 0; m < load_.size(); ++m) {
-        double mean = 0;
-        for (auto c : load_[m]) mean += static_cast<double>(c);
-        mean /= static_cast<double>(load_[m].size());
-        for (std::size_t e = 0; e < load_[m].size(); ++e) {
-          const double d = mean - static_cast<double>(load_[m][e]);
-          bias_[m][e] += static_cast<float>(opt_.bias_update_rate) * (d > 0 ? 1.f : (d < 0 ? -1.f : 0.f));
-        }
-      }
+      update_balancing_bias(load_, opt_.bias_update_rate, bias_);
       upload_bias();
     }
     reset_load();

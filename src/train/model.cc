@@ -563,19 +563,22 @@ void MoeTransformer::reset_load() {
   for (auto& l : load_) std::fill(l.begin(), l.end(), 0);
 }
 
-void MoeTransformer::update_router_bias() {
-  if (opt_.bias_update_rate != 0.0) {
-    for (std::size_t m = 0; m < load_.size(); ++m) {
-      double mean = 0;
-      for (auto c : load_[m]) mean += static_cast<double>(c);
-      mean /= static_cast<double>(load_[m].size());
-      for (std::size_t e = 0; e < load_[m].size(); ++e) {
-        const double d = mean - static_cast<double>(load_[m][e]);
-        const float sgn = d > 0 ? 1.f : (d < 0 ? -1.f : 0.f);
-        bias_[m][e] += static_cast<float>(opt_.bias_update_rate) * sgn;
-      }
+void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, double rate,
+                           std::vector<std::vector<float>>& bias) {
+  for (std::size_t m = 0; m < load.size(); ++m) {
+    double mean = 0;
+    for (auto c : load[m]) mean += static_cast<double>(c);
+    mean /= static_cast<double>(load[m].size());
+    for (std::size_t e = 0; e < load[m].size(); ++e) {
+      const double d = mean - static_cast<double>(load[m][e]);
+      const float sgn = d > 0 ? 1.f : (d < 0 ? -1.f : 0.f);
+      bias[m][e] += static_cast<float>(rate) * sgn;
     }
   }
+}
+
+void MoeTransformer::update_router_bias() {
+  if (opt_.bias_update_rate != 0.0) update_balancing_bias(load_, opt_.bias_update_rate, bias_);
   reset_load();
 }
 

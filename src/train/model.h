@@ -103,6 +103,11 @@ struct WeightViews {
   zaya::ResScale final_scale;         // residual scaling before the final norm
 };
 
+// Aux-loss-free balancing from expert loads (one vector per MoE layer, summed since the last
+// update): bias_e += rate * sign(mean load - load_e). Shared by the CPU and CUDA backends.
+void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, double rate,
+                           std::vector<std::vector<float>>& bias);
+
 // Throws keel::Error naming a parameter of the layout it has no role for.
 WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* base);
 
