@@ -24,23 +24,36 @@ struct Scratch {
 
 std::int64_t align_up(std::int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
-Scratch carve(void* p, std::int64_t n, std::int64_t d, std::int64_t c) {
-  char* b = static_cast<char*>(p);
+// The scratch layout, in order: the fp32 logit block [N, fp32_cols] (chunked mode; none when
+// the logits are kept), the bf16 block [N, bf16_cols] (a chunk's dlogits, or the kept [N, V]
+// logits that backward turns into dlogits in place), the fp32 dhidden accumulator and the row
+// statistics. With base == nullptr only the total size is computed.
+struct Carved {
   Scratch s;
-  s.logits = reinterpret_cast<float*>(b);
-  b += align_up(n * c * 4);
-  s.dlogits = reinterpret_cast<bf16*>(b);
-  b += align_up(n * c * 2);
-  s.dhidden = reinterpret_cast<float*>(b);
-  b += align_up(n * d * 4);
-  s.row_max = reinterpret_cast<float*>(b);
-  b += align_up(n * 4);
-  s.row_sum = reinterpret_cast<float*>(b);
-  b += align_up(n * 4);
-  s.target = reinterpret_cast<float*>(b);
-  b += align_up(n * 4);
-  s.valid = reinterpret_cast<int*>(b);
-  return s;
+  std::int64_t bytes = 0;
+};
+Carved carve_layout(void* base, std::int64_t n, std::int64_t d, std::int64_t fp32_cols, std::int64_t bf16_cols) {
+  char* b = static_cast<char*>(base);
+  Carved c;
+  auto take = [&](std::int64_t bytes) {
+    char* p = b ? b + c.bytes : nullptr;
+    c.bytes += align_up(bytes);
+    return p;
+  };
+  c.s.logits = fp32_cols > 0 ? reinterpret_cast<float*>(take(n * fp32_cols * 4)) : nullptr;
+  c.s.dlogits = reinterpret_cast<bf16*>(take(n * bf16_cols * 2));
+  c.s.dhidden = reinterpret_cast<float*>(take(n * d * 4));
+  c.s.row_max = reinterpret_cast<float*>(take(n * 4));
+  c.s.row_sum = reinterpret_cast<float*>(take(n * 4));
+  c.s.target = reinterpret_cast<float*>(take(n * 4));
+  c.s.valid = reinterpret_cast<int*>(take(4));
+  return c;
+}
+
+Carved carve(void* base, std::int64_t n, std::int64_t d, std::int64_t v, const Options& o) {
+  if (o.keep_logits) return carve_layout(base, n, d, 0, v);
+  const std::int64_t c = std::min(o.chunk, v);
+  return carve_layout(base, n, d, c, c);
 }
 
 __device__ inline bool is_valid(std::int32_t t, std::int32_t ignore, std::int64_t vocab) {
@@ -190,33 +203,10 @@ GemmDesc desc(std::int64_t m, std::int64_t n, std::int64_t k, bool trans_a, bool
   return g;
 }
 
-// The kept-logits scratch: bf16 [N, V], then the fp32 dhidden accumulator and row statistics.
-Scratch carve_kept(void* p, std::int64_t n, std::int64_t d, std::int64_t v) {
-  char* b = static_cast<char*>(p);
-  Scratch s;
-  s.logits = nullptr;
-  s.dlogits = reinterpret_cast<bf16*>(b);  // the logits, turned into dlogits in place by backward
-  b += align_up(n * v * 2);
-  s.dhidden = reinterpret_cast<float*>(b);
-  b += align_up(n * d * 4);
-  s.row_max = reinterpret_cast<float*>(b);
-  b += align_up(n * 4);
-  s.row_sum = reinterpret_cast<float*>(b);
-  b += align_up(n * 4);
-  s.target = reinterpret_cast<float*>(b);
-  b += align_up(n * 4);
-  s.valid = reinterpret_cast<int*>(b);
-  return s;
-}
-
 }  // namespace
 
 std::int64_t scratch_bytes(std::int64_t tokens, std::int64_t d, std::int64_t vocab, const Options& o) {
-  if (o.keep_logits)
-    return align_up(tokens * vocab * 2) + align_up(tokens * d * 4) + 3 * align_up(tokens * 4) + align_up(4);
-  const std::int64_t c = std::min(o.chunk, vocab);
-  return align_up(tokens * c * 4) + align_up(tokens * c * 2) + align_up(tokens * d * 4) + 3 * align_up(tokens * 4) +
-         align_up(4);
+  return carve(nullptr, tokens, d, vocab, o).bytes;
 }
 
 void forward(const bf16* hidden, const bf16* w, const std::int32_t* targets, std::int64_t n, std::int64_t d,
@@ -229,7 +219,7 @@ void forward(const bf16* hidden, const bf16* w, const std::int32_t* targets, std
   }
   if (!hidden || !w || !targets || !lse || !scratch) fail("cuda cross_entropy: forward got a null pointer");
   const std::int64_t c = std::min(o.chunk, v);
-  const Scratch s = o.keep_logits ? carve_kept(scratch, n, d, v) : carve(scratch, n, d, c);
+  const Scratch s = carve(scratch, n, d, v, o).s;
   init_rows_kernel<<<grid_for(n, 256), 256, 0, stream>>>(s.row_max, s.row_sum, s.target, n);
   KEEL_CUDA_CHECK_LAUNCH();
   GemmRunner& gemm = thread_gemm();
@@ -271,7 +261,7 @@ void backward(const bf16* hidden, const bf16* w, const std::int32_t* targets, co
   if (n == 0 || (!dhidden && !dw)) return;
   if (!hidden || !w || !targets || !lse || !scratch) fail("cuda cross_entropy: backward got a null pointer");
   const std::int64_t c = std::min(o.chunk, v);
-  const Scratch s = o.keep_logits ? carve_kept(scratch, n, d, v) : carve(scratch, n, d, c);
+  const Scratch s = carve(scratch, n, d, v, o).s;
   count_valid_kernel<<<1, kFinalThreads, 0, stream>>>(targets, o.ignore_index, v, n, s.valid);
   KEEL_CUDA_CHECK_LAUNCH();
   GemmRunner& gemm = thread_gemm();
