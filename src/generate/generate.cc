@@ -37,13 +37,9 @@ ModelWeights load_checkpoint_weights(const std::string& path) {
   ModelWeights w;
   w.config = tc.model;
   w.renormalize_gates = tc.model_options.renormalize_gates;
-  const optim::ParamLayout layout = train::model_param_layout(w.config);
-  const int classes = w.config.experts + (w.config.router_skip_expert ? 1 : 0);
-  train::TrainState like;
-  like.router_bias.assign(model::moe_layer_count(w.config), std::vector<float>(std::max(classes, 0), 0.f));
   // load_train_checkpoint also reads the optimizer moments (3x the weights); decoding needs
   // only the weights, but one loader keeps the format checks in one place.
-  train::LoadedTrainState got = train::load_train_checkpoint(reader.dir(), layout, like);
+  train::LoadedTrainState got = train::load_train_checkpoint(reader.dir(), w.config);
   w.params = std::move(got.state.params);
   w.router_bias = std::move(got.state.router_bias);
   w.source = fmt::format("checkpoint {} (step {})", got.dir, got.extra.value("step", std::int64_t{-1}));

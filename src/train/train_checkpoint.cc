@@ -80,8 +80,8 @@ double TrainCheckpointer::save(std::int64_t step, const TrainState& state, const
 
 std::optional<ckpt::SaveStats> TrainCheckpointer::finish() { return saver_->wait(); }
 
-LoadedTrainState load_train_checkpoint(const std::string& path, const optim::ParamLayout& layout,
-                                       const TrainState& like) {
+LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg) {
+  const optim::ParamLayout layout = model_param_layout(cfg);
   const ckpt::Reader reader(path);
   const nlohmann::json& s = reader.metadata().state;
   if (s.value("format", "") != kTrainFormat)
@@ -94,7 +94,9 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const optim::Par
   out.state.params.assign(n, 0.f);
   out.state.adam_m.assign(n, 0.f);
   out.state.adam_v.assign(n, 0.f);
-  out.state.router_bias = like.router_bias;
+  // one selection bias per MoE layer over its classes (the experts, plus the skip class)
+  const std::size_t classes = static_cast<std::size_t>(cfg.experts + (cfg.router_skip_expert ? 1 : 0));
+  out.state.router_bias.assign(static_cast<std::size_t>(model::moe_layer_count(cfg)), std::vector<float>(classes, 0.f));
   std::vector<ckpt::LoadRequest> reqs;
   for (const auto& p : layout.params) {
     reqs.push_back(request("model/" + p.name, shape_of(p), out.state.params.data() + p.offset));

@@ -64,11 +64,10 @@ struct LoadedTrainState {
   double read_amplification = 1.0;
 };
 
-// Reads a checkpoint directory (or a root whose `latest` names one) into the shapes of
-// `layout` and `like` (router bias sizes). Throws keel::Error naming the tensor or file on a
-// missing tensor, a shape or dtype mismatch, or a damaged file.
-LoadedTrainState load_train_checkpoint(const std::string& path, const optim::ParamLayout& layout,
-                                       const TrainState& like);
+// Reads a checkpoint directory (or a root whose `latest` names one) into the parameter layout
+// (model_param_layout) and router-bias sizes of `cfg`. Throws keel::Error naming the tensor or
+// file on a missing tensor, a shape or dtype mismatch, or a damaged file.
+LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg);
 
 // True when `path` looks like a keel ckpt root or step directory (has `latest` or
 // metadata.json), as opposed to a single-file checkpoint of the older format.

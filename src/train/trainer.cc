@@ -250,10 +250,9 @@ void Trainer::finish_checkpoint() {
 void Trainer::resume(const std::string& path_in) {
   std::string path = path_in;
   if (is_ckpt_directory(path)) {
-    const TrainState like = backend_->state();  // the router bias shapes
     LoadedTrainState got;
     try {
-      got = load_train_checkpoint(path, backend_->layout(), like);
+      got = load_train_checkpoint(path, cfg_.model);
     } catch (const Error& e) {
       throw Error(fmt::format("--resume {}: {}", path, e.what()));
     }
