@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi peer memgemm train
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi peer memgemm train dp
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -78,6 +78,21 @@ for step in "${steps[@]}"; do
         python3 bench/mem_gemm_vs_torch.py --keel "$build/keel" --out "$out" 2>&1 | tee "$out/mem_gemm_vs_torch.log" | tail -40
         grep -A100 '^== bench mem/gemm vs PyTorch' "$out/mem_gemm_vs_torch.log" >>"$summary"
       fi ;;
+    dp)
+      if [ "$gpus" -lt 2 ]; then note "dp: skipped (needs 2+ GPUs)"; continue; fi
+      # keel train data parallel + ZeRO-1 on GPUs (NCCL): N GPUs against one, then weak scaling.
+      for n in 2 "$gpus"; do
+        if timeout 300 mpirun --allow-run-as-root -n "$n" --bind-to none -x NCCL_NVLS_ENABLE=0 "$build/tests/keel_mpi_tests" \
+            --gtest_filter='DataParallel.*' >"$out/dp_test_$n.log" 2>&1; then
+          note "dp tests on $n GPUs: $(grep -c '  OK ' "$out/dp_test_$n.log") passed"
+        else
+          tail -30 "$out/dp_test_$n.log"; note "dp tests on $n GPUs: FAILED (see dp_test_$n.log)"
+        fi
+      done
+      scaling=$(seq -s, 1 "$gpus" | tr ',' '\n' | awk '$1==1||$1==2||$1==4||$1==8' | paste -sd,)
+      timeout 900 python3 bench/train_dp_scaling.py --keel "$build/keel" --out "$out/dp" --gpus "$scaling" \
+          ${KEEL_DP_ARGS:-} 2>&1 | tee "$out/dp_scaling.log" | tail -12
+      grep -A10 '^== keel train weak scaling' "$out/dp_scaling.log" >>"$summary" ;;
     train)
       # keel train vs a PyTorch implementation of the same MoE and step (eager and torch.compile).
       timeout 900 python3 bench/train_vs_torch.py --keel "$build/keel" --out "$out/train" ${KEEL_TRAIN_ARGS:-} 2>&1 \

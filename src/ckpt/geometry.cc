@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include "common/error.h"
+
 namespace keel::ckpt {
 
 std::optional<Box> intersect(const Box& a, const Box& b) {
@@ -97,6 +99,56 @@ std::vector<std::size_t> ShardIndex::query(const Box& q) const {
     if (intersect(boxes_[i - 1], q)) out.push_back(original_[i - 1]);
   }
   std::sort(out.begin(), out.end());
+  return out;
+}
+
+namespace {
+
+// Appends the boxes of [begin, end) of the sub-tensor shape[d:] with the leading indices fixed
+// at `prefix` (one per dimension before d).
+void flat_boxes(const Shape& shape, std::size_t d, Shape& prefix, std::int64_t begin, std::int64_t end,
+                std::vector<Box>& out) {
+  if (begin >= end) return;
+  auto emit = [&](std::int64_t lo, std::int64_t n) {  // dims >= d: [lo, lo + n) along d, the rest whole
+    Box b;
+    b.offsets = prefix;
+    b.lengths.assign(prefix.size(), 1);
+    b.offsets.push_back(lo);
+    b.lengths.push_back(n);
+    for (std::size_t k = d + 1; k < shape.size(); ++k) b.offsets.push_back(0), b.lengths.push_back(shape[k]);
+    out.push_back(std::move(b));
+  };
+  std::int64_t inner = 1;
+  for (std::size_t k = d + 1; k < shape.size(); ++k) inner *= shape[k];
+  if (d + 1 == shape.size() || inner == 0) return emit(begin, end - begin);
+  std::int64_t first = begin / inner, last = end / inner;  // whole rows [first, last) after the head
+  if (begin % inner != 0) {
+    prefix.push_back(first);
+    flat_boxes(shape, d + 1, prefix, begin % inner, first == last ? end % inner : inner, out);
+    prefix.pop_back();
+    if (first == last) return;
+    ++first;
+  }
+  if (first < last) emit(first, last - first);
+  if (end % inner != 0) {
+    prefix.push_back(last);
+    flat_boxes(shape, d + 1, prefix, 0, end % inner, out);
+    prefix.pop_back();
+  }
+}
+
+}  // namespace
+
+std::vector<Box> flat_range_boxes(const Shape& shape, std::int64_t begin, std::int64_t end) {
+  const std::int64_t n = numel(shape);
+  if (begin < 0 || end > n || begin > end) fail("flat range [{}, {}) is outside a tensor of {} elements", begin, end, n);
+  std::vector<Box> out;
+  if (shape.empty()) {
+    if (begin < end) out.push_back(Box{});
+    return out;
+  }
+  Shape prefix;
+  flat_boxes(shape, 0, prefix, begin, end, out);
   return out;
 }
 

@@ -42,6 +42,11 @@ class ShardIndex {
   std::vector<std::int64_t> max_end_;   // prefix maximum of first-dimension ends
 };
 
+// The elements [begin, end) of a tensor in row-major (flat) order as boxes: at most
+// 2 ndim - 1 of them, in flat order, each one contiguous run of the flat range (so box k's data
+// starts at the flat offset where the previous box's ended). A ZeRO-1 shard is such a range.
+std::vector<Box> flat_range_boxes(const Shape& shape, std::int64_t begin, std::int64_t end);
+
 // Coverage of a tensor by boxes: every element exactly once. Returns "" when covered, or a
 // sentence describing the first problem (out of bounds, overlap, hole).
 std::string coverage_problem(const Shape& shape, const std::vector<Box>& boxes);

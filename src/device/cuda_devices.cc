@@ -1,5 +1,7 @@
 #include "device/cuda_devices.h"
 
+#include "common/error.h"
+
 #if defined(KEEL_HAVE_CUDA)
 #include <cuda_runtime.h>
 #endif
@@ -16,6 +18,15 @@ int visible_cuda_devices() {
   return n;
 #else
   return 0;
+#endif
+}
+
+void set_cuda_device(int device) {
+#if defined(KEEL_HAVE_CUDA)
+  const cudaError_t rc = cudaSetDevice(device);
+  if (rc != cudaSuccess) fail("cudaSetDevice({}): {}", device, cudaGetErrorString(rc));
+#else
+  fail("cudaSetDevice({}): this keel was built without CUDA", device);
 #endif
 }
 

@@ -23,7 +23,7 @@
 //
 // Distributed use: muon_matrix_step() updates one whole matrix (or expert stack) from its full
 // gradient and momentum and needs nothing else, so under ZeRO-1 the rank that owns the matrix
-// runs it (muon_shard.h, docs/optim.md).
+// runs it (parallel/zero1.h, docs/optim.md).
 #pragma once
 
 #include <cstdint>

@@ -11,12 +11,20 @@
 //
 // One training step, as the trainer drives it:
 //   zero_grads(); for each micro-batch: forward(tokens, targets); backward(1/accum);
-//   clip_and_step(clip, lr); loads(); update_router_bias();
+//   clip_and_step(clip, lr); load() / set_load() (the trainer sums them over data-parallel
+//   ranks); update_router_bias();
+//
+// Data parallelism (ctx.data.size > 1, parallel/zero1.h): each rank runs forward/backward on
+// its own micro-batches; clip_and_step() reduce-scatters the gradients over the data group,
+// clips by the global norm, updates the rank's ZeRO-1 shard (AdamW elementwise, Muon on the
+// whole matrices the shard holds) and all-gathers the parameters. Optimizer state exists only
+// for the shard (optimizer_shard()).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "optim/adamw.h"
@@ -29,9 +37,12 @@ namespace keel::train {
 
 // Everything a checkpoint holds of the model and optimizer, in host memory.
 struct TrainState {
-  // layout().total_floats each. adam_m holds Muon's momentum at Muon parameters (their adam_v
-  // stays zero).
-  std::vector<float> params, adam_m, adam_v;
+  std::vector<float> params;  // layout().total_floats: every parameter (replicated over data-parallel ranks)
+  // The optimizer state of this rank's ZeRO-1 shard [shard_begin, shard_end) of the flat buffer
+  // (all of it on one rank): shard_end - shard_begin floats each, element i at offset
+  // shard_begin + i. adam_m holds Muon's momentum at Muon parameters (their adam_v stays zero).
+  std::int64_t shard_begin = 0, shard_end = 0;
+  std::vector<float> adam_m, adam_v;
   std::vector<std::vector<float>> router_bias;    // one [E] per MoE layer
   std::int64_t adamw_step = 0;
 };
@@ -67,14 +78,20 @@ class TrainBackend {
   // Expert load counters of MoE layer i, summed since the last reset.
   virtual std::vector<std::int64_t> load(int moe_index) const = 0;
   // Aux-loss-free balancing from the counters, then resets them.
+  // Replaces the counters of MoE layer i (the data-parallel sum, before update_router_bias()).
+  virtual void set_load(int moe_index, const std::vector<std::int64_t>& counts) = 0;
   virtual void update_router_bias() = 0;
   virtual void reset_load() = 0;
+
+  // This rank's ZeRO-1 shard of the flat buffer: [first, second) (all of it on one rank).
+  virtual std::pair<std::int64_t, std::int64_t> optimizer_shard() const = 0;
 
   // The fp32 gradients (layout().total_floats) in host memory: for tests and debugging.
   virtual std::vector<float> gradients() const = 0;
 
   virtual TrainState state() const = 0;
-  // Throws keel::Error when the sizes do not match this model, or when the state holds Muon
+  // Throws keel::Error when the sizes or the shard do not match this model and rank, or when
+  // the state holds Muon
   // momentum for a parameter this backend trains with AdamW (check_state_matches_optimizers).
   virtual void set_state(const TrainState& s) = 0;
 };

@@ -6,9 +6,39 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
+#include "common/mpi_session.h"
+#include "device/cuda_devices.h"
 #include "train/trainer.h"
 
 namespace keel::train {
+namespace {
+
+// The data-parallel group is the launch's world (parallel.data: 0 or the world size); with
+// several ranks on GPUs, each rank takes the GPU of its node-local rank. Checked before any
+// GPU work.
+ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& mpi) {
+  const int data = cfg.parallel_data == 0 ? mpi.size() : cfg.parallel_data;
+  if (data * cfg.parallel_expert != mpi.size())
+    throw UsageError(fmt::format("{}: parallel.data ({}) x parallel.expert ({}) must equal the number of ranks ({}); "
+                                 "set parallel.data: 0 to use every rank",
+                                 cfg.path, data, cfg.parallel_expert, mpi.size()));
+  ParallelContext ctx;
+  ctx.data = {mpi.size(), mpi.rank(), mpi.size() > 1 ? MPI_COMM_WORLD : MPI_COMM_NULL};
+  if (mpi.size() > 1 && cfg.device != "cpu") {
+    const int gpus = visible_cuda_devices();
+    if (cfg.device == "cuda" && gpus == 0) throw UsageError("device: cuda: no CUDA device is visible");
+    if (gpus > 0) {
+      if (mpi.local_size() > gpus)
+        throw UsageError(fmt::format("{} ranks on node {} but only {} GPUs visible: one rank per GPU", mpi.local_size(),
+                                     mpi.host(), gpus));
+      set_cuda_device(mpi.local_rank());
+    }
+  }
+  return ctx;
+}
+
+}  // namespace
 
 void add_command(CLI::App& app) {
   struct Args {
@@ -18,7 +48,10 @@ void add_command(CLI::App& app) {
     std::int64_t until = -1;
   };
   auto args = std::make_shared<Args>();
-  CLI::App* cmd = app.add_subcommand("train", "Train a decoder-only MoE transformer from a YAML training config (one GPU, or the CPU)");
+  CLI::App* cmd = app.add_subcommand(
+      "train",
+      "Train a decoder-only MoE transformer from a YAML training config: one GPU or the CPU, or data-parallel "
+      "(ZeRO-1) over the ranks of `mpirun -np N` / `srun` (one rank per GPU)");
   cmd->add_option("config", args->config, "Training config (YAML)")->required();
   cmd->add_option("--set", args->sets, "Override a config key: --set optimizer.lr=1e-3 (repeatable)");
   cmd->add_option("--resume", args->resume, "Continue from a checkpoint: a checkpoint.dir root (its latest) or one step directory");
@@ -26,7 +59,9 @@ void add_command(CLI::App& app) {
                   "Stop after this many optimizer steps in total (the schedule still spans `steps`); saves a checkpoint");
   cmd->callback([args] {
     const TrainConfig cfg = load_train_config(args->config, args->sets);
-    Trainer t(cfg);
+    MpiSession mpi;  // a world of one without a launcher
+    const ParallelContext ctx = make_parallel_context(cfg, mpi);
+    Trainer t(cfg, ctx);
     if (!args->resume.empty()) t.resume(args->resume);
     const auto t0 = std::chrono::steady_clock::now();
     const std::int64_t start = t.step();
@@ -36,6 +71,7 @@ void add_command(CLI::App& app) {
       t.finish_checkpoint();
     }
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (mpi.rank() != 0) return;  // rank 0 speaks for the group
     if (!stats.empty())
       std::printf("done: steps %lld -> %lld in %.1f s, loss %.4f -> %.4f\n", static_cast<long long>(start),
                   static_cast<long long>(t.step()), sec, stats.front().loss, stats.back().loss);

@@ -1,15 +1,19 @@
 // The CPU TrainBackend: MoeTransformer (fp32 reference ops) and the host AdamW over the flat
 // parameter buffer, plus Muon (optim/muon.h) on the weight matrices when optimizer.muon is on.
-// The reference every GPU result is checked against.
+// The reference every GPU result is checked against. Under data parallelism (MPI ranks) the
+// optimizer is ZeRO-1 (parallel/zero1.h): optimizer state for this rank's shard only.
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "common/error.h"
 #include "device/cuda_devices.h"
 #include "hw/hardware.h"
 #include "optim/clip.h"
+#include "parallel/data_parallel_comm.h"
+#include "parallel/zero1.h"
 #include "tensor/arena.h"
 #include "train/backend.h"
 #include "train/param_rules.h"
@@ -27,12 +31,20 @@ class CpuBackend final : public TrainBackend {
     // the matrices regrouped (the model itself only reads offsets).
     layout_ = optimizer.muon.enabled ? regroup_layout(model_.layout(), train_group_rules(optimizer.muon))
                                      : model_.layout();
-    const std::size_t n = static_cast<std::size_t>(model_.param_floats());
+    if (ctx.data.size > 1) {
+      dp_ = parallel::make_mpi_data_parallel_comm(ctx.data.comm);
+      plan_ = parallel::plan_zero1(layout_, ctx.data.size);
+      shard_ = {plan_.begin(ctx.data.rank), plan_.end(ctx.data.rank)};
+    } else {
+      shard_ = {0, model_.param_floats()};
+    }
+    const std::size_t n = static_cast<std::size_t>(shard_.second - shard_.first);  // optimizer state: the shard
     const std::size_t scratch = static_cast<std::size_t>(muon_scratch_floats(layout_));
-    opt_arena_ = std::make_unique<Arena>("optimizer", 2 * Arena::footprint(n * sizeof(float)) +
+    const std::size_t n1 = std::max<std::size_t>(n, 1);
+    opt_arena_ = std::make_unique<Arena>("optimizer", 2 * Arena::footprint(n1 * sizeof(float)) +
                                                           Arena::footprint(std::max<std::size_t>(scratch, 1) * sizeof(float)));
-    adam_m_ = opt_arena_->allocate<float>("adamw.m", n);  // Muon's momentum at Muon parameters
-    adam_v_ = opt_arena_->allocate<float>("adamw.v", n);
+    adam_m_ = opt_arena_->allocate<float>("adamw.m", n1);  // Muon's momentum at Muon parameters
+    adam_v_ = opt_arena_->allocate<float>("adamw.v", n1);
     muon_scratch_ = opt_arena_->allocate<float>("muon.scratch", std::max<std::size_t>(scratch, 1));
   }
 
@@ -53,6 +65,7 @@ class CpuBackend final : public TrainBackend {
   void backward(float loss_scale) override { model_.backward(loss_scale); }
 
   StepResult clip_and_step(double max_norm, double lr) override {
+    if (dp_) return zero1_step(max_norm, lr);
     // One norm over every gradient, AdamW's and Muon's alike; both see the coefficient as their
     // gradient scale (the gradients themselves are not rewritten).
     const optim::ClipResult clip =
@@ -69,6 +82,8 @@ class CpuBackend final : public TrainBackend {
   }
 
   std::vector<std::int64_t> load(int i) const override { return model_.load(i); }
+  void set_load(int i, const std::vector<std::int64_t>& counts) override { model_.set_load(i, counts); }
+  std::pair<std::int64_t, std::int64_t> optimizer_shard() const override { return shard_; }
   void update_router_bias() override { model_.update_router_bias(); }
   void reset_load() override { model_.reset_load(); }
 
@@ -79,9 +94,12 @@ class CpuBackend final : public TrainBackend {
   TrainState state() const override {
     TrainState s;
     const std::size_t n = static_cast<std::size_t>(model_.param_floats());
+    const std::size_t k = static_cast<std::size_t>(shard_.second - shard_.first);
     s.params.assign(model_.params(), model_.params() + n);
-    s.adam_m.assign(adam_m_, adam_m_ + n);
-    s.adam_v.assign(adam_v_, adam_v_ + n);
+    s.shard_begin = shard_.first;
+    s.shard_end = shard_.second;
+    s.adam_m.assign(adam_m_, adam_m_ + k);
+    s.adam_v.assign(adam_v_, adam_v_ + k);
     auto& m = const_cast<MoeTransformer&>(model_);
     for (int i = 0; i < moe_layer_count(); ++i) s.router_bias.push_back(m.router_bias(i));
     s.adamw_step = adam_.step_count();
@@ -90,16 +108,19 @@ class CpuBackend final : public TrainBackend {
 
   void set_state(const TrainState& s) override {
     const std::size_t n = static_cast<std::size_t>(model_.param_floats());
-    if (s.params.size() != n || s.adam_m.size() != n || s.adam_v.size() != n)
-      fail("train state holds {} parameter floats, this model has {}", s.params.size(), n);
+    const std::size_t k = static_cast<std::size_t>(shard_.second - shard_.first);
+    if (s.params.size() != n) fail("train state holds {} parameter floats, this model has {}", s.params.size(), n);
+    if (s.shard_begin != shard_.first || s.shard_end != shard_.second || s.adam_m.size() != k || s.adam_v.size() != k)
+      fail("train state holds the optimizer shard [{}, {}) ({} floats), this rank's is [{}, {})", s.shard_begin,
+           s.shard_end, s.adam_m.size(), shard_.first, shard_.second);
     if (s.router_bias.size() != static_cast<std::size_t>(moe_layer_count()))
       fail("train state holds {} router biases, this model has {} MoE layers", s.router_bias.size(), moe_layer_count());
     for (int i = 0; i < moe_layer_count(); ++i)
       if (s.router_bias[i].size() != model_.router_bias(i).size()) fail("router bias {} size differs", i);
-    check_state_matches_optimizers(layout_, s.adam_m.data(), s.adam_v.data());
+    check_state_matches_optimizers(layout_, s.adam_m.data(), s.adam_v.data(), shard_.first, shard_.second);
     std::memcpy(model_.params(), s.params.data(), n * sizeof(float));
-    std::memcpy(adam_m_, s.adam_m.data(), n * sizeof(float));
-    std::memcpy(adam_v_, s.adam_v.data(), n * sizeof(float));
+    if (k > 0) std::memcpy(adam_m_, s.adam_m.data(), k * sizeof(float));
+    if (k > 0) std::memcpy(adam_v_, s.adam_v.data(), k * sizeof(float));
     for (int i = 0; i < moe_layer_count(); ++i) model_.router_bias(i) = s.router_bias[i];
     adam_.set_step_count(s.adamw_step);
     model_.reset_load();
@@ -108,6 +129,44 @@ class CpuBackend final : public TrainBackend {
   MoeTransformer& model() { return model_; }
 
  private:
+  // ZeRO-1: reduce-scatter the gradients, the global norm from the shards' sums of squares,
+  // AdamW on the shard and Muon on the whole matrices in it, all-gather the parameters.
+  StepResult zero1_step(double max_norm, double lr) {
+    float* params = model_.params();
+    float* grads = model_.grads();
+    const auto [b, e] = shard_;
+    dp_->reduce_scatter_sum(grads, plan_.bounds);
+    double ss = 0;
+    for (const auto& p : layout_.params) {
+      const std::int64_t lo = std::max(p.offset, b), hi = std::min(p.offset + p.numel, e);
+      if (lo < hi) ss += optim::sum_squares(grads + lo, hi - lo);
+    }
+    dp_->all_reduce_sum(&ss, 1);
+    const double norm = std::sqrt(ss);
+    if (!std::isfinite(norm)) {
+      std::string bad;  // the first parameter of this rank's shard holding one, if any
+      for (const auto& p : layout_.params) {
+        const std::int64_t lo = std::max(p.offset, b), hi = std::min(p.offset + p.numel, e);
+        if (lo < hi && !std::isfinite(optim::sum_squares(grads + lo, hi - lo))) {
+          bad = p.name;
+          break;
+        }
+      }
+      throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), bad, norm);
+    }
+    const double coef = optim::clip_coefficient(norm, max_norm);
+    const float scale = static_cast<float>(coef);
+    optim::FlatRange r{b, e, params + b, grads + b, adam_m_, adam_v_};
+    adam_.step(layout_, r, lr, scale);  // skips Muon parameters
+    for (const auto& m : parallel::muon_matrices_in(layout_, b, e)) {
+      const auto& p = layout_.params[static_cast<std::size_t>(m.param)];
+      optim::muon_matrix_step(params + m.offset, grads + m.offset, adam_m_ + (m.offset - b), 1, m.rows, m.cols, muon_,
+                              lr * p.lr_scale, p.weight_decay, scale, muon_scratch_);
+    }
+    dp_->all_gather(params, plan_.bounds);
+    return {norm, coef};
+  }
+
   MoeTransformer model_;
   optim::ParamLayout layout_;  // model_.layout() with the optimizer groups of this run
   optim::AdamW adam_;
@@ -116,6 +175,9 @@ class CpuBackend final : public TrainBackend {
   float* adam_m_ = nullptr;
   float* adam_v_ = nullptr;
   float* muon_scratch_ = nullptr;  // muon_scratch_floats(layout_): one matrix at a time
+  std::unique_ptr<parallel::DataParallelComm> dp_;  // null on one rank
+  parallel::Zero1Plan plan_;
+  std::pair<std::int64_t, std::int64_t> shard_;     // this rank's optimizer shard
 };
 
 }  // namespace

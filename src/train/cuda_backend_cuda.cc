@@ -49,6 +49,8 @@
 #include "ops/cuda/zaya_router.h"
 #include "ops/rope.h"
 #include "optim/clip.h"
+#include "parallel/data_parallel_comm.h"
+#include "parallel/zero1.h"
 #include "train/backend.h"
 #include "train/cuda_kernels.h"
 #include "train/cuda_zaya_layers_cuda.h"
@@ -143,7 +145,7 @@ class CudaBackend final : public TrainBackend {
               const ParallelContext& ctx)
       : cfg_(cfg), opt_(options), adam_(optimizer.adamw), muon_(optimizer.muon.config), param_arena_("parameters"),
         grad_arena_("gradients"), state_arena_("optimizer states"), act_arena_("activations") {
-    ctx.require_single("keel train (cuda)");
+    ctx.require_data_parallel_only("keel train (cuda)");
     validate(optimizer.muon);
     validate_trainable(cfg_, opt_);
     if (visible_cuda_devices() == 0) throw UsageError("device: cuda: no CUDA device is visible");
@@ -165,6 +167,15 @@ class CudaBackend final : public TrainBackend {
     // Muon: the same offsets, the matrices regrouped (param_rules.h)
     if (optimizer.muon.enabled) layout_ = regroup_layout(layout_, train_group_rules(optimizer.muon));
     const std::size_t muon_ws_bytes = k::muon::workspace_bytes(layout_);
+    // ZeRO-1 over the data-parallel ranks (parallel/zero1.h): optimizer state for this rank's
+    // shard only; NCCL on stream_.
+    if (ctx.data.size > 1) {
+      dp_ = parallel::make_nccl_data_parallel_comm(ctx.data.comm, stream_);
+      plan_ = parallel::plan_zero1(layout_, ctx.data.size);
+      shard_ = {plan_.begin(ctx.data.rank), plan_.end(ctx.data.rank)};
+    } else {
+      shard_ = {0, layout_.total_floats};
+    }
     for (int l = 0; l < cfg_.layers; ++l) {
       moe_index_of_layer_.push_back(model::is_moe_layer(cfg_, l) ? static_cast<int>(moe_layer_ids_.size()) : -1);
       if (model::is_moe_layer(cfg_, l)) moe_layer_ids_.push_back(l);
@@ -203,13 +214,16 @@ class CudaBackend final : public TrainBackend {
 
     // parameters, gradients, states: the flat layout of the CPU model, so checkpoints move freely
     const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
+    // the collectives' buffers may need a padded tail (equal NCCL chunks)
+    const std::size_t n_comm = dp_ ? static_cast<std::size_t>(dp_->buffer_floats(layout_.total_floats)) : n;
+    const std::size_t n_shard = std::max<std::size_t>(1, static_cast<std::size_t>(shard_.second - shard_.first));
     for (int pass = 0; pass < 2; ++pass) {
-      params_ = param_arena_.take<float>(n);
+      params_ = param_arena_.take<float>(n_comm);
       params_bf16_ = param_arena_.take<bf16>(n);
       bias_dev_ = param_arena_.take<float>(std::max<std::size_t>(1, moe_layer_ids_.size() * classes_));
-      grads_ = grad_arena_.take<float>(n);
-      adam_m_ = state_arena_.take<float>(n);
-      adam_v_ = state_arena_.take<float>(n);
+      grads_ = grad_arena_.take<float>(n_comm);
+      adam_m_ = state_arena_.take<float>(n_shard);
+      adam_v_ = state_arena_.take<float>(n_shard);
       muon_ws_ = muon_ws_bytes ? state_arena_.take<std::byte>(muon_ws_bytes) : nullptr;
       plan_acts();
       if (pass == 0) {
@@ -223,7 +237,11 @@ class CudaBackend final : public TrainBackend {
         ops::rope::make_table(cfg_.head_dim, cfg_.rope_fraction, cfg_.rope_base, std::max(opt_.seq_length, cfg_.max_seq_len)));
     std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens()));
     for (std::int64_t i = 0; i < tokens(); ++i) pos[i] = static_cast<std::int32_t>(i % opt_.seq_length);
-    KEEL_CUDA_CHECK(cudaMemcpy(positions_, pos.data(), pos.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+    // Host-to-device copies go on stream_ and are waited for: a plain cudaMemcpy from pageable
+    // memory may return before its DMA lands, and kernels on this non-blocking stream do not
+    // wait for the legacy stream (the first step then reads stale weights).
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(positions_, pos.data(), pos.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
 
     std::vector<float> init(n);
     init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, init.data());
@@ -338,6 +356,7 @@ class CudaBackend final : public TrainBackend {
   }
 
   StepResult clip_and_step(double max_norm, double lr) override {
+    if (dp_) return zero1_step(max_norm, lr);
     const std::int64_t n = layout_.total_floats;
     k::grad_norm::sum_squares(grads_, n, norm_ws_, sum_sq_, /*accumulate=*/false, stream_);
     k::grad_norm::clip_coefficient(sum_sq_, max_norm, coef_, norm_, stream_);
@@ -363,9 +382,14 @@ class CudaBackend final : public TrainBackend {
   }
 
   std::vector<std::int64_t> load(int i) const override { return load_.at(static_cast<std::size_t>(i)); }
+  void set_load(int i, const std::vector<std::int64_t>& counts) override {
+    if (counts.size() != load_.at(static_cast<std::size_t>(i)).size()) fail("set_load: {} counts for MoE layer {}", counts.size(), i);
+    load_[static_cast<std::size_t>(i)] = counts;
+  }
   void reset_load() override {
     for (auto& l : load_) std::fill(l.begin(), l.end(), 0);
   }
+  std::pair<std::int64_t, std::int64_t> optimizer_shard() const override { return shard_; }
   void update_router_bias() override {
     if (opt_.bias_update_rate != 0.0) {
       update_balancing_bias(load_, opt_.bias_update_rate, bias_);
@@ -385,12 +409,15 @@ class CudaBackend final : public TrainBackend {
     TrainState s;
     const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
     s.params.resize(n);
-    s.adam_m.resize(n);
-    s.adam_v.resize(n);
+    const std::size_t k = static_cast<std::size_t>(shard_.second - shard_.first);
+    s.shard_begin = shard_.first;
+    s.shard_end = shard_.second;
+    s.adam_m.resize(k);
+    s.adam_v.resize(k);
     KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
     KEEL_CUDA_CHECK(cudaMemcpy(s.params.data(), params_, n * sizeof(float), cudaMemcpyDeviceToHost));
-    KEEL_CUDA_CHECK(cudaMemcpy(s.adam_m.data(), adam_m_, n * sizeof(float), cudaMemcpyDeviceToHost));
-    KEEL_CUDA_CHECK(cudaMemcpy(s.adam_v.data(), adam_v_, n * sizeof(float), cudaMemcpyDeviceToHost));
+    KEEL_CUDA_CHECK(cudaMemcpy(s.adam_m.data(), adam_m_, k * sizeof(float), cudaMemcpyDeviceToHost));
+    KEEL_CUDA_CHECK(cudaMemcpy(s.adam_v.data(), adam_v_, k * sizeof(float), cudaMemcpyDeviceToHost));
     s.router_bias = bias_;
     s.adamw_step = adam_.step_count();
     return s;
@@ -398,16 +425,20 @@ class CudaBackend final : public TrainBackend {
 
   void set_state(const TrainState& s) override {
     const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
-    if (s.params.size() != n || s.adam_m.size() != n || s.adam_v.size() != n)
-      fail("train state holds {} parameter floats, this model has {}", s.params.size(), n);
+    const std::size_t k = static_cast<std::size_t>(shard_.second - shard_.first);
+    if (s.params.size() != n) fail("train state holds {} parameter floats, this model has {}", s.params.size(), n);
+    if (s.shard_begin != shard_.first || s.shard_end != shard_.second || s.adam_m.size() != k || s.adam_v.size() != k)
+      fail("train state holds the optimizer shard [{}, {}) ({} floats), this rank's is [{}, {})", s.shard_begin,
+           s.shard_end, s.adam_m.size(), shard_.first, shard_.second);
     if (s.router_bias.size() != bias_.size())
       fail("train state holds {} router biases, this model has {} MoE layers", s.router_bias.size(), bias_.size());
     for (std::size_t i = 0; i < bias_.size(); ++i)
       if (s.router_bias[i].size() != bias_[i].size()) fail("router bias {} size differs", i);
-    check_state_matches_optimizers(layout_, s.adam_m.data(), s.adam_v.data());
+    check_state_matches_optimizers(layout_, s.adam_m.data(), s.adam_v.data(), shard_.first, shard_.second);
     upload_params(s.params);
-    KEEL_CUDA_CHECK(cudaMemcpy(adam_m_, s.adam_m.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-    KEEL_CUDA_CHECK(cudaMemcpy(adam_v_, s.adam_v.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    if (k > 0) KEEL_CUDA_CHECK(cudaMemcpyAsync(adam_m_, s.adam_m.data(), k * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    if (k > 0) KEEL_CUDA_CHECK(cudaMemcpyAsync(adam_v_, s.adam_v.data(), k * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
     bias_ = s.router_bias;
     upload_bias();
     adam_.set_step_count(s.adamw_step);
@@ -415,6 +446,48 @@ class CudaBackend final : public TrainBackend {
   }
 
  private:
+  // ZeRO-1 (parallel/zero1.h), all on stream_ with one host sync for the norm, as the 1-GPU
+  // step: reduce-scatter the gradients; the global norm from the shards' sums of squares;
+  // AdamW on the shard and Muon on its whole matrices; all-gather the fp32 parameters and
+  // refresh their bf16 copy.
+  StepResult zero1_step(double max_norm, double lr) {
+    const auto [b, e] = shard_;
+    dp_->reduce_scatter_sum(grads_, plan_.bounds);
+    k::grad_norm::sum_squares(grads_ + b, e - b, norm_ws_, sum_sq_, /*accumulate=*/false, stream_);
+    dp_->all_reduce_sum(sum_sq_, 1);
+    k::grad_norm::clip_coefficient(sum_sq_, max_norm, coef_, norm_, stream_);
+    double norm = 0;
+    float coef = 1;
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(&coef, coef_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (!std::isfinite(norm)) throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), "", norm);
+    k::adamw::DeviceFlatRange r;
+    r.begin = b;
+    r.end = e;
+    r.param = params_ + b;
+    r.grad = grads_ + b;
+    r.m = adam_m_;
+    r.v = adam_v_;
+    r.param_bf16 = params_bf16_ + b;
+    adam_.step(layout_, r, lr, 1.0f, coef_, stream_);  // skips Muon parameters
+    // Muon: the whole matrices of the shard, consecutive ones of a stack in one batched call
+    const auto mats = parallel::muon_matrices_in(layout_, b, e);
+    for (std::size_t i = 0; i < mats.size();) {
+      std::size_t j = i + 1;
+      while (j < mats.size() && mats[j].param == mats[i].param) ++j;
+      const auto& p = layout_.params[static_cast<std::size_t>(mats[i].param)];
+      const std::int64_t o = mats[i].offset;
+      k::muon::matrix_step(params_ + o, grads_ + o, adam_m_ + (o - b), params_bf16_ + o, static_cast<std::int64_t>(j - i),
+                           p.rows(), p.cols(), muon_.config(), lr * p.lr_scale, p.weight_decay, 1.0f, coef_, muon_ws_,
+                           *gemm_, stream_);
+      i = j;
+    }
+    dp_->all_gather(params_, plan_.bounds);
+    k::f32_to_bf16(params_, params_bf16_, layout_.total_floats, stream_);
+    return {norm, static_cast<double>(coef)};
+  }
+
   std::int64_t tokens() const { return static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length; }
   float eps() const { return static_cast<float>(cfg_.norm_eps); }
   k::cross_entropy::Options ce_options() const {
@@ -671,10 +744,10 @@ class CudaBackend final : public TrainBackend {
 
   void upload_params(const std::vector<float>& host) {
     const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    KEEL_CUDA_CHECK(cudaMemcpy(params_, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(params_, host.data(), n * sizeof(float), cudaMemcpyHostToDevice, stream_));
     k::f32_to_bf16(params_, params_bf16_, static_cast<std::int64_t>(n), stream_);
     upload_bias();
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may go once this returns
   }
 
   void upload_bias() {
@@ -939,6 +1012,9 @@ class CudaBackend final : public TrainBackend {
   ModelOptions opt_;
   k::adamw::DeviceAdamW adam_;
   k::muon::DeviceMuon muon_;
+  std::unique_ptr<parallel::DataParallelComm> dp_;  // null on one GPU
+  parallel::Zero1Plan plan_;
+  std::pair<std::int64_t, std::int64_t> shard_;     // this rank's optimizer shard
   DeviceArena param_arena_, grad_arena_, state_arena_, act_arena_;
   int device_ = 0;
   std::string device_name_;

@@ -250,7 +250,7 @@ double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batc
 
 MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const ParallelContext& ctx)
     : cfg_(config), opt_(options), ctx_(ctx) {
-  ctx_.require_single("model");
+  ctx_.require_data_parallel_only("model");
   validate_trainable(cfg_, opt_);
   for (int l = 0; l < cfg_.layers; ++l) {
     cca_layer_.push_back(model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca ? 1 : 0);
@@ -558,6 +558,12 @@ void MoeTransformer::init_parameters() {
 }
 
 void MoeTransformer::zero_grads() { grad_arena_->zero_used(); }
+
+void MoeTransformer::set_load(int moe_index, const std::vector<std::int64_t>& counts) {
+  auto& l = load_.at(static_cast<std::size_t>(moe_index));
+  if (counts.size() != l.size()) fail("set_load: {} counts for MoE layer {} of {} classes", counts.size(), moe_index, l.size());
+  l = counts;
+}
 
 void MoeTransformer::reset_load() {
   for (auto& l : load_) std::fill(l.begin(), l.end(), 0);

@@ -148,6 +148,8 @@ class MoeTransformer {
   const std::vector<int>& moe_layers() const { return moe_layer_ids_; }
   const std::vector<std::int64_t>& load(int moe_index) const { return load_[moe_index]; }
   void reset_load();
+  // Replaces the counters of one MoE layer (the data-parallel sum; throws on a size mismatch).
+  void set_load(int moe_index, const std::vector<std::int64_t>& counts);
   // Router selection biases, one [classes] vector per MoE layer (state, not parameters).
   std::vector<float>& router_bias(int moe_index) { return bias_[moe_index]; }
   // Aux-loss-free balancing: bias_e += rate * sign(mean load - load_e) per MoE layer, from

@@ -1,12 +1,13 @@
 // The process groups a training module works in: data, expert, tensor and sequence parallelism.
-// Every module (model, trainer, later the parallel schemes) takes a ParallelContext from day
-// one so the signatures do not change when the groups grow past one rank. Each group carries
-// its size, this process's rank in it and an opaque communicator handle (an MPI_Comm or an
-// ncclComm_t owned elsewhere; nullptr means "this process alone", MPI_COMM_SELF-like).
-// So far only world size 1 is implemented: ParallelContext::single().
+// Every module (model, trainer, the parallel schemes) takes a ParallelContext so the
+// signatures do not change as the groups grow past one rank. Each group carries its size, this
+// process's rank in it and its MPI communicator (owned elsewhere; MPI_COMM_NULL: a group of
+// this process alone). GPU backends build their NCCL communicators from these.
+// Implemented so far: data parallelism with ZeRO-1 (parallel/zero1.h); the other groups are 1.
 #pragma once
 
 #include <fmt/format.h>
+#include <mpi.h>
 
 #include "common/error.h"
 
@@ -15,7 +16,7 @@ namespace keel::train {
 struct ProcessGroup {
   int size = 1;
   int rank = 0;
-  void* comm = nullptr;  // opaque, not owned; nullptr: a group of this process alone
+  MPI_Comm comm = MPI_COMM_NULL;  // not owned; MPI_COMM_NULL only when size is 1
 };
 
 struct ParallelContext {
@@ -23,11 +24,12 @@ struct ParallelContext {
 
   static ParallelContext single() { return {}; }
   int world_size() const { return data.size * expert.size * tensor.size * sequence.size; }
-  // Throws keel::UsageError unless every group has one rank (the CPU path so far).
-  void require_single(const char* who) const {
-    if (data.size != 1 || expert.size != 1 || tensor.size != 1 || sequence.size != 1)
-      throw UsageError(fmt::format("{}: only world size 1 is implemented so far (data {}, expert {}, tensor {}, sequence {})",
-                                   who, data.size, expert.size, tensor.size, sequence.size));
+  // Throws keel::UsageError unless the expert, tensor and sequence groups have one rank (data
+  // parallelism is the only scheme implemented so far).
+  void require_data_parallel_only(const char* who) const {
+    if (expert.size != 1 || tensor.size != 1 || sequence.size != 1)
+      throw UsageError(fmt::format("{}: only data parallelism is implemented so far (expert {}, tensor {}, sequence {})",
+                                   who, expert.size, tensor.size, sequence.size));
   }
 };
 

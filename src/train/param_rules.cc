@@ -99,14 +99,18 @@ std::int64_t muon_scratch_floats(const optim::ParamLayout& layout) {
   return n;
 }
 
-void check_state_matches_optimizers(const optim::ParamLayout& layout, const float* m, const float* v) {
+void check_state_matches_optimizers(const optim::ParamLayout& layout, const float* m, const float* v,
+                                    std::int64_t begin, std::int64_t end) {
+  if (end < 0) end = layout.total_floats;
   for (const auto& p : layout.params) {
     if (p.optimizer != optim::OptimizerKind::kAdamW) continue;
-    const float* pm = m + p.offset;
-    const float* pv = v + p.offset;
-    const bool any_m = std::any_of(pm, pm + p.numel, [](float x) { return x != 0.f; });
+    const std::int64_t b = std::max(p.offset, begin), e = std::min(p.offset + p.numel, end);
+    if (b >= e) continue;
+    const float* pm = m + (b - begin);
+    const float* pv = v + (b - begin);
+    const bool any_m = std::any_of(pm, pm + (e - b), [](float x) { return x != 0.f; });
     if (!any_m) continue;
-    const bool any_v = std::any_of(pv, pv + p.numel, [](float x) { return x != 0.f; });
+    const bool any_v = std::any_of(pv, pv + (e - b), [](float x) { return x != 0.f; });
     if (!any_v)
       fail("optimizer state of '{}' is Muon momentum (m set, v all zero) but this run trains it with AdamW: "
            "resume with optimizer.muon.enabled: true (and the same optimizer.muon.adamw_matrices)",

@@ -85,6 +85,8 @@ std::int64_t muon_scratch_floats(const optim::ParamLayout& layout);
 // checkpoint trained with Muon resumed with optimizer.muon.enabled: false; AdamW would divide by
 // sqrt(v) = 0 and blow the weights up). The other way round (AdamW state into a Muon run) is
 // allowed: AdamW's m is a gradient moving average, a sound warm start for Muon's momentum.
-void check_state_matches_optimizers(const optim::ParamLayout& layout, const float* m, const float* v);
+// m and v hold the floats [begin, end) of the flat buffer (end < 0: all of it).
+void check_state_matches_optimizers(const optim::ParamLayout& layout, const float* m, const float* v,
+                                    std::int64_t begin = 0, std::int64_t end = -1);
 
 }  // namespace keel::train

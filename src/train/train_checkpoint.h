@@ -13,9 +13,12 @@
 // Non-tensor state (metadata.json "state"): step, optimizer step count, the data sampler's
 // position, the model name, the effective config text, and "format": "keel.train/2".
 //
-// Today the trainer runs on one rank (world 1, layout "dp=1"); each rank of a later
-// data-parallel run lists its own shards, and loading into another layout is the ckpt
-// library's resharding (every load names the boxes it needs).
+// Under data parallelism with ZeRO-1 (layout "dp=N,zero=1") every rank writes the boxes of its
+// optimizer shard's flat range [shard_begin, shard_end), of the optimizer state and of the
+// (replicated) parameters alike, so the writes are spread evenly and each element is stored
+// once; router biases are spread over the ranks. A load reads whole parameters and the boxes
+// of the loading rank's own shard, so a checkpoint from any number of ranks resumes at any
+// other (the ckpt library's resharding: each load names the boxes it needs).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -24,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "ckpt/comm.h"
 #include "ckpt/writer.h"
@@ -40,7 +44,9 @@ struct TrainCheckpointOptions {
 
 class TrainCheckpointer {
  public:
-  TrainCheckpointer(std::string root, const TrainCheckpointOptions& options);
+  // data_comm: the data-parallel group (MPI_COMM_NULL: this process alone). Every rank of it
+  // calls save() and finish() together.
+  TrainCheckpointer(std::string root, const TrainCheckpointOptions& options, MPI_Comm data_comm = MPI_COMM_NULL);
   ~TrainCheckpointer();
 
   // Stages `state` (plus `extra`: step, sampler position, ...) and starts writing; completes a
@@ -65,9 +71,11 @@ struct LoadedTrainState {
 };
 
 // Reads a checkpoint directory (or a root whose `latest` names one) into the parameter layout
-// (model_param_layout) and router-bias sizes of `cfg`. Throws keel::Error naming the tensor or
+// (model_param_layout) and router-bias sizes of `cfg`: every parameter, and the optimizer state
+// of the flat range `shard` (second < 0: all of it). Throws keel::Error naming the tensor or
 // file on a missing tensor, a shape or dtype mismatch, or a damaged file.
-LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg);
+LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg,
+                                       std::pair<std::int64_t, std::int64_t> shard = {0, -1});
 
 // True when `path` looks like a keel ckpt root or step directory (has `latest` or
 // metadata.json), as opposed to a single-file checkpoint of the older format.

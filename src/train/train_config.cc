@@ -148,7 +148,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   c.path = what;
   ctx.only(root, "", {"model", "recompute", "router", "ce_chunk", "data", "eval", "optimizer", "schedule", "batch",
                       "steps", "log_interval", "output_dir", "checkpoint", "tensorboard", "mfu_peak_flops", "seed",
-                      "device"});
+                      "device", "parallel"});
   auto need = [&](const char* key) {
     if (!root[key]) throw UsageError(fmt::format("{}: missing key '{}'", what, key));
     return root[key];
@@ -285,6 +285,15 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (b["grad_accum"]) c.grad_accum = ctx.get<int>(b["grad_accum"], "batch.grad_accum", "an integer");
     if (c.micro_batch < 1) ctx.bad("batch.micro_batch", b["micro_batch"], "must be >= 1");
     if (c.grad_accum < 1) ctx.bad("batch.grad_accum", b["grad_accum"], "must be >= 1");
+  }
+  if (const auto p = root["parallel"]) {
+    ctx.only(p, "parallel", {"data", "expert"});
+    if (p["data"]) c.parallel_data = ctx.get<int>(p["data"], "parallel.data", "an integer");
+    if (p["expert"]) c.parallel_expert = ctx.get<int>(p["expert"], "parallel.expert", "an integer");
+    if (c.parallel_data < 0) ctx.bad("parallel.data", p["data"], "must be >= 1 (or 0: every rank)");
+    if (c.parallel_expert < 1) ctx.bad("parallel.expert", p["expert"], "must be >= 1");
+    if (c.parallel_expert > 1)
+      ctx.bad("parallel.expert", p["expert"], "expert parallelism is not implemented yet (use 1)");
   }
   c.steps = ctx.get<std::int64_t>(need("steps"), "steps", "an integer");
   if (c.steps < 1) ctx.bad("steps", root["steps"], "must be >= 1");

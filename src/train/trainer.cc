@@ -12,6 +12,7 @@
 #include "ckpt/store.h"
 #include "common/error.h"
 #include "common/fileio.h"
+#include "common/mpi_session.h"
 #include "optim/clip.h"
 #include "optim/schedule.h"
 
@@ -26,11 +27,25 @@ std::string num(double x) {
 
 double mib(std::size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
+// Sums n values in place over the data-parallel group (nothing on one rank).
+void sum_over(const ProcessGroup& g, double* x, int n) {
+  if (g.size > 1) mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, g.comm), "MPI_Allreduce");
+}
+void sum_over(const ProcessGroup& g, std::int64_t* x, int n) {
+  if (g.size > 1) mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_INT64_T, MPI_SUM, g.comm), "MPI_Allreduce");
+}
+
 }  // namespace
 
 Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
     : cfg_(std::move(config)), ctx_(ctx), quiet_(quiet) {
-  ctx_.require_single("keel train");
+  ctx_.require_data_parallel_only("keel train");
+  const int dp = ctx_.data.size;
+  if (cfg_.grad_accum % dp != 0)
+    throw UsageError(fmt::format("{}: batch.grad_accum ({}) must be a multiple of the data-parallel degree ({}): each "
+                                 "step's micro-batches are split evenly over the ranks",
+                                 cfg_.path, cfg_.grad_accum, dp));
+  local_accum_ = cfg_.grad_accum / dp;
   bool cuda = cfg_.device == "cuda";
   if (cfg_.device == "auto") cuda = cuda_training_available();
   const OptimizerConfig optimizer(cfg_.adamw, cfg_.muon);
@@ -45,12 +60,16 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
       throw UsageError(fmt::format("dataset {} holds {} tokens, fewer than seq_length + 1 = {}", cfg_.data.prefixes[i],
                                    data_->dataset(i).tokens(), cfg_.data.seq_length + 1));
   }
-  loader_ = std::make_unique<data::BatchLoader>(data_->stream(), static_cast<std::uint64_t>(cfg_.micro_batch));
+  // Rank r takes micro-batch r of every dp consecutive ones: the global sample order and each
+  // step's set of micro-batches do not depend on the number of ranks.
+  loader_ = std::make_unique<data::BatchLoader>(data_->stream(), static_cast<std::uint64_t>(cfg_.micro_batch) * dp,
+                                                ctx_.data.rank, dp);
   if (!cfg_.eval_prefix.empty()) {
     eval_ds_ = std::make_unique<data::IndexedDataset>(cfg_.eval_prefix);
     eval_sampler_ = std::make_unique<data::SequenceSampler>(*eval_ds_, cfg_.data.seq_length, cfg_.data.seed + 1);
   }
-  log_ = std::make_unique<MetricsLog>(cfg_.output_dir, cfg_.tensorboard);
+  if (ctx_.data.rank == 0) log_ = std::make_unique<MetricsLog>(cfg_.output_dir, cfg_.tensorboard);
+  if (ctx_.data.rank != 0) quiet_ = true;  // rank 0 speaks for the group
   const std::int64_t N = std::int64_t(cfg_.micro_batch) * cfg_.model_options.seq_length;
   inputs_.resize(N);
   targets_.resize(N);
@@ -69,8 +88,10 @@ StepStats Trainer::train_step() {
   StepStats s;
   s.step = step_ + 1;
   m.zero_grads();
+  // Every micro-batch's loss is a mean over its tokens; the step's is the mean over the
+  // grad_accum micro-batches of all ranks (gradients are summed over ranks by the optimizer).
   const float scale = 1.0f / static_cast<float>(cfg_.grad_accum);
-  for (int a = 0; a < cfg_.grad_accum; ++a) {
+  for (int a = 0; a < local_accum_; ++a) {
     const auto rows = loader_->next_batch();
     for (int b = 0; b < cfg_.micro_batch; ++b) {
       const std::uint32_t* row = rows.data() + b * (L + 1);
@@ -82,15 +103,23 @@ StepStats Trainer::train_step() {
       }
     }
     const LossParts lp = m.forward(inputs_.data(), targets_.data());
-    if (!std::isfinite(lp.total))
-      throw Error(fmt::format("step {}: loss is {} (ce {}, aux {}, z {}): stopping", s.step, num(lp.total), num(lp.ce),
-                              num(lp.aux), num(lp.z)));
+    if (!std::isfinite(lp.total)) {  // reported below (on every rank alike), with no backward of it
+      s.loss = lp.total, s.ce = lp.ce, s.aux = lp.aux, s.z = lp.z;
+      break;
+    }
     m.backward(scale);
     s.loss += lp.total * scale;
     s.ce += lp.ce * scale;
     s.aux += lp.aux * scale;
     s.z += lp.z * scale;
   }
+  // the same totals (and the same verdict) on every rank
+  double parts[4] = {s.loss, s.ce, s.aux, s.z};
+  sum_over(ctx_.data, parts, 4);
+  s.loss = parts[0], s.ce = parts[1], s.aux = parts[2], s.z = parts[3];
+  if (!std::isfinite(s.loss))
+    throw Error(fmt::format("step {}: loss is {} (ce {}, aux {}, z {}): stopping", s.step, num(s.loss), num(s.ce),
+                            num(s.aux), num(s.z)));
   s.lr = optim::lr_at(cfg_.schedule, step_);
   StepResult r;
   try {
@@ -100,6 +129,21 @@ StepStats Trainer::train_step() {
                             e.param().empty() ? "" : fmt::format(" (first non-finite gradient in '{}')", e.param())));
   }
   s.grad_norm = r.grad_norm;
+  // The balancing controller sees the expert loads of the whole data-parallel group.
+  if (ctx_.data.size > 1) {
+    std::vector<std::int64_t> all;
+    for (int i = 0; i < m.moe_layer_count(); ++i) {
+      const auto l = m.load(i);
+      all.insert(all.end(), l.begin(), l.end());
+    }
+    sum_over(ctx_.data, all.data(), static_cast<int>(all.size()));
+    std::size_t at = 0;
+    for (int i = 0; i < m.moe_layer_count(); ++i) {
+      const std::size_t n = m.load(i).size();
+      m.set_load(i, std::vector<std::int64_t>(all.begin() + at, all.begin() + at + n));
+      at += n;
+    }
+  }
   // expert load of this step (before the bias update resets the counters)
   s.load_min = 0, s.load_max = 0;
   bool first = true;
@@ -125,7 +169,8 @@ void Trainer::log_step(const StepStats& s, double seconds, std::int64_t tokens) 
   const double flops = backend_->flops_per_micro_batch() * cfg_.grad_accum;
   const double steps_done = static_cast<double>(tokens) /
                             (double(cfg_.micro_batch) * cfg_.model_options.seq_length * cfg_.grad_accum);
-  const double mfu = seconds > 0 ? flops * steps_done / seconds / cfg_.peak_flops : 0;
+  // per device: the group's FLOPs over the group's peak
+  const double mfu = seconds > 0 ? flops * steps_done / seconds / (cfg_.peak_flops * ctx_.data.size) : 0;
   const double mem = mib(backend_->memory_bytes());
   if (!quiet_)
     std::printf("step %6lld/%lld | loss %.4f (ce %.4f aux %.3f z %.3f) | lr %.3e | grad norm %.3f | %.0f tok/s | "
@@ -133,6 +178,7 @@ void Trainer::log_step(const StepStats& s, double seconds, std::int64_t tokens) 
                 static_cast<long long>(s.step), static_cast<long long>(cfg_.steps), s.loss, s.ce, s.aux, s.z, s.lr,
                 s.grad_norm, tps, 100 * mfu, mem, s.load_min, s.load_max);
   std::fflush(stdout);
+  if (!log_) return;
   log_->scalars(s.step, {{"loss", s.loss},
                          {"ce", s.ce},
                          {"aux", s.aux},
@@ -161,11 +207,13 @@ std::vector<StepStats> Trainer::run(std::int64_t until) {
   std::int64_t tokens = 0;
   const std::int64_t step_tokens = std::int64_t(cfg_.micro_batch) * cfg_.model_options.seq_length * cfg_.grad_accum;
   if (!quiet_ && step_ == 0)
-    std::printf("keel train: model '%s' (%lld parameters, %d layers, %d MoE) on %s, %lld steps of %lld tokens, "
+    std::printf("keel train: model '%s' (%lld parameters, %d layers, %d MoE) on %s%s, %lld steps of %lld tokens, "
                 "recompute %s\n",
                 cfg_.model.name.c_str(), static_cast<long long>(backend_->param_count()), cfg_.model.layers,
-                backend_->moe_layer_count(), backend_->device().c_str(), static_cast<long long>(cfg_.steps),
-                static_cast<long long>(step_tokens), to_string(cfg_.model_options.recompute));
+                backend_->moe_layer_count(), backend_->device().c_str(),
+                ctx_.data.size > 1 ? fmt::format(" x {} data-parallel ranks (ZeRO-1)", ctx_.data.size).c_str() : "",
+                static_cast<long long>(cfg_.steps), static_cast<long long>(step_tokens),
+                to_string(cfg_.model_options.recompute));
   while (step_ < until) {
     const StepStats s = train_step();
     tokens += step_tokens;
@@ -180,14 +228,14 @@ std::vector<StepStats> Trainer::run(std::int64_t until) {
     if (eval_sampler_ && ((cfg_.eval_interval > 0 && step_ % cfg_.eval_interval == 0) || last)) {
       const double e = evaluate();
       if (!quiet_) std::printf("eval   %6lld | loss %.4f\n", static_cast<long long>(step_), e);
-      log_->scalars(step_, {{"eval_loss", e}});
+      if (log_) log_->scalars(step_, {{"eval_loss", e}});
     }
     if ((cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0) || (last && cfg_.checkpoint_final))
       save_checkpoint();
     std::fflush(stdout);
   }
   finish_checkpoint();  // a run ends with its last checkpoint committed
-  log_->flush();
+  if (log_) log_->flush();
   return out;
 }
 
@@ -196,7 +244,8 @@ double Trainer::evaluate() {
   const std::int64_t L = static_cast<std::int64_t>(cfg_.data.seq_length);
   std::vector<std::uint32_t> row(L + 1);
   double sum = 0;
-  for (std::int64_t b = 0; b < cfg_.eval_batches; ++b) {
+  // micro-batch b on rank b % dp; the mean over all of them on every rank
+  for (std::int64_t b = ctx_.data.rank; b < cfg_.eval_batches; b += ctx_.data.size) {
     for (int r = 0; r < cfg_.micro_batch; ++r) {
       eval_sampler_->sample(static_cast<std::uint64_t>(b * cfg_.micro_batch + r), row.data());
       for (std::int64_t t = 0; t < L; ++t) {
@@ -209,6 +258,7 @@ double Trainer::evaluate() {
     sum += backend_->forward(inputs_.data(), targets_.data()).ce;
   }
   backend_->reset_load();
+  sum_over(ctx_.data, &sum, 1);
   return sum / static_cast<double>(cfg_.eval_batches);
 }
 
@@ -217,7 +267,7 @@ void Trainer::save_checkpoint() {
     TrainCheckpointOptions o;
     o.keep_last = cfg_.checkpoint_keep_last;
     o.keep_every = cfg_.checkpoint_keep_every;
-    ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o);
+    ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o, ctx_.data.comm);
   }
   const auto t0 = std::chrono::steady_clock::now();
   const TrainState st = backend_->state();  // the device-to-host copy (a memcpy on the CPU)
@@ -227,11 +277,12 @@ void Trainer::save_checkpoint() {
   extra["rng"] = {{"init_seed", cfg_.seed}};  // the loop draws no random numbers beyond the sampler's
   extra["config"] = cfg_.text;
   extra["device"] = backend_->device();
+  extra["data_parallel"] = ctx_.data.size;
   // save() first completes the previous save (its commit line prints here).
   finish_checkpoint();
   ckpt_->save(step_, st, backend_->layout(), extra);
   const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  log_->scalars(step_, {{"checkpoint_stall_s", stall}});
+  if (log_) log_->scalars(step_, {{"checkpoint_stall_s", stall}});
   if (!quiet_)
     std::printf("checkpoint step %lld: training stalled %.3f s (state copy and staging); writing in the background\n",
                 static_cast<long long>(step_), stall);
@@ -241,7 +292,7 @@ void Trainer::finish_checkpoint() {
   if (!ckpt_) return;
   const auto stats = ckpt_->finish();
   if (!stats) return;
-  log_->scalars(stats->step, {{"checkpoint_write_gbps", stats->write_gbps()}});
+  if (log_) log_->scalars(stats->step, {{"checkpoint_write_gbps", stats->write_gbps()}});
   if (!quiet_)
     std::printf("saved %s (%.1f MiB in %d files, %.2f GB/s)\n", stats->dir.c_str(), stats->bytes / 1048576.0,
                 stats->files, stats->write_gbps());
@@ -252,7 +303,7 @@ void Trainer::resume(const std::string& path_in) {
   if (is_ckpt_directory(path)) {
     LoadedTrainState got;
     try {
-      got = load_train_checkpoint(path, cfg_.model);
+      got = load_train_checkpoint(path, cfg_.model, backend_->optimizer_shard());
     } catch (const Error& e) {
       throw Error(fmt::format("--resume {}: {}", path, e.what()));
     }

@@ -1,5 +1,6 @@
 // The training loop of `keel train` (docs/train.md), the same on every device (the model and
-// optimizer are a TrainBackend: CPU or one GPU): micro-batches from the data sampler,
+// optimizer are a TrainBackend: CPU or one GPU per rank) and for any number of data-parallel
+// ranks (ctx.data; the global batch and sample order do not depend on it): micro-batches from the data sampler,
 // gradient accumulation, global-norm clipping, AdamW on the scheduled learning rate, the
 // router-bias update, logging (console + metrics.jsonl, TensorBoard optional), periodic eval
 // on a held-out dataset and full checkpoints that resume bit for bit.
@@ -68,6 +69,7 @@ class Trainer {
   std::unique_ptr<data::SequenceSampler> eval_sampler_;
   std::unique_ptr<MetricsLog> log_;
   std::int64_t step_ = 0;
+  int local_accum_ = 1;  // micro-batches per step on this rank: grad_accum / data-parallel degree
   bool resumed_ = false;
   std::vector<std::int32_t> targets_;
   std::vector<std::uint32_t> inputs_;

@@ -142,6 +142,33 @@ TEST(CkptGeometry, IndexMatchesBruteForce) {
   }
 }
 
+// Every flat range of a few shapes: the boxes are few, follow each other in flat order, and
+// together are exactly the range.
+TEST(CkptGeometry, FlatRangeBoxes) {
+  for (const Shape& shape : {Shape{7}, Shape{3, 5}, Shape{2, 3, 4}, Shape{2, 1, 3, 2}, Shape{4, 0, 3}}) {
+    const std::int64_t n = numel(shape);
+    for (std::int64_t b = 0; b <= n; ++b)
+      for (std::int64_t e = b; e <= n; ++e) {
+        const auto boxes = flat_range_boxes(shape, b, e);
+        EXPECT_LE(boxes.size(), 2 * shape.size() - 1);
+        std::int64_t at = b;
+        for (const auto& box : boxes) {
+          ASSERT_EQ(box.ndim(), shape.size());
+          EXPECT_GT(box.volume(), 0);
+          // the box's elements in row-major order are the flat indices at, at + 1, ...
+          std::int64_t k = 0;
+          for_each_run(box, box, full_box(shape), [&](const keel::ckpt::Run& r) {
+            EXPECT_EQ(r.dst, at + k) << "box not contiguous in flat order";
+            k += r.count;
+          });
+          at += box.volume();
+        }
+        EXPECT_EQ(at, e) << "range [" << b << ", " << e << ")";
+      }
+  }
+  EXPECT_THROW(flat_range_boxes(Shape{3, 5}, 4, 16), keel::Error);
+}
+
 TEST(CkptGeometry, Coverage) {
   const Shape s = {4, 4};
   EXPECT_EQ(coverage_problem(s, {Box{{0, 0}, {2, 4}}, Box{{2, 0}, {2, 4}}, Box{{4, 0}, {0, 4}}}), "");

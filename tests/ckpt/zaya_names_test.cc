@@ -58,6 +58,7 @@ train::TrainState save_random_checkpoint(const model::ModelConfig& cfg, const fs
   train::TrainState st;
   const auto n = static_cast<std::size_t>(layout.total_floats);
   st.params.resize(n);
+  st.shard_end = layout.total_floats;  // one rank: the whole buffer
   st.adam_m.resize(n);
   st.adam_v.resize(n);
   for (std::size_t i = 0; i < n; ++i) {

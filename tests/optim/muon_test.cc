@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "common/error.h"
-#include "optim/muon_shard.h"
 #include "optim/newton_schulz.h"
 #include "optim_test_util.h"
 
@@ -219,60 +218,6 @@ TEST(MuonUpdate, RejectsBadConfigAndNonMuonParams) {
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("norm.weight"), std::string::npos) << e.what();
-  }
-}
-
-TEST(MuonShard, WholeMatricesBalancedOverRanks) {
-  ParamLayout layout = assign_groups(
-      {{"embed.weight", {100, 32}},
-       {"layers.0.attn.qkv.weight", {96, 32}},
-       {"layers.0.moe.experts.w_up", {8, 64, 32}},
-       {"layers.0.moe.experts.w_down", {8, 32, 64}},
-       {"layers.0.norm.weight", {32}},
-       {"layers.1.attn.qkv.weight", {96, 32}}},
-      default_rules());
-  for (int world : {1, 3, 4}) {
-    MuonShardPlan plan = plan_muon_shards(layout, world);
-    ASSERT_EQ(plan.matrices.size(), 2u + 8u + 8u);
-    double total = 0, biggest = 0;
-    std::int64_t floats = 0;
-    for (const auto& m : plan.matrices) {
-      EXPECT_GE(m.owner, 0);
-      EXPECT_LT(m.owner, world);
-      total += m.flops;
-      biggest = std::max(biggest, m.flops);
-      floats += m.rows * m.cols;
-    }
-    std::int64_t rank_floats = 0;
-    for (auto f : plan.rank_floats) rank_floats += f;
-    EXPECT_EQ(rank_floats, floats);
-    double makespan = *std::max_element(plan.rank_flops.begin(), plan.rank_flops.end());
-    double lower = std::max(total / world, biggest);
-    EXPECT_LE(makespan, lower * 4.0 / 3.0 + 1e-9) << "world " << world;
-    // Expert matrices are independent units, offsets step by one matrix.
-    EXPECT_EQ(plan.matrices[2].offset + 64 * 32, plan.matrices[3].offset);
-  }
-  // A rank that owns a matrix reproduces the single-rank step with a compact momentum buffer.
-  MuonShardPlan plan = plan_muon_shards(layout, 2);
-  auto params = randn(static_cast<std::size_t>(layout.total_floats), 8, 0.1f);
-  auto grads = randn(params.size(), 9, 0.01f);
-  auto full = params;
-  std::vector<float> full_mom(params.size(), 0.0f);
-  Muon single(MuonConfig{});
-  single.step(layout, full.data(), grads.data(), full_mom.data(), 0.01);
-  MuonConfig c;
-  std::vector<float> scratch(static_cast<std::size_t>(muon_scratch_floats(64, 64)));
-  for (const auto& m : plan.matrices) {
-    std::vector<float> mom(static_cast<std::size_t>(m.rows * m.cols), 0.0f);
-    const auto& info = layout.params[static_cast<std::size_t>(m.param)];
-    muon_matrix_step(params.data() + m.offset, grads.data() + m.offset, mom.data(), 1, m.rows, m.cols, c, 0.01,
-                     info.weight_decay, 1.0f, scratch.data());
-  }
-  for (const auto& info : layout.params) {
-    if (info.optimizer != OptimizerKind::kMuon) continue;
-    for (std::int64_t i = info.offset; i < info.offset + info.numel; ++i) {
-      ASSERT_EQ(params[i], full[i]);
-    }
   }
 }
 

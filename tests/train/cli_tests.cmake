@@ -35,6 +35,26 @@ add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_o
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
+# Data parallel (ZeRO-1) on CPU ranks under mpiexec: 2 ranks train and save; one rank resumes
+# the 2-rank checkpoint (the optimizer shards are read back as one); bad layouts are refused.
+set(tdp ${tshort} --set device=cpu --set batch.grad_accum=2)
+keel_cli_test(NAME train_dp2_stop NP 2 MATCH "saved train_dp/step_00000004 "
+  ARGS train ${tcfg} ${tdp} --set output_dir=train_dp --stop-after 4)
+keel_cli_test(NAME train_dp2_resume_on_one MATCH "resumed from train_dp/step_00000004 at step 4"
+  ARGS train ${tcfg} ${tdp} --set output_dir=train_dp --set steps=8 --resume train_dp)
+add_test(NAME cli_train_dp_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_dp WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_train_dp_clean PROPERTIES FIXTURES_SETUP train_dp_clean)
+set_tests_properties(cli_train_dp2_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_dp_clean" FIXTURES_SETUP train_dp)
+set_tests_properties(cli_train_dp2_resume_on_one PROPERTIES FIXTURES_REQUIRED "train_stories;train_dp")
+keel_cli_test(NAME train_dp_degree_mismatch NP 2 EXIT 1
+  MATCH "parallel\\.data \\(3\\) x parallel\\.expert \\(1\\) must equal the number of ranks \\(2\\)"
+  ARGS train ${tcfg} ${tdp} --set parallel.data=3)
+keel_cli_test(NAME train_dp_batch_does_not_split NP 2 EXIT 1 MATCH "batch\\.grad_accum \\(3\\) must be a multiple of the data-parallel degree \\(2\\)"
+  ARGS train ${tcfg} ${tdp} --set batch.grad_accum=3)
+set_tests_properties(cli_train_dp_batch_does_not_split PROPERTIES FIXTURES_REQUIRED train_stories)
+keel_cli_test(NAME train_expert_parallel_not_yet EXIT 1 MATCH "key 'parallel\\.expert' \\(from --set\\): expert parallelism is not implemented yet"
+  ARGS train ${tcfg} --set parallel.expert=2)
+
 # Bad input.
 keel_cli_test(NAME train_unknown_key EXIT 1 MATCH "^keel: error: .*tiny\\.yaml: unknown key 'optimizer\\.lrr' \\(from --set\\)"
   ARGS train ${tcfg} --set optimizer.lrr=1)

@@ -59,6 +59,9 @@ UploadedTable::UploadedTable(const ops::rope::Table& t) {
     KEEL_CUDA_CHECK(cudaMalloc(&sin_, count * sizeof(float)));
     KEEL_CUDA_CHECK(cudaMemcpy(cos_, t.cos.data(), count * sizeof(float), cudaMemcpyHostToDevice));
     KEEL_CUDA_CHECK(cudaMemcpy(sin_, t.sin.data(), count * sizeof(float), cudaMemcpyHostToDevice));
+    // pageable copies may return before the DMA lands; kernels on non-blocking streams would
+    // not wait for it
+    KEEL_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (...) {
     if (cos_) cudaFree(cos_);
     if (sin_) cudaFree(sin_);

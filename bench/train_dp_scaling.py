@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Weak scaling of keel train with data parallelism + ZeRO-1 on one node's GPUs.
+
+The model and step are bench/train_vs_torch.py's (a 2.2B-parameter / 0.71B-active MoE, 8
+layers, vocab 262,272 tied, sequence 4096, micro-batch 2 = 8K tokens per GPU per step, AdamW).
+For each GPU count N (--gpus 1,2,4,8) keel trains under `mpirun -np N` with batch.grad_accum = N,
+so every GPU processes the same 8K tokens per step as the 1-GPU run. Reports the group's
+tokens/s (median over the timed steps after warm-up), per-GPU tokens/s, weak-scaling
+efficiency = tokens/s(N) / (N x tokens/s(1)), and the step time exposed to communication,
+estimated as step time(N) - step time(1) (the extra time a step takes with the collectives).
+
+No PyTorch peer here yet (DDP / ZeroRedundancyOptimizer side by side): see docs/PERFORMANCE.md.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_vs_torch import DIMS, AUX_W, Z_W, LR, WD, CLIP, PEAK, write_dataset  # noqa: E402
+
+
+def config(d, prefix, out, steps, gpus):
+    return f"""device: cuda
+model:
+  name: bench-moe
+  vocab_size: {d['vocab']}
+  hidden: {d['hidden']}
+  layers: {d['layers']}
+  attention: gqa
+  heads: {d['heads']}
+  kv_heads: {d['kv_heads']}
+  head_dim: {d['head_dim']}
+  experts: {d['experts']}
+  top_k: {d['top_k']}
+  expert_hidden: {d['expert_hidden']}
+  tied_embeddings: true
+  rope_fraction: 1.0
+  max_seq_len: {d['seq']}
+router:
+  aux_loss_weight: {AUX_W}
+  z_loss_weight: {Z_W}
+ce_chunk: 32768
+data:
+  datasets: {{train: {prefix}}}
+  seq_length: {d['seq']}
+  seed: 1
+optimizer:
+  lr: {LR}
+  weight_decay: {WD}
+  clip: {CLIP}
+schedule:
+  kind: constant
+batch:
+  micro_batch: {d['micro_batch']}
+  grad_accum: {gpus}
+steps: {steps}
+log_interval: 1
+output_dir: {out}
+checkpoint: {{final: false}}
+mfu_peak_flops: {PEAK}
+"""
+
+
+def run(keel, out, d, steps, warmup, gpus, prefix):
+    run_dir = os.path.join(out, f"dp{gpus}")
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "train.yaml")
+    open(path, "w").write(config(d, prefix, run_dir, steps, gpus))
+    cmd = ["mpirun", "--allow-run-as-root", "-np", str(gpus), "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE=0", keel,
+           "train", path]
+    log = os.path.join(run_dir, "keel_train.log")
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=900)
+    if r.returncode != 0:
+        print(open(log).read()[-3000:])
+        return {"error": f"exit {r.returncode}"}
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    tps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row and row.get("step", 0) > warmup]
+    ce = [row["ce"] for row in rows if "ce" in row]
+    mem = max(row.get("memory_mib", 0) for row in rows)
+    return {"tokens_per_s": statistics.median(tps), "ce_first": ce[0], "ce_last": ce[-1], "memory_gib": mem / 1024}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--keel", default="build/keel")
+    ap.add_argument("--out", default="out/bench_dp")
+    ap.add_argument("--gpus", default="1,2,4,8")
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=DIMS["layers"])
+    a = ap.parse_args()
+    d = dict(DIMS, layers=a.layers)
+    counts = [int(x) for x in a.gpus.split(",")]
+    os.makedirs(a.out, exist_ok=True)
+    prefix = os.path.join(a.out, "random")
+    rows_needed = d["micro_batch"] * max(counts) * (a.steps + 4)
+    rng = np.random.default_rng(0)
+    write_dataset(prefix, rng.integers(0, d["vocab"], size=rows_needed * (d["seq"] + 1), dtype=np.uint64), d["seq"])
+    res = {}
+    for n in counts:
+        res[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix)
+        print(n, res[n], flush=True)
+    tok_step = d["micro_batch"] * d["seq"]  # tokens per GPU per step
+    print("\n== keel train weak scaling, data parallel + ZeRO-1 (8K tokens per GPU per step) ==")
+    print(f"{'GPUs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'step ms':>8} {'eff':>6} {'exposed comm ms':>16} {'mem GiB':>8}")
+    base = res.get(1, {}).get("tokens_per_s")
+    for n in counts:
+        r = res[n]
+        if "error" in r:
+            print(f"{n:>4} {r['error']}")
+            continue
+        step_ms = 1e3 * tok_step * n / r["tokens_per_s"]
+        eff = r["tokens_per_s"] / (n * base) if base else float("nan")
+        exposed = step_ms - 1e3 * tok_step / base if base else float("nan")
+        print(f"{n:>4} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / n:>10.0f} {step_ms:>8.1f} {eff:>6.3f} "
+              f"{exposed:>16.1f} {r['memory_gib']:>8.1f}")
+    json.dump(res, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+// The collectives data parallelism (ZeRO-1) needs, on the memory a training backend keeps its
+// flat buffers in: host memory through MPI (the CPU backend, CPU-rank tests in CI) or device
+// memory through NCCL on the backend's stream (data_parallel_comm_nccl_cuda.cc). The ZeRO-1
+// step is written once against this interface.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace keel::parallel {
+
+class DataParallelComm {
+ public:
+  virtual ~DataParallelComm() = default;
+  virtual int size() const = 0;
+  virtual int rank() const = 0;
+  // Floats the flat buffers handed to reduce_scatter_sum() and all_gather() must hold (at
+  // least the total; NCCL's equal-chunk collectives want a multiple of the group size).
+  virtual std::int64_t buffer_floats(std::int64_t total) const { return total; }
+  // `buf` is the whole flat buffer on every rank; `bounds` (size() + 1 offsets) the shards.
+  // Afterwards this rank's shard [bounds[rank], bounds[rank + 1]) holds the element-wise sum
+  // over the group; the rest of buf is unspecified.
+  virtual void reduce_scatter_sum(float* buf, const std::vector<std::int64_t>& bounds) = 0;
+  // Afterwards every shard of buf holds its owner's values, on every rank.
+  virtual void all_gather(float* buf, const std::vector<std::int64_t>& bounds) = 0;
+  // Sums n doubles in place over the group.
+  virtual void all_reduce_sum(double* x, int n) = 0;
+};
+
+// Host buffers, over an MPI communicator (not owned; it must outlive the object).
+std::unique_ptr<DataParallelComm> make_mpi_data_parallel_comm(MPI_Comm comm);
+
+// Device buffers on the current GPU, through an NCCL communicator built over `comm` (every rank
+// calls this together; the CUDA device must be set), enqueued on `stream` (a cudaStream_t);
+// nothing synchronizes the host. Throws keel::Error in a build without CUDA.
+std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(MPI_Comm comm, void* stream);
+
+}  // namespace keel::parallel

@@ -1,0 +1,110 @@
+// DataParallelComm over NCCL on device buffers. NCCL's reduce-scatter and all-gather take equal
+// counts, and uneven ones built from grouped reduces / broadcasts run well below their
+// bandwidth, so the collectives run on equal chunks of the buffer (chunk c = [c S, (c+1) S),
+// S = ceil(total / ranks) rounded up to 64 floats; the buffers hold ranks x S floats) and the
+// few floats where a ZeRO-1 shard and its rank's chunk differ (at most half a matrix at each cut,
+// zero1.h) move point to point:
+//   reduce_scatter_sum: in-place ncclReduceScatter, then each chunk holder sends the summed
+//     floats of other ranks' shards inside its chunk to their owners;
+//   all_gather: each owner first sends its updated floats that lie in another rank's chunk to
+//     that chunk's holder, then in-place ncclAllGather.
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+
+#include "common/error.h"
+#include "common/mpi_session.h"
+#include "device/cuda_check.h"
+#include "parallel/data_parallel_comm.h"
+#include "parallel/zero1.h"
+
+namespace keel::parallel {
+namespace {
+
+class NcclDataParallelComm final : public DataParallelComm {
+ public:
+  NcclDataParallelComm(MPI_Comm comm, cudaStream_t stream) : stream_(stream) {
+    mpi_check(MPI_Comm_size(comm, &size_), "MPI_Comm_size");
+    mpi_check(MPI_Comm_rank(comm, &rank_), "MPI_Comm_rank");
+    ncclUniqueId id{};
+    if (rank_ == 0) KEEL_NCCL_CHECK(ncclGetUniqueId(&id));
+    mpi_check(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm), "MPI_Bcast (NCCL id)");
+    KEEL_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
+  }
+  ~NcclDataParallelComm() override {
+    if (comm_) ncclCommDestroy(comm_);
+  }
+  int size() const override { return size_; }
+  int rank() const override { return rank_; }
+
+  std::int64_t buffer_floats(std::int64_t total) const override { return chunk(total) * size_; }
+
+  void reduce_scatter_sum(float* buf, const std::vector<std::int64_t>& bounds) override {
+    const std::int64_t s = chunk_of(bounds);
+    // in place: the whole buffer in, this rank's chunk out at its own offset
+    KEEL_NCCL_CHECK(ncclReduceScatter(buf, buf + rank_ * s, static_cast<std::size_t>(s), ncclFloat32, ncclSum, comm_,
+                                      stream_));
+    // holder (chunk) -> owner (shard)
+    exchange(buf, bounds, s, /*to_owner=*/true);
+  }
+
+  void all_gather(float* buf, const std::vector<std::int64_t>& bounds) override {
+    const std::int64_t s = chunk_of(bounds);
+    exchange(buf, bounds, s, /*to_owner=*/false);
+    KEEL_NCCL_CHECK(ncclAllGather(buf + rank_ * s, buf, static_cast<std::size_t>(s), ncclFloat32, comm_, stream_));
+  }
+
+  void all_reduce_sum(double* x, int n) override {
+    KEEL_NCCL_CHECK(ncclAllReduce(x, x, static_cast<std::size_t>(n), ncclFloat64, ncclSum, comm_, stream_));
+  }
+
+ private:
+  std::int64_t chunk(std::int64_t total) const {
+    const std::int64_t s = (total + size_ - 1) / size_;
+    return (s + kZero1AlignFloats - 1) / kZero1AlignFloats * kZero1AlignFloats;
+  }
+  std::int64_t chunk_of(const std::vector<std::int64_t>& bounds) const {
+    if (static_cast<int>(bounds.size()) != size_ + 1 || bounds.front() != 0)
+      fail("data parallel: {} shard bounds for a group of {} ranks", bounds.size(), size_);
+    return chunk(bounds.back());
+  }
+
+  // The floats of shard `owner` inside chunk `holder`: [lo, hi).
+  static std::pair<std::int64_t, std::int64_t> overlap(const std::vector<std::int64_t>& bounds, int owner, int holder,
+                                                       std::int64_t s) {
+    const std::int64_t lo = std::max(bounds[owner], holder * s);
+    const std::int64_t hi = std::min(bounds[owner + 1], (holder + 1) * s);
+    return {lo, std::max(lo, hi)};
+  }
+
+  void exchange(float* buf, const std::vector<std::int64_t>& bounds, std::int64_t s, bool to_owner) {
+    KEEL_NCCL_CHECK(ncclGroupStart());
+    for (int other = 0; other < size_; ++other) {
+      if (other == rank_) continue;
+      // what this rank holds of other's shard, and what other holds of this rank's shard
+      const auto [alo, ahi] = overlap(bounds, other, rank_, s);  // in my chunk, owned by other
+      const auto [blo, bhi] = overlap(bounds, rank_, other, s);  // in other's chunk, owned by me
+      if (to_owner) {
+        if (ahi > alo) KEEL_NCCL_CHECK(ncclSend(buf + alo, static_cast<std::size_t>(ahi - alo), ncclFloat32, other, comm_, stream_));
+        if (bhi > blo) KEEL_NCCL_CHECK(ncclRecv(buf + blo, static_cast<std::size_t>(bhi - blo), ncclFloat32, other, comm_, stream_));
+      } else {
+        if (bhi > blo) KEEL_NCCL_CHECK(ncclSend(buf + blo, static_cast<std::size_t>(bhi - blo), ncclFloat32, other, comm_, stream_));
+        if (ahi > alo) KEEL_NCCL_CHECK(ncclRecv(buf + alo, static_cast<std::size_t>(ahi - alo), ncclFloat32, other, comm_, stream_));
+      }
+    }
+    KEEL_NCCL_CHECK(ncclGroupEnd());
+  }
+
+  cudaStream_t stream_;
+  ncclComm_t comm_ = nullptr;
+  int size_ = 1, rank_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(MPI_Comm comm, void* stream) {
+  return std::make_unique<NcclDataParallelComm>(comm, static_cast<cudaStream_t>(stream));
+}
+
+}  // namespace keel::parallel
