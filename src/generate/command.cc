@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "common/fileio.h"
 #include "data/tokenizer.h"
+#include "generate/cuda_decoder.h"
 #include "generate/generate.h"
 #include "model/config.h"
 #include "train/train_checkpoint.h"
@@ -20,13 +21,24 @@ namespace keel::generate {
 namespace {
 
 struct Args {
-  std::string checkpoint, model, config, prompt, prompt_file, tokenizer = "byte";
+  std::string checkpoint, model, config, prompt, prompt_file, tokenizer = "byte", device = "auto";
   int max_new = 32, top_k = 0;
   double temperature = 0.0, init_std = 0.02;
   std::uint64_t seed = 1, init_seed = 1234;
   std::vector<int> batch{1};
-  bool ignore_eos = false, bos = false;
+  bool ignore_eos = false, bos = false, bench = false;
 };
+
+// --device: cuda when asked, or with auto when keel has CUDA, a GPU is visible and the GPU path
+// takes the model; else the CPU reference.
+std::unique_ptr<Decoder> make_decoder(const std::string& device, ModelWeights weights,
+                                      std::unique_ptr<InferenceModel>& cpu_model) {
+  bool cuda = device == "cuda";
+  if (device == "auto") cuda = cuda_decoder_available() && cuda_decoder_unsupported(weights.config).empty();
+  if (cuda) return make_cuda_decoder(std::move(weights));
+  cpu_model = std::make_unique<InferenceModel>(std::move(weights));
+  return std::make_unique<CpuDecoder>(*cpu_model);
+}
 
 ModelWeights load_weights(const Args& a) {
   const int sources = int(!a.checkpoint.empty()) + int(!a.model.empty()) + int(!a.config.empty());
@@ -58,6 +70,8 @@ void run(const Args& a) {
   for (int b : a.batch)
     if (b < 1) throw UsageError(fmt::format("generate: --batch sizes must be >= 1, got {}", b));
   if (!a.prompt.empty() && !a.prompt_file.empty()) throw UsageError("generate: give --prompt or --prompt-file, not both");
+  if (a.device != "auto" && a.device != "cpu" && a.device != "cuda")
+    throw UsageError(fmt::format("generate: --device must be auto, cpu or cuda, got '{}'", a.device));
   const std::unique_ptr<data::Tokenizer> tok = data::make_tokenizer(a.tokenizer);
   ModelWeights weights = load_weights(a);
   const model::ModelConfig cfg = weights.config;
@@ -81,7 +95,9 @@ void run(const Args& a) {
     throw UsageError(fmt::format("generate: prompt + new tokens = {} positions exceeds model '{}' max_seq_len {}", positions,
                                  cfg.name, cfg.max_seq_len));
   const std::string source = weights.source;
-  InferenceModel model(std::move(weights));
+  std::unique_ptr<InferenceModel> cpu_model;
+  const std::unique_ptr<Decoder> decoder = make_decoder(a.device, std::move(weights), cpu_model);
+  Decoder& model = *decoder;
 
   const int moe = model::moe_layer_count(cfg);
   std::string arch = fmt::format("{} layers ({})", cfg.layers, model::attention_kind_name(cfg.attention));
@@ -91,14 +107,16 @@ void run(const Args& a) {
   std::printf("model %s: %s; %s\n", cfg.name.c_str(), arch.c_str(), source.c_str());
   std::string how = a.temperature <= 0 ? std::string("greedy")
                                        : fmt::format("temperature {}, top-k {}, seed {}", a.temperature, a.top_k, a.seed);
+  const bool ignore_eos = a.ignore_eos || a.bench;
   std::printf("tokenizer %s; prompt %zu tokens; up to %d new tokens, %s%s\n", tok->name().c_str(), prompt.size(), a.max_new,
-              how.c_str(), a.ignore_eos ? ", EOS ignored" : "");
+              how.c_str(), ignore_eos ? ", EOS ignored" : "");
+  std::printf("device %s\n", model.device().c_str());
 
   GenerateOptions o;
   o.max_new_tokens = a.max_new;
   o.sampling = {a.temperature, a.top_k, a.seed};
   o.allowed_vocab = tok->vocab_size();
-  if (!a.ignore_eos) o.eos = tok->eos();
+  if (!ignore_eos) o.eos = tok->eos();
   struct Row {
     int batch;
     GenerateResult r;
@@ -111,7 +129,7 @@ void run(const Args& a) {
     warm.max_new_tokens = std::min(2, a.max_new);
     (void)generate(model, prompt, warm);
     rows.push_back({b, generate(model, prompt, o)});
-    if (rows.size() == 1) {
+    if (rows.size() == 1 && !a.bench) {
       std::vector<std::uint32_t> all = prompt;
       const auto& g = rows[0].r.generated[0];
       all.insert(all.end(), g.begin(), g.end());
@@ -141,7 +159,7 @@ void run(const Args& a) {
 void add_command(CLI::App& app) {
   auto a = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
-      "generate", "Generate text from a keel model on the CPU (prefill + cached incremental decoding) and report latency");
+      "generate", "Generate text from a keel model on the GPU or the CPU (prefill + cached incremental decoding) and report latency");
   cmd->add_option("checkpoint", a->checkpoint, "keel train checkpoint: a checkpoint.dir root (its latest) or a step directory");
   cmd->add_option("--model", a->model, "Model YAML (configs/*.yaml) with freshly initialized weights instead of a checkpoint");
   cmd->add_option("--config", a->config, "Train config (YAML): its model, freshly initialized, instead of a checkpoint");
@@ -157,6 +175,9 @@ void add_command(CLI::App& app) {
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_flag("--ignore-eos", a->ignore_eos, "Decode all --max-new-tokens even past EOS (fixed-length latency runs)");
+  cmd->add_option("--device", a->device, "auto (cuda when a GPU is visible and keel has CUDA), cpu (fp32) or cuda (bf16)")
+      ->capture_default_str();
+  cmd->add_flag("--bench", a->bench, "Latency run: --ignore-eos, and only the latency table (no text)");
   cmd->add_flag("--bos", a->bos, "Start the prompt with the tokenizer's BOS id");
   cmd->add_option("--init-seed", a->init_seed, "Seed of the fresh weights (--model / --config)")->capture_default_str();
   cmd->add_option("--init-std", a->init_std, "Std of the fresh weights (--model / --config)")->capture_default_str();

@@ -37,9 +37,8 @@ ModelWeights load_checkpoint_weights(const std::string& path) {
   ModelWeights w;
   w.config = tc.model;
   w.renormalize_gates = tc.model_options.renormalize_gates;
-  // load_train_checkpoint also reads the optimizer moments (3x the weights); decoding needs
-  // only the weights, but one loader keeps the format checks in one place.
-  train::LoadedTrainState got = train::load_train_checkpoint(reader.dir(), w.config);
+  // the weights only: an empty optimizer shard reads none of the moments
+  train::LoadedTrainState got = train::load_train_checkpoint(reader.dir(), w.config, {0, 0});
   w.params = std::move(got.state.params);
   w.router_bias = std::move(got.state.router_bias);
   w.source = fmt::format("checkpoint {} (step {})", got.dir, got.extra.value("step", std::int64_t{-1}));
@@ -603,12 +602,40 @@ std::uint32_t Sampler::next(const float* logits, std::int64_t allowed_vocab) {
 
 // ---------------------------------------------------------------- the loop
 
+void Decoder::host_argmax(std::int64_t allowed, std::uint32_t* next) const {
+  const std::int64_t V = config().vocab_size;
+  const std::int64_t n = std::min(allowed, V);
+  if (n < 1) fail("generate: no eligible token ids");
+  for (int b = 0; b < batch(); ++b) {
+    const float* z = greedy_logits_.data() + static_cast<std::int64_t>(b) * V;
+    std::int64_t best = 0;
+    for (std::int64_t v = 1; v < n; ++v)
+      if (z[v] > z[best]) best = v;  // ties: the lower id
+    next[b] = static_cast<std::uint32_t>(best);
+  }
+}
+
+void Decoder::prefill_greedy(const std::uint32_t* tokens, int T, std::int64_t allowed, std::uint32_t* next) {
+  prefill(tokens, T, greedy_logits_, /*all_positions=*/false);
+  host_argmax(allowed, next);
+}
+
+void Decoder::decode_greedy(const std::uint32_t* tokens, std::int64_t allowed, std::uint32_t* next) {
+  decode(tokens, greedy_logits_);
+  host_argmax(allowed, next);
+}
+
 GenerateResult generate(InferenceModel& model, const std::vector<std::uint32_t>& prompt, const GenerateOptions& o) {
+  CpuDecoder d(model);
+  return generate(d, prompt, o);
+}
+
+GenerateResult generate(Decoder& model, const std::vector<std::uint32_t>& prompt, const GenerateOptions& o) {
   if (prompt.empty()) throw UsageError("generate: the prompt has no tokens");
   if (o.max_new_tokens < 1) throw UsageError(fmt::format("generate: --max-new-tokens must be >= 1, got {}", o.max_new_tokens));
   const std::int64_t V = model.config().vocab_size, allowed = o.allowed_vocab > 0 ? std::min(o.allowed_vocab, V) : V;
   const int B = o.batch, T = static_cast<int>(prompt.size());
-  Cache cache = model.make_cache(B, T + o.max_new_tokens - 1);
+  model.start(B, T + o.max_new_tokens - 1);
   std::vector<std::uint32_t> tokens;
   for (int b = 0; b < B; ++b) tokens.insert(tokens.end(), prompt.begin(), prompt.end());
   std::vector<Sampler> samplers;
@@ -616,16 +643,21 @@ GenerateResult generate(InferenceModel& model, const std::vector<std::uint32_t>&
   GenerateResult res;
   res.generated.assign(B, {});
   std::vector<float> logits;
+  // Greedy: the decoder picks (on the device for the GPU decoder: no logits leave it).
+  const bool greedy = o.sampling.temperature <= 0.0;
+  std::vector<std::uint32_t> cur(B);
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
-  model.prefill(tokens.data(), T, cache, logits, /*all_positions=*/false);
+  if (greedy)
+    model.prefill_greedy(tokens.data(), T, allowed, cur.data());
+  else
+    model.prefill(tokens.data(), T, logits, /*all_positions=*/false);
   res.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
-  std::vector<std::uint32_t> cur(B);
   std::vector<char> done(B, 0);
   auto pick = [&] {
     int live = 0;
     for (int b = 0; b < B; ++b) {
-      cur[b] = samplers[b].next(logits.data() + static_cast<std::int64_t>(b) * V, allowed);
+      if (!greedy) cur[b] = samplers[b].next(logits.data() + static_cast<std::int64_t>(b) * V, allowed);
       if (!done[b]) {
         res.generated[b].push_back(cur[b]);
         if (o.eos && cur[b] == *o.eos) done[b] = 1;
@@ -637,11 +669,14 @@ GenerateResult generate(InferenceModel& model, const std::vector<std::uint32_t>&
   int live = pick();
   for (int step = 1; step < o.max_new_tokens && live > 0; ++step) {
     t0 = clock::now();
-    model.decode(cur.data(), cache, logits);
+    if (greedy)
+      model.decode_greedy(cur.data(), allowed, cur.data());
+    else
+      model.decode(cur.data(), logits);
     res.step_seconds.push_back(std::chrono::duration<double>(clock::now() - t0).count());
     live = pick();
   }
-  res.cache_bytes_per_sequence = cache.bytes_per_sequence();
+  res.cache_bytes_per_sequence = model.cache_bytes_per_sequence();
   return res;
 }
 

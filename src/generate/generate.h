@@ -1,5 +1,5 @@
-// Incremental decoding on the CPU (`keel generate`, docs/generate.md): an inference-only copy of
-// MoeTransformer's forward (src/train/model.{h,cc}) that reads the same flat fp32 parameter
+// Incremental decoding (`keel generate`, docs/generate.md). This file: the CPU reference (fp32),
+// an inference-only copy of MoeTransformer's forward (src/train/model.{h,cc}) that reads the same flat fp32 parameter
 // buffer (train::model_param_layout names and offsets, so a keel train checkpoint loads as it
 // is), plus per-layer caches, so that after a prefill over the prompt every new token costs one
 // forward of that token alone.
@@ -30,6 +30,8 @@
 //
 // Shapes: B sequences decoded together (all at the same position), V = vocab_size. Logits are
 // fp32 [B, V] (or [B, T, V] from a prefill asked for every position).
+// The GPU twin (bf16 weights and caches, the CUDA ops) is generate/cuda_decoder.h; generate()
+// drives either through the Decoder interface below.
 #pragma once
 
 #include <cstdint>
@@ -137,6 +139,58 @@ class InferenceModel {
   std::unique_ptr<Work> work_;
 };
 
+// What generate() drives: a model and the caches of one batch, on some device. Two exist: the
+// CPU reference above (CpuDecoder, fp32) and the GPU one (make_cuda_decoder: bf16 weights and
+// caches on the device, the CUDA ops of src/ops/cuda; generate/cuda_decoder.h). Logits always
+// come back to the host as fp32 [B, V] (or [B, T, V]), so sampling is shared.
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  virtual const model::ModelConfig& config() const = 0;
+  // One line for the user: "cpu (fp32)" or "cuda: <GPU name> (bf16 weights and caches)".
+  virtual std::string device() const = 0;
+  // Empties the caches for `batch` sequences of up to `capacity` positions (throws
+  // keel::UsageError beyond the model's max_seq_len when it has one).
+  virtual void start(int batch, int capacity) = 0;
+  virtual int batch() const = 0;
+  virtual int length() const = 0;  // positions filled
+  // As InferenceModel::prefill / decode, on the caches of the last start().
+  virtual void prefill(const std::uint32_t* tokens, int T, std::vector<float>& logits, bool all_positions) = 0;
+  virtual void decode(const std::uint32_t* tokens, std::vector<float>& logits) = 0;
+  // Greedy variants: the same call, then each sequence's argmax over ids < allowed of its last
+  // logits (ties to the lower id, as Sampler's greedy choice) into next[B]. The GPU decoder
+  // picks on the device and moves B ids instead of B x V logits; the default picks on the host.
+  // next may alias tokens.
+  virtual void prefill_greedy(const std::uint32_t* tokens, int T, std::int64_t allowed, std::uint32_t* next);
+  virtual void decode_greedy(const std::uint32_t* tokens, std::int64_t allowed, std::uint32_t* next);
+  // Bytes one sequence's cache holds now (k/v rows in use plus fixed state).
+  virtual std::int64_t cache_bytes_per_sequence() const = 0;
+
+ protected:
+  void host_argmax(std::int64_t allowed, std::uint32_t* next) const;
+  std::vector<float> greedy_logits_;
+};
+
+// The CPU InferenceModel with its Cache.
+class CpuDecoder final : public Decoder {
+ public:
+  explicit CpuDecoder(InferenceModel& model) : m_(model) {}
+  const model::ModelConfig& config() const override { return m_.config(); }
+  std::string device() const override { return "cpu (fp32 weights and caches)"; }
+  void start(int batch, int capacity) override { cache_ = m_.make_cache(batch, capacity); }
+  int batch() const override { return cache_.batch; }
+  int length() const override { return cache_.length; }
+  void prefill(const std::uint32_t* tokens, int T, std::vector<float>& logits, bool all_positions) override {
+    m_.prefill(tokens, T, cache_, logits, all_positions);
+  }
+  void decode(const std::uint32_t* tokens, std::vector<float>& logits) override { m_.decode(tokens, cache_, logits); }
+  std::int64_t cache_bytes_per_sequence() const override { return cache_.bytes_per_sequence(); }
+
+ private:
+  InferenceModel& m_;
+  Cache cache_;
+};
+
 // Next-token choice: greedy (temperature 0) or sampling from softmax(logits / temperature)
 // restricted to the top_k largest (0: all), from a seeded generator of its own per sequence
 // (seed, sequence index), the same on every platform. Only ids < allowed_vocab are eligible
@@ -174,7 +228,11 @@ struct GenerateResult {
   std::int64_t cache_bytes_per_sequence = 0;  // at the end
 };
 
-// Prefill the prompt (the same for every sequence) then decode up to max_new_tokens.
+// Prefill the prompt (the same for every sequence) then decode up to max_new_tokens. Times are
+// host wall clock around each call (the GPU decoder returns only once its logits are on the
+// host, so they include the device work).
+GenerateResult generate(Decoder& decoder, const std::vector<std::uint32_t>& prompt, const GenerateOptions& o);
+// The same on the CPU model.
 GenerateResult generate(InferenceModel& model, const std::vector<std::uint32_t>& prompt, const GenerateOptions& o);
 
 }  // namespace keel::generate

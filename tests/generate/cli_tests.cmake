@@ -48,3 +48,20 @@ keel_cli_test(NAME generate_bad_temperature EXIT 1 MATCH "^keel: error: generate
   ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml -t -1)
 keel_cli_test(NAME generate_too_long EXIT 1 MATCH "^keel: error: generate: prompt \\+ new tokens = 304 positions exceeds model 'zaya1-tiny' max_seq_len 256"
   ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt hello -n 300)
+
+# --device and --bench. (The GPU path's own checks are tests/generate/generate_cuda_test.cc;
+# with --device auto the runs above take it where a GPU is visible.)
+keel_cli_test(NAME generate_device_cpu MATCH "^device cpu \\(fp32 weights and caches\\)$"
+  ARGS generate gen_train --prompt "Once" -n 4 --device cpu)
+keel_cli_test(NAME generate_bench MATCH "^ +2 +4 +5 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$"
+  ARGS generate gen_train --prompt "Once" -n 6 --batch 1,2 --bench)
+keel_cli_test(NAME generate_bench_no_text NOT "^--- sequence" MATCH "EOS ignored"
+  ARGS generate gen_train --prompt "Once" -n 6 --bench)
+set_tests_properties(cli_generate_device_cpu cli_generate_bench cli_generate_bench_no_text
+                     PROPERTIES FIXTURES_REQUIRED generate_ckpt)
+keel_cli_test(NAME generate_bad_device EXIT 1 MATCH "^keel: error: generate: --device must be auto, cpu or cuda, got 'tpu'$"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --device tpu)
+# --device cuda: the GPU path where there is one, else one clear error line (no GPU, or no CUDA).
+keel_cli_test(NAME generate_device_cuda EXIT any
+  MATCH "^(device cuda: .* \\(bf16 weights .* MiB, bf16 caches\\)|keel: error: generate: --device cuda: .*)$"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt "hello" -n 4 --batch 1,2 --device cuda)
