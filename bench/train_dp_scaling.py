@@ -21,56 +21,14 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_vs_torch import DIMS, AUX_W, Z_W, LR, WD, CLIP, PEAK, write_dataset  # noqa: E402
-
-
-def config(d, prefix, out, steps, gpus):
-    return f"""device: cuda
-model:
-  name: bench-moe
-  vocab_size: {d['vocab']}
-  hidden: {d['hidden']}
-  layers: {d['layers']}
-  attention: gqa
-  heads: {d['heads']}
-  kv_heads: {d['kv_heads']}
-  head_dim: {d['head_dim']}
-  experts: {d['experts']}
-  top_k: {d['top_k']}
-  expert_hidden: {d['expert_hidden']}
-  tied_embeddings: true
-  rope_fraction: 1.0
-  max_seq_len: {d['seq']}
-router:
-  aux_loss_weight: {AUX_W}
-  z_loss_weight: {Z_W}
-ce_chunk: 32768
-data:
-  datasets: {{train: {prefix}}}
-  seq_length: {d['seq']}
-  seed: 1
-optimizer:
-  lr: {LR}
-  weight_decay: {WD}
-  clip: {CLIP}
-schedule:
-  kind: constant
-batch:
-  micro_batch: {d['micro_batch']}
-  grad_accum: {gpus}
-steps: {steps}
-log_interval: 1
-output_dir: {out}
-checkpoint: {{final: false}}
-mfu_peak_flops: {PEAK}
-"""
+from train_vs_torch import DIMS, keel_config, write_dataset  # noqa: E402
 
 
 def run(keel, out, d, steps, warmup, gpus, prefix):
     run_dir = os.path.join(out, f"dp{gpus}")
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "train.yaml")
-    open(path, "w").write(config(d, prefix, run_dir, steps, gpus))
+    open(path, "w").write(keel_config(d, prefix, run_dir, steps, grad_accum=gpus))
     cmd = ["mpirun", "--allow-run-as-root", "-np", str(gpus), "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE=0", keel,
            "train", path]
     log = os.path.join(run_dir, "keel_train.log")

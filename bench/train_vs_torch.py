@@ -59,13 +59,9 @@ def write_dataset(prefix, tokens, seq):
         f.write(np.arange(n + 1, dtype=np.int64).tobytes())
 
 
-def run_keel(keel, out, d, steps, warmup):
-    os.makedirs(out, exist_ok=True)
-    rng = np.random.default_rng(0)
-    prefix = os.path.join(out, "random")
-    nrows = d["micro_batch"] * (steps + 4)
-    write_dataset(prefix, rng.integers(0, d["vocab"], size=nrows * (d["seq"] + 1), dtype=np.uint64), d["seq"])
-    cfg = f"""device: cuda
+def keel_config(d, prefix, output_dir, steps, grad_accum=1):
+    """The keel train config of the benchmark model (device cuda, random-token dataset at prefix)."""
+    return f"""device: cuda
 model:
   name: bench-moe
   vocab_size: {d['vocab']}
@@ -97,13 +93,22 @@ schedule:
   kind: constant
 batch:
   micro_batch: {d['micro_batch']}
-  grad_accum: 1
+  grad_accum: {grad_accum}
 steps: {steps}
 log_interval: 1
-output_dir: {out}/run
+output_dir: {output_dir}
 checkpoint: {{final: false}}
 mfu_peak_flops: {PEAK}
 """
+
+
+def run_keel(keel, out, d, steps, warmup):
+    os.makedirs(out, exist_ok=True)
+    rng = np.random.default_rng(0)
+    prefix = os.path.join(out, "random")
+    nrows = d["micro_batch"] * (steps + 4)
+    write_dataset(prefix, rng.integers(0, d["vocab"], size=nrows * (d["seq"] + 1), dtype=np.uint64), d["seq"])
+    cfg = keel_config(d, prefix, os.path.join(out, "run"), steps)
     path = os.path.join(out, "bench_train.yaml")
     open(path, "w").write(cfg)
     log = os.path.join(out, "keel_train.log")
