@@ -9,7 +9,10 @@ tokens/s (median over the timed steps after warm-up), per-GPU tokens/s, weak-sca
 efficiency = tokens/s(N) / (N x tokens/s(1)), and the step time exposed to communication,
 estimated as step time(N) - step time(1) (the extra time a step takes with the collectives).
 
-No PyTorch peer here yet (DDP / ZeroRedundancyOptimizer side by side): see docs/PERFORMANCE.md.
+The peer, in the same run for each N right after keel: the same model and step in PyTorch
+(eager) under torchrun with DistributedDataParallel (gradient all-reduce in buckets overlapped
+with backward) and ZeroRedundancyOptimizer (ZeRO-1 AdamW), bench/train_dp_torch.py; --no-torch
+skips it.
 """
 import argparse
 import json
@@ -44,6 +47,21 @@ def run(keel, out, d, steps, warmup, gpus, prefix):
     return {"tokens_per_s": statistics.median(tps), "ce_first": ce[0], "ce_last": ce[-1], "memory_gib": mem / 1024}
 
 
+def run_torch(out, steps, warmup, gpus, layers):
+    path = os.path.join(out, f"torch{gpus}.json")
+    log = os.path.join(out, f"torch{gpus}.log")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_dp_torch.py")
+    cmd = ["torchrun", "--standalone", f"--nproc_per_node={gpus}", worker, "--json", path, "--steps", str(steps),
+           "--warmup", str(warmup), "--layers", str(layers)]
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=900,
+                           env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
+    if r.returncode != 0 or not os.path.exists(path):
+        print(open(log).read()[-3000:])
+        return {"error": f"exit {r.returncode}"}
+    return json.load(open(path))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--keel", default="build/keel")
@@ -52,6 +70,7 @@ def main():
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--layers", type=int, default=DIMS["layers"])
+    ap.add_argument("--no-torch", action="store_true")
     a = ap.parse_args()
     d = dict(DIMS, layers=a.layers)
     counts = [int(x) for x in a.gpus.split(",")]
@@ -60,10 +79,13 @@ def main():
     rows_needed = d["micro_batch"] * max(counts) * (a.steps + 4)
     rng = np.random.default_rng(0)
     write_dataset(prefix, rng.integers(0, d["vocab"], size=rows_needed * (d["seq"] + 1), dtype=np.uint64), d["seq"])
-    res = {}
+    res, peer = {}, {}
     for n in counts:
         res[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix)
-        print(n, res[n], flush=True)
+        print("keel", n, res[n], flush=True)
+        if not a.no_torch:
+            peer[n] = run_torch(a.out, a.steps, a.warmup, n, a.layers)
+            print("torch", n, peer[n], flush=True)
     tok_step = d["micro_batch"] * d["seq"]  # tokens per GPU per step
     print("\n== keel train weak scaling, data parallel + ZeRO-1 (8K tokens per GPU per step) ==")
     print(f"{'GPUs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'step ms':>8} {'eff':>6} {'exposed comm ms':>16} {'mem GiB':>8}")
@@ -78,7 +100,20 @@ def main():
         exposed = step_ms - 1e3 * tok_step / base if base else float("nan")
         print(f"{n:>4} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / n:>10.0f} {step_ms:>8.1f} {eff:>6.3f} "
               f"{exposed:>16.1f} {r['memory_gib']:>8.1f}")
-    json.dump(res, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
+    if peer:
+        print("\n== PyTorch DDP + ZeroRedundancyOptimizer (eager), same model and tokens per GPU ==")
+        print(f"{'GPUs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'eff':>6} {'mem GiB':>8} {'keel/torch':>10}")
+        tbase = peer.get(1, {}).get("tokens_per_s")
+        for n in counts:
+            t = peer[n]
+            if "error" in t:
+                print(f"{n:>4} {t['error']}")
+                continue
+            eff = t["tokens_per_s"] / (n * tbase) if tbase else float("nan")
+            ratio = res[n]["tokens_per_s"] / t["tokens_per_s"] if "tokens_per_s" in res[n] else float("nan")
+            print(f"{n:>4} {t['tokens_per_s']:>10.0f} {t['tokens_per_s'] / n:>10.0f} {eff:>6.3f} {t['memory_gib']:>8.1f} "
+                  f"{ratio:>10.2f}")
+    json.dump({"keel": res, "torch": peer}, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -126,13 +126,16 @@ def run_keel(keel, out, d, steps, warmup):
             "steps": len(ce)}
 
 
-def run_torch(d, steps, warmup, compiled):
+def run_torch(d, steps, warmup, compiled, ddp=False):
+    """One GPU, or with ddp=True one rank of a torchrun job (torch.distributed initialized):
+    DistributedDataParallel (gradient all-reduce in buckets overlapped with backward) and
+    ZeroRedundancyOptimizer (ZeRO-1: AdamW states sharded over the ranks)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
-    torch.manual_seed(0)
-    dev = "cuda"
+    torch.manual_seed(0)  # the same initialization on every rank
+    dev = torch.device("cuda", torch.cuda.current_device())
     D, Hq, Hkv, Dh, E, FE, V = d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["experts"], d["expert_hidden"], d["vocab"]
     T, B = d["seq"], d["micro_batch"]
 
@@ -222,9 +225,19 @@ def run_torch(d, steps, warmup, compiled):
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02 * (out_scale if name.endswith("wo.weight") or name.endswith("w_down") else 1.0))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.95), fused=True)
+    if ddp:
+        import torch.distributed as dist
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[dev.index])
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WD,
+                                      betas=(0.9, 0.95), fused=True)
+        seed = 1 + dist.get_rank()  # each rank its own tokens
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=(0.9, 0.95), fused=True)
+        seed = 1
     fwd = torch.compile(model) if compiled else model
-    gen = torch.Generator(device=dev).manual_seed(1)
+    gen = torch.Generator(device=dev).manual_seed(seed)
 
     def step():
         tokens = torch.randint(0, V, (B, T), device=dev, generator=gen)

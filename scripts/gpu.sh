@@ -92,7 +92,7 @@ for step in "${steps[@]}"; do
       scaling=$(seq -s, 1 "$gpus" | tr ',' '\n' | awk '$1==1||$1==2||$1==4||$1==8' | paste -sd,)
       timeout 900 python3 bench/train_dp_scaling.py --keel "$build/keel" --out "$out/dp" --gpus "$scaling" \
           ${KEEL_DP_ARGS:-} 2>&1 | tee "$out/dp_scaling.log" | tail -12
-      grep -A10 '^== keel train weak scaling' "$out/dp_scaling.log" >>"$summary" ;;
+      grep -A6 -E '^== (keel train weak scaling|PyTorch DDP)' "$out/dp_scaling.log" >>"$summary" ;;
     train)
       # keel train vs a PyTorch implementation of the same MoE and step (eager and torch.compile).
       timeout 900 python3 bench/train_vs_torch.py --keel "$build/keel" --out "$out/train" ${KEEL_TRAIN_ARGS:-} 2>&1 \
