@@ -167,6 +167,40 @@ TEST(CudaBackend, ZayaMatchesCpuWithoutSkipWithRecompute) { compare_with_cpu(zay
 // CCA and the MLP router on the plain residual adds (no residual scaling)
 TEST(CudaBackend, ZayaMatchesCpuUnscaled) { compare_with_cpu(zaya_config(true, false), Recompute::kNone); }
 
+// Overfits one batch for `steps` steps (the loss must halve), then moves the state out and back
+// in (the same loss bit for bit) and into the CPU backend (the same loss within
+// `cpu_tolerance`, relative: checkpoints move between devices).
+void expect_overfits_and_state_round_trips(TrainBackend& gpu, const model::ModelConfig& cfg, const ModelOptions& opt,
+                                           const optim::AdamWConfig& adamw, int steps, double cpu_tolerance) {
+  const fixtures::Batch b = fixtures::random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 5, 17);
+  double first = 0, last = 0;
+  for (int step = 0; step < steps; ++step) {
+    gpu.zero_grads();
+    const LossParts lp = gpu.forward(b.tokens.data(), b.targets.data());
+    if (step == 0) first = lp.ce;
+    last = lp.ce;
+    gpu.backward(1.0f);
+    gpu.clip_and_step(1.0, 3e-3);
+    gpu.update_router_bias();
+  }
+  EXPECT_LT(last, 0.5 * first) << "loss " << first << " -> " << last;
+
+  const TrainState st = gpu.state();
+  gpu.zero_grads();
+  const double before = gpu.forward(b.tokens.data(), b.targets.data()).total;
+  gpu.backward(1.0f);
+  gpu.set_state(st);
+  gpu.zero_grads();
+  const double after = gpu.forward(b.tokens.data(), b.targets.data()).total;
+  gpu.backward(1.0f);
+  EXPECT_EQ(before, after);
+  auto cpu = make_cpu_backend(cfg, opt, adamw, ParallelContext::single());
+  cpu->set_state(st);
+  cpu->zero_grads();
+  const double on_cpu = cpu->forward(b.tokens.data(), b.targets.data()).total;
+  EXPECT_NEAR(on_cpu, after, cpu_tolerance * after);
+}
+
 TEST(CudaBackend, ZayaOverfitsOneBatchAndStateRoundTrips) {
   if (visible_cuda_devices() == 0) GTEST_SKIP() << "no CUDA device visible";
   const auto cfg = zaya_config(true);
@@ -178,33 +212,7 @@ TEST(CudaBackend, ZayaOverfitsOneBatchAndStateRoundTrips) {
   ASSERT_EQ(gpu->load(0).size(), 5u);
   ASSERT_EQ(gpu->state().router_bias[0].back(), -1.f) << "the skip class starts disfavoured, as on the CPU";
   gpu->set_state(sharpened_router(*gpu));  // (skip bias 0: the skip path trains too)
-  const fixtures::Batch b = fixtures::random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 5, 17);
-  double first = 0, last = 0;
-  for (int step = 0; step < 60; ++step) {
-    gpu->zero_grads();
-    const LossParts lp = gpu->forward(b.tokens.data(), b.targets.data());
-    if (step == 0) first = lp.ce;
-    last = lp.ce;
-    gpu->backward(1.0f);
-    gpu->clip_and_step(1.0, 3e-3);
-    gpu->update_router_bias();
-  }
-  EXPECT_LT(last, 0.5 * first) << "loss " << first << " -> " << last;
-
-  const TrainState st = gpu->state();
-  gpu->zero_grads();
-  const double before = gpu->forward(b.tokens.data(), b.targets.data()).total;
-  gpu->backward(1.0f);
-  gpu->set_state(st);
-  gpu->zero_grads();
-  const double after = gpu->forward(b.tokens.data(), b.targets.data()).total;
-  gpu->backward(1.0f);
-  EXPECT_EQ(before, after);
-  auto cpu = make_cpu_backend(cfg, opt, adamw, ParallelContext::single());
-  cpu->set_state(st);
-  cpu->zero_grads();
-  const double on_cpu = cpu->forward(b.tokens.data(), b.targets.data()).total;
-  EXPECT_NEAR(on_cpu, after, 0.03 * after);
+  expect_overfits_and_state_round_trips(*gpu, cfg, opt, adamw, 60, 0.03);
 }
 
 TEST(CudaBackend, OverfitsOneBatchAndStateRoundTrips) {
@@ -214,35 +222,7 @@ TEST(CudaBackend, OverfitsOneBatchAndStateRoundTrips) {
   optim::AdamWConfig adamw;
   adamw.weight_decay = 0;
   auto gpu = make_cuda_backend(cfg, opt, adamw, ParallelContext::single());
-  const fixtures::Batch b = fixtures::random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 5, 17);
-  double first = 0, last = 0;
-  for (int step = 0; step < 40; ++step) {
-    gpu->zero_grads();
-    const LossParts lp = gpu->forward(b.tokens.data(), b.targets.data());
-    if (step == 0) first = lp.ce;
-    last = lp.ce;
-    gpu->backward(1.0f);
-    gpu->clip_and_step(1.0, 3e-3);
-    gpu->update_router_bias();
-  }
-  EXPECT_LT(last, 0.5 * first) << "loss " << first << " -> " << last;
-
-  // state out and back in: the same loss bit for bit; into the CPU backend: the same loss
-  // within bf16 tolerance (checkpoints move between devices)
-  const TrainState st = gpu->state();
-  gpu->zero_grads();
-  const double before = gpu->forward(b.tokens.data(), b.targets.data()).total;
-  gpu->backward(1.0f);
-  gpu->set_state(st);
-  gpu->zero_grads();
-  const double after = gpu->forward(b.tokens.data(), b.targets.data()).total;
-  gpu->backward(1.0f);
-  EXPECT_EQ(before, after);
-  auto cpu = make_cpu_backend(cfg, opt, adamw, ParallelContext::single());
-  cpu->set_state(st);
-  cpu->zero_grads();
-  const double on_cpu = cpu->forward(b.tokens.data(), b.targets.data()).total;
-  EXPECT_NEAR(on_cpu, after, 0.02 * after);
+  expect_overfits_and_state_round_trips(*gpu, cfg, opt, adamw, 40, 0.02);
 }
 
 // A micro-batch's loss depends on that micro-batch alone, not on what the backend ran before
