@@ -392,34 +392,54 @@ void check_coverage(const NameMap& map) {
 }
 
 nlohmann::json hf_config(const model::ModelConfig& cfg, Names names, std::string_view dtype) {
-  const std::int64_t E = cfg.experts;
+  // Keys as the fork's ZayaConfig reads them (configuration_zaya.py of each branch; checked
+  // against the stored sources of github.com/Zyphra/transformers and a PrimeRL port of the
+  // zaya1 branch's config on 2026-11-21). Keys both branches read are written for both.
   nlohmann::json j;
   j["model_type"] = "zaya";
   j["architectures"] = {"ZayaForCausalLM"};
   j["torch_dtype"] = dtype;
   j["vocab_size"] = cfg.vocab_size;
   j["hidden_size"] = cfg.hidden;
-  j["num_attention_heads"] = cfg.heads;
   j["num_key_value_heads"] = cfg.kv_heads;
+  j["num_query_groups"] = cfg.kv_heads;  // the zaya1 branch requires it to equal num_key_value_heads
   j["head_dim"] = cfg.head_dim;
-  j["num_experts"] = E;
+  j["num_experts"] = cfg.experts;
+  j["ffn_hidden_size"] = 2 * cfg.expert_hidden;  // linear_fc1's width (gate and up)
+  j["moe_router_topk"] = 1;
+  j["cca"] = true;
   j["cca_time0"] = cfg.cca_conv_width;
   j["cca_time1"] = cfg.cca_group_conv_width;
+  j["clamp_temp"] = false;
+  j["activation_func"] = "swiglu";
+  j["gated_linear_unit"] = true;
+  j["add_bias_linear"] = false;
+  j["normalization"] = "RMSNorm";
+  j["norm_epsilon"] = cfg.norm_eps;
+  j["rope_theta"] = cfg.rope_base;
+  j["partial_rotary_factor"] = cfg.rope_fraction;
+  j["zaya_use_mod"] = cfg.router_skip_expert;
+  j["zaya_use_eda"] = true;
+  j["zaya_high_prec"] = true;
+  j["scale_residual_merge"] = true;
+  j["residual_in_fp32"] = true;
+  j["fused_add_norm"] = false;
   j["tie_word_embeddings"] = cfg.tied_embeddings;
   j["attention_bias"] = false;
   j["lm_head_bias"] = false;
   j["attention_dropout"] = 0.0;
   j["max_position_embeddings"] = cfg.max_seq_len > 0 ? cfg.max_seq_len : 4096;
   j["use_cache"] = true;
-  // Token ids: the fork's defaults (Gemma-3 tokenizer); keel's model config has none.
+  // Token ids: the released ZAYA1-8B's (Gemma-3 tokenizer); keel's model config has none.
   j["pad_token_id"] = 0;
   j["bos_token_id"] = 2;
   j["eos_token_id"] = 106;
   j["initializer_range"] = 0.02;
   if (names == Names::kZaya1) {
-    // configuration_zaya.py on branch zaya1: one "hybrid" decoder layer (attention + MoE) per
-    // keel layer; RoPE per layer type, nested.
+    // Branch zaya1: one "hybrid" decoder layer (attention + MoE) per keel layer; RoPE per layer
+    // type, nested; num_attention_heads is the number of query heads, head_dim explicit.
     j["num_hidden_layers"] = cfg.layers;
+    j["num_attention_heads"] = cfg.heads;
     j["layer_types"] = std::vector<std::string>(static_cast<std::size_t>(cfg.layers), "hybrid");
     j["rope_parameters"] = {{"hybrid",
                              {{"rope_type", "default"},
@@ -430,30 +450,22 @@ nlohmann::json hf_config(const model::ModelConfig& cfg, Names names, std::string
     j["moe_intermediate_size"] = cfg.expert_hidden;
     j["num_experts_per_tok"] = 1;
     j["router_hidden_size"] = cfg.router_hidden;
+    j["zaya_mlp_expansion"] = cfg.router_hidden;  // must equal router_hidden_size when given
     j["rms_norm_eps"] = cfg.norm_eps;
     j["output_router_logits"] = false;
   } else {
-    // configuration_zaya.py on branch zaya1-legacy: 2L alternating stages, Megatron-style keys.
+    // Branch zaya1-legacy: 2L alternating stages, Megatron-style keys. Its config derives the
+    // head width as hidden_size / num_attention_heads (kv_channels) and takes the number of CCA
+    // query heads from cca_num_q_heads, so num_attention_heads is hidden / head_dim here (16
+    // for ZAYA1-8B), not the query-head count.
+    if (cfg.head_dim <= 0 || cfg.hidden % cfg.head_dim != 0)
+      fail("--names zaya1-alternating: hidden ({}) must be a multiple of head_dim ({}): the layout's config derives "
+           "the head width as hidden_size / num_attention_heads",
+           cfg.hidden, cfg.head_dim);
     j["num_hidden_layers"] = 2 * cfg.layers;
-    j["cca"] = true;
-    j["num_query_groups"] = cfg.kv_heads;
-    j["ffn_hidden_size"] = 2 * cfg.expert_hidden;  // linear_fc1's width (gate and up)
-    j["activation_func"] = "swiglu";
-    j["gated_linear_unit"] = true;
-    j["add_bias_linear"] = false;
-    j["moe_router_topk"] = 1;
+    j["num_attention_heads"] = cfg.hidden / cfg.head_dim;
+    j["cca_num_q_heads"] = cfg.heads;
     j["zaya_mlp_expansion"] = cfg.router_hidden;
-    j["zaya_use_mod"] = cfg.router_skip_expert;
-    j["zaya_use_eda"] = true;
-    j["zaya_high_prec"] = true;
-    j["scale_residual_merge"] = true;
-    j["residual_in_fp32"] = true;
-    j["normalization"] = "RMSNorm";
-    j["norm_epsilon"] = cfg.norm_eps;
-    j["rope_theta"] = cfg.rope_base;
-    j["partial_rotary_factor"] = cfg.rope_fraction;
-    j["clamp_temp"] = false;
-    j["fused_add_norm"] = false;
     j["swa_layers"] = nullptr;
   }
   return j;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,20 +42,29 @@ std::unique_ptr<Decoder> make_decoder(const std::string& device, ModelWeights we
 }
 
 ModelWeights load_weights(const Args& a) {
-  const int sources = int(!a.checkpoint.empty()) + int(!a.model.empty()) + int(!a.config.empty());
-  if (sources != 1)
-    throw UsageError("generate: give exactly one model: a checkpoint directory, --model MODEL.yaml or --config TRAIN.yaml "
-                     "(the last two: freshly initialized weights)");
-  if (!a.checkpoint.empty()) {
-    if (!train::is_ckpt_directory(a.checkpoint))
-      throw UsageError(fmt::format("generate: {} is not a keel checkpoint (expected a checkpoint.dir root with `latest`, "
-                                   "or a step directory with metadata.json)",
-                                   a.checkpoint));
-    return load_checkpoint_weights(a.checkpoint);
+  if (!a.model.empty() && !a.config.empty()) throw UsageError("generate: give --model or --config, not both");
+  std::optional<ModelWeights> named;  // the model --model / --config name (its config; no weights yet)
+  if (!a.model.empty() || !a.config.empty()) {
+    named.emplace();
+    if (!a.model.empty()) {
+      named->config = model::load_model_config(a.model);
+    } else {
+      const train::TrainConfig tc = train::load_train_config(a.config);
+      named->config = tc.model;
+      named->renormalize_gates = tc.model_options.renormalize_gates;
+    }
   }
-  if (!a.model.empty()) return fresh_weights(model::load_model_config(a.model), true, a.init_std, a.init_seed);
-  const train::TrainConfig tc = train::load_train_config(a.config);
-  return fresh_weights(tc.model, tc.model_options.renormalize_gates, a.init_std, a.init_seed);
+  if (a.checkpoint.empty()) {
+    if (!named)
+      throw UsageError("generate: give a model: a checkpoint directory, --model MODEL.yaml or --config TRAIN.yaml "
+                       "(the last two alone: freshly initialized weights; with a checkpoint of imported weights: its model)");
+    return fresh_weights(named->config, named->renormalize_gates, a.init_std, a.init_seed);
+  }
+  if (!train::is_ckpt_directory(a.checkpoint))
+    throw UsageError(fmt::format("generate: {} is not a keel checkpoint (expected a checkpoint.dir root with `latest`, "
+                                 "or a step directory with metadata.json)",
+                                 a.checkpoint));
+  return load_checkpoint_weights(a.checkpoint, named);
 }
 
 double percentile(std::vector<double> v, double q) {
@@ -160,9 +170,9 @@ void add_command(CLI::App& app) {
   auto a = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
       "generate", "Generate text from a keel model on the GPU or the CPU (prefill + cached incremental decoding) and report latency");
-  cmd->add_option("checkpoint", a->checkpoint, "keel train checkpoint: a checkpoint.dir root (its latest) or a step directory");
-  cmd->add_option("--model", a->model, "Model YAML (configs/*.yaml) with freshly initialized weights instead of a checkpoint");
-  cmd->add_option("--config", a->config, "Train config (YAML): its model, freshly initialized, instead of a checkpoint");
+  cmd->add_option("checkpoint", a->checkpoint, "keel checkpoint: a checkpoint.dir root (its latest) or a step directory; keel train's, or imported weights (with --model)");
+  cmd->add_option("--model", a->model, "Model YAML (configs/*.yaml): freshly initialized weights, or the model of a checkpoint of imported weights");
+  cmd->add_option("--config", a->config, "Train config (YAML): its model, freshly initialized, or the model of a checkpoint of imported weights");
   cmd->add_option("--prompt,-p", a->prompt, "Prompt text (empty: start a new document after EOS)");
   cmd->add_option("--prompt-file", a->prompt_file, "Read the prompt from a file");
   cmd->add_option("--tokenizer", a->tokenizer, "byte or spm:MODEL_FILE (the one the training data was tokenized with)")

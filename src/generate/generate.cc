@@ -26,22 +26,32 @@ namespace keel::generate {
 
 // ---------------------------------------------------------------- weights
 
-ModelWeights load_checkpoint_weights(const std::string& path) {
-  // The model is described by the train config saved beside the tensors: read it first.
+ModelWeights load_checkpoint_weights(const std::string& path, const std::optional<ModelWeights>& model) {
+  // The model is described by the train config saved beside the tensors, or by the caller for
+  // weights without one (imported releases).
   const ckpt::Reader reader(path);
   const nlohmann::json& st = reader.metadata().state;
-  if (!st.contains("config") || !st["config"].is_string())
-    fail("checkpoint {}: no saved train config in its state (not written by keel train?)", reader.dir());
-  const train::TrainConfig tc =
-      train::parse_train_config(st["config"].get<std::string>(), fmt::format("checkpoint {} (saved config)", reader.dir()));
   ModelWeights w;
-  w.config = tc.model;
-  w.renormalize_gates = tc.model_options.renormalize_gates;
-  // the weights only: an empty optimizer shard reads none of the moments
-  train::LoadedTrainState got = train::load_train_checkpoint(reader.dir(), w.config, {0, 0});
+  if (st.contains("config") && st["config"].is_string()) {
+    const train::TrainConfig tc =
+        train::parse_train_config(st["config"].get<std::string>(), fmt::format("checkpoint {} (saved config)", reader.dir()));
+    w.config = tc.model;
+    w.renormalize_gates = tc.model_options.renormalize_gates;
+    if (model && train::model_param_layout(model->config).total_floats != train::model_param_layout(w.config).total_floats)
+      fail("checkpoint {} holds model '{}' ({} layers, hidden {}), not the model '{}' given with it", reader.dir(),
+           w.config.name, w.config.layers, w.config.hidden, model->config.name);
+  } else if (model) {
+    w.config = model->config;
+    w.renormalize_gates = model->renormalize_gates;
+  } else {
+    fail("checkpoint {}: no saved train config (imported weights?): name the model with --model MODEL.yaml or "
+         "--config TRAIN.yaml",
+         reader.dir());
+  }
+  train::LoadedWeights got = train::load_model_weights(reader.dir(), w.config);
   w.params = std::move(got.state.params);
   w.router_bias = std::move(got.state.router_bias);
-  w.source = fmt::format("checkpoint {} (step {})", got.dir, got.extra.value("step", std::int64_t{-1}));
+  w.source = fmt::format("checkpoint {} ({})", got.dir, got.description);
   return w;
 }
 
@@ -53,10 +63,7 @@ ModelWeights fresh_weights(const model::ModelConfig& config, bool renormalize_ga
   const optim::ParamLayout layout = train::model_param_layout(config);
   w.params.assign(static_cast<std::size_t>(layout.total_floats), 0.f);
   train::init_model_parameters(config, layout, init_std, seed, w.params.data());
-  const int classes = config.experts + (config.router_skip_expert ? 1 : 0);
-  w.router_bias.assign(model::moe_layer_count(config), std::vector<float>(std::max(classes, 0), 0.f));
-  if (config.router_skip_expert)
-    for (auto& b : w.router_bias) b.back() = -1.f;  // as MoeTransformer::init_parameters
+  w.router_bias = train::initial_router_biases(config);
   w.source = fmt::format("fresh init (seed {})", seed);
   return w;
 }

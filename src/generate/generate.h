@@ -60,11 +60,14 @@ struct ModelWeights {
   std::string source;             // "checkpoint DIR (step N)" or "fresh init (seed S)"
 };
 
-// The model of a keel train checkpoint (a checkpoint.dir root, its `latest`, or a step
-// directory): the model config and router.renormalize come from the train config saved in the
-// checkpoint; weights and router biases from model/* and router/bias.*. Throws keel::Error
-// naming the file or tensor on anything missing or mismatched.
-ModelWeights load_checkpoint_weights(const std::string& path);
+// The model of a keel checkpoint (a checkpoint.dir root, its `latest`, or a step directory):
+// weights and router biases from model/* and router/bias.* (train::load_model_weights). The
+// model config and router.renormalize come from the train config saved in a keel train
+// checkpoint; a weight set `keel ckpt import` committed (released weights) carries none, so
+// `model` (a model config, renormalize_gates) must name it; given for a train checkpoint too, it
+// must agree with the saved one. Throws keel::Error naming the file or tensor on anything
+// missing or mismatched.
+ModelWeights load_checkpoint_weights(const std::string& path, const std::optional<ModelWeights>& model = std::nullopt);
 // A freshly initialized model (train::init_model_parameters; router biases 0, -1 for the skip
 // class), as MoeTransformer::init_parameters makes it.
 ModelWeights fresh_weights(const model::ModelConfig& config, bool renormalize_gates, double init_std,

@@ -550,11 +550,17 @@ Tensor MoeTransformer::grad(const std::string& name) const {
 
 void MoeTransformer::init_parameters() {
   init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_);
-  for (auto& b : bias_) {
-    std::fill(b.begin(), b.end(), 0.f);
-    if (cfg_.router_skip_expert) b.back() = -1.f;  // ZAYA1: the skip class starts disfavoured
-  }
+  bias_ = initial_router_biases(cfg_);
   reset_load();
+}
+
+std::vector<std::vector<float>> initial_router_biases(const model::ModelConfig& cfg) {
+  const int classes = cfg.experts + (cfg.router_skip_expert ? 1 : 0);
+  std::vector<std::vector<float>> b(static_cast<std::size_t>(model::moe_layer_count(cfg)),
+                                    std::vector<float>(static_cast<std::size_t>(std::max(classes, 0)), 0.f));
+  if (cfg.router_skip_expert)
+    for (auto& v : b) v.back() = -1.f;  // ZAYA1: the skip class starts disfavoured
+  return b;
 }
 
 void MoeTransformer::zero_grads() { grad_arena_->zero_used(); }

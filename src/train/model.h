@@ -80,6 +80,9 @@ optim::ParamLayout model_param_layout(const model::ModelConfig& cfg);
 // scales, EDA scale, CCA temperatures). The same values on every platform for a seed.
 void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayout& layout, double init_std,
                            std::uint64_t seed, float* params);
+// The router selection biases a fresh model starts with, one [classes] per MoE layer: 0, and -1
+// for the skip class (ZAYA1: it starts disfavoured).
+std::vector<std::vector<float>> initial_router_biases(const model::ModelConfig& cfg);
 // 6 x active matmul parameters (LM head included) x tokens + causal attention, fwd + bwd.
 double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batch, int seq_length);
 

@@ -151,6 +151,43 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
   return out;
 }
 
+LoadedWeights load_model_weights(const std::string& path, const model::ModelConfig& cfg) {
+  const optim::ParamLayout layout = model_param_layout(cfg);
+  const ckpt::Reader reader(path);
+  const ckpt::Metadata& meta = reader.metadata();
+  const nlohmann::json& s = meta.state;
+  LoadedWeights out;
+  out.dir = reader.dir();
+  if (s.value("format", "") == kTrainFormat)
+    out.description = fmt::format("step {}", s.value("step", std::int64_t{0}));
+  else if (s.contains("imported_from"))
+    out.description = fmt::format("weights imported from {}{}", s["imported_from"].get<std::string>(),
+                                  s.contains("names") ? fmt::format(" ({} names)", s["names"].get<std::string>()) : "");
+  else
+    out.description = fmt::format("checkpoint step {}", meta.step);
+  out.state.params.assign(static_cast<std::size_t>(layout.total_floats), 0.f);
+  const std::size_t classes = static_cast<std::size_t>(cfg.experts + (cfg.router_skip_expert ? 1 : 0));
+  out.state.router_bias.assign(static_cast<std::size_t>(model::moe_layer_count(cfg)), std::vector<float>(classes, 0.f));
+  std::vector<ckpt::LoadRequest> reqs;
+  for (const auto& p : layout.params)
+    reqs.push_back(request("model/" + p.name, shape_of(p), ckpt::full_box(shape_of(p)), out.state.params.data() + p.offset));
+  // Balancing biases are carried when the source had them (a release may not): all or none,
+  // since a partial set would route some layers with trained biases and others without.
+  int have = 0;
+  for (std::size_t i = 0; i < out.state.router_bias.size(); ++i) have += meta.find(fmt::format("router/bias.{}", i)) != nullptr;
+  if (have != 0 && have != static_cast<int>(out.state.router_bias.size()))
+    fail("checkpoint {}: has {} of the {} router/bias.<i> tensors of model '{}'", reader.dir(), have,
+         out.state.router_bias.size(), cfg.name);
+  out.router_bias = have != 0;
+  if (out.router_bias)
+    for (std::size_t i = 0; i < out.state.router_bias.size(); ++i) {
+      const ckpt::Shape shape{static_cast<std::int64_t>(classes)};
+      reqs.push_back(request(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), out.state.router_bias[i].data()));
+    }
+  reader.load(reqs);
+  return out;
+}
+
 bool is_ckpt_directory(const std::string& path) {
   namespace fs = std::filesystem;
   return fs::is_directory(path) &&

@@ -77,6 +77,20 @@ struct LoadedTrainState {
 LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg,
                                        std::pair<std::int64_t, std::int64_t> shard = {0, -1});
 
+// The weights alone, to start a new run or to decode: every `model/<param>` of `cfg`, and the
+// router balancing biases when the checkpoint has them (zeros otherwise). Reads keel train
+// checkpoints and the weight sets `keel ckpt import` commits (released ZAYA1 weights); no
+// optimizer state is read. The result has an empty optimizer shard ({0, 0}) and step 0.
+// Throws keel::Error naming the tensor or file on a missing tensor, a shape or dtype mismatch,
+// or a damaged file.
+struct LoadedWeights {
+  TrainState state;
+  std::string dir;          // the step directory read
+  std::string description;  // "step N" / "weights imported from PATH (zaya1 names)"
+  bool router_bias = false; // the checkpoint had the balancing biases
+};
+LoadedWeights load_model_weights(const std::string& path, const model::ModelConfig& cfg);
+
 // True when `path` looks like a keel ckpt root or step directory (has `latest` or
 // metadata.json), as opposed to a single-file checkpoint of the older format.
 bool is_ckpt_directory(const std::string& path);

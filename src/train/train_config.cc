@@ -148,7 +148,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   c.path = what;
   ctx.only(root, "", {"model", "recompute", "router", "ce_chunk", "data", "eval", "optimizer", "schedule", "batch",
                       "steps", "log_interval", "output_dir", "checkpoint", "tensorboard", "mfu_peak_flops", "seed",
-                      "device", "parallel"});
+                      "device", "parallel", "init_from"});
   auto need = [&](const char* key) {
     if (!root[key]) throw UsageError(fmt::format("{}: missing key '{}'", what, key));
     return root[key];
@@ -207,6 +207,10 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   if (mo.ce_chunk < 1) ctx.bad("ce_chunk", root["ce_chunk"], "must be >= 1");
   if (root["seed"]) c.seed = ctx.get<std::uint64_t>(root["seed"], "seed", "a non-negative integer");
   mo.init_seed = c.seed;
+  if (root["init_from"]) {
+    c.init_from = ctx.get<std::string>(root["init_from"], "init_from", "a keel checkpoint directory");
+    if (c.init_from.empty()) ctx.bad("init_from", root["init_from"], "must name a keel checkpoint directory");
+  }
 
   // data: a keel data config; phases default to one phase of equal weights
   YAML::Node d = YAML::Clone(need("data"));

@@ -47,6 +47,8 @@ struct TrainConfig {
                                     // GPU's dense bf16 peak from its hardware profile; 1e11 on CPUs)
   std::string device = "auto";      // `device`: auto (cuda when a GPU is visible), cpu or cuda
   std::uint64_t seed = 1234;        // model initialization
+  std::string init_from;            // `init_from`: start from these weights (a keel checkpoint, e.g. imported
+                                    // released weights) with fresh optimizer state at step 0; "" = random init
   std::string text;                 // the effective config (YAML, overrides applied) for the log
 };
 

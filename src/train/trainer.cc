@@ -46,6 +46,10 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
                                  "step's micro-batches are split evenly over the ranks",
                                  cfg_.path, cfg_.grad_accum, dp));
   local_accum_ = cfg_.grad_accum / dp;
+  if (!cfg_.init_from.empty() && !is_ckpt_directory(cfg_.init_from))
+    throw UsageError(fmt::format("{}: init_from {}: not a keel checkpoint (expected a checkpoint root with `latest`, or a "
+                                 "step directory with metadata.json; `keel ckpt import` makes one from released weights)",
+                                 cfg_.path, cfg_.init_from));
   bool cuda = cfg_.device == "cuda";
   if (cfg_.device == "auto") cuda = cuda_training_available();
   const OptimizerConfig optimizer(cfg_.adamw, cfg_.muon);
@@ -199,6 +203,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until) {
     throw UsageError(fmt::format("checkpoint.dir {} already holds checkpoints (its `latest`: {}): continue with --resume "
                                  "{}, or train into another directory",
                                  cfg_.checkpoint_dir, ckpt::latest_dir(cfg_.checkpoint_dir), cfg_.checkpoint_dir));
+  if (step_ == 0 && !resumed_ && !initialized_ && !cfg_.init_from.empty()) init_from_weights(cfg_.init_from);
   if (until < 0) until = cfg_.steps;
   until = std::min(until, cfg_.steps);
   std::vector<StepStats> out;
@@ -296,6 +301,29 @@ void Trainer::finish_checkpoint() {
   if (!quiet_)
     std::printf("saved %s (%.1f MiB in %d files, %.2f GB/s)\n", stats->dir.c_str(), stats->bytes / 1048576.0,
                 stats->files, stats->write_gbps());
+}
+
+void Trainer::init_from_weights(const std::string& path) {
+  LoadedWeights got;
+  try {
+    got = load_model_weights(path, cfg_.model);
+  } catch (const Error& e) {
+    throw Error(fmt::format("init_from {}: {}", path, e.what()));
+  }
+  // Fresh optimizer state for this rank's shard, step 0: a new run that starts from these weights.
+  TrainState st = std::move(got.state);
+  std::tie(st.shard_begin, st.shard_end) = backend_->optimizer_shard();
+  st.adam_m.assign(static_cast<std::size_t>(st.shard_end - st.shard_begin), 0.f);
+  st.adam_v.assign(st.adam_m.size(), 0.f);
+  st.adamw_step = 0;
+  // Without the release's balancing biases, keep the backend's initial ones (0, and -1 for the
+  // skip class) rather than zeros.
+  if (!got.router_bias) st.router_bias = initial_router_biases(cfg_.model);
+  backend_->set_state(st);
+  initialized_ = true;
+  if (!quiet_)
+    std::printf("initialized from checkpoint %s (%s)%s\n", got.dir.c_str(), got.description.c_str(),
+                got.router_bias ? "" : "; no balancing biases in it: router biases start at their defaults");
 }
 
 void Trainer::resume(const std::string& path_in) {

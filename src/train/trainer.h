@@ -36,6 +36,10 @@ class Trainer {
   // Loads a keel ckpt checkpoint (a checkpoint.dir root: its `latest`; or one step directory),
   // or, from keel before the ckpt library, a checkpoint-*.keel file or the newest in a directory.
   void resume(const std::string& path);
+  // Sets the weights (and router biases, when present) from a keel checkpoint, with fresh
+  // optimizer state: what config.init_from does, which run() calls when the run starts at step
+  // 0 without resume(). A resumed run takes everything from its checkpoint instead.
+  void init_from_weights(const std::string& path);
   // Trains until `until` optimizer steps are done (-1: config.steps). Saves checkpoints at
   // checkpoint.interval and at the end of training. Returns the stats of the steps it ran.
   std::vector<StepStats> run(std::int64_t until = -1);
@@ -71,6 +75,7 @@ class Trainer {
   std::int64_t step_ = 0;
   int local_accum_ = 1;  // micro-batches per step on this rank: grad_accum / data-parallel degree
   bool resumed_ = false;
+  bool initialized_ = false;  // init_from_weights() done
   std::vector<std::int32_t> targets_;
   std::vector<std::uint32_t> inputs_;
 };

@@ -112,6 +112,7 @@ def check_hf(d):
     want = {"model_type": "zaya", "architectures": ["ZayaForCausalLM"], "num_hidden_layers": L, "hidden_size": D,
             "vocab_size": V, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_experts": E,
             "moe_intermediate_size": F, "router_hidden_size": R, "num_experts_per_tok": 1,
+            "num_query_groups": 2, "zaya_mlp_expansion": R, "ffn_hidden_size": 2 * F,
             "tie_word_embeddings": True, "torch_dtype": "bfloat16", "layer_types": ["hybrid"] * L}
     for k, v in want.items():
         if config.get(k) != v:
@@ -153,8 +154,11 @@ def check_alternating(d, hf):
     bias_alt = t.f32["model.layers.3.zaya_block.router.balancing_biases"]
     if not np.array_equal(bias_hf, bias_alt):
         fail(f"{path}: balancing biases differ between the layouts (both are fp32)")
+    # the legacy config derives the head width as hidden_size / num_attention_heads and counts
+    # CCA query heads in cca_num_q_heads
     if config.get("num_hidden_layers") != 2 * L or config.get("ffn_hidden_size") != 2 * F or \
-            config.get("zaya_use_mod") is not True:
+            config.get("zaya_use_mod") is not True or config.get("num_attention_heads") * 64 != D or \
+            config.get("cca_num_q_heads") != 4 or config.get("num_query_groups") != 2:
         fail(f"{d}/config.json: alternating-layer keys wrong: {config}")
 
 

@@ -95,7 +95,22 @@ set_tests_properties(ckpt_zaya_safetensors_package_reads_export PROPERTIES FIXTU
 keel_cli_test(NAME ckpt_zaya_import MATCH
   "imported zaya1-alternating weights into model 'zaya1-tiny': 65 keel tensors, .* as step 2 -> ckpt_zaya/imported/step_00000002"
   ARGS ckpt import ckpt_zaya/alt ckpt_zaya/imported --format safetensors --names zaya1-alternating --model ${zcfg})
-set_tests_properties(cli_ckpt_zaya_import PROPERTIES FIXTURES_REQUIRED ckpt_zaya_exported)
+set_tests_properties(cli_ckpt_zaya_import PROPERTIES FIXTURES_REQUIRED ckpt_zaya_exported FIXTURES_SETUP ckpt_zaya_imported)
+# Released weights start a keel run (init_from: fresh optimizer, step 0) and decode (the model
+# named with --config, since an import carries no train config).
+keel_cli_test(NAME ckpt_zaya_train_from_imported
+  MATCH "^initialized from checkpoint ckpt_zaya/imported/step_00000002 \\(weights imported from ckpt_zaya/alt \\(zaya1-alternating names\\)\\)$"
+  ARGS train ${zcfg} --set data.datasets.stories=train_stories --set eval.prefix=train_stories_heldout
+       --set steps=1 --set data.seq_length=64 --set schedule.warmup_steps=0 --set batch.micro_batch=2
+       --set checkpoint.final=false --set output_dir=ckpt_zaya/finetune --set init_from=ckpt_zaya/imported)
+keel_cli_test(NAME ckpt_zaya_generate_from_imported
+  MATCH "^model zaya1-tiny: .*; checkpoint ckpt_zaya/imported/step_00000002 \\(weights imported from ckpt_zaya/alt"
+  ARGS generate ckpt_zaya/imported --config ${zcfg} --prompt "Tom ran" -n 4 --ignore-eos)
+keel_cli_test(NAME ckpt_zaya_generate_imported_needs_model EXIT 1
+  MATCH "keel: error: checkpoint ckpt_zaya/imported/step_00000002: no saved train config \\(imported weights\\?\\): name the model with --model"
+  ARGS generate ckpt_zaya/imported --prompt "Tom ran" -n 4)
+set_tests_properties(cli_ckpt_zaya_train_from_imported cli_ckpt_zaya_generate_from_imported
+  cli_ckpt_zaya_generate_imported_needs_model PROPERTIES FIXTURES_REQUIRED "ckpt_zaya_imported;train_stories")
 keel_cli_test(NAME ckpt_zaya_import_other_layout EXIT 1 MATCH
   "keel: error: ckpt_zaya/hf/model\\.safetensors: tensor '.*' is not a zaya1-alternating parameter of model 'zaya1-tiny' \\(2 layers, 4 experts\\) \\(it is a name of the zaya1 branch's layout: use --names zaya1\\)"
   ARGS ckpt import ckpt_zaya/hf ckpt_zaya/bad --names zaya1-alternating --model ${zcfg})

@@ -21,7 +21,10 @@ keel_cli_test(NAME generate_latency_table MATCH "^ +4 +16 +11 +[0-9.]+ +[0-9.]+ 
   ARGS ${gen_args})
 keel_cli_test(NAME generate_sampling MATCH "^tokenizer byte; prompt 7 tokens; up to 8 new tokens, temperature 0.8, top-k 20, seed 7$"
   ARGS generate gen_train --prompt "The dog" -n 8 -t 0.8 --top-k 20 --seed 7)
-set_tests_properties(cli_generate_from_checkpoint cli_generate_text cli_generate_latency_table cli_generate_sampling
+keel_cli_test(NAME generate_checkpoint_other_model EXIT 1
+  MATCH "^keel: error: checkpoint gen_train/step_00000004 holds model 'moe-tiny' \\(4 layers, hidden [0-9]+\\), not the model 'zaya1-tiny' given with it$"
+  ARGS generate gen_train --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt hi)
+set_tests_properties(cli_generate_checkpoint_other_model cli_generate_from_checkpoint cli_generate_text cli_generate_latency_table cli_generate_sampling
                      PROPERTIES FIXTURES_REQUIRED generate_ckpt)
 
 # ZAYA1 from a checkpoint: CCA's small cache and the MLP router's biases come back from it.
@@ -42,8 +45,10 @@ keel_cli_test(NAME generate_zaya1_fresh
 # Bad input.
 keel_cli_test(NAME generate_not_a_checkpoint EXIT 1 MATCH "^keel: error: generate: no_such_dir is not a keel checkpoint"
   ARGS generate no_such_dir --prompt hi)
-keel_cli_test(NAME generate_no_model EXIT 1 MATCH "^keel: error: generate: give exactly one model"
+keel_cli_test(NAME generate_no_model EXIT 1 MATCH "^keel: error: generate: give a model: a checkpoint directory, --model"
   ARGS generate --prompt hi)
+keel_cli_test(NAME generate_model_and_config EXIT 1 MATCH "^keel: error: generate: give --model or --config, not both$"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --config ${PROJECT_SOURCE_DIR}/configs/train/zaya1-tiny.yaml --prompt hi)
 keel_cli_test(NAME generate_bad_temperature EXIT 1 MATCH "^keel: error: generate: --temperature must be >= 0"
   ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml -t -1)
 keel_cli_test(NAME generate_too_long EXIT 1 MATCH "^keel: error: generate: prompt \\+ new tokens = 304 positions exceeds model 'zaya1-tiny' max_seq_len 256"

@@ -155,5 +155,74 @@ TEST(Trainer, GradAccumMatchesLargerMicroBatch) {
   EXPECT_NEAR(sa[0].grad_norm, sb[0].grad_norm, 1e-4 * sb[0].grad_norm);
 }
 
+TEST(Trainer, InitFromStartsFreshOptimizerOnTheCheckpointsWeights) {
+  const auto dir = fixtures::temp_dir("train_test", "init_from");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  auto src_cfg = parse_train_config(fixtures::train_config_text(prefix, dir / "src"), "t.yaml", {"steps=3"});
+  Trainer src(src_cfg, ParallelContext::single(), true);
+  src.run();
+  src.finish_checkpoint();
+  const TrainState trained = src.backend().state();
+
+  auto cfg = parse_train_config(fixtures::train_config_text(prefix, dir / "dst"), "t.yaml",
+                                {"steps=2", "init_from=" + (dir / "src").string()});
+  EXPECT_EQ(cfg.init_from, (dir / "src").string());
+  Trainer t(cfg, ParallelContext::single(), true);
+  t.run(0);  // no steps: only the initialization
+  EXPECT_EQ(t.step(), 0);
+  const TrainState got = t.backend().state();
+  ASSERT_EQ(got.params.size(), trained.params.size());
+  EXPECT_EQ(std::memcmp(got.params.data(), trained.params.data(), got.params.size() * sizeof(float)), 0);
+  EXPECT_EQ(got.router_bias, trained.router_bias);
+  EXPECT_EQ(got.adamw_step, 0);
+  for (float m : got.adam_m) ASSERT_EQ(m, 0.f);
+  for (float v : got.adam_v) ASSERT_EQ(v, 0.f);
+
+  // Its first step sees the trained weights: the loss starts where the source run ended, well
+  // below a fresh model's.
+  auto fresh_cfg = parse_train_config(fixtures::train_config_text(prefix, dir / "fresh"), "t.yaml", {"steps=2"});
+  Trainer fresh(fresh_cfg, ParallelContext::single(), true);
+  const double fresh_loss = fresh.run(1).front().loss;
+  const double init_loss = t.run(1).front().loss;
+  EXPECT_LT(init_loss, fresh_loss - 0.1) << "init_from did not carry the trained weights";
+
+  // A resumed run takes its weights from --resume, not init_from.
+  Trainer r(cfg, ParallelContext::single(), true);
+  r.resume((dir / "src").string());
+  r.run(3);  // nothing left: the source already did 3 steps (of its schedule's 3)
+  EXPECT_EQ(r.step(), 3);
+}
+
+TEST(Trainer, InitFromRefusesWhatIsNotTheModelsWeights) {
+  const auto dir = fixtures::temp_dir("train_test", "init_from_bad");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  auto src_cfg = parse_train_config(fixtures::train_config_text(prefix, dir / "src"), "t.yaml", {"steps=2"});
+  Trainer(src_cfg, ParallelContext::single(), true).run();
+  // not a checkpoint: refused before any work
+  auto c1 = parse_train_config(fixtures::train_config_text(prefix, dir / "o1"), "t.yaml",
+                               {"init_from=" + (dir / "nothing").string()});
+  try {
+    Trainer t(c1, ParallelContext::single(), true);
+    FAIL() << "accepted a missing init_from";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("init_from " + (dir / "nothing").string() + ": not a keel checkpoint"),
+              std::string::npos)
+        << e.what();
+  }
+  // another model's weights: the tensor is named
+  auto c2 = parse_train_config(fixtures::train_config_text(prefix, dir / "o2"), "t.yaml",
+                               {"init_from=" + (dir / "src").string(), "model.hidden=32"});
+  Trainer t(c2, ParallelContext::single(), true);
+  try {
+    t.run(1);
+    FAIL() << "loaded weights of another shape";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("init_from " + (dir / "src").string()), std::string::npos) << what;
+    EXPECT_NE(what.find("model/"), std::string::npos) << what;
+  }
+  EXPECT_EQ(t.step(), 0);
+}
+
 }  // namespace
 }  // namespace keel::train
