@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi peer memgemm train dp
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi peer memgemm train dp decode
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -98,6 +98,14 @@ for step in "${steps[@]}"; do
       timeout 900 python3 bench/train_vs_torch.py --keel "$build/keel" --out "$out/train" ${KEEL_TRAIN_ARGS:-} 2>&1 \
         | tee "$out/train_vs_torch.log" | tail -20
       grep -A12 '^== keel train vs PyTorch' "$out/train_vs_torch.log" >>"$summary" ;;
+    decode)
+      # keel generate's per-token latency at batch 1, 8, 64 on ZAYA1-8B's widths: the first
+      # KEEL_DECODE_LAYERS (8) of its 40 layers, freshly initialized (no released weights here).
+      layers=${KEEL_DECODE_LAYERS:-8}
+      sed "s/^layers: .*/layers: $layers/; s/^name: .*/name: zaya1-8b-cut$layers/" configs/zaya1-8b.yaml >"$out/zaya1-8b-cut.yaml"
+      timeout 600 "$build/keel" generate --model "$out/zaya1-8b-cut.yaml" -p "Once upon a time" -n 128 \
+          --batch 1,8,64 --bench --device cuda 2>&1 | tee "$out/decode.log" | tail -8
+      { echo "decode (ZAYA1-8B widths, $layers layers, 128 new tokens):"; grep -E '^ +(batch|1|8|64) ' "$out/decode.log"; } >>"$summary" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
