@@ -175,5 +175,37 @@ TEST(TrainModel, RouterBiasBalancesLoad) {
   EXPECT_EQ(m.load(0)[0], 0);  // reset
 }
 
+TEST(TrainModel, InitIsDeterministicAndOneStreamAcrossParallelChunks) {
+  // Embedding 4096 x 512 = 2M elements: filled in parallel chunks of 1M (init_model_parameters).
+  model::ModelConfig cfg = fixtures::tiny_config(true);
+  cfg.vocab_size = 4096;
+  cfg.hidden = 512;
+  cfg.heads = 8;
+  cfg.kv_heads = 2;
+  cfg.head_dim = 64;
+  const optim::ParamLayout layout = model_param_layout(cfg);
+  std::vector<float> a(layout.total_floats), b(layout.total_floats);
+  init_model_parameters(cfg, layout, 0.02, 77, a.data());
+  init_model_parameters(cfg, layout, 0.02, 77, b.data());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "init depends on thread timing";
+  const optim::ParamInfo* embed = nullptr;
+  for (const auto& p : layout.params)
+    if (p.name.find("embed") != std::string::npos) embed = &p;
+  ASSERT_NE(embed, nullptr);
+  ASSERT_GT(embed->numel, std::int64_t{1} << 20);
+  // The second chunk continues the stream instead of restarting it, and the values look normal(0, 0.02).
+  const float* e = a.data() + embed->offset;
+  const std::int64_t c = std::int64_t{1} << 20;
+  EXPECT_NE(std::memcmp(e, e + c, 64 * sizeof(float)), 0) << "chunk 1 repeats chunk 0";
+  double sum = 0, sq = 0;
+  for (std::int64_t i = 0; i < embed->numel; ++i) sum += e[i], sq += double(e[i]) * e[i];
+  const double mean = sum / embed->numel, sd = std::sqrt(sq / embed->numel - mean * mean);
+  EXPECT_NEAR(mean, 0.0, 1e-4);
+  EXPECT_NEAR(sd, 0.02, 2e-4);
+  // another seed, other values
+  init_model_parameters(cfg, layout, 0.02, 78, b.data());
+  EXPECT_NE(std::memcmp(a.data() + embed->offset, b.data() + embed->offset, 64 * sizeof(float)), 0);
+}
+
 }  // namespace
 }  // namespace keel::train
