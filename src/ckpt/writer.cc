@@ -18,6 +18,7 @@
 #include "ckpt/store.h"
 #include "common/error.h"
 #include "common/process.h"
+#include "device/host_memory.h"
 
 namespace fs = std::filesystem;
 
@@ -30,8 +31,8 @@ double now_s() {
 
 // A staging buffer reused across saves and the shards laid out in it (= in its file).
 struct Saver::Bucket {
-  std::unique_ptr<char[]> buf;
-  std::uint64_t capacity = 0, used = 0;
+  HostBuffer buf;  // staging, grown (never shrunk); pinned once a device shard was staged
+  std::uint64_t used = 0;
   std::string file, path;
   struct Item {
     std::size_t shard;  // index into report_["shards"]
@@ -116,11 +117,12 @@ double Saver::save(std::int64_t step, const std::vector<SaveShard>& shards, cons
   // The stall proper: copy into the staging buffers (grown, never shrunk).
   for (int b = 0; b < nb; ++b) {
     Bucket& k = *buckets_[b];
-    if (k.capacity < k.used) {
-      k.buf.reset(new char[k.used]);
-      k.capacity = k.used;
-    }
-    for (auto& it : k.items) std::memcpy(k.buf.get() + it.offset, shards[it.shard].data, it.nbytes);
+    bool device = false;
+    for (auto& it : k.items) device = device || shards[it.shard].on_device;
+    if (k.buf.size() < k.used || (device && !k.buf.pinned() && pinned_host_memory_available()))
+      k.buf = HostBuffer(std::max<std::uint64_t>(k.used, k.buf.size()), device);
+    for (auto& it : k.items)
+      copy_to_host(k.buf.data() + it.offset, shards[it.shard].data, it.nbytes, shards[it.shard].on_device);
   }
   for (std::size_t i = 0; i < shards.size(); ++i) {
     if (bucket_of[i] < 0) continue;
@@ -152,7 +154,7 @@ void Saver::write_bucket(Bucket& k) {
     const int fd = ::open(k.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd < 0) fail("cannot create {}: {}", k.path, std::strerror(errno));
     try {
-      for (auto& it : k.items) it.crc = crc32c(0, k.buf.get() + it.offset, it.nbytes);
+      for (auto& it : k.items) it.crc = crc32c(0, k.buf.data() + it.offset, it.nbytes);
       std::uint64_t pos = 0;
       while (pos < k.used) {
         const std::uint64_t n = std::min(opt_.chunk_bytes, k.used - pos);
@@ -160,7 +162,7 @@ void Saver::write_bucket(Bucket& k) {
           errno = ENOSPC;
           fail("cannot write {}: {}", k.path, std::strerror(errno));
         }
-        const ssize_t w = ::pwrite(fd, k.buf.get() + pos, n, static_cast<off_t>(pos));
+        const ssize_t w = ::pwrite(fd, k.buf.data() + pos, n, static_cast<off_t>(pos));
         if (w < 0) {
           if (errno == EINTR) continue;
           fail("cannot write {}: {}", k.path, std::strerror(errno));

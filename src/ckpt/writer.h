@@ -1,7 +1,8 @@
 // Asynchronous, deduplicated, bucketed checkpoint saves with an atomic commit.
 //
 // save() pays only for copying each shard this rank writes into reusable host staging
-// buffers (pinned memory on a GPU build; plain memcpy here), then returns. Background
+// buffers (page-locked when a shard lives in GPU memory, so the device-to-host copy runs at
+// the link's rate; plain memcpy for host shards), then returns. Background
 // threads, one per bucket, write each bucket's buffer to its own data file with large
 // sequential writes (chunk_bytes, default 8 MiB), CRC32C every shard and fsync. wait()
 // runs the commit on the calling thread: every rank's report is gathered at rank 0, which
@@ -32,7 +33,9 @@ namespace keel::ckpt {
 
 // One tensor as this rank holds it. Every rank lists every tensor it holds; `write` is true
 // on exactly one replica of each distinct shard (see rank_shard), and `data` then points to
-// box.volume() elements, row-major, valid only during save().
+// box.volume() elements, row-major, valid only during save(): in host memory, or with
+// `on_device` in the current GPU's memory (the caller has synchronized the stream that wrote
+// it; save() copies it straight into pinned staging).
 struct SaveShard {
   std::string name;
   ElemType type = ElemType::kF32;
@@ -41,6 +44,7 @@ struct SaveShard {
   Box box;
   const void* data = nullptr;
   bool write = false;
+  bool on_device = false;
 };
 
 struct SaveOptions {

@@ -47,6 +47,35 @@ struct TrainState {
   std::int64_t adamw_step = 0;
 };
 
+// What a checkpoint of this rank writes, where it already lives: this rank's ZeRO-1 shard
+// [shard_begin, shard_end) of the parameters and of the optimizer moments. In GPU memory
+// (on_device) on the CUDA backend, so the checkpoint copies it once, straight into pinned
+// staging, instead of through a host TrainState. Pointers stay valid until the next
+// training step; `keep` holds a host copy when the view points into one.
+struct CheckpointView {
+  const float* params = nullptr;  // the flat parameter buffer: element i at params[i]
+  const float* adam_m = nullptr;  // the shard's moments: element i at adam_m[i - shard_begin]
+  const float* adam_v = nullptr;
+  std::int64_t shard_begin = 0, shard_end = 0;
+  bool on_device = false;
+  std::vector<std::vector<float>> router_bias;
+  std::int64_t adamw_step = 0;
+  std::shared_ptr<const TrainState> keep;
+
+  static CheckpointView of(std::shared_ptr<const TrainState> s) {
+    CheckpointView v;
+    v.params = s->params.data();
+    v.adam_m = s->adam_m.data();
+    v.adam_v = s->adam_v.data();
+    v.shard_begin = s->shard_begin;
+    v.shard_end = s->shard_end;
+    v.router_bias = s->router_bias;
+    v.adamw_step = s->adamw_step;
+    v.keep = std::move(s);
+    return v;
+  }
+};
+
 struct StepResult {
   double grad_norm = 0;          // global L2 norm before clipping
   double clip_coefficient = 1;   // what the gradients were multiplied by
@@ -90,6 +119,9 @@ class TrainBackend {
   virtual std::vector<float> gradients() const = 0;
 
   virtual TrainState state() const = 0;
+  // The state a checkpoint writes, without copying it where the backend can (a collective under
+  // data parallelism, like state()). Default: a host copy through state().
+  virtual CheckpointView checkpoint_view() { return CheckpointView::of(std::make_shared<const TrainState>(state())); }
   // Throws keel::Error when the sizes or the shard do not match this model and rank, or when
   // the state holds Muon
   // momentum for a parameter this backend trains with AdamW (check_state_matches_optimizers).

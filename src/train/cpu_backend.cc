@@ -106,6 +106,18 @@ class CpuBackend final : public TrainBackend {
     return s;
   }
 
+  CheckpointView checkpoint_view() override {  // the backend's own buffers: the saver's staging is the only copy
+    CheckpointView v;
+    v.params = model_.params();
+    v.adam_m = adam_m_;
+    v.adam_v = adam_v_;
+    v.shard_begin = shard_.first;
+    v.shard_end = shard_.second;
+    for (int i = 0; i < moe_layer_count(); ++i) v.router_bias.push_back(model_.router_bias(i));
+    v.adamw_step = adam_.step_count();
+    return v;
+  }
+
   void set_state(const TrainState& s) override {
     const std::size_t n = static_cast<std::size_t>(model_.param_floats());
     const std::size_t k = static_cast<std::size_t>(shard_.second - shard_.first);

@@ -78,29 +78,30 @@ TrainCheckpointer::~TrainCheckpointer() {
   }
 }
 
-double TrainCheckpointer::save(std::int64_t step, const TrainState& state, const optim::ParamLayout& layout,
+double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, const optim::ParamLayout& layout,
                                const nlohmann::json& extra) {
   // Each rank writes its ZeRO-1 shard of every tensor: the optimizer state it owns and the
   // parameters of the same range (replicated, so any rank could; this spreads the writes).
-  const std::int64_t b = state.shard_begin, e = state.shard_end;
-  if (state.adam_m.size() != static_cast<std::size_t>(e - b) || state.adam_v.size() != state.adam_m.size())
-    fail("checkpoint: optimizer shard [{}, {}) holds {} floats", b, e, state.adam_m.size());
+  const std::int64_t b = view.shard_begin, e = view.shard_end;
+  if (b < 0 || b > e || e > layout.total_floats || !view.params || (e > b && (!view.adam_m || !view.adam_v)))
+    fail("checkpoint: optimizer shard [{}, {}) of {} floats has no data", b, e, layout.total_floats);
   std::vector<ckpt::SaveShard> shards;
   for (const auto& p : layout.params)
     for_each_box_in(p, b, e, [&](ckpt::Box box, std::int64_t at) {
-      shards.push_back(shard("model/" + p.name, shape_of(p), box, state.params.data() + at, false));
-      shards.push_back(shard("optim/exp_avg/" + p.name, shape_of(p), box, state.adam_m.data() + (at - b), true));
-      shards.push_back(shard("optim/exp_avg_sq/" + p.name, shape_of(p), std::move(box), state.adam_v.data() + (at - b), true));
+      shards.push_back(shard("model/" + p.name, shape_of(p), box, view.params + at, false));
+      shards.push_back(shard("optim/exp_avg/" + p.name, shape_of(p), box, view.adam_m + (at - b), true));
+      shards.push_back(shard("optim/exp_avg_sq/" + p.name, shape_of(p), std::move(box), view.adam_v + (at - b), true));
     });
-  for (std::size_t i = 0; i < state.router_bias.size(); ++i) {  // replicated: spread over the ranks
+  for (auto& s : shards) s.on_device = view.on_device;
+  for (std::size_t i = 0; i < view.router_bias.size(); ++i) {  // replicated: spread over the ranks (host memory)
     if (static_cast<int>(i % static_cast<std::size_t>(comm_->size())) != comm_->rank()) continue;
-    const ckpt::Shape shape{static_cast<std::int64_t>(state.router_bias[i].size())};
-    shards.push_back(shard(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), state.router_bias[i].data(), false));
+    const ckpt::Shape shape{static_cast<std::int64_t>(view.router_bias[i].size())};
+    shards.push_back(shard(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), view.router_bias[i].data(), false));
   }
   nlohmann::json s = extra;
   s["format"] = kTrainFormat;
   s["step"] = step;
-  s["optimizer_step"] = state.adamw_step;
+  s["optimizer_step"] = view.adamw_step;
   const std::string layout_name = comm_->size() > 1 ? fmt::format("dp={},zero=1", comm_->size()) : "dp=1";
   return saver_->save(step, shards, s, nlohmann::json::object(), layout_name);
 }

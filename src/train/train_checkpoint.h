@@ -51,8 +51,11 @@ class TrainCheckpointer {
 
   // Stages `state` (plus `extra`: step, sampler position, ...) and starts writing; completes a
   // previous save first. Returns the stall: seconds this call blocked training.
-  double save(std::int64_t step, const TrainState& state, const optim::ParamLayout& layout,
+  double save(std::int64_t step, const CheckpointView& view, const optim::ParamLayout& layout,
               const nlohmann::json& extra);
+  double save(std::int64_t step, const TrainState& state, const optim::ParamLayout& layout, const nlohmann::json& extra) {
+    return save(step, CheckpointView::of(std::make_shared<const TrainState>(state)), layout, extra);
+  }
   // Completes the save in flight, if any (commit, `latest`, retention).
   std::optional<ckpt::SaveStats> finish();
   const std::string& root() const { return root_; }

@@ -275,7 +275,8 @@ void Trainer::save_checkpoint() {
     ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o, ctx_.data.comm);
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const TrainState st = backend_->state();  // the device-to-host copy (a memcpy on the CPU)
+  // this rank's shard where it lives (GPU memory on the CUDA backend: copied once, into pinned staging)
+  const CheckpointView view = backend_->checkpoint_view();
   nlohmann::json extra;
   extra["model"] = cfg_.model.name;
   extra["sampler"] = loader_->state();
@@ -285,7 +286,7 @@ void Trainer::save_checkpoint() {
   extra["data_parallel"] = ctx_.data.size;
   // save() first completes the previous save (its commit line prints here).
   finish_checkpoint();
-  ckpt_->save(step_, st, backend_->layout(), extra);
+  ckpt_->save(step_, view, backend_->layout(), extra);
   const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (log_) log_->scalars(step_, {{"checkpoint_stall_s", stall}});
   if (!quiet_)
