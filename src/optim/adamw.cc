@@ -48,18 +48,24 @@ void AdamW::set_step_count(std::int64_t t) {
 }
 
 void AdamW::step(const ParamLayout& layout, const FlatRange& r, double lr, float grad_scale) {
-  if (r.begin < 0 || r.end < r.begin || r.end > layout.total_floats)
-    fail("adamw: range [{}, {}) is outside the flat buffer of {} floats", r.begin, r.end, layout.total_floats);
+  step(layout, std::vector<FlatRange>{r}, lr, grad_scale);
+}
+
+void AdamW::step(const ParamLayout& layout, const std::vector<FlatRange>& ranges, double lr, float grad_scale) {
+  for (const auto& r : ranges)
+    if (r.begin < 0 || r.end < r.begin || r.end > layout.total_floats)
+      fail("adamw: range [{}, {}) is outside the flat buffer of {} floats", r.begin, r.end, layout.total_floats);
   if (!(std::isfinite(lr) && lr >= 0)) fail("adamw: lr must be finite and >= 0, got {}", lr);
   if (!std::isfinite(grad_scale)) fail("adamw: grad_scale is not finite ({})", grad_scale);
   ++t_;
-  for (const auto& p : layout.params) {
-    if (p.optimizer != OptimizerKind::kAdamW) continue;
-    std::int64_t b = std::max(p.offset, r.begin), e = std::min(p.offset + p.numel, r.end);
-    if (b >= e) continue;
-    std::int64_t k = b - r.begin;
-    adamw_update(r.param + k, r.grad + k, r.m + k, r.v + k, e - b, c_, t_, lr * p.lr_scale, p.weight_decay, grad_scale);
-  }
+  for (const auto& r : ranges)
+    for (const auto& p : layout.params) {
+      if (p.optimizer != OptimizerKind::kAdamW) continue;
+      std::int64_t b = std::max(p.offset, r.begin), e = std::min(p.offset + p.numel, r.end);
+      if (b >= e) continue;
+      std::int64_t k = b - r.begin;
+      adamw_update(r.param + k, r.grad + k, r.m + k, r.v + k, e - b, c_, t_, lr * p.lr_scale, p.weight_decay, grad_scale);
+    }
 }
 
 }  // namespace keel::optim

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "optim/param_groups.h"
 
@@ -55,6 +56,9 @@ class AdamW {
   // parameters and padding are skipped and left as they are). Increments the step counter
   // first, so the first call uses t = 1. Elements are split over ops threads when large.
   void step(const ParamLayout& layout, const FlatRange& range, double lr, float grad_scale = 1.0f);
+  // One step over several disjoint ranges (a ZeRO-1 shard and an expert-parallel rank's experts):
+  // the counter advances once.
+  void step(const ParamLayout& layout, const std::vector<FlatRange>& ranges, double lr, float grad_scale = 1.0f);
 
   std::int64_t step_count() const { return t_; }
   void set_step_count(std::int64_t t);  // for checkpoint restore

@@ -48,10 +48,14 @@ void ExpertParallelMoe::exchange(const float* send, const std::vector<std::int64
             "MPI_Alltoallv (expert parallel)");
 }
 
-void ExpertParallelMoe::forward(const Tensor& x, const Tensor& gates, const std::int32_t* expert_idx, int top_k,
+void ExpertParallelMoe::forward(const ops::moe::Plan& plan, const Tensor& x, const Tensor& gates,
                                 const ops::moe::Weights& local, const Tensor& y) {
   if (x.ndim() != 2) fail("expert parallel: x must be [N, D], got {}", x.shape_string());
   const std::int64_t n = x.dim(0), d = x.dim(1);
+  const int top_k = plan.top_k;
+  if (plan.experts != experts_ || plan.tokens != n)
+    fail("expert parallel: plan is for {} tokens over {} experts, expected {} over {}", plan.tokens, plan.experts, n,
+         experts_);
   const int el = local_experts();
   if (local.w_gate.ndim() != 3 || local.w_gate.dim(0) != el)
     fail("expert parallel: local W_gate must be [{}, F, D] (experts {}..{} of {}), got {}", el, first_expert(),
@@ -60,7 +64,7 @@ void ExpertParallelMoe::forward(const Tensor& x, const Tensor& gates, const std:
   require_shape(gates, {n, top_k}, "expert parallel gates");
   require_shape(y, {n, d}, "expert parallel y");
   d_ = d, f_ = f;
-  plan_ = ops::moe::make_plan(expert_idx, n, top_k, experts_);
+  plan_ = plan;
   const std::int64_t s = plan_.slots();
   gates_.assign(gates.data(), gates.data() + n * top_k);
 
@@ -194,6 +198,17 @@ void ExpertParallelMoe::backward(const Tensor& dy, const ops::moe::Weights& loca
       }
     }
   });
+}
+
+void all_reduce_sum(float* x, std::int64_t n, MPI_Comm comm) {
+  for (std::int64_t at = 0; at < n; at += INT_MAX) {
+    const int k = static_cast<int>(std::min<std::int64_t>(INT_MAX, n - at));
+    mpi_check(MPI_Allreduce(MPI_IN_PLACE, x + at, k, MPI_FLOAT, MPI_SUM, comm), "MPI_Allreduce (expert gradients)");
+  }
+}
+
+void all_reduce_sum(double* x, int n, MPI_Comm comm) {
+  mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, comm), "MPI_Allreduce");
 }
 
 }  // namespace keel::parallel

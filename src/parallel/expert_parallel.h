@@ -3,8 +3,8 @@
 // rank routes its own tokens, and tokens travel to the ranks holding their experts and back.
 //
 // Forward, per MoE layer:
-//   1. sort this rank's N * top_k routed slots by expert (moe::make_plan); the slots of the
-//      experts of rank r are then one contiguous block;
+//   1. this rank's N * top_k routed slots sorted by expert (moe::make_plan, by the caller); the
+//      slots of the experts of rank r are then one contiguous block;
 //   2. exchange the per-expert counts (MPI_Alltoall, E/P numbers per rank pair), so every rank
 //      knows how many rows it receives for each of its experts from each source;
 //   3. send the slots' token rows (MPI_Alltoallv); reorder the received rows from source-major
@@ -46,11 +46,12 @@ class ExpertParallelMoe {
   int local_experts() const { return experts_ / size_; }
   int first_expert() const { return rank_ * local_experts(); }
 
-  // x [N, D] this rank's tokens, gates [N, top_k], expert_idx [N * top_k] global expert ids;
-  // local: this rank's experts (W_gate, W_up [E/P, F, D], W_down [E/P, D, F]); y [N, D].
-  // Every rank of the group calls it together. Keeps what backward needs until the next call.
-  void forward(const Tensor& x, const Tensor& gates, const std::int32_t* expert_idx, int top_k,
-               const ops::moe::Weights& local, const Tensor& y);
+  // plan: this rank's slots sorted over all E experts (moe::make_plan of its routing, as the
+  // single-rank path makes it); x [N, D] this rank's tokens, gates [N, top_k]; local: this
+  // rank's experts (W_gate, W_up [E/P, F, D], W_down [E/P, D, F]); y [N, D]. Every rank of the
+  // group calls it together, N = 0 included. Keeps what backward needs until the next call.
+  void forward(const ops::moe::Plan& plan, const Tensor& x, const Tensor& gates, const ops::moe::Weights& local,
+               const Tensor& y);
   // dy [N, D]; dx [N, D] and dgates [N, top_k] are overwritten (either may be empty);
   // local_grads (shapes of `local`, any may be empty) accumulated (+=). Collective.
   void backward(const Tensor& dy, const ops::moe::Weights& local, const Tensor& dx, const Tensor& dgates,
@@ -78,5 +79,10 @@ class ExpertParallelMoe {
   std::vector<float> gates_, x_local_, ys_sorted_, unit_gates_;
   std::vector<float> h_gate_, h_up_, act_, xs_local_, ys_local_;
 };
+
+// In-place sums over `comm` of host buffers (MPI_Allreduce, in int-sized pieces): expert
+// gradients over the ranks holding the same experts, sums of squares over the expert group.
+void all_reduce_sum(float* x, std::int64_t n, MPI_Comm comm);
+void all_reduce_sum(double* x, int n, MPI_Comm comm);
 
 }  // namespace keel::parallel

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -35,14 +36,32 @@
 
 namespace keel::train {
 
+// What of the model's state one rank holds. Its parameters are laid out by
+// model_param_layout(cfg, expert_parallel) (with expert parallelism: E / ep experts per MoE
+// layer, those of expert_rank, after every replicated parameter). Its optimizer state covers
+// the ZeRO-1 shard [shard_begin, shard_end) of the replicated parameters and, with expert
+// parallelism, the whole expert region [expert_begin, expert_end) (kept by each of the ranks
+// holding the same experts).
+struct StateSlice {
+  int expert_parallel = 1, expert_rank = 0;
+  std::int64_t shard_begin = 0, shard_end = 0;
+  std::int64_t expert_begin = 0, expert_end = 0;
+  std::int64_t moments() const { return (shard_end - shard_begin) + (expert_end - expert_begin); }
+};
+
 // Everything a checkpoint holds of the model and optimizer, in host memory.
 struct TrainState {
-  std::vector<float> params;  // layout().total_floats: every parameter (replicated over data-parallel ranks)
+  std::vector<float> params;  // layout().total_floats: every parameter this rank holds
   // The optimizer state of this rank's ZeRO-1 shard [shard_begin, shard_end) of the flat buffer
   // (all of it on one rank): shard_end - shard_begin floats each, element i at offset
   // shard_begin + i. adam_m holds Muon's momentum at Muon parameters (their adam_v stays zero).
   std::int64_t shard_begin = 0, shard_end = 0;
   std::vector<float> adam_m, adam_v;
+  // With expert parallelism: this rank's experts and their optimizer range (StateSlice); the
+  // moments of [expert_begin, expert_end) follow the shard's in adam_m / adam_v.
+  int expert_parallel = 1, expert_rank = 0;
+  std::int64_t expert_begin = 0, expert_end = 0;
+  StateSlice slice() const { return {expert_parallel, expert_rank, shard_begin, shard_end, expert_begin, expert_end}; }
   std::vector<std::vector<float>> router_bias;    // one [E] per MoE layer
   std::int64_t adamw_step = 0;
 };
@@ -54,9 +73,10 @@ struct TrainState {
 // training step; `keep` holds a host copy when the view points into one.
 struct CheckpointView {
   const float* params = nullptr;  // the flat parameter buffer: element i at params[i]
-  const float* adam_m = nullptr;  // the shard's moments: element i at adam_m[i - shard_begin]
+  const float* adam_m = nullptr;  // the shard's moments: element i at adam_m[i - shard_begin], then the expert range's
   const float* adam_v = nullptr;
-  std::int64_t shard_begin = 0, shard_end = 0;
+  StateSlice slice;
+  int expert_replica = 0, expert_replicas = 1;  // this rank among those holding the same experts (writes its part)
   bool on_device = false;
   std::vector<std::vector<float>> router_bias;
   std::int64_t adamw_step = 0;
@@ -67,8 +87,7 @@ struct CheckpointView {
     v.params = s->params.data();
     v.adam_m = s->adam_m.data();
     v.adam_v = s->adam_v.data();
-    v.shard_begin = s->shard_begin;
-    v.shard_end = s->shard_end;
+    v.slice = s->slice();
     v.router_bias = s->router_bias;
     v.adamw_step = s->adamw_step;
     v.keep = std::move(s);
@@ -114,6 +133,12 @@ class TrainBackend {
 
   // This rank's ZeRO-1 shard of the flat buffer: [first, second) (all of it on one rank).
   virtual std::pair<std::int64_t, std::int64_t> optimizer_shard() const = 0;
+  // What of the state this rank holds (its experts, its optimizer ranges).
+  virtual StateSlice state_slice() const {
+    StateSlice s;
+    std::tie(s.shard_begin, s.shard_end) = optimizer_shard();
+    return s;
+  }
 
   // The fp32 gradients (layout().total_floats) in host memory: for tests and debugging.
   virtual std::vector<float> gradients() const = 0;

@@ -9,20 +9,29 @@
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "device/cuda_devices.h"
+#include "train/backend.h"
 #include "train/trainer.h"
 
 namespace keel::train {
 namespace {
 
-// The data-parallel group is the launch's world (parallel.data: 0 or the world size); with
-// several ranks on GPUs, each rank takes the GPU of its node-local rank. Checked before any
-// GPU work.
+// The data-parallel group is the launch's world (parallel.data: 0 or the world size); expert
+// parallelism divides it (parallel.expert consecutive ranks hold all experts). With several
+// ranks on GPUs, each rank takes the GPU of its node-local rank. Checked before any GPU work.
 ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& mpi) {
   const int data = cfg.parallel_data == 0 ? mpi.size() : cfg.parallel_data;
-  if (data * cfg.parallel_expert != mpi.size())
-    throw UsageError(fmt::format("{}: parallel.data ({}) x parallel.expert ({}) must equal the number of ranks ({}); "
-                                 "set parallel.data: 0 to use every rank",
-                                 cfg.path, data, cfg.parallel_expert, mpi.size()));
+  if (data != mpi.size())
+    throw UsageError(fmt::format("{}: parallel.data ({}) must equal the number of ranks ({}): every rank trains on its "
+                                 "own part of the batch; set parallel.data: 0 to use every rank",
+                                 cfg.path, data, mpi.size()));
+  if (mpi.size() % cfg.parallel_expert != 0 || cfg.model.experts % cfg.parallel_expert != 0)
+    throw UsageError(fmt::format("{}: parallel.expert ({}) must divide the number of ranks ({}) and of experts ({})",
+                                 cfg.path, cfg.parallel_expert, mpi.size(), cfg.model.experts));
+  const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && cuda_training_available());
+  if (cfg.parallel_expert > 1 && cuda)
+    throw UsageError(fmt::format("{}: parallel.expert ({}) runs on CPU ranks only so far (device: cpu); the GPU "
+                                 "all-to-all is not written yet",
+                                 cfg.path, cfg.parallel_expert));
   ParallelContext ctx;
   ctx.data = {mpi.size(), mpi.rank(), mpi.size() > 1 ? MPI_COMM_WORLD : MPI_COMM_NULL};
   if (mpi.size() > 1 && cfg.device != "cpu") {
@@ -35,7 +44,7 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
       set_cuda_device(mpi.local_rank());
     }
   }
-  return ctx;
+  return with_expert_parallel(ctx, cfg.parallel_expert);
 }
 
 }  // namespace

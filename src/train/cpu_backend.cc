@@ -31,14 +31,31 @@ class CpuBackend final : public TrainBackend {
     // the matrices regrouped (the model itself only reads offsets).
     layout_ = optimizer.muon.enabled ? regroup_layout(model_.layout(), train_group_rules(optimizer.muon))
                                      : model_.layout();
+    // With expert parallelism the experts come last ([expert_begin, total)): ZeRO-1 shards the
+    // replicated region before them over the data group; the expert region's optimizer state is
+    // whole on each rank holding those experts, its gradients summed over them (expert_data).
+    const std::int64_t total = model_.param_floats();
+    std::int64_t replicated_end = total;
+    for (const auto& p : layout_.params)
+      if (ctx.expert.size > 1 && is_expert_param(p.name)) replicated_end = std::min(replicated_end, p.offset);
+    slice_.expert_parallel = ctx.expert.size;
+    slice_.expert_rank = ctx.expert.rank;
+    if (ctx.expert.size > 1) slice_.expert_begin = replicated_end, slice_.expert_end = total;
+    ctx_ = ctx;
     if (ctx.data.size > 1) {
       dp_ = parallel::make_mpi_data_parallel_comm(ctx.data.comm);
-      plan_ = parallel::plan_zero1(layout_, ctx.data.size);
+      optim::ParamLayout replicated;  // the ZeRO-1 region: the parameters before the experts
+      for (const auto& p : layout_.params)
+        if (p.offset < replicated_end) replicated.params.push_back(p);
+      replicated.total_floats = replicated_end;
+      plan_ = parallel::plan_zero1(replicated, ctx.data.size);
       shard_ = {plan_.begin(ctx.data.rank), plan_.end(ctx.data.rank)};
     } else {
-      shard_ = {0, model_.param_floats()};
+      shard_ = {0, total};
     }
-    const std::size_t n = static_cast<std::size_t>(shard_.second - shard_.first);  // optimizer state: the shard
+    slice_.shard_begin = shard_.first;
+    slice_.shard_end = shard_.second;
+    const std::size_t n = static_cast<std::size_t>(slice_.moments());  // optimizer state: the shard (+ experts)
     const std::size_t scratch = static_cast<std::size_t>(muon_scratch_floats(layout_));
     const std::size_t n1 = std::max<std::size_t>(n, 1);
     opt_arena_ = std::make_unique<Arena>("optimizer", 2 * Arena::footprint(n1 * sizeof(float)) +
@@ -84,6 +101,7 @@ class CpuBackend final : public TrainBackend {
   std::vector<std::int64_t> load(int i) const override { return model_.load(i); }
   void set_load(int i, const std::vector<std::int64_t>& counts) override { model_.set_load(i, counts); }
   std::pair<std::int64_t, std::int64_t> optimizer_shard() const override { return shard_; }
+  StateSlice state_slice() const override { return slice_; }
   void update_router_bias() override { model_.update_router_bias(); }
   void reset_load() override { model_.reset_load(); }
 
@@ -94,10 +112,14 @@ class CpuBackend final : public TrainBackend {
   TrainState state() const override {
     TrainState s;
     const std::size_t n = static_cast<std::size_t>(model_.param_floats());
-    const std::size_t k = static_cast<std::size_t>(shard_.second - shard_.first);
+    const std::size_t k = static_cast<std::size_t>(slice_.moments());
     s.params.assign(model_.params(), model_.params() + n);
     s.shard_begin = shard_.first;
     s.shard_end = shard_.second;
+    s.expert_parallel = slice_.expert_parallel;
+    s.expert_rank = slice_.expert_rank;
+    s.expert_begin = slice_.expert_begin;
+    s.expert_end = slice_.expert_end;
     s.adam_m.assign(adam_m_, adam_m_ + k);
     s.adam_v.assign(adam_v_, adam_v_ + k);
     auto& m = const_cast<MoeTransformer&>(model_);
@@ -111,8 +133,9 @@ class CpuBackend final : public TrainBackend {
     v.params = model_.params();
     v.adam_m = adam_m_;
     v.adam_v = adam_v_;
-    v.shard_begin = shard_.first;
-    v.shard_end = shard_.second;
+    v.slice = slice_;
+    v.expert_replica = ctx_.expert_data.rank;
+    v.expert_replicas = ctx_.expert_data.size;
     for (int i = 0; i < moe_layer_count(); ++i) v.router_bias.push_back(model_.router_bias(i));
     v.adamw_step = adam_.step_count();
     return v;
@@ -120,16 +143,24 @@ class CpuBackend final : public TrainBackend {
 
   void set_state(const TrainState& s) override {
     const std::size_t n = static_cast<std::size_t>(model_.param_floats());
-    const std::size_t k = static_cast<std::size_t>(shard_.second - shard_.first);
+    const std::size_t k = static_cast<std::size_t>(slice_.moments());
     if (s.params.size() != n) fail("train state holds {} parameter floats, this model has {}", s.params.size(), n);
     if (s.shard_begin != shard_.first || s.shard_end != shard_.second || s.adam_m.size() != k || s.adam_v.size() != k)
       fail("train state holds the optimizer shard [{}, {}) ({} floats), this rank's is [{}, {})", s.shard_begin,
            s.shard_end, s.adam_m.size(), shard_.first, shard_.second);
+    if (s.expert_parallel != slice_.expert_parallel || s.expert_rank != slice_.expert_rank ||
+        s.expert_begin != slice_.expert_begin || s.expert_end != slice_.expert_end)
+      fail("train state holds the experts of expert-parallel rank {} of {}, this rank holds those of rank {} of {}",
+           s.expert_rank, s.expert_parallel, slice_.expert_rank, slice_.expert_parallel);
     if (s.router_bias.size() != static_cast<std::size_t>(moe_layer_count()))
       fail("train state holds {} router biases, this model has {} MoE layers", s.router_bias.size(), moe_layer_count());
     for (int i = 0; i < moe_layer_count(); ++i)
       if (s.router_bias[i].size() != model_.router_bias(i).size()) fail("router bias {} size differs", i);
     check_state_matches_optimizers(layout_, s.adam_m.data(), s.adam_v.data(), shard_.first, shard_.second);
+    const std::int64_t sk = shard_.second - shard_.first;
+    if (slice_.expert_end > slice_.expert_begin)
+      check_state_matches_optimizers(layout_, s.adam_m.data() + sk, s.adam_v.data() + sk, slice_.expert_begin,
+                                     slice_.expert_end);
     std::memcpy(model_.params(), s.params.data(), n * sizeof(float));
     if (k > 0) std::memcpy(adam_m_, s.adam_m.data(), k * sizeof(float));
     if (k > 0) std::memcpy(adam_v_, s.adam_v.data(), k * sizeof(float));
@@ -142,39 +173,53 @@ class CpuBackend final : public TrainBackend {
 
  private:
   // ZeRO-1: reduce-scatter the gradients, the global norm from the shards' sums of squares,
-  // AdamW on the shard and Muon on the whole matrices in it, all-gather the parameters.
+  // AdamW on the shard and Muon on the whole matrices in it, all-gather the parameters. With
+  // expert parallelism also: the expert gradients summed over the ranks holding the same
+  // experts, AdamW and Muon on the whole expert region, its squares summed over the expert group.
   StepResult zero1_step(double max_norm, double lr) {
     float* params = model_.params();
     float* grads = model_.grads();
     const auto [b, e] = shard_;
+    const std::int64_t xb = slice_.expert_begin, xe = slice_.expert_end;
     dp_->reduce_scatter_sum(grads, plan_.bounds);
-    double ss = 0;
-    for (const auto& p : layout_.params) {
-      const std::int64_t lo = std::max(p.offset, b), hi = std::min(p.offset + p.numel, e);
-      if (lo < hi) ss += optim::sum_squares(grads + lo, hi - lo);
-    }
-    dp_->all_reduce_sum(&ss, 1);
-    const double norm = std::sqrt(ss);
-    if (!std::isfinite(norm)) {
-      std::string bad;  // the first parameter of this rank's shard holding one, if any
+    if (xe > xb && ctx_.expert_data.size > 1)
+      parallel::all_reduce_sum(grads + xb, xe - xb, ctx_.expert_data.comm);
+    auto sum_squares_in = [&](std::int64_t lo_r, std::int64_t hi_r) {
+      double ss = 0;
       for (const auto& p : layout_.params) {
-        const std::int64_t lo = std::max(p.offset, b), hi = std::min(p.offset + p.numel, e);
-        if (lo < hi && !std::isfinite(optim::sum_squares(grads + lo, hi - lo))) {
-          bad = p.name;
-          break;
+        const std::int64_t lo = std::max(p.offset, lo_r), hi = std::min(p.offset + p.numel, hi_r);
+        if (lo < hi) ss += optim::sum_squares(grads + lo, hi - lo);
+      }
+      return ss;
+    };
+    double ss = sum_squares_in(b, e), ss_experts = sum_squares_in(xb, xe);
+    dp_->all_reduce_sum(&ss, 1);
+    if (xe > xb) parallel::all_reduce_sum(&ss_experts, 1, ctx_.expert.comm);
+    const double norm = std::sqrt(ss + ss_experts);
+    if (!std::isfinite(norm)) {
+      std::string bad;  // the first parameter of this rank's ranges holding one, if any
+      for (const auto& p : layout_.params) {
+        for (const auto [rb, re] : {std::pair{b, e}, std::pair{xb, xe}}) {
+          const std::int64_t lo = std::max(p.offset, rb), hi = std::min(p.offset + p.numel, re);
+          if (lo < hi && !std::isfinite(optim::sum_squares(grads + lo, hi - lo))) bad = p.name;
         }
+        if (!bad.empty()) break;
       }
       throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), bad, norm);
     }
     const double coef = optim::clip_coefficient(norm, max_norm);
     const float scale = static_cast<float>(coef);
-    optim::FlatRange r{b, e, params + b, grads + b, adam_m_, adam_v_};
-    adam_.step(layout_, r, lr, scale);  // skips Muon parameters
-    for (const auto& m : parallel::muon_matrices_in(layout_, b, e)) {
-      const auto& p = layout_.params[static_cast<std::size_t>(m.param)];
-      optim::muon_matrix_step(params + m.offset, grads + m.offset, adam_m_ + (m.offset - b), 1, m.rows, m.cols, muon_,
-                              lr * p.lr_scale, p.weight_decay, scale, muon_scratch_);
-    }
+    const std::int64_t sk = e - b;  // the expert region's moments follow the shard's
+    std::vector<optim::FlatRange> ranges{{b, e, params + b, grads + b, adam_m_, adam_v_}};
+    if (xe > xb) ranges.push_back({xb, xe, params + xb, grads + xb, adam_m_ + sk, adam_v_ + sk});
+    adam_.step(layout_, ranges, lr, scale);  // skips Muon parameters
+    for (const auto& r : ranges)
+      for (const auto& m : parallel::muon_matrices_in(layout_, r.begin, r.end)) {
+        const auto& p = layout_.params[static_cast<std::size_t>(m.param)];
+        const std::int64_t at = (r.m - adam_m_) + (m.offset - r.begin);
+        optim::muon_matrix_step(params + m.offset, grads + m.offset, adam_m_ + at, 1, m.rows, m.cols, muon_,
+                                lr * p.lr_scale, p.weight_decay, scale, muon_scratch_);
+      }
     dp_->all_gather(params, plan_.bounds);
     return {norm, coef};
   }
@@ -189,7 +234,9 @@ class CpuBackend final : public TrainBackend {
   float* muon_scratch_ = nullptr;  // muon_scratch_floats(layout_): one matrix at a time
   std::unique_ptr<parallel::DataParallelComm> dp_;  // null on one rank
   parallel::Zero1Plan plan_;
-  std::pair<std::int64_t, std::int64_t> shard_;     // this rank's optimizer shard
+  std::pair<std::int64_t, std::int64_t> shard_;     // this rank's ZeRO-1 shard
+  StateSlice slice_;                                // + its experts and their optimizer range
+  ParallelContext ctx_;
 };
 
 }  // namespace

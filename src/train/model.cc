@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <string_view>
 #include <thread>
 
 #include "common/error.h"
@@ -142,7 +144,14 @@ void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt) 
   if (opt.ce_chunk < 1) throw UsageError("ce_chunk must be >= 1");
 }
 
-optim::ParamLayout model_param_layout(const model::ModelConfig& cfg) {
+bool is_expert_param(std::string_view name) {
+  return name.ends_with("moe.w_gate") || name.ends_with("moe.w_up") || name.ends_with("moe.w_down");
+}
+
+optim::ParamLayout model_param_layout(const model::ModelConfig& cfg, int expert_parallel) {
+  if (expert_parallel < 1 || (expert_parallel > 1 && (cfg.experts < 1 || cfg.experts % expert_parallel != 0)))
+    throw UsageError(fmt::format("model '{}': {} experts do not split over expert-parallel degree {}", cfg.name,
+                                 cfg.experts, expert_parallel));
   const std::int64_t D = cfg.hidden, V = cfg.vocab_size, Dh = cfg.head_dim;
   const std::int64_t Q = std::int64_t(cfg.heads) * Dh, KV = std::int64_t(cfg.kv_heads) * Dh;
   const bool scaled = cfg.residual_scaling;
@@ -203,17 +212,32 @@ optim::ParamLayout model_param_layout(const model::ModelConfig& cfg) {
   if (scaled) add_res_scale(specs, "final_res_scale.", D, true);
   specs.push_back({"final_norm.weight", {D}});
   if (!cfg.tied_embeddings) specs.push_back({"lm_head.weight", {V, D}});
+  if (expert_parallel > 1) {
+    // This rank's E / ep experts, after every replicated parameter: the expert region's
+    // gradients reduce over another group (docs/parallel.md).
+    std::stable_partition(specs.begin(), specs.end(), [](const optim::ParamSpec& p) { return !is_expert_param(p.name); });
+    for (auto& p : specs)
+      if (is_expert_param(p.name)) p.shape[0] /= expert_parallel;
+  }
   return optim::assign_groups(specs, adamw_rules());
 }
 
 void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayout& layout, double init_std,
-                           std::uint64_t seed, float* params) {
+                           std::uint64_t seed, float* params, int expert_rank) {
   const double out_scale = 1.0 / std::sqrt(2.0 * cfg.layers);
   std::memset(params, 0, static_cast<std::size_t>(layout.total_floats) * sizeof(float));
-  // One splitmix64 stream over the matrices in layout order, two draws per element. Its state
-  // after k draws is seed + k * increment, so any element's draws can be started directly:
-  // the matrices are filled in parallel chunks with exactly the values of the serial loop (an
-  // 8B-parameter model is ~10^10 normals: minutes on one core).
+  // One splitmix64 stream over the matrices in the order of the whole model's layout
+  // (model_param_layout(cfg)), two draws per element. Its state after k draws is seed + k *
+  // increment, so any element's draws can be started directly: the matrices are filled in
+  // parallel chunks with exactly the values of the serial loop (an 8B-parameter model is ~10^10
+  // normals: minutes on one core), and an expert-parallel rank's experts get exactly the values
+  // of the same experts in the whole model.
+  std::map<std::string, std::uint64_t> first_draw;
+  {
+    std::uint64_t draws = 0;
+    for (const auto& p : model_param_layout(cfg).params)
+      if (p.ndim() > 1) first_draw[p.name] = draws, draws += 2 * static_cast<std::uint64_t>(p.numel);
+  }
   struct Fill {
     float* d;
     std::int64_t n;
@@ -221,7 +245,6 @@ void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayo
     std::uint64_t first_draw;
   };
   std::vector<Fill> fills;
-  std::uint64_t draws = 0;
   for (const auto& p : layout.params) {
     float* d = params + p.offset;
     if (p.ndim() == 1) {
@@ -231,9 +254,13 @@ void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayo
       std::fill(d, d + p.numel, bias ? 0.0f : 1.0f);
       continue;
     }
+    const auto it = first_draw.find(p.name);
+    if (it == first_draw.end()) fail("init: parameter '{}' is not in model '{}'", p.name, cfg.name);
+    std::uint64_t first = it->second;
+    if (is_expert_param(p.name) && p.shape[0] < cfg.experts)  // a slice of the experts: experts [rank * E_local, ...)
+      first += 2 * static_cast<std::uint64_t>(expert_rank) * static_cast<std::uint64_t>(p.numel);
     const bool out_proj = p.name.ends_with(".wo") || p.name.ends_with("w_down");
-    fills.push_back({d, p.numel, init_std * (out_proj ? out_scale : 1.0), draws});
-    draws += 2 * static_cast<std::uint64_t>(p.numel);
+    fills.push_back({d, p.numel, init_std * (out_proj ? out_scale : 1.0), first});
   }
   constexpr std::uint64_t kIncrement = 0x9E3779B97F4A7C15ull;  // Rng::next()'s
   constexpr std::int64_t kChunk = 1 << 20;
@@ -286,7 +313,9 @@ double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batc
 
 MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const ParallelContext& ctx)
     : cfg_(config), opt_(options), ctx_(ctx) {
-  ctx_.require_data_parallel_only("model");
+  if (ctx_.tensor.size != 1 || ctx_.sequence.size != 1)
+    throw UsageError(fmt::format("model: tensor ({}) and sequence ({}) parallelism are not implemented yet",
+                                 ctx_.tensor.size, ctx_.sequence.size));
   validate_trainable(cfg_, opt_);
   for (int l = 0; l < cfg_.layers; ++l) {
     cca_layer_.push_back(model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca ? 1 : 0);
@@ -314,6 +343,10 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   bias_.assign(moe_layer_ids_.size(), std::vector<float>(classes, 0.f));
   rope_ = ops::rope::make_table(cfg_.head_dim, cfg_.rope_fraction, cfg_.rope_base,
                                 std::max(opt_.seq_length, cfg_.max_seq_len));
+  // Expert parallelism: this rank holds E / ep experts of every MoE layer; tokens travel to them.
+  if (ctx_.expert.size > 1)
+    for (std::size_t m = 0; m < moe_layer_ids_.size(); ++m)
+      ep_.push_back(std::make_unique<parallel::ExpertParallelMoe>(ctx_.expert.comm, cfg_.experts));
   allocate_params();
   const std::size_t act_bytes = plan_acts(nullptr);
   act_arena_ = std::make_unique<Arena>("activations", act_bytes);
@@ -397,7 +430,7 @@ WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout&
 MoeTransformer::~MoeTransformer() = default;
 
 void MoeTransformer::allocate_params() {
-  layout_ = model_param_layout(cfg_);
+  layout_ = model_param_layout(cfg_, ctx_.expert.size);
   const std::size_t bytes = static_cast<std::size_t>(layout_.total_floats) * sizeof(float);
   param_arena_ = std::make_unique<Arena>("parameters", Arena::footprint(bytes));
   grad_arena_ = std::make_unique<Arena>("gradients", Arena::footprint(bytes));
@@ -564,9 +597,9 @@ std::size_t MoeTransformer::plan_acts(Arena* arena) {
   return total;
 }
 
-std::int64_t MoeTransformer::param_count() const {
+std::int64_t MoeTransformer::param_count() const {  // the whole model's, whatever this rank holds
   std::int64_t n = 0;
-  for (const auto& p : layout_.params) n += p.numel;
+  for (const auto& p : layout_.params) n += is_expert_param(p.name) ? p.numel * ctx_.expert.size : p.numel;
   return n;
 }
 
@@ -585,7 +618,7 @@ Tensor MoeTransformer::grad(const std::string& name) const {
 }
 
 void MoeTransformer::init_parameters() {
-  init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_);
+  init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_, ctx_.expert.rank);
   bias_ = initial_router_biases(cfg_);
   reset_load();
 }
@@ -678,7 +711,9 @@ void MoeTransformer::attn_backward(int l, LayerActs& a, const Tensor& dy, const 
 
 // ---- MLP sub-block: y = mlp(a.h2) (dense SwiGLU, or routed experts) ----
 
-zaya::MoeParams MoeTransformer::zaya_moe_params(const LayerParams& L) const { return {L.zrouter, L.experts}; }
+zaya::MoeParams MoeTransformer::zaya_moe_params(const LayerParams& L, int m) const {
+  return {L.zrouter, L.experts, ep_.empty() ? nullptr : ep_[static_cast<std::size_t>(m)].get()};
+}
 
 void MoeTransformer::mlp_forward(int l, LayerActs& a, bool count_load, LossParts& lp, const Tensor& y) {
   const LayerParams& P = lp_[l];
@@ -694,7 +729,7 @@ void MoeTransformer::mlp_forward(int l, LayerActs& a, bool count_load, LossParts
     a.zmoe.router.state = eda_state_[m];
     const Tensor prev = m > 0 ? eda_state_[m - 1] : Tensor();
     const Tensor bias(bias_[m].data(), {zshape_.classes()});
-    zaya::moe_forward(zshape_, zaya_moe_params(P), a.h2, prev, bias, static_cast<float>(cfg_.norm_eps), a.zmoe, zs_, y);
+    zaya::moe_forward(zshape_, zaya_moe_params(P, m), a.h2, prev, bias, static_cast<float>(cfg_.norm_eps), a.zmoe, zs_, y);
     if (count_load)
       for (int e = 0; e < zshape_.classes(); ++e) load_[m][e] += a.zmoe.router.counts[e];
   } else {
@@ -707,7 +742,10 @@ void MoeTransformer::mlp_forward(int l, LayerActs& a, bool count_load, LossParts
     if (count_load)
       for (int e = 0; e < cfg_.experts; ++e) load_[m][e] += a.counts[e];
     a.plan = ops::moe::make_plan(a.idx, N, cfg_.top_k, cfg_.experts);
-    ops::moe::forward(a.plan, a.h2, a.gates, P.experts, a.saved, y);
+    if (!ep_.empty())
+      ep_[static_cast<std::size_t>(m)]->forward(a.plan, a.h2, a.gates, P.experts, y);
+    else
+      ops::moe::forward(a.plan, a.h2, a.gates, P.experts, a.saved, y);
   }
 }
 
@@ -729,10 +767,13 @@ void MoeTransformer::mlp_backward(int l, LayerActs& a, const Tensor& dy, const T
     const Tensor prev = m > 0 ? eda_state_[m - 1] : Tensor();
     const Tensor dnext = m + 1 < nmoe ? deda_[(m + 1) % 2] : Tensor();
     const Tensor dprev = m > 0 ? deda_[m % 2] : Tensor();
-    zaya::moe_backward(zshape_, zaya_moe_params(P), zaya_moe_params(G), a.h2, prev, a.zmoe, zs_, dy, dnext, dh, dprev);
+    zaya::moe_backward(zshape_, zaya_moe_params(P, m), zaya_moe_params(G, m), a.h2, prev, a.zmoe, zs_, dy, dnext, dh, dprev);
   } else {
     ops::router::Options ro{cfg_.top_k, opt_.renormalize_gates};
-    ops::moe::backward(a.plan, a.h2, a.gates, P.experts, a.saved, dy, a.moe_scratch, dh, a.dgates, G.experts);
+    if (!ep_.empty())
+      ep_[static_cast<std::size_t>(m)]->backward(dy, P.experts, dh, a.dgates, G.experts);
+    else
+      ops::moe::backward(a.plan, a.h2, a.gates, P.experts, a.saved, dy, a.moe_scratch, dh, a.dgates, G.experts);
     ops::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, ro, a.dgates,
                           static_cast<float>(opt_.aux_loss_weight * cur_scale_), static_cast<float>(opt_.z_loss_weight * cur_scale_),
                           a.dlogits);

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "model/config.h"
@@ -34,6 +35,7 @@
 #include "ops/moe.h"
 #include "ops/rope.h"
 #include "optim/param_groups.h"
+#include "parallel/expert_parallel.h"
 #include "tensor/arena.h"
 #include "tensor/tensor.h"
 #include "train/parallel_context.h"
@@ -74,12 +76,19 @@ void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt);
 // embeddings, convs, vectors without weight decay, matrices). Shared by the CPU and GPU models
 // so a checkpoint from one loads into the other. Names and order of configs without CCA, MLP
 // router or residual scaling are fixed (existing checkpoints rely on them).
-optim::ParamLayout model_param_layout(const model::ModelConfig& cfg);
+// With expert_parallel > 1: the layout of one expert-parallel rank, whose MoE expert tensors
+// (`*moe.w_gate`, `*moe.w_up`, `*moe.w_down`) hold E / expert_parallel experts and come after
+// every other parameter (keel::UsageError when the experts do not split).
+optim::ParamLayout model_param_layout(const model::ModelConfig& cfg, int expert_parallel = 1);
+// True for the MoE expert weight tensors: sharded over expert-parallel ranks.
+bool is_expert_param(std::string_view name);
 // normal(0, init_std) for every tensor of >= 2 dims, convs included (output projections `*.wo`,
 // `*w_down` x 1/sqrt(2 layers)); 1-D: 0 for names ending in "bias", else 1 (norms, residual
 // scales, EDA scale, CCA temperatures). The same values on every platform for a seed.
+// `layout` may be an expert-parallel rank's (model_param_layout(cfg, ep)): its experts, those of
+// expert_rank, get the values the same experts have in the whole model.
 void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayout& layout, double init_std,
-                           std::uint64_t seed, float* params);
+                           std::uint64_t seed, float* params, int expert_rank = 0);
 // The router selection biases a fresh model starts with, one [classes] per MoE layer: 0, and -1
 // for the skip class (ZAYA1: it starts disfavoured).
 std::vector<std::vector<float>> initial_router_biases(const model::ModelConfig& cfg);
@@ -170,7 +179,7 @@ class MoeTransformer {
   std::size_t plan_acts(Arena* arena);  // nullptr: only count bytes
   void attn_forward(int l, LayerActs& a, const Tensor& y);
   void attn_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh, const Tensor& scratch);
-  zaya::MoeParams zaya_moe_params(const LayerParams& L) const;
+  zaya::MoeParams zaya_moe_params(const LayerParams& L, int moe_index) const;
   void mlp_forward(int l, LayerActs& a, bool count_load, LossParts& lp, const Tensor& y);
   void mlp_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh, const Tensor& scratch);
   void layer_forward(int l, LayerActs& a, const Tensor& x_in, const Tensor& x_out, bool count_load, LossParts& lp);
@@ -204,6 +213,7 @@ class MoeTransformer {
   std::vector<std::uint32_t> tokens_;
   std::vector<std::int32_t> targets_, positions_;
   std::vector<int> moe_layer_ids_, moe_index_of_layer_;
+  std::vector<std::unique_ptr<parallel::ExpertParallelMoe>> ep_;  // per MoE layer, with expert parallelism
   std::vector<std::vector<std::int64_t>> load_;
   std::vector<std::vector<float>> bias_;
   bool have_forward_ = false;

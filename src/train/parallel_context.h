@@ -3,11 +3,19 @@
 // signatures do not change as the groups grow past one rank. Each group carries its size, this
 // process's rank in it and its MPI communicator (owned elsewhere; MPI_COMM_NULL: a group of
 // this process alone). GPU backends build their NCCL communicators from these.
-// Implemented so far: data parallelism with ZeRO-1 (parallel/zero1.h); the other groups are 1.
+// Implemented so far: data parallelism with ZeRO-1 (parallel/zero1.h) and, on CPU ranks, expert
+// parallelism (parallel/expert_parallel.h); tensor and sequence groups are 1.
+//
+// Expert parallelism divides the data-parallel group: every rank trains on its own slice of the
+// batch (`data` is every rank), `expert` is the group of ep consecutive ranks that together
+// hold all experts (rank r of it holds experts [r E/ep, (r+1) E/ep)), and `expert_data` the
+// data.size / ep ranks that hold the same experts (their expert gradients reduce over it).
 #pragma once
 
 #include <fmt/format.h>
 #include <mpi.h>
+
+#include <memory>
 
 #include "common/error.h"
 
@@ -20,10 +28,11 @@ struct ProcessGroup {
 };
 
 struct ParallelContext {
-  ProcessGroup data, expert, tensor, sequence;
+  ProcessGroup data, expert, expert_data, tensor, sequence;
+  std::shared_ptr<void> owned;  // communicators this context created (with_expert_parallel), freed with the last copy
 
   static ParallelContext single() { return {}; }
-  int world_size() const { return data.size * expert.size * tensor.size * sequence.size; }
+  int world_size() const { return data.size * tensor.size * sequence.size; }
   // Throws keel::UsageError unless the expert, tensor and sequence groups have one rank (data
   // parallelism is the only scheme implemented so far).
   void require_data_parallel_only(const char* who) const {
@@ -32,5 +41,10 @@ struct ParallelContext {
                                    who, expert.size, tensor.size, sequence.size));
   }
 };
+
+// `ctx` (its data group: every rank) with expert parallelism of degree `ep`: the expert groups
+// are ep consecutive data-parallel ranks. Collective over ctx.data.comm. Throws
+// keel::UsageError when ep does not divide the data-parallel group.
+ParallelContext with_expert_parallel(ParallelContext ctx, int ep);
 
 }  // namespace keel::train

@@ -43,18 +43,53 @@ ckpt::LoadRequest request(std::string name, ckpt::Shape shape, ckpt::Box box, fl
   return r;
 }
 
-// Calls f(box, flat_offset) for the boxes of parameter p that lie in the flat range [b, e):
-// flat_offset is the box's first element in the flat buffer.
+// A parameter as this rank holds it: its global (checkpoint) shape, and where its local block
+// starts in the global tensor. An expert-parallel rank holds E / ep experts of an expert tensor:
+// a contiguous slab of the global [E, ...] tensor starting at expert expert_rank * E / ep.
+struct Held {
+  ckpt::Shape global;
+  std::int64_t first = 0;  // flat index in the global tensor of the local element 0
+};
+
+Held held(const optim::ParamInfo& p, const StateSlice& slice) {
+  Held h{shape_of(p), 0};
+  if (slice.expert_parallel > 1 && is_expert_param(p.name)) {
+    h.global[0] *= slice.expert_parallel;
+    h.first = static_cast<std::int64_t>(slice.expert_rank) * p.numel;
+  }
+  return h;
+}
+
+// Calls f(box, flat_offset) for the boxes (of the global tensor) of parameter p's elements in the
+// local flat range [b, e): flat_offset is the box's first element in the local flat buffer.
 template <typename F>
-void for_each_box_in(const optim::ParamInfo& p, std::int64_t b, std::int64_t e, F&& f) {
+void for_each_box_in(const optim::ParamInfo& p, const StateSlice& slice, std::int64_t b, std::int64_t e, F&& f) {
   const std::int64_t lo = std::max(p.offset, b), hi = std::min(p.offset + p.numel, e);
   if (lo >= hi) return;
+  const Held h = held(p, slice);
   std::int64_t at = lo;
-  for (auto& box : ckpt::flat_range_boxes(shape_of(p), lo - p.offset, hi - p.offset)) {
+  for (auto& box : ckpt::flat_range_boxes(h.global, h.first + lo - p.offset, h.first + hi - p.offset)) {
     const std::int64_t n = box.volume();
     f(std::move(box), at);
     at += n;
   }
+}
+
+// The optimizer ranges of a slice, each with where its moments start in adam_m / adam_v.
+struct MomentRange {
+  std::int64_t begin, end, at;
+};
+std::vector<MomentRange> moment_ranges(const StateSlice& s) {
+  std::vector<MomentRange> r{{s.shard_begin, s.shard_end, 0}};
+  if (s.expert_end > s.expert_begin) r.push_back({s.expert_begin, s.expert_end, s.shard_end - s.shard_begin});
+  return r;
+}
+
+std::string layout_name(int ranks, const StateSlice& s) {
+  std::string name = fmt::format("dp={}", ranks);
+  if (s.expert_parallel > 1) name += fmt::format(",ep={}", s.expert_parallel);
+  if (ranks > 1) name += ",zero=1";
+  return name;
 }
 
 }  // namespace
@@ -80,18 +115,33 @@ TrainCheckpointer::~TrainCheckpointer() {
 
 double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, const optim::ParamLayout& layout,
                                const nlohmann::json& extra) {
-  // Each rank writes its ZeRO-1 shard of every tensor: the optimizer state it owns and the
-  // parameters of the same range (replicated, so any rank could; this spreads the writes).
-  const std::int64_t b = view.shard_begin, e = view.shard_end;
-  if (b < 0 || b > e || e > layout.total_floats || !view.params || (e > b && (!view.adam_m || !view.adam_v)))
-    fail("checkpoint: optimizer shard [{}, {}) of {} floats has no data", b, e, layout.total_floats);
+  // Each rank writes its ZeRO-1 shard of every replicated tensor: the optimizer state it owns
+  // and the parameters of the same range (replicated, so any rank could; this spreads the
+  // writes). Expert tensors: the ranks holding the same experts split their range, one part
+  // each, so every element is written once.
+  const StateSlice& sl = view.slice;
+  const std::int64_t b = sl.shard_begin, e = sl.shard_end;
+  if (b < 0 || b > e || e > layout.total_floats || sl.expert_begin < 0 || sl.expert_begin > sl.expert_end ||
+      sl.expert_end > layout.total_floats || !view.params || (sl.moments() > 0 && (!view.adam_m || !view.adam_v)) ||
+      view.expert_replica < 0 || view.expert_replica >= view.expert_replicas)
+    fail("checkpoint: optimizer ranges [{}, {}) + [{}, {}) of {} floats have no data", b, e, sl.expert_begin,
+         sl.expert_end, layout.total_floats);
   std::vector<ckpt::SaveShard> shards;
-  for (const auto& p : layout.params)
-    for_each_box_in(p, b, e, [&](ckpt::Box box, std::int64_t at) {
-      shards.push_back(shard("model/" + p.name, shape_of(p), box, view.params + at, false));
-      shards.push_back(shard("optim/exp_avg/" + p.name, shape_of(p), box, view.adam_m + (at - b), true));
-      shards.push_back(shard("optim/exp_avg_sq/" + p.name, shape_of(p), std::move(box), view.adam_v + (at - b), true));
-    });
+  for (const MomentRange& r : moment_ranges(sl)) {
+    std::int64_t wb = r.begin, we = r.end;  // the part this rank writes
+    if (r.at > 0) {                         // the expert range: split over its replicas
+      const std::int64_t len = r.end - r.begin, k = view.expert_replicas, j = view.expert_replica;
+      wb = r.begin + len * j / k, we = r.begin + len * (j + 1) / k;
+    }
+    for (const auto& p : layout.params)
+      for_each_box_in(p, sl, wb, we, [&](ckpt::Box box, std::int64_t at) {
+        const ckpt::Shape g = held(p, sl).global;
+        const std::int64_t m = r.at + (at - r.begin);
+        shards.push_back(shard("model/" + p.name, g, box, view.params + at, false));
+        shards.push_back(shard("optim/exp_avg/" + p.name, g, box, view.adam_m + m, true));
+        shards.push_back(shard("optim/exp_avg_sq/" + p.name, g, std::move(box), view.adam_v + m, true));
+      });
+  }
   for (auto& s : shards) s.on_device = view.on_device;
   for (std::size_t i = 0; i < view.router_bias.size(); ++i) {  // replicated: spread over the ranks (host memory)
     if (static_cast<int>(i % static_cast<std::size_t>(comm_->size())) != comm_->rank()) continue;
@@ -102,19 +152,27 @@ double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, co
   s["format"] = kTrainFormat;
   s["step"] = step;
   s["optimizer_step"] = view.adamw_step;
-  const std::string layout_name = comm_->size() > 1 ? fmt::format("dp={},zero=1", comm_->size()) : "dp=1";
-  return saver_->save(step, shards, s, nlohmann::json::object(), layout_name);
+  return saver_->save(step, shards, s, nlohmann::json::object(), layout_name(comm_->size(), sl));
 }
 
 std::optional<ckpt::SaveStats> TrainCheckpointer::finish() { return saver_->wait(); }
 
 LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg,
                                        std::pair<std::int64_t, std::int64_t> shard) {
-  const optim::ParamLayout layout = model_param_layout(cfg);
-  if (shard.second < 0) shard = {0, layout.total_floats};
-  if (shard.first < 0 || shard.first > shard.second || shard.second > layout.total_floats)
-    fail("checkpoint load: optimizer shard [{}, {}) is outside the model's {} floats", shard.first, shard.second,
-         layout.total_floats);
+  StateSlice slice;
+  slice.shard_begin = shard.first;
+  slice.shard_end = shard.second < 0 ? model_param_layout(cfg).total_floats : shard.second;
+  return load_train_checkpoint(path, cfg, slice);
+}
+
+LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg, const StateSlice& slice) {
+  const optim::ParamLayout layout = model_param_layout(cfg, slice.expert_parallel);
+  for (const MomentRange& r : moment_ranges(slice))
+    if (r.begin < 0 || r.begin > r.end || r.end > layout.total_floats)
+      fail("checkpoint load: optimizer range [{}, {}) is outside this rank's {} floats", r.begin, r.end,
+           layout.total_floats);
+  if (slice.expert_rank < 0 || slice.expert_rank >= slice.expert_parallel)
+    fail("checkpoint load: expert rank {} of {}", slice.expert_rank, slice.expert_parallel);
   const ckpt::Reader reader(path);
   const nlohmann::json& s = reader.metadata().state;
   if (s.value("format", "") != kTrainFormat)
@@ -123,37 +181,49 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
   LoadedTrainState out;
   out.dir = reader.dir();
   out.extra = s;
-  const std::size_t n = static_cast<std::size_t>(layout.total_floats);
-  const auto [b, e] = shard;
-  out.state.params.assign(n, 0.f);
-  out.state.shard_begin = b;
-  out.state.shard_end = e;
-  out.state.adam_m.assign(static_cast<std::size_t>(e - b), 0.f);
-  out.state.adam_v.assign(static_cast<std::size_t>(e - b), 0.f);
+  TrainState& st = out.state;
+  st.params.assign(static_cast<std::size_t>(layout.total_floats), 0.f);
+  st.shard_begin = slice.shard_begin;
+  st.shard_end = slice.shard_end;
+  st.expert_parallel = slice.expert_parallel;
+  st.expert_rank = slice.expert_rank;
+  st.expert_begin = slice.expert_begin;
+  st.expert_end = slice.expert_end;
+  st.adam_m.assign(static_cast<std::size_t>(slice.moments()), 0.f);
+  st.adam_v.assign(static_cast<std::size_t>(slice.moments()), 0.f);
   // one selection bias per MoE layer over its classes (the experts, plus the skip class)
   const std::size_t classes = static_cast<std::size_t>(cfg.experts + (cfg.router_skip_expert ? 1 : 0));
-  out.state.router_bias.assign(static_cast<std::size_t>(model::moe_layer_count(cfg)), std::vector<float>(classes, 0.f));
+  st.router_bias.assign(static_cast<std::size_t>(model::moe_layer_count(cfg)), std::vector<float>(classes, 0.f));
   std::vector<ckpt::LoadRequest> reqs;
-  // Whole parameters, and the optimizer state of this rank's shard, whatever the layout saved.
-  for (const auto& p : layout.params) {
-    reqs.push_back(request("model/" + p.name, shape_of(p), ckpt::full_box(shape_of(p)), out.state.params.data() + p.offset));
-    for_each_box_in(p, b, e, [&](ckpt::Box box, std::int64_t at) {
-      reqs.push_back(request("optim/exp_avg/" + p.name, shape_of(p), box, out.state.adam_m.data() + (at - b)));
-      reqs.push_back(request("optim/exp_avg_sq/" + p.name, shape_of(p), std::move(box), out.state.adam_v.data() + (at - b)));
+  // Every parameter this rank holds, and the optimizer state of its ranges, whatever the layout saved.
+  for (const auto& p : layout.params)
+    for_each_box_in(p, slice, p.offset, p.offset + p.numel, [&](ckpt::Box box, std::int64_t at) {
+      reqs.push_back(request("model/" + p.name, held(p, slice).global, std::move(box), st.params.data() + at));
     });
+  for (const MomentRange& r : moment_ranges(slice))
+    for (const auto& p : layout.params)
+      for_each_box_in(p, slice, r.begin, r.end, [&](ckpt::Box box, std::int64_t at) {
+        const ckpt::Shape g = held(p, slice).global;
+        const std::int64_t m = r.at + (at - r.begin);
+        reqs.push_back(request("optim/exp_avg/" + p.name, g, box, st.adam_m.data() + m));
+        reqs.push_back(request("optim/exp_avg_sq/" + p.name, g, std::move(box), st.adam_v.data() + m));
+      });
+  for (std::size_t i = 0; i < st.router_bias.size(); ++i) {
+    const ckpt::Shape shape{static_cast<std::int64_t>(st.router_bias[i].size())};
+    reqs.push_back(request(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), st.router_bias[i].data()));
   }
-  for (std::size_t i = 0; i < out.state.router_bias.size(); ++i) {
-    const ckpt::Shape shape{static_cast<std::int64_t>(out.state.router_bias[i].size())};
-    reqs.push_back(request(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), out.state.router_bias[i].data()));
-  }
-  const ckpt::LoadStats st = reader.load(reqs);
-  out.read_amplification = st.amplification();
-  out.state.adamw_step = s.at("optimizer_step").get<std::int64_t>();
+  const ckpt::LoadStats ls = reader.load(reqs);
+  out.read_amplification = ls.amplification();
+  st.adamw_step = s.at("optimizer_step").get<std::int64_t>();
   return out;
 }
 
-LoadedWeights load_model_weights(const std::string& path, const model::ModelConfig& cfg) {
-  const optim::ParamLayout layout = model_param_layout(cfg);
+LoadedWeights load_model_weights(const std::string& path, const model::ModelConfig& cfg, int expert_parallel,
+                                 int expert_rank) {
+  StateSlice slice;
+  slice.expert_parallel = expert_parallel;
+  slice.expert_rank = expert_rank;
+  const optim::ParamLayout layout = model_param_layout(cfg, expert_parallel);
   const ckpt::Reader reader(path);
   const ckpt::Metadata& meta = reader.metadata();
   const nlohmann::json& s = meta.state;
@@ -171,7 +241,11 @@ LoadedWeights load_model_weights(const std::string& path, const model::ModelConf
   out.state.router_bias.assign(static_cast<std::size_t>(model::moe_layer_count(cfg)), std::vector<float>(classes, 0.f));
   std::vector<ckpt::LoadRequest> reqs;
   for (const auto& p : layout.params)
-    reqs.push_back(request("model/" + p.name, shape_of(p), ckpt::full_box(shape_of(p)), out.state.params.data() + p.offset));
+    for_each_box_in(p, slice, p.offset, p.offset + p.numel, [&](ckpt::Box box, std::int64_t at) {
+      reqs.push_back(request("model/" + p.name, held(p, slice).global, std::move(box), out.state.params.data() + at));
+    });
+  out.state.expert_parallel = expert_parallel;
+  out.state.expert_rank = expert_rank;
   // Balancing biases are carried when the source had them (a release may not): all or none,
   // since a partial set would route some layers with trained biases and others without.
   int have = 0;

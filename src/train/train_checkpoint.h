@@ -79,6 +79,9 @@ struct LoadedTrainState {
 // file on a missing tensor, a shape or dtype mismatch, or a damaged file.
 LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg,
                                        std::pair<std::int64_t, std::int64_t> shard = {0, -1});
+// The same for what `slice` holds: its experts (of layout model_param_layout(cfg,
+// slice.expert_parallel)) and its optimizer ranges, from a checkpoint of any layout.
+LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg, const StateSlice& slice);
 
 // The weights alone, to start a new run or to decode: every `model/<param>` of `cfg`, and the
 // router balancing biases when the checkpoint has them (zeros otherwise). Reads keel train
@@ -92,7 +95,9 @@ struct LoadedWeights {
   std::string description;  // "step N" / "weights imported from PATH (zaya1 names)"
   bool router_bias = false; // the checkpoint had the balancing biases
 };
-LoadedWeights load_model_weights(const std::string& path, const model::ModelConfig& cfg);
+// With expert_parallel > 1: the weights of that expert-parallel rank (its E / ep experts).
+LoadedWeights load_model_weights(const std::string& path, const model::ModelConfig& cfg, int expert_parallel = 1,
+                                 int expert_rank = 0);
 
 // True when `path` looks like a keel ckpt root or step directory (has `latest` or
 // metadata.json), as opposed to a single-file checkpoint of the older format.

@@ -296,8 +296,6 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (p["expert"]) c.parallel_expert = ctx.get<int>(p["expert"], "parallel.expert", "an integer");
     if (c.parallel_data < 0) ctx.bad("parallel.data", p["data"], "must be >= 1 (or 0: every rank)");
     if (c.parallel_expert < 1) ctx.bad("parallel.expert", p["expert"], "must be >= 1");
-    if (c.parallel_expert > 1)
-      ctx.bad("parallel.expert", p["expert"], "expert parallelism is not implemented yet (use 1)");
   }
   c.steps = ctx.get<std::int64_t>(need("steps"), "steps", "an integer");
   if (c.steps < 1) ctx.bad("steps", root["steps"], "must be >= 1");

@@ -33,7 +33,8 @@ struct TrainConfig {
   int micro_batch = 1;              // `batch.micro_batch` (sequences per micro-batch)
   int grad_accum = 1;               // `batch.grad_accum`: micro-batches per step over all data-parallel ranks
   int parallel_data = 0;            // `parallel.data`: data-parallel degree (0: every rank of the launch)
-  int parallel_expert = 1;          // `parallel.expert` (only 1 so far)
+  int parallel_expert = 1;          // `parallel.expert`: expert-parallel degree, dividing the data-parallel
+                                    // ranks and the experts (CPU ranks so far)
   std::int64_t steps = 0;
   std::int64_t log_interval = 1;
   std::string output_dir = "out/train";

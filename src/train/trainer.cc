@@ -39,7 +39,9 @@ void sum_over(const ProcessGroup& g, std::int64_t* x, int n) {
 
 Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
     : cfg_(std::move(config)), ctx_(ctx), quiet_(quiet) {
-  ctx_.require_data_parallel_only("keel train");
+  if (ctx_.tensor.size != 1 || ctx_.sequence.size != 1)
+    throw UsageError(fmt::format("keel train: tensor ({}) and sequence ({}) parallelism are not implemented yet",
+                                 ctx_.tensor.size, ctx_.sequence.size));
   const int dp = ctx_.data.size;
   if (cfg_.grad_accum % dp != 0)
     throw UsageError(fmt::format("{}: batch.grad_accum ({}) must be a multiple of the data-parallel degree ({}): each "
@@ -53,6 +55,8 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
   bool cuda = cfg_.device == "cuda";
   if (cfg_.device == "auto") cuda = cuda_training_available();
   const OptimizerConfig optimizer(cfg_.adamw, cfg_.muon);
+  if (cuda && ctx_.expert.size > 1)
+    throw UsageError(fmt::format("{}: expert parallelism runs on CPU ranks only so far (device: cpu)", cfg_.path));
   backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, optimizer, ctx_)
                   : make_cpu_backend(cfg_.model, cfg_.model_options, optimizer, ctx_);
   // CPUs: about 2 cores of fp32 FMA, the CI machine's; set mfu_peak_flops for a real figure.
@@ -216,7 +220,11 @@ std::vector<StepStats> Trainer::run(std::int64_t until) {
                 "recompute %s\n",
                 cfg_.model.name.c_str(), static_cast<long long>(backend_->param_count()), cfg_.model.layers,
                 backend_->moe_layer_count(), backend_->device().c_str(),
-                ctx_.data.size > 1 ? fmt::format(" x {} data-parallel ranks (ZeRO-1)", ctx_.data.size).c_str() : "",
+                ctx_.data.size > 1
+                    ? fmt::format(" x {} data-parallel ranks (ZeRO-1){}", ctx_.data.size,
+                                  ctx_.expert.size > 1 ? fmt::format(", expert parallel {}", ctx_.expert.size) : "")
+                          .c_str()
+                    : "",
                 static_cast<long long>(cfg_.steps), static_cast<long long>(step_tokens),
                 to_string(cfg_.model_options.recompute));
   while (step_ < until) {
@@ -307,14 +315,16 @@ void Trainer::finish_checkpoint() {
 void Trainer::init_from_weights(const std::string& path) {
   LoadedWeights got;
   try {
-    got = load_model_weights(path, cfg_.model);
+    got = load_model_weights(path, cfg_.model, ctx_.expert.size, ctx_.expert.rank);
   } catch (const Error& e) {
     throw Error(fmt::format("init_from {}: {}", path, e.what()));
   }
   // Fresh optimizer state for this rank's shard, step 0: a new run that starts from these weights.
   TrainState st = std::move(got.state);
-  std::tie(st.shard_begin, st.shard_end) = backend_->optimizer_shard();
-  st.adam_m.assign(static_cast<std::size_t>(st.shard_end - st.shard_begin), 0.f);
+  const StateSlice slice = backend_->state_slice();
+  st.shard_begin = slice.shard_begin, st.shard_end = slice.shard_end;
+  st.expert_begin = slice.expert_begin, st.expert_end = slice.expert_end;
+  st.adam_m.assign(static_cast<std::size_t>(slice.moments()), 0.f);
   st.adam_v.assign(st.adam_m.size(), 0.f);
   st.adamw_step = 0;
   // Without the release's balancing biases, keep the backend's initial ones (0, and -1 for the
@@ -332,7 +342,7 @@ void Trainer::resume(const std::string& path_in) {
   if (is_ckpt_directory(path)) {
     LoadedTrainState got;
     try {
-      got = load_train_checkpoint(path, cfg_.model, backend_->optimizer_shard());
+      got = load_train_checkpoint(path, cfg_.model, backend_->state_slice());
     } catch (const Error& e) {
       throw Error(fmt::format("--resume {}: {}", path, e.what()));
     }

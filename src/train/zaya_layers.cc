@@ -37,12 +37,15 @@ void moe_forward(const Shape& s, const MoeParams& p, const Tensor& x, const Tens
   // Skip rows get gate * x, every other row 0 (overwritten below by its expert output).
   ops::zaya_router::skip_forward(x, a.router.idx.data(), a.router.gates, s.skip ? s.experts : -1, y);
   const std::int64_t nk = static_cast<std::int64_t>(a.kept.size());
-  if (nk == 0) return;
+  if (nk == 0 && !p.ep) return;  // expert parallel: the exchange is collective, 0 rows included
   a.plan = ops::moe::make_plan(a.kept_idx.data(), nk, 1, s.experts);
   const Tensor xk = head(sc.xk, nk), gk = head(sc.gk, nk), yk = head(sc.yk, nk);
   gather(x, a.kept, xk);
   gather(a.router.gates, a.kept, gk);
-  ops::moe::forward(a.plan, xk, gk, p.experts, head(a.experts, nk), yk);
+  if (p.ep)
+    p.ep->forward(a.plan, xk, gk, p.experts, yk);
+  else
+    ops::moe::forward(a.plan, xk, gk, p.experts, head(a.experts, nk), yk);
   scatter(yk, a.kept, y);
 }
 
@@ -52,13 +55,16 @@ void moe_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const 
   // Skip path first: it overwrites dx and dgates on every row (0 on routed rows).
   ops::zaya_router::skip_backward(x, a.router.idx.data(), a.router.gates, s.skip ? s.experts : -1, dy, dx, sc.dgates);
   const std::int64_t nk = static_cast<std::int64_t>(a.kept.size());
-  if (nk > 0) {
+  if (nk > 0 || p.ep) {
     const Tensor xk = head(sc.xk, nk), gk = head(sc.gk, nk), dyk = head(sc.dyk, nk), dxk = head(sc.dxk, nk),
                  dgk = head(sc.dgk, nk);
     gather(x, a.kept, xk);
     gather(a.router.gates, a.kept, gk);
     gather(dy, a.kept, dyk);
-    ops::moe::backward(a.plan, xk, gk, p.experts, head(a.experts, nk), dyk, sc.experts, dxk, dgk, g.experts);
+    if (p.ep)
+      p.ep->backward(dyk, p.experts, dxk, dgk, g.experts);
+    else
+      ops::moe::backward(a.plan, xk, gk, p.experts, head(a.experts, nk), dyk, sc.experts, dxk, dgk, g.experts);
     scatter(dxk, a.kept, dx);
     scatter(dgk, a.kept, sc.dgates);
   }

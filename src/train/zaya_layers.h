@@ -23,6 +23,7 @@
 
 #include "ops/moe.h"
 #include "ops/zaya_router.h"
+#include "parallel/expert_parallel.h"
 #include "tensor/tensor.h"
 
 namespace keel::train::zaya {
@@ -36,7 +37,8 @@ struct ResScale {
 
 struct MoeParams {
   ops::zaya_router::Params router;  // gamma empty on the first MoE stage (no EDA there)
-  ops::moe::Weights experts;        // [E, F, D], [E, F, D], [E, D, F]
+  ops::moe::Weights experts;        // [E, F, D], [E, F, D], [E, D, F] (this rank's E / ep with `ep`)
+  parallel::ExpertParallelMoe* ep = nullptr;  // expert parallelism: where the experts run (forward's p)
 };
 
 struct MoeActs {

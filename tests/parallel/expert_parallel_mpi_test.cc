@@ -94,7 +94,8 @@ void check_against_single_rank(int top_k, Routing routing) {
   std::vector<float> y(std::size_t(n) * D), dx(std::size_t(n) * D), dgates(std::size_t(n) * top_k);
   std::vector<float> gwg(lwg.size(), 0.f), gwu(lwu.size(), 0.f), gwd(lwd.size(), 0.f);
   auto xc = x, gc = gates, dyc = dy;
-  ep.forward(Tensor(xc.data(), {n, D}), Tensor(gc.data(), {n, top_k}), idx.data(), top_k, local, Tensor(y.data(), {n, D}));
+  ep.forward(ops::moe::make_plan(idx.data(), n, top_k, E), Tensor(xc.data(), {n, D}), Tensor(gc.data(), {n, top_k}), local,
+             Tensor(y.data(), {n, D}));
   ep.backward(Tensor(dyc.data(), {n, D}), local, Tensor(dx.data(), {n, D}), Tensor(dgates.data(), {n, top_k}),
               {Tensor(gwg.data(), {el, F, D}), Tensor(gwu.data(), {el, F, D}), Tensor(gwd.data(), {el, D, F})});
 

@@ -46,14 +46,31 @@ add_test(NAME cli_train_dp_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_dp WOR
 set_tests_properties(cli_train_dp_clean PROPERTIES FIXTURES_SETUP train_dp_clean)
 set_tests_properties(cli_train_dp2_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_dp_clean" FIXTURES_SETUP train_dp)
 set_tests_properties(cli_train_dp2_resume_on_one PROPERTIES FIXTURES_REQUIRED "train_stories;train_dp")
+# Expert parallel on CPU ranks: 2 ranks each holding 2 of the 4 experts train and save (the
+# checkpoint stores whole [E, ...] expert tensors); one rank resumes with all 4.
+keel_cli_test(NAME train_ep2_stop NP 2 MATCH "x 2 data-parallel ranks \\(ZeRO-1\\), expert parallel 2, "
+  ARGS train ${tcfg} ${tdp} --set parallel.expert=2 --set output_dir=train_ep --stop-after 4)
+keel_cli_test(NAME train_ep2_inspect MATCH "dp=2,ep=2,zero=1"
+  ARGS ckpt inspect train_ep)
+keel_cli_test(NAME train_ep2_resume_on_one MATCH "resumed from train_ep/step_00000004 at step 4"
+  ARGS train ${tcfg} ${tdp} --set output_dir=train_ep --set steps=8 --resume train_ep)
+add_test(NAME cli_train_ep_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_ep WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_train_ep_clean PROPERTIES FIXTURES_SETUP train_ep_clean)
+set_tests_properties(cli_train_ep2_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_ep_clean" FIXTURES_SETUP train_ep)
+set_tests_properties(cli_train_ep2_inspect cli_train_ep2_resume_on_one PROPERTIES FIXTURES_REQUIRED "train_stories;train_ep")
+set_tests_properties(cli_train_ep2_resume_on_one PROPERTIES DEPENDS cli_train_ep2_inspect)
+keel_cli_test(NAME train_ep_on_gpus_not_yet NP 2 EXIT 1
+  MATCH "parallel\\.expert \\(2\\) runs on CPU ranks only so far \\(device: cpu\\)"
+  ARGS train ${tcfg} ${tdp} --set device=cuda --set parallel.expert=2)
 keel_cli_test(NAME train_dp_degree_mismatch NP 2 EXIT 1
-  MATCH "parallel\\.data \\(3\\) x parallel\\.expert \\(1\\) must equal the number of ranks \\(2\\)"
+  MATCH "parallel\\.data \\(3\\) must equal the number of ranks \\(2\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.data=3)
 keel_cli_test(NAME train_dp_batch_does_not_split NP 2 EXIT 1 MATCH "batch\\.grad_accum \\(3\\) must be a multiple of the data-parallel degree \\(2\\)"
   ARGS train ${tcfg} ${tdp} --set batch.grad_accum=3)
 set_tests_properties(cli_train_dp_batch_does_not_split PROPERTIES FIXTURES_REQUIRED train_stories)
-keel_cli_test(NAME train_expert_parallel_not_yet EXIT 1 MATCH "key 'parallel\\.expert' \\(from --set\\): expert parallelism is not implemented yet"
-  ARGS train ${tcfg} --set parallel.expert=2)
+keel_cli_test(NAME train_expert_parallel_does_not_divide NP 2 EXIT 1
+  MATCH "parallel\\.expert \\(3\\) must divide the number of ranks \\(2\\) and of experts \\(4\\)"
+  ARGS train ${tcfg} ${tdp} --set parallel.expert=3)
 
 # Bad input.
 keel_cli_test(NAME train_unknown_key EXIT 1 MATCH "^keel: error: .*tiny\\.yaml: unknown key 'optimizer\\.lrr' \\(from --set\\)"

@@ -148,7 +148,7 @@ TEST(TrainModel, RejectsUnsupportedConfigs) {
     EXPECT_NE(std::string(e.what()).find("supports mha, gqa and cca"), std::string::npos) << e.what();
   }
   ParallelContext ctx;
-  ctx.expert.size = 2;
+  ctx.tensor.size = 2;  // not implemented yet
   EXPECT_THROW(MoeTransformer(fixtures::tiny_config(false), o, ctx), UsageError);
 }
 

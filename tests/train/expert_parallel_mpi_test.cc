@@ -1,0 +1,159 @@
+// keel train with expert parallelism on CPU ranks under MPI (run at 2, 3 and 4 ranks; 12 experts
+// so every degree divides them): with EP = the world, and at 4 ranks also EP = 2 (two ranks
+// holding each expert), a run matches the 1-rank run of the same global batch within
+// fp32-reduction tolerance (linear router top-2 with AdamW and with Muon; the ZAYA1 MLP router
+// with the skip class); each rank holds exactly its experts; checkpoints move between EP and
+// one rank both ways and the loss continues as in the uninterrupted run.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "../mpi_test_util.h"
+#include "train/model.h"
+#include "train/trainer.h"
+#include "train_test_util.h"
+
+namespace keel::train {
+namespace {
+
+namespace fs = std::filesystem;
+using keel::test::world_rank;
+using keel::test::world_size;
+
+ParallelContext world_context(int ep) {
+  ParallelContext c;
+  c.data = {world_size(), world_rank(), MPI_COMM_WORLD};
+  return with_expert_parallel(c, ep);
+}
+
+fs::path shared_dir(const std::string& name) {
+  std::string path;
+  if (world_rank() == 0) path = fixtures::temp_dir("ep_mpi_" + std::to_string(world_size()), name).string();
+  int n = static_cast<int>(path.size());
+  MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  path.resize(static_cast<std::size_t>(n));
+  MPI_Bcast(path.data(), n, MPI_CHAR, 0, MPI_COMM_WORLD);
+  return path;
+}
+
+// The tests' tiny model with 12 experts, 12 micro-batches of 1 sequence per step.
+TrainConfig config(const fs::path& dir, const fs::path& out, int ep, const std::vector<std::string>& extra = {},
+                   const std::string& optimizer_extra = "") {
+  if (world_rank() == 0 && !fs::exists(dir / "d.idx")) fixtures::make_dataset(dir, "d");
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::vector<std::string> sets = {"batch.micro_batch=1", "batch.grad_accum=12", "steps=6", "model.experts=12",
+                                   "parallel.expert=" + std::to_string(ep)};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return parse_train_config(fixtures::train_config_text((dir / "d").string(), out, optimizer_extra), "ep.yaml", sets);
+}
+
+const std::string kMuon = "  muon:\n    enabled: true\n";
+// ZAYA1's MoE stage: the 3-layer MLP router (top-1) with the skip class.
+const std::vector<std::string> kZayaRouter = {"model.router_hidden=8", "model.router_mlp_layers=3", "model.top_k=1",
+                                               "model.router_skip_expert=true"};
+
+// Every parameter of `ep_state` (an expert-parallel rank's) against the same elements of the
+// whole model's `full` state: the largest difference relative to the largest value.
+double max_rel_diff_by_name(const optim::ParamLayout& ep_layout, const std::vector<float>& ep_params, int expert_rank,
+                            const optim::ParamLayout& full_layout, const std::vector<float>& full_params) {
+  std::map<std::string, const optim::ParamInfo*> full;
+  for (const auto& p : full_layout.params) full[p.name] = &p;
+  double num = 0, den = 0;
+  for (const auto& p : ep_layout.params) {
+    const optim::ParamInfo& f = *full.at(p.name);
+    const std::int64_t first = is_expert_param(p.name) && p.numel < f.numel ? expert_rank * p.numel : 0;
+    for (std::int64_t i = 0; i < p.numel; ++i) {
+      const double a = ep_params[p.offset + i], b = full_params[f.offset + first + i];
+      num = std::max(num, std::fabs(a - b));
+      den = std::max(den, std::fabs(b));
+    }
+  }
+  return den > 0 ? num / den : num;
+}
+
+void expect_matches_single_rank(int ep, const std::vector<std::string>& extra, const std::string& optimizer_extra,
+                                const std::string& tag) {
+  if (world_size() % ep != 0) GTEST_SKIP() << "EP " << ep << " does not divide " << world_size() << " ranks";
+  const fs::path dir = shared_dir(tag);
+  std::vector<std::string> sets = extra;
+  sets.push_back("checkpoint.final=false");
+  TrainConfig cfg = config(dir, dir / "ep", ep, sets, optimizer_extra);
+  const ParallelContext ctx = world_context(ep);
+  Trainer t(cfg, ctx, true);
+  // Each rank holds E / ep experts of every MoE layer: the layout says so.
+  for (const auto& p : t.backend().layout().params)
+    if (is_expert_param(p.name)) ASSERT_EQ(p.shape[0], 12 / ep) << p.name;
+  const auto got = t.run();
+  TrainConfig one = cfg;
+  one.parallel_expert = 1;
+  one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
+  Trainer single(one, ParallelContext::single(), true);
+  const auto want = single.run();
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i].loss, want[i].loss, 1e-5 * std::fabs(want[i].loss)) << tag << " step " << i + 1;
+    EXPECT_NEAR(got[i].grad_norm, want[i].grad_norm, 1e-4 * want[i].grad_norm) << tag << " step " << i + 1;
+  }
+  EXPECT_LT(max_rel_diff_by_name(t.backend().layout(), t.backend().state().params, ctx.expert.rank,
+                                 single.backend().layout(), single.backend().state().params),
+            2e-5)
+      << tag;
+  EXPECT_EQ(t.backend().param_count(), single.backend().param_count()) << "the whole model's count on every rank";
+}
+
+TEST(ExpertParallel, EpWorldMatchesOneRankWithAdamW) { expect_matches_single_rank(world_size(), {}, "", "adamw"); }
+TEST(ExpertParallel, EpWorldMatchesOneRankWithMuon) { expect_matches_single_rank(world_size(), {}, kMuon, "muon"); }
+TEST(ExpertParallel, EpWorldMatchesOneRankWithTheZayaRouter) {
+  expect_matches_single_rank(world_size(), kZayaRouter, "", "zaya");
+}
+TEST(ExpertParallel, EpTwoWithReplicasMatchesOneRank) {
+  if (world_size() < 4) GTEST_SKIP() << "needs 4 ranks: EP 2 with 2 ranks per expert";
+  expect_matches_single_rank(2, {}, kMuon, "ep2");
+}
+
+// Trains to step 3 and saves at EP `save_ep` over the world (or on one rank: 0), resumes at
+// `resume_ep` (or one rank: 0) and finishes; steps 4..6 match the uninterrupted run there.
+void expect_resume(int save_ep, int resume_ep, const std::string& tag) {
+  const fs::path dir = shared_dir(tag);
+  const auto ctx = [&](int ep) { return ep > 0 ? world_context(ep) : ParallelContext::single(); };
+  const auto out = [&](const std::string& name, int ep) { return ep > 0 ? dir / name : dir / (name + std::to_string(world_rank())); };
+  TrainConfig full_cfg = config(dir, out("full", resume_ep), std::max(resume_ep, 1), {"checkpoint.final=false"}, kMuon);
+  Trainer full(full_cfg, ctx(resume_ep), true);
+  const auto expect = full.run();
+  TrainConfig first_cfg = config(dir, out("first", save_ep), std::max(save_ep, 1), {"checkpoint.interval=3"}, kMuon);
+  {
+    Trainer first(first_cfg, ctx(save_ep), true);
+    first.run(3);
+    first.finish_checkpoint();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  TrainConfig second_cfg = config(dir, out("second", resume_ep), std::max(resume_ep, 1), {"checkpoint.final=false"}, kMuon);
+  Trainer second(second_cfg, ctx(resume_ep), true);
+  second.resume(first_cfg.checkpoint_dir);
+  ASSERT_EQ(second.step(), 3);
+  const auto got = second.run();
+  ASSERT_EQ(got.size(), 3u);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (save_ep == resume_ep)
+      EXPECT_EQ(got[i].loss, expect[i + 3].loss) << tag << ": resume in the same layout is bit-exact, step " << i + 4;
+    else
+      EXPECT_NEAR(got[i].loss, expect[i + 3].loss, 1e-5 * std::fabs(expect[i + 3].loss)) << tag << " step " << i + 4;
+  }
+}
+
+TEST(ExpertParallel, ResumesInTheSameLayoutBitExact) { expect_resume(world_size(), world_size(), "resume_same"); }
+TEST(ExpertParallel, CheckpointOfEpResumesOnOneRank) { expect_resume(world_size(), 0, "resume_ep_1"); }
+TEST(ExpertParallel, CheckpointOfOneRankResumesAtEp) { expect_resume(0, world_size(), "resume_1_ep"); }
+TEST(ExpertParallel, CheckpointOfEpWorldResumesAtEpTwo) {
+  if (world_size() < 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_resume(world_size(), 2, "resume_ep4_ep2");
+}
+
+}  // namespace
+}  // namespace keel::train
