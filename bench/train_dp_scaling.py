@@ -9,6 +9,11 @@ tokens/s (median over the timed steps after warm-up), per-GPU tokens/s, weak-sca
 efficiency = tokens/s(N) / (N x tokens/s(1)), and the step time exposed to communication,
 estimated as step time(N) - step time(1) (the extra time a step takes with the collectives).
 
+keel's ZeRO-1 step overlaps its collectives with compute by default (docs/parallel.md);
+--classic-gpus 2,4 also runs those GPU counts with KEEL_DP_OVERLAP=0 (the classic step: reduce-
+scatter after backward, all-gather after the update) and prints them as extra rows, for the
+before / after comparison in one run. KEEL_DP_* and NCCL_* variables reach every rank.
+
 The peer, in the same run for each N right after keel: the same model and step in PyTorch
 (eager) under torchrun with DistributedDataParallel (gradient all-reduce in buckets overlapped
 with backward) and ZeroRedundancyOptimizer (ZeRO-1 AdamW), bench/train_dp_torch.py; --no-torch
@@ -27,16 +32,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_vs_torch import DIMS, keel_config, write_dataset  # noqa: E402
 
 
-def run(keel, out, d, steps, warmup, gpus, prefix):
-    run_dir = os.path.join(out, f"dp{gpus}")
+def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900):
+    run_dir = os.path.join(out, f"dp{gpus}" + ("_classic" if classic else ""))
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "train.yaml")
     open(path, "w").write(keel_config(d, prefix, run_dir, steps, grad_accum=gpus))
-    cmd = ["mpirun", "--allow-run-as-root", "-np", str(gpus), "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE=0", keel,
-           "train", path]
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    if classic:
+        env["KEEL_DP_OVERLAP"] = "0"
+    forward = []
+    for k in sorted(env):
+        if k.startswith("KEEL_DP_") or k.startswith("NCCL_"):
+            forward += ["-x", k]
+    cmd = ["mpirun", "--allow-run-as-root", "-np", str(gpus), "--bind-to", "none"] + forward + [keel, "train", path]
     log = os.path.join(run_dir, "keel_train.log")
     with open(log, "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=900)
+        try:
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            print(open(log).read()[-3000:])
+            return {"error": f"timed out after {timeout} s"}
     if r.returncode != 0:
         print(open(log).read()[-3000:])
         return {"error": f"exit {r.returncode}"}
@@ -71,6 +86,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--layers", type=int, default=DIMS["layers"])
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--run-timeout", type=int, default=900, help="seconds per keel run")
+    ap.add_argument("--classic-gpus", default="", help="GPU counts to also run with the classic step (KEEL_DP_OVERLAP=0)")
     a = ap.parse_args()
     d = dict(DIMS, layers=a.layers)
     counts = [int(x) for x in a.gpus.split(",")]
@@ -79,26 +96,32 @@ def main():
     rows_needed = d["micro_batch"] * max(counts) * (a.steps + 4)
     rng = np.random.default_rng(0)
     write_dataset(prefix, rng.integers(0, d["vocab"], size=rows_needed * (d["seq"] + 1), dtype=np.uint64), d["seq"])
-    res, peer = {}, {}
+    classic = [int(x) for x in a.classic_gpus.split(",") if x]
+    res, peer, res_classic = {}, {}, {}
     for n in counts:
-        res[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix)
+        res[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout)
         print("keel", n, res[n], flush=True)
+        if n in classic and n > 1:
+            res_classic[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, classic=True, timeout=a.run_timeout)
+            print("keel classic", n, res_classic[n], flush=True)
         if not a.no_torch:
             peer[n] = run_torch(a.out, a.steps, a.warmup, n, a.layers)
             print("torch", n, peer[n], flush=True)
     tok_step = d["micro_batch"] * d["seq"]  # tokens per GPU per step
     print("\n== keel train weak scaling, data parallel + ZeRO-1 (8K tokens per GPU per step) ==")
-    print(f"{'GPUs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'step ms':>8} {'eff':>6} {'exposed comm ms':>16} {'mem GiB':>8}")
+    print(f"{'GPUs':>4} {'step':>8} {'tok/s':>10} {'tok/s/GPU':>10} {'step ms':>8} {'eff':>6} {'exposed comm ms':>16} "
+          f"{'mem GiB':>8}")
     base = res.get(1, {}).get("tokens_per_s")
-    for n in counts:
-        r = res[n]
+    rows = [(n, "overlap" if n > 1 else "-", res[n]) for n in counts]
+    rows += [(n, "classic", res_classic[n]) for n in counts if n in res_classic]
+    for n, kind, r in rows:
         if "error" in r:
-            print(f"{n:>4} {r['error']}")
+            print(f"{n:>4} {kind:>8} {r['error']}")
             continue
         step_ms = 1e3 * tok_step * n / r["tokens_per_s"]
         eff = r["tokens_per_s"] / (n * base) if base else float("nan")
         exposed = step_ms - 1e3 * tok_step / base if base else float("nan")
-        print(f"{n:>4} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / n:>10.0f} {step_ms:>8.1f} {eff:>6.3f} "
+        print(f"{n:>4} {kind:>8} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / n:>10.0f} {step_ms:>8.1f} {eff:>6.3f} "
               f"{exposed:>16.1f} {r['memory_gib']:>8.1f}")
     if peer:
         print("\n== PyTorch DDP + ZeroRedundancyOptimizer (eager), same model and tokens per GPU ==")
@@ -113,7 +136,7 @@ def main():
             ratio = res[n]["tokens_per_s"] / t["tokens_per_s"] if "tokens_per_s" in res[n] else float("nan")
             print(f"{n:>4} {t['tokens_per_s']:>10.0f} {t['tokens_per_s'] / n:>10.0f} {eff:>6.3f} {t['memory_gib']:>8.1f} "
                   f"{ratio:>10.2f}")
-    json.dump({"keel": res, "torch": peer}, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
+    json.dump({"keel": res, "keel_classic": res_classic, "torch": peer}, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":

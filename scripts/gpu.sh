@@ -80,19 +80,23 @@ for step in "${steps[@]}"; do
       fi ;;
     dp)
       if [ "$gpus" -lt 2 ]; then note "dp: skipped (needs 2+ GPUs)"; continue; fi
-      # keel train data parallel + ZeRO-1 on GPUs (NCCL): N GPUs against one, then weak scaling.
-      for n in 2 "$gpus"; do
-        if timeout 300 mpirun --allow-run-as-root -n "$n" --bind-to none -x NCCL_NVLS_ENABLE=0 "$build/tests/keel_mpi_tests" \
+      # keel train data parallel + ZeRO-1 on GPUs (NCCL): N GPUs against one (and the overlapped
+      # step against the classic one), then weak scaling. KEEL_DP_TESTS=0 / KEEL_DP_BENCH=0 skip
+      # either half; KEEL_DP_ARGS go to the scaling script (e.g. --classic-gpus 2,4 --no-torch).
+      [ "${KEEL_DP_TESTS:-1}" = 0 ] || for n in 2 "$gpus"; do
+        if timeout "${KEEL_DP_TEST_TIMEOUT:-300}" mpirun --allow-run-as-root -n "$n" --bind-to none -x NCCL_NVLS_ENABLE=0 "$build/tests/keel_mpi_tests" \
             --gtest_filter='DataParallel.*' >"$out/dp_test_$n.log" 2>&1; then
           note "dp tests on $n GPUs: $(grep -c '  OK ' "$out/dp_test_$n.log") passed"
+          grep -E '^  [a-z0-9_]+(: step 8| on [0-9]+ GPUs)' "$out/dp_test_$n.log" >>"$summary"
         else
           tail -30 "$out/dp_test_$n.log"; note "dp tests on $n GPUs: FAILED (see dp_test_$n.log)"
         fi
       done
+      [ "${KEEL_DP_BENCH:-1}" = 0 ] && continue
       scaling=$(seq -s, 1 "$gpus" | tr ',' '\n' | awk '$1==1||$1==2||$1==4||$1==8' | paste -sd,)
       timeout 900 python3 bench/train_dp_scaling.py --keel "$build/keel" --out "$out/dp" --gpus "$scaling" \
-          ${KEEL_DP_ARGS:-} 2>&1 | tee "$out/dp_scaling.log" | tail -12
-      grep -A6 -E '^== (keel train weak scaling|PyTorch DDP)' "$out/dp_scaling.log" >>"$summary" ;;
+          ${KEEL_DP_ARGS:-} 2>&1 | tee "$out/dp_scaling.log" | tail -16
+      grep -A9 -E '^== (keel train weak scaling|PyTorch DDP)' "$out/dp_scaling.log" >>"$summary" ;;
     train)
       # keel train vs a PyTorch implementation of the same MoE and step (eager and torch.compile).
       timeout 900 python3 bench/train_vs_torch.py --keel "$build/keel" --out "$out/train" ${KEEL_TRAIN_ARGS:-} 2>&1 \

@@ -5,6 +5,7 @@
 
 #include "common/error.h"
 #include "common/mpi_session.h"
+#include "parallel/nccl_group.h"
 
 namespace keel::parallel {
 namespace {
@@ -68,6 +69,7 @@ class MpiDataParallelComm final : public DataParallelComm {
 std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(MPI_Comm, void*) {
   fail("data parallelism on GPUs: this keel was built without CUDA");
 }
+std::unique_ptr<NcclGroup> make_nccl_group(MPI_Comm) { fail("NCCL: this keel was built without CUDA"); }
 #endif
 
 std::unique_ptr<DataParallelComm> make_mpi_data_parallel_comm(MPI_Comm comm) {

@@ -10,7 +10,8 @@
 // is kept in the AdamW m buffer at the Muon parameters' offsets, so TrainState is the same.
 //
 // One training step, as the trainer drives it:
-//   zero_grads(); for each micro-batch: forward(tokens, targets); backward(1/accum);
+//   zero_grads(); begin_step(micro-batches on this rank); for each micro-batch:
+//   forward(tokens, targets); backward(1/accum);
 //   clip_and_step(clip, lr); load() / set_load() (the trainer sums them over data-parallel
 //   ranks); update_router_bias();
 //
@@ -114,6 +115,10 @@ class TrainBackend {
   virtual std::size_t memory_bytes() const = 0;
 
   virtual void zero_grads() = 0;
+  // The trainer announces, after zero_grads(), how many backward() calls this step makes on
+  // this rank, so a data-parallel GPU backend starts reducing gradients during the last one.
+  // Without it (tests driving a backend directly) every reduction waits for clip_and_step().
+  virtual void begin_step(int micro_batches) { (void)micro_batches; }
   // tokens: micro_batch * seq_length input ids (host), targets: labels (-1 ignored).
   virtual LossParts forward(const std::uint32_t* tokens, const std::int32_t* targets) = 0;
   virtual void backward(float loss_scale) = 0;

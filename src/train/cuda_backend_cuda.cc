@@ -19,12 +19,33 @@
 // per-expert counts drive the expert GEMM loop, moe.h; two with ZAYA1's skip class, whose
 // packed token count comes first), one at the end of forward to read the
 // loss, and one per optimizer step to read the gradient norm (logging and the non-finite
-// check). Everything else is enqueued on one stream.
+// check). Everything else is enqueued on one stream (and, with data parallelism, a second one
+// for the collectives).
+//
+// Data parallelism with ZeRO-1 (docs/parallel.md): by default the collectives overlap compute.
+// The flat buffer is cut into buckets (parallel/zero1_buckets.h) inside stages (the embedding,
+// each layer's attention part and MLP part, the final norm / head) and inside one rank's shard.
+// During the last micro-batch's backward, as each stage's gradients become final, the compute
+// stream records an event, the communication stream waits on it and reduces (ncclReduce to the
+// owner) the stage's buckets; the trainer announces the step's micro-batches (begin_step()), so
+// the backend knows which backward is the last. The embedding's own
+// scatter-add of that micro-batch is deferred: its buckets are reduced at the start of backward
+// and the owners add every rank's (token, dL/dx) rows at the end, when that moves fewer floats.
+// After the norm, each owner updates its buckets in offset order on an optimizer stream and
+// broadcasts each one as soon as it is updated (the bf16 copy for matrices only GEMMs read,
+// fp32 for the rest), and the next forward waits per stage for its parameters while the
+// update of the rank's own shard runs beside it. KEEL_DP_OVERLAP=0 selects the classic step
+// (reduce-scatter after backward, all-gather after the update); the other switches are in
+// parallel/zero1_buckets.h.
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "common/error.h"
 #include "device/cuda_check.h"
@@ -50,7 +71,9 @@
 #include "ops/rope.h"
 #include "optim/clip.h"
 #include "parallel/data_parallel_comm.h"
+#include "parallel/nccl_group.h"
 #include "parallel/zero1.h"
+#include "parallel/zero1_buckets.h"
 #include "train/backend.h"
 #include "train/cuda_kernels.h"
 #include "train/cuda_zaya_layers_cuda.h"
@@ -139,6 +162,53 @@ struct LayerActs {
   cuda_zaya::Acts zmoe;  // MLP-router MoE (its experts' Saved is `saved`)
 };
 
+// KEEL_DP_PROFILE=1 (data parallel): a per-step timeline from device events, printed to stderr
+// by the first and last rank after each step's norm (docs/parallel.md). Two sets of events,
+// alternating by step, so the previous step's tail (optimizer, broadcasts) reads beside the
+// current step's forward and backward.
+struct Profile {
+  enum Mark { kFwd0, kFwdGo, kFwdEnd, kBwd0, kBwdEnd, kRed0, kRedEnd, kJoined, kNormed, kBc0, kBcEnd, kOptEnd, kMarks };
+  cudaEvent_t ev[2][kMarks] = {};
+  bool rec[2][kMarks] = {};
+  long step = 0;
+  bool forward_seen = false, reduce_seen = false;
+
+  Profile() {
+    for (auto& set : ev)
+      for (auto& e : set) KEEL_CUDA_CHECK(cudaEventCreate(&e));
+  }
+  ~Profile() {
+    for (auto& set : ev)
+      for (auto& e : set) cudaEventDestroy(e);
+  }
+  void new_step() {
+    ++step;
+    forward_seen = reduce_seen = false;
+    for (bool& r : rec[step % 2]) r = false;
+  }
+  void mark(Mark m, cudaStream_t s) {
+    KEEL_CUDA_CHECK(cudaEventRecord(ev[step % 2][m], s));
+    rec[step % 2][m] = true;
+  }
+  // ms from a to b (set p), or NaN when either was not recorded
+  double ms(int pa, Mark a, int pb, Mark b) const {
+    if (!rec[pa][a] || !rec[pb][b]) return std::nan("");
+    float t = 0;
+    return cudaEventElapsedTime(&t, ev[pa][a], ev[pb][b]) == cudaSuccess ? t : std::nan("");
+  }
+  void report(int rank, int ranks) const {
+    if (rank != 0 && rank != ranks - 1) return;
+    const int c = static_cast<int>(step % 2), p = 1 - c;
+    std::fprintf(stderr,
+                 "dp profile rank %d step %ld: period %.2f | fwd wait %.2f fwd %.2f bwd %.2f tail %.2f norm %.2f | "
+                 "reduces %.2f, end %.2f after bwd | prev: opt %.2f bcast %.2f, ends %.2f after fwd go, opt->fwd %.2f ms\n",
+                 rank, step, ms(p, kFwd0, c, kFwd0), ms(c, kFwd0, c, kFwdGo), ms(c, kFwdGo, c, kFwdEnd),
+                 ms(c, kBwd0, c, kBwdEnd), ms(c, kBwdEnd, c, kJoined), ms(c, kJoined, c, kNormed),
+                 ms(c, kRed0, c, kRedEnd), ms(c, kBwdEnd, c, kRedEnd), ms(p, kNormed, p, kOptEnd), ms(p, kBc0, p, kBcEnd),
+                 ms(c, kFwdGo, p, kBcEnd), ms(p, kOptEnd, c, kFwd0));
+  }
+};
+
 class CudaBackend final : public TrainBackend {
  public:
   CudaBackend(const model::ModelConfig& cfg, const ModelOptions& options, const OptimizerConfig& optimizer,
@@ -168,9 +238,8 @@ class CudaBackend final : public TrainBackend {
     if (optimizer.muon.enabled) layout_ = regroup_layout(layout_, train_group_rules(optimizer.muon));
     const std::size_t muon_ws_bytes = k::muon::workspace_bytes(layout_);
     // ZeRO-1 over the data-parallel ranks (parallel/zero1.h): optimizer state for this rank's
-    // shard only; NCCL on stream_.
+    // shard only; the collectives are set up below (setup_data_parallel).
     if (ctx.data.size > 1) {
-      dp_ = parallel::make_nccl_data_parallel_comm(ctx.data.comm, stream_);
       plan_ = parallel::plan_zero1(layout_, ctx.data.size);
       shard_ = {plan_.begin(ctx.data.rank), plan_.end(ctx.data.rank)};
     } else {
@@ -211,6 +280,7 @@ class CudaBackend final : public TrainBackend {
     for (auto& b : bias_)
       if (cfg_.router_skip_expert) b.back() = -1.f;  // ZAYA1: the skip class starts disfavoured (as the CPU model)
     map_weights();
+    if (ctx.data.size > 1) setup_data_parallel(ctx);
 
     // parameters, gradients, states: the flat layout of the CPU model, so checkpoints move freely
     const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
@@ -249,10 +319,21 @@ class CudaBackend final : public TrainBackend {
   }
 
   ~CudaBackend() override {
+    if (comm_stream_) cudaStreamSynchronize(comm_stream_);
     if (stream_) {
       cudaStreamSynchronize(stream_);
       cudaStreamDestroy(stream_);
     }
+    if (opt_stream_) {
+      cudaStreamSynchronize(opt_stream_);
+      cudaStreamDestroy(opt_stream_);
+    }
+    if (comm_stream_) cudaStreamDestroy(comm_stream_);
+    for (cudaEvent_t e : {ev_opt_go_, ev_opt_bucket_, ev_opt_done_})
+      if (e) cudaEventDestroy(e);
+    for (cudaEvent_t e : ev_arrived_) cudaEventDestroy(e);
+    if (ev_ready_) cudaEventDestroy(ev_ready_);
+    if (ev_comm_) cudaEventDestroy(ev_comm_);
   }
 
   std::string device() const override { return device_name_; }
@@ -271,6 +352,19 @@ class CudaBackend final : public TrainBackend {
   }
 
   void zero_grads() override {
+    if (prof_) prof_->new_step();
+    if (overlap_) {
+      if (reduces_in_flight_) join_comm();  // an abandoned step's reduces still read grads_
+      backward_calls_ = 0;
+      step_backwards_ = 0;  // announced again by begin_step()
+      reduces_launched_ = false;
+      if (opt_stream_) {
+        // the previous step's optimizer may still read the gradients beside this forward:
+        // zeroed at the first backward (flush_zero_grads)
+        zero_pending_ = true;
+        return;
+      }
+    }
     KEEL_CUDA_CHECK(cudaMemsetAsync(grads_, 0, static_cast<std::size_t>(layout_.total_floats) * sizeof(float), stream_));
   }
 
@@ -281,6 +375,10 @@ class CudaBackend final : public TrainBackend {
         fail("token id {} at position {} is outside the vocabulary ({})", tokens_host[i], i, V);
     KEEL_CUDA_CHECK(cudaMemcpyAsync(tokens_, tokens_host, N * sizeof(std::uint32_t), cudaMemcpyHostToDevice, stream_));
     KEEL_CUDA_CHECK(cudaMemcpyAsync(targets_, targets_host, N * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
+    const bool first_forward = prof_ && !prof_->forward_seen;
+    if (first_forward) prof_->mark(Profile::kFwd0, stream_), prof_->forward_seen = true;
+    await_stage(0);  // overlapped ZeRO-1: the parameters of each stage as they arrive
+    if (first_forward) prof_->mark(Profile::kFwdGo, stream_);
     k::embedding::forward(tokens_, N, params_ + embed_, resid_[0], V, D, stream_);
     for (int l = 0; l < cfg_.layers; ++l) {
       if (scaled_)
@@ -289,6 +387,7 @@ class CudaBackend final : public TrainBackend {
         layer_forward(l, acts_for(l), resid_[l], resid_[l + 1], /*count_load=*/true);
     }
     const float* final_in = resid_[cfg_.layers];
+    await_stage(final_stage());
     if (scaled_) {
       const ResScaleOffsets& F = final_scale_;
       k::residual_scale::merge_forward(resid_[cfg_.layers], hres_[cfg_.layers], params_ + F.r_bias, params_ + F.r_scale,
@@ -298,6 +397,7 @@ class CudaBackend final : public TrainBackend {
     k::rmsnorm::forward(final_in, params_ + final_norm_, eps(), final_h_, final_rstd_, N, D, stream_);
     k::cross_entropy::forward(final_h_, params_bf16_ + lm_head_, targets_, N, D, V, ce_options(), ce_lse_, ce_result_,
                               ce_scratch_, stream_);
+    if (first_forward) prof_->mark(Profile::kFwdEnd, stream_);
     // one sync: the loss, the router losses and the expert loads of this micro-batch
     LossParts lp;
     const k::cross_entropy::Result r = k::cross_entropy::read_result(ce_result_, stream_);
@@ -323,6 +423,11 @@ class CudaBackend final : public TrainBackend {
 
   void backward(float loss_scale) override {
     if (!have_forward_) fail("model: backward() without a forward()");
+    // overlapped ZeRO-1: the last micro-batch of the step reduces each stage's buckets as soon
+    // as its gradients are final (grads_ready)
+    flush_zero_grads();
+    launching_ = overlap_ && last_micro_batch();
+    if (prof_) prof_->mark(Profile::kBwd0, stream_);
     cur_scale_ = loss_scale;
     const std::int64_t N = tokens(), V = cfg_.vocab_size, D = cfg_.hidden;
     k::cross_entropy::backward(final_h_, params_bf16_ + lm_head_, targets_, ce_lse_, loss_scale, N, D, V, ce_options(),
@@ -337,6 +442,11 @@ class CudaBackend final : public TrainBackend {
                                         dhres_, grads_ + F.r_bias, grads_ + F.r_scale, grads_ + F.h_bias,
                                         grads_ + F.h_scale, N, D, stream_);
     }
+    grads_ready(final_stage());
+    // The embedding's gradient is final now but for this micro-batch's scatter-add, which the
+    // owners do at the end from every rank's rows: reduce it first, behind the whole backward.
+    const bool defer = launching_ && defer_embed_;
+    if (defer) grads_ready(0);
     for (int l = cfg_.layers - 1; l >= 0; --l) {
       LayerActs& a = acts_for(l);
       const bool full = opt_.recompute == Recompute::kFull;
@@ -351,11 +461,22 @@ class CudaBackend final : public TrainBackend {
         layer_backward(l, a, resid_[l]);
       }
     }
-    k::embedding::backward(tokens_, N, dres_, grads_ + embed_, V, D, stream_);
+    if (prof_) prof_->mark(Profile::kBwdEnd, stream_);
+    if (defer) {
+      gather_embedding_gradients();
+    } else {
+      k::embedding::backward(tokens_, N, dres_, grads_ + embed_, V, D, stream_);
+      grads_ready(0);
+    }
+    if (launching_ && prof_) prof_->mark(Profile::kRedEnd, comm_stream_);
+    if (launching_) reduces_launched_ = true;
+    launching_ = false;
     have_forward_ = false;
   }
 
   StepResult clip_and_step(double max_norm, double lr) override {
+    flush_zero_grads();
+    if (overlap_) return overlapped_zero1_step(max_norm, lr);
     if (dp_) return zero1_step(max_norm, lr);
     const std::int64_t n = layout_.total_floats;
     k::grad_norm::sum_squares(grads_, n, norm_ws_, sum_sq_, /*accumulate=*/false, stream_);
@@ -400,6 +521,8 @@ class CudaBackend final : public TrainBackend {
 
   std::vector<float> gradients() const override {
     std::vector<float> g(static_cast<std::size_t>(layout_.total_floats));
+    join_comm();
+    flush_zero_grads();
     KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
     KEEL_CUDA_CHECK(cudaMemcpy(g.data(), grads_, g.size() * sizeof(float), cudaMemcpyDeviceToHost));
     return g;
@@ -414,6 +537,11 @@ class CudaBackend final : public TrainBackend {
     s.shard_end = shard_.second;
     s.adam_m.resize(k);
     s.adam_v.resize(k);
+    join_comm();
+    // overlapped ZeRO-1 with bf16 broadcasts: the fp32 masters of other ranks' shards are
+    // stale until gathered (a collective: every rank calls state() together, as the trainer's
+    // checkpoint does)
+    if (masters_stale_) gather_masters();
     KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
     KEEL_CUDA_CHECK(cudaMemcpy(s.params.data(), params_, n * sizeof(float), cudaMemcpyDeviceToHost));
     KEEL_CUDA_CHECK(cudaMemcpy(s.adam_m.data(), adam_m_, k * sizeof(float), cudaMemcpyDeviceToHost));
@@ -421,6 +549,24 @@ class CudaBackend final : public TrainBackend {
     s.router_bias = bias_;
     s.adamw_step = adam_.step_count();
     return s;
+  }
+
+  // This rank's shard where it lives: the checkpoint copies it once, device to pinned host. Only
+  // the shard's range is read, and the owner's fp32 masters and moments are always current
+  // (other ranks' masters may be stale under bf16 broadcasts; no gather needed). Not a collective.
+  CheckpointView checkpoint_view() override {
+    join_comm();  // the shard's update may still run on the optimizer stream
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CheckpointView v;
+    v.params = params_;
+    v.adam_m = adam_m_;
+    v.adam_v = adam_v_;
+    v.slice.shard_begin = shard_.first;
+    v.slice.shard_end = shard_.second;
+    v.on_device = true;
+    v.router_bias = bias_;
+    v.adamw_step = adam_.step_count();
+    return v;
   }
 
   void set_state(const TrainState& s) override {
@@ -435,7 +581,9 @@ class CudaBackend final : public TrainBackend {
     for (std::size_t i = 0; i < bias_.size(); ++i)
       if (s.router_bias[i].size() != bias_[i].size()) fail("router bias {} size differs", i);
     check_state_matches_optimizers(layout_, s.adam_m.data(), s.adam_v.data(), shard_.first, shard_.second);
+    join_comm();  // pending broadcasts write the parameters
     upload_params(s.params);
+    masters_stale_ = false;
     if (k > 0) KEEL_CUDA_CHECK(cudaMemcpyAsync(adam_m_, s.adam_m.data(), k * sizeof(float), cudaMemcpyHostToDevice, stream_));
     if (k > 0) KEEL_CUDA_CHECK(cudaMemcpyAsync(adam_v_, s.adam_v.data(), k * sizeof(float), cudaMemcpyHostToDevice, stream_));
     KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -453,14 +601,17 @@ class CudaBackend final : public TrainBackend {
   StepResult zero1_step(double max_norm, double lr) {
     const auto [b, e] = shard_;
     dp_->reduce_scatter_sum(grads_, plan_.bounds);
+    if (prof_) prof_->mark(Profile::kJoined, stream_);
     k::grad_norm::sum_squares(grads_ + b, e - b, norm_ws_, sum_sq_, /*accumulate=*/false, stream_);
     dp_->all_reduce_sum(sum_sq_, 1);
     k::grad_norm::clip_coefficient(sum_sq_, max_norm, coef_, norm_, stream_);
+    if (prof_) prof_->mark(Profile::kNormed, stream_);
     double norm = 0;
     float coef = 1;
     KEEL_CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
     KEEL_CUDA_CHECK(cudaMemcpyAsync(&coef, coef_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
     KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (prof_) prof_->report(dp_rank_, dp_size_);
     if (!std::isfinite(norm)) throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), "", norm);
     k::adamw::DeviceFlatRange r;
     r.begin = b;
@@ -471,8 +622,19 @@ class CudaBackend final : public TrainBackend {
     r.v = adam_v_;
     r.param_bf16 = params_bf16_ + b;
     adam_.step(layout_, r, lr, 1.0f, coef_, stream_);  // skips Muon parameters
-    // Muon: the whole matrices of the shard, consecutive ones of a stack in one batched call
-    const auto mats = parallel::muon_matrices_in(layout_, b, e);
+    muon_step_range(b, e, lr, *gemm_, stream_);
+    if (prof_) prof_->mark(Profile::kBc0, stream_);
+    dp_->all_gather(params_, plan_.bounds);
+    k::f32_to_bf16(params_, params_bf16_, layout_.total_floats, stream_);
+    if (prof_) prof_->mark(Profile::kBcEnd, stream_), prof_->mark(Profile::kOptEnd, stream_);
+    return {norm, static_cast<double>(coef)};
+  }
+
+  // Muon on the whole matrices inside [begin, end) of this rank's shard, consecutive ones of a
+  // stack in one batched call (momentum at shard-local offsets).
+  void muon_step_range(std::int64_t begin, std::int64_t end, double lr, k::GemmRunner& gemm, cudaStream_t stream) {
+    const std::int64_t b = shard_.first;
+    const auto mats = parallel::muon_matrices_in(layout_, begin, end);
     for (std::size_t i = 0; i < mats.size();) {
       std::size_t j = i + 1;
       while (j < mats.size() && mats[j].param == mats[i].param) ++j;
@@ -480,11 +642,347 @@ class CudaBackend final : public TrainBackend {
       const std::int64_t o = mats[i].offset;
       k::muon::matrix_step(params_ + o, grads_ + o, adam_m_ + (o - b), params_bf16_ + o, static_cast<std::int64_t>(j - i),
                            p.rows(), p.cols(), muon_.config(), lr * p.lr_scale, p.weight_decay, 1.0f, coef_, muon_ws_,
-                           *gemm_, stream_);
+                           gemm, stream);
       i = j;
     }
-    dp_->all_gather(params_, plan_.bounds);
-    k::f32_to_bf16(params_, params_bf16_, layout_.total_floats, stream_);
+  }
+
+  // ---- overlapped ZeRO-1 (docs/parallel.md) ----
+  //
+  // Stages, in forward order: 0 the embedding (every parameter before layer 0), 1 + 2l layer l's
+  // attention part, 2 + 2l its MLP part, 2 layers + 1 the rest (final norm, head).
+  int final_stage() const { return 2 * cfg_.layers + 1; }
+  int stage_count() const { return 2 * cfg_.layers + 2; }
+
+  // The stage bounds from the parameter names; false when the layout does not order the
+  // stages by offset (then the step does not overlap).
+  bool compute_stage_bounds(std::vector<std::int64_t>& bounds) const {
+    std::vector<std::pair<std::int64_t, int>> at;  // (offset, stage)
+    std::int64_t first_layer = layout_.total_floats;
+    for (const auto& p : layout_.params)
+      if (p.name.starts_with("layers.")) first_layer = std::min(first_layer, p.offset);
+    for (const auto& p : layout_.params) {
+      int stage;
+      if (p.name.starts_with("layers.")) {
+        const auto dot = p.name.find('.', 7);
+        const int l = std::stoi(p.name.substr(7, dot - 7));
+        const std::string rest = p.name.substr(dot + 1);
+        const bool attn = rest.starts_with("res_scale.attn.") || rest.starts_with("attn_norm.") || rest.starts_with("attn.");
+        stage = attn ? 1 + 2 * l : 2 + 2 * l;
+      } else {
+        stage = p.offset < first_layer ? 0 : final_stage();
+      }
+      at.emplace_back(p.offset, stage);
+    }
+    std::sort(at.begin(), at.end());
+    for (std::size_t i = 1; i < at.size(); ++i)
+      if (at[i].second < at[i - 1].second) return false;
+    const int S = stage_count();
+    bounds.assign(static_cast<std::size_t>(S) + 1, layout_.total_floats);
+    bounds[0] = 0;
+    for (int s = 1; s < S; ++s)
+      for (const auto& [offset, stage] : at)
+        if (stage >= s) {
+          bounds[static_cast<std::size_t>(s)] = offset;
+          break;
+        }
+    return true;
+  }
+
+  // The parameters the GEMMs read only through the bf16 copy: their fp32 masters need not be
+  // broadcast. Everything else (norms, biases, scales, convs, the embedding table, which the
+  // lookup reads in fp32) travels in fp32.
+  std::vector<bool> bf16_only_params() const {
+    std::vector<std::int64_t> offs;
+    for (const LayerWeights& W : layers_)
+      for (std::int64_t o : {W.wq, W.wk, W.wv, W.wo, W.w_gate, W.w_up, W.w_down, W.router, W.cca_w_qk, W.cca_w_v,
+                             W.cca_wo, W.zr_down_w, W.zr_w1, W.zr_w2, W.zr_out})
+        if (o >= 0) offs.push_back(o);
+    if (!cfg_.tied_embeddings && lm_head_ >= 0 && lm_head_ != embed_) offs.push_back(lm_head_);
+    std::vector<bool> out(layout_.params.size(), false);
+    for (std::size_t i = 0; i < layout_.params.size(); ++i)
+      out[i] = std::find(offs.begin(), offs.end(), layout_.params[i].offset) != offs.end();
+    return out;
+  }
+
+  void setup_data_parallel(const ParallelContext& ctx) {
+    dp_rank_ = ctx.data.rank;
+    dp_size_ = ctx.data.size;
+    const parallel::Zero1OverlapOptions o = parallel::zero1_overlap_options_from_env();
+    if (const char* v = std::getenv("KEEL_DP_PROFILE"); v && std::string(v) == "1") prof_ = std::make_unique<Profile>();
+    std::vector<std::int64_t> stages;
+    overlap_ = o.enabled && compute_stage_bounds(stages);
+    if (!overlap_) {
+      if (o.enabled && dp_rank_ == 0)
+        std::fprintf(stderr, "keel: data parallel: this layout's stages are not in offset order; the ZeRO-1 step "
+                             "will not overlap communication\n");
+      dp_ = parallel::make_nccl_data_parallel_comm(ctx.data.comm, stream_);
+      return;
+    }
+    stage_bounds_ = std::move(stages);
+    group_reduces_ = o.group_reduces;
+    buckets_ = parallel::plan_zero1_buckets(layout_, plan_, stage_bounds_, o.bucket_floats());
+    const int S = stage_count();
+    stage_first_bucket_.assign(static_cast<std::size_t>(S) + 1, static_cast<int>(buckets_.size()));
+    for (int i = static_cast<int>(buckets_.size()) - 1; i >= 0; --i)
+      stage_first_bucket_[static_cast<std::size_t>(buckets_[static_cast<std::size_t>(i)].stage)] = i;
+    for (int s = S - 1; s >= 0; --s)  // empty stages start where the next one does
+      stage_first_bucket_[static_cast<std::size_t>(s)] =
+          std::min(stage_first_bucket_[static_cast<std::size_t>(s)], stage_first_bucket_[static_cast<std::size_t>(s) + 1]);
+    // The broadcast runs of each bucket: bf16 for GEMM-only matrices, fp32 for the rest (padding
+    // between parameters rides with the run before it).
+    const std::vector<bool> bf16_only = bf16_only_params();
+    std::vector<std::size_t> by_offset(layout_.params.size());
+    for (std::size_t i = 0; i < by_offset.size(); ++i) by_offset[i] = i;
+    std::sort(by_offset.begin(), by_offset.end(),
+              [&](std::size_t a, std::size_t b) { return layout_.params[a].offset < layout_.params[b].offset; });
+    pieces_.assign(buckets_.size(), {});
+    for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
+      const auto& B = buckets_[bi];
+      auto& runs = pieces_[bi];
+      for (std::size_t i : by_offset) {
+        const auto& p = layout_.params[i];
+        const std::int64_t lo = std::max(p.offset, B.begin), hi = std::min(p.offset + p.numel, B.end);
+        if (lo >= hi) continue;
+        const bool bf16 = o.broadcast_bf16 && bf16_only[i];
+        if (!runs.empty() && runs.back().bf16 == bf16) {
+          runs.back().end = hi;
+        } else {
+          if (!runs.empty()) runs.back().end = lo;
+          runs.push_back({runs.empty() ? B.begin : lo, hi, bf16});
+        }
+        any_bf16_broadcast_ |= bf16;
+      }
+      if (runs.empty()) runs.push_back({B.begin, B.end, false});
+      runs.back().end = B.end;
+    }
+    // The deferred embedding scatter: every rank's rows go to the owners of the embedding's
+    // buckets, (ranks - 1) x tokens x hidden floats into each owner, instead of the reduce of
+    // the table after the whole backward.
+    const std::int64_t table = std::int64_t(cfg_.vocab_size) * cfg_.hidden;
+    const bool embed_alone = embed_ == 0 && stage_bounds_[1] >= table &&
+                             stage_bounds_[1] <= (table + parallel::kZero1AlignFloats);
+    defer_embed_ = embed_alone && (o.defer_embedding == 1 ||
+                                   (o.defer_embedding < 0 && (dp_size_ - 1) * tokens() * cfg_.hidden < table));
+    for (int i = stage_first_bucket_[0]; i < stage_first_bucket_[1]; ++i) {
+      const int owner = buckets_[static_cast<std::size_t>(i)].owner;
+      if (std::find(embed_owners_.begin(), embed_owners_.end(), owner) == embed_owners_.end())
+        embed_owners_.push_back(owner);
+    }
+    own_embed_ = std::find(embed_owners_.begin(), embed_owners_.end(), dp_rank_) != embed_owners_.end();
+    nccl_ = parallel::make_nccl_group(ctx.data.comm);
+    int least = 0, greatest = 0;
+    KEEL_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    KEEL_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, greatest));
+    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&ev_ready_, cudaEventDisableTiming));
+    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&ev_comm_, cudaEventDisableTiming));
+    ev_arrived_.assign(static_cast<std::size_t>(S), nullptr);
+    for (auto& e : ev_arrived_) KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    if (o.optimizer_stream) {
+      KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&opt_stream_, cudaStreamNonBlocking));
+      for (cudaEvent_t* e : {&ev_opt_go_, &ev_opt_bucket_, &ev_opt_done_})
+        KEEL_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+      // Muon's GEMMs there must not share the compute stream's cuBLASLt workspace
+      if (k::muon::workspace_bytes(layout_) > 0) gemm_opt_ = std::make_unique<k::GemmRunner>();
+    }
+  }
+
+  // The communication stream continues only after what the compute stream has enqueued so far.
+  void signal_comm() const {
+    KEEL_CUDA_CHECK(cudaEventRecord(ev_ready_, stream_));
+    KEEL_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_ready_, 0));
+  }
+  // The compute stream continues only after everything enqueued on the communication stream.
+  void join_comm() const {
+    if (!overlap_) return;
+    KEEL_CUDA_CHECK(cudaEventRecord(ev_comm_, comm_stream_));
+    KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_comm_, 0));
+    if (opt_stream_) {
+      KEEL_CUDA_CHECK(cudaEventRecord(ev_opt_done_, opt_stream_));
+      KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_opt_done_, 0));
+    }
+    awaited_stage_ = INT_MAX;
+    reduces_in_flight_ = false;
+  }
+  // The gradients' zeroing deferred by zero_grads(): after the optimizer stream is done with them.
+  void flush_zero_grads() const {
+    if (!zero_pending_) return;
+    KEEL_CUDA_CHECK(cudaEventRecord(ev_opt_done_, opt_stream_));
+    KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_opt_done_, 0));
+    KEEL_CUDA_CHECK(cudaMemsetAsync(grads_, 0, static_cast<std::size_t>(layout_.total_floats) * sizeof(float), stream_));
+    zero_pending_ = false;
+  }
+  // Before reading stage s's parameters in forward: wait for their broadcast (and the stages
+  // before it: one stream, offset order).
+  void await_stage(int s) {
+    if (s <= awaited_stage_) return;
+    KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_arrived_[static_cast<std::size_t>(s)], 0));
+    awaited_stage_ = s;
+  }
+
+  void begin_step(int micro_batches) override { step_backwards_ = micro_batches; }
+
+  // Whether this backward is the step's last on this rank, as begin_step() announced. Without
+  // an announcement no backward launches reduces and the step reduces everything at the end.
+  bool last_micro_batch() {
+    if (reduces_launched_)
+      fail("data parallel: backward() after the step's last micro-batch ({} announced by begin_step(); their "
+           "gradients are already being reduced)",
+           step_backwards_);
+    ++backward_calls_;
+    return step_backwards_ > 0 && backward_calls_ == step_backwards_;
+  }
+
+  // Stage s's gradients are final (on the last micro-batch): reduce its buckets to their owners
+  // on the communication stream.
+  void grads_ready(int s) {
+    if (!launching_) return;
+    signal_comm();
+    if (prof_ && !prof_->reduce_seen) prof_->mark(Profile::kRed0, comm_stream_), prof_->reduce_seen = true;
+    reduce_stage(s);
+  }
+  void reduce_stage(int s) {
+    const int first = stage_first_bucket_[static_cast<std::size_t>(s)], end = stage_first_bucket_[static_cast<std::size_t>(s) + 1];
+    const bool group = group_reduces_ && end - first > 1;
+    if (group) nccl_->group_start();
+    for (int i = first; i < end; ++i) {
+      const auto& B = buckets_[static_cast<std::size_t>(i)];
+      nccl_->reduce_sum(grads_ + B.begin, B.end - B.begin, parallel::NcclType::kFloat32, B.owner, comm_stream_);
+    }
+    if (group) nccl_->group_end();
+    reduces_in_flight_ = true;
+  }
+
+  // The last micro-batch's embedding scatter-add, deferred: every rank sends its token ids and
+  // dL/d(embedding output) to the embedding's owners, which add all of them after the reduce of
+  // the table (launched at the start of backward) has landed.
+  void gather_embedding_gradients() {
+    const std::int64_t N = tokens(), D = cfg_.hidden, V = cfg_.vocab_size;
+    signal_comm();
+    nccl_->group_start();
+    for (int o : embed_owners_) {
+      if (o == dp_rank_) continue;
+      nccl_->send(tokens_, N, parallel::NcclType::kUint32, o, comm_stream_);
+      nccl_->send(dres_, N * D, parallel::NcclType::kFloat32, o, comm_stream_);
+    }
+    if (own_embed_) {
+      std::int64_t slot = 0;
+      for (int r = 0; r < dp_size_; ++r) {
+        if (r == dp_rank_) continue;
+        nccl_->recv(gather_tokens_ + slot * N, N, parallel::NcclType::kUint32, r, comm_stream_);
+        nccl_->recv(gather_dres_ + slot * N * D, N * D, parallel::NcclType::kFloat32, r, comm_stream_);
+        ++slot;
+      }
+    }
+    nccl_->group_end();
+    reduces_in_flight_ = true;
+    if (!own_embed_) return;
+    join_comm();
+    k::embedding::backward(tokens_, N, dres_, grads_ + embed_, V, D, stream_);
+    for (std::int64_t slot = 0; slot + 1 < dp_size_; ++slot)
+      k::embedding::backward(gather_tokens_ + slot * N, N, gather_dres_ + slot * N * D, grads_ + embed_, V, D, stream_);
+  }
+
+  // Every shard's fp32 masters from its owner (state() after bf16 broadcasts).
+  void gather_masters() const {
+    signal_comm();
+    nccl_->group_start();
+    for (int r = 0; r < dp_size_; ++r)
+      if (plan_.count(r) > 0)
+        nccl_->broadcast(params_ + plan_.begin(r), plan_.count(r), parallel::NcclType::kFloat32, r, comm_stream_);
+    nccl_->group_end();
+    join_comm();
+    masters_stale_ = false;
+  }
+
+  // Broadcasts bucket i from its owner on the communication stream; receivers refresh the bf16
+  // copy of what arrived in fp32.
+  void broadcast_bucket(std::size_t i, bool convert) {
+    const auto& B = buckets_[i];
+    nccl_->group_start();
+    for (const auto& r : pieces_[i]) {
+      if (r.bf16)
+        nccl_->broadcast(params_bf16_ + r.begin, r.end - r.begin, parallel::NcclType::kBfloat16, B.owner, comm_stream_);
+      else
+        nccl_->broadcast(params_ + r.begin, r.end - r.begin, parallel::NcclType::kFloat32, B.owner, comm_stream_);
+    }
+    nccl_->group_end();
+    if (convert) convert_received(i);
+  }
+  void convert_received(std::size_t i) {
+    if (buckets_[i].owner == dp_rank_) return;
+    for (const auto& r : pieces_[i])
+      if (!r.bf16) k::f32_to_bf16(params_ + r.begin, params_bf16_ + r.begin, r.end - r.begin, comm_stream_);
+  }
+
+  // The overlapped ZeRO-1 step. Backward has launched the reduces (or, when it could not tell
+  // the last micro-batch, they launch here); the compute stream waits for them, then the global
+  // norm (one scalar all-reduce, the one host sync); each owner updates its buckets in offset
+  // order, each broadcast as soon as its update is done; the next forward waits per stage.
+  StepResult overlapped_zero1_step(double max_norm, double lr) {
+    const auto [b, e] = shard_;
+    if (!reduces_launched_) {
+      signal_comm();
+      for (int s = stage_count() - 1; s >= 0; --s) reduce_stage(s);
+    }
+    reduces_launched_ = false;
+    join_comm();
+    if (prof_) prof_->mark(Profile::kJoined, stream_);
+    k::grad_norm::sum_squares(grads_ + b, e - b, norm_ws_, sum_sq_, /*accumulate=*/false, stream_);
+    signal_comm();
+    nccl_->all_reduce_sum(sum_sq_, 1, parallel::NcclType::kFloat64, comm_stream_);
+    join_comm();
+    k::grad_norm::clip_coefficient(sum_sq_, max_norm, coef_, norm_, stream_);
+    if (prof_) prof_->mark(Profile::kNormed, stream_);
+    double norm = 0;
+    float coef = 1;
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(&coef, coef_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (prof_) prof_->report(dp_rank_, dp_size_);
+    if (!std::isfinite(norm)) throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), "", norm);
+    // The shard's update runs on the optimizer stream (beside the next forward) or, without one,
+    // on the compute stream; each own bucket's broadcast waits for its update.
+    cudaStream_t os = opt_stream_ ? opt_stream_ : stream_;
+    k::GemmRunner& og = gemm_opt_ ? *gemm_opt_ : *gemm_;
+    cudaEvent_t ev_bucket = opt_stream_ ? ev_opt_bucket_ : ev_ready_;
+    if (opt_stream_) {
+      KEEL_CUDA_CHECK(cudaEventRecord(ev_opt_go_, stream_));  // the clip coefficient
+      KEEL_CUDA_CHECK(cudaStreamWaitEvent(opt_stream_, ev_opt_go_, 0));
+    }
+    // AdamW counts one step per call: every bucket's call runs at the same step t0 + 1.
+    const std::int64_t t0 = adam_.step_count();
+    if (prof_) prof_->mark(Profile::kBc0, comm_stream_);
+    for (int s = 0; s < stage_count(); ++s) {
+      for (int i = stage_first_bucket_[static_cast<std::size_t>(s)]; i < stage_first_bucket_[static_cast<std::size_t>(s) + 1]; ++i) {
+        const auto& B = buckets_[static_cast<std::size_t>(i)];
+        if (B.owner == dp_rank_) {
+          adam_.set_step_count(t0);
+          k::adamw::DeviceFlatRange r;
+          r.begin = B.begin;
+          r.end = B.end;
+          r.param = params_ + B.begin;
+          r.grad = grads_ + B.begin;
+          r.m = adam_m_ + (B.begin - b);
+          r.v = adam_v_ + (B.begin - b);
+          r.param_bf16 = params_bf16_ + B.begin;
+          adam_.step(layout_, r, lr, 1.0f, coef_, os);  // skips Muon parameters
+          muon_step_range(B.begin, B.end, lr, og, os);
+          KEEL_CUDA_CHECK(cudaEventRecord(ev_bucket, os));  // the owner's broadcast reads the update
+          KEEL_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_bucket, 0));
+        }
+        // the embedding's bf16 copy (the tied head reads it) is refreshed last: the lookup
+        // at the start of forward reads fp32
+        broadcast_bucket(static_cast<std::size_t>(i), /*convert=*/s != 0);
+      }
+      if (s == final_stage())
+        for (int i = stage_first_bucket_[0]; i < stage_first_bucket_[1]; ++i) convert_received(static_cast<std::size_t>(i));
+      KEEL_CUDA_CHECK(cudaEventRecord(ev_arrived_[static_cast<std::size_t>(s)], comm_stream_));
+    }
+    adam_.set_step_count(t0 + 1);
+    if (prof_) prof_->mark(Profile::kBcEnd, comm_stream_), prof_->mark(Profile::kOptEnd, os);
+    awaited_stage_ = -1;
+    masters_stale_ = any_bf16_broadcast_;
     return {norm, static_cast<double>(coef)};
   }
 
@@ -733,6 +1231,10 @@ class CudaBackend final : public TrainBackend {
         static_cast<std::size_t>(k::cross_entropy::scratch_bytes(N, D, cfg_.vocab_size, ce_options())));
     tokens_ = A.take<std::uint32_t>(N);
     targets_ = A.take<std::int32_t>(N);
+    if (overlap_ && defer_embed_ && own_embed_) {
+      gather_tokens_ = A.take<std::uint32_t>((dp_size_ - 1) * N);
+      gather_dres_ = A.take<float>((dp_size_ - 1) * N * D);
+    }
     positions_ = A.take<std::int32_t>(N);
     norm_ws_ = A.take<double>(k::grad_norm::kWorkspaceDoubles);
     sum_sq_ = A.take<double>(1);
@@ -838,6 +1340,7 @@ class CudaBackend final : public TrainBackend {
     const std::int64_t B = opt_.micro_batch, T = opt_.seq_length, N = B * T, D = cfg_.hidden;
     const std::int64_t Hq = cfg_.heads, Dh = cfg_.head_dim, Q = Hq * Dh;
     const bf16* w16 = params_bf16_;
+    await_stage(1 + 2 * l);
     k::rmsnorm::forward(x_in, params_ + W.attn_norm, eps(), a.h1, a.rstd1, N, D, stream_);
     KEEL_CUDA_CHECK(cudaMemcpyAsync(a.x_mid, x_in, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
     if (W.cca) {
@@ -848,6 +1351,7 @@ class CudaBackend final : public TrainBackend {
       // x_mid = x_in + att Wo^T: the residual add rides in the GEMM (fp32 C, beta = 1)
       gemm(N, D, Q, false, true, a.att, w16 + W.wo, a.x_mid, true, 1.f);
     }
+    await_stage(2 + 2 * l);
     k::rmsnorm::forward(a.x_mid, params_ + W.mlp_norm, eps(), a.h2, a.rstd2, N, D, stream_);
     const int m = moe_index_of_layer_[l];
     if (m < 0) {
@@ -872,6 +1376,7 @@ class CudaBackend final : public TrainBackend {
     const std::int64_t N = tokens(), D = cfg_.hidden;
     const ResScaleOffsets &A = W.attn_scale, &M = W.mlp_scale;
     const float* P = params_;
+    await_stage(1 + 2 * l);
     if (l == 0)
       k::residual_scale::forward(resid_[0], P + A.h_bias, P + A.h_scale, a.x_mid, N, D, stream_);
     else
@@ -879,6 +1384,7 @@ class CudaBackend final : public TrainBackend {
                                        a.x_mid, N, D, stream_);
     k::rmsnorm::forward(a.x_mid, P + W.attn_norm, eps(), a.h1, a.rstd1, N, D, stream_);
     attn_forward_to_out(l, a);
+    await_stage(2 + 2 * l);
     k::residual_scale::merge_forward(a.x_mid, a.attn_out, P + M.r_bias, P + M.r_scale, P + M.h_bias, P + M.h_scale,
                                      r_out, N, D, stream_);
     k::rmsnorm::forward(r_out, P + W.mlp_norm, eps(), a.h2, a.rstd2, N, D, stream_);
@@ -976,10 +1482,12 @@ class CudaBackend final : public TrainBackend {
     mlp_backward(l, a, dres_);
     k::f32_to_bf16(dh_f32_, dh_bf_, N * D, stream_);
     k::rmsnorm::backward(a.x_mid, params_ + W.mlp_norm, a.rstd2, dh_bf_, dres_, G + W.mlp_norm, N, D, stream_);
+    grads_ready(2 + 2 * l);
     // Attention block: x_mid = x_in + attn(n1(x_in)); dres_ is now dL/dx_mid.
     k::f32_to_bf16(dres_, dres_bf_, N * D, stream_);
     attn_backward(l, a, dres_bf_);
     k::rmsnorm::backward(x_in, params_ + W.attn_norm, a.rstd1, dh_bf_, dres_, G + W.attn_norm, N, D, stream_);
+    grads_ready(1 + 2 * l);
   }
 
   // In: dres_ = dL/d resid_[l + 1], dhres_ = dL/d hres_[l + 1]. Out: dres_ = dL/d resid_[l],
@@ -997,6 +1505,7 @@ class CudaBackend final : public TrainBackend {
     k::residual_scale::merge_backward(a.x_mid, a.attn_out, P + M.r_bias, P + M.r_scale, P + M.h_bias, P + M.h_scale,
                                       dres_, dres_, dres_bf_, G + M.r_bias, G + M.r_scale, G + M.h_bias, G + M.h_scale,
                                       N, D, stream_);
+    grads_ready(2 + 2 * l);
     attn_backward(l, a, dres_bf_);
     k::rmsnorm::backward(a.x_mid, P + W.attn_norm, a.rstd1, dh_bf_, dres_, G + W.attn_norm, N, D, stream_);
     if (l == 0)
@@ -1006,14 +1515,47 @@ class CudaBackend final : public TrainBackend {
       k::residual_scale::merge_backward(resid_[l], hres_[l], P + A.r_bias, P + A.r_scale, P + A.h_bias, P + A.h_scale,
                                         dres_, dres_, dhres_, G + A.r_bias, G + A.r_scale, G + A.h_bias,
                                         G + A.h_scale, N, D, stream_);
+    grads_ready(1 + 2 * l);
   }
 
   model::ModelConfig cfg_;
   ModelOptions opt_;
   k::adamw::DeviceAdamW adam_;
   k::muon::DeviceMuon muon_;
-  std::unique_ptr<parallel::DataParallelComm> dp_;  // null on one GPU
+  std::unique_ptr<parallel::DataParallelComm> dp_;  // the classic ZeRO-1 step (null on one GPU or overlapped)
   parallel::Zero1Plan plan_;
+  // overlapped ZeRO-1
+  struct BroadcastRun {
+    std::int64_t begin = 0, end = 0;
+    bool bf16 = false;  // the bf16 copy travels (GEMM-only matrices), else the fp32 masters
+  };
+  bool overlap_ = false;
+  int dp_rank_ = 0, dp_size_ = 1;
+  std::unique_ptr<parallel::NcclGroup> nccl_;
+  cudaStream_t comm_stream_ = nullptr;
+  cudaEvent_t ev_ready_ = nullptr, ev_comm_ = nullptr;  // re-recorded: each waited on right after it is recorded
+  std::vector<cudaEvent_t> ev_arrived_;                 // per stage: its parameters have arrived
+  std::vector<std::int64_t> stage_bounds_;
+  std::vector<parallel::Zero1Bucket> buckets_;
+  std::vector<int> stage_first_bucket_;                 // stage s: buckets [first[s], first[s + 1])
+  std::vector<std::vector<BroadcastRun>> pieces_;       // per bucket
+  bool any_bf16_broadcast_ = false;
+  bool group_reduces_ = false;
+  cudaStream_t opt_stream_ = nullptr;                   // the shard's optimizer (null: on stream_)
+  cudaEvent_t ev_opt_go_ = nullptr, ev_opt_bucket_ = nullptr, ev_opt_done_ = nullptr;
+  std::unique_ptr<k::GemmRunner> gemm_opt_;             // Muon's GEMMs on opt_stream_
+  mutable bool zero_pending_ = false;                   // zero_grads() deferred to the first backward
+  bool defer_embed_ = false, own_embed_ = false;
+  std::vector<int> embed_owners_;
+  float* gather_dres_ = nullptr;                        // owners: (ranks - 1) x [N, D]
+  std::uint32_t* gather_tokens_ = nullptr;              // owners: (ranks - 1) x [N]
+  int backward_calls_ = 0;
+  int step_backwards_ = 0;  // backward() calls this step, from begin_step() (0: not announced)
+  bool launching_ = false, reduces_launched_ = false;
+  mutable bool reduces_in_flight_ = false;
+  mutable bool masters_stale_ = false;
+  mutable int awaited_stage_ = INT_MAX;                 // forward waits for stages above this
+  std::unique_ptr<Profile> prof_;                       // KEEL_DP_PROFILE=1
   std::pair<std::int64_t, std::int64_t> shard_;     // this rank's optimizer shard
   DeviceArena param_arena_, grad_arena_, state_arena_, act_arena_;
   int device_ = 0;

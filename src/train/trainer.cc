@@ -96,6 +96,7 @@ StepStats Trainer::train_step() {
   StepStats s;
   s.step = step_ + 1;
   m.zero_grads();
+  m.begin_step(local_accum_);
   // Every micro-batch's loss is a mean over its tokens; the step's is the mean over the
   // grad_accum micro-batches of all ranks (gradients are summed over ranks by the optimizer).
   const float scale = 1.0f / static_cast<float>(cfg_.grad_accum);

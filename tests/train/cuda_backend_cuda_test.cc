@@ -7,10 +7,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <vector>
 
 #include "device/cuda_devices.h"
 #include "train/backend.h"
+#include "train/train_checkpoint.h"
 
 #include "../ops/cuda/cuda_test_util.h"
 #include "train_test_util.h"
@@ -186,6 +188,20 @@ void expect_overfits_and_state_round_trips(TrainBackend& gpu, const model::Model
   EXPECT_LT(last, 0.5 * first) << "loss " << first << " -> " << last;
 
   const TrainState st = gpu.state();
+  // A checkpoint straight from device memory (checkpoint_view: pinned staging) holds exactly state().
+  {
+    const auto root = fixtures::temp_dir("cuda_backend", "view");
+    TrainCheckpointer ck(root.string(), {});
+    ck.save(1, gpu.checkpoint_view(), gpu.layout(), nlohmann::json{{"config", ""}});
+    ASSERT_TRUE(ck.finish());
+    const LoadedTrainState got = load_train_checkpoint(root.string(), cfg);
+    EXPECT_EQ(got.state.params, st.params);
+    EXPECT_EQ(got.state.adam_m, st.adam_m);
+    EXPECT_EQ(got.state.adam_v, st.adam_v);
+    EXPECT_EQ(got.state.router_bias, st.router_bias);
+    EXPECT_EQ(got.state.adamw_step, st.adamw_step);
+    std::filesystem::remove_all(root);
+  }
   gpu.zero_grads();
   const double before = gpu.forward(b.tokens.data(), b.targets.data()).total;
   gpu.backward(1.0f);

@@ -1,0 +1,38 @@
+// The NCCL operations the overlapped ZeRO-1 step needs (zero1_buckets.h, docs/parallel.md), each
+// enqueued on a stream the caller names (a cudaStream_t), so gradient reduces and parameter
+// broadcasts can run on a communication stream beside the compute stream. One communicator per
+// object, built over an MPI communicator; every rank must issue the same operations in the same
+// order. Nothing here synchronizes the host.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace keel::parallel {
+
+enum class NcclType { kFloat32, kBfloat16, kFloat64, kUint32 };
+
+class NcclGroup {
+ public:
+  virtual ~NcclGroup() = default;
+  virtual int size() const = 0;
+  virtual int rank() const = 0;
+  // In place: the sum over the group lands in buf on `root`; other ranks' buf is only read.
+  virtual void reduce_sum(void* buf, std::int64_t count, NcclType type, int root, void* stream) = 0;
+  // In place: root's buf to every rank.
+  virtual void broadcast(void* buf, std::int64_t count, NcclType type, int root, void* stream) = 0;
+  virtual void all_reduce_sum(void* buf, std::int64_t count, NcclType type, void* stream) = 0;
+  virtual void send(const void* buf, std::int64_t count, NcclType type, int peer, void* stream) = 0;
+  virtual void recv(void* buf, std::int64_t count, NcclType type, int peer, void* stream) = 0;
+  // ncclGroupStart / ncclGroupEnd: the operations between them launch together.
+  virtual void group_start() = 0;
+  virtual void group_end() = 0;
+};
+
+// Every rank of `comm` calls this together, with its CUDA device set. Throws keel::Error in a
+// build without CUDA.
+std::unique_ptr<NcclGroup> make_nccl_group(MPI_Comm comm);
+
+}  // namespace keel::parallel

@@ -1,0 +1,70 @@
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "common/error.h"
+#include "common/mpi_session.h"
+#include "device/cuda_check.h"
+#include "parallel/nccl_group.h"
+
+namespace keel::parallel {
+namespace {
+
+ncclDataType_t nccl_type(NcclType t) {
+  switch (t) {
+    case NcclType::kFloat32: return ncclFloat32;
+    case NcclType::kBfloat16: return ncclBfloat16;
+    case NcclType::kFloat64: return ncclFloat64;
+    case NcclType::kUint32: return ncclUint32;
+  }
+  return ncclFloat32;
+}
+
+class Nccl final : public NcclGroup {
+ public:
+  explicit Nccl(MPI_Comm comm) {
+    mpi_check(MPI_Comm_size(comm, &size_), "MPI_Comm_size");
+    mpi_check(MPI_Comm_rank(comm, &rank_), "MPI_Comm_rank");
+    ncclUniqueId id{};
+    if (rank_ == 0) KEEL_NCCL_CHECK(ncclGetUniqueId(&id));
+    mpi_check(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm), "MPI_Bcast (NCCL id)");
+    KEEL_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
+  }
+  ~Nccl() override {
+    if (comm_) ncclCommDestroy(comm_);
+  }
+  int size() const override { return size_; }
+  int rank() const override { return rank_; }
+
+  void reduce_sum(void* buf, std::int64_t count, NcclType type, int root, void* stream) override {
+    KEEL_NCCL_CHECK(ncclReduce(buf, buf, static_cast<std::size_t>(count), nccl_type(type), ncclSum, root, comm_,
+                               static_cast<cudaStream_t>(stream)));
+  }
+  void broadcast(void* buf, std::int64_t count, NcclType type, int root, void* stream) override {
+    KEEL_NCCL_CHECK(ncclBroadcast(buf, buf, static_cast<std::size_t>(count), nccl_type(type), root, comm_,
+                                  static_cast<cudaStream_t>(stream)));
+  }
+  void all_reduce_sum(void* buf, std::int64_t count, NcclType type, void* stream) override {
+    KEEL_NCCL_CHECK(ncclAllReduce(buf, buf, static_cast<std::size_t>(count), nccl_type(type), ncclSum, comm_,
+                                  static_cast<cudaStream_t>(stream)));
+  }
+  void send(const void* buf, std::int64_t count, NcclType type, int peer, void* stream) override {
+    KEEL_NCCL_CHECK(ncclSend(buf, static_cast<std::size_t>(count), nccl_type(type), peer, comm_,
+                             static_cast<cudaStream_t>(stream)));
+  }
+  void recv(void* buf, std::int64_t count, NcclType type, int peer, void* stream) override {
+    KEEL_NCCL_CHECK(ncclRecv(buf, static_cast<std::size_t>(count), nccl_type(type), peer, comm_,
+                             static_cast<cudaStream_t>(stream)));
+  }
+  void group_start() override { KEEL_NCCL_CHECK(ncclGroupStart()); }
+  void group_end() override { KEEL_NCCL_CHECK(ncclGroupEnd()); }
+
+ private:
+  ncclComm_t comm_ = nullptr;
+  int size_ = 1, rank_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<NcclGroup> make_nccl_group(MPI_Comm comm) { return std::make_unique<Nccl>(comm); }
+
+}  // namespace keel::parallel

@@ -1,0 +1,65 @@
+// Communication buckets for the overlapped ZeRO-1 step on GPUs (docs/parallel.md, "Overlap").
+//
+// The flat buffer is cut into buckets that each lie inside one stage (a contiguous range of
+// parameters that becomes final at one point of backward and is first read at one point of
+// forward: the embedding, each layer's attention part and MLP part, the final norm / head) and
+// inside one rank's ZeRO-1 shard (zero1.h), so each bucket has exactly one owner: its gradients
+// are reduced to that owner (ncclReduce) as soon as its stage's backward is done, and the
+// owner broadcasts its updated parameters (ncclBroadcast) for the next forward. Per rank this
+// moves what a reduce-scatter plus an all-gather move.
+//
+// Inside a stage and shard, buckets grow to about `target_floats`: cuts fall at parameter
+// boundaries, at the matrix boundaries of Muon stacks, and every `target_floats` (aligned to
+// kZero1AlignFloats) inside AdamW parameters; never inside a Muon matrix (its owner runs
+// Newton-Schulz on the whole matrix, and does so per bucket), so a single Muon matrix larger
+// than the target is one bucket.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "optim/param_groups.h"
+#include "parallel/zero1.h"
+
+namespace keel::parallel {
+
+struct Zero1Bucket {
+  std::int64_t begin = 0, end = 0;  // [begin, end) of the flat buffer
+  int owner = 0;                    // the rank whose shard holds it
+  int stage = 0;                    // index into the stage list
+};
+
+// `stage_bounds`: stages + 1 ascending offsets from 0 to layout.total_floats (empty stages
+// allowed). Returns the buckets in offset order; they tile [0, total_floats). Throws
+// keel::Error on bad stage bounds, a target < 1, or a plan of another buffer size.
+std::vector<Zero1Bucket> plan_zero1_buckets(const optim::ParamLayout& layout, const Zero1Plan& plan,
+                                            const std::vector<std::int64_t>& stage_bounds,
+                                            std::int64_t target_floats);
+
+// The overlapped step's switches, read from the environment (the same on every rank: a
+// launcher forwards the environment; ranks that disagree would hang in mismatched collectives).
+//   KEEL_DP_OVERLAP=0        the classic step (reduce-scatter after backward, all-gather after
+//                            the update, nothing overlapped), for comparison and as a fallback
+//   KEEL_DP_BUCKET_MIB=X     bucket size in MiB of fp32 gradients (default 256; fractions allowed)
+//   KEEL_DP_DEFER_EMBED=0|1  force the deferred embedding-gradient scatter off / on (default:
+//                            on when it moves fewer floats than reducing the embedding does)
+//   KEEL_DP_BCAST_BF16=0     broadcast fp32 masters for every parameter (default: the bf16 copy
+//                            for matrices only the GEMMs read; fp32 masters of other ranks'
+//                            shards are then gathered only when state() asks for them)
+//   KEEL_DP_GROUP_REDUCES=0  launch each bucket's reduce alone (default: a stage's reduces as one
+//                            NCCL group)
+//   KEEL_DP_OPT_STREAM=0     run the shard's optimizer on the compute stream before the next
+//                            forward (default: on a third stream, beside the next forward)
+struct Zero1OverlapOptions {
+  bool enabled = true;
+  double bucket_mib = 256;
+  int defer_embedding = -1;  // -1 automatic
+  bool broadcast_bf16 = true;
+  bool group_reduces = true;
+  bool optimizer_stream = true;
+  std::int64_t bucket_floats() const;
+};
+// Throws keel::UsageError on a malformed value.
+Zero1OverlapOptions zero1_overlap_options_from_env();
+
+}  // namespace keel::parallel
