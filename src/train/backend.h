@@ -16,10 +16,13 @@
 //   ranks); update_router_bias();
 //
 // Data parallelism (ctx.data.size > 1, parallel/zero1.h): each rank runs forward/backward on
-// its own micro-batches; clip_and_step() reduce-scatters the gradients over the data group,
-// clips by the global norm, updates the rank's ZeRO-1 shard (AdamW elementwise, Muon on the
-// whole matrices the shard holds) and all-gathers the parameters. Optimizer state exists only
-// for the shard (optimizer_shard()).
+// its own micro-batches; the gradients reach their ZeRO-1 shard's owner (a reduce-scatter after
+// backward on CPU ranks; on GPUs, bucket reduces during the last backward, docs/parallel.md),
+// clip_and_step() clips by the global norm, updates the rank's shard (AdamW elementwise, Muon
+// on the whole matrices the shard holds) and the parameters return to every rank (an
+// all-gather; on GPUs, per-bucket broadcasts the next forward waits for). Optimizer state
+// exists only for the shard (optimizer_shard()), plus, with expert parallelism (CPU ranks),
+// the rank's whole expert region (state_slice()).
 #pragma once
 
 #include <cstdint>
