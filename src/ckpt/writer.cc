@@ -30,6 +30,42 @@ double now_s() {
 }  // namespace
 
 // A staging buffer reused across saves and the shards laid out in it (= in its file).
+namespace {
+
+std::uint64_t shard_bytes(const SaveShard& s) { return static_cast<std::uint64_t>(s.box.volume()) * elem_size(s.type); }
+
+// Which staging bucket (data file) each writable shard goes to: largest first, each to the
+// least-loaded of up to `threads` buckets. The same for save() and reserve().
+struct BucketPlan {
+  std::vector<std::size_t> order;     // writable shards, largest first
+  std::vector<int> bucket_of;         // per shard (-1: not written by this rank)
+  std::vector<std::uint64_t> used;    // bytes per bucket
+  std::vector<char> device;           // per bucket: holds a shard in GPU memory
+};
+
+BucketPlan plan_buckets(const std::vector<SaveShard>& shards, int threads) {
+  BucketPlan p;
+  for (std::size_t i = 0; i < shards.size(); ++i)
+    if (shards[i].write && !shards[i].box.empty()) p.order.push_back(i);
+  std::stable_sort(p.order.begin(), p.order.end(),
+                   [&](std::size_t a, std::size_t b) { return shard_bytes(shards[a]) > shard_bytes(shards[b]); });
+  const int nb = std::max(1, std::min<int>(threads, static_cast<int>(p.order.size())));
+  p.used.assign(static_cast<std::size_t>(nb), 0);
+  p.device.assign(static_cast<std::size_t>(nb), 0);
+  p.bucket_of.assign(shards.size(), -1);
+  for (std::size_t i : p.order) {
+    int best = 0;
+    for (int b = 1; b < nb; ++b)
+      if (p.used[b] < p.used[best]) best = b;
+    p.used[best] += shard_bytes(shards[i]);
+    p.device[best] = p.device[best] || shards[i].on_device;
+    p.bucket_of[i] = best;
+  }
+  return p;
+}
+
+}  // namespace
+
 struct Saver::Bucket {
   HostBuffer buf;  // staging, grown (never shrunk); pinned once a device shard was staged
   std::uint64_t used = 0;
@@ -76,23 +112,15 @@ double Saver::save(std::int64_t step, const std::vector<SaveShard>& shards, cons
   if (comm_.rank() == 0) report_["state"] = state;
   nlohmann::json tensors = nlohmann::json::array(), recs = nlohmann::json::array();
 
-  // Buckets: writable shards, largest first, each to the least-loaded bucket.
-  std::vector<std::size_t> order;
-  for (std::size_t i = 0; i < shards.size(); ++i) {
-    const SaveShard& s = shards[i];
+  for (const SaveShard& s : shards) {
     if (!box_within(s.box, s.shape))
       fail("tensor '{}': shard {} lies outside its shape {}", s.name, box_str(s.box), shape_str(s.shape));
     tensors.push_back({{"name", s.name}, {"dtype", elem_name(s.type)}, {"shape", s.shape},
                        {"placement", s.placement.to_json()}});
-    if (s.write && !s.box.empty()) {
-      if (!s.data) fail("tensor '{}': shard {} to write has no data", s.name, box_str(s.box));
-      order.push_back(i);
-    }
+    if (s.write && !s.box.empty() && !s.data) fail("tensor '{}': shard {} to write has no data", s.name, box_str(s.box));
   }
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    return shards[a].box.volume() * elem_size(shards[a].type) > shards[b].box.volume() * elem_size(shards[b].type);
-  });
-  const int nb = std::max(1, std::min<int>(opt_.threads, static_cast<int>(order.size())));
+  const BucketPlan bp = plan_buckets(shards, opt_.threads);
+  const int nb = static_cast<int>(bp.used.size());
   while (static_cast<int>(buckets_.size()) < nb) buckets_.push_back(std::make_unique<Bucket>());
   for (int b = 0; b < nb; ++b) {
     Bucket& k = *buckets_[b];
@@ -103,16 +131,12 @@ double Saver::save(std::int64_t step, const std::vector<SaveShard>& shards, cons
     k.file = fmt::format("data_r{:05d}_b{}.bin", comm_.rank(), b);
     k.path = (fs::path(dir_) / k.file).string();
   }
-  std::vector<int> bucket_of(shards.size(), -1);
-  for (std::size_t i : order) {
-    int best = 0;
-    for (int b = 1; b < nb; ++b)
-      if (buckets_[b]->used < buckets_[best]->used) best = b;
-    Bucket& k = *buckets_[best];
-    const std::uint64_t n = static_cast<std::uint64_t>(shards[i].box.volume()) * elem_size(shards[i].type);
+  const std::vector<int>& bucket_of = bp.bucket_of;
+  for (std::size_t i : bp.order) {
+    Bucket& k = *buckets_[bucket_of[i]];
+    const std::uint64_t n = shard_bytes(shards[i]);
     k.items.push_back({i, k.used, n, 0});
     k.used += n;
-    bucket_of[i] = best;
   }
   // The stall proper: copy into the staging buffers (grown, never shrunk).
   for (int b = 0; b < nb; ++b) {
@@ -146,6 +170,21 @@ double Saver::save(std::int64_t step, const std::vector<SaveShard>& shards, cons
   for (int b = 0; b < nb; ++b) threads_.emplace_back([this, b] { write_bucket(*buckets_[b]); });
   stall_s_ = now_s() - t0;
   return stall_s_;
+}
+
+void Saver::reserve(const std::vector<SaveShard>& shards) {
+  if (in_flight_) fail("checkpoint: reserve() while a save is in flight");
+  const BucketPlan bp = plan_buckets(shards, opt_.threads);
+  while (buckets_.size() < bp.used.size()) buckets_.push_back(std::make_unique<Bucket>());
+  for (std::size_t b = 0; b < bp.used.size(); ++b) {
+    Bucket& k = *buckets_[b];
+    const bool pinned = bp.device[b] && pinned_host_memory_available();
+    if (k.buf.size() < bp.used[b] || (pinned && !k.buf.pinned())) {
+      k.buf = HostBuffer(std::max<std::uint64_t>(bp.used[b], k.buf.size()), pinned);
+      // touch every page now, so the first save does not pay the page faults either
+      if (k.buf.size() > 0) std::memset(k.buf.data(), 0, k.buf.size());
+    }
+  }
 }
 
 void Saver::write_bucket(Bucket& k) {

@@ -82,6 +82,10 @@ class Saver {
   // is kept per rank (RNG states, ...). Returns the stall in seconds.
   double save(std::int64_t step, const std::vector<SaveShard>& shards, const nlohmann::json& state,
               const nlohmann::json& rank_state, const std::string& layout);
+  // Allocates (and touches) the staging buffers a save of `shards` will use (`data` is not read),
+  // so the first save's stall is the copy alone: pinned allocation of gigabytes takes seconds.
+  // Not while a save is in flight. No communication.
+  void reserve(const std::vector<SaveShard>& shards);
   // Completes the in-flight save (collective). nullopt when none was in flight.
   std::optional<SaveStats> wait();
   bool in_flight() const { return in_flight_; }

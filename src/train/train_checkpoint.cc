@@ -113,8 +113,7 @@ TrainCheckpointer::~TrainCheckpointer() {
   }
 }
 
-double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, const optim::ParamLayout& layout,
-                               const nlohmann::json& extra) {
+std::vector<ckpt::SaveShard> TrainCheckpointer::shards(const CheckpointView& view, const optim::ParamLayout& layout) const {
   // Each rank writes its ZeRO-1 shard of every replicated tensor: the optimizer state it owns
   // and the parameters of the same range (replicated, so any rank could; this spreads the
   // writes). Expert tensors: the ranks holding the same experts split their range, one part
@@ -126,7 +125,7 @@ double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, co
       view.expert_replica < 0 || view.expert_replica >= view.expert_replicas)
     fail("checkpoint: optimizer ranges [{}, {}) + [{}, {}) of {} floats have no data", b, e, sl.expert_begin,
          sl.expert_end, layout.total_floats);
-  std::vector<ckpt::SaveShard> shards;
+  std::vector<ckpt::SaveShard> out;
   for (const MomentRange& r : moment_ranges(sl)) {
     std::int64_t wb = r.begin, we = r.end;  // the part this rank writes
     if (r.at > 0) {                         // the expert range: split over its replicas
@@ -137,22 +136,31 @@ double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, co
       for_each_box_in(p, sl, wb, we, [&](ckpt::Box box, std::int64_t at) {
         const ckpt::Shape g = held(p, sl).global;
         const std::int64_t m = r.at + (at - r.begin);
-        shards.push_back(shard("model/" + p.name, g, box, view.params + at, false));
-        shards.push_back(shard("optim/exp_avg/" + p.name, g, box, view.adam_m + m, true));
-        shards.push_back(shard("optim/exp_avg_sq/" + p.name, g, std::move(box), view.adam_v + m, true));
+        out.push_back(shard("model/" + p.name, g, box, view.params + at, false));
+        out.push_back(shard("optim/exp_avg/" + p.name, g, box, view.adam_m + m, true));
+        out.push_back(shard("optim/exp_avg_sq/" + p.name, g, std::move(box), view.adam_v + m, true));
       });
   }
-  for (auto& s : shards) s.on_device = view.on_device;
+  for (auto& s : out) s.on_device = view.on_device;
   for (std::size_t i = 0; i < view.router_bias.size(); ++i) {  // replicated: spread over the ranks (host memory)
     if (static_cast<int>(i % static_cast<std::size_t>(comm_->size())) != comm_->rank()) continue;
     const ckpt::Shape shape{static_cast<std::int64_t>(view.router_bias[i].size())};
-    shards.push_back(shard(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), view.router_bias[i].data(), false));
+    out.push_back(shard(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), view.router_bias[i].data(), false));
   }
+  return out;
+}
+
+void TrainCheckpointer::reserve(const CheckpointView& view, const optim::ParamLayout& layout) {
+  saver_->reserve(shards(view, layout));
+}
+
+double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, const optim::ParamLayout& layout,
+                               const nlohmann::json& extra) {
   nlohmann::json s = extra;
   s["format"] = kTrainFormat;
   s["step"] = step;
   s["optimizer_step"] = view.adamw_step;
-  return saver_->save(step, shards, s, nlohmann::json::object(), layout_name(comm_->size(), sl));
+  return saver_->save(step, shards(view, layout), s, nlohmann::json::object(), layout_name(comm_->size(), view.slice));
 }
 
 std::optional<ckpt::SaveStats> TrainCheckpointer::finish() { return saver_->wait(); }

@@ -56,11 +56,16 @@ class TrainCheckpointer {
   double save(std::int64_t step, const TrainState& state, const optim::ParamLayout& layout, const nlohmann::json& extra) {
     return save(step, CheckpointView::of(std::make_shared<const TrainState>(state)), layout, extra);
   }
+  // Allocates the staging buffers the saves of `view` will use (pinned for device memory), so
+  // no save pays for the allocation. No communication.
+  void reserve(const CheckpointView& view, const optim::ParamLayout& layout);
   // Completes the save in flight, if any (commit, `latest`, retention).
   std::optional<ckpt::SaveStats> finish();
   const std::string& root() const { return root_; }
 
  private:
+  std::vector<ckpt::SaveShard> shards(const CheckpointView& view, const optim::ParamLayout& layout) const;
+
   std::string root_;
   std::unique_ptr<ckpt::Comm> comm_;
   std::unique_ptr<ckpt::Saver> saver_;

@@ -209,6 +209,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until) {
                                  "{}, or train into another directory",
                                  cfg_.checkpoint_dir, ckpt::latest_dir(cfg_.checkpoint_dir), cfg_.checkpoint_dir));
   if (step_ == 0 && !resumed_ && !initialized_ && !cfg_.init_from.empty()) init_from_weights(cfg_.init_from);
+  if (cfg_.checkpoint_final || cfg_.checkpoint_interval > 0) make_checkpointer();
   if (until < 0) until = cfg_.steps;
   until = std::min(until, cfg_.steps);
   std::vector<StepStats> out;
@@ -276,14 +277,22 @@ double Trainer::evaluate() {
   return sum / static_cast<double>(cfg_.eval_batches);
 }
 
+void Trainer::make_checkpointer() {
+  if (ckpt_) return;
+  TrainCheckpointOptions o;
+  o.keep_last = cfg_.checkpoint_keep_last;
+  o.keep_every = cfg_.checkpoint_keep_every;
+  ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o, ctx_.data.comm);
+  // the staging buffers now, not in the first save's stall (pinned gigabytes take seconds)
+  ckpt_->reserve(backend_->checkpoint_view(), backend_->layout());
+}
+
 void Trainer::save_checkpoint() {
-  if (!ckpt_) {
-    TrainCheckpointOptions o;
-    o.keep_last = cfg_.checkpoint_keep_last;
-    o.keep_every = cfg_.checkpoint_keep_every;
-    ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o, ctx_.data.comm);
-  }
+  make_checkpointer();
   const auto t0 = std::chrono::steady_clock::now();
+  // save() would first complete the previous save anyway; done here to report it apart.
+  finish_checkpoint();
+  const double previous = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // this rank's shard where it lives (GPU memory on the CUDA backend: copied once, into pinned staging)
   const CheckpointView view = backend_->checkpoint_view();
   nlohmann::json extra;
@@ -293,14 +302,14 @@ void Trainer::save_checkpoint() {
   extra["config"] = cfg_.text;
   extra["device"] = backend_->device();
   extra["data_parallel"] = ctx_.data.size;
-  // save() first completes the previous save (its commit line prints here).
-  finish_checkpoint();
-  ckpt_->save(step_, view, backend_->layout(), extra);
+  extra["expert_parallel"] = ctx_.expert.size;
+  const double staging = ckpt_->save(step_, view, backend_->layout(), extra);
   const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (log_) log_->scalars(step_, {{"checkpoint_stall_s", stall}});
+  if (log_) log_->scalars(step_, {{"checkpoint_stall_s", stall}, {"checkpoint_staging_s", staging}});
   if (!quiet_)
-    std::printf("checkpoint step %lld: training stalled %.3f s (state copy and staging); writing in the background\n",
-                static_cast<long long>(step_), stall);
+    std::printf("checkpoint step %lld: training stalled %.3f s (%.3f s staging the state, %.3f s completing the previous "
+                "save); writing in the background\n",
+                static_cast<long long>(step_), stall, staging, previous);
 }
 
 void Trainer::finish_checkpoint() {

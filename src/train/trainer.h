@@ -60,6 +60,8 @@ class Trainer {
 
  private:
   StepStats train_step();
+  // Creates the checkpointer and its staging buffers (collective over the data group).
+  void make_checkpointer();
   void log_step(const StepStats& s, double seconds, std::int64_t tokens);
 
   TrainConfig cfg_;

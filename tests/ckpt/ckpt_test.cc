@@ -287,6 +287,25 @@ TEST(CkptSaveLoad, AsyncOneInFlightAndRetention) {
   fs::remove_all(root);
 }
 
+TEST(CkptSaveLoad, ReservedStagingIsUsedAndRefusedWhileASaveIsInFlight) {
+  const std::string root = temp_root("reserve");
+  const Mesh mesh = parse_mesh("tp=2");
+  auto comm = make_self_comm();
+  Saver saver(*comm, root);
+  std::vector<DemoShards> states;
+  std::vector<SaveShard> shards;
+  for (int r = 0; r < mesh.world(); ++r) states.push_back(demo_state(kCfg, mesh, r, 7));
+  for (auto& s : states)
+    for (auto& sh : s.shards)
+      if (sh.write) shards.push_back(sh);
+  saver.reserve(shards);  // the buffers of exactly this save, before it
+  saver.save(7, shards, {{"config", kCfg.to_json()}}, {}, mesh.str());
+  EXPECT_NE(error_of([&] { saver.reserve(shards); }).find("reserve() while a save is in flight"), std::string::npos);
+  ASSERT_TRUE(saver.wait());
+  EXPECT_EQ(load_all(root, kCfg, parse_mesh("dp=2"), 7), 0);
+  fs::remove_all(root);
+}
+
 TEST(CkptFaults, FullDiskLeavesPreviousCheckpoint) {
   const std::string root = temp_root("enospc");
   const Mesh mesh = parse_mesh("tp=2");
