@@ -17,6 +17,7 @@
 #include "common/mpi_session.h"
 #include "device/cuda_check.h"
 #include "parallel/data_parallel_comm.h"
+#include "parallel/nccl_comm_cuda.h"
 #include "parallel/zero1.h"
 
 namespace keel::parallel {
@@ -25,12 +26,7 @@ namespace {
 class NcclDataParallelComm final : public DataParallelComm {
  public:
   NcclDataParallelComm(MPI_Comm comm, cudaStream_t stream) : stream_(stream) {
-    mpi_check(MPI_Comm_size(comm, &size_), "MPI_Comm_size");
-    mpi_check(MPI_Comm_rank(comm, &rank_), "MPI_Comm_rank");
-    ncclUniqueId id{};
-    if (rank_ == 0) KEEL_NCCL_CHECK(ncclGetUniqueId(&id));
-    mpi_check(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm), "MPI_Bcast (NCCL id)");
-    KEEL_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
+    comm_ = nccl_comm_from_mpi(comm, &size_, &rank_);
   }
   ~NcclDataParallelComm() override {
     if (comm_) ncclCommDestroy(comm_);

@@ -4,9 +4,22 @@
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "device/cuda_check.h"
+#include "parallel/nccl_comm_cuda.h"
 #include "parallel/nccl_group.h"
 
 namespace keel::parallel {
+
+ncclComm_t nccl_comm_from_mpi(MPI_Comm comm, int* size, int* rank) {
+  mpi_check(MPI_Comm_size(comm, size), "MPI_Comm_size");
+  mpi_check(MPI_Comm_rank(comm, rank), "MPI_Comm_rank");
+  ncclUniqueId id{};
+  if (*rank == 0) KEEL_NCCL_CHECK(ncclGetUniqueId(&id));
+  mpi_check(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm), "MPI_Bcast (NCCL id)");
+  ncclComm_t c = nullptr;
+  KEEL_NCCL_CHECK(ncclCommInitRank(&c, *size, id, *rank));
+  return c;
+}
+
 namespace {
 
 ncclDataType_t nccl_type(NcclType t) {
@@ -21,14 +34,7 @@ ncclDataType_t nccl_type(NcclType t) {
 
 class Nccl final : public NcclGroup {
  public:
-  explicit Nccl(MPI_Comm comm) {
-    mpi_check(MPI_Comm_size(comm, &size_), "MPI_Comm_size");
-    mpi_check(MPI_Comm_rank(comm, &rank_), "MPI_Comm_rank");
-    ncclUniqueId id{};
-    if (rank_ == 0) KEEL_NCCL_CHECK(ncclGetUniqueId(&id));
-    mpi_check(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm), "MPI_Bcast (NCCL id)");
-    KEEL_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
-  }
+  explicit Nccl(MPI_Comm comm) { comm_ = nccl_comm_from_mpi(comm, &size_, &rank_); }
   ~Nccl() override {
     if (comm_) ncclCommDestroy(comm_);
   }

@@ -598,6 +598,19 @@ class CudaBackend final : public TrainBackend {
   // step: reduce-scatter the gradients; the global norm from the shards' sums of squares;
   // AdamW on the shard and Muon on its whole matrices; all-gather the fp32 parameters and
   // refresh their bf16 copy.
+  // The step's one host sync: the global norm and clip coefficient the device computed. Throws
+  // optim::NonFiniteGradient (nothing updated yet) when the norm is not finite.
+  std::pair<double, float> read_norm() {
+    double norm = 0;
+    float coef = 1;
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(&coef, coef_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (prof_) prof_->report(dp_rank_, dp_size_);
+    if (!std::isfinite(norm)) throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), "", norm);
+    return {norm, coef};
+  }
+
   StepResult zero1_step(double max_norm, double lr) {
     const auto [b, e] = shard_;
     dp_->reduce_scatter_sum(grads_, plan_.bounds);
@@ -606,13 +619,7 @@ class CudaBackend final : public TrainBackend {
     dp_->all_reduce_sum(sum_sq_, 1);
     k::grad_norm::clip_coefficient(sum_sq_, max_norm, coef_, norm_, stream_);
     if (prof_) prof_->mark(Profile::kNormed, stream_);
-    double norm = 0;
-    float coef = 1;
-    KEEL_CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
-    KEEL_CUDA_CHECK(cudaMemcpyAsync(&coef, coef_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    if (prof_) prof_->report(dp_rank_, dp_size_);
-    if (!std::isfinite(norm)) throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), "", norm);
+    const auto [norm, coef] = read_norm();
     k::adamw::DeviceFlatRange r;
     r.begin = b;
     r.end = e;
@@ -934,13 +941,7 @@ class CudaBackend final : public TrainBackend {
     join_comm();
     k::grad_norm::clip_coefficient(sum_sq_, max_norm, coef_, norm_, stream_);
     if (prof_) prof_->mark(Profile::kNormed, stream_);
-    double norm = 0;
-    float coef = 1;
-    KEEL_CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
-    KEEL_CUDA_CHECK(cudaMemcpyAsync(&coef, coef_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    if (prof_) prof_->report(dp_rank_, dp_size_);
-    if (!std::isfinite(norm)) throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), "", norm);
+    const auto [norm, coef] = read_norm();
     // The shard's update runs on the optimizer stream (beside the next forward) or, without one,
     // on the compute stream; each own bucket's broadcast waits for its update.
     cudaStream_t os = opt_stream_ ? opt_stream_ : stream_;

@@ -31,30 +31,24 @@ TEST(CkptSaverCuda, StagesDeviceShardsAndLoadsThemBitExact) {
   test::DeviceArray<float> dev(host.size());
   KEEL_CUDA_CHECK(cudaMemcpy(dev.get(), host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
 
-  // rows [100, 300) of the device tensor (one flat range: a box), and a host tensor beside it
+  // rows [100, 300) of the tensor from the device, rows [0, 100) from the host, and a host tensor beside it
   const Shape shape{rows, cols};
   std::vector<SaveShard> shards;
-  for (auto& box : flat_range_boxes(shape, 100 * cols, rows * cols)) {
-    SaveShard s;
-    s.name = "dev";
-    s.shape = shape;
-    s.placement.dims.assign(2, {});
-    s.data = dev.get() + box.offsets[0] * cols + box.offsets[1];
-    s.box = box;
-    s.write = true;
-    s.on_device = true;
-    shards.push_back(s);
-  }
-  for (auto& box : flat_range_boxes(shape, 0, 100 * cols)) {  // the rest from the host copy
-    SaveShard s;
-    s.name = "dev";
-    s.shape = shape;
-    s.placement.dims.assign(2, {});
-    s.data = host.data() + box.offsets[0] * cols + box.offsets[1];
-    s.box = box;
-    s.write = true;
-    shards.push_back(s);
-  }
+  auto add = [&](std::int64_t begin, std::int64_t end, const float* base, bool on_device) {
+    for (auto& box : flat_range_boxes(shape, begin, end)) {
+      SaveShard s;
+      s.name = "dev";
+      s.shape = shape;
+      s.placement.dims.assign(2, {});
+      s.data = base + box.offsets[0] * cols + box.offsets[1];
+      s.box = box;
+      s.write = true;
+      s.on_device = on_device;
+      shards.push_back(s);
+    }
+  };
+  add(100 * cols, rows * cols, dev.get(), true);  // rows [100, 300) from the device
+  add(0, 100 * cols, host.data(), false);         // the rest from the host copy
   SaveShard h;
   h.name = "side";
   h.shape = {4096};

@@ -50,15 +50,7 @@ class ScopedEnv {
   Env env_;
 };
 
-fs::path shared_dir(const std::string& name) {
-  std::string path;
-  if (world_rank() == 0) path = fixtures::temp_dir("dp_overlap_" + std::to_string(world_size()), name).string();
-  int n = static_cast<int>(path.size());
-  MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  path.resize(static_cast<std::size_t>(n));
-  MPI_Bcast(path.data(), n, MPI_CHAR, 0, MPI_COMM_WORLD);
-  return path;
-}
+fs::path shared_dir(const std::string& name) { return keel::test::shared_temp_dir("dp_overlap", name); }
 
 TrainConfig gpu_config(const fs::path& dir, const fs::path& out, const std::string& optimizer_extra) {
   if (world_rank() == 0 && !fs::exists(dir / "d.idx")) fixtures::make_dataset(dir, "d");
@@ -67,15 +59,6 @@ TrainConfig gpu_config(const fs::path& dir, const fs::path& out, const std::stri
                                          "device=cuda",           "model.hidden=128",        "model.head_dim=64",
                                          "model.ffn_hidden=256",  "model.expert_hidden=128", "checkpoint.final=false"};
   return parse_train_config(fixtures::train_config_text((dir / "d").string(), out, optimizer_extra), "dp.yaml", sets);
-}
-
-double norm_rel_diff(const std::vector<float>& a, const std::vector<float>& b, const std::vector<float>& base) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += (double(b[i]) - base[i]) * (double(b[i]) - base[i]);
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 struct TrainRun {
@@ -129,12 +112,12 @@ TEST(DataParallel, GpuOverlappedStepMatchesClassicStep) {
       const StepStats &a = got.stats[0], &b = classic.stats[0];
       EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(b.loss)) << tag;
       EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5 * b.grad_norm) << tag;
-      const double d1 = norm_rel_diff(got.p1, classic.p1, classic.p0);
+      const double d1 = fixtures::norm_rel_diff(got.p1, classic.p1, classic.p0);
       EXPECT_LT(d1, 1e-3) << tag << ": first update";
       for (std::size_t i = 1; i < 4; ++i)
         EXPECT_NEAR(got.stats[i].loss, classic.stats[i].loss, 1e-2 * std::fabs(classic.stats[i].loss))
             << tag << " step " << i + 1;
-      const double d4 = norm_rel_diff(got.p4, classic.p4, classic.p0);
+      const double d4 = fixtures::norm_rel_diff(got.p4, classic.p4, classic.p0);
       EXPECT_LT(d4, 5e-2) << tag << ": after 4 steps";
       if (world_rank() == 0)
         std::printf("  %s on %d GPUs: step 1 update differs by %.2e of its size, after 4 steps %.2e; loss %.6f vs %.6f "

@@ -105,13 +105,14 @@ TEST(Zero1Buckets, RejectsBadStagesAndTargets) {
   EXPECT_THROW(plan_zero1_buckets(l, plan, {0, l.total_floats}, 0), Error);
 }
 
+void unset_dp_environment() {
+  for (const char* k : {"KEEL_DP_OVERLAP", "KEEL_DP_BUCKET_MIB", "KEEL_DP_DEFER_EMBED", "KEEL_DP_BCAST_BF16",
+                        "KEEL_DP_GROUP_REDUCES", "KEEL_DP_OPT_STREAM"})
+    unsetenv(k);
+}
+
 TEST(Zero1Buckets, OptionsFromTheEnvironment) {
-  unsetenv("KEEL_DP_OVERLAP");
-  unsetenv("KEEL_DP_BUCKET_MIB");
-  unsetenv("KEEL_DP_DEFER_EMBED");
-  unsetenv("KEEL_DP_BCAST_BF16");
-  unsetenv("KEEL_DP_GROUP_REDUCES");
-  unsetenv("KEEL_DP_OPT_STREAM");
+  unset_dp_environment();
   Zero1OverlapOptions o = zero1_overlap_options_from_env();
   EXPECT_TRUE(o.enabled);
   EXPECT_TRUE(o.broadcast_bf16);
@@ -137,12 +138,7 @@ TEST(Zero1Buckets, OptionsFromTheEnvironment) {
   setenv("KEEL_DP_BUCKET_MIB", "1", 1);
   setenv("KEEL_DP_OVERLAP", "maybe", 1);
   EXPECT_THROW(zero1_overlap_options_from_env(), UsageError);
-  unsetenv("KEEL_DP_OVERLAP");
-  unsetenv("KEEL_DP_BUCKET_MIB");
-  unsetenv("KEEL_DP_DEFER_EMBED");
-  unsetenv("KEEL_DP_BCAST_BF16");
-  unsetenv("KEEL_DP_GROUP_REDUCES");
-  unsetenv("KEEL_DP_OPT_STREAM");
+  unset_dp_environment();
 }
 
 }  // namespace

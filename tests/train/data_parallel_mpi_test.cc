@@ -34,16 +34,7 @@ ParallelContext world_context() {
   return c;
 }
 
-// A directory every rank sees, named by rank 0.
-fs::path shared_dir(const std::string& name) {
-  std::string path;
-  if (world_rank() == 0) path = fixtures::temp_dir("dp_mpi_" + std::to_string(world_size()), name).string();
-  int n = static_cast<int>(path.size());
-  MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  path.resize(static_cast<std::size_t>(n));
-  MPI_Bcast(path.data(), n, MPI_CHAR, 0, MPI_COMM_WORLD);
-  return path;
-}
+fs::path shared_dir(const std::string& name) { return keel::test::shared_temp_dir("dp_mpi", name); }
 
 // The shared tiny config with 12 micro-batches of 1 sequence per step (splits over 1..4 ranks
 // and 6 and 12), on a dataset rank 0 writes.
@@ -173,15 +164,6 @@ TEST(DataParallel, BatchThatDoesNotSplitIsRefusedOnEveryRank) {
 // only the summation order of the gradients differs: the same loss, the same gradient norm and
 // the same update (relative to the update's size). Then 8 steps must learn on both, and every
 // rank must hold the same parameters.
-double norm_rel_diff(const std::vector<float>& a, const std::vector<float>& b, const std::vector<float>& base) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += (double(b[i]) - base[i]) * (double(b[i]) - base[i]);
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 TEST(DataParallel, GpusMatchOneGpu) {
   const int gpus = visible_cuda_devices();
   if (gpus < world_size()) GTEST_SKIP() << "needs a GPU per rank (" << gpus << " visible)";
@@ -201,7 +183,7 @@ TEST(DataParallel, GpusMatchOneGpu) {
     const StepStats a = dp.run(1).at(0), b = single.run(1).at(0);
     EXPECT_NEAR(a.loss, b.loss, 1e-4 * std::fabs(b.loss)) << tag;
     EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-3 * b.grad_norm) << tag;
-    EXPECT_LT(norm_rel_diff(dp.backend().state().params, single.backend().state().params, p0), 2e-2) << tag;
+    EXPECT_LT(fixtures::norm_rel_diff(dp.backend().state().params, single.backend().state().params, p0), 2e-2) << tag;
     const auto dp_rest = dp.run(), single_rest = single.run();
     ASSERT_EQ(dp_rest.size(), 7u);
     EXPECT_LT(dp_rest.back().loss, 0.5 * a.loss) << tag << ": learns";

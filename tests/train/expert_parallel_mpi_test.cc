@@ -32,15 +32,7 @@ ParallelContext world_context(int ep) {
   return with_expert_parallel(c, ep);
 }
 
-fs::path shared_dir(const std::string& name) {
-  std::string path;
-  if (world_rank() == 0) path = fixtures::temp_dir("ep_mpi_" + std::to_string(world_size()), name).string();
-  int n = static_cast<int>(path.size());
-  MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  path.resize(static_cast<std::size_t>(n));
-  MPI_Bcast(path.data(), n, MPI_CHAR, 0, MPI_COMM_WORLD);
-  return path;
-}
+fs::path shared_dir(const std::string& name) { return keel::test::shared_temp_dir("ep_mpi", name); }
 
 // The tests' tiny model with 12 experts, 12 micro-batches of 1 sequence per step.
 TrainConfig config(const fs::path& dir, const fs::path& out, int ep, const std::vector<std::string>& extra = {},

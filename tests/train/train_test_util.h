@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -76,6 +77,17 @@ inline std::string make_dataset(const std::filesystem::path& dir, const std::str
   }
   w.finish();
   return prefix;
+}
+
+// |a - b| / |b - base| (L2): how far a is from b, relative to how far b moved from base (an
+// update compared with a reference update).
+inline double norm_rel_diff(const std::vector<float>& a, const std::vector<float>& b, const std::vector<float>& base) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += (double(b[i]) - base[i]) * (double(b[i]) - base[i]);
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 // The tests' train config on the CPU (device: cpu pins the reference: bit-exact resume, exact
