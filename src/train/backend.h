@@ -22,7 +22,7 @@
 // on the whole matrices the shard holds) and the parameters return to every rank (an
 // all-gather; on GPUs, per-bucket broadcasts the next forward waits for). Optimizer state
 // exists only for the shard (optimizer_shard()), plus, with expert parallelism (CPU ranks),
-// the rank's whole expert region (state_slice()).
+// the rank's shard of its expert region (state_slice()).
 #pragma once
 
 #include <cstdint>
@@ -44,8 +44,8 @@ namespace keel::train {
 // model_param_layout(cfg, expert_parallel) (with expert parallelism: E / ep experts per MoE
 // layer, those of expert_rank, after every replicated parameter). Its optimizer state covers
 // the ZeRO-1 shard [shard_begin, shard_end) of the replicated parameters and, with expert
-// parallelism, the whole expert region [expert_begin, expert_end) (kept by each of the ranks
-// holding the same experts).
+// parallelism, the ZeRO-1 shard [expert_begin, expert_end) of its expert region over the ranks
+// holding the same experts.
 struct StateSlice {
   int expert_parallel = 1, expert_rank = 0;
   std::int64_t shard_begin = 0, shard_end = 0;
@@ -80,7 +80,6 @@ struct CheckpointView {
   const float* adam_m = nullptr;  // the shard's moments: element i at adam_m[i - shard_begin], then the expert range's
   const float* adam_v = nullptr;
   StateSlice slice;
-  int expert_replica = 0, expert_replicas = 1;  // this rank among those holding the same experts (writes its part)
   bool on_device = false;
   std::vector<std::vector<float>> router_bias;
   std::int64_t adamw_step = 0;

@@ -31,27 +31,28 @@ class CpuBackend final : public TrainBackend {
     // the matrices regrouped (the model itself only reads offsets).
     layout_ = optimizer.muon.enabled ? regroup_layout(model_.layout(), train_group_rules(optimizer.muon))
                                      : model_.layout();
-    // With expert parallelism the experts come last ([expert_begin, total)): ZeRO-1 shards the
-    // replicated region before them over the data group; the expert region's optimizer state is
-    // whole on each rank holding those experts, its gradients summed over them (expert_data).
+    // With expert parallelism the experts come last: ZeRO-1 shards the replicated region before
+    // them over the data group (all ranks), and the expert region over the expert-data group
+    // (the ranks holding the same experts), whose gradients it sums.
     const std::int64_t total = model_.param_floats();
     std::int64_t replicated_end = total;
     for (const auto& p : layout_.params)
       if (ctx.expert.size > 1 && is_expert_param(p.name)) replicated_end = std::min(replicated_end, p.offset);
     slice_.expert_parallel = ctx.expert.size;
     slice_.expert_rank = ctx.expert.rank;
-    if (ctx.expert.size > 1) slice_.expert_begin = replicated_end, slice_.expert_end = total;
     ctx_ = ctx;
     if (ctx.data.size > 1) {
       dp_ = parallel::make_mpi_data_parallel_comm(ctx.data.comm);
-      optim::ParamLayout replicated;  // the ZeRO-1 region: the parameters before the experts
-      for (const auto& p : layout_.params)
-        if (p.offset < replicated_end) replicated.params.push_back(p);
-      replicated.total_floats = replicated_end;
-      plan_ = parallel::plan_zero1(replicated, ctx.data.size);
+      plan_ = plan_region(0, replicated_end, ctx.data.size);
       shard_ = {plan_.begin(ctx.data.rank), plan_.end(ctx.data.rank)};
     } else {
       shard_ = {0, total};
+    }
+    if (replicated_end < total) {
+      expert_plan_ = plan_region(replicated_end, total, ctx.expert_data.size);
+      if (ctx.expert_data.size > 1) expert_dp_ = parallel::make_mpi_data_parallel_comm(ctx.expert_data.comm);
+      slice_.expert_begin = expert_plan_.begin(ctx.expert_data.rank);
+      slice_.expert_end = expert_plan_.end(ctx.expert_data.rank);
     }
     slice_.shard_begin = shard_.first;
     slice_.shard_end = shard_.second;
@@ -134,8 +135,6 @@ class CpuBackend final : public TrainBackend {
     v.adam_m = adam_m_;
     v.adam_v = adam_v_;
     v.slice = slice_;
-    v.expert_replica = ctx_.expert_data.rank;
-    v.expert_replicas = ctx_.expert_data.size;
     for (int i = 0; i < moe_layer_count(); ++i) v.router_bias.push_back(model_.router_bias(i));
     v.adamw_step = adam_.step_count();
     return v;
@@ -174,16 +173,16 @@ class CpuBackend final : public TrainBackend {
  private:
   // ZeRO-1: reduce-scatter the gradients, the global norm from the shards' sums of squares,
   // AdamW on the shard and Muon on the whole matrices in it, all-gather the parameters. With
-  // expert parallelism also: the expert gradients summed over the ranks holding the same
-  // experts, AdamW and Muon on the whole expert region, its squares summed over the expert group.
+  // expert parallelism the expert region does the same over the expert-data group; each
+  // element of every expert then lies in exactly one rank's shard, so one sum over all ranks
+  // gives the norm.
   StepResult zero1_step(double max_norm, double lr) {
     float* params = model_.params();
     float* grads = model_.grads();
     const auto [b, e] = shard_;
     const std::int64_t xb = slice_.expert_begin, xe = slice_.expert_end;
     dp_->reduce_scatter_sum(grads, plan_.bounds);
-    if (xe > xb && ctx_.expert_data.size > 1)
-      parallel::all_reduce_sum(grads + xb, xe - xb, ctx_.expert_data.comm);
+    if (expert_dp_) expert_dp_->reduce_scatter_sum(grads, expert_plan_.bounds);
     auto sum_squares_in = [&](std::int64_t lo_r, std::int64_t hi_r) {
       double ss = 0;
       for (const auto& p : layout_.params) {
@@ -192,12 +191,11 @@ class CpuBackend final : public TrainBackend {
       }
       return ss;
     };
-    double ss = sum_squares_in(b, e), ss_experts = sum_squares_in(xb, xe);
+    double ss = sum_squares_in(b, e) + sum_squares_in(xb, xe);
     dp_->all_reduce_sum(&ss, 1);
-    if (xe > xb) parallel::all_reduce_sum(&ss_experts, 1, ctx_.expert.comm);
-    const double norm = std::sqrt(ss + ss_experts);
+    const double norm = std::sqrt(ss);
     if (!std::isfinite(norm)) {
-      std::string bad;  // the first parameter of this rank's ranges holding one, if any
+      std::string bad;  // the first parameter of this rank's shards holding one, if any
       for (const auto& p : layout_.params) {
         for (const auto [rb, re] : {std::pair{b, e}, std::pair{xb, xe}}) {
           const std::int64_t lo = std::max(p.offset, rb), hi = std::min(p.offset + p.numel, re);
@@ -209,7 +207,7 @@ class CpuBackend final : public TrainBackend {
     }
     const double coef = optim::clip_coefficient(norm, max_norm);
     const float scale = static_cast<float>(coef);
-    const std::int64_t sk = e - b;  // the expert region's moments follow the shard's
+    const std::int64_t sk = e - b;  // the expert shard's moments follow the replicated shard's
     std::vector<optim::FlatRange> ranges{{b, e, params + b, grads + b, adam_m_, adam_v_}};
     if (xe > xb) ranges.push_back({xb, xe, params + xb, grads + xb, adam_m_ + sk, adam_v_ + sk});
     adam_.step(layout_, ranges, lr, scale);  // skips Muon parameters
@@ -221,7 +219,20 @@ class CpuBackend final : public TrainBackend {
                                 lr * p.lr_scale, p.weight_decay, scale, muon_scratch_);
       }
     dp_->all_gather(params, plan_.bounds);
+    if (expert_dp_) expert_dp_->all_gather(params, expert_plan_.bounds);
     return {norm, coef};
+  }
+
+  // ZeRO-1 shards of the flat range [begin, end) over `ranks` (its parameters only; bounds in
+  // flat-buffer offsets).
+  parallel::Zero1Plan plan_region(std::int64_t begin, std::int64_t end, int ranks) const {
+    optim::ParamLayout region;
+    for (auto p : layout_.params)
+      if (p.offset >= begin && p.offset < end) p.offset -= begin, region.params.push_back(std::move(p));
+    region.total_floats = end - begin;
+    parallel::Zero1Plan plan = parallel::plan_zero1(region, ranks);
+    for (auto& b : plan.bounds) b += begin;
+    return plan;
   }
 
   MoeTransformer model_;
@@ -235,7 +246,9 @@ class CpuBackend final : public TrainBackend {
   std::unique_ptr<parallel::DataParallelComm> dp_;  // null on one rank
   parallel::Zero1Plan plan_;
   std::pair<std::int64_t, std::int64_t> shard_;     // this rank's ZeRO-1 shard
-  StateSlice slice_;                                // + its experts and their optimizer range
+  std::unique_ptr<parallel::DataParallelComm> expert_dp_;  // over expert_data, when it has several ranks
+  parallel::Zero1Plan expert_plan_;                 // the expert region's shards over expert_data
+  StateSlice slice_;                                // + its experts and their optimizer shard
   ParallelContext ctx_;
 };
 

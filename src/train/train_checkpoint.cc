@@ -114,33 +114,26 @@ TrainCheckpointer::~TrainCheckpointer() {
 }
 
 std::vector<ckpt::SaveShard> TrainCheckpointer::shards(const CheckpointView& view, const optim::ParamLayout& layout) const {
-  // Each rank writes its ZeRO-1 shard of every replicated tensor: the optimizer state it owns
-  // and the parameters of the same range (replicated, so any rank could; this spreads the
-  // writes). Expert tensors: the ranks holding the same experts split their range, one part
-  // each, so every element is written once.
+  // Each rank writes its ZeRO-1 shards (of the replicated region, and with expert parallelism of
+  // its experts' region): the optimizer state it owns and the parameters of the same ranges
+  // (replicated, so any holder could; this spreads the writes). The shards tile every tensor,
+  // so every element is written once.
   const StateSlice& sl = view.slice;
   const std::int64_t b = sl.shard_begin, e = sl.shard_end;
   if (b < 0 || b > e || e > layout.total_floats || sl.expert_begin < 0 || sl.expert_begin > sl.expert_end ||
-      sl.expert_end > layout.total_floats || !view.params || (sl.moments() > 0 && (!view.adam_m || !view.adam_v)) ||
-      view.expert_replica < 0 || view.expert_replica >= view.expert_replicas)
+      sl.expert_end > layout.total_floats || !view.params || (sl.moments() > 0 && (!view.adam_m || !view.adam_v)))
     fail("checkpoint: optimizer ranges [{}, {}) + [{}, {}) of {} floats have no data", b, e, sl.expert_begin,
          sl.expert_end, layout.total_floats);
   std::vector<ckpt::SaveShard> out;
-  for (const MomentRange& r : moment_ranges(sl)) {
-    std::int64_t wb = r.begin, we = r.end;  // the part this rank writes
-    if (r.at > 0) {                         // the expert range: split over its replicas
-      const std::int64_t len = r.end - r.begin, k = view.expert_replicas, j = view.expert_replica;
-      wb = r.begin + len * j / k, we = r.begin + len * (j + 1) / k;
-    }
+  for (const MomentRange& r : moment_ranges(sl))
     for (const auto& p : layout.params)
-      for_each_box_in(p, sl, wb, we, [&](ckpt::Box box, std::int64_t at) {
+      for_each_box_in(p, sl, r.begin, r.end, [&](ckpt::Box box, std::int64_t at) {
         const ckpt::Shape g = held(p, sl).global;
         const std::int64_t m = r.at + (at - r.begin);
         out.push_back(shard("model/" + p.name, g, box, view.params + at, false));
         out.push_back(shard("optim/exp_avg/" + p.name, g, box, view.adam_m + m, true));
         out.push_back(shard("optim/exp_avg_sq/" + p.name, g, std::move(box), view.adam_v + m, true));
       });
-  }
   for (auto& s : out) s.on_device = view.on_device;
   for (std::size_t i = 0; i < view.router_bias.size(); ++i) {  // replicated: spread over the ranks (host memory)
     if (static_cast<int>(i % static_cast<std::size_t>(comm_->size())) != comm_->rank()) continue;

@@ -2,7 +2,8 @@
 // so every degree divides them): with EP = the world, and at 4 ranks also EP = 2 (two ranks
 // holding each expert), a run matches the 1-rank run of the same global batch within
 // fp32-reduction tolerance (linear router top-2 with AdamW and with Muon; the ZAYA1 MLP router
-// with the skip class); each rank holds exactly its experts; checkpoints move between EP and
+// with the skip class); each rank holds exactly its experts and a ZeRO-1 shard of their optimizer
+// state; checkpoints move between EP and
 // one rank both ways and the loss continues as in the uninterrupted run.
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -79,8 +80,19 @@ void expect_matches_single_rank(int ep, const std::vector<std::string>& extra, c
   const ParallelContext ctx = world_context(ep);
   Trainer t(cfg, ctx, true);
   // Each rank holds E / ep experts of every MoE layer: the layout says so.
+  std::int64_t experts_begin = t.backend().layout().total_floats;
   for (const auto& p : t.backend().layout().params)
-    if (is_expert_param(p.name)) ASSERT_EQ(p.shape[0], 12 / ep) << p.name;
+    if (is_expert_param(p.name)) {
+      ASSERT_EQ(p.shape[0], 12 / ep) << p.name;
+      experts_begin = std::min(experts_begin, p.offset);
+    }
+  // ZeRO-1 over the ranks holding the same experts: their optimizer shards tile the expert
+  // region once, so over the world it is covered ep times (once per expert group).
+  const StateSlice sl = t.backend().state_slice();
+  std::int64_t covered = sl.expert_end - sl.expert_begin;
+  MPI_Allreduce(MPI_IN_PLACE, &covered, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  EXPECT_EQ(covered, ep * (t.backend().layout().total_floats - experts_begin)) << tag;
+  EXPECT_EQ(t.backend().state().adam_m.size(), static_cast<std::size_t>(sl.moments())) << tag;
   const auto got = t.run();
   TrainConfig one = cfg;
   one.parallel_expert = 1;
