@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi peer memgemm train dp decode
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi peer memgemm train dp decode ckpt
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -102,6 +102,15 @@ for step in "${steps[@]}"; do
       timeout 900 python3 bench/train_vs_torch.py --keel "$build/keel" --out "$out/train" ${KEEL_TRAIN_ARGS:-} 2>&1 \
         | tee "$out/train_vs_torch.log" | tail -20
       grep -A12 '^== keel train vs PyTorch' "$out/train_vs_torch.log" >>"$summary" ;;
+    ckpt)
+      # keel checkpoints vs torch.distributed.checkpoint on the same state size, all GPUs; the
+      # checkpoints go to KEEL_CKPT_DIR (local disk, not $OUT), the logs and JSON to $OUT.
+      ckdir=${KEEL_CKPT_DIR:-/tmp/keel-ckpt-bench}
+      timeout 900 python3 bench/ckpt_vs_dcp.py --keel "$build/keel" --out "$ckdir" --gpus "$gpus" 2>&1 \
+        | tee "$out/ckpt_vs_dcp.log" | tail -12
+      mkdir -p "$out/ckpt" && cp "$ckdir"/*.log "$ckdir"/*.json "$out/ckpt/" 2>/dev/null
+      rm -rf "$ckdir"
+      grep -A9 '^== keel checkpoints vs' "$out/ckpt_vs_dcp.log" >>"$summary" ;;
     decode)
       # keel generate's per-token latency at batch 1, 8, 64 on ZAYA1-8B's widths: the first
       # KEEL_DECODE_LAYERS (8) of its 40 layers, freshly initialized (no released weights here).

@@ -215,6 +215,8 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
   }
   const ckpt::LoadStats ls = reader.load(reqs);
   out.read_amplification = ls.amplification();
+  out.bytes_read = ls.bytes_read;
+  out.read_seconds = ls.seconds;
   st.adamw_step = s.at("optimizer_step").get<std::int64_t>();
   return out;
 }

@@ -76,6 +76,8 @@ struct LoadedTrainState {
   nlohmann::json extra;  // the "state" saved beside the tensors
   std::string dir;       // the step directory read
   double read_amplification = 1.0;
+  std::uint64_t bytes_read = 0;  // by this rank
+  double read_seconds = 0;
 };
 
 // Reads a checkpoint directory (or a root whose `latest` names one) into the parameter layout

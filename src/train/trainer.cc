@@ -364,7 +364,16 @@ void Trainer::resume(const std::string& path_in) {
     }
     step_ = got.extra.at("step").get<std::int64_t>();
     resumed_ = true;
-    if (!quiet_) std::printf("resumed from %s at step %lld\n", got.dir.c_str(), static_cast<long long>(step_));
+    // the group's read: bytes summed, the slowest rank's time; amplification over the group
+    double io[3] = {static_cast<double>(got.bytes_read), got.bytes_read / std::max(got.read_amplification, 1e-12),
+                    got.read_seconds};
+    sum_over(ctx_.data, io, 2);
+    if (ctx_.data.size > 1)
+      mpi_check(MPI_Allreduce(MPI_IN_PLACE, &io[2], 1, MPI_DOUBLE, MPI_MAX, ctx_.data.comm), "MPI_Allreduce");
+    if (!quiet_)
+      std::printf("resumed from %s at step %lld (read %.2f GiB in %.2f s, %.2f GB/s, read amplification %.3f)\n",
+                  got.dir.c_str(), static_cast<long long>(step_), io[0] / 1073741824.0, io[2],
+                  io[2] > 0 ? io[0] / io[2] / 1e9 : 0.0, io[1] > 0 ? io[0] / io[1] : 1.0);
     return;
   }
   throw UsageError(fmt::format("--resume {}: not a keel checkpoint (expected a checkpoint.dir root with `latest`, or a "
