@@ -118,7 +118,7 @@ def sh(cmd, log, timeout, env=None):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--keel", default="build-gpu/keel")
-    p.add_argument("--out", required=True, help="directory on the disk under test (emptied)")
+    p.add_argument("--out", help="directory on the disk under test (emptied; required)")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -129,6 +129,8 @@ def main():
     a = p.parse_args()
     if a.worker:
         return torch_worker(a)
+    if not a.out:
+        p.error("--out is required")
     import numpy as np
     from train_vs_torch import DIMS, keel_config, write_dataset
 
