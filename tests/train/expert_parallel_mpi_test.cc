@@ -159,5 +159,25 @@ TEST(ExpertParallel, CheckpointOfEpWorldResumesAtEpTwo) {
   expect_resume(world_size(), 2, "resume_ep4_ep2");
 }
 
+TEST(ExpertParallel, InitFromAOneRankCheckpointGivesEachRankItsExperts) {
+  const int ep = world_size();
+  const fs::path dir = shared_dir("init_from");
+  // one rank trains 2 steps and saves (each rank its own copy; rank 0's is the source)
+  TrainConfig src_cfg = config(dir, dir / ("src" + std::to_string(world_rank())), 1, {"steps=2"});
+  Trainer src(src_cfg, ParallelContext::single(), true);
+  src.run();
+  src.finish_checkpoint();
+  MPI_Barrier(MPI_COMM_WORLD);
+  TrainConfig cfg = config(dir, dir / "ep", ep, {"checkpoint.final=false", "init_from=" + (dir / "src0").string()});
+  const ParallelContext ctx = world_context(ep);
+  Trainer t(cfg, ctx, true);
+  t.run(0);
+  EXPECT_EQ(max_rel_diff_by_name(t.backend().layout(), t.backend().state().params, ctx.expert.rank,
+                                 src.backend().layout(), src.backend().state().params),
+            0.0)
+      << "each rank holds exactly its experts' trained weights";
+  for (float m : t.backend().state().adam_m) ASSERT_EQ(m, 0.f);
+}
+
 }  // namespace
 }  // namespace keel::train
