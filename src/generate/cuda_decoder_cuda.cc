@@ -189,12 +189,7 @@ class CudaDecoder final : public Decoder {
         fail("generate: router bias of {} classes, the model routes over {}", b.size(), classes_);
     mlp_router_ = cfg_.router_hidden > 0;
     scaled_ = cfg_.residual_scaling;
-    cca_cfg_.hidden = cfg_.hidden;
-    cca_cfg_.q_heads = cfg_.heads;
-    cca_cfg_.kv_heads = cfg_.kv_heads;
-    cca_cfg_.head_dim = cfg_.head_dim;
-    cca_cfg_.conv0_width = cfg_.cca_conv_width;
-    cca_cfg_.conv1_width = cfg_.cca_group_conv_width;
+    cca_cfg_ = train::cca_config(cfg_);
     zshape_.hidden = cfg_.hidden;
     zshape_.router_hidden = cfg_.router_hidden;
     zshape_.expert_hidden = cfg_.expert_hidden;

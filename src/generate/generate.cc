@@ -178,12 +178,7 @@ InferenceModel::InferenceModel(ModelWeights weights) : w_(std::move(weights)), w
   lp_ = std::move(views.layers);
   embed_ = views.embed, final_norm_ = views.final_norm, lm_head_ = views.lm_head, final_scale_ = views.final_scale;
 
-  cca_cfg_.hidden = cfg.hidden;
-  cca_cfg_.q_heads = cfg.heads;
-  cca_cfg_.kv_heads = cfg.kv_heads;
-  cca_cfg_.head_dim = cfg.head_dim;
-  cca_cfg_.conv0_width = cfg.cca_conv_width;
-  cca_cfg_.conv1_width = cfg.cca_group_conv_width;
+  cca_cfg_ = train::cca_config(cfg);
   zshape_.hidden = cfg.hidden;
   zshape_.router_hidden = cfg.router_hidden;
   zshape_.expert_hidden = cfg.expert_hidden;

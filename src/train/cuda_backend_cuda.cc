@@ -269,16 +269,9 @@ class CudaBackend final : public TrainBackend {
       throw UsageError(fmt::format("model '{}': the CUDA CCA takes conv widths <= {} and (heads + kv_heads) * "
                                    "head_dim <= 12288 (device: cpu trains it)",
                                    cfg_.name, k::causal_conv::kMaxWidth));
-    cca_cfg_.hidden = cfg_.hidden;
-    cca_cfg_.q_heads = cfg_.heads;
-    cca_cfg_.kv_heads = cfg_.kv_heads;
-    cca_cfg_.head_dim = cfg_.head_dim;
-    cca_cfg_.conv0_width = cfg_.cca_conv_width;
-    cca_cfg_.conv1_width = cfg_.cca_group_conv_width;
+    cca_cfg_ = cca_config(cfg_);
     load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(classes_, 0));
-    bias_.assign(moe_layer_ids_.size(), std::vector<float>(classes_, 0.f));
-    for (auto& b : bias_)
-      if (cfg_.router_skip_expert) b.back() = -1.f;  // ZAYA1: the skip class starts disfavoured (as the CPU model)
+    bias_ = initial_router_biases(cfg_);  // as the CPU model
     map_weights();
     if (ctx.data.size > 1) setup_data_parallel(ctx);
 

@@ -326,12 +326,7 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
       moe_index_of_layer_.push_back(-1);
     }
   }
-  cca_cfg_.hidden = cfg_.hidden;
-  cca_cfg_.q_heads = cfg_.heads;
-  cca_cfg_.kv_heads = cfg_.kv_heads;
-  cca_cfg_.head_dim = cfg_.head_dim;
-  cca_cfg_.conv0_width = cfg_.cca_conv_width;
-  cca_cfg_.conv1_width = cfg_.cca_group_conv_width;
+  cca_cfg_ = cca_config(cfg_);
   zshape_.tokens = static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length;
   zshape_.hidden = cfg_.hidden;
   zshape_.router_hidden = cfg_.router_hidden;
@@ -621,6 +616,17 @@ void MoeTransformer::init_parameters() {
   init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_, ctx_.expert.rank);
   bias_ = initial_router_biases(cfg_);
   reset_load();
+}
+
+ops::cca::Config cca_config(const model::ModelConfig& cfg) {
+  ops::cca::Config c;
+  c.hidden = cfg.hidden;
+  c.q_heads = cfg.heads;
+  c.kv_heads = cfg.kv_heads;
+  c.head_dim = cfg.head_dim;
+  c.conv0_width = cfg.cca_conv_width;
+  c.conv1_width = cfg.cca_group_conv_width;
+  return c;
 }
 
 std::vector<std::vector<float>> initial_router_biases(const model::ModelConfig& cfg) {

@@ -89,6 +89,8 @@ bool is_expert_param(std::string_view name);
 // expert_rank, get the values the same experts have in the whole model.
 void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayout& layout, double init_std,
                            std::uint64_t seed, float* params, int expert_rank = 0);
+// The CCA layer shape of a model (ops::cca::Config from its heads, head_dim and conv widths).
+ops::cca::Config cca_config(const model::ModelConfig& cfg);
 // The router selection biases a fresh model starts with, one [classes] per MoE layer: 0, and -1
 // for the skip class (ZAYA1: it starts disfavoured).
 std::vector<std::vector<float>> initial_router_biases(const model::ModelConfig& cfg);

@@ -24,6 +24,8 @@
 #include "generate/generate.h"
 #include "train/model.h"
 
+#include "generate_test_util.h"
+
 #define KEEL_REQUIRE_GPU_DECODER()                                                  \
   do {                                                                              \
     if (!::keel::generate::cuda_decoder_available()) GTEST_SKIP() << "no CUDA device visible"; \
@@ -31,6 +33,9 @@
 
 namespace keel::generate {
 namespace {
+
+using test_util::max_abs;
+using test_util::random_tokens;
 
 model::ModelConfig gqa_config(int kv_heads) {
   model::ModelConfig m;
@@ -110,13 +115,7 @@ ModelWeights test_weights(const model::ModelConfig& cfg, std::uint32_t seed, boo
   ModelWeights w = fresh_weights(cfg, true, 0.1, seed);
   std::mt19937 rng(seed);
   std::normal_distribution<float> n(0.f, 1.f);
-  for (const auto& p : train::model_param_layout(cfg).params) {
-    const float noise = p.name.ends_with("bias") ? 0.03f : 0.2f;
-    if (p.ndim() == 1)
-      for (std::int64_t i = 0; i < p.numel; ++i) w.params[p.offset + i] += noise * n(rng);
-    if (p.ndim() == 2 && p.name.find("moe.router.") != std::string::npos)
-      for (std::int64_t i = 0; i < p.numel; ++i) w.params[p.offset + i] *= 8.f;
-  }
+  test_util::perturb_weights(w, cfg, rng, n);
   const int E = cfg.experts, classes = static_cast<int>(w.router_bias.empty() ? 0 : w.router_bias[0].size());
   for (std::size_t m = 0; m < w.router_bias.size(); ++m) {
     auto& b = w.router_bias[m];
@@ -130,19 +129,6 @@ ModelWeights test_weights(const model::ModelConfig& cfg, std::uint32_t seed, boo
     }
   }
   return w;
-}
-
-std::vector<std::uint32_t> random_tokens(std::int64_t n, std::int64_t vocab, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::uint32_t> t(static_cast<std::size_t>(n));
-  for (auto& x : t) x = static_cast<std::uint32_t>(rng() % vocab);
-  return t;
-}
-
-double max_abs(const std::vector<float>& v) {
-  double m = 0;
-  for (float x : v) m = std::max(m, double(std::fabs(x)));
-  return m;
 }
 
 double norm_rel(const std::vector<float>& got, const std::vector<float>& want) {

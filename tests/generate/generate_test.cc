@@ -15,8 +15,13 @@
 #include "generate/generate.h"
 #include "train/model.h"
 
+#include "generate_test_util.h"
+
 namespace keel::generate {
 namespace {
+
+using test_util::max_abs;
+using test_util::random_tokens;
 
 model::ModelConfig gqa_config(int kv_heads) {
   model::ModelConfig m;
@@ -71,32 +76,10 @@ ModelWeights perturbed_weights(const model::ModelConfig& cfg, std::uint32_t seed
   ModelWeights w = fresh_weights(cfg, true, 0.15, seed);
   std::mt19937 rng(seed);
   std::normal_distribution<float> n(0.f, 1.f);
-  for (const auto& p : train::model_param_layout(cfg).params) {
-    // Scales around 1; biases small next to the activations, so tokens still differ.
-    const float noise = p.name.ends_with("bias") ? 0.03f : 0.2f;
-    if (p.ndim() == 1)
-      for (std::int64_t i = 0; i < p.numel; ++i) w.params[p.offset + i] += noise * n(rng);
-    // The MLP router's small init gives near-uniform, token-independent probabilities: widen
-    // its matrices so tokens spread over the classes.
-    if (p.ndim() == 2 && p.name.find("moe.router.") != std::string::npos)
-      for (std::int64_t i = 0; i < p.numel; ++i) w.params[p.offset + i] *= 8.f;
-  }
+  test_util::perturb_weights(w, cfg, rng, n);
   for (auto& b : w.router_bias)
     for (auto& x : b) x = 0.002f * n(rng);
   return w;
-}
-
-std::vector<std::uint32_t> random_tokens(std::int64_t n, std::int64_t vocab, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::uint32_t> t(static_cast<std::size_t>(n));
-  for (auto& x : t) x = static_cast<std::uint32_t>(rng() % vocab);
-  return t;
-}
-
-double max_abs(const std::vector<float>& v) {
-  double m = 0;
-  for (float x : v) m = std::max(m, double(std::fabs(x)));
-  return m;
 }
 
 // Logits [B, T, V] decoded one position at a time from an empty cache (after a prefill of the

@@ -115,22 +115,7 @@ TEST(TrainModel, OverfitsOneBatch) {
   o.seq_length = 8;
   MoeTransformer m(cfg, o, ParallelContext::single());
   const fixtures::Batch b = fixtures::random_batch(16, 23, 5);
-  optim::AdamWConfig ac;
-  ac.weight_decay = 0.0;
-  optim::AdamW adam(ac);
-  std::vector<float> mom(m.param_floats()), var(m.param_floats());
-  double first = 0, last = 0;
-  for (int step = 0; step < 100; ++step) {
-    m.zero_grads();
-    const double loss = m.forward(b.tokens.data(), b.targets.data()).ce;
-    m.backward();
-    if (step == 0) first = loss;
-    last = loss;
-    const auto clip = optim::clip_grad_norm_deferred(optim::grad_views(m.layout(), m.grads()), 1.0);
-    optim::FlatRange r{0, m.param_floats(), m.params(), m.grads(), mom.data(), var.data()};
-    adam.step(m.layout(), r, 1e-2, static_cast<float>(clip.coefficient));
-    m.update_router_bias();
-  }
+  const auto [first, last] = fixtures::overfit_with_adamw(m, b.tokens.data(), b.targets.data(), 100, 1e-2);
   std::printf("[overfit] ce %.4f -> %.4f\n", first, last);
   EXPECT_LT(last, 0.1 * first);
 }

@@ -245,15 +245,7 @@ TEST(MuonTrainConfig, ParsesAndDefaults) {
   EXPECT_FALSE(e.muon.enabled);
 }
 
-void expect_usage_error(const std::string& text, const std::vector<std::string>& sets, const std::string& needle) {
-  try {
-    parse_train_config(text, "bad.yaml", sets);
-    FAIL() << "accepted; expected an error containing: " << needle;
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "multi-line error: " << e.what();
-  }
-}
+using fixtures::expect_usage_error;
 
 TEST(MuonTrainConfig, BadKeysGiveClearErrors) {
   const auto dir = fixtures::temp_dir("muon_train_test", "bad");

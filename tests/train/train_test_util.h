@@ -1,5 +1,6 @@
 // Shared pieces of the training tests: a tiny model config, reproducible batches, a small
-// structured dataset, temporary directories and the base train config text.
+// structured dataset, temporary directories, the base train config text, a one-batch AdamW
+// overfit and the check of a config error.
 #pragma once
 
 #include <unistd.h>
@@ -7,11 +8,19 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <utility>
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include "common/error.h"
 #include "data/indexed_dataset.h"
 #include "model/config.h"
+#include "optim/adamw.h"
+#include "optim/clip.h"
+#include "train/model.h"
+#include "train/train_config.h"
 
 namespace keel::train::fixtures {
 
@@ -130,6 +139,40 @@ batch:
 steps: 12
 log_interval: 4
 output_dir: )" + out.string() + "\n";
+}
+
+// Trains `m` on one batch for `steps` AdamW steps (no weight decay, global-norm clip 1.0, the
+// router-bias update after each): the first and the last cross-entropy.
+inline std::pair<double, double> overfit_with_adamw(MoeTransformer& m, const std::uint32_t* tokens,
+                                                    const std::int32_t* targets, int steps, double lr) {
+  optim::AdamWConfig ac;
+  ac.weight_decay = 0.0;
+  optim::AdamW adam(ac);
+  std::vector<float> mom(m.param_floats()), var(m.param_floats());
+  double first = 0, last = 0;
+  for (int step = 0; step < steps; ++step) {
+    m.zero_grads();
+    const double loss = m.forward(tokens, targets).ce;
+    m.backward();
+    if (step == 0) first = loss;
+    last = loss;
+    const auto clip = optim::clip_grad_norm_deferred(optim::grad_views(m.layout(), m.grads()), 1.0);
+    optim::FlatRange r{0, m.param_floats(), m.params(), m.grads(), mom.data(), var.data()};
+    adam.step(m.layout(), r, lr, static_cast<float>(clip.coefficient));
+    m.update_router_bias();
+  }
+  return {first, last};
+}
+
+// The config (with `sets` applied) is refused with one line containing `needle`.
+inline void expect_usage_error(const std::string& text, const std::vector<std::string>& sets, const std::string& needle) {
+  try {
+    parse_train_config(text, "bad.yaml", sets);
+    FAIL() << "accepted; expected an error containing: " << needle;
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "multi-line error: " << e.what();
+  }
 }
 
 }  // namespace keel::train::fixtures

@@ -35,15 +35,7 @@ TEST(TrainConfig, ParsesAndOverrides) {
   EXPECT_EQ(c.data.phases.size(), 1u);
 }
 
-void expect_usage_error(const std::string& text, const std::vector<std::string>& sets, const std::string& needle) {
-  try {
-    parse_train_config(text, "bad.yaml", sets);
-    FAIL() << "accepted; expected an error containing: " << needle;
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "multi-line error: " << e.what();
-  }
-}
+using fixtures::expect_usage_error;
 
 TEST(TrainConfig, BadConfigsGiveClearErrors) {
   const auto dir = fixtures::temp_dir("train_test", "badcfg");

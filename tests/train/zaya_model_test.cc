@@ -15,6 +15,8 @@
 #include "model/params.h"
 #include "train/model.h"
 
+#include "train_test_util.h"
+
 namespace keel::train {
 namespace {
 
@@ -241,22 +243,7 @@ TEST(TrainZaya, OverfitsOneBatch) {
   o.bias_update_rate = 0.01;
   MoeTransformer m(cfg, o, ParallelContext::single());
   const Batch b = random_batch(16, 23, 5);
-  optim::AdamWConfig ac;
-  ac.weight_decay = 0.0;
-  optim::AdamW adam(ac);
-  std::vector<float> mom(m.param_floats()), var(m.param_floats());
-  double first = 0, last = 0;
-  for (int step = 0; step < 100; ++step) {
-    m.zero_grads();
-    const double loss = m.forward(b.tokens.data(), b.targets.data()).ce;
-    m.backward();
-    if (step == 0) first = loss;
-    last = loss;
-    const auto clip = optim::clip_grad_norm_deferred(optim::grad_views(m.layout(), m.grads()), 1.0);
-    optim::FlatRange r{0, m.param_floats(), m.params(), m.grads(), mom.data(), var.data()};
-    adam.step(m.layout(), r, 1e-2, static_cast<float>(clip.coefficient));
-    m.update_router_bias();
-  }
+  const auto [first, last] = fixtures::overfit_with_adamw(m, b.tokens.data(), b.targets.data(), 100, 1e-2);
   std::printf("[overfit] zaya ce %.4f -> %.4f, skip bias %.3f\n", first, last, m.router_bias(0).back());
   EXPECT_LT(last, 0.5 * first);
   EXPECT_GT(m.router_bias(0).back(), -1.f);  // the controller raised the unused skip class
