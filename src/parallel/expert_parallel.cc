@@ -200,15 +200,4 @@ void ExpertParallelMoe::backward(const Tensor& dy, const ops::moe::Weights& loca
   });
 }
 
-void all_reduce_sum(float* x, std::int64_t n, MPI_Comm comm) {
-  for (std::int64_t at = 0; at < n; at += INT_MAX) {
-    const int k = static_cast<int>(std::min<std::int64_t>(INT_MAX, n - at));
-    mpi_check(MPI_Allreduce(MPI_IN_PLACE, x + at, k, MPI_FLOAT, MPI_SUM, comm), "MPI_Allreduce (expert gradients)");
-  }
-}
-
-void all_reduce_sum(double* x, int n, MPI_Comm comm) {
-  mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, comm), "MPI_Allreduce");
-}
-
 }  // namespace keel::parallel

@@ -80,9 +80,4 @@ class ExpertParallelMoe {
   std::vector<float> h_gate_, h_up_, act_, xs_local_, ys_local_;
 };
 
-// In-place sums over `comm` of host buffers (MPI_Allreduce, in int-sized pieces): expert
-// gradients over the ranks holding the same experts, sums of squares over the expert group.
-void all_reduce_sum(float* x, std::int64_t n, MPI_Comm comm);
-void all_reduce_sum(double* x, int n, MPI_Comm comm);
-
 }  // namespace keel::parallel

@@ -40,7 +40,6 @@ class CpuBackend final : public TrainBackend {
       if (ctx.expert.size > 1 && is_expert_param(p.name)) replicated_end = std::min(replicated_end, p.offset);
     slice_.expert_parallel = ctx.expert.size;
     slice_.expert_rank = ctx.expert.rank;
-    ctx_ = ctx;
     if (ctx.data.size > 1) {
       dp_ = parallel::make_mpi_data_parallel_comm(ctx.data.comm);
       plan_ = plan_region(0, replicated_end, ctx.data.size);
@@ -249,7 +248,6 @@ class CpuBackend final : public TrainBackend {
   std::unique_ptr<parallel::DataParallelComm> expert_dp_;  // over expert_data, when it has several ranks
   parallel::Zero1Plan expert_plan_;                 // the expert region's shards over expert_data
   StateSlice slice_;                                // + its experts and their optimizer shard
-  ParallelContext ctx_;
 };
 
 }  // namespace
