@@ -12,7 +12,10 @@ estimated as step time(N) - step time(1) (the extra time a step takes with the c
 keel's ZeRO-1 step overlaps its collectives with compute by default (docs/parallel.md);
 --classic-gpus 2,4 also runs those GPU counts with KEEL_DP_OVERLAP=0 (the classic step: reduce-
 scatter after backward, all-gather after the update) and prints them as extra rows, for the
-before / after comparison in one run. KEEL_DP_* and NCCL_* variables reach every rank.
+before / after comparison in one run. --ep-gpus 2,4 also runs those GPU counts with expert
+parallelism over every GPU (parallel.expert = N: each GPU holds E / N experts, tokens travel by
+NCCL all-to-all; docs/parallel.md), as extra rows against the same 1-GPU base. KEEL_DP_* and
+NCCL_* variables reach every rank.
 
 The peer, in the same run for each N right after keel: the same model and step in PyTorch
 (eager) under torchrun with DistributedDataParallel (gradient all-reduce in buckets overlapped
@@ -32,11 +35,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_vs_torch import DIMS, keel_config, write_dataset  # noqa: E402
 
 
-def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900):
-    run_dir = os.path.join(out, f"dp{gpus}" + ("_classic" if classic else ""))
+def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, ep=1):
+    run_dir = os.path.join(out, f"dp{gpus}" + ("_classic" if classic else "") + (f"_ep{ep}" if ep > 1 else ""))
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "train.yaml")
-    open(path, "w").write(keel_config(d, prefix, run_dir, steps, grad_accum=gpus))
+    text = keel_config(d, prefix, run_dir, steps, grad_accum=gpus)
+    if ep > 1:
+        text += f"parallel:\n  expert: {ep}\n"
+    open(path, "w").write(text)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     if classic:
         env["KEEL_DP_OVERLAP"] = "0"
@@ -88,6 +94,7 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--run-timeout", type=int, default=900, help="seconds per keel run")
     ap.add_argument("--classic-gpus", default="", help="GPU counts to also run with the classic step (KEEL_DP_OVERLAP=0)")
+    ap.add_argument("--ep-gpus", default="", help="GPU counts to also run with expert parallelism over all of them")
     a = ap.parse_args()
     d = dict(DIMS, layers=a.layers)
     counts = [int(x) for x in a.gpus.split(",")]
@@ -97,13 +104,17 @@ def main():
     rng = np.random.default_rng(0)
     write_dataset(prefix, rng.integers(0, d["vocab"], size=rows_needed * (d["seq"] + 1), dtype=np.uint64), d["seq"])
     classic = [int(x) for x in a.classic_gpus.split(",") if x]
-    res, peer, res_classic = {}, {}, {}
+    ep_counts = [int(x) for x in a.ep_gpus.split(",") if x]
+    res, peer, res_classic, res_ep = {}, {}, {}, {}
     for n in counts:
         res[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout)
         print("keel", n, res[n], flush=True)
         if n in classic and n > 1:
             res_classic[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, classic=True, timeout=a.run_timeout)
             print("keel classic", n, res_classic[n], flush=True)
+        if n in ep_counts and n > 1:
+            res_ep[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout, ep=n)
+            print("keel ep", n, res_ep[n], flush=True)
         if not a.no_torch:
             peer[n] = run_torch(a.out, a.steps, a.warmup, n, a.layers)
             print("torch", n, peer[n], flush=True)
@@ -114,6 +125,7 @@ def main():
     base = res.get(1, {}).get("tokens_per_s")
     rows = [(n, "overlap" if n > 1 else "-", res[n]) for n in counts]
     rows += [(n, "classic", res_classic[n]) for n in counts if n in res_classic]
+    rows += [(n, f"ep={n}", res_ep[n]) for n in counts if n in res_ep]
     for n, kind, r in rows:
         if "error" in r:
             print(f"{n:>4} {kind:>8} {r['error']}")
@@ -136,7 +148,7 @@ def main():
             ratio = res[n]["tokens_per_s"] / t["tokens_per_s"] if "tokens_per_s" in res[n] else float("nan")
             print(f"{n:>4} {t['tokens_per_s']:>10.0f} {t['tokens_per_s'] / n:>10.0f} {eff:>6.3f} {t['memory_gib']:>8.1f} "
                   f"{ratio:>10.2f}")
-    json.dump({"keel": res, "keel_classic": res_classic, "torch": peer}, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
+    json.dump({"keel": res, "keel_classic": res_classic, "keel_ep": res_ep, "torch": peer}, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":

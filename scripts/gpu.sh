@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi peer memgemm train dp decode ckpt
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi peer memgemm train dp ep decode ckpt
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -97,6 +97,26 @@ for step in "${steps[@]}"; do
       timeout 900 python3 bench/train_dp_scaling.py --keel "$build/keel" --out "$out/dp" --gpus "$scaling" \
           ${KEEL_DP_ARGS:-} 2>&1 | tee "$out/dp_scaling.log" | tail -16
       grep -A9 -E '^== (keel train weak scaling|PyTorch DDP)' "$out/dp_scaling.log" >>"$summary" ;;
+    ep)
+      if [ "$gpus" -lt 2 ]; then note "ep: skipped (needs 2+ GPUs)"; continue; fi
+      # Expert parallelism on GPUs: the op and keel train against one GPU / pure data
+      # parallelism at 2 and all GPUs, then weak scaling with EP = every GPU beside pure data
+      # parallelism (KEEL_EP_TESTS=0 / KEEL_EP_BENCH=0 skip either half; KEEL_EP_ARGS go to the
+      # scaling script, e.g. --no-torch).
+      [ "${KEEL_EP_TESTS:-1}" = 0 ] || for n in $(printf '%s\n' 2 "$gpus" | sort -un); do
+        if timeout "${KEEL_EP_TEST_TIMEOUT:-300}" mpirun --allow-run-as-root -n "$n" --bind-to none -x NCCL_NVLS_ENABLE=0 "$build/tests/keel_mpi_tests" \
+            --gtest_filter='ExpertParallelCuda.*' >"$out/ep_test_$n.log" 2>&1; then
+          note "ep tests on $n GPUs: $(grep -c '  OK ' "$out/ep_test_$n.log") passed"
+          grep -E '^  [a-z0-9_]+: EP ' "$out/ep_test_$n.log" >>"$summary"
+        else
+          tail -40 "$out/ep_test_$n.log"; note "ep tests on $n GPUs: FAILED (see ep_test_$n.log)"
+        fi
+      done
+      [ "${KEEL_EP_BENCH:-1}" = 0 ] && continue
+      scaling=$(seq -s, 1 "$gpus" | tr ',' '\n' | awk '$1==1||$1==2||$1==4||$1==8' | paste -sd,)
+      timeout 900 python3 bench/train_dp_scaling.py --keel "$build/keel" --out "$out/ep" --gpus "$scaling" \
+          --ep-gpus "$scaling" ${KEEL_EP_ARGS:-} 2>&1 | tee "$out/ep_scaling.log" | tail -16
+      grep -A12 -E '^== (keel train weak scaling|PyTorch DDP)' "$out/ep_scaling.log" >>"$summary" ;;
     train)
       # keel train vs a PyTorch implementation of the same MoE and step (eager and torch.compile).
       timeout 900 python3 bench/train_vs_torch.py --keel "$build/keel" --out "$out/train" ${KEEL_TRAIN_ARGS:-} 2>&1 \

@@ -23,7 +23,7 @@
 // summation order of the weight gradients: fp32 rounding). Expert weight gradients are this
 // rank's tokens' share; the trainer reduces them over the ranks holding the same experts.
 //
-// The GPU path (NCCL all-to-all, permutation on the device) is not written yet.
+// The GPU path: expert_parallel_cuda.h.
 #pragma once
 
 #include <mpi.h>

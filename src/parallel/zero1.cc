@@ -51,4 +51,18 @@ Zero1Plan plan_zero1(const optim::ParamLayout& layout, int ranks) {
   return plan;
 }
 
+optim::ParamLayout region_layout(const optim::ParamLayout& layout, std::int64_t begin, std::int64_t end) {
+  optim::ParamLayout region;
+  for (auto p : layout.params)
+    if (p.offset >= begin && p.offset < end) p.offset -= begin, region.params.push_back(std::move(p));
+  region.total_floats = end - begin;
+  return region;
+}
+
+Zero1Plan plan_zero1_region(const optim::ParamLayout& layout, std::int64_t begin, std::int64_t end, int ranks) {
+  Zero1Plan plan = plan_zero1(region_layout(layout, begin, end), ranks);
+  for (auto& b : plan.bounds) b += begin;
+  return plan;
+}
+
 }  // namespace keel::parallel

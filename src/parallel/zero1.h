@@ -34,6 +34,15 @@ struct Zero1Plan {
 // Throws keel::Error when ranks < 1.
 Zero1Plan plan_zero1(const optim::ParamLayout& layout, int ranks);
 
+// The parameters of `layout` starting inside [begin, end), re-based to offset 0, with
+// total_floats = end - begin: a region of the flat buffer as a layout of its own.
+optim::ParamLayout region_layout(const optim::ParamLayout& layout, std::int64_t begin, std::int64_t end);
+
+// ZeRO-1 shards of the flat range [begin, end) over `ranks` (bounds in flat-buffer offsets,
+// from begin to end): expert parallelism shards its replicated region and its expert region
+// over different groups.
+Zero1Plan plan_zero1_region(const optim::ParamLayout& layout, std::int64_t begin, std::int64_t end, int ranks);
+
 // One Muon matrix (each matrix of a 3-D stack separately) inside [begin, end).
 struct MuonMatrixRef {
   int param = 0;            // index into layout.params

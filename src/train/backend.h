@@ -21,7 +21,7 @@
 // clip_and_step() clips by the global norm, updates the rank's shard (AdamW elementwise, Muon
 // on the whole matrices the shard holds) and the parameters return to every rank (an
 // all-gather; on GPUs, per-bucket broadcasts the next forward waits for). Optimizer state
-// exists only for the shard (optimizer_shard()), plus, with expert parallelism (CPU ranks),
+// exists only for the shard (optimizer_shard()), plus, with expert parallelism,
 // the rank's shard of its expert region (state_slice()).
 #pragma once
 

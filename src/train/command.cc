@@ -27,11 +27,6 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
   if (mpi.size() % cfg.parallel_expert != 0 || cfg.model.experts % cfg.parallel_expert != 0)
     throw UsageError(fmt::format("{}: parallel.expert ({}) must divide the number of ranks ({}) and of experts ({})",
                                  cfg.path, cfg.parallel_expert, mpi.size(), cfg.model.experts));
-  const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && cuda_training_available());
-  if (cfg.parallel_expert > 1 && cuda)
-    throw UsageError(fmt::format("{}: parallel.expert ({}) runs on CPU ranks only so far (device: cpu); the GPU "
-                                 "all-to-all is not written yet",
-                                 cfg.path, cfg.parallel_expert));
   ParallelContext ctx;
   ctx.data = {mpi.size(), mpi.rank(), mpi.size() > 1 ? MPI_COMM_WORLD : MPI_COMM_NULL};
   if (mpi.size() > 1 && cfg.device != "cpu") {

@@ -42,13 +42,13 @@ class CpuBackend final : public TrainBackend {
     slice_.expert_rank = ctx.expert.rank;
     if (ctx.data.size > 1) {
       dp_ = parallel::make_mpi_data_parallel_comm(ctx.data.comm);
-      plan_ = plan_region(0, replicated_end, ctx.data.size);
+      plan_ = parallel::plan_zero1_region(layout_, 0, replicated_end, ctx.data.size);
       shard_ = {plan_.begin(ctx.data.rank), plan_.end(ctx.data.rank)};
     } else {
       shard_ = {0, total};
     }
     if (replicated_end < total) {
-      expert_plan_ = plan_region(replicated_end, total, ctx.expert_data.size);
+      expert_plan_ = parallel::plan_zero1_region(layout_, replicated_end, total, ctx.expert_data.size);
       if (ctx.expert_data.size > 1) expert_dp_ = parallel::make_mpi_data_parallel_comm(ctx.expert_data.comm);
       slice_.expert_begin = expert_plan_.begin(ctx.expert_data.rank);
       slice_.expert_end = expert_plan_.end(ctx.expert_data.rank);
@@ -196,7 +196,7 @@ class CpuBackend final : public TrainBackend {
     if (!std::isfinite(norm)) {
       std::string bad;  // the first parameter of this rank's shards holding one, if any
       for (const auto& p : layout_.params) {
-        for (const auto [rb, re] : {std::pair{b, e}, std::pair{xb, xe}}) {
+        for (const auto& [rb, re] : {std::pair{b, e}, std::pair{xb, xe}}) {
           const std::int64_t lo = std::max(p.offset, rb), hi = std::min(p.offset + p.numel, re);
           if (lo < hi && !std::isfinite(optim::sum_squares(grads + lo, hi - lo))) bad = p.name;
         }
@@ -220,18 +220,6 @@ class CpuBackend final : public TrainBackend {
     dp_->all_gather(params, plan_.bounds);
     if (expert_dp_) expert_dp_->all_gather(params, expert_plan_.bounds);
     return {norm, coef};
-  }
-
-  // ZeRO-1 shards of the flat range [begin, end) over `ranks` (its parameters only; bounds in
-  // flat-buffer offsets).
-  parallel::Zero1Plan plan_region(std::int64_t begin, std::int64_t end, int ranks) const {
-    optim::ParamLayout region;
-    for (auto p : layout_.params)
-      if (p.offset >= begin && p.offset < end) p.offset -= begin, region.params.push_back(std::move(p));
-    region.total_floats = end - begin;
-    parallel::Zero1Plan plan = parallel::plan_zero1(region, ranks);
-    for (auto& b : plan.bounds) b += begin;
-    return plan;
   }
 
   MoeTransformer model_;

@@ -37,6 +37,12 @@
 // update of the rank's own shard runs beside it. KEEL_DP_OVERLAP=0 selects the classic step
 // (reduce-scatter after backward, all-gather after the update); the other switches are in
 // parallel/zero1_buckets.h.
+//
+// Expert parallelism (parallel.expert, parallel/expert_parallel_cuda.h): each MoE layer's
+// experts run through a CudaExpertParallelMoe (NCCL send/recv of token rows over the expert
+// group); this rank's experts sit after the replicated parameters, the buckets and stages above
+// cover the replicated region only, and the expert region is ZeRO-1 over the expert-data group
+// (see setup_expert_parallel).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -71,6 +77,7 @@
 #include "ops/rope.h"
 #include "optim/clip.h"
 #include "parallel/data_parallel_comm.h"
+#include "parallel/expert_parallel_cuda.h"
 #include "parallel/nccl_group.h"
 #include "parallel/zero1.h"
 #include "parallel/zero1_buckets.h"
@@ -215,7 +222,10 @@ class CudaBackend final : public TrainBackend {
               const ParallelContext& ctx)
       : cfg_(cfg), opt_(options), adam_(optimizer.adamw), muon_(optimizer.muon.config), param_arena_("parameters"),
         grad_arena_("gradients"), state_arena_("optimizer states"), act_arena_("activations") {
-    ctx.require_data_parallel_only("keel train (cuda)");
+    if (ctx.tensor.size != 1 || ctx.sequence.size != 1)
+      throw UsageError(fmt::format("keel train (cuda): only data and expert parallelism are implemented so far (tensor "
+                                   "{}, sequence {})",
+                                   ctx.tensor.size, ctx.sequence.size));
     validate(optimizer.muon);
     validate_trainable(cfg_, opt_);
     if (visible_cuda_devices() == 0) throw UsageError("device: cuda: no CUDA device is visible");
@@ -233,18 +243,35 @@ class CudaBackend final : public TrainBackend {
     ce_keep_logits_ = static_cast<double>(tokens()) * cfg_.vocab_size * 2 <= prop.totalGlobalMem / 8.0;
     gemm_ = std::make_unique<k::GemmRunner>();
 
-    layout_ = model_param_layout(cfg_);
+    // With expert parallelism this rank's experts come last (E / ep per MoE layer).
+    layout_ = model_param_layout(cfg_, ctx.expert.size);
     // Muon: the same offsets, the matrices regrouped (param_rules.h)
     if (optimizer.muon.enabled) layout_ = regroup_layout(layout_, train_group_rules(optimizer.muon));
     const std::size_t muon_ws_bytes = k::muon::workspace_bytes(layout_);
     // ZeRO-1 over the data-parallel ranks (parallel/zero1.h): optimizer state for this rank's
-    // shard only; the collectives are set up below (setup_data_parallel).
+    // shard only; the collectives are set up below (setup_data_parallel). With expert
+    // parallelism the replicated region (everything before the experts) is sharded over the
+    // data group and the expert region over the expert-data group, as on CPU ranks.
+    const std::int64_t total = layout_.total_floats;
+    replicated_end_ = total;
+    for (const auto& p : layout_.params)
+      if (ctx.expert.size > 1 && is_expert_param(p.name)) replicated_end_ = std::min(replicated_end_, p.offset);
+    slice_.expert_parallel = ctx.expert.size;
+    slice_.expert_rank = ctx.expert.rank;
     if (ctx.data.size > 1) {
-      plan_ = parallel::plan_zero1(layout_, ctx.data.size);
+      plan_ = parallel::plan_zero1_region(layout_, 0, replicated_end_, ctx.data.size);
       shard_ = {plan_.begin(ctx.data.rank), plan_.end(ctx.data.rank)};
     } else {
-      shard_ = {0, layout_.total_floats};
+      shard_ = {0, total};
     }
+    if (replicated_end_ < total) {
+      expert_plan_ = parallel::plan_zero1_region(layout_, replicated_end_, total, ctx.expert_data.size);
+      slice_.expert_begin = expert_plan_.begin(ctx.expert_data.rank);
+      slice_.expert_end = expert_plan_.end(ctx.expert_data.rank);
+      expert_data_rank_ = ctx.expert_data.rank;
+    }
+    slice_.shard_begin = shard_.first;
+    slice_.shard_end = shard_.second;
     for (int l = 0; l < cfg_.layers; ++l) {
       moe_index_of_layer_.push_back(model::is_moe_layer(cfg_, l) ? static_cast<int>(moe_layer_ids_.size()) : -1);
       if (model::is_moe_layer(cfg_, l)) moe_layer_ids_.push_back(l);
@@ -274,12 +301,13 @@ class CudaBackend final : public TrainBackend {
     bias_ = initial_router_biases(cfg_);  // as the CPU model
     map_weights();
     if (ctx.data.size > 1) setup_data_parallel(ctx);
+    if (ctx.expert.size > 1) setup_expert_parallel(ctx);
 
     // parameters, gradients, states: the flat layout of the CPU model, so checkpoints move freely
     const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
     // the collectives' buffers may need a padded tail (equal NCCL chunks)
     const std::size_t n_comm = dp_ ? static_cast<std::size_t>(dp_->buffer_floats(layout_.total_floats)) : n;
-    const std::size_t n_shard = std::max<std::size_t>(1, static_cast<std::size_t>(shard_.second - shard_.first));
+    const std::size_t n_shard = std::max<std::size_t>(1, static_cast<std::size_t>(slice_.moments()));
     for (int pass = 0; pass < 2; ++pass) {
       params_ = param_arena_.take<float>(n_comm);
       params_bf16_ = param_arena_.take<bf16>(n);
@@ -307,7 +335,7 @@ class CudaBackend final : public TrainBackend {
     KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
 
     std::vector<float> init(n);
-    init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, init.data());
+    init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, init.data(), slice_.expert_rank);
     upload_params(init);
   }
 
@@ -331,9 +359,10 @@ class CudaBackend final : public TrainBackend {
 
   std::string device() const override { return device_name_; }
   const optim::ParamLayout& layout() const override { return layout_; }
-  std::int64_t param_count() const override {
+  std::int64_t param_count() const override {  // the whole model's: an expert-parallel rank holds E / ep experts
     std::int64_t c = 0;
-    for (const auto& p : layout_.params) c += p.numel;
+    for (const auto& p : layout_.params)
+      c += p.numel * (slice_.expert_parallel > 1 && is_expert_param(p.name) ? slice_.expert_parallel : 1);
     return c;
   }
   int moe_layer_count() const override { return static_cast<int>(moe_layer_ids_.size()); }
@@ -341,7 +370,9 @@ class CudaBackend final : public TrainBackend {
     return model_flops_per_micro_batch(cfg_, opt_.micro_batch, opt_.seq_length);
   }
   std::size_t memory_bytes() const override {
-    return param_arena_.capacity() + grad_arena_.capacity() + state_arena_.capacity() + act_arena_.capacity();
+    std::size_t ep = ep_group_ ? ep_group_->device_bytes() : 0;
+    for (const auto& l : ep_layers_) ep += l->device_bytes();
+    return param_arena_.capacity() + grad_arena_.capacity() + state_arena_.capacity() + act_arena_.capacity() + ep;
   }
 
   void zero_grads() override {
@@ -455,6 +486,11 @@ class CudaBackend final : public TrainBackend {
       }
     }
     if (prof_) prof_->mark(Profile::kBwdEnd, stream_);
+    // the expert region's gradients are final: to their shards' owners over the expert-data group
+    if (launching_ && xnccl_) {
+      signal_comm();
+      reduce_experts(comm_stream_);
+    }
     if (defer) {
       gather_embedding_gradients();
     } else {
@@ -504,6 +540,7 @@ class CudaBackend final : public TrainBackend {
     for (auto& l : load_) std::fill(l.begin(), l.end(), 0);
   }
   std::pair<std::int64_t, std::int64_t> optimizer_shard() const override { return shard_; }
+  StateSlice state_slice() const override { return slice_; }
   void update_router_bias() override {
     if (opt_.bias_update_rate != 0.0) {
       update_balancing_bias(load_, opt_.bias_update_rate, bias_);
@@ -525,9 +562,13 @@ class CudaBackend final : public TrainBackend {
     TrainState s;
     const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
     s.params.resize(n);
-    const std::size_t k = static_cast<std::size_t>(shard_.second - shard_.first);
+    const std::size_t k = static_cast<std::size_t>(slice_.moments());
     s.shard_begin = shard_.first;
     s.shard_end = shard_.second;
+    s.expert_parallel = slice_.expert_parallel;
+    s.expert_rank = slice_.expert_rank;
+    s.expert_begin = slice_.expert_begin;
+    s.expert_end = slice_.expert_end;
     s.adam_m.resize(k);
     s.adam_v.resize(k);
     join_comm();
@@ -554,8 +595,7 @@ class CudaBackend final : public TrainBackend {
     v.params = params_;
     v.adam_m = adam_m_;
     v.adam_v = adam_v_;
-    v.slice.shard_begin = shard_.first;
-    v.slice.shard_end = shard_.second;
+    v.slice = slice_;
     v.on_device = true;
     v.router_bias = bias_;
     v.adamw_step = adam_.step_count();
@@ -564,16 +604,24 @@ class CudaBackend final : public TrainBackend {
 
   void set_state(const TrainState& s) override {
     const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
-    const std::size_t k = static_cast<std::size_t>(shard_.second - shard_.first);
+    const std::size_t k = static_cast<std::size_t>(slice_.moments());
     if (s.params.size() != n) fail("train state holds {} parameter floats, this model has {}", s.params.size(), n);
     if (s.shard_begin != shard_.first || s.shard_end != shard_.second || s.adam_m.size() != k || s.adam_v.size() != k)
       fail("train state holds the optimizer shard [{}, {}) ({} floats), this rank's is [{}, {})", s.shard_begin,
            s.shard_end, s.adam_m.size(), shard_.first, shard_.second);
+    if (s.expert_parallel != slice_.expert_parallel || s.expert_rank != slice_.expert_rank ||
+        s.expert_begin != slice_.expert_begin || s.expert_end != slice_.expert_end)
+      fail("train state holds the experts of expert-parallel rank {} of {}, this rank holds those of rank {} of {}",
+           s.expert_rank, s.expert_parallel, slice_.expert_rank, slice_.expert_parallel);
     if (s.router_bias.size() != bias_.size())
       fail("train state holds {} router biases, this model has {} MoE layers", s.router_bias.size(), bias_.size());
     for (std::size_t i = 0; i < bias_.size(); ++i)
       if (s.router_bias[i].size() != bias_[i].size()) fail("router bias {} size differs", i);
     check_state_matches_optimizers(layout_, s.adam_m.data(), s.adam_v.data(), shard_.first, shard_.second);
+    const std::int64_t sk = shard_.second - shard_.first;
+    if (slice_.expert_end > slice_.expert_begin)
+      check_state_matches_optimizers(layout_, s.adam_m.data() + sk, s.adam_v.data() + sk, slice_.expert_begin,
+                                     slice_.expert_end);
     join_comm();  // pending broadcasts write the parameters
     upload_params(s.params);
     masters_stale_ = false;
@@ -633,18 +681,86 @@ class CudaBackend final : public TrainBackend {
   // Muon on the whole matrices inside [begin, end) of this rank's shard, consecutive ones of a
   // stack in one batched call (momentum at shard-local offsets).
   void muon_step_range(std::int64_t begin, std::int64_t end, double lr, k::GemmRunner& gemm, cudaStream_t stream) {
-    const std::int64_t b = shard_.first;
     const auto mats = parallel::muon_matrices_in(layout_, begin, end);
     for (std::size_t i = 0; i < mats.size();) {
       std::size_t j = i + 1;
       while (j < mats.size() && mats[j].param == mats[i].param) ++j;
       const auto& p = layout_.params[static_cast<std::size_t>(mats[i].param)];
       const std::int64_t o = mats[i].offset;
-      k::muon::matrix_step(params_ + o, grads_ + o, adam_m_ + (o - b), params_bf16_ + o, static_cast<std::int64_t>(j - i),
+      k::muon::matrix_step(params_ + o, grads_ + o, adam_m_ + moment_index(o), params_bf16_ + o, static_cast<std::int64_t>(j - i),
                            p.rows(), p.cols(), muon_.config(), lr * p.lr_scale, p.weight_decay, 1.0f, coef_, muon_ws_,
                            gemm, stream);
       i = j;
     }
+  }
+
+  // Where the moments of flat offset o sit in adam_m_ / adam_v_: the replicated shard's first,
+  // then (expert parallelism) the expert shard's.
+  std::int64_t moment_index(std::int64_t o) const {
+    if (o >= replicated_end_ && slice_.expert_end > slice_.expert_begin)
+      return (shard_.second - shard_.first) + (o - slice_.expert_begin);
+    return o - shard_.first;
+  }
+
+  // ---- expert parallelism (parallel/expert_parallel_cuda.h) ----
+  //
+  // The MoE layers run their experts through one CudaExpertParallelMoe each (NCCL send/recv
+  // over the expert group). The expert region of the flat buffer (this rank's E / ep experts of
+  // every MoE layer, after the replicated parameters) is ZeRO-1 sharded over the expert-data
+  // group: its gradients are reduced to the shard owners at the end of the last backward, the
+  // owners update their shard on the optimizer stream, and broadcast it (fp32) before the
+  // first MoE layer's stage arrives. With ep = ranks the expert-data group is one rank: no
+  // expert collectives at all.
+  void setup_expert_parallel(const ParallelContext& ctx) {
+    if (!overlap_)
+      throw UsageError("keel train (cuda): expert parallelism needs the overlapped ZeRO-1 step (KEEL_DP_OVERLAP=0 "
+                       "and layouts whose stages are not in offset order are not supported)");
+    ep_group_ = std::make_shared<parallel::CudaExpertParallelGroup>(ctx.expert.comm, cfg_.experts);
+    for (std::size_t m = 0; m < moe_layer_ids_.size(); ++m)
+      ep_layers_.push_back(std::make_unique<parallel::CudaExpertParallelMoe>(ep_group_));
+    if (ctx.expert_data.size > 1) xnccl_ = parallel::make_nccl_group(ctx.expert_data.comm);
+    expert_stage_ = moe_layer_ids_.empty() ? -1 : 2 + 2 * moe_layer_ids_.front();
+  }
+  k::moe::ExpertRunner* expert_runner(int m) const {
+    return ep_layers_.empty() ? nullptr : ep_layers_[static_cast<std::size_t>(m)].get();
+  }
+  // The expert region's gradients summed into each shard's owner (expert-data group).
+  void reduce_experts(cudaStream_t stream) {
+    if (!xnccl_) return;
+    xnccl_->group_start();
+    for (int r = 0; r < expert_plan_.ranks(); ++r)
+      if (expert_plan_.count(r) > 0)
+        xnccl_->reduce_sum(grads_ + expert_plan_.begin(r), expert_plan_.count(r), parallel::NcclType::kFloat32, r, stream);
+    xnccl_->group_end();
+    reduces_in_flight_ = true;
+  }
+  // AdamW and Muon on this rank's expert shard (its moments follow the replicated shard's).
+  void update_experts(double lr, k::GemmRunner& gemm, cudaStream_t stream) {
+    const std::int64_t xb = slice_.expert_begin, xe = slice_.expert_end, sk = shard_.second - shard_.first;
+    if (xe <= xb) return;
+    k::adamw::DeviceFlatRange r;
+    r.begin = xb;
+    r.end = xe;
+    r.param = params_ + xb;
+    r.grad = grads_ + xb;
+    r.m = adam_m_ + sk;
+    r.v = adam_v_ + sk;
+    r.param_bf16 = params_bf16_ + xb;
+    adam_.step(layout_, r, lr, 1.0f, coef_, stream);  // skips Muon parameters
+    muon_step_range(xb, xe, lr, gemm, stream);
+  }
+  // Every expert shard from its owner (fp32), and the bf16 copy of what arrived.
+  void broadcast_experts(cudaStream_t stream) {
+    if (!xnccl_) return;
+    xnccl_->group_start();
+    for (int r = 0; r < expert_plan_.ranks(); ++r)
+      if (expert_plan_.count(r) > 0)
+        xnccl_->broadcast(params_ + expert_plan_.begin(r), expert_plan_.count(r), parallel::NcclType::kFloat32, r, stream);
+    xnccl_->group_end();
+    for (int r = 0; r < expert_plan_.ranks(); ++r)
+      if (r != expert_data_rank_ && expert_plan_.count(r) > 0)
+        k::f32_to_bf16(params_ + expert_plan_.begin(r), params_bf16_ + expert_plan_.begin(r), expert_plan_.count(r),
+                       stream);
   }
 
   // ---- overlapped ZeRO-1 (docs/parallel.md) ----
@@ -658,10 +774,11 @@ class CudaBackend final : public TrainBackend {
   // stages by offset (then the step does not overlap).
   bool compute_stage_bounds(std::vector<std::int64_t>& bounds) const {
     std::vector<std::pair<std::int64_t, int>> at;  // (offset, stage)
-    std::int64_t first_layer = layout_.total_floats;
+    std::int64_t first_layer = replicated_end_;
     for (const auto& p : layout_.params)
-      if (p.name.starts_with("layers.")) first_layer = std::min(first_layer, p.offset);
+      if (p.name.starts_with("layers.") && p.offset < replicated_end_) first_layer = std::min(first_layer, p.offset);
     for (const auto& p : layout_.params) {
+      if (p.offset >= replicated_end_) continue;  // the expert region: not in a stage (setup_expert_parallel)
       int stage;
       if (p.name.starts_with("layers.")) {
         const auto dot = p.name.find('.', 7);
@@ -678,7 +795,7 @@ class CudaBackend final : public TrainBackend {
     for (std::size_t i = 1; i < at.size(); ++i)
       if (at[i].second < at[i - 1].second) return false;
     const int S = stage_count();
-    bounds.assign(static_cast<std::size_t>(S) + 1, layout_.total_floats);
+    bounds.assign(static_cast<std::size_t>(S) + 1, replicated_end_);
     bounds[0] = 0;
     for (int s = 1; s < S; ++s)
       for (const auto& [offset, stage] : at)
@@ -721,7 +838,8 @@ class CudaBackend final : public TrainBackend {
     }
     stage_bounds_ = std::move(stages);
     group_reduces_ = o.group_reduces;
-    buckets_ = parallel::plan_zero1_buckets(layout_, plan_, stage_bounds_, o.bucket_floats());
+    buckets_ = parallel::plan_zero1_buckets(parallel::region_layout(layout_, 0, replicated_end_), plan_, stage_bounds_,
+                                            o.bucket_floats());
     const int S = stage_count();
     stage_first_bucket_.assign(static_cast<std::size_t>(S) + 1, static_cast<int>(buckets_.size()));
     for (int i = static_cast<int>(buckets_.size()) - 1; i >= 0; --i)
@@ -924,11 +1042,15 @@ class CudaBackend final : public TrainBackend {
     if (!reduces_launched_) {
       signal_comm();
       for (int s = stage_count() - 1; s >= 0; --s) reduce_stage(s);
+      reduce_experts(comm_stream_);
     }
     reduces_launched_ = false;
     join_comm();
     if (prof_) prof_->mark(Profile::kJoined, stream_);
     k::grad_norm::sum_squares(grads_ + b, e - b, norm_ws_, sum_sq_, /*accumulate=*/false, stream_);
+    if (slice_.expert_end > slice_.expert_begin)  // each expert element is in one rank's shard: one sum over all ranks
+      k::grad_norm::sum_squares(grads_ + slice_.expert_begin, slice_.expert_end - slice_.expert_begin, norm_ws_,
+                                sum_sq_, /*accumulate=*/true, stream_);
     signal_comm();
     nccl_->all_reduce_sum(sum_sq_, 1, parallel::NcclType::kFloat64, comm_stream_);
     join_comm();
@@ -948,6 +1070,13 @@ class CudaBackend final : public TrainBackend {
     const std::int64_t t0 = adam_.step_count();
     if (prof_) prof_->mark(Profile::kBc0, comm_stream_);
     for (int s = 0; s < stage_count(); ++s) {
+      if (s == expert_stage_) {  // the expert region, before the first MoE layer's stage arrives
+        adam_.set_step_count(t0);
+        update_experts(lr, og, os);
+        KEEL_CUDA_CHECK(cudaEventRecord(ev_bucket, os));
+        KEEL_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_bucket, 0));
+        broadcast_experts(comm_stream_);
+      }
       for (int i = stage_first_bucket_[static_cast<std::size_t>(s)]; i < stage_first_bucket_[static_cast<std::size_t>(s) + 1]; ++i) {
         const auto& B = buckets_[static_cast<std::size_t>(i)];
         if (B.owner == dp_rank_) {
@@ -1099,6 +1228,7 @@ class CudaBackend final : public TrainBackend {
     const std::int64_t FD = std::max(cfg_.ffn_hidden, 1), S = N * K, R = std::max(cfg_.router_hidden, 1);
     const bool any_moe = !moe_layer_ids_.empty(), any_dense = moe_layer_ids_.size() < std::size_t(cfg_.layers);
     const bool zaya_moe = any_moe && mlp_router_;
+    const bool ep = slice_.expert_parallel > 1;
     DeviceArena& A = act_arena_;
     resid_.clear();
     for (int l = 0; l <= cfg_.layers; ++l) resid_.push_back(A.take<float>(N * D));
@@ -1164,9 +1294,11 @@ class CudaBackend final : public TrainBackend {
       }
       if (moe) {
         a.saved.xs = A.take<bf16>(S * D);
-        a.saved.h_gate = A.take<bf16>(S * FE);
-        a.saved.h_up = A.take<bf16>(S * FE);
-        a.saved.act = A.take<bf16>(S * FE);
+        if (!ep) {  // with expert parallelism the experts' rows live at their rank (expert_parallel_cuda.h)
+          a.saved.h_gate = A.take<bf16>(S * FE);
+          a.saved.h_up = A.take<bf16>(S * FE);
+          a.saved.act = A.take<bf16>(S * FE);
+        }
         a.saved.ys = A.take<bf16>(S * D);
         a.zmoe.experts = a.saved;
       }
@@ -1193,7 +1325,7 @@ class CudaBackend final : public TrainBackend {
       dlogits_ = A.take<float>(N * E);
       dlogits_bf_ = A.take<bf16>(N * E);
     }
-    if (any_moe)
+    if (any_moe && !ep)
       moe_scratch_ = A.take<std::byte>(static_cast<std::size_t>(k::moe::backward_scratch_bytes(S, D, FE)));
     if (zaya_moe) {
       zs_.xk = A.take<bf16>(N * D);
@@ -1308,7 +1440,7 @@ class CudaBackend final : public TrainBackend {
       a.zmoe.router.state = eda_state_[static_cast<std::size_t>(m)];
       const float* prev = m > 0 ? eda_state_[static_cast<std::size_t>(m - 1)] : nullptr;
       cuda_zaya::moe_forward(*gemm_, zshape_, zaya_weights(W), a.h2, prev, bias_dev_ + std::int64_t(m) * classes_,
-                             a.zmoe, zs_, y, stream_);
+                             a.zmoe, zs_, y, stream_, expert_runner(m));
       if (count_load) {
         for (int e = 0; e < E; ++e) counts[e] = a.zmoe.nk > 0 ? static_cast<std::int32_t>(a.zmoe.plan.count(e)) : 0;
         if (zshape_.skip) counts[E] = static_cast<std::int32_t>(N - a.zmoe.nk);
@@ -1325,7 +1457,8 @@ class CudaBackend final : public TrainBackend {
       if (opt_.recompute == Recompute::kFull) host_losses_[static_cast<std::size_t>(m)] = k::router::read_losses(a.losses, stream_);
     }
     k::moe::Weights mw{w16 + W.w_gate, w16 + W.w_up, w16 + W.w_down};
-    k::moe::forward(a.plan, a.h2, a.gates, mw, D, F, a.saved, y, stream_);
+    if (k::moe::ExpertRunner* ep = expert_runner(m)) ep->forward(a.plan, a.h2, a.gates, mw, D, F, a.saved, y, stream_);
+    else k::moe::forward(a.plan, a.h2, a.gates, mw, D, F, a.saved, y, stream_);
   }
 
   // Plain pre-norm layer: x_mid = x_in + attn(n1(x_in)); x_out = x_mid + mlp(n2(x_mid)).
@@ -1421,14 +1554,17 @@ class CudaBackend final : public TrainBackend {
       const float* dnext = m + 1 < nmoe ? deda_[(m + 1) % 2] : nullptr;
       float* dprev = m > 0 ? deda_[m % 2] : nullptr;
       cuda_zaya::moe_backward(*gemm_, zshape_, zaya_weights(W), zaya_grads(W), a.h2, prev, a.zmoe, zs_, dy, dnext,
-                              dh_f32_, dprev, stream_);
+                              dh_f32_, dprev, stream_, expert_runner(m));
       return;
     }
     const int E = cfg_.experts;
     const std::int64_t F = cfg_.expert_hidden;
     k::moe::Weights mw{w16 + W.w_gate, w16 + W.w_up, w16 + W.w_down};
     k::moe::Grads mg{G + W.w_gate, G + W.w_up, G + W.w_down};
-    k::moe::backward(a.plan, a.gates, mw, D, F, a.saved, dy, moe_scratch_, dh_bf_, dgates_, mg, stream_);
+    if (k::moe::ExpertRunner* ep = expert_runner(m))
+      ep->backward(a.plan, a.gates, mw, D, F, a.saved, dy, moe_scratch_, dh_bf_, dgates_, mg, stream_);
+    else
+      k::moe::backward(a.plan, a.gates, mw, D, F, a.saved, dy, moe_scratch_, dh_bf_, dgates_, mg, stream_);
     k::router::Options ro{cfg_.top_k, opt_.renormalize_gates};
     k::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, N, E, ro, dgates_,
                         static_cast<float>(opt_.aux_loss_weight * cur_scale_),
@@ -1551,6 +1687,15 @@ class CudaBackend final : public TrainBackend {
   mutable int awaited_stage_ = INT_MAX;                 // forward waits for stages above this
   std::unique_ptr<Profile> prof_;                       // KEEL_DP_PROFILE=1
   std::pair<std::int64_t, std::int64_t> shard_;     // this rank's optimizer shard
+  // expert parallelism: the replicated region is [0, replicated_end_) (all of it without)
+  std::int64_t replicated_end_ = 0;
+  StateSlice slice_;                                // shard_ + this rank's experts and their shard
+  parallel::Zero1Plan expert_plan_;                 // the expert region's shards over expert_data
+  int expert_data_rank_ = 0;
+  int expert_stage_ = -1;                           // the stage the expert region's update precedes
+  std::unique_ptr<parallel::NcclGroup> xnccl_;      // over expert_data, when it has several ranks
+  std::shared_ptr<parallel::CudaExpertParallelGroup> ep_group_;
+  std::vector<std::unique_ptr<parallel::CudaExpertParallelMoe>> ep_layers_;  // per MoE layer
   DeviceArena param_arena_, grad_arena_, state_arena_, act_arena_;
   int device_ = 0;
   std::string device_name_;

@@ -8,7 +8,8 @@ namespace keel::train::cuda_zaya {
 namespace k = ops::cuda;
 
 void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf16* x, const float* prev_state,
-                 const float* bias, Acts& a, const Scratch& sc, float* y, cudaStream_t stream) {
+                 const float* bias, Acts& a, const Scratch& sc, float* y, cudaStream_t stream,
+                 k::moe::ExpertRunner* experts) {
   const std::int64_t N = s.tokens, D = s.hidden;
   k::zaya_router::forward(gemm, s.router_dims(), x, prev_state, w.router, bias, a.router, stream);
   cuda::pack_routed(a.router.idx, N, s.experts, a.kept, a.kept_idx, a.pos, a.count, stream);
@@ -19,11 +20,13 @@ void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf
     KEEL_CUDA_CHECK(cudaStreamSynchronize(stream));
     a.nk = nk;
   }
-  if (a.nk > 0) {
+  // With expert parallelism every rank takes part, with no routed tokens too.
+  if (a.nk > 0 || (experts && experts->collective())) {
     a.plan = k::moe::make_plan(a.kept_idx, a.nk, 1, s.experts, a.plan_ws, stream);
     cuda::gather_rows(x, a.kept, a.nk, D, sc.xk, stream);
     cuda::gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
-    k::moe::forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
+    if (experts) experts->forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
+    else k::moe::forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
   }
   // Expert rows from the packed output, 0 on skipped rows; then the skip path adds gate * x there.
   cuda::unpack_rows(sc.yk, a.pos, N, D, y, stream);
@@ -32,13 +35,17 @@ void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf
 
 void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const Grads& g, const bf16* x,
                   const float* prev_state, Acts& a, const Scratch& sc, const float* dy, const float* dstate_next,
-                  float* dx, float* dprev_state, cudaStream_t stream) {
+                  float* dx, float* dprev_state, cudaStream_t stream, k::moe::ExpertRunner* experts) {
   const std::int64_t N = s.tokens, D = s.hidden;
-  if (a.nk > 0) {
+  if (a.nk > 0 || (experts && experts->collective())) {
     cuda::gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
     cuda::gather_rows(dy, a.kept, a.nk, D, sc.dyk, stream);
-    k::moe::backward(a.plan, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.dyk, sc.experts, sc.dxk, sc.dgk,
-                     g.experts, stream);
+    if (experts)
+      experts->backward(a.plan, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.dyk, sc.experts, sc.dxk, sc.dgk,
+                        g.experts, stream);
+    else
+      k::moe::backward(a.plan, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.dyk, sc.experts, sc.dxk, sc.dgk,
+                       g.experts, stream);
   }
   // dx: the experts' dx on routed rows, gate * dy on skipped rows (fp32). dL/d gate: the
   // experts' on routed rows, dy . x on skipped rows (skip_add_backward adds it onto the 0s).

@@ -74,13 +74,18 @@ struct Scratch {
 
 // x [N, D] bf16; prev_state [N, R] or null (first MoE stage); bias [classes] (device, selection
 // only); y [N, D] fp32 overwritten. a.router.state must point at this stage's EDA buffer.
+// experts: where the experts run (null: all on this GPU, moe::forward; with expert parallelism
+// w.experts holds this rank's experts and the runner moves the rows, parallel/
+// expert_parallel_cuda.h).
 void moe_forward(ops::cuda::GemmRunner& gemm, const Shape& s, const Weights& w, const bf16* x, const float* prev_state,
-                 const float* bias, Acts& a, const Scratch& sc, float* y, cudaStream_t stream);
+                 const float* bias, Acts& a, const Scratch& sc, float* y, cudaStream_t stream,
+                 ops::cuda::moe::ExpertRunner* experts = nullptr);
 
 // dy [N, D] fp32; dstate_next [N, R] or null (dL/d state from the next stage's EDA); dx [N, D]
 // fp32 and dprev_state [N, R] (null on the first stage) overwritten; g accumulated.
 void moe_backward(ops::cuda::GemmRunner& gemm, const Shape& s, const Weights& w, const Grads& g, const bf16* x,
                   const float* prev_state, Acts& a, const Scratch& sc, const float* dy, const float* dstate_next,
-                  float* dx, float* dprev_state, cudaStream_t stream);
+                  float* dx, float* dprev_state, cudaStream_t stream,
+                  ops::cuda::moe::ExpertRunner* experts = nullptr);
 
 }  // namespace keel::train::cuda_zaya

@@ -1,7 +1,10 @@
 #include "train/parallel_context.h"
 
+#include <fmt/format.h>
+
 #include <utility>
 
+#include "common/error.h"
 #include "common/mpi_session.h"
 
 namespace keel::train {

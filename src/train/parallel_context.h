@@ -3,8 +3,9 @@
 // signatures do not change as the groups grow past one rank. Each group carries its size, this
 // process's rank in it and its MPI communicator (owned elsewhere; MPI_COMM_NULL: a group of
 // this process alone). GPU backends build their NCCL communicators from these.
-// Implemented so far: data parallelism with ZeRO-1 (parallel/zero1.h) and, on CPU ranks, expert
-// parallelism (parallel/expert_parallel.h); tensor and sequence groups are 1.
+// Implemented so far: data parallelism with ZeRO-1 (parallel/zero1.h) and expert parallelism
+// (parallel/expert_parallel.h on CPU ranks, expert_parallel_cuda.h on GPUs); tensor and
+// sequence groups are 1.
 //
 // Expert parallelism divides the data-parallel group: every rank trains on its own slice of the
 // batch (`data` is every rank), `expert` is the group of ep consecutive ranks that together
@@ -12,12 +13,9 @@
 // data.size / ep ranks that hold the same experts (their expert gradients reduce over it).
 #pragma once
 
-#include <fmt/format.h>
 #include <mpi.h>
 
 #include <memory>
-
-#include "common/error.h"
 
 namespace keel::train {
 
@@ -33,13 +31,6 @@ struct ParallelContext {
 
   static ParallelContext single() { return {}; }
   int world_size() const { return data.size * tensor.size * sequence.size; }
-  // Throws keel::UsageError unless the expert, tensor and sequence groups have one rank (data
-  // parallelism is the only scheme implemented so far).
-  void require_data_parallel_only(const char* who) const {
-    if (expert.size != 1 || tensor.size != 1 || sequence.size != 1)
-      throw UsageError(fmt::format("{}: only data parallelism is implemented so far (expert {}, tensor {}, sequence {})",
-                                   who, expert.size, tensor.size, sequence.size));
-  }
 };
 
 // `ctx` (its data group: every rank) with expert parallelism of degree `ep`: the expert groups

@@ -55,8 +55,6 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
   bool cuda = cfg_.device == "cuda";
   if (cfg_.device == "auto") cuda = cuda_training_available();
   const OptimizerConfig optimizer(cfg_.adamw, cfg_.muon);
-  if (cuda && ctx_.expert.size > 1)
-    throw UsageError(fmt::format("{}: expert parallelism runs on CPU ranks only so far (device: cpu)", cfg_.path));
   backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, optimizer, ctx_)
                   : make_cpu_backend(cfg_.model, cfg_.model_options, optimizer, ctx_);
   // CPUs: about 2 cores of fp32 FMA, the CI machine's; set mfu_peak_flops for a real figure.

@@ -59,9 +59,6 @@ set_tests_properties(cli_train_ep_clean PROPERTIES FIXTURES_SETUP train_ep_clean
 set_tests_properties(cli_train_ep2_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_ep_clean" FIXTURES_SETUP train_ep)
 set_tests_properties(cli_train_ep2_inspect cli_train_ep2_resume_on_one PROPERTIES FIXTURES_REQUIRED "train_stories;train_ep")
 set_tests_properties(cli_train_ep2_resume_on_one PROPERTIES DEPENDS cli_train_ep2_inspect)
-keel_cli_test(NAME train_ep_on_gpus_not_yet NP 2 EXIT 1
-  MATCH "parallel\\.expert \\(2\\) runs on CPU ranks only so far \\(device: cpu\\)"
-  ARGS train ${tcfg} ${tdp} --set device=cuda --set parallel.expert=2)
 keel_cli_test(NAME train_dp_degree_mismatch NP 2 EXIT 1
   MATCH "parallel\\.data \\(3\\) must equal the number of ranks \\(2\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.data=3)

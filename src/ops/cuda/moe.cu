@@ -216,74 +216,83 @@ Plan make_plan(const std::int32_t* expert_idx, std::int64_t tokens, int top_k, i
   return p;
 }
 
-void forward(const Plan& plan, const bf16* x, const float* gates, const Weights& w, std::int64_t d, std::int64_t f,
-             const Saved& sv, float* y, cudaStream_t stream) {
-  check_plan(plan, d, f);
-  const std::int64_t n = plan.tokens, s = plan.slots();
-  const int k = plan.top_k;
-  if (n == 0) return;
-  if (!x || !gates || !w.w_gate || !w.w_up || !w.w_down || !sv.xs || !sv.h_gate || !sv.h_up || !sv.act || !sv.ys || !y)
-    fail("cuda moe: forward got a null pointer");
-  // Dispatch: gather each slot's token row in expert order.
+void dispatch_rows(const Plan& plan, const bf16* x, std::int64_t d, bf16* xs, cudaStream_t stream) {
+  const std::int64_t s = plan.slots();
+  if (s == 0) return;
   const bool vec = d % 8 == 0 && reinterpret_cast<std::uintptr_t>(x) % 16 == 0 &&
-                   reinterpret_cast<std::uintptr_t>(sv.xs) % 16 == 0;
-  if (vec) gather_kernel<true><<<static_cast<unsigned>(s), kRowThreads, 0, stream>>>(x, plan.source, k, d, sv.xs);
-  else gather_kernel<false><<<static_cast<unsigned>(s), kRowThreads, 0, stream>>>(x, plan.source, k, d, sv.xs);
+                   reinterpret_cast<std::uintptr_t>(xs) % 16 == 0;
+  if (vec) gather_kernel<true><<<static_cast<unsigned>(s), kRowThreads, 0, stream>>>(x, plan.source, plan.top_k, d, xs);
+  else gather_kernel<false><<<static_cast<unsigned>(s), kRowThreads, 0, stream>>>(x, plan.source, plan.top_k, d, xs);
   KEEL_CUDA_CHECK_LAUNCH();
+}
+
+void experts_forward(const std::vector<std::int64_t>& offsets, const Weights& w, std::int64_t d, std::int64_t f,
+                     const Saved& sv, cudaStream_t stream) {
+  const int experts = static_cast<int>(offsets.size()) - 1;
+  if (experts < 1 || offsets.front() != 0) fail("cuda moe: expert row offsets must start at 0 ({} experts)", experts);
+  const std::int64_t rows = offsets.back();
+  if (rows == 0) return;
+  if (!w.w_gate || !w.w_up || !w.w_down || !sv.xs || !sv.h_gate || !sv.h_up || !sv.act || !sv.ys)
+    fail("cuda moe: experts_forward got a null pointer");
   GemmRunner& gemm = thread_gemm();
   // Grouped expert MLPs: one GEMM per expert and projection over its contiguous rows.
-  for (int e = 0; e < plan.experts; ++e) {
-    const std::int64_t off = plan.host_offsets[e], cnt = plan.count(e);
+  for (int e = 0; e < experts; ++e) {
+    const std::int64_t off = offsets[e], cnt = offsets[e + 1] - off;
     if (cnt == 0) continue;
     const GemmDesc up = desc(cnt, f, d, false, true, GemmOut::kBf16, 0.f);
     gemm.run(up, sv.xs + off * d, w.w_gate + e * f * d, sv.h_gate + off * f, stream);
     gemm.run(up, sv.xs + off * d, w.w_up + e * f * d, sv.h_up + off * f, stream);
   }
-  swiglu_forward_kernel<<<elem_grid(s * f), kElemThreads, 0, stream>>>(sv.h_gate, sv.h_up, sv.act, s * f);
+  swiglu_forward_kernel<<<elem_grid(rows * f), kElemThreads, 0, stream>>>(sv.h_gate, sv.h_up, sv.act, rows * f);
   KEEL_CUDA_CHECK_LAUNCH();
-  for (int e = 0; e < plan.experts; ++e) {
-    const std::int64_t off = plan.host_offsets[e], cnt = plan.count(e);
+  for (int e = 0; e < experts; ++e) {
+    const std::int64_t off = offsets[e], cnt = offsets[e + 1] - off;
     if (cnt == 0) continue;
     gemm.run(desc(cnt, d, f, false, true, GemmOut::kBf16, 0.f), sv.act + off * f, w.w_down + e * d * f,
              sv.ys + off * d, stream);
   }
-  combine_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(sv.ys, gates, plan.position, k, d, y);
+}
+
+void combine(const Plan& plan, const bf16* ys, const float* gates, std::int64_t d, float* y, cudaStream_t stream) {
+  if (plan.tokens == 0) return;
+  combine_kernel<<<static_cast<unsigned>(plan.tokens), kRowThreads, 0, stream>>>(ys, gates, plan.position, plan.top_k,
+                                                                                d, y);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
-std::int64_t backward_scratch_bytes(std::int64_t slots, std::int64_t d, std::int64_t f) {
-  // dys bf16 [S, D], dact fp32 [S, F], dh_gate, dh_up bf16 [S, F], dxs fp32 [S, D]
-  return align_up(slots * d * 2) + align_up(slots * f * 4) + 2 * align_up(slots * f * 2) + align_up(slots * d * 4);
+void combine_backward(const Plan& plan, const bf16* ys, const float* gates, std::int64_t d, const float* dy,
+                      bf16* dys, float* dgates, cudaStream_t stream) {
+  if (plan.tokens == 0) return;
+  combine_backward_kernel<<<static_cast<unsigned>(plan.tokens), kRowThreads, 0, stream>>>(
+      ys, gates, plan.position, plan.top_k, d, dy, dys, dgates);
+  KEEL_CUDA_CHECK_LAUNCH();
 }
 
-void backward(const Plan& plan, const float* gates, const Weights& w, std::int64_t d, std::int64_t f, const Saved& sv,
-              const float* dy, void* scratch, bf16* dx, float* dgates, const Grads& dw, cudaStream_t stream) {
-  check_plan(plan, d, f);
-  const std::int64_t n = plan.tokens, s = plan.slots();
-  const int k = plan.top_k;
-  if (n == 0) return;
-  if (!gates || !w.w_gate || !w.w_up || !w.w_down || !sv.xs || !sv.h_gate || !sv.h_up || !sv.act || !sv.ys || !dy ||
-      !scratch)
-    fail("cuda moe: backward got a null pointer");
-  char* base = static_cast<char*>(scratch);
-  bf16* dys = reinterpret_cast<bf16*>(base);
-  base += align_up(s * d * 2);
-  float* dact = reinterpret_cast<float*>(base);
-  base += align_up(s * f * 4);
-  bf16* dhg = reinterpret_cast<bf16*>(base);
-  base += align_up(s * f * 2);
-  bf16* dhu = reinterpret_cast<bf16*>(base);
-  base += align_up(s * f * 2);
-  float* dxs = reinterpret_cast<float*>(base);
+std::int64_t experts_backward_scratch_bytes(std::int64_t rows, std::int64_t f) {
+  // dact fp32 [R, F], dh_gate, dh_up bf16 [R, F]
+  return align_up(rows * f * 4) + 2 * align_up(rows * f * 2);
+}
 
-  combine_backward_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(sv.ys, gates, plan.position, k, d, dy,
-                                                                               dys, dgates);
-  KEEL_CUDA_CHECK_LAUNCH();
-  const bool need_dh = dx || dw.w_gate || dw.w_up;
+void experts_backward(const std::vector<std::int64_t>& offsets, const Weights& w, std::int64_t d, std::int64_t f,
+                      const Saved& sv, const bf16* dys, void* scratch, float* dxs, const Grads& dw,
+                      cudaStream_t stream) {
+  const int experts = static_cast<int>(offsets.size()) - 1;
+  if (experts < 1 || offsets.front() != 0) fail("cuda moe: expert row offsets must start at 0 ({} experts)", experts);
+  const std::int64_t rows = offsets.back();
+  if (rows == 0) return;
+  const bool need_dh = dxs || dw.w_gate || dw.w_up;
   if (!need_dh && !dw.w_down) return;
+  if (!w.w_gate || !w.w_up || !w.w_down || !sv.xs || !sv.h_gate || !sv.h_up || !sv.act || !dys || !scratch)
+    fail("cuda moe: experts_backward got a null pointer");
+  char* base = static_cast<char*>(scratch);
+  float* dact = reinterpret_cast<float*>(base);
+  base += align_up(rows * f * 4);
+  bf16* dhg = reinterpret_cast<bf16*>(base);
+  base += align_up(rows * f * 2);
+  bf16* dhu = reinterpret_cast<bf16*>(base);
   GemmRunner& gemm = thread_gemm();
-  for (int e = 0; e < plan.experts; ++e) {
-    const std::int64_t off = plan.host_offsets[e], cnt = plan.count(e);
+  for (int e = 0; e < experts; ++e) {
+    const std::int64_t off = offsets[e], cnt = offsets[e + 1] - off;
     if (cnt == 0) continue;  // no tokens: no gradient, and no zero-size GEMM
     // dW_down[e] [D, F] += dys_e^T act_e
     if (dw.w_down)
@@ -295,27 +304,66 @@ void backward(const Plan& plan, const float* gates, const Weights& w, std::int64
                dact + off * f, stream);
   }
   if (!need_dh) return;
-  swiglu_backward_kernel<<<elem_grid(s * f), kElemThreads, 0, stream>>>(sv.h_gate, sv.h_up, dact, dhg, dhu, s * f);
+  swiglu_backward_kernel<<<elem_grid(rows * f), kElemThreads, 0, stream>>>(sv.h_gate, sv.h_up, dact, dhg, dhu,
+                                                                            rows * f);
   KEEL_CUDA_CHECK_LAUNCH();
-  for (int e = 0; e < plan.experts; ++e) {
-    const std::int64_t off = plan.host_offsets[e], cnt = plan.count(e);
+  for (int e = 0; e < experts; ++e) {
+    const std::int64_t off = offsets[e], cnt = offsets[e + 1] - off;
     if (cnt == 0) continue;
     // dW_gate[e] [F, D] += dh_gate_e^T xs_e; the same for up.
     const GemmDesc wgrad = desc(f, d, cnt, true, false, GemmOut::kFp32, 1.f);
     if (dw.w_gate) gemm.run(wgrad, dhg + off * f, sv.xs + off * d, dw.w_gate + e * f * d, stream);
     if (dw.w_up) gemm.run(wgrad, dhu + off * f, sv.xs + off * d, dw.w_up + e * f * d, stream);
     // dxs_e [cnt, D] = dh_gate_e W_gate[e] + dh_up_e W_up[e]
-    if (dx) {
+    if (dxs) {
       gemm.run(desc(cnt, d, f, false, false, GemmOut::kFp32, 0.f), dhg + off * f, w.w_gate + e * f * d,
                dxs + off * d, stream);
       gemm.run(desc(cnt, d, f, false, false, GemmOut::kFp32, 1.f), dhu + off * f, w.w_up + e * f * d,
                dxs + off * d, stream);
     }
   }
-  if (dx) {
-    scatter_dx_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(dxs, plan.position, k, d, dx);
-    KEEL_CUDA_CHECK_LAUNCH();
-  }
+}
+
+void combine_dx(const Plan& plan, const float* dxs, std::int64_t d, bf16* dx, cudaStream_t stream) {
+  if (plan.tokens == 0) return;
+  scatter_dx_kernel<<<static_cast<unsigned>(plan.tokens), kRowThreads, 0, stream>>>(dxs, plan.position, plan.top_k, d,
+                                                                                   dx);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+void forward(const Plan& plan, const bf16* x, const float* gates, const Weights& w, std::int64_t d, std::int64_t f,
+             const Saved& sv, float* y, cudaStream_t stream) {
+  check_plan(plan, d, f);
+  if (plan.tokens == 0) return;
+  if (!x || !gates || !w.w_gate || !w.w_up || !w.w_down || !sv.xs || !sv.h_gate || !sv.h_up || !sv.act || !sv.ys || !y)
+    fail("cuda moe: forward got a null pointer");
+  dispatch_rows(plan, x, d, sv.xs, stream);
+  experts_forward(plan.host_offsets, w, d, f, sv, stream);
+  combine(plan, sv.ys, gates, d, y, stream);
+}
+
+std::int64_t backward_scratch_bytes(std::int64_t slots, std::int64_t d, std::int64_t f) {
+  // dys bf16 [S, D], the experts' scratch, dxs fp32 [S, D]
+  return align_up(slots * d * 2) + experts_backward_scratch_bytes(slots, f) + align_up(slots * d * 4);
+}
+
+void backward(const Plan& plan, const float* gates, const Weights& w, std::int64_t d, std::int64_t f, const Saved& sv,
+              const float* dy, void* scratch, bf16* dx, float* dgates, const Grads& dw, cudaStream_t stream) {
+  check_plan(plan, d, f);
+  const std::int64_t s = plan.slots();
+  if (plan.tokens == 0) return;
+  if (!gates || !w.w_gate || !w.w_up || !w.w_down || !sv.xs || !sv.h_gate || !sv.h_up || !sv.act || !sv.ys || !dy ||
+      !scratch)
+    fail("cuda moe: backward got a null pointer");
+  char* base = static_cast<char*>(scratch);
+  bf16* dys = reinterpret_cast<bf16*>(base);
+  base += align_up(s * d * 2);
+  void* experts_scratch = base;
+  base += experts_backward_scratch_bytes(s, f);
+  float* dxs = reinterpret_cast<float*>(base);
+  combine_backward(plan, sv.ys, gates, d, dy, dys, dgates, stream);
+  experts_backward(plan.host_offsets, w, d, f, sv, dys, experts_scratch, dx ? dxs : nullptr, dw, stream);
+  if (dx) combine_dx(plan, dxs, d, dx, stream);
 }
 
 }  // namespace keel::ops::cuda::moe

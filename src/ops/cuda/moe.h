@@ -92,4 +92,54 @@ void backward(const Plan& plan, const float* gates, const Weights& w, std::int64
               const Saved& saved, const float* dy, void* scratch, bf16* dx, float* dgates, const Grads& dweights,
               cudaStream_t stream);
 
+// ---- The pieces forward() and backward() are made of. Expert parallelism
+// (parallel/expert_parallel_cuda.h) runs them with all-to-alls between: dispatch and combine at
+// the tokens' rank, the expert MLPs at the experts' rank. No host sync. ----
+
+// Dispatch: xs[slot] = x[source[slot] / top_k], [S, D] in expert order.
+void dispatch_rows(const Plan& plan, const bf16* x, std::int64_t d, bf16* xs, cudaStream_t stream);
+
+// The SwiGLU MLPs of experts 0..offsets.size() - 2 of `w` on expert-major rows: expert e owns
+// rows [offsets[e], offsets[e + 1]) of sv.xs (host offsets, offsets[0] = 0); writes sv.h_gate, sv.h_up,
+// sv.act and sv.ys on those rows. Experts without rows launch nothing.
+void experts_forward(const std::vector<std::int64_t>& offsets, const Weights& w, std::int64_t d, std::int64_t f,
+                     const Saved& sv, cudaStream_t stream);
+
+// Combine: y[n] = sum_k gates[n, k] ys[position[n top_k + k]] (fp32, overwritten).
+void combine(const Plan& plan, const bf16* ys, const float* gates, std::int64_t d, float* y, cudaStream_t stream);
+
+// dgates[n, k] = dy[n] . ys[slot] (dgates may be null); dys[slot] = gates[n, k] dy[n] (bf16).
+void combine_backward(const Plan& plan, const bf16* ys, const float* gates, std::int64_t d, const float* dy,
+                      bf16* dys, float* dgates, cudaStream_t stream);
+
+// Bytes of scratch experts_backward needs for `rows` rows.
+std::int64_t experts_backward_scratch_bytes(std::int64_t rows, std::int64_t f);
+
+// The experts' backward on the rows of experts_forward: dys [rows, D] bf16 in; weight gradients
+// accumulated (any may be null); dxs [rows, D] fp32 overwritten (null to skip).
+void experts_backward(const std::vector<std::int64_t>& offsets, const Weights& w, std::int64_t d, std::int64_t f,
+                      const Saved& sv, const bf16* dys, void* scratch, float* dxs, const Grads& dw,
+                      cudaStream_t stream);
+
+// dx[n] = sum_k dxs[position[n top_k + k]] -> bf16 (overwritten).
+void combine_dx(const Plan& plan, const float* dxs, std::int64_t d, bf16* dx, cudaStream_t stream);
+
+// Where a routed layer's experts run: every expert on this GPU (LocalExperts: forward() and
+// backward() above), or spread over an expert-parallel group of GPUs (parallel/
+// expert_parallel_cuda.h). One object per MoE layer when it keeps state between forward and
+// backward. Same arguments as forward() and backward(); `w` and `dw` hold the experts this GPU
+// has (all E, or E / P), the plan routes over all E.
+class ExpertRunner {
+ public:
+  virtual ~ExpertRunner() = default;
+  virtual void forward(const Plan& plan, const bf16* x, const float* gates, const Weights& w, std::int64_t d,
+                       std::int64_t f, const Saved& saved, float* y, cudaStream_t stream) = 0;
+  virtual void backward(const Plan& plan, const float* gates, const Weights& w, std::int64_t d, std::int64_t f,
+                        const Saved& saved, const float* dy, void* scratch, bf16* dx, float* dgates,
+                        const Grads& dweights, cudaStream_t stream) = 0;
+  // True when every rank of a group must call forward() and backward() together, even with no
+  // tokens (an empty plan from make_plan with tokens = 0).
+  virtual bool collective() const { return false; }
+};
+
 }  // namespace keel::ops::cuda::moe
