@@ -14,8 +14,14 @@ keel's ZeRO-1 step overlaps its collectives with compute by default (docs/parall
 scatter after backward, all-gather after the update) and prints them as extra rows, for the
 before / after comparison in one run. --ep-gpus 2,4 also runs those GPU counts with expert
 parallelism over every GPU (parallel.expert = N: each GPU holds E / N experts, tokens travel by
-NCCL all-to-all; docs/parallel.md), as extra rows against the same 1-GPU base. KEEL_DP_* and
-NCCL_* variables reach every rank.
+NCCL all-to-all; docs/parallel.md), as extra rows against the same 1-GPU base. On this random-
+token stream the softmax router collapses within a few steps (one expert takes every token),
+which costs data parallelism nothing but puts every token's expert compute on one GPU under
+expert parallelism. To measure expert parallelism with the balanced routing a healthy run has,
+--lr X lowers the learning rate (the collapse follows the first updates at 3e-4) and
+--router-bias-rate R turns on keel's aux-loss-free bias balancing (router.bias_update_rate), in
+every keel run of the invocation, base included; the table's last column shows the busiest
+expert's load (1.0: balanced, 16: one expert takes every token). KEEL_DP_* and NCCL_* variables reach every rank.
 
 The peer, in the same run for each N right after keel: the same model and step in PyTorch
 (eager) under torchrun with DistributedDataParallel (gradient all-reduce in buckets overlapped
@@ -35,13 +41,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_vs_torch import DIMS, keel_config, write_dataset  # noqa: E402
 
 
-def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, ep=1):
+def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, ep=1, bias_rate=0.0, lr=None):
     run_dir = os.path.join(out, f"dp{gpus}" + ("_classic" if classic else "") + (f"_ep{ep}" if ep > 1 else ""))
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "train.yaml")
     text = keel_config(d, prefix, run_dir, steps, grad_accum=gpus)
     if ep > 1:
         text += f"parallel:\n  expert: {ep}\n"
+    if lr is not None:
+        assert "\n  lr: " in text
+        text = "\n".join(f"  lr: {lr}" if line.startswith("  lr: ") else line for line in text.split("\n"))
+    if bias_rate > 0:
+        assert "\nrouter:\n" in text
+        text = text.replace("\nrouter:\n", f"\nrouter:\n  bias_update_rate: {bias_rate}\n")
     open(path, "w").write(text)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     if classic:
@@ -65,7 +77,10 @@ def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, e
     tps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row and row.get("step", 0) > warmup]
     ce = [row["ce"] for row in rows if "ce" in row]
     mem = max(row.get("memory_mib", 0) for row in rows)
-    return {"tokens_per_s": statistics.median(tps), "ce_first": ce[0], "ce_last": ce[-1], "memory_gib": mem / 1024}
+    # the busiest expert's load over the timed steps (1.0: balanced; E: one expert takes every token)
+    load = [row["expert_load_max"] for row in rows if "expert_load_max" in row and row.get("step", 0) > warmup]
+    return {"tokens_per_s": statistics.median(tps), "ce_first": ce[0], "ce_last": ce[-1], "memory_gib": mem / 1024,
+            "load_max": statistics.median(load) if load else float("nan")}
 
 
 def run_torch(out, steps, warmup, gpus, layers):
@@ -95,6 +110,9 @@ def main():
     ap.add_argument("--run-timeout", type=int, default=900, help="seconds per keel run")
     ap.add_argument("--classic-gpus", default="", help="GPU counts to also run with the classic step (KEEL_DP_OVERLAP=0)")
     ap.add_argument("--ep-gpus", default="", help="GPU counts to also run with expert parallelism over all of them")
+    ap.add_argument("--router-bias-rate", type=float, default=0.0,
+                    help="router.bias_update_rate for every keel run (0: off, the peer's router)")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate of every keel run (default: the peer's)")
     a = ap.parse_args()
     d = dict(DIMS, layers=a.layers)
     counts = [int(x) for x in a.gpus.split(",")]
@@ -107,21 +125,25 @@ def main():
     ep_counts = [int(x) for x in a.ep_gpus.split(",") if x]
     res, peer, res_classic, res_ep = {}, {}, {}, {}
     for n in counts:
-        res[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout)
+        res[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout, bias_rate=a.router_bias_rate, lr=a.lr)
         print("keel", n, res[n], flush=True)
         if n in classic and n > 1:
-            res_classic[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, classic=True, timeout=a.run_timeout)
+            res_classic[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, classic=True, timeout=a.run_timeout,
+                                 bias_rate=a.router_bias_rate, lr=a.lr)
             print("keel classic", n, res_classic[n], flush=True)
         if n in ep_counts and n > 1:
-            res_ep[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout, ep=n)
+            res_ep[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout, ep=n,
+                            bias_rate=a.router_bias_rate, lr=a.lr)
             print("keel ep", n, res_ep[n], flush=True)
         if not a.no_torch:
             peer[n] = run_torch(a.out, a.steps, a.warmup, n, a.layers)
             print("torch", n, peer[n], flush=True)
     tok_step = d["micro_batch"] * d["seq"]  # tokens per GPU per step
-    print("\n== keel train weak scaling, data parallel + ZeRO-1 (8K tokens per GPU per step) ==")
+    bal = f", router bias balancing {a.router_bias_rate}" if a.router_bias_rate > 0 else ""
+    bal += f", lr {a.lr}" if a.lr is not None else ""
+    print(f"\n== keel train weak scaling, data parallel + ZeRO-1 (8K tokens per GPU per step{bal}) ==")
     print(f"{'GPUs':>4} {'step':>8} {'tok/s':>10} {'tok/s/GPU':>10} {'step ms':>8} {'eff':>6} {'exposed comm ms':>16} "
-          f"{'mem GiB':>8}")
+          f"{'mem GiB':>8} {'max load':>8}")
     base = res.get(1, {}).get("tokens_per_s")
     rows = [(n, "overlap" if n > 1 else "-", res[n]) for n in counts]
     rows += [(n, "classic", res_classic[n]) for n in counts if n in res_classic]
@@ -134,7 +156,7 @@ def main():
         eff = r["tokens_per_s"] / (n * base) if base else float("nan")
         exposed = step_ms - 1e3 * tok_step / base if base else float("nan")
         print(f"{n:>4} {kind:>8} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / n:>10.0f} {step_ms:>8.1f} {eff:>6.3f} "
-              f"{exposed:>16.1f} {r['memory_gib']:>8.1f}")
+              f"{exposed:>16.1f} {r['memory_gib']:>8.1f} {r.get('load_max', float('nan')):>8.2f}")
     if peer:
         print("\n== PyTorch DDP + ZeroRedundancyOptimizer (eager), same model and tokens per GPU ==")
         print(f"{'GPUs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'eff':>6} {'mem GiB':>8} {'keel/torch':>10}")

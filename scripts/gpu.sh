@@ -101,8 +101,10 @@ for step in "${steps[@]}"; do
       if [ "$gpus" -lt 2 ]; then note "ep: skipped (needs 2+ GPUs)"; continue; fi
       # Expert parallelism on GPUs: the op and keel train against one GPU / pure data
       # parallelism at 2 and all GPUs, then weak scaling with EP = every GPU beside pure data
-      # parallelism (KEEL_EP_TESTS=0 / KEEL_EP_BENCH=0 skip either half; KEEL_EP_ARGS go to the
-      # scaling script, e.g. --no-torch).
+      # parallelism, with a lower lr and router bias balancing in every run (the bench's router
+      # collapses onto one expert otherwise; KEEL_EP_ARGS replace the scaling script's arguments,
+      # default --no-torch --lr 3e-5 --router-bias-rate 0.05). KEEL_EP_TESTS=0 / KEEL_EP_BENCH=0 skip
+      # either half.
       [ "${KEEL_EP_TESTS:-1}" = 0 ] || for n in $(printf '%s\n' 2 "$gpus" | sort -un); do
         if timeout "${KEEL_EP_TEST_TIMEOUT:-300}" mpirun --allow-run-as-root -n "$n" --bind-to none -x NCCL_NVLS_ENABLE=0 "$build/tests/keel_mpi_tests" \
             --gtest_filter='ExpertParallelCuda.*' >"$out/ep_test_$n.log" 2>&1; then
@@ -115,7 +117,7 @@ for step in "${steps[@]}"; do
       [ "${KEEL_EP_BENCH:-1}" = 0 ] && continue
       scaling=$(seq -s, 1 "$gpus" | tr ',' '\n' | awk '$1==1||$1==2||$1==4||$1==8' | paste -sd,)
       timeout 900 python3 bench/train_dp_scaling.py --keel "$build/keel" --out "$out/ep" --gpus "$scaling" \
-          --ep-gpus "$scaling" ${KEEL_EP_ARGS:-} 2>&1 | tee "$out/ep_scaling.log" | tail -16
+          --ep-gpus "$scaling" ${KEEL_EP_ARGS:---no-torch --lr 3e-5 --router-bias-rate 0.05} 2>&1 | tee "$out/ep_scaling.log" | tail -16
       grep -A12 -E '^== (keel train weak scaling|PyTorch DDP)' "$out/ep_scaling.log" >>"$summary" ;;
     train)
       # keel train vs a PyTorch implementation of the same MoE and step (eager and torch.compile).
