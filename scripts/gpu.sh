@@ -114,6 +114,19 @@ for step in "${steps[@]}"; do
           tail -40 "$out/ep_test_$n.log"; note "ep tests on $n GPUs: FAILED (see ep_test_$n.log)"
         fi
       done
+      # The resharding chain: N GPUs at EP N -> N/2 at EP N/2 -> 1 GPU against an uninterrupted
+      # run (KEEL_EP_CHAIN=0 skips it).
+      chain=$(printf '%s\n' 8 4 2 | awk -v g="$gpus" '$1<=g' | head -1)
+      if [ "${KEEL_EP_CHAIN:-1}" != 0 ]; then
+        if timeout 600 python3 bench/train_reshard_chain.py --keel "$build/keel" --out /tmp/keel-chain --gpus "$chain" \
+            >"$out/reshard_chain.log" 2>&1; then
+          note "resharding chain: ok"
+        else
+          tail -30 "$out/reshard_chain.log"; note "resharding chain: FAILED (see reshard_chain.log)"
+        fi
+        grep -A14 '^== keel train resharding chain' "$out/reshard_chain.log" >>"$summary"
+        rm -rf /tmp/keel-chain
+      fi
       [ "${KEEL_EP_BENCH:-1}" = 0 ] && continue
       scaling=$(seq -s, 1 "$gpus" | tr ',' '\n' | awk '$1==1||$1==2||$1==4||$1==8' | paste -sd,)
       timeout 900 python3 bench/train_dp_scaling.py --keel "$build/keel" --out "$out/ep" --gpus "$scaling" \
