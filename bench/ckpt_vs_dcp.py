@@ -18,6 +18,12 @@ Both write to --out on the same disk, one after the other; loads read what was j
 page cache may hold it: both sides alike).
 
   python3 bench/ckpt_vs_dcp.py --keel build-gpu/keel --out /tmp/ckbench --gpus 4
+
+--layers L sizes the model (32 layers: 7.3 B parameters, 88 GB per checkpoint with AdamW); --ep
+runs keel with expert parallelism over all GPUs of each launch (parallel.expert = G for the save
+and the load, G/2 for the resharded load), which is what lets a model of that size train on
+fewer GPUs than 8. The checkpoint holds the same tensors either way (whole [E, ...] expert
+tensors), so DCP's side does not change.
 """
 import argparse
 import json
@@ -121,6 +127,8 @@ def main():
     p.add_argument("--out", help="directory on the disk under test (emptied; required)")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--layers", type=int, default=None, help="model layers (default: the bench model's 8)")
+    p.add_argument("--ep", action="store_true", help="keel runs with expert parallelism over every GPU")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["save", "load"], help=argparse.SUPPRESS)
     p.add_argument("--numel", type=int, help=argparse.SUPPRESS)
@@ -139,6 +147,9 @@ def main():
     os.makedirs(a.out)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     d = dict(DIMS)
+    if a.layers:
+        d["layers"] = a.layers
+    ep = (lambda n: ["--set", f"parallel.expert={n}"]) if a.ep else (lambda n: [])
     prefix = os.path.join(a.out, "tokens")
     rng = np.random.default_rng(1)
     rows = d["micro_batch"] * g * 16  # every sample of the 14 steps distinct
@@ -150,7 +161,7 @@ def main():
     mpirun = ["mpirun", "--allow-run-as-root", "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE"]
 
     # keel: train 14 steps, one save at step 10 written while steps 11-14 run
-    text = sh(mpirun + ["-np", str(g), a.keel, "train", cfg, "--set", "checkpoint.interval=10"],
+    text = sh(mpirun + ["-np", str(g), a.keel, "train", cfg, "--set", "checkpoint.interval=10"] + ep(g),
               os.path.join(a.out, "keel_save.log"), a.timeout, env)
     numel = int(re.search(r"\((\d+) parameters", text).group(1))
     m = re.search(r"checkpoint step 10: training stalled ([0-9.]+) s \(([0-9.]+) s staging", text)
@@ -159,7 +170,7 @@ def main():
     keel["bytes"], keel["write_gbps"] = float(m.group(1)) * 1048576, float(m.group(2))
     for n, key in ((g, "load"), (half, "reshard")):
         text = sh(mpirun + ["-np", str(n), a.keel, "train", cfg, "--set", "steps=10", "--resume",
-                            os.path.join(run_dir, "step_00000010")],
+                            os.path.join(run_dir, "step_00000010")] + ep(n),
                   os.path.join(a.out, f"keel_{key}.log"), a.timeout, env)
         m = re.search(r"\(read ([0-9.]+) GiB in ([0-9.]+) s, ([0-9.]+) GB/s, read amplification ([0-9.]+)\)", text)
         keel[key] = {"s": float(m.group(2)), "gbps": float(m.group(3)), "amplification": float(m.group(4))}
@@ -201,12 +212,12 @@ def main():
          "not reported", ""),
     ]
     print(f"\n== keel checkpoints vs torch.distributed.checkpoint: {numel / 1e9:.2f} B parameters + AdamW "
-          f"(fp32), {gb:.1f} GB per checkpoint, {g} GPUs ==")
+          f"(fp32), {gb:.1f} GB per checkpoint, {g} GPUs{' (keel: expert parallel over all)' if a.ep else ''} ==")
     print(f"{'':34s} {'keel':>18s} {'DCP':>26s} {'keel better by':>15s}")
     for r in rows:
         print(f"{r[0]:34s} {r[1]:>18s} {r[2]:>26s} {r[3]:>15s}")
     print(f"DCP loads match the saved sums: {dcp['load']['ok']} at {g} ranks, {dcp['reshard']['ok']} at {half}")
-    json.dump({"keel": keel, "dcp": dcp, "numel": numel, "gpus": g}, open(os.path.join(a.out, "result.json"), "w"))
+    json.dump({"keel": keel, "dcp": dcp, "numel": numel, "gpus": g, "layers": d["layers"], "keel_ep": a.ep}, open(os.path.join(a.out, "result.json"), "w"))
 
 
 if __name__ == "__main__":

@@ -139,9 +139,10 @@ for step in "${steps[@]}"; do
       grep -A12 '^== keel train vs PyTorch' "$out/train_vs_torch.log" >>"$summary" ;;
     ckpt)
       # keel checkpoints vs torch.distributed.checkpoint on the same state size, all GPUs; the
-      # checkpoints go to KEEL_CKPT_DIR (local disk, not $OUT), the logs and JSON to $OUT.
+      # checkpoints go to KEEL_CKPT_DIR (local disk, not $OUT), the logs and JSON to $OUT;
+      # KEEL_CKPT_ARGS go to the script (e.g. --layers 32 --ep: 7.3 B parameters).
       ckdir=${KEEL_CKPT_DIR:-/tmp/keel-ckpt-bench}
-      timeout 900 python3 bench/ckpt_vs_dcp.py --keel "$build/keel" --out "$ckdir" --gpus "$gpus" 2>&1 \
+      timeout 900 python3 bench/ckpt_vs_dcp.py --keel "$build/keel" --out "$ckdir" --gpus "$gpus" ${KEEL_CKPT_ARGS:-} 2>&1 \
         | tee "$out/ckpt_vs_dcp.log" | tail -12
       mkdir -p "$out/ckpt" && cp "$ckdir"/*.log "$ckdir"/*.json "$out/ckpt/" 2>/dev/null
       rm -rf "$ckdir"
