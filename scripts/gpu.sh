@@ -17,6 +17,18 @@ steps=("$@")
 summary="$out/summary.txt"
 : >"$summary"
 note() { echo "$*" | tee -a "$summary"; }
+# mpi_gtest NAME RANKS FILTER TIMEOUT SUMMARY_REGEX: keel_mpi_tests cases under mpirun, one GPU
+# per rank; the log's lines matching SUMMARY_REGEX go to the summary.
+mpi_gtest() {
+  local name=$1 n=$2 filter=$3 limit=$4 keep=$5 log="$out/${1}_test_$2.log"
+  if timeout "$limit" mpirun --allow-run-as-root -n "$n" --bind-to none -x NCCL_NVLS_ENABLE=0 \
+      "$build/tests/keel_mpi_tests" --gtest_filter="$filter" >"$log" 2>&1; then
+    note "$name tests on $n GPUs: $(grep -c '  OK ' "$log") passed"
+    grep -E "$keep" "$log" >>"$summary"
+  else
+    tail -40 "$log"; note "$name tests on $n GPUs: FAILED (see $(basename "$log"))"
+  fi
+}
 
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 note "== keel on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) x $gpus, $(date -u +%F)"
@@ -83,14 +95,8 @@ for step in "${steps[@]}"; do
       # keel train data parallel + ZeRO-1 on GPUs (NCCL): N GPUs against one (and the overlapped
       # step against the classic one), then weak scaling. KEEL_DP_TESTS=0 / KEEL_DP_BENCH=0 skip
       # either half; KEEL_DP_ARGS go to the scaling script (e.g. --classic-gpus 2,4 --no-torch).
-      [ "${KEEL_DP_TESTS:-1}" = 0 ] || for n in 2 "$gpus"; do
-        if timeout "${KEEL_DP_TEST_TIMEOUT:-300}" mpirun --allow-run-as-root -n "$n" --bind-to none -x NCCL_NVLS_ENABLE=0 "$build/tests/keel_mpi_tests" \
-            --gtest_filter='DataParallel.*' >"$out/dp_test_$n.log" 2>&1; then
-          note "dp tests on $n GPUs: $(grep -c '  OK ' "$out/dp_test_$n.log") passed"
-          grep -E '^  [a-z0-9_]+(: step 8| on [0-9]+ GPUs)' "$out/dp_test_$n.log" >>"$summary"
-        else
-          tail -30 "$out/dp_test_$n.log"; note "dp tests on $n GPUs: FAILED (see dp_test_$n.log)"
-        fi
+      [ "${KEEL_DP_TESTS:-1}" = 0 ] || for n in $(printf '%s\n' 2 "$gpus" | sort -un); do
+        mpi_gtest dp "$n" 'DataParallel.*' "${KEEL_DP_TEST_TIMEOUT:-300}" '^  [a-z0-9_]+(: step 8| on [0-9]+ GPUs)'
       done
       [ "${KEEL_DP_BENCH:-1}" = 0 ] && continue
       scaling=$(seq -s, 1 "$gpus" | tr ',' '\n' | awk '$1==1||$1==2||$1==4||$1==8' | paste -sd,)
@@ -106,13 +112,7 @@ for step in "${steps[@]}"; do
       # default --no-torch --lr 3e-5 --router-bias-rate 0.05). KEEL_EP_TESTS=0 / KEEL_EP_BENCH=0 skip
       # either half.
       [ "${KEEL_EP_TESTS:-1}" = 0 ] || for n in $(printf '%s\n' 2 "$gpus" | sort -un); do
-        if timeout "${KEEL_EP_TEST_TIMEOUT:-300}" mpirun --allow-run-as-root -n "$n" --bind-to none -x NCCL_NVLS_ENABLE=0 "$build/tests/keel_mpi_tests" \
-            --gtest_filter='ExpertParallelCuda.*' >"$out/ep_test_$n.log" 2>&1; then
-          note "ep tests on $n GPUs: $(grep -c '  OK ' "$out/ep_test_$n.log") passed"
-          grep -E '^  [a-z0-9_]+: EP ' "$out/ep_test_$n.log" >>"$summary"
-        else
-          tail -40 "$out/ep_test_$n.log"; note "ep tests on $n GPUs: FAILED (see ep_test_$n.log)"
-        fi
+        mpi_gtest ep "$n" 'ExpertParallelCuda.*' "${KEEL_EP_TEST_TIMEOUT:-300}" '^  [a-z0-9_]+: EP '
       done
       # The resharding chain: N GPUs at EP N -> N/2 at EP N/2 -> 1 GPU against an uninterrupted
       # run (KEEL_EP_CHAIN=0 skips it).

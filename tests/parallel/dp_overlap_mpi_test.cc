@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "../mpi_test_util.h"
+#include "../train/train_mpi_test_util.h"
 #include "../train/train_test_util.h"
 #include "device/cuda_devices.h"
 #include "train/trainer.h"
@@ -68,9 +69,7 @@ struct TrainRun {
 
 TrainRun train(const fs::path& dir, const std::string& tag, const std::string& optimizer_extra, const Env& env) {
   ScopedEnv scoped(env);
-  ParallelContext ctx;
-  ctx.data = {world_size(), world_rank(), MPI_COMM_WORLD};
-  Trainer t(gpu_config(dir, dir / tag, optimizer_extra), ctx, true);
+  Trainer t(gpu_config(dir, dir / tag, optimizer_extra), fixtures::world_context(), true);
   TrainRun r;
   r.p0 = t.backend().state().params;
   r.stats = t.run(1);
@@ -100,7 +99,7 @@ TEST(DataParallel, GpuOverlappedStepMatchesClassicStep) {
       // the optimizer on the compute stream, one NCCL launch per bucket
       {"no_opt_stream", {{"KEEL_DP_BUCKET_MIB", "0.02"}, {"KEEL_DP_OPT_STREAM", "0"}, {"KEEL_DP_GROUP_REDUCES", "0"}}},
   };
-  for (const std::string& opt : {std::string(), std::string("  muon:\n    enabled: true\n")}) {
+  for (const std::string& opt : {std::string(), fixtures::kMuonOptimizer}) {
     const std::string o = opt.empty() ? "adamw" : "muon";
     const TrainRun classic = train(dir, "classic_" + o, opt, {{"KEEL_DP_OVERLAP", "0"}});
     ASSERT_EQ(classic.stats.size(), 4u);

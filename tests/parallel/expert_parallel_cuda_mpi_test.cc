@@ -26,6 +26,7 @@
 
 #include "../mpi_test_util.h"
 #include "../ops/cuda/cuda_test_util.h"
+#include "../train/train_mpi_test_util.h"
 #include "../train/train_test_util.h"
 #include "ops/cuda/moe.h"
 #include "parallel/expert_parallel_cuda.h"
@@ -149,11 +150,7 @@ bool have_gpu_per_rank_train() {
   return true;
 }
 
-ParallelContext world_context(int ep) {
-  ParallelContext c;
-  c.data = {world_size(), world_rank(), MPI_COMM_WORLD};
-  return with_expert_parallel(c, ep);
-}
+using fixtures::world_context;
 
 TrainConfig gpu_config(const fs::path& dir, const fs::path& out, int ep, const std::vector<std::string>& extra,
                        const std::string& optimizer_extra) {
@@ -167,9 +164,8 @@ TrainConfig gpu_config(const fs::path& dir, const fs::path& out, int ep, const s
   return parse_train_config(fixtures::train_config_text((dir / "d").string(), out, optimizer_extra), "ep.yaml", sets);
 }
 
-const std::string kMuon = "  muon:\n    enabled: true\n";
-const std::vector<std::string> kZayaRouter = {"model.router_hidden=8", "model.router_mlp_layers=3", "model.top_k=1",
-                                               "model.router_skip_expert=true"};
+const std::string& kMuon = fixtures::kMuonOptimizer;
+const std::vector<std::string>& kZayaRouter = fixtures::kZayaRouterSets;
 
 void expect_ep_matches_data_parallel(const std::vector<std::string>& extra, const std::string& opt,
                                      const std::string& tag) {

@@ -19,6 +19,7 @@
 #include "device/cuda_devices.h"
 #include "parallel/zero1.h"
 #include "train/trainer.h"
+#include "train_mpi_test_util.h"
 #include "train_test_util.h"
 
 namespace keel::train {
@@ -27,12 +28,6 @@ namespace {
 namespace fs = std::filesystem;
 using keel::test::world_rank;
 using keel::test::world_size;
-
-ParallelContext world_context() {
-  ParallelContext c;
-  c.data = {world_size(), world_rank(), MPI_COMM_WORLD};
-  return c;
-}
 
 fs::path shared_dir(const std::string& name) { return keel::test::shared_temp_dir("dp_mpi", name); }
 
@@ -47,7 +42,8 @@ TrainConfig config(const fs::path& dir, const fs::path& out, const std::vector<s
   return parse_train_config(fixtures::train_config_text((dir / "d").string(), out, optimizer_extra), "dp.yaml", sets);
 }
 
-const std::string kMuon = "  muon:\n    enabled: true\n";
+using fixtures::world_context;
+const std::string& kMuon = fixtures::kMuonOptimizer;
 
 double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;

@@ -18,6 +18,7 @@
 #include "../mpi_test_util.h"
 #include "train/model.h"
 #include "train/trainer.h"
+#include "train_mpi_test_util.h"
 #include "train_test_util.h"
 
 namespace keel::train {
@@ -27,11 +28,7 @@ namespace fs = std::filesystem;
 using keel::test::world_rank;
 using keel::test::world_size;
 
-ParallelContext world_context(int ep) {
-  ParallelContext c;
-  c.data = {world_size(), world_rank(), MPI_COMM_WORLD};
-  return with_expert_parallel(c, ep);
-}
+using fixtures::world_context;
 
 fs::path shared_dir(const std::string& name) { return keel::test::shared_temp_dir("ep_mpi", name); }
 
@@ -46,10 +43,8 @@ TrainConfig config(const fs::path& dir, const fs::path& out, int ep, const std::
   return parse_train_config(fixtures::train_config_text((dir / "d").string(), out, optimizer_extra), "ep.yaml", sets);
 }
 
-const std::string kMuon = "  muon:\n    enabled: true\n";
-// ZAYA1's MoE stage: the 3-layer MLP router (top-1) with the skip class.
-const std::vector<std::string> kZayaRouter = {"model.router_hidden=8", "model.router_mlp_layers=3", "model.top_k=1",
-                                               "model.router_skip_expert=true"};
+const std::string& kMuon = fixtures::kMuonOptimizer;
+const std::vector<std::string>& kZayaRouter = fixtures::kZayaRouterSets;
 
 // Every parameter of `ep_state` (an expert-parallel rank's) against the same elements of the
 // whole model's `full` state: the largest difference relative to the largest value.
