@@ -21,7 +21,12 @@ expert parallelism. To measure expert parallelism with the balanced routing a he
 --lr X lowers the learning rate (the collapse follows the first updates at 3e-4) and
 --router-bias-rate R turns on keel's aux-loss-free bias balancing (router.bias_update_rate), in
 every keel run of the invocation, base included; the table's last column shows the busiest
-expert's load (1.0: balanced, 16: one expert takes every token). KEEL_DP_* and NCCL_* variables reach every rank.
+expert's load (1.0: balanced, 16: one expert takes every token).
+
+--model zaya1 runs the same scaling on the ZAYA1-shaped model of bench/zaya_vs_torch.py instead
+(the 8-layer cut of ZAYA1-8B: CCA attention, MLP router with EDA and the skip class, residual
+scaling, 16 experts top-1, bias balancing at that script's rate; 8K tokens per GPU per step);
+it has no PyTorch data-parallel peer (--no-torch is implied). KEEL_DP_* and NCCL_* variables reach every rank.
 
 The peer, in the same run for each N right after keel: the same model and step in PyTorch
 (eager) under torchrun with DistributedDataParallel (gradient all-reduce in buckets overlapped
@@ -38,6 +43,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zaya_vs_torch  # noqa: E402
 from train_vs_torch import DIMS, keel_config, write_dataset  # noqa: E402
 
 
@@ -45,7 +51,16 @@ def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, e
     run_dir = os.path.join(out, f"dp{gpus}" + ("_classic" if classic else "") + (f"_ep{ep}" if ep > 1 else ""))
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "train.yaml")
-    text = keel_config(d, prefix, run_dir, steps, grad_accum=gpus)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if d.get("attention") == "cca":  # the ZAYA1-shaped model: its own config (its lr and bias rate unless given)
+        zb = bias_rate if bias_rate > 0 else zaya_vs_torch.BIAS_RATE
+        text = zaya_vs_torch.keel_config(d, prefix, run_dir, steps, "cuda", lr=lr or zaya_vs_torch.LR, bias_rate=zb)
+        assert "  grad_accum: 1\n" in text
+        text = text.replace("  grad_accum: 1\n", f"  grad_accum: {gpus}\n")
+        metrics = os.path.join(run_dir, "run", "metrics.jsonl")
+        bias_rate, lr = 0.0, None
+    else:
+        text = keel_config(d, prefix, run_dir, steps, grad_accum=gpus)
     if ep > 1:
         text += f"parallel:\n  expert: {ep}\n"
     if lr is not None:
@@ -73,7 +88,7 @@ def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, e
     if r.returncode != 0:
         print(open(log).read()[-3000:])
         return {"error": f"exit {r.returncode}"}
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(metrics)]
     tps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row and row.get("step", 0) > warmup]
     ce = [row["ce"] for row in rows if "ce" in row]
     mem = max(row.get("memory_mib", 0) for row in rows)
@@ -105,7 +120,8 @@ def main():
     ap.add_argument("--gpus", default="1,2,4,8")
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=DIMS["layers"])
+    ap.add_argument("--layers", type=int, default=None, help="layers (default: the model's 8)")
+    ap.add_argument("--model", choices=["bench", "zaya1"], default="bench")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--run-timeout", type=int, default=900, help="seconds per keel run")
     ap.add_argument("--classic-gpus", default="", help="GPU counts to also run with the classic step (KEEL_DP_OVERLAP=0)")
@@ -114,7 +130,11 @@ def main():
                     help="router.bias_update_rate for every keel run (0: off, the peer's router)")
     ap.add_argument("--lr", type=float, default=None, help="learning rate of every keel run (default: the peer's)")
     a = ap.parse_args()
-    d = dict(DIMS, layers=a.layers)
+    d = dict(zaya_vs_torch.ZAYA8 if a.model == "zaya1" else DIMS)
+    if a.layers:
+        d["layers"] = a.layers
+    if a.model == "zaya1":
+        a.no_torch = True
     counts = [int(x) for x in a.gpus.split(",")]
     os.makedirs(a.out, exist_ok=True)
     prefix = os.path.join(a.out, "random")
@@ -136,12 +156,13 @@ def main():
                             bias_rate=a.router_bias_rate, lr=a.lr)
             print("keel ep", n, res_ep[n], flush=True)
         if not a.no_torch:
-            peer[n] = run_torch(a.out, a.steps, a.warmup, n, a.layers)
+            peer[n] = run_torch(a.out, a.steps, a.warmup, n, d["layers"])
             print("torch", n, peer[n], flush=True)
     tok_step = d["micro_batch"] * d["seq"]  # tokens per GPU per step
     bal = f", router bias balancing {a.router_bias_rate}" if a.router_bias_rate > 0 else ""
     bal += f", lr {a.lr}" if a.lr is not None else ""
-    print(f"\n== keel train weak scaling, data parallel + ZeRO-1 (8K tokens per GPU per step{bal}) ==")
+    model = ", ZAYA1-shaped model" if a.model == "zaya1" else ""
+    print(f"\n== keel train weak scaling, data parallel + ZeRO-1 (8K tokens per GPU per step{model}{bal}) ==")
     print(f"{'GPUs':>4} {'step':>8} {'tok/s':>10} {'tok/s/GPU':>10} {'step ms':>8} {'eff':>6} {'exposed comm ms':>16} "
           f"{'mem GiB':>8} {'max load':>8}")
     base = res.get(1, {}).get("tokens_per_s")
