@@ -19,6 +19,26 @@ void copy_rows(float* dst, const float* src, std::int64_t rows, std::int64_t wid
 
 }  // namespace
 
+ExpertMajorLayout expert_major_layout(const std::vector<std::int64_t>& recv, int sources, int local_experts) {
+  if (sources < 1 || local_experts < 1 || recv.size() != static_cast<std::size_t>(sources) * local_experts)
+    fail("expert parallel: {} row counts for {} sources x {} local experts", recv.size(), sources, local_experts);
+  ExpertMajorLayout l;
+  l.block_start.assign(recv.size(), 0);
+  l.expert_offsets.assign(static_cast<std::size_t>(local_experts) + 1, 0);
+  std::int64_t at = 0;
+  for (int j = 0; j < local_experts; ++j) {
+    l.expert_offsets[static_cast<std::size_t>(j)] = at;
+    for (int p = 0; p < sources; ++p) {
+      const std::size_t i = static_cast<std::size_t>(p) * local_experts + j;
+      if (recv[i] < 0) fail("expert parallel: source {} announced {} rows for local expert {}", p, recv[i], j);
+      l.block_start[i] = at;
+      at += recv[i];
+    }
+  }
+  l.expert_offsets.back() = at;
+  return l;
+}
+
 ExpertParallelMoe::ExpertParallelMoe(MPI_Comm comm, int experts) : comm_(comm), experts_(experts) {
   if (comm == MPI_COMM_NULL) fail("expert parallel: no communicator");
   mpi_check(MPI_Comm_size(comm, &size_), "MPI_Comm_size");

@@ -36,6 +36,17 @@
 
 namespace keel::parallel {
 
+// Where the rows a rank receives for its experts go when stored expert-major: local expert j's
+// rows from source 0, then from source 1, and so on. recv[p * El + j]: rows that source p sends
+// for local expert j (the count exchange's result).
+struct ExpertMajorLayout {
+  std::vector<std::int64_t> block_start;     // [P * El]: first row of the (p, j) block
+  std::vector<std::int64_t> expert_offsets;  // [El + 1]: local expert j owns rows [o[j], o[j + 1])
+  std::int64_t rows() const { return expert_offsets.back(); }
+};
+// Throws keel::Error when recv does not hold P * El counts or one is negative.
+ExpertMajorLayout expert_major_layout(const std::vector<std::int64_t>& recv, int sources, int local_experts);
+
 class ExpertParallelMoe {
  public:
   // comm: the expert-parallel group (not owned; it must outlive the object); experts: E of the

@@ -7,6 +7,7 @@
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "device/cuda_check.h"
+#include "parallel/expert_parallel.h"
 
 namespace keel::parallel {
 
@@ -99,20 +100,10 @@ void CudaExpertParallelMoe::forward(const moe::Plan& plan, const bf16* x, const 
   mpi_check(MPI_Alltoall(sent.data(), El, MPI_INT64_T, recv_.data(), El, MPI_INT64_T, group_->comm()),
             "MPI_Alltoall (expert counts)");
   // expert-major: local expert j's rows from sources 0..P-1, one after another
-  local_offsets_.assign(static_cast<std::size_t>(El) + 1, 0);
-  recv_at_.assign(recv_.size(), 0);
-  std::int64_t at = 0;
-  for (int j = 0; j < El; ++j) {
-    local_offsets_[static_cast<std::size_t>(j)] = at;
-    for (int p = 0; p < P; ++p) {
-      const std::size_t i = static_cast<std::size_t>(p) * El + j;
-      if (recv_[i] < 0) fail("expert parallelism: rank {} announced {} rows", p, recv_[i]);
-      recv_at_[i] = at;
-      at += recv_[i];
-    }
-  }
-  local_offsets_[static_cast<std::size_t>(El)] = at;
-  const std::int64_t R = at;
+  ExpertMajorLayout layout = expert_major_layout(recv_, P, El);
+  recv_at_ = std::move(layout.block_start);
+  local_offsets_ = std::move(layout.expert_offsets);
+  const std::int64_t R = local_offsets_.back();
   // the received rows' saved tensors: xs, ys [R, D], h_gate, h_up, act [R, F] (bf16)
   const std::size_t rd = align_up(static_cast<std::size_t>(R * d) * 2), rf = align_up(static_cast<std::size_t>(R * f) * 2);
   char* base = static_cast<char*>(rows_.ensure(std::max<std::size_t>(2 * rd + 3 * rf, 256), stream, "received rows"));
