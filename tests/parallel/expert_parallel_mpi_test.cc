@@ -60,7 +60,7 @@ enum class Routing { kRandom, kFirstRankOnly, kOneExpert };
 
 void check_against_single_rank(int top_k, Routing routing) {
   const int p = world_size(), rank = world_rank();
-  const int E = 12, D = 8, F = 6;
+  const int E = 24, D = 8, F = 6;  // splits over 1, 2, 3, 4 and 8 ranks
   ASSERT_EQ(E % p, 0);
   ExpertParallelMoe ep(MPI_COMM_WORLD, E);
   const int el = ep.local_experts(), e0 = ep.first_expert();

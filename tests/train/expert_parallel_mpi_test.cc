@@ -1,5 +1,5 @@
-// keel train with expert parallelism on CPU ranks under MPI (run at 2, 3 and 4 ranks; 12 experts
-// so every degree divides them): with EP = the world, and at 4 ranks also EP = 2 (two ranks
+// keel train with expert parallelism on CPU ranks under MPI (run at 2, 3, 4 and 8 ranks; 24
+// experts and 24 micro-batches per step so every degree divides them): with EP = the world, and at 4 ranks also EP = 2 (two ranks
 // holding each expert), a run matches the 1-rank run of the same global batch within
 // fp32-reduction tolerance (linear router top-2 with AdamW and with Muon; the ZAYA1 MLP router
 // with the skip class); each rank holds exactly its experts and a ZeRO-1 shard of their optimizer
@@ -32,12 +32,12 @@ using fixtures::world_context;
 
 fs::path shared_dir(const std::string& name) { return keel::test::shared_temp_dir("ep_mpi", name); }
 
-// The tests' tiny model with 12 experts, 12 micro-batches of 1 sequence per step.
+// The tests' tiny model with 24 experts, 24 micro-batches of 1 sequence per step.
 TrainConfig config(const fs::path& dir, const fs::path& out, int ep, const std::vector<std::string>& extra = {},
                    const std::string& optimizer_extra = "") {
   if (world_rank() == 0 && !fs::exists(dir / "d.idx")) fixtures::make_dataset(dir, "d");
   MPI_Barrier(MPI_COMM_WORLD);
-  std::vector<std::string> sets = {"batch.micro_batch=1", "batch.grad_accum=12", "steps=6", "model.experts=12",
+  std::vector<std::string> sets = {"batch.micro_batch=1", "batch.grad_accum=24", "steps=6", "model.experts=24",
                                    "parallel.expert=" + std::to_string(ep)};
   sets.insert(sets.end(), extra.begin(), extra.end());
   return parse_train_config(fixtures::train_config_text((dir / "d").string(), out, optimizer_extra), "ep.yaml", sets);
@@ -78,7 +78,7 @@ void expect_matches_single_rank(int ep, const std::vector<std::string>& extra, c
   std::int64_t experts_begin = t.backend().layout().total_floats;
   for (const auto& p : t.backend().layout().params)
     if (is_expert_param(p.name)) {
-      ASSERT_EQ(p.shape[0], 12 / ep) << p.name;
+      ASSERT_EQ(p.shape[0], 24 / ep) << p.name;
       experts_begin = std::min(experts_begin, p.offset);
     }
   // ZeRO-1 over the ranks holding the same experts: their optimizer shards tile the expert
