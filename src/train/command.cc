@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "device/cuda_devices.h"
+#include "parallel/zero1_buckets.h"
 #include "train/backend.h"
 #include "train/trainer.h"
 
@@ -27,6 +28,12 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
   if (mpi.size() % cfg.parallel_expert != 0 || cfg.model.experts % cfg.parallel_expert != 0)
     throw UsageError(fmt::format("{}: parallel.expert ({}) must divide the number of ranks ({}) and of experts ({})",
                                  cfg.path, cfg.parallel_expert, mpi.size(), cfg.model.experts));
+  // GPU expert parallelism runs inside the overlapped ZeRO-1 step (docs/parallel.md)
+  const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && cuda_training_available());
+  if (cfg.parallel_expert > 1 && cuda && !parallel::zero1_overlap_options_from_env().enabled)
+    throw UsageError(fmt::format("{}: parallel.expert ({}) on GPUs needs the overlapped ZeRO-1 step: unset "
+                                 "KEEL_DP_OVERLAP=0 (or train on device: cpu)",
+                                 cfg.path, cfg.parallel_expert));
   ParallelContext ctx;
   ctx.data = {mpi.size(), mpi.rank(), mpi.size() > 1 ? MPI_COMM_WORLD : MPI_COMM_NULL};
   if (mpi.size() > 1 && cfg.device != "cpu") {
