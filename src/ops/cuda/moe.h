@@ -100,8 +100,8 @@ void backward(const Plan& plan, const float* gates, const Weights& w, std::int64
 void dispatch_rows(const Plan& plan, const bf16* x, std::int64_t d, bf16* xs, cudaStream_t stream);
 
 // The SwiGLU MLPs of experts 0..offsets.size() - 2 of `w` on expert-major rows: expert e owns
-// rows [offsets[e], offsets[e + 1]) of sv.xs (host offsets, offsets[0] = 0); writes sv.h_gate, sv.h_up,
-// sv.act and sv.ys on those rows. Experts without rows launch nothing.
+// rows [offsets[e], offsets[e + 1]) of sv.xs (host offsets, offsets[0] = 0); writes sv.h_gate,
+// sv.h_up, sv.act and sv.ys on those rows. Experts without rows launch nothing.
 void experts_forward(const std::vector<std::int64_t>& offsets, const Weights& w, std::int64_t d, std::int64_t f,
                      const Saved& sv, cudaStream_t stream);
 
@@ -124,8 +124,8 @@ void experts_backward(const std::vector<std::int64_t>& offsets, const Weights& w
 // dx[n] = sum_k dxs[position[n top_k + k]] -> bf16 (overwritten).
 void combine_dx(const Plan& plan, const float* dxs, std::int64_t d, bf16* dx, cudaStream_t stream);
 
-// Where a routed layer's experts run: every expert on this GPU (LocalExperts: forward() and
-// backward() above), or spread over an expert-parallel group of GPUs (parallel/
+// Where a routed layer's experts run when they are not all on this GPU (callers without a runner
+// call forward() and backward() above): spread over an expert-parallel group of GPUs (parallel/
 // expert_parallel_cuda.h). One object per MoE layer when it keeps state between forward and
 // backward. Same arguments as forward() and backward(); `w` and `dw` hold the experts this GPU
 // has (all E, or E / P), the plan routes over all E.
