@@ -6,7 +6,8 @@ same global batch of 4 micro-batches at every world size) on a learnable stream 
 256-token phrase repeated, so the loss falls fast and a resume that lost or misplaced any
 state shows) is trained as
   steps 1-3 on N GPUs with expert parallelism over all of them (parallel.expert = N),
-  steps 4-6 on N/2 GPUs with parallel.expert = N/2 (or data parallelism when N/2 is 1),
+  steps 4-6 on N/2 GPUs with parallel.expert = N/2 (or --mid-ep K: every expert on N/2/K
+  GPUs, the issue's 8 GPUs EP 8 -> 4 GPUs EP 2 -> 1 is --gpus 8 --mid-ep 2),
   steps 7-9 on one GPU,
 each stage resuming from the previous stage's checkpoint (resharded at load: other world size,
 other expert degree, other ZeRO-1 shards). The reference trains the same 9 steps on one GPU
@@ -92,6 +93,7 @@ def main():
     ap.add_argument("--keel", default="build/keel")
     ap.add_argument("--out", default="out/reshard_chain")
     ap.add_argument("--gpus", type=int, default=4, help="GPUs of the first stage (even)")
+    ap.add_argument("--mid-ep", type=int, default=0, help="expert-parallel degree of the middle stage (default N/2)")
     ap.add_argument("--rtol", type=float, default=5e-3)
     a = ap.parse_args()
     if a.gpus < 2 or a.gpus % 2 or 8 % a.gpus:
@@ -104,10 +106,13 @@ def main():
     write_dataset(prefix, np.resize(phrase, n), SEQ)
     _, ref, _ = train(a.keel, a.out, "reference", 1, 1, 9, prefix)
     half = a.gpus // 2
+    mid = a.mid_ep or half
+    if half % mid or 8 % mid:
+        sys.exit(f"--mid-ep {mid} must divide {half} GPUs and the 8 experts")
     d1, l1, _ = train(a.keel, a.out, f"stage1_{a.gpus}gpu_ep{a.gpus}", a.gpus, a.gpus, 3, prefix)
-    d2, l2, r2 = train(a.keel, a.out, f"stage2_{half}gpu_ep{half}", half, half, 6, prefix, resume=d1)
+    d2, l2, r2 = train(a.keel, a.out, f"stage2_{half}gpu_ep{mid}", half, mid, 6, prefix, resume=d1)
     _, l3, r3 = train(a.keel, a.out, "stage3_1gpu", 1, 1, 9, prefix, resume=d2)
-    print(f"\n== keel train resharding chain: {a.gpus} GPUs EP {a.gpus} -> {half} GPU(s) EP {half} -> 1 GPU ==")
+    print(f"\n== keel train resharding chain: {a.gpus} GPUs EP {a.gpus} -> {half} GPU(s) EP {mid} -> 1 GPU ==")
     print(f"  stage 2: {r2}\n  stage 3: {r3}")
     print(f"{'step':>4} {'layout':>16} {'chain loss':>11} {'uninterrupted':>13} {'rel diff':>9}")
     worst = 0.0
@@ -115,7 +120,7 @@ def main():
         if step <= 3:
             got, layout = l1.get(step), f"{a.gpus} GPUs, EP {a.gpus}"
         elif step <= 6:
-            got, layout = l2.get(step), f"{half} GPU{'s' if half > 1 else ''}, EP {half}"
+            got, layout = l2.get(step), f"{half} GPU{'s' if half > 1 else ''}, EP {mid}"
         else:
             got, layout = l3.get(step), "1 GPU"
         want = ref.get(step)

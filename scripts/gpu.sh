@@ -115,10 +115,11 @@ for step in "${steps[@]}"; do
         mpi_gtest ep "$n" 'ExpertParallelCuda.*' "${KEEL_EP_TEST_TIMEOUT:-300}" '^  [a-z0-9_]+: EP '
       done
       # The resharding chain: N GPUs at EP N -> N/2 at EP N/2 -> 1 GPU against an uninterrupted
-      # run (KEEL_EP_CHAIN=0 skips it).
+      # run (KEEL_EP_CHAIN=0 skips it; KEEL_EP_CHAIN_ARGS="--mid-ep 2" on 8 GPUs is the issue's
+      # 8/EP8 -> 4/EP2 -> 1).
       chain=$(printf '%s\n' 8 4 2 | awk -v g="$gpus" '$1<=g' | head -1)
       if [ "${KEEL_EP_CHAIN:-1}" != 0 ]; then
-        if timeout 600 python3 bench/train_reshard_chain.py --keel "$build/keel" --out /tmp/keel-chain --gpus "$chain" \
+        if timeout 600 python3 bench/train_reshard_chain.py --keel "$build/keel" --out /tmp/keel-chain --gpus "$chain" ${KEEL_EP_CHAIN_ARGS:-} \
             >"$out/reshard_chain.log" 2>&1; then
           note "resharding chain: ok"
         else

@@ -30,6 +30,7 @@
 #include "../train/train_test_util.h"
 #include "ops/cuda/moe.h"
 #include "parallel/expert_parallel_cuda.h"
+#include "train/model.h"
 #include "train/trainer.h"
 
 namespace keel::parallel {
@@ -156,7 +157,7 @@ TrainConfig gpu_config(const fs::path& dir, const fs::path& out, int ep, const s
                        const std::string& optimizer_extra) {
   if (world_rank() == 0 && !fs::exists(dir / "d.idx")) fixtures::make_dataset(dir, "d");
   MPI_Barrier(MPI_COMM_WORLD);
-  std::vector<std::string> sets = {"batch.micro_batch=1",  "batch.grad_accum=12",     "steps=6",
+  std::vector<std::string> sets = {"batch.micro_batch=1",  "batch.grad_accum=24",     "steps=6",
                                    "device=cuda",          "model.hidden=128",        "model.head_dim=64",
                                    "model.ffn_hidden=256", "model.expert_hidden=128", "model.experts=8",
                                    "parallel.expert=" + std::to_string(ep)};
@@ -194,6 +195,43 @@ void expect_ep_matches_data_parallel(const std::vector<std::string>& extra, cons
 TEST(ExpertParallelCuda, TrainEpWorldMatchesDataParallelWithMuon) {
   if (!have_gpu_per_rank_train()) GTEST_SKIP() << "needs 2+ ranks and a GPU per rank";
   expect_ep_matches_data_parallel({}, kMuon, "muon");
+}
+
+// EP = world / 2 on 4 or 8 GPUs: every expert on 2 or 4 GPUs, whose expert gradients are
+// reduced to the shard owners over the expert-data group and whose updated shards are broadcast
+// back (the expert-data collectives EP = world never runs).
+TEST(ExpertParallelCuda, TrainEpHalfWithReplicasMatchesDataParallel) {
+  if (!have_gpu_per_rank_train() || world_size() < 4) GTEST_SKIP() << "needs 4+ ranks and a GPU per rank";
+  const int P = world_size(), ep = P / 2;
+  if (8 % ep != 0 || 24 % P != 0) GTEST_SKIP() << "EP " << ep << " or " << P << " ranks do not split the model and batch";
+  const fs::path dir = keel::test::shared_temp_dir("ep_cuda", "replicas");
+  const std::vector<std::string> sets = {"checkpoint.final=false"};
+  Trainer dp(gpu_config(dir, dir / "dp", 1, sets, kMuon), world_context(1), true);
+  const auto want = dp.run(4);
+  Trainer ep_run(gpu_config(dir, dir / "ep", ep, sets, kMuon), world_context(ep), true);
+  const StateSlice sl = ep_run.backend().state_slice();
+  std::int64_t covered = sl.expert_end - sl.expert_begin;
+  MPI_Allreduce(MPI_IN_PLACE, &covered, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  std::int64_t region = 0;
+  for (const auto& p : ep_run.backend().layout().params)
+    if (is_expert_param(p.name)) region += p.numel;
+  EXPECT_EQ(covered, ep * region) << "the expert-data shards tile each expert group's region once";
+  const auto got = ep_run.run(4);
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_NEAR(got[0].loss, want[0].loss, 1e-4 * std::fabs(want[0].loss));
+  EXPECT_NEAR(got[0].grad_norm, want[0].grad_norm, 1e-2 * want[0].grad_norm);
+  for (std::size_t i = 1; i < got.size(); ++i)
+    EXPECT_NEAR(got[i].loss, want[i].loss, 1e-2 * std::fabs(want[i].loss)) << "step " << i + 1;
+  // every replica of an expert holds the same weights after the broadcasts
+  const auto params = ep_run.backend().state().params;
+  double sum = 0;
+  for (float x : params) sum += x;
+  std::vector<double> sums(static_cast<std::size_t>(P));
+  MPI_Allgather(&sum, 1, MPI_DOUBLE, sums.data(), 1, MPI_DOUBLE, MPI_COMM_WORLD);
+  for (int r = 0; r < P; ++r) EXPECT_EQ(sums[static_cast<std::size_t>(r)], sums[static_cast<std::size_t>(r % ep)]) << "rank " << r;
+  if (world_rank() == 0)
+    std::printf("  replicas: EP %d on %d GPUs vs data parallel: loss %.6f vs %.6f after 4 steps\n", ep, P,
+                got.back().loss, want.back().loss);
 }
 
 TEST(ExpertParallelCuda, TrainEpWorldMatchesDataParallelWithTheZayaRouter) {
