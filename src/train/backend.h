@@ -66,6 +66,11 @@ struct TrainState {
   int expert_parallel = 1, expert_rank = 0;
   std::int64_t expert_begin = 0, expert_end = 0;
   StateSlice slice() const { return {expert_parallel, expert_rank, shard_begin, shard_end, expert_begin, expert_end}; }
+  void set_slice(const StateSlice& s) {
+    expert_parallel = s.expert_parallel, expert_rank = s.expert_rank;
+    shard_begin = s.shard_begin, shard_end = s.shard_end;
+    expert_begin = s.expert_begin, expert_end = s.expert_end;
+  }
   std::vector<std::vector<float>> router_bias;    // one [E] per MoE layer
   std::int64_t adamw_step = 0;
 };
@@ -159,6 +164,14 @@ class TrainBackend {
   // momentum for a parameter this backend trains with AdamW (check_state_matches_optimizers).
   virtual void set_state(const TrainState& s) = 0;
 };
+
+// What every backend's set_state() checks before touching anything: `s` holds this rank's
+// parameters (layout.total_floats), exactly its slice (optimizer shard and experts) with
+// moments of that size, one router bias per MoE layer of the given sizes, and no Muon momentum
+// where this layout trains with AdamW (check_state_matches_optimizers). Throws keel::Error
+// naming the first mismatch.
+void check_train_state(const TrainState& s, const optim::ParamLayout& layout, const StateSlice& slice,
+                       const std::vector<std::size_t>& router_bias_sizes);
 
 // True when this keel was built with CUDA and a GPU is visible (`device: auto` picks cuda then).
 bool cuda_training_available();

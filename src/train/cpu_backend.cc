@@ -114,12 +114,7 @@ class CpuBackend final : public TrainBackend {
     const std::size_t n = static_cast<std::size_t>(model_.param_floats());
     const std::size_t k = static_cast<std::size_t>(slice_.moments());
     s.params.assign(model_.params(), model_.params() + n);
-    s.shard_begin = shard_.first;
-    s.shard_end = shard_.second;
-    s.expert_parallel = slice_.expert_parallel;
-    s.expert_rank = slice_.expert_rank;
-    s.expert_begin = slice_.expert_begin;
-    s.expert_end = slice_.expert_end;
+    s.set_slice(slice_);
     s.adam_m.assign(adam_m_, adam_m_ + k);
     s.adam_v.assign(adam_v_, adam_v_ + k);
     auto& m = const_cast<MoeTransformer&>(model_);
@@ -142,23 +137,9 @@ class CpuBackend final : public TrainBackend {
   void set_state(const TrainState& s) override {
     const std::size_t n = static_cast<std::size_t>(model_.param_floats());
     const std::size_t k = static_cast<std::size_t>(slice_.moments());
-    if (s.params.size() != n) fail("train state holds {} parameter floats, this model has {}", s.params.size(), n);
-    if (s.shard_begin != shard_.first || s.shard_end != shard_.second || s.adam_m.size() != k || s.adam_v.size() != k)
-      fail("train state holds the optimizer shard [{}, {}) ({} floats), this rank's is [{}, {})", s.shard_begin,
-           s.shard_end, s.adam_m.size(), shard_.first, shard_.second);
-    if (s.expert_parallel != slice_.expert_parallel || s.expert_rank != slice_.expert_rank ||
-        s.expert_begin != slice_.expert_begin || s.expert_end != slice_.expert_end)
-      fail("train state holds the experts of expert-parallel rank {} of {}, this rank holds those of rank {} of {}",
-           s.expert_rank, s.expert_parallel, slice_.expert_rank, slice_.expert_parallel);
-    if (s.router_bias.size() != static_cast<std::size_t>(moe_layer_count()))
-      fail("train state holds {} router biases, this model has {} MoE layers", s.router_bias.size(), moe_layer_count());
-    for (int i = 0; i < moe_layer_count(); ++i)
-      if (s.router_bias[i].size() != model_.router_bias(i).size()) fail("router bias {} size differs", i);
-    check_state_matches_optimizers(layout_, s.adam_m.data(), s.adam_v.data(), shard_.first, shard_.second);
-    const std::int64_t sk = shard_.second - shard_.first;
-    if (slice_.expert_end > slice_.expert_begin)
-      check_state_matches_optimizers(layout_, s.adam_m.data() + sk, s.adam_v.data() + sk, slice_.expert_begin,
-                                     slice_.expert_end);
+    std::vector<std::size_t> bias_sizes;
+    for (int i = 0; i < moe_layer_count(); ++i) bias_sizes.push_back(model_.router_bias(i).size());
+    check_train_state(s, layout_, slice_, bias_sizes);
     std::memcpy(model_.params(), s.params.data(), n * sizeof(float));
     if (k > 0) std::memcpy(adam_m_, s.adam_m.data(), k * sizeof(float));
     if (k > 0) std::memcpy(adam_v_, s.adam_v.data(), k * sizeof(float));
@@ -243,6 +224,31 @@ class CpuBackend final : public TrainBackend {
 std::unique_ptr<TrainBackend> make_cpu_backend(const model::ModelConfig& cfg, const ModelOptions& options,
                                                const OptimizerConfig& optimizer, const ParallelContext& ctx) {
   return std::make_unique<CpuBackend>(cfg, options, optimizer, ctx);
+}
+
+void check_train_state(const TrainState& s, const optim::ParamLayout& layout, const StateSlice& slice,
+                       const std::vector<std::size_t>& router_bias_sizes) {
+  const std::size_t n = static_cast<std::size_t>(layout.total_floats);
+  const std::size_t k = static_cast<std::size_t>(slice.moments());
+  if (s.params.size() != n) fail("train state holds {} parameter floats, this model has {}", s.params.size(), n);
+  if (s.shard_begin != slice.shard_begin || s.shard_end != slice.shard_end || s.adam_m.size() != k ||
+      s.adam_v.size() != k)
+    fail("train state holds the optimizer shard [{}, {}) ({} floats), this rank's is [{}, {})", s.shard_begin,
+         s.shard_end, s.adam_m.size(), slice.shard_begin, slice.shard_end);
+  if (s.expert_parallel != slice.expert_parallel || s.expert_rank != slice.expert_rank ||
+      s.expert_begin != slice.expert_begin || s.expert_end != slice.expert_end)
+    fail("train state holds the experts of expert-parallel rank {} of {}, this rank holds those of rank {} of {}",
+         s.expert_rank, s.expert_parallel, slice.expert_rank, slice.expert_parallel);
+  if (s.router_bias.size() != router_bias_sizes.size())
+    fail("train state holds {} router biases, this model has {} MoE layers", s.router_bias.size(),
+         router_bias_sizes.size());
+  for (std::size_t i = 0; i < router_bias_sizes.size(); ++i)
+    if (s.router_bias[i].size() != router_bias_sizes[i]) fail("router bias {} size differs", i);
+  check_state_matches_optimizers(layout, s.adam_m.data(), s.adam_v.data(), slice.shard_begin, slice.shard_end);
+  const std::int64_t sk = slice.shard_end - slice.shard_begin;  // the expert shard's moments follow
+  if (slice.expert_end > slice.expert_begin)
+    check_state_matches_optimizers(layout, s.adam_m.data() + sk, s.adam_v.data() + sk, slice.expert_begin,
+                                   slice.expert_end);
 }
 
 bool cuda_training_available() {

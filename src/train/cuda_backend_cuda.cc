@@ -563,12 +563,7 @@ class CudaBackend final : public TrainBackend {
     const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
     s.params.resize(n);
     const std::size_t k = static_cast<std::size_t>(slice_.moments());
-    s.shard_begin = shard_.first;
-    s.shard_end = shard_.second;
-    s.expert_parallel = slice_.expert_parallel;
-    s.expert_rank = slice_.expert_rank;
-    s.expert_begin = slice_.expert_begin;
-    s.expert_end = slice_.expert_end;
+    s.set_slice(slice_);
     s.adam_m.resize(k);
     s.adam_v.resize(k);
     join_comm();
@@ -603,25 +598,10 @@ class CudaBackend final : public TrainBackend {
   }
 
   void set_state(const TrainState& s) override {
-    const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
     const std::size_t k = static_cast<std::size_t>(slice_.moments());
-    if (s.params.size() != n) fail("train state holds {} parameter floats, this model has {}", s.params.size(), n);
-    if (s.shard_begin != shard_.first || s.shard_end != shard_.second || s.adam_m.size() != k || s.adam_v.size() != k)
-      fail("train state holds the optimizer shard [{}, {}) ({} floats), this rank's is [{}, {})", s.shard_begin,
-           s.shard_end, s.adam_m.size(), shard_.first, shard_.second);
-    if (s.expert_parallel != slice_.expert_parallel || s.expert_rank != slice_.expert_rank ||
-        s.expert_begin != slice_.expert_begin || s.expert_end != slice_.expert_end)
-      fail("train state holds the experts of expert-parallel rank {} of {}, this rank holds those of rank {} of {}",
-           s.expert_rank, s.expert_parallel, slice_.expert_rank, slice_.expert_parallel);
-    if (s.router_bias.size() != bias_.size())
-      fail("train state holds {} router biases, this model has {} MoE layers", s.router_bias.size(), bias_.size());
-    for (std::size_t i = 0; i < bias_.size(); ++i)
-      if (s.router_bias[i].size() != bias_[i].size()) fail("router bias {} size differs", i);
-    check_state_matches_optimizers(layout_, s.adam_m.data(), s.adam_v.data(), shard_.first, shard_.second);
-    const std::int64_t sk = shard_.second - shard_.first;
-    if (slice_.expert_end > slice_.expert_begin)
-      check_state_matches_optimizers(layout_, s.adam_m.data() + sk, s.adam_v.data() + sk, slice_.expert_begin,
-                                     slice_.expert_end);
+    std::vector<std::size_t> bias_sizes;
+    for (const auto& b : bias_) bias_sizes.push_back(b.size());
+    check_train_state(s, layout_, slice_, bias_sizes);
     join_comm();  // pending broadcasts write the parameters
     upload_params(s.params);
     masters_stale_ = false;
