@@ -34,6 +34,7 @@
 
 #include "optim/adamw.h"
 #include "optim/param_groups.h"
+#include "parallel/zero1.h"
 #include "train/model.h"
 #include "train/param_rules.h"
 #include "train/parallel_context.h"
@@ -164,6 +165,18 @@ class TrainBackend {
   // momentum for a parameter this backend trains with AdamW (check_state_matches_optimizers).
   virtual void set_state(const TrainState& s) = 0;
 };
+
+// How both backends shard a rank's flat buffer for ZeRO-1 (parallel/zero1.h). With expert
+// parallelism the experts come last: the replicated region [0, replicated_end) is sharded over
+// the data group (all ranks) and the expert region [replicated_end, total) over the expert-data
+// group (the ranks holding the same experts), whose gradients it sums. `replicated` is empty on
+// one rank (the slice's shard is then the whole buffer), `experts` without expert parallelism.
+struct StateShards {
+  std::int64_t replicated_end = 0;
+  parallel::Zero1Plan replicated, experts;
+  StateSlice slice;  // this rank's shard of each region, its experts
+};
+StateShards plan_state_shards(const optim::ParamLayout& layout, const ParallelContext& ctx);
 
 // What every backend's set_state() checks before touching anything: `s` holds this rank's
 // parameters (layout.total_floats), exactly its slice (optimizer shard and experts) with

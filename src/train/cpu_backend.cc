@@ -31,30 +31,16 @@ class CpuBackend final : public TrainBackend {
     // the matrices regrouped (the model itself only reads offsets).
     layout_ = optimizer.muon.enabled ? regroup_layout(model_.layout(), train_group_rules(optimizer.muon))
                                      : model_.layout();
-    // With expert parallelism the experts come last: ZeRO-1 shards the replicated region before
-    // them over the data group (all ranks), and the expert region over the expert-data group
-    // (the ranks holding the same experts), whose gradients it sums.
-    const std::int64_t total = model_.param_floats();
-    std::int64_t replicated_end = total;
-    for (const auto& p : layout_.params)
-      if (ctx.expert.size > 1 && is_expert_param(p.name)) replicated_end = std::min(replicated_end, p.offset);
-    slice_.expert_parallel = ctx.expert.size;
-    slice_.expert_rank = ctx.expert.rank;
-    if (ctx.data.size > 1) {
-      dp_ = parallel::make_mpi_data_parallel_comm(ctx.data.comm);
-      plan_ = parallel::plan_zero1_region(layout_, 0, replicated_end, ctx.data.size);
-      shard_ = {plan_.begin(ctx.data.rank), plan_.end(ctx.data.rank)};
-    } else {
-      shard_ = {0, total};
-    }
-    if (replicated_end < total) {
-      expert_plan_ = parallel::plan_zero1_region(layout_, replicated_end, total, ctx.expert_data.size);
-      if (ctx.expert_data.size > 1) expert_dp_ = parallel::make_mpi_data_parallel_comm(ctx.expert_data.comm);
-      slice_.expert_begin = expert_plan_.begin(ctx.expert_data.rank);
-      slice_.expert_end = expert_plan_.end(ctx.expert_data.rank);
-    }
-    slice_.shard_begin = shard_.first;
-    slice_.shard_end = shard_.second;
+    // ZeRO-1 shards (plan_state_shards: with expert parallelism the expert region is sharded
+    // over the expert-data group, whose gradients it sums)
+    const StateShards shards = plan_state_shards(layout_, ctx);
+    plan_ = shards.replicated;
+    expert_plan_ = shards.experts;
+    slice_ = shards.slice;
+    shard_ = {slice_.shard_begin, slice_.shard_end};
+    if (ctx.data.size > 1) dp_ = parallel::make_mpi_data_parallel_comm(ctx.data.comm);
+    if (shards.replicated_end < layout_.total_floats && ctx.expert_data.size > 1)
+      expert_dp_ = parallel::make_mpi_data_parallel_comm(ctx.expert_data.comm);
     const std::size_t n = static_cast<std::size_t>(slice_.moments());  // optimizer state: the shard (+ experts)
     const std::size_t scratch = static_cast<std::size_t>(muon_scratch_floats(layout_));
     const std::size_t n1 = std::max<std::size_t>(n, 1);
@@ -224,6 +210,28 @@ class CpuBackend final : public TrainBackend {
 std::unique_ptr<TrainBackend> make_cpu_backend(const model::ModelConfig& cfg, const ModelOptions& options,
                                                const OptimizerConfig& optimizer, const ParallelContext& ctx) {
   return std::make_unique<CpuBackend>(cfg, options, optimizer, ctx);
+}
+
+StateShards plan_state_shards(const optim::ParamLayout& layout, const ParallelContext& ctx) {
+  const std::int64_t total = layout.total_floats;
+  StateShards s;
+  s.replicated_end = total;
+  for (const auto& p : layout.params)
+    if (ctx.expert.size > 1 && is_expert_param(p.name)) s.replicated_end = std::min(s.replicated_end, p.offset);
+  s.slice.expert_parallel = ctx.expert.size;
+  s.slice.expert_rank = ctx.expert.rank;
+  s.slice.shard_end = total;
+  if (ctx.data.size > 1) {
+    s.replicated = parallel::plan_zero1_region(layout, 0, s.replicated_end, ctx.data.size);
+    s.slice.shard_begin = s.replicated.begin(ctx.data.rank);
+    s.slice.shard_end = s.replicated.end(ctx.data.rank);
+  }
+  if (s.replicated_end < total) {
+    s.experts = parallel::plan_zero1_region(layout, s.replicated_end, total, ctx.expert_data.size);
+    s.slice.expert_begin = s.experts.begin(ctx.expert_data.rank);
+    s.slice.expert_end = s.experts.end(ctx.expert_data.rank);
+  }
+  return s;
 }
 
 void check_train_state(const TrainState& s, const optim::ParamLayout& layout, const StateSlice& slice,

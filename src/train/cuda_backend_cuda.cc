@@ -249,29 +249,16 @@ class CudaBackend final : public TrainBackend {
     if (optimizer.muon.enabled) layout_ = regroup_layout(layout_, train_group_rules(optimizer.muon));
     const std::size_t muon_ws_bytes = k::muon::workspace_bytes(layout_);
     // ZeRO-1 over the data-parallel ranks (parallel/zero1.h): optimizer state for this rank's
-    // shard only; the collectives are set up below (setup_data_parallel). With expert
-    // parallelism the replicated region (everything before the experts) is sharded over the
-    // data group and the expert region over the expert-data group, as on CPU ranks.
-    const std::int64_t total = layout_.total_floats;
-    replicated_end_ = total;
-    for (const auto& p : layout_.params)
-      if (ctx.expert.size > 1 && is_expert_param(p.name)) replicated_end_ = std::min(replicated_end_, p.offset);
-    slice_.expert_parallel = ctx.expert.size;
-    slice_.expert_rank = ctx.expert.rank;
-    if (ctx.data.size > 1) {
-      plan_ = parallel::plan_zero1_region(layout_, 0, replicated_end_, ctx.data.size);
-      shard_ = {plan_.begin(ctx.data.rank), plan_.end(ctx.data.rank)};
-    } else {
-      shard_ = {0, total};
-    }
-    if (replicated_end_ < total) {
-      expert_plan_ = parallel::plan_zero1_region(layout_, replicated_end_, total, ctx.expert_data.size);
-      slice_.expert_begin = expert_plan_.begin(ctx.expert_data.rank);
-      slice_.expert_end = expert_plan_.end(ctx.expert_data.rank);
-      expert_data_rank_ = ctx.expert_data.rank;
-    }
-    slice_.shard_begin = shard_.first;
-    slice_.shard_end = shard_.second;
+    // shard only, as on CPU ranks (plan_state_shards: with expert parallelism the replicated
+    // region over the data group, the expert region over the expert-data group); the collectives
+    // are set up below (setup_data_parallel, setup_expert_parallel).
+    const StateShards shards = plan_state_shards(layout_, ctx);
+    replicated_end_ = shards.replicated_end;
+    plan_ = shards.replicated;
+    expert_plan_ = shards.experts;
+    slice_ = shards.slice;
+    shard_ = {slice_.shard_begin, slice_.shard_end};
+    expert_data_rank_ = ctx.expert_data.rank;
     for (int l = 0; l < cfg_.layers; ++l) {
       moe_index_of_layer_.push_back(model::is_moe_layer(cfg_, l) ? static_cast<int>(moe_layer_ids_.size()) : -1);
       if (model::is_moe_layer(cfg_, l)) moe_layer_ids_.push_back(l);
