@@ -24,6 +24,11 @@ runs keel with expert parallelism over all GPUs of each launch (parallel.expert 
 and the load, G/2 for the resharded load), which is what lets a model of that size train on
 fewer GPUs than 8. The checkpoint holds the same tensors either way (whole [E, ...] expert
 tensors), so DCP's side does not change.
+
+At 8 GPUs and 32 layers the whole comparison can outlast one 10-minute device call, so it splits
+in two: `--part keel` runs keel's side and writes keel_result.json under --out; `--part dcp
+--keel-result FILE` (that file, from the first call) runs DCP's side on the same parameter count
+and prints the table. Each phase's wall time is printed as it ends.
 """
 import argparse
 import json
@@ -121,34 +126,12 @@ def sh(cmd, log, timeout, env=None):
     return text
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--keel", default="build-gpu/keel")
-    p.add_argument("--out", help="directory on the disk under test (emptied; required)")
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--timeout", type=int, default=600)
-    p.add_argument("--layers", type=int, default=None, help="model layers (default: the bench model's 8)")
-    p.add_argument("--ep", action="store_true", help="keel runs with expert parallelism over every GPU")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=["save", "load"], help=argparse.SUPPRESS)
-    p.add_argument("--numel", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--dir", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.worker:
-        return torch_worker(a)
-    if not a.out:
-        p.error("--out is required")
+def run_keel(a, d, g, half, env, phase):
+    """keel's side: train 14 steps saving at step 10 (written while steps 11-14 run), then resume
+    from it at g ranks and at half. Returns (measurements, parameter count)."""
     import numpy as np
-    from train_vs_torch import DIMS, keel_config, write_dataset
+    from train_vs_torch import keel_config, write_dataset
 
-    g, half = a.gpus, max(1, a.gpus // 2)
-    shutil.rmtree(a.out, ignore_errors=True)
-    os.makedirs(a.out)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
-    d = dict(DIMS)
-    if a.layers:
-        d["layers"] = a.layers
     ep = (lambda n: ["--set", f"parallel.expert={n}"]) if a.ep else (lambda n: [])
     prefix = os.path.join(a.out, "tokens")
     rng = np.random.default_rng(1)
@@ -160,7 +143,6 @@ def main():
     open(cfg, "w").write(keel_config(d, prefix, run_dir, 14, grad_accum=g))
     mpirun = ["mpirun", "--allow-run-as-root", "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE"]
 
-    # keel: train 14 steps, one save at step 10 written while steps 11-14 run
     text = sh(mpirun + ["-np", str(g), a.keel, "train", cfg, "--set", "checkpoint.interval=10"] + ep(g),
               os.path.join(a.out, "keel_save.log"), a.timeout, env)
     numel = int(re.search(r"\((\d+) parameters", text).group(1))
@@ -168,13 +150,80 @@ def main():
     keel = {"stall_s": float(m.group(1)), "staging_s": float(m.group(2))}
     m = re.search(r"saved \S+step_00000010 \(([0-9.]+) MiB in \d+ files, ([0-9.]+) GB/s\)", text)
     keel["bytes"], keel["write_gbps"] = float(m.group(1)) * 1048576, float(m.group(2))
+    phase("keel save")
     for n, key in ((g, "load"), (half, "reshard")):
         text = sh(mpirun + ["-np", str(n), a.keel, "train", cfg, "--set", "steps=10", "--resume",
                             os.path.join(run_dir, "step_00000010")] + ep(n),
                   os.path.join(a.out, f"keel_{key}.log"), a.timeout, env)
         m = re.search(r"\(read ([0-9.]+) GiB in ([0-9.]+) s, ([0-9.]+) GB/s, read amplification ([0-9.]+)\)", text)
         keel[key] = {"s": float(m.group(2)), "gbps": float(m.group(3)), "amplification": float(m.group(4))}
+        phase(f"keel {key}")
     shutil.rmtree(run_dir)
+    return keel, numel
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--keel", default="build-gpu/keel")
+    p.add_argument("--out", help="directory on the disk under test (emptied; required)")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--layers", type=int, default=None, help="model layers (default: the bench model's 8)")
+    p.add_argument("--ep", action="store_true", help="keel runs with expert parallelism over every GPU")
+    p.add_argument("--part", choices=["all", "keel", "dcp"], default="all",
+                   help="run both sides (default), only keel's (writes keel_result.json), or only DCP's")
+    p.add_argument("--keel-result", help="keel_result.json of an earlier --part keel run (needed by --part dcp)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["save", "load"], help=argparse.SUPPRESS)
+    p.add_argument("--numel", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--dir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return torch_worker(a)
+    if not a.out:
+        p.error("--out is required")
+    if a.part == "dcp" and not a.keel_result:
+        p.error("--part dcp needs --keel-result (the keel_result.json of a --part keel run)")
+    if a.keel_result:
+        if a.part != "dcp":
+            p.error("--keel-result goes with --part dcp")
+        try:
+            earlier = json.load(open(a.keel_result))
+            if earlier.get("schema") != "keel.ckpt_vs_dcp.keel/1":
+                raise ValueError("not a keel_result.json of this script")
+            if earlier["gpus"] != a.gpus:
+                raise ValueError(f"it was measured at {earlier['gpus']} GPUs, this run has {a.gpus}")
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--keel-result {a.keel_result}: {e}")
+    from train_vs_torch import DIMS
+
+    g, half = a.gpus, max(1, a.gpus // 2)
+    shutil.rmtree(a.out, ignore_errors=True)
+    os.makedirs(a.out)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    d = dict(DIMS)
+    if a.layers:
+        d["layers"] = a.layers
+    t0 = time.time()
+
+    def phase(name):
+        print(f"  {name}: done at {time.time() - t0:.0f} s", flush=True)
+
+    if a.part == "dcp":
+        keel, numel = earlier["keel"], earlier["numel"]
+        d["layers"], a.ep = earlier["layers"], earlier["keel_ep"]
+    else:
+        keel, numel = run_keel(a, d, g, half, env, phase)
+        if a.part == "keel":
+            json.dump({"schema": "keel.ckpt_vs_dcp.keel/1", "keel": keel, "numel": numel, "gpus": g,
+                       "layers": d["layers"], "keel_ep": a.ep},
+                      open(os.path.join(a.out, "keel_result.json"), "w"))
+            print(f"\n== keel checkpoints, keel's side: {numel / 1e9:.2f} B parameters, {g} GPUs: stall "
+                  f"{keel['stall_s']:.3f} s, write {keel['write_gbps']:.2f} GB/s, load {keel['load']['s']:.2f} s, "
+                  f"resharded load {g} -> {half} {keel['reshard']['s']:.2f} s (for --part dcp: "
+                  f"{a.out}/keel_result.json)")
+            return
 
     # PyTorch DCP on a state of the same size
     if numel % (g * half):
@@ -187,6 +236,7 @@ def main():
     sh(torchrun + [f"--nproc_per_node={g}"] + me + ["--mode", "save", "--result", res],
        os.path.join(a.out, "dcp_save.log"), a.timeout, env)
     dcp = json.load(open(res))
+    phase("DCP save, sync and async")
     for n, key in ((g, "load"), (half, "reshard")):
         res = os.path.join(a.out, f"dcp_{key}.json")
         sh(torchrun + [f"--nproc_per_node={n}"] + me + ["--mode", "load", "--result", res],
@@ -194,6 +244,7 @@ def main():
         got = json.load(open(res))
         ok = all(abs(x - y) <= 1e-6 * max(1.0, abs(y)) for x, y in zip(got["sums"], dcp["sums"]))
         dcp[key] = {"s": got["load_s"], "gbps": dcp["bytes"] / got["load_s"] / 1e9, "ok": ok}
+        phase(f"DCP {key}")
 
     gb = dcp["bytes"] / 1e9
     rows = [
@@ -217,7 +268,8 @@ def main():
     for r in rows:
         print(f"{r[0]:34s} {r[1]:>18s} {r[2]:>26s} {r[3]:>15s}")
     print(f"DCP loads match the saved sums: {dcp['load']['ok']} at {g} ranks, {dcp['reshard']['ok']} at {half}")
-    json.dump({"keel": keel, "dcp": dcp, "numel": numel, "gpus": g, "layers": d["layers"], "keel_ep": a.ep}, open(os.path.join(a.out, "result.json"), "w"))
+    json.dump({"keel": keel, "dcp": dcp, "numel": numel, "gpus": g, "layers": d["layers"], "keel_ep": a.ep},
+              open(os.path.join(a.out, "result.json"), "w"))
 
 
 if __name__ == "__main__":

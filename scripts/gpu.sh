@@ -141,13 +141,15 @@ for step in "${steps[@]}"; do
     ckpt)
       # keel checkpoints vs torch.distributed.checkpoint on the same state size, all GPUs; the
       # checkpoints go to KEEL_CKPT_DIR (local disk, not $OUT), the logs and JSON to $OUT;
-      # KEEL_CKPT_ARGS go to the script (e.g. --layers 32 --ep: 7.3 B parameters).
+      # KEEL_CKPT_ARGS go to the script (e.g. --layers 32 --ep: 7.3 B parameters). Where both
+      # sides together outlast one call, split it: "--part keel" first (its keel_result.json comes
+      # back under $OUT/ckpt), then "--part dcp --keel-result FILE" with that file in the tree.
       ckdir=${KEEL_CKPT_DIR:-/tmp/keel-ckpt-bench}
       timeout 900 python3 bench/ckpt_vs_dcp.py --keel "$build/keel" --out "$ckdir" --gpus "$gpus" ${KEEL_CKPT_ARGS:-} 2>&1 \
         | tee "$out/ckpt_vs_dcp.log" | tail -12
       mkdir -p "$out/ckpt" && cp "$ckdir"/*.log "$ckdir"/*.json "$out/ckpt/" 2>/dev/null
       rm -rf "$ckdir"
-      grep -A9 '^== keel checkpoints vs' "$out/ckpt_vs_dcp.log" >>"$summary" ;;
+      grep -A9 '^== keel checkpoints' "$out/ckpt_vs_dcp.log" >>"$summary" ;;
     decode)
       # keel generate's per-token latency at batch 1, 8, 64 on ZAYA1-8B's widths: the first
       # KEEL_DECODE_LAYERS (8) of its 40 layers, freshly initialized (no released weights here).
