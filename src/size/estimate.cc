@@ -21,6 +21,20 @@ constexpr double kDecodeHbmFraction = 0.85;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
+// Bytes one routed row (one token's slot at one expert) leaves behind for backward: the
+// dispatched input, gate and up, SiLU(gate) * up (recomputed under selective recompute) and the
+// expert output the combine-weight gradient needs (bf16).
+double routed_row_bytes(const ModelConfig& m, bool selective) {
+  const double h = m.hidden, eh = m.expert_hidden;
+  return kBf16 * (h + 2 * eh + (selective ? 0 : eh) + h);
+}
+
+// Backward scratch per routed row at the experts' GPU: the output gradient (bf16) and input
+// gradient (fp32) rows, and the expert MLP's fp32 dact with bf16 dgate, dup.
+double routed_row_backward_scratch_bytes(const ModelConfig& m) {
+  return (kBf16 + kFp32) * m.hidden + (kFp32 + 2 * kBf16) * m.expert_hidden;
+}
+
 // Bytes one token leaves behind in one layer for backward, before any sharding (bf16
 // activations, fp32 softmax statistics and router logits). docs/size.md itemises them.
 double layer_activation_bytes(const ModelConfig& m, int layer, Recompute r) {
@@ -58,10 +72,7 @@ double layer_activation_bytes(const ModelConfig& m, int layer, Recompute r) {
     if (m.router_hidden > 0)
       b += kBf16 * m.router_hidden * (2 + 2 * (m.router_mlp_layers - 1));  // down out, normed, MLP pre/post GELU
     b += kFp32 * 2 * classes;                      // logits, probabilities
-    b += kBf16 * k * h;                            // dispatched (permuted) expert inputs
-    b += kBf16 * k * 2 * eh;                       // gate, up
-    if (!sel) b += kBf16 * k * eh;                 // SiLU(gate) * up = down input
-    b += kBf16 * k * h;                            // expert outputs (combine-weight gradient)
+    b += k * routed_row_bytes(m, sel);
     const double se = static_cast<double>(m.shared_experts) * eh;
     b += kBf16 * (sel ? 2 : 3) * se;
   } else {
@@ -192,6 +203,8 @@ MemoryEstimate estimate_memory(const Setup& s) {
       if (i == 0) worst_layer_none = std::max(worst_layer_none, b);
     }
   for (int i = 0; i < 3; ++i) best.activation_bytes_per_token_layer[i] = per_token[i];
+  int moe_layers = 0;
+  for (int layer = 0; layer < m.layers; ++layer) moe_layers += model::is_moe_layer(m, layer) ? 1 : 0;
 
   struct Stage {
     const char* name;
@@ -233,6 +246,19 @@ MemoryEstimate estimate_memory(const Setup& s) {
     if (st.last)  // bf16 logits kept for backward + fp32 loss gradient
       e.items.push_back({"logits (bf16 + fp32 loss)", tokens_local * (static_cast<double>(m.vocab_size) / (l.tp * l.tsp)) * 6});
     for (int i = 0; i < 3; ++i) e.activation_bytes_per_token_layer[i] = per_token[i];
+    // Expert parallelism is dropless: a GPU saves every routed row its experts receive. With
+    // balanced routing that is its own tokens' share, already in the activations; at worst (the
+    // routers of the whole ep group pick this GPU's experts for every token) ep times that, in
+    // every MoE layer whose rows are kept, plus the experts' backward scratch for those rows.
+    if (l.ep > 1 && moe_layers > 0) {
+      const bool full = s.recompute == Recompute::kFull;
+      const double kept_layers = full ? 1 : moe_layers * frac;  // full recompute rebuilds one layer at a time
+      const double extra_rows = (l.ep - 1) * act_tokens * m.top_k;
+      e.ep_worst_case_extra =
+          extra_rows * (routed_row_bytes(m, s.recompute == Recompute::kSelective) * kept_layers *
+                            (st.first && !full ? inflight : 1) +
+                        routed_row_backward_scratch_bytes(m));
+    }
     if (e.total() > best_total) best_total = e.total(), best = e;
   }
   return best;

@@ -57,6 +57,10 @@ struct MemoryEstimate {
   // Activations per recompute option (same layout), bytes, for the comparison table.
   double activations_none = 0, activations_selective = 0, activations_full = 0;
   double activation_bytes_per_token_layer[3] = {0, 0, 0};  // none, selective, full (one layer, one token, unsharded)
+  // Expert parallelism (ep > 1) routes dropless: what the GPU holding the experts that every
+  // token of its ep group picks keeps on top of total() (ep - 1 more shares of routed rows in
+  // each MoE layer, and their backward scratch). 0 without expert parallelism.
+  double ep_worst_case_extra = 0;
 };
 
 MemoryEstimate estimate_memory(const Setup& s);

@@ -101,6 +101,13 @@ void print_report(const SizeReport& r, std::FILE* out, bool show_gemms) {
   const double cap = hw.hbm_gib * 1024 * 1024 * 1024;
   line(fmt::format("  {:<48} {:>12}  of {:.0f} GiB: {}", "total", human_bytes(mem.total()), hw.hbm_gib,
                    mem.total() <= cap * 0.9 ? "fits" : mem.total() <= cap ? "tight (over 90%)" : "DOES NOT FIT"));
+  if (mem.ep_worst_case_extra > 0) {
+    const double worst = mem.total() + mem.ep_worst_case_extra;
+    line(fmt::format("  dropless expert parallelism, worst case (every token of the ep group picks this GPU's experts):"
+                     "\n    +{} ({}x its routed rows) = {} of {:.0f} GiB: {}",
+                     human_bytes(mem.ep_worst_case_extra), s.layout.ep, human_bytes(worst), hw.hbm_gib,
+                     worst <= cap * 0.9 ? "fits" : worst <= cap ? "tight (over 90%)" : "DOES NOT FIT"));
+  }
   line(fmt::format("  activations by recompute: none {}, selective {}, full {} ({:.0f} / {:.0f} / {:.0f} B per token per layer)",
                    human_bytes(mem.activations_none), human_bytes(mem.activations_selective),
                    human_bytes(mem.activations_full), mem.activation_bytes_per_token_layer[0],
@@ -246,8 +253,11 @@ nlohmann::json report_json(const SizeReport& r) {
                  {"params_on_gpu", r.memory.params_on_gpu},
                  {"items", mitems},
                  {"total_bytes", r.memory.total()},
+                 {"ep_worst_case_extra_bytes", r.memory.ep_worst_case_extra},
                  {"capacity_bytes", hw.hbm_gib * 1024 * 1024 * 1024},
                  {"fits", r.memory.total() <= hw.hbm_gib * 1024 * 1024 * 1024},
+                 {"fits_ep_worst_case",
+                  r.memory.total() + r.memory.ep_worst_case_extra <= hw.hbm_gib * 1024 * 1024 * 1024},
                  {"activations_by_recompute",
                   {{"none", r.memory.activations_none},
                    {"selective", r.memory.activations_selective},

@@ -109,6 +109,24 @@ TEST(Memory, MoeExpertsShardOverEp) {
   EXPECT_NEAR(item(e, "optimizer"), 12 * (dense / 16 + experts / 8 / 2), 16);
 }
 
+TEST(Memory, DroplessExpertParallelismWorstCaseHoldsEpSharesOfRoutedRows) {
+  // Mixtral (32 MoE layers, h 4096, expert width 14336, top-2) on 8 GPUs at ep=8, 4096 tokens
+  // per GPU. A routed row keeps x and y (h) and gate, up, SiLU(gate) * up (3 x 14336) in bf16,
+  // and needs dy bf16 + dx fp32 (h) and dact fp32 + dgate, dup bf16 (14336) in backward. At worst
+  // this GPU's experts take the rows of all 8 GPUs: 7 more shares.
+  keel::size::Setup s = setup("mixtral-8x7b", "ep=8,zero=1", 8);
+  const double row = 2.0 * (2 * 4096 + 3 * 14336), scratch = 6.0 * 4096 + 8.0 * 14336;
+  const double rows = 7.0 * 4096 * 2;
+  EXPECT_NEAR(estimate_memory(s).ep_worst_case_extra, rows * (32 * row + scratch), 1);
+  // Selective recompute drops SiLU(gate) * up; full recompute keeps one layer's rows at a time.
+  s.recompute = model::Recompute::kSelective;
+  EXPECT_NEAR(estimate_memory(s).ep_worst_case_extra, rows * (32 * (row - 2.0 * 14336) + scratch), 1);
+  s.recompute = model::Recompute::kFull;
+  EXPECT_NEAR(estimate_memory(s).ep_worst_case_extra, rows * (row + scratch), 1);
+  // Without expert parallelism every GPU runs its own tokens' experts: no imbalance term.
+  EXPECT_EQ(estimate_memory(setup("mixtral-8x7b", "zero=1", 8)).ep_worst_case_extra, 0);
+}
+
 TEST(Memory, PipelineKeepsInflightMicroBatchesOnTheFirstStage) {
   keel::size::Setup s = setup("llama3-8b", "pp=4", 4);
   s.micro_batches = 16;
