@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/watchdog.h"
 #include "common/mpi_session.h"
 #include "device/cuda_devices.h"
 #include "parallel/zero1_buckets.h"
@@ -57,6 +58,9 @@ void add_command(CLI::App& app) {
     std::vector<std::string> sets;
     std::string resume;
     std::int64_t until = -1;
+    double timeout = 600;
+    int hang_rank = -1;
+    std::int64_t hang_step = 0;
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
@@ -68,19 +72,44 @@ void add_command(CLI::App& app) {
   cmd->add_option("--resume", args->resume, "Continue from a checkpoint: a checkpoint.dir root (its latest) or one step directory");
   cmd->add_option("--stop-after", args->until,
                   "Stop after this many optimizer steps in total (the schedule still spans `steps`); saves a checkpoint");
+  cmd->add_option("--timeout", args->timeout,
+                  "Seconds a rank may go without progress (start-up, resume, each step, eval, checkpoint phase) before "
+                  "it exits with an error (124), as when a rank hangs or dies; 0: wait forever")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--inject-hang-rank", args->hang_rank, "Fault injection (tests): this rank hangs at --inject-hang-step");
+  cmd->add_option("--inject-hang-step", args->hang_step, "Fault injection (tests): the step at which it hangs")
+      ->check(CLI::PositiveNumber);
   cmd->callback([args] {
     const TrainConfig cfg = load_train_config(args->config, args->sets);
+    if ((args->hang_rank >= 0) != (args->hang_step > 0))
+      throw UsageError("--inject-hang-rank and --inject-hang-step go together");
     MpiSession mpi;  // a world of one without a launcher
     const ParallelContext ctx = make_parallel_context(cfg, mpi);
+    // A hung or dead peer blocks the others inside a collective forever: each phase below runs
+    // under a deadline, so every surviving rank exits with one line instead (and the launcher
+    // tears down the rest).
+    Watchdog dog;
+    auto phase = [&](const std::string& what) {
+      if (args->timeout > 0) dog.arm(what, args->timeout);
+    };
+    phase("start-up (communicators, model initialization, data)");
     Trainer t(cfg, ctx);
-    if (!args->resume.empty()) t.resume(args->resume);
+    t.watch_progress(&dog, args->timeout);
+    if (args->hang_rank >= 0) t.inject_hang(args->hang_rank, args->hang_step);
+    if (!args->resume.empty()) {
+      phase(fmt::format("resuming from {}", args->resume));
+      t.resume(args->resume);
+    }
     const auto t0 = std::chrono::steady_clock::now();
     const std::int64_t start = t.step();
     const auto stats = t.run(args->until);
     if (args->until >= 0 && t.step() < cfg.steps) {
+      phase(fmt::format("the checkpoint of step {}", t.step()));
       t.save_checkpoint();
       t.finish_checkpoint();
     }
+    dog.disarm();
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (mpi.rank() != 0) return;  // rank 0 speaks for the group
     if (!stats.empty())

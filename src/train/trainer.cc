@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include "ckpt/store.h"
 #include "common/error.h"
@@ -228,6 +229,12 @@ std::vector<StepStats> Trainer::run(std::int64_t until) {
                 static_cast<long long>(cfg_.steps), static_cast<long long>(step_tokens),
                 to_string(cfg_.model_options.recompute));
   while (step_ < until) {
+    progress(fmt::format("step {}", step_ + 1));
+    if (step_ + 1 == hang_step_ && ctx_.data.rank == hang_rank_) {
+      std::printf("fault injection: rank %d hangs at step %lld\n", hang_rank_, static_cast<long long>(hang_step_));
+      std::fflush(stdout);
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
     const StepStats s = train_step();
     tokens += step_tokens;
     out.push_back(s);
@@ -239,17 +246,25 @@ std::vector<StepStats> Trainer::run(std::int64_t until) {
     }
     const bool last = step_ == cfg_.steps;
     if (eval_sampler_ && ((cfg_.eval_interval > 0 && step_ % cfg_.eval_interval == 0) || last)) {
+      progress(fmt::format("eval at step {}", step_));
       const double e = evaluate();
       if (!quiet_) std::printf("eval   %6lld | loss %.4f\n", static_cast<long long>(step_), e);
       if (log_) log_->scalars(step_, {{"eval_loss", e}});
     }
-    if ((cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0) || (last && cfg_.checkpoint_final))
+    if ((cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0) || (last && cfg_.checkpoint_final)) {
+      progress(fmt::format("the checkpoint of step {}", step_));
       save_checkpoint();
+    }
     std::fflush(stdout);
   }
+  progress("committing the last checkpoint");
   finish_checkpoint();  // a run ends with its last checkpoint committed
   if (log_) log_->flush();
   return out;
+}
+
+void Trainer::progress(const std::string& what) {
+  if (dog_ && dog_seconds_ > 0) dog_->arm(what, dog_seconds_);
 }
 
 double Trainer::evaluate() {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/watchdog.h"
 #include "data/blend.h"
 #include "train/backend.h"
 #include "train/metrics_log.h"
@@ -54,6 +55,14 @@ class Trainer {
   // The step directory a checkpoint of `step` is committed to.
   std::string checkpoint_path(std::int64_t step) const;
 
+  // Turns a hang into an error: run() re-arms `dog` for `seconds` before each step, eval and
+  // checkpoint phase, so a rank that stops making progress (its own hang, or a peer's in a
+  // collective) exits with one line naming the step (common/watchdog.h). Not owned.
+  void watch_progress(Watchdog* dog, double seconds) { dog_ = dog, dog_seconds_ = seconds; }
+  // Fault injection for tests: data-parallel rank `rank` stops making progress (sleeps) at the
+  // start of step `step`, as a hung GPU or process would.
+  void inject_hang(int rank, std::int64_t step) { hang_rank_ = rank, hang_step_ = step; }
+
   std::int64_t step() const { return step_; }
   TrainBackend& backend() { return *backend_; }
   const TrainConfig& config() const { return cfg_; }
@@ -63,6 +72,8 @@ class Trainer {
   // Creates the checkpointer and its staging buffers (collective over the data group).
   void make_checkpointer();
   void log_step(const StepStats& s, double seconds, std::int64_t tokens);
+  // Re-arms the watchdog, if any, for `what`.
+  void progress(const std::string& what);
 
   TrainConfig cfg_;
   ParallelContext ctx_;
@@ -78,6 +89,10 @@ class Trainer {
   int local_accum_ = 1;  // micro-batches per step on this rank: grad_accum / data-parallel degree
   bool resumed_ = false;
   bool initialized_ = false;  // init_from_weights() done
+  Watchdog* dog_ = nullptr;
+  double dog_seconds_ = 0;
+  int hang_rank_ = -1;
+  std::int64_t hang_step_ = 0;
   std::vector<std::int32_t> targets_;
   std::vector<std::uint32_t> inputs_;
 };

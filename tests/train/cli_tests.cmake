@@ -72,6 +72,15 @@ set_tests_properties(cli_train_dp_batch_does_not_split PROPERTIES FIXTURES_REQUI
 keel_cli_test(NAME train_expert_parallel_does_not_divide NP 2 EXIT 1
   MATCH "parallel\\.expert \\(3\\) must divide the number of ranks \\(2\\) and of experts \\(4\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.expert=3)
+# A rank that hangs (fault injection: rank 1 sleeps at the start of step 3) leaves rank 0 inside
+# a collective: both exit within --timeout with one line naming the step, never a hang.
+keel_cli_test(NAME train_hung_rank_is_an_error NP 2 EXIT nonzero
+  MATCH "keel: error: \\[rank [01]\\] step 3 did not finish within 5 s \\(--timeout\\): a rank hung or died"
+  ARGS train ${tcfg} ${tdp} --set output_dir=train_hang --set checkpoint.final=false --timeout 5
+       --inject-hang-rank 1 --inject-hang-step 3)
+set_tests_properties(cli_train_hung_rank_is_an_error PROPERTIES FIXTURES_REQUIRED train_stories TIMEOUT 60)
+keel_cli_test(NAME train_inject_hang_needs_both EXIT 1 MATCH "--inject-hang-rank and --inject-hang-step go together"
+  ARGS train ${tcfg} --inject-hang-rank 0)
 
 # Bad input.
 keel_cli_test(NAME train_unknown_key EXIT 1 MATCH "^keel: error: .*tiny\\.yaml: unknown key 'optimizer\\.lrr' \\(from --set\\)"
