@@ -390,7 +390,9 @@ class CudaBackend final : public TrainBackend {
     if (first_forward) prof_->mark(Profile::kFwd0, stream_), prof_->forward_seen = true;
     await_stage(0);  // overlapped ZeRO-1: the parameters of each stage as they arrive
     if (first_forward) prof_->mark(Profile::kFwdGo, stream_);
-    k::embedding::forward(tokens_, N, params_ + embed_, resid_[0], V, D, stream_);
+    // The lookup reads the bf16 working copy, as the GEMMs do (bf16 mixed precision): under
+    // data parallelism the table then travels in bf16, half the bytes the forward waits for.
+    k::embedding::forward_bf16_table(tokens_, N, params_bf16_ + embed_, resid_[0], V, D, stream_);
     for (int l = 0; l < cfg_.layers; ++l) {
       if (scaled_)
         scaled_layer_forward(l, acts_for(l), resid_[l + 1], hres_[l + 1], /*count_load=*/true);
@@ -773,11 +775,11 @@ class CudaBackend final : public TrainBackend {
     return true;
   }
 
-  // The parameters the GEMMs read only through the bf16 copy: their fp32 masters need not be
-  // broadcast. Everything else (norms, biases, scales, convs, the embedding table, which the
-  // lookup reads in fp32) travels in fp32.
+  // The parameters the GEMMs and the embedding lookup read only through the bf16 copy: their
+  // fp32 masters need not be broadcast. Everything else (norms, biases, scales, convs) travels
+  // in fp32.
   std::vector<bool> bf16_only_params() const {
-    std::vector<std::int64_t> offs;
+    std::vector<std::int64_t> offs = {embed_};
     for (const LayerWeights& W : layers_)
       for (std::int64_t o : {W.wq, W.wk, W.wv, W.wo, W.w_gate, W.w_up, W.w_down, W.router, W.cca_w_qk, W.cca_w_v,
                              W.cca_wo, W.zr_down_w, W.zr_w1, W.zr_w2, W.zr_out})
@@ -982,7 +984,7 @@ class CudaBackend final : public TrainBackend {
 
   // Broadcasts bucket i from its owner on the communication stream; receivers refresh the bf16
   // copy of what arrived in fp32.
-  void broadcast_bucket(std::size_t i, bool convert) {
+  void broadcast_bucket(std::size_t i) {
     const auto& B = buckets_[i];
     nccl_->group_start();
     for (const auto& r : pieces_[i]) {
@@ -992,9 +994,6 @@ class CudaBackend final : public TrainBackend {
         nccl_->broadcast(params_ + r.begin, r.end - r.begin, parallel::NcclType::kFloat32, B.owner, comm_stream_);
     }
     nccl_->group_end();
-    if (convert) convert_received(i);
-  }
-  void convert_received(std::size_t i) {
     if (buckets_[i].owner == dp_rank_) return;
     for (const auto& r : pieces_[i])
       if (!r.bf16) k::f32_to_bf16(params_ + r.begin, params_bf16_ + r.begin, r.end - r.begin, comm_stream_);
@@ -1061,12 +1060,8 @@ class CudaBackend final : public TrainBackend {
           KEEL_CUDA_CHECK(cudaEventRecord(ev_bucket, os));  // the owner's broadcast reads the update
           KEEL_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_bucket, 0));
         }
-        // the embedding's bf16 copy (the tied head reads it) is refreshed last: the lookup
-        // at the start of forward reads fp32
-        broadcast_bucket(static_cast<std::size_t>(i), /*convert=*/s != 0);
+        broadcast_bucket(static_cast<std::size_t>(i));
       }
-      if (s == final_stage())
-        for (int i = stage_first_bucket_[0]; i < stage_first_bucket_[1]; ++i) convert_received(static_cast<std::size_t>(i));
       KEEL_CUDA_CHECK(cudaEventRecord(ev_arrived_[static_cast<std::size_t>(s)], comm_stream_));
     }
     adam_.set_step_count(t0 + 1);

@@ -117,7 +117,13 @@ TEST(DataParallel, GpuOverlappedStepMatchesClassicStep) {
         EXPECT_NEAR(got.stats[i].loss, classic.stats[i].loss, 1e-2 * std::fabs(classic.stats[i].loss))
             << tag << " step " << i + 1;
       const double d4 = fixtures::norm_rel_diff(got.p4, classic.p4, classic.p0);
-      EXPECT_LT(d4, 5e-2) << tag << ": after 4 steps";
+      // Later steps drift apart where the deferred embedding scatter runs: it adds the rows'
+      // gradients in another order than the classic step, so embedding masters differ in their
+      // last bits and some round to other bf16 values for the lookup (which reads the bf16
+      // copy); the rest of the model carries that on, and Muon's normalized updates in full. On
+      // 4 H200s: 2.7e-3 (AdamW) and 6.3e-2 (Muon) with the scatter deferred, 5e-9 without; a
+      // wrong update is O(1).
+      EXPECT_LT(d4, 1.5e-1) << tag << ": after 4 steps";
       if (world_rank() == 0)
         std::printf("  %s on %d GPUs: step 1 update differs by %.2e of its size, after 4 steps %.2e; loss %.6f vs %.6f "
                     "(classic)\n",
