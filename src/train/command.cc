@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "common/error.h"
-#include "common/watchdog.h"
 #include "common/mpi_session.h"
+#include "common/watchdog.h"
 #include "device/cuda_devices.h"
 #include "parallel/zero1_buckets.h"
 #include "train/backend.h"
