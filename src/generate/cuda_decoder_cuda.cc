@@ -19,6 +19,7 @@
 #include "common/error.h"
 #include "device/cuda_check.h"
 #include "device/cuda_devices.h"
+#include "device/device_buffer.h"
 #include "generate/cuda_decoder.h"
 #include "generate/decode_kernels.h"
 #include "ops/cuda/attention.h"
@@ -51,45 +52,10 @@ namespace dk = generate::cuda;
 static_assert(k::causal_conv::kMaxWidth == 8 && k::router::kMaxTopK == 16,
               "cuda_decoder_unsupported() (cuda_decoder.cc) states these limits");
 
-// A grow-only device allocation.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  ~DeviceBuffer() {
-    if (p_) cudaFree(p_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  // At least `bytes`; the contents are lost when it grows (the stream is drained first).
-  void* ensure(std::size_t bytes, cudaStream_t stream, const char* what) {
-    if (p_ && bytes <= cap_) return p_;
-    if (p_) {
-      KEEL_CUDA_CHECK(cudaStreamSynchronize(stream));
-      KEEL_CUDA_CHECK(cudaFree(p_));
-      p_ = nullptr;
-      cap_ = 0;
-    }
-    const std::size_t n = std::max<std::size_t>(bytes, 256);
-    const cudaError_t e = cudaMalloc(&p_, n);
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      p_ = nullptr;
-      std::size_t free_b = 0, total_b = 0;
-      cudaMemGetInfo(&free_b, &total_b);
-      throw UsageError(fmt::format("generate: out of GPU memory: the {} need {:.2f} GiB, {:.2f} GiB of {:.2f} GiB are free "
-                                   "(lower --batch, the prompt or --max-new-tokens)",
-                                   what, n / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0));
-    }
-    cap_ = n;
-    return p_;
-  }
-  void* get() const { return p_; }
-  std::size_t capacity() const { return cap_; }
-
- private:
-  void* p_ = nullptr;
-  std::size_t cap_ = 0;
-};
+// The decoder's device allocations: grow-only, exact sizes; out of memory names what to lower.
+GrowingDeviceBuffer decoder_buffer() {
+  return GrowingDeviceBuffer("generate: out of GPU memory: the ", "lower --batch, the prompt or --max-new-tokens");
+}
 
 // Carves 256-byte-aligned regions from a base (a sizing pass when the base is null).
 class Carver {
@@ -335,7 +301,7 @@ class CudaDecoder final : public Decoder {
     w16_ = static_cast<bf16*>(w16_buf_.ensure(static_cast<std::size_t>(n) * sizeof(bf16), stream_, "weights"));
     {
       const std::int64_t chunk = std::min<std::int64_t>(n, std::int64_t(1) << 24);
-      DeviceBuffer staging;
+      GrowingDeviceBuffer staging = decoder_buffer();
       float* st = static_cast<float*>(staging.ensure(static_cast<std::size_t>(chunk) * sizeof(float), stream_, "weights"));
       for (std::int64_t off = 0; off < n; off += chunk) {
         const std::int64_t m = std::min(chunk, n - off);
@@ -725,7 +691,8 @@ class CudaDecoder final : public Decoder {
   std::unique_ptr<k::GemmRunner> gemm_;
   std::unique_ptr<k::rope::UploadedTable> rope_;
 
-  DeviceBuffer w16_buf_, f32_buf_, bias_buf_, cache_buf_, act_buf_;
+  GrowingDeviceBuffer w16_buf_ = decoder_buffer(), f32_buf_ = decoder_buffer(), bias_buf_ = decoder_buffer(),
+      cache_buf_ = decoder_buffer(), act_buf_ = decoder_buffer();
   std::size_t weight_bytes_ = 0;
   bf16* w16_ = nullptr;
   float* bias_ = nullptr;

@@ -6,7 +6,6 @@
 
 #include "common/error.h"
 #include "common/mpi_session.h"
-#include "device/cuda_check.h"
 #include "parallel/expert_parallel.h"
 
 namespace keel::parallel {
@@ -19,31 +18,6 @@ namespace {
 std::size_t align_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 }  // namespace
-
-GrowingDeviceBuffer::~GrowingDeviceBuffer() {
-  if (ptr_) cudaFree(ptr_);
-}
-
-void* GrowingDeviceBuffer::ensure(std::size_t bytes, cudaStream_t stream, const char* what) {
-  if (bytes <= capacity_) return ptr_;
-  KEEL_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (ptr_) KEEL_CUDA_CHECK(cudaFree(ptr_));
-  ptr_ = nullptr;
-  capacity_ = 0;
-  const std::size_t want = align_up(bytes + bytes / 4);
-  if (cudaMalloc(&ptr_, want) != cudaSuccess) {
-    cudaGetLastError();
-    ptr_ = nullptr;
-    std::size_t free_b = 0, total_b = 0;
-    cudaMemGetInfo(&free_b, &total_b);
-    throw UsageError(fmt::format("out of GPU memory: expert parallelism's {} need {:.2f} GiB, {:.2f} GiB of {:.2f} GiB "
-                                 "are free (the experts of this GPU received more tokens than fit; lower "
-                                 "batch.micro_batch or raise parallel.expert)",
-                                 what, want / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0));
-  }
-  capacity_ = want;
-  return ptr_;
-}
 
 CudaExpertParallelGroup::CudaExpertParallelGroup(MPI_Comm comm, int experts) : comm_(comm), experts_(experts) {
   mpi_check(MPI_Comm_size(comm, &size_), "MPI_Comm_size");

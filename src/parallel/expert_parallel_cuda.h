@@ -42,29 +42,18 @@
 #include <memory>
 #include <vector>
 
+#include "device/device_buffer.h"
 #include "ops/cuda/moe.h"
 #include "parallel/nccl_group.h"
 
 namespace keel::parallel {
 
-// A device buffer that grows (and never shrinks) to the largest size asked of it.
-class GrowingDeviceBuffer {
- public:
-  GrowingDeviceBuffer() = default;
-  ~GrowingDeviceBuffer();
-  GrowingDeviceBuffer(const GrowingDeviceBuffer&) = delete;
-  GrowingDeviceBuffer& operator=(const GrowingDeviceBuffer&) = delete;
-  // At least `bytes` (plus headroom when it grows). Growing waits for `stream` first, since
-  // work queued there may still read the old buffer. Throws keel::UsageError when the GPU
-  // has no room, naming `what`.
-  void* ensure(std::size_t bytes, cudaStream_t stream, const char* what);
-  void* get() const { return ptr_; }
-  std::size_t capacity() const { return capacity_; }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t capacity_ = 0;
-};
+// Expert parallelism's device buffers grow with the rows a GPU receives (25% headroom each
+// time); when they cannot, the error says so and what to change.
+inline constexpr const char* kEpBufferOomHead = "out of GPU memory: expert parallelism's ";
+inline constexpr const char* kEpBufferOomAdvice =
+    "the experts of this GPU received more tokens than fit; lower batch.micro_batch or raise parallel.expert";
+inline constexpr double kEpBufferHeadroom = 0.25;
 
 // What the MoE layers of one model share: the group's communicators and the backward scratch.
 class CudaExpertParallelGroup {
@@ -87,7 +76,7 @@ class CudaExpertParallelGroup {
   MPI_Comm comm_;
   int size_ = 1, rank_ = 0, experts_ = 0;
   std::unique_ptr<NcclGroup> nccl_;
-  GrowingDeviceBuffer scratch_;
+  GrowingDeviceBuffer scratch_{kEpBufferOomHead, kEpBufferOomAdvice, kEpBufferHeadroom};
 };
 
 // One MoE layer's experts over the group (see the top of this file). forward() and backward()
@@ -126,7 +115,8 @@ class CudaExpertParallelMoe final : public ops::cuda::moe::ExpertRunner {
   // row offsets (El + 1), and the plan's slot count.
   std::vector<std::int64_t> recv_, recv_at_, local_offsets_;
   std::int64_t d_ = 0, f_ = 0;
-  GrowingDeviceBuffer rows_;        // xs, h_gate, h_up, act, ys of the received rows
+  // xs, h_gate, h_up, act, ys of the received rows
+  GrowingDeviceBuffer rows_{kEpBufferOomHead, kEpBufferOomAdvice, kEpBufferHeadroom};
   ops::cuda::moe::Saved local_;     // carved from rows_
 };
 

@@ -56,6 +56,7 @@
 #include "common/error.h"
 #include "device/cuda_check.h"
 #include "device/cuda_devices.h"
+#include "device/device_buffer.h"
 #include "ops/cuda/adamw.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cast.h"
@@ -115,14 +116,9 @@ class DeviceArena {
   void allocate() {
     capacity_ = std::max<std::size_t>(used_, 256);
     const cudaError_t e = cudaMalloc(&base_, capacity_);
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      std::size_t free_b = 0, total_b = 0;
-      cudaMemGetInfo(&free_b, &total_b);
-      throw UsageError(fmt::format("out of GPU memory: the {} need {:.2f} GiB, {:.2f} GiB of {:.2f} GiB are free "
-                                   "(lower batch.micro_batch or data.seq_length, or set recompute: full)",
-                                   name_, capacity_ / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0));
-    }
+    if (e != cudaSuccess)
+      throw_out_of_gpu_memory("out of GPU memory: the " + name_, capacity_,
+                              "lower batch.micro_batch or data.seq_length, or set recompute: full");
     KEEL_CUDA_CHECK(cudaMemset(base_, 0, capacity_));
     used_ = 0;
   }
