@@ -18,7 +18,7 @@ struct RawFlags {
   std::string decode_batch = "1,8,32,128", json, plot, moe_budget = "active", moe_experts = "8,16,32,64",
               moe_top_k = "1,2,4";
   int gpus = 0, micro_batch = 1, micro_batches = 0;
-  std::int64_t seq = 0;
+  std::int64_t seq = 0, ce_chunk = 8192;
   double mfu = 0.4;
   bool moe_study = false, gemms = false, quiet = false;
 };
@@ -51,6 +51,8 @@ int run(const RawFlags& f) {
   if (f.micro_batches < 0) throw UsageError("--micro-batches must be positive");
   s.micro_batches = f.micro_batches > 0 ? f.micro_batches : (s.layout.pp > 1 ? 4 * s.layout.pp : 1);
   s.recompute = model::parse_recompute(f.recompute);
+  if (f.ce_chunk < 1) throw UsageError(fmt::format("--ce-chunk must be at least 1 (got {})", f.ce_chunk));
+  s.ce_chunk = f.ce_chunk;
   if (f.optimizer == "adamw") s.optimizer = Optimizer::kAdamW;
   else if (f.optimizer == "muon") s.optimizer = Optimizer::kMuon;
   else throw UsageError(fmt::format("unknown --optimizer '{}' (choose adamw or muon)", f.optimizer));
@@ -105,6 +107,10 @@ void add_command(CLI::App& app) {
   cmd->add_option("--micro-batches", f->micro_batches,
                   "Micro-batches per step per pipeline (sets the bubble; default 4 x pp when pp > 1)");
   cmd->add_option("--recompute", f->recompute, "none, selective or full")->capture_default_str();
+  cmd->add_option("--ce-chunk", f->ce_chunk,
+                  "Vocabulary columns per cross-entropy chunk when the logits exceed an eighth of the GPU (as "
+                  "keel train's ce_chunk)")
+      ->capture_default_str();
   cmd->add_option("--optimizer", f->optimizer, "adamw or muon (Muon on 2-D matrices, AdamW on the rest)")
       ->capture_default_str();
   cmd->add_option("--mfu", f->mfu, "Assumed MFU for the time-to-train estimate")->capture_default_str();

@@ -158,6 +158,27 @@ double MemoryEstimate::total() const {
   return t;
 }
 
+namespace {
+
+// keel's fused LM head + cross-entropy (ops/cuda/cross_entropy.h, train/cuda_backend): the
+// bf16 [N, V] logits are kept from forward to backward when they take at most an eighth of the
+// GPU; otherwise the vocabulary is walked in ce_chunk columns with an fp32 and a bf16 block.
+// Either way backward accumulates dhidden in fp32 [N, D].
+MemoryItem logits_item(const ModelConfig& m, const Setup& s, double tokens_local) {
+  const Layout& l = s.layout;
+  const double vocab_local = static_cast<double>(m.vocab_size) / (l.tp * l.tsp);
+  const double kept = tokens_local * vocab_local * kBf16;
+  const double accumulator = tokens_local * m.hidden * kFp32;
+  const double gpu_bytes = s.hardware.profile.hbm_gib * 1024.0 * 1024 * 1024;
+  if (gpu_bytes <= 0 || kept <= gpu_bytes / 8)
+    return {"logits (bf16, kept for backward)", kept + accumulator};
+  const double chunk = std::min(static_cast<double>(s.ce_chunk), vocab_local);
+  return {fmt::format("logits (chunks of {} columns)", static_cast<std::int64_t>(chunk)),
+          tokens_local * chunk * (kFp32 + kBf16) + accumulator};
+}
+
+}  // namespace
+
 MemoryEstimate estimate_memory(const Setup& s) {
   const ModelConfig& m = s.model;
   const Layout& l = s.layout;
@@ -243,8 +264,7 @@ MemoryEstimate estimate_memory(const Setup& s) {
     e.activations_selective = acts(Recompute::kSelective);
     e.activations_full = acts(Recompute::kFull);
     e.items.push_back({fmt::format("activations ({} recompute)", model::recompute_name(s.recompute)), acts(s.recompute)});
-    if (st.last)  // bf16 logits kept for backward + fp32 loss gradient
-      e.items.push_back({"logits (bf16 + fp32 loss)", tokens_local * (static_cast<double>(m.vocab_size) / (l.tp * l.tsp)) * 6});
+    if (st.last) e.items.push_back(logits_item(m, s, tokens_local));
     for (int i = 0; i < 3; ++i) e.activation_bytes_per_token_layer[i] = per_token[i];
     // Expert parallelism is dropless: a GPU saves every routed row its experts receive. With
     // balanced routing that is its own tokens' share, already in the activations; at worst (the

@@ -38,6 +38,9 @@ struct Setup {
   int micro_batch = 1;
   int micro_batches = 1;  // per step per pipeline (gradient accumulation): sets the pipeline bubble
   model::Recompute recompute = model::Recompute::kNone;
+  // Vocabulary columns per cross-entropy chunk when the logits do not fit (keel train's
+  // model.ce_chunk).
+  std::int64_t ce_chunk = 8192;
   Optimizer optimizer = Optimizer::kAdamW;
   double tokens = 0;  // to train; 0: skip the training-time estimate
   double mfu = 0.4;   // assumed

@@ -82,7 +82,9 @@ TEST(Memory, DenseByHand) {
   EXPECT_DOUBLE_EQ(e.activation_bytes_per_token_layer[1], none - 4 * 4096 - 2 * 14336);  // norm outs, down input
   EXPECT_DOUBLE_EQ(e.activation_bytes_per_token_layer[2], 2 * 4096);                    // layer input
   EXPECT_DOUBLE_EQ(item(e, "activations"), none * 32 * 4096);
-  EXPECT_DOUBLE_EQ(item(e, "logits"), 4096.0 * 128256 * 6);
+  // keel's fused cross-entropy keeps the bf16 logits (1.05 GB, under an eighth of 80 GB) and
+  // an fp32 dhidden accumulator.
+  EXPECT_DOUBLE_EQ(item(e, "logits (bf16, kept"), 4096.0 * 128256 * 2 + 4096.0 * 4096 * 4);
   EXPECT_DOUBLE_EQ(e.activations_full, 2 * 4096.0 * 32 * 4096 + none * 4096);  // + one layer rebuilt
 
   // ZeRO-3 shards weights and gradients too; tp=2 halves the matrices and the activations.
@@ -93,6 +95,23 @@ TEST(Memory, DenseByHand) {
   const double norms = 65.0 * 4096;  // replicated over tp
   EXPECT_NEAR(z3.params_on_gpu, (P - norms) / 2 + norms, 1);
   EXPECT_DOUBLE_EQ(item(z3, "activations"), none * 32 * 4096 / 2);
+}
+
+TEST(Memory, LogitsBeyondAnEighthOfTheGpuAreWalkedInChunks) {
+  // 16 x 4096 tokens x 128256 x 2 B = 16.8 GB of bf16 logits: more than 80 GiB / 8, so the
+  // vocabulary is walked in ce_chunk columns (an fp32 and a bf16 block) as keel train does.
+  keel::size::Setup s = setup("llama3-8b", "zero=1", 8);
+  s.micro_batch = 16;
+  const double tokens = 16.0 * 4096, accumulator = tokens * 4096 * 4;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "logits (chunks of 8192 columns)"), tokens * 8192 * 6 + accumulator);
+  s.ce_chunk = 1024;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "logits (chunks of 1024 columns)"), tokens * 1024 * 6 + accumulator);
+  // A chunk wider than the (tensor-parallel) vocabulary is one block of the whole vocabulary.
+  s.ce_chunk = 1 << 20;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "logits (chunks of 128256 columns)"), tokens * 128256 * 6 + accumulator);
+  // On a GPU with 8x the memory the same logits are kept.
+  s.hardware.profile.hbm_gib *= 8;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "logits (bf16, kept"), tokens * 128256 * 2 + accumulator);
 }
 
 TEST(Memory, MoeExpertsShardOverEp) {
