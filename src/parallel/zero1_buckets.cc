@@ -99,6 +99,7 @@ Zero1OverlapOptions zero1_overlap_options_from_env() {
   Zero1OverlapOptions o;
   o.enabled = env_flag("KEEL_DP_OVERLAP", true);
   o.broadcast_bf16 = env_flag("KEEL_DP_BCAST_BF16", true);
+  o.shard_masters = env_flag("KEEL_DP_SHARD_MASTERS", true);
   o.group_reduces = env_flag("KEEL_DP_GROUP_REDUCES", true);
   o.optimizer_stream = env_flag("KEEL_DP_OPT_STREAM", true);
   if (env("KEEL_DP_DEFER_EMBED")) o.defer_embedding = env_flag("KEEL_DP_DEFER_EMBED", false) ? 1 : 0;

@@ -46,6 +46,9 @@ std::vector<Zero1Bucket> plan_zero1_buckets(const optim::ParamLayout& layout, co
 //   KEEL_DP_BCAST_BF16=0     broadcast fp32 masters for every parameter (default: the bf16 copy
 //                            for matrices only the GEMMs read; fp32 masters of other ranks'
 //                            shards are then gathered only when state() asks for them)
+//   KEEL_DP_SHARD_MASTERS=0  keep every fp32 master on every rank (default, with bf16
+//                            broadcasts: a rank keeps the masters of its shard and of what
+//                            travels in fp32 only; the rest of its address range is unbacked)
 //   KEEL_DP_GROUP_REDUCES=0  launch each bucket's reduce alone (default: a stage's reduces as one
 //                            NCCL group)
 //   KEEL_DP_OPT_STREAM=0     run the shard's optimizer on the compute stream before the next
@@ -55,6 +58,7 @@ struct Zero1OverlapOptions {
   double bucket_mib = 256;
   int defer_embedding = -1;  // -1 automatic
   bool broadcast_bf16 = true;
+  bool shard_masters = true;
   bool group_reduces = true;
   bool optimizer_stream = true;
   std::int64_t bucket_floats() const;

@@ -57,6 +57,7 @@
 #include "device/cuda_check.h"
 #include "device/cuda_devices.h"
 #include "device/device_buffer.h"
+#include "device/sparse_device_buffer.h"
 #include "ops/cuda/adamw.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cast.h"
@@ -292,7 +293,6 @@ class CudaBackend final : public TrainBackend {
     const std::size_t n_comm = dp_ ? static_cast<std::size_t>(dp_->buffer_floats(layout_.total_floats)) : n;
     const std::size_t n_shard = std::max<std::size_t>(1, static_cast<std::size_t>(slice_.moments()));
     for (int pass = 0; pass < 2; ++pass) {
-      params_ = param_arena_.take<float>(n_comm);
       params_bf16_ = param_arena_.take<bf16>(n);
       bias_dev_ = param_arena_.take<float>(std::max<std::size_t>(1, moe_layer_ids_.size() * classes_));
       grads_ = grad_arena_.take<float>(n_comm);
@@ -307,6 +307,10 @@ class CudaBackend final : public TrainBackend {
         act_arena_.allocate();
       }
     }
+    masters_ = std::make_unique<SparseDeviceBuffer>(n_comm * sizeof(float), master_ranges(n_comm),
+                                                    "out of GPU memory: the fp32 master weights",
+                                                    "train on more GPUs or a smaller model");
+    params_ = static_cast<float*>(masters_->get());
     rope_ = std::make_unique<k::rope::UploadedTable>(
         ops::rope::make_table(cfg_.head_dim, cfg_.rope_fraction, cfg_.rope_base, std::max(opt_.seq_length, cfg_.max_seq_len)));
     std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens()));
@@ -355,7 +359,8 @@ class CudaBackend final : public TrainBackend {
   std::size_t memory_bytes() const override {
     std::size_t ep = ep_group_ ? ep_group_->device_bytes() : 0;
     for (const auto& l : ep_layers_) ep += l->device_bytes();
-    return param_arena_.capacity() + grad_arena_.capacity() + state_arena_.capacity() + act_arena_.capacity() + ep;
+    return masters_->backed_bytes() + param_arena_.capacity() + grad_arena_.capacity() + state_arena_.capacity() +
+           act_arena_.capacity() + ep;
   }
 
   void zero_grads() override {
@@ -553,11 +558,15 @@ class CudaBackend final : public TrainBackend {
     s.adam_v.resize(k);
     join_comm();
     // overlapped ZeRO-1 with bf16 broadcasts: the fp32 masters of other ranks' shards are
-    // stale until gathered (a collective: every rank calls state() together, as the trainer's
-    // checkpoint does)
-    if (masters_stale_) gather_masters();
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    KEEL_CUDA_CHECK(cudaMemcpy(s.params.data(), params_, n * sizeof(float), cudaMemcpyDeviceToHost));
+    // stale, or not kept at all, until gathered (a collective: every rank calls state()
+    // together, as the trainer's checkpoint does)
+    if (!masters_->whole()) {
+      copy_masters_to_host(s.params.data());
+    } else {
+      if (masters_stale_) gather_masters();
+      KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      KEEL_CUDA_CHECK(cudaMemcpy(s.params.data(), params_, n * sizeof(float), cudaMemcpyDeviceToHost));
+    }
     KEEL_CUDA_CHECK(cudaMemcpy(s.adam_m.data(), adam_m_, k * sizeof(float), cudaMemcpyDeviceToHost));
     KEEL_CUDA_CHECK(cudaMemcpy(s.adam_v.data(), adam_v_, k * sizeof(float), cudaMemcpyDeviceToHost));
     s.router_bias = bias_;
@@ -803,6 +812,7 @@ class CudaBackend final : public TrainBackend {
     }
     stage_bounds_ = std::move(stages);
     group_reduces_ = o.group_reduces;
+    shard_masters_ = o.shard_masters;
     buckets_ = parallel::plan_zero1_buckets(parallel::region_layout(layout_, 0, replicated_end_), plan_, stage_bounds_,
                                             o.bucket_floats());
     const int S = stage_count();
@@ -1330,10 +1340,69 @@ class CudaBackend final : public TrainBackend {
 
   void upload_params(const std::vector<float>& host) {
     const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
-    KEEL_CUDA_CHECK(cudaMemcpyAsync(params_, host.data(), n * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    k::f32_to_bf16(params_, params_bf16_, static_cast<std::int64_t>(n), stream_);
+    if (masters_->whole()) {
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(params_, host.data(), n * sizeof(float), cudaMemcpyHostToDevice, stream_));
+      k::f32_to_bf16(params_, params_bf16_, static_cast<std::int64_t>(n), stream_);
+    } else {
+      // Through a staging buffer in pieces: every element's bf16 copy, the fp32 masters only
+      // where this rank keeps them.
+      float* stage = static_cast<float*>(staging_.ensure(kStagingFloats * sizeof(float), stream_, "staging"));
+      for (std::size_t b = 0; b < n; b += kStagingFloats) {
+        const std::size_t e = std::min(n, b + kStagingFloats);
+        KEEL_CUDA_CHECK(cudaMemcpyAsync(stage, host.data() + b, (e - b) * sizeof(float), cudaMemcpyHostToDevice, stream_));
+        k::f32_to_bf16(stage, params_bf16_ + b, static_cast<std::int64_t>(e - b), stream_);
+        for (const ByteRange& r : masters_->backed()) {
+          const std::size_t lo = std::max(b, r.begin / sizeof(float)), hi = std::min(e, r.end / sizeof(float));
+          if (lo < hi)
+            KEEL_CUDA_CHECK(cudaMemcpyAsync(params_ + lo, stage + (lo - b), (hi - lo) * sizeof(float),
+                                            cudaMemcpyDeviceToDevice, stream_));
+        }
+        KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the next piece overwrites the staging buffer
+      }
+    }
     upload_bias();
     KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may go once this returns
+  }
+
+  // The fp32 masters this rank keeps. Under the overlapped ZeRO-1 step with bf16 broadcasts:
+  // its own shard, the expert region (broadcast in fp32 over the expert-data group), and what
+  // travels in fp32 (norms, biases, scales, convs: every forward reads those in fp32); the GEMM
+  // matrices and the embedding are read through the bf16 copy only, so other ranks' masters of
+  // those are never needed. Otherwise all of them (the classic step all-gathers them in fp32).
+  // KEEL_DP_SHARD_MASTERS=0 keeps all of them anyway.
+  std::vector<ByteRange> master_ranges(std::size_t n_comm) const {
+    const std::size_t f = sizeof(float);
+    if (!overlap_ || !any_bf16_broadcast_ || !shard_masters_) return {{0, n_comm * f}};
+    std::vector<ByteRange> r = {{static_cast<std::size_t>(shard_.first) * f, static_cast<std::size_t>(shard_.second) * f},
+                                {static_cast<std::size_t>(replicated_end_) * f, n_comm * f}};
+    for (const auto& runs : pieces_)
+      for (const auto& p : runs)
+        if (!p.bf16) r.push_back({static_cast<std::size_t>(p.begin) * f, static_cast<std::size_t>(p.end) * f});
+    return r;
+  }
+
+  // state() when this rank keeps only some fp32 masters: each owner broadcasts its shard piece by
+  // piece through the staging buffer and every rank copies it out; the expert region is whole
+  // on every rank. A collective over the data-parallel group.
+  void copy_masters_to_host(float* host) const {
+    const std::int64_t n = layout_.total_floats;
+    float* stage = static_cast<float*>(staging_.ensure(kStagingFloats * sizeof(float), comm_stream_, "staging"));
+    signal_comm();
+    for (int r = 0; r < dp_size_; ++r)
+      for (std::int64_t b = plan_.begin(r), end = std::min(n, plan_.begin(r) + plan_.count(r)); b < end;
+           b += static_cast<std::int64_t>(kStagingFloats)) {
+        const std::int64_t count = std::min<std::int64_t>(end - b, static_cast<std::int64_t>(kStagingFloats));
+        float* from = r == dp_rank_ ? params_ + b : stage;  // the owner sends, the others receive
+        nccl_->broadcast(from, count, parallel::NcclType::kFloat32, r, comm_stream_);
+        KEEL_CUDA_CHECK(cudaMemcpyAsync(host + b, from, static_cast<std::size_t>(count) * sizeof(float),
+                                        cudaMemcpyDeviceToHost, comm_stream_));
+        KEEL_CUDA_CHECK(cudaStreamSynchronize(comm_stream_));  // the next piece overwrites the staging buffer
+      }
+    if (n > replicated_end_)
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(host + replicated_end_, params_ + replicated_end_,
+                                      static_cast<std::size_t>(n - replicated_end_) * sizeof(float),
+                                      cudaMemcpyDeviceToHost, comm_stream_));
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(comm_stream_));
   }
 
   void upload_bias() {
@@ -1628,6 +1697,10 @@ class CudaBackend final : public TrainBackend {
   std::vector<int> stage_first_bucket_;                 // stage s: buckets [first[s], first[s + 1])
   std::vector<std::vector<BroadcastRun>> pieces_;       // per bucket
   bool any_bf16_broadcast_ = false;
+  bool shard_masters_ = true;                    // KEEL_DP_SHARD_MASTERS
+  std::unique_ptr<SparseDeviceBuffer> masters_;  // the fp32 masters (params_): master_ranges() backed
+  static constexpr std::size_t kStagingFloats = std::size_t(32) << 20;  // 128 MiB pieces
+  mutable GrowingDeviceBuffer staging_{"out of GPU memory: the ", "train on more GPUs or a smaller model"};
   bool group_reduces_ = false;
   cudaStream_t opt_stream_ = nullptr;                   // the shard's optimizer (null: on stream_)
   cudaEvent_t ev_opt_go_ = nullptr, ev_opt_bucket_ = nullptr, ev_opt_done_ = nullptr;
