@@ -692,7 +692,14 @@ class CudaBackend final : public TrainBackend {
     ep_group_ = std::make_shared<parallel::CudaExpertParallelGroup>(ctx.expert.comm, cfg_.experts);
     for (std::size_t m = 0; m < moe_layer_ids_.size(); ++m)
       ep_layers_.push_back(std::make_unique<parallel::CudaExpertParallelMoe>(ep_group_));
-    if (ctx.expert_data.size > 1) xnccl_ = parallel::make_nccl_group(ctx.expert_data.comm);
+    if (ctx.expert_data.size > 1) {
+      xnccl_ = parallel::make_nccl_group(ctx.expert_data.comm);
+      const bool bf16 = parallel::zero1_overlap_options_from_env().broadcast_bf16;
+      for (int r = 0; r < expert_plan_.ranks(); ++r)
+        expert_pieces_.push_back(expert_plan_.count(r) > 0 ? broadcast_runs(expert_plan_.begin(r),
+                                                                            expert_plan_.begin(r) + expert_plan_.count(r), bf16)
+                                                           : std::vector<BroadcastRun>{});
+    }
     expert_stage_ = moe_layer_ids_.empty() ? -1 : 2 + 2 * moe_layer_ids_.front();
   }
   k::moe::ExpertRunner* expert_runner(int m) const {
@@ -723,18 +730,23 @@ class CudaBackend final : public TrainBackend {
     adam_.step(layout_, r, lr, 1.0f, coef_, stream);  // skips Muon parameters
     muon_step_range(xb, xe, lr, gemm, stream);
   }
-  // Every expert shard from its owner (fp32), and the bf16 copy of what arrived.
+  // Every expert shard from its owner over the expert-data group, in runs as the buckets: the
+  // bf16 copy of the experts' matrices, fp32 for anything else (receivers refresh its bf16 copy).
   void broadcast_experts(cudaStream_t stream) {
     if (!xnccl_) return;
     xnccl_->group_start();
     for (int r = 0; r < expert_plan_.ranks(); ++r)
-      if (expert_plan_.count(r) > 0)
-        xnccl_->broadcast(params_ + expert_plan_.begin(r), expert_plan_.count(r), parallel::NcclType::kFloat32, r, stream);
+      for (const auto& run : expert_pieces_[static_cast<std::size_t>(r)]) {
+        if (run.bf16)
+          xnccl_->broadcast(params_bf16_ + run.begin, run.end - run.begin, parallel::NcclType::kBfloat16, r, stream);
+        else
+          xnccl_->broadcast(params_ + run.begin, run.end - run.begin, parallel::NcclType::kFloat32, r, stream);
+      }
     xnccl_->group_end();
     for (int r = 0; r < expert_plan_.ranks(); ++r)
-      if (r != expert_data_rank_ && expert_plan_.count(r) > 0)
-        k::f32_to_bf16(params_ + expert_plan_.begin(r), params_bf16_ + expert_plan_.begin(r), expert_plan_.count(r),
-                       stream);
+      if (r != expert_data_rank_)
+        for (const auto& run : expert_pieces_[static_cast<std::size_t>(r)])
+          if (!run.bf16) k::f32_to_bf16(params_ + run.begin, params_bf16_ + run.begin, run.end - run.begin, stream);
   }
 
   // ---- overlapped ZeRO-1 (docs/parallel.md) ----
@@ -796,6 +808,37 @@ class CudaBackend final : public TrainBackend {
     return out;
   }
 
+  struct BroadcastRun {
+    std::int64_t begin = 0, end = 0;
+    bool bf16 = false;  // the bf16 copy travels (GEMM-only matrices), else the fp32 masters
+  };
+  // The broadcast runs of [begin, end): the bf16 copy for GEMM-only matrices (when `bf16`), fp32
+  // masters for the rest; padding between parameters rides with the run before it.
+  std::vector<BroadcastRun> broadcast_runs(std::int64_t begin, std::int64_t end, bool bf16) {
+    const std::vector<bool> bf16_only = bf16_only_params();
+    std::vector<std::size_t> by_offset(layout_.params.size());
+    for (std::size_t i = 0; i < by_offset.size(); ++i) by_offset[i] = i;
+    std::sort(by_offset.begin(), by_offset.end(),
+              [&](std::size_t a, std::size_t b) { return layout_.params[a].offset < layout_.params[b].offset; });
+    std::vector<BroadcastRun> runs;
+    for (std::size_t i : by_offset) {
+      const auto& p = layout_.params[i];
+      const std::int64_t lo = std::max(p.offset, begin), hi = std::min(p.offset + p.numel, end);
+      if (lo >= hi) continue;
+      const bool as_bf16 = bf16 && bf16_only[i];
+      if (!runs.empty() && runs.back().bf16 == as_bf16) {
+        runs.back().end = hi;
+      } else {
+        if (!runs.empty()) runs.back().end = lo;
+        runs.push_back({runs.empty() ? begin : lo, hi, as_bf16});
+      }
+      any_bf16_broadcast_ |= as_bf16;
+    }
+    if (runs.empty()) runs.push_back({begin, end, false});
+    runs.back().end = end;
+    return runs;
+  }
+
   void setup_data_parallel(const ParallelContext& ctx) {
     dp_rank_ = ctx.data.rank;
     dp_size_ = ctx.data.size;
@@ -822,33 +865,9 @@ class CudaBackend final : public TrainBackend {
     for (int s = S - 1; s >= 0; --s)  // empty stages start where the next one does
       stage_first_bucket_[static_cast<std::size_t>(s)] =
           std::min(stage_first_bucket_[static_cast<std::size_t>(s)], stage_first_bucket_[static_cast<std::size_t>(s) + 1]);
-    // The broadcast runs of each bucket: bf16 for GEMM-only matrices, fp32 for the rest (padding
-    // between parameters rides with the run before it).
-    const std::vector<bool> bf16_only = bf16_only_params();
-    std::vector<std::size_t> by_offset(layout_.params.size());
-    for (std::size_t i = 0; i < by_offset.size(); ++i) by_offset[i] = i;
-    std::sort(by_offset.begin(), by_offset.end(),
-              [&](std::size_t a, std::size_t b) { return layout_.params[a].offset < layout_.params[b].offset; });
     pieces_.assign(buckets_.size(), {});
-    for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
-      const auto& B = buckets_[bi];
-      auto& runs = pieces_[bi];
-      for (std::size_t i : by_offset) {
-        const auto& p = layout_.params[i];
-        const std::int64_t lo = std::max(p.offset, B.begin), hi = std::min(p.offset + p.numel, B.end);
-        if (lo >= hi) continue;
-        const bool bf16 = o.broadcast_bf16 && bf16_only[i];
-        if (!runs.empty() && runs.back().bf16 == bf16) {
-          runs.back().end = hi;
-        } else {
-          if (!runs.empty()) runs.back().end = lo;
-          runs.push_back({runs.empty() ? B.begin : lo, hi, bf16});
-        }
-        any_bf16_broadcast_ |= bf16;
-      }
-      if (runs.empty()) runs.push_back({B.begin, B.end, false});
-      runs.back().end = B.end;
-    }
+    for (std::size_t bi = 0; bi < buckets_.size(); ++bi)
+      pieces_[bi] = broadcast_runs(buckets_[bi].begin, buckets_[bi].end, o.broadcast_bf16);
     // The deferred embedding scatter: every rank's rows go to the owners of the embedding's
     // buckets, (ranks - 1) x tokens x hidden floats into each owner, instead of the reduce of
     // the table after the whole backward.
@@ -976,7 +995,8 @@ class CudaBackend final : public TrainBackend {
       k::embedding::backward(gather_tokens_ + slot * N, N, gather_dres_ + slot * N * D, grads_ + embed_, V, D, stream_);
   }
 
-  // Every shard's fp32 masters from its owner (state() after bf16 broadcasts).
+  // Every shard's fp32 masters from its owner (state() after bf16 broadcasts, when every rank
+  // keeps every master).
   void gather_masters() const {
     signal_comm();
     nccl_->group_start();
@@ -984,6 +1004,14 @@ class CudaBackend final : public TrainBackend {
       if (plan_.count(r) > 0)
         nccl_->broadcast(params_ + plan_.begin(r), plan_.count(r), parallel::NcclType::kFloat32, r, comm_stream_);
     nccl_->group_end();
+    if (xnccl_) {
+      xnccl_->group_start();
+      for (int r = 0; r < expert_plan_.ranks(); ++r)
+        if (expert_plan_.count(r) > 0)
+          xnccl_->broadcast(params_ + expert_plan_.begin(r), expert_plan_.count(r), parallel::NcclType::kFloat32, r,
+                            comm_stream_);
+      xnccl_->group_end();
+    }
     join_comm();
     masters_stale_ = false;
   }
@@ -1365,44 +1393,55 @@ class CudaBackend final : public TrainBackend {
   }
 
   // The fp32 masters this rank keeps. Under the overlapped ZeRO-1 step with bf16 broadcasts:
-  // its own shard, the expert region (broadcast in fp32 over the expert-data group), and what
-  // travels in fp32 (norms, biases, scales, convs: every forward reads those in fp32); the GEMM
-  // matrices and the embedding are read through the bf16 copy only, so other ranks' masters of
-  // those are never needed. Otherwise all of them (the classic step all-gathers them in fp32).
-  // KEEL_DP_SHARD_MASTERS=0 keeps all of them anyway.
+  // its own shards (of the replicated region, and of the expert region over the expert-data
+  // group) and what travels in fp32 (norms, biases, scales, convs: every forward reads those in
+  // fp32); the GEMM matrices and the embedding are read through the bf16 copy only, so other
+  // ranks' masters of those are never needed. Otherwise all of them (the classic step
+  // all-gathers them in fp32). KEEL_DP_SHARD_MASTERS=0 keeps all of them anyway.
   std::vector<ByteRange> master_ranges(std::size_t n_comm) const {
     const std::size_t f = sizeof(float);
     if (!overlap_ || !any_bf16_broadcast_ || !shard_masters_) return {{0, n_comm * f}};
-    std::vector<ByteRange> r = {{static_cast<std::size_t>(shard_.first) * f, static_cast<std::size_t>(shard_.second) * f},
-                                {static_cast<std::size_t>(replicated_end_) * f, n_comm * f}};
-    for (const auto& runs : pieces_)
-      for (const auto& p : runs)
-        if (!p.bf16) r.push_back({static_cast<std::size_t>(p.begin) * f, static_cast<std::size_t>(p.end) * f});
+    auto bytes = [f](std::int64_t b, std::int64_t e) {
+      return ByteRange{static_cast<std::size_t>(b) * f, static_cast<std::size_t>(e) * f};
+    };
+    std::vector<ByteRange> r = {bytes(shard_.first, shard_.second)};
+    if (xnccl_) r.push_back(bytes(slice_.expert_begin, slice_.expert_end));
+    else r.push_back(bytes(replicated_end_, static_cast<std::int64_t>(n_comm)));  // every expert of this rank is its own
+    for (const auto* pieces : {&pieces_, &expert_pieces_})
+      for (const auto& runs : *pieces)
+        for (const auto& p : runs)
+          if (!p.bf16) r.push_back(bytes(p.begin, p.end));
     return r;
   }
 
-  // state() when this rank keeps only some fp32 masters: each owner broadcasts its shard piece by
-  // piece through the staging buffer and every rank copies it out; the expert region is whole
-  // on every rank. A collective over the data-parallel group.
+  // state() when this rank keeps only some fp32 masters: each owner broadcasts its shards piece
+  // by piece through the staging buffer and every rank copies them out. A collective over the
+  // data-parallel group (and the expert-data group).
   void copy_masters_to_host(float* host) const {
+    signal_comm();
+    copy_shards_to_host(*nccl_, plan_, dp_rank_, host);
+    if (xnccl_) {
+      copy_shards_to_host(*xnccl_, expert_plan_, expert_data_rank_, host);
+    } else if (layout_.total_floats > replicated_end_) {  // every expert of this rank is its own
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(host + replicated_end_, params_ + replicated_end_,
+                                      static_cast<std::size_t>(layout_.total_floats - replicated_end_) * sizeof(float),
+                                      cudaMemcpyDeviceToHost, comm_stream_));
+      KEEL_CUDA_CHECK(cudaStreamSynchronize(comm_stream_));
+    }
+  }
+  void copy_shards_to_host(parallel::NcclGroup& group, const parallel::Zero1Plan& plan, int me, float* host) const {
     const std::int64_t n = layout_.total_floats;
     float* stage = static_cast<float*>(staging_.ensure(kStagingFloats * sizeof(float), comm_stream_, "staging"));
-    signal_comm();
-    for (int r = 0; r < dp_size_; ++r)
-      for (std::int64_t b = plan_.begin(r), end = std::min(n, plan_.begin(r) + plan_.count(r)); b < end;
+    for (int r = 0; r < plan.ranks(); ++r)
+      for (std::int64_t b = plan.begin(r), end = std::min(n, plan.begin(r) + plan.count(r)); b < end;
            b += static_cast<std::int64_t>(kStagingFloats)) {
         const std::int64_t count = std::min<std::int64_t>(end - b, static_cast<std::int64_t>(kStagingFloats));
-        float* from = r == dp_rank_ ? params_ + b : stage;  // the owner sends, the others receive
-        nccl_->broadcast(from, count, parallel::NcclType::kFloat32, r, comm_stream_);
+        float* from = r == me ? params_ + b : stage;  // the owner sends, the others receive
+        group.broadcast(from, count, parallel::NcclType::kFloat32, r, comm_stream_);
         KEEL_CUDA_CHECK(cudaMemcpyAsync(host + b, from, static_cast<std::size_t>(count) * sizeof(float),
                                         cudaMemcpyDeviceToHost, comm_stream_));
         KEEL_CUDA_CHECK(cudaStreamSynchronize(comm_stream_));  // the next piece overwrites the staging buffer
       }
-    if (n > replicated_end_)
-      KEEL_CUDA_CHECK(cudaMemcpyAsync(host + replicated_end_, params_ + replicated_end_,
-                                      static_cast<std::size_t>(n - replicated_end_) * sizeof(float),
-                                      cudaMemcpyDeviceToHost, comm_stream_));
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(comm_stream_));
   }
 
   void upload_bias() {
@@ -1682,10 +1721,6 @@ class CudaBackend final : public TrainBackend {
   std::unique_ptr<parallel::DataParallelComm> dp_;  // the classic ZeRO-1 step (null on one GPU or overlapped)
   parallel::Zero1Plan plan_;
   // overlapped ZeRO-1
-  struct BroadcastRun {
-    std::int64_t begin = 0, end = 0;
-    bool bf16 = false;  // the bf16 copy travels (GEMM-only matrices), else the fp32 masters
-  };
   bool overlap_ = false;
   int dp_rank_ = 0, dp_size_ = 1;
   std::unique_ptr<parallel::NcclGroup> nccl_;
@@ -1696,6 +1731,7 @@ class CudaBackend final : public TrainBackend {
   std::vector<parallel::Zero1Bucket> buckets_;
   std::vector<int> stage_first_bucket_;                 // stage s: buckets [first[s], first[s + 1])
   std::vector<std::vector<BroadcastRun>> pieces_;       // per bucket
+  std::vector<std::vector<BroadcastRun>> expert_pieces_;  // per expert-data rank: its expert shard
   bool any_bf16_broadcast_ = false;
   bool shard_masters_ = true;                    // KEEL_DP_SHARD_MASTERS
   std::unique_ptr<SparseDeviceBuffer> masters_;  // the fp32 masters (params_): master_ranges() backed

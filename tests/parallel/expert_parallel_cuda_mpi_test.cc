@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <numeric>
@@ -208,30 +209,39 @@ TEST(ExpertParallelCuda, TrainEpHalfWithReplicasMatchesDataParallel) {
   const std::vector<std::string> sets = {"checkpoint.final=false"};
   Trainer dp(gpu_config(dir, dir / "dp", 1, sets, kMuon), world_context(1), true);
   const auto want = dp.run(4);
-  Trainer ep_run(gpu_config(dir, dir / "ep", ep, sets, kMuon), world_context(ep), true);
-  const StateSlice sl = ep_run.backend().state_slice();
-  std::int64_t covered = sl.expert_end - sl.expert_begin;
-  MPI_Allreduce(MPI_IN_PLACE, &covered, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
-  std::int64_t region = 0;
-  for (const auto& p : ep_run.backend().layout().params)
-    if (is_expert_param(p.name)) region += p.numel;
-  EXPECT_EQ(covered, ep * region) << "the expert-data shards tile each expert group's region once";
-  const auto got = ep_run.run(4);
-  ASSERT_EQ(got.size(), want.size());
-  EXPECT_NEAR(got[0].loss, want[0].loss, 1e-4 * std::fabs(want[0].loss));
-  EXPECT_NEAR(got[0].grad_norm, want[0].grad_norm, 1e-2 * want[0].grad_norm);
-  for (std::size_t i = 1; i < got.size(); ++i)
-    EXPECT_NEAR(got[i].loss, want[i].loss, 1e-2 * std::fabs(want[i].loss)) << "step " << i + 1;
-  // every replica of an expert holds the same weights after the broadcasts
-  const auto params = ep_run.backend().state().params;
-  double sum = 0;
-  for (float x : params) sum += x;
-  std::vector<double> sums(static_cast<std::size_t>(P));
-  MPI_Allgather(&sum, 1, MPI_DOUBLE, sums.data(), 1, MPI_DOUBLE, MPI_COMM_WORLD);
-  for (int r = 0; r < P; ++r) EXPECT_EQ(sums[static_cast<std::size_t>(r)], sums[static_cast<std::size_t>(r % ep)]) << "rank " << r;
-  if (world_rank() == 0)
-    std::printf("  replicas: EP %d on %d GPUs vs data parallel: loss %.6f vs %.6f after 4 steps\n", ep, P,
-                got.back().loss, want.back().loss);
+  // Each rank keeps the fp32 masters of its own expert shard only (the bf16 copy travels), and,
+  // with KEEL_DP_SHARD_MASTERS=0, every master (state() then gathers the stale ones).
+  for (const bool shard_masters : {true, false}) {
+    if (!shard_masters) setenv("KEEL_DP_SHARD_MASTERS", "0", 1);
+    struct Unset {
+      ~Unset() { unsetenv("KEEL_DP_SHARD_MASTERS"); }
+    } unset;
+    const std::string tag = shard_masters ? "replicas" : "replicas_every_master";
+    Trainer ep_run(gpu_config(dir, dir / (shard_masters ? "ep" : "ep_all"), ep, sets, kMuon), world_context(ep), true);
+    const StateSlice sl = ep_run.backend().state_slice();
+    std::int64_t covered = sl.expert_end - sl.expert_begin;
+    MPI_Allreduce(MPI_IN_PLACE, &covered, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    std::int64_t region = 0;
+    for (const auto& p : ep_run.backend().layout().params)
+      if (is_expert_param(p.name)) region += p.numel;
+    EXPECT_EQ(covered, ep * region) << "the expert-data shards tile each expert group's region once";
+    const auto got = ep_run.run(4);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_NEAR(got[0].loss, want[0].loss, 1e-4 * std::fabs(want[0].loss));
+    EXPECT_NEAR(got[0].grad_norm, want[0].grad_norm, 1e-2 * want[0].grad_norm);
+    for (std::size_t i = 1; i < got.size(); ++i)
+      EXPECT_NEAR(got[i].loss, want[i].loss, 1e-2 * std::fabs(want[i].loss)) << "step " << i + 1;
+    // every replica of an expert holds the same weights after the broadcasts
+    const auto params = ep_run.backend().state().params;
+    double sum = 0;
+    for (float x : params) sum += x;
+    std::vector<double> sums(static_cast<std::size_t>(P));
+    MPI_Allgather(&sum, 1, MPI_DOUBLE, sums.data(), 1, MPI_DOUBLE, MPI_COMM_WORLD);
+    for (int r = 0; r < P; ++r) EXPECT_EQ(sums[static_cast<std::size_t>(r)], sums[static_cast<std::size_t>(r % ep)]) << "rank " << r;
+    if (world_rank() == 0)
+      std::printf("  %s: EP %d on %d GPUs vs data parallel: loss %.6f vs %.6f after 4 steps\n", tag.c_str(), ep, P,
+                  got.back().loss, want.back().loss);
+  }
 }
 
 TEST(ExpertParallelCuda, TrainEpWorldMatchesDataParallelWithTheZayaRouter) {
