@@ -557,13 +557,12 @@ class CudaBackend final : public TrainBackend {
     s.adam_m.resize(k);
     s.adam_v.resize(k);
     join_comm();
-    // overlapped ZeRO-1 with bf16 broadcasts: the fp32 masters of other ranks' shards are
-    // stale, or not kept at all, until gathered (a collective: every rank calls state()
+    // overlapped ZeRO-1: the fp32 masters of other ranks' shards are stale (bf16 broadcasts) or
+    // not kept at all, so they come from their owners (a collective: every rank calls state()
     // together, as the trainer's checkpoint does)
-    if (!masters_->whole()) {
+    if (overlap_) {
       copy_masters_to_host(s.params.data());
     } else {
-      if (masters_stale_) gather_masters();
       KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
       KEEL_CUDA_CHECK(cudaMemcpy(s.params.data(), params_, n * sizeof(float), cudaMemcpyDeviceToHost));
     }
@@ -598,7 +597,6 @@ class CudaBackend final : public TrainBackend {
     check_train_state(s, layout_, slice_, bias_sizes);
     join_comm();  // pending broadcasts write the parameters
     upload_params(s.params);
-    masters_stale_ = false;
     if (k > 0) KEEL_CUDA_CHECK(cudaMemcpyAsync(adam_m_, s.adam_m.data(), k * sizeof(float), cudaMemcpyHostToDevice, stream_));
     if (k > 0) KEEL_CUDA_CHECK(cudaMemcpyAsync(adam_v_, s.adam_v.data(), k * sizeof(float), cudaMemcpyHostToDevice, stream_));
     KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -995,27 +993,6 @@ class CudaBackend final : public TrainBackend {
       k::embedding::backward(gather_tokens_ + slot * N, N, gather_dres_ + slot * N * D, grads_ + embed_, V, D, stream_);
   }
 
-  // Every shard's fp32 masters from its owner (state() after bf16 broadcasts, when every rank
-  // keeps every master).
-  void gather_masters() const {
-    signal_comm();
-    nccl_->group_start();
-    for (int r = 0; r < dp_size_; ++r)
-      if (plan_.count(r) > 0)
-        nccl_->broadcast(params_ + plan_.begin(r), plan_.count(r), parallel::NcclType::kFloat32, r, comm_stream_);
-    nccl_->group_end();
-    if (xnccl_) {
-      xnccl_->group_start();
-      for (int r = 0; r < expert_plan_.ranks(); ++r)
-        if (expert_plan_.count(r) > 0)
-          xnccl_->broadcast(params_ + expert_plan_.begin(r), expert_plan_.count(r), parallel::NcclType::kFloat32, r,
-                            comm_stream_);
-      xnccl_->group_end();
-    }
-    join_comm();
-    masters_stale_ = false;
-  }
-
   // Broadcasts bucket i from its owner on the communication stream; receivers refresh the bf16
   // copy of what arrived in fp32.
   void broadcast_bucket(std::size_t i) {
@@ -1101,7 +1078,6 @@ class CudaBackend final : public TrainBackend {
     adam_.set_step_count(t0 + 1);
     if (prof_) prof_->mark(Profile::kBcEnd, comm_stream_), prof_->mark(Profile::kOptEnd, os);
     awaited_stage_ = -1;
-    masters_stale_ = any_bf16_broadcast_;
     return {norm, static_cast<double>(coef)};
   }
 
@@ -1750,7 +1726,6 @@ class CudaBackend final : public TrainBackend {
   int step_backwards_ = 0;  // backward() calls this step, from begin_step() (0: not announced)
   bool launching_ = false, reduces_launched_ = false;
   mutable bool reduces_in_flight_ = false;
-  mutable bool masters_stale_ = false;
   mutable int awaited_stage_ = INT_MAX;                 // forward waits for stages above this
   std::unique_ptr<Profile> prof_;                       // KEEL_DP_PROFILE=1
   std::pair<std::int64_t, std::int64_t> shard_;     // this rank's optimizer shard
