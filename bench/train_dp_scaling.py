@@ -36,6 +36,7 @@ skips it.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,7 +50,8 @@ from train_vs_torch import DIMS, keel_config, write_dataset  # noqa: E402
 
 def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, ep=1, bias_rate=0.0, lr=None):
     run_dir = os.path.join(out, f"dp{gpus}" + ("_classic" if classic else "") + (f"_ep{ep}" if ep > 1 else ""))
-    os.makedirs(run_dir, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # keel train refuses another run's metrics and checkpoints
+    os.makedirs(run_dir)
     path = os.path.join(run_dir, "train.yaml")
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if d.get("attention") == "cca":  # the ZAYA1-shaped model: its own config (its lr and bias rate unless given)

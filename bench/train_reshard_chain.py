@@ -18,6 +18,7 @@ exits non-zero on a mismatch or a failed stage.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -67,7 +68,8 @@ parallel:
 
 def train(keel, out, name, gpus, ep, steps, prefix, resume=None):
     run_dir = os.path.join(out, name)
-    os.makedirs(run_dir, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # keel train refuses another run's metrics and checkpoints
+    os.makedirs(run_dir)
     path = os.path.join(run_dir, "train.yaml")
     open(path, "w").write(config(prefix, run_dir, steps, ep))
     cmd = ["mpirun", "--allow-run-as-root", "-np", str(gpus), "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE",

@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import struct
 import subprocess
@@ -104,6 +105,7 @@ mfu_peak_flops: {PEAK}
 
 def run_keel(keel, out, d, steps, warmup):
     os.makedirs(out, exist_ok=True)
+    shutil.rmtree(os.path.join(out, "run"), ignore_errors=True)  # keel train refuses another run's metrics
     rng = np.random.default_rng(0)
     prefix = os.path.join(out, "random")
     nrows = d["micro_batch"] * (steps + 4)

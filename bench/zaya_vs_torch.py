@@ -59,6 +59,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import struct
 import subprocess
@@ -187,6 +188,7 @@ seed: 1234
 def run_keel(keel, out, d, steps, warmup, device, rows=None, checkpoint_every=0, lr=LR, bias_rate=BIAS_RATE,
              timeout=900):
     os.makedirs(out, exist_ok=True)
+    shutil.rmtree(os.path.join(out, "run"), ignore_errors=True)  # keel train refuses another run's metrics
     prefix = os.path.join(out, "random")
     if rows is None:
         rng = np.random.default_rng(0)

@@ -41,8 +41,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // Under a launcher every rank parses the same flags: let one of them speak.
     if (keel::launcher_rank() > 0) return e.get_exit_code() == 0 ? 0 : keel::kExitError;
-    const int code = app.exit(e);
-    return code == 0 ? 0 : keel::kExitError;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    // one line, as every other error (CLI11's own adds a second)
+    keel::report_error(fmt::format("{} (see --help)", e.what()));
+    return keel::kExitError;
   } catch (const keel::UsageError& e) {
     if (keel::launcher_rank() == 0) keel::report_error(e.what());
     keel::finish_mpi_after_error(/*all_ranks_failed=*/true);

@@ -10,16 +10,15 @@
 #include "common/error.h"
 #include "common/units.h"
 #include "common/fileio.h"
+#include "common/yaml_checks.h"
 
 namespace keel::data {
 namespace {
 
 constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
 
-int line_of(const YAML::Node& n) { return n.Mark().line + 1; }
-
 [[noreturn]] void bad(const std::string& what, const YAML::Node& n, const std::string& message) {
-  throw UsageError(fmt::format("{}: {} (line {})", what, message, line_of(n)));
+  throw UsageError(fmt::format("{}: {}{}", what, message, yaml_line_suffix(n)));
 }
 
 void only_keys(const std::string& what, const YAML::Node& map, std::initializer_list<const char*> keys,
@@ -67,7 +66,13 @@ DataConfig parse_data_config(const std::string& text, const std::string& what, c
   } catch (const YAML::Exception& e) {
     throw UsageError(fmt::format("{}: invalid YAML: {} (line {})", what, e.msg, e.mark.line + 1));
   }
+  return parse_data_config(root, what, base_dir, /*default_phase=*/false);
+}
+
+DataConfig parse_data_config(const YAML::Node& root, const std::string& what, const std::string& base_dir,
+                             bool default_phase) {
   if (!root.IsMap()) throw UsageError(fmt::format("{}: a data config is a YAML mapping", what));
+  reject_duplicate_keys(root, what);
   only_keys(what, root, {"seq_length", "seed", "shuffle", "datasets", "phases"}, "");
   DataConfig c;
   if (!root["seq_length"]) throw UsageError(fmt::format("{}: missing 'seq_length'", what));
@@ -89,6 +94,13 @@ DataConfig parse_data_config(const std::string& text, const std::string& what, c
     c.prefixes.push_back(p.is_absolute() || base_dir.empty() ? prefix : (std::filesystem::path(base_dir) / p).string());
   }
 
+  if (!root["phases"] && default_phase) {  // one phase that runs to the end, every dataset weighted alike
+    PhaseConfig pc;
+    pc.name = "phase1";
+    pc.weights.assign(c.names.size(), 1.0 / static_cast<double>(c.names.size()));
+    c.phases.push_back(std::move(pc));
+    return c;
+  }
   const YAML::Node phases = root["phases"];
   if (!phases) throw UsageError(fmt::format("{}: missing 'phases' (a list of {{tokens, weights}})", what));
   if (!phases.IsSequence() || phases.size() == 0) bad(what, phases, "'phases' must be a non-empty list");
@@ -196,7 +208,14 @@ nlohmann::json BlendStream::state() const {
           {"phase", phase_},
           {"phase_samples", in_phase_},
           {"phase_counts", counts_},
-          {"drawn", drawn_}};
+          {"drawn", drawn_},
+          {"samples_per_epoch", samples_per_epoch()}};
+}
+
+std::vector<std::uint64_t> BlendStream::samples_per_epoch() const {
+  std::vector<std::uint64_t> n;
+  for (const auto* s : samplers_) n.push_back(s->samples_per_epoch());
+  return n;
 }
 
 void BlendStream::restore(const nlohmann::json& s) {
@@ -205,6 +224,18 @@ void BlendStream::restore(const nlohmann::json& s) {
   if (seed != samplers_[0]->seed() || len != seq_length_ || n != samplers_.size())
     fail("data state: saved for seed {}, seq_length {}, {} datasets; this run has seed {}, seq_length {}, {} datasets",
          seed, len, n, samplers_[0]->seed(), seq_length_, samplers_.size());
+  // Each dataset's size: another dataset under the same name would continue at a position
+  // that means nothing in it. (States saved before the sizes were recorded skip this check.)
+  if (s.contains("samples_per_epoch")) {
+    const auto& saved = s.at("samples_per_epoch");
+    const auto now = samples_per_epoch();
+    if (!saved.is_array() || saved.size() != n) fail("data state: one 'samples_per_epoch' per dataset expected");
+    for (std::size_t d = 0; d < n; ++d)
+      if (!saved[d].is_number_unsigned() || saved[d].get<std::uint64_t>() != now[d])
+        fail("data state: dataset {} had {} samples of seq_length {} when saved; this run's has {}: the dataset "
+             "changed",
+             d + 1, saved[d].dump(), seq_length_, now[d]);
+  }
   const std::uint64_t phase = get_u64(s, "phase");
   if (phase >= phases_.size()) fail("data state: phase {} but the config has {}", phase + 1, phases_.size());
   auto counts = s.at("phase_counts").get<std::vector<std::uint64_t>>();

@@ -31,6 +31,10 @@
 #include "data/indexed_dataset.h"
 #include "data/sampler.h"
 
+namespace YAML {
+class Node;
+}
+
 namespace keel::data {
 
 struct PhaseConfig {
@@ -50,6 +54,10 @@ struct DataConfig {
 // Parses a data config; every error is one keel::Error line naming `what` (the file), the key
 // and its line: unknown keys, missing keys, unknown dataset names, bad weights or token counts.
 DataConfig parse_data_config(const std::string& yaml_text, const std::string& what, const std::string& base_dir);
+// The same from a parsed mapping (a train config's `data:`, whose lines the errors keep);
+// default_phase: without `phases`, one phase weighting every dataset alike.
+DataConfig parse_data_config(const YAML::Node& root, const std::string& what, const std::string& base_dir,
+                             bool default_phase);
 DataConfig load_data_config(const std::string& path);
 
 // Decimal token counts: 1000, 500K, 300M, 2B (= 2G), 1.5T.
@@ -70,6 +78,8 @@ class BlendStream : public SampleStream {
   //         "phase_samples", "phase_counts": [...], "drawn": [...] (next sample of each dataset)}.
   nlohmann::json state() const override;
   void restore(const nlohmann::json& state) override;
+  // Samples per epoch of each dataset (its size at this seq_length), in the config's order.
+  std::vector<std::uint64_t> samples_per_epoch() const;
 
  private:
   std::vector<const SequenceSampler*> samplers_;

@@ -90,15 +90,25 @@ int run_tokenize(const TokenizeFlags& f) {
     if (!probe) throw UsageError(fmt::format("cannot read input {}: {}", in, std::strerror(errno)));
   }
 
+  if (f.out.empty() || f.out.back() == '/' || std::filesystem::path(f.out).filename() == ".")
+    throw UsageError(fmt::format("--out '{}': must name a file prefix (PREFIX.bin and PREFIX.idx are written)", f.out));
+  if (!(f.holdout >= 0 && f.holdout < 1)) throw UsageError(fmt::format("--holdout must be in [0, 1), got {}", f.holdout));
+  // A held-out split left by an earlier --holdout run of this prefix would now overlap the
+  // new training set: eval on it would measure training data. Refused rather than deleted.
+  const std::string held_prefix = f.out + "_heldout";
+  if (f.holdout == 0)
+    for (const char* ext : {".bin", ".idx"})
+      if (std::filesystem::exists(held_prefix + ext))
+        throw UsageError(fmt::format("{}{} is left from an earlier --holdout split of {}: it would overlap this "
+                                     "dataset; remove {}.bin and {}.idx, or pass --holdout again",
+                                     held_prefix, ext, f.out, held_prefix, held_prefix));
   // Like any output path, the prefix's directory is made when missing.
   const std::filesystem::path parent = std::filesystem::path(f.out).parent_path();
   std::error_code ec;
   if (!parent.empty() && !std::filesystem::create_directories(parent, ec) && ec)
     throw Error(fmt::format("cannot create {}: {}", parent.string(), ec.message()));
-  if (!(f.holdout >= 0 && f.holdout < 1)) throw UsageError(fmt::format("--holdout must be in [0, 1), got {}", f.holdout));
   // Held-out documents: chosen by a hash of the document's position, so the split is the same
   // on every run and machine, spread over the whole input, and independent of document sizes.
-  const std::string held_prefix = f.out + "_heldout";
   IndexedDatasetWriter w(f.out, dtype);
   std::unique_ptr<IndexedDatasetWriter> held;
   if (f.holdout > 0) held = std::make_unique<IndexedDatasetWriter>(held_prefix, dtype);
@@ -240,6 +250,14 @@ int run_batches(const BatchesFlags& f) {
   return kExitOk;
 }
 
+// CLI11 reads "-1" into an unsigned option as 2^64 - 1: counts are refused when negative.
+const CLI::Validator kNotNegative(
+    [](std::string& text) {
+      const auto first = text.find_first_not_of(" \t");
+      return first != std::string::npos && text[first] == '-' ? std::string("must not be negative") : std::string();
+    },
+    "COUNT >= 0");
+
 }  // namespace
 
 void add_command(CLI::App& app) {
@@ -269,8 +287,8 @@ void add_command(CLI::App& app) {
   auto i = std::make_shared<InspectFlags>();
   CLI::App* ins = data->add_subcommand("inspect", "Summarize an indexed dataset and decode one document");
   ins->add_option("prefix", i->prefix, "Dataset prefix (PREFIX.idx and PREFIX.bin)")->required();
-  ins->add_option("--document", i->document, "Document to decode")->capture_default_str();
-  ins->add_option("--tokens", i->tokens, "Tokens of it to decode")->capture_default_str();
+  ins->add_option("--document", i->document, "Document to decode")->check(kNotNegative)->capture_default_str();
+  ins->add_option("--tokens", i->tokens, "Tokens of it to decode")->check(kNotNegative)->capture_default_str();
   ins->add_option("--tokenizer", i->tokenizer, "byte, or spm:MODEL")->capture_default_str();
   ins->callback([i] { set_exit_code(run_inspect(*i)); });
 
@@ -278,10 +296,12 @@ void add_command(CLI::App& app) {
   CLI::App* bat = data->add_subcommand(
       "batches", "Walk the global batches of a data config (blend, phases, shuffle) as one rank sees them");
   bat->add_option("config", b->config, "Data config YAML")->required();
-  bat->add_option("--global-batch", b->global_batch, "Samples per global batch")->capture_default_str();
-  bat->add_option("--steps", b->steps, "Batches to walk")->capture_default_str();
-  bat->add_option("--rank", b->rank, "This rank")->capture_default_str();
-  bat->add_option("--world", b->world, "Data-parallel ranks")->capture_default_str();
+  bat->add_option("--global-batch", b->global_batch, "Samples per global batch")
+      ->check(kNotNegative)
+      ->capture_default_str();
+  bat->add_option("--steps", b->steps, "Batches to walk")->check(kNotNegative)->capture_default_str();
+  bat->add_option("--rank", b->rank, "This rank")->check(kNotNegative)->capture_default_str();
+  bat->add_option("--world", b->world, "Data-parallel ranks")->check(kNotNegative)->capture_default_str();
   bat->add_option("--resume", b->resume, "Start from a saved state file");
   bat->add_option("--save-state", b->save_state, "Write the state after the last batch");
   bat->add_flag("--show-tokens", b->show_tokens, "Print the first tokens of every row");

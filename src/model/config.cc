@@ -9,6 +9,7 @@
 #include <map>
 
 #include "common/error.h"
+#include "common/yaml_checks.h"
 
 namespace keel::model {
 namespace {
@@ -25,12 +26,12 @@ AttentionKind parse_attention(const std::string& s, const std::string& key) {
 template <typename T>
 T scalar(const YAML::Node& v, const std::string& key, const char* type) {
   if (!v.IsScalar())
-    throw UsageError(fmt::format("key '{}' (line {}) must be {}", key, v.Mark().line + 1, type));
+    throw UsageError(fmt::format("key '{}'{} must be {}", key, yaml_line_suffix(v), type));
   try {
     return v.as<T>();
   } catch (const YAML::Exception&) {
     throw UsageError(
-        fmt::format("key '{}' (line {}) must be {}, got '{}'", key, v.Mark().line + 1, type, v.Scalar()));
+        fmt::format("key '{}'{} must be {}, got '{}'", key, yaml_line_suffix(v), type, v.Scalar()));
   }
 }
 
@@ -44,8 +45,8 @@ int as_int(const YAML::Node& v, const std::string& key) {
 // (its length must divide `layers`).
 std::vector<AttentionKind> attention_pattern(const YAML::Node& v, const std::string& key) {
   if (!v.IsSequence())
-    throw UsageError(fmt::format("key '{}' (line {}) must be a list such as [linear, linear, linear, gqa]", key,
-                                 v.Mark().line + 1));
+    throw UsageError(
+        fmt::format("key '{}'{} must be a list such as [linear, linear, linear, gqa]", key, yaml_line_suffix(v)));
   std::vector<AttentionKind> out;
   for (const auto& e : v) out.push_back(parse_attention(scalar<std::string>(e, key, "an attention kind"), key));
   return out;
@@ -95,6 +96,10 @@ void validate(const ModelConfig& m) {
     if (v <= 0) throw UsageError(fmt::format("key '{}' must be positive (got {})", key, v));
   };
   need_positive(m.vocab_size, "vocab_size");
+  // token ids are 32-bit everywhere (datasets, kernels); a larger table is a typo, not a model
+  if (m.vocab_size > INT32_MAX)
+    throw UsageError(fmt::format("key 'vocab_size' ({}) must be at most {} (token ids are 32-bit)", m.vocab_size,
+                                 INT32_MAX));
   need_positive(m.hidden, "hidden");
   need_positive(m.layers, "layers");
   need_positive(m.heads, "heads");
@@ -180,10 +185,15 @@ ModelConfig load_model_config(const std::string& path) {
   } catch (const YAML::Exception& e) {
     throw UsageError(fmt::format("{}: not valid YAML: {}", path, e.what()));
   }
-  if (!root.IsMap()) throw UsageError(fmt::format("{}: a model config must be a YAML mapping of keys", path));
+  return parse_model_config(root, std::filesystem::path(path).stem().string(), path);
+}
+
+ModelConfig parse_model_config(const YAML::Node& root, const std::string& name, const std::string& what) {
+  if (!root.IsMap()) throw UsageError(fmt::format("{}: a model config must be a YAML mapping of keys", what));
+  reject_duplicate_keys(root, what);
 
   ModelConfig m;
-  m.name = std::filesystem::path(path).stem().string();
+  m.name = name;
   bool have_kv_heads = false, have_head_dim = false;
   using Setter = std::function<void(const YAML::Node&, const std::string&)>;
   auto i32 = [](int* f) -> Setter { return [f](const YAML::Node& v, const std::string& k) { *f = as_int(v, k); }; };
@@ -237,7 +247,7 @@ ModelConfig load_model_config(const std::string& path) {
       const std::string key = kv.first.as<std::string>();
       const auto it = keys.find(key);
       if (it == keys.end())
-        throw UsageError(fmt::format("unknown key '{}' (line {})", key, kv.first.Mark().line + 1));
+        throw UsageError(fmt::format("unknown key '{}'{}", key, yaml_line_suffix(kv.first)));
       it->second(kv.second, key);
     }
     // Defaults that follow from other keys: MHA has as many kv heads as heads; head_dim is
@@ -246,9 +256,9 @@ ModelConfig load_model_config(const std::string& path) {
     if (!have_head_dim && m.heads > 0) m.head_dim = m.hidden / m.heads;
     validate(m);
   } catch (const UsageError& e) {
-    throw UsageError(fmt::format("{}: {}", path, e.what()));
+    throw UsageError(fmt::format("{}: {}", what, e.what()));
   } catch (const YAML::Exception& e) {
-    throw UsageError(fmt::format("{}: {}", path, e.what()));
+    throw UsageError(fmt::format("{}: {}", what, e.what()));
   }
   return m;
 }

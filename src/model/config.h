@@ -8,6 +8,10 @@
 #include <string>
 #include <vector>
 
+namespace YAML {
+class Node;
+}
+
 namespace keel::model {
 
 enum class AttentionKind { kMha, kGqa, kCca, kLinear };
@@ -53,6 +57,9 @@ struct ModelConfig {
 // Loads and validates a model YAML. Throws keel::UsageError with a one-line message naming
 // the file and the offending key (unknown keys, heads not dividing hidden, top_k > experts...).
 ModelConfig load_model_config(const std::string& path);
+// The same from a parsed YAML mapping (a train config's inline `model:`); `name` is the
+// model's name unless the mapping sets one, `what` prefixes the errors.
+ModelConfig parse_model_config(const YAML::Node& root, const std::string& name, const std::string& what);
 // Validates a config built in code (same checks as the loader).
 void validate(const ModelConfig& m);
 

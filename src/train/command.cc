@@ -1,6 +1,7 @@
 #include "train/command.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -70,17 +71,20 @@ void add_command(CLI::App& app) {
   cmd->add_option("config", args->config, "Training config (YAML)")->required();
   cmd->add_option("--set", args->sets, "Override a config key: --set optimizer.lr=1e-3 (repeatable)");
   cmd->add_option("--resume", args->resume, "Continue from a checkpoint: a checkpoint.dir root (its latest) or one step directory");
-  cmd->add_option("--stop-after", args->until,
+  CLI::Option* stop_after = cmd->add_option("--stop-after", args->until,
                   "Stop after this many optimizer steps in total (the schedule still spans `steps`); saves a checkpoint");
   cmd->add_option("--timeout", args->timeout,
                   "Seconds a rank may go without progress (start-up, resume, each step, eval, checkpoint phase) before "
                   "it exits with an error (124), as when a rank hangs or dies; 0: wait forever")
-      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd->add_option("--inject-hang-rank", args->hang_rank, "Fault injection (tests): this rank hangs at --inject-hang-step");
-  cmd->add_option("--inject-hang-step", args->hang_step, "Fault injection (tests): the step at which it hangs")
-      ->check(CLI::PositiveNumber);
-  cmd->callback([args] {
+  cmd->add_option("--inject-hang-step", args->hang_step, "Fault injection (tests): the step at which it hangs");
+  cmd->callback([args, stop_after] {
+    if (!(args->timeout >= 0) || !std::isfinite(args->timeout))
+      throw UsageError(fmt::format("--timeout {}: must be seconds >= 0 (0: wait forever)", args->timeout));
+    if (stop_after->count() > 0 && args->until < 1)
+      throw UsageError(fmt::format("--stop-after {}: must be a step count >= 1", args->until));
+    if (args->hang_step < 0) throw UsageError("--inject-hang-step must be >= 1");
     const TrainConfig cfg = load_train_config(args->config, args->sets);
     if ((args->hang_rank >= 0) != (args->hang_step > 0))
       throw UsageError("--inject-hang-rank and --inject-hang-step go together");
@@ -103,12 +107,7 @@ void add_command(CLI::App& app) {
     }
     const auto t0 = std::chrono::steady_clock::now();
     const std::int64_t start = t.step();
-    const auto stats = t.run(args->until);
-    if (args->until >= 0 && t.step() < cfg.steps) {
-      phase(fmt::format("the checkpoint of step {}", t.step()));
-      t.save_checkpoint();
-      t.finish_checkpoint();
-    }
+    const auto stats = t.run(args->until, /*checkpoint_at_stop=*/true);
     dog.disarm();
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (mpi.rank() != 0) return;  // rank 0 speaks for the group

@@ -158,6 +158,18 @@ double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, co
 
 std::optional<ckpt::SaveStats> TrainCheckpointer::finish() { return saver_->wait(); }
 
+namespace {
+
+// A non-negative integer of a checkpoint's "state", or an error naming the checkpoint and key.
+std::int64_t state_count(const nlohmann::json& s, const char* key, const std::string& dir) {
+  if (!s.is_object() || !s.contains(key) || !s[key].is_number_integer() || s[key].get<std::int64_t>() < 0)
+    fail("checkpoint {}: state '{}' is {} (expected a non-negative integer): the metadata is damaged", dir, key,
+         s.is_object() && s.contains(key) ? s[key].dump() : "missing");
+  return s[key].get<std::int64_t>();
+}
+
+}  // namespace
+
 LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg,
                                        std::pair<std::int64_t, std::int64_t> shard) {
   StateSlice slice;
@@ -176,12 +188,19 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
     fail("checkpoint load: expert rank {} of {}", slice.expert_rank, slice.expert_parallel);
   const ckpt::Reader reader(path);
   const nlohmann::json& s = reader.metadata().state;
-  if (s.value("format", "") != kTrainFormat)
-    fail("checkpoint {}: not a keel train checkpoint (state format '{}', expected '{}')", reader.dir(),
-         s.value("format", ""), kTrainFormat);
+  const std::string format = s.is_object() && s.contains("format") ? s["format"].dump() : "none";
+  if (format != nlohmann::json(kTrainFormat).dump())
+    fail("checkpoint {}: not a keel train checkpoint (state format {}, expected '{}')", reader.dir(), format,
+         kTrainFormat);
   LoadedTrainState out;
   out.dir = reader.dir();
   out.extra = s;
+  // Checked before reading gigabytes: a damaged state is named here, not deep in the resume.
+  out.step = state_count(s, "step", reader.dir());
+  const std::int64_t optimizer_step = state_count(s, "optimizer_step", reader.dir());
+  if (out.step != reader.metadata().step)
+    fail("checkpoint {}: its state says step {} but its metadata step {}: the metadata is damaged", reader.dir(),
+         out.step, reader.metadata().step);
   TrainState& st = out.state;
   st.params.assign(static_cast<std::size_t>(layout.total_floats), 0.f);
   st.shard_begin = slice.shard_begin;
@@ -217,7 +236,7 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
   out.read_amplification = ls.amplification();
   out.bytes_read = ls.bytes_read;
   out.read_seconds = ls.seconds;
-  st.adamw_step = s.at("optimizer_step").get<std::int64_t>();
+  st.adamw_step = optimizer_step;
   return out;
 }
 

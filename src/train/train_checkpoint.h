@@ -74,6 +74,7 @@ class TrainCheckpointer {
 struct LoadedTrainState {
   TrainState state;
   nlohmann::json extra;  // the "state" saved beside the tensors
+  std::int64_t step = 0;  // its step (validated)
   std::string dir;       // the step directory read
   double read_amplification = 1.0;
   std::uint64_t bytes_read = 0;  // by this rank

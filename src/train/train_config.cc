@@ -3,16 +3,15 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
-#include <filesystem>
+#include <cstdint>
 #include <map>
 #include <iterator>
 #include <set>
 #include <utility>
 
-#include <unistd.h>
-
 #include "common/error.h"
 #include "common/fileio.h"
+#include "common/yaml_checks.h"
 
 namespace keel::train {
 namespace {
@@ -20,9 +19,17 @@ namespace {
 struct Ctx {
   std::string what;
   std::set<std::string> overridden;
+  // A key set (or created) by --set: it has no line in the file.
+  bool from_set(const std::string& key) const {
+    for (const auto& o : overridden)
+      if (o == key || o.rfind(key + ".", 0) == 0) return true;
+    return false;
+  }
+  std::string where(const std::string& key, const YAML::Node& n) const {
+    return n.Mark().line < 0 && from_set(key) ? " (from --set)" : yaml_line_suffix(n);
+  }
   [[noreturn]] void bad(const std::string& key, const YAML::Node& n, const std::string& msg) const {
-    const std::string where = overridden.count(key) ? " (from --set)" : (n.Mark().line >= 0 ? fmt::format(" (line {})", n.Mark().line + 1) : "");
-    throw UsageError(fmt::format("{}: key '{}'{}: {}", what, key, where, msg));
+    throw UsageError(fmt::format("{}: key '{}'{}: {}", what, key, where(key, n), msg));
   }
   void only(const YAML::Node& map, const std::string& prefix, std::initializer_list<const char*> allowed) const {
     if (!map.IsMap()) bad(prefix, map, "must be a mapping");
@@ -34,8 +41,7 @@ struct Ctx {
         const std::string full = prefix.empty() ? k : prefix + "." + k;
         std::string list;
         for (const char* a : allowed) list += (list.empty() ? "" : ", ") + std::string(a);
-        const std::string where = overridden.count(full) ? " (from --set)" : fmt::format(" (line {})", kv.first.Mark().line + 1);
-        throw UsageError(fmt::format("{}: unknown key '{}'{} (known: {})", what, full, where, list));
+        throw UsageError(fmt::format("{}: unknown key '{}'{} (known: {})", what, full, where(full, kv.first), list));
       }
     }
   }
@@ -49,6 +55,20 @@ struct Ctx {
     }
   }
 };
+
+// A copy of a parsed --set value with no source marks: errors about it then say "from --set"
+// rather than "line 1" of a file it never was in.
+YAML::Node without_marks(const YAML::Node& n) {
+  YAML::Node out;
+  if (n.IsScalar()) {
+    out = n.Scalar();
+  } else if (n.IsSequence()) {
+    for (const auto& e : n) out.push_back(without_marks(e));
+  } else if (n.IsMap()) {
+    for (const auto& kv : n) out[kv.first.Scalar()] = without_marks(kv.second);
+  }
+  return out;
+}
 
 void apply_override(YAML::Node& root, const std::string& spec, Ctx& ctx) {
   const auto eq = spec.find('=');
@@ -73,7 +93,7 @@ void apply_override(YAML::Node& root, const std::string& spec, Ctx& ctx) {
   }
   YAML::Node v;
   try {
-    v = YAML::Load(value);
+    v = without_marks(YAML::Load(value));
   } catch (const YAML::Exception& e) {
     throw UsageError(fmt::format("--set '{}': value is not valid YAML", spec));
   }
@@ -142,6 +162,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     throw UsageError(fmt::format("{}: not valid YAML: {}", what, e.what()));
   }
   if (!root.IsMap()) throw UsageError(fmt::format("{}: a train config must be a YAML mapping of keys", what));
+  reject_duplicate_keys(root, what);
   for (const auto& o : overrides) apply_override(root, o, ctx);
 
   TrainConfig c;
@@ -161,22 +182,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
       c.model = model::load_model_config(c.model_source);
     } else if (mnode.IsMap()) {
       c.model_source = "inline";
-      const std::string tmp = (std::filesystem::temp_directory_path() /
-                               fmt::format("keel-train-model-{}-{}.yaml", ::getpid(), reinterpret_cast<std::uintptr_t>(&c)))
-                                  .string();
-      YAML::Emitter em;
-      em << mnode;
-      write_file_atomically(tmp, em.c_str());
-      try {
-        c.model = model::load_model_config(tmp);
-      } catch (const UsageError& e) {
-        std::filesystem::remove(tmp);
-        std::string msg = e.what();
-        if (msg.rfind(tmp, 0) == 0) msg = msg.substr(tmp.size() + 2);
-        throw UsageError(fmt::format("{}: model: {}", what, msg));
-      }
-      std::filesystem::remove(tmp);
-      if (c.model.name.rfind("keel-train-model-", 0) == 0) c.model.name = "inline";
+      c.model = model::parse_model_config(mnode, "inline", what + ": model");
     } else {
       ctx.bad("model", mnode, "must be a model YAML path or a mapping of model keys");
     }
@@ -213,24 +219,16 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   }
 
   // data: a keel data config; phases default to one phase of equal weights
-  YAML::Node d = YAML::Clone(need("data"));
+  const YAML::Node d = need("data");
   if (!d.IsMap()) ctx.bad("data", d, "must be a mapping (datasets, seq_length, seed, shuffle, phases)");
-  if (!d["phases"] && d["datasets"] && d["datasets"].IsMap()) {
-    YAML::Node w;
-    for (const auto& kv : d["datasets"]) w[kv.first.as<std::string>()] = 1.0;
-    YAML::Node ph;
-    ph["weights"] = w;
-    d["phases"].push_back(ph);
+  try {
+    c.data = data::parse_data_config(d, what + " (data)", "", /*default_phase=*/true);
+  } catch (const Error& e) {
+    throw UsageError(e.what());
   }
-  {
-    YAML::Emitter em;
-    em << d;
-    try {
-      c.data = data::parse_data_config(em.c_str(), what + " (data)", "");
-    } catch (const Error& e) {
-      throw UsageError(e.what());
-    }
-  }
+  // the models and kernels index positions with 32-bit ints
+  if (c.data.seq_length > static_cast<std::uint64_t>(INT32_MAX))
+    ctx.bad("data.seq_length", d["seq_length"], fmt::format("{} is larger than {}", c.data.seq_length, INT32_MAX));
   if (const auto e = root["eval"]) {
     ctx.only(e, "eval", {"prefix", "interval", "batches"});
     if (e["prefix"]) c.eval_prefix = ctx.get<std::string>(e["prefix"], "eval.prefix", "a dataset prefix");
@@ -253,6 +251,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     num("eps", &c.adamw.eps);
     num("weight_decay", &c.adamw.weight_decay);
     num("clip", &c.clip);
+    if (!std::isfinite(c.clip)) ctx.bad("optimizer.clip", o["clip"], "must be a finite number (<= 0: no clipping)");
     try {
       optim::validate(c.adamw);
     } catch (const Error& e) {

@@ -3,12 +3,15 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <thread>
+
+#include <unistd.h>
 
 #include "ckpt/store.h"
 #include "common/error.h"
@@ -73,8 +76,16 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
                                                 ctx_.data.rank, dp);
   if (!cfg_.eval_prefix.empty()) {
     eval_ds_ = std::make_unique<data::IndexedDataset>(cfg_.eval_prefix);
+    if (eval_ds_->tokens() < cfg_.data.seq_length + 1)
+      throw UsageError(fmt::format("eval.prefix {} holds {} tokens, fewer than seq_length + 1 = {}", cfg_.eval_prefix,
+                                   eval_ds_->tokens(), cfg_.data.seq_length + 1));
     eval_sampler_ = std::make_unique<data::SequenceSampler>(*eval_ds_, cfg_.data.seq_length, cfg_.data.seed + 1);
+    check_eval_tokens();
   }
+  // Read before this run's log opens: a fresh run must not append to another run's metrics.
+  std::error_code ec;
+  const auto metrics = std::filesystem::path(cfg_.output_dir) / "metrics.jsonl";
+  earlier_metrics_ = std::filesystem::is_regular_file(metrics, ec) && std::filesystem::file_size(metrics, ec) > 0;
   if (ctx_.data.rank == 0) log_ = std::make_unique<MetricsLog>(cfg_.output_dir, cfg_.tensorboard);
   if (ctx_.data.rank != 0) quiet_ = true;  // rank 0 speaks for the group
   const std::int64_t N = std::int64_t(cfg_.micro_batch) * cfg_.model_options.seq_length;
@@ -83,6 +94,63 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
 }
 
 Trainer::~Trainer() = default;
+
+void Trainer::check_eval_tokens() const {
+  // evaluate() reads the same samples every time: the first eval_batches x micro_batch ones.
+  const std::int64_t L = static_cast<std::int64_t>(cfg_.data.seq_length);
+  std::vector<std::uint32_t> row(L + 1);
+  for (std::int64_t i = 0; i < cfg_.eval_batches * cfg_.micro_batch; ++i) {
+    eval_sampler_->sample(static_cast<std::uint64_t>(i), row.data());
+    for (const std::uint32_t t : row)
+      if (t >= static_cast<std::uint64_t>(cfg_.model.vocab_size))
+        throw UsageError(fmt::format("eval.prefix {}: eval sample {} holds token id {}, outside the model's vocabulary "
+                                     "({}): tokenized with another tokenizer?",
+                                     cfg_.eval_prefix, i, t, cfg_.model.vocab_size));
+  }
+}
+
+void Trainer::check_checkpoint_dir() const {
+  namespace fs = std::filesystem;
+  const std::string& dir = cfg_.checkpoint_dir;
+  // Found now, not at the first save after hours of training.
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir))
+    throw UsageError(fmt::format("checkpoint.dir {}: cannot create it: {}", dir,
+                                 ec ? ec.message() : "a file of that name is in the way"));
+  const fs::path probe = fs::path(dir) / fmt::format(".keel-write-test.{}.{}", ctx_.data.rank, ::getpid());
+  if (std::FILE* f = std::fopen(probe.c_str(), "wb")) {
+    std::fclose(f);
+    fs::remove(probe, ec);
+  } else {
+    throw UsageError(fmt::format("checkpoint.dir {}: cannot write there: {}", dir, std::strerror(errno)));
+  }
+  if (!resumed_) {
+    // A fresh run must not write over the checkpoints of another.
+    if (is_ckpt_directory(dir))
+      throw UsageError(fmt::format("checkpoint.dir {} already holds checkpoints (its `latest`: {}): continue with "
+                                   "--resume {}, or train into another directory",
+                                   dir, ckpt::latest_dir(dir), dir));
+    return;
+  }
+  // A resumed run writes only into its own lineage: the directory it resumed from, up to the
+  // step it resumed at. Anything else would mix two runs' steps, and retention (by step
+  // number) would then delete one run's checkpoints to keep the other's.
+  std::int64_t newest = -1;
+  for (const auto& e : ckpt::list_steps(dir))
+    if (e.committed) newest = std::max(newest, e.step);
+  if (newest < 0) return;
+  const fs::path source = fs::path(resumed_from_).parent_path();
+  if (!fs::equivalent(source, dir, ec))
+    throw UsageError(fmt::format("checkpoint.dir {} holds another run's checkpoints (up to step {}) and this run "
+                                 "resumed from {}: train into an empty checkpoint.dir, or into {}",
+                                 dir, newest, resumed_from_, source.string()));
+  if (newest > step_)
+    throw UsageError(fmt::format("checkpoint.dir {} holds checkpoints up to step {}, after step {} this run resumed "
+                                 "from: its saves would collide with them; to branch from step {}, resume with "
+                                 "--set checkpoint.dir=<an empty directory>",
+                                 dir, newest, step_, step_));
+}
 
 std::string Trainer::checkpoint_path(std::int64_t step) const {
   return (std::filesystem::path(cfg_.checkpoint_dir) / ckpt::step_dir_name(step)).string();
@@ -103,9 +171,12 @@ StepStats Trainer::train_step() {
     const auto rows = loader_->next_batch();
     for (int b = 0; b < cfg_.micro_batch; ++b) {
       const std::uint32_t* row = rows.data() + b * (L + 1);
+      for (std::int64_t t = 0; t <= L; ++t)
+        if (row[t] >= V)
+          throw Error(fmt::format("step {}: token id {} is outside the model's vocabulary ({}): a dataset tokenized "
+                                  "with another tokenizer?",
+                                  s.step, row[t], V));
       for (std::int64_t t = 0; t < L; ++t) {
-        if (row[t + 1] >= V)
-          throw Error(fmt::format("step {}: token id {} is outside the model's vocabulary ({})", s.step, row[t + 1], V));
         inputs_[b * L + t] = row[t];
         targets_[b * L + t] = static_cast<std::int32_t>(row[t + 1]);
       }
@@ -200,17 +271,25 @@ void Trainer::log_step(const StepStats& s, double seconds, std::int64_t tokens) 
                          {"expert_load_max", s.load_max}});
 }
 
-std::vector<StepStats> Trainer::run(std::int64_t until) {
-  // A fresh run must not write over the checkpoints of another: checked before any work.
-  if (step_ == 0 && !resumed_ && !ckpt_ && (cfg_.checkpoint_final || cfg_.checkpoint_interval > 0) &&
-      is_ckpt_directory(cfg_.checkpoint_dir))
-    throw UsageError(fmt::format("checkpoint.dir {} already holds checkpoints (its `latest`: {}): continue with --resume "
-                                 "{}, or train into another directory",
-                                 cfg_.checkpoint_dir, ckpt::latest_dir(cfg_.checkpoint_dir), cfg_.checkpoint_dir));
-  if (step_ == 0 && !resumed_ && !initialized_ && !cfg_.init_from.empty()) init_from_weights(cfg_.init_from);
-  if (cfg_.checkpoint_final || cfg_.checkpoint_interval > 0) make_checkpointer();
+std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop) {
   if (until < 0) until = cfg_.steps;
   until = std::min(until, cfg_.steps);
+  const std::int64_t start = step_;
+  const bool stops_early = checkpoint_at_stop && until < cfg_.steps && until > start;
+  const bool saves = until > start && (cfg_.checkpoint_final || cfg_.checkpoint_interval > 0 || stops_early);
+  // Checked before any work: where this run writes, and that it writes over nothing of another run's.
+  if (!started_) {
+    if (saves) check_checkpoint_dir();
+    int earlier = earlier_metrics_ && !resumed_;
+    if (ctx_.data.size > 1) mpi_check(MPI_Bcast(&earlier, 1, MPI_INT, 0, ctx_.data.comm), "MPI_Bcast");
+    if (earlier)
+      throw UsageError(fmt::format("output_dir {} already holds another run's metrics.jsonl: continue that run with "
+                                   "--resume, or train into another directory",
+                                   cfg_.output_dir));
+    started_ = true;
+  }
+  if (step_ == 0 && !resumed_ && !initialized_ && !cfg_.init_from.empty()) init_from_weights(cfg_.init_from);
+  if (saves) make_checkpointer();
   std::vector<StepStats> out;
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
@@ -257,6 +336,10 @@ std::vector<StepStats> Trainer::run(std::int64_t until) {
     }
     std::fflush(stdout);
   }
+  if (stops_early) {  // stopped before the schedule's end: resumable from here (unless just saved)
+    progress(fmt::format("the checkpoint of step {}", step_));
+    save_checkpoint();
+  }
   progress("committing the last checkpoint");
   finish_checkpoint();  // a run ends with its last checkpoint committed
   if (log_) log_->flush();
@@ -276,9 +359,7 @@ double Trainer::evaluate() {
   for (std::int64_t b = ctx_.data.rank; b < cfg_.eval_batches; b += ctx_.data.size) {
     for (int r = 0; r < cfg_.micro_batch; ++r) {
       eval_sampler_->sample(static_cast<std::uint64_t>(b * cfg_.micro_batch + r), row.data());
-      for (std::int64_t t = 0; t < L; ++t) {
-        if (row[t + 1] >= static_cast<std::uint64_t>(cfg_.model.vocab_size))
-          throw Error(fmt::format("eval: token id {} is outside the model's vocabulary", row[t + 1]));
+      for (std::int64_t t = 0; t < L; ++t) {  // token ids checked at start-up (check_eval_tokens)
         inputs_[r * L + t] = row[t];
         targets_[r * L + t] = static_cast<std::int32_t>(row[t + 1]);
       }
@@ -301,6 +382,10 @@ void Trainer::make_checkpointer() {
 }
 
 void Trainer::save_checkpoint() {
+  // Saved already (by this process, or the checkpoint this run resumed from): nothing to add.
+  std::error_code ec;
+  const auto metadata = std::filesystem::path(checkpoint_path(step_)) / "metadata.json";
+  if (saved_step_ == step_ || std::filesystem::exists(metadata, ec)) return;
   make_checkpointer();
   const auto t0 = std::chrono::steady_clock::now();
   // save() would first complete the previous save anyway; done here to report it apart.
@@ -317,6 +402,7 @@ void Trainer::save_checkpoint() {
   extra["data_parallel"] = ctx_.data.size;
   extra["expert_parallel"] = ctx_.expert.size;
   const double staging = ckpt_->save(step_, view, backend_->layout(), extra);
+  saved_step_ = step_;
   const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (log_) log_->scalars(step_, {{"checkpoint_stall_s", stall}, {"checkpoint_staging_s", staging}});
   if (!quiet_)
@@ -375,8 +461,9 @@ void Trainer::resume(const std::string& path_in) {
     } catch (const std::exception& e) {
       throw Error(fmt::format("checkpoint {}: sampler state: {}", got.dir, e.what()));
     }
-    step_ = got.extra.at("step").get<std::int64_t>();
+    step_ = got.step;
     resumed_ = true;
+    resumed_from_ = got.dir;
     // the group's read: bytes summed, the slowest rank's time; amplification over the group
     double io[3] = {static_cast<double>(got.bytes_read), got.bytes_read / std::max(got.read_amplification, 1e-12),
                     got.read_seconds};

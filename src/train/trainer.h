@@ -42,13 +42,17 @@ class Trainer {
   // 0 without resume(). A resumed run takes everything from its checkpoint instead.
   void init_from_weights(const std::string& path);
   // Trains until `until` optimizer steps are done (-1: config.steps). Saves checkpoints at
-  // checkpoint.interval and at the end of training. Returns the stats of the steps it ran.
-  std::vector<StepStats> run(std::int64_t until = -1);
+  // checkpoint.interval, at the end of training and, with checkpoint_at_stop, where `until`
+  // stops it early (`keel train --stop-after`). Before any work the first call refuses to
+  // write where it would clobber another run: a checkpoint.dir with checkpoints (for a resumed
+  // run: other than its own, up to its step), an output_dir with another run's metrics.jsonl.
+  // Returns the stats of the steps it ran.
+  std::vector<StepStats> run(std::int64_t until = -1, bool checkpoint_at_stop = false);
   // Mean CE over eval.batches micro-batches of the held-out dataset (always the same ones).
   double evaluate();
   // Starts an asynchronous save of the current step into checkpoint.dir (train_checkpoint.h):
   // training pays only for staging the state in host memory; the write overlaps the next steps
-  // and commits at the next save or finish_checkpoint().
+  // and commits at the next save or finish_checkpoint(). Nothing when this step is saved already.
   void save_checkpoint();
   // Commits the save in flight, if any, and prints what was saved.
   void finish_checkpoint();
@@ -71,6 +75,10 @@ class Trainer {
   StepStats train_step();
   // Creates the checkpointer and its staging buffers (collective over the data group).
   void make_checkpointer();
+  // The checks of run() on checkpoint.dir (see run()); UsageError naming the directory.
+  void check_checkpoint_dir() const;
+  // Every token id of the samples evaluate() reads fits the vocabulary (UsageError otherwise).
+  void check_eval_tokens() const;
   void log_step(const StepStats& s, double seconds, std::int64_t tokens);
   // Re-arms the watchdog, if any, for `what`.
   void progress(const std::string& what);
@@ -88,6 +96,10 @@ class Trainer {
   std::int64_t step_ = 0;
   int local_accum_ = 1;  // micro-batches per step on this rank: grad_accum / data-parallel degree
   bool resumed_ = false;
+  std::string resumed_from_;     // the step directory resume() read
+  bool started_ = false;         // run() has done its start-up checks
+  bool earlier_metrics_ = false;  // output_dir held a non-empty metrics.jsonl before this run
+  std::int64_t saved_step_ = -1;  // the step of the last save this process started
   bool initialized_ = false;  // init_from_weights() done
   Watchdog* dog_ = nullptr;
   double dog_seconds_ = 0;

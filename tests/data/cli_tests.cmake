@@ -61,3 +61,20 @@ keel_cli_test(NAME data_batches_missing_dataset EXIT 1
 # Truncated datasets, a two-dataset phased blend, resume and world-size independence end to end.
 add_test(NAME cli_data_pipeline COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/data/check_pipeline.sh $<TARGET_FILE:keel> ${corpus})
 set_tests_properties(cli_data_pipeline PROPERTIES TIMEOUT 120)
+
+# A held-out split left by an earlier --holdout run would overlap a re-tokenized training set:
+# refused, and nothing is written. Negative counts and an empty prefix are refused too.
+add_test(NAME cli_data_split_clean COMMAND ${CMAKE_COMMAND} -E rm -rf data_split WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_data_split_clean PROPERTIES FIXTURES_SETUP data_split_clean)
+keel_cli_test(NAME data_tokenize_split MATCH "held out 13 documents"
+  ARGS data tokenize ${corpus}/stories.jsonl --out data_split/s --holdout 0.05)
+set_tests_properties(cli_data_tokenize_split PROPERTIES FIXTURES_REQUIRED data_split_clean FIXTURES_SETUP data_split)
+keel_cli_test(NAME data_tokenize_stale_holdout EXIT nonzero
+  MATCH "data_split/s_heldout\\.bin is left from an earlier --holdout split of data_split/s: it would overlap"
+  ARGS data tokenize ${corpus}/stories.jsonl --out data_split/s)
+set_tests_properties(cli_data_tokenize_stale_holdout PROPERTIES FIXTURES_REQUIRED data_split)
+keel_cli_test(NAME data_tokenize_directory_prefix EXIT nonzero MATCH "--out 'data_none/': must name a file prefix"
+  ARGS data tokenize ${corpus}/stories.jsonl --out data_none/)
+keel_cli_test(NAME data_inspect_negative_document EXIT nonzero MATCH "--document: must not be negative"
+  ARGS data inspect data_stories --document -1)
+set_tests_properties(cli_data_inspect_negative_document PROPERTIES FIXTURES_REQUIRED data_stories)

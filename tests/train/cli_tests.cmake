@@ -30,8 +30,15 @@ set_tests_properties(cli_train_stop PROPERTIES FIXTURES_REQUIRED "train_stories;
 keel_cli_test(NAME train_refuses_existing_checkpoints EXIT 1 MATCH "already holds checkpoints.*--resume"
   ARGS train ${tcfg} ${tshort} --set output_dir=train_stop)
 set_tests_properties(cli_train_refuses_existing_checkpoints PROPERTIES FIXTURES_REQUIRED "train_stories;train_stop")
+# --stop-after on a checkpoint.interval step saves that step once and exits 0.
+keel_cli_test(NAME train_stop_at_interval MATCH "done: steps 0 -> 8 in"
+  ARGS train ${tcfg} ${tshort} --set output_dir=train_stop_iv --set checkpoint.interval=4 --stop-after 8)
+set_tests_properties(cli_train_stop_at_interval PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+# --stop-after counts steps; a negative count is refused, not read as "run them all".
+keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must be a step count >= 1"
+  ARGS train ${tcfg} ${tshort} --set output_dir=train_never --stop-after -5)
 # The other runs write checkpoints too: each starts from an empty directory so reruns work.
-add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_zaya
+add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_zaya train_stop_iv train_hang
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
@@ -78,7 +85,7 @@ keel_cli_test(NAME train_hung_rank_is_an_error NP 2 EXIT nonzero
   MATCH "keel: error: \\[rank [01]\\] step 3 did not finish within 5 s \\(--timeout\\): a rank hung or died"
   ARGS train ${tcfg} ${tdp} --set output_dir=train_hang --set checkpoint.final=false --timeout 5
        --inject-hang-rank 1 --inject-hang-step 3)
-set_tests_properties(cli_train_hung_rank_is_an_error PROPERTIES FIXTURES_REQUIRED train_stories TIMEOUT 60)
+set_tests_properties(cli_train_hung_rank_is_an_error PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean" TIMEOUT 60)
 keel_cli_test(NAME train_inject_hang_needs_both EXIT 1 MATCH "--inject-hang-rank and --inject-hang-step go together"
   ARGS train ${tcfg} --inject-hang-rank 0)
 

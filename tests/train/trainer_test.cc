@@ -2,13 +2,19 @@
 // missing or truncated datasets and a NaN loss.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "ckpt/store.h"
 #include "data/indexed_dataset.h"
 #include "train/trainer.h"
 
@@ -214,6 +220,181 @@ TEST(Trainer, InitFromRefusesWhatIsNotTheModelsWeights) {
     EXPECT_NE(what.find("model/"), std::string::npos) << what;
   }
   EXPECT_EQ(t.step(), 0);
+}
+
+
+TEST(TrainConfig, RepeatedKeysAndSetValuesAreNamed) {
+  const auto dir = fixtures::temp_dir("train_test", "dupcfg");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const std::string good = fixtures::train_config_text(prefix, dir / "out");
+  // yaml-cpp would take the first of two values where most YAML readers take the last
+  expect_usage_error(good + "steps: 3\n", {}, "bad.yaml: key 'steps' appears twice (lines");
+  std::string model_dup = good;
+  model_dup.replace(model_dup.find("  hidden: 16\n"), 13, "  hidden: 16\n  hidden: 32\n");
+  expect_usage_error(model_dup, {}, "key 'model.hidden' appears twice");
+  // values from --set have no line in the file
+  expect_usage_error(good, {"optimizer.clip=.nan"}, "key 'optimizer.clip' (from --set): must be a finite number");
+  expect_usage_error(good, {"data.seq_length=2147483648"}, "key 'data.seq_length' (from --set): 2147483648 is larger");
+  try {
+    parse_train_config(good, "bad.yaml", {"data.seq_length=0"});
+    FAIL();
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()), "bad.yaml (data): 'seq_length' must be at least 1");
+  }
+  // keys of the data: section keep their lines in the file
+  std::string data_bad = good;
+  data_bad.replace(data_bad.find("  seed: 7\n"), 10, "  seed: 7\n  sed: 8\n");
+  const int line = 1 + static_cast<int>(std::count(data_bad.begin(), data_bad.begin() + data_bad.find("  sed:"), '\n'));
+  expect_usage_error(data_bad, {}, fmt::format("unknown key 'sed' (allowed: seq_length, seed, shuffle, datasets, "
+                                               "phases) (line {})", line));
+}
+
+TEST(TrainConfig, InlineModelNeedsNoTemporaryFile) {
+  const auto dir = fixtures::temp_dir("train_test", "notmp");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const char* old = std::getenv("TMPDIR");
+  const std::string saved = old ? old : "";
+  ::setenv("TMPDIR", "/nonexistent/keel", 1);
+  TrainConfig c;
+  EXPECT_NO_THROW(c = parse_train_config(fixtures::train_config_text(prefix, dir / "out"), "t.yaml"));
+  old ? ::setenv("TMPDIR", saved.c_str(), 1) : ::unsetenv("TMPDIR");
+  EXPECT_EQ(c.model.name, "inline");
+  EXPECT_EQ(c.model.hidden, 16);
+}
+
+// Copies a step directory's metadata with one edit of its "state".
+void edit_state(const fs::path& step_dir, const std::function<void(nlohmann::json&)>& edit) {
+  const fs::path p = step_dir / "metadata.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(p));
+  edit(m["state"]);
+  std::ofstream(p) << m.dump();
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Trainer, StopAtACheckpointStepSavesIt) {
+  const auto dir = fixtures::temp_dir("train_test", "stop_at_interval");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "a"), "t.yaml", {"checkpoint.interval=3"});
+  Trainer t(c, ParallelContext::single(), true);
+  EXPECT_EQ(t.run(6, /*checkpoint_at_stop=*/true).size(), 6u);  // step 6 saved once, not twice
+  EXPECT_TRUE(fs::exists(dir / "a" / "step_00000006" / "metadata.json"));
+  EXPECT_EQ(ckpt::latest_dir((dir / "a").string()), (dir / "a" / "step_00000006").string());
+  // resumed past where it would stop: nothing to do, nothing saved
+  Trainer r(c, ParallelContext::single(), true);
+  r.resume((dir / "a").string());
+  EXPECT_TRUE(r.run(2, true).empty());
+  EXPECT_EQ(r.step(), 6);
+}
+
+TEST(Trainer, ResumedRunWritesOnlyIntoItsOwnLineage) {
+  const auto dir = fixtures::temp_dir("train_test", "lineage");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const auto ca = parse_train_config(fixtures::train_config_text(prefix, dir / "a"), "t.yaml", {"checkpoint.interval=3"});
+  Trainer(ca, ParallelContext::single(), true).run(6, true);
+  auto cb = ca;
+  cb.output_dir = cb.checkpoint_dir = (dir / "b").string();
+  Trainer(cb, ParallelContext::single(), true).run(3, true);
+  // a's checkpoint resumed into b, which holds b's own: refused, b untouched
+  {
+    Trainer t(cb, ParallelContext::single(), true);
+    t.resume((dir / "a").string());
+    EXPECT_NE(error_of([&] { t.run(); }).find("holds another run's checkpoints (up to step 3)"), std::string::npos);
+    EXPECT_EQ(t.step(), 6);
+  }
+  EXPECT_EQ(ckpt::latest_dir((dir / "b").string()), (dir / "b" / "step_00000003").string());
+  // a rollback to step 3 of a, which holds step 6: its saves would collide
+  {
+    Trainer t(ca, ParallelContext::single(), true);
+    t.resume((dir / "a" / "step_00000003").string());
+    EXPECT_NE(error_of([&] { t.run(); }).find("holds checkpoints up to step 6, after step 3"), std::string::npos);
+  }
+  // ... allowed into an empty directory
+  auto cc = ca;
+  cc.checkpoint_dir = (dir / "branch").string();
+  Trainer t(cc, ParallelContext::single(), true);
+  t.resume((dir / "a" / "step_00000003").string());
+  EXPECT_EQ(t.run(4, true).size(), 1u);
+  EXPECT_TRUE(fs::exists(dir / "branch" / "step_00000004" / "metadata.json"));
+  EXPECT_TRUE(fs::exists(dir / "a" / "step_00000006" / "metadata.json"));
+}
+
+TEST(Trainer, WhereItWritesIsCheckedBeforeAnyStep) {
+  const auto dir = fixtures::temp_dir("train_test", "writes");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  std::ofstream(dir / "afile") << "x";
+  const auto c1 = parse_train_config(fixtures::train_config_text(prefix, dir / "o1"), "t.yaml",
+                                     {"checkpoint.dir=" + (dir / "afile").string(), "checkpoint.interval=4"});
+  Trainer t1(c1, ParallelContext::single(), true);
+  EXPECT_NE(error_of([&] { t1.run(); }).find("checkpoint.dir " + (dir / "afile").string() + ": cannot create it"),
+            std::string::npos);
+  EXPECT_EQ(t1.step(), 0);
+  // a fresh run does not append to another run's metrics
+  const auto c2 = parse_train_config(fixtures::train_config_text(prefix, dir / "o2"), "t.yaml", {"steps=2"});
+  Trainer(c2, ParallelContext::single(), true).run();
+  const auto size = fs::file_size(dir / "o2" / "metrics.jsonl");
+  auto c3 = c2;
+  c3.checkpoint_dir = (dir / "elsewhere").string();
+  Trainer t3(c3, ParallelContext::single(), true);
+  EXPECT_NE(error_of([&] { t3.run(); }).find("already holds another run's metrics.jsonl"), std::string::npos);
+  EXPECT_EQ(fs::file_size(dir / "o2" / "metrics.jsonl"), size);
+}
+
+TEST(Trainer, EvalTokensOutsideTheVocabularyFailAtStartUp) {
+  const auto dir = fixtures::temp_dir("train_test", "eval_vocab");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  {
+    data::IndexedDatasetWriter w((dir / "ev").string(), data::TokenDtype::kUint16);
+    std::vector<std::uint32_t> doc(100, 3);
+    doc[40] = 30;  // vocabulary: 24
+    w.add_document(doc);
+    w.finish();
+  }
+  const auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "o"), "t.yaml",
+                                    {"eval.prefix=" + (dir / "ev").string(), "eval.batches=4"});
+  try {
+    Trainer t(c, ParallelContext::single(), true);
+    FAIL() << "accepted an eval set the model cannot read";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("eval.prefix " + (dir / "ev").string() + ": eval sample"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("token id 30, outside the model's vocabulary (24)"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Trainer, ResumeRefusesAChangedDatasetOrADamagedState) {
+  const auto dir = fixtures::temp_dir("train_test", "resume_checks");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const auto other = fixtures::make_dataset(dir, "smaller", 20);
+  const auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "a"), "t.yaml");
+  Trainer(c, ParallelContext::single(), true).run(3, true);
+  auto changed = c;
+  changed.data.prefixes[0] = other;
+  Trainer t(changed, ParallelContext::single(), true);
+  EXPECT_NE(error_of([&] { t.resume((dir / "a").string()); }).find("the dataset changed"), std::string::npos);
+  const fs::path step = dir / "a" / "step_00000003";
+  edit_state(step, [](nlohmann::json& s) { s["step"] = "abc"; });
+  Trainer u(c, ParallelContext::single(), true);
+  EXPECT_NE(error_of([&] { u.resume((dir / "a").string()); })
+                .find(step.string() + ": state 'step' is \"abc\" (expected a non-negative integer)"),
+            std::string::npos);
+  edit_state(step, [](nlohmann::json& s) { s["step"] = 2; });
+  EXPECT_NE(error_of([&] { u.resume((dir / "a").string()); }).find("its state says step 2 but its metadata step 3"),
+            std::string::npos);
+  edit_state(step, [](nlohmann::json& s) {
+    s["step"] = 3;
+    s.erase("optimizer_step");
+  });
+  EXPECT_NE(error_of([&] { u.resume((dir / "a").string()); }).find("state 'optimizer_step' is missing"),
+            std::string::npos);
 }
 
 }  // namespace
