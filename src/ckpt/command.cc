@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
@@ -32,10 +33,10 @@ namespace {
 struct Flags {
   std::string root, path, out, layout, model, to, format = "safetensors";
   std::string names, dtype;  // export/import: released parameter names (zaya1, ...), export dtype
-  std::int64_t step = 1, import_step = -1;
+  std::int64_t step = 1, import_step = 0;  // import_step counts only when --step was given
   int saves = 1, every = 1, threads = 2, keep_last = 0, keep_every = 0;
   double timeout = 120;
-  bool verify_checksums = false, all = false, shards = false;
+  bool verify_checksums = false, all = false, shards = false, force = false;
   int die_rank = -1, enospc_rank = -1;
   std::int64_t die_after = 0, inject_step = -1;
 };
@@ -69,6 +70,24 @@ double max_over_ranks(double v) {
 
 int run_demo_save_ranks(const Flags& f);
 
+// The watchdog's deadline: 0 or a negative value would read as an instant "hang" (exit 124),
+// and an unbounded one overflows the clock's arithmetic.
+void check_timeout(double seconds) {
+  if (!(seconds > 0) || seconds > 1e9)
+    throw UsageError(fmt::format("--timeout must be a positive number of seconds (at most 1e9), got {}", seconds));
+}
+
+// demo-save's steps: the first at least 0 and the last one representable, so every save gets a
+// step directory that listings and `latest` can name.
+void check_demo_steps(const Flags& f) {
+  if (f.step < 0) throw UsageError(fmt::format("--step must be at least 0, got {}", f.step));
+  std::int64_t span = 0, last = 0;
+  if (__builtin_mul_overflow(static_cast<std::int64_t>(f.saves - 1), static_cast<std::int64_t>(f.every), &span) ||
+      __builtin_add_overflow(f.step, span, &last))
+    throw UsageError(fmt::format("--step {} + (--saves {} - 1) x --every {} overflows a step number", f.step, f.saves,
+                                 f.every));
+}
+
 // The save protocol gives every rank the same verdict: one rank prints it.
 int run_demo_save(const Flags& f) {
   try {
@@ -83,6 +102,9 @@ int run_demo_save(const Flags& f) {
 int run_demo_save_ranks(const Flags& f) {
   const DemoConfig cfg = usage([&] { return parse_demo_config(f.model); });
   if (f.saves < 1 || f.every < 1 || f.threads < 1) throw UsageError("--saves, --every and --threads must be at least 1");
+  if (f.keep_last < 0 || f.keep_every < 0) throw UsageError("--keep-last and --keep-every must be at least 0");
+  check_demo_steps(f);
+  check_timeout(f.timeout);
   MpiSession mpi;
   const Mesh mesh = usage([&] { return parse_mesh(f.layout, mpi.size()); });
   Watchdog dog;
@@ -144,6 +166,7 @@ int run_demo_save_ranks(const Flags& f) {
 
 int run_demo_load(const Flags& f) {
   if (f.threads < 1) throw UsageError("--threads must be at least 1");
+  check_timeout(f.timeout);
   MpiSession mpi;
   const Mesh mesh = usage([&] { return parse_mesh(f.layout, mpi.size()); });
   Watchdog dog;
@@ -274,11 +297,13 @@ void add_command(CLI::App& app) {
   ex->add_option("--model", f->model, "With --names: the model config (a model YAML, or the keel train YAML) the checkpoint holds");
   ex->add_option("--dtype", f->dtype, "With --names: fp32 (default) or bf16");
   ex->add_option("--threads", f->threads, "Reader threads")->capture_default_str();
+  ex->add_flag("--force", f->force,
+               "Replace an existing output file (never a file of the checkpoint being exported or its root)");
   ex->callback([f] {
     if (f->format != "safetensors") throw UsageError(fmt::format("unknown --format '{}' (safetensors)", f->format));
     if (f->names.empty()) {
       if (!f->model.empty() || !f->dtype.empty()) throw UsageError("--model and --dtype need --names");
-      const auto st = export_safetensors(f->path, f->out, f->threads);
+      const auto st = export_safetensors(f->path, f->out, f->threads, f->force);
       fmt::print("exported step {}: {} tensors, {} -> {}\n", st.step, st.tensors, format_size(st.bytes), st.path);
       set_exit_code(kExitOk);
       return;
@@ -287,7 +312,7 @@ void add_command(CLI::App& app) {
     if (f->model.empty()) throw UsageError("--names needs --model CONFIG.yaml (the model the checkpoint holds)");
     const auto dtype = zaya::parse_export_dtype(f->dtype.empty() ? "fp32" : f->dtype);
     const auto cfg = load_model_for_names(f->model);
-    const auto st = zaya::export_zaya_safetensors(f->path, f->out, cfg, names, dtype, f->threads);
+    const auto st = zaya::export_zaya_safetensors(f->path, f->out, cfg, names, dtype, f->threads, f->force);
     fmt::print("exported step {} of model '{}' under {} names: {} tensors ({}), {} -> {} (+ {})\n", st.step, cfg.name,
                zaya::to_string(names), st.tensors, elem_name(dtype), format_size(st.bytes), st.path, st.config);
     set_exit_code(kExitOk);
@@ -298,16 +323,23 @@ void add_command(CLI::App& app) {
       ->required();
   im->add_option("dst", f->out, "Destination root")->required();
   im->add_option("--format", f->format, "safetensors")->capture_default_str();
-  im->add_option("--step", f->import_step, "Step to record (default: the file's keel.step, else 0)");
+  CLI::Option* import_step =
+      im->add_option("--step", f->import_step, "Step to record (default: the file's keel.step, else 0)");
   im->add_option("--names", f->names,
                  "Read released weights (zaya1 or zaya1-alternating names) into keel's model/<param> tensors");
   im->add_option("--model", f->model, "With --names: the model config (a model YAML, or a keel train YAML) to import into");
   im->add_option("--threads", f->threads, "Writer threads")->capture_default_str();
-  im->callback([f] {
+  im->callback([f, import_step] {
     if (f->format != "safetensors") throw UsageError(fmt::format("unknown --format '{}' (safetensors)", f->format));
+    // "Not given" is its own state, so no value a user can type means "use the file's step".
+    std::optional<std::int64_t> step;
+    if (import_step->count() > 0) {
+      if (f->import_step < 0) throw UsageError(fmt::format("--step must be at least 0, got {}", f->import_step));
+      step = f->import_step;
+    }
     if (f->names.empty()) {
       if (!f->model.empty()) throw UsageError("--model needs --names");
-      const auto st = import_safetensors(f->path, f->out, f->import_step, f->threads);
+      const auto st = import_safetensors(f->path, f->out, step, f->threads);
       fmt::print("imported {} tensors, {} as step {} -> {}\n", st.tensors, format_size(st.bytes), st.step, st.path);
       set_exit_code(kExitOk);
       return;
@@ -315,7 +347,7 @@ void add_command(CLI::App& app) {
     const auto names = zaya::parse_names(f->names);
     if (f->model.empty()) throw UsageError("--names needs --model CONFIG.yaml (the model to import into)");
     const auto cfg = load_model_for_names(f->model);
-    const auto st = zaya::import_zaya_safetensors(f->path, f->out, cfg, names, f->import_step, f->threads);
+    const auto st = zaya::import_zaya_safetensors(f->path, f->out, cfg, names, step, f->threads);
     fmt::print("imported {} weights into model '{}': {} keel tensors, {} as step {} -> {}\n", zaya::to_string(names),
                cfg.name, st.tensors, format_size(st.bytes), st.step, st.path);
     set_exit_code(kExitOk);

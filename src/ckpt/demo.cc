@@ -1,6 +1,8 @@
 #include "common/hash.h"
 #include "ckpt/demo.h"
 
+#include <algorithm>
+#include <charconv>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -45,16 +47,17 @@ DemoConfig DemoConfig::from_json(const nlohmann::json& j) {
 
 DemoConfig parse_demo_config(const std::string& text) {
   DemoConfig c;
+  std::vector<std::string> seen;
   for (const std::string& part : split_list(text)) {
     const auto eq = part.find('=');
     if (eq == std::string::npos) fail("--model '{}': '{}' is not key=value", text, part);
-    const std::string key = part.substr(0, eq);
+    const std::string key = part.substr(0, eq), val = part.substr(eq + 1);
+    // A repeated key is a typo, not an override: taking either value would be a guess.
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) fail("--model '{}': {} is given twice", text, key);
+    seen.push_back(key);
     int v = 0;
-    try {
-      v = std::stoi(part.substr(eq + 1));
-    } catch (const std::exception&) {
-      fail("--model '{}': '{}' is not an integer", text, part.substr(eq + 1));
-    }
+    const auto [end, ec] = std::from_chars(val.data(), val.data() + val.size(), v);
+    if (ec != std::errc() || end != val.data() + val.size()) fail("--model '{}': '{}' is not an integer", text, val);
     if (v < 1) fail("--model '{}': {} must be at least 1", text, key);
     if (key == "layers") c.layers = v;
     else if (key == "hidden") c.hidden = v;

@@ -104,6 +104,47 @@ std::vector<std::size_t> ShardIndex::query(const Box& q) const {
 
 namespace {
 
+// The dimension along which the boxes' starts take the most distinct values: sweeping along it
+// keeps the set of boxes whose intervals are open at once small.
+std::size_t sweep_dimension(const std::vector<Box>& boxes, const std::vector<std::size_t>& live) {
+  const std::size_t nd = boxes[live.front()].ndim();
+  std::size_t best = 0, best_count = 0;
+  for (std::size_t d = 0; d < nd; ++d) {
+    std::vector<std::int64_t> starts;
+    starts.reserve(live.size());
+    for (std::size_t i : live) starts.push_back(boxes[i].offsets[d]);
+    std::sort(starts.begin(), starts.end());
+    const auto count = static_cast<std::size_t>(std::unique(starts.begin(), starts.end()) - starts.begin());
+    if (count > best_count) best = d, best_count = count;
+  }
+  return best;
+}
+
+}  // namespace
+
+std::optional<std::pair<std::size_t, std::size_t>> find_overlap(const std::vector<Box>& boxes) {
+  std::vector<std::size_t> live;  // non-empty boxes: an empty one holds no element to share
+  for (std::size_t i = 0; i < boxes.size(); ++i)
+    if (!boxes[i].empty()) live.push_back(i);
+  if (live.size() < 2) return std::nullopt;
+  auto ordered = [](std::size_t a, std::size_t b) { return std::make_pair(std::min(a, b), std::max(a, b)); };
+  if (boxes[live[0]].ndim() == 0) return ordered(live[0], live[1]);  // 0-d: every box is the one element
+  const std::size_t d = sweep_dimension(boxes, live);
+  std::stable_sort(live.begin(), live.end(),
+                   [&](std::size_t a, std::size_t b) { return boxes[a].offsets[d] < boxes[b].offsets[d]; });
+  std::vector<std::size_t> open;  // boxes whose interval along d may still reach the next start
+  for (std::size_t i : live) {
+    const std::int64_t start = boxes[i].offsets[d];
+    std::erase_if(open, [&](std::size_t k) { return boxes[k].offsets[d] + boxes[k].lengths[d] <= start; });
+    for (std::size_t k : open)
+      if (intersect(boxes[k], boxes[i])) return ordered(k, i);
+    open.push_back(i);
+  }
+  return std::nullopt;
+}
+
+namespace {
+
 // Appends the boxes of [begin, end) of the sub-tensor shape[d:] with the leading indices fixed
 // at `prefix` (one per dimension before d).
 void flat_boxes(const Shape& shape, std::size_t d, Shape& prefix, std::int64_t begin, std::int64_t end,
@@ -153,18 +194,15 @@ std::vector<Box> flat_range_boxes(const Shape& shape, std::int64_t begin, std::i
 }
 
 std::string coverage_problem(const Shape& shape, const std::vector<Box>& boxes) {
-  std::int64_t total = 0;
   std::vector<Box> nonempty;
   for (const Box& b : boxes) {
     if (!box_within(b, shape)) return fmt::format("shard {} lies outside the tensor {}", box_str(b), shape_str(shape));
-    if (b.empty()) continue;
-    total += b.volume();
-    nonempty.push_back(b);
+    if (!b.empty()) nonempty.push_back(b);
   }
-  ShardIndex index(nonempty);
-  for (std::size_t i = 0; i < nonempty.size(); ++i)
-    for (std::size_t j : index.query(nonempty[i]))
-      if (j != i) return fmt::format("shards {} and {} overlap", box_str(nonempty[i]), box_str(nonempty[j]));
+  if (const auto pair = find_overlap(nonempty))
+    return fmt::format("shards {} and {} overlap", box_str(nonempty[pair->first]), box_str(nonempty[pair->second]));
+  std::int64_t total = 0;  // disjoint boxes inside the tensor: the sum cannot exceed numel
+  for (const Box& b : nonempty) total += b.volume();
   if (total != numel(shape))
     return fmt::format("shards hold {} of {} elements: the checkpoint does not cover the whole tensor", total,
                        numel(shape));

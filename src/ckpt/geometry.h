@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "ckpt/types.h"
@@ -41,6 +42,11 @@ class ShardIndex {
   std::vector<std::size_t> original_;   // sorted position -> constructor position
   std::vector<std::int64_t> max_end_;   // prefix maximum of first-dimension ends
 };
+
+// The first pair of boxes (positions into `boxes`, first < second) that share an element, or
+// nullopt. Sweeps along the dimension where the boxes' starts differ most, so boxes split along
+// any one dimension (row-, column- or expert-split shards) cost O(n log n), not all pairs.
+std::optional<std::pair<std::size_t, std::size_t>> find_overlap(const std::vector<Box>& boxes);
 
 // The elements [begin, end) of a tensor in row-major (flat) order as boxes: at most
 // 2 ndim - 1 of them, in flat order, each one contiguous run of the flat range (so box k's data

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "common/error.h"
 #include "common/units.h"
@@ -28,33 +29,54 @@ int Mesh::coord(int rank, const std::string& axis) const {
 
 std::string Mesh::str() const { return fmt::format("pp={},dp={},ep={},tp={},zero={}", pp, dp, ep, tp, zero ? 1 : 0); }
 
+namespace {
+
+int parse_degree(const std::string& text, const std::string& val) {
+  try {
+    std::size_t used = 0;
+    const int v = std::stoi(val, &used);
+    if (used == val.size()) return v;
+  } catch (const std::exception&) {
+  }
+  fail("layout '{}': '{}' is not an integer", text, val);
+}
+
+// Refuses a mesh whose rank count exceeds kMaxWorld: the product of four int degrees
+// overflows int, and an overflowed world spans no ranks at all. Multiplied in double, which
+// cannot overflow here and is exact up to 2^53, far past the bound.
+void check_world_bound(const std::string& text, const Mesh& m) {
+  const double world = static_cast<double>(m.pp) * m.dp * m.ep * m.tp;
+  if (world > kMaxWorld) fail("layout '{}' spans {:.0f} ranks, more than the {} keel supports", text, world, kMaxWorld);
+}
+
+}  // namespace
+
 Mesh parse_mesh(const std::string& text, int world) {
   Mesh m;
   bool dp_given = false;
+  std::vector<std::string> seen;
   for (const std::string& part : split_list(text)) {
     const auto eq = part.find('=');
     if (eq == std::string::npos) fail("layout '{}': '{}' is not axis=degree", text, part);
     const std::string key = part.substr(0, eq), val = part.substr(eq + 1);
-    int v = 0;
-    try {
-      std::size_t used = 0;
-      v = std::stoi(val, &used);
-      if (used != val.size()) throw std::invalid_argument(val);
-    } catch (const std::exception&) {
-      fail("layout '{}': '{}' is not an integer", text, val);
-    }
+    // A repeated axis is a typo, not an override: taking either value would be a guess.
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) fail("layout '{}': {} is given twice", text, key);
+    seen.push_back(key);
+    const int v = parse_degree(text, val);
     if (key == "zero") {
       if (v != 0 && v != 1) fail("layout '{}': zero must be 0 or 1", text);
       m.zero = v == 1;
       continue;
     }
     if (v < 1) fail("layout '{}': {} must be at least 1", text, key);
+    if (v > kMaxWorld) fail("layout '{}': {}={} is more than the {} ranks keel supports", text, key, v, kMaxWorld);
     if (key == "pp") m.pp = v;
     else if (key == "dp") m.dp = v, dp_given = true;
     else if (key == "ep") m.ep = v;
     else if (key == "tp") m.tp = v;
     else fail("layout '{}': unknown axis '{}' (pp, dp, ep, tp, zero)", text, key);
   }
+  check_world_bound(text, m);
   if (world > 0) {
     if (!dp_given && world % (m.pp * m.ep * m.tp) == 0) m.dp = world / (m.pp * m.ep * m.tp);
     if (m.world() != world)
@@ -74,12 +96,49 @@ nlohmann::json Placement::to_json() const {
   return j;
 }
 
+namespace {
+
+// An int member of a placement in [lo, hi]; `fallback` when absent.
+int placement_int(const nlohmann::json& j, const char* key, int fallback, int lo, int hi) {
+  if (!j.contains(key)) return fallback;
+  const nlohmann::json& v = j[key];
+  if (!v.is_number_integer() || v.get<std::int64_t>() < lo || v.get<std::int64_t>() > hi)
+    fail("placement \"{}\" is {}, not an integer in [{}, {}]", key, v.dump(), lo, hi);
+  return v.get<int>();
+}
+
+std::vector<std::vector<std::string>> placement_dims(const nlohmann::json& j) {
+  if (!j.contains("dims") || !j["dims"].is_array()) fail("placement has no \"dims\" array");
+  std::vector<std::vector<std::string>> dims;
+  std::vector<std::string> used;
+  for (const auto& axes : j["dims"]) {
+    if (!axes.is_array()) fail("placement \"dims\" entry {} is not a list of axes", axes.dump());
+    dims.emplace_back();
+    for (const auto& a : axes) {
+      const auto& known = mesh_axes();
+      if (!a.is_string() || std::find(known.begin(), known.end(), a.get<std::string>()) == known.end())
+        fail("placement axis {} is not one of pp, dp, ep, tp", a.dump());
+      if (std::find(used.begin(), used.end(), a.get<std::string>()) != used.end())
+        fail("placement uses axis {} twice", a.dump());
+      used.push_back(a.get<std::string>());
+      dims.back().push_back(a.get<std::string>());
+    }
+  }
+  return dims;
+}
+
+}  // namespace
+
 Placement Placement::from_json(const nlohmann::json& j) {
+  if (!j.is_object()) fail("placement {} is not an object", j.dump());
   Placement p;
-  p.dims = j.at("dims").get<std::vector<std::vector<std::string>>>();
+  p.dims = placement_dims(j);
+  if (j.contains("zero") && !j["zero"].is_boolean()) fail("placement \"zero\" is {}, not true or false", j["zero"].dump());
   p.zero = j.value("zero", false);
-  p.pp_unit = j.value("pp_unit", -1);
-  p.pp_units = j.value("pp_units", 1);
+  // A stage computed from a unit outside [0, units) names no rank of the mesh: every rank would
+  // skip the tensor, and an offline reshard would drop it without a word.
+  p.pp_units = placement_int(j, "pp_units", 1, 1, std::numeric_limits<int>::max());
+  p.pp_unit = placement_int(j, "pp_unit", -1, -1, p.pp_units - 1);
   return p;
 }
 

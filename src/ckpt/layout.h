@@ -24,9 +24,14 @@ struct Mesh {
   std::string str() const;  // "pp=1,dp=2,ep=1,tp=2,zero=1"
 };
 
+// The largest world a mesh may span: far beyond any job, and small enough that rank
+// arithmetic in int (Mesh::world, Mesh::coord) cannot overflow.
+inline constexpr int kMaxWorld = 1 << 20;
+
 // Parses "dp=2,tp=2,ep=1,pp=1,zero=1" (any subset, any order; missing axes are 1). With
 // `world` > 0, a missing dp is filled so the mesh spans the world, and a mismatch is an
-// error. Throws keel::Error.
+// error. An axis given twice, or a mesh of more than kMaxWorld ranks, is an error. Throws
+// keel::Error.
 Mesh parse_mesh(const std::string& text, int world = 0);
 
 inline const std::vector<std::string>& mesh_axes() {
@@ -42,6 +47,8 @@ struct Placement {
   int pp_units = 1;        // number of units: stage = pp_unit * pp / pp_units
 
   nlohmann::json to_json() const;
+  // Validates what rank_shard relies on: known axes, none twice, 0 <= pp_unit < pp_units (or
+  // -1). Throws keel::Error saying which field is wrong (the caller names the tensor).
   static Placement from_json(const nlohmann::json& j);
 };
 

@@ -34,7 +34,7 @@ struct TensorMeta {
   Shape shape;
   Placement placement;  // how it was laid out (offline resharding re-applies it to a new mesh)
   std::vector<StoredShard> shards;
-  std::uint64_t nbytes() const { return static_cast<std::uint64_t>(numel(shape)) * elem_size(type); }
+  std::uint64_t nbytes() const { return byte_size(shape, type); }
 };
 
 struct Metadata {

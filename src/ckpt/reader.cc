@@ -75,6 +75,36 @@ class Fds {
   std::vector<int> fds_;
 };
 
+// A stored shard a request reads, and the part of it the request needs.
+struct Part {
+  const StoredShard* shard = nullptr;
+  Box box;
+};
+
+// The parts of the stored shards that the request's box needs, checked to cover it exactly
+// once. Counting elements is not enough: two overlapping shards and a hole elsewhere add up to
+// the box's count, and the hole would load as whatever the buffer held.
+std::vector<Part> parts_covering(const TensorMeta& t, const ShardIndex& index, const LoadRequest& q) {
+  std::vector<Part> parts;
+  std::vector<Box> boxes;
+  for (std::size_t si : index.query(q.box)) {
+    parts.push_back({&t.shards[si], *intersect(t.shards[si].box, q.box)});
+    boxes.push_back(parts.back().box);
+  }
+  if (const auto pair = find_overlap(boxes)) {
+    const StoredShard& a = *parts[pair->first].shard;
+    const StoredShard& b = *parts[pair->second].shard;
+    fail("tensor '{}': stored shards {} (in {}) and {} (in {}) overlap in {}: the checkpoint's metadata is damaged",
+         t.name, box_str(a.box), a.file, box_str(b.box), b.file, box_str(*intersect(a.box, b.box)));
+  }
+  std::int64_t covered = 0;  // disjoint parts inside the box: the sum cannot exceed its volume
+  for (const Part& p : parts) covered += p.box.volume();
+  if (covered != q.box.volume())
+    fail("tensor '{}': the checkpoint covers {} of the {} elements of {} the target asks for", q.name, covered,
+         q.box.volume(), box_str(q.box));
+  return parts;
+}
+
 }  // namespace
 
 Reader::Reader(const std::string& path) : dir_(resolve_checkpoint(path)), meta_(read_metadata(dir_)) {}
@@ -126,11 +156,9 @@ LoadStats Reader::load(const std::vector<LoadRequest>& requests, const LoadOptio
       for (const auto& s : t->shards) boxes.push_back(s.box);
       ix = indexes.emplace(t, ShardIndex(boxes)).first;
     }
-    std::int64_t covered = 0;
-    for (std::size_t si : ix->second.query(q.box)) {
-      const StoredShard& s = t->shards[si];
-      const Box part = *intersect(s.box, q.box);
-      covered += part.volume();
+    for (const Part& p : parts_covering(*t, ix->second, q)) {
+      const StoredShard& s = *p.shard;
+      const Box& part = p.box;
       const int fi = open_file(s.file, *t);
       char* dst = static_cast<char*>(q.data);
       if (options.verify_checksums) {
@@ -158,9 +186,6 @@ LoadStats Reader::load(const std::vector<LoadRequest>& requests, const LoadOptio
         ops.push_back(std::move(op));
       });
     }
-    if (covered != q.box.volume())
-      fail("tensor '{}': the checkpoint covers {} of the {} elements of {} the target asks for", q.name, covered,
-           q.box.volume(), box_str(q.box));
   }
 
   // Sequential per file: sort by (file, offset), then split among threads in contiguous runs.

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/comm.h"
+#include "ckpt/metadata.h"
 #include "ckpt/reader.h"
 #include "ckpt/store.h"
 #include "ckpt/writer.h"
@@ -87,9 +89,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
         e.end = off[1];
         for (auto d : e.shape)
           if (d < 0) fail("negative dimension");
-        if (e.end - e.begin != static_cast<std::uint64_t>(numel(e.shape)) * elem_size(e.type))
-          fail("data_offsets span {} bytes, {} {} needs {}", e.end - e.begin, elem_name(e.type), shape_str(e.shape),
-               numel(e.shape) * static_cast<std::int64_t>(elem_size(e.type)));
+        // Checked: [2^62, 4] would otherwise wrap to 0 bytes and pass as an empty tensor.
+        const std::uint64_t need = byte_size(e.shape, e.type);
+        if (e.end - e.begin != need)
+          fail("data_offsets span {} bytes, {} {} needs {}", e.end - e.begin, elem_name(e.type), shape_str(e.shape), need);
         entries_.push_back(std::move(e));
       } catch (const std::exception& e) {
         fail("{}: tensor '{}': {}", in, name, e.what());
@@ -185,8 +188,50 @@ void SafetensorsWriter::commit() {
   }
 }
 
-SafetensorsStats export_safetensors(const std::string& src, const std::string& out, int threads) {
+namespace {
+
+// `p` is `dir` or lies below it (both absolute and normalized).
+bool is_within(const fs::path& p, const fs::path& dir) {
+  const fs::path rel = p.lexically_relative(dir);
+  return !rel.empty() && *rel.begin() != "..";
+}
+
+fs::path canonical_or_fail(const std::string& path, bool must_exist) {
+  std::error_code ec;
+  const fs::path p = must_exist ? fs::canonical(path, ec) : fs::weakly_canonical(fs::absolute(path), ec);
+  if (ec) fail("{}: {}", path, ec.message());
+  return p;
+}
+
+}  // namespace
+
+void check_export_target(const std::string& checkpoint_dir, const std::string& out, bool overwrite) {
+  const fs::path target = canonical_or_fail(out, false);
+  const fs::path dir = canonical_or_fail(checkpoint_dir, true);
+  if (is_within(target, dir))
+    fail("{}: lies inside the checkpoint {} being exported: writing it would destroy that checkpoint", out,
+         checkpoint_dir);
+  // A step directory's root holds `latest` and the other checkpoints: none of them is an output.
+  std::int64_t step = 0;
+  const fs::path root = dir.parent_path();
+  if (parse_step_dir_name(dir.filename().string(), &step) && is_within(target, root) && target != root) {
+    const std::string first = target.lexically_relative(root).begin()->string();
+    if (first == kLatestFile || first.rfind("step_", 0) == 0)
+      fail("{}: is part of the checkpoint root {} ('{}'): writing it could damage a checkpoint", out, root.string(),
+           first);
+  }
+  std::error_code ec;
+  const fs::file_status link = fs::symlink_status(out, ec);
+  if (!fs::exists(link)) return;
+  const fs::file_status st = fs::status(out, ec);
+  if (fs::is_directory(st)) fail("{}: is a directory, not an output file", out);
+  if (fs::exists(st) && !fs::is_regular_file(st)) fail("{}: exists and is not a regular file", out);
+  if (!overwrite) fail("{}: exists; pass --force to replace it", out);
+}
+
+SafetensorsStats export_safetensors(const std::string& src, const std::string& out, int threads, bool overwrite) {
   const Reader reader(src);
+  check_export_target(reader.dir(), out, overwrite);
   const Metadata& m = reader.metadata();
   const nlohmann::json meta = {{"format", "pt"}, {"keel.step", std::to_string(m.step)}, {"keel.layout", m.layout},
                                {"keel.state", m.state.dump()}};
@@ -204,17 +249,31 @@ SafetensorsStats export_safetensors(const std::string& src, const std::string& o
   return {m.tensors.size(), w.data_bytes(), m.step, out};
 }
 
-SafetensorsStats import_safetensors(const std::string& in, const std::string& dst, std::int64_t step, int threads) {
+std::optional<std::int64_t> recorded_step(const SafetensorsFile& file) {
+  const nlohmann::json& meta = file.metadata();
+  if (!meta.contains("keel.step")) return std::nullopt;
+  const nlohmann::json& v = meta["keel.step"];
+  const std::string text = v.is_string() ? v.get<std::string>() : v.dump();
+  std::int64_t step = -1;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), step);
+  if (!v.is_string() || ec != std::errc() || end != text.data() + text.size() || step < 0)
+    fail("{}: __metadata__ \"keel.step\" is {}, not a step (a non-negative integer in a string)", file.path(), v.dump());
+  return step;
+}
+
+SafetensorsStats import_safetensors(const std::string& in, const std::string& dst, std::optional<std::int64_t> step,
+                                    int threads) {
+  if (step && *step < 0) fail("import: step {} is negative: steps are non-negative", *step);
+  require_new_root(dst);
   const SafetensorsFile file(in);
   nlohmann::json state = {{"imported_from", in}};
   const nlohmann::json& v = file.metadata();
+  const std::int64_t at = step ? *step : recorded_step(file).value_or(0);
   try {
-    if (v.contains("keel.step") && step < 0) step = std::stoll(v["keel.step"].get<std::string>());
     if (v.contains("keel.state")) state.update(nlohmann::json::parse(v["keel.state"].get<std::string>()));
   } catch (const std::exception& e) {
-    fail("{}: bad keel entries in __metadata__ ({})", in, e.what());
+    fail("{}: bad keel.state in __metadata__ ({})", in, e.what());
   }
-  if (step < 0) step = 0;
   std::vector<std::unique_ptr<char[]>> buffers;
   std::vector<SaveShard> shards;
   for (const auto& e : file.entries()) {
@@ -229,10 +288,10 @@ SafetensorsStats import_safetensors(const std::string& in, const std::string& ds
   SaveOptions so;
   so.threads = threads;
   Saver saver(*comm, dst, so);
-  state["step"] = step;
-  saver.save(step, shards, state, nlohmann::json::object(), "");
+  state["step"] = at;
+  saver.save(at, shards, state, nlohmann::json::object(), "");
   const SaveStats st = *saver.wait();
-  return {file.entries().size(), st.bytes, step, st.dir};
+  return {file.entries().size(), st.bytes, at, st.dir};
 }
 
 }  // namespace keel::ckpt

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -80,11 +81,26 @@ struct SafetensorsStats {
   std::string path;
 };
 
-// Writes every tensor of the checkpoint at `src` whole into one .safetensors file (atomically).
-SafetensorsStats export_safetensors(const std::string& src, const std::string& out, int threads);
+// Refuses an export output `out` that would replace a file the export reads or a checkpoint
+// beside it (anything inside `checkpoint_dir`; when that is a step directory, its root's
+// `latest` and step directories), anything that is not a regular file, and an existing file
+// unless `overwrite` (`--force`). Paths are compared canonically, so symlinks and `..` do not
+// get around it. Throws keel::Error naming `out`.
+void check_export_target(const std::string& checkpoint_dir, const std::string& out, bool overwrite);
 
-// Reads a .safetensors file into a new checkpoint under root `dst` at `step` (each tensor one
-// replicated shard; loads reshard it to any layout). Validates the header strictly.
-SafetensorsStats import_safetensors(const std::string& in, const std::string& dst, std::int64_t step, int threads);
+// Writes every tensor of the checkpoint at `src` whole into one .safetensors file (atomically);
+// `out` is checked with check_export_target first.
+SafetensorsStats export_safetensors(const std::string& src, const std::string& out, int threads,
+                                    bool overwrite = false);
+
+// The step a keel export recorded in the file's __metadata__ ("keel.step"), or nullopt when it
+// has none. Throws keel::Error naming the file when the entry is not a non-negative integer.
+std::optional<std::int64_t> recorded_step(const SafetensorsFile& file);
+
+// Reads a .safetensors file into a new checkpoint under root `dst` (require_new_root) at
+// `step`, or when nullopt the step the file records, else 0 (each tensor one replicated shard;
+// loads reshard it to any layout). Validates the header strictly.
+SafetensorsStats import_safetensors(const std::string& in, const std::string& dst, std::optional<std::int64_t> step,
+                                    int threads);
 
 }  // namespace keel::ckpt

@@ -13,6 +13,10 @@
 namespace keel::ckpt {
 
 std::string step_dir_name(std::int64_t step);  // "step_00000042"
+// True when `name` is exactly step_dir_name(n) for some step n >= 0 (sets *step). Anything
+// else (another spelling, a number beyond int64) is not a step directory: keel never made it,
+// so listings skip it and retention never removes it.
+bool parse_step_dir_name(const std::string& name, std::int64_t* step);
 
 // Writes `text` to `path` via temp + fsync + rename, then fsyncs the directory.
 void commit_file(const std::string& path, const std::string& text);
@@ -32,6 +36,12 @@ std::string latest_dir(const std::string& root);
 // A path is a checkpoint directory (has metadata.json, or looks like step_N) or a root (has
 // `latest`): returns the checkpoint directory to read. Throws keel::Error naming the path.
 std::string resolve_checkpoint(const std::string& path);
+
+// Offline tools (reshard, import) write a new root. Throws keel::Error naming `dst` when it
+// already is a checkpoint directory, has a `latest` pointer or any step_* entry: saving there
+// would move `latest` (maybe backwards) and let retention remove directories the tool did not
+// make. A missing or empty directory, or one holding other files only, is fine.
+void require_new_root(const std::string& dst);
 
 // Retention after a commit: keeps the newest `keep_last` committed steps (0 keeps all), every
 // step divisible by `keep_every` (0: none) and always `latest`; removes the others and any

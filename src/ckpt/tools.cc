@@ -75,7 +75,7 @@ VerifyResult verify_checkpoint(const std::string& dir) {
   Metadata m;
   try {
     m = read_metadata(dir);
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // any damage is a problem to report, never the end of the listing
     r.problems.push_back(e.what());
     return r;
   }
@@ -132,14 +132,16 @@ int verify(const std::string& path, bool all, std::FILE* out) {
                        (fs::exists(fs::path(path) / kLatestFile) || !list_steps(path).empty());
   if (is_root) {
     std::string latest;
+    bool latest_unreadable = false;
     try {
       latest = latest_dir(path);
     } catch (const Error& e) {
       fmt::print(out, "PROBLEM {}\n", e.what());
       ++problems;
+      latest_unreadable = true;  // reported above: not also "no pointer"
     }
     fmt::print(out, "root {}  (latest -> {})\n", path, latest.empty() ? "none" : fs::path(latest).filename().string());
-    if (latest.empty()) {
+    if (latest.empty() && !latest_unreadable) {
       fmt::print(out, "PROBLEM {}: no `latest` pointer: nothing committed\n", path);
       ++problems;
     }
@@ -169,14 +171,19 @@ int verify(const std::string& path, bool all, std::FILE* out) {
 
 ReshardStats reshard(const std::string& src, const std::string& dst, const std::string& to, int threads) {
   const auto t0 = std::chrono::steady_clock::now();
+  const Mesh mesh = parse_mesh(to);
+  require_new_root(dst);
   const Reader reader(src);
   const Metadata& m = reader.metadata();
-  const Mesh mesh = parse_mesh(to);
   std::vector<SaveShard> shards;
   std::vector<LoadRequest> requests;
   std::vector<std::unique_ptr<char[]>> buffers;
   for (std::size_t i = 0; i < m.tensors.size(); ++i) {
     const TensorMeta& t = m.tensors[i];
+    // Declared whether or not a rank writes it: a tensor with no elements has no writer, and
+    // only declared tensors reach the new metadata (the commit then checks each one's coverage).
+    shards.push_back({t.name, t.type, t.shape, t.placement, Box{Shape(t.shape.size(), 0), Shape(t.shape.size(), 0)},
+                      nullptr, false});
     for (int v = 0; v < mesh.world(); ++v) {
       const RankShard rs = rank_shard(t.shape, t.placement, mesh, v, i);
       if (!rs.writer) continue;

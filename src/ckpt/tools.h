@@ -32,8 +32,9 @@ struct ReshardStats {
   double amplification = 1, seconds = 0;
   std::string dir;
 };
-// Rewrites the checkpoint at `src` into root `dst` in layout `to` (each tensor re-split by its
-// recorded placement over the new mesh, one writer per distinct shard), in this process.
+// Rewrites the checkpoint at `src` into the new root `dst` (require_new_root) in layout `to`
+// (each tensor re-split by its recorded placement over the new mesh, one writer per distinct
+// shard; every tensor kept, empty ones included), in this process.
 ReshardStats reshard(const std::string& src, const std::string& dst, const std::string& to, int threads);
 
 }  // namespace keel::ckpt

@@ -51,8 +51,18 @@ ElemType parse_elem(std::string_view name) {
 
 std::int64_t numel(const Shape& s) {
   std::int64_t n = 1;
-  for (auto d : s) n *= d;
+  for (auto d : s) {
+    if (d < 0) fail("shape {} has a negative dimension", shape_str(s));
+    if (__builtin_mul_overflow(n, d, &n)) fail("shape {} has more elements than a 64-bit count holds", shape_str(s));
+  }
   return n;
+}
+
+std::uint64_t byte_size(const Shape& s, ElemType t) {
+  std::int64_t bytes = 0;
+  if (__builtin_mul_overflow(numel(s), static_cast<std::int64_t>(elem_size(t)), &bytes))
+    fail("shape {} of {} holds more bytes than a 64-bit size holds", shape_str(s), elem_name(t));
+  return static_cast<std::uint64_t>(bytes);
 }
 
 std::string shape_str(const Shape& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
@@ -68,8 +78,10 @@ std::string box_str(const Box& b) {
 
 bool box_within(const Box& b, const Shape& shape) {
   if (b.offsets.size() != shape.size() || b.lengths.size() != shape.size()) return false;
+  // Written so that no sum can overflow: offsets and lengths may come from a damaged file.
   for (std::size_t d = 0; d < shape.size(); ++d)
-    if (b.offsets[d] < 0 || b.lengths[d] < 0 || b.offsets[d] + b.lengths[d] > shape[d]) return false;
+    if (b.offsets[d] < 0 || b.lengths[d] < 0 || b.offsets[d] > shape[d] || b.lengths[d] > shape[d] - b.offsets[d])
+      return false;
   return true;
 }
 

@@ -20,7 +20,11 @@ ElemType parse_elem(std::string_view name);
 
 using Shape = std::vector<std::int64_t>;
 
+// Elements of a shape. Throws keel::Error for a negative dimension or a count beyond int64
+// (a corrupt header or metadata file must not wrap around into a small, plausible size).
 std::int64_t numel(const Shape& s);
+// numel(s) * elem_size(t), checked the same way.
+std::uint64_t byte_size(const Shape& s, ElemType t);
 std::string shape_str(const Shape& s);  // "[4, 8]"
 
 // A hyper-rectangle of a tensor: per-dimension offsets and lengths (global coordinates).

@@ -96,6 +96,8 @@ double Saver::save(std::int64_t step, const std::vector<SaveShard>& shards, cons
                    const nlohmann::json& rank_state, const std::string& layout) {
   const double t0 = now_s();
   if (in_flight_) wait();  // one save in flight: complete the previous one first
+  // step_-0000005 would commit a directory no listing recognizes and a `latest` no load can follow.
+  if (step < 0) fail("checkpoint: cannot save step {}: steps are non-negative", step);
   // No communication here, so the stall is the staging copy alone. Every rank sees the same
   // answer to "is this step committed?" (nothing writes metadata while no save is in flight).
   // Files a torn earlier attempt left are overwritten (O_TRUNC) or removed at commit.
@@ -302,7 +304,11 @@ std::optional<SaveStats> Saver::wait() {
             it->second.name = name;
             it->second.type = type;
             it->second.shape = shape;
-            it->second.placement = Placement::from_json(tj["placement"]);
+            try {
+              it->second.placement = Placement::from_json(tj["placement"]);
+            } catch (const Error& e) {
+              fail("tensor '{}' (rank {}): {}", name, r, e.what());
+            }
             declared_by[name] = static_cast<int>(r);
           } else if (it->second.type != type || it->second.shape != shape) {
             fail("tensor '{}': rank {} saves {} {}, rank {} saves {} {}", name, r, elem_name(type), shape_str(shape),

@@ -1,6 +1,7 @@
 #include "ckpt/zaya_names.h"
 
 #include <algorithm>
+#include <optional>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -12,6 +13,7 @@
 #include "ckpt/comm.h"
 #include "ckpt/metadata.h"
 #include "ckpt/reader.h"
+#include "ckpt/store.h"
 #include "ckpt/writer.h"
 #include "common/dtype.h"
 #include "common/error.h"
@@ -478,7 +480,7 @@ ElemType parse_export_dtype(std::string_view s) {
 }
 
 ZayaStats export_zaya_safetensors(const std::string& src, const std::string& out, const model::ModelConfig& cfg,
-                                  Names names, ElemType dtype, int threads) {
+                                  Names names, ElemType dtype, int threads, bool overwrite) {
   if (dtype != ElemType::kF32 && dtype != ElemType::kBF16) fail("export dtype must be f32 or bf16");
   const NameMap map = build_name_map(cfg, names);
   check_coverage(map);
@@ -519,6 +521,9 @@ ZayaStats export_zaya_safetensors(const std::string& src, const std::string& out
   std::string path = out;
   // A Hugging Face model is a directory: anything not named *.safetensors is one.
   if (!out.ends_with(".safetensors")) path = (fs::path(out) / "model.safetensors").string();
+  const std::string config = (fs::path(path).parent_path() / "config.json").string();
+  check_export_target(reader.dir(), path, overwrite);  // before anything is created
+  check_export_target(reader.dir(), config, overwrite);
   if (fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path());
   const nlohmann::json meta = {{"format", "pt"},
                                {"keel.step", std::to_string(m.step)},
@@ -552,15 +557,16 @@ ZayaStats export_zaya_safetensors(const std::string& src, const std::string& out
     }
   }
   w.commit();
-  const std::string config = (fs::path(path).parent_path() / "config.json").string();
   write_file_atomically(config, hf_config(cfg, names, dtype == ElemType::kBF16 ? "bfloat16" : "float32").dump(2) + "\n");
   return {rules.size(), w.data_bytes(), m.step, path, config};
 }
 
 ZayaStats import_zaya_safetensors(const std::string& in, const std::string& dst, const model::ModelConfig& cfg,
-                                  Names names, std::int64_t step, int threads) {
+                                  Names names, std::optional<std::int64_t> step, int threads) {
+  if (step && *step < 0) fail("import: step {} is negative: steps are non-negative", *step);
   const NameMap map = build_name_map(cfg, names);
   check_coverage(map);
+  require_new_root(dst);
   const Sources src = open_sources(in);
   for (const auto& [name, where] : src.tensors) {
     const bool dropped =
@@ -612,29 +618,21 @@ ZayaStats import_zaya_safetensors(const std::string& in, const std::string& dst,
     p.dims.assign(k.shape.size(), {});
     shards.push_back({k.name, ElemType::kF32, k.shape, p, full_box(k.shape), it->second.data(), true});
   }
-  if (step < 0) {  // the step keel export recorded, else 0
-    step = 0;
-    try {
-      const nlohmann::json& meta = src.files.front()->metadata();
-      if (meta.contains("keel.step")) step = std::stoll(meta["keel.step"].get<std::string>());
-    } catch (const std::exception& e) {
-      fail("{}: bad keel.step in __metadata__ ({})", src.files.front()->path(), e.what());
-    }
-  }
+  const std::int64_t at = step ? *step : recorded_step(*src.files.front()).value_or(0);
   nlohmann::json state = {{"imported_from", in},
                           {"names", to_string(names)},
                           {"model", cfg.name},
                           {"kind", "keel ckpt import --names"},
-                          {"step", step}};
+                          {"step", at}};
   auto comm = make_self_comm();
   fs::create_directories(dst);
   SaveOptions so;
   so.threads = threads;
   Saver saver(*comm, dst, so);
-  saver.save(step, shards, state, nlohmann::json::object(), "");
+  saver.save(at, shards, state, nlohmann::json::object(), "");
   keel.clear();  // save() staged its own copy
   const SaveStats st = *saver.wait();
-  return {shards.size(), st.bytes, step, st.dir, ""};
+  return {shards.size(), st.bytes, at, st.dir, ""};
 }
 
 }  // namespace keel::ckpt::zaya

@@ -35,6 +35,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -109,12 +110,14 @@ struct ZayaStats {
 // file `out` (a name not ending in .safetensors is a directory: `out`/model.safetensors), streamed one released tensor at
 // a time, plus config.json beside it. The balancing biases stay fp32 (the release keeps them
 // fp32 buffers); everything else is written as `dtype`. Throws keel::Error naming the tensor on
-// a missing keel tensor or a shape that does not match `cfg`.
+// a missing keel tensor or a shape that does not match `cfg`. Both output files are checked
+// with check_export_target (an existing one is replaced only with `overwrite`).
 ZayaStats export_zaya_safetensors(const std::string& src, const std::string& out, const model::ModelConfig& cfg,
-                                  Names names, ElemType dtype, int threads);
+                                  Names names, ElemType dtype, int threads, bool overwrite = false);
 
-// Reads released weights and commits a keel checkpoint under root `dst` at `step` (< 0: the
-// keel.step a keel export recorded in the file's __metadata__, else 0) holding fp32
+// Reads released weights and commits a keel checkpoint under the new root `dst`
+// (require_new_root) at `step` (nullopt: the keel.step a keel export recorded in the file's
+// __metadata__, else 0) holding fp32
 // `model/<param>` tensors (and `router/bias.<i>` when the release has the balancing biases).
 // `in`: a .safetensors file, or a directory holding model.safetensors.index.json (sharded
 // release) or model.safetensors. Accepts F32, BF16 and F16 tensors. Throws keel::Error naming
@@ -122,6 +125,6 @@ ZayaStats export_zaya_safetensors(const std::string& src, const std::string& out
 // missing one, a duplicate, a wrong shape or a non-float dtype. Holds the whole model in fp32
 // in memory (twice while the checkpoint is staged).
 ZayaStats import_zaya_safetensors(const std::string& in, const std::string& dst, const model::ModelConfig& cfg,
-                                  Names names, std::int64_t step, int threads);
+                                  Names names, std::optional<std::int64_t> step, int threads);
 
 }  // namespace keel::ckpt::zaya

@@ -3,6 +3,7 @@
 // versioning, save -> load across layouts bit for bit, and every fault the issue lists.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -90,6 +91,39 @@ Box random_box(std::mt19937& g, const Shape& shape) {
 }
 
 const DemoConfig kCfg = parse_demo_config("layers=2,hidden=24,vocab=101,experts=5,ffn=12");
+
+// Rewrites a committed checkpoint's metadata.json through its JSON (a damaged or hand-edited file).
+void edit_metadata(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
+  const std::string path = (fs::path(dir) / kMetadataFile).string();
+  auto j = nlohmann::json::parse(keel::read_file(path));
+  edit(j);
+  keel::write_file_atomically(path, j.dump(1));
+}
+
+// A safetensors file with this header (written as given, no checks) and `data` bytes of data.
+void write_raw_safetensors(const std::string& path, const nlohmann::json& header, std::size_t data) {
+  const std::string text = header.dump();
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
+  bytes += text + std::string(data, '\1');
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// verify --all of `path`, its report discarded: the number of problems.
+int verify_quietly(const std::string& path) {
+  std::FILE* out = std::tmpfile();
+  const int problems = verify(path, true, out);
+  std::fclose(out);
+  return problems;
+}
+
+// The names of every entry of a directory, sorted (to show a tool left it untouched).
+std::vector<std::string> entries_of(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) out.push_back(fs::relative(e.path(), dir).string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
 
 }  // namespace
 
@@ -454,17 +488,321 @@ TEST(CkptTools, ReshardAndSafetensorsRoundTrip) {
   EXPECT_EQ(header["embed.weight"]["shape"], (std::vector<int>{101, 24}));
   EXPECT_EQ((8 + n) % 8, 0u);
   const std::string imp = root + "/imported";
-  import_safetensors(st, imp, -1, 2);
+  import_safetensors(st, imp, std::nullopt, 2);
   EXPECT_EQ(read_metadata(resolve_checkpoint(imp)).step, 4);
   EXPECT_EQ(load_all(imp, kCfg, parse_mesh("ep=2,tp=2"), 4), 0);
 
-  // Damaged safetensors files give one clear error.
+  // Damaged safetensors files give one clear error (into a new root: `imp` holds a checkpoint).
+  const std::string fresh = root + "/fresh";
   std::ofstream(root + "/short.safetensors") << "abc";
-  EXPECT_NE(error_of([&] { import_safetensors(root + "/short.safetensors", imp, 9, 1); }).find("not a safetensors file"),
+  EXPECT_NE(error_of([&] { import_safetensors(root + "/short.safetensors", fresh, 9, 1); }).find("not a safetensors file"),
             std::string::npos);
   const std::string cut = text.substr(0, text.size() - 10);
   std::ofstream(root + "/cut.safetensors", std::ios::binary).write(cut.data(), cut.size());
-  EXPECT_NE(error_of([&] { import_safetensors(root + "/cut.safetensors", imp, 9, 1); }).find("truncated"),
+  EXPECT_NE(error_of([&] { import_safetensors(root + "/cut.safetensors", fresh, 9, 1); }).find("truncated"),
             std::string::npos);
+  EXPECT_FALSE(fs::exists(fresh));
+  fs::remove_all(root);
+}
+
+// find_overlap against all pairs, on random boxes and on tilings cut along one dimension (the
+// cases the sweep dimension is chosen for).
+TEST(CkptGeometry, FindOverlapMatchesBruteForce) {
+  std::mt19937 g(5);
+  const Shape shape = {12, 10, 3};
+  for (int iter = 0; iter < 400; ++iter) {
+    std::vector<Box> boxes;
+    const int n = 1 + static_cast<int>(g() % 6);
+    for (int i = 0; i < n; ++i) boxes.push_back(random_box(g, shape));
+    bool any = false;
+    for (std::size_t a = 0; a < boxes.size() && !any; ++a)
+      for (std::size_t b = a + 1; b < boxes.size() && !any; ++b) any = intersect(boxes[a], boxes[b]).has_value();
+    const auto got = find_overlap(boxes);
+    ASSERT_EQ(got.has_value(), any);
+    if (got) {
+      EXPECT_LT(got->first, got->second);
+      EXPECT_TRUE(intersect(boxes[got->first], boxes[got->second]));
+    }
+  }
+  // Columns of a matrix (every box spans dimension 0): disjoint, then one widened by a column.
+  std::vector<Box> columns;
+  for (std::int64_t c = 0; c < 64; ++c) columns.push_back(Box{{0, c}, {100, 1}});
+  EXPECT_FALSE(find_overlap(columns));
+  columns[40].lengths[1] = 2;
+  const auto hit = find_overlap(columns);
+  ASSERT_TRUE(hit);
+  EXPECT_EQ(std::make_pair(hit->first, hit->second), std::make_pair(std::size_t{40}, std::size_t{41}));
+  EXPECT_TRUE(find_overlap({Box{}, Box{}}));  // a 0-d tensor's one element, twice
+}
+
+// Two stored shards that overlap and leave a hole hold the right element count: the load, and so
+// reshard and export, must refuse them instead of filling the hole with garbage.
+TEST(CkptFaults, OverlappingShardsWithAHoleAreRefusedOnLoad) {
+  const std::string root = temp_root("overlap");
+  save_virtual(root, kCfg, parse_mesh("tp=2"), 3);
+  const std::string dir = resolve_checkpoint(root);
+  edit_metadata(dir, [](nlohmann::json& j) {
+    for (auto& t : j["tensors"])
+      if (t["name"] == "lm_head.weight") t["shards"][1]["offsets"][0] = t["shards"][1]["offsets"][0].get<int>() - 1;
+  });
+  const Reader r(root);
+  std::vector<char> buf(101 * 24 * 2);
+  const std::string err =
+      error_of([&] { r.load({{"lm_head.weight", ElemType::kBF16, {101, 24}, full_box({101, 24}), buf.data()}}); });
+  EXPECT_NE(err.find("tensor 'lm_head.weight': stored shards [0:51, 0:24] (in data_r00000_b"), std::string::npos) << err;
+  EXPECT_NE(err.find("and [50:100, 0:24] (in data_r00000_b"), std::string::npos) << err;
+  EXPECT_NE(err.find("overlap in [50:51, 0:24]"), std::string::npos) << err;
+  // A box that reads only one of them still loads.
+  EXPECT_EQ(error_of([&] { r.load({{"lm_head.weight", ElemType::kBF16, {101, 24}, Box{{0, 0}, {40, 24}}, buf.data()}}); }),
+            "(no error)");
+  const std::string dst = root + "/resharded";
+  EXPECT_NE(error_of([&] { reshard(root, dst, "dp=1", 1); }).find("overlap in [50:51, 0:24]"), std::string::npos);
+  EXPECT_FALSE(fs::exists(dst));
+  EXPECT_NE(error_of([&] { export_safetensors(root, root + "/m.safetensors", 1); }).find("overlap"), std::string::npos);
+  fs::remove_all(root);
+}
+
+TEST(CkptLayout, RepeatedAxesAndMeshesBeyondTheWorldBoundAreErrors) {
+  EXPECT_NE(error_of([] { parse_mesh("tp=2,tp=4"); }).find("layout 'tp=2,tp=4': tp is given twice"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_mesh("zero=1,dp=2,zero=0"); }).find("zero is given twice"), std::string::npos);
+  // 65536 x 65536 overflows int: once an empty mesh that resharded into an empty checkpoint.
+  EXPECT_NE(error_of([] { parse_mesh("dp=65536,tp=65536"); })
+                .find("layout 'dp=65536,tp=65536' spans 4294967296 ranks, more than the 1048576 keel supports"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { parse_mesh("pp=2000000000"); }).find("pp=2000000000 is more than"), std::string::npos);
+  EXPECT_EQ(parse_mesh("dp=1024,tp=1024").world(), kMaxWorld);
+  EXPECT_NE(error_of([] { parse_demo_config("layers=2,layers=3"); }).find("layers is given twice"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_demo_config("layers=2x"); }).find("'2x' is not an integer"), std::string::npos);
+}
+
+TEST(CkptLayout, PlacementsOutsideTheMeshAreRejected) {
+  auto placement = [](const std::string& text) { return error_of([&] { Placement::from_json(nlohmann::json::parse(text)); }); };
+  // pp_unit 9 of 4 names no pipeline stage: every rank would skip the tensor.
+  EXPECT_NE(placement(R"({"dims": [[]], "pp_unit": 9, "pp_units": 4})").find("\"pp_unit\" is 9, not an integer in [-1, 3]"),
+            std::string::npos);
+  EXPECT_NE(placement(R"({"dims": [[]], "pp_unit": 0, "pp_units": 0})").find("\"pp_units\" is 0"), std::string::npos);
+  EXPECT_NE(placement(R"({"dims": [["tp"], ["tp"]]})").find("uses axis \"tp\" twice"), std::string::npos);
+  EXPECT_NE(placement(R"({"dims": [["mp"]]})").find("axis \"mp\" is not one of"), std::string::npos);
+  EXPECT_NE(placement(R"({"dims": 3})").find("no \"dims\" array"), std::string::npos);
+  EXPECT_EQ(placement(R"({"dims": [["tp"], []], "zero": true, "pp_unit": 3, "pp_units": 4})"), "(no error)");
+}
+
+TEST(CkptTypes, ElementAndByteCountsAreChecked) {
+  EXPECT_EQ(numel({}), 1);
+  EXPECT_EQ(numel({3, 0, 5}), 0);
+  EXPECT_EQ(byte_size({2, 3}, ElemType::kBF16), 12u);
+  EXPECT_NE(error_of([] { numel({4294967296, 4294967296}); }).find("more elements than a 64-bit count holds"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { byte_size({std::int64_t{1} << 61, 2}, ElemType::kF32); }).find("more bytes"), std::string::npos);
+  EXPECT_NE(error_of([] { numel({2, -1}); }).find("negative dimension"), std::string::npos);
+  // Offsets near the int64 limit must not wrap into "inside".
+  EXPECT_FALSE(box_within(Box{{INT64_MAX - 1}, {4}}, {8}));
+}
+
+// A tensor whose size overflows int64 with data_offsets [0, 0] once imported as an empty one.
+TEST(CkptSafetensors, ElementCountsBeyondInt64AreRejectedNamingTheTensor) {
+  const std::string root = temp_root("st_overflow");
+  const std::string file = root + "/big.safetensors";
+  for (const Shape& shape : {Shape{4294967296, 4294967296}, Shape{std::int64_t{1} << 62, 4}, Shape{std::int64_t{1} << 61, 2}}) {
+    write_raw_safetensors(file, {{"huge", {{"dtype", "F32"}, {"shape", shape}, {"data_offsets", {0, 0}}}}}, 0);
+    const std::string err = error_of([&] { import_safetensors(file, root + "/out", std::nullopt, 1); });
+    EXPECT_NE(err.find("big.safetensors: tensor 'huge': shape " + shape_str(shape)), std::string::npos) << err;
+    EXPECT_FALSE(fs::exists(root + "/out"));
+  }
+  fs::remove_all(root);
+}
+
+// Every way metadata.json can hold the wrong type is one error naming the file and the member,
+// thrown as keel::Error (so verify reports it and goes on); tensors must be an array of
+// uniquely named tensors.
+TEST(CkptMetadata, MalformedFieldsNameTheFileAndTheKey) {
+  const std::string root = temp_root("malformed");
+  save_virtual(root, kCfg, parse_mesh("tp=2"), 1);
+  save_virtual(root, kCfg, parse_mesh("tp=2"), 2);
+  const std::string dir = resolve_checkpoint(root);
+  const std::string good = keel::read_file((fs::path(dir) / kMetadataFile).string());
+  auto parse_with = [&](const std::function<void(nlohmann::json&)>& edit) {
+    auto j = nlohmann::json::parse(good);
+    edit(j);
+    try {
+      parse_metadata(j.dump(), "x/metadata.json");
+    } catch (const keel::Error& e) {
+      return std::string(e.what());
+    } catch (const std::exception& e) {
+      return std::string("not a keel::Error: ") + e.what();
+    }
+    return std::string("(no error)");
+  };
+  const std::vector<std::pair<std::function<void(nlohmann::json&)>, std::string>> cases = {
+      {[](auto& j) { j["version"] = "1"; }, "x/metadata.json: \"version\" is \"1\", not an integer"},
+      {[](auto& j) { j["format"] = 5; }, "x/metadata.json: not a keel checkpoint metadata file"},
+      {[](auto& j) { j["tensors"] = nullptr; }, "x/metadata.json: \"tensors\" is null, not an array"},
+      {[](auto& j) { j["tensors"] = nlohmann::json::object(); }, "x/metadata.json: \"tensors\" is {}, not an array"},
+      {[](auto& j) { j["tensors"].push_back(j["tensors"][0]); }, "x/metadata.json: tensor 'embed.weight' is listed twice"},
+      {[](auto& j) { j["tensors"][0]["name"] = 5; }, "x/metadata.json: tensors[0].name is 5, not a string"},
+      {[](auto& j) { j["step"] = "7"; }, "x/metadata.json: \"step\" is \"7\", not an integer"},
+      {[](auto& j) { j["world"] = 1.5; }, "x/metadata.json: \"world\" is 1.5, not an integer"},
+      {[](auto& j) { j.erase("layout"); }, "x/metadata.json: \"layout\" is missing"},
+      {[](auto& j) { j["state"] = 3; }, "x/metadata.json: \"state\" is 3, not an object"},
+      {[](auto& j) { j["files"]["../etc"] = 1; }, "x/metadata.json: \"files\" names '../etc'"},
+      {[](auto& j) { j["tensors"][0]["shards"][0]["crc32c"] = -1; },
+       "x/metadata.json: tensor 'embed.weight': tensors[0].shards[0].crc32c is -1, not an integer in [0, 4294967295]"},
+      {[](auto& j) { j["tensors"][0]["shape"] = {-3, 24}; },
+       "x/metadata.json: tensor 'embed.weight': tensors[0].shape is [-3,24], not a list of non-negative integers"},
+      {[](auto& j) { j["tensors"][0]["placement"]["pp_unit"] = 9; },
+       "x/metadata.json: tensor 'embed.weight': placement \"pp_unit\" is 9, not an integer in [-1, 3]"},
+      {[](auto& j) { j["tensors"][0]["placement"]["dims"] = nlohmann::json::parse(R"([["tp"]])"); },
+       "x/metadata.json: tensor 'embed.weight': its placement has 1 dimensions, its shape [101, 24]"},
+  };
+  for (const auto& [edit, want] : cases) {
+    const std::string err = parse_with(edit);
+    EXPECT_NE(err.find(want), std::string::npos) << err << "\n  wanted: " << want;
+    EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+  }
+  // verify --all reports the damaged step and goes on to the others.
+  edit_metadata(dir, [](nlohmann::json& j) { j["version"] = "1"; });
+  std::FILE* out = std::tmpfile();
+  EXPECT_EQ(verify(root, true, out), 1);
+  std::rewind(out);
+  std::string text(1 << 16, '\0');
+  text.resize(std::fread(text.data(), 1, text.size(), out));
+  std::fclose(out);
+  EXPECT_NE(text.find("\"version\" is \"1\", not an integer"), std::string::npos) << text;
+  EXPECT_NE(text.find("verified " + (fs::path(root) / step_dir_name(1)).string()), std::string::npos) << text;
+  fs::remove_all(root);
+}
+
+// Names keel never writes (too many digits for int64, another spelling) are not step
+// directories: listings skip them, retention leaves them, a `latest` naming one is an error.
+TEST(CkptStore, OutOfRangeAndOtherStepNamesAreNotStepDirectories) {
+  std::int64_t step = -1;
+  EXPECT_TRUE(parse_step_dir_name("step_00000042", &step));
+  EXPECT_EQ(step, 42);
+  EXPECT_TRUE(parse_step_dir_name("step_123456789", &step));
+  EXPECT_FALSE(parse_step_dir_name("step_99999999999999999999", &step));
+  EXPECT_FALSE(parse_step_dir_name("step_42", &step));
+  EXPECT_FALSE(parse_step_dir_name("step_-0000005", &step));
+  EXPECT_FALSE(parse_step_dir_name("step_", &step));
+  const std::string root = temp_root("stepnames");
+  save_virtual(root, kCfg, parse_mesh("dp=1"), 1);
+  fs::create_directories(fs::path(root) / "step_99999999999999999999");
+  fs::create_directories(fs::path(root) / "step_0");
+  ASSERT_EQ(list_steps(root).size(), 1u);
+  EXPECT_EQ(apply_retention(root, 1, 0), std::vector<std::string>{});
+  EXPECT_TRUE(fs::exists(fs::path(root) / "step_0"));
+  EXPECT_EQ(verify_quietly(root), 0);
+  keel::write_file_atomically((fs::path(root) / kLatestFile).string(), "step_99999999999999999999\n");
+  EXPECT_NE(error_of([&] { resolve_checkpoint(root); }).find("does not name a step directory ('step_99999999999999999999')"),
+            std::string::npos);
+  fs::remove_all(root);
+}
+
+// Export never writes into the checkpoint it reads (nor its root's latest and step
+// directories), whatever the spelling of the path, and replaces an existing file only when told.
+TEST(CkptTools, ExportRefusesToReplaceTheCheckpointOrAnExistingFile) {
+  const std::string root = temp_root("export_target");
+  save_virtual(root, kCfg, parse_mesh("tp=2"), 1);
+  save_virtual(root, kCfg, parse_mesh("tp=2"), 2);
+  const std::vector<std::string> before = entries_of(root);
+  const std::string step2 = (fs::path(root) / step_dir_name(2)).string();
+  fs::create_symlink(step2, root + "_link");
+  const std::string data = read_metadata(step2).files.begin()->first;
+  for (const std::string& out : {step2 + "/metadata.json", step2 + "/" + data, step2 + "/new.safetensors",
+                                 root + "/../" + fs::path(root).filename().string() + "/" + step_dir_name(2) + "/metadata.json",
+                                 root + "_link/metadata.json"}) {
+    const std::string err = error_of([&] { export_safetensors(root, out, 1, /*overwrite=*/true); });
+    EXPECT_NE(err.find(out + ": lies inside the checkpoint"), std::string::npos) << err;
+  }
+  for (const std::string& out : {root + "/latest", root + "/" + step_dir_name(1) + "/metadata.json"}) {
+    const std::string err = error_of([&] { export_safetensors(root, out, 1, true); });
+    EXPECT_NE(err.find(out + ": is part of the checkpoint root"), std::string::npos) << err;
+  }
+  EXPECT_EQ(entries_of(root), before);
+  EXPECT_EQ(verify_quietly(root), 0);
+  // Any other existing file: only with overwrite (--force). Beside the steps in the root is fine.
+  const std::string file = root + "/model.safetensors";
+  std::ofstream(file) << "mine";
+  EXPECT_NE(error_of([&] { export_safetensors(root, file, 1); }).find(file + ": exists; pass --force to replace it"),
+            std::string::npos);
+  EXPECT_EQ(keel::read_file(file), "mine");
+  export_safetensors(root, file, 1, true);
+  EXPECT_EQ(SafetensorsFile(file).entries().size(), demo_tensors(kCfg).size());
+  EXPECT_NE(error_of([&] { export_safetensors(root, root, 1, true); }).find("is a directory"), std::string::npos);
+  fs::remove(root + "_link");
+  fs::remove_all(root);
+}
+
+// reshard and import write new roots: one that holds checkpoints (latest at a newer step) or
+// any step_* directory is refused before anything is written, so its latest and its other
+// directories stay as they were.
+TEST(CkptTools, ReshardAndImportRefuseARootThatHoldsCheckpoints) {
+  const std::string root = temp_root("existing_dst");
+  save_virtual(root + "/src", kCfg, parse_mesh("tp=2"), 3);
+  export_safetensors(root + "/src", root + "/m.safetensors", 1);
+  save_virtual(root + "/newer", kCfg, parse_mesh("dp=1"), 9);
+  fs::create_directories(root + "/newer/" + step_dir_name(5));
+  std::ofstream(root + "/newer/" + step_dir_name(5) + "/notes.txt") << "mine";
+  fs::create_directories(root + "/stray/step_0050");
+  const std::vector<std::string> newer = entries_of(root + "/newer"), stray = entries_of(root + "/stray");
+  for (const std::string& dst : {root + "/newer", root + "/stray", root + "/src"}) {
+    const std::string a = error_of([&] { reshard(root + "/src", dst, "tp=2", 1); });
+    const std::string b = error_of([&] { import_safetensors(root + "/m.safetensors", dst, std::nullopt, 1); });
+    for (const std::string& err : {a, b}) {
+      EXPECT_NE(err.find(dst + ": already holds"), std::string::npos) << err;
+      EXPECT_NE(err.find("the destination must be a new checkpoint root"), std::string::npos) << err;
+    }
+  }
+  EXPECT_NE(error_of([&] { reshard(root + "/src", root + "/src/" + step_dir_name(3), "tp=2", 1); })
+                .find("is a checkpoint directory"),
+            std::string::npos);
+  EXPECT_EQ(entries_of(root + "/newer"), newer);
+  EXPECT_EQ(entries_of(root + "/stray"), stray);
+  EXPECT_EQ(latest_dir(root + "/newer"), root + "/newer/" + step_dir_name(9));
+  // A new directory, or an existing one without checkpoints, is a fine destination.
+  fs::create_directories(root + "/empty");
+  std::ofstream(root + "/empty/README") << "x";
+  EXPECT_EQ(reshard(root + "/src", root + "/empty", "dp=2", 1).dir, root + "/empty/" + step_dir_name(3));
+  fs::remove_all(root);
+}
+
+// A tensor no rank writes -- one with no elements -- is still declared, so reshard keeps it.
+TEST(CkptTools, ReshardKeepsEveryTensorEmptyOnesIncluded) {
+  const std::string root = temp_root("empty_tensor");
+  const std::string file = root + "/ab.safetensors";
+  write_raw_safetensors(file,
+                        {{"a", {{"dtype", "F32"}, {"shape", {0, 5}}, {"data_offsets", {0, 0}}}},
+                         {"b", {{"dtype", "F32"}, {"shape", nlohmann::json::array({2})}, {"data_offsets", {0, 8}}}}},
+                        8);
+  import_safetensors(file, root + "/imported", std::nullopt, 1);
+  reshard(root + "/imported", root + "/resharded", "tp=2", 1);
+  const Metadata m = read_metadata(resolve_checkpoint(root + "/resharded"));
+  ASSERT_EQ(m.tensors.size(), 2u);
+  EXPECT_EQ(m.find("a")->shape, (Shape{0, 5}));
+  EXPECT_TRUE(m.find("a")->shards.empty());
+  EXPECT_EQ(verify_checkpoint(resolve_checkpoint(root + "/resharded")).problems.size(), 0u);
+  fs::remove_all(root);
+}
+
+// Negative steps: refused by the Saver (a step_-0000005 directory would make the root
+// unreadable) and by import; import's "not given" is not a value a user can pass.
+TEST(CkptSaveLoad, NegativeStepsAreRefusedAndImportHonoursAnyGivenStep) {
+  const std::string root = temp_root("negative_step");
+  auto comm = make_self_comm();
+  Saver saver(*comm, root + "/neg");
+  std::vector<float> one(1, 1.f);
+  Placement p;
+  const std::string err = error_of([&] {
+    saver.save(-5, {{"x", ElemType::kF32, {}, p, Box{}, one.data(), true}}, {}, {}, "");
+  });
+  EXPECT_NE(err.find("cannot save step -5: steps are non-negative"), std::string::npos) << err;
+  EXPECT_TRUE(list_steps(root + "/neg").empty());
+  EXPECT_FALSE(fs::exists(root + "/neg/" + kLatestFile));
+  save_virtual(root + "/src", kCfg, parse_mesh("dp=1"), 4);
+  export_safetensors(root + "/src", root + "/m.safetensors", 1);
+  EXPECT_NE(error_of([&] { import_safetensors(root + "/m.safetensors", root + "/a", -7, 1); }).find("step -7 is negative"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(root + "/a"));
+  EXPECT_EQ(import_safetensors(root + "/m.safetensors", root + "/b", std::nullopt, 1).step, 4);  // the file's step
+  EXPECT_EQ(import_safetensors(root + "/m.safetensors", root + "/c", 0, 1).step, 0);              // 0 as given
   fs::remove_all(root);
 }

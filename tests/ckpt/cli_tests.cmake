@@ -63,6 +63,39 @@ keel_cli_test(NAME ckpt_format EXIT 1 MATCH "keel: error: unknown --format 'onnx
 keel_cli_test(NAME ckpt_import_garbage EXIT 1 MATCH "keel: error: .*faults\\.sh: .*not a safetensors file"
   ARGS ckpt import ${CMAKE_CURRENT_SOURCE_DIR}/ckpt/faults.sh ${ck}/garbage)
 
+# Bad input that once damaged a checkpoint or wrote a wrong one with exit 0: each is now one
+# line and exit 1, before anything is written.
+keel_cli_test(NAME ckpt_export_into_checkpoint EXIT 1
+  MATCH "keel: error: ${ck}/root/step_00000020/metadata\\.json: lies inside the checkpoint ${ck}/root/step_00000020 being exported"
+  ARGS ckpt export ${ck}/root ${ck}/root/step_00000020/metadata.json)
+keel_cli_test(NAME ckpt_export_exists EXIT 1
+  MATCH "keel: error: ${ck}/model\\.safetensors: exists; pass --force to replace it"
+  ARGS ckpt export ${ck}/root ${ck}/model.safetensors)
+keel_cli_test(NAME ckpt_reshard_huge_mesh EXIT 1
+  MATCH "keel: error: layout 'dp=65536,tp=65536' spans 4294967296 ranks, more than the 1048576 keel supports"
+  ARGS ckpt reshard ${ck}/root ${ck}/huge --to dp=65536,tp=65536)
+keel_cli_test(NAME ckpt_layout_repeated EXIT 1 MATCH "keel: error: layout 'tp=2,tp=4': tp is given twice"
+  ARGS ckpt reshard ${ck}/root ${ck}/twice --to tp=2,tp=4)
+keel_cli_test(NAME ckpt_reshard_into_existing_root EXIT 1
+  MATCH "keel: error: ${ck}/root: already holds checkpoints \\(it has 'latest'\\): the destination must be a new checkpoint root"
+  ARGS ckpt reshard ${ck}/root ${ck}/root --to tp=2)
+keel_cli_test(NAME ckpt_import_into_existing_root EXIT 1
+  MATCH "keel: error: ${ck}/root: already holds checkpoints \\(it has 'latest'\\)"
+  ARGS ckpt import ${ck}/model.safetensors ${ck}/root)
+keel_cli_test(NAME ckpt_import_negative_step EXIT 1 MATCH "keel: error: --step must be at least 0, got -7"
+  ARGS ckpt import ${ck}/model.safetensors ${ck}/negative --step -7)
+set_tests_properties(cli_ckpt_export_into_checkpoint cli_ckpt_reshard_huge_mesh cli_ckpt_layout_repeated
+  cli_ckpt_reshard_into_existing_root PROPERTIES FIXTURES_REQUIRED ckpt_saved)
+set_tests_properties(cli_ckpt_export_exists cli_ckpt_import_into_existing_root cli_ckpt_import_negative_step
+  PROPERTIES FIXTURES_REQUIRED "ckpt_saved;ckpt_exported")
+keel_cli_test(NAME ckpt_timeout_zero EXIT 1
+  MATCH "keel: error: --timeout must be a positive number of seconds \\(at most 1e9\\), got 0"
+  ARGS ckpt demo-load ${ck}/root --timeout 0)
+keel_cli_test(NAME ckpt_timeout_negative EXIT 1 MATCH "keel: error: --timeout must be a positive number of seconds"
+  ARGS ckpt demo-save ${ck}/timeout --timeout -1)
+keel_cli_test(NAME ckpt_negative_step EXIT 1 MATCH "keel: error: --step must be at least 0, got -5"
+  ARGS ckpt demo-save ${ck}/negative --step -5)
+
 add_test(NAME cli_ckpt_faults COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/ckpt/faults.sh $<TARGET_FILE:keel> ${MPIEXEC_EXECUTABLE})
 set_tests_properties(cli_ckpt_faults PROPERTIES ENVIRONMENT "${KEEL_MPI_ENV}" TIMEOUT 120)
 

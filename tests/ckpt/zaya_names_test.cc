@@ -276,6 +276,20 @@ TEST(ZayaNames, BadReleasesAreOneClearErrorNamingTheTensor) {
   const std::string train_dir = (tmp.path / "train").string();
   const std::string good = (tmp.path / "good.safetensors").string();
   export_zaya_safetensors(train_dir, good, cfg, Names::kZaya1, ElemType::kBF16, 2);
+  // An existing output (the file, or config.json beside it) is replaced only with overwrite
+  // (--force); an import never writes into a root that holds checkpoints.
+  EXPECT_NE(error_of([&] { export_zaya_safetensors(train_dir, good, cfg, Names::kZaya1, ElemType::kBF16, 1); })
+                .find(good + ": exists; pass --force to replace it"),
+            std::string::npos);
+  const std::string beside = (tmp.path / "beside.safetensors").string();
+  EXPECT_NE(error_of([&] { export_zaya_safetensors(train_dir, beside, cfg, Names::kZaya1, ElemType::kBF16, 1); })
+                .find("config.json: exists; pass --force to replace it"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(beside));
+  export_zaya_safetensors(train_dir, good, cfg, Names::kZaya1, ElemType::kBF16, 1, /*overwrite=*/true);
+  EXPECT_NE(error_of([&] { import_zaya_safetensors(good, train_dir, cfg, Names::kZaya1, std::nullopt, 1); })
+                .find(train_dir + ": already holds checkpoints"),
+            std::string::npos);
   const std::string bad = (tmp.path / "bad.safetensors").string();
   auto import_bad = [&](Names names = Names::kZaya1) {
     return error_of([&] { import_zaya_safetensors(bad, (tmp.path / "x").string(), cfg, names, 0, 1); });
