@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 
+#include "common/error.h"
+
 namespace keel::hw {
 namespace {
 
@@ -41,6 +43,19 @@ double log_distance(const GemmShape& a, const GemmShape& b) {
   auto d = [](std::int64_t x, std::int64_t y) { return std::log(static_cast<double>(x)) - std::log(static_cast<double>(y)); };
   return std::sqrt(d(a.m, b.m) * d(a.m, b.m) + d(a.n, b.n) * d(a.n, b.n) + d(a.k, b.k) * d(a.k, b.k) +
                    d(a.batch, b.batch) * d(a.batch, b.batch));
+}
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+// Output tiles of `s` in tiles of `t`, or a one-line error when the count overflows int64
+// (absurd sizes must fail, not wrap into a small or negative wave count).
+std::int64_t tile_count(const GemmShape& s, const Tile& t) {
+  std::int64_t tiles = 0;
+  if (__builtin_mul_overflow(ceil_div(s.m, t.m), ceil_div(s.n, t.n), &tiles) ||
+      __builtin_mul_overflow(tiles, s.batch, &tiles))
+    throw UsageError(fmt::format("GEMM {}x{}x{} x{} is too large to model: its tile count overflows int64", s.m, s.n,
+                                 s.k, s.batch));
+  return tiles;
 }
 
 double flops_of(const GemmShape& s) {
@@ -84,8 +99,8 @@ GemmPrediction GemmModel::analytic(const GemmShape& s) const {
                        (static_cast<double>(s.m) * s.k + static_cast<double>(s.k) * s.n + static_cast<double>(s.m) * s.n);
   const double t_mem = bytes / (hw_.hbm_tbps * 1e12 * kHbmFraction);
   for (const Tile& t : kTiles) {
-    const std::int64_t tiles = ((s.m + t.m - 1) / t.m) * ((s.n + t.n - 1) / t.n) * s.batch;
-    const std::int64_t waves = (tiles + sms - 1) / sms;
+    const std::int64_t tiles = tile_count(s, t);
+    const std::int64_t waves = tiles / sms + (tiles % sms != 0 ? 1 : 0);
     const double tile_seconds =
         2.0 * t.m * t.n * (static_cast<double>(s.k) + kTileOverheadK) / (per_sm * tile_throughput(t) * align);
     const double t_compute = static_cast<double>(waves) * tile_seconds;

@@ -1,8 +1,11 @@
 #include "size/command.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <memory>
+#include <optional>
 
 #include "common/error.h"
 #include "common/fileio.h"
@@ -17,12 +20,26 @@ struct RawFlags {
   std::string config, hardware = "h100", layout, tokens, recompute = "none", optimizer = "adamw";
   std::string decode_batch = "1,8,32,128", json, plot, moe_budget = "active", moe_experts = "8,16,32,64",
               moe_top_k = "1,2,4";
-  int gpus = 0, micro_batch = 1, micro_batches = 0;
-  std::int64_t seq = 0, ce_chunk = 8192;
+  // Left out: a default that depends on the layout or the config. Optional, so a given 0 is
+  // told apart from "not given" and rejected.
+  std::optional<int> gpus, micro_batches;
+  std::optional<std::int64_t> seq;
+  int micro_batch = 1;
+  std::int64_t ce_chunk = 8192;
   double mfu = 0.4;
   bool moe_study = false, gemms = false, quiet = false;
 };
 
+// A flag that may be left out but, when given, must be at least 1.
+template <typename T>
+void require_positive(const std::optional<T>& value, const char* flag) {
+  if (value && *value < 1) throw UsageError(fmt::format("{} must be at least 1 (got {})", flag, *value));
+}
+
+// 4 x pp keeps the pipeline bubble near 20% (capped where 4 x pp would not fit an int).
+int default_micro_batches(int pp) {
+  return pp > 1 ? static_cast<int>(std::min<std::int64_t>(4LL * pp, std::numeric_limits<int>::max())) : 1;
+}
 
 std::vector<int> int_list(const std::string& text, const char* what) {
   try {
@@ -40,16 +57,16 @@ int run(const RawFlags& f) {
   s.hardware = hw::load_hardware(f.hardware);
   bool dp_given = false;
   s.layout = parse_layout(f.layout, &dp_given);
-  if (f.gpus < 0) throw UsageError("--gpus must be positive");
-  resolve_layout(s.layout, dp_given, f.gpus, s.model);
-  s.seq = f.seq > 0 ? f.seq : s.model.max_seq_len > 0 ? s.model.max_seq_len : 4096;
-  if (f.seq < 0) throw UsageError("--seq must be positive");
+  require_positive(f.gpus, "--gpus");
+  resolve_layout(s.layout, dp_given, f.gpus.value_or(0), s.model);
+  require_positive(f.seq, "--seq");
+  s.seq = f.seq ? *f.seq : s.model.max_seq_len > 0 ? s.model.max_seq_len : 4096;
   if (s.seq % (s.layout.cp * s.layout.tsp) != 0)
     throw UsageError(fmt::format("--seq {} does not split over cp*tsp = {}", s.seq, s.layout.cp * s.layout.tsp));
-  if (f.micro_batch < 1) throw UsageError("--micro-batch must be at least 1");
+  if (f.micro_batch < 1) throw UsageError(fmt::format("--micro-batch must be at least 1 (got {})", f.micro_batch));
   s.micro_batch = f.micro_batch;
-  if (f.micro_batches < 0) throw UsageError("--micro-batches must be positive");
-  s.micro_batches = f.micro_batches > 0 ? f.micro_batches : (s.layout.pp > 1 ? 4 * s.layout.pp : 1);
+  require_positive(f.micro_batches, "--micro-batches");
+  s.micro_batches = f.micro_batches ? *f.micro_batches : default_micro_batches(s.layout.pp);
   s.recompute = model::parse_recompute(f.recompute);
   if (f.ce_chunk < 1) throw UsageError(fmt::format("--ce-chunk must be at least 1 (got {})", f.ce_chunk));
   s.ce_chunk = f.ce_chunk;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
+#include <limits>
 #include <map>
 
 #include "common/error.h"
@@ -55,7 +57,7 @@ double layer_activation_bytes(const ModelConfig& m, int layer, Recompute r) {
         b += kFp32 * m.heads * hd * hd / m.linear_chunk;  // per-chunk d x d prefix states
       break;
     case AttentionKind::kCca: {
-      const double ch = m.cca_q_dim + m.cca_k_dim;
+      const double ch = static_cast<double>(m.cca_q_dim) + m.cca_k_dim;
       b += kBf16 * ch;                       // pre-conv q~|k~ (kept either way)
       if (!sel) b += kBf16 * 3 * ch;         // conv1 out, conv2 out, normalised q|k
       b += kBf16 * m.cca_v_dim;              // v (current | previous token)
@@ -68,9 +70,9 @@ double layer_activation_bytes(const ModelConfig& m, int layer, Recompute r) {
   b += kBf16 * h;
   if (!sel) b += kBf16 * h;
   if (model::is_moe_layer(m, layer)) {
-    const double k = m.top_k, eh = m.expert_hidden, classes = m.experts + (m.router_skip_expert ? 1 : 0);
+    const double k = m.top_k, eh = m.expert_hidden, classes = m.experts + (m.router_skip_expert ? 1.0 : 0.0);
     if (m.router_hidden > 0)
-      b += kBf16 * m.router_hidden * (2 + 2 * (m.router_mlp_layers - 1));  // down out, normed, MLP pre/post GELU
+      b += kBf16 * m.router_hidden * (2.0 * m.router_mlp_layers);  // down out, normed, MLP pre/post GELU
     b += kFp32 * 2 * classes;                      // logits, probabilities
     b += k * routed_row_bytes(m, sel);
     const double se = static_cast<double>(m.shared_experts) * eh;
@@ -80,6 +82,32 @@ double layer_activation_bytes(const ModelConfig& m, int layer, Recompute r) {
   }
   if (m.residual_scaling) b += kBf16 * 2 * h;
   return b;
+}
+
+// The product of layout degrees, or a one-line error when it overflows an int (GPU counts are ints).
+int degree_product(std::initializer_list<int> degrees, const char* what) {
+  int product = 1;
+  for (int d : degrees)
+    if (__builtin_mul_overflow(product, d, &product))
+      throw UsageError(fmt::format("--layout: {} is larger than {} GPUs", what, std::numeric_limits<int>::max()));
+  return product;
+}
+
+// a * b, or a one-line error naming the quantity when it overflows int64.
+std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* what) {
+  std::int64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) throw UsageError(fmt::format("{} overflows int64 ({} x {})", what, a, b));
+  return r;
+}
+
+// layer_gemms() works in the config's int sizes: a sum past INT_MAX (experts + the skip class
+// at experts = 2^31 - 1) comes back as a negative dimension, which the GEMM model would turn
+// into negative waves and times. Refuse it, naming the GEMM.
+void require_positive_shape(const model::Gemm& g, const ModelConfig& m) {
+  if (g.m <= 0 || g.n <= 0 || g.k <= 0 || g.batch <= 0)
+    throw UsageError(fmt::format("model '{}': GEMM '{}' has a dimension that is not positive ({}x{}x{} x{}): a size "
+                                 "in the config is too large",
+                                 m.name, g.name, g.m, g.n, g.k, g.batch));
 }
 
 bool column_parallel(const std::string& n) {
@@ -130,16 +158,18 @@ Layout parse_layout(const std::string& text, bool* dp_given) {
 }
 
 void resolve_layout(Layout& l, bool dp_given, int gpus, const ModelConfig& m) {
-  const int replica = l.tp * l.pp * l.cp * l.tsp;
+  // Checked, so every product of degrees used later (tp*tsp, dp*cp, gpus()) fits an int.
+  const int replica = degree_product({l.tp, l.pp, l.cp, l.tsp}, "tp*pp*cp*tsp");
   if (!dp_given) {
     if (gpus > 0) {
       if (gpus % replica != 0)
         throw UsageError(fmt::format("--layout: tp*pp*cp*tsp = {} does not divide --gpus {}", replica, gpus));
       l.dp = gpus / replica;
     }
-  } else if (gpus > 0 && l.gpus() != gpus) {
-    throw UsageError(fmt::format("--layout: dp*tp*pp*cp*tsp = {} but --gpus is {}", l.gpus(), gpus));
   }
+  (void)degree_product({l.dp, l.tp, l.pp, l.cp, l.tsp}, "dp*tp*pp*cp*tsp");
+  if (dp_given && gpus > 0 && l.gpus() != gpus)
+    throw UsageError(fmt::format("--layout: dp*tp*pp*cp*tsp = {} but --gpus is {}", l.gpus(), gpus));
   if (m.heads % (l.tp * l.tsp) != 0)
     throw UsageError(fmt::format("--layout: tp*tsp = {} does not divide heads ({})", l.tp * l.tsp, m.heads));
   if (l.pp > m.layers) throw UsageError(fmt::format("--layout: pp={} is more than the {} layers", l.pp, m.layers));
@@ -150,6 +180,17 @@ void resolve_layout(Layout& l, bool dp_given, int gpus, const ModelConfig& m) {
     throw UsageError(fmt::format("--layout: ep={} does not divide dp*cp = {} (experts are sharded across "
                                  "data-parallel ranks)",
                                  l.ep, l.dp * l.cp));
+}
+
+std::int64_t tokens_per_local_expert(std::int64_t tokens_local, int ep, int top_k, int experts) {
+  const std::int64_t rows = checked_mul(checked_mul(tokens_local, ep, "routed rows per micro-batch (tokens x ep)"),
+                                        top_k, "routed rows per micro-batch (tokens x ep x top_k)");
+  // rows + experts must fit too: layer_gemms() rounds tokens x top_k up as (... + experts - 1).
+  std::int64_t sum = 0;
+  if (__builtin_add_overflow(rows, experts, &sum))
+    throw UsageError(fmt::format("routed rows per micro-batch (tokens x ep x top_k + experts) overflows int64 ({} + {})",
+                                 rows, experts));
+  return rows / experts + (rows % experts != 0 ? 1 : 0);
 }
 
 double MemoryEstimate::total() const {
@@ -293,10 +334,12 @@ DecodeState decode_state(const ModelConfig& m) {
         d.kv_bytes_per_token += kBf16 * 2.0 * m.kv_heads * m.head_dim;
         break;
       case AttentionKind::kCca:
-        d.kv_bytes_per_token += kBf16 * (m.cca_k_dim + m.cca_v_dim);
+        d.kv_bytes_per_token += kBf16 * (static_cast<double>(m.cca_k_dim) + m.cca_v_dim);
         // conv_state: q~|k~ of the last (cw-1)+(gw-1) tokens; prev_hs: the previous hidden state.
         d.fixed_bytes_per_sequence +=
-            kBf16 * ((m.cca_q_dim + m.cca_k_dim) * ((m.cca_conv_width - 1) + (m.cca_group_conv_width - 1)) + m.hidden);
+            kBf16 * ((static_cast<double>(m.cca_q_dim) + m.cca_k_dim) *
+                         ((m.cca_conv_width - 1.0) + (m.cca_group_conv_width - 1.0)) +
+                     m.hidden);
         break;
       case AttentionKind::kLinear:
         d.fixed_bytes_per_sequence += kFp32 * m.heads * static_cast<double>(m.head_dim) * m.head_dim;
@@ -334,11 +377,14 @@ StepEstimate estimate_step(const Setup& s) {
   const Layout& l = s.layout;
   const hw::GemmModel gm(s.hardware.profile, s.hardware.gemm_profile);
   StepEstimate st;
-  st.tokens_per_gpu_microbatch = static_cast<std::int64_t>(s.micro_batch) * s.seq / (l.cp * l.tsp);
+  st.tokens_per_gpu_microbatch = checked_mul(s.micro_batch, s.seq, "tokens per micro-batch (--micro-batch x --seq)") /
+                                 (l.cp * l.tsp);
   const std::int64_t t = st.tokens_per_gpu_microbatch;
   const int shard = l.tp * l.tsp;
+  if (m.experts > 0) (void)tokens_per_local_expert(t, l.ep, m.top_k, m.experts);  // checked before layer_gemms()
 
   for (model::Gemm g : model::layer_gemms(m, t, false)) {
+    require_positive_shape(g, m);
     // Per-GPU shape: column-parallel layers split their outputs, row-parallel their inputs;
     // TSP runs its tsp shards one after another on local tokens. Experts: each GPU holds
     // experts/ep and receives the tokens routed to them from ep ranks.
@@ -346,7 +392,7 @@ StepEstimate estimate_step(const Setup& s) {
     if (column_parallel(g.name)) g.n = ceil_div(g.n, shard), repeats = l.tsp;
     if (row_parallel(g.name)) g.k = ceil_div(g.k, shard), repeats = l.tsp;
     if (g.name == "expert_up_gate" || g.name == "expert_down") {
-      g.m = ceil_div(t * l.ep * m.top_k, m.experts);
+      g.m = tokens_per_local_expert(t, l.ep, m.top_k, m.experts);
       g.batch = m.experts / l.ep;
     }
     const double layers = static_cast<double>(g.layers) / l.pp;
@@ -390,7 +436,7 @@ StepEstimate estimate_step(const Setup& s) {
 
   const model::TokenFlops f = model::token_flops(m, s.seq);
   st.model_flops_per_gpu = f.training() * s.micro_batch * s.seq / (static_cast<double>(shard) * l.cp * l.pp);
-  st.bubble = l.pp > 1 ? static_cast<double>(l.pp - 1) / (s.micro_batches + l.pp - 1) : 0;
+  st.bubble = l.pp > 1 ? (l.pp - 1.0) / (static_cast<double>(s.micro_batches) + l.pp - 1) : 0;
   st.predicted_mfu = st.model_flops_per_gpu / (st.gemm_seconds * gm.peak_tflops() * 1e12) * (1 - st.bubble);
   return st;
 }

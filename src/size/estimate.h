@@ -47,6 +47,11 @@ struct Setup {
   std::vector<int> decode_batches = {1, 8, 32, 128};
 };
 
+// Rows each expert on a GPU receives per micro-batch under even routing: the ep group's
+// tokens x top_k over the experts, ceil(tokens_local x ep x top_k / experts). UsageError when the
+// product (or the product + experts, which layer_gemms' rounding adds) overflows int64.
+std::int64_t tokens_per_local_expert(std::int64_t tokens_local, int ep, int top_k, int experts);
+
 struct MemoryItem {
   std::string name;
   double bytes = 0;

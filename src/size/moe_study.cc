@@ -35,21 +35,22 @@ MoeStudy run_moe_study(const Setup& s, const MoeStudyOptions& o) {
     if (m.router_skip_expert && k != 1) m.router_skip_expert = false;  // ZAYA1's skip class is top-1 only
     Setup cs = s;
     cs.model = m;
+    model::ParamCounts pc;
     try {
       model::validate(m);
       bool dp_given = true;
       resolve_layout(cs.layout, dp_given, 0, m);
+      pc = model::count_params(m);  // a candidate whose count overflows is skipped with the reason
     } catch (const UsageError& err) {
       study.skipped.push_back(fmt::format("experts {} top-{}: {}", e, k, err.what()));
       continue;
     }
     MoeCandidate c;
     c.experts = e, c.top_k = k, c.expert_hidden = m.expert_hidden, c.current = current;
-    const model::ParamCounts pc = model::count_params(m);
     c.total_params = static_cast<double>(pc.total_non_embedding);
     c.active_params = static_cast<double>(pc.active_non_embedding);
     const StepEstimate st = estimate_step(cs);
-    c.tokens_per_expert = (st.tokens_per_gpu_microbatch * cs.layout.ep * k + e - 1) / e;
+    c.tokens_per_expert = tokens_per_local_expert(st.tokens_per_gpu_microbatch, cs.layout.ep, k, e);
     c.expert_gemm_efficiency =
         gm.predict({c.tokens_per_expert, 2LL * m.expert_hidden, m.hidden, e / cs.layout.ep}).efficiency;
     c.predicted_mfu = st.predicted_mfu;

@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "common/error.h"
+
 namespace keel::size {
 
 std::string human_count(double x) {
@@ -30,6 +32,34 @@ std::string human_duration(double s) {
   return fmt::format("{:.1f} s", s);
 }
 
+namespace {
+
+// The estimates are doubles built from integer counts: a size past what they can hold shows
+// as inf, NaN or a negative number. Refuse to print such a report (it would read as a result).
+void require_finite(double value, const std::string& what, const Setup& s) {
+  if (std::isfinite(value) && value >= 0) return;
+  throw UsageError(fmt::format("model '{}': the {} estimate is {} (check the config's sizes, the flags and the "
+                               "hardware figures)",
+                               s.model.name, what, value));
+}
+
+void require_finite_estimates(const SizeReport& r) {
+  const Setup& s = r.setup;
+  require_finite(r.flops.training(), "FLOPs per token", s);
+  require_finite(r.flops.training_with(model::Recompute::kFull), "FLOPs per token with recomputation", s);
+  for (const auto& i : r.memory.items) require_finite(i.bytes, "memory (" + i.name + ")", s);
+  require_finite(r.memory.total(), "memory per GPU", s);
+  require_finite(r.memory.ep_worst_case_extra, "expert-parallel worst-case memory", s);
+  require_finite(r.decode.kv_bytes_per_token + r.decode.fixed_bytes_per_sequence, "decode state", s);
+  for (const auto& d : r.decode_points) require_finite(d.seconds, fmt::format("decode step at batch {}", d.batch), s);
+  require_finite(r.step.gemm_seconds, "GEMM time per step", s);
+  require_finite(r.step.predicted_mfu, "predicted MFU", s);
+  require_finite(r.train.seconds_at_mfu, "time to train", s);
+  require_finite(r.train.seconds_predicted, "predicted time to train", s);
+}
+
+}  // namespace
+
 SizeReport build_report(const std::string& config_path, const Setup& s, const MoeStudyOptions* moe) {
   SizeReport r;
   r.config_path = config_path;
@@ -41,6 +71,7 @@ SizeReport build_report(const std::string& config_path, const Setup& s, const Mo
   for (int b : s.decode_batches) r.decode_points.push_back(decode_step(s.model, s.hardware, b, s.seq));
   r.step = estimate_step(s);
   r.train = estimate_train_time(s, r.flops, r.step);
+  require_finite_estimates(r);
   r.findings = check_sizing(s);
   if (moe) r.moe = run_moe_study(s, *moe);
   return r;

@@ -2,10 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <limits>
 #include <map>
 #include <numeric>
 
 #include <fmt/format.h>
+
+#include "common/error.h"
 
 namespace keel::size {
 namespace {
@@ -13,6 +17,9 @@ namespace {
 double pct(double x) { return 100 * x; }
 
 std::int64_t round_to(std::int64_t x, std::int64_t q) { return std::max(q, (x + q / 2) / q * q); }
+
+// ceil(a / b) for a >= 0, b > 0, without a + b - 1 overflowing.
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 // Largest power of two dividing x.
 std::int64_t pow2_factor(std::int64_t x) { return x > 0 ? (x & -x) : 0; }
@@ -36,7 +43,7 @@ double gemm_tflops(const hw::GemmModel& gm, std::int64_t m, std::int64_t n, std:
 
 }  // namespace
 
-WidthChoice mlp_throughput(const hw::GemmModel& gm, std::int64_t t, int h, int w, std::int64_t batch) {
+WidthChoice mlp_throughput(const hw::GemmModel& gm, std::int64_t t, int h, std::int64_t w, std::int64_t batch) {
   // SwiGLU: up|gate [t x h] x [h x 2w], down [t x w] x [w x h], forward and both backward GEMMs.
   const hw::GemmShape shapes[] = {{t, 2LL * w, h, batch}, {t, h, 2LL * w, batch}, {h, 2LL * w, t, batch},
                                   {t, h, w, batch},       {t, w, h, batch},       {w, h, t, batch}};
@@ -48,10 +55,15 @@ WidthChoice mlp_throughput(const hw::GemmModel& gm, std::int64_t t, int h, int w
   return {w, flops / secs / 1e12};
 }
 
-WidthChoice best_swiglu_width(const hw::GemmModel& gm, std::int64_t tokens, int hidden, int width, std::int64_t batch) {
-  const int center = width > 0 ? width : static_cast<int>(std::lround(8.0 * hidden / 3));
+WidthChoice best_swiglu_width(const hw::GemmModel& gm, std::int64_t tokens, int hidden, std::int64_t width,
+                              std::int64_t batch) {
+  const std::int64_t center = width > 0 ? width : std::llround(8.0 * hidden / 3);
   WidthChoice best = mlp_throughput(gm, tokens, hidden, round_to(center, 64), batch);
-  for (int w = (static_cast<int>(center * 0.9) + 63) / 64 * 64; w <= center * 1.1; w += 64) {
+  // Steps of 64 over +-10%; coarser (a multiple of 64) past ~330K so the search stays at
+  // about kMaxWidthCandidates predictions whatever the width.
+  constexpr double kMaxWidthCandidates = 1024;
+  const std::int64_t step = 64 * (1 + static_cast<std::int64_t>(0.2 * center / (64 * kMaxWidthCandidates)));
+  for (std::int64_t w = ceil_div(static_cast<std::int64_t>(center * 0.9), 64) * 64; w <= center * 1.1; w += step) {
     const WidthChoice c = mlp_throughput(gm, tokens, hidden, w, batch);
     // Prefer the candidate nearest the requested width unless another is clearly faster (>1%).
     if (c.tflops > best.tflops * 1.01 ||
@@ -180,9 +192,11 @@ std::vector<Finding> check_sizing(const Setup& s) {
   {
     const std::int64_t q = 128LL * l.tp * l.tsp;
     const std::int64_t V = m.vocab_size;
-    const std::int64_t padded = (V + q - 1) / q * q;
+    if (V > std::numeric_limits<std::int64_t>::max() - q)
+      throw UsageError(fmt::format("vocab_size {} is too large to pad to a multiple of {}", V, q));
+    const std::int64_t padded = ceil_div(V, q) * q;
     if (padded != V) {
-      const double now = gemm_tflops(gm, t, (V + l.tp * l.tsp - 1) / (l.tp * l.tsp), m.hidden, 1);
+      const double now = gemm_tflops(gm, t, ceil_div(V, l.tp * l.tsp), m.hidden, 1);
       const double then = gemm_tflops(gm, t, padded / (l.tp * l.tsp), m.hidden, 1);
       // Useful throughput: the padded head does more FLOPs, only V/padded of them useful.
       const double gain = then * (static_cast<double>(V) / padded) / now - 1;
@@ -199,15 +213,15 @@ std::vector<Finding> check_sizing(const Setup& s) {
   // SwiGLU widths: dense MLP and experts, at their per-GPU token counts.
   auto swiglu = [&](const char* key, int width, std::int64_t tokens, std::int64_t batch) {
     if (width <= 0) return;
-    const int w = static_cast<int>((width + l.tp * l.tsp - 1) / (l.tp * l.tsp));
+    const std::int64_t w = ceil_div(width, l.tp * l.tsp);
     const WidthChoice now = mlp_throughput(gm, tokens, m.hidden, w, batch);
-    const int nearest = static_cast<int>(round_to(width, 64));
+    const std::int64_t nearest = round_to(width, 64);
     const WidthChoice near64 = mlp_throughput(gm, tokens, m.hidden, nearest / (l.tp * l.tsp), batch);
     const WidthChoice best = best_swiglu_width(gm, tokens, m.hidden, width, batch);
     const double ratio = width / (8.0 * m.hidden / 3);
     const std::string note = fmt::format("{} {} = {:.3f} x 8/3*h; predicted SwiGLU GEMMs {:.0f} TFLOP/s", key, width,
                                          ratio, now.tflops);
-    const int best_w = best.width * l.tp * l.tsp;
+    const std::int64_t best_w = best.width * l.tp * l.tsp;
     if (width % 64 != 0) {
       out.push_back({"swiglu", key, "warn", note + fmt::format(" ({} is not a multiple of 64)", width),
                      fmt::format("width {} -> {}: predicted {:+.0f}%{}", width, nearest, pct(near64.tflops / now.tflops - 1),
@@ -225,7 +239,7 @@ std::vector<Finding> check_sizing(const Setup& s) {
   };
   if (model::moe_layer_count(m) < m.layers) swiglu("ffn_hidden", m.ffn_hidden, t, 1);
   if (m.experts > 0) {
-    const std::int64_t te = (t * l.ep * m.top_k + m.experts - 1) / m.experts;
+    const std::int64_t te = tokens_per_local_expert(t, l.ep, m.top_k, m.experts);
     swiglu("expert_hidden", m.expert_hidden, te, m.experts / l.ep);
 
     // Tokens per expert: expert GEMMs against a large GEMM of the same weight.
@@ -236,14 +250,15 @@ std::vector<Finding> check_sizing(const Setup& s) {
       need *= 2;
     const double gflop = 2.0 * te * 2 * m.expert_hidden * m.hidden / 1e9;
     if (eff < 0.9 * big) {
-      const std::int64_t mb = (need * m.experts + static_cast<std::int64_t>(m.top_k) * l.ep * s.seq - 1) /
-                              (static_cast<std::int64_t>(m.top_k) * l.ep * s.seq) * l.cp * l.tsp;
+      // In double: top_k x ep x seq can pass int64 where the step's own products did not.
+      const double mb = std::ceil(static_cast<double>(need) * m.experts / (static_cast<double>(m.top_k) * l.ep * s.seq)) *
+                        l.cp * l.tsp;
       out.push_back({"experts", "tokens per expert", "warn",
                      fmt::format("{} tokens per expert: expert up/gate GEMMs at {:.0f}% of peak ({:.1f} GFLOP each) vs "
                                  "{:.0f}% for large GEMMs",
                                  te, pct(eff), gflop, pct(big)),
                      fmt::format("~{} tokens per expert reach 90% of that: micro-batch {} -> {} (or ep / fewer experts)",
-                                 need, s.micro_batch, std::max<std::int64_t>(mb, s.micro_batch + 1)),
+                                 need, s.micro_batch, fmt::format("{:.0f}", std::max(mb, s.micro_batch + 1.0))),
                      0});
     } else {
       out.push_back({"experts", "tokens per expert", "ok",

@@ -24,10 +24,12 @@ std::vector<Finding> check_sizing(const Setup& s);
 // the best predicted throughput of its up/gate + down GEMMs (fwd + bwd) per useful FLOP,
 // among multiples of 64 within 10%. Exposed for tests.
 struct WidthChoice {
-  int width = 0;
+  std::int64_t width = 0;
   double tflops = 0;  // predicted, over the MLP's GEMMs
 };
-WidthChoice mlp_throughput(const hw::GemmModel& gm, std::int64_t tokens, int hidden, int width, std::int64_t batch);
-WidthChoice best_swiglu_width(const hw::GemmModel& gm, std::int64_t tokens, int hidden, int width, std::int64_t batch);
+WidthChoice mlp_throughput(const hw::GemmModel& gm, std::int64_t tokens, int hidden, std::int64_t width,
+                           std::int64_t batch);
+WidthChoice best_swiglu_width(const hw::GemmModel& gm, std::int64_t tokens, int hidden, std::int64_t width,
+                              std::int64_t batch);
 
 }  // namespace keel::size

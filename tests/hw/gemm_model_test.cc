@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "common/error.h"
 #include "hw/measured.h"
@@ -65,6 +66,22 @@ TEST(GemmModel, ProfileExactAndNearest) {
   EXPECT_NEAR(gm.analytic({8192, 8192, 8192, 1}).tflops, 700, 1);
 }
 
+TEST(GemmModel, TileCountsPastInt64AreAnError) {
+  // ceil(m/256) x ceil(n/128) wrapped into a small or negative tile (and wave) count.
+  const GemmModel gm(*find_profile("h100"));
+  try {
+    gm.predict({1LL << 62, 1LL << 62, 128, 1});
+    ADD_FAILURE() << "no error";
+  } catch (const UsageError& e) {
+    EXPECT_STREQ(e.what(),
+                 "GEMM 4611686018427387904x4611686018427387904x128 x1 is too large to model: its tile count overflows "
+                 "int64");
+  }
+  const GemmPrediction p = gm.predict({std::numeric_limits<std::int64_t>::max(), 1, 1, 1});  // no m + 255 overflow
+  EXPECT_GT(p.tiles, 0);
+  EXPECT_GT(p.waves, 0);
+}
+
 std::string write(const std::string& name, const std::string& text) {
   const auto dir = std::filesystem::temp_directory_path() / "keel_hw_test";
   std::filesystem::create_directories(dir);
@@ -117,7 +134,71 @@ TEST(MeasuredHardware, ErrorsNameTheFile) {
   const std::string bad = write("bad.json", "{not json");
   EXPECT_NE(error(bad).find("not valid JSON"), std::string::npos);
   const std::string norow = write("norow.json", R"({"schema": "keel.bench.gemm/1", "results": [{"m": 1}]})");
-  EXPECT_NE(error("h100," + norow).find("no numeric 'n'"), std::string::npos);
+  const std::string baddevice = write("baddevice.json", R"({"schema": "keel.bench.gemm/1", "devices": [{"name": 7}],
+    "results": [{"m": 1, "n": 1, "k": 1, "dtype": "bf16", "tflops": 1}]})");
+  EXPECT_NE(error(baddevice).find("baddevice.json: unexpected layout"), std::string::npos);
+  EXPECT_NE(error("h100," + norow).find("results[0].n is missing or not a number"), std::string::npos);
+}
+
+// The error load_hardware gives for a file of `schema` with `device` and `results`, or "".
+std::string measured_error(const std::string& name, const std::string& schema, const std::string& device,
+                           const std::string& results) {
+  const std::string file = write(name, R"({"schema": ")" + schema + R"(", "devices": [)" + device +
+                                           R"(], "results": [)" + results + "]}");
+  try {
+    load_hardware("h200," + file);
+  } catch (const UsageError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;  // one line
+    EXPECT_EQ(what.rfind(file, 0), 0u) << what;             // naming the file first
+    return what.substr(file.size());
+  }
+  return "";
+}
+
+TEST(MeasuredHardware, ImpossibleMeasurementsNameTheFileAndField) {
+  const std::string h200 = R"({"name": "NVIDIA H200"})";
+  auto comm = [&](const std::string& busbw) {
+    return measured_error("comm.json", "keel.bench.comm/1", h200,
+                          R"({"op": "all_reduce", "ranks": 8, "size_bytes": 1e9, "out_of_place": {"busbw_gbps": )" +
+                              busbw + "}}");
+  };
+  EXPECT_EQ(comm("-3"), ": out_of_place.busbw_gbps must be a measurement in [1e-06, 1e+06] GB/s (got -3)");
+  EXPECT_EQ(comm("0"), ": out_of_place.busbw_gbps must be a measurement in [1e-06, 1e+06] GB/s (got 0)");
+  EXPECT_EQ(comm("480"), "");
+  auto gemm = [&](const std::string& row) { return measured_error("gemm.json", "keel.bench.gemm/1", h200, row); };
+  for (const char* tflops : {"0", "-500", "1e-300", "1e300"})
+    EXPECT_EQ(gemm(std::string(R"({"m": 8192, "n": 8192, "k": 8192, "dtype": "bf16", "tflops": )") + tflops + "}"),
+              fmt::format(": results[0].tflops must be a measurement in [1e-06, 100000] TFLOP/s (got {})",
+                          std::stod(tflops)));
+  // Shapes used to be skipped silently when not positive; fractional ones truncated.
+  EXPECT_EQ(gemm(R"({"m": -5, "n": 8192, "k": 8192, "dtype": "bf16", "tflops": 500})"),
+            ": results[0].m must be a whole number in [1, 9.0072e+15] (got -5)");
+  EXPECT_EQ(gemm(R"({"m": 8, "n": 8, "k": 8, "batch": 2.5, "dtype": "bf16", "tflops": 500})"),
+            ": results[0].batch must be a whole number in [1, 9.0072e+15] (got 2.5)");
+  // A row keel bench gemm skipped has no tflops: left out, and said so.
+  EXPECT_EQ(gemm(R"({"m": 8, "n": 8, "k": 8, "dtype": "bf16", "tflops": null, "skipped": "out of memory"},
+                   {"m": 8192, "n": 8192, "k": 8192, "dtype": "bf16", "tflops": 700})"),
+            "");
+  auto mem = [&](const std::string& device, const std::string& gbps) {
+    return measured_error("mem.json", "keel.bench.mem/1", device, R"({"kernel": "copy", "gbps": )" + gbps + "}");
+  };
+  EXPECT_EQ(mem(R"({"name": "NVIDIA H200", "sm_count": 4294967297})", "4150"),
+            ": devices[0].sm_count must be a whole number in [1, 65536] (got 4294967297)");
+  EXPECT_EQ(mem(R"({"name": "NVIDIA H200", "sm_count": 0})", "4150"),
+            ": devices[0].sm_count must be a whole number in [1, 65536] (got 0)");
+  EXPECT_EQ(mem(R"({"name": "NVIDIA H200", "sm_count": "132"})", "4150"), ": devices[0].sm_count is missing or not a number");
+  EXPECT_EQ(mem(h200, "-1"), ": 'gbps' must be a measurement in [1e-06, 1e+06] GB/s (got -1)");
+  EXPECT_EQ(mem(R"({"name": "NVIDIA H200", "sm_count": 132})", "4150"), "");
+}
+
+TEST(MeasuredHardware, SkippedGemmRowsAreCountedInTheSource) {
+  const std::string file = write("skipped.json", R"({"schema": "keel.bench.gemm/1", "devices": [{"name": "NVIDIA H200"}],
+    "results": [{"m": 8, "n": 8, "k": 8, "dtype": "bf16", "tflops": null, "skipped": "out of memory"},
+                {"m": 8192, "n": 8192, "k": 8192, "dtype": "bf16", "tflops": 700}]})");
+  const Hardware hw = load_hardware(file);
+  ASSERT_EQ(hw.gemm_profile.size(), 1u);
+  EXPECT_NE(hw.sources.back().find("1 shapes (1 skipped rows left out)"), std::string::npos) << hw.sources.back();
 }
 
 }  // namespace

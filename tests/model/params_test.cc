@@ -5,6 +5,7 @@
 
 #include <map>
 
+#include "common/error.h"
 #include "model/flops.h"
 
 namespace keel::model {
@@ -66,6 +67,59 @@ TEST(Params, Olmoe1b7b) {
   const ParamCounts pc = count_params(load("olmoe-1b-7b"));
   expect_rounds_to(pc.total, 6.9e9, 0.1e9, "total (6.9B)");
   expect_rounds_to(pc.active, 1.3e9, 0.1e9, "active (1.3B)");
+}
+
+// The message of the UsageError count_params throws, or "" when it counts.
+std::string count_error(const ModelConfig& m) {
+  try {
+    count_params(m);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Params, LargeCountsAreExactAndNoComponentIsDropped) {
+  // 2^20 experts of Mixtral's width: 5.9e15 parameters, far past int32 but inside int64.
+  ModelConfig m = load("mixtral-8x7b");
+  m.experts = 1 << 20;
+  const ParamCounts pc = count_params(m);
+  EXPECT_EQ(component(pc, "experts"), 32LL * (1 << 20) * 3 * 4096 * 14336);
+  EXPECT_EQ(component(pc, "experts", true), 32LL * 2 * 3 * 4096 * 14336);
+  EXPECT_EQ(component(pc, "router"), 32LL * 4096 * (1 << 20));
+  std::int64_t sum = 0;
+  for (const auto& c : pc.components) sum += c.total;
+  EXPECT_EQ(sum, pc.total);
+  EXPECT_EQ(pc.components.size(), 6u);  // embedding, lm_head, attention, router, experts, norms
+}
+
+TEST(Params, OverflowIsAnErrorNamingTheModelAndComponent) {
+  // The auditor's cases: the experts row vanished (its total wrapped negative) and the
+  // router printed 281.47T; a 2^62 vocabulary dropped the embedding and the LM head.
+  ModelConfig experts = load("mixtral-8x7b");
+  experts.experts = 2147483647;
+  EXPECT_EQ(count_error(experts),
+            "model 'mixtral-8x7b': parameter count of 'experts' overflows int64 (a size in the config is too large)");
+  // Set in code, past the loader's own range check: count_params must hold on its own.
+  ModelConfig vocab = load("mixtral-8x7b");
+  vocab.vocab_size = 4611686018427387904LL;
+  EXPECT_NE(count_error(vocab).find("parameter count of 'embedding' overflows"), std::string::npos);
+  vocab.tied_embeddings = true;
+  EXPECT_NE(count_error(vocab).find("parameter count of 'embedding' overflows"), std::string::npos);
+  // Every component fits, their sum does not: the total is checked too.
+  ModelConfig total = load("llama3-8b");
+  total.hidden = 1;
+  total.heads = total.kv_heads = total.head_dim = 1;
+  total.ffn_hidden = 1;
+  total.vocab_size = 4611686018427387904LL;
+  EXPECT_EQ(count_error(total),
+            "model 'llama3-8b': parameter count of 'total' overflows int64 (a size in the config is too large)");
+  // ZAYA1's skip class: experts + 1 must not overflow int before it widens.
+  ModelConfig skip = load("zaya1-8b");
+  skip.experts = 2147483647;
+  skip.expert_hidden = 1;
+  EXPECT_EQ(component(count_params(skip), "router") / 40,
+            2048LL * 256 + 3 * 256 + 2 * (256LL * 256 + 256) + 256 * 2147483648LL);
 }
 
 TEST(Flops, TrainingIsSixNPlusAttention) {

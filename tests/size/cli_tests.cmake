@@ -48,3 +48,30 @@ keel_cli_test(NAME size_bad_tokens EXIT 1 MATCH "keel: error: --tokens '12X' has
   ARGS size ${cfg}/zaya1-8b.yaml --tokens 12X)
 keel_cli_test(NAME size_moe_study_dense EXIT 1 MATCH "keel: error: --moe-study needs an MoE model"
   ARGS size ${cfg}/llama3-8b.yaml --moe-study)
+# A flag given as 0 is not "left out": one line naming it (it used to run "on 1 GPUs").
+keel_cli_test(NAME size_zero_gpus EXIT 1 MATCH "keel: error: --gpus must be at least 1 \\(got 0\\)"
+  ARGS size ${cfg}/mixtral-8x7b.yaml --gpus 0)
+keel_cli_test(NAME size_zero_seq EXIT 1 MATCH "keel: error: --seq must be at least 1 \\(got 0\\)"
+  ARGS size ${cfg}/mixtral-8x7b.yaml --seq 0)
+keel_cli_test(NAME size_zero_micro_batches EXIT 1 MATCH "keel: error: --micro-batches must be at least 1 \\(got 0\\)"
+  ARGS size ${cfg}/mixtral-8x7b.yaml --layout pp=4 --gpus 4 --micro-batches 0)
+# Sizes past int64 are an error naming the component, not a row that vanishes.
+keel_cli_test(NAME size_experts_overflow EXIT 1
+  MATCH "keel: error: model 'mixtral-8x7b': parameter count of 'experts' overflows int64"
+  ARGS size ${data}/experts_overflow.yaml)
+keel_cli_test(NAME size_tokens_overflow EXIT 1
+  MATCH "keel: error: tokens per micro-batch \\(--micro-batch x --seq\\) overflows int64"
+  ARGS size ${cfg}/mixtral-8x7b.yaml --seq 9000000000000000000 --micro-batch 2)
+# Impossible measurements in a keel bench JSON: one line naming the file and the field.
+keel_cli_test(NAME size_hw_negative_busbw EXIT 1
+  MATCH "keel: error: .*comm_negative_busbw\\.json: out_of_place\\.busbw_gbps must be a measurement in .* \\(got -3\\)"
+  ARGS size ${cfg}/mixtral-8x7b.yaml --hardware ${data}/comm_negative_busbw.json)
+keel_cli_test(NAME size_hw_zero_tflops EXIT 1
+  MATCH "keel: error: .*gemm_zero_tflops\\.json: results\\[0\\]\\.tflops must be a measurement in .* \\(got 0\\)"
+  ARGS size ${cfg}/mixtral-8x7b.yaml --hardware ${data}/gemm_zero_tflops.json --tokens 1T)
+keel_cli_test(NAME size_hw_tiny_tflops EXIT 1
+  MATCH "keel: error: .*gemm_tiny_tflops\\.json: results\\[0\\]\\.tflops must be a measurement in .* \\(got 1e-300\\)"
+  ARGS size ${cfg}/mixtral-8x7b.yaml --hardware ${data}/gemm_tiny_tflops.json --tokens 1T)
+keel_cli_test(NAME size_hw_sm_count_wraps EXIT 1
+  MATCH "keel: error: .*mem_sm_count_wraps\\.json: devices\\[0\\]\\.sm_count must be a whole number in \\[1, 65536\\] \\(got 4294967297\\)"
+  ARGS size ${cfg}/mixtral-8x7b.yaml --hardware ${data}/mem_sm_count_wraps.json)

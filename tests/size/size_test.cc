@@ -2,6 +2,8 @@
 // checked against a hand computation.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "common/error.h"
 #include "size/estimate.h"
 #include "size/moe_study.h"
@@ -64,6 +66,65 @@ TEST(Layout, RejectsWhatCannotRun) {
   EXPECT_NE(error("zero=4", 1, "llama3-8b").find("'zero' must be 0, 1, 2 or 3"), std::string::npos);
   EXPECT_NE(error("tp=two", 1, "llama3-8b").find("'tp' must be an integer, got 'two'"), std::string::npos);
   EXPECT_NE(error("mp=2", 1, "llama3-8b").find("unknown key 'mp'"), std::string::npos);
+  // Degrees whose product passes an int: an error, not a wrapped (zero) divisor.
+  EXPECT_NE(error("tp=65536,pp=65536", 64, "llama3-8b").find("tp*pp*cp*tsp is larger than 2147483647 GPUs"),
+            std::string::npos);
+  EXPECT_NE(error("dp=65536,pp=32768", 0, "llama3-8b").find("dp*tp*pp*cp*tsp is larger than 2147483647 GPUs"),
+            std::string::npos);
+}
+
+// The message of the UsageError `f` throws, or "" when it does not.
+template <typename F>
+std::string usage_error(F f) {
+  try {
+    f();
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Estimate, TokenProductsThatPassInt64AreErrors) {
+  EXPECT_EQ(tokens_per_local_expert(4096, 8, 2, 8), 8192);
+  EXPECT_EQ(tokens_per_local_expert(4097, 1, 1, 2), 2049);  // ceil
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  EXPECT_EQ(tokens_per_local_expert(kMax - 2, 1, 1, 2), (kMax - 2) / 2 + 1);
+  // rows + experts must fit as well: layer_gemms() rounds up that way.
+  EXPECT_NE(usage_error([] { tokens_per_local_expert(kMax, 1, 1, 2); }).find("overflows int64"), std::string::npos);
+  EXPECT_NE(usage_error([] { tokens_per_local_expert(1LL << 62, 4, 4, 8); }).find("overflows int64"),
+            std::string::npos);
+  keel::size::Setup s = setup("llama3-8b", "", 8);
+  s.seq = 1LL << 62;
+  s.micro_batch = 4;
+  EXPECT_NE(usage_error([&] { estimate_step(s); })
+                .find("tokens per micro-batch (--micro-batch x --seq) overflows int64 (4 x 4611686018427387904)"),
+            std::string::npos);
+}
+
+TEST(Estimate, ConfigSizesNearIntMaxStayPositive) {
+  // experts + ZAYA1's skip class, and cca_q_dim + cca_k_dim, pass INT_MAX: the estimates sum
+  // them in double, not int (which wrapped them negative).
+  keel::size::Setup s = setup("zaya1-8b", "", 1);
+  s.model.experts = 2147483647;
+  s.model.expert_hidden = 1;
+  const MemoryEstimate e = estimate_memory(s);
+  EXPECT_GT(e.activation_bytes_per_token_layer[0], 4.0 * 2 * 2147483648.0);  // fp32 logits + probabilities
+  EXPECT_GT(e.total(), 0);
+  model::ModelConfig m = load("zaya1-8b");
+  m.cca_q_dim = m.cca_k_dim = 2147483647;
+  const DecodeState d = decode_state(m);
+  EXPECT_DOUBLE_EQ(d.fixed_bytes_per_sequence,
+                   40 * 2 * (2.0 * 2147483647 * ((m.cca_conv_width - 1) + (m.cca_group_conv_width - 1)) + m.hidden));
+  EXPECT_DOUBLE_EQ(d.kv_bytes_per_token, 40 * 2 * (2147483647.0 + m.cca_v_dim));
+}
+
+TEST(Estimate, ReportRefusesEstimatesThatAreNotFinite) {
+  // A bandwidth of 0 makes every decode step infinitely long: an error, not "inf ms".
+  keel::size::Setup s = setup("llama3-8b", "", 8);
+  s.hardware.profile.hbm_tbps = 0;
+  EXPECT_EQ(usage_error([&] { build_report("llama3-8b.yaml", s, nullptr); }),
+            "model 'llama3-8b': the decode step at batch 1 estimate is inf (check the config's sizes, the flags and "
+            "the hardware figures)");
 }
 
 TEST(Memory, DenseByHand) {
@@ -250,6 +311,17 @@ TEST(Rules, SwigluSearchPrefersAlignedWidths) {
   const WidthChoice best = best_swiglu_width(gm, 8192, 4096, 10922, 1);
   EXPECT_EQ(best.width % 64, 0);
   EXPECT_GT(best.tflops, now.tflops * 1.2);
+}
+
+TEST(Rules, SwigluSearchEndsAtTheLargestWidth) {
+  // At 2^31 - 1 the +-10% window passes INT_MAX (the int loop never ended) and would hold 6.7M
+  // steps of 64: the search is int64 and coarsens to about a thousand candidates.
+  const hw::GemmModel gm(*hw::find_profile("h100"));
+  const WidthChoice best = best_swiglu_width(gm, 8192, 4096, 2147483647, 1);
+  EXPECT_EQ(best.width % 64, 0);
+  EXPECT_GE(best.width, 0.9 * 2147483647);
+  EXPECT_LE(best.width, 1.1 * 2147483647);
+  EXPECT_GT(best.tflops, 0);
 }
 
 TEST(Rules, VocabPadding) {

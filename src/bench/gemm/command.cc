@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "bench/gemm/report.h"
@@ -17,7 +18,7 @@ namespace {
 
 struct RawFlags {
   std::string backend = "auto", dtype, m, n, k, mnk, shapes, layout = "nn", model;
-  std::int64_t tokens = 0;
+  std::optional<std::int64_t> tokens;  // optional: a given 0 is an error, not "not given"
   ModelDims dims;
   bool forward_only = false;
   int warmup = 5, iters = 30, candidates = 16, tune_iters = 5, check_samples = 64, device = 0, threads = 0;
@@ -35,7 +36,7 @@ GemmOptions to_options(const RawFlags& f, const std::string& backend) {
     for (const auto& t : split_list(f.dtype)) o.dtypes.push_back(parse_gemm_type(t));
     const Layout layout = parse_layout(f.layout);
     const bool ranges = !f.m.empty() || !f.n.empty() || !f.k.empty();
-    const bool model_mode = !f.model.empty() || any_given(f.dims) || f.tokens > 0;
+    const bool model_mode = !f.model.empty() || any_given(f.dims) || f.tokens;
     const int modes = (ranges ? 1 : 0) + (!f.mnk.empty() ? 1 : 0) + (!f.shapes.empty() ? 1 : 0) + (model_mode ? 1 : 0);
     if (modes > 1) fail("choose one way to give shapes: --m/--n/--k, --mnk, --shapes, or a model (--model or dimension flags)");
     if (ranges) {
@@ -47,7 +48,8 @@ GemmOptions to_options(const RawFlags& f, const std::string& backend) {
       o.shapes = parse_shape_list(f.shapes, layout);
       o.mode = "list";
     } else if (model_mode) {
-      if (f.tokens <= 0) fail("a model's layer GEMMs need --tokens (tokens per step), a positive number");
+      if (!f.tokens) fail("a model's layer GEMMs need --tokens (tokens per step), a positive number");
+      if (*f.tokens <= 0) fail("--tokens must be positive, got {}", *f.tokens);
       if (!f.model.empty() && any_given(f.dims)) fail("give --model or dimension flags, not both");
       bool lm_head = true;
       model::ModelConfig config;
@@ -58,12 +60,12 @@ GemmOptions to_options(const RawFlags& f, const std::string& backend) {
         config = config_from_dims(f.dims, &lm_head);
         o.model = "flags";
       }
-      o.shapes = shapes_from_model(config, f.tokens, !f.forward_only);
+      o.shapes = shapes_from_model(config, *f.tokens, !f.forward_only);
       if (!lm_head) {
         std::erase_if(o.shapes, [](const GemmShape& s) { return s.name == "lm_head"; });
         o.notes.push_back("no --vocab: the LM head is left out");
       }
-      o.tokens = f.tokens;
+      o.tokens = *f.tokens;
       o.mode = "model";
     } else {
       // A square sweep fine enough to show the sawtooth, sized to the backend.

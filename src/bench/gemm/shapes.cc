@@ -90,8 +90,18 @@ std::vector<GemmShape> parse_shape_list(std::string_view text, Layout layout) {
 }
 
 std::vector<GemmShape> shapes_from_model(const model::ModelConfig& config, std::int64_t tokens, bool backward) {
+  // layer_gemms() routes tokens x top_k over the experts as (tokens x top_k + experts - 1) / experts.
+  std::int64_t routed = 0;
+  if (config.experts > 0 && (__builtin_mul_overflow(tokens, config.top_k, &routed) ||
+                             __builtin_add_overflow(routed, config.experts, &routed)))
+    fail("--tokens {} x top_k {} overflows int64", tokens, config.top_k);
   std::vector<GemmShape> out;
   for (const auto& g : model::layer_gemms(config, tokens, backward)) {
+    // layer_gemms() works in the config's int sizes; a sum past INT_MAX comes back negative.
+    if (g.m <= 0 || g.n <= 0 || g.k <= 0 || g.batch <= 0)
+      fail("model '{}': GEMM '{}' has a dimension that is not positive ({}x{}x{} x{}): a size in the model is too "
+           "large",
+           config.name, g.name, g.m, g.n, g.k, g.batch);
     GemmShape s;
     s.name = g.name;
     s.pass = g.pass;
@@ -107,30 +117,49 @@ bool any_given(const ModelDims& d) {
          d.router_width || d.vocab;
 }
 
+namespace {
+
+// Each dimension flag given must be positive (0 or less would otherwise read as "not given").
+void require_positive_dims(const ModelDims& d) {
+  const std::pair<const char*, const std::optional<int>*> flags[] = {
+      {"--hidden", &d.hidden},         {"--heads", &d.heads},     {"--kv-heads", &d.kv_heads},
+      {"--head-dim", &d.head_dim},     {"--ffn", &d.ffn},         {"--experts", &d.experts},
+      {"--top-k", &d.top_k},           {"--expert-width", &d.expert_width},
+      {"--router-width", &d.router_width}};
+  for (const auto& [flag, value] : flags)
+    if (*value && **value <= 0) fail("{} must be positive, got {}", flag, **value);
+  if (d.vocab && *d.vocab <= 0) fail("--vocab must be positive, got {}", *d.vocab);
+}
+
+}  // namespace
+
 model::ModelConfig config_from_dims(const ModelDims& d, bool* has_lm_head) {
-  if (d.hidden <= 0) fail("model dimensions need --hidden");
-  if (d.ffn <= 0 && d.experts <= 0) fail("model dimensions need --ffn (dense MLP) or --experts (MoE), or both");
+  require_positive_dims(d);
+  if (!d.hidden) fail("model dimensions need --hidden");
+  if (!d.ffn && !d.experts) fail("model dimensions need --ffn (dense MLP) or --experts (MoE), or both");
+  if (!d.experts && (d.top_k || d.expert_width || d.router_width))
+    fail("--top-k, --expert-width and --router-width describe experts: add --experts");
   model::ModelConfig c;
   c.name = "flags";
-  c.hidden = d.hidden;
-  c.head_dim = d.head_dim > 0 ? d.head_dim : 128;
-  c.heads = d.heads > 0 ? d.heads : std::max(1, d.hidden / c.head_dim);
-  c.kv_heads = d.kv_heads > 0 ? d.kv_heads : c.heads;
+  c.hidden = *d.hidden;
+  c.head_dim = d.head_dim.value_or(128);
+  c.heads = d.heads.value_or(std::max(1, c.hidden / c.head_dim));
+  c.kv_heads = d.kv_heads.value_or(c.heads);
   c.attention = c.kv_heads == c.heads ? model::AttentionKind::kMha : model::AttentionKind::kGqa;
-  c.ffn_hidden = d.ffn;
-  c.experts = d.experts;
-  c.top_k = d.experts > 0 ? (d.top_k > 0 ? d.top_k : 1) : 0;
-  c.expert_hidden = d.experts > 0 ? (d.expert_width > 0 ? d.expert_width : d.ffn) : 0;
-  if (d.experts > 0 && c.expert_hidden <= 0) fail("--experts needs --expert-width (or --ffn)");
-  if (d.router_width > 0) {
-    c.router_hidden = d.router_width;  // hidden -> router width -> experts
+  c.ffn_hidden = d.ffn.value_or(0);
+  c.experts = d.experts.value_or(0);
+  c.top_k = d.experts ? d.top_k.value_or(1) : 0;
+  c.expert_hidden = d.experts ? d.expert_width.value_or(c.ffn_hidden) : 0;
+  if (d.experts && c.expert_hidden <= 0) fail("--experts needs --expert-width (or --ffn)");
+  if (d.router_width) {
+    c.router_hidden = *d.router_width;  // hidden -> router width -> experts
     c.router_mlp_layers = 1;
   }
   // One layer per kind: with both a dense and an MoE MLP, layer 0 is MoE and layer 1 dense.
-  c.layers = d.experts > 0 && d.ffn > 0 ? 2 : 1;
+  c.layers = d.experts && d.ffn ? 2 : 1;
   c.moe_layer_interval = c.layers;
-  *has_lm_head = d.vocab > 0;
-  c.vocab_size = d.vocab > 0 ? d.vocab : 1;  // validate() needs one; the LM head is dropped below
+  *has_lm_head = d.vocab.has_value();
+  c.vocab_size = d.vocab.value_or(1);  // validate() needs one; the LM head is dropped below
   try {
     model::validate(c);
   } catch (const Error& e) {

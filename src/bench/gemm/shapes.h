@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -40,15 +41,17 @@ std::vector<GemmShape> parse_shape_list(std::string_view text, Layout layout);
 // [out x in]), bwd_data dY W ("nn"), bwd_weight X^T dY ("tn").
 std::vector<GemmShape> shapes_from_model(const model::ModelConfig& config, std::int64_t tokens, bool backward);
 
-// Model dimensions given as flags; 0 / empty means not given.
+// Model dimensions given as flags; empty means not given (a default applies), and a given
+// value must be positive: `--heads 0` is an error, not "not given".
 struct ModelDims {
-  int hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, ffn = 0;
-  int experts = 0, top_k = 0, expert_width = 0, router_width = 0;
-  std::int64_t vocab = 0;
+  std::optional<int> hidden, heads, kv_heads, head_dim, ffn;
+  std::optional<int> experts, top_k, expert_width, router_width;
+  std::optional<std::int64_t> vocab;
 };
 bool any_given(const ModelDims& d);
 // A ModelConfig with one layer of each kind the dimensions describe (a dense MLP layer with
 // --ffn, an MoE layer with --experts, both when both are given), validated like a YAML file.
+// A given dimension that is not positive is an error naming its flag.
 // Without --vocab the LM head is left out (`*has_lm_head` = false).
 model::ModelConfig config_from_dims(const ModelDims& d, bool* has_lm_head);
 

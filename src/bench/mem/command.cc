@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "bench/mem/report.h"
 #include "bench/mem/runner.h"
@@ -46,6 +47,10 @@ MemOptions to_options(const RawFlags& f) {
     if (f.warmup < 0) fail("--warmup must not be negative, got {}", f.warmup);
     if (f.device < 0) fail("--device must not be negative, got {}", f.device);
     if (f.threads < 0) fail("--threads must not be negative, got {}", f.threads);
+    if (f.threads > max_cpu_threads())
+      fail("--threads {} is more than {} (the larger of 64 and 4 x the {} hardware threads; more only measures the "
+           "scheduler)",
+           f.threads, max_cpu_threads(), std::thread::hardware_concurrency());
     if (f.peak_gbps < 0) fail("--peak-gbps must not be negative");
     o.plan.warmup = f.warmup;
     o.plan.iters = f.iters;
@@ -137,7 +142,8 @@ void add_mem_command(CLI::App& bench) {
                   "Small arrays: repeat the op inside one sample until it lasts this long (a CUDA graph on GPUs)")
       ->capture_default_str();
   cmd->add_option("--device", flags->device, "GPU for single-device ops")->capture_default_str();
-  cmd->add_option("--threads", flags->threads, "CPU backend: threads (default: every hardware thread)");
+  cmd->add_option("--threads", flags->threads,
+                  "CPU backend: threads (default: every hardware thread; at most the larger of 64 and 4 x those)");
   cmd->add_option("--peak-gbps", flags->peak_gbps,
                   "Memory spec peak for %peak (GB/s); GPUs default to their built-in profile, CPUs have none");
   cmd->add_flag("--no-check", flags->no_check, "Skip checking results (they are checked by default)");

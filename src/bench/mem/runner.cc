@@ -27,6 +27,8 @@ double host_link_gbps(const hw::HardwareProfile& p) {
 
 }  // namespace
 
+int max_cpu_threads() { return std::max(64, 4 * static_cast<int>(std::thread::hardware_concurrency())); }
+
 std::uint64_t default_min_bytes(const std::string& backend) { return backend == "cpu" ? 64ull << 10 : 256ull << 10; }
 std::uint64_t default_max_bytes(const std::string& backend) { return backend == "cpu" ? 256ull << 20 : 2ull << 30; }
 
@@ -66,6 +68,13 @@ void resolve_mem_options(MemOptions& o, const MemBackend& backend, MemReport* re
         if (left_out.empty() || left_out.back().first != why) left_out.push_back({why, ""});
         left_out.back().second += (left_out.back().second.empty() ? "" : ", ") + std::string(mem_op_name(op));
       }
+    }
+    if (o.ops.empty()) {
+      // Every op asked for was reached through a group this backend cannot run (--op peer on
+      // CPUs): say so instead of running nothing and reporting success.
+      std::string what;
+      for (const auto& [why, ops] : left_out) what += fmt::format("{}{} {}", what.empty() ? "" : "; ", ops, why);
+      fail("--op {}; nothing to run on the {} backend", what, backend.name());
     }
     if (report)
       for (const auto& [why, ops] : left_out) report->notes.push_back(fmt::format("left out ({}): {}", why, ops));

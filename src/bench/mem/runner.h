@@ -53,6 +53,12 @@ struct MemReport {
   std::vector<MemRow> rows;
 };
 
+// The most CPU-backend threads --threads takes: 4 x the hardware threads, and at least 64 so a
+// small CI machine still runs a test's fixed thread count. Beyond the cores the team only
+// oversubscribes them (every run wakes every thread), so a huge count runs for ages and
+// measures the scheduler, not memory.
+int max_cpu_threads();
+
 // Default sweep per backend: GPUs from cache-resident 256 KiB to 2 GiB per array (many times
 // any L2); CPUs from 64 KiB to 256 MiB.
 std::uint64_t default_min_bytes(const std::string& backend);

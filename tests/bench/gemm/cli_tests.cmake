@@ -43,3 +43,14 @@ if(KEEL_HAVE_CUDA)
   keel_cli_test(NAME gemm_cuda_without_gpu EXIT nonzero MATCH "no CUDA device is visible|fp8 needs --layout nt"
     ARGS bench gemm --backend cuda --dtype fp8 --shapes 256x256x256 --layout nn --tune-cache none)
 endif()
+# A model dimension given as 0 or less is an error naming the flag (it used to read as "not given").
+keel_cli_test(NAME gemm_negative_heads EXIT 1 MATCH "keel: error: --heads must be positive, got -2"
+  ARGS bench gemm --backend cpu --hidden 256 --ffn 128 --tokens 64 --heads -2)
+keel_cli_test(NAME gemm_zero_head_dim EXIT 1 MATCH "keel: error: --head-dim must be positive, got 0"
+  ARGS bench gemm --backend cpu --hidden 256 --ffn 128 --tokens 64 --head-dim 0)
+keel_cli_test(NAME gemm_negative_kv_heads EXIT 1 MATCH "keel: error: --kv-heads must be positive, got -7"
+  ARGS bench gemm --backend cpu --hidden 256 --ffn 128 --tokens 64 --kv-heads -7)
+keel_cli_test(NAME gemm_negative_vocab EXIT 1 MATCH "keel: error: --vocab must be positive, got -5"
+  ARGS bench gemm --backend cpu --hidden 256 --ffn 128 --tokens 64 --vocab -5)
+keel_cli_test(NAME gemm_zero_tokens EXIT 1 MATCH "keel: error: --tokens must be positive, got 0"
+  ARGS bench gemm --backend cpu --tokens 0)

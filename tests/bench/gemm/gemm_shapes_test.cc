@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
+#include <optional>
 
 #include "bench/gemm/check.h"
 #include "bench/gemm/shapes.h"
@@ -86,6 +88,54 @@ TEST(GemmShapes, ModelGemmsTakeTrainingLayouts) {
   ModelDims bad = d;
   bad.heads = 3;  // does not divide 2048
   EXPECT_THROW(config_from_dims(bad, &lm), Error);
+}
+
+TEST(GemmShapes, GivenDimensionsMustBePositive) {
+  // A given 0 or negative dimension used to read as "not given" and take the default.
+  auto error = [](ModelDims d) -> std::string {
+    bool lm = false;
+    try {
+      config_from_dims(d, &lm);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  ModelDims base;
+  base.hidden = 256;
+  base.ffn = 128;
+  EXPECT_EQ(error(base), "");
+  auto with = [&](std::optional<int> ModelDims::*field, int value) {
+    ModelDims d = base;
+    d.*field = value;
+    return error(d);
+  };
+  EXPECT_EQ(with(&ModelDims::heads, -2), "--heads must be positive, got -2");
+  EXPECT_EQ(with(&ModelDims::head_dim, 0), "--head-dim must be positive, got 0");
+  EXPECT_EQ(with(&ModelDims::kv_heads, -7), "--kv-heads must be positive, got -7");
+  EXPECT_EQ(with(&ModelDims::hidden, 0), "--hidden must be positive, got 0");
+  EXPECT_EQ(with(&ModelDims::ffn, -1), "--ffn must be positive, got -1");
+  EXPECT_EQ(with(&ModelDims::experts, 0), "--experts must be positive, got 0");
+  EXPECT_EQ(with(&ModelDims::router_width, 0), "--router-width must be positive, got 0");
+  ModelDims vocab = base;
+  vocab.vocab = -5;
+  EXPECT_EQ(error(vocab), "--vocab must be positive, got -5");
+  // Expert flags without --experts used to be dropped silently.
+  EXPECT_EQ(with(&ModelDims::top_k, 2), "--top-k, --expert-width and --router-width describe experts: add --experts");
+  // Left out, the defaults still apply: 128-wide heads, kv_heads = heads, no LM head.
+  bool lm = true;
+  const model::ModelConfig c = config_from_dims(base, &lm);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.heads, 2);
+  EXPECT_EQ(c.kv_heads, 2);
+  EXPECT_FALSE(lm);
+  // tokens x top_k past int64 (layer_gemms' routing arithmetic would wrap): an error.
+  ModelDims moe = base;
+  moe.experts = 4;
+  moe.top_k = 2;
+  const model::ModelConfig mc = config_from_dims(moe, &lm);
+  EXPECT_THROW(shapes_from_model(mc, std::numeric_limits<std::int64_t>::max(), false), Error);
+  EXPECT_FALSE(shapes_from_model(mc, 64, false).empty());
 }
 
 TEST(GemmTiling, WavesAndTileWaste) {

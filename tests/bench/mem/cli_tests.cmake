@@ -33,3 +33,12 @@ if(KEEL_HAVE_CUDA)
   keel_cli_test(NAME mem_cuda_without_gpu EXIT any MATCH "no CUDA device is visible|Wrong values: 0 OK"
     ARGS bench mem --backend cuda --op copy -b 1M -e 1M -n 2)
 endif()
+# A group that leaves nothing to run on this backend is an error, not an empty run that exits 0.
+keel_cli_test(NAME mem_peer_on_cpu EXIT 1
+  MATCH "keel: error: --op peer_write, peer_read, peer_bidir_write, peer_bidir_read needs a GPU: --backend cuda; nothing to run on the cpu backend"
+  ARGS bench mem --backend cpu --op peer -b 64K -e 64K)
+keel_cli_test(NAME mem_transfers_on_cpu EXIT 1 MATCH "keel: error: --op h2d_pinned, .* nothing to run on the cpu backend"
+  ARGS bench mem --backend cpu --op transfers -b 64K -e 64K)
+# Thousands of threads only oversubscribe the cores (and ran for minutes): bounded.
+keel_cli_test(NAME mem_too_many_threads EXIT 1 MATCH "keel: error: --threads 30000 is more than [0-9]+ \\(the larger of 64 and 4 x"
+  ARGS bench mem --backend cpu --threads 30000)

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <thread>
 
 #include "bench/mem/backend.h"
 #include "bench/mem/runner.h"
@@ -88,6 +90,35 @@ TEST(MemCpuBackend, RefusesWhatItCannotRunOrFit) {
   o.named_ops = {MemOp::kPeerWrite};  // by name: an error
   EXPECT_THROW(resolve_mem_options(o, *backend, nullptr), UsageError);
   EXPECT_THROW(backend->check_fits({MemOp::kCopy, MemType::kF32, 1ull << 45, 0, 0}), Error);
+}
+
+TEST(MemCpuBackend, AGroupThatLeavesNothingToRunIsAnError) {
+  // --op peer (or transfers) on CPUs: every op is left out; that used to run nothing and exit 0.
+  auto backend = make_cpu_mem_backend(1);
+  for (const char* group : {"peer", "transfers", "peer,transfers"}) {
+    SCOPED_TRACE(group);
+    MemOptions o;
+    o.ops = parse_mem_ops(group);
+    try {
+      resolve_mem_options(o, *backend, nullptr);
+      ADD_FAILURE() << "no error";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("needs a GPU: --backend cuda; nothing to run on the cpu backend"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  MemOptions o;
+  o.ops = parse_mem_ops("peer,copy");  // something left to run: a note, no error
+  MemReport rep;
+  resolve_mem_options(o, *backend, &rep);
+  EXPECT_EQ(o.ops, (std::vector<MemOp>{MemOp::kCopy}));
+}
+
+TEST(MemCpuBackend, ThreadCountIsBounded) {
+  const int hw = static_cast<int>(std::thread::hardware_concurrency());
+  EXPECT_EQ(max_cpu_threads(), std::max(64, 4 * hw));
+  EXPECT_LT(max_cpu_threads(), 30000);  // the auditor's count, which ran for minutes
 }
 
 }  // namespace keel::bench
