@@ -91,11 +91,32 @@ std::int64_t tokens_per_expert(const ModelConfig& m, std::int64_t tokens) {
   return (tokens * m.top_k + m.experts - 1) / m.experts;
 }
 
+constexpr std::int64_t kMaxWidth = std::int64_t{1} << 24;  // any width, a head dimension product included
+constexpr std::int64_t kMaxCount = std::int64_t{1} << 16;  // layers, experts, conv widths, chunk
+
 void validate(const ModelConfig& m) {
   auto need_positive = [](std::int64_t v, const char* key) {
     if (v <= 0) throw UsageError(fmt::format("key '{}' must be positive (got {})", key, v));
   };
   need_positive(m.vocab_size, "vocab_size");
+  // Bounds far beyond any model (ZAYA1-8B: hidden 2048, 40 layers, 16 experts) that keep every
+  // product of them inside the integer types the accounting uses: a value past them is a typo.
+  const std::pair<std::int64_t, const char*> bounded[] = {
+      {m.hidden, "hidden"},           {m.ffn_hidden, "ffn_hidden"},       {m.expert_hidden, "expert_hidden"},
+      {m.router_hidden, "router_hidden"}, {m.cca_q_dim, "cca_q_dim"},     {m.cca_k_dim, "cca_k_dim"},
+      {m.cca_v_dim, "cca_v_dim"},     {std::int64_t(m.heads) * m.head_dim, "heads x head_dim"},
+      {std::int64_t(m.kv_heads) * m.head_dim, "kv_heads x head_dim"}, {m.max_seq_len, "max_seq_len"}};
+  for (const auto& [v, key] : bounded)
+    if (v > kMaxWidth) throw UsageError(fmt::format("key '{}' ({}) must be at most {}", key, v, kMaxWidth));
+  const std::pair<std::int64_t, const char*> counted[] = {{m.layers, "layers"},
+                                                          {m.experts, "experts"},
+                                                          {m.shared_experts, "shared_experts"},
+                                                          {m.router_mlp_layers, "router_mlp_layers"},
+                                                          {m.cca_conv_width, "cca_conv_width"},
+                                                          {m.cca_group_conv_width, "cca_group_conv_width"},
+                                                          {m.linear_chunk, "linear_chunk"}};
+  for (const auto& [v, key] : counted)
+    if (v > kMaxCount) throw UsageError(fmt::format("key '{}' ({}) must be at most {}", key, v, kMaxCount));
   // token ids are 32-bit everywhere (datasets, kernels); a larger table is a typo, not a model
   if (m.vocab_size > INT32_MAX)
     throw UsageError(fmt::format("key 'vocab_size' ({}) must be at most {} (token ids are 32-bit)", m.vocab_size,

@@ -103,6 +103,21 @@ TEST(ModelConfig, MoeLayerPlacement) {
   EXPECT_THROW(validate(m), UsageError);
 }
 
+TEST(ModelConfig, RepeatedKeysAndSizesBeyondAnyModelAreErrors) {
+  const std::string base = kTinyGqa;
+  std::string e = load_error("dup.yaml", base + "hidden: 256\n");
+  EXPECT_NE(e.find("dup.yaml: key 'hidden' appears twice (lines 3 and 9)"), std::string::npos) << e;
+  e = load_error("vocab.yaml", "vocab_size: 4611686018427387904\nhidden: 512\nlayers: 4\nheads: 8\nffn_hidden: 64\n");
+  EXPECT_NE(e.find("key 'vocab_size' (4611686018427387904) must be at most 2147483647"), std::string::npos) << e;
+  e = load_error("layers.yaml", "vocab_size: 1000\nhidden: 512\nlayers: 2147483647\nheads: 8\nffn_hidden: 64\n");
+  EXPECT_NE(e.find("key 'layers' (2147483647) must be at most 65536"), std::string::npos) << e;
+  e = load_error("experts.yaml", base + "experts: 2147483647\ntop_k: 1\nexpert_hidden: 64\n");
+  EXPECT_NE(e.find("key 'experts' (2147483647) must be at most 65536"), std::string::npos) << e;
+  e = load_error("heads.yaml", "vocab_size: 1000\nhidden: 512\nlayers: 2\nheads: 65536\nhead_dim: 65536\n"
+                               "ffn_hidden: 64\n");
+  EXPECT_NE(e.find("key 'heads x head_dim' (4294967296) must be at most 16777216"), std::string::npos) << e;
+}
+
 TEST(ModelConfig, BadConfigsNameTheKey) {
   const std::string base = kTinyGqa;
   EXPECT_NO_THROW(load_model_config(write_yaml("ok.yaml", base)));
