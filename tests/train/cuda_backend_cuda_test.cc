@@ -233,7 +233,10 @@ void expect_overfits_and_state_round_trips(TrainBackend& gpu, const model::Model
   cpu->set_state(st);
   cpu->zero_grads();
   const double on_cpu = cpu->forward(b.tokens.data(), b.targets.data()).total;
-  EXPECT_NEAR(on_cpu, after, cpu_tolerance * after);
+  // Relative to the loss, with a floor: an overfit batch ends near zero loss, where the bf16
+  // logits alone move it by percents (an H200 run: 8.28e-4 on the GPU, 7.77e-4 on the CPU). A
+  // state that loaded wrongly on either side lands orders of magnitude away.
+  EXPECT_NEAR(on_cpu, after, cpu_tolerance * std::max(after, 0.03));
 }
 
 TEST(CudaBackend, ZayaOverfitsOneBatchAndStateRoundTrips) {
