@@ -112,18 +112,18 @@ void Trainer::check_eval_tokens() const {
 void Trainer::check_checkpoint_dir() const {
   namespace fs = std::filesystem;
   const std::string& dir = cfg_.checkpoint_dir;
-  // Found now, not at the first save after hours of training.
+  // Found now, not at the first save after hours of training. (Error, not UsageError: on a
+  // cluster one node's view of the directory can differ, and that rank must speak for itself.)
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec || !fs::is_directory(dir))
-    throw UsageError(fmt::format("checkpoint.dir {}: cannot create it: {}", dir,
-                                 ec ? ec.message() : "a file of that name is in the way"));
+    fail("checkpoint.dir {}: cannot create it: {}", dir, ec ? ec.message() : "a file of that name is in the way");
   const fs::path probe = fs::path(dir) / fmt::format(".keel-write-test.{}.{}", ctx_.data.rank, ::getpid());
   if (std::FILE* f = std::fopen(probe.c_str(), "wb")) {
     std::fclose(f);
     fs::remove(probe, ec);
   } else {
-    throw UsageError(fmt::format("checkpoint.dir {}: cannot write there: {}", dir, std::strerror(errno)));
+    fail("checkpoint.dir {}: cannot write there: {}", dir, std::strerror(errno));
   }
   if (!resumed_) {
     // A fresh run must not write over the checkpoints of another.

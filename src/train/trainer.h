@@ -75,7 +75,7 @@ class Trainer {
   StepStats train_step();
   // Creates the checkpointer and its staging buffers (collective over the data group).
   void make_checkpointer();
-  // The checks of run() on checkpoint.dir (see run()); UsageError naming the directory.
+  // The checks of run() on checkpoint.dir (see run()); one error line naming the directory.
   void check_checkpoint_dir() const;
   // Every token id of the samples evaluate() reads fits the vocabulary (UsageError otherwise).
   void check_eval_tokens() const;
