@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -191,9 +192,13 @@ void validate(const ModelConfig& m) {
   if (any_dense_mlp && m.ffn_hidden <= 0)
     throw UsageError(fmt::format("key 'ffn_hidden' must be positive: {} of {} layers have a dense MLP",
                                  m.layers - moe_layer_count(m), m.layers));
-  if (m.rope_fraction < 0 || m.rope_fraction > 1)
+  // Written as "!(in range)" so that NaN, which fails every comparison, is refused too.
+  if (!(m.rope_fraction >= 0 && m.rope_fraction <= 1))
     throw UsageError(fmt::format("key 'rope_fraction' ({}) must be in [0, 1]", m.rope_fraction));
-  if (m.norm_eps <= 0) throw UsageError("key 'norm_eps' must be positive");
+  if (!(m.norm_eps > 0 && std::isfinite(m.norm_eps)))
+    throw UsageError(fmt::format("key 'norm_eps' ({}) must be a positive number", m.norm_eps));
+  if (!std::isfinite(m.rope_base) || (m.rope_fraction > 0 && !(m.rope_base > 1)))
+    throw UsageError(fmt::format("key 'rope_base' ({}) must be a finite number above 1", m.rope_base));
   if (m.max_seq_len < 0) throw UsageError("key 'max_seq_len' must not be negative");
 }
 

@@ -118,6 +118,21 @@ TEST(ModelConfig, RepeatedKeysAndSizesBeyondAnyModelAreErrors) {
   EXPECT_NE(e.find("key 'heads x head_dim' (4294967296) must be at most 16777216"), std::string::npos) << e;
 }
 
+TEST(ModelConfig, NonFiniteNumbersAreErrors) {
+  const std::string base = kTinyGqa;
+  std::string e = load_error("eps.yaml", base + "norm_eps: .nan\n");
+  EXPECT_NE(e.find("key 'norm_eps' (nan) must be a positive number"), std::string::npos) << e;
+  e = load_error("eps_inf.yaml", base + "norm_eps: .inf\n");
+  EXPECT_NE(e.find("key 'norm_eps' (inf) must be a positive number"), std::string::npos) << e;
+  e = load_error("base.yaml", base + "rope_base: .nan\n");
+  EXPECT_NE(e.find("key 'rope_base' (nan) must be a finite number above 1"), std::string::npos) << e;
+  e = load_error("base1.yaml", base + "rope_base: 1\n");
+  EXPECT_NE(e.find("key 'rope_base' (1) must be a finite number above 1"), std::string::npos) << e;
+  e = load_error("frac.yaml", base + "rope_fraction: .nan\n");
+  EXPECT_NE(e.find("key 'rope_fraction' (nan) must be in [0, 1]"), std::string::npos) << e;
+  EXPECT_EQ(load_error("norope.yaml", base + "rope_fraction: 0\nrope_base: 1\n"), "");  // no rotary channels
+}
+
 TEST(ModelConfig, BadConfigsNameTheKey) {
   const std::string base = kTinyGqa;
   EXPECT_NO_THROW(load_model_config(write_yaml("ok.yaml", base)));
