@@ -61,15 +61,22 @@ std::string format_size(std::uint64_t bytes) {
 std::vector<std::uint64_t> geometric_sizes(std::uint64_t min, std::uint64_t max, double factor) {
   if (min == 0) fail("--min must be positive");
   if (min > max) fail("--min ({}) is larger than --max ({})", format_size(min), format_size(max));
+  if (max > kMaxSweepBytes)
+    fail("--max {} is too large: sizes up to {} are supported", format_size(max), format_size(kMaxSweepBytes));
+  if (!std::isfinite(factor)) fail("--factor must be a finite number greater than 1, got {}", factor);
   if (!(factor > 1.0) && min != max) fail("--factor must be greater than 1, got {}", factor);
+  // A factor barely above 1 would ask for millions of sizes (or none that grows in double).
+  if (min != max && std::log(static_cast<double>(max) / static_cast<double>(min)) / std::log(factor) > kMaxSweepSizes)
+    fail("--factor {} makes more than {:g} sizes between {} and {}: use a larger factor", factor, kMaxSweepSizes,
+         format_size(min), format_size(max));
   std::vector<std::uint64_t> sizes;
-  double s = static_cast<double>(min);
-  while (true) {
-    std::uint64_t v = static_cast<std::uint64_t>(std::llround(s));
-    if (v > max) break;
+  // Compared in double before converting, so no product is ever rounded into an integer
+  // overflow; below max + 0.5 (exact: max <= 2^50), s rounds to at most max.
+  const double limit = static_cast<double>(max) + 0.5;
+  for (double s = static_cast<double>(min); s < limit; s *= factor) {
+    const auto v = static_cast<std::uint64_t>(std::llround(s));
     if (sizes.empty() || v != sizes.back()) sizes.push_back(v);
     if (min == max) break;
-    s *= factor;
   }
   return sizes;
 }

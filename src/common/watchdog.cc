@@ -24,11 +24,14 @@ Watchdog::~Watchdog() {
 void Watchdog::arm(std::string what, double seconds) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    armed_ = true;
     what_ = std::move(what);
     seconds_ = seconds;
-    deadline_ = std::chrono::steady_clock::now() +
-                std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
+    // duration_cast of a huge (or infinite) limit overflows into a deadline in the past, which
+    // would report a hang at once; such a limit means "never", so leave the watchdog disarmed.
+    armed_ = seconds < kNoDeadlineSeconds;
+    if (armed_)
+      deadline_ = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                         std::chrono::duration<double>(seconds));
   }
   cv_.notify_all();
 }

@@ -18,8 +18,12 @@ class Watchdog {
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
 
-  // Starts (or restarts) the countdown for `what`.
+  // Starts (or restarts) the countdown for `what`. A limit of kNoDeadlineSeconds or more (or
+  // +inf) means "no deadline": the watchdog stays disarmed instead of overflowing the clock.
   void arm(std::string what, double seconds);
+
+  // About 31 years: beyond it a deadline would overflow steady_clock's int64 nanoseconds.
+  static constexpr double kNoDeadlineSeconds = 1e9;
   void disarm();
 
  private:

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 #include <vector>
 
 #include "ckpt/geometry.h"
@@ -160,6 +161,19 @@ std::optional<ckpt::SaveStats> TrainCheckpointer::finish() { return saver_->wait
 
 namespace {
 
+// The first model/* or router/bias.* tensor of the checkpoint that no request reads, or "".
+// Loading by name alone would accept a checkpoint of a larger model (more layers, experts...)
+// and silently drop what the target model has no place for.
+std::string first_unused_weight(const ckpt::Metadata& meta, const std::vector<ckpt::LoadRequest>& reqs) {
+  std::set<std::string> used;
+  for (const auto& r : reqs) used.insert(r.name);
+  for (const auto& t : meta.tensors) {
+    const bool weight = t.name.starts_with("model/") || t.name.starts_with("router/bias.");
+    if (weight && !used.contains(t.name)) return t.name;
+  }
+  return "";
+}
+
 // A non-negative integer of a checkpoint's "state", or an error naming the checkpoint and key.
 std::int64_t state_count(const nlohmann::json& s, const char* key, const std::string& dir) {
   if (!s.is_object() || !s.contains(key) || !s[key].is_number_integer() || s[key].get<std::int64_t>() < 0)
@@ -281,6 +295,9 @@ LoadedWeights load_model_weights(const std::string& path, const model::ModelConf
       const ckpt::Shape shape{static_cast<std::int64_t>(classes)};
       reqs.push_back(request(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), out.state.router_bias[i].data()));
     }
+  if (const std::string unused = first_unused_weight(meta, reqs); !unused.empty())
+    fail("checkpoint {}: tensor {} has no place in model '{}' ({} layers): the checkpoint holds another model",
+         reader.dir(), unused, cfg.name, cfg.layers);
   reader.load(reqs);
   return out;
 }

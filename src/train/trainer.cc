@@ -56,13 +56,6 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
     throw UsageError(fmt::format("{}: init_from {}: not a keel checkpoint (expected a checkpoint root with `latest`, or a "
                                  "step directory with metadata.json; `keel ckpt import` makes one from released weights)",
                                  cfg_.path, cfg_.init_from));
-  bool cuda = cfg_.device == "cuda";
-  if (cfg_.device == "auto") cuda = cuda_training_available();
-  const OptimizerConfig optimizer(cfg_.adamw, cfg_.muon);
-  backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, optimizer, ctx_)
-                  : make_cpu_backend(cfg_.model, cfg_.model_options, optimizer, ctx_);
-  // CPUs: about 2 cores of fp32 FMA, the CI machine's; set mfu_peak_flops for a real figure.
-  if (!(cfg_.peak_flops > 0)) cfg_.peak_flops = cuda ? device_peak_bf16_flops(backend_->device()) : 1e11;
   data_ = std::make_unique<data::DataPipeline>(cfg_.data);
   for (std::size_t i = 0; i < cfg_.data.prefixes.size(); ++i) {
     // every token id must fit the model's vocabulary: checked per batch below; here a quick size check
@@ -82,6 +75,14 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
     eval_sampler_ = std::make_unique<data::SequenceSampler>(*eval_ds_, cfg_.data.seq_length, cfg_.data.seed + 1);
     check_eval_tokens();
   }
+  // The model last: the data checks above are cheap, the backend allocates gigabytes.
+  bool cuda = cfg_.device == "cuda";
+  if (cfg_.device == "auto") cuda = cuda_training_available();
+  const OptimizerConfig optimizer(cfg_.adamw, cfg_.muon);
+  backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, optimizer, ctx_)
+                  : make_cpu_backend(cfg_.model, cfg_.model_options, optimizer, ctx_);
+  // CPUs: about 2 cores of fp32 FMA, the CI machine's; set mfu_peak_flops for a real figure.
+  if (!(cfg_.peak_flops > 0)) cfg_.peak_flops = cuda ? device_peak_bf16_flops(backend_->device()) : 1e11;
   // Read before this run's log opens: a fresh run must not append to another run's metrics.
   std::error_code ec;
   const auto metrics = std::filesystem::path(cfg_.output_dir) / "metrics.jsonl";

@@ -121,6 +121,18 @@ TEST(TrainCheckpoint, WrongModelOrFileIsAClearError) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("layers.1.moe."), std::string::npos) << e.what();
   }
+  // A smaller model of the same shapes (1 of the 2 layers): every tensor it asks for is there,
+  // but layer 1 would be silently dropped; the weights-only load names the first unused tensor.
+  model::ModelConfig fewer_layers = tiny();
+  fewer_layers.layers = 1;
+  try {
+    load_model_weights(root.string(), fewer_layers);
+    FAIL() << "loaded a 2-layer checkpoint into a 1-layer model";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor model/layers.1."), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("has no place in model 'ckpt-tiny' (1 layers)"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(load_model_weights(root.string(), tiny()));
   // Not a checkpoint at all.
   EXPECT_FALSE(is_ckpt_directory((root / "nope").string()));
   EXPECT_THROW(load_train_checkpoint((root / "nope").string(), tiny()), Error);
