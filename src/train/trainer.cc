@@ -56,6 +56,7 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
     throw UsageError(fmt::format("{}: init_from {}: not a keel checkpoint (expected a checkpoint root with `latest`, or a "
                                  "step directory with metadata.json; `keel ckpt import` makes one from released weights)",
                                  cfg_.path, cfg_.init_from));
+  validate_trainable(cfg_.model, cfg_.model_options);  // what the backends support, before touching data
   data_ = std::make_unique<data::DataPipeline>(cfg_.data);
   for (std::size_t i = 0; i < cfg_.data.prefixes.size(); ++i) {
     // every token id must fit the model's vocabulary: checked per batch below; here a quick size check
