@@ -2,8 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -67,6 +72,88 @@ ModelWeights load_weights(const Args& a) {
   return load_checkpoint_weights(a.checkpoint, named);
 }
 
+// The model YAML and tokenizer loaders read through std::filebuf, whose error for a directory
+// ("basic_filebuf::underflow error reading the file") names no file: refuse one here, by name.
+// `given`: the option as the user wrote it ("--tokenizer spm:/tmp"), `path` the file in it.
+void require_not_directory(const std::string& given, const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw UsageError(fmt::format("generate: {}: Is a directory (expected a file)", given));
+}
+
+// Fresh weights only serve smoke and latency runs; their std must be a number that gives a
+// working network. Trained models init around 0.02; beyond 1 every matrix is already larger than
+// the normalized activations it multiplies, and large stds (1e30) overflow fp32 in the first GEMMs.
+void check_init_std(double std) {
+  if (!std::isfinite(std) || std < 0 || std > 1)
+    throw UsageError(fmt::format("generate: --init-std must be a finite number in [0, 1], got {}", std));
+}
+
+// A lower bound on the memory one batch size needs: the k/v caches (elem_bytes per value) of
+// every position, plus the fp32 work of the prefill's B x prompt rows (the residual streams and
+// norms, q/k/v and attention, the dense MLP or the routed experts' rows) and the logits (the
+// decoder's and the sampler's copy). In double: an absurd --batch x positions overflows int64.
+// Not an exact budget: enough to refuse in one line, before anything is printed or allocated, a
+// run that cannot fit (a failed allocation mid-run was a bare "std::bad_alloc", or the kernel's
+// OOM killer).
+struct MemoryNeed {
+  double cache = 0, work = 0;
+  double total() const { return cache + work; }
+};
+MemoryNeed memory_need(const model::ModelConfig& cfg, int batch, std::int64_t prompt, std::int64_t positions,
+                       int elem_bytes) {
+  const double D = cfg.hidden, qkv = (2.0 * cfg.heads + 2.0 * cfg.kv_heads) * cfg.head_dim;
+  const double mlp = std::max(3.0 * cfg.ffn_hidden, cfg.top_k * (2.0 * D + 3.0 * cfg.expert_hidden));
+  const double prefill_rows = double(batch) * double(std::max<std::int64_t>(prompt, 1));
+  MemoryNeed m;
+  m.cache = double(batch) * double(positions) * 2.0 * cfg.layers * cfg.kv_heads * cfg.head_dim * elem_bytes;
+  m.work = (prefill_rows * (12.0 * D + qkv + mlp) + double(batch) * 2.0 * double(cfg.vocab_size)) * sizeof(float);
+  return m;
+}
+
+double host_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
+}
+
+void check_memory(const model::ModelConfig& cfg, const std::vector<int>& batches, std::int64_t prompt,
+                  std::int64_t positions, const std::string& device) {
+  // Up front: a failed allocation mid-run gave a bare "std::bad_alloc" after the header.
+  const double have = host_memory_bytes();
+  const int elem_bytes = device == "cpu" ? 4 : 2;  // fp32 caches on the CPU, bf16 on the GPU
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  for (int b : batches) {
+    const MemoryNeed need = memory_need(cfg, b, prompt, positions, elem_bytes);
+    if (have > 0 && need.total() > have)
+      throw UsageError(fmt::format(
+          "generate: batch {} x {} positions needs at least {:.1f} GiB (KV cache {:.1f} GiB, logits and activations "
+          "{:.1f} GiB), more than this machine's {:.1f} GiB of memory: lower --batch, the prompt or --max-new-tokens",
+          b, positions, need.total() / kGiB, need.cache / kGiB, need.work / kGiB, have / kGiB));
+  }
+}
+
+// Decoded text for the terminal: printed with its length (a NUL byte would end a C string
+// there) and every control byte but newline and tab escaped as \xNN, so a prompt or a model
+// emitting raw bytes cannot hide text or drive the terminal.
+std::string printable(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f)
+      out += fmt::format("\\x{:02x}", c);
+    else
+      out += ch;
+  }
+  return out;
+}
+
+// A latency column of the table: "-" where nothing was measured (no decode step ran: -n 1, or
+// every sequence stopped at EOS on its first token), never a 0 that reads as a time.
+std::string cell(bool measured, double value, int width, int decimals) {
+  return measured ? fmt::format("{:{}.{}f}", value, width, decimals) : fmt::format("{:>{}}", "-", width);
+}
+
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -75,8 +162,16 @@ double percentile(std::vector<double> v, double q) {
 
 void run(const Args& a) {
   if (a.max_new < 1) throw UsageError(fmt::format("generate: --max-new-tokens must be >= 1, got {}", a.max_new));
-  if (a.temperature < 0) throw UsageError(fmt::format("generate: --temperature must be >= 0, got {}", a.temperature));
+  // NaN compares false both ways: `< 0` alone let -t nan through (it then picked the least likely token).
+  if (!std::isfinite(a.temperature) || a.temperature < 0)
+    throw UsageError(fmt::format("generate: --temperature must be a finite number >= 0, got {}", a.temperature));
   if (a.top_k < 0) throw UsageError(fmt::format("generate: --top-k must be >= 0, got {}", a.top_k));
+  if (a.top_k > 0 && a.temperature == 0)
+    throw UsageError("generate: --top-k applies to sampling, but temperature 0 is greedy: give --temperature > 0 too");
+  check_init_std(a.init_std);
+  if (!a.model.empty()) require_not_directory("--model " + a.model, a.model);
+  if (!a.config.empty()) require_not_directory("--config " + a.config, a.config);
+  if (a.tokenizer.starts_with("spm:")) require_not_directory("--tokenizer " + a.tokenizer, a.tokenizer.substr(4));
   for (int b : a.batch)
     if (b < 1) throw UsageError(fmt::format("generate: --batch sizes must be >= 1, got {}", b));
   if (!a.prompt.empty() && !a.prompt_file.empty()) throw UsageError("generate: give --prompt or --prompt-file, not both");
@@ -104,6 +199,10 @@ void run(const Args& a) {
   if (cfg.max_seq_len > 0 && positions > cfg.max_seq_len)
     throw UsageError(fmt::format("generate: prompt + new tokens = {} positions exceeds model '{}' max_seq_len {}", positions,
                                  cfg.name, cfg.max_seq_len));
+  if (positions > std::numeric_limits<int>::max())
+    throw UsageError(fmt::format("generate: prompt + new tokens = {} positions, more than a cache holds ({})", positions,
+                                 std::numeric_limits<int>::max()));
+  check_memory(cfg, a.batch, static_cast<std::int64_t>(prompt.size()), positions, a.device);
   const std::string source = weights.source;
   std::unique_ptr<InferenceModel> cpu_model;
   const std::unique_ptr<Decoder> decoder = make_decoder(a.device, std::move(weights), cpu_model);
@@ -143,8 +242,10 @@ void run(const Args& a) {
       std::vector<std::uint32_t> all = prompt;
       const auto& g = rows[0].r.generated[0];
       all.insert(all.end(), g.begin(), g.end());
-      std::printf("--- sequence 0 of batch %d: prompt + %zu generated tokens ---\n%s\n---\n", b, g.size(),
-                  tok->decode(all).c_str());
+      std::printf("--- sequence 0 of batch %d: prompt + %zu generated tokens ---\n", b, g.size());
+      const std::string text = printable(tok->decode(all));
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::printf("\n---\n");
       std::fflush(stdout);
     }
   }
@@ -157,9 +258,11 @@ void run(const Args& a) {
     const std::size_t steps = r.step_seconds.size();
     const double per = steps ? sum / double(steps) : 0.0;
     const double prefill_tps = r.prefill_seconds > 0 ? double(prompt.size()) * row.batch / r.prefill_seconds : 0.0;
-    const double tps = per > 0 ? row.batch / per : 0.0;
-    std::printf("%6d %7zu %6zu %11.3f %13.1f %15.3f %14.3f %14.1f %13.1f\n", row.batch, prompt.size(), steps,
-                r.prefill_seconds * 1e3, prefill_tps, per * 1e3, percentile(r.step_seconds, 0.5) * 1e3, tps,
+    const bool decoded = steps > 0 && per > 0;
+    const double tps = decoded ? row.batch / per : 0.0;
+    std::printf("%6d %7zu %6zu %11.3f %13.1f %s %s %s %13.1f\n", row.batch, prompt.size(), steps,
+                r.prefill_seconds * 1e3, prefill_tps, cell(decoded, per * 1e3, 15, 3).c_str(),
+                cell(decoded, percentile(r.step_seconds, 0.5) * 1e3, 14, 3).c_str(), cell(decoded, tps, 14, 1).c_str(),
                 double(r.cache_bytes_per_sequence) / 1024.0);
   }
 }

@@ -130,6 +130,9 @@ __global__ void value_step_kernel(const bf16* __restrict__ u, bf16* __restrict__
 
 constexpr int kArgmaxThreads = 256;
 
+// generate.h's kNonFiniteLogits: the id a row of non-finite logits gives.
+constexpr std::uint32_t kNonFiniteId = 0xFFFFFFFFu;
+
 // Each thread scans a stride of the row keeping its first maximum; the block then reduces
 // (value, id) pairs preferring the larger value, then the lower id.
 __global__ void argmax_kernel(const float* __restrict__ logits, std::int64_t V, std::int64_t allowed,
@@ -139,8 +142,13 @@ __global__ void argmax_kernel(const float* __restrict__ logits, std::int64_t V, 
   const float* z = logits + static_cast<std::int64_t>(blockIdx.x) * V;
   float bv = -INFINITY;
   std::int64_t bi = -1;
-  for (std::int64_t v = threadIdx.x; v < allowed; v += blockDim.x)
+  bool finite = true;
+  for (std::int64_t v = threadIdx.x; v < allowed; v += blockDim.x) {
+    finite = finite && isfinite(z[v]);
     if (bi < 0 || z[v] > bv) bv = z[v], bi = v;
+  }
+  // A NaN never compares greater, so without this check a damaged row would quietly give a token.
+  const bool row_finite = !__syncthreads_or(!finite);
   best_v[threadIdx.x] = bv;
   best_i[threadIdx.x] = bi;
   __syncthreads();
@@ -156,7 +164,8 @@ __global__ void argmax_kernel(const float* __restrict__ logits, std::int64_t V, 
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) out[blockIdx.x] = static_cast<std::uint32_t>(best_i[0] < 0 ? 0 : best_i[0]);
+  if (threadIdx.x == 0)
+    out[blockIdx.x] = !row_finite ? kNonFiniteId : static_cast<std::uint32_t>(best_i[0] < 0 ? 0 : best_i[0]);
 }
 
 }  // namespace

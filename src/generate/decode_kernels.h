@@ -53,7 +53,8 @@ void cca_value_step(const bf16* u, bf16* prev, bf16* v_cache, std::int64_t B, st
                     std::int64_t pos, cudaStream_t stream);
 
 // out[r] = argmax over v < allowed of logits[r, v] (ties to the lower id) for r < rows;
-// logits [rows, V] fp32. One block per row.
+// logits [rows, V] fp32. One block per row. A row with a NaN or infinite logit below `allowed`
+// gives 0xFFFFFFFF (generate.h's kNonFiniteLogits).
 void argmax_rows(const float* logits, std::int64_t rows, std::int64_t V, std::int64_t allowed, std::uint32_t* out,
                  cudaStream_t stream);
 

@@ -26,6 +26,66 @@ namespace keel::generate {
 
 // ---------------------------------------------------------------- weights
 
+namespace {
+
+std::string layer_attention_text(const model::ModelConfig& m) {
+  std::string s;
+  for (const auto k : m.layer_attention) s += fmt::format("{}{}", s.empty() ? "" : ",", model::attention_kind_name(k));
+  return s;
+}
+
+// Every key of a model YAML that shapes the computation, with its parsed value (doubles in
+// their shortest exact form, so equal text means equal value). The name is left out: a renamed
+// copy of a model is the same model.
+std::vector<std::pair<const char*, std::string>> model_key_values(const model::ModelConfig& m) {
+  const auto v = [](const auto& x) { return fmt::format("{}", x); };
+  return {{"vocab_size", v(m.vocab_size)},
+          {"hidden", v(m.hidden)},
+          {"layers", v(m.layers)},
+          {"attention", model::attention_kind_name(m.attention)},
+          {"heads", v(m.heads)},
+          {"kv_heads", v(m.kv_heads)},
+          {"head_dim", v(m.head_dim)},
+          {"layer_attention", layer_attention_text(m)},
+          {"cca_q_dim", v(m.cca_q_dim)},
+          {"cca_k_dim", v(m.cca_k_dim)},
+          {"cca_v_dim", v(m.cca_v_dim)},
+          {"cca_conv_width", v(m.cca_conv_width)},
+          {"cca_group_conv_width", v(m.cca_group_conv_width)},
+          {"linear_chunk", v(m.linear_chunk)},
+          {"qk_norm", v(m.qk_norm)},
+          {"ffn_hidden", v(m.ffn_hidden)},
+          {"experts", v(m.experts)},
+          {"top_k", v(m.top_k)},
+          {"expert_hidden", v(m.expert_hidden)},
+          {"shared_experts", v(m.shared_experts)},
+          {"moe_layer_interval", v(m.moe_layer_interval)},
+          {"first_dense_layers", v(m.first_dense_layers)},
+          {"router_hidden", v(m.router_hidden)},
+          {"router_mlp_layers", v(m.router_mlp_layers)},
+          {"router_skip_expert", v(m.router_skip_expert)},
+          {"tied_embeddings", v(m.tied_embeddings)},
+          {"residual_scaling", v(m.residual_scaling)},
+          {"rope_fraction", v(m.rope_fraction)},
+          {"rope_base", v(m.rope_base)},
+          {"norm_eps", v(m.norm_eps)},
+          {"max_seq_len", v(m.max_seq_len)}};
+}
+
+// A --model / --config given with a checkpoint that saved its own config must be that model:
+// the same parameter count is not enough (another head layout has the same floats and would
+// run the checkpoint's weights as a different network).
+void require_same_model(const std::string& dir, const model::ModelConfig& saved, const model::ModelConfig& given) {
+  const auto a = model_key_values(saved), b = model_key_values(given);
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].second != b[i].second)
+      fail("checkpoint {} holds model '{}' ({} layers, hidden {}), not the model '{}' given with it: {} is {} in the "
+           "checkpoint, {} given",
+           dir, saved.name, saved.layers, saved.hidden, given.name, a[i].first, a[i].second, b[i].second);
+}
+
+}  // namespace
+
 ModelWeights load_checkpoint_weights(const std::string& path, const std::optional<ModelWeights>& model) {
   // The model is described by the train config saved beside the tensors, or by the caller for
   // weights without one (imported releases).
@@ -37,9 +97,7 @@ ModelWeights load_checkpoint_weights(const std::string& path, const std::optiona
         train::parse_train_config(st["config"].get<std::string>(), fmt::format("checkpoint {} (saved config)", reader.dir()));
     w.config = tc.model;
     w.renormalize_gates = tc.model_options.renormalize_gates;
-    if (model && train::model_param_layout(model->config).total_floats != train::model_param_layout(w.config).total_floats)
-      fail("checkpoint {} holds model '{}' ({} layers, hidden {}), not the model '{}' given with it", reader.dir(),
-           w.config.name, w.config.layers, w.config.hidden, model->config.name);
+    if (model) require_same_model(reader.dir(), w.config, model->config);
   } else if (model) {
     w.config = model->config;
     w.renormalize_gates = model->renormalize_gates;
@@ -200,15 +258,15 @@ Cache InferenceModel::make_cache(int batch, int capacity) const {
   const std::int64_t kv = std::int64_t(cfg.kv_heads) * cfg.head_dim, C = cca_cfg_.qk_channels();
   for (int l = 0; l < cfg.layers; ++l) {
     LayerCache lc;
-    lc.k.assign(static_cast<std::size_t>(batch * capacity * kv), 0.f);
+    lc.k.assign(static_cast<std::size_t>(std::int64_t(batch) * capacity * kv), 0.f);
     lc.v.assign(lc.k.size(), 0.f);
     if (cca_[l]) {
       const LayerParams& L = lp_[l];
-      lc.conv0_in.assign(static_cast<std::size_t>(batch * (cfg.cca_conv_width - 1) * C), 0.f);
+      lc.conv0_in.assign(static_cast<std::size_t>(std::int64_t(batch) * (cfg.cca_conv_width - 1) * C), 0.f);
       // Before the sequence the grouped conv reads depthwise outputs of all-zero input: the bias.
-      lc.conv1_in.resize(static_cast<std::size_t>(batch * (cfg.cca_group_conv_width - 1) * C));
+      lc.conv1_in.resize(static_cast<std::size_t>(std::int64_t(batch) * (cfg.cca_group_conv_width - 1) * C));
       for (std::size_t i = 0; i < lc.conv1_in.size(); ++i) lc.conv1_in[i] = L.cca.conv0_b[static_cast<std::int64_t>(i % C)];
-      lc.prev_v.assign(static_cast<std::size_t>(batch * kv / 2), 0.f);
+      lc.prev_v.assign(static_cast<std::size_t>(std::int64_t(batch) * kv / 2), 0.f);
     }
     c.layers.push_back(std::move(lc));
   }
@@ -565,7 +623,19 @@ std::uint64_t splitmix(std::uint64_t& s) {
 }
 }  // namespace
 
+namespace {
+bool all_finite(const float* z, std::int64_t n) {
+  for (std::int64_t v = 0; v < n; ++v)
+    if (!std::isfinite(z[v])) return false;
+  return true;
+}
+}  // namespace
+
 Sampler::Sampler(const SamplingOptions& options, std::uint64_t sequence) : o_(options) {
+  // NaN compares false both ways: a NaN temperature would pass `< 0` and make every weight NaN.
+  if (!std::isfinite(options.temperature) || options.temperature < 0)
+    throw UsageError(fmt::format("generate: --temperature must be a finite number >= 0, got {}", options.temperature));
+  if (options.top_k < 0) throw UsageError(fmt::format("generate: --top-k must be >= 0, got {}", options.top_k));
   std::uint64_t s = options.seed;
   state_ = splitmix(s) ^ (sequence * 0xD1B54A32D192ED03ull);
 }
@@ -574,6 +644,7 @@ double Sampler::uniform() { return static_cast<double>(splitmix(state_) >> 11) *
 
 std::uint32_t Sampler::next(const float* logits, std::int64_t allowed_vocab) {
   if (allowed_vocab < 1) fail("sampler: no eligible token ids");
+  if (!all_finite(logits, allowed_vocab)) return kNonFiniteLogits;
   if (o_.temperature <= 0.0) {
     std::int64_t best = 0;
     for (std::int64_t v = 1; v < allowed_vocab; ++v)
@@ -610,6 +681,10 @@ void Decoder::host_argmax(std::int64_t allowed, std::uint32_t* next) const {
   if (n < 1) fail("generate: no eligible token ids");
   for (int b = 0; b < batch(); ++b) {
     const float* z = greedy_logits_.data() + static_cast<std::int64_t>(b) * V;
+    if (!all_finite(z, n)) {
+      next[b] = kNonFiniteLogits;
+      continue;
+    }
     std::int64_t best = 0;
     for (std::int64_t v = 1; v < n; ++v)
       if (z[v] > z[best]) best = v;  // ties: the lower id
@@ -637,7 +712,12 @@ GenerateResult generate(Decoder& model, const std::vector<std::uint32_t>& prompt
   if (o.max_new_tokens < 1) throw UsageError(fmt::format("generate: --max-new-tokens must be >= 1, got {}", o.max_new_tokens));
   const std::int64_t V = model.config().vocab_size, allowed = o.allowed_vocab > 0 ? std::min(o.allowed_vocab, V) : V;
   const int B = o.batch, T = static_cast<int>(prompt.size());
-  model.start(B, T + o.max_new_tokens - 1);
+  // In int64: T + max_new_tokens overflows an int for a huge --max-new-tokens.
+  const std::int64_t positions = static_cast<std::int64_t>(prompt.size()) + o.max_new_tokens - 1;
+  if (positions > std::numeric_limits<int>::max())
+    throw UsageError(fmt::format("generate: prompt + new tokens = {} positions, more than a cache holds ({})", positions,
+                                 std::numeric_limits<int>::max()));
+  model.start(B, static_cast<int>(positions));
   std::vector<std::uint32_t> tokens;
   for (int b = 0; b < B; ++b) tokens.insert(tokens.end(), prompt.begin(), prompt.end());
   std::vector<Sampler> samplers;
@@ -656,10 +736,13 @@ GenerateResult generate(Decoder& model, const std::vector<std::uint32_t>& prompt
     model.prefill(tokens.data(), T, logits, /*all_positions=*/false);
   res.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   std::vector<char> done(B, 0);
-  auto pick = [&] {
+  // step: which generated token this is (0: the prefill's).
+  auto pick = [&](int step) {
     int live = 0;
     for (int b = 0; b < B; ++b) {
       if (!greedy) cur[b] = samplers[b].next(logits.data() + static_cast<std::int64_t>(b) * V, allowed);
+      if (cur[b] == kNonFiniteLogits)
+        fail("generate: logits are not finite at step {}: the model's weights are damaged or diverged", step);
       if (!done[b]) {
         res.generated[b].push_back(cur[b]);
         if (o.eos && cur[b] == *o.eos) done[b] = 1;
@@ -668,7 +751,7 @@ GenerateResult generate(Decoder& model, const std::vector<std::uint32_t>& prompt
     }
     return live;
   };
-  int live = pick();
+  int live = pick(0);
   for (int step = 1; step < o.max_new_tokens && live > 0; ++step) {
     t0 = clock::now();
     if (greedy)
@@ -676,7 +759,7 @@ GenerateResult generate(Decoder& model, const std::vector<std::uint32_t>& prompt
     else
       model.decode(cur.data(), logits);
     res.step_seconds.push_back(std::chrono::duration<double>(clock::now() - t0).count());
-    live = pick();
+    live = pick(step);
   }
   res.cache_bytes_per_sequence = model.cache_bytes_per_sequence();
   return res;

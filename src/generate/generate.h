@@ -164,6 +164,7 @@ class Decoder {
   // logits (ties to the lower id, as Sampler's greedy choice) into next[B]. The GPU decoder
   // picks on the device and moves B ids instead of B x V logits; the default picks on the host.
   // next may alias tokens.
+  // A row whose logits are not all finite gives kNonFiniteLogits.
   virtual void prefill_greedy(const std::uint32_t* tokens, int T, std::int64_t allowed, std::uint32_t* next);
   virtual void decode_greedy(const std::uint32_t* tokens, std::int64_t allowed, std::uint32_t* next);
   // Bytes one sequence's cache holds now (k/v rows in use plus fixed state).
@@ -204,9 +205,16 @@ struct SamplingOptions {
   std::uint64_t seed = 1;
 };
 
+// What a greedy pick (host or device) or Sampler::next gives for a row whose logits are not all
+// finite (NaN or inf: damaged or diverged weights): an id no vocabulary has, which generate()
+// turns into an error instead of emitting a meaningless token.
+inline constexpr std::uint32_t kNonFiniteLogits = 0xFFFFFFFFu;
+
 class Sampler {
  public:
+  // Throws keel::UsageError for a temperature that is negative or not finite, or top_k < 0.
   Sampler(const SamplingOptions& options, std::uint64_t sequence);
+  // kNonFiniteLogits when any eligible logit is NaN or infinite.
   std::uint32_t next(const float* logits, std::int64_t allowed_vocab);
 
  private:
@@ -233,7 +241,9 @@ struct GenerateResult {
 
 // Prefill the prompt (the same for every sequence) then decode up to max_new_tokens. Times are
 // host wall clock around each call (the GPU decoder returns only once its logits are on the
-// host, so they include the device work).
+// host, so they include the device work). Throws keel::UsageError when prompt + new tokens do
+// not fit a cache (more positions than an int holds, or the model's max_seq_len), keel::Error
+// when a step's logits are not finite.
 GenerateResult generate(Decoder& decoder, const std::vector<std::uint32_t>& prompt, const GenerateOptions& o);
 // The same on the CPU model.
 GenerateResult generate(InferenceModel& model, const std::vector<std::uint32_t>& prompt, const GenerateOptions& o);

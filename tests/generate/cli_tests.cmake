@@ -22,9 +22,17 @@ keel_cli_test(NAME generate_latency_table MATCH "^ +4 +16 +11 +[0-9.]+ +[0-9.]+ 
 keel_cli_test(NAME generate_sampling MATCH "^tokenizer byte; prompt 7 tokens; up to 8 new tokens, temperature 0.8, top-k 20, seed 7$"
   ARGS generate gen_train --prompt "The dog" -n 8 -t 0.8 --top-k 20 --seed 7)
 keel_cli_test(NAME generate_checkpoint_other_model EXIT 1
-  MATCH "^keel: error: checkpoint gen_train/step_00000004 holds model 'moe-tiny' \\(4 layers, hidden [0-9]+\\), not the model 'zaya1-tiny' given with it$"
+  MATCH "^keel: error: checkpoint gen_train/step_00000004 holds model 'moe-tiny' \\(4 layers, hidden [0-9]+\\), not the model 'zaya1-tiny' given with it: [a-z_]+ is .* in the checkpoint, .* given$"
   ARGS generate gen_train --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt hi)
-set_tests_properties(cli_generate_checkpoint_other_model cli_generate_from_checkpoint cli_generate_text cli_generate_latency_table cli_generate_sampling
+# Another head layout with the same parameter count (so the same float total): still not its model.
+keel_cli_test(NAME generate_checkpoint_other_heads EXIT 1
+  MATCH "^keel: error: checkpoint gen_train/step_00000004 holds model 'moe-tiny' .*, not the model 'moe-tiny' given with it: heads is 4 in the checkpoint, 8 given$"
+  ARGS generate gen_train --model ${CMAKE_CURRENT_SOURCE_DIR}/generate/moe-tiny-8-heads.yaml --prompt hi)
+# -n 1: no decode step ran, so the decode columns say "-", not a 0 that reads as a time.
+keel_cli_test(NAME generate_no_decode_step MATCH "^ +1 +4 +0 +[0-9.]+ +[0-9.]+ +- +- +- +[0-9.]+$"
+  ARGS generate gen_train --prompt "Once" -n 1)
+set_tests_properties(cli_generate_checkpoint_other_model cli_generate_checkpoint_other_heads cli_generate_no_decode_step
+                     cli_generate_from_checkpoint cli_generate_text cli_generate_latency_table cli_generate_sampling
                      PROPERTIES FIXTURES_REQUIRED generate_ckpt)
 
 # ZAYA1 from a checkpoint: CCA's small cache and the MLP router's biases come back from it.
@@ -49,8 +57,30 @@ keel_cli_test(NAME generate_no_model EXIT 1 MATCH "^keel: error: generate: give 
   ARGS generate --prompt hi)
 keel_cli_test(NAME generate_model_and_config EXIT 1 MATCH "^keel: error: generate: give --model or --config, not both$"
   ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --config ${PROJECT_SOURCE_DIR}/configs/train/zaya1-tiny.yaml --prompt hi)
-keel_cli_test(NAME generate_bad_temperature EXIT 1 MATCH "^keel: error: generate: --temperature must be >= 0"
+keel_cli_test(NAME generate_bad_temperature EXIT 1 MATCH "^keel: error: generate: --temperature must be a finite number >= 0, got -1$"
   ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml -t -1)
+keel_cli_test(NAME generate_nan_temperature EXIT 1 MATCH "^keel: error: generate: --temperature must be a finite number >= 0, got nan$"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml -t nan)
+keel_cli_test(NAME generate_top_k_greedy EXIT 1 MATCH "^keel: error: generate: --top-k applies to sampling, but temperature 0 is greedy"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --top-k 5)
+keel_cli_test(NAME generate_nan_init_std EXIT 1 MATCH "^keel: error: generate: --init-std must be a finite number in \\[0, 1\\], got nan$"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --init-std nan)
+keel_cli_test(NAME generate_huge_init_std EXIT 1 MATCH "^keel: error: generate: --init-std must be a finite number in \\[0, 1\\], got 1e\\+30$"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --init-std 1e30)
+# A directory where a file is expected: one line naming it (an ifstream read it as empty text).
+keel_cli_test(NAME generate_prompt_file_directory EXIT 1 MATCH "^keel: error: cannot read \\.: Is a directory$"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt-file . -n 2)
+keel_cli_test(NAME generate_model_directory EXIT 1 MATCH "^keel: error: generate: --model \\.: Is a directory \\(expected a file\\)$"
+  ARGS generate --model . -n 2)
+keel_cli_test(NAME generate_tokenizer_directory EXIT 1 MATCH "^keel: error: generate: --tokenizer spm:\\.: Is a directory \\(expected a file\\)$"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --tokenizer spm:. -n 2)
+# NUL and other control bytes print escaped, not cut off at the first NUL.
+keel_cli_test(NAME generate_nul_bytes MATCH "^a\\\\x00b\\\\x00c"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt-file ${CMAKE_CURRENT_SOURCE_DIR}/generate/nul_prompt.txt -n 2 --ignore-eos)
+# A batch no memory holds: one line up front with the size, not std::bad_alloc mid-run.
+keel_cli_test(NAME generate_batch_too_large EXIT 1
+  MATCH "^keel: error: generate: batch 2000000000 x 6 positions needs at least [0-9.]+ GiB \\(KV cache [0-9.]+ GiB, logits and activations [0-9.]+ GiB\\), more than this machine's"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt hello -n 2 --batch 2000000000 --bench)
 keel_cli_test(NAME generate_too_long EXIT 1 MATCH "^keel: error: generate: prompt \\+ new tokens = 304 positions exceeds model 'zaya1-tiny' max_seq_len 256"
   ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt hello -n 300)
 

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -387,6 +388,26 @@ TEST(GenerateCuda, RejectsWhatTheGpuPathCannotRun) {
   const std::uint32_t toks[4] = {1, 2, 3, 4};
   gpu->prefill(toks, 4, logits, false);
   EXPECT_THROW(gpu->decode(toks, logits), Error);  // full
+}
+
+
+// The device argmax of a NaN row gives kNonFiniteLogits (a NaN never compares greater, so it
+// would otherwise pick a token), and generate() turns it into one line naming the step.
+TEST(GenerateCuda, NonFiniteLogitsAreAnError) {
+  KEEL_REQUIRE_GPU_DECODER();
+  const model::ModelConfig cfg = gqa_config(2);
+  ModelWeights w = fresh_weights(cfg, true, 0.02, 1);
+  for (const auto& p : train::model_param_layout(cfg).params)
+    if (p.name == "final_norm.weight") w.params[p.offset] = std::numeric_limits<float>::quiet_NaN();
+  const auto gpu = make_cuda_decoder(w);
+  GenerateOptions o;
+  o.max_new_tokens = 3;
+  try {
+    generate(*gpu, {1, 2, 3}, o);
+    FAIL() << "generated from NaN logits";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "generate: logits are not finite at step 0: the model's weights are damaged or diverged");
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -257,6 +258,54 @@ TEST(Generate, GreedyLoopMatchesArgmaxOfFullForward) {
   const GenerateResult s = generate(m, prompt, o);
   EXPECT_EQ(s.generated[0].size(), first + 1);
   EXPECT_EQ(s.step_seconds.size(), first);
+}
+
+
+// A model whose weights went NaN (damaged or diverged) must stop with one line, not emit the
+// token a NaN comparison happens to leave (greedy: id 0; sampling: whatever sorted first).
+TEST(Generate, NonFiniteLogitsAreAnErrorNamingTheStep) {
+  const model::ModelConfig cfg = gqa_config(2);
+  ModelWeights w = fresh_weights(cfg, true, 0.02, 1);
+  for (const auto& p : train::model_param_layout(cfg).params)
+    if (p.name == "final_norm.weight") w.params[p.offset] = std::numeric_limits<float>::quiet_NaN();
+  InferenceModel m(std::move(w));
+  GenerateOptions o;
+  o.max_new_tokens = 3;
+  for (double temperature : {0.0, 0.8}) {
+    o.sampling.temperature = temperature;
+    try {
+      generate(m, {1, 2, 3}, o);
+      FAIL() << "generated from NaN logits at temperature " << temperature;
+    } catch (const Error& e) {
+      EXPECT_STREQ(e.what(), "generate: logits are not finite at step 0: the model's weights are damaged or diverged");
+    }
+  }
+  std::vector<float> logits{0.1f, std::numeric_limits<float>::infinity(), 0.3f};
+  EXPECT_EQ(Sampler({0.0, 0, 1}, 0).next(logits.data(), 3), kNonFiniteLogits);
+  EXPECT_EQ(Sampler({1.0, 2, 1}, 0).next(logits.data(), 3), kNonFiniteLogits);
+  EXPECT_EQ(Sampler({0.0, 0, 1}, 0).next(logits.data(), 1), 0u);  // only eligible ids are checked
+}
+
+TEST(Generate, NonFiniteTemperatureIsRefused) {
+  EXPECT_THROW(Sampler({std::numeric_limits<double>::quiet_NaN(), 0, 1}, 0), UsageError);
+  EXPECT_THROW(Sampler({std::numeric_limits<double>::infinity(), 0, 1}, 0), UsageError);
+  EXPECT_THROW(Sampler({-1.0, 0, 1}, 0), UsageError);
+}
+
+// Without a max_seq_len nothing bounded prompt + new tokens: T + max_new_tokens overflowed an int
+// and the error spoke of negative positions.
+TEST(Generate, PositionsBeyondAnIntAreAUsageError) {
+  model::ModelConfig cfg = gqa_config(2);
+  cfg.max_seq_len = 0;
+  InferenceModel m(fresh_weights(cfg, true, 0.02, 1));
+  GenerateOptions o;
+  o.max_new_tokens = std::numeric_limits<int>::max();
+  try {
+    generate(m, {1, 2, 3}, o);
+    FAIL() << "accepted 2^31 + 1 positions";
+  } catch (const UsageError& e) {
+    EXPECT_STREQ(e.what(), "generate: prompt + new tokens = 2147483649 positions, more than a cache holds (2147483647)");
+  }
 }
 
 }  // namespace

@@ -1,0 +1,46 @@
+// keel's small file helpers (src/common/fileio.h): whole-file reads that fail with the path
+// named, for a directory as for a missing file, instead of returning empty text.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+#include "common/error.h"
+#include "common/fileio.h"
+
+namespace keel {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string read_error(const std::string& path) {
+  try {
+    read_file(path);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Fileio, ReadFileRoundTripsBytesIncludingNul) {
+  const fs::path dir = fs::temp_directory_path() / "keel_fileio_test";
+  fs::create_directories(dir);
+  const std::string path = (dir / "bytes.bin").string();
+  const std::string bytes("a\0b\nc", 5);
+  write_file_atomically(path, bytes);
+  EXPECT_EQ(read_file(path), bytes);
+}
+
+TEST(Fileio, ReadFileOfADirectoryIsAnErrorNamingIt) {
+  const fs::path dir = fs::temp_directory_path() / "keel_fileio_test_dir";
+  fs::create_directories(dir);
+  EXPECT_EQ(read_error(dir.string()), "cannot read " + dir.string() + ": Is a directory");
+}
+
+TEST(Fileio, ReadFileOfAMissingFileNamesIt) {
+  const std::string path = (fs::temp_directory_path() / "keel_fileio_no_such_file").string();
+  EXPECT_EQ(read_error(path), "cannot read " + path + ": No such file or directory");
+}
+
+}  // namespace
+}  // namespace keel
