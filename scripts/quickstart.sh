@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command from a fresh machine to keel's main job: install dependencies, build, and run
 # the embedded defaults: the collective benchmark on whatever is here (every local GPU
-# through NCCL, or 4 CPU ranks under MPI when there is no GPU), then a tiny MoE trained on
+# through NCCL when there are 2 or more, else 4 CPU ranks under MPI: a collective needs two
+# ranks), then a tiny MoE trained on
 # the shipped corpus. Results land in ./out (tables, JSON, CSV, PNG plots, training log).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,11 +14,11 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
 common=(--op all --json out/bench_comm.json --csv out/bench_comm.csv --plot out/bench_comm.png)
-if [ "$gpus" -gt 0 ]; then
+if [ "$gpus" -ge 2 ]; then
   echo "keel quickstart: $gpus GPU(s) found: one process drives them all through NCCL"
   build/keel bench comm --backend nccl --dtype bf16 --min 8 --max 1G --factor 4 "${common[@]}"
 else
-  echo "keel quickstart: no GPU found: 4 CPU ranks under MPI (--backend mpi)"
+  echo "keel quickstart: $gpus GPU(s) found, a collective needs 2: 4 CPU ranks under MPI (--backend mpi)"
   mpi_flags=(--oversubscribe)
   [ "$(id -u)" -eq 0 ] && mpi_flags+=(--allow-run-as-root)
   mpiexec "${mpi_flags[@]}" -n 4 build/keel bench comm --backend mpi --dtype fp32 --min 64 --max 16M --factor 4 "${common[@]}"

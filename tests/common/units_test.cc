@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+
 #include "common/error.h"
 
 namespace keel {
@@ -46,6 +49,31 @@ TEST(GeometricSizes, SweepsInclusive) {
   EXPECT_EQ(geometric_sizes(8, 100, 4), (std::vector<std::uint64_t>{8, 32}));
   EXPECT_THROW(geometric_sizes(64, 8, 2), Error);
   EXPECT_THROW(geometric_sizes(8, 64, 1.0), Error);
+}
+
+TEST(GeometricSizes, NonIntegerFactorsRoundToWholeBytes) {
+  EXPECT_EQ(geometric_sizes(8, 64, 1.5), (std::vector<std::uint64_t>{8, 12, 18, 27, 41, 61}));
+}
+
+// -e 16000000T once rounded past 2^63 (which stayed <= max) and looped forever.
+TEST(GeometricSizes, HugeMaxIsAnErrorNotAHang) {
+  EXPECT_THROW(geometric_sizes(8, 16000000ull << 40, 2), Error);
+  EXPECT_THROW(geometric_sizes(8, UINT64_MAX, 2), Error);
+  EXPECT_THROW(geometric_sizes(8, kMaxSweepBytes + 1, 2), Error);
+  const auto s = geometric_sizes(8, kMaxSweepBytes, 2);
+  EXPECT_EQ(s.size(), 48u);
+  EXPECT_EQ(s.back(), kMaxSweepBytes);
+}
+
+// -f inf once measured --min alone and exited 0.
+TEST(GeometricSizes, FactorMustBeFiniteAndGrowTheSize) {
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_THROW(geometric_sizes(8, 64, inf), Error);
+  EXPECT_THROW(geometric_sizes(8, 8, inf), Error);
+  EXPECT_THROW(geometric_sizes(8, 64, std::nan("")), Error);
+  // A factor this close to 1 would ask for ~2e8 sizes (and none grows once s is large).
+  EXPECT_THROW(geometric_sizes(8, 1ull << 40, 1.0000001), Error);
+  EXPECT_THROW(geometric_sizes(1ull << 40, 1ull << 41, std::nextafter(1.0, 2.0)), Error);
 }
 
 TEST(IntList, ParsesAndRejects) {

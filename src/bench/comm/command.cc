@@ -117,9 +117,29 @@ int report_and_judge(Backend& backend, const CommOptions& o, const MpiSession& m
   return code;
 }
 
+// Rank 0 writes the results: it checks the output paths before the sweep, so a bad path costs
+// seconds, not the hours of a sweep whose results then cannot be written. Every rank gets the
+// verdict, so all of them stop together instead of waiting in the first collective.
+void check_outputs_before_sweep(const CommOptions& o, const MpiSession& mpi) {
+  std::string problem;
+  if (mpi.rank() == 0) {
+    try {
+      check_output_paths(o);
+    } catch (const Error& e) {
+      problem = e.what();
+    }
+  }
+  int length = static_cast<int>(problem.size());
+  mpi_check(MPI_Bcast(&length, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  problem.resize(static_cast<size_t>(length));
+  mpi_check(MPI_Bcast(problem.data(), length, MPI_CHAR, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  if (!problem.empty()) throw UsageError(problem);  // printed once, by rank 0
+}
+
 int run(const RawFlags& flags) {
   CommOptions o = to_options(flags);  // before MPI: a bad flag needs no ranks
   MpiSession mpi;
+  check_outputs_before_sweep(o, mpi);
   int max_ranks = 0;
   for (int n : o.ranks) max_ranks = std::max(max_ranks, n);
 

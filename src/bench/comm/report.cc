@@ -1,7 +1,12 @@
 #include "bench/comm/report.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -212,9 +217,78 @@ std::vector<std::string> write_plots(const CommReport& report, const std::string
   return written;
 }
 
+namespace {
+
+namespace fs = std::filesystem;
+
+// The directory a file at `path` lands in.
+fs::path directory_of(const std::string& path) {
+  const fs::path parent = fs::path(path).parent_path();
+  return parent.empty() ? fs::path(".") : parent;
+}
+
+// Creates and removes a file beside `path`, as write_file_atomically's temporary will be: the
+// same directory, the same permissions. An existing file at `path` is left untouched.
+void probe_directory(std::string_view flag, const std::string& path) {
+  const fs::path dir = directory_of(path);
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) fail("{} '{}': directory '{}' does not exist", flag, path, dir.string());
+  const std::string probe = path + ".keel-probe." + std::to_string(::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+  if (fd < 0)
+    fail("{} '{}' cannot be written: no new file can be made in '{}': {}", flag, path, dir.string(),
+         std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+// A file that --json or --csv will replace: it must not be a directory or a device.
+void check_result_file(std::string_view flag, const std::string& path) {
+  std::error_code ec;
+  const auto status = fs::status(path, ec);
+  if (fs::is_directory(status)) fail("{} '{}' is a directory; name a file", flag, path);
+  if (fs::exists(status) && !fs::is_regular_file(status)) fail("{} '{}' is not a regular file", flag, path);
+  probe_directory(flag, path);
+}
+
+// Two flags naming one file would silently overwrite one result with the other.
+std::string identity_of(const std::string& path) {
+  std::error_code ec;
+  const fs::path canonical = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  return ec ? path : canonical.string();
+}
+
+}  // namespace
+
+void check_output_paths(const CommOptions& o) {
+  std::vector<std::pair<std::string_view, const std::string*>> named;
+  if (!o.json_path.empty()) {
+    check_result_file("--json", o.json_path);
+    named.emplace_back("--json", &o.json_path);
+  }
+  if (!o.csv_path.empty()) {
+    check_result_file("--csv", o.csv_path);
+    named.emplace_back("--csv", &o.csv_path);
+  }
+  if (!o.plot_path.empty()) {
+    // A prefix: the plots are written beside it as <stem>_<op>_<dtype>...<ext>.
+    std::error_code ec;
+    if (fs::is_directory(o.plot_path, ec))
+      fail("--plot '{}' is a directory; name a file such as '{}'", o.plot_path,
+           (fs::path(o.plot_path) / "comm.png").string());
+    probe_directory("--plot", o.plot_path);
+    named.emplace_back("--plot", &o.plot_path);
+  }
+  for (size_t i = 0; i < named.size(); ++i)
+    for (size_t j = i + 1; j < named.size(); ++j)
+      if (identity_of(*named[i].second) == identity_of(*named[j].second))
+        fail("{} and {} both name '{}': one would overwrite the other", named[i].first, named[j].first,
+             *named[j].second);
+}
+
 std::vector<std::string> busbw_gate_failures(const CommReport& report, double min_busbw) {
   std::vector<std::string> misses;
-  if (min_busbw <= 0) return misses;
+  if (min_busbw == 0) return misses;  // the gate is off (NaN is not 0: it fails every series)
   // The largest size of each series is the row that decides.
   std::map<std::tuple<int, int, int, int, int, int>, const ResultRow*> last;
   for (const auto& r : report.rows) {
@@ -228,7 +302,7 @@ std::vector<std::string> busbw_gate_failures(const CommReport& report, double mi
   for (const auto& [key, r] : last) {
     const int k = std::get<5>(key);
     const PlacementResult& p = k == 0 ? r->out_of_place : r->in_place;
-    if (p.busbw < min_busbw)
+    if (!(p.busbw >= min_busbw))  // a NaN on either side is a miss, never a silent pass
       misses.push_back(fmt::format("{} {} at {} on {} ranks{} ({}): busbw {:.2f} GB/s is below --min-busbw {:g}",
                                    collective_name(r->op), dtype_name(r->dtype), format_size(r->size_bytes), r->nranks,
                                    r->ngroups > 1 ? fmt::format(" group {}", r->group) : "",

@@ -31,8 +31,13 @@ void write_csv(const CommReport& report, const std::string& path);
 // Returns the files written.
 std::vector<std::string> write_plots(const CommReport& report, const std::string& path);
 
+// Checks, before any collective runs, that --json, --csv and --plot can be written where they
+// name (an existing file is left as it is), that --plot is not a directory and that no two
+// name the same file. Throws keel::Error with one line otherwise.
+void check_output_paths(const CommOptions& o);
+
 // Series that miss the gate: busbw at the largest size of each (op, dtype, redop, ranks,
-// group, placement) series below `min_busbw`. Returns one message per miss.
+// group, placement) series below `min_busbw` (0 turns the gate off). Returns one message per miss.
 std::vector<std::string> busbw_gate_failures(const CommReport& report, double min_busbw);
 
 }  // namespace keel::bench

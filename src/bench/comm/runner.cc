@@ -177,20 +177,42 @@ double percentile(std::vector<double> v, double p) {
   return v[idx];
 }
 
+std::vector<std::uint64_t> case_sizes(const CommOptions& o, Collective op, DType t, int nranks) {
+  const std::uint64_t granularity = size_granularity(op, t, nranks);
+  std::vector<std::uint64_t> out;
+  for (std::uint64_t s : geometric_sizes(o.min_bytes, o.max_bytes, o.factor)) {
+    // A size the user typed must split as it is (collective_shape says why not); the ones a
+    // non-integer factor produced in between are rounded down, as nccl-tests does.
+    if (s == o.min_bytes || s == o.max_bytes) (void)collective_shape(op, s, t, nranks);
+    else s -= s % granularity;
+    if (out.empty() || s != out.back()) out.push_back(s);
+  }
+  return out;
+}
+
 void validate_options(const CommOptions& o, int world) {
   try {
     if (o.plan.iters < 1) fail("--iters must be at least 1, got {}", o.plan.iters);
     if (o.plan.warmup < 0) fail("--warmup must not be negative, got {}", o.plan.warmup);
     if (o.plan.graph_replays < 0) fail("--graph must not be negative, got {}", o.plan.graph_replays);
+    // inf is allowed (no deadline); NaN is not a limit at all.
     if (!(o.plan.timeout_s > 0)) fail("--timeout must be positive, got {}", o.plan.timeout_s);
     if (o.plan.graph_replays > 0 && o.backend == "mpi") fail("--graph needs the nccl backend (CUDA graphs)");
-    if (o.min_busbw < 0) fail("--min-busbw must not be negative");
-    const auto sizes = geometric_sizes(o.min_bytes, o.max_bytes, o.factor);
+    // NaN would compare false against every busbw and so silently pass the gate.
+    if (!(o.min_busbw >= 0) || !std::isfinite(o.min_busbw))
+      fail("--min-busbw must be a finite number of GB/s, 0 or more, got {}", o.min_busbw);
+    (void)geometric_sizes(o.min_bytes, o.max_bytes, o.factor);
     const std::vector<int> ranks = o.ranks.empty() ? std::vector<int>{world} : o.ranks;
     for (int n : ranks) {
       if (n > world)
         fail("--ranks {} needs {} ranks but only {} are available{}", n, n, world,
              o.backend == "mpi" ? " (launch more with mpirun -n)" : "");
+      // On one rank a reduction moves nothing (busbw 0) and a broadcast or ring is a local copy.
+      if (n < 2)
+        fail("collectives need at least 2 ranks, {}", o.ranks.empty()
+                                                          ? fmt::format("but the world has {} (launch more with mpirun "
+                                                                        "-n, or make more GPUs visible)", world)
+                                                          : fmt::format("got --ranks {}", n));
       if (o.all_groups && world % n != 0)
         fail("--all-groups: {} ranks do not split into groups of {}", world, n);
       bool any_placement = false;
@@ -200,8 +222,7 @@ void validate_options(const CommOptions& o, int world) {
         any_placement = true;
         if (op == Collective::kBroadcast && o.root >= n)
           fail("--root {} is not a rank of a {}-rank group", o.root, n);
-        for (DType t : o.dtypes)
-          for (auto s : sizes) (void)collective_shape(op, s, t, n);
+        for (DType t : o.dtypes) (void)case_sizes(o, op, t, n);
       }
       if (!any_placement) fail("nothing to measure");
     }
@@ -226,7 +247,6 @@ CommReport run_comm_bench(Backend& b, const CommOptions& o, RowSink* sink) {
 
   Watchdog dog;
   const std::vector<int> ranks = o.ranks.empty() ? std::vector<int>{b.world_size()} : o.ranks;
-  const auto sizes = geometric_sizes(o.min_bytes, o.max_bytes, o.factor);
   std::uint64_t seed = o.seed;
 
   for (int n : ranks) {
@@ -238,6 +258,7 @@ CommReport run_comm_bench(Backend& b, const CommOptions& o, RowSink* sink) {
     for (Collective op : o.ops) {
       for (DType dtype : o.dtypes) {
         const std::vector<RedOp> redops = collective_reduces(op) ? o.redops : std::vector<RedOp>{RedOp::kSum};
+        const auto sizes = case_sizes(o, op, dtype, n);
         for (RedOp redop : redops) {
           std::uint64_t send_max = 0, recv_max = 0;
           for (auto s : sizes) {

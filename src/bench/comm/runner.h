@@ -32,8 +32,8 @@ struct CommOptions {
   std::string json_path, csv_path, plot_path;
   double min_busbw = 0;          // GB/s; 0 disables the gate
   int hang_rank = -1;            // fault injection (tests): this rank stops taking part
-  int corrupt_rank = -1;
-  int error_rank = -1;           // fault injection (tests): this rank fails with an error         // fault injection (tests): this rank's checked output is overwritten
+  int corrupt_rank = -1;         // fault injection (tests): this rank's checked output is overwritten
+  int error_rank = -1;           // fault injection (tests): this rank fails with an error
   bool quiet = false;            // no table on stdout
 };
 
@@ -65,6 +65,11 @@ struct CommReport {
   std::map<std::string, std::string> versions;
   std::vector<ResultRow> rows;
 };
+
+// The message sizes of one (op, dtype, group size) series: --min to --max by --factor. A
+// typed --min or --max must split as the op needs (else keel::Error); sizes in between are
+// rounded down to a multiple that does (so -f 1.5 works), duplicates dropped.
+std::vector<std::uint64_t> case_sizes(const CommOptions& o, Collective op, DType t, int nranks);
 
 // Validates options against the world (collective: every rank throws the same UsageError).
 void validate_options(const CommOptions& o, int world_size);

@@ -4,11 +4,20 @@ set(quick --backend mpi --min 96 --max 6K --factor 4 -w 1 -n 3)
 keel_cli_test(NAME comm_all_ops_np2 NP 2 MATCH "Wrong values: 0 OK"
   ARGS bench comm ${quick} --op all --dtype bf16,fp16,fp32 --redop sum,avg)
 keel_cli_test(NAME comm_all_ops_np3 NP 3 MATCH "Wrong values: 0 OK"
-  ARGS bench comm ${quick} --op all --dtype bf16 --ranks 1,2,3)
+  ARGS bench comm ${quick} --op all --dtype bf16 --ranks 2,3)
 keel_cli_test(NAME comm_all_groups NP 4 MATCH "2 groups at once"
   ARGS bench comm ${quick} --op all_reduce,all_to_all --ranks 2 --all-groups)
-keel_cli_test(NAME comm_no_launcher MATCH "world 1 ranks"
+# A world of one measures nothing a collective does (busbw 0, or a local copy): refused.
+keel_cli_test(NAME comm_no_launcher EXIT 1 MATCH "keel: error: collectives need at least 2 ranks, but the world has 1"
   ARGS bench comm ${quick})
+keel_cli_test(NAME comm_single_rank_group NP 2 EXIT nonzero MATCH "collectives need at least 2 ranks, got --ranks 1"
+  ARGS bench comm ${quick} --ranks 1 --min-busbw 0.001)
+# A non-integer factor: sizes between --min and --max round down to whole elements (486 B -> 484 B).
+keel_cli_test(NAME comm_fractional_factor NP 2 MATCH " 484 +121 "
+  ARGS bench comm --backend mpi --min 64 --max 1K --factor 1.5 -w 1 -n 2)
+# No deadline: a huge --timeout once overflowed into a deadline in the past (a false hang).
+keel_cli_test(NAME comm_infinite_timeout NP 2 MATCH "Wrong values: 0 OK" ARGS bench comm ${quick} --timeout inf)
+keel_cli_test(NAME comm_huge_timeout NP 2 MATCH "Wrong values: 0 OK" ARGS bench comm ${quick} --timeout 1e300)
 add_test(NAME cli_comm_outputs_files
   COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/bench/comm/check_outputs.sh $<TARGET_FILE:keel> ${MPIEXEC_EXECUTABLE})
 set_tests_properties(cli_comm_outputs_files PROPERTIES ENVIRONMENT "${KEEL_MPI_ENV}" TIMEOUT 300)
@@ -21,11 +30,28 @@ keel_cli_test(NAME comm_too_many_ranks NP 2 EXIT nonzero MATCH "--ranks 8 needs 
   NOT "rank 1" ARGS bench comm --backend mpi --ranks 2,8)
 keel_cli_test(NAME comm_indivisible NP 2 EXIT nonzero MATCH "does not split over 2 ranks of fp32 as all_gather needs"
   ARGS bench comm --backend mpi --op all_gather --min 4 --max 4)
-keel_cli_test(NAME comm_in_place_all_to_all EXIT nonzero MATCH "all_to_all has no in-place form"
+keel_cli_test(NAME comm_in_place_all_to_all NP 2 EXIT nonzero MATCH "all_to_all has no in-place form"
   ARGS bench comm --backend mpi --op all_to_all --placement in)
 keel_cli_test(NAME comm_graph_needs_nccl EXIT nonzero MATCH "--graph needs the nccl backend" ARGS bench comm --backend mpi -G 5)
 keel_cli_test(NAME comm_unknown_dtype EXIT nonzero MATCH "unknown dtype 'int3'" ARGS bench comm --backend mpi --dtype int3)
 keel_cli_test(NAME comm_unknown_flag EXIT nonzero MATCH "--frobnicate" ARGS bench comm --frobnicate)
+# Sizes beyond 1 PiB once overflowed the size sweep into an endless loop, past --timeout.
+keel_cli_test(NAME comm_huge_max NP 2 EXIT nonzero MATCH "keel: error: .*--max 16000000 TiB is too large"
+  ARGS bench comm --backend mpi -b 8 -e 16000000T --timeout 5)
+set_tests_properties(cli_comm_huge_max PROPERTIES TIMEOUT 60)
+keel_cli_test(NAME comm_infinite_factor EXIT 1 MATCH "--factor must be a finite number greater than 1, got inf"
+  ARGS bench comm --backend mpi -f inf)
+keel_cli_test(NAME comm_nan_gate NP 2 EXIT nonzero MATCH "--min-busbw must be a finite number of GB/s, 0 or more, got nan"
+  ARGS bench comm ${quick} --min-busbw nan)
+# Output paths are checked before the sweep, on every rank's behalf (no rank may hang).
+keel_cli_test(NAME comm_json_dir_missing NP 2 EXIT nonzero MATCH "--json '/nonexistent_keel_dir/r.json': directory"
+  NOT "Wrong values" ARGS bench comm ${quick} --json /nonexistent_keel_dir/r.json)
+keel_cli_test(NAME comm_csv_unwritable NP 2 EXIT nonzero MATCH "--csv '/proc/keel_r.csv' cannot be written"
+  NOT "Wrong values" ARGS bench comm ${quick} --csv /proc/keel_r.csv)
+keel_cli_test(NAME comm_plot_is_directory NP 2 EXIT nonzero MATCH "--plot '.' is a directory"
+  NOT "Wrong values" ARGS bench comm ${quick} --plot .)
+keel_cli_test(NAME comm_same_output_twice NP 2 EXIT nonzero MATCH "--json and --csv both name 'comm_same.json'"
+  NOT "Wrong values" ARGS bench comm ${quick} --json comm_same.json --csv comm_same.json)
 
 # Faults: a hung rank trips --timeout; a corrupted result fails the check; a slow link fails the gate.
 keel_cli_test(NAME comm_hang_detected NP 2 EXIT nonzero MATCH "did not finish within 2 s \\(--timeout\\)"

@@ -1,0 +1,49 @@
+#include "common/watchdog.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <limits>
+#include <thread>
+
+#include "common/error.h"
+
+namespace keel {
+namespace {
+
+// Arms a watchdog for `seconds`, waits a moment and exits 0 if it did not fire.
+void arm_wait_and_exit(double seconds) {
+  Watchdog dog;
+  dog.arm("the test operation", seconds);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  dog.disarm();
+  std::exit(0);
+}
+
+TEST(WatchdogDeathTest, FiresPastItsDeadline) {
+  EXPECT_EXIT(arm_wait_and_exit(0.01), testing::ExitedWithCode(kExitTimeout), "did not finish within 0.01 s");
+}
+
+// A huge limit once overflowed the clock into a deadline in the past: a false hang at once.
+TEST(WatchdogDeathTest, HugeOrInfiniteLimitsMeanNoDeadline) {
+  for (double seconds : {1e9, 1e10, 1e300, std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(seconds);
+    EXPECT_EXIT(arm_wait_and_exit(seconds), testing::ExitedWithCode(0), "");
+  }
+}
+
+TEST(WatchdogDeathTest, RearmingWithNoDeadlineCancelsTheOldOne) {
+  EXPECT_EXIT(
+      {
+        Watchdog dog;
+        dog.arm("first", 0.1);
+        dog.arm("second", std::numeric_limits<double>::infinity());
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        std::exit(0);
+      },
+      testing::ExitedWithCode(0), "");
+}
+
+}  // namespace
+}  // namespace keel
