@@ -1,6 +1,8 @@
 #include "train/command.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -51,6 +53,76 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
   return with_expert_parallel(ctx, cfg.parallel_expert);
 }
 
+// FNV-1a: a hash that is the same in every binary of an MPMD launch.
+std::uint64_t fnv1a(const std::string& text) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+void broadcast_string(std::string& text, int root) {
+  int n = static_cast<int>(text.size());
+  mpi_check(MPI_Bcast(&n, 1, MPI_INT, root, MPI_COMM_WORLD), "MPI_Bcast");
+  text.resize(static_cast<std::size_t>(n));
+  mpi_check(MPI_Bcast(text.data(), n, MPI_CHAR, root, MPI_COMM_WORLD), "MPI_Bcast");
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t b = 0;
+  while (b <= text.size()) {
+    const std::size_t e = std::min(text.find('\n', b), text.size());
+    out.push_back(text.substr(b, e - b));
+    b = e + 1;
+  }
+  return out;
+}
+
+// Line i of an emitted YAML mapping with its parents' keys: "optimizer.lr: 0.3".
+std::string dotted_line(const std::vector<std::string>& lines, std::size_t i) {
+  if (i >= lines.size()) return "(nothing)";
+  auto indent = [](const std::string& l) { return l.find_first_not_of(' '); };
+  std::string path = lines[i].substr(std::min(indent(lines[i]), lines[i].size()));
+  std::size_t level = indent(lines[i]);
+  for (std::size_t j = i; j-- > 0 && level > 0 && level != std::string::npos;) {
+    const std::size_t d = indent(lines[j]);
+    if (d == std::string::npos || d >= level) continue;
+    const std::string key = lines[j].substr(d, lines[j].find(':', d) - d);
+    path = key + "." + path;
+    level = d;
+  }
+  return path;
+}
+
+// Every rank must train the same thing: a rank launched with another config or --set (an MPMD
+// launch, a stale file on one node) would otherwise hang, crash in a collective of the wrong
+// length, or train silently on mixed settings and commit a checkpoint nothing can load. The
+// hashes go round first; the first differing rank then says what differs, and every rank
+// stops with that one line.
+void require_same_config_on_every_rank(const std::string& text, const MpiSession& mpi) {
+  if (mpi.size() < 2) return;
+  const std::uint64_t mine = fnv1a(text);
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(mpi.size()));
+  mpi_check(MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD), "MPI_Allgather");
+  int first = -1, differing = 0;
+  for (int r = 1; r < mpi.size(); ++r)
+    if (all[static_cast<std::size_t>(r)] != all[0]) differing += 1, first = first < 0 ? r : first;
+  if (differing == 0) return;
+  std::string zero = text;
+  broadcast_string(zero, 0);
+  std::string what;
+  if (mpi.rank() == first) {
+    const auto a = lines_of(text), b = lines_of(zero);
+    std::size_t i = 0;
+    while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+    what = fmt::format("'{}' where rank 0 has '{}'", dotted_line(a, i), dotted_line(b, i));
+  }
+  broadcast_string(what, first);
+  throw UsageError(fmt::format("ranks disagree on the config: rank {} has {} ({} of {} ranks differ from rank 0): "
+                               "launch every rank with the same config and flags",
+                               first, what, differing, mpi.size()));
+}
+
 }  // namespace
 
 void add_command(CLI::App& app) {
@@ -89,6 +161,9 @@ void add_command(CLI::App& app) {
     if ((args->hang_rank >= 0) != (args->hang_step > 0))
       throw UsageError("--inject-hang-rank and --inject-hang-step go together");
     MpiSession mpi;  // a world of one without a launcher
+    require_same_config_on_every_rank(fmt::format("{}\n--resume: {}\n--stop-after: {}\n", cfg.text, args->resume,
+                                                  args->until),
+                                      mpi);
     const ParallelContext ctx = make_parallel_context(cfg, mpi);
     // A hung or dead peer blocks the others inside a collective forever: each phase below runs
     // under a deadline, so every surviving rank exits with one line instead (and the launcher

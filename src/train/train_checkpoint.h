@@ -61,6 +61,9 @@ class TrainCheckpointer {
   void reserve(const CheckpointView& view, const optim::ParamLayout& layout);
   // Completes the save in flight, if any (commit, `latest`, retention).
   std::optional<ckpt::SaveStats> finish();
+  bool in_flight() const { return saver_->in_flight(); }
+  // This rank's background writes of the save in flight are done (no communication).
+  bool writes_done() const { return saver_->writes_done(); }
   const std::string& root() const { return root_; }
 
  private:

@@ -335,6 +335,8 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
     if ((cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0) || (last && cfg_.checkpoint_final)) {
       progress(fmt::format("the checkpoint of step {}", step_));
       save_checkpoint();
+    } else {
+      commit_when_written();
     }
     std::fflush(stdout);
   }
@@ -411,6 +413,21 @@ void Trainer::save_checkpoint() {
     std::printf("checkpoint step %lld: training stalled %.3f s (%.3f s staging the state, %.3f s completing the previous "
                 "save); writing in the background\n",
                 static_cast<long long>(step_), stall, staging, previous);
+}
+
+void Trainer::commit_when_written() {
+  // Commit as soon as every rank's writes are on disk rather than at the next save: a rank
+  // that dies or hangs before then (no destructor runs) would otherwise leave that checkpoint
+  // uncommitted, losing two intervals of work instead of one. One small all-reduce per step,
+  // only while a save is in flight (every rank saves at the same steps).
+  if (!ckpt_ || !ckpt_->in_flight()) return;
+  int done = ckpt_->writes_done() ? 1 : 0;
+  if (ctx_.data.size > 1)
+    mpi_check(MPI_Allreduce(MPI_IN_PLACE, &done, 1, MPI_INT, MPI_MIN, ctx_.data.comm), "MPI_Allreduce");
+  if (done) {
+    progress(fmt::format("committing the checkpoint after step {}", step_));
+    finish_checkpoint();
+  }
 }
 
 void Trainer::finish_checkpoint() {

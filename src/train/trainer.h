@@ -80,6 +80,8 @@ class Trainer {
   // Every token id of the samples evaluate() reads fits the vocabulary (UsageError otherwise).
   void check_eval_tokens() const;
   void log_step(const StepStats& s, double seconds, std::int64_t tokens);
+  // Commits the save in flight once every rank's background writes are done (at a step boundary).
+  void commit_when_written();
   // Re-arms the watchdog, if any, for `what`.
   void progress(const std::string& what);
 

@@ -38,13 +38,23 @@ set_tests_properties(cli_train_stop_at_interval PROPERTIES FIXTURES_REQUIRED "tr
 keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must be a step count >= 1"
   ARGS train ${tcfg} ${tshort} --set output_dir=train_never --stop-after -5)
 # The other runs write checkpoints too: each starts from an empty directory so reruns work.
-add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_zaya train_stop_iv train_hang
+add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_zaya train_stop_iv train_hang train_hang_ck
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
 # Data parallel (ZeRO-1) on CPU ranks under mpiexec: 2 ranks train and save; one rank resumes
 # the 2-rank checkpoint (the optimizer shards are read back as one); bad layouts are refused.
 set(tdp ${tshort} --set device=cpu --set batch.grad_accum=2)
+# Ranks launched with different configs (an MPMD launch, a stale file on one node) are refused
+# before any collective, naming the key, instead of hanging, crashing or training on mixed settings.
+add_test(NAME cli_train_ranks_disagree
+         COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/expect.sh 1
+                 "ranks disagree on the config: rank 1 has 'optimizer.lr: 0.3' where rank 0 has 'optimizer.lr: 3.0e-3'"
+                 -- ${KEEL_MPIEXEC} -n 1 $<TARGET_FILE:keel> train ${tcfg} ${tdp} --set output_dir=train_disagree
+                 : -n 1 $<TARGET_FILE:keel> train ${tcfg} ${tdp} --set output_dir=train_disagree --set optimizer.lr=0.3
+         WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_train_ranks_disagree PROPERTIES ENVIRONMENT "${KEEL_MPI_ENV}" TIMEOUT 120
+                     FIXTURES_REQUIRED train_stories)
 keel_cli_test(NAME train_dp2_stop NP 2 MATCH "saved train_dp/step_00000004 "
   ARGS train ${tcfg} ${tdp} --set output_dir=train_dp --stop-after 4)
 keel_cli_test(NAME train_dp2_resume_on_one MATCH "resumed from train_dp/step_00000004 at step 4"
@@ -86,6 +96,17 @@ keel_cli_test(NAME train_hung_rank_is_an_error NP 2 EXIT nonzero
   ARGS train ${tcfg} ${tdp} --set output_dir=train_hang --set checkpoint.final=false --timeout 5
        --inject-hang-rank 1 --inject-hang-step 3)
 set_tests_properties(cli_train_hung_rank_is_an_error PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean" TIMEOUT 60)
+# A checkpoint commits once every rank's writes are done, not at the next save: the run below
+# saves at step 20 and hangs at step 30 (no destructor runs after the watchdog fires), and step
+# 20 is committed and `latest` (before, the hang lost it: nothing was committed).
+keel_cli_test(NAME train_hang_after_save NP 2 EXIT nonzero MATCH "step 30 did not finish within 5 s"
+  ARGS train ${tcfg} ${tdp} --set output_dir=train_hang_ck --set steps=40 --set checkpoint.interval=20
+       --set checkpoint.final=false --timeout 5 --inject-hang-rank 1 --inject-hang-step 30)
+set_tests_properties(cli_train_hang_after_save PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean"
+                     FIXTURES_SETUP train_hang_ck TIMEOUT 90)
+keel_cli_test(NAME train_hang_after_save_committed MATCH "step_00000020  committed  <- latest"
+  ARGS ckpt inspect train_hang_ck)
+set_tests_properties(cli_train_hang_after_save_committed PROPERTIES FIXTURES_REQUIRED train_hang_ck)
 keel_cli_test(NAME train_inject_hang_needs_both EXIT 1 MATCH "--inject-hang-rank and --inject-hang-step go together"
   ARGS train ${tcfg} --inject-hang-rank 0)
 
