@@ -2,8 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -16,6 +14,7 @@
 
 #include "common/error.h"
 #include "common/fileio.h"
+#include "common/host.h"
 #include "data/tokenizer.h"
 #include "generate/cuda_decoder.h"
 #include "generate/generate.h"
@@ -111,15 +110,10 @@ MemoryNeed memory_need(const model::ModelConfig& cfg, int batch, std::int64_t pr
   return m;
 }
 
-double host_memory_bytes() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
-}
-
 void check_memory(const model::ModelConfig& cfg, const std::vector<int>& batches, std::int64_t prompt,
                   std::int64_t positions, const std::string& device) {
   // Up front: a failed allocation mid-run gave a bare "std::bad_alloc" after the header.
-  const double have = host_memory_bytes();
+  const double have = static_cast<double>(host_physical_bytes());
   const int elem_bytes = device == "cpu" ? 4 : 2;  // fp32 caches on the CPU, bf16 on the GPU
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   for (int b : batches) {

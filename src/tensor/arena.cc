@@ -1,39 +1,22 @@
 #include "tensor/arena.h"
 
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 
 #include "common/error.h"
+#include "common/host.h"
 #include "common/units.h"
 
 namespace keel {
-namespace {
-
-// MemAvailable of /proc/meminfo (what the kernel can hand out without swapping), or 0 when
-// unknown.
-std::size_t available_memory_bytes() {
-  std::FILE* f = std::fopen("/proc/meminfo", "r");
-  if (!f) return 0;
-  char line[256];
-  unsigned long long kib = 0;
-  while (std::fgets(line, sizeof line, f))
-    if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
-  std::fclose(f);
-  return static_cast<std::size_t>(kib) * 1024;
-}
-
-}  // namespace
-
 Arena::Arena(std::string name, std::size_t capacity_bytes) : name_(std::move(name)) {
   capacity_ = footprint(capacity_bytes);
   // Touching more than the machine has gets the process killed without a word (the OOM
   // killer), so a request beyond what is available is an error here instead.
-  if (const std::size_t avail = available_memory_bytes(); avail > 0 && capacity_ > avail)
+  if (const auto avail = host_mem_available_bytes(); avail && *avail > 0 && capacity_ > *avail)
     fail("arena '{}': needs {} but this machine has {} of memory available: train a smaller model, batch or "
          "sequence, or on GPUs",
-         name_, format_size(capacity_), format_size(avail));
+         name_, format_size(capacity_), format_size(*avail));
   if (capacity_ > 0) {
     base_ = static_cast<std::byte*>(std::aligned_alloc(kAlignment, capacity_));
     if (!base_) fail("arena '{}': cannot allocate {}", name_, format_size(capacity_));

@@ -2,47 +2,25 @@
 // host clock while cycling through enough operand sets to stream them from DRAM rather than
 // the last-level cache. CI measures and checks this path.
 #include <cblas.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <limits>
 
 #include "common/hash.h"
 #include "bench/gemm/backend.h"
 #include "common/error.h"
+#include "common/host.h"
 #include "common/units.h"
 
 namespace keel::bench {
 namespace {
 
-
 void fill(float* p, std::uint64_t count, std::uint64_t seed) {
   const std::uint64_t key = keel::splitmix64(seed);
   for (std::uint64_t i = 0; i < count; ++i) p[i] = static_cast<float>(keel::splitmix64(key ^ i) >> 40) * 0x1p-23f - 1.0f;
-}
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
-    }
-  return "cpu";
-}
-
-std::uint64_t available_bytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key, unit;
-  std::uint64_t kib = 0;
-  while (in >> key >> kib >> unit)
-    if (key == "MemAvailable:") return kib * 1024;
-  return static_cast<std::uint64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
 }
 
 struct FreeDeleter {
@@ -60,11 +38,10 @@ class OpenBlasBackend final : public GemmBackend {
 
   GemmDevice device() const override {
     GemmDevice d;
-    d.name = cpu_model();
+    d.name = host_cpu_model();
     d.sm_count = threads_;
-    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE), l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    d.l2_bytes = static_cast<std::uint64_t>(l3 > 0 ? l3 : std::max(l2, 0L));
-    d.memory_bytes = static_cast<std::uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
+    d.l2_bytes = host_last_level_cache_bytes();
+    d.memory_bytes = host_physical_bytes();
     return d;
   }
 
@@ -81,7 +58,7 @@ class OpenBlasBackend final : public GemmBackend {
 
   void check_fits(const GemmShape& s, GemmType t, const GemmPlan& plan) const override {
     const std::uint64_t need = set_bytes(s);
-    const std::uint64_t have = available_bytes();
+    const std::uint64_t have = host_available_bytes();
     if (need > have * 9 / 10)
       fail("out of memory: {}x{}x{} {} needs {} of host memory (A, B and C) but {} is available", s.m, s.n, s.k,
            gemm_type_name(t), format_size(need), format_size(have));
@@ -99,7 +76,7 @@ class OpenBlasBackend final : public GemmBackend {
     // at most 1 GiB: filling more would cost more than the timing gains.
     const std::uint64_t target = plan.rotate_bytes ? plan.rotate_bytes : std::min<std::uint64_t>(2 * llc, 1ull << 30);
     std::uint64_t sets = std::max<std::uint64_t>(1, (target + per - 1) / per);
-    sets = std::max<std::uint64_t>(1, std::min(sets, available_bytes() / 2 / per));
+    sets = std::max<std::uint64_t>(1, std::min(sets, host_available_bytes() / 2 / per));
     r.rotating_sets = static_cast<int>(sets);
     std::vector<std::unique_ptr<float, FreeDeleter>> A, B, C;
     auto alloc = [&](std::uint64_t n) {

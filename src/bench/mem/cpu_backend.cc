@@ -1,14 +1,12 @@
 // `keel bench mem --backend cpu`: the BabelStream kernels on host memory, each run split into
 // static slices over a team of threads (what STREAM's OpenMP loops do), and memcpy as the
 // CPU's copy engine. CI measures and checks this path.
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <thread>
 
@@ -17,6 +15,7 @@
 #include "bench/mem/thread_team.h"
 #include "bench/mem/values.h"
 #include "common/error.h"
+#include "common/host.h"
 #include "common/units.h"
 
 namespace keel::bench {
@@ -24,29 +23,6 @@ namespace {
 
 constexpr std::uint64_t kDotChunk = 1024;  // T-precision partial sums before a double add
 constexpr int kDotLanes = 8;
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
-    }
-  }
-  return "cpu";
-}
-
-// Memory a new allocation can take without swapping: MemAvailable, else free pages.
-std::uint64_t available_host_bytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  std::uint64_t kib = 0;
-  std::string unit;
-  while (in >> key >> kib >> unit)
-    if (key == "MemAvailable:") return kib * 1024;
-  return static_cast<std::uint64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
-}
 
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
@@ -68,11 +44,10 @@ class CpuMemBackend final : public MemBackend {
 
   std::vector<MemDevice> devices() const override {
     MemDevice d;
-    d.name = cpu_model();
+    d.name = host_cpu_model();
     d.sm_count = team_.size();
-    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE), l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    d.l2_bytes = static_cast<std::uint64_t>(l3 > 0 ? l3 : std::max(l2, 0L));
-    d.memory_bytes = static_cast<std::uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
+    d.l2_bytes = host_last_level_cache_bytes();
+    d.memory_bytes = host_physical_bytes();
     return {d};
   }
 
@@ -87,7 +62,7 @@ class CpuMemBackend final : public MemBackend {
 
   void check_fits(const MemCase& c) const override {
     const std::uint64_t need = static_cast<std::uint64_t>(arrays_needed(c.op)) * c.elements * mem_type_size(c.type);
-    const std::uint64_t have = available_host_bytes();
+    const std::uint64_t have = host_available_bytes();
     if (need > have * 9 / 10)
       fail("out of memory: {} of {} needs {} of host memory ({} arrays of {}) but only {} is available",
            mem_op_name(c.op), format_size(c.elements * mem_type_size(c.type)), format_size(need), arrays_needed(c.op),
