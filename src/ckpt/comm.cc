@@ -31,10 +31,8 @@ class MpiComm : public Comm {
     return out;
   }
   std::string bcast(const std::string& from_root) override {
-    int n = static_cast<int>(from_root.size());
-    mpi_check(MPI_Bcast(&n, 1, MPI_INT, 0, c_), "MPI_Bcast");
-    std::string s = rank_ == 0 ? from_root : std::string(static_cast<std::size_t>(n), '\0');
-    mpi_check(MPI_Bcast(s.data(), n, MPI_CHAR, 0, c_), "MPI_Bcast");
+    std::string s = from_root;
+    broadcast_string(s, 0, c_);
     return s;
   }
 

@@ -40,6 +40,14 @@ void write_file_atomically(const std::string& path, const std::string& text) {
   }
 }
 
+std::string why_no_new_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return std::strerror(errno);
+  ::close(fd);
+  ::unlink(path.c_str());
+  return "";
+}
+
 std::string read_file(const std::string& path) {
   // POSIX reads, not std::ifstream: an ifstream opens a directory without complaint and then
   // reads nothing, so a directory passed as a file became empty text. read() reports EISDIR.

@@ -10,6 +10,11 @@ namespace keel {
 // naming the path on failure.
 void write_file_atomically(const std::string& path, const std::string& text);
 
+// Creates `path` (a name nothing else uses) and removes it again: whether a new file can be
+// made in its directory, found before hours of work rather than at the first write. Returns ""
+// when it can, else the reason (strerror). An existing file at `path` is not touched.
+std::string why_no_new_file(const std::string& path);
+
 // Reads a whole file; throws keel::Error naming the path when it cannot.
 std::string read_file(const std::string& path);
 

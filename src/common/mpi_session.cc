@@ -17,6 +17,13 @@ void mpi_check(int rc, const char* what) {
   fail("MPI call {} failed: {}", what, std::string(text, static_cast<size_t>(len)));
 }
 
+void broadcast_string(std::string& text, int root, MPI_Comm comm) {
+  int n = static_cast<int>(text.size());
+  mpi_check(MPI_Bcast(&n, 1, MPI_INT, root, comm), "MPI_Bcast");
+  text.resize(static_cast<std::size_t>(n));
+  mpi_check(MPI_Bcast(text.data(), n, MPI_CHAR, root, comm), "MPI_Bcast");
+}
+
 MpiSession::MpiSession() {
   int initialized = 0;
   MPI_Initialized(&initialized);

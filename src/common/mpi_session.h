@@ -35,4 +35,7 @@ void finish_mpi_after_error(bool all_ranks_failed);
 // Throws keel::Error with the MPI error string when `rc` is not MPI_SUCCESS.
 void mpi_check(int rc, const char* what);
 
+// Gives every rank of `comm` the `text` of rank `root` (collective; the others' text is replaced).
+void broadcast_string(std::string& text, int root, MPI_Comm comm);
+
 }  // namespace keel

@@ -60,13 +60,6 @@ std::uint64_t fnv1a(const std::string& text) {
   return h;
 }
 
-void broadcast_string(std::string& text, int root) {
-  int n = static_cast<int>(text.size());
-  mpi_check(MPI_Bcast(&n, 1, MPI_INT, root, MPI_COMM_WORLD), "MPI_Bcast");
-  text.resize(static_cast<std::size_t>(n));
-  mpi_check(MPI_Bcast(text.data(), n, MPI_CHAR, root, MPI_COMM_WORLD), "MPI_Bcast");
-}
-
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> out;
   std::size_t b = 0;
@@ -109,7 +102,7 @@ void require_same_config_on_every_rank(const std::string& text, const MpiSession
     if (all[static_cast<std::size_t>(r)] != all[0]) differing += 1, first = first < 0 ? r : first;
   if (differing == 0) return;
   std::string zero = text;
-  broadcast_string(zero, 0);
+  broadcast_string(zero, 0, MPI_COMM_WORLD);
   std::string what;
   if (mpi.rank() == first) {
     const auto a = lines_of(text), b = lines_of(zero);
@@ -117,7 +110,7 @@ void require_same_config_on_every_rank(const std::string& text, const MpiSession
     while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
     what = fmt::format("'{}' where rank 0 has '{}'", dotted_line(a, i), dotted_line(b, i));
   }
-  broadcast_string(what, first);
+  broadcast_string(what, first, MPI_COMM_WORLD);
   throw UsageError(fmt::format("ranks disagree on the config: rank {} has {} ({} of {} ranks differ from rank 0): "
                                "launch every rank with the same config and flags",
                                first, what, differing, mpi.size()));

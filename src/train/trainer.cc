@@ -3,7 +3,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -120,13 +119,9 @@ void Trainer::check_checkpoint_dir() const {
   fs::create_directories(dir, ec);
   if (ec || !fs::is_directory(dir))
     fail("checkpoint.dir {}: cannot create it: {}", dir, ec ? ec.message() : "a file of that name is in the way");
-  const fs::path probe = fs::path(dir) / fmt::format(".keel-write-test.{}.{}", ctx_.data.rank, ::getpid());
-  if (std::FILE* f = std::fopen(probe.c_str(), "wb")) {
-    std::fclose(f);
-    fs::remove(probe, ec);
-  } else {
-    fail("checkpoint.dir {}: cannot write there: {}", dir, std::strerror(errno));
-  }
+  const std::string why =
+      why_no_new_file((fs::path(dir) / fmt::format(".keel-write-test.{}.{}", ctx_.data.rank, ::getpid())).string());
+  if (!why.empty()) fail("checkpoint.dir {}: cannot write there: {}", dir, why);
   if (!resumed_) {
     // A fresh run must not write over the checkpoints of another.
     if (is_ckpt_directory(dir))

@@ -42,5 +42,17 @@ TEST(Fileio, ReadFileOfAMissingFileNamesIt) {
   EXPECT_EQ(read_error(path), "cannot read " + path + ": No such file or directory");
 }
 
+TEST(Fileio, WhyNoNewFileProbesWithoutTouchingAnything) {
+  const fs::path dir = fs::temp_directory_path() / "keel_fileio_test_probe";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  EXPECT_EQ(why_no_new_file((dir / "probe").string()), "");
+  EXPECT_TRUE(fs::is_empty(dir)) << "the probe must be removed";
+  EXPECT_EQ(why_no_new_file((dir / "missing" / "probe").string()), "No such file or directory");
+  write_file_atomically((dir / "kept").string(), "data");
+  EXPECT_EQ(why_no_new_file((dir / "kept").string()), "File exists");
+  EXPECT_EQ(read_file((dir / "kept").string()), "data");
+}
+
 }  // namespace
 }  // namespace keel

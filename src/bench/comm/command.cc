@@ -129,10 +129,7 @@ void check_outputs_before_sweep(const CommOptions& o, const MpiSession& mpi) {
       problem = e.what();
     }
   }
-  int length = static_cast<int>(problem.size());
-  mpi_check(MPI_Bcast(&length, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
-  problem.resize(static_cast<size_t>(length));
-  mpi_check(MPI_Bcast(problem.data(), length, MPI_CHAR, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  broadcast_string(problem, 0, MPI_COMM_WORLD);
   if (!problem.empty()) throw UsageError(problem);  // printed once, by rank 0
 }
 

@@ -1,10 +1,8 @@
 #include "bench/comm/report.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -233,13 +231,9 @@ void probe_directory(std::string_view flag, const std::string& path) {
   const fs::path dir = directory_of(path);
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) fail("{} '{}': directory '{}' does not exist", flag, path, dir.string());
-  const std::string probe = path + ".keel-probe." + std::to_string(::getpid());
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
-  if (fd < 0)
-    fail("{} '{}' cannot be written: no new file can be made in '{}': {}", flag, path, dir.string(),
-         std::strerror(errno));
-  ::close(fd);
-  ::unlink(probe.c_str());
+  const std::string why = why_no_new_file(path + ".keel-probe." + std::to_string(::getpid()));
+  if (!why.empty())
+    fail("{} '{}' cannot be written: no new file can be made in '{}': {}", flag, path, dir.string(), why);
 }
 
 // A file that --json or --csv will replace: it must not be a directory or a device.
