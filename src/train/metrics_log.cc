@@ -16,7 +16,7 @@ MetricsLog::MetricsLog(const std::string& dir, bool tensorboard) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) fail("cannot create metrics directory {}: {}", dir, ec.message());
-  jsonl_path_ = dir + "/metrics.jsonl";
+  jsonl_path_ = jsonl_path_in(dir);
   jsonl_.reset(std::fopen(jsonl_path_.c_str(), "ab"));
   if (jsonl_ == nullptr) fail("cannot open {}: {}", jsonl_path_, std::strerror(errno));
   if (tensorboard) tb_ = std::make_unique<TbWriter>(dir);

@@ -38,6 +38,8 @@ class MetricsLog {
   void flush();
 
   const std::string& jsonl_path() const { return jsonl_path_; }
+  // The JSONL file a log in `dir` writes.
+  static std::string jsonl_path_in(const std::string& dir) { return dir + "/metrics.jsonl"; }
   // Empty when TensorBoard is off.
   std::string event_file_path() const;
 

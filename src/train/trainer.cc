@@ -85,7 +85,7 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
   if (!(cfg_.peak_flops > 0)) cfg_.peak_flops = cuda ? device_peak_bf16_flops(backend_->device()) : 1e11;
   // Read before this run's log opens: a fresh run must not append to another run's metrics.
   std::error_code ec;
-  const auto metrics = std::filesystem::path(cfg_.output_dir) / "metrics.jsonl";
+  const std::filesystem::path metrics = MetricsLog::jsonl_path_in(cfg_.output_dir);
   earlier_metrics_ = std::filesystem::is_regular_file(metrics, ec) && std::filesystem::file_size(metrics, ec) > 0;
   if (ctx_.data.rank == 0) log_ = std::make_unique<MetricsLog>(cfg_.output_dir, cfg_.tensorboard);
   if (ctx_.data.rank != 0) quiet_ = true;  // rank 0 speaks for the group
