@@ -7,7 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "common/dtype.h"
@@ -126,6 +129,7 @@ void compare_with_cpu(const model::ModelConfig& cfg, Recompute r) {
   cpu->backward(1.0f);
   gpu->backward(1.0f);
   const auto gc = cpu->gradients(), gg = gpu->gradients();
+  std::vector<std::pair<double, std::string>> errors;  // (error / bound, description)
   for (const auto& p : cpu->layout().params) {
     // bf16 activations and weights: a few % of the gradient's norm; a router selection that a
     // bf16 rounding flips moves single tokens, not whole tensors
@@ -139,12 +143,23 @@ void compare_with_cpu(const model::ModelConfig& cfg, Recompute r) {
     // the last stage's experts, norms and scales were 0.094-0.113 off on an H100 while the
     // class loads agreed within the 3% checked below and the skip-free runs stay within 0.08.
     if (cfg.router_skip_expert) tol = std::max(tol, 0.15);
+    // Without the skip class the same flips, fewer: the last stage's experts and the final
+    // residual scale were 0.075-0.084 off on an H200 once CCA's grouped conv ran on tensor cores
+    // with bf16 weights (0.051-0.061 before, at other parameters: which tokens flip moved), while
+    // the skip runs' worst fell from 0.161 to 0.128 with the same change.
+    if (mlp_router) tol = std::max(tol, 0.1);
     // The later layer's MLP router sees those flips twice (its input and its gates' gradients):
     // 0.150-0.161 on an H200 for layer 1's router (below 0.15 before the embedding table was
     // made bf16-valued here, which moved the batch's flips); a wrong router backward is O(1) off.
     if (cfg.router_skip_expert && p.name.find("router") != std::string::npos) tol = 0.2;
-    EXPECT_LT(keel::test::norm_rel_err(gg, gc, p.offset, p.numel), tol) << p.name;
+    const double err = keel::test::norm_rel_err(gg, gc, p.offset, p.numel);
+    EXPECT_LT(err, tol) << p.name;
+    errors.emplace_back(err / tol, p.name + " " + std::to_string(err) + " (bound " + std::to_string(tol) + ")");
   }
+  // The closest to their bounds, to see how much room the bounds leave.
+  std::sort(errors.rbegin(), errors.rend());
+  for (std::size_t i = 0; i < std::min<std::size_t>(4, errors.size()); ++i)
+    std::printf("    gradient error %s\n", errors[i].second.c_str());
   const std::int64_t N = std::int64_t(opt.micro_batch) * opt.seq_length;
   for (int i = 0; i < cpu->moe_layer_count(); ++i) {
     const auto lc_i = cpu->load(i), lg_i = gpu->load(i);

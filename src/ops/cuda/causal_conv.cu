@@ -252,6 +252,46 @@ __global__ void __launch_bounds__(256) grouped_dw_kernel(const bf16* __restrict_
   }
 }
 
+// ---------------------------------------------------------------- grouped, tensor cores
+
+// wt[(k C + c) Cg + i] = bf16(w[(c Cg + i) W + k]).
+__global__ void relayout_weights_kernel(const float* __restrict__ w, bf16* __restrict__ wt, std::int64_t C,
+                                        std::int64_t Cg, int W) {
+  const std::int64_t n = C * Cg * W;
+  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t i = e % Cg, c = (e / Cg) % C, k = e / (Cg * C);
+    wt[e] = __float2bfloat16(w[(c * Cg + i) * W + k]);
+  }
+}
+
+// One block per row of y [rows, C]: y = b (or 0), the GEMMs then accumulate onto it.
+__global__ void fill_bias_kernel(const float* __restrict__ b, float* __restrict__ y, std::int64_t C) {
+  float* row = y + static_cast<std::int64_t>(blockIdx.x) * C;
+  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) row[c] = b ? b[c] : 0.f;
+}
+
+// One block per row of dyp [B, Ti, C] bf16: rows s < T of each sequence are dy's, the W - 1
+// rows after them zero.
+__global__ void pad_dy_kernel(const float* __restrict__ dy, bf16* __restrict__ dyp, std::int64_t T,
+                              std::int64_t Ti, std::int64_t C) {
+  const std::int64_t r = blockIdx.x, bi = r / Ti, s = r % Ti;
+  bf16* out = dyp + r * C;
+  const float* in = dy + (bi * T + s) * C;
+  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) out[c] = __float2bfloat16(s < T ? in[c] : 0.f);
+}
+
+// dw[(c Cg + i) W + k] += dwt[(k C + c) Cg + i].
+__global__ void add_weight_grad_kernel(const float* __restrict__ dwt, float* __restrict__ dw, std::int64_t C,
+                                       std::int64_t Cg, int W) {
+  const std::int64_t n = C * Cg * W;
+  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t k = e % W, ci = e / W;  // ci = c Cg + i
+    dw[e] += dwt[k * C * Cg + ci];
+  }
+}
+
 // ---------------------------------------------------------------- launch helpers
 
 void check_common(std::int64_t B, std::int64_t T, std::int64_t C, int W, const char* what) {
@@ -325,6 +365,103 @@ void grouped_backward(const bf16* x, const float* w, int lead, const float* dy, 
     const dim3 grid(static_cast<unsigned>(tiles * tiles), static_cast<unsigned>(heads * W),
                     static_cast<unsigned>((rows + chunk - 1) / chunk));
     grouped_dw_kernel<<<grid, 256, 0, stream>>>(x, lead, dy, dw, B, T, C, Cg, W, chunk);
+    KEEL_CUDA_CHECK_LAUNCH();
+  }
+  if (db) {
+    const ColumnSplit s = column_split(B * T, C, kColThreads, kTargetBlocks);
+    column_sum_kernel<<<s.grid, kColThreads, 0, stream>>>(dy, db, B * T, C, s.chunk);
+    KEEL_CUDA_CHECK_LAUNCH();
+  }
+}
+
+namespace {
+
+std::size_t round_up_256(std::size_t b) { return (b + 255) / 256 * 256; }
+
+void check_gemm(std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg, int W, const char* what) {
+  check_grouped(B, T, C, Cg, W, W - 1, what);
+  if (C / Cg > 0x7fffffff) fail("causal_conv {}: too many groups ({})", what, C / Cg);
+}
+
+// The strided batch over the heads: head h's operands start h * Cg columns (h * Cg * Cg weight
+// elements) further on.
+GemmDesc head_batch(std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t C, std::int64_t Cg) {
+  GemmDesc g;
+  g.m = m, g.n = n, g.k = k;
+  g.c_type = GemmOut::kFp32;
+  g.batch = static_cast<int>(C / Cg);
+  return g;
+}
+
+}  // namespace
+
+void grouped_weights_bf16(const float* w, bf16* wt, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream) {
+  check_common(1, 1, C, W, "grouped_weights_bf16");
+  if (Cg < 1 || C % Cg != 0) fail("causal_conv grouped_weights_bf16: group width {} does not divide C = {}", Cg, C);
+  relayout_weights_kernel<<<elementwise_grid(C * Cg * W, kThreads), kThreads, 0, stream>>>(w, wt, C, Cg, W);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+void grouped_forward_gemm(GemmRunner& gemm, const bf16* x, const bf16* wt, const float* b, float* y, std::int64_t B,
+                          std::int64_t T, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream) {
+  check_gemm(B, T, C, Cg, W, "grouped_forward_gemm");
+  if (B == 0 || T == 0) return;
+  const std::int64_t Ti = T + W - 1;
+  fill_bias_kernel<<<static_cast<unsigned>(B * T), kThreads, 0, stream>>>(b, y, C);
+  KEEL_CUDA_CHECK_LAUNCH();
+  // y_h[bi, t, :] += x_h[bi, t + k, :] W_k,h^T per tap and sequence (the rows of one sequence
+  // are contiguous in x and in y, but the sequences are Ti apart in x and T apart in y).
+  GemmDesc g = head_batch(T, Cg, Cg, C, Cg);
+  g.trans_b = true;
+  g.beta = 1.f;
+  g.lda = C, g.ldb = Cg, g.ldc = C;
+  g.stride_a = Cg, g.stride_b = Cg * Cg, g.stride_c = Cg;
+  for (int k = 0; k < W; ++k)
+    for (std::int64_t bi = 0; bi < B; ++bi)
+      gemm.run(g, x + (bi * Ti + k) * C, wt + k * C * Cg, y + bi * T * C, stream);
+}
+
+std::size_t grouped_backward_gemm_scratch_bytes(std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg,
+                                                int W) {
+  check_gemm(B, T, C, Cg, W, "grouped_backward_gemm");
+  return round_up_256(static_cast<std::size_t>(B * (T + W - 1) * C) * sizeof(bf16)) +
+         round_up_256(static_cast<std::size_t>(W * C * Cg) * sizeof(float));
+}
+
+void grouped_backward_gemm(GemmRunner& gemm, const bf16* x, const bf16* wt, const float* dy, float* dx, float* dw,
+                           float* db, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg, int W,
+                           void* scratch, cudaStream_t stream) {
+  check_gemm(B, T, C, Cg, W, "grouped_backward_gemm");
+  if (B == 0 || T == 0) return;
+  const std::int64_t Ti = T + W - 1, rows = B * Ti;
+  bf16* dyp = static_cast<bf16*>(scratch);
+  float* dwt = reinterpret_cast<float*>(static_cast<char*>(scratch) +
+                                        round_up_256(static_cast<std::size_t>(rows * C) * sizeof(bf16)));
+  if (dx || dw) {
+    pad_dy_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(dy, dyp, T, Ti, C);
+    KEEL_CUDA_CHECK_LAUNCH();
+  }
+  if (dx) {
+    // dx_h[r] (+)= dyp_h[r - k] W_k,h over the flat rows r >= k: a row r - k in the padding
+    // after a sequence is zero, so nothing leaks across sequences. Tap 0 covers every row.
+    for (int k = 0; k < W; ++k) {
+      GemmDesc g = head_batch(rows - k, Cg, Cg, C, Cg);
+      g.beta = k == 0 ? 0.f : 1.f;
+      g.lda = C, g.ldb = Cg, g.ldc = C;
+      g.stride_a = Cg, g.stride_b = Cg * Cg, g.stride_c = Cg;
+      gemm.run(g, dyp, wt + k * C * Cg, dx + k * C, stream);
+    }
+  }
+  if (dw) {
+    // dW_k,h = sum over the flat rows r of dyp_h[r]^T x_h[r + k] (padding rows of dyp are zero).
+    for (int k = 0; k < W; ++k) {
+      GemmDesc g = head_batch(Cg, Cg, rows - k, C, Cg);
+      g.trans_a = true;
+      g.lda = C, g.ldb = C, g.ldc = Cg;
+      g.stride_a = Cg, g.stride_b = Cg, g.stride_c = Cg * Cg;
+      gemm.run(g, dyp, x + k * C, dwt + k * C * Cg, stream);
+    }
+    add_weight_grad_kernel<<<elementwise_grid(C * Cg * W, kThreads), kThreads, 0, stream>>>(dwt, dw, C, Cg, W);
     KEEL_CUDA_CHECK_LAUNCH();
   }
   if (db) {

@@ -18,13 +18,23 @@
 // and 32-channel chunks through shared memory; dw is the same tiling over (output, input)
 // channel tiles with token chunks summed by atomicAdd (plain adds when one chunk covers all
 // tokens), so dw and db match the CPU op to fp32 rounding, not bit for bit. Launches only.
-// (ZAYA1's grouped conv is ~12% of the W_qk GEMM's FLOPs; a tensor-core version through the
-// GEMM seam would need its weight re-laid out per tap — a later optimisation.)
+//
+// The grouped conv on tensor cores (the *_gemm functions, what CCA runs): per tap k the conv is
+// one GEMM per head, y_h[t] += x_h[t + k] W_k,h^T (Cg x Cg), run as a strided batch over the
+// heads through the GEMM seam with bf16 operands and fp32 accumulation and output. The weights
+// are re-laid out tap-major in bf16 first (grouped_weights_bf16: [C, Cg, W] fp32 -> [W, C, Cg]),
+// and backward rounds dy to bf16 (the GEMM operand), so these agree with the CPU op to bf16
+// rounding (norm-relative ~1e-3), not to fp32 like the CUDA-core kernels above. They take only
+// CCA's layout, lead = W - 1: with W - 1 rows of padding between sequences, a zero-padded copy
+// of dy lets dx and dw run one GEMM per tap over all sequences at once (the padding rows
+// contribute zeros), and the forward runs one per tap and sequence.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "ops/cuda/common.h"
+#include "ops/cuda/gemm.h"
 
 namespace keel::ops::cuda::causal_conv {
 
@@ -42,5 +52,19 @@ void grouped_forward(const bf16* x, const float* w, const float* b, int lead, fl
 // dy [B, T, C] -> dx [B, T + lead, C] (overwritten), dw [C, Cg, W] and db [C] (+=).
 void grouped_backward(const bf16* x, const float* w, int lead, const float* dy, float* dx, float* dw, float* db,
                       std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream);
+
+// Tensor-core grouped conv (lead = W - 1; header comment). wt [W, C, Cg] bf16 from
+// grouped_weights_bf16 (forward makes it; backward reuses it).
+void grouped_weights_bf16(const float* w, bf16* wt, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream);
+// x [B, T + W - 1, C] bf16 -> y [B, T, C] fp32 (overwritten; b added when not null).
+void grouped_forward_gemm(GemmRunner& gemm, const bf16* x, const bf16* wt, const float* b, float* y, std::int64_t B,
+                          std::int64_t T, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream);
+// Device scratch of grouped_backward_gemm (256-byte aligned regions; contents ignored).
+std::size_t grouped_backward_gemm_scratch_bytes(std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg,
+                                                int W);
+// dy [B, T, C] fp32 -> dx [B, T + W - 1, C] fp32 (overwritten), dw [C, Cg, W] and db [C] (+=).
+void grouped_backward_gemm(GemmRunner& gemm, const bf16* x, const bf16* wt, const float* dy, float* dx, float* dw,
+                           float* db, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg, int W,
+                           void* scratch, cudaStream_t stream);
 
 }  // namespace keel::ops::cuda::causal_conv

@@ -186,6 +186,7 @@ struct Scratch {
   float* dc0;   // [B, T + W1 - 1, C]
   float* dqk0;  // [N, C] conv path
   bf16* dqk0b;  // [N, C] conv + mixing path, bf16 for the GEMMs
+  void* conv_ws; // the grouped conv backward's
   void* attn_ws;
 };
 
@@ -208,6 +209,7 @@ std::size_t scratch_layout(const Config& c, std::int64_t B, std::int64_t T, cons
   t.dc0 = reinterpret_cast<float*>(take(static_cast<std::size_t>(B * d.Tc0 * d.C) * 4));
   t.dqk0 = reinterpret_cast<float*>(take(N * d.C * 4));
   t.dqk0b = reinterpret_cast<bf16*>(take(N * d.C * 2));
+  t.conv_ws = take(d.N > 0 ? causal_conv::grouped_backward_gemm_scratch_bytes(B, T, d.C, d.d, int(d.W1)) : 0);
   t.attn_ws = take(d.N > 0 ? attention::backward_workspace_bytes(int(B), int(T), int(d.nq), int(d.nkv), int(d.d)) : 0);
   if (s) *s = t;
   (void)c;
@@ -220,7 +222,8 @@ std::size_t saved_bytes(const Config& c, std::int64_t B, std::int64_t T) {
   const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
   const std::size_t Tc0 = static_cast<std::size_t>(B * (T + c.conv1_width - 1));
   return round_up(N * C * 2) + round_up(Tc0 * C * 2) + round_up(N * C * 4) + round_up(N * (c.q_heads + c.kv_heads) * 4) +
-         round_up(N * dq * 2) + 2 * round_up(N * dk * 2) + round_up(N * dq * 2) + round_up(B * c.q_heads * T * 4);
+         round_up(N * dq * 2) + 2 * round_up(N * dk * 2) + round_up(N * dq * 2) + round_up(B * c.q_heads * T * 4) +
+         round_up(c.conv1_width * C * c.head_dim * 2);
 }
 
 Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, void* buffer) {
@@ -241,6 +244,7 @@ Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, void* buffer)
   s.v = reinterpret_cast<bf16*>(take(N * dk * 2));
   s.att = reinterpret_cast<bf16*>(take(N * dq * 2));
   s.lse = reinterpret_cast<float*>(take(B * c.q_heads * T * 4));
+  s.conv1_wt = reinterpret_cast<bf16*>(take(c.conv1_width * C * c.head_dim * 2));
   return s;
 }
 
@@ -252,10 +256,12 @@ void forward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, 
   const float sqrt_d = static_cast<float>(std::sqrt(double(d.d)));
   const int extra = static_cast<int>(d.W1 - 1);
 
-  // 1. W_qk projection and the two causal convolutions (conv output lands in qk, fp32).
+  // 1. W_qk projection and the two causal convolutions (conv output lands in qk, fp32); the
+  //    grouped conv on tensor cores, its weights re-laid out in bf16 (kept for backward).
   linear::forward(gemm, x, w.w_qk, s.qk0, d.N, d.H, d.C, stream);
   causal_conv::depthwise_forward(s.qk0, w.conv0_w, w.conv0_b, extra, s.c0, B, T, d.C, int(d.W0), stream);
-  causal_conv::grouped_forward(s.c0, w.conv1_w, w.conv1_b, extra, s.qk, B, T, d.C, d.d, int(d.W1), stream);
+  causal_conv::grouped_weights_bf16(w.conv1_w, s.conv1_wt, d.C, d.d, int(d.W1), stream);
+  causal_conv::grouped_forward_gemm(gemm, s.c0, s.conv1_wt, w.conv1_b, s.qk, B, T, d.C, d.d, int(d.W1), stream);
 
   // 2. Mixing terms, L2 normalization, sqrt(d), temperature -> q, k (bf16).
   mix_norm_kernel<<<static_cast<unsigned>(d.N), kTokenThreads, static_cast<std::size_t>(d.C) * sizeof(float), stream>>>(
@@ -319,8 +325,8 @@ void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T,
   }
 
   // 1. Convolutions, the mixing terms' direct path, then W_qk.
-  causal_conv::grouped_backward(s.c0, w.conv1_w, extra, k.dqk, k.dc0, g.conv1_w, g.conv1_b, B, T, d.C, d.d,
-                                int(d.W1), stream);
+  causal_conv::grouped_backward_gemm(gemm, s.c0, s.conv1_wt, k.dqk, k.dc0, g.conv1_w, g.conv1_b, B, T, d.C, d.d,
+                                     int(d.W1), k.conv_ws, stream);
   causal_conv::depthwise_backward(s.qk0, w.conv0_w, extra, k.dc0, k.dqk0, g.conv0_w, g.conv0_b, B, T, d.C,
                                   int(d.W0), stream);
   mix_backward_kernel<<<elementwise_grid(d.N * d.C, kThreads), kThreads, 0, stream>>>(k.dqk, k.dqk0, k.dqk0b, d.N, int(d.nq),

@@ -1,6 +1,6 @@
 // ZAYA1's CCA attention block on the GPU: the CUDA twin of ops/cca.h (same equations, same
 // parameter layouts, same saved set), composed from the CUDA ops: linear (W_qk, W_v, W_o),
-// causal_conv (depthwise + grouped, per sequence), rope, attention (flash, causal GQA), plus
+// causal_conv (depthwise; grouped on tensor cores, per sequence), rope, attention (flash, causal GQA), plus
 // fused kernels of its own for the mixing terms + L2 normalization (+ temperature), the value
 // shift, and their backward passes. docs/zaya1_ops.md §3 has the math; in short, per token:
 //   qk0 = x W_qk^T;  qk = grouped(depthwise(qk0)) + mixing(qk0);  q, k = L2-normalized heads of
@@ -16,16 +16,18 @@
 //   gradients: all fp32, ACCUMULATED (+=); any may be null. dx bf16, OVERWRITTEN (may be null).
 // Saved by forward (Saved; saved_bytes / carve_saved lay it out, 256-byte aligned regions):
 //   qk0 [N, C] bf16, c0 [B, T + W1 - 1, C] bf16, qk [N, C] fp32, rnorm [N, nq + nkv] fp32,
-//   q [N, nq d], k [N, nkv d], v [N, nkv d], att [N, nq d] bf16, lse [B, nq, T] fp32;
+//   q [N, nq d], k [N, nkv d], v [N, nkv d], att [N, nq d] bf16, lse [B, nq, T] fp32, conv1_wt
+//   [W1, C, d] bf16 (the grouped conv's weights re-laid out for its tensor-core GEMMs);
 //   plus the caller's x and positions. Forward uses att as its scratch for the unshifted
 //   values before the attention overwrites it, so it needs no workspace.
 // Limits: head_dim 64 or 128 (the attention kernel), nkv d even, C <= 12288 (one token's C
 // fp32 values sit in shared memory), conv widths <= causal_conv::kMaxWidth, the rope table's
 // head_dim = d. Violations throw keel::Error before anything is launched.
-// Precision vs the CPU op: qk0, c0, q, k, v, att are rounded to bf16 (the CPU keeps fp32), so
-// outputs and gradients agree to bf16 rounding (norm-relative ~1e-2), not to fp32; dtemp is
-// reduced per token into scratch and summed in a fixed order (deterministic); the conv
-// weight gradients use atomics (fp32 rounding order varies).
+// Precision vs the CPU op: qk0, c0, q, k, v, att, the grouped conv's weights and its incoming
+// gradient are rounded to bf16 (the CPU keeps fp32), so outputs and gradients agree to bf16
+// rounding (norm-relative ~1e-2), not to fp32; dtemp is reduced per token into scratch and
+// summed in a fixed order (deterministic); the depthwise conv's weight gradients use atomics
+// (fp32 rounding order varies).
 // Launches only; no host sync. One GemmRunner per stream (gemm.h).
 #pragma once
 
@@ -67,6 +69,7 @@ struct Saved {
   bf16* v = nullptr;      // [N, nkv d]
   bf16* att = nullptr;    // [N, nq d]
   float* lse = nullptr;   // [B, nq, T]
+  bf16* conv1_wt = nullptr; // [W1, C, d] the grouped conv's weights, tap-major bf16 (causal_conv.h)
 };
 
 std::size_t saved_bytes(const Config& c, std::int64_t B, std::int64_t T);

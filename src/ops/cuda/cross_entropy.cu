@@ -64,9 +64,6 @@ template <typename T>
 struct Sum {
   __device__ T operator()(T a, T b) const { return a + b; }
 };
-struct Max {
-  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
 
 // Reduction over a block of kThreads threads, result in every thread; fixed order.
 template <int kThreads, typename T, typename Op>
@@ -93,28 +90,139 @@ __global__ void init_rows_kernel(float* row_max, float* row_sum, float* target, 
   target[i] = 0.f;
 }
 
-// Folds chunk [v0, v0 + cs) of row blockIdx.x into the running (max, sum) of that row. The
-// chunk's logits are row i at logits + i * ld (fp32 chunk scratch, or the kept bf16 [N, V]).
+// 16-byte vectors of a row: 8 bf16 or 4 fp32 values, converted to / from fp32.
 template <typename T>
-__global__ void online_lse_kernel(const T* __restrict__ logits, std::int64_t ld,
-                                  const std::int32_t* __restrict__ targets, std::int32_t ignore, std::int64_t vocab,
-                                  std::int64_t v0, std::int64_t cs, float* __restrict__ row_max,
-                                  float* __restrict__ row_sum, float* __restrict__ target) {
+constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
+
+__device__ inline void load_vec(const bf16* p, float* out) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __bfloat1622float2(h[k]);
+    out[2 * k] = f.x;
+    out[2 * k + 1] = f.y;
+  }
+}
+__device__ inline void load_vec(const float* p, float* out) {
+  const float4 f = *reinterpret_cast<const float4*>(p);
+  out[0] = f.x, out[1] = f.y, out[2] = f.z, out[3] = f.w;
+}
+// kN bf16 values (8 or 4) to p, aligned to 2 * kN bytes.
+template <int kN>
+__device__ inline void store_bf16(bf16* p, const float* v) {
+  __nv_bfloat162 h[kN / 2];
+#pragma unroll
+  for (int k = 0; k < kN / 2; ++k) h[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+  if constexpr (kN == 8)
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(h);
+  else
+    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(h);
+}
+
+// Whether every row of a [rows, ld] block of T at `p` starts 16-byte aligned (the vector paths).
+template <typename T>
+bool rows_vectorizable(const void* p, std::int64_t ld) {
+  return reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && ld % kVecElems<T> == 0;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// A running (max, sum of exp(x - max)) pair: one exp per element, the sum rescaled when the max
+// grows. exp2 of a pre-scaled argument is one SFU instruction (the row pass is memory-bound
+// only if the exps keep up with the loads).
+struct MaxSum {
+  float m = -INFINITY, s = 0.f;
+  __device__ void fold(const float* x, int n) {
+    float cm = m;
+    for (int k = 0; k < n; ++k) cm = fmaxf(cm, x[k]);
+    if (cm > m) {
+      s *= exp2f((m - cm) * kLog2e);  // exp2(-inf) = 0 on the first values
+      m = cm;
+    }
+    const float ms = m * kLog2e;
+    for (int k = 0; k < n; ++k) s += exp2f(fmaf(x[k], kLog2e, -ms));
+  }
+};
+__device__ inline MaxSum merge(MaxSum a, MaxSum b) {
+  MaxSum r;
+  r.m = fmaxf(a.m, b.m);
+  if (r.m == -INFINITY) return r;  // both empty
+  r.s = a.s * exp2f((a.m - r.m) * kLog2e) + b.s * exp2f((b.m - r.m) * kLog2e);
+  return r;
+}
+// Block-wide merge in a fixed order (deterministic); the result in every thread.
+template <int kThreads>
+__device__ MaxSum block_merge(MaxSum v) {
+  __shared__ float pm[kThreads / 32], ps[kThreads / 32];
+  __shared__ MaxSum total;
+  for (int o = 16; o > 0; o >>= 1) {
+    MaxSum w;
+    w.m = __shfl_xor_sync(0xffffffffu, v.m, o);
+    w.s = __shfl_xor_sync(0xffffffffu, v.s, o);
+    v = merge(v, w);
+  }
+  if (threadIdx.x % 32 == 0) pm[threadIdx.x / 32] = v.m, ps[threadIdx.x / 32] = v.s;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    MaxSum w;
+    if (threadIdx.x < kThreads / 32) w.m = pm[threadIdx.x], w.s = ps[threadIdx.x];
+    for (int o = 16; o > 0; o >>= 1) {
+      MaxSum u;
+      u.m = __shfl_xor_sync(0xffffffffu, w.m, o);
+      u.s = __shfl_xor_sync(0xffffffffu, w.s, o);
+      w = merge(w, u);
+    }
+    if (threadIdx.x == 0) total = w;
+  }
+  __syncthreads();
+  return total;
+}
+
+// Folds chunk [v0, v0 + cs) of row blockIdx.x into the running (max, sum) of that row, in one
+// pass over the chunk. The chunk's logits are row i at logits + i * ld (fp32 chunk scratch, or
+// the kept bf16 [N, V]). kVec: rows 16-byte aligned (rows_vectorizable), read 16 bytes at a
+// time, two loads in flight per thread.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kRowThreads) online_lse_kernel(
+    const T* __restrict__ logits, std::int64_t ld, const std::int32_t* __restrict__ targets, std::int32_t ignore,
+    std::int64_t vocab, std::int64_t v0, std::int64_t cs, float* __restrict__ row_max, float* __restrict__ row_sum,
+    float* __restrict__ target) {
   const std::int64_t i = blockIdx.x;
   const std::int32_t t = targets[i];
   if (!is_valid(t, ignore, vocab)) return;  // uniform over the block
   const T* l = logits + i * ld;
-  float cm = -INFINITY;
-  for (std::int64_t j = threadIdx.x; j < cs; j += blockDim.x) cm = fmaxf(cm, static_cast<float>(l[j]));
-  cm = block_reduce<kRowThreads>(cm, Max{}, -INFINITY);
-  const float old_max = row_max[i];
-  const float nm = fmaxf(old_max, cm);
-  float acc = 0.f;
-  for (std::int64_t j = threadIdx.x; j < cs; j += blockDim.x) acc += expf(static_cast<float>(l[j]) - nm);
-  acc = block_reduce<kRowThreads>(acc, Sum<float>{}, 0.f);
+  MaxSum acc;
+  std::int64_t tail = 0;
+  if constexpr (kVec) {
+    constexpr int kN = kVecElems<T>;
+    const std::int64_t nvec = cs / kN;
+    std::int64_t q = threadIdx.x;
+    for (; q + kRowThreads < nvec; q += 2 * kRowThreads) {
+      float a[kN], b[kN];
+      load_vec(l + q * kN, a);
+      load_vec(l + (q + kRowThreads) * kN, b);
+      acc.fold(a, kN);
+      acc.fold(b, kN);
+    }
+    if (q < nvec) {
+      float a[kN];
+      load_vec(l + q * kN, a);
+      acc.fold(a, kN);
+    }
+    tail = nvec * kN;
+  }
+  for (std::int64_t j = tail + threadIdx.x; j < cs; j += kRowThreads) {
+    const float x = static_cast<float>(l[j]);
+    acc.fold(&x, 1);
+  }
+  const MaxSum chunk = block_merge<kRowThreads>(acc);
   if (threadIdx.x == 0) {
-    row_sum[i] = row_sum[i] * expf(old_max - nm) + acc;  // exp(-inf) = 0 on the first chunk
-    row_max[i] = nm;
+    MaxSum row;
+    row.m = row_max[i], row.s = row_sum[i];
+    row = merge(row, chunk);
+    row_sum[i] = row.s;
+    row_max[i] = row.m;
     if (t >= v0 && t < v0 + cs) target[i] = static_cast<float>(l[t - v0]);
   }
 }
@@ -157,34 +265,77 @@ __global__ void count_valid_kernel(const std::int32_t* __restrict__ targets, std
 
 // dlogits[i, j] = (exp(l - lse_i) - [j == t_i]) * dloss / n_valid, 0 on ignored rows. Rows at
 // stride ld in both; with kept bf16 logits, dlogits overwrites them in place (each element is
-// read, then written, by the same thread), so neither pointer is __restrict__.
-template <typename T>
-__global__ void dlogits_kernel(const T* logits, std::int64_t ld, const std::int32_t* __restrict__ targets,
-                               std::int32_t ignore, std::int64_t vocab, std::int64_t v0, std::int64_t cs,
-                               const float* __restrict__ lse, float dloss, const int* __restrict__ valid,
-                               bf16* dlogits) {
+// read, then written, by the same thread), so neither pointer is __restrict__. kVec: both
+// blocks' rows 16-byte aligned (8-byte for 4 bf16 of an fp32 chunk).
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kRowThreads) dlogits_kernel(const T* logits, std::int64_t ld,
+                                                              const std::int32_t* __restrict__ targets,
+                                                              std::int32_t ignore, std::int64_t vocab, std::int64_t v0,
+                                                              std::int64_t cs, const float* __restrict__ lse,
+                                                              float dloss, const int* __restrict__ valid,
+                                                              bf16* dlogits) {
   const std::int64_t i = blockIdx.x;
   const std::int32_t t = targets[i];
   const T* l = logits + i * ld;
   bf16* g = dlogits + i * ld;
-  if (!is_valid(t, ignore, vocab)) {
-    for (std::int64_t j = threadIdx.x; j < cs; j += blockDim.x) g[j] = __float2bfloat16(0.f);
-    return;
-  }
-  const float scale = dloss / static_cast<float>(*valid);  // valid >= 1: this row counts
-  const float z = lse[i];
-  const std::int64_t tj = t - v0;  // the target's column in this chunk, if it is here
-  for (std::int64_t j = threadIdx.x; j < cs; j += blockDim.x) {
-    float v = expf(static_cast<float>(l[j]) - z) * scale;
+  constexpr int kN = kVecElems<T>;
+  const bool row_valid = is_valid(t, ignore, vocab);
+  // exp(l - z) * scale = exp2(l log2e - (z log2e - log2(scale))); scale > 0.
+  const float scale = row_valid ? dloss / static_cast<float>(*valid) : 0.f;  // valid >= 1 when this row counts
+  const float zs = row_valid ? lse[i] * kLog2e : 0.f;
+  const std::int64_t tj = row_valid ? t - v0 : -1;  // the target's column in this chunk, if it is here
+  auto value = [&](float x, std::int64_t j) {
+    if (!row_valid) return 0.f;
+    float v = exp2f(fmaf(x, kLog2e, -zs)) * scale;
     if (j == tj) v -= scale;
-    g[j] = __float2bfloat16(v);
+    return v;
+  };
+  std::int64_t tail = 0;
+  if constexpr (kVec) {
+    const std::int64_t nvec = cs / kN;
+    for (std::int64_t q = threadIdx.x; q < nvec; q += kRowThreads) {
+      float x[kN];
+      load_vec(l + q * kN, x);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) x[k] = value(x[k], q * kN + k);
+      store_bf16<kN>(g + q * kN, x);
+    }
+    tail = nvec * kN;
   }
+  for (std::int64_t j = tail + threadIdx.x; j < cs; j += kRowThreads)
+    g[j] = __float2bfloat16(value(static_cast<float>(l[j]), j));
 }
 
 __global__ void to_bf16_kernel(const float* __restrict__ in, bf16* __restrict__ out, std::int64_t n) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
     out[i] = __float2bfloat16(in[i]);
+}
+
+template <typename T>
+void launch_online_lse(const T* logits, std::int64_t ld, const std::int32_t* targets, std::int32_t ignore,
+                       std::int64_t vocab, std::int64_t v0, std::int64_t cs, std::int64_t n, const Scratch& s,
+                       cudaStream_t stream) {
+  if (rows_vectorizable<T>(logits, ld))
+    online_lse_kernel<T, true><<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(
+        logits, ld, targets, ignore, vocab, v0, cs, s.row_max, s.row_sum, s.target);
+  else
+    online_lse_kernel<T, false><<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(
+        logits, ld, targets, ignore, vocab, v0, cs, s.row_max, s.row_sum, s.target);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_dlogits(const T* logits, std::int64_t ld, const std::int32_t* targets, std::int32_t ignore,
+                    std::int64_t vocab, std::int64_t v0, std::int64_t cs, std::int64_t n, const float* lse, float dloss,
+                    const int* valid, bf16* dlogits, cudaStream_t stream) {
+  if (rows_vectorizable<T>(logits, ld) && rows_vectorizable<T>(dlogits, ld))
+    dlogits_kernel<T, true><<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(logits, ld, targets, ignore, vocab,
+                                                                                 v0, cs, lse, dloss, valid, dlogits);
+  else
+    dlogits_kernel<T, false><<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(logits, ld, targets, ignore, vocab,
+                                                                                  v0, cs, lse, dloss, valid, dlogits);
+  KEEL_CUDA_CHECK_LAUNCH();
 }
 
 void check(std::int64_t n, std::int64_t d, std::int64_t v, const Options& o) {
@@ -227,17 +378,13 @@ void forward(const bf16* hidden, const bf16* w, const std::int32_t* targets, std
     // One GEMM for the whole vocabulary: logits [N, V] = hidden W^T in bf16 (as autocast keeps
     // them), kept for backward; the row statistics read the bf16 values backward will use.
     gemm.run(desc(n, v, d, false, true, 0.f, GemmOut::kBf16), hidden, w, s.dlogits, stream);
-    online_lse_kernel<bf16><<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(
-        s.dlogits, v, targets, o.ignore_index, v, 0, v, s.row_max, s.row_sum, s.target);
-    KEEL_CUDA_CHECK_LAUNCH();
+    launch_online_lse<bf16>(s.dlogits, v, targets, o.ignore_index, v, 0, v, n, s, stream);
   } else {
     for (std::int64_t v0 = 0; v0 < v; v0 += c) {
       const std::int64_t cs = std::min(c, v - v0);
       // logits [N, cs] = hidden [N, D] W[v0 : v0 + cs]^T
       gemm.run(desc(n, cs, d, false, true, 0.f), hidden, w + v0 * d, s.logits, stream);
-      online_lse_kernel<float><<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(
-          s.logits, cs, targets, o.ignore_index, v, v0, cs, s.row_max, s.row_sum, s.target);
-      KEEL_CUDA_CHECK_LAUNCH();
+      launch_online_lse<float>(s.logits, cs, targets, o.ignore_index, v, v0, cs, n, s, stream);
     }
   }
   finish_forward_kernel<<<1, kFinalThreads, 0, stream>>>(targets, o.ignore_index, v, n, s.row_max, s.row_sum, s.target,
@@ -267,18 +414,15 @@ void backward(const bf16* hidden, const bf16* w, const std::int32_t* targets, co
   GemmRunner& gemm = thread_gemm();
   if (o.keep_logits) {
     // The kept logits become dlogits in place; then two whole-vocabulary GEMMs.
-    dlogits_kernel<bf16><<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(
-        s.dlogits, v, targets, o.ignore_index, v, 0, v, lse, dloss, s.valid, s.dlogits);
-    KEEL_CUDA_CHECK_LAUNCH();
+    launch_dlogits<bf16>(s.dlogits, v, targets, o.ignore_index, v, 0, v, n, lse, dloss, s.valid, s.dlogits, stream);
     if (dhidden) gemm.run(desc(n, d, v, false, false, 0.f), s.dlogits, w, s.dhidden, stream);
     if (dw) gemm.run(desc(v, d, n, true, false, 1.f), s.dlogits, hidden, dw, stream);
   } else {
     for (std::int64_t v0 = 0; v0 < v; v0 += c) {
       const std::int64_t cs = std::min(c, v - v0);
       gemm.run(desc(n, cs, d, false, true, 0.f), hidden, w + v0 * d, s.logits, stream);
-      dlogits_kernel<float><<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(
-          s.logits, cs, targets, o.ignore_index, v, v0, cs, lse, dloss, s.valid, s.dlogits);
-      KEEL_CUDA_CHECK_LAUNCH();
+      launch_dlogits<float>(s.logits, cs, targets, o.ignore_index, v, v0, cs, n, lse, dloss, s.valid, s.dlogits,
+                            stream);
       // dhidden [N, D] (+)= dlogits [N, cs] W_c [cs, D]; the first chunk overwrites.
       if (dhidden)
         gemm.run(desc(n, d, cs, false, false, v0 == 0 ? 0.f : 1.f), s.dlogits, w + v0 * d, s.dhidden, stream);

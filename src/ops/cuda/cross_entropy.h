@@ -7,7 +7,8 @@
 //
 // Forward: per chunk one GEMM (bf16 x bf16 -> fp32 [N, chunk] scratch), then one block per row
 // folds the chunk into a running max m and sum s (rescaled by exp(m_old - m_new) when the max
-// grows) and picks up the target logit when it falls in the chunk; a last single-block pass
+// grows) in a single pass of 16-byte loads, and picks up the target logit when it falls in the
+// chunk; a last single-block pass
 // writes lse and the loss (fixed-order reductions: deterministic, no float atomics).
 // Backward: per chunk recompute the logits (one GEMM), write
 //   dlogits = (softmax - onehot) * dloss / n_valid   as bf16 (the GEMM operand), then

@@ -6,7 +6,9 @@
 // op(A) [m, k] and op(B) [k, n]. A is stored [m, k] (trans_a = false) or [k, m] (true); B is
 // stored [k, n] (trans_b = false) or [n, k] (true). Leading dimensions default to the tight
 // row length of the stored matrix (0 = tight). batch > 1: `batch` independent GEMMs at the
-// given element strides.
+// given element strides; inputs may be shared (stride 0) or interleaved, outputs must not
+// overlap: each wholly past the previous one, or side by side as column blocks of the same rows
+// (stride_c >= n and the last block within ldc: per-head GEMMs of a grouped layer).
 //
 // The three GEMMs of a linear layer y = x W^T (W [out, in], x [N, in]):
 //   forward   y[N, out]   = x W^T        m=N,   n=out, k=in,  trans_b

@@ -102,8 +102,12 @@ GemmDesc checked(const GemmDesc& in) {
   if (d.batch > 1) {
     if (d.stride_a < 0 || d.stride_b < 0 || d.stride_c < 0)
       fail("GEMM {}: batch strides must be >= 0 (got {}, {}, {})", describe(d), d.stride_a, d.stride_b, d.stride_c);
-    // Inputs may be shared across the batch (stride 0); outputs must not overlap.
-    if (d.m > 0 && d.n > 0 && d.stride_c < (d.m - 1) * d.ldc + d.n)
+    // Inputs may be shared across the batch (stride 0); outputs must not overlap: either each
+    // output lies wholly past the previous one, or the outputs sit side by side within the
+    // rows (column blocks of one matrix, as per-head outputs of a grouped layer do).
+    const bool disjoint_blocks = d.stride_c >= (d.m - 1) * d.ldc + d.n;
+    const bool side_by_side = d.stride_c >= d.n && (d.batch - 1) * d.stride_c + d.n <= d.ldc;
+    if (d.m > 0 && d.n > 0 && !disjoint_blocks && !side_by_side)
       fail("GEMM {}: stride_c {} makes the batch's outputs overlap", describe(d), d.stride_c);
   }
   return d;

@@ -243,6 +243,39 @@ TEST(GemmCuda, StridedBatch) {
   EXPECT_TRUE(check_gemm(p, run_on_gpu(runner, p)));
 }
 
+// Per-head GEMMs of a grouped layer: each batch entry is a column block of the same rows
+// (stride = the block's width, leading dimension = all blocks plus a gap), outputs side by side.
+TEST(GemmCuda, StridedBatchSideBySideColumnBlocks) {
+  KEEL_REQUIRE_GPU();
+  GemmRunner runner;
+  std::uint64_t seed = 600;
+  const int heads = 5;
+  for (GemmOut out : {GemmOut::kFp32, GemmOut::kBf16})
+    for (bool ta : {false, true}) {
+      GemmDesc d = desc(37, 24, 40, ta, ta, out);
+      d.batch = heads;
+      d.stride_a = ta ? d.m : d.k;
+      d.lda = heads * d.stride_a + 3;
+      d.stride_b = d.n * d.k;  // weights: one block after another
+      d.stride_c = d.n;
+      d.ldc = heads * d.n + 7;
+      d.beta = out == GemmOut::kFp32 ? 1.f : 0.f;
+      const GemmProblem p = make_problem(d, {}, seed += 10);
+      EXPECT_TRUE(check_gemm(p, run_on_gpu(runner, p))) << "trans " << ta;
+    }
+  // Side by side, but the blocks overlap (stride < n) or the last runs past the row (ldc).
+  DeviceArray<bf16> a(4096), b(4096);
+  DeviceArray<float> c(4096);
+  GemmDesc narrow = desc(4, 4, 4, false, false, GemmOut::kFp32);
+  narrow.batch = 2, narrow.stride_a = narrow.stride_b = 16, narrow.stride_c = 3, narrow.ldc = 16;
+  EXPECT_THROW(runner.run(narrow, a.get(), b.get(), c.get(), nullptr), Error);
+  GemmDesc past_row = narrow;
+  past_row.stride_c = 4, past_row.ldc = 7;
+  EXPECT_THROW(runner.run(past_row, a.get(), b.get(), c.get(), nullptr), Error);
+  past_row.ldc = 8;
+  EXPECT_NO_THROW(runner.run(past_row, a.get(), b.get(), c.get(), nullptr));
+}
+
 // k == 0: an empty sum, so C = beta C (zeros for beta 0), through padded and batched views.
 TEST(GemmCuda, KZeroScalesC) {
   KEEL_REQUIRE_GPU();

@@ -240,9 +240,66 @@ TEST(CausalConvCuda, GroupedMatchesCpu) {
   }
 }
 
+// The tensor-core grouped conv (CCA's layout, lead = W - 1) against the CPU op given the same
+// bf16-rounded weights and dy the GEMMs take: then only the fp32 accumulation order differs.
+// Also checked against the CPU op on the fp32 weights, to the bf16 rounding of the weights.
+TEST(CausalConvCuda, GroupedGemmMatchesCpu) {
+  KEEL_REQUIRE_GPU();
+  auto& gemm = ops::cuda::thread_gemm();
+  // Cg 40 and 24 (head offsets of 80 and 48 bytes); Cg 128 x 10 with 2 sequences: ZAYA1's
+  // grouped conv; W 3 (two padding rows between sequences); odd lengths; a single token.
+  for (const GroupedCase k : {GroupedCase{2, 37, 120, 40, 2, 1}, GroupedCase{3, 37, 120, 40, 3, 2},
+                              GroupedCase{1, 70, 72, 24, 2, 1}, GroupedCase{2, 45, 1280, 128, 2, 1},
+                              GroupedCase{2, 1, 64, 64, 3, 2}, GroupedCase{4, 9, 256, 128, 1, 0}}) {
+    SCOPED_TRACE(testing::Message() << "B " << k.B << " T " << k.T << " C " << k.C << " Cg " << k.Cg << " W " << k.W);
+    const std::int64_t B = k.B, T = k.T, C = k.C, Cg = k.Cg, W = k.W, Ti = T + W - 1;
+    auto x = rounded_bf16(random_vector(B * Ti * C, 50));
+    auto w = random_vector(C * Cg * W, 51, -1.f / std::sqrt(float(Cg)), 1.f / std::sqrt(float(Cg)));
+    auto wr = rounded_bf16(w);
+    auto b = random_vector(C, 52, -0.3f, 0.3f), dy = rounded_bf16(random_vector(B * T * C, 53));
+    auto dw0 = random_vector(C * Cg * W, 54), db0 = random_vector(C, 55);
+    auto cpu = [&](std::vector<float>& wv, std::vector<float>& y, std::vector<float>& dx, std::vector<float>& dw,
+                   std::vector<float>& db) {
+      y.assign(B * T * C, 0.f), dx.assign(B * Ti * C, 0.f), dw = dw0, db = db0;
+      ops::causal_conv::grouped_forward(Tensor(x.data(), {B, Ti, C}), Tensor(wv.data(), {C, Cg, W}),
+                                        Tensor(b.data(), {C}), int(W - 1), Tensor(y.data(), {B, T, C}));
+      ops::causal_conv::grouped_backward(Tensor(x.data(), {B, Ti, C}), Tensor(wv.data(), {C, Cg, W}), int(W - 1),
+                                         Tensor(dy.data(), {B, T, C}), Tensor(dx.data(), {B, Ti, C}),
+                                         Tensor(dw.data(), {C, Cg, W}), Tensor(db.data(), {C}));
+    };
+    std::vector<float> y, dx, dw, db, y32, dx32, dw32, db32;
+    cpu(wr, y, dx, dw, db);
+    cpu(w, y32, dx32, dw32, db32);
+
+    auto d_x = to_device<cuda_bf16>(x);
+    auto d_w = to_device<float>(w), d_b = to_device<float>(b), d_dy = to_device<float>(dy);
+    auto d_dw = to_device<float>(dw0), d_db = to_device<float>(db0);
+    DeviceArray<cuda_bf16> d_wt(W * C * Cg);
+    // Non-zero garbage in the outputs and scratch: both are overwritten, never read first.
+    auto d_y = to_device<float>(random_vector(B * T * C, 56)), d_dx = to_device<float>(random_vector(B * Ti * C, 57));
+    const std::size_t ws = ops::cuda::causal_conv::grouped_backward_gemm_scratch_bytes(B, T, C, Cg, int(W));
+    auto d_ws = to_device<float>(random_vector(std::int64_t(ws / sizeof(float)), 58));
+    ops::cuda::causal_conv::grouped_weights_bf16(d_w.get(), d_wt.get(), C, Cg, int(W), nullptr);
+    ops::cuda::causal_conv::grouped_forward_gemm(gemm, d_x.get(), d_wt.get(), d_b.get(), d_y.get(), B, T, C, Cg,
+                                                 int(W), nullptr);
+    ops::cuda::causal_conv::grouped_backward_gemm(gemm, d_x.get(), d_wt.get(), d_dy.get(), d_dx.get(), d_dw.get(),
+                                                  d_db.get(), B, T, C, Cg, int(W), d_ws.get(), nullptr);
+    const auto gy = to_host(d_y), gdx = to_host(d_dx), gdw = to_host(d_dw), gdb = to_host(d_db);
+    EXPECT_TRUE(all_close(gy, y, 1e-4f, 1e-4f, "y"));
+    EXPECT_TRUE(all_close(gdx, dx, 1e-4f, 1e-4f, "dx"));
+    EXPECT_TRUE(all_close(gdw, dw, 1e-4f, 2e-4f, "dw (accumulated)"));
+    EXPECT_TRUE(all_close(gdb, db, 1e-4f, 2e-4f, "db (accumulated)"));
+    EXPECT_LT(norm_rel_err(gy, y32), 5e-3) << "y against fp32 weights";
+    EXPECT_LT(norm_rel_err(gdx, dx32), 5e-3) << "dx against fp32 weights";
+  }
+}
+
 TEST(CausalConvCuda, RejectsBadShapes) {
   KEEL_REQUIRE_GPU();
   EXPECT_THROW(ops::cuda::causal_conv::grouped_forward(nullptr, nullptr, nullptr, 1, nullptr, 1, 4, 10, 3, 2, nullptr),
+               Error);
+  EXPECT_THROW(ops::cuda::causal_conv::grouped_forward_gemm(ops::cuda::thread_gemm(), nullptr, nullptr, nullptr,
+                                                            nullptr, 1, 4, 10, 3, 2, nullptr),
                Error);
   EXPECT_THROW(ops::cuda::causal_conv::depthwise_forward(nullptr, nullptr, nullptr, 0, nullptr, 1, 4, 10,
                                                          ops::cuda::causal_conv::kMaxWidth + 1, nullptr),
