@@ -58,9 +58,10 @@ __global__ void depthwise_step_kernel(const bf16* __restrict__ qk0, const float*
   }
 }
 
-// One block of d threads per (sequence, head); thread o computes output channel h d + o. As
-// causal_conv's grouped_kernel (taps outer, input channels inner, bias last) followed by
-// cca's mix_norm_kernel (mixing terms, the per-head norm summed by one warp as there).
+// One block of d threads per (sequence, head); thread o computes output channel h d + o. The
+// math of prefill's grouped conv (causal_conv's grouped_forward_gemm: weights rounded to bf16,
+// fp32 sums; the GEMM's summation order is its own) followed by cca's mix_norm_kernel (mixing
+// terms, the per-head norm summed by one warp as there).
 __global__ void grouped_step_kernel(const bf16* __restrict__ qk0, const bf16* __restrict__ c0,
                                     const float* __restrict__ w1, const float* __restrict__ b1,
                                     const float* __restrict__ temp, bf16* __restrict__ state, bf16* __restrict__ q,
@@ -82,7 +83,7 @@ __global__ void grouped_step_kernel(const bf16* __restrict__ qk0, const bf16* __
   const float* wr = w1 + static_cast<std::int64_t>(ch) * d * W1;
   float acc = 0.f;
   for (int kk = 0; kk < W1; ++kk)
-    for (int i = 0; i < d; ++i) acc += src[kk * d + i] * wr[i * W1 + kk];
+    for (int i = 0; i < d; ++i) acc += src[kk * d + i] * __bfloat162float(__float2bfloat16(wr[i * W1 + kk]));
   float v = acc + b1[ch];
   const bf16* a0 = qk0 + b * C;
   int g;
