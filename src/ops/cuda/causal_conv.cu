@@ -21,34 +21,35 @@ __device__ inline float to_f(bf16 v) { return __bfloat162float(v); }
 
 // ---------------------------------------------------------------- depthwise
 
+// One block per output row (bi, t) of the B * (T + extra) rows, threads over the channels:
+// the row's indices cost one division per block, not per element.
 __global__ void depthwise_forward_kernel(const bf16* __restrict__ x, const float* __restrict__ w,
-                                         const float* __restrict__ b, int extra, bf16* __restrict__ y, std::int64_t B,
-                                         std::int64_t T, std::int64_t C, int W) {
-  const std::int64_t To = T + extra, n = B * To * C;
-  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t c = e % C, row = e / C, bi = row / To, t = row % To - extra;
+                                         const float* __restrict__ b, int extra, bf16* __restrict__ y, std::int64_t T,
+                                         std::int64_t C, int W) {
+  const std::int64_t To = T + extra, row = blockIdx.x, bi = row / To, t = row % To - extra;
+  bf16* out = y + row * C;
+  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     float acc = b ? b[c] : 0.f;
     for (int k = 0; k < W; ++k) {
       const std::int64_t ts = t - (W - 1) + k;
       if (ts >= 0 && ts < T) acc += w[c * W + k] * __bfloat162float(x[(bi * T + ts) * C + c]);
     }
-    y[e] = __float2bfloat16(acc);
+    out[c] = __float2bfloat16(acc);
   }
 }
 
+// One block per input row (bi, s) of the B * T rows.
 __global__ void depthwise_dx_kernel(const float* __restrict__ w, int extra, const float* __restrict__ dy,
-                                    float* __restrict__ dx, std::int64_t B, std::int64_t T, std::int64_t C, int W) {
-  const std::int64_t To = T + extra, n = B * T * C;
-  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t c = e % C, row = e / C, bi = row / T, s = row % T;
+                                    float* __restrict__ dx, std::int64_t T, std::int64_t C, int W) {
+  const std::int64_t To = T + extra, row = blockIdx.x, bi = row / T, s = row % T;
+  float* out = dx + row * C;
+  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     float acc = 0.f;
     for (int k = 0; k < W; ++k) {
       const std::int64_t j = s + (W - 1) - k + extra;  // output row fed by input time s through tap k
       if (j < To) acc += w[c * W + k] * dy[(bi * To + j) * C + c];
     }
-    dx[e] = acc;
+    out[c] = acc;
   }
 }
 
@@ -63,10 +64,12 @@ __global__ void depthwise_dw_kernel(const bf16* __restrict__ x, int extra, const
   const std::int64_t end = begin + chunk < rows ? begin + chunk : rows;
   float acc[kMaxWidth] = {};
   float accb = 0.f;
-  for (std::int64_t r = begin; r < end; ++r) {
+  // (bi, t) of row r, stepped along with r (a division per row would cost more than the row).
+  std::int64_t bi = begin / To, t = begin % To - extra;
+  for (std::int64_t r = begin; r < end; ++r, ++t) {
+    if (t == T) bi += 1, t = -extra;
     const float g = dy[r * C + c];
     accb += g;
-    const std::int64_t bi = r / To, t = r % To - extra;
 #pragma unroll
     for (int k = 0; k < kMaxWidth; ++k) {
       if (k >= W) break;
@@ -313,9 +316,9 @@ void depthwise_forward(const bf16* x, const float* w, const float* b, int extra,
                        std::int64_t T, std::int64_t C, int W, cudaStream_t stream) {
   check_common(B, T, C, W, "depthwise_forward");
   if (extra < 0) fail("causal_conv depthwise_forward: extra must be >= 0, got {}", extra);
-  const std::int64_t n = B * (T + extra) * C;
   if (B == 0 || T == 0) return;
-  depthwise_forward_kernel<<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(x, w, b, extra, y, B, T, C, W);
+  if (B * (T + extra) > 0x7fffffff) fail("causal_conv depthwise_forward: {} rows exceed the grid", B * (T + extra));
+  depthwise_forward_kernel<<<static_cast<unsigned>(B * (T + extra)), kThreads, 0, stream>>>(x, w, b, extra, y, T, C, W);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
@@ -325,11 +328,15 @@ void depthwise_backward(const bf16* x, const float* w, int extra, const float* d
   if (extra < 0) fail("causal_conv depthwise_backward: extra must be >= 0, got {}", extra);
   if (B == 0 || T == 0) return;
   if (dx) {
-    depthwise_dx_kernel<<<elementwise_grid(B * T * C, kThreads), kThreads, 0, stream>>>(w, extra, dy, dx, B, T, C, W);
+    if (B * T > 0x7fffffff) fail("causal_conv depthwise_backward: {} rows exceed the grid", B * T);
+    depthwise_dx_kernel<<<static_cast<unsigned>(B * T), kThreads, 0, stream>>>(w, extra, dy, dx, T, C, W);
     KEEL_CUDA_CHECK_LAUNCH();
   }
   if (dw || db) {
-    const ColumnSplit s = column_split(B * (T + extra), C, kColThreads, kTargetBlocks);
+    // Four times the usual block count: each thread walks its rows one dependent step at a
+    // time, so it takes many threads in flight to keep the loads coming (4 x 528 blocks of
+    // 128 threads fill an H100's or H200's SMs); the extra atomics are W + 1 per block and channel.
+    const ColumnSplit s = column_split(B * (T + extra), C, kColThreads, 4 * kTargetBlocks);
     depthwise_dw_kernel<<<s.grid, kColThreads, 0, stream>>>(x, extra, dy, dw, db, B, T, C, W, s.chunk);
     KEEL_CUDA_CHECK_LAUNCH();
   }

@@ -100,18 +100,22 @@ __global__ void temp_reduce_kernel(const float* __restrict__ tpart, float* __res
   }
 }
 
-// The mixing terms' direct path added to the conv path's dqk0 (fp32), written as bf16 for the
-// W_qk GEMMs: dq0[h] += dA_q[h]/2 + dA_k[h/G]/(2G);  dk0[g] += sum_j dA_q[gG+j]/2 + dA_k[g]/2.
-__global__ void mix_backward_kernel(const float* __restrict__ dqk, const float* __restrict__ dqk0_conv,
-                                    bf16* __restrict__ dqk0, std::int64_t N, int nq, int nkv, int d) {
+// Per token (one block): the depthwise conv's dx from dc0 (as causal_conv's depthwise_dx_kernel,
+// with To = T + extra rows per sequence of dc0) plus the mixing terms' direct path, written as
+// bf16 for the W_qk GEMMs: dq0[h] += dA_q[h]/2 + dA_k[h/G]/(2G);  dk0[g] += sum_j dA_q[gG+j]/2 +
+// dA_k[g]/2. One pass instead of an fp32 dx written and read back.
+__global__ void conv_dx_mix_backward_kernel(const float* __restrict__ dqk, const float* __restrict__ dc0,
+                                            const float* __restrict__ w0, bf16* __restrict__ dqk0, std::int64_t T,
+                                            int extra, int W0, int nq, int nkv, int d) {
   const int G = nq / nkv, dq = nq * d, C = dq + nkv * d;
-  const std::int64_t total = N * C;
-  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
-       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t n = e / C;
-    const int c = static_cast<int>(e % C);
-    const float* ga = dqk + n * C;
-    float v = dqk0_conv[e];
+  const std::int64_t n = blockIdx.x, bi = n / T, s = n % T, To = T + extra;
+  const float* ga = dqk + n * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    float v = 0.f;
+    for (int k = 0; k < W0; ++k) {
+      const std::int64_t j = s + (W0 - 1) - k + extra;  // the dc0 row fed by this token through tap k
+      if (j < To) v += w0[c * W0 + k] * dc0[(bi * To + j) * C + c];
+    }
     if (c < dq) {
       const int h = c / d, i = c % d, g = h / G;
       v += 0.5f * ga[c] + 0.5f * ga[dq + g * d + i] / static_cast<float>(G);
@@ -121,7 +125,7 @@ __global__ void mix_backward_kernel(const float* __restrict__ dqk, const float* 
       for (int j = 0; j < G; ++j) sum_q += ga[(g * G + j) * d + i];
       v += 0.5f * sum_q + 0.5f * ga[c];
     }
-    dqk0[e] = __float2bfloat16(v);
+    dqk0[n * C + c] = __float2bfloat16(v);
   }
 }
 
@@ -184,7 +188,6 @@ struct Scratch {
   float* dqk;   // [N, C]
   float* tpart; // [N, nkv]
   float* dc0;   // [B, T + W1 - 1, C]
-  float* dqk0;  // [N, C] conv path
   bf16* dqk0b;  // [N, C] conv + mixing path, bf16 for the GEMMs
   void* conv_ws; // the grouped conv backward's
   void* attn_ws;
@@ -207,7 +210,6 @@ std::size_t scratch_layout(const Config& c, std::int64_t B, std::int64_t T, cons
   t.dqk = reinterpret_cast<float*>(take(N * d.C * 4));
   t.tpart = reinterpret_cast<float*>(take(N * d.nkv * 4));
   t.dc0 = reinterpret_cast<float*>(take(static_cast<std::size_t>(B * d.Tc0 * d.C) * 4));
-  t.dqk0 = reinterpret_cast<float*>(take(N * d.C * 4));
   t.dqk0b = reinterpret_cast<bf16*>(take(N * d.C * 2));
   t.conv_ws = take(d.N > 0 ? causal_conv::grouped_backward_gemm_scratch_bytes(B, T, d.C, d.d, int(d.W1)) : 0);
   t.attn_ws = take(d.N > 0 ? attention::backward_workspace_bytes(int(B), int(T), int(d.nq), int(d.nkv), int(d.d)) : 0);
@@ -327,10 +329,10 @@ void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T,
   // 1. Convolutions, the mixing terms' direct path, then W_qk.
   causal_conv::grouped_backward_gemm(gemm, s.c0, s.conv1_wt, k.dqk, k.dc0, g.conv1_w, g.conv1_b, B, T, d.C, d.d,
                                      int(d.W1), k.conv_ws, stream);
-  causal_conv::depthwise_backward(s.qk0, w.conv0_w, extra, k.dc0, k.dqk0, g.conv0_w, g.conv0_b, B, T, d.C,
+  causal_conv::depthwise_backward(s.qk0, w.conv0_w, extra, k.dc0, nullptr, g.conv0_w, g.conv0_b, B, T, d.C,
                                   int(d.W0), stream);
-  mix_backward_kernel<<<elementwise_grid(d.N * d.C, kThreads), kThreads, 0, stream>>>(k.dqk, k.dqk0, k.dqk0b, d.N, int(d.nq),
-                                                                            int(d.nkv), int(d.d));
+  conv_dx_mix_backward_kernel<<<static_cast<unsigned>(d.N), kThreads, 0, stream>>>(
+      k.dqk, k.dc0, w.conv0_w, k.dqk0b, T, extra, int(d.W0), int(d.nq), int(d.nkv), int(d.d));
   KEEL_CUDA_CHECK_LAUNCH();
   linear::backward(gemm, x, w.w_qk, k.dqk0b, dx, g.w_qk, d.N, d.H, d.C, stream);
 
