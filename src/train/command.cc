@@ -166,6 +166,7 @@ void add_command(CLI::App& app) {
       if (args->timeout > 0) dog.arm(what, args->timeout);
     };
     phase("start-up (communicators, model initialization, data)");
+    const auto started = std::chrono::steady_clock::now();
     Trainer t(cfg, ctx);
     t.watch_progress(&dog, args->timeout);
     if (args->hang_rank >= 0) t.inject_hang(args->hang_rank, args->hang_step);
@@ -174,14 +175,18 @@ void add_command(CLI::App& app) {
       t.resume(args->resume);
     }
     const auto t0 = std::chrono::steady_clock::now();
+    // Start-up (initialization or resume) is worth seeing: at billions of parameters it is
+    // seconds to minutes that the step times do not show.
+    const double startup_sec = std::chrono::duration<double>(t0 - started).count();
     const std::int64_t start = t.step();
     const auto stats = t.run(args->until, /*checkpoint_at_stop=*/true);
     dog.disarm();
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (mpi.rank() != 0) return;  // rank 0 speaks for the group
     if (!stats.empty())
-      std::printf("done: steps %lld -> %lld in %.1f s, loss %.4f -> %.4f\n", static_cast<long long>(start),
-                  static_cast<long long>(t.step()), sec, stats.front().loss, stats.back().loss);
+      std::printf("done: steps %lld -> %lld in %.1f s, loss %.4f -> %.4f (start-up %.1f s before the first step)\n",
+                  static_cast<long long>(start), static_cast<long long>(t.step()), sec, stats.front().loss,
+                  stats.back().loss, startup_sec);
     else
       std::printf("done: nothing to do (step %lld of %lld)\n", static_cast<long long>(t.step()),
                   static_cast<long long>(cfg.steps));
