@@ -388,6 +388,7 @@ std::size_t round_up_256(std::size_t b) { return (b + 255) / 256 * 256; }
 void check_gemm(std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg, int W, const char* what) {
   check_grouped(B, T, C, Cg, W, W - 1, what);
   if (C / Cg > 0x7fffffff) fail("causal_conv {}: too many groups ({})", what, C / Cg);
+  if (B * (T + W - 1) > 0x7fffffff) fail("causal_conv {}: {} rows exceed the grid", what, B * (T + W - 1));
 }
 
 // The strided batch over the heads: head h's operands start h * Cg columns (h * Cg * Cg weight

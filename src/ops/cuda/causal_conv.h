@@ -13,7 +13,8 @@
 // Gradients: dx OVERWRITTEN; dw, db ACCUMULATED (+=); any may be null. Saved for backward: x
 // and w. Widths W in [1, kMaxWidth]; extra >= 0; 0 <= lead <= T + lead. B or T == 0 runs nothing.
 //
-// Work split: element-wise kernels for the depthwise conv; the grouped conv and its dx are
+// Work split: one block per row for the depthwise conv and its dx, and for its dw and db
+// threads over channels with row chunks summed by atomicAdd; the grouped conv and its dx are
 // 64 x 64 register-tiled fp32 products per (token tile, head, output tile), looping over taps
 // and 32-channel chunks through shared memory; dw is the same tiling over (output, input)
 // channel tiles with token chunks summed by atomicAdd (plain adds when one chunk covers all

@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kRowThreads) dlogits_kernel(const T* logits, s
   bf16* g = dlogits + i * ld;
   constexpr int kN = kVecElems<T>;
   const bool row_valid = is_valid(t, ignore, vocab);
-  // exp(l - z) * scale = exp2(l log2e - (z log2e - log2(scale))); scale > 0.
+  // exp(l - z) = exp2(l log2e - z log2e): one fma and one SFU exp2 per element.
   const float scale = row_valid ? dloss / static_cast<float>(*valid) : 0.f;  // valid >= 1 when this row counts
   const float zs = row_valid ? lse[i] * kLog2e : 0.f;
   const std::int64_t tj = row_valid ? t - v0 : -1;  // the target's column in this chunk, if it is here
