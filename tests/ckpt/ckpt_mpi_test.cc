@@ -16,6 +16,7 @@
 #include "ckpt/store.h"
 #include "ckpt/writer.h"
 #include "common/error.h"
+#include "../error_message.h"
 
 namespace fs = std::filesystem;
 using namespace keel::ckpt;
@@ -55,14 +56,7 @@ void save_steps(Saver& saver, const Mesh& mesh, std::initializer_list<std::int64
   }
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const keel::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+std::string error_of(const std::function<void()>& f) { return keel::test::error_message(f, "(no error)"); }
 
 }  // namespace
 

@@ -21,6 +21,7 @@
 #include "ckpt/writer.h"
 #include "common/error.h"
 #include "common/fileio.h"
+#include "../error_message.h"
 
 namespace fs = std::filesystem;
 using namespace keel::ckpt;
@@ -69,14 +70,7 @@ std::int64_t load_all(const std::string& path, const DemoConfig& cfg, const Mesh
   return wrong;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const keel::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+std::string error_of(const std::function<void()>& f) { return keel::test::error_message(f, "(no error)"); }
 
 Box random_box(std::mt19937& g, const Shape& shape) {
   Box b;

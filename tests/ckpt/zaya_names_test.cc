@@ -19,6 +19,7 @@
 #include "model/config.h"
 #include "train/model.h"
 #include "train/train_checkpoint.h"
+#include "../error_message.h"
 
 namespace fs = std::filesystem;
 
@@ -41,12 +42,7 @@ struct TmpDir {
 
 template <typename F>
 std::string error_of(F f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
+  return test::error_message(f, "(no error)");
 }
 
 // A keel train checkpoint of `cfg` with random values everywhere (params, optimizer moments,

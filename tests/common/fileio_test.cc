@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "common/fileio.h"
+#include "../error_message.h"
 
 namespace keel {
 namespace {
@@ -14,12 +15,7 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string read_error(const std::string& path) {
-  try {
-    read_file(path);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
+  return test::error_message([&] { read_file(path); }, "(no error)");
 }
 
 TEST(Fileio, ReadFileRoundTripsBytesIncludingNul) {

@@ -6,17 +6,13 @@
 #include <string>
 
 #include "common/error.h"
+#include "../error_message.h"
 
 namespace keel {
 namespace {
 
 std::string duplicate_error(const std::string& yaml) {
-  try {
-    reject_duplicate_keys(YAML::Load(yaml), "c.yaml");
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "";
+  return test::error_message<UsageError>([&] { reject_duplicate_keys(YAML::Load(yaml), "c.yaml"); });
 }
 
 TEST(YamlChecks, RepeatedKeysAnywhereAreNamedWithTheirLines) {

@@ -14,6 +14,7 @@
 #include "data/indexed_dataset.h"
 #include "data/sampler.h"
 #include "data/tokenizer.h"
+#include "../error_message.h"
 
 namespace keel::data {
 namespace {
@@ -61,14 +62,7 @@ void write_dataset(const std::string& prefix, TokenDtype dtype, const std::vecto
   w.finish();
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+std::string error_of(const std::function<void()>& f) { return test::error_message(f, "(no error)"); }
 
 // ---- indexed dataset ----
 

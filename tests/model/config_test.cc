@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "common/error.h"
+#include "../error_message.h"
 
 namespace keel::model {
 namespace {
@@ -33,12 +34,7 @@ ffn_hidden: 1376
 
 std::string load_error(const std::string& name, const std::string& text) {
   const std::string path = write_yaml(name, text);
-  try {
-    load_model_config(path);
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "";
+  return test::error_message<UsageError>([&] { load_model_config(path); });
 }
 
 TEST(ModelConfig, LoadsZaya1) {

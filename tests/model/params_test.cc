@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "model/flops.h"
+#include "../error_message.h"
 
 namespace keel::model {
 namespace {
@@ -71,12 +72,7 @@ TEST(Params, Olmoe1b7b) {
 
 // The message of the UsageError count_params throws, or "" when it counts.
 std::string count_error(const ModelConfig& m) {
-  try {
-    count_params(m);
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "";
+  return test::error_message<UsageError>([&] { count_params(m); });
 }
 
 TEST(Params, LargeCountsAreExactAndNoComponentIsDropped) {

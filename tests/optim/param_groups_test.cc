@@ -5,17 +5,13 @@
 #include <string>
 
 #include "common/error.h"
+#include "../error_message.h"
 
 namespace keel::optim {
 namespace {
 
 std::string error_of(const std::vector<ParamSpec>& params, const std::vector<GroupRule>& rules) {
-  try {
-    assign_groups(params, rules);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
+  return test::error_message([&] { assign_groups(params, rules); });
 }
 
 TEST(ParamGroupGlob, Patterns) {

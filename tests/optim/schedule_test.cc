@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "optim/batch_schedule.h"
+#include "../error_message.h"
 
 namespace keel::optim {
 namespace {
@@ -22,12 +23,7 @@ LrSchedule cosine() {
 }
 
 std::string error_of(const LrSchedule& s) {
-  try {
-    validate(s);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
+  return test::error_message([&] { validate(s); });
 }
 
 TEST(ScheduleLr, CosineKeySteps) {

@@ -9,6 +9,7 @@
 #include "size/moe_study.h"
 #include "size/report.h"
 #include "size/rules.h"
+#include "../error_message.h"
 
 namespace keel::size {
 namespace {
@@ -76,12 +77,7 @@ TEST(Layout, RejectsWhatCannotRun) {
 // The message of the UsageError `f` throws, or "" when it does not.
 template <typename F>
 std::string usage_error(F f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "";
+  return test::error_message<UsageError>(f);
 }
 
 TEST(Estimate, TokenProductsThatPassInt64AreErrors) {

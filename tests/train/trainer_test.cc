@@ -20,6 +20,7 @@
 
 #include "resume_test_util.h"
 #include "train_test_util.h"
+#include "../error_message.h"
 
 namespace keel::train {
 namespace {
@@ -270,14 +271,7 @@ void edit_state(const fs::path& step_dir, const std::function<void(nlohmann::jso
   std::ofstream(p) << m.dump();
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+std::string error_of(const std::function<void()>& f) { return test::error_message(f); }
 
 TEST(Trainer, StopAtACheckpointStepSavesIt) {
   const auto dir = fixtures::temp_dir("train_test", "stop_at_interval");
