@@ -1,6 +1,11 @@
 #include "ops/cuda/moe.h"
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
 
 #include "common/error.h"
 #include "ops/cuda/gemm.h"
@@ -184,6 +189,133 @@ GemmDesc desc(std::int64_t m, std::int64_t n, std::int64_t k, bool trans_a, bool
   return g;
 }
 
+
+// The experts' GEMMs side by side. One expert's GEMMs are small (balanced top-1 routing of
+// 8,192 tokens over 16 experts gives each ~512 rows: 64-128 tiles, under one wave of an H200's
+// 132 SMs), so run one after another they leave much of the GPU idle. Each expert's chain
+// (GEMMs and its SwiGLU rows) runs on one of kLanes side streams forked from and joined back to
+// the caller's stream, each lane with its own cuBLASLt runner (a workspace may not be shared by
+// concurrent GEMMs). Experts own disjoint rows and disjoint weight-gradient blocks, so the
+// lanes never write the same memory and the results do not depend on how they interleave.
+// KEEL_MOE_LANES (1..kLanes, read once) uses fewer: 1 runs the experts one after another on the
+// caller's stream.
+constexpr int kLanes = 8;
+constexpr int kDefaultLanes = 4;
+
+int lanes_wanted() {
+  static const int wanted = [] {
+    const char* env = std::getenv("KEEL_MOE_LANES");
+    if (!env || !*env) return kDefaultLanes;
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    if (*end != '\0' || v < 1 || v > kLanes)
+      throw UsageError(fmt::format("KEEL_MOE_LANES={}: expected an integer in [1, {}]", env, kLanes));
+    return static_cast<int>(v);
+  }();
+  return wanted;
+}
+
+class ExpertLanes {
+ public:
+  ExpertLanes() {
+    for (int i = 0; i < kLanes; ++i) {
+      KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&streams_[i], cudaStreamNonBlocking));
+      KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming));
+      gemms_[i] = std::make_unique<GemmRunner>();
+    }
+    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&start_, cudaEventDisableTiming));
+  }
+  ~ExpertLanes() {  // at thread exit, possibly after the CUDA runtime: errors are ignored
+    for (int i = 0; i < kLanes; ++i) {
+      cudaEventDestroy(done_[i]);
+      cudaStreamDestroy(streams_[i]);
+    }
+    cudaEventDestroy(start_);
+  }
+  ExpertLanes(const ExpertLanes&) = delete;
+  ExpertLanes& operator=(const ExpertLanes&) = delete;
+
+  // The lanes of the calling thread's current device.
+  static ExpertLanes& for_thread() {
+    thread_local std::map<int, std::unique_ptr<ExpertLanes>> lanes;
+    int device = 0;
+    KEEL_CUDA_CHECK(cudaGetDevice(&device));
+    auto& l = lanes[device];
+    if (!l) l = std::make_unique<ExpertLanes>();
+    return *l;
+  }
+
+  // Lanes 0..used-1 start after the work queued on `stream` so far.
+  void fork(cudaStream_t stream, int used) {
+    KEEL_CUDA_CHECK(cudaEventRecord(start_, stream));
+    for (int i = 0; i < used; ++i) KEEL_CUDA_CHECK(cudaStreamWaitEvent(streams_[i], start_, 0));
+  }
+  // Work queued on `stream` after this waits for lanes 0..used-1.
+  void join(cudaStream_t stream, int used) {
+    for (int i = 0; i < used; ++i) {
+      KEEL_CUDA_CHECK(cudaEventRecord(done_[i], streams_[i]));
+      KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, done_[i], 0));
+    }
+  }
+  cudaStream_t stream(int i) const { return streams_[i]; }
+  GemmRunner& gemm(int i) { return *gemms_[i]; }
+
+ private:
+  std::array<cudaStream_t, kLanes> streams_{};
+  std::array<cudaEvent_t, kLanes> done_{};
+  std::array<std::unique_ptr<GemmRunner>, kLanes> gemms_;
+  cudaEvent_t start_ = nullptr;
+};
+
+// Where each expert with rows runs: lane[e] in [0, used), or -1 for none. Largest experts first,
+// each to the lane with the fewest rows so far (ties to the lower lane): deterministic, and the
+// lanes finish close together. used = 0 when no expert has rows; 1 lane means the caller's
+// stream (no fork).
+struct LaneAssignment {
+  std::vector<int> lane;
+  int used = 0;
+};
+
+LaneAssignment assign_lanes(const std::vector<std::int64_t>& offsets) {
+  const int experts = static_cast<int>(offsets.size()) - 1;
+  LaneAssignment a;
+  a.lane.assign(static_cast<std::size_t>(experts), -1);
+  std::vector<int> order;
+  for (int e = 0; e < experts; ++e)
+    if (offsets[e + 1] > offsets[e]) order.push_back(e);
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
+    return offsets[x + 1] - offsets[x] > offsets[y + 1] - offsets[y];
+  });
+  a.used = std::min<int>(lanes_wanted(), static_cast<int>(order.size()));
+  std::array<std::int64_t, kLanes> rows{};
+  for (int e : order) {
+    int best = 0;
+    for (int i = 1; i < a.used; ++i)
+      if (rows[i] < rows[best]) best = i;
+    a.lane[static_cast<std::size_t>(e)] = best;
+    rows[best] += offsets[e + 1] - offsets[e];
+  }
+  return a;
+}
+
+// Runs body(e, gemm, stream) for every expert with rows, on its lane (or on `stream` with the
+// thread's runner when one expert has rows), forking and joining around it.
+template <class Body>
+void for_each_expert(const std::vector<std::int64_t>& offsets, cudaStream_t stream, Body&& body) {
+  const LaneAssignment a = assign_lanes(offsets);
+  if (a.used == 0) return;
+  if (a.used == 1) {
+    for (std::size_t e = 0; e < a.lane.size(); ++e)
+      if (a.lane[e] >= 0) body(static_cast<int>(e), thread_gemm(), stream);
+    return;
+  }
+  ExpertLanes& lanes = ExpertLanes::for_thread();
+  lanes.fork(stream, a.used);
+  for (std::size_t e = 0; e < a.lane.size(); ++e)
+    if (a.lane[e] >= 0) body(static_cast<int>(e), lanes.gemm(a.lane[e]), lanes.stream(a.lane[e]));
+  lanes.join(stream, a.used);
+}
+
 }  // namespace
 
 std::int64_t plan_ints(std::int64_t slots, int experts) { return experts + 2 + 2 * slots; }
@@ -234,23 +366,18 @@ void experts_forward(const std::vector<std::int64_t>& offsets, const Weights& w,
   if (rows == 0) return;
   if (!w.w_gate || !w.w_up || !w.w_down || !sv.xs || !sv.h_gate || !sv.h_up || !sv.act || !sv.ys)
     fail("cuda moe: experts_forward got a null pointer");
-  GemmRunner& gemm = thread_gemm();
-  // Grouped expert MLPs: one GEMM per expert and projection over its contiguous rows.
-  for (int e = 0; e < experts; ++e) {
+  // One chain per expert on its rows: gate and up GEMMs, SwiGLU, down GEMM.
+  for_each_expert(offsets, stream, [&](int e, GemmRunner& gemm, cudaStream_t lane) {
     const std::int64_t off = offsets[e], cnt = offsets[e + 1] - off;
-    if (cnt == 0) continue;
     const GemmDesc up = desc(cnt, f, d, false, true, GemmOut::kBf16, 0.f);
-    gemm.run(up, sv.xs + off * d, w.w_gate + e * f * d, sv.h_gate + off * f, stream);
-    gemm.run(up, sv.xs + off * d, w.w_up + e * f * d, sv.h_up + off * f, stream);
-  }
-  swiglu_forward_kernel<<<elem_grid(rows * f), kElemThreads, 0, stream>>>(sv.h_gate, sv.h_up, sv.act, rows * f);
-  KEEL_CUDA_CHECK_LAUNCH();
-  for (int e = 0; e < experts; ++e) {
-    const std::int64_t off = offsets[e], cnt = offsets[e + 1] - off;
-    if (cnt == 0) continue;
+    gemm.run(up, sv.xs + off * d, w.w_gate + e * f * d, sv.h_gate + off * f, lane);
+    gemm.run(up, sv.xs + off * d, w.w_up + e * f * d, sv.h_up + off * f, lane);
+    swiglu_forward_kernel<<<elem_grid(cnt * f), kElemThreads, 0, lane>>>(sv.h_gate + off * f, sv.h_up + off * f,
+                                                                        sv.act + off * f, cnt * f);
+    KEEL_CUDA_CHECK_LAUNCH();
     gemm.run(desc(cnt, d, f, false, true, GemmOut::kBf16, 0.f), sv.act + off * f, w.w_down + e * d * f,
-             sv.ys + off * d, stream);
-  }
+             sv.ys + off * d, lane);
+  });
 }
 
 void combine(const Plan& plan, const bf16* ys, const float* gates, std::int64_t d, float* y, cudaStream_t stream) {
@@ -290,38 +417,33 @@ void experts_backward(const std::vector<std::int64_t>& offsets, const Weights& w
   bf16* dhg = reinterpret_cast<bf16*>(base);
   base += align_up(rows * f * 2);
   bf16* dhu = reinterpret_cast<bf16*>(base);
-  GemmRunner& gemm = thread_gemm();
-  for (int e = 0; e < experts; ++e) {
+  // One chain per expert on its rows (experts without tokens get no gradient and launch no
+  // zero-size GEMM).
+  for_each_expert(offsets, stream, [&](int e, GemmRunner& gemm, cudaStream_t lane) {
     const std::int64_t off = offsets[e], cnt = offsets[e + 1] - off;
-    if (cnt == 0) continue;  // no tokens: no gradient, and no zero-size GEMM
     // dW_down[e] [D, F] += dys_e^T act_e
     if (dw.w_down)
       gemm.run(desc(d, f, cnt, true, false, GemmOut::kFp32, 1.f), dys + off * d, sv.act + off * f,
-               dw.w_down + e * d * f, stream);
+               dw.w_down + e * d * f, lane);
+    if (!need_dh) return;
     // dact_e [cnt, F] = dys_e W_down[e]
-    if (need_dh)
-      gemm.run(desc(cnt, f, d, false, false, GemmOut::kFp32, 0.f), dys + off * d, w.w_down + e * d * f,
-               dact + off * f, stream);
-  }
-  if (!need_dh) return;
-  swiglu_backward_kernel<<<elem_grid(rows * f), kElemThreads, 0, stream>>>(sv.h_gate, sv.h_up, dact, dhg, dhu,
-                                                                            rows * f);
-  KEEL_CUDA_CHECK_LAUNCH();
-  for (int e = 0; e < experts; ++e) {
-    const std::int64_t off = offsets[e], cnt = offsets[e + 1] - off;
-    if (cnt == 0) continue;
+    gemm.run(desc(cnt, f, d, false, false, GemmOut::kFp32, 0.f), dys + off * d, w.w_down + e * d * f, dact + off * f,
+             lane);
+    swiglu_backward_kernel<<<elem_grid(cnt * f), kElemThreads, 0, lane>>>(
+        sv.h_gate + off * f, sv.h_up + off * f, dact + off * f, dhg + off * f, dhu + off * f, cnt * f);
+    KEEL_CUDA_CHECK_LAUNCH();
     // dW_gate[e] [F, D] += dh_gate_e^T xs_e; the same for up.
     const GemmDesc wgrad = desc(f, d, cnt, true, false, GemmOut::kFp32, 1.f);
-    if (dw.w_gate) gemm.run(wgrad, dhg + off * f, sv.xs + off * d, dw.w_gate + e * f * d, stream);
-    if (dw.w_up) gemm.run(wgrad, dhu + off * f, sv.xs + off * d, dw.w_up + e * f * d, stream);
+    if (dw.w_gate) gemm.run(wgrad, dhg + off * f, sv.xs + off * d, dw.w_gate + e * f * d, lane);
+    if (dw.w_up) gemm.run(wgrad, dhu + off * f, sv.xs + off * d, dw.w_up + e * f * d, lane);
     // dxs_e [cnt, D] = dh_gate_e W_gate[e] + dh_up_e W_up[e]
     if (dxs) {
-      gemm.run(desc(cnt, d, f, false, false, GemmOut::kFp32, 0.f), dhg + off * f, w.w_gate + e * f * d,
-               dxs + off * d, stream);
-      gemm.run(desc(cnt, d, f, false, false, GemmOut::kFp32, 1.f), dhu + off * f, w.w_up + e * f * d,
-               dxs + off * d, stream);
+      gemm.run(desc(cnt, d, f, false, false, GemmOut::kFp32, 0.f), dhg + off * f, w.w_gate + e * f * d, dxs + off * d,
+               lane);
+      gemm.run(desc(cnt, d, f, false, false, GemmOut::kFp32, 1.f), dhu + off * f, w.w_up + e * f * d, dxs + off * d,
+               lane);
     }
-  }
+  });
 }
 
 void combine_dx(const Plan& plan, const float* dxs, std::int64_t d, bf16* dx, cudaStream_t stream) {

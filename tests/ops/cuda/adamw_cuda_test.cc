@@ -35,7 +35,8 @@ std::vector<float> randn(std::size_t n, std::uint64_t seed, float scale) {
 }
 
 // AdamW parameters with and without decay and with an lr_scale, odd sizes (so vector tails
-// run), and a Muon matrix that AdamW must leave alone.
+// run), one spanning several blocks of the vector kernel (3 x 2048 + 3: three blocks of 2048
+// floats and a tail), and a Muon matrix that AdamW must leave alone.
 optim::ParamLayout test_layout() {
   using optim::OptimizerKind;
   std::vector<optim::GroupRule> rules = {
@@ -48,7 +49,8 @@ optim::ParamLayout test_layout() {
                                {"norm.weight", {97}},
                                {"mix.w", {16, 12}},
                                {"temp", {}},
-                               {"norm2.weight", {2050}}},
+                               {"norm2.weight", {2050}},
+                               {"norm3.weight", {3 * 2048 + 3}}},
                               rules);
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -290,60 +291,69 @@ TEST(MoeCuda, PlanRejectsExpertOutOfRange) {
   EXPECT_THROW(gpu_moe::make_plan(d_idx.get(), 4, 1, 4, ws.get(), nullptr), Error);
 }
 
-// Wall time of one MoE layer at a training-like size (printed, not checked).
+// Wall time of one MoE layer at training-like sizes (printed, not checked): top-2 of 16 experts
+// of width 1024, and ZAYA1's top-1 of 16 of width 2048; routing uniform at random, so each
+// expert gets about N k / E rows.
 TEST(MoeCuda, Timing) {
   KEEL_REQUIRE_GPU();
-  const std::int64_t n = 8192, d = 2048, f = 1024;
-  const int e = 16, k = 2;
-  const std::int64_t s = n * k;
-  std::vector<std::int32_t> idx(s);
-  std::mt19937_64 rng(7);
-  for (std::int64_t i = 0; i < n; ++i) {
-    const int a = int(rng() % e);
-    idx[i * k] = a;
-    idx[i * k + 1] = (a + 1 + int(rng() % (e - 1))) % e;
+  struct Case {
+    std::int64_t n, d, f;
+    int e, k;
+  };
+  for (const Case& c : {Case{8192, 2048, 1024, 16, 2}, Case{8192, 2048, 2048, 16, 1}}) {
+    const std::int64_t n = c.n, d = c.d, f = c.f, s = c.n * c.k;
+    const int e = c.e, k = c.k;
+    std::vector<std::int32_t> idx(s);
+    std::mt19937_64 rng(7);
+    for (std::int64_t i = 0; i < n; ++i) {  // k distinct experts per token
+      const int a = int(rng() % e);
+      for (int j = 0; j < k; ++j) idx[i * k + j] = (a + j) % e;
+    }
+    auto d_idx = ints_to_device(idx);
+    DeviceArray<std::int32_t> ws(gpu_moe::plan_ints(s, e));
+    auto d_x = to_device<bf16>(random_vector(n * d, 1));
+    auto d_gates = to_device<float>(random_vector(n * k, 2, 0.1f, 1.f));
+    auto d_wg = to_device<bf16>(random_vector(e * f * d, 3, -0.02f, 0.02f));
+    auto d_wu = to_device<bf16>(random_vector(e * f * d, 4, -0.02f, 0.02f));
+    auto d_wd = to_device<bf16>(random_vector(e * d * f, 5, -0.02f, 0.02f));
+    auto d_dy = to_device<float>(random_vector(n * d, 6));
+    DeviceArray<bf16> xs(s * d), hg(s * f), hu(s * f), act(s * f), ys(s * d), dx(n * d);
+    DeviceArray<float> y(n * d), dgates(n * k), dwg(e * f * d), dwu(e * f * d), dwd(e * d * f);
+    DeviceArray<char> scratch(gpu_moe::backward_scratch_bytes(s, d, f));
+    const gpu_moe::Weights gw{d_wg.get(), d_wu.get(), d_wd.get()};
+    const gpu_moe::Saved sv{xs.get(), hg.get(), hu.get(), act.get(), ys.get()};
+    cudaEvent_t t0, t1, t2;
+    KEEL_CUDA_CHECK(cudaEventCreate(&t0));
+    KEEL_CUDA_CHECK(cudaEventCreate(&t1));
+    KEEL_CUDA_CHECK(cudaEventCreate(&t2));
+    float fwd_ms = 0, bwd_ms = 0;
+    double host_ms = 0;  // enqueueing forward (after the plan's sync) and backward, on the host
+    const int iters = 10;
+    for (int it = 0; it <= iters; ++it) {  // iteration 0 warms up (GEMM heuristics)
+      KEEL_CUDA_CHECK(cudaEventRecord(t0, nullptr));
+      const gpu_moe::Plan p = gpu_moe::make_plan(d_idx.get(), n, k, e, ws.get(), nullptr);
+      const auto h0 = std::chrono::steady_clock::now();
+      gpu_moe::forward(p, d_x.get(), d_gates.get(), gw, d, f, sv, y.get(), nullptr);
+      KEEL_CUDA_CHECK(cudaEventRecord(t1, nullptr));
+      gpu_moe::backward(p, d_gates.get(), gw, d, f, sv, d_dy.get(), scratch.get(), dx.get(), dgates.get(),
+                        gpu_moe::Grads{dwg.get(), dwu.get(), dwd.get()}, nullptr);
+      const double enqueue_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
+      KEEL_CUDA_CHECK(cudaEventRecord(t2, nullptr));
+      KEEL_CUDA_CHECK(cudaEventSynchronize(t2));
+      float a = 0, b = 0;
+      KEEL_CUDA_CHECK(cudaEventElapsedTime(&a, t0, t1));
+      KEEL_CUDA_CHECK(cudaEventElapsedTime(&b, t1, t2));
+      if (it > 0) fwd_ms += a / iters, bwd_ms += b / iters, host_ms += enqueue_ms / iters;
+    }
+    const double fwd_flop = 2.0 * s * d * f * 3;
+    std::printf("moe timing N=%lld D=%lld F=%lld E=%d k=%d: plan+forward %.3f ms (%.0f TFLOP/s), backward %.3f ms "
+                "(%.0f TFLOP/s); host enqueue %.3f ms\n",
+                (long long)n, (long long)d, (long long)f, e, k, fwd_ms, fwd_flop / fwd_ms * 1e-9, bwd_ms,
+                2 * fwd_flop / bwd_ms * 1e-9, host_ms);
+    cudaEventDestroy(t0);
+    cudaEventDestroy(t1);
+    cudaEventDestroy(t2);
   }
-  auto d_idx = ints_to_device(idx);
-  DeviceArray<std::int32_t> ws(gpu_moe::plan_ints(s, e));
-  auto d_x = to_device<bf16>(random_vector(n * d, 1));
-  auto d_gates = to_device<float>(random_vector(n * k, 2, 0.1f, 1.f));
-  auto d_wg = to_device<bf16>(random_vector(e * f * d, 3, -0.02f, 0.02f));
-  auto d_wu = to_device<bf16>(random_vector(e * f * d, 4, -0.02f, 0.02f));
-  auto d_wd = to_device<bf16>(random_vector(e * d * f, 5, -0.02f, 0.02f));
-  auto d_dy = to_device<float>(random_vector(n * d, 6));
-  DeviceArray<bf16> xs(s * d), hg(s * f), hu(s * f), act(s * f), ys(s * d), dx(n * d);
-  DeviceArray<float> y(n * d), dgates(n * k), dwg(e * f * d), dwu(e * f * d), dwd(e * d * f);
-  DeviceArray<char> scratch(gpu_moe::backward_scratch_bytes(s, d, f));
-  const gpu_moe::Weights gw{d_wg.get(), d_wu.get(), d_wd.get()};
-  const gpu_moe::Saved sv{xs.get(), hg.get(), hu.get(), act.get(), ys.get()};
-  cudaEvent_t t0, t1, t2;
-  KEEL_CUDA_CHECK(cudaEventCreate(&t0));
-  KEEL_CUDA_CHECK(cudaEventCreate(&t1));
-  KEEL_CUDA_CHECK(cudaEventCreate(&t2));
-  float fwd_ms = 0, bwd_ms = 0;
-  const int iters = 5;
-  for (int it = 0; it <= iters; ++it) {  // iteration 0 warms up (GEMM heuristics)
-    KEEL_CUDA_CHECK(cudaEventRecord(t0, nullptr));
-    const gpu_moe::Plan p = gpu_moe::make_plan(d_idx.get(), n, k, e, ws.get(), nullptr);
-    gpu_moe::forward(p, d_x.get(), d_gates.get(), gw, d, f, sv, y.get(), nullptr);
-    KEEL_CUDA_CHECK(cudaEventRecord(t1, nullptr));
-    gpu_moe::backward(p, d_gates.get(), gw, d, f, sv, d_dy.get(), scratch.get(), dx.get(), dgates.get(),
-                      gpu_moe::Grads{dwg.get(), dwu.get(), dwd.get()}, nullptr);
-    KEEL_CUDA_CHECK(cudaEventRecord(t2, nullptr));
-    KEEL_CUDA_CHECK(cudaEventSynchronize(t2));
-    float a = 0, b = 0;
-    KEEL_CUDA_CHECK(cudaEventElapsedTime(&a, t0, t1));
-    KEEL_CUDA_CHECK(cudaEventElapsedTime(&b, t1, t2));
-    if (it > 0) fwd_ms += a / iters, bwd_ms += b / iters;
-  }
-  const double fwd_flop = 2.0 * s * d * f * 3;
-  std::printf("moe timing N=%lld D=%lld F=%lld E=%d k=%d: plan+forward %.3f ms (%.0f TFLOP/s), backward %.3f ms "
-              "(%.0f TFLOP/s)\n",
-              (long long)n, (long long)d, (long long)f, e, k, fwd_ms, fwd_flop / fwd_ms * 1e-9, bwd_ms,
-              2 * fwd_flop / bwd_ms * 1e-9);
-  cudaEventDestroy(t0);
-  cudaEventDestroy(t1);
-  cudaEventDestroy(t2);
 }
 
 }  // namespace
