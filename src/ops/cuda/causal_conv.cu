@@ -11,13 +11,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kColThreads = 128;
 constexpr int kTargetBlocks = 528;  // ~4 blocks per SM on an H100 (132 SMs)
-// Grouped conv tiles: 64 rows x 64 channels per block, 32-channel reduction chunks, 256
-// threads each owning a 4 x 4 sub-tile (rows ty + 16 r, channels tx + 16 c).
-constexpr int kTile = 64;
-constexpr int kChunk = 32;
-
-__device__ inline float to_f(float v) { return v; }
-__device__ inline float to_f(bf16 v) { return __bfloat162float(v); }
 
 // ---------------------------------------------------------------- depthwise
 
@@ -108,153 +101,6 @@ __global__ void column_sum_kernel(const float* __restrict__ dy, float* __restric
     atomicAdd(db + c, acc);
 }
 
-// ---------------------------------------------------------------- grouped
-
-// One kernel for the forward and for dx (the same product with the taps mirrored and each
-// head's Cg x Cg tap matrix transposed).
-//   kDx = false: out rows are the B*T outputs (bi, t); tap k reads input row
-//     bi*Ti + t + lead - (W-1) + k of `in` (x, bf16); weight (out o, in i) = w[(o Cg + i) W + k].
-//   kDx = true: out rows are the B*Ti inputs (bi, s); tap k reads row bi*T + t of `in` (dy,
-//     fp32) with t = s - lead + (W-1) - k in [0, T); weight (out c, in o) = w[(o Cg + c) W + k].
-// blockIdx.x = row tile, blockIdx.y = head * out_tiles + out tile.
-template <typename In, bool kDx>
-__global__ void __launch_bounds__(256) grouped_kernel(const In* __restrict__ in, const float* __restrict__ w,
-                                                      const float* __restrict__ b, int lead, float* __restrict__ out,
-                                                      std::int64_t B, std::int64_t T, std::int64_t C,
-                                                      std::int64_t Cg, int W) {
-  __shared__ float in_s[kTile][kChunk + 1];
-  __shared__ float w_s[kTile][kChunk + 1];
-  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-  const std::int64_t Ti = T + lead;
-  const std::int64_t out_rows = kDx ? B * Ti : B * T;
-  const std::int64_t row0 = static_cast<std::int64_t>(blockIdx.x) * kTile;
-  const std::int64_t out_tiles = (Cg + kTile - 1) / kTile;
-  const std::int64_t g0 = (blockIdx.y / out_tiles) * Cg;              // first channel of the head
-  const std::int64_t o0 = (blockIdx.y % out_tiles) * kTile;           // first out channel in the head
-  float acc[4][4] = {};
-  for (int k = 0; k < W; ++k) {
-    for (std::int64_t i0 = 0; i0 < Cg; i0 += kChunk) {
-      for (int e = tid; e < kTile * kChunk; e += 256) {
-        const int m = e / kChunk, i = e % kChunk;
-        const std::int64_t r = row0 + m;
-        float v = 0.f;
-        if (r < out_rows && i0 + i < Cg) {
-          std::int64_t src = -1;
-          if (!kDx) {
-            const std::int64_t bi = r / T, t = r % T, s = t + lead - (W - 1) + k;
-            if (s >= 0) src = bi * Ti + s;
-          } else {
-            const std::int64_t bi = r / Ti, s = r % Ti, t = s - lead + (W - 1) - k;
-            if (t >= 0 && t < T) src = bi * T + t;
-          }
-          if (src >= 0) v = to_f(in[src * C + g0 + i0 + i]);
-        }
-        in_s[m][i] = v;
-      }
-      for (int e = tid; e < kTile * kChunk; e += 256) {
-        const int o = e / kChunk, i = e % kChunk;
-        float v = 0.f;
-        if (o0 + o < Cg && i0 + i < Cg) {
-          const std::int64_t oc = o0 + o, ic = i0 + i;
-          v = kDx ? w[((g0 + ic) * Cg + oc) * W + k] : w[((g0 + oc) * Cg + ic) * W + k];
-        }
-        w_s[o][i] = v;
-      }
-      __syncthreads();
-#pragma unroll 8
-      for (int i = 0; i < kChunk; ++i) {
-        float a[4], bw[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          a[q] = in_s[ty + 16 * q][i];
-          bw[q] = w_s[tx + 16 * q][i];
-        }
-#pragma unroll
-        for (int rr = 0; rr < 4; ++rr)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) acc[rr][cc] += a[rr] * bw[cc];
-      }
-      __syncthreads();
-    }
-  }
-#pragma unroll
-  for (int rr = 0; rr < 4; ++rr) {
-    const std::int64_t r = row0 + ty + 16 * rr;
-    if (r >= out_rows) continue;
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) {
-      const std::int64_t oc = o0 + tx + 16 * cc;
-      if (oc >= Cg) continue;
-      const std::int64_t ch = g0 + oc;
-      out[r * C + ch] = acc[rr][cc] + (!kDx && b ? b[ch] : 0.f);
-    }
-  }
-}
-
-// dw[o, i, k] += sum_{bi, t} dy[bi, t, o] x[bi, t + lead - (W-1) + k, g0 + i].
-// blockIdx.x = o tile * tiles + i tile, blockIdx.y = head * W + k, blockIdx.z = token chunk.
-__global__ void __launch_bounds__(256) grouped_dw_kernel(const bf16* __restrict__ x, int lead,
-                                                         const float* __restrict__ dy, float* __restrict__ dw,
-                                                         std::int64_t B, std::int64_t T, std::int64_t C,
-                                                         std::int64_t Cg, int W, std::int64_t chunk) {
-  __shared__ float dy_s[kChunk][kTile + 1];
-  __shared__ float x_s[kChunk][kTile + 1];
-  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-  const std::int64_t Ti = T + lead, rows = B * T;
-  const std::int64_t tiles = (Cg + kTile - 1) / kTile;
-  const std::int64_t o0 = (blockIdx.x / tiles) * kTile, i0 = (blockIdx.x % tiles) * kTile;
-  const std::int64_t g0 = (blockIdx.y / W) * Cg;
-  const int k = static_cast<int>(blockIdx.y % W);
-  const std::int64_t begin = static_cast<std::int64_t>(blockIdx.z) * chunk;
-  const std::int64_t end = begin + chunk < rows ? begin + chunk : rows;
-  float acc[4][4] = {};  // [o = tx + 16 cc][i = ty + 16 rr] as acc[rr][cc]
-  for (std::int64_t r0 = begin; r0 < end; r0 += kChunk) {
-    for (int e = tid; e < kChunk * kTile; e += 256) {
-      const int m = e / kTile, c = e % kTile;
-      const std::int64_t r = r0 + m;
-      float g = 0.f, v = 0.f;
-      if (r < end) {
-        if (o0 + c < Cg) g = dy[r * C + g0 + o0 + c];
-        const std::int64_t bi = r / T, t = r % T, s = t + lead - (W - 1) + k;
-        if (s >= 0 && i0 + c < Cg) v = __bfloat162float(x[(bi * Ti + s) * C + g0 + i0 + c]);
-      }
-      dy_s[m][c] = g;
-      x_s[m][c] = v;
-    }
-    __syncthreads();
-#pragma unroll 8
-    for (int m = 0; m < kChunk; ++m) {
-      float a[4], bg[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        a[q] = x_s[m][ty + 16 * q];
-        bg[q] = dy_s[m][tx + 16 * q];
-      }
-#pragma unroll
-      for (int rr = 0; rr < 4; ++rr)
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) acc[rr][cc] += a[rr] * bg[cc];
-    }
-    __syncthreads();
-  }
-  const bool one = gridDim.z == 1;
-#pragma unroll
-  for (int rr = 0; rr < 4; ++rr) {
-    const std::int64_t i = i0 + ty + 16 * rr;
-    if (i >= Cg) continue;
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) {
-      const std::int64_t o = o0 + tx + 16 * cc;
-      if (o >= Cg) continue;
-      float* p = dw + ((g0 + o) * Cg + i) * W + k;
-      if (one)
-        *p += acc[rr][cc];
-      else
-        atomicAdd(p, acc[rr][cc]);
-    }
-  }
-}
-
 // ---------------------------------------------------------------- grouped, tensor cores
 
 // wt[(k C + c) Cg + i] = bf16(w[(c Cg + i) W + k]).
@@ -302,14 +148,6 @@ void check_common(std::int64_t B, std::int64_t T, std::int64_t C, int W, const c
   if (W < 1 || W > kMaxWidth) fail("causal_conv {}: width {} outside [1, {}]", what, W, kMaxWidth);
 }
 
-void check_grouped(std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg, int W, int lead,
-                   const char* what) {
-  check_common(B, T, C, W, what);
-  if (Cg < 1 || C % Cg != 0) fail("causal_conv {}: group width {} does not divide C = {}", what, Cg, C);
-  if (lead < 0) fail("causal_conv {}: lead must be >= 0, got {}", what, lead);
-  if ((C / Cg) * ((Cg + kTile - 1) / kTile) > 65535) fail("causal_conv {}: too many groups ({})", what, C / Cg);
-}
-
 }  // namespace
 
 void depthwise_forward(const bf16* x, const float* w, const float* b, int extra, bf16* y, std::int64_t B,
@@ -342,51 +180,13 @@ void depthwise_backward(const bf16* x, const float* w, int extra, const float* d
   }
 }
 
-void grouped_forward(const bf16* x, const float* w, const float* b, int lead, float* y, std::int64_t B,
-                     std::int64_t T, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream) {
-  check_grouped(B, T, C, Cg, W, lead, "grouped_forward");
-  if (B == 0 || T == 0) return;
-  const std::int64_t row_tiles = (B * T + kTile - 1) / kTile;
-  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>((C / Cg) * ((Cg + kTile - 1) / kTile)));
-  grouped_kernel<bf16, false><<<grid, 256, 0, stream>>>(x, w, b, lead, y, B, T, C, Cg, W);
-  KEEL_CUDA_CHECK_LAUNCH();
-}
-
-void grouped_backward(const bf16* x, const float* w, int lead, const float* dy, float* dx, float* dw, float* db,
-                      std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream) {
-  check_grouped(B, T, C, Cg, W, lead, "grouped_backward");
-  if (B == 0 || T == 0) return;
-  const std::int64_t heads = C / Cg, tiles = (Cg + kTile - 1) / kTile;
-  if (dx) {
-    const std::int64_t row_tiles = (B * (T + lead) + kTile - 1) / kTile;
-    const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(heads * tiles));
-    grouped_kernel<float, true><<<grid, 256, 0, stream>>>(dy, w, nullptr, lead, dx, B, T, C, Cg, W);
-    KEEL_CUDA_CHECK_LAUNCH();
-  }
-  if (dw) {
-    const std::int64_t rows = B * T, base = tiles * tiles * heads * W;
-    const std::int64_t chunks =
-        std::min<std::int64_t>({std::max<std::int64_t>(1, kTargetBlocks / base), (rows + 63) / 64, 65535});
-    const std::int64_t chunk = (rows + chunks - 1) / chunks;
-    if (tiles * tiles > 0x7fffffff || heads * W > 65535) fail("causal_conv grouped_backward: too many channels");
-    const dim3 grid(static_cast<unsigned>(tiles * tiles), static_cast<unsigned>(heads * W),
-                    static_cast<unsigned>((rows + chunk - 1) / chunk));
-    grouped_dw_kernel<<<grid, 256, 0, stream>>>(x, lead, dy, dw, B, T, C, Cg, W, chunk);
-    KEEL_CUDA_CHECK_LAUNCH();
-  }
-  if (db) {
-    const ColumnSplit s = column_split(B * T, C, kColThreads, kTargetBlocks);
-    column_sum_kernel<<<s.grid, kColThreads, 0, stream>>>(dy, db, B * T, C, s.chunk);
-    KEEL_CUDA_CHECK_LAUNCH();
-  }
-}
-
 namespace {
 
 std::size_t round_up_256(std::size_t b) { return (b + 255) / 256 * 256; }
 
 void check_gemm(std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg, int W, const char* what) {
-  check_grouped(B, T, C, Cg, W, W - 1, what);
+  check_common(B, T, C, W, what);
+  if (Cg < 1 || C % Cg != 0) fail("causal_conv {}: group width {} does not divide C = {}", what, Cg, C);
   if (C / Cg > 0x7fffffff) fail("causal_conv {}: too many groups ({})", what, C / Cg);
   if (B * (T + W - 1) > 0x7fffffff) fail("causal_conv {}: {} rows exceed the grid", what, B * (T + W - 1));
 }

@@ -3,32 +3,30 @@
 // a single up-front left padding that `extra` / `lead` reproduce exactly; the header of the CPU
 // op has the indexing). Same math, same weight layouts (PyTorch Conv1d), per sequence.
 //
-// Shapes and dtypes (B sequences of T tokens, C channels; weights and biases fp32 — they are
-// tiny and the convs run on CUDA cores in fp32, so no bf16 weight copy is needed):
+// Shapes and dtypes (B sequences of T tokens, C channels; weights and biases fp32, as the
+// parameters are):
 //   depthwise: x [B, T, C] bf16 (the W_qk GEMM output), w [C, W] fp32, b [C] fp32 or null,
 //              y [B, T + extra, C] bf16 (it is saved, and is the grouped conv's input).
-//   grouped:   x [B, T + lead, C] bf16, w [C, Cg, W] fp32, b [C] fp32 or null,
-//              y [B, T, C] fp32 (CCA adds the mixing terms and L2-normalizes it in fp32).
+//   grouped:   x [B, T + W - 1, C] bf16, w [C, Cg, W] fp32 (re-laid out in bf16 for the GEMMs,
+//              below), b [C] fp32 or null, y [B, T, C] fp32 (CCA adds the mixing terms and
+//              L2-normalizes it in fp32).
 //   backward:  dy fp32 (the shape of y), dx fp32 (the shape of x), dw, db fp32.
-// Gradients: dx OVERWRITTEN; dw, db ACCUMULATED (+=); any may be null. Saved for backward: x
-// and w. Widths W in [1, kMaxWidth]; extra >= 0; 0 <= lead <= T + lead. B or T == 0 runs nothing.
+// Gradients: dx OVERWRITTEN; dw, db ACCUMULATED (+=); any may be null. Widths W in
+// [1, kMaxWidth]; extra >= 0. B or T == 0 runs nothing. Launches only.
 //
-// Work split: one block per row for the depthwise conv and its dx, and for its dw and db
-// threads over channels with row chunks summed by atomicAdd; the grouped conv and its dx are
-// 64 x 64 register-tiled fp32 products per (token tile, head, output tile), looping over taps
-// and 32-channel chunks through shared memory; dw is the same tiling over (output, input)
-// channel tiles with token chunks summed by atomicAdd (plain adds when one chunk covers all
-// tokens), so dw and db match the CPU op to fp32 rounding, not bit for bit. Launches only.
+// The depthwise conv runs on CUDA cores in fp32: one block per row for it and its dx, and for
+// its dw and db threads over channels with row chunks summed by atomicAdd, so dw and db match
+// the CPU op to fp32 rounding, not bit for bit.
 //
-// The grouped conv on tensor cores (the *_gemm functions, what CCA runs): per tap k the conv is
-// one GEMM per head, y_h[t] += x_h[t + k] W_k,h^T (Cg x Cg), run as a strided batch over the
-// heads through the GEMM seam with bf16 operands and fp32 accumulation and output. The weights
-// are re-laid out tap-major in bf16 first (grouped_weights_bf16: [C, Cg, W] fp32 -> [W, C, Cg]),
-// and backward rounds dy to bf16 (the GEMM operand), so these agree with the CPU op to bf16
-// rounding (norm-relative ~1e-3), not to fp32 like the CUDA-core kernels above. They take only
-// CCA's layout, lead = W - 1: with W - 1 rows of padding between sequences, a zero-padded copy
-// of dy lets dx and dw run one GEMM per tap over all sequences at once (the padding rows
-// contribute zeros), and the forward runs one per tap and sequence.
+// The grouped conv runs on tensor cores: per tap k the conv is one GEMM per head,
+// y_h[t] += x_h[t + k] W_k,h^T (Cg x Cg), run as a strided batch over the heads through the
+// GEMM seam with bf16 operands and fp32 accumulation and output. The weights are re-laid out
+// tap-major in bf16 first (grouped_weights_bf16: [C, Cg, W] fp32 -> [W, C, Cg]), and backward
+// rounds dy to bf16 (the GEMM operand), so it agrees with the CPU op to bf16 rounding
+// (norm-relative ~1e-3). It takes only CCA's layout, lead = W - 1 (the CPU op's `lead`): with
+// W - 1 rows of padding between sequences, a zero-padded copy of dy lets dx and dw run one GEMM
+// per tap over all sequences at once (the padding rows contribute zeros), and the forward runs
+// one per tap and sequence.
 #pragma once
 
 #include <cstddef>
@@ -47,14 +45,7 @@ void depthwise_forward(const bf16* x, const float* w, const float* b, int extra,
 void depthwise_backward(const bf16* x, const float* w, int extra, const float* dy, float* dx, float* dw, float* db,
                         std::int64_t B, std::int64_t T, std::int64_t C, int W, cudaStream_t stream);
 
-// T here is the OUTPUT length: x has T + lead rows per sequence. Cg must divide C.
-void grouped_forward(const bf16* x, const float* w, const float* b, int lead, float* y, std::int64_t B,
-                     std::int64_t T, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream);
-// dy [B, T, C] -> dx [B, T + lead, C] (overwritten), dw [C, Cg, W] and db [C] (+=).
-void grouped_backward(const bf16* x, const float* w, int lead, const float* dy, float* dx, float* dw, float* db,
-                      std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream);
-
-// Tensor-core grouped conv (lead = W - 1; header comment). wt [W, C, Cg] bf16 from
+// The grouped conv (header comment). wt [W, C, Cg] bf16 from
 // grouped_weights_bf16 (forward makes it; backward reuses it).
 void grouped_weights_bf16(const float* w, bf16* wt, std::int64_t C, std::int64_t Cg, int W, cudaStream_t stream);
 // x [B, T + W - 1, C] bf16 -> y [B, T, C] fp32 (overwritten; b added when not null).

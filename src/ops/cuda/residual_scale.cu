@@ -17,76 +17,93 @@ __device__ inline float to_f(bf16 v) { return __bfloat162float(v); }
 __device__ inline void store(float* p, float v) { *p = v; }
 __device__ inline void store(bf16* p, float v) { *p = __float2bfloat16(v); }
 
+// Forward passes: one block per row, threads over the columns, so the column index needs no
+// per-element 64-bit division (which, not memory, bounded the flat element loops these replace).
 __global__ void forward_kernel(const float* __restrict__ x, const float* __restrict__ b, const float* __restrict__ s,
-                               float* y, std::int64_t n, std::int64_t dim) {
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t j = i % dim;
-    y[i] = (x[i] + b[j]) * s[j];
+                               float* y, std::int64_t rows, std::int64_t dim) {
+  for (std::int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const std::int64_t base = row * dim;
+    for (std::int64_t j = threadIdx.x; j < dim; j += blockDim.x) y[base + j] = (x[base + j] + b[j]) * s[j];
   }
 }
 
 template <typename H>
 __global__ void merge_forward_kernel(const float* r, const H* h, const float* __restrict__ b_r,
                                      const float* __restrict__ s_r, const float* __restrict__ b_h,
-                                     const float* __restrict__ s_h, float* out, std::int64_t n, std::int64_t dim) {
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t j = i % dim;
-    out[i] = (r[i] + b_r[j]) * s_r[j] + (to_f(h[i]) + b_h[j]) * s_h[j];
+                                     const float* __restrict__ s_h, float* out, std::int64_t rows, std::int64_t dim) {
+  for (std::int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const std::int64_t base = row * dim;
+    for (std::int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
+      const std::int64_t i = base + j;
+      out[i] = (r[i] + b_r[j]) * s_r[j] + (to_f(h[i]) + b_h[j]) * s_h[j];
+    }
   }
 }
 
-// g[i] = dy[i] * s[j] for one stream.
-template <typename D>
-__global__ void scale_grad_kernel(const float* dy, const float* __restrict__ s, D* dx, std::int64_t n,
-                                  std::int64_t dim) {
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    store(dx + i, dy[i] * s[i % dim]);
+// Backward passes: thread = column j, blockIdx.y = a chunk of rows. One pass reads dy (and the
+// saved inputs the scale gradients need) once and writes the stream gradients as it goes, so
+// dy is not re-read per output: for a merge, dr = dy s_r and dh = dy s_h, with
+//   db_r[j] += s_r[j] sum dy,  ds_r[j] += sum dy (r + b_r),  the same for h.
+// A stream with a null b (or s) gradient skips its sums (and the read of its input); a null dx
+// skips its store. Chunk partials go through atomicAdd (plain adds when one chunk covers all
+// rows). Each element of dy is read before the same thread writes the gradient that may alias it.
+struct StreamGrad {
+  const float* b = nullptr;  // the stream's bias and scale
+  const float* s = nullptr;
+  float* db = nullptr;  // accumulated; null to skip
+  float* ds = nullptr;
+};
+
+__device__ inline void add_param_grad(float* p, float v, bool one) {
+  if (one)
+    *p += v;
+  else
+    atomicAdd(p, v);
 }
 
-// Thread = column j, blockIdx.y = chunk of rows: db[j] += s[j] sum dy, ds[j] += sum dy (x + b).
-template <typename X>
-__global__ void param_grad_kernel(const X* x, const float* __restrict__ b, const float* __restrict__ s,
-                                  const float* dy, float* db, float* ds, std::int64_t rows, std::int64_t dim,
-                                  std::int64_t chunk) {
+template <typename X, typename D>
+__global__ void column_backward_kernel(const float* r, const X* h, StreamGrad gr, StreamGrad gh, const float* dy,
+                                       float* dr, D* dh, std::int64_t rows, std::int64_t dim, std::int64_t chunk) {
   const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= dim) return;
   const std::int64_t begin = static_cast<std::int64_t>(blockIdx.y) * chunk;
   const std::int64_t end = begin + chunk < rows ? begin + chunk : rows;
-  const float bj = b[j];
-  float gb = 0.f, gs = 0.f;
+  const bool merge = gh.s != nullptr;  // a merge has an h stream; forward()'s backward only r
+  const float br = gr.b[j], sr = gr.s[j];
+  const float bh = merge ? gh.b[j] : 0.f, sh = merge ? gh.s[j] : 0.f;
+  const bool sum_r = gr.ds, sum_h = merge && gh.ds;
+  float g_sum = 0.f, gs_r = 0.f, gs_h = 0.f;
+#pragma unroll 4
   for (std::int64_t i = begin; i < end; ++i) {
-    const float g = dy[i * dim + j];
-    gb += g;
-    gs += g * (to_f(x[i * dim + j]) + bj);
+    const std::int64_t k = i * dim + j;
+    const float g = dy[k];
+    g_sum += g;
+    if (sum_r) gs_r += g * (r[k] + br);
+    if (sum_h) gs_h += g * (to_f(h[k]) + bh);
+    if (dh) store(dh + k, g * sh);
+    if (dr) dr[k] = g * sr;
   }
   const bool one = gridDim.y == 1;
-  if (db) {
-    if (one)
-      db[j] += gb * s[j];
-    else
-      atomicAdd(db + j, gb * s[j]);
-  }
-  if (ds) {
-    if (one)
-      ds[j] += gs;
-    else
-      atomicAdd(ds + j, gs);
-  }
+  if (gr.db) add_param_grad(gr.db + j, g_sum * sr, one);
+  if (gr.ds) add_param_grad(gr.ds + j, gs_r, one);
+  if (merge && gh.db) add_param_grad(gh.db + j, g_sum * sh, one);
+  if (sum_h) add_param_grad(gh.ds + j, gs_h, one);
 }
 
 void check(std::int64_t rows, std::int64_t dim, const char* what) {
   if (rows < 0 || dim <= 0) fail("residual_scale {}: need rows >= 0 and dim > 0, got rows {}, dim {}", what, rows, dim);
 }
 
-template <typename X>
-void launch_param_grads(const X* x, const float* b, const float* s, const float* dy, float* db, float* ds,
-                        std::int64_t rows, std::int64_t dim, cudaStream_t stream) {
-  if (!db && !ds) return;
-  const ColumnSplit split = column_split(rows, dim, kColThreads, kColTargetBlocks);
-  param_grad_kernel<X><<<split.grid, kColThreads, 0, stream>>>(x, b, s, dy, db, ds, rows, dim, split.chunk);
+unsigned row_grid(std::int64_t rows) { return static_cast<unsigned>(std::min<std::int64_t>(rows, 1 << 20)); }
+
+// Four times the usual block count: each thread walks its rows one step at a time, so it takes
+// many threads in flight to keep the loads coming.
+template <typename X, typename D>
+void launch_column_backward(const float* r, const X* h, const StreamGrad& gr, const StreamGrad& gh, const float* dy,
+                            float* dr, D* dh, std::int64_t rows, std::int64_t dim, cudaStream_t stream) {
+  const ColumnSplit split = column_split(rows, dim, kColThreads, 4 * kColTargetBlocks);
+  column_backward_kernel<X, D><<<split.grid, kColThreads, 0, stream>>>(r, h, gr, gh, dy, dr, dh, rows, dim,
+                                                                       split.chunk);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
@@ -95,8 +112,7 @@ void merge_forward_impl(const float* r, const H* h, const float* b_r, const floa
                         const float* s_h, float* out, std::int64_t rows, std::int64_t dim, cudaStream_t stream) {
   check(rows, dim, "merge_forward");
   if (rows == 0) return;
-  const std::int64_t n = rows * dim;
-  merge_forward_kernel<H><<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(r, h, b_r, s_r, b_h, s_h, out, n, dim);
+  merge_forward_kernel<H><<<row_grid(rows), kThreads, 0, stream>>>(r, h, b_r, s_r, b_h, s_h, out, rows, dim);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
@@ -108,18 +124,9 @@ void merge_backward_impl(const float* r, const H* h, const float* b_r, const flo
   if (rows == 0) return;
   if (dh && static_cast<const void*>(dh) == static_cast<const void*>(dout))
     fail("residual_scale merge_backward: dh must not alias dout");
-  // Everything that reads dout runs before dr (which may alias it) is written.
-  launch_param_grads<H>(h, b_h, s_h, dout, db_h, ds_h, rows, dim, stream);
-  launch_param_grads<float>(r, b_r, s_r, dout, db_r, ds_r, rows, dim, stream);
-  const std::int64_t n = rows * dim;
-  if (dh) {
-    scale_grad_kernel<H><<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(dout, s_h, dh, n, dim);
-    KEEL_CUDA_CHECK_LAUNCH();
-  }
-  if (dr) {
-    scale_grad_kernel<float><<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(dout, s_r, dr, n, dim);
-    KEEL_CUDA_CHECK_LAUNCH();
-  }
+  if (!dr && !dh && !db_r && !ds_r && !db_h && !ds_h) return;
+  launch_column_backward<H, H>(r, h, StreamGrad{b_r, s_r, db_r, ds_r}, StreamGrad{b_h, s_h, db_h, ds_h}, dout, dr, dh,
+                               rows, dim, stream);
 }
 
 }  // namespace
@@ -128,21 +135,16 @@ void forward(const float* x, const float* b, const float* s, float* y, std::int6
              cudaStream_t stream) {
   check(rows, dim, "forward");
   if (rows == 0) return;
-  const std::int64_t n = rows * dim;
-  forward_kernel<<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(x, b, s, y, n, dim);
+  forward_kernel<<<row_grid(rows), kThreads, 0, stream>>>(x, b, s, y, rows, dim);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
 void backward(const float* x, const float* b, const float* s, const float* dy, float* dx, float* db, float* ds,
               std::int64_t rows, std::int64_t dim, cudaStream_t stream) {
   check(rows, dim, "backward");
-  if (rows == 0) return;
-  launch_param_grads<float>(x, b, s, dy, db, ds, rows, dim, stream);  // before dx: dx may alias dy
-  if (dx) {
-    const std::int64_t n = rows * dim;
-    scale_grad_kernel<float><<<elementwise_grid(n, kThreads), kThreads, 0, stream>>>(dy, s, dx, n, dim);
-    KEEL_CUDA_CHECK_LAUNCH();
-  }
+  if (rows == 0 || (!dx && !db && !ds)) return;
+  launch_column_backward<float, float>(x, static_cast<const float*>(nullptr), StreamGrad{b, s, db, ds}, StreamGrad{},
+                                       dy, dx, static_cast<float*>(nullptr), rows, dim, stream);
 }
 
 void merge_forward(const float* r, const bf16* h, const float* b_r, const float* s_r, const float* b_h,

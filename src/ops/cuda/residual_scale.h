@@ -12,11 +12,13 @@
 // parameters.
 // Aliasing: y may alias x; out may alias r (or an fp32 h); dx may alias dy; dr may alias dout
 // (in-place residual gradient); dh must not alias dout. Each element is read before it is
-// written by the same thread, and the parameter-gradient pass runs first, so these are safe.
+// written, by the same thread, so these are safe.
 //
-// Parameter gradients are column sums over rows: one thread per column over a chunk of rows,
-// chunk partials added with atomicAdd (plainly when one chunk covers all rows), so they match
-// the CPU op to fp32 rounding, not bit for bit. rows may be 0. Launches only (no host sync).
+// Forward: one block per row. Backward: one pass, a thread per column over a chunk of rows,
+// that reads dy (and the inputs the scale gradients need) once, writes the stream gradients and
+// sums the parameter gradients; chunk partials are added with atomicAdd (plainly when one chunk
+// covers all rows), so those match the CPU op to fp32 rounding, not bit for bit. rows may be 0.
+// Launches only (no host sync).
 #pragma once
 
 #include <cstdint>
