@@ -1,6 +1,7 @@
 #include "ckpt/comm.h"
 
 #include "common/mpi_session.h"
+#include "common/watchdog.h"
 
 namespace keel::ckpt {
 namespace {
@@ -16,6 +17,7 @@ class MpiComm : public Comm {
   std::vector<std::string> gather(const std::string& mine) override {
     int n = static_cast<int>(mine.size());
     std::vector<int> counts(rank_ == 0 ? size_ : 0), displs;
+    PeerWait wait("MPI_Gather (checkpoint commit)");
     mpi_check(MPI_Gather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, c_), "MPI_Gather");
     std::string all;
     if (rank_ == 0) {

@@ -6,6 +6,7 @@
 #include <exception>
 
 #include "common/error.h"
+#include "common/watchdog.h"
 
 namespace keel {
 
@@ -18,6 +19,7 @@ void mpi_check(int rc, const char* what) {
 }
 
 void broadcast_string(std::string& text, int root, MPI_Comm comm) {
+  PeerWait wait("MPI_Bcast");
   int n = static_cast<int>(text.size());
   mpi_check(MPI_Bcast(&n, 1, MPI_INT, root, comm), "MPI_Bcast");
   text.resize(static_cast<std::size_t>(n));

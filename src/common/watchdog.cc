@@ -1,5 +1,6 @@
 #include "common/watchdog.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -9,6 +10,31 @@
 #include "common/process.h"
 
 namespace keel {
+
+namespace {
+
+// The PeerWait record: what the main thread waits in (null: not waiting) and since when
+// (steady_clock nanoseconds). Written by the main thread, read by the watchdog's.
+std::atomic<const char*> g_wait_what{nullptr};
+std::atomic<std::int64_t> g_wait_since{0};
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+PeerWait::PeerWait(const char* what) noexcept
+    : prev_what_(g_wait_what.load(std::memory_order_relaxed)), prev_since_(g_wait_since.load(std::memory_order_relaxed)) {
+  g_wait_since.store(now_ns(), std::memory_order_relaxed);
+  g_wait_what.store(what, std::memory_order_release);
+}
+
+PeerWait::~PeerWait() {
+  g_wait_since.store(prev_since_, std::memory_order_relaxed);
+  g_wait_what.store(prev_what_, std::memory_order_release);
+}
 
 Watchdog::Watchdog() : thread_([this] { watch(); }) {}
 
@@ -53,7 +79,20 @@ void Watchdog::watch() {
     }
     if (cv_.wait_until(lock, deadline_) == std::cv_status::timeout && armed_ && !stop_ &&
         std::chrono::steady_clock::now() >= deadline_) {
-      report_error(fmt::format("{} did not finish within {:g} s (--timeout): a rank hung or died", what_, seconds_));
+      const std::string late = fmt::format("{} did not finish within {:g} s (--timeout)", what_, seconds_);
+      if (!track_peer_waits_) {
+        report_error(late + ": a rank hung or died");
+      } else if (const char* waiting = g_wait_what.load(std::memory_order_acquire)) {
+        const double waited = static_cast<double>(now_ns() - g_wait_since.load(std::memory_order_relaxed)) * 1e-9;
+        report_error(fmt::format("{}: this rank waited {:.1f} s in {}: another rank hung or died", late, waited,
+                                 waiting));
+        std::fflush(stdout);
+        // Let the stuck rank's own report out first: the launcher stops the job at the first exit.
+        const double grace = std::min(30.0, std::max(1.0, 0.1 * seconds_));
+        cv_.wait_for(lock, std::chrono::duration<double>(grace), [this] { return stop_; });
+      } else {
+        report_error(late + ": this rank is the stuck one (it was not waiting on another rank)");
+      }
       std::fflush(stdout);
       std::_Exit(kExitTimeout);
     }

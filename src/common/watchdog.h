@@ -3,8 +3,10 @@
 // hung and exits with kExitTimeout. Under mpirun the launcher then tears the other ranks down.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -26,6 +28,14 @@ class Watchdog {
   static constexpr double kNoDeadlineSeconds = 1e9;
   void disarm();
 
+  // Says the program marks every place it blocks on other ranks with a PeerWait (below), so a
+  // timeout can tell which rank is stuck: a rank past its deadline outside any PeerWait reports
+  // itself as the stuck one and exits at once; a rank inside one reports what it waited in and
+  // for how long, then waits a grace period (a tenth of the limit, 1 to 30 s) before exiting,
+  // so that the stuck rank's own report gets out before the launcher tears the job down.
+  // Without it (the default) every rank reports the same line.
+  void track_peer_waits() { track_peer_waits_ = true; }
+
  private:
   void watch();
 
@@ -34,8 +44,24 @@ class Watchdog {
   bool armed_ = false, stop_ = false;
   std::string what_;
   double seconds_ = 0;
+  std::atomic<bool> track_peer_waits_{false};
   std::chrono::steady_clock::time_point deadline_;
   std::thread thread_;
+};
+
+// Marks the calling thread as blocked on other ranks for its lifetime: inside a collective, or
+// in a GPU sync whose queue holds collectives. One process-wide record (the main thread's),
+// restored on exit so that scopes nest; `what` must outlive the scope (a literal).
+class PeerWait {
+ public:
+  explicit PeerWait(const char* what) noexcept;
+  ~PeerWait();
+  PeerWait(const PeerWait&) = delete;
+  PeerWait& operator=(const PeerWait&) = delete;
+
+ private:
+  const char* prev_what_;
+  std::int64_t prev_since_;
 };
 
 // Arms the watchdog for the lifetime of a scope.

@@ -7,6 +7,7 @@
 #include <nccl.h>
 
 #include "common/error.h"
+#include "common/watchdog.h"
 
 #define KEEL_CUDA_CHECK(call)                                                                   \
   do {                                                                                          \
@@ -22,3 +23,15 @@
       ::keel::fail("NCCL call {} failed: {} ({})", #call, ncclGetErrorString(keel_status_),     \
                    ncclGetLastError(nullptr));                                                  \
   } while (0)
+
+namespace keel {
+
+// cudaStreamSynchronize marked as a wait on other ranks for the watchdog's hang report
+// (common/watchdog.h): under data or expert parallelism the stream may be waiting in, or on,
+// collectives that need every rank.
+inline cudaError_t stream_sync(cudaStream_t stream) {
+  PeerWait wait("a GPU stream sync (the GPU may be waiting in collectives with other ranks)");
+  return cudaStreamSynchronize(stream);
+}
+
+}  // namespace keel

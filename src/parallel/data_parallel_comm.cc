@@ -5,6 +5,7 @@
 
 #include "common/error.h"
 #include "common/mpi_session.h"
+#include "common/watchdog.h"
 #include "parallel/nccl_group.h"
 
 namespace keel::parallel {
@@ -36,6 +37,7 @@ class MpiDataParallelComm final : public DataParallelComm {
     const std::vector<int> counts = int_counts(bounds, size_);
     // MPI_IN_PLACE would put the result at the start of buf; the shard belongs at its offset.
     recv_.resize(static_cast<std::size_t>(counts[static_cast<std::size_t>(rank_)]));
+    PeerWait wait("MPI_Reduce_scatter (gradients)");
     mpi_check(MPI_Reduce_scatter(buf + bounds.front(), recv_.data(), counts.data(), MPI_FLOAT, MPI_SUM, comm_),
               "MPI_Reduce_scatter (gradients)");
     if (!recv_.empty()) std::memcpy(buf + bounds[rank_], recv_.data(), recv_.size() * sizeof(float));
@@ -48,12 +50,14 @@ class MpiDataParallelComm final : public DataParallelComm {
       if (bounds[r] - bounds.front() > INT_MAX) fail("data parallel: shard offset {} does not fit an MPI displacement", bounds[r]);
       displs[static_cast<std::size_t>(r)] = static_cast<int>(bounds[r] - bounds.front());
     }
+    PeerWait wait("MPI_Allgatherv (parameters)");
     mpi_check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf + bounds.front(), counts.data(), displs.data(),
                              MPI_FLOAT, comm_),
               "MPI_Allgatherv (parameters)");
   }
 
   void all_reduce_sum(double* x, int n) override {
+    PeerWait wait("MPI_Allreduce (gradient norm)");
     mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, comm_), "MPI_Allreduce");
   }
 

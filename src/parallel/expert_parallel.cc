@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/mpi_session.h"
+#include "common/watchdog.h"
 #include "ops/parallel.h"
 
 namespace keel::parallel {
@@ -63,6 +64,7 @@ void ExpertParallelMoe::exchange(const float* send, const std::vector<std::int64
   }
   // MPI wants valid buffers even for empty exchanges
   float dummy = 0;
+  PeerWait wait("MPI_Alltoallv (expert parallel tokens)");
   mpi_check(MPI_Alltoallv(so > 0 ? send : &dummy, sc.data(), sd.data(), MPI_FLOAT, ro > 0 ? recv : &dummy, rc.data(),
                           rd.data(), MPI_FLOAT, comm_),
             "MPI_Alltoallv (expert parallel)");
@@ -92,8 +94,11 @@ void ExpertParallelMoe::forward(const ops::moe::Plan& plan, const Tensor& x, con
   send_rows_.assign(size_, 0);
   for (int p = 0; p < size_; ++p) send_rows_[p] = plan_.offsets[(p + 1) * el] - plan_.offsets[p * el];
   std::vector<std::int64_t> recv_counts(static_cast<std::size_t>(size_) * el);
-  mpi_check(MPI_Alltoall(plan_.counts.data(), el, MPI_INT64_T, recv_counts.data(), el, MPI_INT64_T, comm_),
-            "MPI_Alltoall (expert parallel counts)");
+  {
+    PeerWait wait("MPI_Alltoall (expert parallel counts)");
+    mpi_check(MPI_Alltoall(plan_.counts.data(), el, MPI_INT64_T, recv_counts.data(), el, MPI_INT64_T, comm_),
+              "MPI_Alltoall (expert parallel counts)");
+  }
   recv_rows_.assign(size_, 0);
   for (int p = 0; p < size_; ++p)
     for (int j = 0; j < el; ++j) recv_rows_[p] += recv_counts[static_cast<std::size_t>(p) * el + j];

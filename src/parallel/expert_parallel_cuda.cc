@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "common/mpi_session.h"
+#include "common/watchdog.h"
 #include "parallel/expert_parallel.h"
 
 namespace keel::parallel {
@@ -71,8 +72,11 @@ void CudaExpertParallelMoe::forward(const moe::Plan& plan, const bf16* x, const 
   std::vector<std::int64_t> sent(static_cast<std::size_t>(P) * El);
   for (int e = 0; e < P * El; ++e) sent[static_cast<std::size_t>(e)] = plan.count(e);
   recv_.assign(sent.size(), 0);
-  mpi_check(MPI_Alltoall(sent.data(), El, MPI_INT64_T, recv_.data(), El, MPI_INT64_T, group_->comm()),
-            "MPI_Alltoall (expert counts)");
+  {
+    PeerWait wait("MPI_Alltoall (expert counts)");
+    mpi_check(MPI_Alltoall(sent.data(), El, MPI_INT64_T, recv_.data(), El, MPI_INT64_T, group_->comm()),
+              "MPI_Alltoall (expert counts)");
+  }
   // expert-major: local expert j's rows from sources 0..P-1, one after another
   ExpertMajorLayout layout = expert_major_layout(recv_, P, El);
   recv_at_ = std::move(layout.block_start);

@@ -3,6 +3,7 @@
 
 #include "common/error.h"
 #include "common/mpi_session.h"
+#include "common/watchdog.h"
 #include "device/cuda_check.h"
 #include "parallel/nccl_comm_cuda.h"
 #include "parallel/nccl_group.h"
@@ -10,6 +11,7 @@
 namespace keel::parallel {
 
 ncclComm_t nccl_comm_from_mpi(MPI_Comm comm, int* size, int* rank) {
+  PeerWait wait("forming an NCCL communicator (every rank of the group joins)");
   mpi_check(MPI_Comm_size(comm, size), "MPI_Comm_size");
   mpi_check(MPI_Comm_rank(comm, rank), "MPI_Comm_rank");
   ncclUniqueId id{};

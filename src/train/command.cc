@@ -162,6 +162,9 @@ void add_command(CLI::App& app) {
     // under a deadline, so every surviving rank exits with one line instead (and the launcher
     // tears down the rest).
     Watchdog dog;
+    // Every place training blocks on other ranks is a PeerWait (MPI collectives, GPU syncs), so
+    // a timeout names the stuck rank: it is the one not waiting.
+    if (mpi.size() > 1) dog.track_peer_waits();
     auto phase = [&](const std::string& what) {
       if (args->timeout > 0) dog.arm(what, args->timeout);
     };

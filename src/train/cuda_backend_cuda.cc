@@ -319,7 +319,7 @@ class CudaBackend final : public TrainBackend {
     // memory may return before its DMA lands, and kernels on this non-blocking stream do not
     // wait for the legacy stream (the first step then reads stale weights).
     KEEL_CUDA_CHECK(cudaMemcpyAsync(positions_, pos.data(), pos.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KEEL_CUDA_CHECK(keel::stream_sync(stream_));
 
     std::vector<float> init(n);
     init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, init.data(), slice_.expert_rank);
@@ -327,13 +327,13 @@ class CudaBackend final : public TrainBackend {
   }
 
   ~CudaBackend() override {
-    if (comm_stream_) cudaStreamSynchronize(comm_stream_);
+    if (comm_stream_) keel::stream_sync(comm_stream_);
     if (stream_) {
-      cudaStreamSynchronize(stream_);
+      keel::stream_sync(stream_);
       cudaStreamDestroy(stream_);
     }
     if (opt_stream_) {
-      cudaStreamSynchronize(opt_stream_);
+      keel::stream_sync(opt_stream_);
       cudaStreamDestroy(opt_stream_);
     }
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
@@ -504,7 +504,7 @@ class CudaBackend final : public TrainBackend {
     float coef = 1;
     KEEL_CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
     KEEL_CUDA_CHECK(cudaMemcpyAsync(&coef, coef_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KEEL_CUDA_CHECK(keel::stream_sync(stream_));
     if (!std::isfinite(norm))
       throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), "", norm);
     k::adamw::DeviceFlatRange r;
@@ -543,7 +543,7 @@ class CudaBackend final : public TrainBackend {
     std::vector<float> g(static_cast<std::size_t>(layout_.total_floats));
     join_comm();
     flush_zero_grads();
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KEEL_CUDA_CHECK(keel::stream_sync(stream_));
     KEEL_CUDA_CHECK(cudaMemcpy(g.data(), grads_, g.size() * sizeof(float), cudaMemcpyDeviceToHost));
     return g;
   }
@@ -563,7 +563,7 @@ class CudaBackend final : public TrainBackend {
     if (overlap_) {
       copy_masters_to_host(s.params.data());
     } else {
-      KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      KEEL_CUDA_CHECK(keel::stream_sync(stream_));
       KEEL_CUDA_CHECK(cudaMemcpy(s.params.data(), params_, n * sizeof(float), cudaMemcpyDeviceToHost));
     }
     KEEL_CUDA_CHECK(cudaMemcpy(s.adam_m.data(), adam_m_, k * sizeof(float), cudaMemcpyDeviceToHost));
@@ -578,7 +578,7 @@ class CudaBackend final : public TrainBackend {
   // (other ranks' masters may be stale under bf16 broadcasts; no gather needed). Not a collective.
   CheckpointView checkpoint_view() override {
     join_comm();  // the shard's update may still run on the optimizer stream
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KEEL_CUDA_CHECK(keel::stream_sync(stream_));
     CheckpointView v;
     v.params = params_;
     v.adam_m = adam_m_;
@@ -599,7 +599,7 @@ class CudaBackend final : public TrainBackend {
     upload_params(s.params);
     if (k > 0) KEEL_CUDA_CHECK(cudaMemcpyAsync(adam_m_, s.adam_m.data(), k * sizeof(float), cudaMemcpyHostToDevice, stream_));
     if (k > 0) KEEL_CUDA_CHECK(cudaMemcpyAsync(adam_v_, s.adam_v.data(), k * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KEEL_CUDA_CHECK(keel::stream_sync(stream_));
     bias_ = s.router_bias;
     upload_bias();
     adam_.set_step_count(s.adamw_step);
@@ -618,7 +618,7 @@ class CudaBackend final : public TrainBackend {
     float coef = 1;
     KEEL_CUDA_CHECK(cudaMemcpyAsync(&norm, norm_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
     KEEL_CUDA_CHECK(cudaMemcpyAsync(&coef, coef_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KEEL_CUDA_CHECK(keel::stream_sync(stream_));
     if (prof_) prof_->report(dp_rank_, dp_size_);
     if (!std::isfinite(norm)) throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), "", norm);
     return {norm, coef};
@@ -1361,11 +1361,11 @@ class CudaBackend final : public TrainBackend {
             KEEL_CUDA_CHECK(cudaMemcpyAsync(params_ + lo, stage + (lo - b), (hi - lo) * sizeof(float),
                                             cudaMemcpyDeviceToDevice, stream_));
         }
-        KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the next piece overwrites the staging buffer
+        KEEL_CUDA_CHECK(keel::stream_sync(stream_));  // the next piece overwrites the staging buffer
       }
     }
     upload_bias();
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may go once this returns
+    KEEL_CUDA_CHECK(keel::stream_sync(stream_));  // `host` may go once this returns
   }
 
   // The fp32 masters this rank keeps. Under the overlapped ZeRO-1 step with bf16 broadcasts:
@@ -1402,7 +1402,7 @@ class CudaBackend final : public TrainBackend {
       KEEL_CUDA_CHECK(cudaMemcpyAsync(host + replicated_end_, params_ + replicated_end_,
                                       static_cast<std::size_t>(layout_.total_floats - replicated_end_) * sizeof(float),
                                       cudaMemcpyDeviceToHost, comm_stream_));
-      KEEL_CUDA_CHECK(cudaStreamSynchronize(comm_stream_));
+      KEEL_CUDA_CHECK(keel::stream_sync(comm_stream_));
     }
   }
   void copy_shards_to_host(parallel::NcclGroup& group, const parallel::Zero1Plan& plan, int me, float* host) const {
@@ -1416,7 +1416,7 @@ class CudaBackend final : public TrainBackend {
         group.broadcast(from, count, parallel::NcclType::kFloat32, r, comm_stream_);
         KEEL_CUDA_CHECK(cudaMemcpyAsync(host + b, from, static_cast<std::size_t>(count) * sizeof(float),
                                         cudaMemcpyDeviceToHost, comm_stream_));
-        KEEL_CUDA_CHECK(cudaStreamSynchronize(comm_stream_));  // the next piece overwrites the staging buffer
+        KEEL_CUDA_CHECK(keel::stream_sync(comm_stream_));  // the next piece overwrites the staging buffer
       }
   }
 
@@ -1426,7 +1426,7 @@ class CudaBackend final : public TrainBackend {
     if (!flat.empty())
       KEEL_CUDA_CHECK(cudaMemcpyAsync(bias_dev_, flat.data(), flat.size() * sizeof(float), cudaMemcpyHostToDevice,
                                       stream_));
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `flat` dies here
+    KEEL_CUDA_CHECK(keel::stream_sync(stream_));  // `flat` dies here
   }
 
   // C[m, n] (+)= A[m, k] B[n, k]^T or the other GEMMs of a linear layer, through the seam.

@@ -17,7 +17,7 @@ void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf
   if (s.skip) {  // the expert GEMM loop needs nk on the host (make_plan syncs right after anyway)
     std::int32_t nk = 0;
     KEEL_CUDA_CHECK(cudaMemcpyAsync(&nk, a.count, sizeof(nk), cudaMemcpyDeviceToHost, stream));
-    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream));
+    KEEL_CUDA_CHECK(keel::stream_sync(stream));
     a.nk = nk;
   }
   // With expert parallelism every rank takes part, with no routed tokens too.

@@ -16,6 +16,7 @@
 #include "common/error.h"
 #include "common/fileio.h"
 #include "common/mpi_session.h"
+#include "common/watchdog.h"
 #include "optim/clip.h"
 #include "optim/schedule.h"
 
@@ -32,10 +33,14 @@ double mib(std::size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 10
 
 // Sums n values in place over the data-parallel group (nothing on one rank).
 void sum_over(const ProcessGroup& g, double* x, int n) {
-  if (g.size > 1) mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, g.comm), "MPI_Allreduce");
+  if (g.size == 1) return;
+  PeerWait wait("MPI_Allreduce (step statistics)");
+  mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, g.comm), "MPI_Allreduce");
 }
 void sum_over(const ProcessGroup& g, std::int64_t* x, int n) {
-  if (g.size > 1) mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_INT64_T, MPI_SUM, g.comm), "MPI_Allreduce");
+  if (g.size == 1) return;
+  PeerWait wait("MPI_Allreduce (step statistics)");
+  mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_INT64_T, MPI_SUM, g.comm), "MPI_Allreduce");
 }
 
 }  // namespace
@@ -278,7 +283,10 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
   if (!started_) {
     if (saves) check_checkpoint_dir();
     int earlier = earlier_metrics_ && !resumed_;
-    if (ctx_.data.size > 1) mpi_check(MPI_Bcast(&earlier, 1, MPI_INT, 0, ctx_.data.comm), "MPI_Bcast");
+    if (ctx_.data.size > 1) {
+      PeerWait wait("MPI_Bcast (start-up check)");
+      mpi_check(MPI_Bcast(&earlier, 1, MPI_INT, 0, ctx_.data.comm), "MPI_Bcast");
+    }
     if (earlier)
       throw UsageError(fmt::format("output_dir {} already holds another run's metrics.jsonl: continue that run with "
                                    "--resume, or train into another directory",
@@ -417,8 +425,10 @@ void Trainer::commit_when_written() {
   // only while a save is in flight (every rank saves at the same steps).
   if (!ckpt_ || !ckpt_->in_flight()) return;
   int done = ckpt_->writes_done() ? 1 : 0;
-  if (ctx_.data.size > 1)
+  if (ctx_.data.size > 1) {
+    PeerWait wait("MPI_Allreduce (checkpoint writes done)");
     mpi_check(MPI_Allreduce(MPI_IN_PLACE, &done, 1, MPI_INT, MPI_MIN, ctx_.data.comm), "MPI_Allreduce");
+  }
   if (done) {
     progress(fmt::format("committing the checkpoint after step {}", step_));
     finish_checkpoint();
@@ -482,8 +492,10 @@ void Trainer::resume(const std::string& path_in) {
     double io[3] = {static_cast<double>(got.bytes_read), got.bytes_read / std::max(got.read_amplification, 1e-12),
                     got.read_seconds};
     sum_over(ctx_.data, io, 2);
-    if (ctx_.data.size > 1)
+    if (ctx_.data.size > 1) {
+      PeerWait wait("MPI_Allreduce (resume statistics)");
       mpi_check(MPI_Allreduce(MPI_IN_PLACE, &io[2], 1, MPI_DOUBLE, MPI_MAX, ctx_.data.comm), "MPI_Allreduce");
+    }
     if (!quiet_)
       std::printf("resumed from %s at step %lld (read %.2f GiB in %.2f s, %.2f GB/s, read amplification %.3f)\n",
                   got.dir.c_str(), static_cast<long long>(step_), io[0] / 1073741824.0, io[2],

@@ -395,7 +395,7 @@ void forward(const bf16* hidden, const bf16* w, const std::int32_t* targets, std
 Result read_result(const Result* result, cudaStream_t stream) {
   Result h{};
   KEEL_CUDA_CHECK(cudaMemcpyAsync(&h, result, sizeof(Result), cudaMemcpyDeviceToHost, stream));
-  KEEL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  KEEL_CUDA_CHECK(keel::stream_sync(stream));
   if (h.bad_targets > 0)
     fail("cuda cross_entropy: {} targets outside the vocabulary (and not the ignore index) were skipped", h.bad_targets);
   return h;

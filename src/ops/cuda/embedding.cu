@@ -91,7 +91,7 @@ void reset_bad_id(unsigned long long* bad_id, cudaStream_t stream) {
 void throw_if_bad_id(const unsigned long long* bad_id, std::int64_t vocab, cudaStream_t stream) {
   unsigned long long v = kNoBadId;
   KEEL_CUDA_CHECK(cudaMemcpyAsync(&v, bad_id, sizeof v, cudaMemcpyDeviceToHost, stream));
-  KEEL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  KEEL_CUDA_CHECK(keel::stream_sync(stream));
   if (v != kNoBadId)
     fail("embedding: token id {} at position {} is outside the vocabulary of {}", static_cast<std::uint32_t>(v),
          v >> 32, vocab);

@@ -341,7 +341,7 @@ Plan make_plan(const std::int32_t* expert_idx, std::int64_t tokens, int top_k, i
   // The one host sync of the MoE layer: the GEMM loop needs each expert's row range.
   std::vector<std::int32_t> h(static_cast<std::size_t>(experts) + 2);
   KEEL_CUDA_CHECK(cudaMemcpyAsync(h.data(), p.offsets, sizeof(std::int32_t) * h.size(), cudaMemcpyDeviceToHost, stream));
-  KEEL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  KEEL_CUDA_CHECK(keel::stream_sync(stream));
   if (h[experts + 1] != 0)
     fail("cuda moe: {} routed slots name an expert outside [0, {})", h[experts + 1], experts);
   p.host_offsets.assign(h.begin(), h.begin() + experts + 1);

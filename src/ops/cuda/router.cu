@@ -189,7 +189,7 @@ void backward(const float* probs, const float* lse, const std::int32_t* expert_i
 Losses read_losses(const float* losses, cudaStream_t stream) {
   float h[2];
   KEEL_CUDA_CHECK(cudaMemcpyAsync(h, losses, sizeof(h), cudaMemcpyDeviceToHost, stream));
-  KEEL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  KEEL_CUDA_CHECK(keel::stream_sync(stream));
   return Losses{h[0], h[1]};
 }
 
