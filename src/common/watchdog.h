@@ -49,9 +49,10 @@ class Watchdog {
   std::thread thread_;
 };
 
-// Marks the calling thread as blocked on other ranks for its lifetime: inside a collective, or
-// in a GPU sync whose queue holds collectives. One process-wide record (the main thread's),
-// restored on exit so that scopes nest; `what` must outlive the scope (a literal).
+// Marks the process as blocked on other ranks for its lifetime: inside a collective, or in a
+// GPU sync whose queue may hold collectives. One process-wide record, restored on exit so that
+// scopes nest: for the thread that drives the collectives (the main thread) only. `what` must
+// outlive the scope (a literal).
 class PeerWait {
  public:
   explicit PeerWait(const char* what) noexcept;

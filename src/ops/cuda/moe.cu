@@ -189,7 +189,6 @@ GemmDesc desc(std::int64_t m, std::int64_t n, std::int64_t k, bool trans_a, bool
   return g;
 }
 
-
 // The experts' GEMMs side by side. One expert's GEMMs are small (balanced top-1 routing of
 // 8,192 tokens over 16 experts gives each ~512 rows: 64-128 tiles, under one wave of an H200's
 // 132 SMs), so run one after another they leave much of the GPU idle. Each expert's chain
@@ -215,10 +214,11 @@ int lanes_wanted() {
   return wanted;
 }
 
+// lanes_wanted() streams, each with its own cuBLASLt runner (and its 32 MiB workspace).
 class ExpertLanes {
  public:
-  ExpertLanes() {
-    for (int i = 0; i < kLanes; ++i) {
+  ExpertLanes() : count_(lanes_wanted()) {
+    for (int i = 0; i < count_; ++i) {
       KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&streams_[i], cudaStreamNonBlocking));
       KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming));
       gemms_[i] = std::make_unique<GemmRunner>();
@@ -226,11 +226,11 @@ class ExpertLanes {
     KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&start_, cudaEventDisableTiming));
   }
   ~ExpertLanes() {  // at thread exit, possibly after the CUDA runtime: errors are ignored
-    for (int i = 0; i < kLanes; ++i) {
-      cudaEventDestroy(done_[i]);
-      cudaStreamDestroy(streams_[i]);
+    for (int i = 0; i < count_; ++i) {
+      if (done_[i]) cudaEventDestroy(done_[i]);
+      if (streams_[i]) cudaStreamDestroy(streams_[i]);
     }
-    cudaEventDestroy(start_);
+    if (start_) cudaEventDestroy(start_);
   }
   ExpertLanes(const ExpertLanes&) = delete;
   ExpertLanes& operator=(const ExpertLanes&) = delete;
@@ -261,6 +261,7 @@ class ExpertLanes {
   GemmRunner& gemm(int i) { return *gemms_[i]; }
 
  private:
+  int count_;
   std::array<cudaStream_t, kLanes> streams_{};
   std::array<cudaEvent_t, kLanes> done_{};
   std::array<std::unique_ptr<GemmRunner>, kLanes> gemms_;

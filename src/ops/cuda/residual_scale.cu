@@ -44,8 +44,8 @@ __global__ void merge_forward_kernel(const float* r, const H* h, const float* __
 // saved inputs the scale gradients need) once and writes the stream gradients as it goes, so
 // dy is not re-read per output: for a merge, dr = dy s_r and dh = dy s_h, with
 //   db_r[j] += s_r[j] sum dy,  ds_r[j] += sum dy (r + b_r),  the same for h.
-// A stream with a null b (or s) gradient skips its sums (and the read of its input); a null dx
-// skips its store. Chunk partials go through atomicAdd (plain adds when one chunk covers all
+// A null ds skips that stream's sum (and the read of its input); a null dr or dh skips its
+// store. Chunk partials go through atomicAdd (plain adds when one chunk covers all
 // rows). Each element of dy is read before the same thread writes the gradient that may alias it.
 struct StreamGrad {
   const float* b = nullptr;  // the stream's bias and scale
