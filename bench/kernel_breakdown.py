@@ -22,8 +22,9 @@ import sys
 
 
 def short_name(demangled):
-    """`void keel::ops::cuda::rmsnorm::(anonymous namespace)::forward_kernel<float>(const float *, ...)`
-    -> `rmsnorm::forward_kernel<float>`: the namespace tells apart kernels of one name in several ops."""
+    """`void keel::ops::cuda::rmsnorm::<unnamed>::forward_kernel<1>(const float *, ...)` (ncu's
+    spelling of an anonymous namespace; `(anonymous namespace)` elsewhere) -> `rmsnorm::forward_kernel<1>`:
+    the namespace tells apart kernels of one name in several ops."""
     name = demangled
     depth = 0
     for i, c in enumerate(name):  # cut the parameter list: the first '(' outside template brackets
@@ -32,7 +33,7 @@ def short_name(demangled):
         if c == "(" and depth == 0 and not name.startswith("(anonymous", i):
             name = name[:i]
             break
-    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
     for prefix in ("keel::ops::cuda::", "keel::train::", "keel::"):
         name = name.replace(prefix, "")
     return name

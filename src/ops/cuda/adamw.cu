@@ -48,11 +48,11 @@ __device__ inline float update_one(float& p, float grad, float& m, float& v, con
 // The vector path: param, grad, m, v 16-byte aligned (param_bf16 8-byte aligned when present).
 // One launch covers the whole range, kVecPerThread float4s per thread, all of a thread's loads
 // issued before any math: AdamW reads 16 and writes 14 bytes per element, so it is bound by
-// HBM bandwidth and wants as many bytes in flight as it can get (the one-shot shapes of
-// bench/mem, which reach ~4.4 TB/s on an H200, against ~3.6 TB/s for the grid-stride loop
-// this replaced). param, grad, m and v are touched once per step, so they are loaded and stored
-// evict-first (ld/st.global.cs) and leave L2 to what the next forward reads: the bf16 copy is
-// stored plainly. The first `body` = n / 4 * 4 elements; the tail goes to update_tail_kernel.
+// HBM bandwidth and wants many bytes in flight (the one-shot shape that does best in
+// bench/mem). On an H200 this runs at about 3.7 TB/s, 3% above the grid-stride loop it
+// replaced (docs/PERFORMANCE.md). param, grad, m and v are touched once per step, so they are
+// loaded and stored evict-first (ld/st.global.cs) and leave L2 to what the next forward reads;
+// the bf16 copy is stored plainly. Elements [0, 4 n4); the < 4 left go to update_tail_kernel.
 constexpr int kVecThreads = 256;
 constexpr int kVecPerThread = 2;
 
