@@ -13,6 +13,7 @@
 #include "common/mpi_session.h"
 #include "common/watchdog.h"
 #include "device/cuda_devices.h"
+#include "device/rank_gpu.h"
 #include "parallel/zero1_buckets.h"
 #include "train/backend.h"
 #include "train/trainer.h"
@@ -43,12 +44,7 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
   if (mpi.size() > 1 && cfg.device != "cpu") {
     const int gpus = visible_cuda_devices();
     if (cfg.device == "cuda" && gpus == 0) throw UsageError("device: cuda: no CUDA device is visible");
-    if (gpus > 0) {
-      if (mpi.local_size() > gpus)
-        throw UsageError(fmt::format("{} ranks on node {} but only {} GPUs visible: one rank per GPU", mpi.local_size(),
-                                     mpi.host(), gpus));
-      set_cuda_device(mpi.local_rank());
-    }
+    if (gpus > 0) bind_rank_gpu();  // the node-local rank's GPU, or the one a launcher bound it to
   }
   return with_expert_parallel(ctx, cfg.parallel_expert);
 }

@@ -1,5 +1,6 @@
 // `--backend nccl`: collectives on GPU memory through NCCL. Under mpirun/srun each process
-// drives the GPU of its node-local rank; with no launcher one process drives every local
+// drives the GPU of its node-local rank, or the one its launcher bound it to
+// (device/rank_gpu.h); with no launcher one process drives every local
 // GPU, one NCCL communicator per device created by ncclCommInitAll and driven inside
 // ncclGroupStart/End. Sub-groups come from ncclCommSplit of the world communicator.
 #include <mpi.h>
@@ -15,6 +16,7 @@
 #include "common/mpi_session.h"
 #include "device/cuda_check.h"
 #include "device/cuda_devices.h"
+#include "device/rank_gpu.h"
 
 namespace keel::bench {
 
@@ -55,20 +57,11 @@ class NcclBackend final : public Backend {
     gethostname(host, sizeof(host) - 1);
     host_ = host;
     if (procs_ > 1) {
-      MPI_Comm local;
-      mpi_check(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, proc_rank_, MPI_INFO_NULL, &local),
-                "MPI_Comm_split_type");
-      int local_rank = 0, local_size = 1;
-      MPI_Comm_rank(local, &local_rank);
-      MPI_Comm_size(local, &local_size);
-      MPI_Comm_free(&local);
-      if (local_size > devices)
-        fail("{} ranks run on host {} but it has only {} GPU(s): launch at most one rank per GPU", local_size, host_,
-             devices);
       world_ = procs_;
       slots_.resize(1);
       slots_[0].rank = proc_rank_;
-      slots_[0].device = local_rank;
+      // the node-local rank's GPU, or the one a launcher bound this rank to (device/rank_gpu.h)
+      slots_[0].device = bind_rank_gpu();
       ncclUniqueId id;
       if (proc_rank_ == 0) KEEL_NCCL_CHECK(ncclGetUniqueId(&id));
       mpi_check(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast");
