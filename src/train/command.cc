@@ -23,7 +23,8 @@ namespace {
 
 // The data-parallel group is the launch's world (parallel.data: 0 or the world size); expert
 // parallelism divides it (parallel.expert consecutive ranks hold all experts). With several
-// ranks on GPUs, each rank takes the GPU of its node-local rank. Checked before any GPU work.
+// ranks on GPUs, each rank takes its node-local rank's GPU or the one its launcher bound it to
+// (device/rank_gpu.h). Checked before any GPU work, alike on every rank.
 ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& mpi) {
   const int data = cfg.parallel_data == 0 ? mpi.size() : cfg.parallel_data;
   if (data != mpi.size())
@@ -33,8 +34,15 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
   if (mpi.size() % cfg.parallel_expert != 0 || cfg.model.experts % cfg.parallel_expert != 0)
     throw UsageError(fmt::format("{}: parallel.expert ({}) must divide the number of ranks ({}) and of experts ({})",
                                  cfg.path, cfg.parallel_expert, mpi.size(), cfg.model.experts));
+  // Every rank decides alike whether it trains on a GPU: an error on some ranks only would leave
+  // the rest waiting in the next collective, and `auto` would pick CPU on some, CUDA on others.
+  int sees = visible_cuda_devices() > 0 ? 1 : 0, fewest = sees, most = sees;
+  if (mpi.size() > 1 && cfg.device != "cpu") {
+    mpi_check(MPI_Allreduce(&sees, &fewest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD), "MPI_Allreduce");
+    mpi_check(MPI_Allreduce(&sees, &most, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");
+  }
+  const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && most > 0);
   // GPU expert parallelism runs inside the overlapped ZeRO-1 step (docs/parallel.md)
-  const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && cuda_training_available());
   if (cfg.parallel_expert > 1 && cuda && !parallel::zero1_overlap_options_from_env().enabled)
     throw UsageError(fmt::format("{}: parallel.expert ({}) on GPUs needs the overlapped ZeRO-1 step: unset "
                                  "KEEL_DP_OVERLAP=0 (or train on device: cpu)",
@@ -42,9 +50,12 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
   ParallelContext ctx;
   ctx.data = {mpi.size(), mpi.rank(), mpi.size() > 1 ? MPI_COMM_WORLD : MPI_COMM_NULL};
   if (mpi.size() > 1 && cfg.device != "cpu") {
-    const int gpus = visible_cuda_devices();
-    if (cfg.device == "cuda" && gpus == 0) throw UsageError("device: cuda: no CUDA device is visible");
-    if (gpus > 0) bind_rank_gpu();  // the node-local rank's GPU, or the one a launcher bound it to
+    if (fewest != most)
+      throw UsageError(fmt::format("device: {}: some ranks see a CUDA device and some do not (check "
+                                   "CUDA_VISIBLE_DEVICES and the launcher's GPU binding, or set device: cpu)",
+                                   cfg.device));
+    if (cuda && most == 0) throw UsageError("device: cuda: no CUDA device is visible");
+    if (cuda) bind_rank_gpu();  // the node-local rank's GPU, or the one a launcher bound it to
   }
   return with_expert_parallel(ctx, cfg.parallel_expert);
 }

@@ -39,6 +39,7 @@ keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must
   ARGS train ${tcfg} ${tshort} --set output_dir=train_never --stop-after -5)
 # The other runs write checkpoints too: each starts from an empty directory so reruns work.
 add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_zaya train_stop_iv train_hang train_hang_ck
+         train_dp_auto
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
@@ -92,6 +93,11 @@ keel_cli_test(NAME train_expert_parallel_does_not_divide NP 2 EXIT 1
 # A rank that hangs (fault injection: rank 1 sleeps at the start of step 3) leaves rank 0 inside
 # a collective: both exit within --timeout with one line naming the step, never a hang, and the
 # stuck rank says it is the one (rank 0, waiting, gives it a grace period to say so).
+# device: auto under mpiexec: the ranks agree on CPU or GPU before any of them starts (on the
+# CI machine, no GPU: both train on CPU; with a GPU per rank, both bind one).
+keel_cli_test(NAME train_dp_device_auto NP 2 MATCH "done: steps 0 -> 16"
+  ARGS train ${tcfg} ${tshort} --set device=auto --set batch.grad_accum=2 --set output_dir=train_dp_auto)
+set_tests_properties(cli_train_dp_device_auto PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 keel_cli_test(NAME train_hung_rank_is_an_error NP 2 EXIT nonzero
   MATCH "keel: error: \\[rank 1\\] step 3 did not finish within 5 s \\(--timeout\\): this rank is the stuck one \\(it was not waiting on another rank\\)"
   NOT "\\[rank 0\\] .*stuck one"
