@@ -15,6 +15,12 @@ std::uint64_t pages_bytes(int name) {
 
 }  // namespace
 
+std::string host_name() {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "localhost";
+  return name;
+}
+
 std::string host_cpu_model() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;

@@ -1,4 +1,4 @@
-// What this host has: its CPU's name and its memory, read from /proc and sysconf.
+// What this host has: its name, its CPU's name and its memory, read from /proc and sysconf.
 #pragma once
 
 #include <cstdint>
@@ -6,6 +6,9 @@
 #include <string>
 
 namespace keel {
+
+// This machine's host name (gethostname), or "localhost" when it has none.
+std::string host_name();
 
 // /proc/cpuinfo's "model name", or "cpu" when there is none.
 std::string host_cpu_model();

@@ -1,7 +1,5 @@
 #include "common/mpi_session.h"
 
-#include <unistd.h>
-
 #include <cstdio>
 #include <exception>
 
@@ -73,12 +71,6 @@ void finish_mpi_after_error(bool all_ranks_failed) {
     MPI_Abort(MPI_COMM_WORLD, kExitError);
   }
   MPI_Finalize();
-}
-
-std::string MpiSession::host() const {
-  char name[256] = {0};
-  gethostname(name, sizeof(name) - 1);
-  return name;
 }
 
 std::string MpiSession::version() const {

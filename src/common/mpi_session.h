@@ -19,7 +19,6 @@ class MpiSession {
   int size() const { return size_; }
   int local_rank() const { return local_rank_; }   // rank among the processes of this node
   int local_size() const { return local_size_; }
-  std::string host() const;
   std::string version() const;  // e.g. "Open MPI v4.1.4"
 
  private:

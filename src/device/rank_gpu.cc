@@ -1,11 +1,11 @@
 #include "device/rank_gpu.h"
 
 #include <mpi.h>
-#include <unistd.h>
 
 #include <fmt/format.h>
 
 #include "common/error.h"
+#include "common/host.h"
 #include "common/mpi_session.h"
 #include "device/cuda_devices.h"
 
@@ -34,12 +34,6 @@ std::pair<int, int> first_shared_gpu(const std::vector<std::string>& uuids) {
 
 namespace {
 
-std::string this_host() {
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  return host;
-}
-
 // The current device's UUID as 32 hex digits.
 std::string current_gpu_uuid() {
 #if defined(KEEL_HAVE_CUDA)
@@ -66,7 +60,7 @@ int bind_rank_gpu() {
   int local_rank = 0, local_size = 1;
   MPI_Comm_rank(node, &local_rank);
   MPI_Comm_size(node, &local_size);
-  const std::string host = this_host();
+  const std::string host = host_name();
   int device = -1;
   std::string uuid(32, '?'), error;
   try {

@@ -9,6 +9,7 @@
 
 #include "ckpt/checksum.h"
 #include "common/error.h"
+#include "common/host.h"
 
 namespace keel::train {
 namespace tb {
@@ -148,9 +149,7 @@ std::string encode_text_event(double wall_time, std::int64_t step, std::string_v
 
 std::string event_file_name(std::int64_t unix_seconds) {
   static std::atomic<int> counter{0};
-  char host[256] = {};
-  if (gethostname(host, sizeof host - 1) != 0 || host[0] == '\0') std::strcpy(host, "localhost");
-  return "events.out.tfevents." + std::to_string(unix_seconds) + "." + host + "." +
+  return "events.out.tfevents." + std::to_string(unix_seconds) + "." + host_name() + "." +
          std::to_string(static_cast<long>(getpid())) + "." + std::to_string(counter++);
 }
 

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+
 namespace keel {
 namespace {
 
@@ -17,6 +19,12 @@ TEST(Host, MemoryFiguresAreConsistent) {
 }
 
 TEST(Host, CpuModelIsNamed) { EXPECT_FALSE(host_cpu_model().empty()); }
+
+TEST(Host, HostIsNamed) {
+  const std::string name = host_name();
+  EXPECT_FALSE(name.empty());
+  EXPECT_EQ(name, host_name()) << "the same name on every call";
+}
 
 }  // namespace
 }  // namespace keel

@@ -4,7 +4,6 @@
 // uint16 that add in fp32 and round to nearest even, as the GPU libraries do. MPI has no
 // `avg`: it is a sum followed by a local scale by 1/n, included in the timed operation.
 #include <mpi.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -15,6 +14,7 @@
 
 #include "bench/comm/backend.h"
 #include "common/error.h"
+#include "common/host.h"
 #include "common/mpi_session.h"
 
 namespace keel::bench {
@@ -64,9 +64,7 @@ class MpiBackend final : public Backend {
   std::vector<DeviceDescription> local_devices() const override {
     DeviceDescription d;
     d.rank = rank_;
-    char host[256] = {0};
-    gethostname(host, sizeof(host) - 1);
-    d.host = host;
+    d.host = host_name();
     d.name = "cpu (host memory)";
     return {d};
   }

@@ -4,7 +4,6 @@
 // GPU, one NCCL communicator per device created by ncclCommInitAll and driven inside
 // ncclGroupStart/End. Sub-groups come from ncclCommSplit of the world communicator.
 #include <mpi.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -13,6 +12,7 @@
 
 #include "bench/comm/backend.h"
 #include "bench/comm/nccl_kernels.h"
+#include "common/host.h"
 #include "common/mpi_session.h"
 #include "device/cuda_check.h"
 #include "device/cuda_devices.h"
@@ -53,9 +53,7 @@ class NcclBackend final : public Backend {
     MPI_Comm_size(MPI_COMM_WORLD, &procs_);
     const int devices = visible_cuda_devices();
     if (devices == 0) fail("no CUDA device is visible to this process (use --backend mpi for CPU ranks)");
-    char host[256] = {0};
-    gethostname(host, sizeof(host) - 1);
-    host_ = host;
+    host_ = host_name();
     if (procs_ > 1) {
       world_ = procs_;
       slots_.resize(1);
