@@ -15,12 +15,6 @@ namespace keel::ckpt {
 namespace {
 
 
-std::uint64_t name_hash(const std::string& s) {
-  std::uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 // Visits the global linear index of every element of `box` in row-major order, in rows.
 template <typename F>
 void for_each_row(const Shape& shape, const Box& box, F f) {
@@ -109,7 +103,7 @@ std::vector<DemoTensor> demo_tensors(const DemoConfig& c) {
 void demo_fill(const std::string& name, ElemType type, const Shape& shape, const Box& box, std::int64_t step,
                void* out) {
   const std::size_t es = elem_size(type);
-  const std::uint64_t seed = keel::splitmix64(name_hash(name) ^ keel::splitmix64(static_cast<std::uint64_t>(step)));
+  const std::uint64_t seed = keel::splitmix64(keel::fnv1a(name) ^ keel::splitmix64(static_cast<std::uint64_t>(step)));
   char* dst = static_cast<char*>(out);
   for_each_row(shape, box, [&](std::int64_t g, std::int64_t d, std::int64_t n) {
     for (std::int64_t i = 0; i < n; ++i) {
@@ -122,7 +116,7 @@ void demo_fill(const std::string& name, ElemType type, const Shape& shape, const
 std::int64_t demo_check(const std::string& name, ElemType type, const Shape& shape, const Box& box,
                         std::int64_t step, const void* data, std::string* first) {
   const std::size_t es = elem_size(type);
-  const std::uint64_t seed = keel::splitmix64(name_hash(name) ^ keel::splitmix64(static_cast<std::uint64_t>(step)));
+  const std::uint64_t seed = keel::splitmix64(keel::fnv1a(name) ^ keel::splitmix64(static_cast<std::uint64_t>(step)));
   const char* src = static_cast<const char*>(data);
   std::int64_t wrong = 0;
   for_each_row(shape, box, [&](std::int64_t g, std::int64_t d, std::int64_t n) {

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <string_view>
 
 #include "common/error.h"
 #include "common/hash.h"
@@ -207,13 +208,13 @@ struct BatchesFlags {
   bool show_tokens = false;
 };
 
+// FNV-1a over the tokens' little-endian bytes (the same fingerprint on any host).
 std::uint64_t fnv1a(const std::vector<std::uint32_t>& v) {
-  std::uint64_t h = 1469598103934665603ULL;
-  for (std::uint32_t x : v) {
-    for (int b = 0; b < 4; ++b) {
-      h ^= (x >> (8 * b)) & 0xff;
-      h *= 1099511628211ULL;
-    }
+  std::uint64_t h = kFnv1aBasis;
+  for (const std::uint32_t x : v) {
+    const char bytes[4] = {static_cast<char>(x & 0xff), static_cast<char>((x >> 8) & 0xff),
+                           static_cast<char>((x >> 16) & 0xff), static_cast<char>(x >> 24)};
+    h = keel::fnv1a(std::string_view(bytes, 4), h);
   }
   return h;
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/hash.h"
 #include "common/mpi_session.h"
 #include "common/watchdog.h"
 #include "device/cuda_devices.h"
@@ -60,13 +61,6 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
   return with_expert_parallel(ctx, cfg.parallel_expert);
 }
 
-// FNV-1a: a hash that is the same in every binary of an MPMD launch.
-std::uint64_t fnv1a(const std::string& text) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const unsigned char c : text) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> out;
   std::size_t b = 0;
@@ -101,7 +95,7 @@ std::string dotted_line(const std::vector<std::string>& lines, std::size_t i) {
 // stops with that one line.
 void require_same_config_on_every_rank(const std::string& text, const MpiSession& mpi) {
   if (mpi.size() < 2) return;
-  const std::uint64_t mine = fnv1a(text);
+  const std::uint64_t mine = fnv1a(text);  // common/hash.h: the same in every binary of an MPMD launch
   std::vector<std::uint64_t> all(static_cast<std::size_t>(mpi.size()));
   mpi_check(MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD), "MPI_Allgather");
   int first = -1, differing = 0;
