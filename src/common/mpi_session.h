@@ -17,12 +17,10 @@ class MpiSession {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  int local_rank() const { return local_rank_; }   // rank among the processes of this node
-  int local_size() const { return local_size_; }
   std::string version() const;  // e.g. "Open MPI v4.1.4"
 
  private:
-  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
+  int rank_ = 0, size_ = 1;
 };
 
 // After an error unwound past a live MpiSession: finalizes MPI when every rank failed the
