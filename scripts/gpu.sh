@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi peer memgemm train dp ep decode ckpt
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train dp ep decode ckpt
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -76,6 +76,50 @@ for step in "${steps[@]}"; do
       else
         tail -20 "$out/mpi_launch.log"; note "mpi launch: FAILED (see mpi_launch.log)"
       fi ;;
+    launch)
+      # keel train and keel bench comm under mpirun, each way a launcher hands out GPUs
+      # (device/rank_gpu.h): every GPU visible to every rank, and one GPU per rank (what srun
+      # --gpus-per-task 1 gives); refused with one line: two ranks on one GPU, and more ranks than
+      # the GPUs they see. The GPUs that held a keel process are sampled with nvidia-smi.
+      if [ "$gpus" -lt 2 ]; then note "launch: skipped (needs 2+ GPUs)"; continue; fi
+      "$build/keel" data tokenize data/corpus/stories.jsonl --out /tmp/keel-launch/corpus/stories --append-eos \
+        --holdout 0.05 >"$out/launch_data.log" 2>&1 || { tail -5 "$out/launch_data.log"; note "launch: tokenize FAILED"; continue; }
+      tiny=(train configs/train/tiny.yaml --set steps=30 --set log_interval=10 --set checkpoint.final=false --set batch.grad_accum=$gpus
+            --set data.datasets.stories=/tmp/keel-launch/corpus/stories --set eval.prefix=/tmp/keel-launch/corpus/stories_heldout)
+      comm=(bench comm --backend nccl --op all_reduce,all_to_all -b 1M -e 16M -f 4)
+      one_gpu_each=(bash -c 'CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK exec "$0" "$@"')
+      # launch_case NAME WANT(ok|fail) REGEX GPUS_EXPECTED CMD...: the exit status, a line of the log and the
+      # number of GPUs that ran a keel process (0: not checked).
+      launch_case() {
+        local name=$1 want=$2 re=$3 want_gpus=$4 log="$out/launch_$1.log" seen="$out/launch_$1.gpus"; shift 4
+        ( while sleep 0.3; do nvidia-smi --query-compute-apps=gpu_uuid,process_name --format=csv,noheader 2>/dev/null \
+            | grep keel | cut -d, -f1; done >"$seen" ) &
+        local sampler=$!
+        timeout 300 "$@" >"$log" 2>&1; local rc=$?
+        kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+        local used; used=$(sort -u "$seen" | grep -c . || true)
+        local good=1
+        if [ "$want" = ok ]; then [ "$rc" -eq 0 ] || good=0; else { [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; } || good=0; fi
+        grep -qE "$re" "$log" || good=0
+        [ "$want_gpus" -eq 0 ] || [ "$used" -eq "$want_gpus" ] || good=0
+        if [ "$good" = 1 ]; then note "launch $name: ok (exit $rc, GPUs used $used)"
+        else tail -12 "$log"; note "launch $name: FAILED (exit $rc, GPUs used $used of $want_gpus; see launch_$name.log)"; fi
+      }
+      mpi=(mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0)
+      rm -rf /tmp/keel-launch/train-*
+      launch_case train_all_visible ok 'done: steps 0 -> 30' "$gpus" \
+        "${mpi[@]}" -n "$gpus" "$build/keel" "${tiny[@]}" --set output_dir=/tmp/keel-launch/train-all
+      launch_case train_one_gpu_each ok 'done: steps 0 -> 30' "$gpus" \
+        "${mpi[@]}" -n "$gpus" "${one_gpu_each[@]}" "$build/keel" "${tiny[@]}" --set output_dir=/tmp/keel-launch/train-one
+      launch_case comm_all_visible ok 'Wrong values: 0 OK' "$gpus" "${mpi[@]}" -n "$gpus" "$build/keel" "${comm[@]}"
+      launch_case comm_one_gpu_each ok 'Wrong values: 0 OK' "$gpus" "${mpi[@]}" -n "$gpus" "${one_gpu_each[@]}" "$build/keel" "${comm[@]}"
+      launch_case train_shared_gpu fail '^keel: error: .*would drive the same GPU' 0 \
+        env CUDA_VISIBLE_DEVICES=0 "${mpi[@]}" -x CUDA_VISIBLE_DEVICES -n 2 "$build/keel" "${tiny[@]}" --set output_dir=/tmp/keel-launch/train-shared
+      launch_case comm_shared_gpu fail '^keel: error: .*would drive the same GPU' 0 \
+        env CUDA_VISIBLE_DEVICES=0 "${mpi[@]}" -x CUDA_VISIBLE_DEVICES -n 2 "$build/keel" "${comm[@]}"
+      launch_case train_too_few_visible fail '^keel: error: \[rank [0-9]+\] 3 ranks run on host .* each sees 2 GPUs' 0 \
+        env CUDA_VISIBLE_DEVICES=0,1 "${mpi[@]}" -x CUDA_VISIBLE_DEVICES -n 3 --oversubscribe "$build/keel" "${tiny[@]}" --set batch.grad_accum=3 --set output_dir=/tmp/keel-launch/train-few
+      rm -rf /tmp/keel-launch ;;
     peer)
       if [ "$gpus" -lt 2 ]; then note "peer: skipped (needs 2+ GPUs)"; continue; fi
       # GPU-to-GPU copy-engine bandwidth, every ordered pair, one way and both (N x N matrices).

@@ -50,6 +50,7 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
                                  cfg.path, cfg.parallel_expert));
   ParallelContext ctx;
   ctx.data = {mpi.size(), mpi.rank(), mpi.size() > 1 ? MPI_COMM_WORLD : MPI_COMM_NULL};
+  ctx.cuda = cuda;  // the Trainer follows this choice, made alike on every rank
   if (mpi.size() > 1 && cfg.device != "cpu") {
     if (fewest != most)
       throw UsageError(fmt::format("device: {}: some ranks see a CUDA device and some do not (check "

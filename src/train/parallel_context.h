@@ -16,6 +16,7 @@
 #include <mpi.h>
 
 #include <memory>
+#include <optional>
 
 namespace keel::train {
 
@@ -28,6 +29,9 @@ struct ProcessGroup {
 struct ParallelContext {
   ProcessGroup data, expert, expert_data, tensor, sequence;
   std::shared_ptr<void> owned;  // communicators this context created (with_expert_parallel), freed with the last copy
+  // Whether this rank trains on its GPU, decided alike on every rank by whoever built the
+  // context (keel train: train/command.cc); unset, the Trainer decides from `device` itself.
+  std::optional<bool> cuda;
 
   static ParallelContext single() { return {}; }
   int world_size() const { return data.size * tensor.size * sequence.size; }

@@ -81,8 +81,7 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
     check_eval_tokens();
   }
   // The model last: the data checks above are cheap, the backend allocates gigabytes.
-  bool cuda = cfg_.device == "cuda";
-  if (cfg_.device == "auto") cuda = cuda_training_available();
+  const bool cuda = ctx_.cuda ? *ctx_.cuda : cfg_.device == "cuda" || (cfg_.device == "auto" && cuda_training_available());
   const OptimizerConfig optimizer(cfg_.adamw, cfg_.muon);
   backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, optimizer, ctx_)
                   : make_cpu_backend(cfg_.model, cfg_.model_options, optimizer, ctx_);
