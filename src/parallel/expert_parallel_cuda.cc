@@ -126,7 +126,8 @@ void CudaExpertParallelMoe::backward(const moe::Plan& plan, const float* gates, 
   void* experts_scratch = base;
   moe::combine_backward(plan, saved.ys, gates, d, dy, dys, dgates, stream);
   exchange(plan, dys, dys_local, d, NcclType::kBfloat16, /*to_experts=*/true, stream);
-  if (R > 0) moe::experts_backward(local_offsets_, w, d, f, local_, dys_local, experts_scratch, dx ? dxs_local : nullptr, dw, stream);
+  // with no received rows this only zeroes the gradients an overwriting backward owes (dw.overwrite)
+  moe::experts_backward(local_offsets_, w, d, f, local_, dys_local, experts_scratch, dx ? dxs_local : nullptr, dw, stream);
   if (!dx) return;
   exchange(plan, dxs, dxs_local, d, NcclType::kFloat32, /*to_experts=*/false, stream);
   moe::combine_dx(plan, dxs, d, dx, stream);

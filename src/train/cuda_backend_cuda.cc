@@ -284,6 +284,7 @@ class CudaBackend final : public TrainBackend {
     load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(classes_, 0));
     bias_ = initial_router_biases(cfg_);  // as the CPU model
     map_weights();
+    plan_grad_zeroing();
     if (ctx.data.size > 1) setup_data_parallel(ctx);
     if (ctx.expert.size > 1) setup_expert_parallel(ctx);
 
@@ -374,10 +375,11 @@ class CudaBackend final : public TrainBackend {
         // the previous step's optimizer may still read the gradients beside this forward:
         // zeroed at the first backward (flush_zero_grads)
         zero_pending_ = true;
+        grads_fresh_ = true;
         return;
       }
     }
-    KEEL_CUDA_CHECK(cudaMemsetAsync(grads_, 0, static_cast<std::size_t>(layout_.total_floats) * sizeof(float), stream_));
+    zero_unwritten_grads();
   }
 
   LossParts forward(const std::uint32_t* tokens_host, const std::int32_t* targets_host) override {
@@ -491,10 +493,12 @@ class CudaBackend final : public TrainBackend {
     if (launching_) reduces_launched_ = true;
     launching_ = false;
     have_forward_ = false;
+    grads_fresh_ = false;  // the expert blocks hold this backward's gradients now; later ones add
   }
 
   StepResult clip_and_step(double max_norm, double lr) override {
     flush_zero_grads();
+    settle_fresh_grads();
     if (overlap_) return overlapped_zero1_step(max_norm, lr);
     if (dp_) return zero1_step(max_norm, lr);
     const std::int64_t n = layout_.total_floats;
@@ -543,6 +547,7 @@ class CudaBackend final : public TrainBackend {
     std::vector<float> g(static_cast<std::size_t>(layout_.total_floats));
     join_comm();
     flush_zero_grads();
+    settle_fresh_grads();
     KEEL_CUDA_CHECK(keel::stream_sync(stream_));
     KEEL_CUDA_CHECK(cudaMemcpy(g.data(), grads_, g.size() * sizeof(float), cudaMemcpyDeviceToHost));
     return g;
@@ -919,8 +924,45 @@ class CudaBackend final : public TrainBackend {
     if (!zero_pending_) return;
     KEEL_CUDA_CHECK(cudaEventRecord(ev_opt_done_, opt_stream_));
     KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_opt_done_, 0));
-    KEEL_CUDA_CHECK(cudaMemsetAsync(grads_, 0, static_cast<std::size_t>(layout_.total_floats) * sizeof(float), stream_));
+    zero_unwritten_grads();
     zero_pending_ = false;
+  }
+  // A step's gradients start at zero. The expert blocks (grad_overwrite_) are not cleared here:
+  // the step's first backward writes them (moe::Grads::overwrite), which saves a memset of most
+  // of a MoE model's gradients and the weight-gradient GEMMs' read of them. Everything else
+  // (grad_zeroed_) is cleared now.
+  void zero_unwritten_grads() const {
+    for (const auto& [b, e] : grad_zeroed_)
+      KEEL_CUDA_CHECK(cudaMemsetAsync(grads_ + b, 0, static_cast<std::size_t>(e - b) * sizeof(float), stream_));
+    grads_fresh_ = true;
+  }
+  // Before gradients are read with no backward since zero_grads(): the blocks no backward wrote.
+  void settle_fresh_grads() const {
+    if (!grads_fresh_) return;
+    for (const auto& [b, e] : grad_overwrite_)
+      KEEL_CUDA_CHECK(cudaMemsetAsync(grads_ + b, 0, static_cast<std::size_t>(e - b) * sizeof(float), stream_));
+    grads_fresh_ = false;
+  }
+  // The MoE expert stacks (every backward writes or zeroes all of a layer's experts, see
+  // moe::Grads::overwrite) and the rest of [0, total_floats), merged into ranges.
+  void plan_grad_zeroing() {
+    grad_overwrite_.clear();
+    for (const auto& p : layout_.params)
+      if (p.name.ends_with(".moe.w_gate") || p.name.ends_with(".moe.w_up") || p.name.ends_with(".moe.w_down"))
+        grad_overwrite_.emplace_back(p.offset, p.offset + p.numel);
+    std::sort(grad_overwrite_.begin(), grad_overwrite_.end());
+    std::vector<std::pair<std::int64_t, std::int64_t>> merged;
+    for (const auto& r : grad_overwrite_)
+      if (!merged.empty() && merged.back().second == r.first) merged.back().second = r.second;
+      else merged.push_back(r);
+    grad_overwrite_ = merged;
+    grad_zeroed_.clear();
+    std::int64_t at = 0;
+    for (const auto& [b, e] : grad_overwrite_) {
+      if (b > at) grad_zeroed_.emplace_back(at, b);
+      at = e;
+    }
+    if (layout_.total_floats > at) grad_zeroed_.emplace_back(at, layout_.total_floats);
   }
   // Before reading stage s's parameters in forward: wait for their broadcast (and the stages
   // before it: one stream, offset order).
@@ -1176,7 +1218,7 @@ class CudaBackend final : public TrainBackend {
     g.router.w2 = G + W.zr_w2;
     g.router.b2 = G + W.zr_b2;
     g.router.w3 = G + W.zr_out;
-    g.experts = {G + W.w_gate, G + W.w_up, G + W.w_down};
+    g.experts = {G + W.w_gate, G + W.w_up, G + W.w_down, /*overwrite=*/grads_fresh_};
     return g;
   }
 
@@ -1602,7 +1644,7 @@ class CudaBackend final : public TrainBackend {
     const int E = cfg_.experts;
     const std::int64_t F = cfg_.expert_hidden;
     k::moe::Weights mw{w16 + W.w_gate, w16 + W.w_up, w16 + W.w_down};
-    k::moe::Grads mg{G + W.w_gate, G + W.w_up, G + W.w_down};
+    k::moe::Grads mg{G + W.w_gate, G + W.w_up, G + W.w_down, /*overwrite=*/grads_fresh_};
     if (k::moe::ExpertRunner* ep = expert_runner(m))
       ep->backward(a.plan, a.gates, mw, D, F, a.saved, dy, moe_scratch_, dh_bf_, dgates_, mg, stream_);
     else
@@ -1718,6 +1760,9 @@ class CudaBackend final : public TrainBackend {
   cudaEvent_t ev_opt_go_ = nullptr, ev_opt_bucket_ = nullptr, ev_opt_done_ = nullptr;
   std::unique_ptr<k::GemmRunner> gemm_opt_;             // Muon's GEMMs on opt_stream_
   mutable bool zero_pending_ = false;                   // zero_grads() deferred to the first backward
+  // gradient ranges [begin, end): written by a step's first backward / zeroed by zero_grads()
+  std::vector<std::pair<std::int64_t, std::int64_t>> grad_overwrite_, grad_zeroed_;
+  mutable bool grads_fresh_ = false;  // zero_grads() ran, no backward since: grad_overwrite_ holds stale values
   bool defer_embed_ = false, own_embed_ = false;
   std::vector<int> embed_owners_;
   float* gather_dres_ = nullptr;                        // owners: (ranks - 1) x [N, D]

@@ -46,6 +46,8 @@ void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const G
     else
       k::moe::backward(a.plan, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.dyk, sc.experts, sc.dxk, sc.dgk,
                        g.experts, stream);
+  } else {
+    k::moe::zero_expert_grads(g.experts, s.experts, D, s.expert_hidden, stream);  // no routed rows: all zeros
   }
   // dx: the experts' dx on routed rows, gate * dy on skipped rows (fp32). dL/d gate: the
   // experts' on routed rows, dy . x on skipped rows (skip_add_backward adds it onto the 0s).

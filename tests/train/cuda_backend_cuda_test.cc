@@ -300,6 +300,46 @@ TEST(CudaBackend, LossDoesNotDependOnThePreviousMicroBatch) {
   }
 }
 
+// A step's gradients are its own micro-batches' sum: nothing of the previous step's stays (the
+// expert blocks are written, not zeroed and added to, by a step's first backward), and a second
+// micro-batch adds to the first. Per parameter against a fresh backend from the same state.
+TEST(CudaBackend, GradientsAreTheStepsOwnAndMicroBatchesSum) {
+  if (visible_cuda_devices() == 0) GTEST_SKIP() << "no GPU";
+  for (const auto& cfg : {small_config(false), zaya_config(true)}) {
+    SCOPED_TRACE(cfg.name);
+    const ModelOptions opt = small_options();
+    const std::int64_t n = std::int64_t(opt.micro_batch) * opt.seq_length;
+    const auto a = fixtures::random_batch(static_cast<int>(n), cfg.vocab_size, 21);
+    const auto b = fixtures::random_batch(static_cast<int>(n), cfg.vocab_size, 22);
+    const optim::AdamWConfig adamw;
+    auto grads_of = [](TrainBackend& be, const std::vector<const fixtures::Batch*>& batches) {
+      be.zero_grads();
+      for (const auto* batch : batches) {
+        be.forward(batch->tokens.data(), batch->targets.data());
+        be.backward(1.0f);
+      }
+      return be.gradients();
+    };
+    auto x = make_cuda_backend(cfg, opt, adamw, ParallelContext::single());
+    if (cfg.router_hidden > 0) x->set_state(sharpened_router(*x));
+    grads_of(*x, {&a});
+    x->clip_and_step(1.0, 1e-2);
+    const TrainState st = x->state();
+    const std::vector<float> step2_b = grads_of(*x, {&b});
+    const std::vector<float> step3_ba = grads_of(*x, {&b, &a});
+    auto y = make_cuda_backend(cfg, opt, adamw, ParallelContext::single());
+    y->set_state(st);
+    const std::vector<float> fresh_b = grads_of(*y, {&b});
+    const std::vector<float> fresh_a = grads_of(*y, {&a});
+    std::vector<float> sum(fresh_a.size());
+    for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = fresh_a[i] + fresh_b[i];
+    for (const auto& p : x->layout().params) {
+      EXPECT_LT(keel::test::norm_rel_err(step2_b, fresh_b, p.offset, p.numel), 1e-4) << p.name << ", one micro-batch";
+      EXPECT_LT(keel::test::norm_rel_err(step3_ba, sum, p.offset, p.numel), 1e-4) << p.name << ", two micro-batches";
+    }
+  }
+}
+
 TEST(CudaBackend, BadInputIsAClearError) {
   if (visible_cuda_devices() == 0) GTEST_SKIP() << "no CUDA device visible";
   auto cfg = small_config(false);

@@ -401,30 +401,50 @@ std::int64_t experts_backward_scratch_bytes(std::int64_t rows, std::int64_t f) {
   return align_up(rows * f * 4) + 2 * align_up(rows * f * 2);
 }
 
+namespace {
+
+void zero_expert_block(const Grads& dw, int e, std::int64_t d, std::int64_t f, cudaStream_t stream) {
+  const std::size_t bytes = static_cast<std::size_t>(d * f) * sizeof(float);
+  for (float* g : {dw.w_gate, dw.w_up, dw.w_down})
+    if (g) KEEL_CUDA_CHECK(cudaMemsetAsync(g + e * d * f, 0, bytes, stream));
+}
+
+}  // namespace
+
+void zero_expert_grads(const Grads& dw, int experts, std::int64_t d, std::int64_t f, cudaStream_t stream) {
+  if (!dw.overwrite) return;
+  const std::size_t bytes = static_cast<std::size_t>(experts * d * f) * sizeof(float);
+  for (float* g : {dw.w_gate, dw.w_up, dw.w_down})
+    if (g) KEEL_CUDA_CHECK(cudaMemsetAsync(g, 0, bytes, stream));
+}
+
 void experts_backward(const std::vector<std::int64_t>& offsets, const Weights& w, std::int64_t d, std::int64_t f,
                       const Saved& sv, const bf16* dys, void* scratch, float* dxs, const Grads& dw,
                       cudaStream_t stream) {
   const int experts = static_cast<int>(offsets.size()) - 1;
   if (experts < 1 || offsets.front() != 0) fail("cuda moe: expert row offsets must start at 0 ({} experts)", experts);
   const std::int64_t rows = offsets.back();
-  if (rows == 0) return;
+  if (rows == 0) return zero_expert_grads(dw, experts, d, f, stream);
   const bool need_dh = dxs || dw.w_gate || dw.w_up;
   if (!need_dh && !dw.w_down) return;
   if (!w.w_gate || !w.w_up || !w.w_down || !sv.xs || !sv.h_gate || !sv.h_up || !sv.act || !dys || !scratch)
     fail("cuda moe: experts_backward got a null pointer");
+  if (dw.overwrite)  // the experts without rows: no GEMM writes theirs
+    for (int e = 0; e < experts; ++e)
+      if (offsets[e + 1] == offsets[e]) zero_expert_block(dw, e, d, f, stream);
+  const float beta = dw.overwrite ? 0.f : 1.f;
   char* base = static_cast<char*>(scratch);
   float* dact = reinterpret_cast<float*>(base);
   base += align_up(rows * f * 4);
   bf16* dhg = reinterpret_cast<bf16*>(base);
   base += align_up(rows * f * 2);
   bf16* dhu = reinterpret_cast<bf16*>(base);
-  // One chain per expert on its rows (experts without tokens get no gradient and launch no
-  // zero-size GEMM).
+  // One chain per expert on its rows (experts without tokens launch no zero-size GEMM).
   for_each_expert(offsets, stream, [&](int e, GemmRunner& gemm, cudaStream_t lane) {
     const std::int64_t off = offsets[e], cnt = offsets[e + 1] - off;
-    // dW_down[e] [D, F] += dys_e^T act_e
+    // dW_down[e] [D, F] += dys_e^T act_e (= with dw.overwrite)
     if (dw.w_down)
-      gemm.run(desc(d, f, cnt, true, false, GemmOut::kFp32, 1.f), dys + off * d, sv.act + off * f,
+      gemm.run(desc(d, f, cnt, true, false, GemmOut::kFp32, beta), dys + off * d, sv.act + off * f,
                dw.w_down + e * d * f, lane);
     if (!need_dh) return;
     // dact_e [cnt, F] = dys_e W_down[e]
@@ -434,7 +454,7 @@ void experts_backward(const std::vector<std::int64_t>& offsets, const Weights& w
         sv.h_gate + off * f, sv.h_up + off * f, dact + off * f, dhg + off * f, dhu + off * f, cnt * f);
     KEEL_CUDA_CHECK_LAUNCH();
     // dW_gate[e] [F, D] += dh_gate_e^T xs_e; the same for up.
-    const GemmDesc wgrad = desc(f, d, cnt, true, false, GemmOut::kFp32, 1.f);
+    const GemmDesc wgrad = desc(f, d, cnt, true, false, GemmOut::kFp32, beta);
     if (dw.w_gate) gemm.run(wgrad, dhg + off * f, sv.xs + off * d, dw.w_gate + e * f * d, lane);
     if (dw.w_up) gemm.run(wgrad, dhu + off * f, sv.xs + off * d, dw.w_up + e * f * d, lane);
     // dxs_e [cnt, D] = dh_gate_e W_gate[e] + dh_up_e W_up[e]
@@ -474,7 +494,7 @@ void backward(const Plan& plan, const float* gates, const Weights& w, std::int64
               const float* dy, void* scratch, bf16* dx, float* dgates, const Grads& dw, cudaStream_t stream) {
   check_plan(plan, d, f);
   const std::int64_t s = plan.slots();
-  if (plan.tokens == 0) return;
+  if (plan.tokens == 0) return zero_expert_grads(dw, plan.experts, d, f, stream);
   if (!gates || !w.w_gate || !w.w_up || !w.w_down || !sv.xs || !sv.h_gate || !sv.h_up || !sv.act || !sv.ys || !dy ||
       !scratch)
     fail("cuda moe: backward got a null pointer");

@@ -37,7 +37,8 @@
 // W_gate, W_up [E, F, D] and W_down [E, D, F] bf16; their gradients fp32. Saved (caller
 // allocated, written by forward, read by backward): xs [S, D], h_gate, h_up, act [S, F],
 // ys [S, D], all bf16, plus the Plan. dx, dgates overwritten; weight gradients ACCUMULATED
-// (+=, beta = 1 GEMMs on each expert's block). Any gradient pointer may be null to skip it.
+// (+=, beta = 1 GEMMs on each expert's block), or written with Grads::overwrite. Any gradient
+// pointer may be null to skip it.
 // Backward needs backward_scratch_bytes(S, D, F) bytes of device scratch.
 #pragma once
 
@@ -78,7 +79,16 @@ struct Grads {
   float* w_gate = nullptr;  // [E, F, D], accumulated; null to skip
   float* w_up = nullptr;
   float* w_down = nullptr;  // [E, D, F]
+  // false: the backward ADDS each expert's gradient (micro-batches sum into one buffer). true:
+  // it WRITES them (beta = 0 GEMMs; experts without rows get zeros), so a step's first
+  // micro-batch needs no memset of these [E, F, D] blocks beforehand and its weight-gradient
+  // GEMMs do not read them: most of a MoE model's parameters (docs/gpu_training.md).
+  bool overwrite = false;
 };
+
+// Zeroes dw's blocks of `experts` experts (what an overwriting backward leaves for experts that
+// got no rows). Null blocks are skipped. No host sync.
+void zero_expert_grads(const Grads& dw, int experts, std::int64_t d, std::int64_t f, cudaStream_t stream);
 
 struct Saved {
   bf16* xs = nullptr;                                   // [S, D] tokens in expert order
@@ -122,7 +132,8 @@ void combine_backward(const Plan& plan, const bf16* ys, const float* gates, std:
 std::int64_t experts_backward_scratch_bytes(std::int64_t rows, std::int64_t f);
 
 // The experts' backward on the rows of experts_forward: dys [rows, D] bf16 in; weight gradients
-// accumulated (any may be null); dxs [rows, D] fp32 overwritten (null to skip).
+// accumulated, or written with dw.overwrite (any may be null); dxs [rows, D] fp32 overwritten
+// (null to skip).
 void experts_backward(const std::vector<std::int64_t>& offsets, const Weights& w, std::int64_t d, std::int64_t f,
                       const Saved& sv, const bf16* dys, void* scratch, float* dxs, const Grads& dw,
                       cudaStream_t stream);

@@ -281,7 +281,44 @@ TEST(MoeCuda, MatchesCpuForwardAndBackward) {
     DeviceArray<bf16> d_dx2(n * d);
     gpu_moe::backward(gp, d_gates.get(), gw, d, f, gsv, d_dy.get(), d_scratch.get(), d_dx2.get(), nullptr, {}, nullptr);
     EXPECT_EQ(to_host(d_dx2), to_host(d_dx));
+
+    // Overwriting (a step's first micro-batch): the gradients without the starting values, and
+    // zeros, not the starting values, for the idle expert.
+    auto o_dwg = to_device<float>(g0_gate), o_dwu = to_device<float>(g0_up), o_dwd = to_device<float>(g0_down);
+    gpu_moe::backward(gp, d_gates.get(), gw, d, f, gsv, d_dy.get(), d_scratch.get(), d_dx2.get(), nullptr,
+                      gpu_moe::Grads{o_dwg.get(), o_dwu.get(), o_dwd.get(), /*overwrite=*/true}, nullptr);
+    const std::vector<float> ow_g = to_host(o_dwg), ow_u = to_host(o_dwu), ow_d = to_host(o_dwd);
+    EXPECT_LT(norm_rel_err(ow_g, minus(dwg, g0_gate)), 2e-2);
+    EXPECT_LT(norm_rel_err(ow_u, minus(dwu, g0_up)), 2e-2);
+    EXPECT_LT(norm_rel_err(ow_d, minus(dwd, g0_down)), 1.5e-2);
+    for (std::int64_t i = (e - 1) * f * d; i < e * f * d; ++i) {
+      ASSERT_EQ(ow_g[i], 0.f);
+      ASSERT_EQ(ow_u[i], 0.f);
+      ASSERT_EQ(ow_d[i], 0.f);
+    }
   }
+}
+
+// An overwriting backward over no tokens (no expert got a row) leaves every expert's gradient
+// zero; an accumulating one leaves them as they were.
+TEST(MoeCuda, OverwriteWithNoTokensZeroesEveryExpert) {
+  KEEL_REQUIRE_GPU();
+  const std::int64_t d = 32, f = 48;
+  const int e = 3;
+  DeviceArray<std::int32_t> ws(gpu_moe::plan_ints(0, e));
+  const gpu_moe::Plan gp = gpu_moe::make_plan(nullptr, 0, 1, e, ws.get(), nullptr);
+  const std::vector<float> g0 = random_vector(e * f * d, 77);
+  auto dwg = to_device<float>(g0), dwu = to_device<float>(g0), dwd = to_device<float>(g0);
+  const gpu_moe::Saved none{};
+  gpu_moe::backward(gp, nullptr, {}, d, f, none, nullptr, nullptr, nullptr, nullptr,
+                    gpu_moe::Grads{dwg.get(), dwu.get(), dwd.get(), /*overwrite=*/false}, nullptr);
+  EXPECT_EQ(to_host(dwg), g0);
+  gpu_moe::backward(gp, nullptr, {}, d, f, none, nullptr, nullptr, nullptr, nullptr,
+                    gpu_moe::Grads{dwg.get(), dwu.get(), dwd.get(), /*overwrite=*/true}, nullptr);
+  const std::vector<float> zeros(static_cast<std::size_t>(e * f * d), 0.f);
+  EXPECT_EQ(to_host(dwg), zeros);
+  EXPECT_EQ(to_host(dwu), zeros);
+  EXPECT_EQ(to_host(dwd), zeros);
 }
 
 TEST(MoeCuda, PlanRejectsExpertOutOfRange) {
