@@ -446,7 +446,9 @@ class CudaBackend final : public TrainBackend {
     if (prof_) prof_->mark(Profile::kBwd0, stream_);
     cur_scale_ = loss_scale;
     const std::int64_t N = tokens(), V = cfg_.vocab_size, D = cfg_.hidden;
-    k::cross_entropy::backward(final_h_, params_bf16_ + lm_head_, targets_, ce_lse_, loss_scale, N, D, V, ce_options(),
+    k::cross_entropy::Options ce = ce_options();
+    ce.overwrite_dw = grads_fresh_;  // the LM head's gradient is written first (a tied table's scatter-add follows)
+    k::cross_entropy::backward(final_h_, params_bf16_ + lm_head_, targets_, ce_lse_, loss_scale, N, D, V, ce,
                                ce_scratch_, dh_bf_, grads_ + lm_head_, stream_);
     KEEL_CUDA_CHECK(cudaMemsetAsync(dres_, 0, N * D * sizeof(float), stream_));
     k::rmsnorm::backward(scaled_ ? final_r_ : resid_[cfg_.layers], params_ + final_norm_, final_rstd_, dh_bf_, dres_,
@@ -493,7 +495,7 @@ class CudaBackend final : public TrainBackend {
     if (launching_) reduces_launched_ = true;
     launching_ = false;
     have_forward_ = false;
-    grads_fresh_ = false;  // the expert blocks hold this backward's gradients now; later ones add
+    grads_fresh_ = false;  // grad_overwrite_ holds this backward's gradients now; later ones add
   }
 
   StepResult clip_and_step(double max_norm, double lr) override {
@@ -927,9 +929,9 @@ class CudaBackend final : public TrainBackend {
     zero_unwritten_grads();
     zero_pending_ = false;
   }
-  // A step's gradients start at zero. The expert blocks (grad_overwrite_) are not cleared here:
-  // the step's first backward writes them (moe::Grads::overwrite), which saves a memset of most
-  // of a MoE model's gradients and the weight-gradient GEMMs' read of them. Everything else
+  // A step's gradients start at zero. The expert blocks and the LM head (grad_overwrite_) are
+  // not cleared here: the step's first backward writes them, which saves a memset of most of a
+  // MoE model's gradients and the weight-gradient GEMMs' read of them. Everything else
   // (grad_zeroed_) is cleared now.
   void zero_unwritten_grads() const {
     for (const auto& [b, e] : grad_zeroed_)
@@ -943,12 +945,14 @@ class CudaBackend final : public TrainBackend {
       KEEL_CUDA_CHECK(cudaMemsetAsync(grads_ + b, 0, static_cast<std::size_t>(e - b) * sizeof(float), stream_));
     grads_fresh_ = false;
   }
-  // The MoE expert stacks (every backward writes or zeroes all of a layer's experts, see
-  // moe::Grads::overwrite) and the rest of [0, total_floats), merged into ranges.
+  // The MoE expert stacks and the LM head (or the tied table it reads): every backward writes
+  // or zeroes all of them (moe::Grads::overwrite, cross_entropy::Options::overwrite_dw). Then
+  // the rest of [0, total_floats). Both merged into ranges.
   void plan_grad_zeroing() {
     grad_overwrite_.clear();
     for (const auto& p : layout_.params)
-      if (p.name.ends_with(".moe.w_gate") || p.name.ends_with(".moe.w_up") || p.name.ends_with(".moe.w_down"))
+      if (p.name.ends_with(".moe.w_gate") || p.name.ends_with(".moe.w_up") || p.name.ends_with(".moe.w_down") ||
+          p.offset == lm_head_)
         grad_overwrite_.emplace_back(p.offset, p.offset + p.numel);
     std::sort(grad_overwrite_.begin(), grad_overwrite_.end());
     std::vector<std::pair<std::int64_t, std::int64_t>> merged;

@@ -405,8 +405,11 @@ void backward(const bf16* hidden, const bf16* w, const std::int32_t* targets, co
               std::int64_t n, std::int64_t d, std::int64_t v, const Options& o, void* scratch, bf16* dhidden, float* dw,
               cudaStream_t stream) {
   check(n, d, v, o);
+  if (n == 0 && dw && o.overwrite_dw)
+    KEEL_CUDA_CHECK(cudaMemsetAsync(dw, 0, static_cast<std::size_t>(v * d) * sizeof(float), stream));
   if (n == 0 || (!dhidden && !dw)) return;
   if (!hidden || !w || !targets || !lse || !scratch) fail("cuda cross_entropy: backward got a null pointer");
+  const float dw_beta = o.overwrite_dw ? 0.f : 1.f;  // every row of dw is written either way
   const std::int64_t c = std::min(o.chunk, v);
   const Scratch s = carve(scratch, n, d, v, o).s;
   count_valid_kernel<<<1, kFinalThreads, 0, stream>>>(targets, o.ignore_index, v, n, s.valid);
@@ -416,7 +419,7 @@ void backward(const bf16* hidden, const bf16* w, const std::int32_t* targets, co
     // The kept logits become dlogits in place; then two whole-vocabulary GEMMs.
     launch_dlogits<bf16>(s.dlogits, v, targets, o.ignore_index, v, 0, v, n, lse, dloss, s.valid, s.dlogits, stream);
     if (dhidden) gemm.run(desc(n, d, v, false, false, 0.f), s.dlogits, w, s.dhidden, stream);
-    if (dw) gemm.run(desc(v, d, n, true, false, 1.f), s.dlogits, hidden, dw, stream);
+    if (dw) gemm.run(desc(v, d, n, true, false, dw_beta), s.dlogits, hidden, dw, stream);
   } else {
     for (std::int64_t v0 = 0; v0 < v; v0 += c) {
       const std::int64_t cs = std::min(c, v - v0);
@@ -426,8 +429,8 @@ void backward(const bf16* hidden, const bf16* w, const std::int32_t* targets, co
       // dhidden [N, D] (+)= dlogits [N, cs] W_c [cs, D]; the first chunk overwrites.
       if (dhidden)
         gemm.run(desc(n, d, cs, false, false, v0 == 0 ? 0.f : 1.f), s.dlogits, w + v0 * d, s.dhidden, stream);
-      // dW_c [cs, D] += dlogits^T [cs, N] hidden [N, D]
-      if (dw) gemm.run(desc(cs, d, n, true, false, 1.f), s.dlogits, hidden, dw + v0 * d, stream);
+      // dW_c [cs, D] += dlogits^T [cs, N] hidden [N, D] (= with overwrite_dw)
+      if (dw) gemm.run(desc(cs, d, n, true, false, dw_beta), s.dlogits, hidden, dw + v0 * d, stream);
     }
   }
   if (dhidden) {

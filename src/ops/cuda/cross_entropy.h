@@ -23,7 +23,7 @@
 // Shapes and dtypes: hidden [N, D] bf16; w [V, D] bf16; targets [N] int32; lse [N] fp32
 // (written by forward, read by backward; ignored rows get 0); result: one device Result;
 // dhidden [N, D] bf16 OVERWRITTEN; dw [V, D] fp32 ACCUMULATED (+=, so a tied embedding's
-// gradient adds up); either may be null. Both passes use scratch_bytes(...) of device scratch
+// gradient adds up), or written with Options::overwrite_dw; either may be null. Both passes use scratch_bytes(...) of device scratch
 // (contents need not survive between them). Saved for backward: hidden, w, targets, lse.
 #pragma once
 
@@ -41,6 +41,9 @@ struct Options {
   // into dlogits in place instead of recomputing them (a third less LM-head work). The
   // statistics then come from the bf16 logits, as under PyTorch's autocast.
   bool keep_logits = false;
+  // backward writes dw (=, zeros when there are no tokens) instead of adding to it: a step's
+  // first micro-batch then needs no memset of the [V, D] gradient before (docs/gpu_training.md).
+  bool overwrite_dw = false;
 };
 
 // Lives on the device; forward overwrites it.

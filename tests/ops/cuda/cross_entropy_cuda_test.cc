@@ -104,6 +104,16 @@ TEST(CrossEntropyCuda, MatchesCpuForwardAndBackward) {
     EXPECT_LT(e_dw, keep ? 2e-2 : 1e-2);
     std::printf("ce N=%lld D=%lld V=%lld chunk=%lld: loss %.6f vs %.6f, rel err dhidden %.1e dW %.1e\n", (long long)n,
                 (long long)d, (long long)v, (long long)c.chunk, got.loss, want, e_dh, e_dw);
+
+    // overwrite_dw: the same gradient without the starting values (forward again: with
+    // keep_logits, backward turned the kept logits into dlogits)
+    go.overwrite_dw = true;
+    auto o_dw = to_device<float>(dw0);
+    gpu_ce::forward(d_hidden.get(), d_w.get(), d_targets.get(), n, d, v, go, d_lse.get(), d_result.get(),
+                    d_scratch.get(), nullptr);
+    gpu_ce::backward(d_hidden.get(), d_w.get(), d_targets.get(), d_lse.get(), dloss, n, d, v, go, d_scratch.get(),
+                     d_dhidden.get(), o_dw.get(), nullptr);
+    EXPECT_LT(norm_rel_err(to_host(o_dw), minus(dw, dw0)), keep ? 2e-2 : 1e-2) << "overwrite_dw";
   }
 }
 
@@ -132,6 +142,15 @@ TEST(CrossEntropyCuda, AllIgnoredGivesZero) {
   EXPECT_EQ(to_host(d_lse), std::vector<float>(n, 0.f));
   EXPECT_EQ(to_host(d_dhidden), std::vector<float>(n * d, 0.f));
   EXPECT_EQ(to_host(d_dw), dw0);
+  // Written instead of added to: zeros, with rows to ignore and with no rows at all.
+  go.overwrite_dw = true;
+  gpu_ce::backward(d_hidden.get(), d_w.get(), d_targets.get(), d_lse.get(), 1.f, n, d, v, go, d_scratch.get(),
+                   d_dhidden.get(), d_dw.get(), nullptr);
+  EXPECT_EQ(to_host(d_dw), std::vector<float>(v * d, 0.f));
+  auto dw_none = to_device<float>(dw0);
+  gpu_ce::backward(d_hidden.get(), d_w.get(), d_targets.get(), d_lse.get(), 1.f, 0, d, v, go, d_scratch.get(),
+                   d_dhidden.get(), dw_none.get(), nullptr);
+  EXPECT_EQ(to_host(dw_none), std::vector<float>(v * d, 0.f));
 }
 
 TEST(CrossEntropyCuda, TargetOutsideVocabularyIsReported) {
