@@ -6,7 +6,8 @@
 //    synchronizes the host unless its header says so.
 //  - Activations are bf16, statistics (norm rstd, softmax lse, router probabilities) fp32,
 //    parameter gradients fp32 and accumulated (+=), activation gradients overwritten, exactly
-//    as the CPU reference ops in src/ops document.
+//    as the CPU reference ops in src/ops document (two ops can also write a parameter
+//    gradient, on request: docs/gpu_training.md).
 //  - Included only from .cu files and *_cuda.cc / *_cuda_test.cc: a CPU-only build never sees it.
 #pragma once
 
@@ -14,12 +15,26 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <memory>
 
 #include "device/cuda_check.h"
 
 namespace keel::ops::cuda {
 
 using bf16 = __nv_bfloat16;
+
+// The calling thread's T for its current device, made on first use there: cuBLASLt handles,
+// streams and workspaces belong to one device, and one thread's work never waits on another's.
+template <class T>
+T& for_thread_and_device() {
+  thread_local std::map<int, std::unique_ptr<T>> objects;
+  int device = 0;
+  KEEL_CUDA_CHECK(cudaGetDevice(&device));
+  std::unique_ptr<T>& object = objects[device];
+  if (!object) object = std::make_unique<T>();
+  return *object;
+}
 
 // Blocks of `threads` covering n items, at least one.
 inline unsigned grid_for(std::int64_t n, int threads) {

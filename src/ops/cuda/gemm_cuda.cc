@@ -264,13 +264,6 @@ void GemmRunner::run(const GemmDesc& desc, const bf16* a, const bf16* b, void* c
   lt_check(status, "Matmul", d);
 }
 
-GemmRunner& thread_gemm() {
-  thread_local std::map<int, std::unique_ptr<GemmRunner>> runners;
-  int device = 0;
-  KEEL_CUDA_CHECK(cudaGetDevice(&device));
-  auto& runner = runners[device];
-  if (!runner) runner = std::make_unique<GemmRunner>();
-  return *runner;
-}
+GemmRunner& thread_gemm() { return for_thread_and_device<GemmRunner>(); }
 
 }  // namespace keel::ops::cuda

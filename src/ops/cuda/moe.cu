@@ -4,7 +4,6 @@
 #include <array>
 #include <cstdint>
 #include <cstdlib>
-#include <map>
 #include <memory>
 
 #include "common/error.h"
@@ -236,14 +235,7 @@ class ExpertLanes {
   ExpertLanes& operator=(const ExpertLanes&) = delete;
 
   // The lanes of the calling thread's current device.
-  static ExpertLanes& for_thread() {
-    thread_local std::map<int, std::unique_ptr<ExpertLanes>> lanes;
-    int device = 0;
-    KEEL_CUDA_CHECK(cudaGetDevice(&device));
-    auto& l = lanes[device];
-    if (!l) l = std::make_unique<ExpertLanes>();
-    return *l;
-  }
+  static ExpertLanes& for_thread() { return for_thread_and_device<ExpertLanes>(); }
 
   // Lanes 0..used-1 start after the work queued on `stream` so far.
   void fork(cudaStream_t stream, int used) {
