@@ -13,16 +13,11 @@ void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf
   const std::int64_t N = s.tokens, D = s.hidden;
   k::zaya_router::forward(gemm, s.router_dims(), x, prev_state, w.router, bias, a.router, stream);
   cuda::pack_routed(a.router.idx, N, s.experts, a.kept, a.kept_idx, a.pos, a.count, stream);
-  a.nk = N;
-  if (s.skip) {  // the expert GEMM loop needs nk on the host (make_plan syncs right after anyway)
-    std::int32_t nk = 0;
-    KEEL_CUDA_CHECK(cudaMemcpyAsync(&nk, a.count, sizeof(nk), cudaMemcpyDeviceToHost, stream));
-    KEEL_CUDA_CHECK(keel::stream_sync(stream));
-    a.nk = nk;
-  }
+  // The plan's one sync also brings nk, the tokens left after the skip class, to the host.
+  a.plan = k::moe::make_plan(a.kept_idx, N, 1, s.experts, a.plan_ws, stream, s.skip ? a.count : nullptr);
+  a.nk = a.plan.tokens;
   // With expert parallelism every rank takes part, with no routed tokens too.
   if (a.nk > 0 || (experts && experts->collective())) {
-    a.plan = k::moe::make_plan(a.kept_idx, a.nk, 1, s.experts, a.plan_ws, stream);
     cuda::gather_rows(x, a.kept, a.nk, D, sc.xk, stream);
     cuda::gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
     if (experts) experts->forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);

@@ -14,8 +14,8 @@
 // dstate_next, dprev_state fp32 [N, R]; parameter gradients fp32, ACCUMULATED (+=).
 // y, dx and dprev_state are OVERWRITTEN.
 //
-// Host syncs: forward reads the packed count nk with one small blocking copy (only with the
-// skip class: without it nk = N), then moe::make_plan syncs once more for the expert offsets.
+// Host syncs: one in forward, moe::make_plan's copy of the expert offsets, which also brings
+// the packed count nk (the plan reads it on the device; without the skip class nk = N).
 // Backward never syncs. Load counts after forward: expert e = plan.count(e), skip = N - nk.
 #pragma once
 

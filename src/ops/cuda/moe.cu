@@ -20,10 +20,19 @@ constexpr int kElemThreads = 256;
 
 // offsets[0..E] = exclusive prefix sum of the loads; offsets[E + 1] = slots whose expert index
 // is outside [0, E) (make_plan reports them).
-__global__ void plan_count_kernel(const std::int32_t* __restrict__ expert_idx, std::int64_t slots, int experts,
+// The slots to plan: `slots`, or *device_tokens x top_k when the tokens are counted on the device.
+__device__ std::int64_t planned_slots(std::int64_t slots, const std::int32_t* device_tokens, int top_k) {
+  if (!device_tokens) return slots;
+  const std::int64_t s = std::int64_t(*device_tokens) * top_k;
+  return s < 0 ? 0 : (s < slots ? s : slots);
+}
+
+__global__ void plan_count_kernel(const std::int32_t* __restrict__ expert_idx, std::int64_t max_slots,
+                                  const std::int32_t* __restrict__ device_tokens, int top_k, int experts,
                                   std::int32_t* __restrict__ offsets) {
   extern __shared__ int load[];
   __shared__ int bad;
+  const std::int64_t slots = planned_slots(max_slots, device_tokens, top_k);
   for (int e = threadIdx.x; e < experts; e += blockDim.x) load[e] = 0;
   if (threadIdx.x == 0) bad = 0;
   __syncthreads();
@@ -46,10 +55,12 @@ __global__ void plan_count_kernel(const std::int32_t* __restrict__ expert_idx, s
 
 // Block e walks the slots in increasing a, kPlanThreads at a time, and gives its matches
 // consecutive rows from offsets[e]: a stable counting sort, identical to the CPU plan.
-__global__ void plan_scatter_kernel(const std::int32_t* __restrict__ expert_idx, std::int64_t slots,
+__global__ void plan_scatter_kernel(const std::int32_t* __restrict__ expert_idx, std::int64_t max_slots,
+                                    const std::int32_t* __restrict__ device_tokens, int top_k,
                                     const std::int32_t* __restrict__ offsets, std::int32_t* __restrict__ source,
                                     std::int32_t* __restrict__ position) {
   __shared__ int warp_hits[kPlanThreads / 32];
+  const std::int64_t slots = planned_slots(max_slots, device_tokens, top_k);
   const int e = blockIdx.x;
   const int base = offsets[e], load = offsets[e + 1] - base;
   if (load == 0) return;
@@ -314,7 +325,7 @@ void for_each_expert(const std::vector<std::int64_t>& offsets, cudaStream_t stre
 std::int64_t plan_ints(std::int64_t slots, int experts) { return experts + 2 + 2 * slots; }
 
 Plan make_plan(const std::int32_t* expert_idx, std::int64_t tokens, int top_k, int experts, std::int32_t* workspace,
-               cudaStream_t stream) {
+               cudaStream_t stream, const std::int32_t* device_tokens) {
   if (top_k < 1 || experts < 1) fail("cuda moe: need top_k >= 1 and experts >= 1, got {} and {}", top_k, experts);
   if (experts > kMaxExperts) fail("cuda moe: {} experts exceed the supported {}", experts, kMaxExperts);
   if (tokens < 0 || tokens * top_k > INT32_MAX) fail("cuda moe: {} tokens x top_k {} is out of range", tokens, top_k);
@@ -327,9 +338,11 @@ Plan make_plan(const std::int32_t* expert_idx, std::int64_t tokens, int top_k, i
   p.offsets = workspace;
   p.source = workspace + experts + 2;
   p.position = p.source + s;
-  plan_count_kernel<<<1, kPlanThreads, sizeof(int) * experts, stream>>>(expert_idx, s, experts, p.offsets);
+  plan_count_kernel<<<1, kPlanThreads, sizeof(int) * experts, stream>>>(expert_idx, s, device_tokens, top_k, experts,
+                                                                         p.offsets);
   KEEL_CUDA_CHECK_LAUNCH();
-  plan_scatter_kernel<<<experts, kPlanThreads, 0, stream>>>(expert_idx, s, p.offsets, p.source, p.position);
+  plan_scatter_kernel<<<experts, kPlanThreads, 0, stream>>>(expert_idx, s, device_tokens, top_k, p.offsets, p.source,
+                                                            p.position);
   KEEL_CUDA_CHECK_LAUNCH();
   // The one host sync of the MoE layer: the GEMM loop needs each expert's row range.
   std::vector<std::int32_t> h(static_cast<std::size_t>(experts) + 2);
@@ -338,6 +351,7 @@ Plan make_plan(const std::int32_t* expert_idx, std::int64_t tokens, int top_k, i
   if (h[experts + 1] != 0)
     fail("cuda moe: {} routed slots name an expert outside [0, {})", h[experts + 1], experts);
   p.host_offsets.assign(h.begin(), h.begin() + experts + 1);
+  if (device_tokens) p.tokens = h[experts] / top_k;  // every planned slot is valid here
   return p;
 }
 

@@ -65,9 +65,12 @@ std::int64_t plan_ints(std::int64_t slots, int experts);
 
 // expert_idx [N * top_k] int32 on the device (router::forward's output). The Plan points into
 // `workspace` (plan_ints(S, E) int32s), which must outlive it. SYNCHRONIZES `stream` once (see
-// above); throws keel::Error on an expert index outside [0, E).
+// above); throws keel::Error on an expert index outside [0, E). With device_tokens (an int32
+// on the device, written by earlier work on `stream`) only its first min(*device_tokens,
+// tokens) tokens are planned and Plan::tokens says how many: a count the host would otherwise
+// need a sync of its own to learn (ZAYA1's tokens left after the skip class).
 Plan make_plan(const std::int32_t* expert_idx, std::int64_t tokens, int top_k, int experts, std::int32_t* workspace,
-               cudaStream_t stream);
+               cudaStream_t stream, const std::int32_t* device_tokens = nullptr);
 
 struct Weights {
   const bf16* w_gate = nullptr;  // [E, F, D]

@@ -321,6 +321,28 @@ TEST(MoeCuda, OverwriteWithNoTokensZeroesEveryExpert) {
   EXPECT_EQ(to_host(dwd), zeros);
 }
 
+// A plan over a count of tokens held on the device (make_plan's device_tokens) is the plan of
+// that prefix, for counts inside, at and past the buffer's length.
+TEST(MoeCuda, PlanOverADeviceCountIsThePlanOfThePrefix) {
+  KEEL_REQUIRE_GPU();
+  const std::int64_t n = 300;
+  const int e = 6, k = 2;
+  const std::vector<std::int32_t> idx = random_routing(n, e, k, 41);
+  auto d_idx = ints_to_device(idx);
+  for (const std::int32_t count : {0, 1, 137, 300, 400}) {
+    SCOPED_TRACE(count);
+    const std::int64_t used = std::min<std::int64_t>(count, n);
+    auto d_count = ints_to_device({count});
+    DeviceArray<std::int32_t> ws(gpu_moe::plan_ints(n * k, e)), ws_prefix(gpu_moe::plan_ints(n * k, e));
+    const gpu_moe::Plan got = gpu_moe::make_plan(d_idx.get(), n, k, e, ws.get(), nullptr, d_count.get());
+    const gpu_moe::Plan want = gpu_moe::make_plan(d_idx.get(), used, k, e, ws_prefix.get(), nullptr);
+    EXPECT_EQ(got.tokens, used);
+    EXPECT_EQ(got.host_offsets, want.host_offsets);
+    EXPECT_EQ(ints_to_host(got.source, used * k), ints_to_host(want.source, used * k));
+    EXPECT_EQ(ints_to_host(got.position, used * k), ints_to_host(want.position, used * k));
+  }
+}
+
 TEST(MoeCuda, PlanRejectsExpertOutOfRange) {
   KEEL_REQUIRE_GPU();
   auto d_idx = ints_to_device({0, 1, 4, 2});
