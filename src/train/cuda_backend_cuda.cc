@@ -366,6 +366,7 @@ class CudaBackend final : public TrainBackend {
 
   void zero_grads() override {
     if (prof_) prof_->new_step();
+    grads_fresh_ = true;  // grad_overwrite_ is left for the step's first backward to write
     if (overlap_) {
       if (reduces_in_flight_) join_comm();  // an abandoned step's reduces still read grads_
       backward_calls_ = 0;
@@ -375,11 +376,10 @@ class CudaBackend final : public TrainBackend {
         // the previous step's optimizer may still read the gradients beside this forward:
         // zeroed at the first backward (flush_zero_grads)
         zero_pending_ = true;
-        grads_fresh_ = true;
         return;
       }
     }
-    zero_unwritten_grads();
+    zero_grad_ranges(grad_zeroed_);
   }
 
   LossParts forward(const std::uint32_t* tokens_host, const std::int32_t* targets_host) override {
@@ -926,24 +926,23 @@ class CudaBackend final : public TrainBackend {
     if (!zero_pending_) return;
     KEEL_CUDA_CHECK(cudaEventRecord(ev_opt_done_, opt_stream_));
     KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_opt_done_, 0));
-    zero_unwritten_grads();
+    zero_grad_ranges(grad_zeroed_);
     zero_pending_ = false;
   }
   // A step's gradients start at zero. The expert blocks and the LM head (grad_overwrite_) are
-  // not cleared here: the step's first backward writes them, which saves a memset of most of a
-  // MoE model's gradients and the weight-gradient GEMMs' read of them. Everything else
-  // (grad_zeroed_) is cleared now.
-  void zero_unwritten_grads() const {
-    for (const auto& [b, e] : grad_zeroed_)
-      KEEL_CUDA_CHECK(cudaMemsetAsync(grads_ + b, 0, static_cast<std::size_t>(e - b) * sizeof(float), stream_));
-    grads_fresh_ = true;
-  }
+  // not cleared by zero_grads(): the step's first backward writes them, which saves a memset of
+  // most of a MoE model's gradients and the weight-gradient GEMMs' read of them. Everything else
+  // (grad_zeroed_) is cleared by zero_grads() (or, deferred, by flush_zero_grads()).
+  //
   // Before gradients are read with no backward since zero_grads(): the blocks no backward wrote.
   void settle_fresh_grads() const {
     if (!grads_fresh_) return;
-    for (const auto& [b, e] : grad_overwrite_)
-      KEEL_CUDA_CHECK(cudaMemsetAsync(grads_ + b, 0, static_cast<std::size_t>(e - b) * sizeof(float), stream_));
+    zero_grad_ranges(grad_overwrite_);
     grads_fresh_ = false;
+  }
+  void zero_grad_ranges(const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) const {
+    for (const auto& [b, e] : ranges)
+      KEEL_CUDA_CHECK(cudaMemsetAsync(grads_ + b, 0, static_cast<std::size_t>(e - b) * sizeof(float), stream_));
   }
   // The MoE expert stacks and the LM head (or the tied table it reads): every backward writes
   // or zeroes all of them (moe::Grads::overwrite, cross_entropy::Options::overwrite_dw). Then

@@ -409,19 +409,17 @@ std::int64_t experts_backward_scratch_bytes(std::int64_t rows, std::int64_t f) {
 
 namespace {
 
-void zero_expert_block(const Grads& dw, int e, std::int64_t d, std::int64_t f, cudaStream_t stream) {
-  const std::size_t bytes = static_cast<std::size_t>(d * f) * sizeof(float);
+// Zeroes dw's blocks of experts [first, first + count) (each block d x f floats).
+void zero_expert_blocks(const Grads& dw, int first, int count, std::int64_t d, std::int64_t f, cudaStream_t stream) {
+  const std::size_t bytes = static_cast<std::size_t>(count * d * f) * sizeof(float);
   for (float* g : {dw.w_gate, dw.w_up, dw.w_down})
-    if (g) KEEL_CUDA_CHECK(cudaMemsetAsync(g + e * d * f, 0, bytes, stream));
+    if (g) KEEL_CUDA_CHECK(cudaMemsetAsync(g + first * d * f, 0, bytes, stream));
 }
 
 }  // namespace
 
 void zero_expert_grads(const Grads& dw, int experts, std::int64_t d, std::int64_t f, cudaStream_t stream) {
-  if (!dw.overwrite) return;
-  const std::size_t bytes = static_cast<std::size_t>(experts * d * f) * sizeof(float);
-  for (float* g : {dw.w_gate, dw.w_up, dw.w_down})
-    if (g) KEEL_CUDA_CHECK(cudaMemsetAsync(g, 0, bytes, stream));
+  if (dw.overwrite) zero_expert_blocks(dw, 0, experts, d, f, stream);
 }
 
 void experts_backward(const std::vector<std::int64_t>& offsets, const Weights& w, std::int64_t d, std::int64_t f,
@@ -437,7 +435,7 @@ void experts_backward(const std::vector<std::int64_t>& offsets, const Weights& w
     fail("cuda moe: experts_backward got a null pointer");
   if (dw.overwrite)  // the experts without rows: no GEMM writes theirs
     for (int e = 0; e < experts; ++e)
-      if (offsets[e + 1] == offsets[e]) zero_expert_block(dw, e, d, f, stream);
+      if (offsets[e + 1] == offsets[e]) zero_expert_blocks(dw, e, 1, d, f, stream);
   const float beta = dw.overwrite ? 0.f : 1.f;
   char* base = static_cast<char*>(scratch);
   float* dact = reinterpret_cast<float*>(base);
