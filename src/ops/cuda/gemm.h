@@ -57,6 +57,10 @@ class GemmRunner {
   // leading dimension shorter than the row) or when cuBLASLt has no algorithm for it.
   // m, n or k == 0 is allowed: with k == 0 C is scaled by beta; with m or n == 0 nothing runs.
   void run(const GemmDesc& d, const bf16* a, const bf16* b, void* c, cudaStream_t stream);
+  // C = alpha op(A) op(B) + beta C_in: the addend read from c_in (C's type, ldc and stride_c),
+  // the result written to c. c_in is c itself or a buffer that does not overlap it (cuBLASLt's
+  // separate C and D). Not with k == 0 unless c_in == c.
+  void run(const GemmDesc& d, const bf16* a, const bf16* b, const void* c_in, void* c, cudaStream_t stream);
 
   // Distinct GEMM plans (descriptor + heuristic algorithm) cached so far; tests use it to see
   // that a repeated shape reuses its plan.

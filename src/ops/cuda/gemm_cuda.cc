@@ -165,11 +165,13 @@ struct GemmRunner::Impl {
     return found;
   }
 
-  const Plan& plan_for(const GemmDesc& d, const bf16* a, const bf16* b, const void* c) {
+  const Plan& plan_for(const GemmDesc& d, const bf16* a, const bf16* b, const void* c_in, const void* c) {
     const std::size_t c_bytes = d.c_type == GemmOut::kFp32 ? sizeof(float) : sizeof(bf16);
     const std::uint32_t align_a = alignment_of(a, d.stride_a, sizeof(bf16), d.batch);
     const std::uint32_t align_b = alignment_of(b, d.stride_b, sizeof(bf16), d.batch);
-    const std::uint32_t align_c = alignment_of(c, d.stride_c, c_bytes, d.batch);
+    // C and D share one layout and one algorithm: the alignment both allow.
+    const std::uint32_t align_c =
+        std::min(alignment_of(c, d.stride_c, c_bytes, d.batch), alignment_of(c_in, d.stride_c, c_bytes, d.batch));
     const PlanKey key{d.m, d.n, d.k, d.trans_a, d.trans_b, d.lda, d.ldb, d.ldc, d.batch,
                       d.batch > 1 ? d.stride_a : 0, d.batch > 1 ? d.stride_b : 0, d.batch > 1 ? d.stride_c : 0,
                       d.c_type, align_a, align_b, align_c};
@@ -237,9 +239,15 @@ std::size_t GemmRunner::cached_plans() const { return impl_->plans.size(); }
 std::size_t GemmRunner::cached_algorithms() const { return impl_->algos.size(); }
 
 void GemmRunner::run(const GemmDesc& desc, const bf16* a, const bf16* b, void* c, cudaStream_t stream) {
+  run(desc, a, b, c, c, stream);
+}
+
+void GemmRunner::run(const GemmDesc& desc, const bf16* a, const bf16* b, const void* c_in, void* c,
+                     cudaStream_t stream) {
   const GemmDesc d = checked(desc);
   if (d.m == 0 || d.n == 0) return;
-  if (c == nullptr) fail("GEMM {}: C is null", describe(d));
+  if (c == nullptr || c_in == nullptr) fail("GEMM {}: C is null", describe(d));
+  if (c_in != c && d.k == 0) fail("GEMM {}: k == 0 with a separate C input is not supported", describe(d));
   int device = -1;
   KEEL_CUDA_CHECK(cudaGetDevice(&device));
   if (device != impl_->device)
@@ -257,10 +265,10 @@ void GemmRunner::run(const GemmDesc& desc, const bf16* a, const bf16* b, void* c
   }
   if (a == nullptr || b == nullptr) fail("GEMM {}: A or B is null", describe(d));
 
-  const Plan& p = impl_->plan_for(d, a, b, c);
+  const Plan& p = impl_->plan_for(d, a, b, c_in, c);
   // With beta == 0 cuBLASLt does not read C (the BLAS convention), so stale NaNs there do not leak.
-  const cublasStatus_t status = cublasLtMatmul(impl_->lt, p.op, &d.alpha, b, p.a, a, p.b, &d.beta, c, p.c, c, p.c,
-                                               &p.algo, impl_->workspace, p.workspace, stream);
+  const cublasStatus_t status = cublasLtMatmul(impl_->lt, p.op, &d.alpha, b, p.a, a, p.b, &d.beta, c_in, p.c, c,
+                                               p.c, &p.algo, impl_->workspace, p.workspace, stream);
   lt_check(status, "Matmul", d);
 }
 

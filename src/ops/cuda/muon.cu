@@ -111,17 +111,6 @@ __global__ void normalize_kernel(const float* __restrict__ grad, const float* __
   }
 }
 
-// B = a I + b A over `matrices` s x s matrices (the c A A term is added by a GEMM with beta 1).
-__global__ void poly_kernel(const bf16* __restrict__ A, bf16* __restrict__ B, std::int64_t s, std::int64_t total,
-                            float ka, float kb) {
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const std::int64_t within = i % (s * s);
-    const float diag = within / s == within % s ? ka : 0.f;
-    B[i] = __float2bfloat16(diag + kb * __bfloat162float(A[i]));
-  }
-}
-
 // grid (chunks, matrices): partial sums of X^2 (exact_rms).
 __global__ void x_squares_kernel(const bf16* __restrict__ x, std::int64_t mn, std::int64_t chunk_len,
                                  double* __restrict__ partials) {
@@ -174,18 +163,6 @@ __global__ void update_kernel(float* __restrict__ param, bf16* __restrict__ para
   }
 }
 
-void gemm_batched(GemmRunner& gemm, int batch, std::int64_t m, std::int64_t n, std::int64_t k, bool ta, bool tb,
-                  const bf16* a, std::int64_t stride_a, const bf16* b, std::int64_t stride_b, bf16* c,
-                  std::int64_t stride_c, float alpha, float beta, cudaStream_t stream) {
-  GemmDesc d;
-  d.m = m, d.n = n, d.k = k, d.trans_a = ta, d.trans_b = tb;
-  d.c_type = GemmOut::kBf16;
-  d.alpha = alpha, d.beta = beta;
-  d.batch = batch;
-  if (batch > 1) d.stride_a = stride_a, d.stride_b = stride_b, d.stride_c = stride_c;
-  gemm.run(d, a, b, c, stream);
-}
-
 }  // namespace
 
 std::size_t workspace_bytes(std::int64_t matrices, std::int64_t rows, std::int64_t cols) {
@@ -231,24 +208,28 @@ void matrix_step(float* param, const float* grad, float* momentum, bf16* param_b
   const int batch = static_cast<int>(matrices);
   const float ka = static_cast<float>(c.coeffs.a), kb = static_cast<float>(c.coeffs.b),
               kc = static_cast<float>(c.coeffs.c);
-  const std::int64_t ss_total = matrices * s * s;
-  const unsigned poly_grid = static_cast<unsigned>(std::min<std::int64_t>(grid_for(ss_total, kThreads), 132 * 8));
   bf16 *x = w.x, *y = w.y;
+  // The three GEMMs of an iteration, batched over the matrices (strides: X mn, A and B s x s).
+  GemmDesc gram, square, next;
+  gram.m = s, gram.n = s, gram.k = l, gram.trans_a = tall, gram.trans_b = !tall;
+  square.m = s, square.n = s, square.k = s, square.alpha = kc, square.beta = kb;
+  next.m = tall ? l : s, next.n = tall ? s : l, next.k = s, next.trans_b = tall, next.beta = ka;
+  for (GemmDesc* d : {&gram, &square, &next}) d->batch = batch;
+  if (batch > 1) {
+    gram.stride_a = gram.stride_b = mn, gram.stride_c = s * s;
+    square.stride_a = square.stride_b = square.stride_c = s * s;
+    next.stride_a = tall ? mn : s * s, next.stride_b = tall ? s * s : mn, next.stride_c = mn;
+  }
   for (int it = 0; it < c.ns_steps; ++it) {
     // A = X X^T (wide, X [s, l]) or X^T X (tall, X [l, s]): [s, s]
+    gemm.run(gram, x, x, w.a, stream);
+    // B = b A + c A A: b A read as the GEMM's C input, so no elementwise pass over A
+    gemm.run(square, w.a, w.a, w.a, w.b, stream);
+    // X' = a X + B X (wide) or a X + X B^T (tall): a X likewise read as the C input
     if (tall)
-      gemm_batched(gemm, batch, s, s, l, true, false, x, mn, x, mn, w.a, s * s, 1.f, 0.f, stream);
+      gemm.run(next, x, w.b, x, y, stream);
     else
-      gemm_batched(gemm, batch, s, s, l, false, true, x, mn, x, mn, w.a, s * s, 1.f, 0.f, stream);
-    // B = a I + b A + c A A
-    poly_kernel<<<poly_grid, kThreads, 0, stream>>>(w.a, w.b, s, ss_total, ka, kb);
-    KEEL_CUDA_CHECK_LAUNCH();
-    gemm_batched(gemm, batch, s, s, s, false, false, w.a, s * s, w.a, s * s, w.b, s * s, kc, 1.f, stream);
-    // X = B X (wide) or X B^T (tall)
-    if (tall)
-      gemm_batched(gemm, batch, l, s, s, false, true, x, mn, w.b, s * s, y, mn, 1.f, 0.f, stream);
-    else
-      gemm_batched(gemm, batch, s, l, s, false, false, w.b, s * s, x, mn, y, mn, 1.f, 0.f, stream);
+      gemm.run(next, w.b, x, x, y, stream);
     std::swap(x, y);
   }
 

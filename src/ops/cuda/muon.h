@@ -4,16 +4,17 @@
 // Per matrix, with s = grad_scale (host) * *device_grad_scale (when not null):
 //   g = s grad;  M = beta M + (1 - beta) g;  U = (1 - beta) g + beta M (Nesterov) or M
 //   X0 = bf16(U / (||U||_F + 1e-7))                        norm of the fp32 U, in fp64
-//   wide (rows <= cols):  5x  A = X X^T;  B = a I + b A + c A A;  X = B X
-//   tall (rows >  cols):  5x  A = X^T X;  B = a I + b A + c A A;  X = X B^T
+//   wide (rows <= cols):  5x  A = X X^T;  B = b A + c A A;  X = a X + B X
+//   tall (rows >  cols):  5x  A = X^T X;  B = b A + c A A;  X = a X + X B^T
 //   p = p (1 - lr wd) - lr k X;   param_bf16 = bf16(p)
 // The tall form is the wide iteration on G^T written without transposing anything (A is the
-// small min(rows, cols)^2 Gram matrix either way). a X + B X is folded into (a I + B) X so each
-// iteration is three GEMMs and one small elementwise kernel on the s x s matrix.
+// small min(rows, cols)^2 Gram matrix either way). Each iteration is three GEMMs and nothing
+// else: the b A and a X terms ride in the epilogues of the second and third (cuBLASLt reads
+// them as its C input and writes the result elsewhere, GemmRunner::run with c_in).
 //
 // Precision: momentum and parameters fp32 (the momentum update rounds every multiply and add
 // separately, so M matches optim::muon_matrix_step bit for bit); the Newton-Schulz iterates X,
-// A and B are bf16 GEMM operands with fp32 accumulation (ops/cuda/gemm.h), the standard
+// A and B are bf16 GEMM operands with fp32 accumulation, rounded once per GEMM (ops/cuda/gemm.h), the standard
 // practice for Muon: the orthogonalized update differs from the fp32 CPU reference by about 2%
 // in relative Frobenius norm (tests/ops/cuda/muon_cuda_test.cc).
 //

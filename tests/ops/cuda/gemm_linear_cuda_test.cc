@@ -196,6 +196,46 @@ TEST(GemmCuda, AlphaBetaScaleBf16Output) {
   EXPECT_TRUE(check_gemm(p, run_on_gpu(runner, p)));
 }
 
+// A separate C input (run with c_in): C = alpha op(A) op(B) + beta C_in, with the views of the
+// output holding other values beforehand (they must not be read) and C_in left as it was;
+// padded rows and a strided batch, bf16 and fp32 outputs.
+TEST(GemmCuda, SeparateCInputIsReadAndLeftAlone) {
+  KEEL_REQUIRE_GPU();
+  GemmRunner runner;
+  for (GemmOut out : {GemmOut::kBf16, GemmOut::kFp32}) {
+    GemmDesc d = desc(40, 48, 72, false, true, out);
+    d.alpha = 0.75f, d.beta = -1.25f;
+    d.ldc = 56, d.batch = 3, d.stride_a = 40 * 72, d.stride_b = 48 * 72, d.stride_c = 40 * 56 + 8;
+    const GemmProblem p = make_problem(d, {0, 0, 8}, 330 + static_cast<int>(out));
+    std::vector<float> before = p.c0;  // the output: C_in's values outside the views, others inside
+    const auto other = rounded_bf16(random_vector(before.size(), 340));
+    for (int e = 0; e < d.batch; ++e)
+      for (std::int64_t i = 0; i < d.m; ++i)
+        for (std::int64_t j = 0; j < d.n; ++j) {
+          const std::int64_t idx = p.off.c + e * d.stride_c + i * d.ldc + j;
+          before[idx] = other[idx];
+        }
+    auto a = to_device<bf16>(p.a);
+    auto b = to_device<bf16>(p.b);
+    std::vector<float> got, c_in_after;
+    if (out == GemmOut::kFp32) {
+      auto c_in = to_device<float>(p.c0), c = to_device<float>(before);
+      runner.run(d, a.get(), b.get(), c_in.get() + 8, c.get() + 8, nullptr);
+      got = to_host(c), c_in_after = to_host(c_in);
+    } else {
+      auto c_in = to_device<bf16>(p.c0), c = to_device<bf16>(before);
+      runner.run(d, a.get(), b.get(), c_in.get() + 8, c.get() + 8, nullptr);
+      got = to_host(c), c_in_after = to_host(c_in);
+    }
+    EXPECT_TRUE(check_gemm(p, got));
+    EXPECT_EQ(c_in_after, p.c0) << "C_in changed";
+  }
+  // k == 0 has nothing to add C_in to; it is refused rather than silently skipped
+  DeviceArray<bf16> x(16), y(16);
+  EXPECT_THROW(runner.run(desc(4, 4, 0, false, false, GemmOut::kBf16), x.get(), x.get(), x.get(), y.get(), nullptr),
+               Error);
+}
+
 // Sub-matrix views: padded rows (ld > row length) and starts off every vector boundary, so the
 // plan must honour both. Elements outside the views must not change.
 TEST(GemmCuda, LeadingDimensionViews) {

@@ -4,6 +4,7 @@
 // backend with Muon after one step. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -113,6 +114,43 @@ TEST(MuonCuda, MatchesCpuOnExpertStacks) {
   step_against_cpu({3, 48, 20});   // [E, D, F] tall experts
   step_against_cpu({8, 128, 256});
   step_against_cpu({5, 30, 17, optim::MuonScale::kExactRms});
+}
+
+// Wall time of one Muon step on ZAYA1's matrices (printed, not checked): an expert stack
+// [16, 2048, 2048], CCA's w_qk [1280, 2048] and o_proj [2048, 1024] (tall). TFLOP/s counts the
+// Newton-Schulz GEMMs' 5 (4 s^2 l + 2 s^3) FLOPs over the whole step's time.
+TEST(MuonCuda, Timing) {
+  KEEL_REQUIRE_GPU();
+  struct Shape {
+    std::int64_t e, r, c;
+  };
+  for (const Shape& sh : {Shape{16, 2048, 2048}, Shape{1, 1280, 2048}, Shape{1, 2048, 1024}}) {
+    const std::int64_t n = sh.e * sh.r * sh.c, s = std::min(sh.r, sh.c), l = std::max(sh.r, sh.c);
+    auto d_p = to_device<float>(randn(n, 21, 0.02f)), d_g = to_device<float>(randn(n, 22, 1e-3f));
+    DeviceArray<float> d_m(n);  // zeros: the momentum of a first step
+    DeviceArray<cuda_bf16> d_pb(n);
+    DeviceArray<std::byte> ws(ops::cuda::muon::workspace_bytes(sh.e, sh.r, sh.c));
+    cudaEvent_t t0, t1;
+    KEEL_CUDA_CHECK(cudaEventCreate(&t0));
+    KEEL_CUDA_CHECK(cudaEventCreate(&t1));
+    const int iters = 10;
+    float ms = 0;
+    for (int it = 0; it <= iters; ++it) {  // iteration 0 warms up (GEMM heuristics)
+      KEEL_CUDA_CHECK(cudaEventRecord(t0, nullptr));
+      ops::cuda::muon::matrix_step(d_p.get(), d_g.get(), d_m.get(), d_pb.get(), sh.e, sh.r, sh.c, optim::MuonConfig{},
+                                   1e-4, true, 1.f, nullptr, ws.get(), ops::cuda::thread_gemm(), nullptr);
+      KEEL_CUDA_CHECK(cudaEventRecord(t1, nullptr));
+      KEEL_CUDA_CHECK(cudaEventSynchronize(t1));
+      float a = 0;
+      KEEL_CUDA_CHECK(cudaEventElapsedTime(&a, t0, t1));
+      if (it > 0) ms += a / iters;
+    }
+    const double flop = 5.0 * (4.0 * s * s * l + 2.0 * s * s * s) * sh.e;
+    std::printf("muon timing %lld x [%lld, %lld]: %.3f ms (%.0f TFLOP/s)\n", (long long)sh.e, (long long)sh.r,
+                (long long)sh.c, ms, flop / ms * 1e-9);
+    cudaEventDestroy(t0);
+    cudaEventDestroy(t1);
+  }
 }
 
 TEST(MuonCuda, NonFiniteDeviceScaleSkipsTheStep) {
