@@ -14,7 +14,10 @@ global-norm clipping at 1.0, AdamW on both sides (lr 3e-4, betas 0.9/0.95, eps 1
 decay 0.1 on matrices, embeddings and conv weights, none on 1-D tensors; fp32 master weights and
 states; keel's config leaves optimizer.muon off), then the aux-loss-free balancing-bias update
 bias_c += 0.01 * sign(mean load - load_c) over all 17 classes (keel's controller; the PyTorch
-side runs the same rule on the GPU).
+side runs the same rule on the GPU). `--muon` switches both sides to ZAYA1's optimizer split:
+Muon (RMS-matched to AdamW, 5 Newton-Schulz steps, bf16 iterates) on every 2-D/3-D weight but
+the embeddings and conv weights, AdamW on those and the 1-D tensors (keel: optimizer.muon;
+PyTorch: TorchMuon below, the same step in plain torch, under torch.compile in the compiled run).
 
 keel side: `keel train` (device: cuda; bf16 GEMMs, fp32 master weights, docs/gpu_training.md)
 reading uniform random tokens from a uint32 indexed dataset this script writes.
@@ -51,7 +54,8 @@ the generated keel config and of the PyTorch model). `--parity` (with `--tiny --
 checks the PyTorch model against keel's CPU reference: keel trains a few steps on a batch
 that is the same every step and checkpoints each one; the PyTorch model loads each
 checkpoint (weights, AdamW moments, selection biases) and must reproduce keel's next loss
-and, after one step of its own, keel's next checkpoint. `--ablations` also times keel on the
+and, after one step of its own, keel's next checkpoint (with `--muon`: Muon's momentum too, so
+the check covers TorchMuon against keel's fp32 CPU Muon). `--ablations` also times keel on the
 same model with GQA attention (same heads) instead of CCA, and without the skip class, to show
 where keel's time goes.
 """
@@ -124,7 +128,7 @@ def write_dataset(prefix, rows):
         f.write(np.arange(n + 1, dtype=np.int64).tobytes())
 
 
-def keel_config(d, prefix, out, steps, device, checkpoint_every=0, lr=LR, bias_rate=BIAS_RATE):
+def keel_config(d, prefix, out, steps, device, checkpoint_every=0, lr=LR, bias_rate=BIAS_RATE, muon=False):
     ckpt = "{final: false}" if checkpoint_every == 0 else f"{{interval: {checkpoint_every}, dir: {out}/ckpt}}"
     return f"""# written by bench/zaya_vs_torch.py: the ZAYA1-shaped model
 device: {device}
@@ -171,6 +175,7 @@ optimizer:
   eps: {ADAM_EPS}
   weight_decay: {WD}
   clip: {CLIP}
+  muon: {{enabled: {'true' if muon else 'false'}}}
 schedule:
   kind: constant
 batch:
@@ -186,7 +191,7 @@ seed: 1234
 
 
 def run_keel(keel, out, d, steps, warmup, device, rows=None, checkpoint_every=0, lr=LR, bias_rate=BIAS_RATE,
-             timeout=900):
+             timeout=900, muon=False):
     os.makedirs(out, exist_ok=True)
     shutil.rmtree(os.path.join(out, "run"), ignore_errors=True)  # keel train refuses another run's metrics
     prefix = os.path.join(out, "random")
@@ -197,7 +202,7 @@ def run_keel(keel, out, d, steps, warmup, device, rows=None, checkpoint_every=0,
     write_dataset(prefix, rows)
     path = os.path.join(out, "keel_train.yaml")
     with open(path, "w") as f:
-        f.write(keel_config(d, prefix, out, steps, device, checkpoint_every, lr, bias_rate))
+        f.write(keel_config(d, prefix, out, steps, device, checkpoint_every, lr, bias_rate, muon))
     log = os.path.join(out, "keel_train.log")
     metrics = os.path.join(out, "run", "metrics.jsonl")
     if os.path.exists(metrics):
@@ -446,11 +451,73 @@ def build_torch_model(d, dev, act_dtype):
     return model
 
 
-def make_optimizer(torch, model, fused, lr=LR):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=BETAS, eps=ADAM_EPS, fused=fused)
+def is_muon_matrix(name, p):
+    """keel's Muon rule (optim default_rules(), docs/train.md): every 2-D/3-D weight except the
+    embeddings and the conv weights; 1-D tensors stay on AdamW."""
+    return p.dim() >= 2 and "embed" not in name and "conv" not in name
+
+
+class TorchMuon:
+    """Muon in plain torch, the step keel runs (optim/muon.h, docs/optim.md): per matrix,
+    M = beta M + (1 - beta) g; U = (1 - beta) g + beta M (Nesterov); X = U / (||U||_F + 1e-7),
+    transposed when tall; 5 x (A = X X^T; B = b A + c A A; X = a X + B X); then
+    p = p (1 - lr wd) - lr 0.2 sqrt(max(rows, cols)) X. Expert stacks [E, out, in] are E
+    matrices in one batched matmul. On the GPU the iterates are bf16 (fp32 accumulation), as in
+    keel and the reference code; on the CPU (--parity) fp32. `compiled` runs the Newton-Schulz
+    iteration under torch.compile, as the reference code does."""
+
+    COEF, MOMENTUM, RMS = (3.4445, -4.7750, 2.0315), 0.95, 0.2
+
+    def __init__(self, torch, params, lr, compiled=False):
+        self.torch, self.params, self.lr = torch, list(params), lr
+        self.momentum = {p: torch.zeros_like(p) for p in self.params}
+        self.ns = torch.compile(self._orthogonalize) if compiled else self._orthogonalize
+
+    def _orthogonalize(self, u):
+        a, b, c = self.COEF
+        tall = u.size(-2) > u.size(-1)
+        x = u / (u.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+        x = (x.mT if tall else x).to(self.torch.bfloat16 if u.is_cuda else self.torch.float32)
+        for _ in range(5):
+            A = x @ x.mT
+            x = a * x + (b * A + c * (A @ A)) @ x
+        return (x.mT if tall else x).float()
+
+    def step(self):
+        beta = self.MOMENTUM
+        with self.torch.no_grad():
+            for p in self.params:
+                g, m = (p.grad if p.grad is not None else self.torch.zeros_like(p)), self.momentum[p]
+                m.mul_(beta).add_((1 - beta) * g)
+                o = self.ns((1 - beta) * g + beta * m)
+                p.mul_(1 - self.lr * WD).add_(o, alpha=-self.lr * self.RMS * math.sqrt(max(p.shape[-2:])))
+
+
+class Optimizer:
+    """AdamW (torch.optim.AdamW) on everything, or with `muon` Muon on the weight matrices (as
+    keel's optimizer.muon) and AdamW on the rest: embeddings, conv weights, 1-D tensors."""
+
+    def __init__(self, torch, model, fused, lr=LR, muon=False, compiled=False):
+        named = list(model.keel_params().items())
+        mats = [p for name, (p, _) in named if muon and is_muon_matrix(name, p)]
+        ids = {id(p) for p in mats}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        self.adamw = torch.optim.AdamW(
+            [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": WD},
+             {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+            lr=lr, betas=BETAS, eps=ADAM_EPS, fused=fused)
+        self.muon = TorchMuon(torch, mats, lr, compiled) if mats else None
+
+    def step(self):
+        self.adamw.step()
+        if self.muon:
+            self.muon.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        if self.muon:
+            for p in self.muon.params:
+                p.grad = None
 
 
 def update_selection_bias(torch, model, counts, rate=BIAS_RATE):
@@ -461,13 +528,13 @@ def update_selection_bias(torch, model, counts, rate=BIAS_RATE):
             layer.sel_bias += rate * torch.sign(c.mean() - c)
 
 
-def run_torch(d, steps, warmup, compiled, dev):
+def run_torch(d, steps, warmup, compiled, dev, muon=False):
     import torch
 
     torch.manual_seed(0)
     cuda = dev == "cuda"
     model = build_torch_model(d, dev, torch.bfloat16 if cuda else torch.float32)
-    opt = make_optimizer(torch, model, fused=cuda)
+    opt = Optimizer(torch, model, fused=cuda, muon=muon, compiled=compiled)
     if compiled:  # 8 layers share one Layer.forward: leave room for per-layer specializations
         for knob in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, knob):
@@ -533,7 +600,7 @@ def read_keel_checkpoint(step_dir):
     return out
 
 
-def parity(keel, out, d, steps=8):
+def parity(keel, out, d, steps=8, muon=False):
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -548,7 +615,7 @@ def parity(keel, out, d, steps=8):
     # few steps and its path (gate * x) is checked too.
     rate = 0.25
     res = run_keel(keel, out, d, steps, 0, "cpu", rows=np.tile(pattern, (64, 1)), checkpoint_every=1, lr=lr,
-                   bias_rate=rate)
+                   bias_rate=rate, muon=muon)
     if "error" in res:
         print(res["error"])
         return False
@@ -568,16 +635,19 @@ def parity(keel, out, d, steps=8):
 
     for j in range(1, steps):
         ck, nxt = load(j), load(j + 1)
-        opt = make_optimizer(torch, model, fused=False, lr=lr)
+        opt = Optimizer(torch, model, fused=False, lr=lr, muon=muon)
         with torch.no_grad():
             for name, (p, _) in names.items():
                 p.copy_(torch.from_numpy(ck["model/" + name]).view_as(p))
             for m, layer in enumerate(model.layers):
                 layer.sel_bias.copy_(torch.from_numpy(ck[f"router/bias.{m}"]))
         for name, (p, _) in names.items():
-            opt.state[p] = {"step": torch.tensor(float(j)),
-                            "exp_avg": torch.from_numpy(ck["optim/exp_avg/" + name].copy()).view_as(p).clone(),
-                            "exp_avg_sq": torch.from_numpy(ck["optim/exp_avg_sq/" + name].copy()).view_as(p).clone()}
+            m = torch.from_numpy(ck["optim/exp_avg/" + name].copy()).view_as(p).clone()
+            if opt.muon and p in opt.muon.momentum:  # keel keeps Muon's momentum in AdamW's m
+                opt.muon.momentum[p] = m
+                continue
+            opt.adamw.state[p] = {"step": torch.tensor(float(j)), "exp_avg": m,
+                                  "exp_avg_sq": torch.from_numpy(ck["optim/exp_avg_sq/" + name].copy()).view_as(p).clone()}
         ce, counts = model(tokens, targets)
         ce.backward()
         for p in model.parameters():  # keel steps every parameter (an expert with no tokens: zero
@@ -621,6 +691,8 @@ def main():
     ap.add_argument("--skip-keel", action="store_true")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--muon", action="store_true",
+                    help="Muon on the weight matrices, AdamW on the rest, on both sides (ZAYA1's recipe)")
     ap.add_argument("--ablations", action="store_true",
                     help="also run keel with GQA attention instead of CCA, and without the skip class")
     args = ap.parse_args()
@@ -628,23 +700,25 @@ def main():
     if args.parity:
         if not (args.tiny and args.device == "cpu"):
             sys.exit("--parity needs --tiny --device cpu (keel's fp32 CPU reference)")
-        sys.exit(0 if parity(args.keel, args.out, d) else 1)
+        sys.exit(0 if parity(args.keel, args.out, d, muon=args.muon) else 1)
     fpt = flops_per_token(d)
     tokens_per_step = d["micro_batch"] * d["seq"]
     print(f"model: {d['layers']} x (CCA + MoE), hidden {d['hidden']}, {d['experts']} experts + skip, vocab "
           f"{d['vocab']}; {total_params(d) / 1e9:.3f} B parameters; {fpt / 1e9:.3f} GFLOP per token (model FLOPs)",
           flush=True)
     results = {}
+    optimizer = "Muon + AdamW" if args.muon else "AdamW"
     json_path = os.path.join(args.out, "zaya_vs_torch.json")
     os.makedirs(args.out, exist_ok=True)
 
     def save():
-        json.dump({"dims": d, "flops_per_token": fpt, "peak_flops": PEAK, "results": results}, open(json_path, "w"),
-                  indent=1)
+        json.dump({"dims": d, "flops_per_token": fpt, "peak_flops": PEAK, "optimizer": optimizer, "results": results},
+                  open(json_path, "w"), indent=1)
 
     if not args.skip_keel:
         t0 = time.time()
-        results["keel"] = run_keel(args.keel, args.out, d, args.steps + args.warmup, args.warmup, args.device)
+        results["keel"] = run_keel(args.keel, args.out, d, args.steps + args.warmup, args.warmup, args.device,
+                                   muon=args.muon)
         print(f"keel: {results['keel']} ({time.time() - t0:.0f} s)", flush=True)
         save()
     if args.ablations:  # where keel's time goes: the same model with one ZAYA1 piece swapped out
@@ -653,7 +727,7 @@ def main():
             dv = dict(d, name=d["name"] + "-" + tag, **change)
             t0 = time.time()
             results[label] = run_keel(args.keel, os.path.join(args.out, tag), dv, args.steps + args.warmup, args.warmup,
-                                      args.device)
+                                      args.device, muon=args.muon)
             results[label]["flops_per_token"] = flops_per_token(dv)
             print(f"{label}: {results[label]} ({time.time() - t0:.0f} s)", flush=True)
             save()
@@ -663,7 +737,7 @@ def main():
                 continue
             t0 = time.time()
             try:
-                results[name] = run_torch(d, args.steps, args.warmup, compiled, args.device)
+                results[name] = run_torch(d, args.steps, args.warmup, compiled, args.device, muon=args.muon)
             except Exception as e:  # report and go on: the table shows what ran
                 results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"{name}: {results[name]} ({time.time() - t0:.0f} s)", flush=True)
@@ -678,7 +752,7 @@ def main():
         pass
     print(f"\n== keel train vs PyTorch, ZAYA1-shaped model ({dev_name}, torch {torch_ver}; {d['layers']} x (CCA + "
           f"top-1 MoE of {d['experts']} experts + skip), hidden {d['hidden']}, vocab {d['vocab']}, seq {d['seq']}, "
-          f"{tokens_per_step} tokens/step, AdamW)")
+          f"{tokens_per_step} tokens/step, {optimizer})")
     print(f"{'':16}{'tokens/s':>10}{'model TFLOP/s':>15}{'MFU':>8}{'peak GiB':>10}{'ce first':>10}{'ce last':>10}")
     # the three compared runs first, then keel's ablations (keel only, each a different model)
     for name in sorted(results, key=lambda n: n.startswith("keel, ")):
