@@ -437,8 +437,55 @@ StepEstimate estimate_step(const Setup& s) {
   const model::TokenFlops f = model::token_flops(m, s.seq);
   st.model_flops_per_gpu = f.training() * s.micro_batch * s.seq / (static_cast<double>(shard) * l.cp * l.pp);
   st.bubble = l.pp > 1 ? (l.pp - 1.0) / (static_cast<double>(s.micro_batches) + l.pp - 1) : 0;
-  st.predicted_mfu = st.model_flops_per_gpu / (st.gemm_seconds * gm.peak_tflops() * 1e12) * (1 - st.bubble);
+  st.tokens_per_step = checked_mul(checked_mul(s.micro_batch, s.seq, "tokens per micro-batch (--micro-batch x --seq)"),
+                                   static_cast<std::int64_t>(s.micro_batches) * l.dp,
+                                   "tokens per step (--micro-batch x --seq x --micro-batches x dp)");
+  if (s.optimizer == Optimizer::kMuon) st.optimizer = estimate_muon_step(s);
+  st.step_seconds = s.micro_batches * st.gemm_seconds / (1 - st.bubble) + st.optimizer.seconds;
+  st.predicted_mfu = s.micro_batches * st.model_flops_per_gpu / (st.step_seconds * gm.peak_tflops() * 1e12);
   return st;
+}
+
+OptimizerStepEstimate estimate_muon_step(const Setup& s) {
+  const ModelConfig& m = s.model;
+  const Layout& l = s.layout;
+  const hw::GemmModel gm(s.hardware.profile, s.hardware.gemm_profile);
+  constexpr int kNsSteps = 5;  // keel train's optimizer.muon.ns_steps default, ZAYA1's
+  const double mp = static_cast<double>(l.tp) * l.tsp * l.pp;
+  OptimizerStepEstimate o;
+  // One group of `count` x `batch` matrices rows x cols (batch: an expert stack, stepped by
+  // batched GEMMs); share: the part of them this GPU steps.
+  auto add = [&](std::int64_t rows, std::int64_t cols, std::int64_t batch, double count, double share) {
+    if (rows < 1 || cols < 1) return;
+    const double sm = static_cast<double>(std::min(rows, cols)), lg = static_cast<double>(std::max(rows, cols));
+    const double flops = kNsSteps * (4 * sm * sm * lg + 2 * sm * sm * sm) * static_cast<double>(batch) * count;
+    const std::int64_t a = std::min(rows, cols), b = std::max(rows, cols);
+    const double seconds = kNsSteps * count *
+                           (gm.predict({a, a, b, batch}).seconds + gm.predict({a, a, a, batch}).seconds +
+                            gm.predict({a, b, a, batch}).seconds);
+    o.flops_total += flops;
+    o.flops_per_gpu += flops * share;
+    o.seconds += seconds * share;
+  };
+  const std::int64_t q = static_cast<std::int64_t>(m.heads) * m.head_dim;
+  const std::int64_t kv = static_cast<std::int64_t>(m.kv_heads) * m.head_dim;
+  for (const model::Gemm& g : model::layer_gemms(m, 1, false)) {
+    if (g.name == "lm_head") continue;  // AdamW, with the embedding
+    // ZeRO >= 1: each matrix is stepped once, somewhere among all G GPUs. Without it every
+    // replica steps what it holds: the model-parallel shard's matrices, experts split over ep.
+    const bool expert = g.name.starts_with("expert_");
+    const double share = l.zero >= 1 ? 1.0 / l.gpus() : 1.0 / (mp * (expert ? l.ep : 1));
+    const double count = static_cast<double>(g.layers);
+    if (g.name.ends_with("up_gate")) {  // gate and up, each [n / 2, k]
+      add(g.n / 2, g.k, g.batch, 2 * count, share);
+    } else if ((g.name == "qkv" || g.name == "linear_qkv") && g.n == q + 2 * kv) {
+      add(q, g.k, g.batch, count, share);
+      add(kv, g.k, g.batch, 2 * count, share);
+    } else {
+      add(g.n, g.k, g.batch, count, share);
+    }
+  }
+  return o;
 }
 
 TrainTime estimate_train_time(const Setup& s, const model::TokenFlops& f, const StepEstimate& step) {

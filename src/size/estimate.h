@@ -99,6 +99,21 @@ struct GemmTiming {
   double flops() const { return 2.0 * gemm.m * gemm.n * gemm.k * gemm.batch * layers * repeats; }
 };
 
+// Muon's Newton-Schulz GEMMs in one optimizer step (--optimizer muon; 0 with AdamW, whose
+// elementwise step is not modelled): 5 iterations of three GEMMs per weight matrix (X X^T,
+// A A, B X; docs/optim.md), 5 (4 s^2 l + 2 s^3) FLOPs for an s x l matrix (s = min side). The
+// matrices are the weights of layer_gemms() but the LM head (AdamW), with the fused ones split
+// as keel train stores them (SwiGLU up_gate -> gate and up; a fused qkv -> q, k, v). Whole
+// matrices: with ZeRO >= 1 each is stepped by one rank, so a GPU's share is 1/G; without
+// ZeRO every data-parallel replica steps all of its own. Timed by the GEMM model at each
+// matrix's (or expert stack's) full batch, scaled by the share.
+struct OptimizerStepEstimate {
+  double flops_total = 0;    // whole model
+  double flops_per_gpu = 0;  // this GPU's share
+  double seconds = 0;        // this GPU's share
+};
+OptimizerStepEstimate estimate_muon_step(const Setup& s);
+
 struct StepEstimate {
   std::int64_t tokens_per_gpu_microbatch = 0;  // b*s/(cp*tsp)
   std::vector<GemmTiming> gemms;               // fwd + bwd (+ recomputed fwd)
@@ -106,6 +121,9 @@ struct StepEstimate {
   double gemm_seconds = 0;                     // per micro-batch per GPU, all of the above
   double model_flops_per_gpu = 0;              // per micro-batch: MFU numerator
   double bubble = 0;                           // pipeline bubble fraction (pp-1)/(M+pp-1)
+  std::int64_t tokens_per_step = 0;            // one optimizer step, all GPUs: b s x micro-batches x dp
+  OptimizerStepEstimate optimizer;             // Muon's GEMMs per optimizer step
+  double step_seconds = 0;                     // micro-batches x gemm_seconds / (1 - bubble) + optimizer
   double predicted_mfu = 0;                    // GEMM-bound ceiling (no communication, no elementwise)
 };
 StepEstimate estimate_step(const Setup& s);

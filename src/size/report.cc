@@ -53,6 +53,7 @@ void require_finite_estimates(const SizeReport& r) {
   require_finite(r.decode.kv_bytes_per_token + r.decode.fixed_bytes_per_sequence, "decode state", s);
   for (const auto& d : r.decode_points) require_finite(d.seconds, fmt::format("decode step at batch {}", d.batch), s);
   require_finite(r.step.gemm_seconds, "GEMM time per step", s);
+  require_finite(r.step.optimizer.seconds, "Muon time per step", s);
   require_finite(r.step.predicted_mfu, "predicted MFU", s);
   require_finite(r.train.seconds_at_mfu, "time to train", s);
   require_finite(r.train.seconds_predicted, "predicted time to train", s);
@@ -162,6 +163,13 @@ void print_report(const SizeReport& r, std::FILE* out, bool show_gemms) {
                    "no communication or elementwise time: an upper bound",
                    st.tokens_per_gpu_microbatch, 1e3 * (st.gemm_seconds - st.attention_seconds),
                    1e3 * st.attention_seconds, 100 * st.bubble));
+  if (s.optimizer == Optimizer::kMuon)
+    line(fmt::format("  Muon's Newton-Schulz per optimizer step ({} tokens: micro-batches {} x dp {}): {:.3g} TFLOP "
+                     "whole model, {:.3g} TFLOP and {:.2f} ms per GPU, {:.1f}% of the predicted step{}",
+                     human_count(static_cast<double>(st.tokens_per_step)), s.micro_batches, s.layout.dp,
+                     st.optimizer.flops_total * 1e-12, st.optimizer.flops_per_gpu * 1e-12, 1e3 * st.optimizer.seconds,
+                     100 * st.optimizer.seconds / st.step_seconds,
+                     st.optimizer.seconds > 0.1 * st.step_seconds ? " (more micro-batches per step amortize it)" : ""));
   if (s.tokens > 0)
     line(fmt::format("{} tokens on {} GPUs: {} at {:.0f}% MFU; {} at the predicted {:.1f}%", human_count(s.tokens),
                      s.layout.gpus(), human_duration(t.seconds_at_mfu), 100 * s.mfu, human_duration(t.seconds_predicted),
@@ -326,6 +334,11 @@ nlohmann::json report_json(const SizeReport& r) {
                {"attention_seconds", r.step.attention_seconds},
                {"model_flops_per_gpu", r.step.model_flops_per_gpu},
                {"pipeline_bubble", r.step.bubble},
+               {"tokens_per_step", r.step.tokens_per_step},
+               {"optimizer_flops_total", r.step.optimizer.flops_total},
+               {"optimizer_flops_per_gpu", r.step.optimizer.flops_per_gpu},
+               {"optimizer_seconds", r.step.optimizer.seconds},
+               {"step_seconds", r.step.step_seconds},
                {"predicted_mfu", r.step.predicted_mfu},
                {"gemms", gemms}};
   j["training"] = {{"tokens", s.tokens},

@@ -13,6 +13,9 @@ keel_cli_test(NAME size_mixtral MATCH "with embeddings +46\\.70B +12\\.88B"
   ARGS size ${cfg}/mixtral-8x7b.yaml --hardware h100 --layout tp=2,ep=8,pp=4 --gpus 64 --recompute full)
 keel_cli_test(NAME size_llama3 MATCH "with embeddings +8\\.03B"
   ARGS size ${cfg}/llama3-8b.yaml --hardware a100 --gpus 8 --optimizer muon)
+# ZAYA1's 40 layers: 499 TFLOP of Newton-Schulz a step, on one GPU most of a 4K-token step
+keel_cli_test(NAME size_muon_step MATCH "Newton-Schulz per optimizer step \\(4\\.1K tokens: micro-batches 1 x dp 1\\): 499 TFLOP whole model.*amortize"
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware h200 --gpus 1 --optimizer muon)
 keel_cli_test(NAME size_olmoe MATCH "with embeddings +6\\.92B +1\\.28B"
   ARGS size ${cfg}/olmoe-1b-7b.yaml --hardware b200 --gpus 8 --layout ep=8)
 keel_cli_test(NAME size_lasp2_hybrid MATCH "linear_attention"

@@ -2,6 +2,7 @@
 // checked against a hand computation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "common/error.h"
@@ -276,6 +277,58 @@ TEST(TrainTime, PipelineBubbleAndRecomputeCostTime) {
   EXPECT_GT(many.predicted_mfu, few.predicted_mfu);
   s.recompute = model::Recompute::kFull;
   EXPECT_LT(estimate_step(s).predicted_mfu, many.predicted_mfu);
+}
+
+// Newton-Schulz FLOPs of one rows x cols matrix: 5 x (4 s^2 l + 2 s^3), s = min side.
+double ns_flops(double rows, double cols) {
+  const double s = std::min(rows, cols), l = std::max(rows, cols);
+  return 5 * (4 * s * s * l + 2 * s * s * s);
+}
+
+TEST(TrainTime, MuonNewtonSchulzByHand) {
+  // Llama-3-8B: per layer q and o [4096, 4096], k and v [1024, 4096] (the fused qkv split),
+  // gate and up [14336, 4096] (the fused up_gate split), down [4096, 14336]; the LM head and
+  // the embedding stay on AdamW.
+  keel::size::Setup s = setup("llama3-8b", "zero=1", 8);
+  s.optimizer = Optimizer::kMuon;
+  const double per_layer = 2 * ns_flops(4096, 4096) + 2 * ns_flops(1024, 4096) + 3 * ns_flops(14336, 4096);
+  const OptimizerStepEstimate o = estimate_muon_step(s);
+  EXPECT_NEAR(o.flops_total, 32 * per_layer, 1e-12 * o.flops_total);
+  EXPECT_NEAR(o.flops_per_gpu, o.flops_total / 8, 1e-12 * o.flops_total);  // ZeRO-1: whole matrices spread over 8
+  EXPECT_GT(o.seconds, 0);
+  // without ZeRO each of the 4 replicas of a tp=2 layout steps its shard's matrices: half of them
+  keel::size::Setup r = setup("llama3-8b", "tp=2,zero=0", 8);
+  r.optimizer = Optimizer::kMuon;
+  EXPECT_NEAR(estimate_muon_step(r).flops_per_gpu, o.flops_total / 2, 1e-12 * o.flops_total);
+
+  // The step: Muon's time adds to the micro-batches' GEMM time and lowers the predicted MFU;
+  // more micro-batches per step amortize it. AdamW's elementwise step is not modelled.
+  const StepEstimate muon = estimate_step(s);
+  EXPECT_DOUBLE_EQ(muon.step_seconds, muon.gemm_seconds + muon.optimizer.seconds);
+  EXPECT_EQ(muon.tokens_per_step, 4096 * 8);
+  s.optimizer = Optimizer::kAdamW;
+  const StepEstimate adamw = estimate_step(s);
+  EXPECT_EQ(adamw.optimizer.flops_total, 0);
+  EXPECT_LT(muon.predicted_mfu, adamw.predicted_mfu);
+  s.optimizer = Optimizer::kMuon;
+  s.micro_batches = 64;
+  const StepEstimate many = estimate_step(s);
+  EXPECT_EQ(many.tokens_per_step, 4096 * 8 * 64);
+  EXPECT_GT(many.predicted_mfu, muon.predicted_mfu);
+  EXPECT_LT(many.predicted_mfu, adamw.predicted_mfu);
+}
+
+TEST(TrainTime, MuonExpertsSplitOverExpertParallelism) {
+  // Mixtral: 8 experts of gate, up [14336, 4096] and down [4096, 14336]; the dense part is the
+  // attention (as Llama's) and the router [8, 4096]. Without ZeRO, ep = 8 over 8 GPUs: every
+  // GPU steps all of the dense matrices and one expert's.
+  keel::size::Setup s = setup("mixtral-8x7b", "ep=8,zero=0", 8);
+  s.optimizer = Optimizer::kMuon;
+  const double dense = 32 * (2 * ns_flops(4096, 4096) + 2 * ns_flops(1024, 4096) + ns_flops(8, 4096));
+  const double experts = 32 * 8 * 3 * ns_flops(14336, 4096);
+  const OptimizerStepEstimate o = estimate_muon_step(s);
+  EXPECT_NEAR(o.flops_total, dense + experts, 1e-12 * o.flops_total);
+  EXPECT_NEAR(o.flops_per_gpu, dense + experts / 8, 1e-12 * o.flops_total);
 }
 
 const Finding* find(const std::vector<Finding>& fs, const std::string& rule, const std::string& severity) {
