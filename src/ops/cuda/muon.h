@@ -14,9 +14,9 @@
 //
 // Precision: momentum and parameters fp32 (the momentum update rounds every multiply and add
 // separately, so M matches optim::muon_matrix_step bit for bit); the Newton-Schulz iterates X,
-// A and B are bf16 GEMM operands with fp32 accumulation, rounded once per GEMM (ops/cuda/gemm.h), the standard
-// practice for Muon: the orthogonalized update differs from the fp32 CPU reference by about 2%
-// in relative Frobenius norm (tests/ops/cuda/muon_cuda_test.cc).
+// A and B are bf16 GEMM operands with fp32 accumulation, rounded once per GEMM
+// (ops/cuda/gemm.h), the standard practice for Muon: the orthogonalized update differs from the
+// fp32 CPU reference by about 2% in relative Frobenius norm (tests/ops/cuda/muon_cuda_test.cc).
 //
 // Expert stacks run as batched GEMMs (batch = E). Deterministic: fixed grids and fixed-order
 // reductions. Nothing here synchronizes the host. A non-finite device gradient scale (the clip
