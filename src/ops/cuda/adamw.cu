@@ -59,11 +59,8 @@ constexpr int kVecPerThread = 2;
 __global__ void update_vec_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
                                   float* __restrict__ v, bf16* __restrict__ param_bf16, std::int64_t n4, Scalars s,
                                   const float* __restrict__ device_grad_scale) {
-  float scale = s.grad_scale;
-  if (device_grad_scale) {
-    scale = __fmul_rn(scale, *device_grad_scale);
-    if (!isfinite(scale)) return;  // a non-finite norm: the step is not applied (see adamw.h)
-  }
+  const float scale = effective_grad_scale(s.grad_scale, device_grad_scale);
+  if (!isfinite(scale)) return;  // a non-finite norm: the step is not applied (see adamw.h)
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * (kVecThreads * kVecPerThread) + threadIdx.x;
   float4 p4[kVecPerThread], g4[kVecPerThread], m4[kVecPerThread], v4[kVecPerThread];
 #pragma unroll
@@ -100,11 +97,8 @@ __global__ void update_vec_kernel(float* __restrict__ param, const float* __rest
 __global__ void update_tail_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
                                    float* __restrict__ v, bf16* __restrict__ param_bf16, std::int64_t begin,
                                    std::int64_t n, Scalars s, const float* __restrict__ device_grad_scale) {
-  float scale = s.grad_scale;
-  if (device_grad_scale) {
-    scale = __fmul_rn(scale, *device_grad_scale);
-    if (!isfinite(scale)) return;
-  }
+  const float scale = effective_grad_scale(s.grad_scale, device_grad_scale);
+  if (!isfinite(scale)) return;  // a non-finite norm: the step is not applied (see adamw.h)
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = begin + static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     float p = param[i], mi = m[i], vi = v[i];

@@ -105,6 +105,13 @@ __device__ T block_sum_to_thread0(T v) {
     for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
   return total;
 }
+
+// An optimizer step's gradient scale: the host's, times the device's when there is one (the
+// clip coefficient grad_norm.h writes, NaN for a non-finite gradient norm). adamw.h and muon.h
+// skip the step when it is not finite.
+__device__ inline float effective_grad_scale(float host_scale, const float* device_scale) {
+  return device_scale ? __fmul_rn(host_scale, *device_scale) : host_scale;
+}
 #endif
 
 // Checks the last launch (a bad configuration shows up here, not at the next sync).

@@ -47,10 +47,6 @@ Workspace carve(void* base, std::int64_t matrices, std::int64_t rows, std::int64
   return w;
 }
 
-__device__ inline float effective_scale(float host_scale, const float* device_scale) {
-  return device_scale ? __fmul_rn(host_scale, *device_scale) : host_scale;
-}
-
 struct MomentumArgs {
   float beta, one_beta, host_scale;
   bool nesterov;
@@ -69,7 +65,7 @@ __device__ inline float momentum_and_u(float grad, float& m, const MomentumArgs&
 __global__ void momentum_kernel(const float* __restrict__ grad, float* __restrict__ momentum, std::int64_t mn,
                                 std::int64_t chunk_len, MomentumArgs a, const float* __restrict__ device_scale,
                                 double* __restrict__ partials) {
-  const float scale = effective_scale(a.host_scale, device_scale);
+  const float scale = effective_grad_scale(a.host_scale, device_scale);
   if (!isfinite(scale)) return;  // the step is skipped (see muon.h)
   const std::int64_t e = blockIdx.y, begin = blockIdx.x * chunk_len, end = min(mn, begin + chunk_len);
   const float* g = grad + e * mn;
@@ -99,7 +95,7 @@ __global__ void inv_norm_kernel(const double* __restrict__ partials, int chunks,
 __global__ void normalize_kernel(const float* __restrict__ grad, const float* __restrict__ momentum, std::int64_t mn,
                                  std::int64_t chunk_len, MomentumArgs a, const float* __restrict__ device_scale,
                                  const double* __restrict__ factor, bf16* __restrict__ x) {
-  const float scale = effective_scale(a.host_scale, device_scale);
+  const float scale = effective_grad_scale(a.host_scale, device_scale);
   if (!isfinite(scale)) return;
   const std::int64_t e = blockIdx.y, begin = blockIdx.x * chunk_len, end = min(mn, begin + chunk_len);
   const float f = static_cast<float>(factor[e]);
@@ -149,7 +145,7 @@ __global__ void update_kernel(float* __restrict__ param, bf16* __restrict__ para
                               std::int64_t mn, std::int64_t chunk_len, UpdateArgs a,
                               const float* __restrict__ device_scale, const double* __restrict__ factor,
                               float* __restrict__ update_out) {
-  if (!isfinite(effective_scale(a.host_scale, device_scale))) return;
+  if (!isfinite(effective_grad_scale(a.host_scale, device_scale))) return;
   const std::int64_t e = blockIdx.y, begin = blockIdx.x * chunk_len, end = min(mn, begin + chunk_len);
   const float step = factor ? static_cast<float>(a.lr * factor[e]) : a.step;
   const float k = factor ? static_cast<float>(factor[e]) : a.k;
