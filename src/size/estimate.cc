@@ -457,9 +457,9 @@ OptimizerStepEstimate estimate_muon_step(const Setup& s) {
   // batched GEMMs); share: the part of them this GPU steps.
   auto add = [&](std::int64_t rows, std::int64_t cols, std::int64_t batch, double count, double share) {
     if (rows < 1 || cols < 1) return;
-    const double sm = static_cast<double>(std::min(rows, cols)), lg = static_cast<double>(std::max(rows, cols));
+    const std::int64_t a = std::min(rows, cols), b = std::max(rows, cols);  // the Gram matrix is a x a
+    const double sm = static_cast<double>(a), lg = static_cast<double>(b);
     const double flops = kNsSteps * (4 * sm * sm * lg + 2 * sm * sm * sm) * static_cast<double>(batch) * count;
-    const std::int64_t a = std::min(rows, cols), b = std::max(rows, cols);
     const double seconds = kNsSteps * count *
                            (gm.predict({a, a, b, batch}).seconds + gm.predict({a, a, a, batch}).seconds +
                             gm.predict({a, b, a, batch}).seconds);

@@ -23,8 +23,9 @@
 // Shapes and dtypes: hidden [N, D] bf16; w [V, D] bf16; targets [N] int32; lse [N] fp32
 // (written by forward, read by backward; ignored rows get 0); result: one device Result;
 // dhidden [N, D] bf16 OVERWRITTEN; dw [V, D] fp32 ACCUMULATED (+=, so a tied embedding's
-// gradient adds up), or written with Options::overwrite_dw; either may be null. Both passes use scratch_bytes(...) of device scratch
-// (contents need not survive between them). Saved for backward: hidden, w, targets, lse.
+// gradient adds up), or written with Options::overwrite_dw; either may be null. Both passes use
+// scratch_bytes(...) of device scratch (contents need not survive between them). Saved for
+// backward: hidden, w, targets, lse.
 #pragma once
 
 #include <cstdint>
