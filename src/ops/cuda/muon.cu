@@ -52,6 +52,66 @@ struct MomentumArgs {
   bool nesterov;
 };
 
+// The elementwise kernels below move W consecutive elements per load: W = 4 (16-byte fp32 and
+// 8-byte bf16 vectors) when every matrix's elements are aligned so (matrix_step checks), else
+// W = 1. They are bound by HBM bandwidth (a 16-matrix stack of 2048 x 2048 streams about 2.3 GB
+// through them per step), and scalar 4-byte loads left much of it unused. fp32 arrays read or
+// written once per step go evict-first (ld/st.global.cs), as in adamw.cu.
+template <int W>
+__device__ inline void load(const float* __restrict__ p, std::int64_t unit, float (&v)[W]) {
+  if constexpr (W == 4) {
+    const float4 f = __ldcs(reinterpret_cast<const float4*>(p) + unit);
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  } else {
+    v[0] = __ldcs(p + unit);
+  }
+}
+template <int W>
+__device__ inline void store(float* __restrict__ p, std::int64_t unit, const float (&v)[W]) {
+  if constexpr (W == 4)
+    __stcs(reinterpret_cast<float4*>(p) + unit, make_float4(v[0], v[1], v[2], v[3]));
+  else
+    __stcs(p + unit, v[0]);
+}
+template <int W>
+__device__ inline void load(const bf16* __restrict__ p, std::int64_t unit, float (&v)[W]) {
+  if constexpr (W == 4) {
+    union {
+      uint2 u;
+      __nv_bfloat162 h[2];
+    } q;
+    q.u = *(reinterpret_cast<const uint2*>(p) + unit);
+    const float2 a = __bfloat1622float2(q.h[0]), b = __bfloat1622float2(q.h[1]);
+    v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+  } else {
+    v[0] = __bfloat162float(p[unit]);
+  }
+}
+template <int W>
+__device__ inline void store(bf16* __restrict__ p, std::int64_t unit, const float (&v)[W]) {
+  if constexpr (W == 4) {
+    union {
+      uint2 u;
+      __nv_bfloat162 h[2];
+    } q;
+    q.h[0] = __floats2bfloat162_rn(v[0], v[1]);
+    q.h[1] = __floats2bfloat162_rn(v[2], v[3]);
+    *(reinterpret_cast<uint2*>(p) + unit) = q.u;
+  } else {
+    p[unit] = __float2bfloat16(v[0]);
+  }
+}
+
+// The element range of one block: matrix blockIdx.y, units [begin, end) of it, where a matrix
+// has `units` units of W elements split into gridDim.x chunks of chunk_len units.
+struct Chunk {
+  std::int64_t matrix_offset, begin, end;  // matrix_offset in units
+};
+__device__ inline Chunk block_chunk(std::int64_t units, std::int64_t chunk_len) {
+  const std::int64_t begin = blockIdx.x * chunk_len;
+  return {static_cast<std::int64_t>(blockIdx.y) * units, begin, min(units, begin + chunk_len)};
+}
+
 // The momentum update and U of one element, every multiply and add rounded on its own (no
 // FMA contraction) as the CPU reference computes them; shared by both kernels that need U.
 __device__ inline float momentum_and_u(float grad, float& m, const MomentumArgs& a, float scale) {
@@ -62,23 +122,32 @@ __device__ inline float momentum_and_u(float grad, float& m, const MomentumArgs&
 }
 
 // grid (chunks, matrices): updates the momentum of the chunk and writes the partial sum of U^2.
-__global__ void momentum_kernel(const float* __restrict__ grad, float* __restrict__ momentum, std::int64_t mn,
+template <int W>
+__global__ void momentum_kernel(const float* __restrict__ grad, float* __restrict__ momentum, std::int64_t units,
                                 std::int64_t chunk_len, MomentumArgs a, const float* __restrict__ device_scale,
                                 double* __restrict__ partials) {
   const float scale = effective_grad_scale(a.host_scale, device_scale);
   if (!isfinite(scale)) return;  // the step is skipped (see muon.h)
-  const std::int64_t e = blockIdx.y, begin = blockIdx.x * chunk_len, end = min(mn, begin + chunk_len);
-  const float* g = grad + e * mn;
-  float* m = momentum + e * mn;
+  const Chunk c = block_chunk(units, chunk_len);
   double acc = 0;
-  for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    float mi = m[i];
-    const float u = momentum_and_u(g[i], mi, a, scale);
-    m[i] = mi;
-    acc += static_cast<double>(u) * u;
+#pragma unroll 2
+  for (std::int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
+    float g[W], m[W];
+    load<W>(grad, c.matrix_offset + i, g);
+    load<W>(momentum, c.matrix_offset + i, m);
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const float u = momentum_and_u(g[j], m[j], a, scale);
+      acc += static_cast<double>(u) * u;
+    }
+    // plain store: normalize_kernel reads the momentum right back
+    if constexpr (W == 4)
+      reinterpret_cast<float4*>(momentum)[c.matrix_offset + i] = make_float4(m[0], m[1], m[2], m[3]);
+    else
+      momentum[c.matrix_offset + i] = m[0];
   }
   const double total = block_sum_to_thread0<kThreads>(acc);
-  if (threadIdx.x == 0) partials[e * gridDim.x + blockIdx.x] = total;
+  if (threadIdx.x == 0) partials[blockIdx.y * gridDim.x + blockIdx.x] = total;
 }
 
 // grid (matrices): factor[e] = 1 / (sqrt(sum of the partials) + eps), as newton_schulz() does.
@@ -92,32 +161,43 @@ __global__ void inv_norm_kernel(const double* __restrict__ partials, int chunks,
 
 // grid (chunks, matrices): X0 = bf16(U * factor[e]), U recomputed from the gradient and the
 // already updated momentum M: U = (1 - beta) g + beta M (Nesterov) or M.
-__global__ void normalize_kernel(const float* __restrict__ grad, const float* __restrict__ momentum, std::int64_t mn,
-                                 std::int64_t chunk_len, MomentumArgs a, const float* __restrict__ device_scale,
-                                 const double* __restrict__ factor, bf16* __restrict__ x) {
+template <int W>
+__global__ void normalize_kernel(const float* __restrict__ grad, const float* __restrict__ momentum,
+                                 std::int64_t units, std::int64_t chunk_len, MomentumArgs a,
+                                 const float* __restrict__ device_scale, const double* __restrict__ factor,
+                                 bf16* __restrict__ x) {
   const float scale = effective_grad_scale(a.host_scale, device_scale);
   if (!isfinite(scale)) return;
-  const std::int64_t e = blockIdx.y, begin = blockIdx.x * chunk_len, end = min(mn, begin + chunk_len);
-  const float f = static_cast<float>(factor[e]);
-  for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float mi = momentum[e * mn + i];
-    const float u =
-        a.nesterov ? __fadd_rn(__fmul_rn(a.one_beta, __fmul_rn(scale, grad[e * mn + i])), __fmul_rn(a.beta, mi)) : mi;
-    x[e * mn + i] = __float2bfloat16(__fmul_rn(u, f));
+  const Chunk c = block_chunk(units, chunk_len);
+  const float f = static_cast<float>(factor[blockIdx.y]);
+#pragma unroll 2
+  for (std::int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
+    float m[W], u[W];
+    load<W>(momentum, c.matrix_offset + i, m);
+    if (a.nesterov) load<W>(grad, c.matrix_offset + i, u);
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const float uj = a.nesterov ? __fadd_rn(__fmul_rn(a.one_beta, __fmul_rn(scale, u[j])), __fmul_rn(a.beta, m[j])) : m[j];
+      u[j] = __fmul_rn(uj, f);
+    }
+    store<W>(x, c.matrix_offset + i, u);
   }
 }
 
 // grid (chunks, matrices): partial sums of X^2 (exact_rms).
-__global__ void x_squares_kernel(const bf16* __restrict__ x, std::int64_t mn, std::int64_t chunk_len,
+template <int W>
+__global__ void x_squares_kernel(const bf16* __restrict__ x, std::int64_t units, std::int64_t chunk_len,
                                  double* __restrict__ partials) {
-  const std::int64_t e = blockIdx.y, begin = blockIdx.x * chunk_len, end = min(mn, begin + chunk_len);
+  const Chunk c = block_chunk(units, chunk_len);
   double acc = 0;
-  for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const double v = __bfloat162float(x[e * mn + i]);
-    acc += v * v;
+  for (std::int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
+    float v[W];
+    load<W>(x, c.matrix_offset + i, v);
+#pragma unroll
+    for (int j = 0; j < W; ++j) acc += static_cast<double>(v[j]) * v[j];
   }
   const double total = block_sum_to_thread0<kThreads>(acc);
-  if (threadIdx.x == 0) partials[e * gridDim.x + blockIdx.x] = total;
+  if (threadIdx.x == 0) partials[blockIdx.y * gridDim.x + blockIdx.x] = total;
 }
 
 // grid (matrices): factor[e] = k_e = rms_target / RMS(X_e) (0 for a zero X), in fp64.
@@ -141,22 +221,73 @@ struct UpdateArgs {
 };
 
 // grid (chunks, matrices): p = p keep - step X; param_bf16 = bf16(p); update_out = k X.
+template <int W>
 __global__ void update_kernel(float* __restrict__ param, bf16* __restrict__ param_bf16, const bf16* __restrict__ x,
-                              std::int64_t mn, std::int64_t chunk_len, UpdateArgs a,
+                              std::int64_t units, std::int64_t chunk_len, UpdateArgs a,
                               const float* __restrict__ device_scale, const double* __restrict__ factor,
                               float* __restrict__ update_out) {
   if (!isfinite(effective_grad_scale(a.host_scale, device_scale))) return;
-  const std::int64_t e = blockIdx.y, begin = blockIdx.x * chunk_len, end = min(mn, begin + chunk_len);
-  const float step = factor ? static_cast<float>(a.lr * factor[e]) : a.step;
-  const float k = factor ? static_cast<float>(factor[e]) : a.k;
-  for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const std::int64_t j = e * mn + i;
-    const float xi = __bfloat162float(x[j]);
-    const float p = __fsub_rn(__fmul_rn(param[j], a.keep), __fmul_rn(step, xi));
-    param[j] = p;
-    if (param_bf16) param_bf16[j] = __float2bfloat16(p);
-    if (update_out) update_out[j] = __fmul_rn(k, xi);
+  const Chunk c = block_chunk(units, chunk_len);
+  const float step = factor ? static_cast<float>(a.lr * factor[blockIdx.y]) : a.step;
+  const float k = factor ? static_cast<float>(factor[blockIdx.y]) : a.k;
+#pragma unroll 2
+  for (std::int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
+    const std::int64_t unit = c.matrix_offset + i;
+    float xv[W], p[W];
+    load<W>(x, unit, xv);
+    load<W>(param, unit, p);
+#pragma unroll
+    for (int j = 0; j < W; ++j) p[j] = __fsub_rn(__fmul_rn(p[j], a.keep), __fmul_rn(step, xv[j]));
+    store<W>(param, unit, p);
+    if (param_bf16) store<W>(param_bf16, unit, p);
+    if (update_out) {
+#pragma unroll
+      for (int j = 0; j < W; ++j) xv[j] = __fmul_rn(k, xv[j]);
+      store<W>(update_out, unit, xv);
+    }
   }
+}
+
+bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
+
+// Before Newton-Schulz at vector width W: momentum, ||U||, X0 into w.x.
+template <int W>
+void momentum_and_x0(const float* grad, float* momentum, std::int64_t matrices, std::int64_t mn,
+                     const MomentumArgs& ma, const float* device_grad_scale, const Workspace& w,
+                     cudaStream_t stream) {
+  const std::int64_t chunks = reduction_chunks(mn), units = mn / W, chunk_len = (units + chunks - 1) / chunks;
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(matrices));
+  momentum_kernel<W><<<grid, kThreads, 0, stream>>>(grad, momentum, units, chunk_len, ma, device_grad_scale,
+                                                    w.partials);
+  KEEL_CUDA_CHECK_LAUNCH();
+  inv_norm_kernel<<<static_cast<unsigned>(matrices), kThreads, 0, stream>>>(w.partials, static_cast<int>(chunks),
+                                                                            w.factor);
+  KEEL_CUDA_CHECK_LAUNCH();
+  normalize_kernel<W><<<grid, kThreads, 0, stream>>>(grad, momentum, units, chunk_len, ma, device_grad_scale,
+                                                     w.factor, w.x);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+// After Newton-Schulz at vector width W: the exact-RMS factors when asked for, then the update
+// from the final iterate x.
+template <int W>
+void scale_and_update(float* param, bf16* param_bf16, const bf16* x, std::int64_t matrices, std::int64_t mn,
+                      const optim::MuonConfig& c, const UpdateArgs& ua, const float* device_grad_scale,
+                      const Workspace& w, float* update_out, cudaStream_t stream) {
+  const std::int64_t chunks = reduction_chunks(mn), units = mn / W, chunk_len = (units + chunks - 1) / chunks;
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(matrices));
+  const double* factor = nullptr;
+  if (c.scale == optim::MuonScale::kExactRms) {
+    x_squares_kernel<W><<<grid, kThreads, 0, stream>>>(x, units, chunk_len, w.partials);
+    KEEL_CUDA_CHECK_LAUNCH();
+    exact_rms_kernel<<<static_cast<unsigned>(matrices), kThreads, 0, stream>>>(
+        w.partials, static_cast<int>(chunks), mn, c.rms_target, w.factor);
+    KEEL_CUDA_CHECK_LAUNCH();
+    factor = w.factor;
+  }
+  update_kernel<W><<<grid, kThreads, 0, stream>>>(param, param_bf16, x, units, chunk_len, ua, device_grad_scale,
+                                                  factor, update_out);
+  KEEL_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -185,18 +316,16 @@ void matrix_step(float* param, const float* grad, float* momentum, bf16* param_b
   optim::validate(c);
   const Workspace w = carve(workspace, matrices, rows, cols);
   const std::int64_t mn = rows * cols;
-  const std::int64_t chunks = reduction_chunks(mn), chunk_len = (mn + chunks - 1) / chunks;
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(matrices));
   const MomentumArgs ma{static_cast<float>(c.momentum), static_cast<float>(1.0 - c.momentum), grad_scale, c.nesterov};
+  // 4-wide when every matrix starts on a 16-byte boundary (fp32; 8 bytes for bf16)
+  const bool vec = mn % 4 == 0 && aligned(param, 16) && aligned(grad, 16) && aligned(momentum, 16) &&
+                   (!param_bf16 || aligned(param_bf16, 8)) && (!update_out || aligned(update_out, 16));
 
   // 1. momentum, ||U||, X0
-  momentum_kernel<<<grid, kThreads, 0, stream>>>(grad, momentum, mn, chunk_len, ma, device_grad_scale, w.partials);
-  KEEL_CUDA_CHECK_LAUNCH();
-  inv_norm_kernel<<<static_cast<unsigned>(matrices), kThreads, 0, stream>>>(w.partials, static_cast<int>(chunks),
-                                                                            w.factor);
-  KEEL_CUDA_CHECK_LAUNCH();
-  normalize_kernel<<<grid, kThreads, 0, stream>>>(grad, momentum, mn, chunk_len, ma, device_grad_scale, w.factor, w.x);
-  KEEL_CUDA_CHECK_LAUNCH();
+  if (vec)
+    momentum_and_x0<4>(grad, momentum, matrices, mn, ma, device_grad_scale, w, stream);
+  else
+    momentum_and_x0<1>(grad, momentum, matrices, mn, ma, device_grad_scale, w, stream);
 
   // 2. Newton-Schulz on the bf16 iterate, batched over the matrices
   const bool tall = rows > cols;
@@ -233,18 +362,10 @@ void matrix_step(float* param, const float* grad, float* momentum, bf16* param_b
   const double k = optim::muon_scale(c, rows, cols);
   const double wd = decay ? lr * c.weight_decay : 0.0;
   UpdateArgs ua{static_cast<float>(1.0 - wd), static_cast<float>(lr * k), static_cast<float>(k), grad_scale, lr};
-  const double* factor = nullptr;
-  if (c.scale == optim::MuonScale::kExactRms) {
-    x_squares_kernel<<<grid, kThreads, 0, stream>>>(x, mn, chunk_len, w.partials);
-    KEEL_CUDA_CHECK_LAUNCH();
-    exact_rms_kernel<<<static_cast<unsigned>(matrices), kThreads, 0, stream>>>(
-        w.partials, static_cast<int>(chunks), mn, c.rms_target, w.factor);
-    KEEL_CUDA_CHECK_LAUNCH();
-    factor = w.factor;
-  }
-  update_kernel<<<grid, kThreads, 0, stream>>>(param, param_bf16, x, mn, chunk_len, ua, device_grad_scale, factor,
-                                                update_out);
-  KEEL_CUDA_CHECK_LAUNCH();
+  if (vec)
+    scale_and_update<4>(param, param_bf16, x, matrices, mn, c, ua, device_grad_scale, w, update_out, stream);
+  else
+    scale_and_update<1>(param, param_bf16, x, matrices, mn, c, ua, device_grad_scale, w, update_out, stream);
 }
 
 DeviceMuon::DeviceMuon(const optim::MuonConfig& c) : c_(c) { optim::validate(c_); }

@@ -133,21 +133,47 @@ TEST(MuonCuda, Timing) {
     cudaEvent_t t0, t1;
     KEEL_CUDA_CHECK(cudaEventCreate(&t0));
     KEEL_CUDA_CHECK(cudaEventCreate(&t1));
-    const int iters = 10;
-    float ms = 0;
-    for (int it = 0; it <= iters; ++it) {  // iteration 0 warms up (GEMM heuristics)
+    // The mean of 10 steps after a warm-up (GEMM heuristics), with `ns_steps` iterations.
+    auto time_step = [&](int ns_steps) {
+      optim::MuonConfig c;
+      c.ns_steps = ns_steps;
+      const int iters = 10;
+      float ms = 0;
+      for (int it = 0; it <= iters; ++it) {
+        KEEL_CUDA_CHECK(cudaEventRecord(t0, nullptr));
+        ops::cuda::muon::matrix_step(d_p.get(), d_g.get(), d_m.get(), d_pb.get(), sh.e, sh.r, sh.c, c, 1e-4, true,
+                                     1.f, nullptr, ws.get(), ops::cuda::thread_gemm(), nullptr);
+        KEEL_CUDA_CHECK(cudaEventRecord(t1, nullptr));
+        KEEL_CUDA_CHECK(cudaEventSynchronize(t1));
+        float a = 0;
+        KEEL_CUDA_CHECK(cudaEventElapsedTime(&a, t0, t1));
+        if (it > 0) ms += a / iters;
+      }
+      return ms;
+    };
+    const float ms = time_step(optim::MuonConfig{}.ns_steps);
+    // one Newton-Schulz iteration from the difference of 2 and 1; what is left of the 1-iteration
+    // step is the elementwise part (momentum, norm, X0, update)
+    const float one = time_step(1), iteration = time_step(2) - one;
+    const double flop = 5.0 * (4.0 * s * s * l + 2.0 * s * s * s) * sh.e;
+    std::printf("muon timing %lld x [%lld, %lld]: %.3f ms (%.0f TFLOP/s); one iteration %.3f ms, elementwise %.3f ms\n",
+                (long long)sh.e, (long long)sh.r, (long long)sh.c, ms, flop / ms * 1e-9, iteration, one - iteration);
+    if (sh.e > 1) {
+      // As a training step runs them: one stack after another for about 150 ms (the 8-layer
+      // bench model has 24 such stacks), where sustained GEMM power can lower the clocks.
+      const int steps = 24;
       KEEL_CUDA_CHECK(cudaEventRecord(t0, nullptr));
-      ops::cuda::muon::matrix_step(d_p.get(), d_g.get(), d_m.get(), d_pb.get(), sh.e, sh.r, sh.c, optim::MuonConfig{},
-                                   1e-4, true, 1.f, nullptr, ws.get(), ops::cuda::thread_gemm(), nullptr);
+      for (int i = 0; i < steps; ++i)
+        ops::cuda::muon::matrix_step(d_p.get(), d_g.get(), d_m.get(), d_pb.get(), sh.e, sh.r, sh.c,
+                                     optim::MuonConfig{}, 1e-4, true, 1.f, nullptr, ws.get(), ops::cuda::thread_gemm(),
+                                     nullptr);
       KEEL_CUDA_CHECK(cudaEventRecord(t1, nullptr));
       KEEL_CUDA_CHECK(cudaEventSynchronize(t1));
-      float a = 0;
-      KEEL_CUDA_CHECK(cudaEventElapsedTime(&a, t0, t1));
-      if (it > 0) ms += a / iters;
+      float all = 0;
+      KEEL_CUDA_CHECK(cudaEventElapsedTime(&all, t0, t1));
+      std::printf("muon timing %lld x [%lld, %lld], %d steps back to back: %.3f ms each\n", (long long)sh.e,
+                  (long long)sh.r, (long long)sh.c, steps, all / steps);
     }
-    const double flop = 5.0 * (4.0 * s * s * l + 2.0 * s * s * s) * sh.e;
-    std::printf("muon timing %lld x [%lld, %lld]: %.3f ms (%.0f TFLOP/s)\n", (long long)sh.e, (long long)sh.r,
-                (long long)sh.c, ms, flop / ms * 1e-9);
     cudaEventDestroy(t0);
     cudaEventDestroy(t1);
   }
