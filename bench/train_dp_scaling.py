@@ -26,7 +26,11 @@ expert's load (1.0: balanced, 16: one expert takes every token).
 --model zaya1 runs the same scaling on the ZAYA1-shaped model of bench/zaya_vs_torch.py instead
 (the 8-layer cut of ZAYA1-8B: CCA attention, MLP router with EDA and the skip class, residual
 scaling, 16 experts top-1, bias balancing at that script's rate; 8K tokens per GPU per step);
-it has no PyTorch data-parallel peer (--no-torch is implied). KEEL_DP_* and NCCL_* variables reach every rank.
+it has no PyTorch data-parallel peer (--no-torch is implied). With --muon (zaya1 only) every keel run
+uses ZAYA1's optimizer split, Muon + AdamW (optimizer.muon): under ZeRO-1 each rank runs Newton-Schulz
+on the whole matrices of its shard only (docs/optim.md), so a step's optimizer work shrinks with N and
+the efficiency column can exceed 1; compare step times with the AdamW run instead. KEEL_DP_* and
+NCCL_* variables reach every rank.
 
 The peer, in the same run for each N right after keel: the same model and step in PyTorch
 (eager) under torchrun with DistributedDataParallel (gradient all-reduce in buckets overlapped
@@ -48,7 +52,8 @@ import zaya_vs_torch  # noqa: E402
 from train_vs_torch import DIMS, keel_config, write_dataset  # noqa: E402
 
 
-def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, ep=1, bias_rate=0.0, lr=None):
+def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, ep=1, bias_rate=0.0, lr=None,
+        muon=False):
     run_dir = os.path.join(out, f"dp{gpus}" + ("_classic" if classic else "") + (f"_ep{ep}" if ep > 1 else ""))
     shutil.rmtree(run_dir, ignore_errors=True)  # keel train refuses another run's metrics and checkpoints
     os.makedirs(run_dir)
@@ -56,7 +61,8 @@ def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, e
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if d.get("attention") == "cca":  # the ZAYA1-shaped model: its own config (its lr and bias rate unless given)
         zb = bias_rate if bias_rate > 0 else zaya_vs_torch.BIAS_RATE
-        text = zaya_vs_torch.keel_config(d, prefix, run_dir, steps, "cuda", lr=lr or zaya_vs_torch.LR, bias_rate=zb)
+        text = zaya_vs_torch.keel_config(d, prefix, run_dir, steps, "cuda", lr=lr or zaya_vs_torch.LR, bias_rate=zb,
+                                         muon=muon)
         assert "  grad_accum: 1\n" in text
         text = text.replace("  grad_accum: 1\n", f"  grad_accum: {gpus}\n")
         metrics = os.path.join(run_dir, "run", "metrics.jsonl")
@@ -131,7 +137,10 @@ def main():
     ap.add_argument("--router-bias-rate", type=float, default=0.0,
                     help="router.bias_update_rate for every keel run (0: off, the peer's router)")
     ap.add_argument("--lr", type=float, default=None, help="learning rate of every keel run (default: the peer's)")
+    ap.add_argument("--muon", action="store_true", help="Muon + AdamW in every keel run (--model zaya1 only)")
     a = ap.parse_args()
+    if a.muon and a.model != "zaya1":
+        ap.error("--muon needs --model zaya1")
     d = dict(zaya_vs_torch.ZAYA8 if a.model == "zaya1" else DIMS)
     if a.layers:
         d["layers"] = a.layers
@@ -147,15 +156,16 @@ def main():
     ep_counts = [int(x) for x in a.ep_gpus.split(",") if x]
     res, peer, res_classic, res_ep = {}, {}, {}, {}
     for n in counts:
-        res[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout, bias_rate=a.router_bias_rate, lr=a.lr)
+        res[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout, bias_rate=a.router_bias_rate,
+                     lr=a.lr, muon=a.muon)
         print("keel", n, res[n], flush=True)
         if n in classic and n > 1:
             res_classic[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, classic=True, timeout=a.run_timeout,
-                                 bias_rate=a.router_bias_rate, lr=a.lr)
+                                 bias_rate=a.router_bias_rate, lr=a.lr, muon=a.muon)
             print("keel classic", n, res_classic[n], flush=True)
         if n in ep_counts and n > 1:
             res_ep[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout, ep=n,
-                            bias_rate=a.router_bias_rate, lr=a.lr)
+                            bias_rate=a.router_bias_rate, lr=a.lr, muon=a.muon)
             print("keel ep", n, res_ep[n], flush=True)
         if not a.no_torch:
             peer[n] = run_torch(a.out, a.steps, a.warmup, n, d["layers"])
@@ -164,6 +174,7 @@ def main():
     bal = f", router bias balancing {a.router_bias_rate}" if a.router_bias_rate > 0 else ""
     bal += f", lr {a.lr}" if a.lr is not None else ""
     model = ", ZAYA1-shaped model" if a.model == "zaya1" else ""
+    model += ", Muon + AdamW" if a.muon else ""
     print(f"\n== keel train weak scaling, data parallel + ZeRO-1 (8K tokens per GPU per step{model}{bal}) ==")
     print(f"{'GPUs':>4} {'step':>8} {'tok/s':>10} {'tok/s/GPU':>10} {'step ms':>8} {'eff':>6} {'exposed comm ms':>16} "
           f"{'mem GiB':>8} {'max load':>8}")

@@ -177,7 +177,8 @@ __global__ void normalize_kernel(const float* __restrict__ grad, const float* __
     if (a.nesterov) load<W>(grad, c.matrix_offset + i, u);
 #pragma unroll
     for (int j = 0; j < W; ++j) {
-      const float uj = a.nesterov ? __fadd_rn(__fmul_rn(a.one_beta, __fmul_rn(scale, u[j])), __fmul_rn(a.beta, m[j])) : m[j];
+      const float uj =
+          a.nesterov ? __fadd_rn(__fmul_rn(a.one_beta, __fmul_rn(scale, u[j])), __fmul_rn(a.beta, m[j])) : m[j];
       u[j] = __fmul_rn(uj, f);
     }
     store<W>(x, c.matrix_offset + i, u);
