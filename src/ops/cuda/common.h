@@ -106,6 +106,34 @@ __device__ T block_sum_to_thread0(T v) {
   return total;
 }
 
+// kN bf16 values (8 or 4) at p, aligned to 2 * kN bytes, to or from floats in one vector access.
+template <int kN>
+__device__ inline void load_bf16(const bf16* p, float* out) {
+  static_assert(kN == 8 || kN == 4, "8 or 4 bf16 values");
+  __nv_bfloat162 h[kN / 2];
+  if constexpr (kN == 8)
+    *reinterpret_cast<uint4*>(h) = *reinterpret_cast<const uint4*>(p);
+  else
+    *reinterpret_cast<uint2*>(h) = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+  for (int k = 0; k < kN / 2; ++k) {
+    const float2 f = __bfloat1622float2(h[k]);
+    out[2 * k] = f.x;
+    out[2 * k + 1] = f.y;
+  }
+}
+template <int kN>
+__device__ inline void store_bf16(bf16* p, const float* v) {
+  static_assert(kN == 8 || kN == 4, "8 or 4 bf16 values");
+  __nv_bfloat162 h[kN / 2];
+#pragma unroll
+  for (int k = 0; k < kN / 2; ++k) h[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+  if constexpr (kN == 8)
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(h);
+  else
+    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(h);
+}
+
 // An optimizer step's gradient scale: the host's, times the device's when there is one (the
 // clip coefficient grad_norm.h writes, NaN for a non-finite gradient norm). adamw.h and muon.h
 // skip the step when it is not finite.

@@ -94,30 +94,10 @@ __global__ void init_rows_kernel(float* row_max, float* row_sum, float* target, 
 template <typename T>
 constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
 
-__device__ inline void load_vec(const bf16* p, float* out) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 f = __bfloat1622float2(h[k]);
-    out[2 * k] = f.x;
-    out[2 * k + 1] = f.y;
-  }
-}
+__device__ inline void load_vec(const bf16* p, float* out) { load_bf16<8>(p, out); }
 __device__ inline void load_vec(const float* p, float* out) {
   const float4 f = *reinterpret_cast<const float4*>(p);
   out[0] = f.x, out[1] = f.y, out[2] = f.z, out[3] = f.w;
-}
-// kN bf16 values (8 or 4) to p, aligned to 2 * kN bytes.
-template <int kN>
-__device__ inline void store_bf16(bf16* p, const float* v) {
-  __nv_bfloat162 h[kN / 2];
-#pragma unroll
-  for (int k = 0; k < kN / 2; ++k) h[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
-  if constexpr (kN == 8)
-    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(h);
-  else
-    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(h);
 }
 
 // Whether every row of a [rows, ld] block of T at `p` starts 16-byte aligned (the vector paths).

@@ -75,31 +75,17 @@ __device__ inline void store(float* __restrict__ p, std::int64_t unit, const flo
 }
 template <int W>
 __device__ inline void load(const bf16* __restrict__ p, std::int64_t unit, float (&v)[W]) {
-  if constexpr (W == 4) {
-    union {
-      uint2 u;
-      __nv_bfloat162 h[2];
-    } q;
-    q.u = *(reinterpret_cast<const uint2*>(p) + unit);
-    const float2 a = __bfloat1622float2(q.h[0]), b = __bfloat1622float2(q.h[1]);
-    v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
-  } else {
+  if constexpr (W == 4)
+    load_bf16<4>(p + 4 * unit, v);
+  else
     v[0] = __bfloat162float(p[unit]);
-  }
 }
 template <int W>
 __device__ inline void store(bf16* __restrict__ p, std::int64_t unit, const float (&v)[W]) {
-  if constexpr (W == 4) {
-    union {
-      uint2 u;
-      __nv_bfloat162 h[2];
-    } q;
-    q.h[0] = __floats2bfloat162_rn(v[0], v[1]);
-    q.h[1] = __floats2bfloat162_rn(v[2], v[3]);
-    *(reinterpret_cast<uint2*>(p) + unit) = q.u;
-  } else {
+  if constexpr (W == 4)
+    store_bf16<4>(p + 4 * unit, v);
+  else
     p[unit] = __float2bfloat16(v[0]);
-  }
 }
 
 // The element range of one block: matrix blockIdx.y, units [begin, end) of it, where a matrix
@@ -251,20 +237,32 @@ __global__ void update_kernel(float* __restrict__ param, bf16* __restrict__ para
 
 bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 
+// The launch shape of the per-chunk kernels at vector width W: grid (chunks, matrices), each
+// matrix `units` units of W elements in chunks of `chunk_len` units.
+struct ChunkGrid {
+  std::int64_t chunks, units, chunk_len;
+  dim3 grid;
+};
+template <int W>
+ChunkGrid chunk_grid(std::int64_t matrices, std::int64_t mn) {
+  const std::int64_t chunks = reduction_chunks(mn), units = mn / W;
+  return {chunks, units, (units + chunks - 1) / chunks,
+          dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(matrices))};
+}
+
 // Before Newton-Schulz at vector width W: momentum, ||U||, X0 into w.x.
 template <int W>
 void momentum_and_x0(const float* grad, float* momentum, std::int64_t matrices, std::int64_t mn,
                      const MomentumArgs& ma, const float* device_grad_scale, const Workspace& w,
                      cudaStream_t stream) {
-  const std::int64_t chunks = reduction_chunks(mn), units = mn / W, chunk_len = (units + chunks - 1) / chunks;
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(matrices));
-  momentum_kernel<W><<<grid, kThreads, 0, stream>>>(grad, momentum, units, chunk_len, ma, device_grad_scale,
+  const ChunkGrid g = chunk_grid<W>(matrices, mn);
+  momentum_kernel<W><<<g.grid, kThreads, 0, stream>>>(grad, momentum, g.units, g.chunk_len, ma, device_grad_scale,
                                                     w.partials);
   KEEL_CUDA_CHECK_LAUNCH();
-  inv_norm_kernel<<<static_cast<unsigned>(matrices), kThreads, 0, stream>>>(w.partials, static_cast<int>(chunks),
+  inv_norm_kernel<<<static_cast<unsigned>(matrices), kThreads, 0, stream>>>(w.partials, static_cast<int>(g.chunks),
                                                                             w.factor);
   KEEL_CUDA_CHECK_LAUNCH();
-  normalize_kernel<W><<<grid, kThreads, 0, stream>>>(grad, momentum, units, chunk_len, ma, device_grad_scale,
+  normalize_kernel<W><<<g.grid, kThreads, 0, stream>>>(grad, momentum, g.units, g.chunk_len, ma, device_grad_scale,
                                                      w.factor, w.x);
   KEEL_CUDA_CHECK_LAUNCH();
 }
@@ -275,18 +273,17 @@ template <int W>
 void scale_and_update(float* param, bf16* param_bf16, const bf16* x, std::int64_t matrices, std::int64_t mn,
                       const optim::MuonConfig& c, const UpdateArgs& ua, const float* device_grad_scale,
                       const Workspace& w, float* update_out, cudaStream_t stream) {
-  const std::int64_t chunks = reduction_chunks(mn), units = mn / W, chunk_len = (units + chunks - 1) / chunks;
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(matrices));
+  const ChunkGrid g = chunk_grid<W>(matrices, mn);
   const double* factor = nullptr;
   if (c.scale == optim::MuonScale::kExactRms) {
-    x_squares_kernel<W><<<grid, kThreads, 0, stream>>>(x, units, chunk_len, w.partials);
+    x_squares_kernel<W><<<g.grid, kThreads, 0, stream>>>(x, g.units, g.chunk_len, w.partials);
     KEEL_CUDA_CHECK_LAUNCH();
     exact_rms_kernel<<<static_cast<unsigned>(matrices), kThreads, 0, stream>>>(
-        w.partials, static_cast<int>(chunks), mn, c.rms_target, w.factor);
+        w.partials, static_cast<int>(g.chunks), mn, c.rms_target, w.factor);
     KEEL_CUDA_CHECK_LAUNCH();
     factor = w.factor;
   }
-  update_kernel<W><<<grid, kThreads, 0, stream>>>(param, param_bf16, x, units, chunk_len, ua, device_grad_scale,
+  update_kernel<W><<<g.grid, kThreads, 0, stream>>>(param, param_bf16, x, g.units, g.chunk_len, ua, device_grad_scale,
                                                   factor, update_out);
   KEEL_CUDA_CHECK_LAUNCH();
 }

@@ -133,6 +133,10 @@ TEST(MuonCuda, Timing) {
     cudaEvent_t t0, t1;
     KEEL_CUDA_CHECK(cudaEventCreate(&t0));
     KEEL_CUDA_CHECK(cudaEventCreate(&t1));
+    auto step = [&](const optim::MuonConfig& c) {
+      ops::cuda::muon::matrix_step(d_p.get(), d_g.get(), d_m.get(), d_pb.get(), sh.e, sh.r, sh.c, c, 1e-4, true, 1.f,
+                                   nullptr, ws.get(), ops::cuda::thread_gemm(), nullptr);
+    };
     // The mean of 10 steps after a warm-up (GEMM heuristics), with `ns_steps` iterations.
     auto time_step = [&](int ns_steps) {
       optim::MuonConfig c;
@@ -141,8 +145,7 @@ TEST(MuonCuda, Timing) {
       float ms = 0;
       for (int it = 0; it <= iters; ++it) {
         KEEL_CUDA_CHECK(cudaEventRecord(t0, nullptr));
-        ops::cuda::muon::matrix_step(d_p.get(), d_g.get(), d_m.get(), d_pb.get(), sh.e, sh.r, sh.c, c, 1e-4, true,
-                                     1.f, nullptr, ws.get(), ops::cuda::thread_gemm(), nullptr);
+        step(c);
         KEEL_CUDA_CHECK(cudaEventRecord(t1, nullptr));
         KEEL_CUDA_CHECK(cudaEventSynchronize(t1));
         float a = 0;
@@ -163,10 +166,7 @@ TEST(MuonCuda, Timing) {
       // bench model has 24 such stacks), where sustained GEMM power can lower the clocks.
       const int steps = 24;
       KEEL_CUDA_CHECK(cudaEventRecord(t0, nullptr));
-      for (int i = 0; i < steps; ++i)
-        ops::cuda::muon::matrix_step(d_p.get(), d_g.get(), d_m.get(), d_pb.get(), sh.e, sh.r, sh.c,
-                                     optim::MuonConfig{}, 1e-4, true, 1.f, nullptr, ws.get(), ops::cuda::thread_gemm(),
-                                     nullptr);
+      for (int i = 0; i < steps; ++i) step(optim::MuonConfig{});
       KEEL_CUDA_CHECK(cudaEventRecord(t1, nullptr));
       KEEL_CUDA_CHECK(cudaEventSynchronize(t1));
       float all = 0;
