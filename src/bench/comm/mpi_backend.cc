@@ -16,6 +16,7 @@
 #include "common/error.h"
 #include "common/host.h"
 #include "common/mpi_session.h"
+#include "common/watchdog.h"
 
 namespace keel::bench {
 namespace {
@@ -83,6 +84,7 @@ class MpiBackend final : public Backend {
     const int group = rank_ / group_size;
     const int ngroups = all_groups ? world_ / group_size : 1;
     const bool member = group < ngroups;
+    PeerWait wait("MPI_Comm_split (forming the groups)");
     mpi_check(MPI_Comm_split(MPI_COMM_WORLD, member ? group : MPI_UNDEFINED, rank_, &group_comm_), "MPI_Comm_split");
     if (group_comm_ != MPI_COMM_NULL) {
       MPI_Comm_set_errhandler(group_comm_, MPI_ERRORS_RETURN);
@@ -107,7 +109,10 @@ class MpiBackend final : public Backend {
     maybe_hang();
     if (rank_ == error_rank_) fail("injected failure on rank {} (--inject-error)", rank_);
     for (int i = 0; i < plan.warmup; ++i) run(c);
-    mpi_check(MPI_Barrier(group_comm_), "MPI_Barrier");
+    {
+      PeerWait wait("MPI_Barrier (before timing)");
+      mpi_check(MPI_Barrier(group_comm_), "MPI_Barrier");
+    }
     RankTiming t;
     t.rank = rank_;
     t.iter_seconds.resize(static_cast<size_t>(plan.iters));
@@ -184,6 +189,7 @@ class MpiBackend final : public Backend {
   }
 
   void run(const CollectiveCase& c) {
+    PeerWait wait("the MPI collective being measured");
     const MPI_Datatype type = mpi_type(c.dtype);
     const int n = c.nranks;
     const auto count = [](std::uint64_t v) {

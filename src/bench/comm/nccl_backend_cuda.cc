@@ -14,6 +14,7 @@
 #include "bench/comm/nccl_kernels.h"
 #include "common/host.h"
 #include "common/mpi_session.h"
+#include "common/watchdog.h"
 #include "device/cuda_check.h"
 #include "device/cuda_devices.h"
 #include "device/rank_gpu.h"
@@ -148,6 +149,7 @@ class NcclBackend final : public Backend {
 
   void form_groups(int group_size, bool all_groups) override {
     const int ngroups = all_groups ? world_ / group_size : 1;
+    PeerWait wait("forming NCCL communicators (every rank of the group joins)");
     for (auto& s : slots_) {
       KEEL_CUDA_CHECK(cudaSetDevice(s.device));
       drop_graph(s);
@@ -204,9 +206,10 @@ class NcclBackend final : public Backend {
     for (const auto& s : slots_)
       if (s.rank == error_rank_) fail("injected failure on rank {} (--inject-error)", s.rank);
     fill(c, 0x5eedull);
+    maybe_hang();
     for (int i = 0; i < plan.warmup; ++i) run(c);
     wait_all();
-    mpi_check(MPI_Barrier(group_mpi_), "MPI_Barrier");
+    barrier();
 
     std::vector<RankTiming> timings;
     for (auto& s : slots_)
@@ -216,7 +219,7 @@ class NcclBackend final : public Backend {
       capture_graphs(c, plan.iters);
       launch_graphs();  // one replay to upload the graph
       wait_all();
-      mpi_check(MPI_Barrier(group_mpi_), "MPI_Barrier");
+      barrier();
       const auto t0 = std::chrono::steady_clock::now();
       for (int r = 0; r < plan.graph_replays; ++r) launch_graphs();
       wait_all();
@@ -235,7 +238,7 @@ class NcclBackend final : public Backend {
       wait_all();
       const double per_op = seconds_since(t0) / plan.iters;
       ensure_events(plan.iters + 1);
-      mpi_check(MPI_Barrier(group_mpi_), "MPI_Barrier");
+      barrier();
       for (int i = 0; i < plan.iters; ++i) {
         record_events(i);
         run(c);
@@ -262,6 +265,7 @@ class NcclBackend final : public Backend {
         const std::size_t bytes = dtype_size(c.dtype);
         KEEL_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(output(s, c)) + corrupt_index(c.shape.recv_count) * bytes, raw,
                                         bytes, cudaMemcpyHostToDevice, s.stream));
+        PeerWait wait("cudaStreamSynchronize (the checked collective in flight)");
         KEEL_CUDA_CHECK(cudaStreamSynchronize(s.stream));
       }
       const VerifyCounters init{0, ~0ull};
@@ -373,7 +377,22 @@ class NcclBackend final : public Backend {
     }
   }
 
+  void barrier() {
+    PeerWait wait("MPI_Barrier (before timing)");
+    mpi_check(MPI_Barrier(group_mpi_), "MPI_Barrier");
+  }
+
+  // Injected fault under a launcher: this process stops, as a crashed or wedged peer would, so
+  // the others wait in the collective and the watchdog names this rank. One process driving
+  // every GPU instead leaves the rank's GPU out of each launch (run, below).
+  void maybe_hang() {
+    if (procs_ == 1 || hang_rank_ != proc_rank_) return;
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+
   void run(const CollectiveCase& c) {
+    // ncclGroupEnd can block on the peers (connection set-up at a communicator's first use).
+    PeerWait wait("launching NCCL collectives (ncclGroupEnd)");
     KEEL_NCCL_CHECK(ncclGroupStart());
     for (auto& s : slots_) {
       if (s.group_rank < 0 || s.rank == hang_rank_) continue;  // an injected hang leaves its peers waiting
@@ -385,6 +404,7 @@ class NcclBackend final : public Backend {
   // Polls instead of blocking so NCCL's asynchronous errors (a dead peer's proxy, a network
   // failure) surface as errors; a plain hang is left to the harness's watchdog.
   void wait_all() {
+    PeerWait wait("waiting for the GPU streams (NCCL collectives in flight)");
     for (auto& s : slots_) {
       if (s.group_rank < 0) continue;
       KEEL_CUDA_CHECK(cudaSetDevice(s.device));

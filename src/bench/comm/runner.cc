@@ -22,6 +22,7 @@ std::vector<double> gather_to_root(const std::vector<double>& local) {
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
   const int n = static_cast<int>(local.size());
   std::vector<int> counts(static_cast<size_t>(procs)), displs(static_cast<size_t>(procs));
+  PeerWait wait("MPI_Gather (results to rank 0)");
   mpi_check(MPI_Gather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Gather");
   std::vector<double> all;
   if (me == 0) {
@@ -246,6 +247,12 @@ CommReport run_comm_bench(Backend& b, const CommOptions& o, RowSink* sink) {
   b.set_error_rank(o.error_rank);
 
   Watchdog dog;
+  // Every place a process blocks on others inside the watchdog's scopes is a PeerWait (the
+  // backends' collectives, barriers and stream waits, the gathers above), so a timeout names
+  // the stuck process rather than every process saying the same.
+  int procs = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &procs);
+  if (procs > 1) dog.track_peer_waits();
   const std::vector<int> ranks = o.ranks.empty() ? std::vector<int>{b.world_size()} : o.ranks;
   std::uint64_t seed = o.seed;
 

@@ -54,8 +54,14 @@ keel_cli_test(NAME comm_same_output_twice NP 2 EXIT nonzero MATCH "--json and --
   NOT "Wrong values" ARGS bench comm ${quick} --json comm_same.json --csv comm_same.json)
 
 # Faults: a hung rank trips --timeout; a corrupted result fails the check; a slow link fails the gate.
-keel_cli_test(NAME comm_hang_detected NP 2 EXIT nonzero MATCH "did not finish within 2 s \\(--timeout\\)"
-  ARGS bench comm ${quick} --timeout 2 --inject-hang 1)
+# The hung rank names itself; the ranks waiting on it in a collective never claim to be stuck.
+keel_cli_test(NAME comm_hang_detected NP 2 EXIT nonzero
+  MATCH "\\[rank 1\\] .*did not finish within 2 s \\(--timeout\\): this rank is the stuck one"
+  NOT "\\[rank 0\\] .*stuck one" ARGS bench comm ${quick} --timeout 2 --inject-hang 1)
+keel_cli_test(NAME comm_hang_named_among_three NP 3 EXIT nonzero
+  MATCH "\\[rank 1\\] .*did not finish within 3 s \\(--timeout\\): this rank is the stuck one"
+  NOT "\\[rank [02]\\] .*stuck one" ARGS bench comm ${quick} --op all_reduce,all_to_all --timeout 3 --inject-hang 1)
+set_tests_properties(cli_comm_hang_detected cli_comm_hang_named_among_three PROPERTIES TIMEOUT 60)
 keel_cli_test(NAME comm_corruption_detected NP 2 EXIT 2 MATCH "wrong values, first at rank 1 element"
   ARGS bench comm ${quick} --op all_reduce,broadcast --inject-corrupt 1)
 # One rank failing alone stops the whole job at once, not after the others' --timeout.
