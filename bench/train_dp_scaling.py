@@ -9,6 +9,14 @@ tokens/s (median over the timed steps after warm-up), per-GPU tokens/s, weak-sca
 efficiency = tokens/s(N) / (N x tokens/s(1)), and the step time exposed to communication,
 estimated as step time(N) - step time(1) (the extra time a step takes with the collectives).
 
+On random tokens the routers' state decides much of a step's time (a layer whose router sends
+every token to the skip class runs no expert at all), and it differs from run to run, so the
+1-GPU run can be faster or slower than the N-GPU runs for reasons that have nothing to do with
+scaling. The "same-batch" columns therefore also compare each N-GPU run with one GPU training the
+same global batch (batch.grad_accum = N on one GPU): the same samples in the same order (keel's
+order does not depend on the world size), so about the same routing, and the same optimizer work
+per token as ZeRO-1's 1/N share. "its max load" is that run's. --no-same-batch skips those runs.
+
 keel's ZeRO-1 step overlaps its collectives with compute by default (docs/parallel.md);
 --classic-gpus 2,4 also runs those GPU counts with KEEL_DP_OVERLAP=0 (the classic step: reduce-
 scatter after backward, all-gather after the update) and prints them as extra rows, for the
@@ -26,11 +34,12 @@ expert's load (1.0: balanced, 16: one expert takes every token).
 --model zaya1 runs the same scaling on the ZAYA1-shaped model of bench/zaya_vs_torch.py instead
 (the 8-layer cut of ZAYA1-8B: CCA attention, MLP router with EDA and the skip class, residual
 scaling, 16 experts top-1, bias balancing at that script's rate; 8K tokens per GPU per step);
-it has no PyTorch data-parallel peer (--no-torch is implied). With --muon (zaya1 only) every keel run
-uses ZAYA1's optimizer split, Muon + AdamW (optimizer.muon): under ZeRO-1 each rank runs Newton-Schulz
-on the whole matrices of its shard only (docs/optim.md), so a step's optimizer work shrinks with N and
-the efficiency column can exceed 1; compare step times with the AdamW run instead. KEEL_DP_* and
-NCCL_* variables reach every rank.
+its peer is that script's PyTorch model under the same DDP + ZeRO-1 (below), with the keel runs'
+learning rate and bias rate. With --muon (zaya1 only) every keel run uses ZAYA1's optimizer split,
+Muon + AdamW (optimizer.muon): under ZeRO-1 each rank runs Newton-Schulz on the whole matrices of its
+shard only (docs/optim.md), so a step's optimizer work shrinks with N and the efficiency column can
+exceed 1; compare step times with the AdamW run instead. --muon implies --no-torch (torch has no
+distributed Muon to set beside keel's). KEEL_DP_* and NCCL_* variables reach every rank.
 
 The peer, in the same run for each N right after keel: the same model and step in PyTorch
 (eager) under torchrun with DistributedDataParallel (gradient all-reduce in buckets overlapped
@@ -53,8 +62,10 @@ from train_vs_torch import DIMS, keel_config, write_dataset  # noqa: E402
 
 
 def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, ep=1, bias_rate=0.0, lr=None,
-        muon=False):
-    run_dir = os.path.join(out, f"dp{gpus}" + ("_classic" if classic else "") + (f"_ep{ep}" if ep > 1 else ""))
+        muon=False, accum=None):
+    accum = accum or gpus  # micro-batches per step over the whole group (batch.grad_accum)
+    run_dir = os.path.join(out, f"dp{gpus}" + ("_classic" if classic else "") + (f"_ep{ep}" if ep > 1 else "") +
+                           (f"_accum{accum}" if accum != gpus else ""))
     shutil.rmtree(run_dir, ignore_errors=True)  # keel train refuses another run's metrics and checkpoints
     os.makedirs(run_dir)
     path = os.path.join(run_dir, "train.yaml")
@@ -64,11 +75,11 @@ def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, e
         text = zaya_vs_torch.keel_config(d, prefix, run_dir, steps, "cuda", lr=lr or zaya_vs_torch.LR, bias_rate=zb,
                                          muon=muon)
         assert "  grad_accum: 1\n" in text
-        text = text.replace("  grad_accum: 1\n", f"  grad_accum: {gpus}\n")
+        text = text.replace("  grad_accum: 1\n", f"  grad_accum: {accum}\n")
         metrics = os.path.join(run_dir, "run", "metrics.jsonl")
         bias_rate, lr = 0.0, None
     else:
-        text = keel_config(d, prefix, run_dir, steps, grad_accum=gpus)
+        text = keel_config(d, prefix, run_dir, steps, grad_accum=accum)
     if ep > 1:
         text += f"parallel:\n  expert: {ep}\n"
     if lr is not None:
@@ -106,12 +117,14 @@ def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, e
             "load_max": statistics.median(load) if load else float("nan")}
 
 
-def run_torch(out, steps, warmup, gpus, layers):
+def run_torch(out, steps, warmup, gpus, layers, model="bench", lr=None, bias_rate=0.0):
     path = os.path.join(out, f"torch{gpus}.json")
     log = os.path.join(out, f"torch{gpus}.log")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_dp_torch.py")
     cmd = ["torchrun", "--standalone", f"--nproc_per_node={gpus}", worker, "--json", path, "--steps", str(steps),
-           "--warmup", str(warmup), "--layers", str(layers)]
+           "--warmup", str(warmup), "--layers", str(layers), "--model", model]
+    if model == "zaya1":  # the keel runs' settings (zaya_vs_torch's defaults where not given)
+        cmd += ["--lr", str(lr or zaya_vs_torch.LR), "--bias-rate", str(bias_rate or zaya_vs_torch.BIAS_RATE)]
     with open(log, "w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=900,
                            env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
@@ -138,13 +151,15 @@ def main():
                     help="router.bias_update_rate for every keel run (0: off, the peer's router)")
     ap.add_argument("--lr", type=float, default=None, help="learning rate of every keel run (default: the peer's)")
     ap.add_argument("--muon", action="store_true", help="Muon + AdamW in every keel run (--model zaya1 only)")
+    ap.add_argument("--no-same-batch", action="store_true",
+                    help="skip the one-GPU runs of each N-GPU run's global batch (the 'same batch' columns)")
     a = ap.parse_args()
     if a.muon and a.model != "zaya1":
         ap.error("--muon needs --model zaya1")
     d = dict(zaya_vs_torch.ZAYA8 if a.model == "zaya1" else DIMS)
     if a.layers:
         d["layers"] = a.layers
-    if a.model == "zaya1":
+    if a.muon:
         a.no_torch = True
     counts = [int(x) for x in a.gpus.split(",")]
     os.makedirs(a.out, exist_ok=True)
@@ -154,8 +169,12 @@ def main():
     write_dataset(prefix, rng.integers(0, d["vocab"], size=rows_needed * (d["seq"] + 1), dtype=np.uint64), d["seq"])
     classic = [int(x) for x in a.classic_gpus.split(",") if x]
     ep_counts = [int(x) for x in a.ep_gpus.split(",") if x]
-    res, peer, res_classic, res_ep = {}, {}, {}, {}
+    res, peer, res_classic, res_ep, same = {}, {}, {}, {}, {}
     for n in counts:
+        if n > 1 and not a.no_same_batch:
+            same[n] = run(a.keel, a.out, d, a.steps, a.warmup, 1, prefix, timeout=a.run_timeout,
+                          bias_rate=a.router_bias_rate, lr=a.lr, muon=a.muon, accum=n)
+            print("keel 1 GPU, grad_accum", n, same[n], flush=True)
         res[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout, bias_rate=a.router_bias_rate,
                      lr=a.lr, muon=a.muon)
         print("keel", n, res[n], flush=True)
@@ -168,7 +187,8 @@ def main():
                             bias_rate=a.router_bias_rate, lr=a.lr, muon=a.muon)
             print("keel ep", n, res_ep[n], flush=True)
         if not a.no_torch:
-            peer[n] = run_torch(a.out, a.steps, a.warmup, n, d["layers"])
+            peer[n] = run_torch(a.out, a.steps, a.warmup, n, d["layers"], model=a.model, lr=a.lr,
+                                bias_rate=a.router_bias_rate)
             print("torch", n, peer[n], flush=True)
     tok_step = d["micro_batch"] * d["seq"]  # tokens per GPU per step
     bal = f", router bias balancing {a.router_bias_rate}" if a.router_bias_rate > 0 else ""
@@ -177,7 +197,7 @@ def main():
     model += ", Muon + AdamW" if a.muon else ""
     print(f"\n== keel train weak scaling, data parallel + ZeRO-1 (8K tokens per GPU per step{model}{bal}) ==")
     print(f"{'GPUs':>4} {'step':>8} {'tok/s':>10} {'tok/s/GPU':>10} {'step ms':>8} {'eff':>6} {'exposed comm ms':>16} "
-          f"{'mem GiB':>8} {'max load':>8}")
+          f"{'mem GiB':>8} {'max load':>8} {'same-batch eff':>14} {'exposed ms':>10} {'its max load':>12}")
     base = res.get(1, {}).get("tokens_per_s")
     rows = [(n, "overlap" if n > 1 else "-", res[n]) for n in counts]
     rows += [(n, "classic", res_classic[n]) for n in counts if n in res_classic]
@@ -189,11 +209,18 @@ def main():
         step_ms = 1e3 * tok_step * n / r["tokens_per_s"]
         eff = r["tokens_per_s"] / (n * base) if base else float("nan")
         exposed = step_ms - 1e3 * tok_step / base if base else float("nan")
+        # Against one GPU training the same global batch (grad_accum N): the same data, hence
+        # about the same routing, and the same optimizer work per token as ZeRO-1's 1/N share.
+        sb = same.get(n, {}).get("tokens_per_s") if n > 1 else base
+        sb_load = same.get(n, {}).get("load_max", float("nan")) if n > 1 else res.get(1, {}).get("load_max", float("nan"))
+        eff_sb = r["tokens_per_s"] / (n * sb) if sb else float("nan")
+        exposed_sb = step_ms - 1e3 * tok_step / sb if sb else float("nan")
         print(f"{n:>4} {kind:>8} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / n:>10.0f} {step_ms:>8.1f} {eff:>6.3f} "
-              f"{exposed:>16.1f} {r['memory_gib']:>8.1f} {r.get('load_max', float('nan')):>8.2f}")
+              f"{exposed:>16.1f} {r['memory_gib']:>8.1f} {r.get('load_max', float('nan')):>8.2f} {eff_sb:>14.3f} "
+              f"{exposed_sb:>10.1f} {sb_load:>12.2f}")
     if peer:
         print("\n== PyTorch DDP + ZeroRedundancyOptimizer (eager), same model and tokens per GPU ==")
-        print(f"{'GPUs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'eff':>6} {'mem GiB':>8} {'keel/torch':>10}")
+        print(f"{'GPUs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'eff':>6} {'mem GiB':>8} {'keel/torch':>10} {'max load':>8}")
         tbase = peer.get(1, {}).get("tokens_per_s")
         for n in counts:
             t = peer[n]
@@ -203,8 +230,9 @@ def main():
             eff = t["tokens_per_s"] / (n * tbase) if tbase else float("nan")
             ratio = res[n]["tokens_per_s"] / t["tokens_per_s"] if "tokens_per_s" in res[n] else float("nan")
             print(f"{n:>4} {t['tokens_per_s']:>10.0f} {t['tokens_per_s'] / n:>10.0f} {eff:>6.3f} {t['memory_gib']:>8.1f} "
-                  f"{ratio:>10.2f}")
-    json.dump({"keel": res, "keel_classic": res_classic, "keel_ep": res_ep, "torch": peer}, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
+                  f"{ratio:>10.2f} {t.get('load_max', float('nan')):>8.2f}")
+    json.dump({"keel": res, "keel_classic": res_classic, "keel_ep": res_ep, "keel_one_gpu_same_batch": same,
+               "torch": peer}, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":

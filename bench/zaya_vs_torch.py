@@ -495,17 +495,23 @@ class TorchMuon:
 
 class Optimizer:
     """AdamW (torch.optim.AdamW) on everything, or with `muon` Muon on the weight matrices (as
-    keel's optimizer.muon) and AdamW on the rest: embeddings, conv weights, 1-D tensors."""
+    keel's optimizer.muon) and AdamW on the rest: embeddings, conv weights, 1-D tensors. With
+    `zero` (a data-parallel rank) the AdamW states are sharded over the ranks by
+    torch.distributed.optim.ZeroRedundancyOptimizer (ZeRO-1)."""
 
-    def __init__(self, torch, model, fused, lr=LR, muon=False, compiled=False):
+    def __init__(self, torch, model, fused, lr=LR, muon=False, compiled=False, zero=False):
         named = list(model.keel_params().items())
         mats = [p for name, (p, _) in named if muon and is_muon_matrix(name, p)]
         ids = {id(p) for p in mats}
         rest = [p for p in model.parameters() if id(p) not in ids]
-        self.adamw = torch.optim.AdamW(
-            [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": WD},
-             {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-            lr=lr, betas=BETAS, eps=ADAM_EPS, fused=fused)
+        groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": WD},
+                  {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+        if zero:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            self.adamw = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=lr, betas=BETAS,
+                                                 eps=ADAM_EPS, fused=fused)
+        else:
+            self.adamw = torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=ADAM_EPS, fused=fused)
         self.muon = TorchMuon(torch, mats, lr, compiled) if mats else None
 
     def step(self):
@@ -528,19 +534,35 @@ def update_selection_bias(torch, model, counts, rate=BIAS_RATE):
             layer.sel_bias += rate * torch.sign(c.mean() - c)
 
 
-def run_torch(d, steps, warmup, compiled, dev, muon=False):
+def run_torch(d, steps, warmup, compiled, dev, muon=False, ddp=False, lr=LR, bias_rate=BIAS_RATE):
+    """One device, or with ddp=True one rank of a torchrun job (torch.distributed initialized, this
+    rank's GPU current): DistributedDataParallel (gradient all-reduce in buckets overlapped with
+    backward) with ZeroRedundancyOptimizer (ZeRO-1 AdamW), each rank on its own tokens, the
+    selection-bias controller fed by the expert loads summed over the ranks (as keel's). DDP
+    looks for unused parameters: a layer whose router sends every token to the skip class
+    leaves its expert stacks without gradients. Muon is not offered with ddp (no distributed
+    Muon in torch; a replicated one would be a straw man beside keel's)."""
     import torch
 
+    if ddp and muon:
+        raise ValueError("the data-parallel peer runs AdamW only")
     torch.manual_seed(0)
     cuda = dev == "cuda"
     model = build_torch_model(d, dev, torch.bfloat16 if cuda else torch.float32)
-    opt = Optimizer(torch, model, fused=cuda, muon=muon, compiled=compiled)
+    opt = Optimizer(torch, model, fused=cuda, lr=lr, muon=muon, compiled=compiled, zero=ddp)
+    core, seed = model, 1
+    if ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()], broadcast_buffers=False,
+                                        find_unused_parameters=True)
+        seed = 1 + dist.get_rank()
     if compiled:  # 8 layers share one Layer.forward: leave room for per-layer specializations
         for knob in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, knob):
                 setattr(torch._dynamo.config, knob, 64)
     fwd = torch.compile(model) if compiled else model
-    gen = torch.Generator(device=dev).manual_seed(1)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     B, T, V = d["micro_batch"], d["seq"], d["vocab"]
 
     def step():
@@ -552,7 +574,11 @@ def run_torch(d, steps, warmup, compiled, dev, muon=False):
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        update_selection_bias(torch, model, counts)
+        if ddp:  # every rank's biases move by the group's loads, so they stay identical
+            total = torch.stack(counts)
+            dist.all_reduce(total)
+            counts = list(total.unbind(0))
+        update_selection_bias(torch, core, counts, bias_rate)
         return ce, counts
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -571,8 +597,8 @@ def run_torch(d, steps, warmup, compiled, dev, muon=False):
         times.append(time.perf_counter() - t0)
         load_max.append(max((c.max() / c.float().mean()).item() for c in counts))
     mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    nparams = sum(p.numel() for p in model.parameters())
-    del model, opt, fwd
+    nparams = sum(p.numel() for p in core.parameters())
+    del model, core, opt, fwd
     if cuda:
         torch.cuda.empty_cache()
     return {"tokens_per_s": B * T / statistics.median(times), "memory_gib": mem, "ce": losses,
