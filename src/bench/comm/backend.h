@@ -4,10 +4,12 @@
 // owns the sweep, the statistics and the report, so every backend is measured the same way.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/comm/collective.h"
@@ -100,6 +102,11 @@ class Backend {
   // The value and place an injected corruption writes: never a valid result.
   static constexpr float kCorruptValue = 12288.f;  // exact in bf16, fp16 and fp32
   static std::uint64_t corrupt_index(std::uint64_t count) { return count / 2; }
+  // An injected hang: the process stops taking part, as a crashed or wedged peer would, outside
+  // any PeerWait (the watchdog then names it as the stuck rank).
+  [[noreturn]] static void stop_taking_part() {
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
 
   int hang_rank_ = -1;
   int corrupt_rank_ = -1;

@@ -6,11 +6,9 @@
 #include <mpi.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <thread>
 
 #include "bench/comm/backend.h"
 #include "common/error.h"
@@ -183,9 +181,7 @@ class MpiBackend final : public Backend {
   }
 
   void maybe_hang() {
-    if (hang_rank_ != rank_) return;
-    // Injected fault: this rank stops participating, as a crashed or wedged peer would.
-    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    if (hang_rank_ == rank_) stop_taking_part();
   }
 
   void run(const CollectiveCase& c) {

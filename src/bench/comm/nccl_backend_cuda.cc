@@ -382,12 +382,11 @@ class NcclBackend final : public Backend {
     mpi_check(MPI_Barrier(group_mpi_), "MPI_Barrier");
   }
 
-  // Injected fault under a launcher: this process stops, as a crashed or wedged peer would, so
-  // the others wait in the collective and the watchdog names this rank. One process driving
-  // every GPU instead leaves the rank's GPU out of each launch (run, below).
+  // Injected fault under a launcher: this process stops, so the others wait in the collective
+  // and the watchdog names this rank. One process driving every GPU instead leaves the rank's
+  // GPU out of each launch (run, below).
   void maybe_hang() {
-    if (procs_ == 1 || hang_rank_ != proc_rank_) return;
-    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    if (procs_ > 1 && hang_rank_ == proc_rank_) stop_taking_part();
   }
 
   void run(const CollectiveCase& c) {
