@@ -7,6 +7,7 @@
 #include "common/error.h"
 #include "common/host.h"
 #include "common/mpi_session.h"
+#include "common/watchdog.h"
 #include "device/cuda_devices.h"
 
 #if defined(KEEL_HAVE_CUDA)
@@ -55,8 +56,11 @@ int bind_rank_gpu() {
   int rank = 0;
   mpi_check(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
   MPI_Comm node;
-  mpi_check(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node),
-            "MPI_Comm_split_type");
+  {
+    PeerWait wait("MPI_Comm_split_type (the ranks of this host)");
+    mpi_check(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node),
+              "MPI_Comm_split_type");
+  }
   int local_rank = 0, local_size = 1;
   MPI_Comm_rank(node, &local_rank);
   MPI_Comm_size(node, &local_size);
@@ -73,8 +77,12 @@ int bind_rank_gpu() {
   // Every rank of the node takes part (an error included), so all of them fail alike.
   std::vector<char> all(static_cast<std::size_t>(local_size) * 32);
   int failed = error.empty() ? 0 : 1, any_failed = 0;
-  const int rc1 = MPI_Allgather(uuid.data(), 32, MPI_CHAR, all.data(), 32, MPI_CHAR, node);
-  const int rc2 = MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, node);
+  int rc1 = MPI_SUCCESS, rc2 = MPI_SUCCESS;
+  {
+    PeerWait wait("MPI_Allgather (the GPU each rank of this host picked)");
+    rc1 = MPI_Allgather(uuid.data(), 32, MPI_CHAR, all.data(), 32, MPI_CHAR, node);
+    rc2 = MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, node);
+  }
   MPI_Comm_free(&node);
   mpi_check(rc1, "MPI_Allgather (GPU UUIDs)");
   mpi_check(rc2, "MPI_Allreduce");

@@ -102,17 +102,18 @@ class Backend {
   // The value and place an injected corruption writes: never a valid result.
   static constexpr float kCorruptValue = 12288.f;  // exact in bf16, fp16 and fp32
   static std::uint64_t corrupt_index(std::uint64_t count) { return count / 2; }
-  // An injected hang: the process stops taking part, as a crashed or wedged peer would, outside
-  // any PeerWait (the watchdog then names it as the stuck rank).
-  [[noreturn]] static void stop_taking_part() {
-    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
-  }
 
   int hang_rank_ = -1;
   int corrupt_rank_ = -1;
   int error_rank_ = -1;  // this rank fails its first measurement with an error
   bool failed_ = false;
 };
+
+// An injected hang (--inject-hang): the process stops taking part, as a crashed or wedged peer
+// would, outside any PeerWait (the watchdog then names it as the stuck rank).
+[[noreturn]] inline void stop_taking_part() {
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
 
 std::unique_ptr<Backend> make_mpi_backend();
 #if defined(KEEL_HAVE_CUDA)

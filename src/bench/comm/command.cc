@@ -22,6 +22,7 @@ struct RawFlags {
   double factor = 2;
   bool all_groups = false, no_check = false, quiet = false;
   int root = 0, warmup = 5, iters = 20, graph = 0, hang_rank = -1, corrupt_rank = -1, error_rank = -1;
+  std::string hang_at = "case";
   double timeout = 300, min_busbw = 0;
   std::uint64_t seed = 1;
   std::string json, csv, plot;
@@ -62,6 +63,8 @@ CommOptions to_options(const RawFlags& f) {
     o.plot_path = f.plot;
     o.min_busbw = f.min_busbw;
     o.hang_rank = f.hang_rank;
+    if (f.hang_at != "case" && f.hang_at != "start") fail("unknown --inject-hang-at '{}' (case or start)", f.hang_at);
+    o.hang_at_start = f.hang_at == "start";
     o.corrupt_rank = f.corrupt_rank;
     o.error_rank = f.error_rank;
     o.quiet = f.quiet;
@@ -136,6 +139,12 @@ void check_outputs_before_sweep(const CommOptions& o, const MpiSession& mpi) {
 int run(const RawFlags& flags) {
   CommOptions o = to_options(flags);  // before MPI: a bad flag needs no ranks
   MpiSession mpi;
+  // Start-up waits on every rank too (the output check's broadcast, NCCL's bootstrap), so a rank
+  // that never gets there is a timeout naming it, as in the sweep (runner.cc), not a hang.
+  Watchdog startup;
+  if (mpi.size() > 1) startup.track_peer_waits();
+  startup.arm("starting up (output check, communicators)", o.plan.timeout_s);
+  if (o.hang_at_start && mpi.rank() == o.hang_rank) stop_taking_part();
   check_outputs_before_sweep(o, mpi);
   int max_ranks = 0;
   for (int n : o.ranks) max_ranks = std::max(max_ranks, n);
@@ -152,6 +161,7 @@ int run(const RawFlags& flags) {
   if (chosen == "mpi") backend = make_mpi_backend();
   o.backend = chosen;
   validate_options(o, backend->world_size());
+  startup.disarm();
 
   // Releasing communicators can itself hang after a failure (a kernel still waiting for a
   // dead peer): the watchdog covers the teardown too.
@@ -209,6 +219,8 @@ void add_comm_command(CLI::App& bench) {
                   "Health gate: exit 3 when the busbw at the largest size of any series is below this (GB/s)");
   cmd->add_flag("-q,--quiet", flags->quiet, "No table on stdout");
   cmd->add_option("--inject-hang", flags->hang_rank, "Testing: this rank stops taking part (exercises --timeout)")
+      ->group("");
+  cmd->add_option("--inject-hang-at", flags->hang_at, "Testing: where --inject-hang stops: case (default) or start")
       ->group("");
   cmd->add_option("--inject-corrupt", flags->corrupt_rank,
                   "Testing: overwrite one checked output element on this rank (exercises the checker)")

@@ -63,8 +63,9 @@ class NcclBackend final : public Backend {
       slots_[0].device = bind_rank_gpu();
       ncclUniqueId id;
       if (proc_rank_ == 0) KEEL_NCCL_CHECK(ncclGetUniqueId(&id));
-      mpi_check(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast");
       KEEL_CUDA_CHECK(cudaSetDevice(slots_[0].device));
+      PeerWait wait("bootstrapping the NCCL communicator (MPI_Bcast of its id, ncclCommInitRank)");
+      mpi_check(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast");
       KEEL_NCCL_CHECK(ncclCommInitRank(&slots_[0].world, world_, id, proc_rank_));
     } else {
       if (max_ranks > devices)

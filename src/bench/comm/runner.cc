@@ -241,8 +241,7 @@ CommReport run_comm_bench(Backend& b, const CommOptions& o, RowSink* sink) {
   report.backend = b.name();
   report.world_size = b.world_size();
   report.versions = b.library_versions();
-  report.devices = gather_devices(b);
-  b.set_hang_rank(o.hang_rank);
+  b.set_hang_rank(o.hang_at_start ? -1 : o.hang_rank);
   b.set_corrupt_rank(o.corrupt_rank);
   b.set_error_rank(o.error_rank);
 
@@ -253,6 +252,10 @@ CommReport run_comm_bench(Backend& b, const CommOptions& o, RowSink* sink) {
   int procs = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &procs);
   if (procs > 1) dog.track_peer_waits();
+  {
+    WatchdogScope scope(dog, "gathering the device descriptions", o.plan.timeout_s);
+    report.devices = gather_devices(b);
+  }
   const std::vector<int> ranks = o.ranks.empty() ? std::vector<int>{b.world_size()} : o.ranks;
   std::uint64_t seed = o.seed;
 

@@ -32,6 +32,7 @@ struct CommOptions {
   std::string json_path, csv_path, plot_path;
   double min_busbw = 0;          // GB/s; 0 disables the gate
   int hang_rank = -1;            // fault injection (tests): this rank stops taking part
+  bool hang_at_start = false;    // ... before the communicators exist, not in the first case
   int corrupt_rank = -1;         // fault injection (tests): this rank's checked output is overwritten
   int error_rank = -1;           // fault injection (tests): this rank fails with an error
   bool quiet = false;            // no table on stdout

@@ -61,7 +61,15 @@ keel_cli_test(NAME comm_hang_detected NP 2 EXIT nonzero
 keel_cli_test(NAME comm_hang_named_among_three NP 3 EXIT nonzero
   MATCH "\\[rank 1\\] .*did not finish within 3 s \\(--timeout\\): this rank is the stuck one"
   NOT "\\[rank [02]\\] .*stuck one" ARGS bench comm ${quick} --op all_reduce,all_to_all --timeout 3 --inject-hang 1)
-set_tests_properties(cli_comm_hang_detected cli_comm_hang_named_among_three PROPERTIES TIMEOUT 60)
+# Start-up waits too (the output check's broadcast, the communicators' bootstrap): a rank that
+# never gets there is a timeout naming it, not a hang of the others.
+keel_cli_test(NAME comm_hang_at_start_named NP 3 EXIT nonzero
+  MATCH "\\[rank 1\\] starting up .*did not finish within 2 s \\(--timeout\\): this rank is the stuck one"
+  NOT "\\[rank [02]\\] .*stuck one" ARGS bench comm ${quick} --timeout 2 --inject-hang 1 --inject-hang-at start)
+keel_cli_test(NAME comm_inject_hang_at_unknown EXIT 1 MATCH "unknown --inject-hang-at 'middle' \\(case or start\\)"
+  ARGS bench comm ${quick} --inject-hang-at middle)
+set_tests_properties(cli_comm_hang_detected cli_comm_hang_named_among_three cli_comm_hang_at_start_named
+                     PROPERTIES TIMEOUT 60)
 keel_cli_test(NAME comm_corruption_detected NP 2 EXIT 2 MATCH "wrong values, first at rank 1 element"
   ARGS bench comm ${quick} --op all_reduce,broadcast --inject-corrupt 1)
 # One rank failing alone stops the whole job at once, not after the others' --timeout.
