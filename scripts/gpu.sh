@@ -88,8 +88,9 @@ for step in "${steps[@]}"; do
             --set data.datasets.stories=/tmp/keel-launch/corpus/stories --set eval.prefix=/tmp/keel-launch/corpus/stories_heldout)
       comm=(bench comm --backend nccl --op all_reduce,all_to_all -b 1M -e 16M -f 4)
       one_gpu_each=(bash -c 'CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK exec "$0" "$@"')
-      # launch_case NAME WANT(ok|fail) REGEX GPUS_EXPECTED CMD...: the exit status, a line of the log and the
-      # number of GPUs that ran a keel process (0: not checked).
+      # launch_case NAME WANT(ok|fail|timeout) REGEX GPUS_EXPECTED CMD...: the exit status, a line of the log
+      # and the number of GPUs that ran a keel process (0: not checked). timeout: exit 124 (keel's
+      # watchdog), and only rank 1 (the injected hang) calls itself stuck.
       launch_case() {
         local name=$1 want=$2 re=$3 want_gpus=$4 log="$out/launch_$1.log" seen="$out/launch_$1.gpus"; shift 4
         ( while sleep 0.3; do nvidia-smi --query-compute-apps=gpu_uuid,process_name --format=csv,noheader 2>/dev/null \
@@ -99,7 +100,11 @@ for step in "${steps[@]}"; do
         kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
         local used; used=$(sort -u "$seen" | grep -c . || true)
         local good=1
-        if [ "$want" = ok ]; then [ "$rc" -eq 0 ] || good=0; else { [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; } || good=0; fi
+        case "$want" in
+          ok) [ "$rc" -eq 0 ] || good=0 ;;
+          timeout) [ "$rc" -eq 124 ] || good=0; [ "$(grep 'stuck one' "$log" | grep -cv '\[rank 1\] ')" -eq 0 ] || good=0 ;;
+          *) { [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; } || good=0 ;;
+        esac
         grep -qE "$re" "$log" || good=0
         [ "$want_gpus" -eq 0 ] || [ "$used" -eq "$want_gpus" ] || good=0
         if [ "$good" = 1 ]; then note "launch $name: ok (exit $rc, GPUs used $used)"
@@ -113,6 +118,10 @@ for step in "${steps[@]}"; do
         "${mpi[@]}" -n "$gpus" "${one_gpu_each[@]}" "$build/keel" "${tiny[@]}" --set output_dir=/tmp/keel-launch/train-one
       launch_case comm_all_visible ok 'Wrong values: 0 OK' "$gpus" "${mpi[@]}" -n "$gpus" "$build/keel" "${comm[@]}"
       launch_case comm_one_gpu_each ok 'Wrong values: 0 OK' "$gpus" "${mpi[@]}" -n "$gpus" "${one_gpu_each[@]}" "$build/keel" "${comm[@]}"
+      stuck='^keel: error: \[rank 1\] .*this rank is the stuck one'
+      launch_case comm_hang_named timeout "$stuck" 0 "${mpi[@]}" -n "$gpus" "$build/keel" "${comm[@]}" --timeout 5 --inject-hang 1
+      launch_case comm_hang_at_start_named timeout "$stuck" 0 \
+        "${mpi[@]}" -n "$gpus" "$build/keel" "${comm[@]}" --timeout 5 --inject-hang 1 --inject-hang-at start
       launch_case train_shared_gpu fail '^keel: error: .*would drive the same GPU' 0 \
         env CUDA_VISIBLE_DEVICES=0 "${mpi[@]}" -x CUDA_VISIBLE_DEVICES -n 2 "$build/keel" "${tiny[@]}" --set output_dir=/tmp/keel-launch/train-shared
       launch_case comm_shared_gpu fail '^keel: error: .*would drive the same GPU' 0 \
