@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -34,6 +35,10 @@ PeerWait::PeerWait(const char* what) noexcept
 PeerWait::~PeerWait() {
   g_wait_since.store(prev_since_, std::memory_order_relaxed);
   g_wait_what.store(prev_what_, std::memory_order_release);
+}
+
+void hang_forever() {
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
 }
 
 Watchdog::Watchdog() : thread_([this] { watch(); }) {}

@@ -65,6 +65,10 @@ class PeerWait {
   std::int64_t prev_since_;
 };
 
+// Fault injection (tests' --inject-hang flags): blocks this thread forever outside any PeerWait,
+// as a wedged process would, so the watchdogs of this rank and its peers must catch it.
+[[noreturn]] void hang_forever();
+
 // Arms the watchdog for the lifetime of a scope.
 class WatchdogScope {
  public:

@@ -39,6 +39,7 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
   // the rest waiting in the next collective, and `auto` would pick CPU on some, CUDA on others.
   int sees = visible_cuda_devices() > 0 ? 1 : 0, fewest = sees, most = sees;
   if (mpi.size() > 1 && cfg.device != "cpu") {
+    PeerWait wait("MPI_Allreduce (which ranks see a GPU)");
     mpi_check(MPI_Allreduce(&sees, &fewest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD), "MPI_Allreduce");
     mpi_check(MPI_Allreduce(&sees, &most, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");
   }
@@ -98,7 +99,10 @@ void require_same_config_on_every_rank(const std::string& text, const MpiSession
   if (mpi.size() < 2) return;
   const std::uint64_t mine = fnv1a(text);  // common/hash.h: the same in every binary of an MPMD launch
   std::vector<std::uint64_t> all(static_cast<std::size_t>(mpi.size()));
-  mpi_check(MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD), "MPI_Allgather");
+  {
+    PeerWait wait("MPI_Allgather (the config's hash)");
+    mpi_check(MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD), "MPI_Allgather");
+  }
   int first = -1, differing = 0;
   for (int r = 1; r < mpi.size(); ++r)
     if (all[static_cast<std::size_t>(r)] != all[0]) differing += 1, first = first < 0 ? r : first;
@@ -128,7 +132,7 @@ void add_command(CLI::App& app) {
     std::int64_t until = -1;
     double timeout = 600;
     int hang_rank = -1;
-    std::int64_t hang_step = 0;
+    std::int64_t hang_step = -1;  // 0: at start-up, before the ranks compare their configs
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
@@ -145,21 +149,18 @@ void add_command(CLI::App& app) {
                   "it exits with an error (124), as when a rank hangs or dies; 0: wait forever")
       ->capture_default_str();
   cmd->add_option("--inject-hang-rank", args->hang_rank, "Fault injection (tests): this rank hangs at --inject-hang-step");
-  cmd->add_option("--inject-hang-step", args->hang_step, "Fault injection (tests): the step at which it hangs");
+  cmd->add_option("--inject-hang-step", args->hang_step,
+                  "Fault injection (tests): the step at which it hangs (0: at start-up, before the config check)");
   cmd->callback([args, stop_after] {
     if (!(args->timeout >= 0) || !std::isfinite(args->timeout))
       throw UsageError(fmt::format("--timeout {}: must be seconds >= 0 (0: wait forever)", args->timeout));
     if (stop_after->count() > 0 && args->until < 1)
       throw UsageError(fmt::format("--stop-after {}: must be a step count >= 1", args->until));
-    if (args->hang_step < 0) throw UsageError("--inject-hang-step must be >= 1");
+    if (args->hang_step < -1) throw UsageError("--inject-hang-step must be >= 0 (0: at start-up)");
     const TrainConfig cfg = load_train_config(args->config, args->sets);
-    if ((args->hang_rank >= 0) != (args->hang_step > 0))
+    if ((args->hang_rank >= 0) != (args->hang_step >= 0))
       throw UsageError("--inject-hang-rank and --inject-hang-step go together");
     MpiSession mpi;  // a world of one without a launcher
-    require_same_config_on_every_rank(fmt::format("{}\n--resume: {}\n--stop-after: {}\n", cfg.text, args->resume,
-                                                  args->until),
-                                      mpi);
-    const ParallelContext ctx = make_parallel_context(cfg, mpi);
     // A hung or dead peer blocks the others inside a collective forever: each phase below runs
     // under a deadline, so every surviving rank exits with one line instead (and the launcher
     // tears down the rest).
@@ -170,11 +171,17 @@ void add_command(CLI::App& app) {
     auto phase = [&](const std::string& what) {
       if (args->timeout > 0) dog.arm(what, args->timeout);
     };
+    phase("start-up (config check, GPU binding)");
+    if (args->hang_step == 0 && mpi.rank() == args->hang_rank) hang_forever();
+    require_same_config_on_every_rank(fmt::format("{}\n--resume: {}\n--stop-after: {}\n", cfg.text, args->resume,
+                                                  args->until),
+                                      mpi);
+    const ParallelContext ctx = make_parallel_context(cfg, mpi);
     phase("start-up (communicators, model initialization, data)");
     const auto started = std::chrono::steady_clock::now();
     Trainer t(cfg, ctx);
     t.watch_progress(&dog, args->timeout);
-    if (args->hang_rank >= 0) t.inject_hang(args->hang_rank, args->hang_step);
+    if (args->hang_step > 0) t.inject_hang(args->hang_rank, args->hang_step);
     if (!args->resume.empty()) {
       phase(fmt::format("resuming from {}", args->resume));
       t.resume(args->resume);

@@ -8,7 +8,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <thread>
 
 #include <unistd.h>
 
@@ -316,7 +315,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
     if (step_ + 1 == hang_step_ && ctx_.data.rank == hang_rank_) {
       std::printf("fault injection: rank %d hangs at step %lld\n", hang_rank_, static_cast<long long>(hang_step_));
       std::fflush(stdout);
-      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+      hang_forever();
     }
     const StepStats s = train_step();
     tokens += step_tokens;

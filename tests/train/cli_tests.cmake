@@ -115,6 +115,16 @@ set_tests_properties(cli_train_hang_after_save PROPERTIES FIXTURES_REQUIRED "tra
 keel_cli_test(NAME train_hang_after_save_committed MATCH "step_00000020  committed  <- latest"
   ARGS ckpt inspect train_hang_ck)
 set_tests_properties(cli_train_hang_after_save_committed PROPERTIES FIXTURES_REQUIRED train_hang_ck)
+# Start-up waits on every rank too (the config comparison, which ranks see a GPU): a rank that
+# never gets there is named, not a hang of the others.
+keel_cli_test(NAME train_hung_at_start_is_named NP 2 EXIT nonzero
+  MATCH "keel: error: \\[rank 1\\] start-up \\(config check, GPU binding\\) did not finish within 5 s \\(--timeout\\): this rank is the stuck one"
+  NOT "\\[rank 0\\] .*stuck one"
+  ARGS train ${tcfg} ${tdp} --set output_dir=train_hang_start --timeout 5 --inject-hang-rank 1 --inject-hang-step 0)
+set_tests_properties(cli_train_hung_at_start_is_named PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean"
+                     TIMEOUT 60)
+keel_cli_test(NAME train_inject_hang_step_negative EXIT 1 MATCH "--inject-hang-step must be >= 0 \\(0: at start-up\\)"
+  ARGS train ${tcfg} --inject-hang-rank 0 --inject-hang-step -2)
 keel_cli_test(NAME train_inject_hang_needs_both EXIT 1 MATCH "--inject-hang-rank and --inject-hang-step go together"
   ARGS train ${tcfg} --inject-hang-rank 0)
 

@@ -4,12 +4,10 @@
 // owns the sweep, the statistics and the report, so every backend is measured the same way.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "bench/comm/collective.h"
@@ -108,12 +106,6 @@ class Backend {
   int error_rank_ = -1;  // this rank fails its first measurement with an error
   bool failed_ = false;
 };
-
-// An injected hang (--inject-hang): the process stops taking part, as a crashed or wedged peer
-// would, outside any PeerWait (the watchdog then names it as the stuck rank).
-[[noreturn]] inline void stop_taking_part() {
-  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
-}
 
 std::unique_ptr<Backend> make_mpi_backend();
 #if defined(KEEL_HAVE_CUDA)

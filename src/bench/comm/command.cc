@@ -144,7 +144,7 @@ int run(const RawFlags& flags) {
   Watchdog startup;
   if (mpi.size() > 1) startup.track_peer_waits();
   startup.arm("starting up (output check, communicators)", o.plan.timeout_s);
-  if (o.hang_at_start && mpi.rank() == o.hang_rank) stop_taking_part();
+  if (o.hang_at_start && mpi.rank() == o.hang_rank) hang_forever();
   check_outputs_before_sweep(o, mpi);
   int max_ranks = 0;
   for (int n : o.ranks) max_ranks = std::max(max_ranks, n);

@@ -181,7 +181,7 @@ class MpiBackend final : public Backend {
   }
 
   void maybe_hang() {
-    if (hang_rank_ == rank_) stop_taking_part();
+    if (hang_rank_ == rank_) hang_forever();
   }
 
   void run(const CollectiveCase& c) {

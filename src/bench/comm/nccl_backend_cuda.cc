@@ -387,7 +387,7 @@ class NcclBackend final : public Backend {
   // and the watchdog names this rank. One process driving every GPU instead leaves the rank's
   // GPU out of each launch (run, below).
   void maybe_hang() {
-    if (procs_ > 1 && hang_rank_ == proc_rank_) stop_taking_part();
+    if (procs_ > 1 && hang_rank_ == proc_rank_) hang_forever();
   }
 
   void run(const CollectiveCase& c) {
