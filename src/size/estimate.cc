@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/units.h"
+#include "optim/muon.h"
 
 namespace keel::size {
 namespace {
@@ -450,7 +451,7 @@ OptimizerStepEstimate estimate_muon_step(const Setup& s) {
   const ModelConfig& m = s.model;
   const Layout& l = s.layout;
   const hw::GemmModel gm(s.hardware.profile, s.hardware.gemm_profile);
-  constexpr int kNsSteps = 5;  // keel train's optimizer.muon.ns_steps default, ZAYA1's
+  const int ns_steps = optim::MuonConfig{}.ns_steps;  // keel train's default, ZAYA1's
   const double mp = static_cast<double>(l.tp) * l.tsp * l.pp;
   OptimizerStepEstimate o;
   // One group of `count` x `batch` matrices rows x cols (batch: an expert stack, stepped by
@@ -458,9 +459,8 @@ OptimizerStepEstimate estimate_muon_step(const Setup& s) {
   auto add = [&](std::int64_t rows, std::int64_t cols, std::int64_t batch, double count, double share) {
     if (rows < 1 || cols < 1) return;
     const std::int64_t a = std::min(rows, cols), b = std::max(rows, cols);  // the Gram matrix is a x a
-    const double sm = static_cast<double>(a), lg = static_cast<double>(b);
-    const double flops = kNsSteps * (4 * sm * sm * lg + 2 * sm * sm * sm) * static_cast<double>(batch) * count;
-    const double seconds = kNsSteps * count *
+    const double flops = optim::newton_schulz_flops(rows, cols, ns_steps) * static_cast<double>(batch) * count;
+    const double seconds = ns_steps * count *
                            (gm.predict({a, a, b, batch}).seconds + gm.predict({a, a, a, batch}).seconds +
                             gm.predict({a, b, a, batch}).seconds);
     o.flops_total += flops;
