@@ -8,6 +8,7 @@ loads summed over the ranks; --lr and --bias-rate as keel's runs). Rank 0 writes
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -35,7 +36,7 @@ def main():
         d = dict(zaya_vs_torch.ZAYA8, layers=a.layers or zaya_vs_torch.ZAYA8["layers"])
         r = zaya_vs_torch.run_torch(d, a.steps, a.warmup, compiled=False, dev="cuda", ddp=ddp, lr=a.lr,
                                     bias_rate=a.bias_rate)
-        r["load_max"] = sorted(r["load_max"])[len(r["load_max"]) // 2]  # the median over the timed steps
+        r["load_max"] = statistics.median(r["load_max"])  # over the timed steps, as keel's runs report it
         del r["ce"]
     else:
         d = dict(train_vs_torch.DIMS, layers=a.layers or train_vs_torch.DIMS["layers"])
