@@ -122,6 +122,10 @@ for step in "${steps[@]}"; do
       launch_case comm_hang_named timeout "$stuck" 0 "${mpi[@]}" -n "$gpus" "$build/keel" "${comm[@]}" --timeout 5 --inject-hang 1
       launch_case comm_hang_at_start_named timeout "$stuck" 0 \
         "${mpi[@]}" -n "$gpus" "$build/keel" "${comm[@]}" --timeout 5 --inject-hang 1 --inject-hang-at start
+      launch_case train_hang_named timeout "$stuck" 0 "${mpi[@]}" -n "$gpus" "$build/keel" "${tiny[@]}" \
+        --set output_dir=/tmp/keel-launch/train-hang --timeout 10 --inject-hang-rank 1 --inject-hang-step 5
+      launch_case train_hang_at_start_named timeout "$stuck" 0 "${mpi[@]}" -n "$gpus" "$build/keel" "${tiny[@]}" \
+        --set output_dir=/tmp/keel-launch/train-hang0 --timeout 10 --inject-hang-rank 1 --inject-hang-step 0
       launch_case train_shared_gpu fail '^keel: error: .*would drive the same GPU' 0 \
         env CUDA_VISIBLE_DEVICES=0 "${mpi[@]}" -x CUDA_VISIBLE_DEVICES -n 2 "$build/keel" "${tiny[@]}" --set output_dir=/tmp/keel-launch/train-shared
       launch_case comm_shared_gpu fail '^keel: error: .*would drive the same GPU' 0 \
