@@ -20,7 +20,9 @@ per token as ZeRO-1's 1/N share. "its max load" is that run's. --no-same-batch s
 keel's ZeRO-1 step overlaps its collectives with compute by default (docs/parallel.md);
 --classic-gpus 2,4 also runs those GPU counts with KEEL_DP_OVERLAP=0 (the classic step: reduce-
 scatter after backward, all-gather after the update) and prints them as extra rows, for the
-before / after comparison in one run. --ep-gpus 2,4 also runs those GPU counts with expert
+before / after comparison in one run. --bf16-reduce-gpus 2,4 also runs those GPU counts with
+parallel.grad_reduce: bf16 (gradients summed over the GPUs in bf16, half the bytes of the default
+fp32; docs/parallel.md) as extra rows. --ep-gpus 2,4 also runs those GPU counts with expert
 parallelism over every GPU (parallel.expert = N: each GPU holds E / N experts, tokens travel by
 NCCL all-to-all; docs/parallel.md), as extra rows against the same 1-GPU base. On this random-
 token stream the softmax router collapses within a few steps (one expert takes every token),
@@ -62,10 +64,10 @@ from train_vs_torch import DIMS, keel_config, write_dataset  # noqa: E402
 
 
 def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, ep=1, bias_rate=0.0, lr=None,
-        muon=False, accum=None):
+        muon=False, accum=None, bf16_reduce=False):
     accum = accum or gpus  # micro-batches per step over the whole group (batch.grad_accum)
     run_dir = os.path.join(out, f"dp{gpus}" + ("_classic" if classic else "") + (f"_ep{ep}" if ep > 1 else "") +
-                           (f"_accum{accum}" if accum != gpus else ""))
+                           ("_bf16reduce" if bf16_reduce else "") + (f"_accum{accum}" if accum != gpus else ""))
     shutil.rmtree(run_dir, ignore_errors=True)  # keel train refuses another run's metrics and checkpoints
     os.makedirs(run_dir)
     path = os.path.join(run_dir, "train.yaml")
@@ -80,8 +82,9 @@ def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, e
         bias_rate, lr = 0.0, None
     else:
         text = keel_config(d, prefix, run_dir, steps, grad_accum=accum)
-    if ep > 1:
-        text += f"parallel:\n  expert: {ep}\n"
+    if ep > 1 or bf16_reduce:
+        assert "\nparallel:" not in text
+        text += "parallel:\n" + (f"  expert: {ep}\n" if ep > 1 else "") + ("  grad_reduce: bf16\n" if bf16_reduce else "")
     if lr is not None:
         assert "\n  lr: " in text
         text = "\n".join(f"  lr: {lr}" if line.startswith("  lr: ") else line for line in text.split("\n"))
@@ -146,6 +149,8 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--run-timeout", type=int, default=900, help="seconds per keel run")
     ap.add_argument("--classic-gpus", default="", help="GPU counts to also run with the classic step (KEEL_DP_OVERLAP=0)")
+    ap.add_argument("--bf16-reduce-gpus", default="",
+                    help="GPU counts to also run with parallel.grad_reduce: bf16 (gradients summed in bf16)")
     ap.add_argument("--ep-gpus", default="", help="GPU counts to also run with expert parallelism over all of them")
     ap.add_argument("--router-bias-rate", type=float, default=0.0,
                     help="router.bias_update_rate for every keel run (0: off, the peer's router)")
@@ -169,7 +174,8 @@ def main():
     write_dataset(prefix, rng.integers(0, d["vocab"], size=rows_needed * (d["seq"] + 1), dtype=np.uint64), d["seq"])
     classic = [int(x) for x in a.classic_gpus.split(",") if x]
     ep_counts = [int(x) for x in a.ep_gpus.split(",") if x]
-    res, peer, res_classic, res_ep, same = {}, {}, {}, {}, {}
+    bf16_counts = [int(x) for x in a.bf16_reduce_gpus.split(",") if x]
+    res, peer, res_classic, res_ep, res_bf16, same = {}, {}, {}, {}, {}, {}
     for n in counts:
         if n > 1 and not a.no_same_batch:
             same[n] = run(a.keel, a.out, d, a.steps, a.warmup, 1, prefix, timeout=a.run_timeout,
@@ -182,6 +188,10 @@ def main():
             res_classic[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, classic=True, timeout=a.run_timeout,
                                  bias_rate=a.router_bias_rate, lr=a.lr, muon=a.muon)
             print("keel classic", n, res_classic[n], flush=True)
+        if n in bf16_counts and n > 1:
+            res_bf16[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout,
+                              bias_rate=a.router_bias_rate, lr=a.lr, muon=a.muon, bf16_reduce=True)
+            print("keel bf16 reduce", n, res_bf16[n], flush=True)
         if n in ep_counts and n > 1:
             res_ep[n] = run(a.keel, a.out, d, a.steps, a.warmup, n, prefix, timeout=a.run_timeout, ep=n,
                             bias_rate=a.router_bias_rate, lr=a.lr, muon=a.muon)
@@ -201,6 +211,7 @@ def main():
     base = res.get(1, {}).get("tokens_per_s")
     rows = [(n, "overlap" if n > 1 else "-", res[n]) for n in counts]
     rows += [(n, "classic", res_classic[n]) for n in counts if n in res_classic]
+    rows += [(n, "bf16 red", res_bf16[n]) for n in counts if n in res_bf16]
     rows += [(n, f"ep={n}", res_ep[n]) for n in counts if n in res_ep]
     for n, kind, r in rows:
         if "error" in r:
@@ -231,7 +242,7 @@ def main():
             ratio = res[n]["tokens_per_s"] / t["tokens_per_s"] if "tokens_per_s" in res[n] else float("nan")
             print(f"{n:>4} {t['tokens_per_s']:>10.0f} {t['tokens_per_s'] / n:>10.0f} {eff:>6.3f} {t['memory_gib']:>8.1f} "
                   f"{ratio:>10.2f} {t.get('load_max', float('nan')):>8.2f}")
-    json.dump({"keel": res, "keel_classic": res_classic, "keel_ep": res_ep, "keel_one_gpu_same_batch": same,
+    json.dump({"keel": res, "keel_classic": res_classic, "keel_ep": res_ep, "keel_bf16_reduce": res_bf16, "keel_one_gpu_same_batch": same,
                "torch": peer}, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
 
 

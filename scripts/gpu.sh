@@ -153,7 +153,7 @@ for step in "${steps[@]}"; do
       # step against the classic one), then weak scaling. KEEL_DP_TESTS=0 / KEEL_DP_BENCH=0 skip
       # either half; KEEL_DP_ARGS go to the scaling script (e.g. --classic-gpus 2,4 --no-torch).
       [ "${KEEL_DP_TESTS:-1}" = 0 ] || for n in $(printf '%s\n' 2 "$gpus" | sort -un); do
-        mpi_gtest dp "$n" 'DataParallel.*' "${KEEL_DP_TEST_TIMEOUT:-300}" '^  [a-z0-9_]+(: step 8| on [0-9]+ GPUs)'
+        mpi_gtest dp "$n" 'DataParallel.*:DataParallelComm.*' "${KEEL_DP_TEST_TIMEOUT:-300}" '^  [a-z0-9_]+(: step 8| on [0-9]+ GPUs)'
       done
       [ "${KEEL_DP_BENCH:-1}" = 0 ] && continue
       scaling=$(seq -s, 1 "$gpus" | tr ',' '\n' | awk '$1==1||$1==2||$1==4||$1==8' | paste -sd,)

@@ -3,6 +3,7 @@
 #include <climits>
 #include <cstring>
 
+#include "common/dtype.h"
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "common/watchdog.h"
@@ -24,9 +25,14 @@ std::vector<int> int_counts(const std::vector<std::int64_t>& bounds, int size) {
   return counts;
 }
 
+// x rounded to bf16 and back, in place, over [begin, end).
+void round_to_bf16(float* x, std::int64_t begin, std::int64_t end) {
+  for (std::int64_t i = begin; i < end; ++i) x[i] = bf16_bits_to_float(float_to_bf16_bits(x[i]));
+}
+
 class MpiDataParallelComm final : public DataParallelComm {
  public:
-  explicit MpiDataParallelComm(MPI_Comm comm) : comm_(comm) {
+  MpiDataParallelComm(MPI_Comm comm, GradReduceDtype reduce) : comm_(comm), bf16_(reduce == GradReduceDtype::kBf16) {
     mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
     mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
   }
@@ -37,9 +43,13 @@ class MpiDataParallelComm final : public DataParallelComm {
     const std::vector<int> counts = int_counts(bounds, size_);
     // MPI_IN_PLACE would put the result at the start of buf; the shard belongs at its offset.
     recv_.resize(static_cast<std::size_t>(counts[static_cast<std::size_t>(rank_)]));
-    PeerWait wait("MPI_Reduce_scatter (gradients)");
-    mpi_check(MPI_Reduce_scatter(buf + bounds.front(), recv_.data(), counts.data(), MPI_FLOAT, MPI_SUM, comm_),
-              "MPI_Reduce_scatter (gradients)");
+    if (bf16_) round_to_bf16(buf, bounds.front(), bounds.back());  // what each rank would send
+    {
+      PeerWait wait("MPI_Reduce_scatter (gradients)");
+      mpi_check(MPI_Reduce_scatter(buf + bounds.front(), recv_.data(), counts.data(), MPI_FLOAT, MPI_SUM, comm_),
+                "MPI_Reduce_scatter (gradients)");
+    }
+    if (bf16_) round_to_bf16(recv_.data(), 0, static_cast<std::int64_t>(recv_.size()));  // the sum as it would land
     if (!recv_.empty()) std::memcpy(buf + bounds[rank_], recv_.data(), recv_.size() * sizeof(float));
   }
 
@@ -63,6 +73,7 @@ class MpiDataParallelComm final : public DataParallelComm {
 
  private:
   MPI_Comm comm_;
+  bool bf16_ = false;
   int size_ = 1, rank_ = 0;
   std::vector<float> recv_;
 };
@@ -70,14 +81,14 @@ class MpiDataParallelComm final : public DataParallelComm {
 }  // namespace
 
 #ifndef KEEL_HAVE_CUDA
-std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(MPI_Comm, void*) {
+std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(MPI_Comm, void*, GradReduceDtype) {
   fail("data parallelism on GPUs: this keel was built without CUDA");
 }
 std::unique_ptr<NcclGroup> make_nccl_group(MPI_Comm) { fail("NCCL: this keel was built without CUDA"); }
 #endif
 
-std::unique_ptr<DataParallelComm> make_mpi_data_parallel_comm(MPI_Comm comm) {
-  return std::make_unique<MpiDataParallelComm>(comm);
+std::unique_ptr<DataParallelComm> make_mpi_data_parallel_comm(MPI_Comm comm, GradReduceDtype reduce) {
+  return std::make_unique<MpiDataParallelComm>(comm, reduce);
 }
 
 }  // namespace keel::parallel

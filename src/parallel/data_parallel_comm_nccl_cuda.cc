@@ -8,6 +8,8 @@
 //     floats of other ranks' shards inside its chunk to their owners;
 //   all_gather: each owner first sends its updated floats that lie in another rank's chunk to
 //     that chunk's holder, then in-place ncclAllGather.
+// With bf16 gradient reduction the reduce-scatter runs in place on a bf16 copy of the buffer and
+// the chunk is widened back into buf before the (fp32) exchange.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -16,6 +18,8 @@
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "device/cuda_check.h"
+#include "device/device_buffer.h"
+#include "ops/cuda/cast.h"
 #include "parallel/data_parallel_comm.h"
 #include "parallel/nccl_comm_cuda.h"
 #include "parallel/zero1.h"
@@ -25,7 +29,8 @@ namespace {
 
 class NcclDataParallelComm final : public DataParallelComm {
  public:
-  NcclDataParallelComm(MPI_Comm comm, cudaStream_t stream) : stream_(stream) {
+  NcclDataParallelComm(MPI_Comm comm, cudaStream_t stream, GradReduceDtype reduce)
+      : stream_(stream), bf16_(reduce == GradReduceDtype::kBf16) {
     comm_ = nccl_comm_from_mpi(comm, &size_, &rank_);
   }
   ~NcclDataParallelComm() override {
@@ -39,8 +44,17 @@ class NcclDataParallelComm final : public DataParallelComm {
   void reduce_scatter_sum(float* buf, const std::vector<std::int64_t>& bounds) override {
     const std::int64_t s = chunk_of(bounds);
     // in place: the whole buffer in, this rank's chunk out at its own offset
-    KEEL_NCCL_CHECK(ncclReduceScatter(buf, buf + rank_ * s, static_cast<std::size_t>(s), ncclFloat32, ncclSum, comm_,
-                                      stream_));
+    if (bf16_) {
+      auto* b = static_cast<ops::cuda::bf16*>(
+          scratch_.ensure(static_cast<std::size_t>(s * size_) * sizeof(ops::cuda::bf16), stream_, "bf16 gradients"));
+      ops::cuda::f32_to_bf16(buf, b, s * size_, stream_);
+      KEEL_NCCL_CHECK(ncclReduceScatter(b, b + rank_ * s, static_cast<std::size_t>(s), ncclBfloat16, ncclSum, comm_,
+                                        stream_));
+      ops::cuda::bf16_to_f32(b + rank_ * s, buf + rank_ * s, s, stream_);
+    } else {
+      KEEL_NCCL_CHECK(ncclReduceScatter(buf, buf + rank_ * s, static_cast<std::size_t>(s), ncclFloat32, ncclSum, comm_,
+                                        stream_));
+    }
     // holder (chunk) -> owner (shard)
     exchange(buf, bounds, s, /*to_owner=*/true);
   }
@@ -93,14 +107,16 @@ class NcclDataParallelComm final : public DataParallelComm {
   }
 
   cudaStream_t stream_;
+  bool bf16_ = false;
+  GrowingDeviceBuffer scratch_{"out of GPU memory: the ", "train on more GPUs, a smaller model or parallel.grad_reduce: fp32"};
   ncclComm_t comm_ = nullptr;
   int size_ = 1, rank_ = 0;
 };
 
 }  // namespace
 
-std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(MPI_Comm comm, void* stream) {
-  return std::make_unique<NcclDataParallelComm>(comm, static_cast<cudaStream_t>(stream));
+std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(MPI_Comm comm, void* stream, GradReduceDtype reduce) {
+  return std::make_unique<NcclDataParallelComm>(comm, static_cast<cudaStream_t>(stream), reduce);
 }
 
 }  // namespace keel::parallel

@@ -38,9 +38,9 @@ class CpuBackend final : public TrainBackend {
     expert_plan_ = shards.experts;
     slice_ = shards.slice;
     shard_ = {slice_.shard_begin, slice_.shard_end};
-    if (ctx.data.size > 1) dp_ = parallel::make_mpi_data_parallel_comm(ctx.data.comm);
+    if (ctx.data.size > 1) dp_ = parallel::make_mpi_data_parallel_comm(ctx.data.comm, ctx.grad_reduce);
     if (shards.replicated_end < layout_.total_floats && ctx.expert_data.size > 1)
-      expert_dp_ = parallel::make_mpi_data_parallel_comm(ctx.expert_data.comm);
+      expert_dp_ = parallel::make_mpi_data_parallel_comm(ctx.expert_data.comm, ctx.grad_reduce);
     const std::size_t n = static_cast<std::size_t>(slice_.moments());  // optimizer state: the shard (+ experts)
     const std::size_t scratch = static_cast<std::size_t>(muon_scratch_floats(layout_));
     const std::size_t n1 = std::max<std::size_t>(n, 1);

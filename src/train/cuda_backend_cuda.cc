@@ -297,6 +297,8 @@ class CudaBackend final : public TrainBackend {
       params_bf16_ = param_arena_.take<bf16>(n);
       bias_dev_ = param_arena_.take<float>(std::max<std::size_t>(1, moe_layer_ids_.size() * classes_));
       grads_ = grad_arena_.take<float>(n_comm);
+      grads_bf16_ =
+          reduce_scratch_floats_ > 0 ? grad_arena_.take<bf16>(static_cast<std::size_t>(reduce_scratch_floats_)) : nullptr;
       adam_m_ = state_arena_.take<float>(n_shard);
       adam_v_ = state_arena_.take<float>(n_shard);
       muon_ws_ = muon_ws_bytes ? state_arena_.take<std::byte>(muon_ws_bytes) : nullptr;
@@ -699,6 +701,8 @@ class CudaBackend final : public TrainBackend {
       ep_layers_.push_back(std::make_unique<parallel::CudaExpertParallelMoe>(ep_group_));
     if (ctx.expert_data.size > 1) {
       xnccl_ = parallel::make_nccl_group(ctx.expert_data.comm);
+      if (ctx.grad_reduce == parallel::GradReduceDtype::kBf16)  // the expert region uses the stages' scratch
+        reduce_scratch_floats_ = std::max(reduce_scratch_floats_, expert_plan_.bounds.back() - expert_plan_.bounds.front());
       const bool bf16 = parallel::zero1_overlap_options_from_env().broadcast_bf16;
       for (int r = 0; r < expert_plan_.ranks(); ++r)
         expert_pieces_.push_back(expert_plan_.count(r) > 0 ? broadcast_runs(expert_plan_.begin(r),
@@ -713,12 +717,28 @@ class CudaBackend final : public TrainBackend {
   // The expert region's gradients summed into each shard's owner (expert-data group).
   void reduce_experts(cudaStream_t stream) {
     if (!xnccl_) return;
+    const std::int64_t lo = expert_plan_.bounds.front(), hi = expert_plan_.bounds.back();
+    if (grads_bf16_) k::f32_to_bf16(grads_ + lo, grads_bf16_, hi - lo, stream);
     xnccl_->group_start();
     for (int r = 0; r < expert_plan_.ranks(); ++r)
-      if (expert_plan_.count(r) > 0)
-        xnccl_->reduce_sum(grads_ + expert_plan_.begin(r), expert_plan_.count(r), parallel::NcclType::kFloat32, r, stream);
+      if (expert_plan_.count(r) > 0) reduce_to_owner(*xnccl_, lo, expert_plan_.begin(r), expert_plan_.count(r), r, stream);
     xnccl_->group_end();
+    if (grads_bf16_ && expert_plan_.count(expert_data_rank_) > 0)
+      widen_reduced(lo, expert_plan_.begin(expert_data_rank_), expert_plan_.count(expert_data_rank_), stream);
     reduces_in_flight_ = true;
+  }
+  // The sum of the gradients [begin, begin + n) to `owner`: in place in fp32, or (bf16 reduction)
+  // in the scratch, whose element 0 is flat offset `scratch_at`.
+  void reduce_to_owner(parallel::NcclGroup& g, std::int64_t scratch_at, std::int64_t begin, std::int64_t n, int owner,
+                       cudaStream_t stream) {
+    if (grads_bf16_)
+      g.reduce_sum(grads_bf16_ + (begin - scratch_at), n, parallel::NcclType::kBfloat16, owner, stream);
+    else
+      g.reduce_sum(grads_ + begin, n, parallel::NcclType::kFloat32, owner, stream);
+  }
+  // The owner's reduced bf16 sums back into its fp32 gradients.
+  void widen_reduced(std::int64_t scratch_at, std::int64_t begin, std::int64_t n, cudaStream_t stream) {
+    k::bf16_to_f32(grads_bf16_ + (begin - scratch_at), grads_ + begin, n, stream);
   }
   // AdamW and Muon on this rank's expert shard (its moments follow the replicated shard's).
   void update_experts(double lr, k::GemmRunner& gemm, cudaStream_t stream) {
@@ -855,10 +875,16 @@ class CudaBackend final : public TrainBackend {
       if (o.enabled && dp_rank_ == 0)
         std::fprintf(stderr, "keel: data parallel: this layout's stages are not in offset order; the ZeRO-1 step "
                              "will not overlap communication\n");
-      dp_ = parallel::make_nccl_data_parallel_comm(ctx.data.comm, stream_);
+      dp_ = parallel::make_nccl_data_parallel_comm(ctx.data.comm, stream_, ctx.grad_reduce);
       return;
     }
     stage_bounds_ = std::move(stages);
+    // bf16 gradient reduction: a stage's gradients are rounded into a scratch as large as the
+    // largest stage, reduced there and widened into the owner's fp32 shard, all on the
+    // communication stream, so one scratch serves every stage in turn.
+    if (ctx.grad_reduce == parallel::GradReduceDtype::kBf16)
+      for (std::size_t st = 0; st + 1 < stage_bounds_.size(); ++st)
+        reduce_scratch_floats_ = std::max(reduce_scratch_floats_, stage_bounds_[st + 1] - stage_bounds_[st]);
     group_reduces_ = o.group_reduces;
     shard_masters_ = o.shard_masters;
     buckets_ = parallel::plan_zero1_buckets(parallel::region_layout(layout_, 0, replicated_end_), plan_, stage_bounds_,
@@ -998,13 +1024,21 @@ class CudaBackend final : public TrainBackend {
   }
   void reduce_stage(int s) {
     const int first = stage_first_bucket_[static_cast<std::size_t>(s)], end = stage_first_bucket_[static_cast<std::size_t>(s) + 1];
+    if (first == end) return;
+    const std::int64_t lo = buckets_[static_cast<std::size_t>(first)].begin;
+    const std::int64_t hi = buckets_[static_cast<std::size_t>(end) - 1].end;
+    if (grads_bf16_) k::f32_to_bf16(grads_ + lo, grads_bf16_, hi - lo, comm_stream_);
     const bool group = group_reduces_ && end - first > 1;
     if (group) nccl_->group_start();
     for (int i = first; i < end; ++i) {
       const auto& B = buckets_[static_cast<std::size_t>(i)];
-      nccl_->reduce_sum(grads_ + B.begin, B.end - B.begin, parallel::NcclType::kFloat32, B.owner, comm_stream_);
+      reduce_to_owner(*nccl_, lo, B.begin, B.end - B.begin, B.owner, comm_stream_);
     }
     if (group) nccl_->group_end();
+    if (grads_bf16_)
+      for (int i = first; i < end; ++i)
+        if (const auto& B = buckets_[static_cast<std::size_t>(i)]; B.owner == dp_rank_)
+          widen_reduced(lo, B.begin, B.end - B.begin, comm_stream_);
     reduces_in_flight_ = true;
   }
 
@@ -1750,6 +1784,8 @@ class CudaBackend final : public TrainBackend {
   std::vector<cudaEvent_t> ev_arrived_;                 // per stage: its parameters have arrived
   std::vector<std::int64_t> stage_bounds_;
   std::vector<parallel::Zero1Bucket> buckets_;
+  std::int64_t reduce_scratch_floats_ = 0;  // bf16 gradient reduction: the scratch's size (0: fp32 reduction)
+  bf16* grads_bf16_ = nullptr;              // ... the scratch (grad arena), used on comm_stream_ only
   std::vector<int> stage_first_bucket_;                 // stage s: buckets [first[s], first[s + 1])
   std::vector<std::vector<BroadcastRun>> pieces_;       // per bucket
   std::vector<std::vector<BroadcastRun>> expert_pieces_;  // per expert-data rank: its expert shard

@@ -18,6 +18,8 @@
 #include <memory>
 #include <optional>
 
+#include "parallel/data_parallel_comm.h"
+
 namespace keel::train {
 
 struct ProcessGroup {
@@ -32,6 +34,9 @@ struct ParallelContext {
   // Whether this rank trains on its GPU, decided alike on every rank by whoever built the
   // context (keel train: train/command.cc); unset, the Trainer decides from `device` itself.
   std::optional<bool> cuda;
+  // The element type gradients are summed in over data (and expert-data) ranks; the Trainer
+  // sets it from `parallel.grad_reduce` (parallel/data_parallel_comm.h).
+  parallel::GradReduceDtype grad_reduce = parallel::GradReduceDtype::kFp32;
 
   static ParallelContext single() { return {}; }
   int world_size() const { return data.size * tensor.size * sequence.size; }

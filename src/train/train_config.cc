@@ -290,9 +290,14 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (c.grad_accum < 1) ctx.bad("batch.grad_accum", b["grad_accum"], "must be >= 1");
   }
   if (const auto p = root["parallel"]) {
-    ctx.only(p, "parallel", {"data", "expert"});
+    ctx.only(p, "parallel", {"data", "expert", "grad_reduce"});
     if (p["data"]) c.parallel_data = ctx.get<int>(p["data"], "parallel.data", "an integer");
     if (p["expert"]) c.parallel_expert = ctx.get<int>(p["expert"], "parallel.expert", "an integer");
+    if (p["grad_reduce"]) {
+      const auto v = ctx.get<std::string>(p["grad_reduce"], "parallel.grad_reduce", "fp32 or bf16");
+      if (v != "fp32" && v != "bf16") ctx.bad("parallel.grad_reduce", p["grad_reduce"], "must be fp32 or bf16");
+      c.grad_reduce_bf16 = v == "bf16";
+    }
     if (c.parallel_data < 0) ctx.bad("parallel.data", p["data"], "must be >= 1 (or 0: every rank)");
     if (c.parallel_expert < 1) ctx.bad("parallel.expert", p["expert"], "must be >= 1");
   }

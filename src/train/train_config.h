@@ -34,7 +34,9 @@ struct TrainConfig {
   int grad_accum = 1;               // `batch.grad_accum`: micro-batches per step over all data-parallel ranks
   int parallel_data = 0;            // `parallel.data`: data-parallel degree (0: every rank of the launch)
   int parallel_expert = 1;          // `parallel.expert`: expert-parallel degree, dividing the data-parallel
-                                    // ranks and the experts (CPU ranks so far)
+                                    // ranks and the experts
+  bool grad_reduce_bf16 = false;    // `parallel.grad_reduce: bf16`: gradients summed over ranks in bf16
+                                    // (default fp32; parallel/data_parallel_comm.h)
   std::int64_t steps = 0;
   std::int64_t log_interval = 1;
   std::string output_dir = "out/train";

@@ -82,6 +82,7 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
   // The model last: the data checks above are cheap, the backend allocates gigabytes.
   const bool cuda = ctx_.cuda ? *ctx_.cuda : cfg_.device == "cuda" || (cfg_.device == "auto" && cuda_training_available());
   const OptimizerConfig optimizer(cfg_.adamw, cfg_.muon);
+  ctx_.grad_reduce = cfg_.grad_reduce_bf16 ? parallel::GradReduceDtype::kBf16 : parallel::GradReduceDtype::kFp32;
   backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, optimizer, ctx_)
                   : make_cpu_backend(cfg_.model, cfg_.model_options, optimizer, ctx_);
   // CPUs: about 2 cores of fp32 FMA, the CI machine's; set mfu_peak_flops for a real figure.
@@ -304,7 +305,8 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
                 cfg_.model.name.c_str(), static_cast<long long>(backend_->param_count()), cfg_.model.layers,
                 backend_->moe_layer_count(), backend_->device().c_str(),
                 ctx_.data.size > 1
-                    ? fmt::format(" x {} data-parallel ranks (ZeRO-1){}", ctx_.data.size,
+                    ? fmt::format(" x {} data-parallel ranks (ZeRO-1{}){}", ctx_.data.size,
+                                  cfg_.grad_reduce_bf16 ? ", gradients reduced in bf16" : "",
                                   ctx_.expert.size > 1 ? fmt::format(", expert parallel {}", ctx_.expert.size) : "")
                           .c_str()
                     : "",

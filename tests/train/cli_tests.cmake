@@ -39,7 +39,7 @@ keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must
   ARGS train ${tcfg} ${tshort} --set output_dir=train_never --stop-after -5)
 # The other runs write checkpoints too: each starts from an empty directory so reruns work.
 add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_zaya train_stop_iv train_hang train_hang_ck
-         train_dp_auto
+         train_dp_auto train_dp_bf16
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
@@ -98,6 +98,11 @@ keel_cli_test(NAME train_expert_parallel_does_not_divide NP 2 EXIT 1
 keel_cli_test(NAME train_dp_device_auto NP 2 MATCH "done: steps 0 -> 16"
   ARGS train ${tcfg} ${tshort} --set device=auto --set batch.grad_accum=2 --set output_dir=train_dp_auto)
 set_tests_properties(cli_train_dp_device_auto PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+# parallel.grad_reduce: bf16 (gradients summed in bf16 over the ranks) is taken and said.
+keel_cli_test(NAME train_dp_bf16_grad_reduce NP 2 MATCH "x 2 data-parallel ranks \\(ZeRO-1, gradients reduced in bf16\\)"
+  ARGS train ${tcfg} ${tshort} --set parallel.grad_reduce=bf16 --set steps=4 --set batch.grad_accum=2
+       --set checkpoint.final=false --set output_dir=train_dp_bf16)
+set_tests_properties(cli_train_dp_bf16_grad_reduce PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 keel_cli_test(NAME train_hung_rank_is_an_error NP 2 EXIT nonzero
   MATCH "keel: error: \\[rank 1\\] step 3 did not finish within 5 s \\(--timeout\\): this rank is the stuck one \\(it was not waiting on another rank\\)"
   NOT "\\[rank 0\\] .*stuck one"

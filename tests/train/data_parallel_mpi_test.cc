@@ -79,6 +79,31 @@ TEST(DataParallel, MatchesOneRankWithAdamW) { expect_matches_single_rank("", "ad
 
 TEST(DataParallel, MatchesOneRankWithMuon) { expect_matches_single_rank(kMuon, "muon"); }
 
+// parallel.grad_reduce: bf16 sums the gradients in bf16 (DataParallelComm's own test checks the
+// rounding exactly): the run differs from the fp32 one (the setting reaches the comm) by no
+// more than bf16 gradients make it.
+TEST(DataParallel, Bf16GradientReduceTrainsLikeFp32) {
+  if (world_size() < 2) GTEST_SKIP() << "needs 2+ ranks";
+  const fs::path dir = shared_dir("bf16_reduce");
+  Trainer fp32(config(dir, dir / "fp32", {"checkpoint.final=false"}), world_context(), true);
+  Trainer bf16(config(dir, dir / "bf16", {"checkpoint.final=false", "parallel.grad_reduce=bf16"}), world_context(), true);
+  const auto a = fp32.run(), b = bf16.run();
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(a[0].loss, b[0].loss) << "the same first forward";
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_NEAR(b[i].loss, a[i].loss, 1e-2 * std::fabs(a[i].loss)) << "step " << i + 1;
+    EXPECT_NEAR(b[i].grad_norm, a[i].grad_norm, 2e-2 * a[i].grad_norm) << "step " << i + 1;
+  }
+  const auto pa = fp32.backend().state().params, pb = bf16.backend().state().params;
+  EXPECT_NE(pa, pb) << "bf16 reduction trained bit for bit as fp32";
+  const double d = max_rel_diff(pb, pa);
+  EXPECT_LT(d, 2e-2);
+  if (world_rank() == 0)
+    std::printf("  bf16 gradient reduce on %d ranks: step 1 grad norm %.6f vs %.6f (fp32), step 8 loss %.6f vs %.6f, "
+                "parameters %.2e apart\n",
+                world_size(), b[0].grad_norm, a[0].grad_norm, b.back().loss, a.back().loss, d);
+}
+
 TEST(DataParallel, OptimizerShardsTileTheBufferAndKeepMatricesWhole) {
   const fs::path dir = shared_dir("shards");
   Trainer t(config(dir, dir / "out", {}, kMuon), world_context(), true);

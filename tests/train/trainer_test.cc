@@ -55,6 +55,7 @@ TEST(TrainConfig, BadConfigsGiveClearErrors) {
   expect_usage_error(good, {"model.attention=cca"}, "bad.yaml: model:");
   expect_usage_error(good, {"model.heads=3"}, "bad.yaml: model:");
   expect_usage_error(good, {"batch.micro_batch=x"}, "key 'batch.micro_batch' (from --set): must be an integer");
+  expect_usage_error(good, {"parallel.grad_reduce=fp16"}, "key 'parallel.grad_reduce' (from --set): must be fp32 or bf16");
   expect_usage_error(good, {"nokey"}, "expected key.sub=value");
   expect_usage_error("steps: 3\n", {}, "missing key 'model'");
 }
