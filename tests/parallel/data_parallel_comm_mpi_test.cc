@@ -87,7 +87,11 @@ Expected expected(std::uint64_t seed, std::int64_t total) {
 constexpr std::int64_t kTotal = 100003;
 
 // Checks this rank's shard of `got` (the whole buffer after reduce_scatter_sum). exact_bf16:
-// the bf16 result must be the single rounding bit for bit; otherwise within the ring's roundings.
+// the bf16 result must be the single rounding bit for bit; otherwise within the ring's roundings:
+// each of the (ranks - 1) partial sums is rounded by up to half a bf16 ulp, 2^-8 of its size, and
+// no partial sum exceeds the sum of |inputs|; the reference's own rounding adds one more, so at
+// 4 ranks 4 x 2^-8 of the sum of |inputs|. (Measured on 4 H200s: up to 2 ulps from the
+// reference where the inputs cancel.)
 void check_shard(const std::vector<float>& got, const std::vector<std::int64_t>& bounds, const Expected& e, bool bf16,
                  bool exact_bf16, std::uint64_t seed, const char* what) {
   const std::int64_t lo = bounds[world_rank()], hi = bounds[world_rank() + 1];
@@ -97,7 +101,7 @@ void check_shard(const std::vector<float>& got, const std::vector<std::int64_t>&
     bool ok;
     if (!bf16) ok = g == e.sum[i];
     else if (exact_bf16) ok = g == e.bf16_sum[i];
-    else ok = bf16_round(g) == g && std::fabs(g - e.bf16_sum[i]) <= std::ldexp(e.abs_bf16[i], -7);
+    else ok = bf16_round(g) == g && std::fabs(g - e.bf16_sum[i]) <= world_size() * std::ldexp(e.abs_bf16[i], -8);
     if (!ok && wrong++ == 0) first_wrong = i;
     if (g != e.sum[i]) ++rounded;
   }
