@@ -242,8 +242,8 @@ def main():
             ratio = res[n]["tokens_per_s"] / t["tokens_per_s"] if "tokens_per_s" in res[n] else float("nan")
             print(f"{n:>4} {t['tokens_per_s']:>10.0f} {t['tokens_per_s'] / n:>10.0f} {eff:>6.3f} {t['memory_gib']:>8.1f} "
                   f"{ratio:>10.2f} {t.get('load_max', float('nan')):>8.2f}")
-    json.dump({"keel": res, "keel_classic": res_classic, "keel_ep": res_ep, "keel_bf16_reduce": res_bf16, "keel_one_gpu_same_batch": same,
-               "torch": peer}, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
+    json.dump({"keel": res, "keel_classic": res_classic, "keel_ep": res_ep, "keel_bf16_reduce": res_bf16,
+               "keel_one_gpu_same_batch": same, "torch": peer}, open(os.path.join(a.out, "scaling.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":

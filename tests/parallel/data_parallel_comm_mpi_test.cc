@@ -1,11 +1,11 @@
 // DataParallelComm's gradient reduce-scatter (parallel/data_parallel_comm.h) at 2, 3 and 4
-// ranks, over MPI on host memory and (one GPU per rank, skipped otherwise) over NCCL on device
+// ranks (and 8 GPUs in scripts/gpu.sh), over MPI on host memory and (one GPU per rank, skipped otherwise) over NCCL on device
 // memory, in fp32 and in bf16, against the exact sums on fresh random inputs and uneven shard
 // bounds (an empty shard at 3+ ranks).
 //
 // The inputs are chosen so every sum the comms form is exact in fp32 in any order: values
-// +-(1 + f) 2^k with f on a grid of 2^-14 and k in [-3, 3], four ranks at most (1 + 14 + 6 + 2
-// bits of a 24-bit significand). So fp32 results must equal the exact sum, and bf16 results the
+// +-(1 + f) 2^k with f on a grid of 2^-14 and k in [-3, 3]: multiples of 2^-17 below 16, so the
+// sums of up to 8 ranks are multiples of 2^-17 below 2^7, 24 bits, which fp32 holds. So fp32 results must equal the exact sum, and bf16 results the
 // bf16 rounding of the exact sum of the bf16-rounded inputs, except that NCCL at 3+ ranks also
 // rounds partial sums along its ring (bounded below).
 #include <gtest/gtest.h>
