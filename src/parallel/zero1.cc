@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "optim/muon.h"
 #include "optim/newton_schulz.h"
 
 namespace keel::parallel {
@@ -139,7 +140,7 @@ Zero1Balance balance_of(const CostLine& line, const std::vector<std::int64_t>& b
 
 double zero1_muon_cost_per_float(std::int64_t rows, std::int64_t cols) {
   const double floats = double(rows) * double(cols);
-  return 1.0 + optim::newton_schulz_flops(rows, cols, kZero1NewtonSchulzSteps) / floats / kZero1FlopsPerAdamWFloat;
+  return 1.0 + optim::newton_schulz_flops(rows, cols, optim::MuonConfig{}.ns_steps) / floats / kZero1FlopsPerAdamWFloat;
 }
 
 Zero1Balance zero1_balance(const optim::ParamLayout& layout, const Zero1Plan& plan) {

@@ -33,9 +33,9 @@ inline constexpr std::int64_t kZero1AlignFloats = 64;  // 256 bytes: whole cache
 // H200; a GEMM does about 700 TFLOP/s there, so a unit is worth about 5,600 GEMM FLOPs. A Muon
 // matrix [r, c] (s = min, l = max) costs per float its elementwise passes (about one unit) plus
 // 5 (4 s^2 l + 2 s^3) / (s l) Newton-Schulz FLOPs (docs/optim.md). Only the ratio matters, and
-// it is much the same on other GPUs (GEMM rate over memory bandwidth).
+// it is much the same on other GPUs (GEMM rate over memory bandwidth). The Newton-Schulz step
+// count is optim::MuonConfig's default (keel train's and ZAYA1's).
 inline constexpr double kZero1FlopsPerAdamWFloat = 5600;
-inline constexpr int kZero1NewtonSchulzSteps = 5;
 double zero1_muon_cost_per_float(std::int64_t rows, std::int64_t cols);
 
 struct Zero1Plan {
