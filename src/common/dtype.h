@@ -36,6 +36,9 @@ inline std::uint16_t float_to_bf16_bits(float f) {
   return static_cast<std::uint16_t>(u >> 16);
 }
 
+// x rounded to the nearest bf16 value (ties to even), as a float.
+inline float bf16_round(float x) { return bf16_bits_to_float(float_to_bf16_bits(x)); }
+
 float fp16_bits_to_float(std::uint16_t h);
 std::uint16_t float_to_fp16_bits(float f);
 

@@ -27,7 +27,7 @@ std::vector<int> int_counts(const std::vector<std::int64_t>& bounds, int size) {
 
 // x rounded to bf16 and back, in place, over [begin, end).
 void round_to_bf16(float* x, std::int64_t begin, std::int64_t end) {
-  for (std::int64_t i = begin; i < end; ++i) x[i] = bf16_bits_to_float(float_to_bf16_bits(x[i]));
+  for (std::int64_t i = begin; i < end; ++i) x[i] = bf16_round(x[i]);
 }
 
 class MpiDataParallelComm final : public DataParallelComm {

@@ -34,7 +34,7 @@ namespace {
 using keel::test::world_rank;
 using keel::test::world_size;
 
-float bf16_round(float x) { return bf16_bits_to_float(float_to_bf16_bits(x)); }
+using keel::bf16_round;
 
 // One rank's gradients: total floats from the seed and the rank.
 std::vector<float> rank_values(std::uint64_t seed, int rank, std::int64_t total) {
