@@ -51,8 +51,10 @@ TokenFlops token_flops(const ModelConfig& m, std::int64_t seq) {
       weights = layers * (ch * m.cca_conv_width + ch * hd * m.cca_group_conv_width);
       conv = 2 * weights;
     } else if (c.name == "router" && m.router_hidden > 0) {
+      // its vectors (down_proj bias, EDA scale, norm, r x r biases) are no GEMM; the first MoE
+      // stage has no EDA scale
       const double r = m.router_hidden;
-      weights -= layers * (3 * r + (m.router_mlp_layers - 1) * r);
+      weights -= moe_layer_count(m) * (3 * r + (m.router_mlp_layers - 1) * r) - r;
     }
     f.items.push_back({c.name, 2 * weights});
     f.body_forward += 2 * weights;

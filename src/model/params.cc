@@ -93,7 +93,9 @@ ParamCounts count_params(const ModelConfig& m) {
     const Count classes = Count(m.experts) + (m.router_skip_expert ? 1 : 0);
     // Linear router h -> classes, or down_proj, (mlp_layers - 1) r x r layers, r -> classes.
     const Count router = m.router_hidden == 0 ? h * classes : h * r + router_mlps * r * r + r * classes + router_vectors;
-    add("router", moe_layers * router, moe_layers * router, router, false, false, true);
+    // The first MoE stage has no EDA (nothing to average with): one EDA scale fewer.
+    const Count routers = moe_layers * router - (m.router_hidden == 0 ? Count(0) : r);
+    add("router", routers, routers, router, false, false, true);
     const Count expert = 3 * h * m.expert_hidden;
     const Count shared = Count(m.shared_experts) * expert;
     add("shared_experts", moe_layers * shared, moe_layers * shared, shared, false, false, true);
@@ -102,10 +104,11 @@ ParamCounts count_params(const ModelConfig& m) {
   }
 
   // Norms: two RMSNorms per layer and a final one; QK-norm vectors; ZAYA1's residual scaling
-  // (4 vectors per stage, 2 stages per layer, plus one before the final norm).
+  // (4 vectors per stage, 2 stages per layer, plus one before the final norm; stage 0 has no
+  // residual stream yet, so only its 2 hidden-stream vectors).
   Count norms = 2 * L * h + h;
   if (m.qk_norm) norms = norms + (softmax + linear) * (q + kv);
-  if (m.residual_scaling) norms = norms + 8 * L * h + 4 * h;
+  if (m.residual_scaling) norms = norms + 8 * L * h - 2 * h + 4 * h;
   add("norms", norms, norms, 0, false, false, false);
 
   // Each component fits; their sums are checked too.
@@ -123,7 +126,7 @@ ParamCounts count_params(const ModelConfig& m) {
   // but are subtracted where known so 6N is exactly the GEMM FLOPs.
   if (m.tied_embeddings) matmul = matmul + V * h;
   if (cca.value > 0) matmul = matmul - cca * conv_extras;
-  if (moe_layers.value > 0 && m.router_hidden > 0) matmul = matmul - moe_layers * router_vectors;
+  if (moe_layers.value > 0 && m.router_hidden > 0) matmul = matmul - (moe_layers * router_vectors - r);
   pc.total = checked(total, m, "total");
   pc.active = checked(active, m, "active total");
   pc.total_non_embedding = checked(total_ne, m, "non-embedding total");
