@@ -776,46 +776,10 @@ class CudaBackend final : public TrainBackend {
 
   // ---- overlapped ZeRO-1 (docs/parallel.md) ----
   //
-  // Stages, in forward order: 0 the embedding (every parameter before layer 0), 1 + 2l layer l's
-  // attention part, 2 + 2l its MLP part, 2 layers + 1 the rest (final norm, head).
+  // Stages (overlap_stage_bounds() in train/model.h), in forward order: 0 the embedding, 1 + 2l
+  // layer l's attention part, 2 + 2l its MLP part, 2 layers + 1 the rest (final norm, head).
   int final_stage() const { return 2 * cfg_.layers + 1; }
   int stage_count() const { return 2 * cfg_.layers + 2; }
-
-  // The stage bounds from the parameter names; false when the layout does not order the
-  // stages by offset (then the step does not overlap).
-  bool compute_stage_bounds(std::vector<std::int64_t>& bounds) const {
-    std::vector<std::pair<std::int64_t, int>> at;  // (offset, stage)
-    std::int64_t first_layer = replicated_end_;
-    for (const auto& p : layout_.params)
-      if (p.name.starts_with("layers.") && p.offset < replicated_end_) first_layer = std::min(first_layer, p.offset);
-    for (const auto& p : layout_.params) {
-      if (p.offset >= replicated_end_) continue;  // the expert region: not in a stage (setup_expert_parallel)
-      int stage;
-      if (p.name.starts_with("layers.")) {
-        const auto dot = p.name.find('.', 7);
-        const int l = std::stoi(p.name.substr(7, dot - 7));
-        const std::string rest = p.name.substr(dot + 1);
-        const bool attn = rest.starts_with("res_scale.attn.") || rest.starts_with("attn_norm.") || rest.starts_with("attn.");
-        stage = attn ? 1 + 2 * l : 2 + 2 * l;
-      } else {
-        stage = p.offset < first_layer ? 0 : final_stage();
-      }
-      at.emplace_back(p.offset, stage);
-    }
-    std::sort(at.begin(), at.end());
-    for (std::size_t i = 1; i < at.size(); ++i)
-      if (at[i].second < at[i - 1].second) return false;
-    const int S = stage_count();
-    bounds.assign(static_cast<std::size_t>(S) + 1, replicated_end_);
-    bounds[0] = 0;
-    for (int s = 1; s < S; ++s)
-      for (const auto& [offset, stage] : at)
-        if (stage >= s) {
-          bounds[static_cast<std::size_t>(s)] = offset;
-          break;
-        }
-    return true;
-  }
 
   // The parameters the GEMMs and the embedding lookup read only through the bf16 copy: their
   // fp32 masters need not be broadcast. Everything else (norms, biases, scales, convs) travels
@@ -869,8 +833,8 @@ class CudaBackend final : public TrainBackend {
     dp_size_ = ctx.data.size;
     const parallel::Zero1OverlapOptions o = parallel::zero1_overlap_options_from_env();
     if (const char* v = std::getenv("KEEL_DP_PROFILE"); v && std::string(v) == "1") prof_ = std::make_unique<Profile>();
-    std::vector<std::int64_t> stages;
-    overlap_ = o.enabled && compute_stage_bounds(stages);
+    std::optional<std::vector<std::int64_t>> stages = overlap_stage_bounds(layout_, cfg_.layers, replicated_end_);
+    overlap_ = o.enabled && stages.has_value();
     if (!overlap_) {
       if (o.enabled && dp_rank_ == 0)
         std::fprintf(stderr, "keel: data parallel: this layout's stages are not in offset order; the ZeRO-1 step "
@@ -878,7 +842,7 @@ class CudaBackend final : public TrainBackend {
       dp_ = parallel::make_nccl_data_parallel_comm(ctx.data.comm, stream_, ctx.grad_reduce);
       return;
     }
-    stage_bounds_ = std::move(stages);
+    stage_bounds_ = std::move(*stages);
     // bf16 gradient reduction: a stage's gradients are rounded into a scratch as large as the
     // largest stage, reduced there and widened into the owner's fp32 shard, all on the
     // communication stream, so one scratch serves every stage in turn.

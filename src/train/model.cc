@@ -148,6 +148,41 @@ bool is_expert_param(std::string_view name) {
   return name.ends_with("moe.w_gate") || name.ends_with("moe.w_up") || name.ends_with("moe.w_down");
 }
 
+std::optional<std::vector<std::int64_t>> overlap_stage_bounds(const optim::ParamLayout& layout, int layers,
+                                                              std::int64_t replicated_end) {
+  const int final_stage = 2 * layers + 1, stage_count = 2 * layers + 2;
+  std::vector<std::pair<std::int64_t, int>> at;  // (offset, stage)
+  std::int64_t first_layer = replicated_end;
+  for (const auto& p : layout.params)
+    if (p.name.starts_with("layers.") && p.offset < replicated_end) first_layer = std::min(first_layer, p.offset);
+  for (const auto& p : layout.params) {
+    if (p.offset >= replicated_end) continue;
+    int stage;
+    if (p.name.starts_with("layers.")) {
+      const auto dot = p.name.find('.', 7);
+      const int l = std::stoi(p.name.substr(7, dot - 7));
+      const std::string rest = p.name.substr(dot + 1);
+      const bool attn = rest.starts_with("res_scale.attn.") || rest.starts_with("attn_norm.") || rest.starts_with("attn.");
+      stage = attn ? 1 + 2 * l : 2 + 2 * l;
+    } else {
+      stage = p.offset < first_layer ? 0 : final_stage;
+    }
+    at.emplace_back(p.offset, stage);
+  }
+  std::sort(at.begin(), at.end());
+  for (std::size_t i = 1; i < at.size(); ++i)
+    if (at[i].second < at[i - 1].second) return std::nullopt;
+  std::vector<std::int64_t> bounds(static_cast<std::size_t>(stage_count) + 1, replicated_end);
+  bounds[0] = 0;
+  for (int s = 1; s < stage_count; ++s)
+    for (const auto& [offset, stage] : at)
+      if (stage >= s) {
+        bounds[static_cast<std::size_t>(s)] = offset;
+        break;
+      }
+  return bounds;
+}
+
 optim::ParamLayout model_param_layout(const model::ModelConfig& cfg, int expert_parallel) {
   if (expert_parallel < 1 || (expert_parallel > 1 && (cfg.experts < 1 || cfg.experts % expert_parallel != 0)))
     throw UsageError(fmt::format("model '{}': {} experts do not split over expert-parallel degree {}", cfg.name,

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -82,6 +83,15 @@ void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt);
 optim::ParamLayout model_param_layout(const model::ModelConfig& cfg, int expert_parallel = 1);
 // True for the MoE expert weight tensors: sharded over expert-parallel ranks.
 bool is_expert_param(std::string_view name);
+// The stages of the overlapped ZeRO-1 step (parallel/zero1_buckets.h) in [0, replicated_end) of
+// a layout of model_param_layout(): 2 x layers + 2 of them, in forward order: 0 what comes
+// before the first layer (the embedding), 1 + 2l layer l's attention part (its residual scale,
+// norm and attention), 2 + 2l the rest of layer l, 2 x layers + 1 what follows the layers
+// (final norm, untied head). Returns stages + 1 ascending offsets from 0 to replicated_end
+// (empty stages allowed), or nothing when the layout does not order the stages by offset (that
+// step then does not overlap). The expert region after replicated_end is in no stage.
+std::optional<std::vector<std::int64_t>> overlap_stage_bounds(const optim::ParamLayout& layout, int layers,
+                                                              std::int64_t replicated_end);
 // normal(0, init_std) for every tensor of >= 2 dims, convs included (output projections `*.wo`,
 // `*w_down` x 1/sqrt(2 layers)); 1-D: 0 for names ending in "bias", else 1 (norms, residual
 // scales, EDA scale, CCA temperatures). The same values on every platform for a seed.
