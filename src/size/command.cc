@@ -17,7 +17,8 @@ namespace keel::size {
 namespace {
 
 struct RawFlags {
-  std::string config, hardware = "h100", layout, tokens, recompute = "none", optimizer = "adamw";
+  std::string config, hardware = "h100", layout, tokens, recompute = "none", optimizer = "adamw",
+              grad_reduce = "fp32";
   std::string decode_batch = "1,8,32,128", json, plot, moe_budget = "active", moe_experts = "8,16,32,64",
               moe_top_k = "1,2,4";
   // Left out: a default that depends on the layout or the config. Optional, so a given 0 is
@@ -73,6 +74,9 @@ int run(const RawFlags& f) {
   if (f.optimizer == "adamw") s.optimizer = Optimizer::kAdamW;
   else if (f.optimizer == "muon") s.optimizer = Optimizer::kMuon;
   else throw UsageError(fmt::format("unknown --optimizer '{}' (choose adamw or muon)", f.optimizer));
+  if (f.grad_reduce != "fp32" && f.grad_reduce != "bf16")
+    throw UsageError(fmt::format("unknown --grad-reduce '{}' (choose fp32 or bf16)", f.grad_reduce));
+  s.grad_reduce_bf16 = f.grad_reduce == "bf16";
   if (!(f.mfu > 0 && f.mfu <= 1)) throw UsageError(fmt::format("--mfu must be in (0, 1] (got {})", f.mfu));
   s.mfu = f.mfu;
   if (!f.tokens.empty()) s.tokens = parse_decimal_count(f.tokens, "--tokens");
@@ -129,6 +133,10 @@ void add_command(CLI::App& app) {
                   "keel train's ce_chunk)")
       ->capture_default_str();
   cmd->add_option("--optimizer", f->optimizer, "adamw or muon (Muon on 2-D matrices, AdamW on the rest)")
+      ->capture_default_str();
+  cmd->add_option("--grad-reduce", f->grad_reduce,
+                  "fp32 or bf16: the element type gradients are summed in over data-parallel ranks (keel train's "
+                  "parallel.grad_reduce; bf16 adds its reduce scratch)")
       ->capture_default_str();
   cmd->add_option("--mfu", f->mfu, "Assumed MFU for the time-to-train estimate")->capture_default_str();
   cmd->add_option("--decode-batch", f->decode_batch, "Decode batch sizes for the inference estimate")

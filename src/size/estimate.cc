@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "common/units.h"
 #include "optim/muon.h"
+#include "size/keel_train_shards.h"
 
 namespace keel::size {
 namespace {
@@ -229,9 +230,8 @@ MemoryEstimate estimate_memory(const Setup& s) {
   const double frac = per_stage / L;
   const double shard_dense = l.dp * l.cp, shard_expert = static_cast<double>(l.dp) * l.cp / l.ep;
 
-  // Parameters on one GPU of the body (layers of one stage), split by how ZeRO shards them
-  // and by which optimizer Muon would give them.
-  double body_dense = 0, body_expert = 0, body_matrix = 0, emb = 0, head = 0;
+  // Parameters on one GPU of the body (layers of one stage), split by how ZeRO shards them.
+  double body_dense = 0, body_expert = 0, emb = 0, head = 0;
   for (const auto& c : pc.components) {
     if (c.name == "embedding") {
       emb = static_cast<double>(c.total) / (l.tp * l.tsp);  // vocab-parallel
@@ -249,7 +249,6 @@ MemoryEstimate estimate_memory(const Setup& s) {
     } else {
       body_dense += p;
     }
-    if (c.matrix) body_matrix += p;
   }
   if (m.tied_embeddings && l.pp > 1) head = emb;  // the last stage keeps its own copy of the tied matrix
 
@@ -277,25 +276,34 @@ MemoryEstimate estimate_memory(const Setup& s) {
   if (l.pp == 1) stages.push_back({"single stage", true, true});
   else stages = {{"first", true, false}, {"last", false, true}};
 
+  const std::optional<KeelTrainShards> kt = keel_train_shards(s);
   double best_total = -1;
   for (const Stage& st : stages) {
     MemoryEstimate e;
     e.stage = st.name;
-    double dense = body_dense, expert = body_expert, matrix = body_matrix;
+    double dense = body_dense, expert = body_expert;
     if (st.first) dense += emb;
-    if (st.last) dense += head;  // embeddings and head stay on AdamW (ZAYA1's split), not in `matrix`
+    if (st.last) dense += head;
     e.params_on_gpu = dense + expert;
     const double params_sharded = dense / shard_dense + expert / shard_expert;
     const double w = l.zero >= 3 ? params_sharded : e.params_on_gpu;
     const double g = l.zero >= 2 ? params_sharded : e.params_on_gpu;
     const double o = l.zero >= 1 ? params_sharded : e.params_on_gpu;
-    // Muon: momentum + fp32 master for 2-D hidden matrices; AdamW (m, v, master) for the rest.
-    const double matrix_share = s.optimizer == Optimizer::kMuon && e.params_on_gpu > 0 ? matrix / e.params_on_gpu : 0;
     e.items.push_back({"weights (bf16)", kBf16 * w});
     e.items.push_back({"gradients (fp32)", kFp32 * g});
-    e.items.push_back({s.optimizer == Optimizer::kMuon ? "optimizer (Muon 8 B matrices, AdamW 12 B rest)"
-                                                       : "optimizer (AdamW: master, m, v; 12 B)",
-                       o * (matrix_share * 8 + (1 - matrix_share) * 12)});
+    // fp32 master, m and v for every parameter, whichever optimizer steps it: keel train keeps
+    // Muon's momentum in m and leaves its v unused, so a state (and a checkpoint) has the same
+    // three buffers under either optimizer. Its own ZeRO-1 cuts where it runs the layout.
+    if (kt) {
+      e.items.push_back({"optimizer (master, m, v: 12 B; busiest shard)",
+                         12 * kt->busiest_optimizer_floats()});
+      e.keel_train_optimizer_floats = kt->busiest_optimizer_floats();
+      e.keel_train_optimizer_floats_mean = kt->mean_optimizer_floats();
+      if (kt->bf16_reduce_scratch > 0)
+        e.items.push_back({"gradient reduce scratch (bf16)", kBf16 * kt->bf16_reduce_scratch});
+    } else {
+      e.items.push_back({"optimizer (master, m, v: 12 B)", 12 * o});
+    }
     const double layers_tokens = per_stage * act_tokens * (st.first ? inflight : 1);
     auto acts = [&](Recompute r) {
       double a = per_token[static_cast<int>(r)] * layers_tokens;
@@ -447,25 +455,38 @@ StepEstimate estimate_step(const Setup& s) {
   return st;
 }
 
+OptimizerStepEstimate newton_schulz_estimate(const hw::GemmModel& gm, std::int64_t rows, std::int64_t cols,
+                                             std::int64_t batch) {
+  const int ns_steps = optim::MuonConfig{}.ns_steps;  // keel train's default, ZAYA1's
+  const std::int64_t a = std::min(rows, cols), b = std::max(rows, cols);  // the Gram matrix is a x a
+  OptimizerStepEstimate o;
+  o.flops_total = o.flops_per_gpu = optim::newton_schulz_flops(rows, cols, ns_steps) * static_cast<double>(batch);
+  o.seconds = ns_steps * (gm.predict({a, a, b, batch}).seconds + gm.predict({a, a, a, batch}).seconds +
+                          gm.predict({a, b, a, batch}).seconds);
+  return o;
+}
+
 OptimizerStepEstimate estimate_muon_step(const Setup& s) {
+  if (const auto k = keel_train_shards(s)) {
+    const int r = k->busiest_muon_rank();
+    OptimizerStepEstimate o;
+    o.flops_total = k->muon_flops_total;
+    if (!k->rank_muon_seconds.empty()) o.flops_per_gpu = k->rank_muon_flops[r], o.seconds = k->rank_muon_seconds[r];
+    return o;
+  }
   const ModelConfig& m = s.model;
   const Layout& l = s.layout;
   const hw::GemmModel gm(s.hardware.profile, s.hardware.gemm_profile);
-  const int ns_steps = optim::MuonConfig{}.ns_steps;  // keel train's default, ZAYA1's
   const double mp = static_cast<double>(l.tp) * l.tsp * l.pp;
   OptimizerStepEstimate o;
   // One group of `count` x `batch` matrices rows x cols (batch: an expert stack, stepped by
   // batched GEMMs); share: the part of them this GPU steps.
   auto add = [&](std::int64_t rows, std::int64_t cols, std::int64_t batch, double count, double share) {
     if (rows < 1 || cols < 1) return;
-    const std::int64_t a = std::min(rows, cols), b = std::max(rows, cols);  // the Gram matrix is a x a
-    const double flops = optim::newton_schulz_flops(rows, cols, ns_steps) * static_cast<double>(batch) * count;
-    const double seconds = ns_steps * count *
-                           (gm.predict({a, a, b, batch}).seconds + gm.predict({a, a, a, batch}).seconds +
-                            gm.predict({a, b, a, batch}).seconds);
-    o.flops_total += flops;
-    o.flops_per_gpu += flops * share;
-    o.seconds += seconds * share;
+    const OptimizerStepEstimate one = newton_schulz_estimate(gm, rows, cols, batch);
+    o.flops_total += one.flops_total * count;
+    o.flops_per_gpu += one.flops_total * count * share;
+    o.seconds += one.seconds * count * share;
   };
   const std::int64_t q = static_cast<std::int64_t>(m.heads) * m.head_dim;
   const std::int64_t kv = static_cast<std::int64_t>(m.kv_heads) * m.head_dim;

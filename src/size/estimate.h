@@ -42,6 +42,8 @@ struct Setup {
   // model.ce_chunk).
   std::int64_t ce_chunk = 8192;
   Optimizer optimizer = Optimizer::kAdamW;
+  // parallel.grad_reduce: bf16 (keel train's layouts count its bf16 reduce scratch).
+  bool grad_reduce_bf16 = false;
   double tokens = 0;  // to train; 0: skip the training-time estimate
   double mfu = 0.4;   // assumed
   std::vector<int> decode_batches = {1, 8, 32, 128};
@@ -69,6 +71,9 @@ struct MemoryEstimate {
   // token of its ep group picks keeps on top of total() (ep - 1 more shares of routed rows in
   // each MoE layer, and their backward scratch). 0 without expert parallelism.
   double ep_worst_case_extra = 0;
+  // A layout keel train runs (keel_train_shards.h): its ZeRO-1 optimizer shard in floats, the
+  // busiest rank's and the mean (0 otherwise).
+  double keel_train_optimizer_floats = 0, keel_train_optimizer_floats_mean = 0;
 };
 
 MemoryEstimate estimate_memory(const Setup& s);
@@ -106,13 +111,20 @@ struct GemmTiming {
 // as keel train stores them (SwiGLU up_gate -> gate and up; a fused qkv -> q, k, v). Whole
 // matrices: with ZeRO >= 1 each is stepped by one rank, so a GPU's share is 1/G; without
 // ZeRO every data-parallel replica steps all of its own. Timed by the GEMM model at each
-// matrix's (or expert stack's) full batch, scaled by the share.
+// matrix's (or expert stack's) full batch, scaled by the share. For a layout keel train runs
+// (keel_train_shards.h) the matrices and shares are instead keel train's own: the busiest
+// rank's whole matrices under its ZeRO-1 cuts, each run of one stack timed at its own batch.
 struct OptimizerStepEstimate {
   double flops_total = 0;    // whole model
   double flops_per_gpu = 0;  // this GPU's share
   double seconds = 0;        // this GPU's share
 };
 OptimizerStepEstimate estimate_muon_step(const Setup& s);
+// Newton-Schulz of `batch` matrices rows x cols stepped together (one batched call per GEMM, as
+// an expert stack is): its FLOPs (flops_total = flops_per_gpu) and the GEMM model's seconds for
+// optim::MuonConfig's default step count.
+OptimizerStepEstimate newton_schulz_estimate(const hw::GemmModel& gm, std::int64_t rows, std::int64_t cols,
+                                             std::int64_t batch);
 
 struct StepEstimate {
   std::int64_t tokens_per_gpu_microbatch = 0;  // b*s/(cp*tsp)

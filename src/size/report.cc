@@ -129,6 +129,11 @@ void print_report(const SizeReport& r, std::FILE* out, bool show_gemms) {
                    human_count(mem.params_on_gpu), s.layout.zero,
                    s.layout.zero == 0 ? "nothing" : s.layout.zero == 1 ? "optimizer states" : s.layout.zero == 2 ? "optimizer states and gradients" : "optimizer states, gradients and weights",
                    s.layout.dp * s.layout.cp, s.layout.dp * s.layout.cp / s.layout.ep));
+  if (mem.keel_train_optimizer_floats > 0 && s.layout.dp > 1)
+    line(fmt::format("keel train's ZeRO-1 cuts (whole Muon matrices, work balanced against floats): the busiest "
+                     "rank's optimizer shard is {} floats, {:+.1f}% on the mean",
+                     human_count(mem.keel_train_optimizer_floats),
+                     100 * (mem.keel_train_optimizer_floats / mem.keel_train_optimizer_floats_mean - 1)));
   for (const auto& it : mem.items) line(fmt::format("  {:<48} {:>12}", it.name, human_bytes(it.bytes)));
   const double cap = hw.hbm_gib * 1024 * 1024 * 1024;
   line(fmt::format("  {:<48} {:>12}  of {:.0f} GiB: {}", "total", human_bytes(mem.total()), hw.hbm_gib,
@@ -165,9 +170,10 @@ void print_report(const SizeReport& r, std::FILE* out, bool show_gemms) {
                    1e3 * st.attention_seconds, 100 * st.bubble));
   if (s.optimizer == Optimizer::kMuon)
     line(fmt::format("  Muon's Newton-Schulz per optimizer step ({} tokens: micro-batches {} x dp {}): {:.3g} TFLOP "
-                     "whole model, {:.3g} TFLOP and {:.2f} ms per GPU, {:.1f}% of the predicted step{}",
+                     "whole model, {:.3g} TFLOP and {:.2f} ms {}, {:.1f}% of the predicted step{}",
                      human_count(static_cast<double>(st.tokens_per_step)), s.micro_batches, s.layout.dp,
                      st.optimizer.flops_total * 1e-12, st.optimizer.flops_per_gpu * 1e-12, 1e3 * st.optimizer.seconds,
+                     mem.keel_train_optimizer_floats > 0 ? "on the busiest GPU (keel train's ZeRO-1 cuts)" : "per GPU",
                      100 * st.optimizer.seconds / st.step_seconds,
                      st.optimizer.seconds > 0.1 * st.step_seconds ? " (more micro-batches per step amortize it)" : ""));
   if (s.tokens > 0)
@@ -255,7 +261,8 @@ nlohmann::json report_json(const SizeReport& r) {
               {"micro_batch", s.micro_batch},
               {"micro_batches", s.micro_batches},
               {"recompute", model::recompute_name(s.recompute)},
-              {"optimizer", s.optimizer == Optimizer::kMuon ? "muon" : "adamw"}};
+              {"optimizer", s.optimizer == Optimizer::kMuon ? "muon" : "adamw"},
+              {"grad_reduce", s.grad_reduce_bf16 ? "bf16" : "fp32"}};
 
   json comps = json::array();
   for (const auto& c : r.params.components)
@@ -293,6 +300,8 @@ nlohmann::json report_json(const SizeReport& r) {
                  {"items", mitems},
                  {"total_bytes", r.memory.total()},
                  {"ep_worst_case_extra_bytes", r.memory.ep_worst_case_extra},
+                 {"keel_train_optimizer_floats", r.memory.keel_train_optimizer_floats},
+                 {"keel_train_optimizer_floats_mean", r.memory.keel_train_optimizer_floats_mean},
                  {"capacity_bytes", hw.hbm_gib * 1024 * 1024 * 1024},
                  {"fits", r.memory.total() <= hw.hbm_gib * 1024 * 1024 * 1024},
                  {"fits_ep_worst_case",

@@ -13,9 +13,16 @@ keel_cli_test(NAME size_mixtral MATCH "with embeddings +46\\.70B +12\\.88B"
   ARGS size ${cfg}/mixtral-8x7b.yaml --hardware h100 --layout tp=2,ep=8,pp=4 --gpus 64 --recompute full)
 keel_cli_test(NAME size_llama3 MATCH "with embeddings +8\\.03B"
   ARGS size ${cfg}/llama3-8b.yaml --hardware a100 --gpus 8 --optimizer muon)
-# ZAYA1's 40 layers: 499 TFLOP of Newton-Schulz a step, on one GPU most of a 4K-token step
-keel_cli_test(NAME size_muon_step MATCH "Newton-Schulz per optimizer step \\(4\\.1K tokens: micro-batches 1 x dp 1\\): 499 TFLOP whole model.*amortize"
+# ZAYA1's 40 layers: 501 TFLOP of Newton-Schulz a step, on one GPU most of a 4K-token step
+keel_cli_test(NAME size_muon_step MATCH "Newton-Schulz per optimizer step \\(4\\.1K tokens: micro-batches 1 x dp 1\\): 501 TFLOP whole model.*amortize"
   ARGS size ${cfg}/zaya1-8b.yaml --hardware h200 --gpus 1 --optimizer muon)
+# keel train's own ZeRO-1 cuts on a layout it runs: the busiest rank, and its bf16 reduce scratch
+keel_cli_test(NAME size_keel_train_shards MATCH "busiest rank's optimizer shard is [0-9.]+M floats, \\+[0-9.]+% on the mean"
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware h200 --gpus 1024 --optimizer muon)
+keel_cli_test(NAME size_keel_train_muon MATCH "Newton-Schulz.* on the busiest GPU \\(keel train's ZeRO-1 cuts\\)"
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware h200 --gpus 1024 --optimizer muon)
+keel_cli_test(NAME size_grad_reduce_bf16 MATCH "gradient reduce scratch \\(bf16\\) +1\\.00 GiB"
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware h200 --gpus 8 --grad-reduce bf16)
 keel_cli_test(NAME size_olmoe MATCH "with embeddings +6\\.92B +1\\.28B"
   ARGS size ${cfg}/olmoe-1b-7b.yaml --hardware b200 --gpus 8 --layout ep=8)
 keel_cli_test(NAME size_lasp2_hybrid MATCH "linear_attention"
@@ -47,6 +54,8 @@ keel_cli_test(NAME size_unknown_hardware EXIT 1 MATCH "keel: error: unknown hard
   ARGS size ${cfg}/zaya1-8b.yaml --hardware v100)
 keel_cli_test(NAME size_missing_config EXIT 1 MATCH "keel: error: /nonexistent\\.yaml: cannot read"
   ARGS size /nonexistent.yaml)
+keel_cli_test(NAME size_bad_grad_reduce EXIT 1 MATCH "keel: error: unknown --grad-reduce 'fp16' \\(choose fp32 or bf16\\)"
+  ARGS size ${cfg}/zaya1-8b.yaml --grad-reduce fp16)
 keel_cli_test(NAME size_bad_tokens EXIT 1 MATCH "keel: error: --tokens '12X' has an unknown unit"
   ARGS size ${cfg}/zaya1-8b.yaml --tokens 12X)
 keel_cli_test(NAME size_moe_study_dense EXIT 1 MATCH "keel: error: --moe-study needs an MoE model"

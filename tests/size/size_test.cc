@@ -183,7 +183,11 @@ TEST(Memory, MoeExpertsShardOverEp) {
   const double dense = static_cast<double>(pc.total) - experts;
   const MemoryEstimate e = estimate_memory(s);
   EXPECT_NEAR(e.params_on_gpu, dense + experts / 8, 1);
-  EXPECT_NEAR(item(e, "optimizer"), 12 * (dense / 16 + experts / 8 / 2), 16);
+  // keel train runs this layout: its own ZeRO-1 cuts, by floats with AdamW alone, so within the
+  // parameters' alignment padding of the even split.
+  const double even = 12 * (dense / 16 + experts / 8 / 2);
+  EXPECT_NEAR(item(e, "optimizer"), even, 1e-4 * even);
+  EXPECT_GE(item(e, "optimizer"), even);
 }
 
 TEST(Memory, DroplessExpertParallelismWorstCaseHoldsEpSharesOfRoutedRows) {
@@ -214,17 +218,21 @@ TEST(Memory, PipelineKeepsInflightMicroBatchesOnTheFirstStage) {
   EXPECT_DOUBLE_EQ(item(e, "activations"), e.activation_bytes_per_token_layer[0] * 8 * 4096 * 4);
 }
 
-TEST(Memory, MuonNeedsLessOptimizerStateThanAdamW) {
+TEST(Memory, MuonAndAdamWHoldTheSameThreeBuffers) {
+  // keel train keeps Muon's momentum in m and leaves its v unused: 12 B of optimizer state per
+  // parameter under either optimizer (one GPU: the whole model, padding aside).
   keel::size::Setup s = setup("zaya1-8b", "zero=0", 1);
   const double adamw = item(estimate_memory(s), "optimizer");
   s.optimizer = Optimizer::kMuon;
-  const double muon = item(estimate_memory(s), "optimizer");
-  // Muon: 8 B for 2-D hidden matrices, AdamW's 12 B for the embedding, norms and convs.
-  const model::ParamCounts pc = model::count_params(s.model);
-  double matrices = 0;
-  for (const auto& c : pc.components)
-    if (c.matrix) matrices += static_cast<double>(c.total);
-  EXPECT_NEAR(adamw - muon, 4 * matrices, 1e3);
+  EXPECT_EQ(item(estimate_memory(s), "optimizer"), adamw);
+  const double params = static_cast<double>(model::count_params(s.model).total);
+  EXPECT_NEAR(adamw, 12 * params, 12 * 1e-4 * params);
+  EXPECT_GE(adamw, 12 * params);
+  // A layout keel train does not run keeps the general formula: 12 B x the 1/(dp cp) shard.
+  keel::size::Setup t = setup("zaya1-8b", "tp=2,zero=1", 8);
+  t.optimizer = Optimizer::kMuon;
+  EXPECT_EQ(estimate_memory(t).keel_train_optimizer_floats, 0);
+  EXPECT_NEAR(item(estimate_memory(t), "optimizer"), 12 * estimate_memory(t).params_on_gpu / 4, 1e3);
 }
 
 TEST(Decode, KvAndStatePerToken) {
@@ -294,7 +302,11 @@ TEST(TrainTime, MuonNewtonSchulzByHand) {
   const double per_layer = 2 * ns_flops(4096, 4096) + 2 * ns_flops(1024, 4096) + 3 * ns_flops(14336, 4096);
   const OptimizerStepEstimate o = estimate_muon_step(s);
   EXPECT_NEAR(o.flops_total, 32 * per_layer, 1e-12 * o.flops_total);
-  EXPECT_NEAR(o.flops_per_gpu, o.flops_total / 8, 1e-12 * o.flops_total);  // ZeRO-1: whole matrices spread over 8
+  // ZeRO-1 spreads whole matrices over the 8 ranks; keel train runs this layout, so the GPU is
+  // its busiest rank: at least the mean, here within a quarter of it (224 matrices, and the
+  // AdamW embedding and head at the two ends; keel_train_shards_test.cc checks the cuts).
+  EXPECT_GE(o.flops_per_gpu, o.flops_total / 8);
+  EXPECT_LE(o.flops_per_gpu, 1.25 * o.flops_total / 8);
   EXPECT_GT(o.seconds, 0);
   // without ZeRO each of the 4 replicas of a tp=2 layout steps its shard's matrices: half of them
   keel::size::Setup r = setup("llama3-8b", "tp=2,zero=0", 8);

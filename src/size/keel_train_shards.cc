@@ -1,0 +1,134 @@
+#include "size/keel_train_shards.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <tuple>
+
+#include "common/error.h"
+#include "hw/gemm_model.h"
+#include "optim/muon.h"
+#include "parallel/zero1.h"
+#include "train/backend.h"
+#include "train/model.h"
+#include "train/param_rules.h"
+
+namespace keel::size {
+
+double KeelTrainShards::busiest_optimizer_floats() const {
+  return rank_optimizer_floats.empty() ? 0 : *std::max_element(rank_optimizer_floats.begin(), rank_optimizer_floats.end());
+}
+
+double KeelTrainShards::mean_optimizer_floats() const {
+  if (rank_optimizer_floats.empty()) return 0;
+  return std::accumulate(rank_optimizer_floats.begin(), rank_optimizer_floats.end(), 0.0) /
+         static_cast<double>(rank_optimizer_floats.size());
+}
+
+int KeelTrainShards::busiest_muon_rank() const {
+  if (rank_muon_seconds.empty()) return 0;
+  return static_cast<int>(std::max_element(rank_muon_seconds.begin(), rank_muon_seconds.end()) - rank_muon_seconds.begin());
+}
+
+namespace {
+
+bool keel_train_runs(const Setup& s) {
+  const Layout& l = s.layout;
+  if (l.tp != 1 || l.tsp != 1 || l.pp != 1 || l.cp != 1) return false;
+  if (l.dp > 1 && l.zero != 1) return false;
+  train::ModelOptions o;
+  o.micro_batch = s.micro_batch;
+  o.seq_length = static_cast<int>(std::min<std::int64_t>(s.seq, std::numeric_limits<int>::max()));
+  o.ce_chunk = s.ce_chunk;
+  try {
+    train::validate_trainable(s.model, o);
+  } catch (const UsageError&) {
+    return false;
+  }
+  return true;
+}
+
+// Newton-Schulz of the Muon matrices in [begin, end), consecutive matrices of one stack stepped
+// together as keel train's muon_step_range() does.
+struct MuonRange {
+  const optim::ParamLayout& layout;
+  const hw::GemmModel& gm;
+  std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t>, OptimizerStepEstimate> cache;
+
+  OptimizerStepEstimate operator()(std::int64_t begin, std::int64_t end) {
+    OptimizerStepEstimate sum;
+    const auto mats = parallel::muon_matrices_in(layout, begin, end);
+    for (std::size_t i = 0; i < mats.size();) {
+      std::size_t j = i + 1;
+      while (j < mats.size() && mats[j].param == mats[i].param) ++j;
+      const std::tuple key{mats[i].rows, mats[i].cols, static_cast<std::int64_t>(j - i)};
+      auto it = cache.find(key);
+      if (it == cache.end())
+        it = cache.emplace(key, newton_schulz_estimate(gm, mats[i].rows, mats[i].cols, std::get<2>(key))).first;
+      sum.flops_total += it->second.flops_total;
+      sum.seconds += it->second.seconds;
+      i = j;
+    }
+    sum.flops_per_gpu = sum.flops_total;
+    return sum;
+  }
+};
+
+}  // namespace
+
+std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
+  if (!keel_train_runs(s)) return std::nullopt;
+  const Layout& l = s.layout;
+  optim::ParamLayout layout = train::model_param_layout(s.model, l.ep);
+  const bool muon = s.optimizer == Optimizer::kMuon;
+  if (muon) {
+    train::MuonTrainOptions m;
+    m.enabled = true;
+    layout = train::regroup_layout(layout, train::train_group_rules(m));
+  }
+  train::ParallelContext ctx;
+  ctx.data.size = l.dp;
+  ctx.expert.size = l.ep;
+  ctx.expert_data.size = l.dp / l.ep;
+  const train::StateShards sh = train::plan_state_shards(layout, ctx);
+  const std::int64_t total = layout.total_floats;
+  const bool experts = sh.replicated_end < total;
+
+  const hw::GemmModel gm(s.hardware.profile, s.hardware.gemm_profile);
+  MuonRange muon_range{layout, gm, {}};
+  KeelTrainShards k;
+  // Rank r of the data group is rank r % ep of its expert group and rank r / ep of its
+  // expert-data group (train::with_expert_parallel: expert groups are ep consecutive ranks).
+  for (int r = 0; r < l.dp; ++r) {
+    std::int64_t rb = 0, re = sh.replicated_end;
+    if (l.dp > 1) rb = sh.replicated.begin(r), re = sh.replicated.end(r);
+    std::int64_t xb = 0, xe = 0;
+    if (experts) xb = sh.experts.begin(r / l.ep), xe = sh.experts.end(r / l.ep);
+    k.rank_optimizer_floats.push_back(static_cast<double>((re - rb) + (xe - xb)));
+    if (muon) {
+      const OptimizerStepEstimate a = muon_range(rb, re), b = muon_range(xb, xe);
+      k.rank_muon_flops.push_back(a.flops_total + b.flops_total);
+      k.rank_muon_seconds.push_back(a.seconds + b.seconds);
+    }
+  }
+  if (muon) {
+    // The replicated region once, and every expert group's copy of the expert region.
+    k.muon_flops_total = muon_range(0, sh.replicated_end).flops_total;
+    if (experts) k.muon_flops_total += l.ep * muon_range(sh.replicated_end, total).flops_total;
+  }
+  if (s.grad_reduce_bf16 && l.dp > 1) {
+    const auto stages = train::overlap_stage_bounds(layout, s.model.layers, sh.replicated_end);
+    if (stages) {
+      for (std::size_t i = 0; i + 1 < stages->size(); ++i)
+        k.bf16_reduce_scratch = std::max(k.bf16_reduce_scratch, static_cast<double>((*stages)[i + 1] - (*stages)[i]));
+      if (experts && l.dp / l.ep > 1)
+        k.bf16_reduce_scratch = std::max(k.bf16_reduce_scratch, static_cast<double>(total - sh.replicated_end));
+    } else {
+      k.bf16_reduce_scratch = static_cast<double>(total);  // the classic step's bf16 copy of the buffer
+    }
+  }
+  return k;
+}
+
+}  // namespace keel::size

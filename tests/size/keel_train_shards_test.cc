@@ -1,0 +1,116 @@
+// keel size on the layouts keel train runs: its own ZeRO-1 shards, checked against what they
+// must add up to (every Muon matrix stepped once, every parameter's state held once) and
+// against the model's own counts.
+#include "size/keel_train_shards.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "model/params.h"
+#include "train/model.h"
+
+namespace keel::size {
+namespace {
+
+Setup setup(const std::string& model_name, const std::string& layout, int gpus, Optimizer optimizer) {
+  Setup s;
+  s.model = model::load_model_config(std::string(KEEL_SOURCE_DIR) + "/configs/" + model_name + ".yaml");
+  s.hardware = hw::load_hardware("h200");
+  bool dp_given = false;
+  s.layout = parse_layout(layout, &dp_given);
+  resolve_layout(s.layout, dp_given, gpus, s.model);
+  s.seq = 4096;
+  s.optimizer = optimizer;
+  return s;
+}
+
+double sum(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); }
+
+TEST(KeelTrainShards, EveryMuonMatrixIsSteppedOnceWhateverTheLayout) {
+  const auto whole = keel_train_shards(setup("zaya1-8b", "zero=1", 1, Optimizer::kMuon));
+  ASSERT_TRUE(whole);
+  ASSERT_EQ(whole->rank_muon_flops.size(), 1u);
+  EXPECT_EQ(whole->rank_muon_flops[0], whole->muon_flops_total);
+  for (const auto& [layout, gpus] : std::vector<std::pair<std::string, int>>{
+           {"zero=1", 8}, {"zero=1", 1024}, {"ep=8,zero=1", 64}, {"ep=16,zero=1", 16}}) {
+    SCOPED_TRACE(layout + " on " + std::to_string(gpus));
+    const auto k = keel_train_shards(setup("zaya1-8b", layout, gpus, Optimizer::kMuon));
+    ASSERT_TRUE(k);
+    ASSERT_EQ(k->rank_muon_flops.size(), static_cast<std::size_t>(gpus));
+    // The model's matrices are the same under expert parallelism (E / ep experts per rank, ep
+    // groups of them), and the ranks' shares add up to them.
+    EXPECT_NEAR(k->muon_flops_total, whole->muon_flops_total, 1e-12 * whole->muon_flops_total);
+    EXPECT_NEAR(sum(k->rank_muon_flops), k->muon_flops_total, 1e-12 * k->muon_flops_total);
+    const int busiest = k->busiest_muon_rank();
+    EXPECT_EQ(k->rank_muon_seconds[busiest],
+              *std::max_element(k->rank_muon_seconds.begin(), k->rank_muon_seconds.end()));
+    EXPECT_GE(k->rank_muon_flops[busiest], 0.95 * k->muon_flops_total / gpus);
+    // The step estimate is that rank's.
+    const OptimizerStepEstimate o = estimate_muon_step(setup("zaya1-8b", layout, gpus, Optimizer::kMuon));
+    EXPECT_EQ(o.seconds, k->rank_muon_seconds[busiest]);
+    EXPECT_EQ(o.flops_per_gpu, k->rank_muon_flops[busiest]);
+  }
+}
+
+TEST(KeelTrainShards, OptimizerStateIsHeldOnceAndTheBusiestRankIsReported) {
+  for (const Optimizer opt : {Optimizer::kAdamW, Optimizer::kMuon})
+    for (const auto& [layout, gpus] : std::vector<std::pair<std::string, int>>{
+             {"zero=1", 1}, {"zero=1", 8}, {"ep=4,zero=1", 8}, {"ep=8,zero=1", 8}}) {
+      SCOPED_TRACE(layout + " on " + std::to_string(gpus) + (opt == Optimizer::kMuon ? ", Muon" : ", AdamW"));
+      const keel::size::Setup s = setup("zaya1-8b", layout, gpus, opt);
+      const auto k = keel_train_shards(s);
+      ASSERT_TRUE(k);
+      ASSERT_EQ(k->rank_optimizer_floats.size(), static_cast<std::size_t>(gpus));
+      // Every parameter once over the ranks, plus the layout's alignment padding.
+      const double params = static_cast<double>(model::count_params(s.model).total);
+      EXPECT_GE(sum(k->rank_optimizer_floats), params);
+      EXPECT_LE(sum(k->rank_optimizer_floats), params * (1 + 1e-5));
+      EXPECT_GE(k->busiest_optimizer_floats(), k->mean_optimizer_floats());
+      // The memory estimate holds 12 B (master, m, v) for each of the busiest rank's floats.
+      const MemoryEstimate e = estimate_memory(s);
+      EXPECT_EQ(e.keel_train_optimizer_floats, k->busiest_optimizer_floats());
+      double optimizer = 0;
+      for (const auto& i : e.items)
+        if (i.name.starts_with("optimizer")) optimizer = i.bytes;
+      EXPECT_EQ(optimizer, 12 * k->busiest_optimizer_floats());
+    }
+}
+
+TEST(KeelTrainShards, Bf16ReduceScratchIsTheLargestStageOrTheExpertRegion) {
+  auto scratch = [](const std::string& layout, int gpus, bool bf16) {
+    keel::size::Setup s = setup("zaya1-8b", layout, gpus, Optimizer::kAdamW);
+    s.grad_reduce_bf16 = bf16;
+    return keel_train_shards(s).value().bf16_reduce_scratch;
+  };
+  // ZAYA1-8B: the largest stage is the embedding (262,272 x 2048; a MoE stage holds 16 experts
+  // of 3 x 2048 x 2048 and the router, 202 M).
+  const double embedding = 262272.0 * 2048;
+  EXPECT_GE(scratch("zero=1", 8, true), embedding);
+  EXPECT_LT(scratch("zero=1", 8, true), embedding + 64);
+  // EP 8 on 64 GPUs: the expert region (2 experts of each of 40 layers) is reduced over 8 ranks
+  // through the same scratch, and is larger.
+  const double region = 40.0 * 2 * 3 * 2048 * 2048;
+  EXPECT_GE(scratch("ep=8,zero=1", 64, true), region);
+  EXPECT_LT(scratch("ep=8,zero=1", 64, true), region * (1 + 1e-6));
+  // EP = dp: no rank shares experts, nothing of the expert region is reduced.
+  EXPECT_LT(scratch("ep=16,zero=1", 16, true), embedding + 64);
+  // Gradients reduced in fp32, or a single GPU: no scratch.
+  EXPECT_EQ(scratch("zero=1", 8, false), 0);
+  EXPECT_EQ(scratch("zero=1", 1, true), 0);
+}
+
+TEST(KeelTrainShards, LayoutsAndModelsKeelTrainDoesNotRunKeepTheGeneralFormulas) {
+  EXPECT_FALSE(keel_train_shards(setup("zaya1-8b", "tp=2,zero=1", 8, Optimizer::kMuon)));
+  EXPECT_FALSE(keel_train_shards(setup("zaya1-8b", "pp=2,zero=1", 8, Optimizer::kMuon)));
+  EXPECT_FALSE(keel_train_shards(setup("zaya1-8b", "zero=2", 8, Optimizer::kMuon)));
+  EXPECT_FALSE(keel_train_shards(setup("zaya1-8b", "zero=0", 8, Optimizer::kMuon)));
+  EXPECT_TRUE(keel_train_shards(setup("zaya1-8b", "zero=0", 1, Optimizer::kMuon)));  // one GPU shards nothing
+  EXPECT_FALSE(keel_train_shards(setup("lasp2-hybrid-1b", "zero=1", 8, Optimizer::kMuon)));  // linear attention
+  EXPECT_FALSE(keel_train_shards(setup("olmoe-1b-7b", "zero=1", 8, Optimizer::kMuon)));      // qk_norm
+  EXPECT_EQ(estimate_memory(setup("zaya1-8b", "tp=2,zero=1", 8, Optimizer::kMuon)).keel_train_optimizer_floats, 0);
+}
+
+}  // namespace
+}  // namespace keel::size
