@@ -6,6 +6,7 @@
 
 #include <mpi.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -38,6 +39,9 @@ class DataParallelComm {
   virtual void all_gather(float* buf, const std::vector<std::int64_t>& bounds) = 0;
   // Sums n doubles in place over the group.
   virtual void all_reduce_sum(double* x, int n) = 0;
+  // GPU memory the comm holds of its own (the bf16 copy of a kBf16 reduction), for the memory
+  // a backend reports.
+  virtual std::size_t device_bytes() const { return 0; }
 };
 
 // Host buffers, over an MPI communicator (not owned; it must outlive the object). With kBf16 the

@@ -69,6 +69,8 @@ class NcclDataParallelComm final : public DataParallelComm {
     KEEL_NCCL_CHECK(ncclAllReduce(x, x, static_cast<std::size_t>(n), ncclFloat64, ncclSum, comm_, stream_));
   }
 
+  std::size_t device_bytes() const override { return scratch_.capacity(); }
+
  private:
   std::int64_t chunk(std::int64_t total) const {
     const std::int64_t s = (total + size_ - 1) / size_;

@@ -362,8 +362,9 @@ class CudaBackend final : public TrainBackend {
   std::size_t memory_bytes() const override {
     std::size_t ep = ep_group_ ? ep_group_->device_bytes() : 0;
     for (const auto& l : ep_layers_) ep += l->device_bytes();
+    const std::size_t comm = dp_ ? dp_->device_bytes() : 0;  // the classic step's bf16 copy
     return masters_->backed_bytes() + param_arena_.capacity() + grad_arena_.capacity() + state_arena_.capacity() +
-           act_arena_.capacity() + ep;
+           act_arena_.capacity() + ep + comm;
   }
 
   void zero_grads() override {

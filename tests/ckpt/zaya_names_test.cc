@@ -101,7 +101,7 @@ void expect_same_params(const model::ModelConfig& cfg, const std::vector<float>&
     std::int64_t bad = 0;
     for (std::int64_t i = 0; i < p.numel; ++i) {
       float w = want[static_cast<std::size_t>(p.offset + i)];
-      if (bf16) w = bf16_bits_to_float(float_to_bf16_bits(w));
+      if (bf16) w = bf16_round(w);
       bad += std::memcmp(&w, &got[static_cast<std::size_t>(p.offset + i)], 4) != 0;
     }
     EXPECT_EQ(bad, 0) << p.name;

@@ -68,7 +68,8 @@ TrainConfig gpu_config(const fs::path& dir, const fs::path& out, const std::stri
 struct TrainRun {
   std::vector<StepStats> stats;  // steps 1..4
   std::vector<float> p0, p1, p4;  // parameters before, after step 1, after step 4
-  std::size_t memory_bytes = 0;   // the backend's device memory
+  std::size_t memory_bytes = 0;   // the backend's device memory, before step 1
+  std::size_t memory_after = 0;   // and after step 4
 };
 
 TrainRun train(const fs::path& dir, const std::string& tag, const std::string& optimizer_extra, const Env& env,
@@ -85,6 +86,7 @@ TrainRun train(const fs::path& dir, const std::string& tag, const std::string& o
   const auto rest = t.run(4);
   r.stats.insert(r.stats.end(), rest.begin(), rest.end());
   r.p4 = t.backend().state().params;
+  r.memory_after = t.backend().memory_bytes();
   double sum = 0;
   for (float x : r.p4) sum += x;
   // with expert parallelism a rank holds its expert group's experts: ranks r and r % ep alike
@@ -176,6 +178,8 @@ TEST(DataParallel, GpuBf16GradientReduceMatchesClassicStep) {
     ASSERT_EQ(classic.stats.size(), 4u) << o;
     EXPECT_NEAR(classic.stats[0].grad_norm, fp32.stats[0].grad_norm, 1e-2 * fp32.stats[0].grad_norm) << o;
     EXPECT_FALSE(classic.p4 == fp32.p4) << o << ": bf16 reduction trained bit for bit as fp32";
+    // the classic step's bf16 copy of the buffer (allocated at the first reduction) is counted
+    EXPECT_GE(classic.memory_after, classic.memory_bytes + 2 * classic.p0.size()) << o;
     for (const auto& v : variants) {
       const std::string tag = v.name + "_bf16_" + o;
       const TrainRun got = train(dir, tag, opt, v.env, bf16, v.ep);
