@@ -50,22 +50,28 @@ bool keel_train_runs(const Setup& s) {
 }
 
 // Newton-Schulz of the Muon matrices in [begin, end), consecutive matrices of one stack stepped
-// together as keel train's muon_step_range() does.
+// together as keel train's muon_step_range() does. The matrices are listed once, in offset
+// order, so a range costs a binary search and its own matrices (ranks can number thousands).
 struct MuonRange {
-  const optim::ParamLayout& layout;
   const hw::GemmModel& gm;
+  std::vector<parallel::MuonMatrixRef> all;
   std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t>, OptimizerStepEstimate> cache;
+
+  MuonRange(const optim::ParamLayout& layout, const hw::GemmModel& g)
+      : gm(g), all(parallel::muon_matrices_in(layout, 0, layout.total_floats)) {
+    std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
+  }
 
   OptimizerStepEstimate operator()(std::int64_t begin, std::int64_t end) {
     OptimizerStepEstimate sum;
-    const auto mats = parallel::muon_matrices_in(layout, begin, end);
-    for (std::size_t i = 0; i < mats.size();) {
-      std::size_t j = i + 1;
-      while (j < mats.size() && mats[j].param == mats[i].param) ++j;
-      const std::tuple key{mats[i].rows, mats[i].cols, static_cast<std::int64_t>(j - i)};
+    auto i = std::lower_bound(all.begin(), all.end(), begin, [](const auto& m, std::int64_t o) { return m.offset < o; });
+    auto inside = [&](auto it) { return it != all.end() && it->offset + it->rows * it->cols <= end; };
+    while (inside(i)) {
+      auto j = i + 1;
+      while (inside(j) && j->param == i->param) ++j;
+      const std::tuple key{i->rows, i->cols, static_cast<std::int64_t>(j - i)};
       auto it = cache.find(key);
-      if (it == cache.end())
-        it = cache.emplace(key, newton_schulz_estimate(gm, mats[i].rows, mats[i].cols, std::get<2>(key))).first;
+      if (it == cache.end()) it = cache.emplace(key, newton_schulz_estimate(gm, i->rows, i->cols, std::get<2>(key))).first;
       sum.flops_total += it->second.flops_total;
       sum.seconds += it->second.seconds;
       i = j;
@@ -96,7 +102,7 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
   const bool experts = sh.replicated_end < total;
 
   const hw::GemmModel gm(s.hardware.profile, s.hardware.gemm_profile);
-  MuonRange muon_range{layout, gm, {}};
+  MuonRange muon_range(layout, gm);
   KeelTrainShards k;
   // Rank r of the data group is rank r % ep of its expert group and rank r / ep of its
   // expert-data group (train::with_expert_parallel: expert groups are ep consecutive ranks).
