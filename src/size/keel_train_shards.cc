@@ -126,8 +126,7 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
   if (s.grad_reduce_bf16 && l.dp > 1) {
     const auto stages = train::overlap_stage_bounds(layout, s.model.layers, sh.replicated_end);
     if (stages) {
-      for (std::size_t i = 0; i + 1 < stages->size(); ++i)
-        k.bf16_reduce_scratch = std::max(k.bf16_reduce_scratch, static_cast<double>((*stages)[i + 1] - (*stages)[i]));
+      k.bf16_reduce_scratch = static_cast<double>(train::largest_stage_floats(*stages));
       if (experts && l.dp / l.ep > 1)
         k.bf16_reduce_scratch = std::max(k.bf16_reduce_scratch, static_cast<double>(total - sh.replicated_end));
     } else {

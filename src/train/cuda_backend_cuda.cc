@@ -779,8 +779,8 @@ class CudaBackend final : public TrainBackend {
   //
   // Stages (overlap_stage_bounds() in train/model.h), in forward order: 0 the embedding, 1 + 2l
   // layer l's attention part, 2 + 2l its MLP part, 2 layers + 1 the rest (final norm, head).
-  int final_stage() const { return 2 * cfg_.layers + 1; }
-  int stage_count() const { return 2 * cfg_.layers + 2; }
+  int stage_count() const { return overlap_stage_count(cfg_.layers); }
+  int final_stage() const { return stage_count() - 1; }
 
   // The parameters the GEMMs and the embedding lookup read only through the bf16 copy: their
   // fp32 masters need not be broadcast. Everything else (norms, biases, scales, convs) travels
@@ -848,8 +848,7 @@ class CudaBackend final : public TrainBackend {
     // largest stage, reduced there and widened into the owner's fp32 shard, all on the
     // communication stream, so one scratch serves every stage in turn.
     if (ctx.grad_reduce == parallel::GradReduceDtype::kBf16)
-      for (std::size_t st = 0; st + 1 < stage_bounds_.size(); ++st)
-        reduce_scratch_floats_ = std::max(reduce_scratch_floats_, stage_bounds_[st + 1] - stage_bounds_[st]);
+      reduce_scratch_floats_ = std::max(reduce_scratch_floats_, largest_stage_floats(stage_bounds_));
     group_reduces_ = o.group_reduces;
     shard_masters_ = o.shard_masters;
     buckets_ = parallel::plan_zero1_buckets(parallel::region_layout(layout_, 0, replicated_end_), plan_, stage_bounds_,

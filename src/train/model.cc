@@ -150,7 +150,7 @@ bool is_expert_param(std::string_view name) {
 
 std::optional<std::vector<std::int64_t>> overlap_stage_bounds(const optim::ParamLayout& layout, int layers,
                                                               std::int64_t replicated_end) {
-  const int final_stage = 2 * layers + 1, stage_count = 2 * layers + 2;
+  const int stage_count = overlap_stage_count(layers), final_stage = stage_count - 1;
   std::vector<std::pair<std::int64_t, int>> at;  // (offset, stage)
   std::int64_t first_layer = replicated_end;
   for (const auto& p : layout.params)
@@ -181,6 +181,12 @@ std::optional<std::vector<std::int64_t>> overlap_stage_bounds(const optim::Param
         break;
       }
   return bounds;
+}
+
+std::int64_t largest_stage_floats(const std::vector<std::int64_t>& stage_bounds) {
+  std::int64_t widest = 0;
+  for (std::size_t s = 0; s + 1 < stage_bounds.size(); ++s) widest = std::max(widest, stage_bounds[s + 1] - stage_bounds[s]);
+  return widest;
 }
 
 optim::ParamLayout model_param_layout(const model::ModelConfig& cfg, int expert_parallel) {

@@ -92,6 +92,10 @@ bool is_expert_param(std::string_view name);
 // step then does not overlap). The expert region after replicated_end is in no stage.
 std::optional<std::vector<std::int64_t>> overlap_stage_bounds(const optim::ParamLayout& layout, int layers,
                                                               std::int64_t replicated_end);
+inline int overlap_stage_count(int layers) { return 2 * layers + 2; }
+// The widest stage of overlap_stage_bounds(), in floats: what the overlapped step's bf16
+// gradient-reduction scratch must hold for one stage at a time.
+std::int64_t largest_stage_floats(const std::vector<std::int64_t>& stage_bounds);
 // normal(0, init_std) for every tensor of >= 2 dims, convs included (output projections `*.wo`,
 // `*w_down` x 1/sqrt(2 layers)); 1-D: 0 for names ending in "bias", else 1 (norms, residual
 // scales, EDA scale, CCA temperatures). The same values on every platform for a seed.
