@@ -230,8 +230,9 @@ MemoryEstimate estimate_memory(const Setup& s) {
   const double frac = per_stage / L;
   const double shard_dense = l.dp * l.cp, shard_expert = static_cast<double>(l.dp) * l.cp / l.ep;
 
-  // Parameters on one GPU of the body (layers of one stage), split by how ZeRO shards them.
-  double body_dense = 0, body_expert = 0, emb = 0, head = 0;
+  // Parameters on one GPU of the body (layers of one stage), split by how ZeRO shards them
+  // and by which optimizer Muon gives them.
+  double body_dense = 0, body_expert = 0, body_matrix = 0, emb = 0, head = 0;
   for (const auto& c : pc.components) {
     if (c.name == "embedding") {
       emb = static_cast<double>(c.total) / (l.tp * l.tsp);  // vocab-parallel
@@ -249,6 +250,7 @@ MemoryEstimate estimate_memory(const Setup& s) {
     } else {
       body_dense += p;
     }
+    if (c.matrix) body_matrix += p;
   }
   if (m.tied_embeddings && l.pp > 1) head = emb;  // the last stage keeps its own copy of the tied matrix
 
@@ -281,9 +283,9 @@ MemoryEstimate estimate_memory(const Setup& s) {
   for (const Stage& st : stages) {
     MemoryEstimate e;
     e.stage = st.name;
-    double dense = body_dense, expert = body_expert;
+    double dense = body_dense, expert = body_expert, matrix = body_matrix;
     if (st.first) dense += emb;
-    if (st.last) dense += head;
+    if (st.last) dense += head;  // embeddings and head stay on AdamW (ZAYA1's split), not in `matrix`
     e.params_on_gpu = dense + expert;
     const double params_sharded = dense / shard_dense + expert / shard_expert;
     const double w = l.zero >= 3 ? params_sharded : e.params_on_gpu;
@@ -291,16 +293,19 @@ MemoryEstimate estimate_memory(const Setup& s) {
     const double o = l.zero >= 1 ? params_sharded : e.params_on_gpu;
     e.items.push_back({"weights (bf16)", kBf16 * w});
     e.items.push_back({"gradients (fp32)", kFp32 * g});
-    // fp32 master, m and v for every parameter, whichever optimizer steps it: keel train keeps
-    // Muon's momentum in m and leaves its v unused, so a state (and a checkpoint) has the same
-    // three buffers under either optimizer. Its own ZeRO-1 cuts where it runs the layout.
+    // fp32 master and m (Muon's momentum) for every parameter, v for AdamW's; keel train's own
+    // ZeRO-1 cuts where it runs the layout.
     if (kt) {
-      e.items.push_back({"optimizer (master, m, v: 12 B; busiest shard)",
-                         12 * kt->busiest_optimizer_floats()});
+      e.items.push_back({s.optimizer == Optimizer::kMuon ? "optimizer (Muon 8 B, AdamW 12 B; busiest shard)"
+                                                         : "optimizer (master, m, v: 12 B; busiest shard)",
+                         kt->busiest_optimizer_bytes()});
       e.keel_train_optimizer_floats = kt->busiest_optimizer_floats();
       e.keel_train_optimizer_floats_mean = kt->mean_optimizer_floats();
       if (kt->bf16_reduce_scratch > 0)
         e.items.push_back({"gradient reduce scratch (bf16)", kBf16 * kt->bf16_reduce_scratch});
+    } else if (s.optimizer == Optimizer::kMuon) {
+      const double matrix_share = e.params_on_gpu > 0 ? matrix / e.params_on_gpu : 0;
+      e.items.push_back({"optimizer (Muon 8 B matrices, AdamW 12 B rest)", o * (matrix_share * 8 + (1 - matrix_share) * 12)});
     } else {
       e.items.push_back({"optimizer (master, m, v: 12 B)", 12 * o});
     }

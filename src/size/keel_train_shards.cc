@@ -20,6 +20,13 @@ double KeelTrainShards::busiest_optimizer_floats() const {
   return rank_optimizer_floats.empty() ? 0 : *std::max_element(rank_optimizer_floats.begin(), rank_optimizer_floats.end());
 }
 
+double KeelTrainShards::busiest_optimizer_bytes() const {
+  double most = 0;
+  for (std::size_t r = 0; r < rank_optimizer_floats.size() && r < rank_adamw_floats.size(); ++r)
+    most = std::max(most, 4 * (2 * rank_optimizer_floats[r] + rank_adamw_floats[r]));
+  return most;
+}
+
 double KeelTrainShards::mean_optimizer_floats() const {
   if (rank_optimizer_floats.empty()) return 0;
   return std::accumulate(rank_optimizer_floats.begin(), rank_optimizer_floats.end(), 0.0) /
@@ -112,6 +119,10 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
     std::int64_t xb = 0, xe = 0;
     if (experts) xb = sh.experts.begin(r / l.ep), xe = sh.experts.end(r / l.ep);
     k.rank_optimizer_floats.push_back(static_cast<double>((re - rb) + (xe - xb)));
+    const train::StateSlice slice{l.ep, r % l.ep, rb, re, xb, xe};
+    double adamw = 0;
+    for (const train::MomentSpan& sp : train::adamw_moment_spans(layout, slice)) adamw += static_cast<double>(sp.count);
+    k.rank_adamw_floats.push_back(adamw);
     if (muon) {
       const OptimizerStepEstimate a = muon_range(rb, re), b = muon_range(xb, xe);
       k.rank_muon_flops.push_back(a.flops_total + b.flops_total);

@@ -20,6 +20,9 @@ struct KeelTrainShards {
   // replicated region (over dp) plus its expert group's shard of the expert region (over
   // dp / ep). Ranks in launch order.
   std::vector<double> rank_optimizer_floats;
+  // Of those, the floats of AdamW parameters: the only ones with a v (Muon keeps its momentum in
+  // m and has no v), so a rank holds 8 B per optimizer float plus 4 B per AdamW float.
+  std::vector<double> rank_adamw_floats;
   // Newton-Schulz FLOPs and GEMM-model seconds of each rank's Muon matrices (empty with AdamW).
   std::vector<double> rank_muon_flops, rank_muon_seconds;
   double muon_flops_total = 0;  // every Muon matrix of the model once
@@ -28,6 +31,7 @@ struct KeelTrainShards {
   double bf16_reduce_scratch = 0;
 
   double busiest_optimizer_floats() const;
+  double busiest_optimizer_bytes() const;  // fp32 master and m for every float, v for AdamW's
   double mean_optimizer_floats() const;
   int busiest_muon_rank() const;  // by seconds; 0 without Muon
 };

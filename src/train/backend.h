@@ -54,12 +54,29 @@ struct StateSlice {
   std::int64_t moments() const { return (shard_end - shard_begin) + (expert_end - expert_begin); }
 };
 
+// The optimizer ranges of a slice, each with where its moments start in adam_m / adam_v: the
+// replicated shard's at 0, then (expert parallelism) the expert shard's.
+struct MomentRange {
+  std::int64_t begin = 0, end = 0, at = 0;
+};
+std::vector<MomentRange> moment_ranges(const StateSlice& s);
+
+// Where a slice keeps AdamW's v: runs of moments [at, at + count) holding the flat floats
+// [begin, begin + count) of AdamW parameters (and the padding between two of them). Neither
+// optimizer reads or writes v at a Muon parameter, so no backend keeps it there: the CUDA
+// backend backs no memory for it, state() reports zeros, set_state() and checkpoints skip it.
+struct MomentSpan {
+  std::int64_t begin = 0, count = 0, at = 0;
+};
+std::vector<MomentSpan> adamw_moment_spans(const optim::ParamLayout& layout, const StateSlice& s);
+
 // Everything a checkpoint holds of the model and optimizer, in host memory.
 struct TrainState {
   std::vector<float> params;  // layout().total_floats: every parameter this rank holds
   // The optimizer state of this rank's ZeRO-1 shard [shard_begin, shard_end) of the flat buffer
   // (all of it on one rank): shard_end - shard_begin floats each, element i at offset
-  // shard_begin + i. adam_m holds Muon's momentum at Muon parameters (their adam_v stays zero).
+  // shard_begin + i. adam_m holds Muon's momentum at Muon parameters (their adam_v is zero:
+  // adamw_moment_spans()).
   std::int64_t shard_begin = 0, shard_end = 0;
   std::vector<float> adam_m, adam_v;
   // With expert parallelism: this rank's experts and their optimizer range (StateSlice); the
@@ -84,7 +101,7 @@ struct TrainState {
 struct CheckpointView {
   const float* params = nullptr;  // the flat parameter buffer: element i at params[i]
   const float* adam_m = nullptr;  // the shard's moments: element i at adam_m[i - shard_begin], then the expert range's
-  const float* adam_v = nullptr;
+  const float* adam_v = nullptr;  // the same indexing; read only at adamw_moment_spans()
   StateSlice slice;
   bool on_device = false;
   std::vector<std::vector<float>> router_bias;

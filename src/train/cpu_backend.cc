@@ -128,7 +128,9 @@ class CpuBackend final : public TrainBackend {
     check_train_state(s, layout_, slice_, bias_sizes);
     std::memcpy(model_.params(), s.params.data(), n * sizeof(float));
     if (k > 0) std::memcpy(adam_m_, s.adam_m.data(), k * sizeof(float));
-    if (k > 0) std::memcpy(adam_v_, s.adam_v.data(), k * sizeof(float));
+    std::fill(adam_v_, adam_v_ + k, 0.f);  // none at Muon parameters, whatever the state held there
+    for (const MomentSpan& sp : adamw_moment_spans(layout_, slice_))
+      std::memcpy(adam_v_ + sp.at, s.adam_v.data() + sp.at, static_cast<std::size_t>(sp.count) * sizeof(float));
     for (int i = 0; i < moe_layer_count(); ++i) model_.router_bias(i) = s.router_bias[i];
     adam_.set_step_count(s.adamw_step);
     model_.reset_load();
@@ -232,6 +234,32 @@ StateShards plan_state_shards(const optim::ParamLayout& layout, const ParallelCo
     s.slice.expert_end = s.experts.end(ctx.expert_data.rank);
   }
   return s;
+}
+
+std::vector<MomentRange> moment_ranges(const StateSlice& s) {
+  std::vector<MomentRange> r{{s.shard_begin, s.shard_end, 0}};
+  if (s.expert_end > s.expert_begin) r.push_back({s.expert_begin, s.expert_end, s.shard_end - s.shard_begin});
+  return r;
+}
+
+std::vector<MomentSpan> adamw_moment_spans(const optim::ParamLayout& layout, const StateSlice& s) {
+  std::vector<MomentSpan> out;
+  for (const MomentRange& r : moment_ranges(s)) {
+    bool open = false;  // the last span may still grow: no Muon parameter since it
+    for (const auto& p : layout.params) {
+      const std::int64_t lo = std::max(p.offset, r.begin), hi = std::min(p.offset + p.numel, r.end);
+      if (lo >= hi) continue;
+      if (p.optimizer != optim::OptimizerKind::kAdamW) {
+        open = false;
+      } else if (open) {
+        out.back().count = hi - out.back().begin;
+      } else {
+        out.push_back({lo, hi - lo, r.at + (lo - r.begin)});
+        open = true;
+      }
+    }
+  }
+  return out;
 }
 
 void check_train_state(const TrainState& s, const optim::ParamLayout& layout, const StateSlice& slice,

@@ -300,7 +300,6 @@ class CudaBackend final : public TrainBackend {
       grads_bf16_ =
           reduce_scratch_floats_ > 0 ? grad_arena_.take<bf16>(static_cast<std::size_t>(reduce_scratch_floats_)) : nullptr;
       adam_m_ = state_arena_.take<float>(n_shard);
-      adam_v_ = state_arena_.take<float>(n_shard);
       muon_ws_ = muon_ws_bytes ? state_arena_.take<std::byte>(muon_ws_bytes) : nullptr;
       plan_acts();
       if (pass == 0) {
@@ -314,6 +313,15 @@ class CudaBackend final : public TrainBackend {
                                                     "out of GPU memory: the fp32 master weights",
                                                     "train on more GPUs or a smaller model");
     params_ = static_cast<float*>(masters_->get());
+    // AdamW's v only where AdamW parameters are: Muon's matrices (most of a MoE model) have none.
+    std::vector<ByteRange> v_ranges;
+    for (const MomentSpan& sp : adamw_moment_spans(layout_, slice_))
+      v_ranges.push_back({static_cast<std::size_t>(sp.at) * sizeof(float),
+                          static_cast<std::size_t>(sp.at + sp.count) * sizeof(float)});
+    adam_v_buffer_ = std::make_unique<SparseDeviceBuffer>(n_shard * sizeof(float), std::move(v_ranges),
+                                                          "out of GPU memory: AdamW's second moments",
+                                                          "train on more GPUs or a smaller model");
+    adam_v_ = static_cast<float*>(adam_v_buffer_->get());
     rope_ = std::make_unique<k::rope::UploadedTable>(
         ops::rope::make_table(cfg_.head_dim, cfg_.rope_fraction, cfg_.rope_base, std::max(opt_.seq_length, cfg_.max_seq_len)));
     std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens()));
@@ -363,7 +371,7 @@ class CudaBackend final : public TrainBackend {
     std::size_t ep = ep_group_ ? ep_group_->device_bytes() : 0;
     for (const auto& l : ep_layers_) ep += l->device_bytes();
     const std::size_t comm = dp_ ? dp_->device_bytes() : 0;  // the classic step's bf16 copy
-    return masters_->backed_bytes() + param_arena_.capacity() + grad_arena_.capacity() + state_arena_.capacity() +
+    return masters_->backed_bytes() + adam_v_buffer_->backed_bytes() + param_arena_.capacity() + grad_arena_.capacity() + state_arena_.capacity() +
            act_arena_.capacity() + ep + comm;
   }
 
@@ -577,7 +585,9 @@ class CudaBackend final : public TrainBackend {
       KEEL_CUDA_CHECK(cudaMemcpy(s.params.data(), params_, n * sizeof(float), cudaMemcpyDeviceToHost));
     }
     KEEL_CUDA_CHECK(cudaMemcpy(s.adam_m.data(), adam_m_, k * sizeof(float), cudaMemcpyDeviceToHost));
-    KEEL_CUDA_CHECK(cudaMemcpy(s.adam_v.data(), adam_v_, k * sizeof(float), cudaMemcpyDeviceToHost));
+    for (const MomentSpan& sp : adamw_moment_spans(layout_, slice_))  // zeros elsewhere
+      KEEL_CUDA_CHECK(cudaMemcpy(s.adam_v.data() + sp.at, adam_v_ + sp.at, static_cast<std::size_t>(sp.count) * sizeof(float),
+                                 cudaMemcpyDeviceToHost));
     s.router_bias = bias_;
     s.adamw_step = adam_.step_count();
     return s;
@@ -608,7 +618,9 @@ class CudaBackend final : public TrainBackend {
     join_comm();  // pending broadcasts write the parameters
     upload_params(s.params);
     if (k > 0) KEEL_CUDA_CHECK(cudaMemcpyAsync(adam_m_, s.adam_m.data(), k * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    if (k > 0) KEEL_CUDA_CHECK(cudaMemcpyAsync(adam_v_, s.adam_v.data(), k * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    for (const MomentSpan& sp : adamw_moment_spans(layout_, slice_))
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(adam_v_ + sp.at, s.adam_v.data() + sp.at, static_cast<std::size_t>(sp.count) * sizeof(float),
+                                      cudaMemcpyHostToDevice, stream_));
     KEEL_CUDA_CHECK(keel::stream_sync(stream_));
     bias_ = s.router_bias;
     upload_bias();
@@ -1756,6 +1768,7 @@ class CudaBackend final : public TrainBackend {
   bool any_bf16_broadcast_ = false;
   bool shard_masters_ = true;                    // KEEL_DP_SHARD_MASTERS
   std::unique_ptr<SparseDeviceBuffer> masters_;  // the fp32 masters (params_): master_ranges() backed
+  std::unique_ptr<SparseDeviceBuffer> adam_v_buffer_;  // adam_v_: adamw_moment_spans() backed
   static constexpr std::size_t kStagingFloats = std::size_t(32) << 20;  // 128 MiB pieces
   mutable GrowingDeviceBuffer staging_{"out of GPU memory: the ", "train on more GPUs or a smaller model"};
   bool group_reduces_ = false;

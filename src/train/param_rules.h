@@ -8,9 +8,10 @@
 // the groups, so both optimizers see the same flat buffers and a checkpoint of either loads into
 // the other (regroup_layout() checks that and throws if it ever stops being true).
 //
-// Muon's momentum lives in AdamW's m buffer at the Muon parameters' offsets (AdamW skips them);
-// their v stays zero. So a train state (and a checkpoint) has the same three buffers whichever
-// optimizer runs.
+// Muon's momentum lives in AdamW's m buffer at the Muon parameters' offsets (AdamW skips them),
+// so a train state has the same buffers whichever optimizer runs. Their v is never used: it is
+// zero in a train state, backed by no GPU memory and not stored in checkpoints
+// (adamw_moment_spans() in backend.h).
 #pragma once
 
 #include <string>

@@ -16,7 +16,10 @@
 namespace keel::train {
 namespace {
 
-constexpr const char* kTrainFormat = "keel.train/2";
+// keel.train/3 stores optim/exp_avg_sq only for the parameters the saving run trained with AdamW
+// (keel.train/2 also stored zeros for the Muon ones); both load.
+constexpr const char* kTrainFormat = "keel.train/3";
+constexpr const char* kTrainFormatV2 = "keel.train/2";
 
 ckpt::Shape shape_of(const optim::ParamInfo& p) { return ckpt::Shape(p.shape.begin(), p.shape.end()); }
 
@@ -76,16 +79,6 @@ void for_each_box_in(const optim::ParamInfo& p, const StateSlice& slice, std::in
   }
 }
 
-// The optimizer ranges of a slice, each with where its moments start in adam_m / adam_v.
-struct MomentRange {
-  std::int64_t begin, end, at;
-};
-std::vector<MomentRange> moment_ranges(const StateSlice& s) {
-  std::vector<MomentRange> r{{s.shard_begin, s.shard_end, 0}};
-  if (s.expert_end > s.expert_begin) r.push_back({s.expert_begin, s.expert_end, s.shard_end - s.shard_begin});
-  return r;
-}
-
 std::string layout_name(int ranks, const StateSlice& s) {
   std::string name = fmt::format("dp={}", ranks);
   if (s.expert_parallel > 1) name += fmt::format(",ep={}", s.expert_parallel);
@@ -133,7 +126,8 @@ std::vector<ckpt::SaveShard> TrainCheckpointer::shards(const CheckpointView& vie
         const std::int64_t m = r.at + (at - r.begin);
         out.push_back(shard("model/" + p.name, g, box, view.params + at, false));
         out.push_back(shard("optim/exp_avg/" + p.name, g, box, view.adam_m + m, true));
-        out.push_back(shard("optim/exp_avg_sq/" + p.name, g, std::move(box), view.adam_v + m, true));
+        if (p.optimizer == optim::OptimizerKind::kAdamW)  // Muon keeps no v (adamw_moment_spans)
+          out.push_back(shard("optim/exp_avg_sq/" + p.name, g, std::move(box), view.adam_v + m, true));
       });
   for (auto& s : out) s.on_device = view.on_device;
   for (std::size_t i = 0; i < view.router_bias.size(); ++i) {  // replicated: spread over the ranks (host memory)
@@ -202,10 +196,13 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
     fail("checkpoint load: expert rank {} of {}", slice.expert_rank, slice.expert_parallel);
   const ckpt::Reader reader(path);
   const nlohmann::json& s = reader.metadata().state;
-  const std::string format = s.is_object() && s.contains("format") ? s["format"].dump() : "none";
-  if (format != nlohmann::json(kTrainFormat).dump())
-    fail("checkpoint {}: not a keel train checkpoint (state format {}, expected '{}')", reader.dir(), format,
-         kTrainFormat);
+  const bool has_format = s.is_object() && s.contains("format") && s["format"].is_string();
+  const std::string format = has_format ? s["format"].get<std::string>() : "";
+  if (format != kTrainFormat && format != kTrainFormatV2)
+    fail("checkpoint {}: not a keel train checkpoint (state format {}, expected '{}')", reader.dir(),
+         s.is_object() && s.contains("format") ? s["format"].dump() : "none", kTrainFormat);
+  std::set<std::string> stored;
+  for (const auto& t : reader.metadata().tensors) stored.insert(t.name);
   LoadedTrainState out;
   out.dir = reader.dir();
   out.extra = s;
@@ -240,7 +237,10 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
         const ckpt::Shape g = held(p, slice).global;
         const std::int64_t m = r.at + (at - r.begin);
         reqs.push_back(request("optim/exp_avg/" + p.name, g, box, st.adam_m.data() + m));
-        reqs.push_back(request("optim/exp_avg_sq/" + p.name, g, std::move(box), st.adam_v.data() + m));
+        // A parameter the saving run trained with Muon has no v; it stays zero (and
+        // check_state_matches_optimizers refuses that momentum where this run needs AdamW's).
+        if (format == kTrainFormatV2 || stored.contains("optim/exp_avg_sq/" + p.name))
+          reqs.push_back(request("optim/exp_avg_sq/" + p.name, g, std::move(box), st.adam_v.data() + m));
       });
   for (std::size_t i = 0; i < st.router_bias.size(); ++i) {
     const ckpt::Shape shape{static_cast<std::int64_t>(st.router_bias[i].size())};
@@ -265,7 +265,7 @@ LoadedWeights load_model_weights(const std::string& path, const model::ModelConf
   const nlohmann::json& s = meta.state;
   LoadedWeights out;
   out.dir = reader.dir();
-  if (s.value("format", "") == kTrainFormat)
+  if (const std::string f = s.value("format", ""); f == kTrainFormat || f == kTrainFormatV2)
     out.description = fmt::format("step {}", s.value("step", std::int64_t{0}));
   else if (s.contains("imported_from"))
     out.description = fmt::format("weights imported from {}{}", s["imported_from"].get<std::string>(),

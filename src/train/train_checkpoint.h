@@ -8,10 +8,11 @@
 // layout loads from):
 //   model/<param>            the fp32 master weights
 //   optim/exp_avg/<param>    AdamW m (Muon's momentum for Muon parameters)
-//   optim/exp_avg_sq/<param> AdamW v (zeros for Muon parameters)
+//   optim/exp_avg_sq/<param> AdamW v (only for AdamW parameters: Muon keeps no v)
 //   router/bias.<i>          the router selection bias of MoE layer i, [E]
 // Non-tensor state (metadata.json "state"): step, optimizer step count, the data sampler's
-// position, the model name, the effective config text, and "format": "keel.train/2".
+// position, the model name, the effective config text, and "format": "keel.train/3" (/2, which
+// also stored zero v for Muon parameters, loads too).
 //
 // Under data parallelism with ZeRO-1 (layout "dp=N,zero=1") every rank writes the boxes of its
 // optimizer shard's flat range [shard_begin, shard_end), of the optimizer state and of the

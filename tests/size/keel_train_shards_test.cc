@@ -68,13 +68,21 @@ TEST(KeelTrainShards, OptimizerStateIsHeldOnceAndTheBusiestRankIsReported) {
       EXPECT_GE(sum(k->rank_optimizer_floats), params);
       EXPECT_LE(sum(k->rank_optimizer_floats), params * (1 + 1e-5));
       EXPECT_GE(k->busiest_optimizer_floats(), k->mean_optimizer_floats());
-      // The memory estimate holds 12 B (master, m, v) for each of the busiest rank's floats.
+      // v only for AdamW's floats: all of them under AdamW, the embedding and vectors under Muon.
+      ASSERT_EQ(k->rank_adamw_floats.size(), static_cast<std::size_t>(gpus));
+      if (opt == Optimizer::kAdamW) EXPECT_EQ(sum(k->rank_adamw_floats), sum(k->rank_optimizer_floats));
+      else EXPECT_LT(sum(k->rank_adamw_floats), 0.1 * params);
+      for (int r = 0; r < gpus; ++r) EXPECT_LE(k->rank_adamw_floats[r], k->rank_optimizer_floats[r]);
+      // The memory estimate holds the busiest rank's 8 B (master, m) per float plus 4 B (v) per
+      // AdamW float.
       const MemoryEstimate e = estimate_memory(s);
       EXPECT_EQ(e.keel_train_optimizer_floats, k->busiest_optimizer_floats());
-      double optimizer = 0;
+      double optimizer = 0, most = 0;
       for (const auto& i : e.items)
         if (i.name.starts_with("optimizer")) optimizer = i.bytes;
-      EXPECT_EQ(optimizer, 12 * k->busiest_optimizer_floats());
+      for (int r = 0; r < gpus; ++r) most = std::max(most, 8 * k->rank_optimizer_floats[r] + 4 * k->rank_adamw_floats[r]);
+      EXPECT_EQ(optimizer, most);
+      if (opt == Optimizer::kAdamW) EXPECT_EQ(optimizer, 12 * k->busiest_optimizer_floats());
     }
 }
 

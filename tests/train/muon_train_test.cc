@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <set>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -17,7 +19,11 @@
 #include "optim/clip.h"
 #include "optim/muon.h"
 #include "train/backend.h"
+#include "ckpt/reader.h"
+#include "ckpt/store.h"
+#include "common/fileio.h"
 #include "train/param_rules.h"
+#include "train/train_checkpoint.h"
 #include "train/trainer.h"
 
 #include "resume_test_util.h"
@@ -213,6 +219,110 @@ TEST(MuonTrain, MuonStateIntoAnAdamWRunIsRefused) {
   adamw->backward(1.0f);
   adamw->clip_and_step(1.0, 1e-3);
   EXPECT_NO_THROW(other->set_state(adamw->state()));
+}
+
+TEST(MuonTrain, SecondMomentsAreKeptOnlyForAdamWParameters) {
+  // Flat layout: a, b AdamW (padding between them), c Muon, d AdamW, e Muon.
+  auto info = [](const char* name, std::int64_t offset, std::int64_t numel, bool muon) {
+    optim::ParamInfo p;
+    p.name = name;
+    p.shape = muon ? std::vector<std::int64_t>{4, numel / 4} : std::vector<std::int64_t>{numel};
+    p.optimizer = muon ? optim::OptimizerKind::kMuon : optim::OptimizerKind::kAdamW;
+    p.offset = offset;
+    p.numel = numel;
+    return p;
+  };
+  optim::ParamLayout l;
+  l.params = {info("a", 0, 5, false), info("b", 16, 3, false), info("c", 32, 16, true), info("d", 48, 2, false),
+              info("e", 64, 16, true)};
+  l.total_floats = 80;
+  auto spans = [&](StateSlice s) {
+    std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t>> out;
+    for (const MomentSpan& sp : adamw_moment_spans(l, s)) out.emplace_back(sp.begin, sp.count, sp.at);
+    return out;
+  };
+  using T = std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t>>;
+  EXPECT_EQ(spans({1, 0, 0, 80, 0, 0}), (T{{0, 19, 0}, {48, 2, 48}}));  // a and b merge across the padding
+  EXPECT_EQ(spans({1, 0, 2, 40, 0, 0}), (T{{2, 17, 0}}));               // cut inside a
+  // An expert range's moments follow the shard's.
+  EXPECT_EQ(spans({2, 1, 10, 40, 48, 80}), (T{{16, 3, 6}, {48, 2, 30}}));
+  EXPECT_EQ(spans({1, 0, 32, 48, 0, 0}), T{});  // only Muon: no v at all
+}
+
+TEST(MuonTrain, CheckpointStoresNoSecondMomentForMuonMatrices) {
+  const auto cfg = fixtures::tiny_config(false);
+  const fixtures::Batch batch = fixtures::random_batch(16, 23, 9);
+  auto trained = [&](const OptimizerConfig& o) {
+    auto b = make_cpu_backend(cfg, tiny_options(), o, ParallelContext::single());
+    for (int s = 0; s < 2; ++s) {
+      b->zero_grads();
+      b->forward(batch.tokens.data(), batch.targets.data());
+      b->backward(1.0f);
+      b->clip_and_step(1.0, 1e-3);
+    }
+    return b;
+  };
+  auto save = [](TrainBackend& b, const fs::path& root) {
+    TrainCheckpointer ck(root.string(), {});
+    ck.save(2, b.state(), b.layout(), {{"sampler", {{"next", 0}}}});
+    ck.finish();
+  };
+  const auto dir = fixtures::temp_dir("muon_train_test", "no_v");
+  fs::remove_all(dir);
+  auto muon = trained(OptimizerConfig({}, muon_on()));
+  save(*muon, dir / "muon");
+  {
+    const ckpt::Reader r((dir / "muon").string());
+    std::set<std::string> stored;
+    for (const auto& t : r.metadata().tensors) stored.insert(t.name);
+    int muon_params = 0;
+    for (const auto& p : muon->layout().params) {
+      EXPECT_TRUE(stored.contains("optim/exp_avg/" + p.name)) << p.name;
+      const bool adamw = p.optimizer == optim::OptimizerKind::kAdamW;
+      EXPECT_EQ(stored.contains("optim/exp_avg_sq/" + p.name), adamw) << p.name;
+      muon_params += !adamw;
+    }
+    EXPECT_GT(muon_params, 0);
+  }
+  // It resumes a Muon run exactly (v zero at the Muon matrices on both sides).
+  const TrainState want = muon->state();
+  const LoadedTrainState got = load_train_checkpoint((dir / "muon").string(), cfg);
+  EXPECT_EQ(got.state.params, want.params);
+  EXPECT_EQ(got.state.adam_m, want.adam_m);
+  EXPECT_EQ(got.state.adam_v, want.adam_v);
+
+  // An AdamW checkpoint stores v everywhere; a Muon run takes the AdamW parameters' and keeps
+  // none at its matrices.
+  auto adamw = trained({});
+  save(*adamw, dir / "adamw");
+  const TrainState a = adamw->state();
+  auto into = make_cpu_backend(cfg, tiny_options(), OptimizerConfig({}, muon_on()), ParallelContext::single());
+  into->set_state(load_train_checkpoint((dir / "adamw").string(), cfg).state);
+  const TrainState b = into->state();
+  for (const auto& p : into->layout().params)
+    for (std::int64_t i = p.offset; i < p.offset + p.numel; ++i)
+      ASSERT_EQ(b.adam_v[i], p.optimizer == optim::OptimizerKind::kAdamW ? a.adam_v[i] : 0.f) << p.name;
+
+  // keel.train/2 (v stored for every parameter) still loads; another format does not.
+  const std::string step_dir = ckpt::latest_dir((dir / "adamw").string());
+  const std::string text = read_file(step_dir + "/metadata.json");
+  auto with_format = [&](const std::string& f) {
+    std::string t = text;
+    const std::size_t at = t.find("\"keel.train/3\"");
+    EXPECT_NE(at, std::string::npos);
+    t.replace(at, 13, "\"" + f);
+    write_file_atomically(step_dir + "/metadata.json", t);
+  };
+  with_format("keel.train/2");
+  EXPECT_EQ(load_train_checkpoint(step_dir, cfg).state.adam_v, a.adam_v);
+  with_format("keel.train/9");
+  try {
+    load_train_checkpoint(step_dir, cfg);
+    FAIL() << "loaded a checkpoint of an unknown format";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not a keel train checkpoint"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
 }
 
 // --- through the trainer and the config ---

@@ -8,10 +8,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "common/error.h"
 #include "cuda_test_util.h"
@@ -21,6 +24,7 @@
 #include "optim/param_groups.h"
 #include "train/backend.h"
 #include "train/param_rules.h"
+#include "train/train_checkpoint.h"
 
 namespace keel {
 namespace {
@@ -345,7 +349,30 @@ TEST(MuonCuda, BackendMatchesCpuBackendAfterOneStep) {
   std::printf("[muon backend] overfit ce %.4f -> %.4f\n", first, last);
   EXPECT_LT(last, 0.5 * first);
   // the GPU's Muon state loads into the CPU backend with Muon (checkpoints move between devices)
-  EXPECT_NO_THROW(cpu->set_state(gpu->state()));
+  const train::TrainState st = gpu->state();
+  EXPECT_NO_THROW(cpu->set_state(st));
+  // A checkpoint straight from device memory holds exactly state(): the Muon matrices' v has no
+  // GPU memory behind it and is neither read nor stored; loading it back changes nothing.
+  const auto root = std::filesystem::temp_directory_path() / ("keel_muon_cuda_view_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  {
+    train::TrainCheckpointer ck(root.string(), {});
+    ck.save(1, gpu->checkpoint_view(), layout, nlohmann::json{{"config", ""}});
+    ASSERT_TRUE(ck.finish());
+  }
+  const train::LoadedTrainState got = train::load_train_checkpoint(root.string(), cfg);
+  EXPECT_EQ(got.state.params, st.params);
+  EXPECT_EQ(got.state.adam_m, st.adam_m);
+  EXPECT_EQ(got.state.adam_v, st.adam_v);
+  gpu->zero_grads();
+  const double loss = gpu->forward(b.tokens.data(), b.targets.data()).total;
+  gpu->backward(1.0f);
+  gpu->clip_and_step(1.0, 1e-2);
+  gpu->set_state(got.state);
+  EXPECT_EQ(gpu->state().adam_v, st.adam_v);
+  gpu->zero_grads();
+  EXPECT_EQ(gpu->forward(b.tokens.data(), b.targets.data()).total, loss);
+  std::filesystem::remove_all(root);
 }
 
 }  // namespace
