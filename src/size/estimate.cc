@@ -303,6 +303,7 @@ MemoryEstimate estimate_memory(const Setup& s) {
       e.keel_train_optimizer_floats_mean = kt->mean_optimizer_floats();
       if (kt->bf16_reduce_scratch > 0)
         e.items.push_back({"gradient reduce scratch (bf16)", kBf16 * kt->bf16_reduce_scratch});
+      if (kt->muon_workspace_bytes > 0) e.items.push_back({"Muon workspace (largest matrix batch)", kt->muon_workspace_bytes});
     } else if (s.optimizer == Optimizer::kMuon) {
       const double matrix_share = e.params_on_gpu > 0 ? matrix / e.params_on_gpu : 0;
       e.items.push_back({"optimizer (Muon 8 B matrices, AdamW 12 B rest)", o * (matrix_share * 8 + (1 - matrix_share) * 12)});

@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "hw/gemm_model.h"
 #include "optim/muon.h"
+#include "optim/muon_workspace.h"
 #include "parallel/zero1.h"
 #include "train/backend.h"
 #include "train/model.h"
@@ -130,6 +131,7 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
     }
   }
   if (muon) {
+    k.muon_workspace_bytes = static_cast<double>(optim::muon_workspace_bytes(layout));
     // The replicated region once, and every expert group's copy of the expert region.
     k.muon_flops_total = muon_range(0, sh.replicated_end).flops_total;
     if (experts) k.muon_flops_total += l.ep * muon_range(sh.replicated_end, total).flops_total;

@@ -29,6 +29,8 @@ struct KeelTrainShards {
   // parallel.grad_reduce: bf16 on more than one rank: the bf16 scratch the overlapped step
   // rounds a stage's (or the expert region's) gradients into, in elements.
   double bf16_reduce_scratch = 0;
+  // With Muon: the device workspace of its largest matrix batch (an expert stack), in bytes.
+  double muon_workspace_bytes = 0;
 
   double busiest_optimizer_floats() const;
   double busiest_optimizer_bytes() const;  // fp32 master and m for every float, v for AdamW's

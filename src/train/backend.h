@@ -138,6 +138,12 @@ class TrainBackend {
   // Bytes the backend holds (parameters, gradients, optimizer, activations, workspaces); on a
   // GPU the allocator's peak.
   virtual std::size_t memory_bytes() const = 0;
+  // memory_bytes() by what holds it (the items sum to it), for the start-up report.
+  struct MemoryItem {
+    std::string name;
+    std::size_t bytes = 0;
+  };
+  virtual std::vector<MemoryItem> memory_breakdown() const { return {{"total", memory_bytes()}}; }
 
   virtual void zero_grads() = 0;
   // The trainer announces, after zero_grads(), how many backward() calls this step makes on
@@ -202,6 +208,10 @@ StateShards plan_state_shards(const optim::ParamLayout& layout, const ParallelCo
 // naming the first mismatch.
 void check_train_state(const TrainState& s, const optim::ParamLayout& layout, const StateSlice& slice,
                        const std::vector<std::size_t>& router_bias_sizes);
+
+// One line: "memory on this rank: 41.15 GiB = fp32 master weights 8.19 GiB + ..." from
+// memory_breakdown(), items of 0 bytes left out.
+std::string memory_report(const TrainBackend& b);
 
 // True when this keel was built with CUDA and a GPU is visible (`device: auto` picks cuda then).
 bool cuda_training_available();

@@ -60,6 +60,13 @@ class CpuBackend final : public TrainBackend {
     auto& m = const_cast<MoeTransformer&>(model_);
     return m.param_arena().capacity() + m.grad_arena().capacity() + opt_arena_->capacity() + m.act_arena().capacity();
   }
+  std::vector<MemoryItem> memory_breakdown() const override {
+    auto& m = const_cast<MoeTransformer&>(model_);
+    return {{"parameters", m.param_arena().capacity()},
+            {"gradients", m.grad_arena().capacity()},
+            {"optimizer state", opt_arena_->capacity()},
+            {"activations and scratch", m.act_arena().capacity()}};
+  }
 
   void zero_grads() override { model_.zero_grads(); }
   LossParts forward(const std::uint32_t* tokens, const std::int32_t* targets) override {
@@ -285,6 +292,14 @@ void check_train_state(const TrainState& s, const optim::ParamLayout& layout, co
   if (slice.expert_end > slice.expert_begin)
     check_state_matches_optimizers(layout, s.adam_m.data() + sk, s.adam_v.data() + sk, slice.expert_begin,
                                    slice.expert_end);
+}
+
+std::string memory_report(const TrainBackend& b) {
+  auto gib = [](std::size_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1u << 30)); };
+  std::string parts;
+  for (const auto& it : b.memory_breakdown())
+    if (it.bytes > 0) parts += fmt::format("{}{} {}", parts.empty() ? "" : " + ", it.name, gib(it.bytes));
+  return fmt::format("memory on this rank: {} = {}", gib(b.memory_bytes()), parts);
 }
 
 bool cuda_training_available() {

@@ -124,6 +124,7 @@ class DeviceArena {
     used_ = 0;
   }
   std::size_t capacity() const { return capacity_; }
+  std::size_t used() const { return used_; }  // bytes taken so far (in either pass)
 
  private:
   std::string name_;
@@ -297,10 +298,14 @@ class CudaBackend final : public TrainBackend {
       params_bf16_ = param_arena_.take<bf16>(n);
       bias_dev_ = param_arena_.take<float>(std::max<std::size_t>(1, moe_layer_ids_.size() * classes_));
       grads_ = grad_arena_.take<float>(n_comm);
+      const std::size_t grads_used = grad_arena_.used();
       grads_bf16_ =
           reduce_scratch_floats_ > 0 ? grad_arena_.take<bf16>(static_cast<std::size_t>(reduce_scratch_floats_)) : nullptr;
+      reduce_scratch_bytes_ = grad_arena_.used() - grads_used;
       adam_m_ = state_arena_.take<float>(n_shard);
+      const std::size_t state_used = state_arena_.used();
       muon_ws_ = muon_ws_bytes ? state_arena_.take<std::byte>(muon_ws_bytes) : nullptr;
+      muon_ws_bytes_ = state_arena_.used() - state_used;
       plan_acts();
       if (pass == 0) {
         param_arena_.allocate();
@@ -373,6 +378,22 @@ class CudaBackend final : public TrainBackend {
     const std::size_t comm = dp_ ? dp_->device_bytes() : 0;  // the classic step's bf16 copy
     return masters_->backed_bytes() + adam_v_buffer_->backed_bytes() + param_arena_.capacity() + grad_arena_.capacity() + state_arena_.capacity() +
            act_arena_.capacity() + ep + comm;
+  }
+  std::vector<MemoryItem> memory_breakdown() const override {
+    std::size_t ep = ep_group_ ? ep_group_->device_bytes() : 0;
+    for (const auto& l : ep_layers_) ep += l->device_bytes();
+    const std::size_t acts = act_arena_.capacity(), state = state_arena_.capacity();
+    return {{"fp32 master weights", masters_->backed_bytes()},
+            {"bf16 weights", param_arena_.capacity()},
+            {"fp32 gradients", grad_arena_.capacity() - reduce_scratch_bytes_},
+            {"bf16 gradient-reduce scratch", reduce_scratch_bytes_ + (dp_ ? dp_->device_bytes() : 0)},
+            {"optimizer m (Muon momentum)", state - muon_ws_bytes_},
+            {"AdamW v", adam_v_buffer_->backed_bytes()},
+            {"Muon workspace", muon_ws_bytes_},
+            {"saved activations", saved_act_bytes_},
+            {"backward scratch", acts - saved_act_bytes_ - ce_scratch_bytes_},
+            {"cross-entropy (kept logits)", ce_scratch_bytes_},
+            {"expert-parallel exchange", ep}};
   }
 
   void zero_grads() override {
@@ -1330,6 +1351,7 @@ class CudaBackend final : public TrainBackend {
         a.zmoe.experts = a.saved;
       }
     }
+    saved_act_bytes_ = A.used();
     // shared backward scratch
     dres_ = A.take<float>(N * D);
     dres_bf_ = A.take<bf16>(N * D);
@@ -1380,8 +1402,10 @@ class CudaBackend final : public TrainBackend {
     final_rstd_ = A.take<float>(N);
     ce_lse_ = A.take<float>(N);
     ce_result_ = A.take<k::cross_entropy::Result>(1);
+    const std::size_t before_ce = A.used();
     ce_scratch_ = A.take<std::byte>(
         static_cast<std::size_t>(k::cross_entropy::scratch_bytes(N, D, cfg_.vocab_size, ce_options())));
+    ce_scratch_bytes_ = A.used() - before_ce;
     tokens_ = A.take<std::uint32_t>(N);
     targets_ = A.take<std::int32_t>(N);
     if (overlap_ && defer_embed_ && own_embed_) {
@@ -1769,6 +1793,8 @@ class CudaBackend final : public TrainBackend {
   bool shard_masters_ = true;                    // KEEL_DP_SHARD_MASTERS
   std::unique_ptr<SparseDeviceBuffer> masters_;  // the fp32 masters (params_): master_ranges() backed
   std::unique_ptr<SparseDeviceBuffer> adam_v_buffer_;  // adam_v_: adamw_moment_spans() backed
+  // What parts of the arenas hold (memory_breakdown()), in bytes as taken.
+  std::size_t reduce_scratch_bytes_ = 0, muon_ws_bytes_ = 0, saved_act_bytes_ = 0, ce_scratch_bytes_ = 0;
   static constexpr std::size_t kStagingFloats = std::size_t(32) << 20;  // 128 MiB pieces
   mutable GrowingDeviceBuffer staging_{"out of GPU memory: the ", "train on more GPUs or a smaller model"};
   bool group_reduces_ = false;

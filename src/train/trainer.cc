@@ -312,6 +312,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
                     : "",
                 static_cast<long long>(cfg_.steps), static_cast<long long>(step_tokens),
                 to_string(cfg_.model_options.recompute));
+  if (!quiet_ && step_ == 0) std::printf("%s\n", memory_report(*backend_).c_str());
   while (step_ < until) {
     progress(fmt::format("step {}", step_ + 1));
     if (step_ + 1 == hang_step_ && ctx_.data.rank == hang_rank_) {

@@ -1,6 +1,7 @@
 // keel size on the layouts keel train runs: its own ZeRO-1 shards, checked against what they
 // must add up to (every Muon matrix stepped once, every parameter's state held once) and
 // against the model's own counts.
+#include "optim/muon_workspace.h"
 #include "size/keel_train_shards.h"
 
 #include <gtest/gtest.h>
@@ -83,6 +84,15 @@ TEST(KeelTrainShards, OptimizerStateIsHeldOnceAndTheBusiestRankIsReported) {
       for (int r = 0; r < gpus; ++r) most = std::max(most, 8 * k->rank_optimizer_floats[r] + 4 * k->rank_adamw_floats[r]);
       EXPECT_EQ(optimizer, most);
       if (opt == Optimizer::kAdamW) EXPECT_EQ(optimizer, 12 * k->busiest_optimizer_floats());
+      // Muon's device workspace for its largest batch, ZAYA1's expert stack (16 x 2048 x 2048,
+      // or the E / ep experts a rank holds), as keel train allocates it.
+      double workspace = 0;
+      for (const auto& i : e.items)
+        if (i.name.starts_with("Muon workspace")) workspace = i.bytes;
+      const int ep = layout.starts_with("ep=") ? std::stoi(layout.substr(3)) : 1;
+      EXPECT_EQ(workspace, opt == Optimizer::kMuon
+                               ? static_cast<double>(optim::muon_workspace_layout(16 / ep, 2048, 2048).bytes)
+                               : 0.0);
     }
 }
 

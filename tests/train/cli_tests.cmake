@@ -14,6 +14,11 @@ keel_cli_test(NAME train_tiny MATCH "done: steps 0 -> 16 in .* s, loss 5\\.[0-9]
 keel_cli_test(NAME train_eval_heldout MATCH "eval +8 \\| loss [0-9]+\\.[0-9]+"
   ARGS train ${tcfg} ${tshort} --set steps=8 --set output_dir=train_eval)
 set_tests_properties(cli_train_eval_heldout PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+# The start-up memory line: the backend's holdings by what holds them.
+keel_cli_test(NAME train_memory_report
+  MATCH "memory on this rank: [0-9.]+ GiB = parameters [0-9.]+ GiB \\+ gradients [0-9.]+ GiB \\+ optimizer state [0-9.]+ GiB \\+ activations and scratch"
+  ARGS train ${tcfg} ${tshort} --set steps=4 --set output_dir=train_memory)
+set_tests_properties(cli_train_memory_report PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 keel_cli_test(NAME train_stop MATCH "saved train_stop/step_00000008 "
   ARGS train ${tcfg} ${tshort} --set output_dir=train_stop --stop-after 8)
 set_tests_properties(cli_train_stop PROPERTIES FIXTURES_SETUP train_stop)
@@ -38,7 +43,7 @@ set_tests_properties(cli_train_stop_at_interval PROPERTIES FIXTURES_REQUIRED "tr
 keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must be a step count >= 1"
   ARGS train ${tcfg} ${tshort} --set output_dir=train_never --stop-after -5)
 # The other runs write checkpoints too: each starts from an empty directory so reruns work.
-add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_zaya train_stop_iv train_hang train_hang_ck
+add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_memory train_zaya train_stop_iv train_hang train_hang_ck
          train_dp_auto train_dp_bf16
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)

@@ -325,6 +325,18 @@ TEST(MuonTrain, CheckpointStoresNoSecondMomentForMuonMatrices) {
   fs::remove_all(dir);
 }
 
+TEST(MuonTrain, MemoryBreakdownAddsUpToTheTotal) {
+  auto b = make_cpu_backend(fixtures::tiny_config(false), tiny_options(), OptimizerConfig({}, muon_on()),
+                            ParallelContext::single());
+  std::size_t sum = 0;
+  for (const auto& it : b->memory_breakdown()) sum += it.bytes;
+  EXPECT_EQ(sum, b->memory_bytes());
+  const std::string line = memory_report(*b);
+  EXPECT_EQ(line.rfind("memory on this rank: ", 0), 0u) << line;
+  EXPECT_NE(line.find(" = parameters "), std::string::npos) << line;
+  EXPECT_NE(line.find(" + optimizer state "), std::string::npos) << line;
+}
+
 // --- through the trainer and the config ---
 
 // The tests' train config with Muon on (momentum 0.9).

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "optim/muon_workspace.h"
 
 namespace keel::ops::cuda::muon {
 
@@ -12,38 +13,28 @@ namespace {
 constexpr int kThreads = 256;
 constexpr float kNormEps = 1e-7f;  // optim::newton_schulz's default
 
-// Per-matrix reductions split each matrix into `chunks` blocks (blockIdx.x), one partial each,
-// summed in a fixed order by a second kernel: deterministic, and enough blocks for one large
-// matrix to use the whole GPU.
-std::int64_t reduction_chunks(std::int64_t per_matrix) {
-  return std::clamp<std::int64_t>((per_matrix + kThreads * 16 - 1) / (kThreads * 16), 1, 256);
-}
+// Per-matrix reductions split each matrix into optim::muon_reduction_chunks() blocks
+// (blockIdx.x), one partial each, summed in a fixed order by a second kernel: deterministic, and
+// enough blocks for one large matrix to use the whole GPU.
+std::int64_t reduction_chunks(std::int64_t per_matrix) { return optim::muon_reduction_chunks(per_matrix); }
 
-std::size_t round_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
-
-// The workspace, carved in this order (each region 256-byte aligned).
+// The workspace, carved as optim::muon_workspace_layout() lays it out (keel size counts the same).
 struct Workspace {
   bf16 *x = nullptr, *y = nullptr, *a = nullptr, *b = nullptr;
   double* partials = nullptr;
   double* factor = nullptr;  // per matrix: float(1 / (||U|| + eps)), then (exact_rms) k
-  std::size_t bytes = 0;
 };
 
 Workspace carve(void* base, std::int64_t matrices, std::int64_t rows, std::int64_t cols) {
-  const std::int64_t s = std::min(rows, cols), mn = rows * cols;
-  Workspace w;
+  const optim::MuonWorkspaceLayout l = optim::muon_workspace_layout(matrices, rows, cols);
   auto* p = static_cast<std::byte*>(base);
-  auto take = [&](std::size_t bytes) {
-    std::byte* at = p ? p + w.bytes : nullptr;
-    w.bytes += round_up(bytes);
-    return at;
-  };
-  w.x = reinterpret_cast<bf16*>(take(sizeof(bf16) * matrices * mn));
-  w.y = reinterpret_cast<bf16*>(take(sizeof(bf16) * matrices * mn));
-  w.a = reinterpret_cast<bf16*>(take(sizeof(bf16) * matrices * s * s));
-  w.b = reinterpret_cast<bf16*>(take(sizeof(bf16) * matrices * s * s));
-  w.partials = reinterpret_cast<double*>(take(sizeof(double) * matrices * reduction_chunks(mn)));
-  w.factor = reinterpret_cast<double*>(take(sizeof(double) * matrices));
+  Workspace w;
+  w.x = reinterpret_cast<bf16*>(p + l.x);
+  w.y = reinterpret_cast<bf16*>(p + l.y);
+  w.a = reinterpret_cast<bf16*>(p + l.a);
+  w.b = reinterpret_cast<bf16*>(p + l.b);
+  w.partials = reinterpret_cast<double*>(p + l.partials);
+  w.factor = reinterpret_cast<double*>(p + l.factor);
   return w;
 }
 
@@ -291,16 +282,10 @@ void scale_and_update(float* param, bf16* param_bf16, const bf16* x, std::int64_
 }  // namespace
 
 std::size_t workspace_bytes(std::int64_t matrices, std::int64_t rows, std::int64_t cols) {
-  if (matrices < 1 || rows < 1 || cols < 1) fail("muon: bad matrix batch {} x [{}, {}]", matrices, rows, cols);
-  return carve(nullptr, matrices, rows, cols).bytes;
+  return optim::muon_workspace_layout(matrices, rows, cols).bytes;
 }
 
-std::size_t workspace_bytes(const optim::ParamLayout& layout) {
-  std::size_t n = 0;
-  for (const auto& p : layout.params)
-    if (p.optimizer == optim::OptimizerKind::kMuon) n = std::max(n, workspace_bytes(p.matrices(), p.rows(), p.cols()));
-  return n;
-}
+std::size_t workspace_bytes(const optim::ParamLayout& layout) { return optim::muon_workspace_bytes(layout); }
 
 void matrix_step(float* param, const float* grad, float* momentum, bf16* param_bf16, std::int64_t matrices,
                  std::int64_t rows, std::int64_t cols, const optim::MuonConfig& c, double lr, bool decay,

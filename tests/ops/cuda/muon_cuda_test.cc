@@ -300,6 +300,15 @@ TEST(MuonCuda, BackendMatchesCpuBackendAfterOneStep) {
   auto cpu = train::make_cpu_backend(cfg, opt, oc, train::ParallelContext::single());
   auto gpu = train::make_cuda_backend(cfg, opt, oc, train::ParallelContext::single());
   const auto& layout = gpu->layout();
+  // The memory report's items add up to the total, the Muon workspace among them.
+  std::size_t sum = 0, workspace = 0;
+  for (const auto& it : gpu->memory_breakdown()) {
+    sum += it.bytes;
+    if (it.name == "Muon workspace") workspace = it.bytes;
+  }
+  EXPECT_EQ(sum, gpu->memory_bytes());
+  EXPECT_GT(workspace, 0u);
+  std::printf("[muon backend] %s\n", train::memory_report(*gpu).c_str());
   ASSERT_EQ(train::optimizer_share(layout, optim::OptimizerKind::kMuon).tensors,
             train::optimizer_share(cpu->layout(), optim::OptimizerKind::kMuon).tensors);
   ASSERT_GT(train::optimizer_share(layout, optim::OptimizerKind::kMuon).tensors, 0);
