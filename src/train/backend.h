@@ -135,15 +135,18 @@ class TrainBackend {
   virtual std::int64_t param_count() const = 0;  // without padding
   virtual int moe_layer_count() const = 0;
   virtual double flops_per_micro_batch() const = 0;
-  // Bytes the backend holds (parameters, gradients, optimizer, activations, workspaces); on a
-  // GPU the allocator's peak.
-  virtual std::size_t memory_bytes() const = 0;
-  // memory_bytes() by what holds it (the items sum to it), for the start-up report.
+  // The bytes the backend holds (parameters, gradients, optimizer, activations, workspaces;
+  // on a GPU what it allocated) by what holds them, and their sum.
   struct MemoryItem {
     std::string name;
     std::size_t bytes = 0;
   };
-  virtual std::vector<MemoryItem> memory_breakdown() const { return {{"total", memory_bytes()}}; }
+  virtual std::vector<MemoryItem> memory_breakdown() const = 0;
+  std::size_t memory_bytes() const {
+    std::size_t sum = 0;
+    for (const auto& it : memory_breakdown()) sum += it.bytes;
+    return sum;
+  }
 
   virtual void zero_grads() = 0;
   // The trainer announces, after zero_grads(), how many backward() calls this step makes on

@@ -56,10 +56,6 @@ class CpuBackend final : public TrainBackend {
   std::int64_t param_count() const override { return model_.param_count(); }
   int moe_layer_count() const override { return static_cast<int>(model_.moe_layers().size()); }
   double flops_per_micro_batch() const override { return model_.flops_per_micro_batch(); }
-  std::size_t memory_bytes() const override {
-    auto& m = const_cast<MoeTransformer&>(model_);
-    return m.param_arena().capacity() + m.grad_arena().capacity() + opt_arena_->capacity() + m.act_arena().capacity();
-  }
   std::vector<MemoryItem> memory_breakdown() const override {
     auto& m = const_cast<MoeTransformer&>(model_);
     return {{"parameters", m.param_arena().capacity()},

@@ -372,13 +372,6 @@ class CudaBackend final : public TrainBackend {
   double flops_per_micro_batch() const override {
     return model_flops_per_micro_batch(cfg_, opt_.micro_batch, opt_.seq_length);
   }
-  std::size_t memory_bytes() const override {
-    std::size_t ep = ep_group_ ? ep_group_->device_bytes() : 0;
-    for (const auto& l : ep_layers_) ep += l->device_bytes();
-    const std::size_t comm = dp_ ? dp_->device_bytes() : 0;  // the classic step's bf16 copy
-    return masters_->backed_bytes() + adam_v_buffer_->backed_bytes() + param_arena_.capacity() + grad_arena_.capacity() + state_arena_.capacity() +
-           act_arena_.capacity() + ep + comm;
-  }
   std::vector<MemoryItem> memory_breakdown() const override {
     std::size_t ep = ep_group_ ? ep_group_->device_bytes() : 0;
     for (const auto& l : ep_layers_) ep += l->device_bytes();
@@ -386,6 +379,7 @@ class CudaBackend final : public TrainBackend {
     return {{"fp32 master weights", masters_->backed_bytes()},
             {"bf16 weights", param_arena_.capacity()},
             {"fp32 gradients", grad_arena_.capacity() - reduce_scratch_bytes_},
+            // the overlapped step's scratch, or the classic step's bf16 copy of the buffer
             {"bf16 gradient-reduce scratch", reduce_scratch_bytes_ + (dp_ ? dp_->device_bytes() : 0)},
             {"optimizer m (Muon momentum)", state - muon_ws_bytes_},
             {"AdamW v", adam_v_buffer_->backed_bytes()},
