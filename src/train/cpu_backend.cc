@@ -178,9 +178,9 @@ class CpuBackend final : public TrainBackend {
     }
     const double coef = optim::clip_coefficient(norm, max_norm);
     const float scale = static_cast<float>(coef);
-    const std::int64_t sk = e - b;  // the expert shard's moments follow the replicated shard's
-    std::vector<optim::FlatRange> ranges{{b, e, params + b, grads + b, adam_m_, adam_v_}};
-    if (xe > xb) ranges.push_back({xb, xe, params + xb, grads + xb, adam_m_ + sk, adam_v_ + sk});
+    std::vector<optim::FlatRange> ranges;  // the shard's, then the expert shard's (moments in that order)
+    for (const MomentRange& r : moment_ranges(slice_))
+      ranges.push_back({r.begin, r.end, params + r.begin, grads + r.begin, adam_m_ + r.at, adam_v_ + r.at});
     adam_.step(layout_, ranges, lr, scale);  // skips Muon parameters
     for (const auto& r : ranges)
       for (const auto& m : parallel::muon_matrices_in(layout_, r.begin, r.end)) {
@@ -283,11 +283,8 @@ void check_train_state(const TrainState& s, const optim::ParamLayout& layout, co
          router_bias_sizes.size());
   for (std::size_t i = 0; i < router_bias_sizes.size(); ++i)
     if (s.router_bias[i].size() != router_bias_sizes[i]) fail("router bias {} size differs", i);
-  check_state_matches_optimizers(layout, s.adam_m.data(), s.adam_v.data(), slice.shard_begin, slice.shard_end);
-  const std::int64_t sk = slice.shard_end - slice.shard_begin;  // the expert shard's moments follow
-  if (slice.expert_end > slice.expert_begin)
-    check_state_matches_optimizers(layout, s.adam_m.data() + sk, s.adam_v.data() + sk, slice.expert_begin,
-                                   slice.expert_end);
+  for (const MomentRange& r : moment_ranges(slice))
+    check_state_matches_optimizers(layout, s.adam_m.data() + r.at, s.adam_v.data() + r.at, r.begin, r.end);
 }
 
 std::string memory_report(const TrainBackend& b) {
