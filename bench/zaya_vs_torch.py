@@ -438,7 +438,7 @@ def build_torch_model(d, dev, act_dtype):
             return m
 
     model = Model().to(dev)
-    # keel's init rule (init_model_parameters): normal(0, 0.02) for every tensor of 2+ dims,
+    # keel's init rule (model::init_parameters): normal(0, 0.02) for every tensor of 2+ dims,
     # output projections (wo, the experts' w_down) scaled by 1/sqrt(2 layers); 1-D as built.
     # Drawn on the device (the same distribution as keel's, not the same numbers).
     g = torch.Generator(device=dev).manual_seed(0)

@@ -23,9 +23,7 @@
 #include "common/process.h"
 #include "common/units.h"
 #include "common/watchdog.h"
-#include "common/fileio.h"
 #include "model/config.h"
-#include "train/train_config.h"
 
 namespace keel::ckpt {
 namespace {
@@ -56,9 +54,7 @@ auto usage(F f) {
 // the keys inline), so the config a checkpoint was trained with can be passed as is.
 model::ModelConfig load_model_for_names(const std::string& path) {
   return usage([&] {
-    const std::string text = read_file(path);
-    const bool train_config = text.rfind("model:", 0) == 0 || text.find("\nmodel:") != std::string::npos;
-    return train_config ? train::load_train_config(path).model : model::load_model_config(path);
+    return model::load_model_or_train_config(path);
   });
 }
 

@@ -18,7 +18,7 @@
 #include "common/dtype.h"
 #include "common/error.h"
 #include "common/fileio.h"
-#include "train/model.h"
+#include "model/param_layout.h"
 
 namespace fs = std::filesystem;
 
@@ -356,7 +356,7 @@ NameMap build_name_map(const model::ModelConfig& cfg, Names names) {
   require_zaya_shape(cfg, names);
   NameMap m;
   m.names = names;
-  const optim::ParamLayout layout = train::model_param_layout(cfg);
+  const optim::ParamLayout layout = model::param_layout(cfg);
   for (const auto& p : layout.params) m.keel.push_back({"model/" + p.name, Shape(p.shape.begin(), p.shape.end())});
   const Dims d = dims_of(cfg);
   for (int l = 0; l < d.L; ++l) m.keel.push_back({fmt::format("router/bias.{}", l), {d.classes}});

@@ -24,7 +24,7 @@
 // operation, exact in both directions. No transposes are needed: keel already stores every
 // weight in PyTorch's [out, in] (and Conv1d [C_out, C_in / groups, W]) layout.
 //
-// Keel tensors covered: every `model/<param>` of train::model_param_layout(cfg) exactly once,
+// Keel tensors covered: every `model/<param>` of model::param_layout(cfg) exactly once,
 // and `router/bias.<i>` (the balancing biases, fp32 buffers in the release: `optional`, carried
 // when present). With tied embeddings a released `lm_head.weight` is accepted and dropped on
 // import (the tie makes it the embedding) and never written on export.

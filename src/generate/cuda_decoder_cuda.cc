@@ -137,7 +137,7 @@ class CudaDecoder final : public Decoder {
     cudaDeviceProp prop{};
     KEEL_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
     gpu_name_ = prop.name;
-    const optim::ParamLayout layout = train::model_param_layout(cfg_);
+    const optim::ParamLayout layout = model::param_layout(cfg_);
     if (static_cast<std::int64_t>(w.params.size()) != layout.total_floats)
       fail("generate: model '{}' needs {} parameter floats, got {}", cfg_.name, layout.total_floats, w.params.size());
     int moe = 0;

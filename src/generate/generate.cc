@@ -118,10 +118,10 @@ ModelWeights fresh_weights(const model::ModelConfig& config, bool renormalize_ga
   ModelWeights w;
   w.config = config;
   w.renormalize_gates = renormalize_gates;
-  const optim::ParamLayout layout = train::model_param_layout(config);
+  const optim::ParamLayout layout = model::param_layout(config);
   w.params.assign(static_cast<std::size_t>(layout.total_floats), 0.f);
-  train::init_model_parameters(config, layout, init_std, seed, w.params.data());
-  w.router_bias = train::initial_router_biases(config);
+  model::init_parameters(config, layout, init_std, seed, w.params.data());
+  w.router_bias = model::initial_router_biases(config);
   w.source = fmt::format("fresh init (seed {})", seed);
   return w;
 }
@@ -217,7 +217,7 @@ InferenceModel::InferenceModel(ModelWeights weights) : w_(std::move(weights)), w
   mo.micro_batch = 1;
   mo.seq_length = 1;
   train::validate_trainable(cfg, mo);
-  layout_ = train::model_param_layout(cfg);
+  layout_ = model::param_layout(cfg);
   if (static_cast<std::int64_t>(w_.params.size()) != layout_.total_floats)
     fail("generate: model '{}' needs {} parameter floats, got {}", cfg.name, layout_.total_floats, w_.params.size());
   const int classes = cfg.experts + (cfg.router_skip_expert ? 1 : 0);

@@ -1,6 +1,6 @@
 // Incremental decoding (`keel generate`, docs/generate.md). This file: the CPU reference (fp32),
 // an inference-only copy of MoeTransformer's forward (src/train/model.{h,cc}) that reads the same flat fp32 parameter
-// buffer (train::model_param_layout names and offsets, so a keel train checkpoint loads as it
+// buffer (model::param_layout names and offsets, so a keel train checkpoint loads as it
 // is), plus per-layer caches, so that after a prefill over the prompt every new token costs one
 // forward of that token alone.
 //
@@ -55,7 +55,7 @@ namespace keel::generate {
 struct ModelWeights {
   model::ModelConfig config;
   bool renormalize_gates = true;  // linear-router MoE: gates renormalized over the top_k (training's choice)
-  std::vector<float> params;      // train::model_param_layout(config).total_floats
+  std::vector<float> params;      // model::param_layout(config).total_floats
   std::vector<std::vector<float>> router_bias;  // one [classes] per MoE layer, in layer order
   std::string source;             // "checkpoint DIR (step N)" or "fresh init (seed S)"
 };
@@ -68,7 +68,7 @@ struct ModelWeights {
 // must agree with the saved one. Throws keel::Error naming the file or tensor on anything
 // missing or mismatched.
 ModelWeights load_checkpoint_weights(const std::string& path, const std::optional<ModelWeights>& model = std::nullopt);
-// A freshly initialized model (train::init_model_parameters; router biases 0, -1 for the skip
+// A freshly initialized model (model::init_parameters; router biases 0, -1 for the skip
 // class), as MoeTransformer::init_parameters makes it.
 ModelWeights fresh_weights(const model::ModelConfig& config, bool renormalize_gates, double init_std,
                            std::uint64_t seed);

@@ -214,6 +214,25 @@ ModelConfig load_model_config(const std::string& path) {
   return parse_model_config(root, std::filesystem::path(path).stem().string(), path);
 }
 
+ModelConfig model_of_train_config(const YAML::Node& node, const std::string& what) {
+  if (node.IsScalar()) return load_model_config(node.as<std::string>());
+  if (node.IsMap()) return parse_model_config(node, "inline", what);
+  throw UsageError(fmt::format("{}: must be a model YAML path or a mapping of model keys", what));
+}
+
+ModelConfig load_model_or_train_config(const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    throw UsageError(fmt::format("{}: cannot read the config", path));
+  } catch (const YAML::Exception& e) {
+    throw UsageError(fmt::format("{}: not valid YAML: {}", path, e.what()));
+  }
+  if (root.IsMap() && root["model"]) return model_of_train_config(root["model"], path + ": model");
+  return parse_model_config(root, std::filesystem::path(path).stem().string(), path);
+}
+
 ModelConfig parse_model_config(const YAML::Node& root, const std::string& name, const std::string& what) {
   if (!root.IsMap()) throw UsageError(fmt::format("{}: a model config must be a YAML mapping of keys", what));
   reject_duplicate_keys(root, what);

@@ -60,6 +60,12 @@ ModelConfig load_model_config(const std::string& path);
 // The same from a parsed YAML mapping (a train config's inline `model:`); `name` is the
 // model's name unless the mapping sets one, `what` prefixes the errors.
 ModelConfig parse_model_config(const YAML::Node& root, const std::string& name, const std::string& what);
+// A keel train config's `model:` node: a model YAML path (relative to the working directory) or
+// the model keys inline. `what` prefixes the errors ("train.yaml: model").
+ModelConfig model_of_train_config(const YAML::Node& node, const std::string& what);
+// The model a YAML describes: a model config, or a keel train config (its `model:`), so the
+// config a checkpoint was trained with can stand for its model (`keel ckpt export --model`).
+ModelConfig load_model_or_train_config(const std::string& path);
 // Validates a config built in code (same checks as the loader).
 void validate(const ModelConfig& m);
 

@@ -98,9 +98,17 @@ ParamLayout assign_groups(const std::vector<ParamSpec>& params, const std::vecto
     if (found->optimizer == OptimizerKind::kMuon && p.shape.size() < 2)
       fail("param groups: parameter '{}' {} is assigned to Muon by rule '{}' but Muon needs >= 2 dims", p.name,
            shape_str(p.shape), found->group);
+    if (!p.placement.dims.empty() && p.placement.dims.size() != p.shape.size())
+      fail("param groups: parameter '{}' {} has a placement of {} dimensions", p.name, shape_str(p.shape),
+           p.placement.dims.size());
+    if (!p.global_shape.empty() && p.global_shape.size() != p.shape.size())
+      fail("param groups: parameter '{}' {} has a global shape {} of another rank", p.name, shape_str(p.shape),
+           shape_str(p.global_shape));
     ParamInfo info;
     info.name = p.name;
     info.shape = p.shape;
+    info.placement = p.placement.dims.empty() ? mesh::Placement::replicated(static_cast<int>(p.shape.size())) : p.placement;
+    info.global_shape = p.global_shape.empty() ? p.shape : p.global_shape;
     info.group = found->group;
     info.optimizer = found->optimizer;
     info.weight_decay = found->weight_decay;

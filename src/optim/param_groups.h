@@ -21,14 +21,22 @@
 #include <string_view>
 #include <vector>
 
+#include "mesh/placement.h"
+
 namespace keel::optim {
 
 enum class OptimizerKind { kAdamW, kMuon };
 const char* to_string(OptimizerKind k);
 
+// `shape` is what is laid out in the flat buffer: the whole tensor, or one rank's block of it.
+// A model's parameters also say how they lie over the mesh (model/param_layout.h): `placement`
+// (which axes split which dimension) and `global_shape` (the whole tensor's); left empty they
+// mean a replicated tensor of `shape`.
 struct ParamSpec {
   std::string name;
   std::vector<std::int64_t> shape;
+  mesh::Placement placement;
+  std::vector<std::int64_t> global_shape;
 };
 
 struct GroupRule {
@@ -43,7 +51,9 @@ struct GroupRule {
 
 struct ParamInfo {
   std::string name;
-  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> shape;          // as laid out (this rank's block)
+  mesh::Placement placement;                 // over the mesh (replicated when not split)
+  std::vector<std::int64_t> global_shape;    // the whole tensor's
   std::string group;
   OptimizerKind optimizer = OptimizerKind::kAdamW;
   bool weight_decay = true;

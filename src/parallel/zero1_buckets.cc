@@ -8,8 +8,35 @@
 #include <string>
 
 #include "common/error.h"
+#include "model/param_layout.h"
 
 namespace keel::parallel {
+
+std::optional<std::vector<std::int64_t>> overlap_stage_bounds(const optim::ParamLayout& layout, int layers,
+                                                              std::int64_t replicated_end) {
+  const int stage_count = model::stage_count(layers);
+  std::vector<std::pair<std::int64_t, int>> at;  // (offset, stage)
+  for (const auto& p : layout.params)
+    if (p.offset < replicated_end) at.emplace_back(p.offset, model::param_stage(p.name, layers));
+  std::sort(at.begin(), at.end());
+  for (std::size_t i = 1; i < at.size(); ++i)
+    if (at[i].second < at[i - 1].second) return std::nullopt;
+  std::vector<std::int64_t> bounds(static_cast<std::size_t>(stage_count) + 1, replicated_end);
+  bounds[0] = 0;
+  for (int s = 1; s < stage_count; ++s)
+    for (const auto& [offset, stage] : at)
+      if (stage >= s) {
+        bounds[static_cast<std::size_t>(s)] = offset;
+        break;
+      }
+  return bounds;
+}
+
+std::int64_t largest_stage_floats(const std::vector<std::int64_t>& stage_bounds) {
+  std::int64_t widest = 0;
+  for (std::size_t s = 0; s + 1 < stage_bounds.size(); ++s) widest = std::max(widest, stage_bounds[s + 1] - stage_bounds[s]);
+  return widest;
+}
 
 std::vector<Zero1Bucket> plan_zero1_buckets(const optim::ParamLayout& layout, const Zero1Plan& plan,
                                             const std::vector<std::int64_t>& stage_bounds,

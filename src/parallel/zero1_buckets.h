@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "optim/param_groups.h"
@@ -28,6 +29,18 @@ struct Zero1Bucket {
   int owner = 0;                    // the rank whose shard holds it
   int stage = 0;                    // index into the stage list
 };
+
+// The stages of a model's flat layout (model::param_stage, in forward order: the embedding, each
+// layer's attention part and MLP part, what follows the layers) inside [0, replicated_end), the
+// region the overlapped step covers (the expert region after it is in no stage). Returns
+// model::stage_count(layers) + 1 ascending offsets from 0 to replicated_end (empty stages
+// allowed), or nothing when the layout does not order the stages by offset (that step then does
+// not overlap).
+std::optional<std::vector<std::int64_t>> overlap_stage_bounds(const optim::ParamLayout& layout, int layers,
+                                                              std::int64_t replicated_end);
+// The widest stage, in floats: what the overlapped step's bf16 gradient-reduction scratch must
+// hold for one stage at a time.
+std::int64_t largest_stage_floats(const std::vector<std::int64_t>& stage_bounds);
 
 // `stage_bounds`: stages + 1 ascending offsets from 0 to layout.total_floats (empty stages
 // allowed). Returns the buckets in offset order; they tile [0, total_floats). Throws

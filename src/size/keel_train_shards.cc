@@ -11,6 +11,7 @@
 #include "optim/muon.h"
 #include "optim/muon_workspace.h"
 #include "parallel/zero1.h"
+#include "parallel/zero1_buckets.h"
 #include "train/backend.h"
 #include "train/model.h"
 #include "train/param_rules.h"
@@ -94,7 +95,7 @@ struct MuonRange {
 std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
   if (!keel_train_runs(s)) return std::nullopt;
   const Layout& l = s.layout;
-  optim::ParamLayout layout = train::model_param_layout(s.model, l.ep);
+  optim::ParamLayout layout = model::param_layout(s.model, l.ep);
   const bool muon = s.optimizer == Optimizer::kMuon;
   if (muon) {
     train::MuonTrainOptions m;
@@ -137,9 +138,9 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
     if (experts) k.muon_flops_total += l.ep * muon_range(sh.replicated_end, total).flops_total;
   }
   if (s.grad_reduce_bf16 && l.dp > 1) {
-    const auto stages = train::overlap_stage_bounds(layout, s.model.layers, sh.replicated_end);
+    const auto stages = parallel::overlap_stage_bounds(layout, s.model.layers, sh.replicated_end);
     if (stages) {
-      k.bf16_reduce_scratch = static_cast<double>(train::largest_stage_floats(*stages));
+      k.bf16_reduce_scratch = static_cast<double>(parallel::largest_stage_floats(*stages));
       if (experts && l.dp / l.ep > 1)
         k.bf16_reduce_scratch = std::max(k.bf16_reduce_scratch, static_cast<double>(total - sh.replicated_end));
     } else {

@@ -1,9 +1,9 @@
 // TrainBackend: what the training loop (trainer.h) needs from a model and its optimizer,
 // wherever they live. The CPU backend wraps MoeTransformer and the host AdamW (+ Muon); the CUDA
 // backend (cuda_backend_cuda.cc) keeps fp32 master weights, optimizer state, bf16 working
-// weights and bf16 activations on one GPU. Both lay parameters out with model_param_layout()
+// weights and bf16 activations on one GPU. Both lay parameters out with model::param_layout()
 // (groups re-assigned by param_rules.h when Muon is on; offsets never change) and initialize
-// them with init_model_parameters(), so a checkpoint of one loads into the other.
+// them with model::init_parameters(), so a checkpoint of one loads into the other.
 //
 // Optimizers (OptimizerConfig, param_rules.h): AdamW for every parameter, or with
 // optimizer.muon.enabled Muon for the weight matrices and AdamW for the rest. Muon's momentum
@@ -42,7 +42,7 @@
 namespace keel::train {
 
 // What of the model's state one rank holds. Its parameters are laid out by
-// model_param_layout(cfg, expert_parallel) (with expert parallelism: E / ep experts per MoE
+// model::param_layout(cfg, expert_parallel) (with expert parallelism: E / ep experts per MoE
 // layer, those of expert_rank, after every replicated parameter). Its optimizer state covers
 // the ZeRO-1 shard [shard_begin, shard_end) of the replicated parameters and, with expert
 // parallelism, the ZeRO-1 shard [expert_begin, expert_end) of its expert region over the ranks

@@ -222,7 +222,7 @@ StateShards plan_state_shards(const optim::ParamLayout& layout, const ParallelCo
   StateShards s;
   s.replicated_end = total;
   for (const auto& p : layout.params)
-    if (ctx.expert.size > 1 && is_expert_param(p.name)) s.replicated_end = std::min(s.replicated_end, p.offset);
+    if (ctx.expert.size > 1 && p.placement.splits(mesh::Axis::kExpert)) s.replicated_end = std::min(s.replicated_end, p.offset);
   s.slice.expert_parallel = ctx.expert.size;
   s.slice.expert_rank = ctx.expert.rank;
   s.slice.shard_end = total;

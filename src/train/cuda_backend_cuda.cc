@@ -242,7 +242,7 @@ class CudaBackend final : public TrainBackend {
     gemm_ = std::make_unique<k::GemmRunner>();
 
     // With expert parallelism this rank's experts come last (E / ep per MoE layer).
-    layout_ = model_param_layout(cfg_, ctx.expert.size);
+    layout_ = model::param_layout(cfg_, ctx.expert.size);
     // Muon: the same offsets, the matrices regrouped (param_rules.h)
     if (optimizer.muon.enabled) layout_ = regroup_layout(layout_, train_group_rules(optimizer.muon));
     const std::size_t muon_ws_bytes = k::muon::workspace_bytes(layout_);
@@ -283,7 +283,7 @@ class CudaBackend final : public TrainBackend {
                                    cfg_.name, k::causal_conv::kMaxWidth));
     cca_cfg_ = cca_config(cfg_);
     load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(classes_, 0));
-    bias_ = initial_router_biases(cfg_);  // as the CPU model
+    bias_ = model::initial_router_biases(cfg_);  // as the CPU model
     map_weights();
     plan_grad_zeroing();
     if (ctx.data.size > 1) setup_data_parallel(ctx);
@@ -338,7 +338,11 @@ class CudaBackend final : public TrainBackend {
     KEEL_CUDA_CHECK(keel::stream_sync(stream_));
 
     std::vector<float> init(n);
-    init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, init.data(), slice_.expert_rank);
+    mesh::Shape experts;
+    experts.dp = experts.ep = slice_.expert_parallel;
+    mesh::Coord at;
+    at.ep = slice_.expert_rank;
+    model::init_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, init.data(), experts, at);
     upload_params(init);
   }
 
@@ -362,12 +366,7 @@ class CudaBackend final : public TrainBackend {
 
   std::string device() const override { return device_name_; }
   const optim::ParamLayout& layout() const override { return layout_; }
-  std::int64_t param_count() const override {  // the whole model's: an expert-parallel rank holds E / ep experts
-    std::int64_t c = 0;
-    for (const auto& p : layout_.params)
-      c += p.numel * (slice_.expert_parallel > 1 && is_expert_param(p.name) ? slice_.expert_parallel : 1);
-    return c;
-  }
+  std::int64_t param_count() const override { return model::global_param_count(layout_); }  // the whole model's
   int moe_layer_count() const override { return static_cast<int>(moe_layer_ids_.size()); }
   double flops_per_micro_batch() const override {
     return model_flops_per_micro_batch(cfg_, opt_.micro_batch, opt_.seq_length);
@@ -804,9 +803,9 @@ class CudaBackend final : public TrainBackend {
 
   // ---- overlapped ZeRO-1 (docs/parallel.md) ----
   //
-  // Stages (overlap_stage_bounds() in train/model.h), in forward order: 0 the embedding, 1 + 2l
+  // Stages (model::param_stage(), parallel::overlap_stage_bounds()), in forward order: 0 the embedding, 1 + 2l
   // layer l's attention part, 2 + 2l its MLP part, 2 layers + 1 the rest (final norm, head).
-  int stage_count() const { return overlap_stage_count(cfg_.layers); }
+  int stage_count() const { return model::stage_count(cfg_.layers); }
   int final_stage() const { return stage_count() - 1; }
 
   // The parameters the GEMMs and the embedding lookup read only through the bf16 copy: their
@@ -861,7 +860,7 @@ class CudaBackend final : public TrainBackend {
     dp_size_ = ctx.data.size;
     const parallel::Zero1OverlapOptions o = parallel::zero1_overlap_options_from_env();
     if (const char* v = std::getenv("KEEL_DP_PROFILE"); v && std::string(v) == "1") prof_ = std::make_unique<Profile>();
-    std::optional<std::vector<std::int64_t>> stages = overlap_stage_bounds(layout_, cfg_.layers, replicated_end_);
+    std::optional<std::vector<std::int64_t>> stages = parallel::overlap_stage_bounds(layout_, cfg_.layers, replicated_end_);
     overlap_ = o.enabled && stages.has_value();
     if (!overlap_) {
       if (o.enabled && dp_rank_ == 0)
@@ -875,7 +874,7 @@ class CudaBackend final : public TrainBackend {
     // largest stage, reduced there and widened into the owner's fp32 shard, all on the
     // communication stream, so one scratch serves every stage in turn.
     if (ctx.grad_reduce == parallel::GradReduceDtype::kBf16)
-      reduce_scratch_floats_ = std::max(reduce_scratch_floats_, largest_stage_floats(stage_bounds_));
+      reduce_scratch_floats_ = std::max(reduce_scratch_floats_, parallel::largest_stage_floats(stage_bounds_));
     group_reduces_ = o.group_reduces;
     shard_masters_ = o.shard_masters;
     buckets_ = parallel::plan_zero1_buckets(parallel::region_layout(layout_, 0, replicated_end_), plan_, stage_bounds_,
@@ -967,8 +966,7 @@ class CudaBackend final : public TrainBackend {
   void plan_grad_zeroing() {
     grad_overwrite_.clear();
     for (const auto& p : layout_.params)
-      if (p.name.ends_with(".moe.w_gate") || p.name.ends_with(".moe.w_up") || p.name.ends_with(".moe.w_down") ||
-          p.offset == lm_head_)
+      if (p.placement.splits(mesh::Axis::kExpert) || p.offset == lm_head_)
         grad_overwrite_.emplace_back(p.offset, p.offset + p.numel);
     std::sort(grad_overwrite_.begin(), grad_overwrite_.end());
     std::vector<std::pair<std::int64_t, std::int64_t>> merged;

@@ -1,13 +1,9 @@
 #include "train/model.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
-#include <functional>
-#include <map>
 #include <string_view>
-#include <thread>
 
 #include "common/error.h"
 #include "ops/attention.h"
@@ -45,54 +41,11 @@ struct MoeTransformer::LayerActs {
 
 namespace {
 
-// Deterministic normal draws (splitmix64 + Box-Muller), the same on every platform.
-struct Rng {
-  std::uint64_t s;
-  std::uint64_t next() {
-    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return (static_cast<double>(next() >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
-  double normal() { return std::sqrt(-2.0 * std::log(uniform())) * std::cos(6.283185307179586 * uniform()); }
-};
-
 void add_into(const Tensor& dst, const Tensor& src) {
   const std::int64_t n = dst.numel();
   float* d = dst.data();
   const float* s = src.data();
   for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
-}
-
-// All AdamW for now (Muon comes with the optimizer work). The groups follow
-// optim::default_rules(): conv weights (CCA) are their own group, never Muon matrices; every
-// 1-D tensor (norms, biases, residual scales, temperatures, the EDA scale) is a vector without
-// weight decay.
-std::vector<optim::GroupRule> adamw_rules() {
-  std::vector<optim::GroupRule> r(4);
-  r[0].group = "embeddings";
-  r[0].include = "*embed*|*lm_head*";
-  r[0].min_ndim = 2;
-  r[1].group = "convs";
-  r[1].include = "*conv*";
-  r[1].exclude = "*embed*|*lm_head*";
-  r[1].min_ndim = 2;
-  r[2].group = "vectors";
-  r[2].max_ndim = 1;
-  r[2].weight_decay = false;
-  r[3].group = "matrices";
-  r[3].exclude = "*embed*|*lm_head*|*conv*";
-  r[3].min_ndim = 2;
-  return r;
-}
-
-void add_res_scale(std::vector<optim::ParamSpec>& specs, const std::string& prefix, std::int64_t D, bool with_r) {
-  specs.push_back({prefix + "h_scale", {D}});
-  specs.push_back({prefix + "h_bias", {D}});
-  if (!with_r) return;
-  specs.push_back({prefix + "r_scale", {D}});
-  specs.push_back({prefix + "r_bias", {D}});
 }
 
 // Parameter-name suffix -> slot of a ResScale.
@@ -142,190 +95,6 @@ void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt) 
   if (cfg.max_seq_len > 0 && opt.seq_length > cfg.max_seq_len)
     throw UsageError(fmt::format("{}: seq_length {} exceeds max_seq_len {}", who, opt.seq_length, cfg.max_seq_len));
   if (opt.ce_chunk < 1) throw UsageError("ce_chunk must be >= 1");
-}
-
-bool is_expert_param(std::string_view name) {
-  return name.ends_with("moe.w_gate") || name.ends_with("moe.w_up") || name.ends_with("moe.w_down");
-}
-
-std::optional<std::vector<std::int64_t>> overlap_stage_bounds(const optim::ParamLayout& layout, int layers,
-                                                              std::int64_t replicated_end) {
-  const int stage_count = overlap_stage_count(layers), final_stage = stage_count - 1;
-  std::vector<std::pair<std::int64_t, int>> at;  // (offset, stage)
-  std::int64_t first_layer = replicated_end;
-  for (const auto& p : layout.params)
-    if (p.name.starts_with("layers.") && p.offset < replicated_end) first_layer = std::min(first_layer, p.offset);
-  for (const auto& p : layout.params) {
-    if (p.offset >= replicated_end) continue;
-    int stage;
-    if (p.name.starts_with("layers.")) {
-      const auto dot = p.name.find('.', 7);
-      const int l = std::stoi(p.name.substr(7, dot - 7));
-      const std::string rest = p.name.substr(dot + 1);
-      const bool attn = rest.starts_with("res_scale.attn.") || rest.starts_with("attn_norm.") || rest.starts_with("attn.");
-      stage = attn ? 1 + 2 * l : 2 + 2 * l;
-    } else {
-      stage = p.offset < first_layer ? 0 : final_stage;
-    }
-    at.emplace_back(p.offset, stage);
-  }
-  std::sort(at.begin(), at.end());
-  for (std::size_t i = 1; i < at.size(); ++i)
-    if (at[i].second < at[i - 1].second) return std::nullopt;
-  std::vector<std::int64_t> bounds(static_cast<std::size_t>(stage_count) + 1, replicated_end);
-  bounds[0] = 0;
-  for (int s = 1; s < stage_count; ++s)
-    for (const auto& [offset, stage] : at)
-      if (stage >= s) {
-        bounds[static_cast<std::size_t>(s)] = offset;
-        break;
-      }
-  return bounds;
-}
-
-std::int64_t largest_stage_floats(const std::vector<std::int64_t>& stage_bounds) {
-  std::int64_t widest = 0;
-  for (std::size_t s = 0; s + 1 < stage_bounds.size(); ++s) widest = std::max(widest, stage_bounds[s + 1] - stage_bounds[s]);
-  return widest;
-}
-
-optim::ParamLayout model_param_layout(const model::ModelConfig& cfg, int expert_parallel) {
-  if (expert_parallel < 1 || (expert_parallel > 1 && (cfg.experts < 1 || cfg.experts % expert_parallel != 0)))
-    throw UsageError(fmt::format("model '{}': {} experts do not split over expert-parallel degree {}", cfg.name,
-                                 cfg.experts, expert_parallel));
-  const std::int64_t D = cfg.hidden, V = cfg.vocab_size, Dh = cfg.head_dim;
-  const std::int64_t Q = std::int64_t(cfg.heads) * Dh, KV = std::int64_t(cfg.kv_heads) * Dh;
-  const bool scaled = cfg.residual_scaling;
-  std::vector<optim::ParamSpec> specs;
-  specs.push_back({"embed.weight", {V, D}});
-  int moe_stage = 0;
-  for (int l = 0; l < cfg.layers; ++l) {
-    const std::string p = fmt::format("layers.{}.", l);
-    // Layer 0's attention stage scales the embedding only (no residual yet).
-    if (scaled) add_res_scale(specs, p + "res_scale.attn.", D, l > 0);
-    specs.push_back({p + "attn_norm.weight", {D}});
-    if (model::layer_attention_kind(cfg, l) == model::AttentionKind::kCca) {
-      const std::int64_t C = Q + KV, W0 = cfg.cca_conv_width, W1 = cfg.cca_group_conv_width;
-      specs.push_back({p + "attn.cca.w_qk", {C, D}});  // [linear_q; linear_k]
-      specs.push_back({p + "attn.cca.w_v", {KV, D}});  // [val_proj1; val_proj2]
-      specs.push_back({p + "attn.cca.conv0.weight", {C, W0}});
-      specs.push_back({p + "attn.cca.conv0.bias", {C}});
-      specs.push_back({p + "attn.cca.conv1.weight", {C, Dh, W1}});
-      specs.push_back({p + "attn.cca.conv1.bias", {C}});
-      specs.push_back({p + "attn.cca.temp", {cfg.kv_heads}});
-      specs.push_back({p + "attn.cca.wo", {D, Q}});
-    } else {
-      specs.push_back({p + "attn.wq", {Q, D}});
-      specs.push_back({p + "attn.wk", {KV, D}});
-      specs.push_back({p + "attn.wv", {KV, D}});
-      specs.push_back({p + "attn.wo", {D, Q}});
-    }
-    if (scaled) add_res_scale(specs, p + "res_scale.mlp.", D, true);
-    specs.push_back({p + "mlp_norm.weight", {D}});
-    if (model::is_moe_layer(cfg, l)) {
-      const std::int64_t E = cfg.experts, F = cfg.expert_hidden;
-      if (cfg.router_hidden > 0) {
-        const std::int64_t R = cfg.router_hidden, classes = E + (cfg.router_skip_expert ? 1 : 0);
-        specs.push_back({p + "moe.router.down.weight", {R, D}});
-        specs.push_back({p + "moe.router.down.bias", {R}});
-        if (moe_stage > 0) specs.push_back({p + "moe.router.eda_scale", {R}});  // no EDA on the first MoE stage
-        specs.push_back({p + "moe.router.norm.weight", {R}});
-        specs.push_back({p + "moe.router.mlp1.weight", {R, R}});
-        specs.push_back({p + "moe.router.mlp1.bias", {R}});
-        specs.push_back({p + "moe.router.mlp2.weight", {R, R}});
-        specs.push_back({p + "moe.router.mlp2.bias", {R}});
-        specs.push_back({p + "moe.router.out.weight", {classes, R}});
-      } else {
-        specs.push_back({p + "moe.router", {E, D}});
-      }
-      ++moe_stage;
-      specs.push_back({p + "moe.w_gate", {E, F, D}});
-      specs.push_back({p + "moe.w_up", {E, F, D}});
-      specs.push_back({p + "moe.w_down", {E, D, F}});
-    } else {
-      const std::int64_t F = cfg.ffn_hidden;
-      if (F <= 0) throw UsageError(fmt::format("model '{}': dense layer {} needs ffn_hidden > 0", cfg.name, l));
-      specs.push_back({p + "mlp.w_gate", {F, D}});
-      specs.push_back({p + "mlp.w_up", {F, D}});
-      specs.push_back({p + "mlp.w_down", {D, F}});
-    }
-  }
-  if (scaled) add_res_scale(specs, "final_res_scale.", D, true);
-  specs.push_back({"final_norm.weight", {D}});
-  if (!cfg.tied_embeddings) specs.push_back({"lm_head.weight", {V, D}});
-  if (expert_parallel > 1) {
-    // This rank's E / ep experts, after every replicated parameter: the expert region's
-    // gradients reduce over another group (docs/parallel.md).
-    std::stable_partition(specs.begin(), specs.end(), [](const optim::ParamSpec& p) { return !is_expert_param(p.name); });
-    for (auto& p : specs)
-      if (is_expert_param(p.name)) p.shape[0] /= expert_parallel;
-  }
-  return optim::assign_groups(specs, adamw_rules());
-}
-
-void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayout& layout, double init_std,
-                           std::uint64_t seed, float* params, int expert_rank) {
-  const double out_scale = 1.0 / std::sqrt(2.0 * cfg.layers);
-  std::memset(params, 0, static_cast<std::size_t>(layout.total_floats) * sizeof(float));
-  // One splitmix64 stream over the matrices in the order of the whole model's layout
-  // (model_param_layout(cfg)), two draws per element. Its state after k draws is seed + k *
-  // increment, so any element's draws can be started directly: the matrices are filled in
-  // parallel chunks with exactly the values of the serial loop (an 8B-parameter model is ~10^10
-  // normals: minutes on one core), and an expert-parallel rank's experts get exactly the values
-  // of the same experts in the whole model.
-  std::map<std::string, std::uint64_t> first_draw;
-  {
-    std::uint64_t draws = 0;
-    for (const auto& p : model_param_layout(cfg).params)
-      if (p.ndim() > 1) first_draw[p.name] = draws, draws += 2 * static_cast<std::uint64_t>(p.numel);
-  }
-  struct Fill {
-    float* d;
-    std::int64_t n;
-    double std;
-    std::uint64_t first_draw;
-  };
-  std::vector<Fill> fills;
-  for (const auto& p : layout.params) {
-    float* d = params + p.offset;
-    if (p.ndim() == 1) {
-      // Biases (router, conv, residual) 0; norms, residual scales, the EDA scale and the CCA
-      // temperatures 1 (temperature: Primus' from-scratch init, docs/zaya1_ops.md §6 #3).
-      const bool bias = p.name.ends_with("bias");
-      std::fill(d, d + p.numel, bias ? 0.0f : 1.0f);
-      continue;
-    }
-    const auto it = first_draw.find(p.name);
-    if (it == first_draw.end()) fail("init: parameter '{}' is not in model '{}'", p.name, cfg.name);
-    std::uint64_t first = it->second;
-    if (is_expert_param(p.name) && p.shape[0] < cfg.experts)  // a slice of the experts: experts [rank * E_local, ...)
-      first += 2 * static_cast<std::uint64_t>(expert_rank) * static_cast<std::uint64_t>(p.numel);
-    const bool out_proj = p.name.ends_with(".wo") || p.name.ends_with("w_down");
-    fills.push_back({d, p.numel, init_std * (out_proj ? out_scale : 1.0), first});
-  }
-  constexpr std::uint64_t kIncrement = 0x9E3779B97F4A7C15ull;  // Rng::next()'s
-  constexpr std::int64_t kChunk = 1 << 20;
-  struct Piece {
-    const Fill* f;
-    std::int64_t begin, end;
-  };
-  std::vector<Piece> pieces;
-  for (const auto& f : fills)
-    for (std::int64_t b = 0; b < f.n; b += kChunk) pieces.push_back({&f, b, std::min(f.n, b + kChunk)});
-  std::atomic<std::size_t> next{0};
-  auto work = [&] {
-    for (std::size_t i; (i = next.fetch_add(1)) < pieces.size();) {
-      const Piece& pc = pieces[i];
-      Rng rng{seed + (pc.f->first_draw + 2 * static_cast<std::uint64_t>(pc.begin)) * kIncrement};
-      for (std::int64_t j = pc.begin; j < pc.end; ++j) pc.f->d[j] = static_cast<float>(pc.f->std * rng.normal());
-    }
-  };
-  const std::size_t threads =
-      std::min<std::size_t>(pieces.size(), std::max(1u, std::min(32u, std::thread::hardware_concurrency())));
-  std::vector<std::thread> pool;
-  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
 }
 
 double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batch, int seq_length) {
@@ -466,7 +235,7 @@ WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout&
 MoeTransformer::~MoeTransformer() = default;
 
 void MoeTransformer::allocate_params() {
-  layout_ = model_param_layout(cfg_, ctx_.expert.size);
+  layout_ = model::param_layout(cfg_, ctx_.expert.size);
   const std::size_t bytes = static_cast<std::size_t>(layout_.total_floats) * sizeof(float);
   param_arena_ = std::make_unique<Arena>("parameters", Arena::footprint(bytes));
   grad_arena_ = std::make_unique<Arena>("gradients", Arena::footprint(bytes));
@@ -634,9 +403,7 @@ std::size_t MoeTransformer::plan_acts(Arena* arena) {
 }
 
 std::int64_t MoeTransformer::param_count() const {  // the whole model's, whatever this rank holds
-  std::int64_t n = 0;
-  for (const auto& p : layout_.params) n += is_expert_param(p.name) ? p.numel * ctx_.expert.size : p.numel;
-  return n;
+  return model::global_param_count(layout_);
 }
 
 Tensor MoeTransformer::param(const std::string& name) const {
@@ -654,8 +421,12 @@ Tensor MoeTransformer::grad(const std::string& name) const {
 }
 
 void MoeTransformer::init_parameters() {
-  init_model_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_, ctx_.expert.rank);
-  bias_ = initial_router_biases(cfg_);
+  mesh::Shape m;
+  m.dp = m.ep = ctx_.expert.size;
+  mesh::Coord at;
+  at.ep = ctx_.expert.rank;
+  model::init_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_, m, at);
+  bias_ = model::initial_router_biases(cfg_);
   reset_load();
 }
 
@@ -668,15 +439,6 @@ ops::cca::Config cca_config(const model::ModelConfig& cfg) {
   c.conv0_width = cfg.cca_conv_width;
   c.conv1_width = cfg.cca_group_conv_width;
   return c;
-}
-
-std::vector<std::vector<float>> initial_router_biases(const model::ModelConfig& cfg) {
-  const int classes = cfg.experts + (cfg.router_skip_expert ? 1 : 0);
-  std::vector<std::vector<float>> b(static_cast<std::size_t>(model::moe_layer_count(cfg)),
-                                    std::vector<float>(static_cast<std::size_t>(std::max(classes, 0)), 0.f));
-  if (cfg.router_skip_expert)
-    for (auto& v : b) v.back() = -1.f;  // ZAYA1: the skip class starts disfavoured
-  return b;
 }
 
 void MoeTransformer::zero_grads() { grad_arena_->zero_used(); }

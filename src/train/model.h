@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/param_layout.h"
 #include "ops/cca.h"
 #include "ops/moe.h"
 #include "ops/rope.h"
@@ -73,46 +74,13 @@ struct LossParts {
 // Throws keel::UsageError (one line naming the model) for anything keel train cannot train yet
 // or for micro_batch / seq_length / ce_chunk out of range. Every backend calls it first.
 void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt);
-// The parameters of the model, named and laid out in the flat buffer (optimizer groups:
-// embeddings, convs, vectors without weight decay, matrices). Shared by the CPU and GPU models
-// so a checkpoint from one loads into the other. Names and order of configs without CCA, MLP
-// router or residual scaling are fixed (existing checkpoints rely on them).
-// With expert_parallel > 1: the layout of one expert-parallel rank, whose MoE expert tensors
-// (`*moe.w_gate`, `*moe.w_up`, `*moe.w_down`) hold E / expert_parallel experts and come after
-// every other parameter (keel::UsageError when the experts do not split).
-optim::ParamLayout model_param_layout(const model::ModelConfig& cfg, int expert_parallel = 1);
-// True for the MoE expert weight tensors: sharded over expert-parallel ranks.
-bool is_expert_param(std::string_view name);
-// The stages of the overlapped ZeRO-1 step (parallel/zero1_buckets.h) in [0, replicated_end) of
-// a layout of model_param_layout(): 2 x layers + 2 of them, in forward order: 0 what comes
-// before the first layer (the embedding), 1 + 2l layer l's attention part (its residual scale,
-// norm and attention), 2 + 2l the rest of layer l, 2 x layers + 1 what follows the layers
-// (final norm, untied head). Returns stages + 1 ascending offsets from 0 to replicated_end
-// (empty stages allowed), or nothing when the layout does not order the stages by offset (that
-// step then does not overlap). The expert region after replicated_end is in no stage.
-std::optional<std::vector<std::int64_t>> overlap_stage_bounds(const optim::ParamLayout& layout, int layers,
-                                                              std::int64_t replicated_end);
-inline int overlap_stage_count(int layers) { return 2 * layers + 2; }
-// The widest stage of overlap_stage_bounds(), in floats: what the overlapped step's bf16
-// gradient-reduction scratch must hold for one stage at a time.
-std::int64_t largest_stage_floats(const std::vector<std::int64_t>& stage_bounds);
-// normal(0, init_std) for every tensor of >= 2 dims, convs included (output projections `*.wo`,
-// `*w_down` x 1/sqrt(2 layers)); 1-D: 0 for names ending in "bias", else 1 (norms, residual
-// scales, EDA scale, CCA temperatures). The same values on every platform for a seed.
-// `layout` may be an expert-parallel rank's (model_param_layout(cfg, ep)): its experts, those of
-// expert_rank, get the values the same experts have in the whole model.
-void init_model_parameters(const model::ModelConfig& cfg, const optim::ParamLayout& layout, double init_std,
-                           std::uint64_t seed, float* params, int expert_rank = 0);
 // The CCA layer shape of a model (ops::cca::Config from its heads, head_dim and conv widths).
 ops::cca::Config cca_config(const model::ModelConfig& cfg);
-// The router selection biases a fresh model starts with, one [classes] per MoE layer: 0, and -1
-// for the skip class (ZAYA1: it starts disfavoured).
-std::vector<std::vector<float>> initial_router_biases(const model::ModelConfig& cfg);
 // 6 x active matmul parameters (LM head included) x tokens + causal attention, fwd + bwd.
 double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batch, int seq_length);
 
 // Views, by role, of every parameter of a model in one flat buffer laid out by
-// model_param_layout() (the parameters, or the gradients at the same offsets). The training
+// model::param_layout() (the parameters, or the gradients at the same offsets). The training
 // model and the inference model (keel generate) both read their weights through it.
 struct LayerWeights {
   Tensor attn_norm, wq, wk, wv, wo, mlp_norm;  // wq..wo: mha/gqa layers
@@ -159,7 +127,7 @@ class MoeTransformer {
   Tensor param(const std::string& name) const;
   Tensor grad(const std::string& name) const;
 
-  // Re-initializes parameters from options.init_seed (init_model_parameters) and resets the
+  // Re-initializes parameters from options.init_seed (model::init_parameters) and resets the
   // router biases: 0, and -1 for the skip class (ZAYA1).
   void init_parameters();
   void zero_grads();

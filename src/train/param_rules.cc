@@ -37,7 +37,7 @@ std::vector<optim::GroupRule> train_group_rules(const MuonTrainOptions& muon) {
   using optim::GroupRule;
   using optim::OptimizerKind;
   if (!muon.enabled) {
-    // The groups model_param_layout() assigns (TrainParamRules.AdamWRulesMatchTheModelLayout
+    // The groups model::param_layout() assigns (TrainParamRules.AdamWRulesMatchTheModelLayout
     // keeps the two in step).
     const std::string special = "*embed*|*lm_head*";
     return {
@@ -67,7 +67,7 @@ std::vector<optim::GroupRule> train_group_rules(const MuonTrainOptions& muon) {
 optim::ParamLayout regroup_layout(const optim::ParamLayout& layout, const std::vector<optim::GroupRule>& rules) {
   std::vector<optim::ParamSpec> specs;
   specs.reserve(layout.params.size());
-  for (const auto& p : layout.params) specs.push_back({p.name, p.shape});
+  for (const auto& p : layout.params) specs.push_back({p.name, p.shape, p.placement, p.global_shape});
   // assign_groups places each parameter at the next multiple of the alignment; recover the
   // alignment the layout was made with (the largest power of two, up to 16 floats, dividing
   // every offset) rather than assume it.

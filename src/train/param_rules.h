@@ -2,7 +2,7 @@
 // for AdamW-only training and for Muon on the weight matrices, and the optimizer settings the
 // backends take (train config `optimizer:` and `optimizer.muon:`, docs/train.md).
 //
-// The model lays its parameters out once (model_param_layout(), AdamW groups); a backend that
+// The model lays its parameters out once (model::param_layout(), AdamW groups); a backend that
 // trains with Muon re-assigns the groups of that layout with train_group_rules() through
 // regroup_layout(). Offsets depend only on the parameter order, sizes and alignment, never on
 // the groups, so both optimizers see the same flat buffers and a checkpoint of either loads into
@@ -51,7 +51,7 @@ struct OptimizerConfig {
   OptimizerConfig(const optim::AdamWConfig& a, const MuonTrainOptions& m) : adamw(a), muon(m) {}
 };
 
-// AdamW only (muon.enabled false): the groups of model_param_layout():
+// AdamW only (muon.enabled false): the groups of model::param_layout():
 //   embeddings "*embed*|*lm_head*" >= 2-D, decay; convs "*conv*" >= 2-D, decay; vectors <= 1-D,
 //   no decay; matrices >= 2-D otherwise, decay.
 // Muon (enabled), optim::default_rules() plus the AdamW matrix exception:

@@ -21,7 +21,6 @@ namespace {
 constexpr const char* kTrainFormat = "keel.train/3";
 constexpr const char* kTrainFormatV2 = "keel.train/2";
 
-ckpt::Shape shape_of(const optim::ParamInfo& p) { return ckpt::Shape(p.shape.begin(), p.shape.end()); }
 
 // A box of a tensor this rank writes.
 ckpt::SaveShard shard(std::string name, ckpt::Shape shape, ckpt::Box box, const float* data, bool zero) {
@@ -48,20 +47,20 @@ ckpt::LoadRequest request(std::string name, ckpt::Shape shape, ckpt::Box box, fl
 }
 
 // A parameter as this rank holds it: its global (checkpoint) shape, and where its local block
-// starts in the global tensor. An expert-parallel rank holds E / ep experts of an expert tensor:
-// a contiguous slab of the global [E, ...] tensor starting at expert expert_rank * E / ep.
+// starts in the global tensor (its placement: an expert-parallel rank holds E / ep experts of an
+// expert tensor, a contiguous slab of the global [E, ...] tensor starting at expert
+// expert_rank * E / ep).
 struct Held {
   ckpt::Shape global;
   std::int64_t first = 0;  // flat index in the global tensor of the local element 0
 };
 
 Held held(const optim::ParamInfo& p, const StateSlice& slice) {
-  Held h{shape_of(p), 0};
-  if (slice.expert_parallel > 1 && is_expert_param(p.name)) {
-    h.global[0] *= slice.expert_parallel;
-    h.first = static_cast<std::int64_t>(slice.expert_rank) * p.numel;
-  }
-  return h;
+  mesh::Shape m;
+  m.dp = m.ep = slice.expert_parallel;
+  mesh::Coord at;
+  at.ep = slice.expert_rank;
+  return {p.global_shape, model::block_start(p, m, at)};
 }
 
 // Calls f(box, flat_offset) for the boxes (of the global tensor) of parameter p's elements in the
@@ -182,12 +181,12 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
                                        std::pair<std::int64_t, std::int64_t> shard) {
   StateSlice slice;
   slice.shard_begin = shard.first;
-  slice.shard_end = shard.second < 0 ? model_param_layout(cfg).total_floats : shard.second;
+  slice.shard_end = shard.second < 0 ? model::param_layout(cfg).total_floats : shard.second;
   return load_train_checkpoint(path, cfg, slice);
 }
 
 LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg, const StateSlice& slice) {
-  const optim::ParamLayout layout = model_param_layout(cfg, slice.expert_parallel);
+  const optim::ParamLayout layout = model::param_layout(cfg, slice.expert_parallel);
   for (const MomentRange& r : moment_ranges(slice))
     if (r.begin < 0 || r.begin > r.end || r.end > layout.total_floats)
       fail("checkpoint load: optimizer range [{}, {}) is outside this rank's {} floats", r.begin, r.end,
@@ -259,7 +258,7 @@ LoadedWeights load_model_weights(const std::string& path, const model::ModelConf
   StateSlice slice;
   slice.expert_parallel = expert_parallel;
   slice.expert_rank = expert_rank;
-  const optim::ParamLayout layout = model_param_layout(cfg, expert_parallel);
+  const optim::ParamLayout layout = model::param_layout(cfg, expert_parallel);
   const ckpt::Reader reader(path);
   const ckpt::Metadata& meta = reader.metadata();
   const nlohmann::json& s = meta.state;

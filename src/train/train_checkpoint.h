@@ -91,7 +91,7 @@ struct LoadedTrainState {
 // file on a missing tensor, a shape or dtype mismatch, or a damaged file.
 LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg,
                                        std::pair<std::int64_t, std::int64_t> shard = {0, -1});
-// The same for what `slice` holds: its experts (of layout model_param_layout(cfg,
+// The same for what `slice` holds: its experts (of layout model::param_layout(cfg,
 // slice.expert_parallel)) and its optimizer ranges, from a checkpoint of any layout.
 LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg, const StateSlice& slice);
 

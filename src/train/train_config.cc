@@ -177,12 +177,9 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   // model
   const YAML::Node mnode = need("model");
   try {
-    if (mnode.IsScalar()) {
-      c.model_source = mnode.as<std::string>();
-      c.model = model::load_model_config(c.model_source);
-    } else if (mnode.IsMap()) {
-      c.model_source = "inline";
-      c.model = model::parse_model_config(mnode, "inline", what + ": model");
+    if (mnode.IsScalar() || mnode.IsMap()) {
+      c.model_source = mnode.IsScalar() ? mnode.as<std::string>() : "inline";
+      c.model = model::model_of_train_config(mnode, what + ": model");
     } else {
       ctx.bad("model", mnode, "must be a model YAML path or a mapping of model keys");
     }

@@ -463,7 +463,7 @@ void Trainer::init_from_weights(const std::string& path) {
   st.adamw_step = 0;
   // Without the release's balancing biases, keep the backend's initial ones (0, and -1 for the
   // skip class) rather than zeros.
-  if (!got.router_bias) st.router_bias = initial_router_biases(cfg_.model);
+  if (!got.router_bias) st.router_bias = model::initial_router_biases(cfg_.model);
   backend_->set_state(st);
   initialized_ = true;
   if (!quiet_)

@@ -48,7 +48,7 @@ std::string error_of(F f) {
 // A keel train checkpoint of `cfg` with random values everywhere (params, optimizer moments,
 // router biases), as keel train writes it.
 train::TrainState save_random_checkpoint(const model::ModelConfig& cfg, const fs::path& root, std::int64_t step) {
-  const optim::ParamLayout layout = train::model_param_layout(cfg);
+  const optim::ParamLayout layout = model::param_layout(cfg);
   std::mt19937 rng(42);
   std::normal_distribution<float> normal(0.f, 1.f);
   train::TrainState st;
@@ -76,7 +76,7 @@ train::TrainState save_random_checkpoint(const model::ModelConfig& cfg, const fs
 
 // Reads every model/ tensor and router bias of a checkpoint back into a TrainState's layout.
 train::TrainState read_model(const model::ModelConfig& cfg, const std::string& dir) {
-  const optim::ParamLayout layout = train::model_param_layout(cfg);
+  const optim::ParamLayout layout = model::param_layout(cfg);
   train::TrainState st;
   st.params.assign(static_cast<std::size_t>(layout.total_floats), 0.f);
   const Reader reader(dir);
@@ -97,7 +97,7 @@ train::TrainState read_model(const model::ModelConfig& cfg, const std::string& d
 // Every parameter element compared bit for bit (padding between parameters excluded).
 void expect_same_params(const model::ModelConfig& cfg, const std::vector<float>& want, const std::vector<float>& got,
                         bool bf16) {
-  for (const auto& p : train::model_param_layout(cfg).params) {
+  for (const auto& p : model::param_layout(cfg).params) {
     std::int64_t bad = 0;
     for (std::int64_t i = 0; i < p.numel; ++i) {
       float w = want[static_cast<std::size_t>(p.offset + i)];
@@ -138,7 +138,7 @@ void rewrite(const std::string& in, const std::string& out,
 TEST(ZayaNames, EveryKeelParameterMapsExactlyOnce) {
   for (const char* file : {"zaya1-tiny.yaml", "zaya1-8b.yaml"}) {
     const auto cfg = config(file);
-    const auto layout = train::model_param_layout(cfg);
+    const auto layout = model::param_layout(cfg);
     for (Names names : {Names::kZaya1, Names::kZaya1Alternating}) {
       SCOPED_TRACE(std::string(file) + " " + to_string(names));
       const NameMap map = build_name_map(cfg, names);

@@ -397,7 +397,7 @@ TEST(GenerateCuda, NonFiniteLogitsAreAnError) {
   KEEL_REQUIRE_GPU_DECODER();
   const model::ModelConfig cfg = gqa_config(2);
   ModelWeights w = fresh_weights(cfg, true, 0.02, 1);
-  for (const auto& p : train::model_param_layout(cfg).params)
+  for (const auto& p : model::param_layout(cfg).params)
     if (p.name == "final_norm.weight") w.params[p.offset] = std::numeric_limits<float>::quiet_NaN();
   const auto gpu = make_cuda_decoder(w);
   GenerateOptions o;

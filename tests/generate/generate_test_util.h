@@ -20,7 +20,7 @@ namespace keel::generate::test_util {
 // from `n(rng)`, which the caller goes on using for the router biases.
 inline void perturb_weights(ModelWeights& w, const model::ModelConfig& cfg, std::mt19937& rng,
                             std::normal_distribution<float>& n) {
-  for (const auto& p : train::model_param_layout(cfg).params) {
+  for (const auto& p : model::param_layout(cfg).params) {
     // Scales around 1; biases small next to the activations, so tokens still differ.
     const float noise = p.name.ends_with("bias") ? 0.03f : 0.2f;
     if (p.ndim() == 1)

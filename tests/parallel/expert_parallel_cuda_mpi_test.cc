@@ -223,7 +223,7 @@ TEST(ExpertParallelCuda, TrainEpHalfWithReplicasMatchesDataParallel) {
     MPI_Allreduce(MPI_IN_PLACE, &covered, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
     std::int64_t region = 0;
     for (const auto& p : ep_run.backend().layout().params)
-      if (is_expert_param(p.name)) region += p.numel;
+      if (p.placement.splits(mesh::Axis::kExpert)) region += p.numel;
     EXPECT_EQ(covered, ep * region) << "the expert-data shards tile each expert group's region once";
     const auto got = ep_run.run(4);
     ASSERT_EQ(got.size(), want.size());

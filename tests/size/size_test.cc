@@ -232,7 +232,7 @@ TEST(Memory, MuonMatricesHoldNoSecondMoment) {
   train::MuonTrainOptions muon;
   muon.enabled = true;
   double adamw_params = 0;
-  for (const auto& p : train::regroup_layout(train::model_param_layout(s.model), train::train_group_rules(muon)).params)
+  for (const auto& p : train::regroup_layout(model::param_layout(s.model), train::train_group_rules(muon)).params)
     if (p.optimizer == optim::OptimizerKind::kAdamW) adamw_params += static_cast<double>(p.numel);
   EXPECT_GT(adamw_params, 262272.0 * 2048);  // the embedding, tied to the head
   EXPECT_LT(adamw_params, 0.1 * params);

@@ -55,7 +55,7 @@ double max_rel_diff_by_name(const optim::ParamLayout& ep_layout, const std::vect
   double num = 0, den = 0;
   for (const auto& p : ep_layout.params) {
     const optim::ParamInfo& f = *full.at(p.name);
-    const std::int64_t first = is_expert_param(p.name) && p.numel < f.numel ? expert_rank * p.numel : 0;
+    const std::int64_t first = p.placement.splits(mesh::Axis::kExpert) && p.numel < f.numel ? expert_rank * p.numel : 0;
     for (std::int64_t i = 0; i < p.numel; ++i) {
       const double a = ep_params[p.offset + i], b = full_params[f.offset + first + i];
       num = std::max(num, std::fabs(a - b));
@@ -77,7 +77,7 @@ void expect_matches_single_rank(int ep, const std::vector<std::string>& extra, c
   // Each rank holds E / ep experts of every MoE layer: the layout says so.
   std::int64_t experts_begin = t.backend().layout().total_floats;
   for (const auto& p : t.backend().layout().params)
-    if (is_expert_param(p.name)) {
+    if (p.placement.splits(mesh::Axis::kExpert)) {
       ASSERT_EQ(p.shape[0], 24 / ep) << p.name;
       experts_begin = std::min(experts_begin, p.offset);
     }

@@ -161,17 +161,17 @@ TEST(TrainModel, RouterBiasBalancesLoad) {
 }
 
 TEST(TrainModel, InitIsDeterministicAndOneStreamAcrossParallelChunks) {
-  // Embedding 4096 x 512 = 2M elements: filled in parallel chunks of 1M (init_model_parameters).
+  // Embedding 4096 x 512 = 2M elements: filled in parallel chunks of 1M (model::init_parameters).
   model::ModelConfig cfg = fixtures::tiny_config(true);
   cfg.vocab_size = 4096;
   cfg.hidden = 512;
   cfg.heads = 8;
   cfg.kv_heads = 2;
   cfg.head_dim = 64;
-  const optim::ParamLayout layout = model_param_layout(cfg);
+  const optim::ParamLayout layout = model::param_layout(cfg);
   std::vector<float> a(layout.total_floats), b(layout.total_floats);
-  init_model_parameters(cfg, layout, 0.02, 77, a.data());
-  init_model_parameters(cfg, layout, 0.02, 77, b.data());
+  model::init_parameters(cfg, layout, 0.02, 77, a.data());
+  model::init_parameters(cfg, layout, 0.02, 77, b.data());
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "init depends on thread timing";
   const optim::ParamInfo* embed = nullptr;
   for (const auto& p : layout.params)
@@ -188,7 +188,7 @@ TEST(TrainModel, InitIsDeterministicAndOneStreamAcrossParallelChunks) {
   EXPECT_NEAR(mean, 0.0, 1e-4);
   EXPECT_NEAR(sd, 0.02, 2e-4);
   // another seed, other values
-  init_model_parameters(cfg, layout, 0.02, 78, b.data());
+  model::init_parameters(cfg, layout, 0.02, 78, b.data());
   EXPECT_NE(std::memcmp(a.data() + embed->offset, b.data() + embed->offset, 64 * sizeof(float)), 0);
 }
 

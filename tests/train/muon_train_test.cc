@@ -55,7 +55,7 @@ const optim::ParamInfo& find(const optim::ParamLayout& l, const std::string& nam
 
 TEST(TrainParamRules, AdamWRulesMatchTheModelLayout) {
   for (bool tied : {false, true}) {
-    const auto layout = model_param_layout(fixtures::tiny_config(tied));
+    const auto layout = model::param_layout(fixtures::tiny_config(tied));
     const auto again = regroup_layout(layout, train_group_rules(MuonTrainOptions{}));
     ASSERT_EQ(again.params.size(), layout.params.size());
     for (std::size_t i = 0; i < layout.params.size(); ++i) {
@@ -82,7 +82,7 @@ model::ModelConfig zaya_config() {
 }
 
 TEST(TrainParamRules, ZayaLayersGroups) {
-  const auto base = model_param_layout(zaya_config());
+  const auto base = model::param_layout(zaya_config());
   const auto again = regroup_layout(base, train_group_rules(MuonTrainOptions{}));
   for (std::size_t i = 0; i < base.params.size(); ++i) {
     EXPECT_EQ(again.params[i].group, base.params[i].group) << base.params[i].name;
@@ -98,7 +98,7 @@ TEST(TrainParamRules, ZayaLayersGroups) {
 }
 
 TEST(TrainParamRules, MuonRulesTakeTheMatricesAndKeepOffsets) {
-  const auto base = model_param_layout(fixtures::tiny_config(false));
+  const auto base = model::param_layout(fixtures::tiny_config(false));
   MuonTrainOptions m = muon_on();
   m.lr_scale = 0.5;
   const auto l = regroup_layout(base, train_group_rules(m));

@@ -160,7 +160,7 @@ TEST(TrainZaya, WholeModelGradCheckWithSkipClass) { zaya_gradcheck(true); }
 
 TEST(TrainZaya, LayoutNamesGroupsAndInit) {
   const auto cfg = zaya_config(true);
-  const auto layout = model_param_layout(cfg);
+  const auto layout = model::param_layout(cfg);
   std::set<std::string> names;
   for (const auto& p : layout.params) names.insert(p.name);
   for (const char* n : {"layers.0.res_scale.attn.h_scale", "layers.0.attn.cca.w_qk", "layers.0.attn.cca.conv1.weight",
@@ -199,7 +199,7 @@ TEST(TrainZaya, Zaya8bLayoutMatchesKeelSize) {
   o.micro_batch = 1;
   o.seq_length = 4096;
   validate_trainable(cfg, o);
-  const auto layout = model_param_layout(cfg);
+  const auto layout = model::param_layout(cfg);
   std::int64_t n = 0;
   for (const auto& p : layout.params) n += p.numel;
   EXPECT_EQ(n, model::count_params(cfg).total);

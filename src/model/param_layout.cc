@@ -1,0 +1,290 @@
+#include "model/param_layout.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <thread>
+
+#include "common/error.h"
+
+namespace keel::model {
+namespace {
+
+// Deterministic normal draws (splitmix64 + Box-Muller), the same on every platform.
+struct Rng {
+  std::uint64_t s;
+  std::uint64_t next() {
+    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return (static_cast<double>(next() >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+  double normal() { return std::sqrt(-2.0 * std::log(uniform())) * std::cos(6.283185307179586 * uniform()); }
+};
+
+// The groups of AdamW-only training (optim::default_rules() without Muon): conv weights (CCA)
+// are their own group; every 1-D tensor (norms, biases, residual scales, temperatures, the EDA
+// scale) is a vector without weight decay.
+std::vector<optim::GroupRule> adamw_rules() {
+  std::vector<optim::GroupRule> r(4);
+  r[0].group = "embeddings";
+  r[0].include = "*embed*|*lm_head*";
+  r[0].min_ndim = 2;
+  r[1].group = "convs";
+  r[1].include = "*conv*";
+  r[1].exclude = "*embed*|*lm_head*";
+  r[1].min_ndim = 2;
+  r[2].group = "vectors";
+  r[2].max_ndim = 1;
+  r[2].weight_decay = false;
+  r[3].group = "matrices";
+  r[3].exclude = "*embed*|*lm_head*|*conv*";
+  r[3].min_ndim = 2;
+  return r;
+}
+
+struct Specs {
+  std::vector<optim::ParamSpec> list;
+  void add(std::string name, std::vector<std::int64_t> shape) {
+    const int ndim = static_cast<int>(shape.size());
+    list.push_back({std::move(name), shape, mesh::Placement::replicated(ndim), shape});
+  }
+  void add_split(std::string name, std::vector<std::int64_t> shape, int dim, mesh::Axis axis) {
+    const int ndim = static_cast<int>(shape.size());
+    list.push_back({std::move(name), shape, mesh::Placement::split(ndim, dim, axis), shape});
+  }
+  void add_res_scale(const std::string& prefix, std::int64_t D, bool with_r) {
+    add(prefix + "h_scale", {D});
+    add(prefix + "h_bias", {D});
+    if (!with_r) return;
+    add(prefix + "r_scale", {D});
+    add(prefix + "r_bias", {D});
+  }
+};
+
+// The index of a rank's block along dimension d of placement p: its coordinates on the axes
+// splitting d, outermost first; and how many blocks that dimension has.
+std::pair<std::int64_t, std::int64_t> block_of(const mesh::Placement& p, std::size_t d, const mesh::Shape& mesh,
+                                               const mesh::Coord& at) {
+  std::int64_t idx = 0, count = 1;
+  for (mesh::Axis a : p.dims[d]) {
+    idx = idx * mesh.degree(a) + at.on(a);
+    count *= mesh.degree(a);
+  }
+  return {idx, count};
+}
+
+}  // namespace
+
+std::vector<optim::ParamSpec> param_specs(const ModelConfig& cfg) {
+  const std::int64_t D = cfg.hidden, V = cfg.vocab_size, Dh = cfg.head_dim;
+  const std::int64_t Q = std::int64_t(cfg.heads) * Dh, KV = std::int64_t(cfg.kv_heads) * Dh;
+  const bool scaled = cfg.residual_scaling;
+  Specs s;
+  s.add("embed.weight", {V, D});
+  int moe_stage = 0;
+  for (int l = 0; l < cfg.layers; ++l) {
+    const std::string p = fmt::format("layers.{}.", l);
+    // Layer 0's attention stage scales the embedding only (no residual yet).
+    if (scaled) s.add_res_scale(p + "res_scale.attn.", D, l > 0);
+    s.add(p + "attn_norm.weight", {D});
+    if (layer_attention_kind(cfg, l) == AttentionKind::kCca) {
+      const std::int64_t C = Q + KV, W0 = cfg.cca_conv_width, W1 = cfg.cca_group_conv_width;
+      s.add(p + "attn.cca.w_qk", {C, D});  // [linear_q; linear_k]
+      s.add(p + "attn.cca.w_v", {KV, D});  // [val_proj1; val_proj2]
+      s.add(p + "attn.cca.conv0.weight", {C, W0});
+      s.add(p + "attn.cca.conv0.bias", {C});
+      s.add(p + "attn.cca.conv1.weight", {C, Dh, W1});
+      s.add(p + "attn.cca.conv1.bias", {C});
+      s.add(p + "attn.cca.temp", {cfg.kv_heads});
+      s.add(p + "attn.cca.wo", {D, Q});
+    } else {
+      s.add(p + "attn.wq", {Q, D});
+      s.add(p + "attn.wk", {KV, D});
+      s.add(p + "attn.wv", {KV, D});
+      s.add(p + "attn.wo", {D, Q});
+    }
+    if (scaled) s.add_res_scale(p + "res_scale.mlp.", D, true);
+    s.add(p + "mlp_norm.weight", {D});
+    if (is_moe_layer(cfg, l)) {
+      const std::int64_t E = cfg.experts, F = cfg.expert_hidden;
+      if (cfg.router_hidden > 0) {
+        const std::int64_t R = cfg.router_hidden, classes = E + (cfg.router_skip_expert ? 1 : 0);
+        s.add(p + "moe.router.down.weight", {R, D});
+        s.add(p + "moe.router.down.bias", {R});
+        if (moe_stage > 0) s.add(p + "moe.router.eda_scale", {R});  // no EDA on the first MoE stage
+        s.add(p + "moe.router.norm.weight", {R});
+        s.add(p + "moe.router.mlp1.weight", {R, R});
+        s.add(p + "moe.router.mlp1.bias", {R});
+        s.add(p + "moe.router.mlp2.weight", {R, R});
+        s.add(p + "moe.router.mlp2.bias", {R});
+        s.add(p + "moe.router.out.weight", {classes, R});
+      } else {
+        s.add(p + "moe.router", {E, D});
+      }
+      ++moe_stage;
+      s.add_split(p + "moe.w_gate", {E, F, D}, 0, mesh::Axis::kExpert);
+      s.add_split(p + "moe.w_up", {E, F, D}, 0, mesh::Axis::kExpert);
+      s.add_split(p + "moe.w_down", {E, D, F}, 0, mesh::Axis::kExpert);
+    } else {
+      const std::int64_t F = cfg.ffn_hidden;
+      if (F <= 0) throw UsageError(fmt::format("model '{}': dense layer {} needs ffn_hidden > 0", cfg.name, l));
+      s.add(p + "mlp.w_gate", {F, D});
+      s.add(p + "mlp.w_up", {F, D});
+      s.add(p + "mlp.w_down", {D, F});
+    }
+  }
+  if (scaled) s.add_res_scale("final_res_scale.", D, true);
+  s.add("final_norm.weight", {D});
+  if (!cfg.tied_embeddings) s.add("lm_head.weight", {V, D});
+  return std::move(s.list);
+}
+
+optim::ParamLayout param_layout(const ModelConfig& cfg, const mesh::Shape& mesh) {
+  if (mesh.ep > 1 && (cfg.experts < 1 || cfg.experts % mesh.ep != 0))
+    throw UsageError(fmt::format("model '{}': {} experts do not split over expert-parallel degree {}", cfg.name,
+                                 cfg.experts, mesh.ep));
+  std::vector<optim::ParamSpec> specs = param_specs(cfg);
+  for (auto& p : specs)
+    for (std::size_t d = 0; d < p.shape.size(); ++d) {
+      std::int64_t split = 1;
+      for (mesh::Axis a : p.placement.dims[d]) split *= mesh.degree(a);
+      if (p.shape[d] % split != 0)
+        throw UsageError(fmt::format("model '{}': dimension {} ({}) of '{}' does not split over {} ranks ({})", cfg.name,
+                                     d, p.shape[d], p.name, split, mesh.str()));
+      p.shape[d] /= split;
+    }
+  if (mesh.ep > 1)
+    // This rank's E / ep experts, after every replicated parameter: the expert region's
+    // gradients reduce over another group (docs/parallel.md).
+    std::stable_partition(specs.begin(), specs.end(),
+                          [](const optim::ParamSpec& p) { return !p.placement.splits(mesh::Axis::kExpert); });
+  return optim::assign_groups(specs, adamw_rules());
+}
+
+optim::ParamLayout param_layout(const ModelConfig& cfg, int expert_parallel) {
+  if (expert_parallel < 1)
+    throw UsageError(fmt::format("model '{}': expert-parallel degree {} (must be >= 1)", cfg.name, expert_parallel));
+  mesh::Shape m;
+  m.dp = m.ep = expert_parallel;
+  return param_layout(cfg, m);
+}
+
+std::int64_t global_param_count(const optim::ParamLayout& layout) {
+  std::int64_t n = 0;
+  for (const auto& p : layout.params) {
+    std::int64_t g = 1;
+    for (auto d : p.global_shape) g *= d;
+    n += g;
+  }
+  return n;
+}
+
+std::int64_t block_start(const optim::ParamInfo& p, const mesh::Shape& mesh, const mesh::Coord& at) {
+  std::int64_t start = 0, stride = 1;
+  bool inner_whole = true;  // every dimension after the current one is whole
+  for (std::size_t k = p.shape.size(); k-- > 0;) {
+    const auto [idx, count] = block_of(p.placement, k, mesh, at);
+    if (count > 1 && !inner_whole)
+      fail("parameter '{}' is split along an inner dimension: its block is not one run of the tensor", p.name);
+    start += idx * p.shape[k] * stride;
+    stride *= p.global_shape[k];
+    inner_whole = inner_whole && p.shape[k] == p.global_shape[k];
+  }
+  return start;
+}
+
+int param_stage(const std::string& name, int layers) {
+  if (name.starts_with("layers.")) {
+    const auto dot = name.find('.', 7);
+    const int l = std::stoi(name.substr(7, dot - 7));
+    const std::string rest = name.substr(dot + 1);
+    const bool attn = rest.starts_with("res_scale.attn.") || rest.starts_with("attn_norm.") || rest.starts_with("attn.");
+    return attn ? 1 + 2 * l : 2 + 2 * l;
+  }
+  return name == "embed.weight" ? 0 : stage_count(layers) - 1;
+}
+
+void init_parameters(const ModelConfig& cfg, const optim::ParamLayout& layout, double init_std, std::uint64_t seed,
+                     float* params, const mesh::Shape& mesh, const mesh::Coord& at) {
+  const double out_scale = 1.0 / std::sqrt(2.0 * cfg.layers);
+  std::memset(params, 0, static_cast<std::size_t>(layout.total_floats) * sizeof(float));
+  // One splitmix64 stream over the matrices in the order of the whole model's parameters
+  // (param_specs), two draws per element. Its state after k draws is seed + k * increment, so any
+  // element's draws can be started directly: the matrices are filled in parallel chunks with
+  // exactly the values of the serial loop (an 8B-parameter model is ~10^10 normals: minutes on
+  // one core), and a rank's block of a split parameter gets exactly the values of the same
+  // elements in the whole model.
+  std::map<std::string, std::uint64_t> first_draw;
+  {
+    std::uint64_t draws = 0;
+    for (const auto& p : param_specs(cfg)) {
+      if (p.shape.size() <= 1) continue;
+      std::uint64_t n = 1;
+      for (auto d : p.shape) n *= static_cast<std::uint64_t>(d);
+      first_draw[p.name] = draws, draws += 2 * n;
+    }
+  }
+  struct Fill {
+    float* d;
+    std::int64_t n;
+    double std;
+    std::uint64_t first_draw;
+  };
+  std::vector<Fill> fills;
+  for (const auto& p : layout.params) {
+    float* d = params + p.offset;
+    if (p.ndim() == 1) {
+      // Biases (router, conv, residual) 0; norms, residual scales, the EDA scale and the CCA
+      // temperatures 1 (temperature: Primus' from-scratch init, docs/zaya1_ops.md §6 #3).
+      const bool bias = p.name.ends_with("bias");
+      std::fill(d, d + p.numel, bias ? 0.0f : 1.0f);
+      continue;
+    }
+    const auto it = first_draw.find(p.name);
+    if (it == first_draw.end()) fail("init: parameter '{}' is not in model '{}'", p.name, cfg.name);
+    const std::int64_t start = block_start(p, mesh, at);
+    const bool out_proj = p.name.ends_with(".wo") || p.name.ends_with("w_down");
+    fills.push_back({d, p.numel, init_std * (out_proj ? out_scale : 1.0),
+                     it->second + 2 * static_cast<std::uint64_t>(start)});
+  }
+  constexpr std::uint64_t kIncrement = 0x9E3779B97F4A7C15ull;  // Rng::next()'s
+  constexpr std::int64_t kChunk = 1 << 20;
+  struct Piece {
+    const Fill* f;
+    std::int64_t begin, end;
+  };
+  std::vector<Piece> pieces;
+  for (const auto& f : fills)
+    for (std::int64_t b = 0; b < f.n; b += kChunk) pieces.push_back({&f, b, std::min(f.n, b + kChunk)});
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t i; (i = next.fetch_add(1)) < pieces.size();) {
+      const Piece& pc = pieces[i];
+      Rng rng{seed + (pc.f->first_draw + 2 * static_cast<std::uint64_t>(pc.begin)) * kIncrement};
+      for (std::int64_t j = pc.begin; j < pc.end; ++j) pc.f->d[j] = static_cast<float>(pc.f->std * rng.normal());
+    }
+  };
+  const std::size_t threads =
+      std::min<std::size_t>(pieces.size(), std::max(1u, std::min(32u, std::thread::hardware_concurrency())));
+  std::vector<std::thread> pool;
+  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+}
+
+std::vector<std::vector<float>> initial_router_biases(const ModelConfig& cfg) {
+  const int classes = cfg.experts + (cfg.router_skip_expert ? 1 : 0);
+  std::vector<std::vector<float>> b(static_cast<std::size_t>(moe_layer_count(cfg)),
+                                    std::vector<float>(static_cast<std::size_t>(std::max(classes, 0)), 0.f));
+  if (cfg.router_skip_expert)
+    for (auto& v : b) v.back() = -1.f;  // ZAYA1: the skip class starts disfavoured
+  return b;
+}
+
+}  // namespace keel::model
