@@ -18,7 +18,7 @@ order does not depend on the world size), so about the same routing, and the sam
 per token as ZeRO-1's 1/N share. "its max load" is that run's. --no-same-batch skips those runs.
 
 keel's ZeRO-1 step overlaps its collectives with compute by default (docs/parallel.md);
---classic-gpus 2,4 also runs those GPU counts with KEEL_DP_OVERLAP=0 (the classic step: reduce-
+--classic-gpus 2,4 also runs those GPU counts with parallel.zero1.overlap: false (the classic step: reduce-
 scatter after backward, all-gather after the update) and prints them as extra rows, for the
 before / after comparison in one run. --bf16-reduce-gpus 2,4 also runs those GPU counts with
 parallel.grad_reduce: bf16 (gradients summed over the GPUs in bf16, half the bytes of the default
@@ -41,7 +41,8 @@ learning rate and bias rate. With --muon (zaya1 only) every keel run uses ZAYA1'
 Muon + AdamW (optimizer.muon): under ZeRO-1 each rank runs Newton-Schulz on the whole matrices of its
 shard only (docs/optim.md), so a step's optimizer work shrinks with N and the efficiency column can
 exceed 1; compare step times with the AdamW run instead. --muon implies --no-torch (torch has no
-distributed Muon to set beside keel's). KEEL_DP_* and NCCL_* variables reach every rank.
+distributed Muon to set beside keel's). --set KEY=VALUE (repeatable) passes a config override to
+every keel run (e.g. --set parallel.zero1.profile=true). NCCL_* variables reach every rank.
 
 The peer, in the same run for each N right after keel: the same model and step in PyTorch
 (eager) under torchrun with DistributedDataParallel (gradient all-reduce in buckets overlapped
@@ -61,6 +62,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zaya_vs_torch  # noqa: E402
 from train_vs_torch import DIMS, keel_config, write_dataset  # noqa: E402
+
+
+EXTRA_SETS = []  # --set: config overrides for every keel run
 
 
 def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, ep=1, bias_rate=0.0, lr=None,
@@ -93,13 +97,14 @@ def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, e
         text = text.replace("\nrouter:\n", f"\nrouter:\n  bias_update_rate: {bias_rate}\n")
     open(path, "w").write(text)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
-    if classic:
-        env["KEEL_DP_OVERLAP"] = "0"
     forward = []
     for k in sorted(env):
-        if k.startswith("KEEL_DP_") or k.startswith("NCCL_"):
+        if k.startswith("NCCL_"):
             forward += ["-x", k]
-    cmd = ["mpirun", "--allow-run-as-root", "-np", str(gpus), "--bind-to", "none"] + forward + [keel, "train", path]
+    sets = ["--set", "parallel.zero1.overlap=false"] if classic else []
+    for s in EXTRA_SETS:
+        sets += ["--set", s]
+    cmd = ["mpirun", "--allow-run-as-root", "-np", str(gpus), "--bind-to", "none"] + forward + [keel, "train", path] + sets
     log = os.path.join(run_dir, "keel_train.log")
     with open(log, "w") as f:
         try:
@@ -148,7 +153,10 @@ def main():
     ap.add_argument("--model", choices=["bench", "zaya1"], default="bench")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--run-timeout", type=int, default=900, help="seconds per keel run")
-    ap.add_argument("--classic-gpus", default="", help="GPU counts to also run with the classic step (KEEL_DP_OVERLAP=0)")
+    ap.add_argument("--classic-gpus", default="",
+                    help="GPU counts to also run with the classic step (parallel.zero1.overlap: false)")
+    ap.add_argument("--set", action="append", default=[], dest="sets",
+                    help="a keel train config override for every keel run (repeatable)")
     ap.add_argument("--bf16-reduce-gpus", default="",
                     help="GPU counts to also run with parallel.grad_reduce: bf16 (gradients summed in bf16)")
     ap.add_argument("--ep-gpus", default="", help="GPU counts to also run with expert parallelism over all of them")
@@ -159,6 +167,7 @@ def main():
     ap.add_argument("--no-same-batch", action="store_true",
                     help="skip the one-GPU runs of each N-GPU run's global batch (the 'same batch' columns)")
     a = ap.parse_args()
+    EXTRA_SETS.extend(a.sets)
     if a.muon and a.model != "zaya1":
         ap.error("--muon needs --model zaya1")
     d = dict(zaya_vs_torch.ZAYA8 if a.model == "zaya1" else DIMS)

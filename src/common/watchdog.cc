@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <thread>
 
 #include <fmt/format.h>
@@ -67,6 +68,11 @@ void Watchdog::arm(std::string what, double seconds) {
   cv_.notify_all();
 }
 
+void Watchdog::on_timeout(std::function<void()> f) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_timeout_ = std::move(f);
+}
+
 void Watchdog::disarm() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -99,6 +105,15 @@ void Watchdog::watch() {
         report_error(late + ": this rank is the stuck one (it was not waiting on another rank)");
       }
       std::fflush(stdout);
+      if (on_timeout_) {
+        // On a thread of its own, so that a hook that itself hangs cannot keep the process alive.
+        auto done = std::make_shared<std::atomic<bool>>(false);
+        std::thread([f = on_timeout_, done] {
+          f();
+          done->store(true);
+        }).detach();
+        for (int i = 0; i < 500 && !done->load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
       std::_Exit(kExitTimeout);
     }
   }

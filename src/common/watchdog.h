@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -36,6 +37,11 @@ class Watchdog {
   // Without it (the default) every rank reports the same line.
   void track_peer_waits() { track_peer_waits_ = true; }
 
+  // Runs `f` on the watchdog's thread after the report and before the process exits, e.g. to
+  // abort the run's NCCL communicators (parallel::Mesh::abort_all) so that GPU work stuck in a
+  // collective returns. The exit waits for it at most 5 s.
+  void on_timeout(std::function<void()> f);
+
  private:
   void watch();
 
@@ -45,6 +51,7 @@ class Watchdog {
   std::string what_;
   double seconds_ = 0;
   std::atomic<bool> track_peer_waits_{false};
+  std::function<void()> on_timeout_;
   std::chrono::steady_clock::time_point deadline_;
   std::thread thread_;
 };

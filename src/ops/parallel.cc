@@ -1,19 +1,28 @@
 #include "ops/parallel.h"
 
-#include <cstdlib>
+#include <atomic>
 
 namespace keel::ops {
+namespace {
+
+int all_cores() {
+  const unsigned hc = std::thread::hardware_concurrency();
+  return hc ? static_cast<int>(hc) : 1;
+}
+
+std::atomic<int> g_threads{0};  // 0: every core
+
+}  // namespace
 
 int ops_threads() {
-  static const int n = [] {
-    if (const char* s = std::getenv("KEEL_OPS_THREADS")) {
-      int v = std::atoi(s);
-      if (v >= 1) return v;
-    }
-    unsigned hc = std::thread::hardware_concurrency();
-    return hc ? static_cast<int>(hc) : 1;
-  }();
-  return n;
+  const int n = g_threads.load(std::memory_order_relaxed);
+  return n > 0 ? n : all_cores();
 }
+
+void set_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
+
+#ifndef KEEL_HAVE_CUDA
+void set_moe_lanes(int) {}
+#endif
 
 }  // namespace keel::ops

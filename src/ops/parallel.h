@@ -12,8 +12,14 @@
 
 namespace keel::ops {
 
-// Threads the ops may use: KEEL_OPS_THREADS if set (>= 1), else hardware_concurrency().
+// How the ops use the machine: `kernels:` of keel train's config (train/train_config.h), set once
+// before the first step. Neither changes a result, only speed and memory.
+// Threads the CPU ops may use: set_threads(n) (0: hardware_concurrency(), the default).
 int ops_threads();
+void set_threads(int n);
+// Side streams the CUDA experts run on (ops/cuda/moe.h), 1 to 8 (default 4); a no-op in a build
+// without CUDA. keel::UsageError outside that range.
+void set_moe_lanes(int n);
 
 template <typename Fn>
 void parallel_for(std::int64_t n, std::int64_t min_per_thread, Fn&& fn) {

@@ -81,7 +81,7 @@ class MpiDataParallelComm final : public DataParallelComm {
 }  // namespace
 
 #ifndef KEEL_HAVE_CUDA
-std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(MPI_Comm, void*, GradReduceDtype) {
+std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(std::shared_ptr<NcclGroup>, void*, GradReduceDtype) {
   fail("data parallelism on GPUs: this keel was built without CUDA");
 }
 std::unique_ptr<NcclGroup> make_nccl_group(MPI_Comm) { fail("NCCL: this keel was built without CUDA"); }

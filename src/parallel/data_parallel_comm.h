@@ -11,6 +11,8 @@
 #include <memory>
 #include <vector>
 
+#include "parallel/nccl_group.h"
+
 namespace keel::parallel {
 
 // The element type gradients are summed in over the data-parallel ranks (`parallel.grad_reduce`).
@@ -49,12 +51,11 @@ class DataParallelComm {
 std::unique_ptr<DataParallelComm> make_mpi_data_parallel_comm(MPI_Comm comm,
                                                               GradReduceDtype reduce = GradReduceDtype::kFp32);
 
-// Device buffers on the current GPU, through an NCCL communicator built over `comm` (every rank
-// calls this together; the CUDA device must be set), enqueued on `stream` (a cudaStream_t);
-// nothing synchronizes the host. With kBf16 the reduce-scatter runs on a bf16 copy of the buffer
-// (2 bytes per float, allocated at the first reduction). Throws keel::Error in a build without
-// CUDA.
-std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(MPI_Comm comm, void* stream,
+// Device buffers on the current GPU, through the NCCL communicator `group` (parallel::Mesh::nccl
+// of the data group), enqueued on `stream` (a cudaStream_t); nothing synchronizes the host. With
+// kBf16 the reduce-scatter runs on a bf16 copy of the buffer (2 bytes per float, allocated at the
+// first reduction). Throws keel::Error in a build without CUDA.
+std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(std::shared_ptr<NcclGroup> group, void* stream,
                                                                GradReduceDtype reduce = GradReduceDtype::kFp32);
 
 }  // namespace keel::parallel

@@ -11,7 +11,6 @@
 // With bf16 gradient reduction the reduce-scatter runs in place on a bf16 copy of the buffer and
 // the chunk is widened back into buf before the (fp32) exchange.
 #include <cuda_runtime.h>
-#include <nccl.h>
 
 #include <algorithm>
 
@@ -21,7 +20,7 @@
 #include "device/device_buffer.h"
 #include "ops/cuda/cast.h"
 #include "parallel/data_parallel_comm.h"
-#include "parallel/nccl_comm_cuda.h"
+#include "parallel/nccl_group.h"
 #include "parallel/zero1.h"
 
 namespace keel::parallel {
@@ -29,13 +28,9 @@ namespace {
 
 class NcclDataParallelComm final : public DataParallelComm {
  public:
-  NcclDataParallelComm(MPI_Comm comm, cudaStream_t stream, GradReduceDtype reduce)
-      : stream_(stream), bf16_(reduce == GradReduceDtype::kBf16) {
-    comm_ = nccl_comm_from_mpi(comm, &size_, &rank_);
-  }
-  ~NcclDataParallelComm() override {
-    if (comm_) ncclCommDestroy(comm_);
-  }
+  NcclDataParallelComm(std::shared_ptr<NcclGroup> group, cudaStream_t stream, GradReduceDtype reduce)
+      : stream_(stream), bf16_(reduce == GradReduceDtype::kBf16), g_(std::move(group)), size_(g_->size()),
+        rank_(g_->rank()) {}
   int size() const override { return size_; }
   int rank() const override { return rank_; }
 
@@ -48,12 +43,10 @@ class NcclDataParallelComm final : public DataParallelComm {
       auto* b = static_cast<ops::cuda::bf16*>(
           scratch_.ensure(static_cast<std::size_t>(s * size_) * sizeof(ops::cuda::bf16), stream_, "bf16 gradients"));
       ops::cuda::f32_to_bf16(buf, b, s * size_, stream_);
-      KEEL_NCCL_CHECK(ncclReduceScatter(b, b + rank_ * s, static_cast<std::size_t>(s), ncclBfloat16, ncclSum, comm_,
-                                        stream_));
+      g_->reduce_scatter_sum(b, b + rank_ * s, s, NcclType::kBfloat16, stream_);
       ops::cuda::bf16_to_f32(b + rank_ * s, buf + rank_ * s, s, stream_);
     } else {
-      KEEL_NCCL_CHECK(ncclReduceScatter(buf, buf + rank_ * s, static_cast<std::size_t>(s), ncclFloat32, ncclSum, comm_,
-                                        stream_));
+      g_->reduce_scatter_sum(buf, buf + rank_ * s, s, NcclType::kFloat32, stream_);
     }
     // holder (chunk) -> owner (shard)
     exchange(buf, bounds, s, /*to_owner=*/true);
@@ -62,11 +55,11 @@ class NcclDataParallelComm final : public DataParallelComm {
   void all_gather(float* buf, const std::vector<std::int64_t>& bounds) override {
     const std::int64_t s = chunk_of(bounds);
     exchange(buf, bounds, s, /*to_owner=*/false);
-    KEEL_NCCL_CHECK(ncclAllGather(buf + rank_ * s, buf, static_cast<std::size_t>(s), ncclFloat32, comm_, stream_));
+    g_->all_gather(buf + rank_ * s, buf, s, NcclType::kFloat32, stream_);
   }
 
   void all_reduce_sum(double* x, int n) override {
-    KEEL_NCCL_CHECK(ncclAllReduce(x, x, static_cast<std::size_t>(n), ncclFloat64, ncclSum, comm_, stream_));
+    g_->all_reduce_sum(x, n, NcclType::kFloat64, stream_);
   }
 
   std::size_t device_bytes() const override { return scratch_.capacity(); }
@@ -91,34 +84,35 @@ class NcclDataParallelComm final : public DataParallelComm {
   }
 
   void exchange(float* buf, const std::vector<std::int64_t>& bounds, std::int64_t s, bool to_owner) {
-    KEEL_NCCL_CHECK(ncclGroupStart());
+    g_->group_start();
     for (int other = 0; other < size_; ++other) {
       if (other == rank_) continue;
       // what this rank holds of other's shard, and what other holds of this rank's shard
       const auto [alo, ahi] = overlap(bounds, other, rank_, s);  // in my chunk, owned by other
       const auto [blo, bhi] = overlap(bounds, rank_, other, s);  // in other's chunk, owned by me
       if (to_owner) {
-        if (ahi > alo) KEEL_NCCL_CHECK(ncclSend(buf + alo, static_cast<std::size_t>(ahi - alo), ncclFloat32, other, comm_, stream_));
-        if (bhi > blo) KEEL_NCCL_CHECK(ncclRecv(buf + blo, static_cast<std::size_t>(bhi - blo), ncclFloat32, other, comm_, stream_));
+        if (ahi > alo) g_->send(buf + alo, ahi - alo, NcclType::kFloat32, other, stream_);
+        if (bhi > blo) g_->recv(buf + blo, bhi - blo, NcclType::kFloat32, other, stream_);
       } else {
-        if (bhi > blo) KEEL_NCCL_CHECK(ncclSend(buf + blo, static_cast<std::size_t>(bhi - blo), ncclFloat32, other, comm_, stream_));
-        if (ahi > alo) KEEL_NCCL_CHECK(ncclRecv(buf + alo, static_cast<std::size_t>(ahi - alo), ncclFloat32, other, comm_, stream_));
+        if (bhi > blo) g_->send(buf + blo, bhi - blo, NcclType::kFloat32, other, stream_);
+        if (ahi > alo) g_->recv(buf + alo, ahi - alo, NcclType::kFloat32, other, stream_);
       }
     }
-    KEEL_NCCL_CHECK(ncclGroupEnd());
+    g_->group_end();
   }
 
   cudaStream_t stream_;
   bool bf16_ = false;
   GrowingDeviceBuffer scratch_{"out of GPU memory: the ", "train on more GPUs, a smaller model or parallel.grad_reduce: fp32"};
-  ncclComm_t comm_ = nullptr;
+  std::shared_ptr<NcclGroup> g_;
   int size_ = 1, rank_ = 0;
 };
 
 }  // namespace
 
-std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(MPI_Comm comm, void* stream, GradReduceDtype reduce) {
-  return std::make_unique<NcclDataParallelComm>(comm, static_cast<cudaStream_t>(stream), reduce);
+std::unique_ptr<DataParallelComm> make_nccl_data_parallel_comm(std::shared_ptr<NcclGroup> group, void* stream,
+                                                               GradReduceDtype reduce) {
+  return std::make_unique<NcclDataParallelComm>(std::move(group), static_cast<cudaStream_t>(stream), reduce);
 }
 
 }  // namespace keel::parallel

@@ -20,12 +20,15 @@ std::size_t align_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 }  // namespace
 
-CudaExpertParallelGroup::CudaExpertParallelGroup(MPI_Comm comm, int experts) : comm_(comm), experts_(experts) {
+CudaExpertParallelGroup::CudaExpertParallelGroup(MPI_Comm comm, std::shared_ptr<NcclGroup> nccl, int experts)
+    : comm_(comm), experts_(experts), nccl_(std::move(nccl)) {
   mpi_check(MPI_Comm_size(comm, &size_), "MPI_Comm_size");
   mpi_check(MPI_Comm_rank(comm, &rank_), "MPI_Comm_rank");
   if (experts < 1 || experts % size_ != 0)
     throw UsageError(fmt::format("expert parallelism: {} experts do not split over {} ranks", experts, size_));
-  nccl_ = make_nccl_group(comm);
+  if (nccl_->size() != size_ || nccl_->rank() != rank_)
+    fail("expert parallelism: the NCCL communicator ({} of {}) is not over the expert group ({} of {})", nccl_->rank(),
+         nccl_->size(), rank_, size_);
 }
 
 CudaExpertParallelMoe::CudaExpertParallelMoe(std::shared_ptr<CudaExpertParallelGroup> group)

@@ -58,10 +58,10 @@ inline constexpr double kEpBufferHeadroom = 0.25;
 // What the MoE layers of one model share: the group's communicators and the backward scratch.
 class CudaExpertParallelGroup {
  public:
-  // comm: the expert-parallel group (not owned; it must outlive this object). experts: E of a
-  // whole layer, a multiple of the group size (keel::UsageError otherwise). Collective over comm
-  // (it builds the NCCL communicator), with this rank's CUDA device set.
-  CudaExpertParallelGroup(MPI_Comm comm, int experts);
+  // comm: the expert-parallel group and nccl its NCCL communicator (parallel::Mesh: its expert
+  // group's, which outlive this object). experts: E of a whole layer, a multiple of the group size
+  // (keel::UsageError otherwise).
+  CudaExpertParallelGroup(MPI_Comm comm, std::shared_ptr<NcclGroup> nccl, int experts);
 
   int size() const { return size_; }
   int rank() const { return rank_; }
@@ -75,7 +75,7 @@ class CudaExpertParallelGroup {
  private:
   MPI_Comm comm_;
   int size_ = 1, rank_ = 0, experts_ = 0;
-  std::unique_ptr<NcclGroup> nccl_;
+  std::shared_ptr<NcclGroup> nccl_;
   GrowingDeviceBuffer scratch_{kEpBufferOomHead, kEpBufferOomAdvice, kEpBufferHeadroom};
 };
 

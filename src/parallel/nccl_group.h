@@ -24,15 +24,25 @@ class NcclGroup {
   // In place: root's buf to every rank.
   virtual void broadcast(void* buf, std::int64_t count, NcclType type, int root, void* stream) = 0;
   virtual void all_reduce_sum(void* buf, std::int64_t count, NcclType type, void* stream) = 0;
+  // send: size() x count elements; recv (count): this rank's chunk of the element-wise sum.
+  // recv may be send + rank() x count (in place).
+  virtual void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, NcclType type, void* stream) = 0;
+  // send: count elements; recv: size() x count, every rank's in rank order. send may be
+  // recv + rank() x count (in place).
+  virtual void all_gather(const void* send, void* recv, std::int64_t count, NcclType type, void* stream) = 0;
   virtual void send(const void* buf, std::int64_t count, NcclType type, int peer, void* stream) = 0;
   virtual void recv(void* buf, std::int64_t count, NcclType type, int peer, void* stream) = 0;
   // ncclGroupStart / ncclGroupEnd: the operations between them launch together.
   virtual void group_start() = 0;
   virtual void group_end() = 0;
+  // ncclCommAbort: operations in flight return, the communicator is unusable afterwards (a peer
+  // died or hangs; parallel::Mesh::abort_all). Safe from another thread.
+  virtual void abort() = 0;
 };
 
-// Every rank of `comm` calls this together, with its CUDA device set. Throws keel::Error in a
-// build without CUDA.
+// Every rank of `comm` calls this together, with its CUDA device set (MPI_COMM_NULL: this
+// process alone). Throws keel::Error in a build without CUDA. parallel::Mesh makes and owns the
+// communicators of a training run's groups.
 std::unique_ptr<NcclGroup> make_nccl_group(MPI_Comm comm);
 
 }  // namespace keel::parallel

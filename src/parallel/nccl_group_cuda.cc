@@ -1,6 +1,8 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
+
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "common/watchdog.h"
@@ -36,9 +38,9 @@ ncclDataType_t nccl_type(NcclType t) {
 
 class Nccl final : public NcclGroup {
  public:
-  explicit Nccl(MPI_Comm comm) { comm_ = nccl_comm_from_mpi(comm, &size_, &rank_); }
+  explicit Nccl(MPI_Comm comm) { comm_ = nccl_comm_from_mpi(comm == MPI_COMM_NULL ? MPI_COMM_SELF : comm, &size_, &rank_); }
   ~Nccl() override {
-    if (comm_) ncclCommDestroy(comm_);
+    if (comm_ && !aborted_.load()) ncclCommDestroy(comm_);
   }
   int size() const override { return size_; }
   int rank() const override { return rank_; }
@@ -55,6 +57,14 @@ class Nccl final : public NcclGroup {
     KEEL_NCCL_CHECK(ncclAllReduce(buf, buf, static_cast<std::size_t>(count), nccl_type(type), ncclSum, comm_,
                                   static_cast<cudaStream_t>(stream)));
   }
+  void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, NcclType type, void* stream) override {
+    KEEL_NCCL_CHECK(ncclReduceScatter(send, recv, static_cast<std::size_t>(count), nccl_type(type), ncclSum, comm_,
+                                      static_cast<cudaStream_t>(stream)));
+  }
+  void all_gather(const void* send, void* recv, std::int64_t count, NcclType type, void* stream) override {
+    KEEL_NCCL_CHECK(ncclAllGather(send, recv, static_cast<std::size_t>(count), nccl_type(type), comm_,
+                                  static_cast<cudaStream_t>(stream)));
+  }
   void send(const void* buf, std::int64_t count, NcclType type, int peer, void* stream) override {
     KEEL_NCCL_CHECK(ncclSend(buf, static_cast<std::size_t>(count), nccl_type(type), peer, comm_,
                              static_cast<cudaStream_t>(stream)));
@@ -65,10 +75,14 @@ class Nccl final : public NcclGroup {
   }
   void group_start() override { KEEL_NCCL_CHECK(ncclGroupStart()); }
   void group_end() override { KEEL_NCCL_CHECK(ncclGroupEnd()); }
+  void abort() override {
+    if (comm_ && !aborted_.exchange(true)) ncclCommAbort(comm_);
+  }
 
  private:
   ncclComm_t comm_ = nullptr;
   int size_ = 1, rank_ = 0;
+  std::atomic<bool> aborted_{false};
 };
 
 }  // namespace

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 
 #include "common/error.h"
@@ -102,42 +101,6 @@ std::int64_t Zero1OverlapOptions::bucket_floats() const {
   const double floats = bucket_mib * 1048576.0 / 4.0;
   const std::int64_t n = static_cast<std::int64_t>(floats) / kZero1AlignFloats * kZero1AlignFloats;
   return std::max<std::int64_t>(n, kZero1AlignFloats);
-}
-
-namespace {
-
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : nullptr;
-}
-
-bool env_flag(const char* name, bool dflt) {
-  const char* v = env(name);
-  if (!v) return dflt;
-  const std::string s(v);
-  if (s == "0" || s == "false" || s == "off") return false;
-  if (s == "1" || s == "true" || s == "on") return true;
-  throw UsageError(fmt::format("{}={}: expected 0 or 1", name, s));
-}
-
-}  // namespace
-
-Zero1OverlapOptions zero1_overlap_options_from_env() {
-  Zero1OverlapOptions o;
-  o.enabled = env_flag("KEEL_DP_OVERLAP", true);
-  o.broadcast_bf16 = env_flag("KEEL_DP_BCAST_BF16", true);
-  o.shard_masters = env_flag("KEEL_DP_SHARD_MASTERS", true);
-  o.group_reduces = env_flag("KEEL_DP_GROUP_REDUCES", true);
-  o.optimizer_stream = env_flag("KEEL_DP_OPT_STREAM", true);
-  if (env("KEEL_DP_DEFER_EMBED")) o.defer_embedding = env_flag("KEEL_DP_DEFER_EMBED", false) ? 1 : 0;
-  if (const char* v = env("KEEL_DP_BUCKET_MIB")) {
-    char* end = nullptr;
-    const double mib = std::strtod(v, &end);
-    if (end == v || *end != '\0' || !std::isfinite(mib) || mib <= 0)
-      throw UsageError(fmt::format("KEEL_DP_BUCKET_MIB={}: expected a positive number of MiB", v));
-    o.bucket_mib = mib;
-  }
-  return o;
 }
 
 }  // namespace keel::parallel

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "optim/param_groups.h"
+#include "parallel/data_parallel_comm.h"
 #include "parallel/zero1.h"
 
 namespace keel::parallel {
@@ -49,34 +50,42 @@ std::vector<Zero1Bucket> plan_zero1_buckets(const optim::ParamLayout& layout, co
                                             const std::vector<std::int64_t>& stage_bounds,
                                             std::int64_t target_floats);
 
-// The overlapped step's switches, read from the environment (the same on every rank: a
-// launcher forwards the environment; ranks that disagree would hang in mismatched collectives).
-//   KEEL_DP_OVERLAP=0        the classic step (reduce-scatter after backward, all-gather after
-//                            the update, nothing overlapped), for comparison and as a fallback
-//   KEEL_DP_BUCKET_MIB=X     bucket size in MiB of fp32 gradients (default 256; fractions allowed)
-//   KEEL_DP_DEFER_EMBED=0|1  force the deferred embedding-gradient scatter off / on (default:
-//                            on when it moves fewer floats than reducing the embedding does)
-//   KEEL_DP_BCAST_BF16=0     broadcast fp32 masters for every parameter (default: the bf16 copy
-//                            for matrices only the GEMMs read; fp32 masters of other ranks'
-//                            shards are then gathered only when state() asks for them)
-//   KEEL_DP_SHARD_MASTERS=0  keep every fp32 master on every rank (default, with bf16
-//                            broadcasts: a rank keeps the masters of its shard and of what
-//                            travels in fp32 only; the rest of its address range is unbacked)
-//   KEEL_DP_GROUP_REDUCES=0  launch each bucket's reduce alone (default: a stage's reduces as one
-//                            NCCL group)
-//   KEEL_DP_OPT_STREAM=0     run the shard's optimizer on the compute stream before the next
-//                            forward (default: on a third stream, beside the next forward)
+// The GPU ZeRO-1 step's switches: `parallel.zero1` of the train config (docs/train.md), so they
+// are in the config every rank hashes and compares at start-up (ranks that disagreed would hang
+// in mismatched collectives).
+//   overlap: false         the classic step (reduce-scatter after backward, all-gather after the
+//                          update, nothing overlapped), for comparison and as a fallback
+//   bucket_mib: X          bucket size in MiB of fp32 gradients (default 256; fractions allowed)
+//   defer_embedding: auto  the deferred embedding-gradient scatter: on when it moves fewer floats
+//                          than reducing the embedding does; true / false force it
+//   broadcast_bf16: false  broadcast fp32 masters for every parameter (default: the bf16 copy for
+//                          matrices only the GEMMs read; fp32 masters of other ranks' shards are
+//                          then gathered only when state() asks for them)
+//   shard_masters: false   keep every fp32 master on every rank (default, with bf16 broadcasts: a
+//                          rank keeps the masters of its shard and of what travels in fp32 only;
+//                          the rest of its address range is unbacked)
+//   group_reduces: false   launch each bucket's reduce alone (default: a stage's reduces as one
+//                          NCCL group)
+//   optimizer_stream: false run the shard's optimizer on the compute stream before the next
+//                          forward (default: on a third stream, beside the next forward)
+//   profile: true          print each step's device timeline from the first and last rank
+//                          (diagnostics; computes the same)
 struct Zero1OverlapOptions {
   bool enabled = true;
   double bucket_mib = 256;
-  int defer_embedding = -1;  // -1 automatic
+  int defer_embedding = -1;  // -1 automatic, 0 off, 1 on
   bool broadcast_bf16 = true;
   bool shard_masters = true;
   bool group_reduces = true;
   bool optimizer_stream = true;
+  bool profile = false;
   std::int64_t bucket_floats() const;
 };
-// Throws keel::UsageError on a malformed value.
-Zero1OverlapOptions zero1_overlap_options_from_env();
+
+// How a data-parallel run reduces and shards: `parallel.grad_reduce` and `parallel.zero1`.
+struct DataParallelOptions {
+  GradReduceDtype grad_reduce = GradReduceDtype::kFp32;
+  Zero1OverlapOptions zero1;
+};
 
 }  // namespace keel::parallel

@@ -102,11 +102,10 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
     m.enabled = true;
     layout = train::regroup_layout(layout, train::train_group_rules(m));
   }
-  train::ParallelContext ctx;
-  ctx.data.size = l.dp;
-  ctx.expert.size = l.ep;
-  ctx.expert_data.size = l.dp / l.ep;
-  const train::StateShards sh = train::plan_state_shards(layout, ctx);
+  mesh::Shape shape;  // as rank 0 (the plans in the result cover every rank)
+  shape.dp = l.dp;
+  shape.ep = l.ep;
+  const train::StateShards sh = train::plan_state_shards(layout, shape, mesh::Coord{});
   const std::int64_t total = layout.total_floats;
   const bool experts = sh.replicated_end < total;
 
@@ -114,7 +113,7 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
   MuonRange muon_range(layout, gm);
   KeelTrainShards k;
   // Rank r of the data group is rank r % ep of its expert group and rank r / ep of its
-  // expert-data group (train::with_expert_parallel: expert groups are ep consecutive ranks).
+  // expert-data group (parallel::Mesh: expert groups are ep consecutive ranks).
   for (int r = 0; r < l.dp; ++r) {
     std::int64_t rb = 0, re = sh.replicated_end;
     if (l.dp > 1) rb = sh.replicated.begin(r), re = sh.replicated.end(r);

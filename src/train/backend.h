@@ -15,7 +15,7 @@
 //   clip_and_step(clip, lr); load() / set_load() (the trainer sums them over data-parallel
 //   ranks); update_router_bias();
 //
-// Data parallelism (ctx.data.size > 1, parallel/zero1.h): each rank runs forward/backward on
+// Data parallelism (mesh.data().size > 1, parallel/zero1.h): each rank runs forward/backward on
 // its own micro-batches; the gradients reach their ZeRO-1 shard's owner (a reduce-scatter after
 // backward on CPU ranks; on GPUs, bucket reduces during the last backward, docs/parallel.md),
 // clip_and_step() clips by the global norm, updates the rank's shard (AdamW elementwise, Muon
@@ -34,10 +34,11 @@
 
 #include "optim/adamw.h"
 #include "optim/param_groups.h"
+#include "parallel/mesh.h"
 #include "parallel/zero1.h"
+#include "parallel/zero1_buckets.h"
 #include "train/model.h"
 #include "train/param_rules.h"
-#include "train/parallel_context.h"
 
 namespace keel::train {
 
@@ -202,7 +203,12 @@ struct StateShards {
   parallel::Zero1Plan replicated, experts;
   StateSlice slice;  // this rank's shard of each region, its experts
 };
-StateShards plan_state_shards(const optim::ParamLayout& layout, const ParallelContext& ctx);
+// The rank at coordinate `at` of a mesh of shape `shape` (pure arithmetic: keel size asks it for
+// meshes it does not run); the second form for this rank of a running mesh.
+StateShards plan_state_shards(const optim::ParamLayout& layout, const mesh::Shape& shape, const mesh::Coord& at);
+inline StateShards plan_state_shards(const optim::ParamLayout& layout, const parallel::Mesh& mesh) {
+  return plan_state_shards(layout, mesh.shape(), mesh.coord());
+}
 
 // What every backend's set_state() checks before touching anything: `s` holds this rank's
 // parameters (layout.total_floats), exactly its slice (optimizer shard and experts) with
@@ -222,11 +228,15 @@ bool cuda_training_available();
 // throws keel::UsageError naming the device when keel has no profile (set mfu_peak_flops).
 double device_peak_bf16_flops(const std::string& device_name);
 
+// The groups of `mesh` (parallel/mesh.h; a one-process mesh by default); `dp`: how gradients
+// are reduced and the GPU ZeRO-1 step runs (`parallel.grad_reduce`, `parallel.zero1`).
 std::unique_ptr<TrainBackend> make_cpu_backend(const model::ModelConfig& cfg, const ModelOptions& options,
-                                               const OptimizerConfig& optimizer, const ParallelContext& ctx);
+                                               const OptimizerConfig& optimizer, const parallel::Mesh& mesh = {},
+                                               const parallel::DataParallelOptions& dp = {});
 // One GPU (the current CUDA device). Throws keel::UsageError in a build without CUDA or when
 // no GPU is visible.
 std::unique_ptr<TrainBackend> make_cuda_backend(const model::ModelConfig& cfg, const ModelOptions& options,
-                                                const OptimizerConfig& optimizer, const ParallelContext& ctx);
+                                                const OptimizerConfig& optimizer, const parallel::Mesh& mesh = {},
+                                                const parallel::DataParallelOptions& dp = {});
 
 }  // namespace keel::train

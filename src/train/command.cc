@@ -15,18 +15,18 @@
 #include "common/watchdog.h"
 #include "device/cuda_devices.h"
 #include "device/rank_gpu.h"
-#include "parallel/zero1_buckets.h"
 #include "train/backend.h"
 #include "train/trainer.h"
 
 namespace keel::train {
 namespace {
 
-// The data-parallel group is the launch's world (parallel.data: 0 or the world size); expert
-// parallelism divides it (parallel.expert consecutive ranks hold all experts). With several
-// ranks on GPUs, each rank takes its node-local rank's GPU or the one its launcher bound it to
+// The run's mesh: the data-parallel group is the launch's world (parallel.data: 0 or the world
+// size); expert parallelism is folded into it (parallel.expert consecutive ranks hold all
+// experts). Resolves `device: auto` to cuda or cpu alike on every rank. With several ranks on
+// GPUs, each rank takes its node-local rank's GPU or the one its launcher bound it to
 // (device/rank_gpu.h). Checked before any GPU work, alike on every rank.
-ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& mpi) {
+parallel::Mesh make_mesh(TrainConfig& cfg, const MpiSession& mpi) {
   const int data = cfg.parallel_data == 0 ? mpi.size() : cfg.parallel_data;
   if (data != mpi.size())
     throw UsageError(fmt::format("{}: parallel.data ({}) must equal the number of ranks ({}): every rank trains on its "
@@ -45,13 +45,11 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
   }
   const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && most > 0);
   // GPU expert parallelism runs inside the overlapped ZeRO-1 step (docs/parallel.md)
-  if (cfg.parallel_expert > 1 && cuda && !parallel::zero1_overlap_options_from_env().enabled)
-    throw UsageError(fmt::format("{}: parallel.expert ({}) on GPUs needs the overlapped ZeRO-1 step: unset "
-                                 "KEEL_DP_OVERLAP=0 (or train on device: cpu)",
+  if (cfg.parallel_expert > 1 && cuda && !cfg.data_parallel.zero1.enabled)
+    throw UsageError(fmt::format("{}: parallel.expert ({}) on GPUs needs the overlapped ZeRO-1 step: set "
+                                 "parallel.zero1.overlap: true (or train on device: cpu)",
                                  cfg.path, cfg.parallel_expert));
-  ParallelContext ctx;
-  ctx.data = {mpi.size(), mpi.rank(), mpi.size() > 1 ? MPI_COMM_WORLD : MPI_COMM_NULL};
-  ctx.cuda = cuda;  // the Trainer follows this choice, made alike on every rank
+  cfg.device = cuda ? "cuda" : "cpu";  // the Trainer follows this choice, made alike on every rank
   if (mpi.size() > 1 && cfg.device != "cpu") {
     if (fewest != most)
       throw UsageError(fmt::format("device: {}: some ranks see a CUDA device and some do not (check "
@@ -60,7 +58,11 @@ ParallelContext make_parallel_context(const TrainConfig& cfg, const MpiSession& 
     if (cuda && most == 0) throw UsageError("device: cuda: no CUDA device is visible");
     if (cuda) bind_rank_gpu();  // the node-local rank's GPU, or the one a launcher bound it to
   }
-  return with_expert_parallel(ctx, cfg.parallel_expert);
+  mesh::Shape shape;
+  shape.dp = mpi.size();
+  shape.ep = cfg.parallel_expert;
+  shape.zero = mpi.size() > 1 ? 1 : 0;
+  return parallel::Mesh(shape, mpi.size() > 1 ? MPI_COMM_WORLD : MPI_COMM_NULL, cfg.path + ": parallel");
 }
 
 std::vector<std::string> lines_of(const std::string& text) {
@@ -157,7 +159,7 @@ void add_command(CLI::App& app) {
     if (stop_after->count() > 0 && args->until < 1)
       throw UsageError(fmt::format("--stop-after {}: must be a step count >= 1", args->until));
     if (args->hang_step < -1) throw UsageError("--inject-hang-step must be >= 0 (0: at start-up)");
-    const TrainConfig cfg = load_train_config(args->config, args->sets);
+    TrainConfig cfg = load_train_config(args->config, args->sets);
     if ((args->hang_rank >= 0) != (args->hang_step >= 0))
       throw UsageError("--inject-hang-rank and --inject-hang-step go together");
     MpiSession mpi;  // a world of one without a launcher
@@ -176,10 +178,11 @@ void add_command(CLI::App& app) {
     require_same_config_on_every_rank(fmt::format("{}\n--resume: {}\n--stop-after: {}\n", cfg.text, args->resume,
                                                   args->until),
                                       mpi);
-    const ParallelContext ctx = make_parallel_context(cfg, mpi);
+    parallel::Mesh mesh = make_mesh(cfg, mpi);
+    dog.on_timeout([mesh]() mutable { mesh.abort_all(); });  // collectives stuck on a dead peer return
     phase("start-up (communicators, model initialization, data)");
     const auto started = std::chrono::steady_clock::now();
-    Trainer t(cfg, ctx);
+    Trainer t(cfg, mesh);
     t.watch_progress(&dog, args->timeout);
     if (args->hang_step > 0) t.inject_hang(args->hang_rank, args->hang_step);
     if (!args->resume.empty()) {

@@ -24,8 +24,8 @@ namespace {
 class CpuBackend final : public TrainBackend {
  public:
   CpuBackend(const model::ModelConfig& cfg, const ModelOptions& options, const OptimizerConfig& optimizer,
-             const ParallelContext& ctx)
-      : model_(cfg, options, ctx), adam_(optimizer.adamw), muon_(optimizer.muon.config) {
+             const parallel::Mesh& mesh, const parallel::DataParallelOptions& dp)
+      : model_(cfg, options, mesh), adam_(optimizer.adamw), muon_(optimizer.muon.config) {
     validate(optimizer.muon);
     // The model's layout names every parameter for AdamW; with Muon on, the same offsets with
     // the matrices regrouped (the model itself only reads offsets).
@@ -33,14 +33,14 @@ class CpuBackend final : public TrainBackend {
                                      : model_.layout();
     // ZeRO-1 shards (plan_state_shards: with expert parallelism the expert region is sharded
     // over the expert-data group, whose gradients it sums)
-    const StateShards shards = plan_state_shards(layout_, ctx);
+    const StateShards shards = plan_state_shards(layout_, mesh);
     plan_ = shards.replicated;
     expert_plan_ = shards.experts;
     slice_ = shards.slice;
     shard_ = {slice_.shard_begin, slice_.shard_end};
-    if (ctx.data.size > 1) dp_ = parallel::make_mpi_data_parallel_comm(ctx.data.comm, ctx.grad_reduce);
-    if (shards.replicated_end < layout_.total_floats && ctx.expert_data.size > 1)
-      expert_dp_ = parallel::make_mpi_data_parallel_comm(ctx.expert_data.comm, ctx.grad_reduce);
+    if (mesh.data().size > 1) dp_ = parallel::make_mpi_data_parallel_comm(mesh.data().comm, dp.grad_reduce);
+    if (shards.replicated_end < layout_.total_floats && mesh.expert_data().size > 1)
+      expert_dp_ = parallel::make_mpi_data_parallel_comm(mesh.expert_data().comm, dp.grad_reduce);
     const std::size_t n = static_cast<std::size_t>(slice_.moments());  // optimizer state: the shard (+ experts)
     const std::size_t scratch = static_cast<std::size_t>(muon_scratch_floats(layout_));
     const std::size_t n1 = std::max<std::size_t>(n, 1);
@@ -213,28 +213,32 @@ class CpuBackend final : public TrainBackend {
 }  // namespace
 
 std::unique_ptr<TrainBackend> make_cpu_backend(const model::ModelConfig& cfg, const ModelOptions& options,
-                                               const OptimizerConfig& optimizer, const ParallelContext& ctx) {
-  return std::make_unique<CpuBackend>(cfg, options, optimizer, ctx);
+                                               const OptimizerConfig& optimizer, const parallel::Mesh& mesh,
+                                               const parallel::DataParallelOptions& dp) {
+  return std::make_unique<CpuBackend>(cfg, options, optimizer, mesh, dp);
 }
 
-StateShards plan_state_shards(const optim::ParamLayout& layout, const ParallelContext& ctx) {
+StateShards plan_state_shards(const optim::ParamLayout& layout, const mesh::Shape& shape, const mesh::Coord& at) {
   const std::int64_t total = layout.total_floats;
+  // The data group (dp x cp), the expert group and the expert-data group, as parallel::Mesh makes them.
+  const parallel::Group data{shape.dp * shape.cp, at.dp * shape.cp + at.cp}, expert{shape.ep, at.ep},
+      expert_data{shape.expert_data(), at.edp};
   StateShards s;
   s.replicated_end = total;
   for (const auto& p : layout.params)
-    if (ctx.expert.size > 1 && p.placement.splits(mesh::Axis::kExpert)) s.replicated_end = std::min(s.replicated_end, p.offset);
-  s.slice.expert_parallel = ctx.expert.size;
-  s.slice.expert_rank = ctx.expert.rank;
+    if (expert.size > 1 && p.placement.splits(mesh::Axis::kExpert)) s.replicated_end = std::min(s.replicated_end, p.offset);
+  s.slice.expert_parallel = expert.size;
+  s.slice.expert_rank = expert.rank;
   s.slice.shard_end = total;
-  if (ctx.data.size > 1) {
-    s.replicated = parallel::plan_zero1_region(layout, 0, s.replicated_end, ctx.data.size);
-    s.slice.shard_begin = s.replicated.begin(ctx.data.rank);
-    s.slice.shard_end = s.replicated.end(ctx.data.rank);
+  if (data.size > 1) {
+    s.replicated = parallel::plan_zero1_region(layout, 0, s.replicated_end, data.size);
+    s.slice.shard_begin = s.replicated.begin(data.rank);
+    s.slice.shard_end = s.replicated.end(data.rank);
   }
   if (s.replicated_end < total) {
-    s.experts = parallel::plan_zero1_region(layout, s.replicated_end, total, ctx.expert_data.size);
-    s.slice.expert_begin = s.experts.begin(ctx.expert_data.rank);
-    s.slice.expert_end = s.experts.end(ctx.expert_data.rank);
+    s.experts = parallel::plan_zero1_region(layout, s.replicated_end, total, expert_data.size);
+    s.slice.expert_begin = s.experts.begin(expert_data.rank);
+    s.slice.expert_end = s.experts.end(expert_data.rank);
   }
   return s;
 }
@@ -312,7 +316,7 @@ double device_peak_bf16_flops(const std::string& device_name) {
 
 #ifndef KEEL_HAVE_CUDA
 std::unique_ptr<TrainBackend> make_cuda_backend(const model::ModelConfig&, const ModelOptions&, const OptimizerConfig&,
-                                                const ParallelContext&) {
+                                                const parallel::Mesh&, const parallel::DataParallelOptions&) {
   throw UsageError("device: cuda: this keel was built without CUDA (use device: cpu)");
 }
 #endif

@@ -34,9 +34,9 @@
 // After the norm, each owner updates its buckets in offset order on an optimizer stream and
 // broadcasts each one as soon as it is updated (the bf16 copy for matrices only GEMMs read,
 // fp32 for the rest), and the next forward waits per stage for its parameters while the
-// update of the rank's own shard runs beside it. KEEL_DP_OVERLAP=0 selects the classic step
-// (reduce-scatter after backward, all-gather after the update); the other switches are in
-// parallel/zero1_buckets.h.
+// update of the rank's own shard runs beside it. parallel.zero1.overlap: false selects the
+// classic step (reduce-scatter after backward, all-gather after the update); the other switches
+// are in parallel/zero1_buckets.h.
 //
 // Expert parallelism (parallel.expert, parallel/expert_parallel_cuda.h): each MoE layer's
 // experts run through a CudaExpertParallelMoe (NCCL send/recv of token rows over the expert
@@ -81,6 +81,7 @@
 #include "parallel/data_parallel_comm.h"
 #include "parallel/expert_parallel_cuda.h"
 #include "parallel/nccl_group.h"
+#include "parallel/plan.h"
 #include "parallel/zero1.h"
 #include "parallel/zero1_buckets.h"
 #include "train/backend.h"
@@ -167,7 +168,7 @@ struct LayerActs {
   cuda_zaya::Acts zmoe;  // MLP-router MoE (its experts' Saved is `saved`)
 };
 
-// KEEL_DP_PROFILE=1 (data parallel): a per-step timeline from device events, printed to stderr
+// parallel.zero1.profile (data parallel): a per-step timeline from device events, printed to stderr
 // by the first and last rank after each step's norm (docs/parallel.md). Two sets of events,
 // alternating by step, so the previous step's tail (optimizer, broadcasts) reads beside the
 // current step's forward and backward.
@@ -217,13 +218,9 @@ struct Profile {
 class CudaBackend final : public TrainBackend {
  public:
   CudaBackend(const model::ModelConfig& cfg, const ModelOptions& options, const OptimizerConfig& optimizer,
-              const ParallelContext& ctx)
+              const parallel::Mesh& mesh, const parallel::DataParallelOptions& dp)
       : cfg_(cfg), opt_(options), adam_(optimizer.adamw), muon_(optimizer.muon.config), param_arena_("parameters"),
         grad_arena_("gradients"), state_arena_("optimizer states"), act_arena_("activations") {
-    if (ctx.tensor.size != 1 || ctx.sequence.size != 1)
-      throw UsageError(fmt::format("keel train (cuda): only data and expert parallelism are implemented so far (tensor "
-                                   "{}, sequence {})",
-                                   ctx.tensor.size, ctx.sequence.size));
     validate(optimizer.muon);
     validate_trainable(cfg_, opt_);
     if (visible_cuda_devices() == 0) throw UsageError("device: cuda: no CUDA device is visible");
@@ -242,7 +239,10 @@ class CudaBackend final : public TrainBackend {
     gemm_ = std::make_unique<k::GemmRunner>();
 
     // With expert parallelism this rank's experts come last (E / ep per MoE layer).
-    layout_ = model::param_layout(cfg_, ctx.expert.size);
+    parallel::check_plan(cfg_, mesh.shape());
+    mesh_ = mesh;
+    dp_options_ = dp;
+    layout_ = model::param_layout(cfg_, mesh.shape());
     // Muon: the same offsets, the matrices regrouped (param_rules.h)
     if (optimizer.muon.enabled) layout_ = regroup_layout(layout_, train_group_rules(optimizer.muon));
     const std::size_t muon_ws_bytes = k::muon::workspace_bytes(layout_);
@@ -250,13 +250,13 @@ class CudaBackend final : public TrainBackend {
     // shard only, as on CPU ranks (plan_state_shards: with expert parallelism the replicated
     // region over the data group, the expert region over the expert-data group); the collectives
     // are set up below (setup_data_parallel, setup_expert_parallel).
-    const StateShards shards = plan_state_shards(layout_, ctx);
+    const StateShards shards = plan_state_shards(layout_, mesh);
     replicated_end_ = shards.replicated_end;
     plan_ = shards.replicated;
     expert_plan_ = shards.experts;
     slice_ = shards.slice;
     shard_ = {slice_.shard_begin, slice_.shard_end};
-    expert_data_rank_ = ctx.expert_data.rank;
+    expert_data_rank_ = mesh.expert_data().rank;
     for (int l = 0; l < cfg_.layers; ++l) {
       moe_index_of_layer_.push_back(model::is_moe_layer(cfg_, l) ? static_cast<int>(moe_layer_ids_.size()) : -1);
       if (model::is_moe_layer(cfg_, l)) moe_layer_ids_.push_back(l);
@@ -286,8 +286,8 @@ class CudaBackend final : public TrainBackend {
     bias_ = model::initial_router_biases(cfg_);  // as the CPU model
     map_weights();
     plan_grad_zeroing();
-    if (ctx.data.size > 1) setup_data_parallel(ctx);
-    if (ctx.expert.size > 1) setup_expert_parallel(ctx);
+    if (mesh.data().size > 1) setup_data_parallel();
+    if (mesh.expert().size > 1) setup_expert_parallel();
 
     // parameters, gradients, states: the flat layout of the CPU model, so checkpoints move freely
     const std::size_t n = static_cast<std::size_t>(layout_.total_floats);
@@ -719,18 +719,19 @@ class CudaBackend final : public TrainBackend {
   // owners update their shard on the optimizer stream, and broadcast it (fp32) before the
   // first MoE layer's stage arrives. With ep = ranks the expert-data group is one rank: no
   // expert collectives at all.
-  void setup_expert_parallel(const ParallelContext& ctx) {
+  void setup_expert_parallel() {
     if (!overlap_)
-      throw UsageError("keel train (cuda): expert parallelism needs the overlapped ZeRO-1 step (KEEL_DP_OVERLAP=0 "
-                       "and layouts whose stages are not in offset order are not supported)");
-    ep_group_ = std::make_shared<parallel::CudaExpertParallelGroup>(ctx.expert.comm, cfg_.experts);
+      throw UsageError("keel train (cuda): expert parallelism needs the overlapped ZeRO-1 step (parallel.zero1.overlap: "
+                       "false and layouts whose stages are not in offset order are not supported)");
+    ep_group_ = std::make_shared<parallel::CudaExpertParallelGroup>(
+        mesh_.expert().comm, mesh_.nccl(parallel::GroupKind::kExpert), cfg_.experts);
     for (std::size_t m = 0; m < moe_layer_ids_.size(); ++m)
       ep_layers_.push_back(std::make_unique<parallel::CudaExpertParallelMoe>(ep_group_));
-    if (ctx.expert_data.size > 1) {
-      xnccl_ = parallel::make_nccl_group(ctx.expert_data.comm);
-      if (ctx.grad_reduce == parallel::GradReduceDtype::kBf16)  // the expert region uses the stages' scratch
+    if (mesh_.expert_data().size > 1) {
+      xnccl_ = mesh_.nccl(parallel::GroupKind::kExpertData);
+      if (dp_options_.grad_reduce == parallel::GradReduceDtype::kBf16)  // the expert region uses the stages' scratch
         reduce_scratch_floats_ = std::max(reduce_scratch_floats_, expert_plan_.bounds.back() - expert_plan_.bounds.front());
-      const bool bf16 = parallel::zero1_overlap_options_from_env().broadcast_bf16;
+      const bool bf16 = dp_options_.zero1.broadcast_bf16;
       for (int r = 0; r < expert_plan_.ranks(); ++r)
         expert_pieces_.push_back(expert_plan_.count(r) > 0 ? broadcast_runs(expert_plan_.begin(r),
                                                                             expert_plan_.begin(r) + expert_plan_.count(r), bf16)
@@ -855,25 +856,25 @@ class CudaBackend final : public TrainBackend {
     return runs;
   }
 
-  void setup_data_parallel(const ParallelContext& ctx) {
-    dp_rank_ = ctx.data.rank;
-    dp_size_ = ctx.data.size;
-    const parallel::Zero1OverlapOptions o = parallel::zero1_overlap_options_from_env();
-    if (const char* v = std::getenv("KEEL_DP_PROFILE"); v && std::string(v) == "1") prof_ = std::make_unique<Profile>();
+  void setup_data_parallel() {
+    dp_rank_ = mesh_.data().rank;
+    dp_size_ = mesh_.data().size;
+    const parallel::Zero1OverlapOptions& o = dp_options_.zero1;
+    if (o.profile) prof_ = std::make_unique<Profile>();
     std::optional<std::vector<std::int64_t>> stages = parallel::overlap_stage_bounds(layout_, cfg_.layers, replicated_end_);
     overlap_ = o.enabled && stages.has_value();
     if (!overlap_) {
       if (o.enabled && dp_rank_ == 0)
         std::fprintf(stderr, "keel: data parallel: this layout's stages are not in offset order; the ZeRO-1 step "
                              "will not overlap communication\n");
-      dp_ = parallel::make_nccl_data_parallel_comm(ctx.data.comm, stream_, ctx.grad_reduce);
+      dp_ = parallel::make_nccl_data_parallel_comm(mesh_.nccl(parallel::GroupKind::kData), stream_, dp_options_.grad_reduce);
       return;
     }
     stage_bounds_ = std::move(*stages);
     // bf16 gradient reduction: a stage's gradients are rounded into a scratch as large as the
     // largest stage, reduced there and widened into the owner's fp32 shard, all on the
     // communication stream, so one scratch serves every stage in turn.
-    if (ctx.grad_reduce == parallel::GradReduceDtype::kBf16)
+    if (dp_options_.grad_reduce == parallel::GradReduceDtype::kBf16)
       reduce_scratch_floats_ = std::max(reduce_scratch_floats_, parallel::largest_stage_floats(stage_bounds_));
     group_reduces_ = o.group_reduces;
     shard_masters_ = o.shard_masters;
@@ -903,7 +904,7 @@ class CudaBackend final : public TrainBackend {
         embed_owners_.push_back(owner);
     }
     own_embed_ = std::find(embed_owners_.begin(), embed_owners_.end(), dp_rank_) != embed_owners_.end();
-    nccl_ = parallel::make_nccl_group(ctx.data.comm);
+    nccl_ = mesh_.nccl(parallel::GroupKind::kData);
     int least = 0, greatest = 0;
     KEEL_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     KEEL_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, greatest));
@@ -1444,7 +1445,7 @@ class CudaBackend final : public TrainBackend {
   // group) and what travels in fp32 (norms, biases, scales, convs: every forward reads those in
   // fp32); the GEMM matrices and the embedding are read through the bf16 copy only, so other
   // ranks' masters of those are never needed. Otherwise all of them (the classic step
-  // all-gathers them in fp32). KEEL_DP_SHARD_MASTERS=0 keeps all of them anyway.
+  // all-gathers them in fp32). parallel.zero1.shard_masters: false keeps all of them anyway.
   std::vector<ByteRange> master_ranges(std::size_t n_comm) const {
     const std::size_t f = sizeof(float);
     if (!overlap_ || !any_bf16_broadcast_ || !shard_masters_) return {{0, n_comm * f}};
@@ -1770,7 +1771,9 @@ class CudaBackend final : public TrainBackend {
   // overlapped ZeRO-1
   bool overlap_ = false;
   int dp_rank_ = 0, dp_size_ = 1;
-  std::unique_ptr<parallel::NcclGroup> nccl_;
+  parallel::Mesh mesh_;
+  parallel::DataParallelOptions dp_options_;
+  std::shared_ptr<parallel::NcclGroup> nccl_;
   cudaStream_t comm_stream_ = nullptr;
   cudaEvent_t ev_ready_ = nullptr, ev_comm_ = nullptr;  // re-recorded: each waited on right after it is recorded
   std::vector<cudaEvent_t> ev_arrived_;                 // per stage: its parameters have arrived
@@ -1782,7 +1785,7 @@ class CudaBackend final : public TrainBackend {
   std::vector<std::vector<BroadcastRun>> pieces_;       // per bucket
   std::vector<std::vector<BroadcastRun>> expert_pieces_;  // per expert-data rank: its expert shard
   bool any_bf16_broadcast_ = false;
-  bool shard_masters_ = true;                    // KEEL_DP_SHARD_MASTERS
+  bool shard_masters_ = true;                    // parallel.zero1.shard_masters
   std::unique_ptr<SparseDeviceBuffer> masters_;  // the fp32 masters (params_): master_ranges() backed
   std::unique_ptr<SparseDeviceBuffer> adam_v_buffer_;  // adam_v_: adamw_moment_spans() backed
   // What parts of the arenas hold (memory_breakdown()), in bytes as taken.
@@ -1806,7 +1809,7 @@ class CudaBackend final : public TrainBackend {
   bool launching_ = false, reduces_launched_ = false;
   mutable bool reduces_in_flight_ = false;
   mutable int awaited_stage_ = INT_MAX;                 // forward waits for stages above this
-  std::unique_ptr<Profile> prof_;                       // KEEL_DP_PROFILE=1
+  std::unique_ptr<Profile> prof_;                       // parallel.zero1.profile
   std::pair<std::int64_t, std::int64_t> shard_;     // this rank's optimizer shard
   // expert parallelism: the replicated region is [0, replicated_end_) (all of it without)
   std::int64_t replicated_end_ = 0;
@@ -1814,7 +1817,7 @@ class CudaBackend final : public TrainBackend {
   parallel::Zero1Plan expert_plan_;                 // the expert region's shards over expert_data
   int expert_data_rank_ = 0;
   int expert_stage_ = -1;                           // the stage the expert region's update precedes
-  std::unique_ptr<parallel::NcclGroup> xnccl_;      // over expert_data, when it has several ranks
+  std::shared_ptr<parallel::NcclGroup> xnccl_;      // over expert_data, when it has several ranks
   std::shared_ptr<parallel::CudaExpertParallelGroup> ep_group_;
   std::vector<std::unique_ptr<parallel::CudaExpertParallelMoe>> ep_layers_;  // per MoE layer
   DeviceArena param_arena_, grad_arena_, state_arena_, act_arena_;
@@ -1868,8 +1871,9 @@ class CudaBackend final : public TrainBackend {
 }  // namespace
 
 std::unique_ptr<TrainBackend> make_cuda_backend(const model::ModelConfig& cfg, const ModelOptions& options,
-                                                const OptimizerConfig& optimizer, const ParallelContext& ctx) {
-  return std::make_unique<CudaBackend>(cfg, options, optimizer, ctx);
+                                                const OptimizerConfig& optimizer, const parallel::Mesh& mesh,
+                                                const parallel::DataParallelOptions& dp) {
+  return std::make_unique<CudaBackend>(cfg, options, optimizer, mesh, dp);
 }
 
 }  // namespace keel::train

@@ -14,6 +14,7 @@
 #include "ops/rmsnorm.h"
 #include "ops/router.h"
 #include "ops/swiglu.h"
+#include "parallel/plan.h"
 
 namespace keel::train {
 
@@ -121,11 +122,9 @@ double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batc
   return 6.0 * active * tokens + attn;
 }
 
-MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const ParallelContext& ctx)
-    : cfg_(config), opt_(options), ctx_(ctx) {
-  if (ctx_.tensor.size != 1 || ctx_.sequence.size != 1)
-    throw UsageError(fmt::format("model: tensor ({}) and sequence ({}) parallelism are not implemented yet",
-                                 ctx_.tensor.size, ctx_.sequence.size));
+MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const parallel::Mesh& mesh)
+    : cfg_(config), opt_(options), mesh_(mesh) {
+  parallel::check_plan(cfg_, mesh_.shape());
   validate_trainable(cfg_, opt_);
   for (int l = 0; l < cfg_.layers; ++l) {
     cca_layer_.push_back(model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca ? 1 : 0);
@@ -149,9 +148,9 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   rope_ = ops::rope::make_table(cfg_.head_dim, cfg_.rope_fraction, cfg_.rope_base,
                                 std::max(opt_.seq_length, cfg_.max_seq_len));
   // Expert parallelism: this rank holds E / ep experts of every MoE layer; tokens travel to them.
-  if (ctx_.expert.size > 1)
+  if (mesh_.expert().size > 1)
     for (std::size_t m = 0; m < moe_layer_ids_.size(); ++m)
-      ep_.push_back(std::make_unique<parallel::ExpertParallelMoe>(ctx_.expert.comm, cfg_.experts));
+      ep_.push_back(std::make_unique<parallel::ExpertParallelMoe>(mesh_.expert().comm, cfg_.experts));
   allocate_params();
   const std::size_t act_bytes = plan_acts(nullptr);
   act_arena_ = std::make_unique<Arena>("activations", act_bytes);
@@ -235,7 +234,7 @@ WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout&
 MoeTransformer::~MoeTransformer() = default;
 
 void MoeTransformer::allocate_params() {
-  layout_ = model::param_layout(cfg_, ctx_.expert.size);
+  layout_ = model::param_layout(cfg_, mesh_.shape());
   const std::size_t bytes = static_cast<std::size_t>(layout_.total_floats) * sizeof(float);
   param_arena_ = std::make_unique<Arena>("parameters", Arena::footprint(bytes));
   grad_arena_ = std::make_unique<Arena>("gradients", Arena::footprint(bytes));
@@ -421,11 +420,7 @@ Tensor MoeTransformer::grad(const std::string& name) const {
 }
 
 void MoeTransformer::init_parameters() {
-  mesh::Shape m;
-  m.dp = m.ep = ctx_.expert.size;
-  mesh::Coord at;
-  at.ep = ctx_.expert.rank;
-  model::init_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_, m, at);
+  model::init_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_, mesh_.shape(), mesh_.coord());
   bias_ = model::initial_router_biases(cfg_);
   reset_load();
 }

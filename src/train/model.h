@@ -40,7 +40,7 @@
 #include "parallel/expert_parallel.h"
 #include "tensor/arena.h"
 #include "tensor/tensor.h"
-#include "train/parallel_context.h"
+#include "parallel/mesh.h"
 #include "train/zaya_layers.h"
 
 namespace keel::train {
@@ -109,7 +109,9 @@ WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout&
 
 class MoeTransformer {
  public:
-  MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const ParallelContext& ctx);
+  // With expert parallelism (mesh.expert().size > 1) this rank holds E / ep experts of every MoE
+  // layer (model::param_layout) and the tokens travel to them (parallel/expert_parallel.h).
+  MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const parallel::Mesh& mesh = {});
   ~MoeTransformer();
 
   const model::ModelConfig& config() const { return cfg_; }
@@ -174,7 +176,7 @@ class MoeTransformer {
 
   model::ModelConfig cfg_;
   ModelOptions opt_;
-  ParallelContext ctx_;
+  parallel::Mesh mesh_;
   optim::ParamLayout layout_;
   std::unique_ptr<Arena> param_arena_, grad_arena_, act_arena_;
   float* params_ = nullptr;

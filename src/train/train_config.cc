@@ -101,6 +101,31 @@ void apply_override(YAML::Node& root, const std::string& spec, Ctx& ctx) {
   ctx.overridden.insert(key);
 }
 
+// `parallel.zero1`: the GPU ZeRO-1 step's switches (parallel/zero1_buckets.h).
+void parse_zero1(const YAML::Node& z, const Ctx& ctx, parallel::Zero1OverlapOptions& o) {
+  if (z.IsNull()) return;
+  ctx.only(z, "parallel.zero1",
+           {"overlap", "bucket_mib", "defer_embedding", "broadcast_bf16", "shard_masters", "group_reduces",
+            "optimizer_stream", "profile"});
+  const std::string pre = "parallel.zero1.";
+  for (const auto& [k, f] : std::initializer_list<std::pair<const char*, bool*>>{
+           {"overlap", &o.enabled},           {"broadcast_bf16", &o.broadcast_bf16}, {"shard_masters", &o.shard_masters},
+           {"group_reduces", &o.group_reduces}, {"optimizer_stream", &o.optimizer_stream}, {"profile", &o.profile}})
+    if (z[k]) *f = ctx.get<bool>(z[k], pre + k, "true or false");
+  if (z["bucket_mib"]) {
+    o.bucket_mib = ctx.get<double>(z["bucket_mib"], pre + "bucket_mib", "a number of MiB");
+    if (!std::isfinite(o.bucket_mib) || o.bucket_mib <= 0)
+      ctx.bad(pre + "bucket_mib", z["bucket_mib"], "must be a positive number of MiB");
+  }
+  if (const auto d = z["defer_embedding"]) {
+    const auto v = ctx.get<std::string>(d, pre + "defer_embedding", "auto, true or false");
+    if (v == "auto") o.defer_embedding = -1;
+    else if (v == "true") o.defer_embedding = 1;
+    else if (v == "false") o.defer_embedding = 0;
+    else ctx.bad(pre + "defer_embedding", d, "must be auto, true or false");
+  }
+}
+
 // `optimizer.muon`: a mapping (or null: the defaults, Muon off).
 void parse_muon(const YAML::Node& m, const Ctx& ctx, MuonTrainOptions& out) {
   if (m.IsNull()) return;
@@ -169,7 +194,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   c.path = what;
   ctx.only(root, "", {"model", "recompute", "router", "ce_chunk", "data", "eval", "optimizer", "schedule", "batch",
                       "steps", "log_interval", "output_dir", "checkpoint", "tensorboard", "mfu_peak_flops", "seed",
-                      "device", "parallel", "init_from"});
+                      "device", "parallel", "kernels", "init_from"});
   auto need = [&](const char* key) {
     if (!root[key]) throw UsageError(fmt::format("{}: missing key '{}'", what, key));
     return root[key];
@@ -287,16 +312,25 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (c.grad_accum < 1) ctx.bad("batch.grad_accum", b["grad_accum"], "must be >= 1");
   }
   if (const auto p = root["parallel"]) {
-    ctx.only(p, "parallel", {"data", "expert", "grad_reduce"});
+    ctx.only(p, "parallel", {"data", "expert", "grad_reduce", "zero1"});
     if (p["data"]) c.parallel_data = ctx.get<int>(p["data"], "parallel.data", "an integer");
     if (p["expert"]) c.parallel_expert = ctx.get<int>(p["expert"], "parallel.expert", "an integer");
     if (p["grad_reduce"]) {
       const auto v = ctx.get<std::string>(p["grad_reduce"], "parallel.grad_reduce", "fp32 or bf16");
       if (v != "fp32" && v != "bf16") ctx.bad("parallel.grad_reduce", p["grad_reduce"], "must be fp32 or bf16");
-      c.grad_reduce_bf16 = v == "bf16";
+      c.data_parallel.grad_reduce = v == "bf16" ? parallel::GradReduceDtype::kBf16 : parallel::GradReduceDtype::kFp32;
     }
+    if (const auto z = p["zero1"]) parse_zero1(z, ctx, c.data_parallel.zero1);
     if (c.parallel_data < 0) ctx.bad("parallel.data", p["data"], "must be >= 1 (or 0: every rank)");
     if (c.parallel_expert < 1) ctx.bad("parallel.expert", p["expert"], "must be >= 1");
+  }
+  if (const auto k = root["kernels"]) {
+    ctx.only(k, "kernels", {"moe_lanes", "cpu_threads"});
+    if (k["moe_lanes"]) c.kernels.moe_lanes = ctx.get<int>(k["moe_lanes"], "kernels.moe_lanes", "an integer");
+    if (c.kernels.moe_lanes < 1 || c.kernels.moe_lanes > 8) ctx.bad("kernels.moe_lanes", k["moe_lanes"], "must be 1 to 8");
+    if (k["cpu_threads"]) c.kernels.cpu_threads = ctx.get<int>(k["cpu_threads"], "kernels.cpu_threads", "an integer");
+    if (c.kernels.cpu_threads < 0)
+      ctx.bad("kernels.cpu_threads", k["cpu_threads"], "must be >= 0 (0: every core)");
   }
   c.steps = ctx.get<std::int64_t>(need("steps"), "steps", "an integer");
   if (c.steps < 1) ctx.bad("steps", root["steps"], "must be >= 1");

@@ -12,10 +12,19 @@
 #include "model/config.h"
 #include "optim/adamw.h"
 #include "optim/schedule.h"
+#include "parallel/zero1_buckets.h"
 #include "train/model.h"
 #include "train/param_rules.h"
 
 namespace keel::train {
+
+// `kernels:` of the train config: how the ops use the machine. Neither changes a result (the MoE
+// lanes run experts that write disjoint rows; the CPU ops split work statically), only speed
+// and memory.
+struct KernelOptions {
+  int moe_lanes = 4;    // `kernels.moe_lanes`: side streams the CUDA experts run on (1: one after another)
+  int cpu_threads = 0;  // `kernels.cpu_threads`: threads of the CPU reference ops (0: every core)
+};
 
 struct TrainConfig {
   std::string path;                 // the config file (for messages)
@@ -35,8 +44,10 @@ struct TrainConfig {
   int parallel_data = 0;            // `parallel.data`: data-parallel degree (0: every rank of the launch)
   int parallel_expert = 1;          // `parallel.expert`: expert-parallel degree, dividing the data-parallel
                                     // ranks and the experts
-  bool grad_reduce_bf16 = false;    // `parallel.grad_reduce: bf16`: gradients summed over ranks in bf16
-                                    // (default fp32; parallel/data_parallel_comm.h)
+  // `parallel.grad_reduce` (fp32 or bf16: parallel/data_parallel_comm.h) and `parallel.zero1.*`
+  // (the GPU ZeRO-1 step's switches: parallel/zero1_buckets.h)
+  parallel::DataParallelOptions data_parallel;
+  KernelOptions kernels;            // `kernels.*`
   std::int64_t steps = 0;
   std::int64_t log_interval = 1;
   std::string output_dir = "out/train";

@@ -16,6 +16,7 @@
 #include "common/fileio.h"
 #include "common/mpi_session.h"
 #include "common/watchdog.h"
+#include "ops/parallel.h"
 #include "optim/clip.h"
 #include "optim/schedule.h"
 
@@ -31,25 +32,28 @@ std::string num(double x) {
 double mib(std::size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
 // Sums n values in place over the data-parallel group (nothing on one rank).
-void sum_over(const ProcessGroup& g, double* x, int n) {
+void sum_over(const parallel::Group& g, double* x, int n) {
   if (g.size == 1) return;
   PeerWait wait("MPI_Allreduce (step statistics)");
   mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, g.comm), "MPI_Allreduce");
 }
-void sum_over(const ProcessGroup& g, std::int64_t* x, int n) {
+void sum_over(const parallel::Group& g, std::int64_t* x, int n) {
   if (g.size == 1) return;
   PeerWait wait("MPI_Allreduce (step statistics)");
   mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_INT64_T, MPI_SUM, g.comm), "MPI_Allreduce");
 }
 
+// kernels.* of the config: process-wide settings of the ops, the same for every backend.
+void apply_kernel_options(const KernelOptions& k) {
+  ops::set_threads(k.cpu_threads);
+  ops::set_moe_lanes(k.moe_lanes);
+}
+
 }  // namespace
 
-Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
-    : cfg_(std::move(config)), ctx_(ctx), quiet_(quiet) {
-  if (ctx_.tensor.size != 1 || ctx_.sequence.size != 1)
-    throw UsageError(fmt::format("keel train: tensor ({}) and sequence ({}) parallelism are not implemented yet",
-                                 ctx_.tensor.size, ctx_.sequence.size));
-  const int dp = ctx_.data.size;
+Trainer::Trainer(TrainConfig config, const parallel::Mesh& mesh, bool quiet)
+    : cfg_(std::move(config)), mesh_(mesh), quiet_(quiet) {
+  const int dp = mesh_.data().size;
   if (cfg_.grad_accum % dp != 0)
     throw UsageError(fmt::format("{}: batch.grad_accum ({}) must be a multiple of the data-parallel degree ({}): each "
                                  "step's micro-batches are split evenly over the ranks",
@@ -70,7 +74,7 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
   // Rank r takes micro-batch r of every dp consecutive ones: the global sample order and each
   // step's set of micro-batches do not depend on the number of ranks.
   loader_ = std::make_unique<data::BatchLoader>(data_->stream(), static_cast<std::uint64_t>(cfg_.micro_batch) * dp,
-                                                ctx_.data.rank, dp);
+                                                mesh_.data().rank, dp);
   if (!cfg_.eval_prefix.empty()) {
     eval_ds_ = std::make_unique<data::IndexedDataset>(cfg_.eval_prefix);
     if (eval_ds_->tokens() < cfg_.data.seq_length + 1)
@@ -80,19 +84,19 @@ Trainer::Trainer(TrainConfig config, const ParallelContext& ctx, bool quiet)
     check_eval_tokens();
   }
   // The model last: the data checks above are cheap, the backend allocates gigabytes.
-  const bool cuda = ctx_.cuda ? *ctx_.cuda : cfg_.device == "cuda" || (cfg_.device == "auto" && cuda_training_available());
+  const bool cuda = cfg_.device == "cuda" || (cfg_.device == "auto" && cuda_training_available());
   const OptimizerConfig optimizer(cfg_.adamw, cfg_.muon);
-  ctx_.grad_reduce = cfg_.grad_reduce_bf16 ? parallel::GradReduceDtype::kBf16 : parallel::GradReduceDtype::kFp32;
-  backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, optimizer, ctx_)
-                  : make_cpu_backend(cfg_.model, cfg_.model_options, optimizer, ctx_);
+  apply_kernel_options(cfg_.kernels);
+  backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, optimizer, mesh_, cfg_.data_parallel)
+                  : make_cpu_backend(cfg_.model, cfg_.model_options, optimizer, mesh_, cfg_.data_parallel);
   // CPUs: about 2 cores of fp32 FMA, the CI machine's; set mfu_peak_flops for a real figure.
   if (!(cfg_.peak_flops > 0)) cfg_.peak_flops = cuda ? device_peak_bf16_flops(backend_->device()) : 1e11;
   // Read before this run's log opens: a fresh run must not append to another run's metrics.
   std::error_code ec;
   const std::filesystem::path metrics = MetricsLog::jsonl_path_in(cfg_.output_dir);
   earlier_metrics_ = std::filesystem::is_regular_file(metrics, ec) && std::filesystem::file_size(metrics, ec) > 0;
-  if (ctx_.data.rank == 0) log_ = std::make_unique<MetricsLog>(cfg_.output_dir, cfg_.tensorboard);
-  if (ctx_.data.rank != 0) quiet_ = true;  // rank 0 speaks for the group
+  if (mesh_.data().rank == 0) log_ = std::make_unique<MetricsLog>(cfg_.output_dir, cfg_.tensorboard);
+  if (mesh_.data().rank != 0) quiet_ = true;  // rank 0 speaks for the group
   const std::int64_t N = std::int64_t(cfg_.micro_batch) * cfg_.model_options.seq_length;
   inputs_.resize(N);
   targets_.resize(N);
@@ -124,7 +128,7 @@ void Trainer::check_checkpoint_dir() const {
   if (ec || !fs::is_directory(dir))
     fail("checkpoint.dir {}: cannot create it: {}", dir, ec ? ec.message() : "a file of that name is in the way");
   const std::string why =
-      why_no_new_file((fs::path(dir) / fmt::format(".keel-write-test.{}.{}", ctx_.data.rank, ::getpid())).string());
+      why_no_new_file((fs::path(dir) / fmt::format(".keel-write-test.{}.{}", mesh_.data().rank, ::getpid())).string());
   if (!why.empty()) fail("checkpoint.dir {}: cannot write there: {}", dir, why);
   if (!resumed_) {
     // A fresh run must not write over the checkpoints of another.
@@ -195,7 +199,7 @@ StepStats Trainer::train_step() {
   }
   // the same totals (and the same verdict) on every rank
   double parts[4] = {s.loss, s.ce, s.aux, s.z};
-  sum_over(ctx_.data, parts, 4);
+  sum_over(mesh_.data(), parts, 4);
   s.loss = parts[0], s.ce = parts[1], s.aux = parts[2], s.z = parts[3];
   if (!std::isfinite(s.loss))
     throw Error(fmt::format("step {}: loss is {} (ce {}, aux {}, z {}): stopping", s.step, num(s.loss), num(s.ce),
@@ -210,13 +214,13 @@ StepStats Trainer::train_step() {
   }
   s.grad_norm = r.grad_norm;
   // The balancing controller sees the expert loads of the whole data-parallel group.
-  if (ctx_.data.size > 1) {
+  if (mesh_.data().size > 1) {
     std::vector<std::int64_t> all;
     for (int i = 0; i < m.moe_layer_count(); ++i) {
       const auto l = m.load(i);
       all.insert(all.end(), l.begin(), l.end());
     }
-    sum_over(ctx_.data, all.data(), static_cast<int>(all.size()));
+    sum_over(mesh_.data(), all.data(), static_cast<int>(all.size()));
     std::size_t at = 0;
     for (int i = 0; i < m.moe_layer_count(); ++i) {
       const std::size_t n = m.load(i).size();
@@ -250,7 +254,7 @@ void Trainer::log_step(const StepStats& s, double seconds, std::int64_t tokens) 
   const double steps_done = static_cast<double>(tokens) /
                             (double(cfg_.micro_batch) * cfg_.model_options.seq_length * cfg_.grad_accum);
   // per device: the group's FLOPs over the group's peak
-  const double mfu = seconds > 0 ? flops * steps_done / seconds / (cfg_.peak_flops * ctx_.data.size) : 0;
+  const double mfu = seconds > 0 ? flops * steps_done / seconds / (cfg_.peak_flops * mesh_.data().size) : 0;
   const double mem = mib(backend_->memory_bytes());
   if (!quiet_)
     std::printf("step %6lld/%lld | loss %.4f (ce %.4f aux %.3f z %.3f) | lr %.3e | grad norm %.3f | %.0f tok/s | "
@@ -282,9 +286,9 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
   if (!started_) {
     if (saves) check_checkpoint_dir();
     int earlier = earlier_metrics_ && !resumed_;
-    if (ctx_.data.size > 1) {
+    if (mesh_.data().size > 1) {
       PeerWait wait("MPI_Bcast (start-up check)");
-      mpi_check(MPI_Bcast(&earlier, 1, MPI_INT, 0, ctx_.data.comm), "MPI_Bcast");
+      mpi_check(MPI_Bcast(&earlier, 1, MPI_INT, 0, mesh_.data().comm), "MPI_Bcast");
     }
     if (earlier)
       throw UsageError(fmt::format("output_dir {} already holds another run's metrics.jsonl: continue that run with "
@@ -304,10 +308,10 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
                 "recompute %s\n",
                 cfg_.model.name.c_str(), static_cast<long long>(backend_->param_count()), cfg_.model.layers,
                 backend_->moe_layer_count(), backend_->device().c_str(),
-                ctx_.data.size > 1
-                    ? fmt::format(" x {} data-parallel ranks (ZeRO-1{}){}", ctx_.data.size,
-                                  cfg_.grad_reduce_bf16 ? ", gradients reduced in bf16" : "",
-                                  ctx_.expert.size > 1 ? fmt::format(", expert parallel {}", ctx_.expert.size) : "")
+                mesh_.data().size > 1
+                    ? fmt::format(" x {} data-parallel ranks (ZeRO-1{}){}", mesh_.data().size,
+                                  cfg_.data_parallel.grad_reduce == parallel::GradReduceDtype::kBf16 ? ", gradients reduced in bf16" : "",
+                                  mesh_.expert().size > 1 ? fmt::format(", expert parallel {}", mesh_.expert().size) : "")
                           .c_str()
                     : "",
                 static_cast<long long>(cfg_.steps), static_cast<long long>(step_tokens),
@@ -315,7 +319,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
   if (!quiet_ && step_ == 0) std::printf("%s\n", memory_report(*backend_).c_str());
   while (step_ < until) {
     progress(fmt::format("step {}", step_ + 1));
-    if (step_ + 1 == hang_step_ && ctx_.data.rank == hang_rank_) {
+    if (step_ + 1 == hang_step_ && mesh_.data().rank == hang_rank_) {
       std::printf("fault injection: rank %d hangs at step %lld\n", hang_rank_, static_cast<long long>(hang_step_));
       std::fflush(stdout);
       hang_forever();
@@ -364,7 +368,7 @@ double Trainer::evaluate() {
   std::vector<std::uint32_t> row(L + 1);
   double sum = 0;
   // micro-batch b on rank b % dp; the mean over all of them on every rank
-  for (std::int64_t b = ctx_.data.rank; b < cfg_.eval_batches; b += ctx_.data.size) {
+  for (std::int64_t b = mesh_.data().rank; b < cfg_.eval_batches; b += mesh_.data().size) {
     for (int r = 0; r < cfg_.micro_batch; ++r) {
       eval_sampler_->sample(static_cast<std::uint64_t>(b * cfg_.micro_batch + r), row.data());
       for (std::int64_t t = 0; t < L; ++t) {  // token ids checked at start-up (check_eval_tokens)
@@ -375,7 +379,7 @@ double Trainer::evaluate() {
     sum += backend_->forward(inputs_.data(), targets_.data()).ce;
   }
   backend_->reset_load();
-  sum_over(ctx_.data, &sum, 1);
+  sum_over(mesh_.data(), &sum, 1);
   return sum / static_cast<double>(cfg_.eval_batches);
 }
 
@@ -384,7 +388,7 @@ void Trainer::make_checkpointer() {
   TrainCheckpointOptions o;
   o.keep_last = cfg_.checkpoint_keep_last;
   o.keep_every = cfg_.checkpoint_keep_every;
-  ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o, ctx_.data.comm);
+  ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o, mesh_.data().comm);
   // the staging buffers now, not in the first save's stall (pinned gigabytes take seconds)
   ckpt_->reserve(backend_->checkpoint_view(), backend_->layout());
 }
@@ -407,8 +411,8 @@ void Trainer::save_checkpoint() {
   extra["rng"] = {{"init_seed", cfg_.seed}};  // the loop draws no random numbers beyond the sampler's
   extra["config"] = cfg_.text;
   extra["device"] = backend_->device();
-  extra["data_parallel"] = ctx_.data.size;
-  extra["expert_parallel"] = ctx_.expert.size;
+  extra["data_parallel"] = mesh_.data().size;
+  extra["expert_parallel"] = mesh_.expert().size;
   const double staging = ckpt_->save(step_, view, backend_->layout(), extra);
   saved_step_ = step_;
   const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -426,9 +430,9 @@ void Trainer::commit_when_written() {
   // only while a save is in flight (every rank saves at the same steps).
   if (!ckpt_ || !ckpt_->in_flight()) return;
   int done = ckpt_->writes_done() ? 1 : 0;
-  if (ctx_.data.size > 1) {
+  if (mesh_.data().size > 1) {
     PeerWait wait("MPI_Allreduce (checkpoint writes done)");
-    mpi_check(MPI_Allreduce(MPI_IN_PLACE, &done, 1, MPI_INT, MPI_MIN, ctx_.data.comm), "MPI_Allreduce");
+    mpi_check(MPI_Allreduce(MPI_IN_PLACE, &done, 1, MPI_INT, MPI_MIN, mesh_.data().comm), "MPI_Allreduce");
   }
   if (done) {
     progress(fmt::format("committing the checkpoint after step {}", step_));
@@ -449,7 +453,7 @@ void Trainer::finish_checkpoint() {
 void Trainer::init_from_weights(const std::string& path) {
   LoadedWeights got;
   try {
-    got = load_model_weights(path, cfg_.model, ctx_.expert.size, ctx_.expert.rank);
+    got = load_model_weights(path, cfg_.model, mesh_.expert().size, mesh_.expert().rank);
   } catch (const Error& e) {
     throw Error(fmt::format("init_from {}: {}", path, e.what()));
   }
@@ -492,10 +496,10 @@ void Trainer::resume(const std::string& path_in) {
     // the group's read: bytes summed, the slowest rank's time; amplification over the group
     double io[3] = {static_cast<double>(got.bytes_read), got.bytes_read / std::max(got.read_amplification, 1e-12),
                     got.read_seconds};
-    sum_over(ctx_.data, io, 2);
-    if (ctx_.data.size > 1) {
+    sum_over(mesh_.data(), io, 2);
+    if (mesh_.data().size > 1) {
       PeerWait wait("MPI_Allreduce (resume statistics)");
-      mpi_check(MPI_Allreduce(MPI_IN_PLACE, &io[2], 1, MPI_DOUBLE, MPI_MAX, ctx_.data.comm), "MPI_Allreduce");
+      mpi_check(MPI_Allreduce(MPI_IN_PLACE, &io[2], 1, MPI_DOUBLE, MPI_MAX, mesh_.data().comm), "MPI_Allreduce");
     }
     if (!quiet_)
       std::printf("resumed from %s at step %lld (read %.2f GiB in %.2f s, %.2f GB/s, read amplification %.3f)\n",

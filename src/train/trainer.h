@@ -1,6 +1,6 @@
 // The training loop of `keel train` (docs/train.md), the same on every device (the model and
 // optimizer are a TrainBackend: CPU or one GPU per rank) and for any number of data-parallel
-// ranks (ctx.data; the global batch and sample order do not depend on it): micro-batches from the data sampler,
+// ranks (the mesh's data group; the global batch and sample order do not depend on it): micro-batches from the data sampler,
 // gradient accumulation, global-norm clipping, AdamW on the scheduled learning rate, the
 // router-bias update, logging (console + metrics.jsonl, TensorBoard optional), periodic eval
 // on a held-out dataset and full checkpoints that resume bit for bit.
@@ -16,7 +16,6 @@
 #include "train/backend.h"
 #include "train/metrics_log.h"
 #include "train/model.h"
-#include "train/parallel_context.h"
 #include "train/train_checkpoint.h"
 #include "train/train_config.h"
 
@@ -30,8 +29,11 @@ struct StepStats {
 
 class Trainer {
  public:
-  // quiet: no console output (tests); the JSONL log is always written to output_dir.
-  Trainer(TrainConfig config, const ParallelContext& ctx = ParallelContext::single(), bool quiet = false);
+  // mesh: the run's process groups (parallel/mesh.h; one process by default). The device is
+  // config.device (`auto`: CUDA when a GPU is visible; keel train resolves it alike on every
+  // rank before it builds the Trainer). quiet: no console output (tests); the JSONL log is
+  // always written to output_dir.
+  Trainer(TrainConfig config, const parallel::Mesh& mesh = {}, bool quiet = false);
   ~Trainer();
 
   // Loads a keel ckpt checkpoint (a checkpoint.dir root: its `latest`; or one step directory),
@@ -86,7 +88,7 @@ class Trainer {
   void progress(const std::string& what);
 
   TrainConfig cfg_;
-  ParallelContext ctx_;
+  parallel::Mesh mesh_;
   bool quiet_;
   std::unique_ptr<TrainBackend> backend_;
   std::unique_ptr<TrainCheckpointer> ckpt_;

@@ -148,7 +148,7 @@ void check_model(const model::ModelConfig& cfg, std::uint32_t seed) {
   mo.precise_loss = true;  // double CE from the fp32 final hidden states
   mo.aux_loss_weight = 0;
   mo.z_loss_weight = 0;
-  train::MoeTransformer ref(cfg, mo, train::ParallelContext::single());
+  train::MoeTransformer ref(cfg, mo, parallel::Mesh());
   std::copy(w.params.begin(), w.params.end(), ref.params());
   for (std::size_t i = 0; i < w.router_bias.size(); ++i) ref.router_bias(static_cast<int>(i)) = w.router_bias[i];
   std::mt19937 rng(seed + 11);

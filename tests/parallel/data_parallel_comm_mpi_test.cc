@@ -136,7 +136,8 @@ TEST(DataParallelComm, NcclReduceScatterIsExactInFp32AndRoundsInBf16) {
   cudaStream_t stream = nullptr;
   KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (const bool bf16 : {false, true}) {
-    auto comm = make_nccl_data_parallel_comm(MPI_COMM_WORLD, stream, bf16 ? GradReduceDtype::kBf16 : GradReduceDtype::kFp32);
+    auto comm = make_nccl_data_parallel_comm(make_nccl_group(MPI_COMM_WORLD), stream,
+                                             bf16 ? GradReduceDtype::kBf16 : GradReduceDtype::kFp32);
     const std::int64_t n = comm->buffer_floats(kTotal);  // NCCL's equal chunks pad the tail
     std::vector<float> host = rank_values(seed, world_rank(), kTotal);
     host.resize(static_cast<std::size_t>(n), 0.f);

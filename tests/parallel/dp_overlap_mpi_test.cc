@@ -2,7 +2,7 @@
 // bucketed reduces during backward, per-bucket broadcasts after the update, deferred embedding
 // scatter, bf16 or fp32 broadcasts, the optimizer on its own stream or on the compute stream
 // (src/train/cuda_backend_cuda.cc, docs/parallel.md) train
-// like the classic step (KEEL_DP_OVERLAP=0: reduce-scatter after backward, all-gather after
+// like the classic step (parallel.zero1.overlap: false: reduce-scatter after backward, all-gather after
 // the update) on the same ranks and batches.
 //
 // Not bit for bit: the embedding backward adds repeated tokens with atomics (on one GPU too),
@@ -36,21 +36,8 @@ namespace fs = std::filesystem;
 using keel::test::world_rank;
 using keel::test::world_size;
 
-using Env = std::vector<std::pair<std::string, std::string>>;
-
-// Sets the variables for its lifetime (every rank alike), then removes them.
-class ScopedEnv {
- public:
-  explicit ScopedEnv(Env env) : env_(std::move(env)) {
-    for (const auto& [k, v] : env_) setenv(k.c_str(), v.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    for (const auto& [k, v] : env_) unsetenv(k.c_str());
-  }
-
- private:
-  Env env_;
-};
+// `parallel.zero1.*` settings of a variant (config overrides, every rank alike).
+using Env = std::vector<std::string>;
 
 fs::path shared_dir(const std::string& name) { return keel::test::shared_temp_dir("dp_overlap", name); }
 
@@ -74,8 +61,8 @@ struct TrainRun {
 
 TrainRun train(const fs::path& dir, const std::string& tag, const std::string& optimizer_extra, const Env& env,
                const std::vector<std::string>& more = {}, int ep = 1) {
-  ScopedEnv scoped(env);
   std::vector<std::string> sets = more;
+  sets.insert(sets.end(), env.begin(), env.end());
   sets.push_back("parallel.expert=" + std::to_string(ep));
   Trainer t(gpu_config(dir, dir / tag, optimizer_extra, sets), fixtures::world_context(ep), true);
   TrainRun r;
@@ -104,15 +91,15 @@ TEST(DataParallel, GpuOverlappedStepMatchesClassicStep) {
   const std::vector<std::pair<std::string, Env>> variants = {
       {"overlap", {}},
       // many small buckets (Muon matrices alone, AdamW tensors cut), the deferred scatter forced
-      {"small_buckets_deferred", {{"KEEL_DP_BUCKET_MIB", "0.004"}, {"KEEL_DP_DEFER_EMBED", "1"}}},
+      {"small_buckets_deferred", {"parallel.zero1.bucket_mib=0.004", "parallel.zero1.defer_embedding=true"}},
       // fp32 broadcasts, the embedding reduced after backward
-      {"fp32_broadcast", {{"KEEL_DP_BUCKET_MIB", "0.05"}, {"KEEL_DP_DEFER_EMBED", "0"}, {"KEEL_DP_BCAST_BF16", "0"}}},
+      {"fp32_broadcast", {"parallel.zero1.bucket_mib=0.05", "parallel.zero1.defer_embedding=false", "parallel.zero1.broadcast_bf16=false"}},
       // the optimizer on the compute stream, one NCCL launch per bucket
-      {"no_opt_stream", {{"KEEL_DP_BUCKET_MIB", "0.02"}, {"KEEL_DP_OPT_STREAM", "0"}, {"KEEL_DP_GROUP_REDUCES", "0"}}},
+      {"no_opt_stream", {"parallel.zero1.bucket_mib=0.02", "parallel.zero1.optimizer_stream=false", "parallel.zero1.group_reduces=false"}},
   };
   for (const std::string& opt : {std::string(), fixtures::kMuonOptimizer}) {
     const std::string o = opt.empty() ? "adamw" : "muon";
-    const TrainRun classic = train(dir, "classic_" + o, opt, {{"KEEL_DP_OVERLAP", "0"}});
+    const TrainRun classic = train(dir, "classic_" + o, opt, {"parallel.zero1.overlap=false"});
     ASSERT_EQ(classic.stats.size(), 4u);
     for (const auto& [name, env] : variants) {
       const std::string tag = name + "_" + o;
@@ -168,13 +155,13 @@ TEST(DataParallel, GpuBf16GradientReduceMatchesClassicStep) {
     bool exact;  // the classic step's sums, bit for bit
   };
   std::vector<Variant> variants = {
-      {"small_buckets", {{"KEEL_DP_BUCKET_MIB", "0.004"}, {"KEEL_DP_DEFER_EMBED", "0"}}, 1, two},
-      {"deferred_embedding", {{"KEEL_DP_DEFER_EMBED", "1"}}, 1, false}};
+      {"small_buckets", {"parallel.zero1.bucket_mib=0.004", "parallel.zero1.defer_embedding=false"}, 1, two},
+      {"deferred_embedding", {"parallel.zero1.defer_embedding=true"}, 1, false}};
   if (world_size() >= 4 && world_size() % 2 == 0) variants.push_back({"ep2", {}, 2, false});
   for (const std::string& opt : {std::string(), fixtures::kMuonOptimizer}) {
     const std::string o = opt.empty() ? "adamw" : "muon";
     const TrainRun fp32 = train(dir, "fp32_" + o, opt, {});
-    const TrainRun classic = train(dir, "classic_bf16_" + o, opt, {{"KEEL_DP_OVERLAP", "0"}}, bf16);
+    const TrainRun classic = train(dir, "classic_bf16_" + o, opt, {"parallel.zero1.overlap=false"}, bf16);
     ASSERT_EQ(classic.stats.size(), 4u) << o;
     EXPECT_NEAR(classic.stats[0].grad_norm, fp32.stats[0].grad_norm, 1e-2 * fp32.stats[0].grad_norm) << o;
     EXPECT_FALSE(classic.p4 == fp32.p4) << o << ": bf16 reduction trained bit for bit as fp32";
@@ -207,7 +194,7 @@ TEST(DataParallel, GpuBf16GradientReduceMatchesClassicStep) {
 }
 
 // With bf16 broadcasts a rank keeps the fp32 masters of its own shard and of the parameters
-// that travel in fp32 only (KEEL_DP_SHARD_MASTERS, default on); the rest of the flat buffer's
+// that travel in fp32 only (parallel.zero1.shard_masters, default on); the rest of the flat buffer's
 // addresses are not backed. The model here is large enough (about 30M parameters, 120 MB of
 // fp32 masters) that the 2 MiB granules of the small fp32 parameters do not hide the saving.
 // Training is the same computation either way; state() gathers the masters from their owners.
@@ -220,7 +207,7 @@ TEST(DataParallel, GpuShardedMastersKeepLessAndTrainAlike) {
                                          "model.experts=8", "steps=4"};
   for (const std::string& opt : {std::string(), fixtures::kMuonOptimizer}) {
     const std::string o = opt.empty() ? "adamw" : "muon";
-    const TrainRun all = train(dir, "all_masters_" + o, opt, {{"KEEL_DP_SHARD_MASTERS", "0"}}, wide);
+    const TrainRun all = train(dir, "all_masters_" + o, opt, {"parallel.zero1.shard_masters=false"}, wide);
     const TrainRun sharded = train(dir, "sharded_masters_" + o, opt, {}, wide);
     ASSERT_EQ(sharded.stats.size(), 4u) << o;
     EXPECT_TRUE(sharded.p0 == all.p0) << o << ": state() gathers the same initialization";

@@ -88,7 +88,7 @@ void expect_op_matches_one_gpu(std::int64_t tokens, int experts_used, const std:
                 {gg_ref.get(), gu_ref.get(), gd_ref.get()}, stream);
 
   // expert parallel: this rank's El experts are a slab of the whole weights
-  auto group = std::make_shared<CudaExpertParallelGroup>(MPI_COMM_WORLD, E);
+  auto group = std::make_shared<CudaExpertParallelGroup>(MPI_COMM_WORLD, make_nccl_group(MPI_COMM_WORLD), E);
   CudaExpertParallelMoe layer(group);
   const moe::Weights local{wg.get() + rank * El * F * D, wu.get() + rank * El * F * D, wd.get() + rank * El * D * F};
   DeviceArray<bf16> xs2(s1 * D), ys2(s1 * D), dx(std::max<std::int64_t>(N, 1) * D);
@@ -210,14 +210,12 @@ TEST(ExpertParallelCuda, TrainEpHalfWithReplicasMatchesDataParallel) {
   Trainer dp(gpu_config(dir, dir / "dp", 1, sets, kMuon), world_context(1), true);
   const auto want = dp.run(4);
   // Each rank keeps the fp32 masters of its own expert shard only (the bf16 copy travels), and,
-  // with KEEL_DP_SHARD_MASTERS=0, every master (state() then gathers the stale ones).
+  // with parallel.zero1.shard_masters: false, every master (state() then gathers the stale ones).
   for (const bool shard_masters : {true, false}) {
-    if (!shard_masters) setenv("KEEL_DP_SHARD_MASTERS", "0", 1);
-    struct Unset {
-      ~Unset() { unsetenv("KEEL_DP_SHARD_MASTERS"); }
-    } unset;
+    std::vector<std::string> ep_sets = sets;
+    if (!shard_masters) ep_sets.push_back("parallel.zero1.shard_masters=false");
     const std::string tag = shard_masters ? "replicas" : "replicas_every_master";
-    Trainer ep_run(gpu_config(dir, dir / (shard_masters ? "ep" : "ep_all"), ep, sets, kMuon), world_context(ep), true);
+    Trainer ep_run(gpu_config(dir, dir / (shard_masters ? "ep" : "ep_all"), ep, ep_sets, kMuon), world_context(ep), true);
     const StateSlice sl = ep_run.backend().state_slice();
     std::int64_t covered = sl.expert_end - sl.expert_begin;
     MPI_Allreduce(MPI_IN_PLACE, &covered, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);

@@ -105,41 +105,5 @@ TEST(Zero1Buckets, RejectsBadStagesAndTargets) {
   EXPECT_THROW(plan_zero1_buckets(l, plan, {0, l.total_floats}, 0), Error);
 }
 
-void unset_dp_environment() {
-  for (const char* k : {"KEEL_DP_OVERLAP", "KEEL_DP_BUCKET_MIB", "KEEL_DP_DEFER_EMBED", "KEEL_DP_BCAST_BF16",
-                        "KEEL_DP_GROUP_REDUCES", "KEEL_DP_OPT_STREAM"})
-    unsetenv(k);
-}
-
-TEST(Zero1Buckets, OptionsFromTheEnvironment) {
-  unset_dp_environment();
-  Zero1OverlapOptions o = zero1_overlap_options_from_env();
-  EXPECT_TRUE(o.enabled);
-  EXPECT_TRUE(o.broadcast_bf16);
-  EXPECT_TRUE(o.group_reduces);
-  EXPECT_TRUE(o.optimizer_stream);
-  EXPECT_EQ(o.defer_embedding, -1);
-  EXPECT_EQ(o.bucket_floats(), 64 << 20);  // 256 MiB of floats
-  setenv("KEEL_DP_OVERLAP", "0", 1);
-  setenv("KEEL_DP_BUCKET_MIB", "0.5", 1);
-  setenv("KEEL_DP_DEFER_EMBED", "1", 1);
-  setenv("KEEL_DP_BCAST_BF16", "0", 1);
-  setenv("KEEL_DP_GROUP_REDUCES", "0", 1);
-  setenv("KEEL_DP_OPT_STREAM", "0", 1);
-  o = zero1_overlap_options_from_env();
-  EXPECT_FALSE(o.enabled);
-  EXPECT_FALSE(o.broadcast_bf16);
-  EXPECT_FALSE(o.group_reduces);
-  EXPECT_FALSE(o.optimizer_stream);
-  EXPECT_EQ(o.defer_embedding, 1);
-  EXPECT_EQ(o.bucket_floats(), 131072);
-  setenv("KEEL_DP_BUCKET_MIB", "-1", 1);
-  EXPECT_THROW(zero1_overlap_options_from_env(), UsageError);
-  setenv("KEEL_DP_BUCKET_MIB", "1", 1);
-  setenv("KEEL_DP_OVERLAP", "maybe", 1);
-  EXPECT_THROW(zero1_overlap_options_from_env(), UsageError);
-  unset_dp_environment();
-}
-
 }  // namespace
 }  // namespace keel::parallel

@@ -83,9 +83,8 @@ set_tests_properties(cli_train_ep2_stop PROPERTIES FIXTURES_REQUIRED "train_stor
 set_tests_properties(cli_train_ep2_inspect cli_train_ep2_resume_on_one PROPERTIES FIXTURES_REQUIRED "train_stories;train_ep")
 set_tests_properties(cli_train_ep2_resume_on_one PROPERTIES DEPENDS cli_train_ep2_inspect)
 keel_cli_test(NAME train_ep_on_gpus_needs_the_overlapped_step NP 2 EXIT 1
-  MATCH "parallel\\.expert \\(2\\) on GPUs needs the overlapped ZeRO-1 step: unset KEEL_DP_OVERLAP=0"
-  ARGS train ${tcfg} ${tdp} --set device=cuda --set parallel.expert=2)
-set_tests_properties(cli_train_ep_on_gpus_needs_the_overlapped_step PROPERTIES ENVIRONMENT "${KEEL_MPI_ENV};KEEL_DP_OVERLAP=0")
+  MATCH "parallel\\.expert \\(2\\) on GPUs needs the overlapped ZeRO-1 step: set parallel\\.zero1\\.overlap: true"
+  ARGS train ${tcfg} ${tdp} --set device=cuda --set parallel.expert=2 --set parallel.zero1.overlap=false)
 keel_cli_test(NAME train_dp_degree_mismatch NP 2 EXIT 1
   MATCH "parallel\\.data \\(3\\) must equal the number of ranks \\(2\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.data=3)

@@ -112,8 +112,8 @@ void compare_with_cpu(const model::ModelConfig& cfg, Recompute r) {
   if (visible_cuda_devices() == 0) GTEST_SKIP() << "no CUDA device visible";
   const auto opt = small_options(r);
   optim::AdamWConfig adamw;
-  auto cpu = make_cpu_backend(cfg, opt, adamw, ParallelContext::single());
-  auto gpu = make_cuda_backend(cfg, opt, adamw, ParallelContext::single());
+  auto cpu = make_cpu_backend(cfg, opt, adamw, parallel::Mesh());
+  auto gpu = make_cuda_backend(cfg, opt, adamw, parallel::Mesh());
   ASSERT_EQ(cpu->layout().total_floats, gpu->layout().total_floats);
   const bool mlp_router = cfg.router_hidden > 0;
   if (mlp_router) sharpen_router(*cpu, *gpu);
@@ -244,7 +244,7 @@ void expect_overfits_and_state_round_trips(TrainBackend& gpu, const model::Model
   const double after = gpu.forward(b.tokens.data(), b.targets.data()).total;
   gpu.backward(1.0f);
   EXPECT_EQ(before, after);
-  auto cpu = make_cpu_backend(cfg, opt, adamw, ParallelContext::single());
+  auto cpu = make_cpu_backend(cfg, opt, adamw, parallel::Mesh());
   cpu->set_state(st);
   cpu->zero_grads();
   const double on_cpu = cpu->forward(b.tokens.data(), b.targets.data()).total;
@@ -261,7 +261,7 @@ TEST(CudaBackend, ZayaOverfitsOneBatchAndStateRoundTrips) {
   opt.bias_update_rate = 0.01;  // the controller runs over the 5 classes, skip included
   optim::AdamWConfig adamw;
   adamw.weight_decay = 0;
-  auto gpu = make_cuda_backend(cfg, opt, adamw, ParallelContext::single());
+  auto gpu = make_cuda_backend(cfg, opt, adamw, parallel::Mesh());
   ASSERT_EQ(gpu->load(0).size(), 5u);
   ASSERT_EQ(gpu->state().router_bias[0].back(), -1.f) << "the skip class starts disfavoured, as on the CPU";
   gpu->set_state(sharpened_router(*gpu));  // (skip bias 0: the skip path trains too)
@@ -274,7 +274,7 @@ TEST(CudaBackend, OverfitsOneBatchAndStateRoundTrips) {
   const auto opt = small_options();
   optim::AdamWConfig adamw;
   adamw.weight_decay = 0;
-  auto gpu = make_cuda_backend(cfg, opt, adamw, ParallelContext::single());
+  auto gpu = make_cuda_backend(cfg, opt, adamw, parallel::Mesh());
   expect_overfits_and_state_round_trips(*gpu, cfg, opt, adamw, 40, 0.02);
 }
 
@@ -289,10 +289,10 @@ TEST(CudaBackend, LossDoesNotDependOnThePreviousMicroBatch) {
     const auto a = fixtures::random_batch(static_cast<int>(n), cfg.vocab_size, 11);
     const auto b = fixtures::random_batch(static_cast<int>(n), cfg.vocab_size, 12);
     const optim::AdamWConfig adamw;
-    auto first = make_cuda_backend(cfg, opt, adamw, ParallelContext::single());
+    auto first = make_cuda_backend(cfg, opt, adamw, parallel::Mesh());
     const double ab_a = first->forward(a.tokens.data(), a.targets.data()).total;
     const double ab_b = first->forward(b.tokens.data(), b.targets.data()).total;
-    auto second = make_cuda_backend(cfg, opt, adamw, ParallelContext::single());
+    auto second = make_cuda_backend(cfg, opt, adamw, parallel::Mesh());
     const double ba_b = second->forward(b.tokens.data(), b.targets.data()).total;
     const double ba_a = second->forward(a.tokens.data(), a.targets.data()).total;
     EXPECT_NEAR(ab_a, ba_a, 1e-6 * std::fabs(ab_a)) << cfg.name;
@@ -320,14 +320,14 @@ TEST(CudaBackend, GradientsAreTheStepsOwnAndMicroBatchesSum) {
       }
       return be.gradients();
     };
-    auto x = make_cuda_backend(cfg, opt, adamw, ParallelContext::single());
+    auto x = make_cuda_backend(cfg, opt, adamw, parallel::Mesh());
     if (cfg.router_hidden > 0) x->set_state(sharpened_router(*x));
     grads_of(*x, {&a});
     x->clip_and_step(1.0, 1e-2);
     const TrainState st = x->state();
     const std::vector<float> step2_b = grads_of(*x, {&b});
     const std::vector<float> step3_ba = grads_of(*x, {&b, &a});
-    auto y = make_cuda_backend(cfg, opt, adamw, ParallelContext::single());
+    auto y = make_cuda_backend(cfg, opt, adamw, parallel::Mesh());
     y->set_state(st);
     const std::vector<float> fresh_b = grads_of(*y, {&b});
     const std::vector<float> fresh_a = grads_of(*y, {&a});
@@ -344,13 +344,13 @@ TEST(CudaBackend, BadInputIsAClearError) {
   if (visible_cuda_devices() == 0) GTEST_SKIP() << "no CUDA device visible";
   auto cfg = small_config(false);
   const auto opt = small_options();
-  auto gpu = make_cuda_backend(cfg, opt, {}, ParallelContext::single());
+  auto gpu = make_cuda_backend(cfg, opt, {}, parallel::Mesh());
   fixtures::Batch b = fixtures::random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 3, 17);
   b.tokens[7] = 100000;
   EXPECT_THROW(gpu->forward(b.tokens.data(), b.targets.data()), Error);
   cfg.head_dim = 32;
   cfg.hidden = 128;
-  EXPECT_THROW(make_cuda_backend(cfg, opt, {}, ParallelContext::single()), UsageError);
+  EXPECT_THROW(make_cuda_backend(cfg, opt, {}, parallel::Mesh()), UsageError);
 }
 
 }  // namespace

@@ -59,7 +59,7 @@ void expect_matches_single_rank(const std::string& optimizer_extra, const std::s
   // The reference: this process alone over the same 12 micro-batches per step.
   TrainConfig one = cfg;
   one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
-  Trainer single(one, ParallelContext::single(), true);
+  Trainer single(one, parallel::Mesh(), true);
   const auto single_stats = single.run();
   ASSERT_EQ(dp_stats.size(), single_stats.size());
   for (std::size_t i = 0; i < dp_stats.size(); ++i) {
@@ -130,7 +130,7 @@ TEST(DataParallel, OptimizerShardsTileTheBufferAndKeepMatricesWhole) {
 // losses of steps 5..8 match the uninterrupted run at `to`'s world size.
 void expect_resume(bool save_on_world, bool resume_on_world, const std::string& tag) {
   const fs::path dir = shared_dir(tag);
-  const auto ctx = [&](bool on_world) { return on_world ? world_context() : ParallelContext::single(); };
+  const auto ctx = [&](bool on_world) { return on_world ? world_context() : parallel::Mesh(); };
   const auto out = [&](const std::string& name, bool on_world) {
     return on_world ? dir / name : dir / (name + std::to_string(world_rank()));
   };
@@ -198,7 +198,7 @@ TEST(DataParallel, GpusMatchOneGpu) {
     Trainer dp(cfg, world_context(), true);
     TrainConfig one = cfg;
     one.output_dir = one.checkpoint_dir = (dir / ("single_" + tag + std::to_string(world_rank()))).string();
-    Trainer single(one, ParallelContext::single(), true);
+    Trainer single(one, parallel::Mesh(), true);
     const std::vector<float> p0 = single.backend().state().params;
     ASSERT_EQ(dp.backend().state().params, p0) << "the same initialization";
     const StepStats a = dp.run(1).at(0), b = single.run(1).at(0);

@@ -72,7 +72,7 @@ void expect_matches_single_rank(int ep, const std::vector<std::string>& extra, c
   std::vector<std::string> sets = extra;
   sets.push_back("checkpoint.final=false");
   TrainConfig cfg = config(dir, dir / "ep", ep, sets, optimizer_extra);
-  const ParallelContext ctx = world_context(ep);
+  const parallel::Mesh ctx = world_context(ep);
   Trainer t(cfg, ctx, true);
   // Each rank holds E / ep experts of every MoE layer: the layout says so.
   std::int64_t experts_begin = t.backend().layout().total_floats;
@@ -92,14 +92,14 @@ void expect_matches_single_rank(int ep, const std::vector<std::string>& extra, c
   TrainConfig one = cfg;
   one.parallel_expert = 1;
   one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
-  Trainer single(one, ParallelContext::single(), true);
+  Trainer single(one, parallel::Mesh(), true);
   const auto want = single.run();
   ASSERT_EQ(got.size(), want.size());
   for (std::size_t i = 0; i < got.size(); ++i) {
     EXPECT_NEAR(got[i].loss, want[i].loss, 1e-5 * std::fabs(want[i].loss)) << tag << " step " << i + 1;
     EXPECT_NEAR(got[i].grad_norm, want[i].grad_norm, 1e-4 * want[i].grad_norm) << tag << " step " << i + 1;
   }
-  EXPECT_LT(max_rel_diff_by_name(t.backend().layout(), t.backend().state().params, ctx.expert.rank,
+  EXPECT_LT(max_rel_diff_by_name(t.backend().layout(), t.backend().state().params, ctx.expert().rank,
                                  single.backend().layout(), single.backend().state().params),
             2e-5)
       << tag;
@@ -120,7 +120,7 @@ TEST(ExpertParallel, EpTwoWithReplicasMatchesOneRank) {
 // `resume_ep` (or one rank: 0) and finishes; steps 4..6 match the uninterrupted run there.
 void expect_resume(int save_ep, int resume_ep, const std::string& tag) {
   const fs::path dir = shared_dir(tag);
-  const auto ctx = [&](int ep) { return ep > 0 ? world_context(ep) : ParallelContext::single(); };
+  const auto ctx = [&](int ep) { return ep > 0 ? world_context(ep) : parallel::Mesh(); };
   const auto out = [&](const std::string& name, int ep) { return ep > 0 ? dir / name : dir / (name + std::to_string(world_rank())); };
   TrainConfig full_cfg = config(dir, out("full", resume_ep), std::max(resume_ep, 1), {"checkpoint.final=false"}, kMuon);
   Trainer full(full_cfg, ctx(resume_ep), true);
@@ -159,15 +159,15 @@ TEST(ExpertParallel, InitFromAOneRankCheckpointGivesEachRankItsExperts) {
   const fs::path dir = shared_dir("init_from");
   // one rank trains 2 steps and saves (each rank its own copy; rank 0's is the source)
   TrainConfig src_cfg = config(dir, dir / ("src" + std::to_string(world_rank())), 1, {"steps=2"});
-  Trainer src(src_cfg, ParallelContext::single(), true);
+  Trainer src(src_cfg, parallel::Mesh(), true);
   src.run();
   src.finish_checkpoint();
   MPI_Barrier(MPI_COMM_WORLD);
   TrainConfig cfg = config(dir, dir / "ep", ep, {"checkpoint.final=false", "init_from=" + (dir / "src0").string()});
-  const ParallelContext ctx = world_context(ep);
+  const parallel::Mesh ctx = world_context(ep);
   Trainer t(cfg, ctx, true);
   t.run(0);
-  EXPECT_EQ(max_rel_diff_by_name(t.backend().layout(), t.backend().state().params, ctx.expert.rank,
+  EXPECT_EQ(max_rel_diff_by_name(t.backend().layout(), t.backend().state().params, ctx.expert().rank,
                                  src.backend().layout(), src.backend().state().params),
             0.0)
       << "each rank holds exactly its experts' trained weights";

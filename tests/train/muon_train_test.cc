@@ -135,7 +135,7 @@ TEST(MuonTrain, BackendStepIsAdamWPlusMuon) {
   MuonTrainOptions mo = muon_on();
   mo.lr_scale = 0.7;
   mo.config.weight_decay = 0.02;
-  auto b = make_cpu_backend(cfg, tiny_options(), OptimizerConfig(ac, mo), ParallelContext::single());
+  auto b = make_cpu_backend(cfg, tiny_options(), OptimizerConfig(ac, mo), parallel::Mesh());
   const auto& layout = b->layout();
   const fixtures::Batch batch = fixtures::random_batch(16, 23, 3);
   const double lr = 3e-3, max_norm = 0.05;
@@ -179,7 +179,7 @@ TEST(MuonTrain, OverfitsOneBatch) {
   const auto cfg = fixtures::tiny_config(true);
   optim::AdamWConfig ac;
   ac.weight_decay = 0.0;
-  auto b = make_cpu_backend(cfg, tiny_options(), OptimizerConfig(ac, muon_on()), ParallelContext::single());
+  auto b = make_cpu_backend(cfg, tiny_options(), OptimizerConfig(ac, muon_on()), parallel::Mesh());
   const fixtures::Batch batch = fixtures::random_batch(16, 23, 5);
   double first = 0, last = 0;
   for (int step = 0; step < 60; ++step) {
@@ -197,14 +197,14 @@ TEST(MuonTrain, OverfitsOneBatch) {
 
 TEST(MuonTrain, MuonStateIntoAnAdamWRunIsRefused) {
   const auto cfg = fixtures::tiny_config(false);
-  auto muon = make_cpu_backend(cfg, tiny_options(), OptimizerConfig({}, muon_on()), ParallelContext::single());
+  auto muon = make_cpu_backend(cfg, tiny_options(), OptimizerConfig({}, muon_on()), parallel::Mesh());
   const fixtures::Batch batch = fixtures::random_batch(16, 23, 9);
   muon->zero_grads();
   muon->forward(batch.tokens.data(), batch.targets.data());
   muon->backward(1.0f);
   muon->clip_and_step(1.0, 1e-3);
   const TrainState st = muon->state();
-  auto adamw = make_cpu_backend(cfg, tiny_options(), {}, ParallelContext::single());
+  auto adamw = make_cpu_backend(cfg, tiny_options(), {}, parallel::Mesh());
   try {
     adamw->set_state(st);
     FAIL() << "accepted Muon momentum for AdamW parameters";
@@ -213,7 +213,7 @@ TEST(MuonTrain, MuonStateIntoAnAdamWRunIsRefused) {
     EXPECT_NE(std::string(e.what()).find("optimizer.muon.enabled"), std::string::npos) << e.what();
   }
   // AdamW state into a Muon run: a warm start, accepted
-  auto other = make_cpu_backend(cfg, tiny_options(), OptimizerConfig({}, muon_on()), ParallelContext::single());
+  auto other = make_cpu_backend(cfg, tiny_options(), OptimizerConfig({}, muon_on()), parallel::Mesh());
   adamw->zero_grads();
   adamw->forward(batch.tokens.data(), batch.targets.data());
   adamw->backward(1.0f);
@@ -253,7 +253,7 @@ TEST(MuonTrain, CheckpointStoresNoSecondMomentForMuonMatrices) {
   const auto cfg = fixtures::tiny_config(false);
   const fixtures::Batch batch = fixtures::random_batch(16, 23, 9);
   auto trained = [&](const OptimizerConfig& o) {
-    auto b = make_cpu_backend(cfg, tiny_options(), o, ParallelContext::single());
+    auto b = make_cpu_backend(cfg, tiny_options(), o, parallel::Mesh());
     for (int s = 0; s < 2; ++s) {
       b->zero_grads();
       b->forward(batch.tokens.data(), batch.targets.data());
@@ -296,7 +296,7 @@ TEST(MuonTrain, CheckpointStoresNoSecondMomentForMuonMatrices) {
   auto adamw = trained({});
   save(*adamw, dir / "adamw");
   const TrainState a = adamw->state();
-  auto into = make_cpu_backend(cfg, tiny_options(), OptimizerConfig({}, muon_on()), ParallelContext::single());
+  auto into = make_cpu_backend(cfg, tiny_options(), OptimizerConfig({}, muon_on()), parallel::Mesh());
   into->set_state(load_train_checkpoint((dir / "adamw").string(), cfg).state);
   const TrainState b = into->state();
   for (const auto& p : into->layout().params)
@@ -327,7 +327,7 @@ TEST(MuonTrain, CheckpointStoresNoSecondMomentForMuonMatrices) {
 
 TEST(MuonTrain, MemoryReportNamesWhatHoldsTheMemory) {
   auto b = make_cpu_backend(fixtures::tiny_config(false), tiny_options(), OptimizerConfig({}, muon_on()),
-                            ParallelContext::single());
+                            parallel::Mesh());
   const auto items = b->memory_breakdown();
   ASSERT_EQ(items.size(), 4u);
   for (const auto& it : items) EXPECT_GT(it.bytes, 0u) << it.name;
@@ -414,7 +414,7 @@ TEST(MuonTrain, ResumeIsBitExact) {
   // the Muon run's checkpoint refuses to resume without Muon
   auto off = cfg;
   off.muon.enabled = false;
-  Trainer d(off, ParallelContext::single(), true);
+  Trainer d(off, parallel::Mesh(), true);
   try {
     d.resume((dir / "b").string());
     FAIL();

@@ -18,7 +18,7 @@ namespace keel::train::fixtures {
 // Returns the uninterrupted run's stats.
 inline std::vector<StepStats> expect_resume_bit_exact(TrainConfig cfg, const std::filesystem::path& resumed_dir,
                                                       std::int64_t stop_at) {
-  Trainer a(cfg, ParallelContext::single(), true);
+  Trainer a(cfg, parallel::Mesh(), true);
   const auto sa = a.run();
   EXPECT_EQ(sa.size(), static_cast<std::size_t>(cfg.steps));
   if (sa.empty()) return sa;
@@ -26,12 +26,12 @@ inline std::vector<StepStats> expect_resume_bit_exact(TrainConfig cfg, const std
   cfg.output_dir = cfg.checkpoint_dir = resumed_dir.string();
   std::vector<StepStats> sb;
   {
-    Trainer b(cfg, ParallelContext::single(), true);
+    Trainer b(cfg, parallel::Mesh(), true);
     sb = b.run(stop_at);
     b.save_checkpoint();
     b.finish_checkpoint();
   }
-  Trainer c(cfg, ParallelContext::single(), true);
+  Trainer c(cfg, parallel::Mesh(), true);
   c.resume(resumed_dir.string());
   EXPECT_EQ(c.step(), stop_at);
   const auto sc = c.run();

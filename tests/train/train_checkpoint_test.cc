@@ -53,7 +53,7 @@ fs::path fresh_dir(const std::string& name) {
 
 // Two steps of training so every buffer (params, m, v, router bias) holds non-trivial values.
 std::unique_ptr<TrainBackend> trained(const model::ModelConfig& cfg) {
-  auto b = make_cpu_backend(cfg, options(), {}, ParallelContext::single());
+  auto b = make_cpu_backend(cfg, options(), {}, parallel::Mesh());
   std::vector<std::uint32_t> tok(16);
   std::vector<std::int32_t> tgt(16);
   for (int i = 0; i < 16; ++i) tok[i] = (i * 7) % cfg.vocab_size, tgt[i] = (i * 5 + 3) % cfg.vocab_size;
@@ -82,7 +82,7 @@ TEST(TrainCheckpoint, SaveCommitsAndLoadRestoresEveryTensorBitForBit) {
   EXPECT_TRUE(is_ckpt_directory(root.string()));
   EXPECT_TRUE(fs::exists(root / "latest"));
 
-  auto b = make_cpu_backend(tiny(), options(), {}, ParallelContext::single());
+  auto b = make_cpu_backend(tiny(), options(), {}, parallel::Mesh());
   const LoadedTrainState got = load_train_checkpoint(root.string(), tiny());
   EXPECT_EQ(got.extra.at("step").get<std::int64_t>(), 2);
   EXPECT_EQ(got.extra.at("sampler").at("next").get<int>(), 32);

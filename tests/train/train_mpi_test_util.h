@@ -9,16 +9,18 @@
 #include <vector>
 
 #include "../mpi_test_util.h"
-#include "train/parallel_context.h"
+#include "parallel/mesh.h"
 
 namespace keel::train::fixtures {
 
 // Every rank of MPI_COMM_WORLD as the data-parallel group, with expert parallelism of degree
-// `ep` over consecutive ranks (collective when ep > 1).
-inline ParallelContext world_context(int ep = 1) {
-  ParallelContext c;
-  c.data = {test::world_size(), test::world_rank(), MPI_COMM_WORLD};
-  return with_expert_parallel(c, ep);
+// `ep` over consecutive ranks (collective).
+inline parallel::Mesh world_context(int ep = 1) {
+  mesh::Shape s;
+  s.dp = test::world_size();
+  s.ep = ep;
+  s.zero = 1;
+  return parallel::Mesh(s, MPI_COMM_WORLD);
 }
 
 // The optimizer section's extra lines for Muon (train_config_text's optimizer_extra).

@@ -60,13 +60,60 @@ TEST(TrainConfig, BadConfigsGiveClearErrors) {
   expect_usage_error("steps: 3\n", {}, "missing key 'model'");
 }
 
+// Every run-shaping switch is a config key (hashed and compared across ranks at start-up), none
+// an environment variable: the GPU ZeRO-1 step's (parallel.zero1.*) and the kernels' (kernels.*).
+TEST(TrainConfig, Zero1AndKernelSwitchesAreConfigKeys) {
+  const auto dir = fixtures::temp_dir("train_test", "zero1keys");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const std::string good = fixtures::train_config_text(prefix, dir / "out");
+  TrainConfig c = parse_train_config(good, "t.yaml");
+  const parallel::Zero1OverlapOptions& d = c.data_parallel.zero1;
+  EXPECT_TRUE(d.enabled);
+  EXPECT_TRUE(d.broadcast_bf16);
+  EXPECT_TRUE(d.shard_masters);
+  EXPECT_TRUE(d.group_reduces);
+  EXPECT_TRUE(d.optimizer_stream);
+  EXPECT_FALSE(d.profile);
+  EXPECT_EQ(d.defer_embedding, -1);
+  EXPECT_EQ(d.bucket_floats(), 64 << 20);  // 256 MiB of floats
+  EXPECT_EQ(c.data_parallel.grad_reduce, parallel::GradReduceDtype::kFp32);
+  EXPECT_EQ(c.kernels.moe_lanes, 4);
+  EXPECT_EQ(c.kernels.cpu_threads, 0);
+  c = parse_train_config(good, "t.yaml",
+                         {"parallel.zero1.overlap=false", "parallel.zero1.bucket_mib=0.5",
+                          "parallel.zero1.defer_embedding=true", "parallel.zero1.broadcast_bf16=false",
+                          "parallel.zero1.shard_masters=false", "parallel.zero1.group_reduces=false",
+                          "parallel.zero1.optimizer_stream=false", "parallel.zero1.profile=true",
+                          "parallel.grad_reduce=bf16", "kernels.moe_lanes=1", "kernels.cpu_threads=3"});
+  const parallel::Zero1OverlapOptions& o = c.data_parallel.zero1;
+  EXPECT_FALSE(o.enabled);
+  EXPECT_FALSE(o.broadcast_bf16);
+  EXPECT_FALSE(o.shard_masters);
+  EXPECT_FALSE(o.group_reduces);
+  EXPECT_FALSE(o.optimizer_stream);
+  EXPECT_TRUE(o.profile);
+  EXPECT_EQ(o.defer_embedding, 1);
+  EXPECT_EQ(o.bucket_floats(), 131072);
+  EXPECT_EQ(c.data_parallel.grad_reduce, parallel::GradReduceDtype::kBf16);
+  EXPECT_EQ(c.kernels.moe_lanes, 1);
+  EXPECT_EQ(c.kernels.cpu_threads, 3);
+  EXPECT_EQ(parse_train_config(good, "t.yaml", {"parallel.zero1.defer_embedding=false"}).data_parallel.zero1.defer_embedding, 0);
+  expect_usage_error(good, {"parallel.zero1.bucket_mib=-1"}, "key 'parallel.zero1.bucket_mib' (from --set): must be a positive");
+  expect_usage_error(good, {"parallel.zero1.overlap=maybe"}, "key 'parallel.zero1.overlap' (from --set): must be true or false");
+  expect_usage_error(good, {"parallel.zero1.defer_embedding=sometimes"}, "must be auto, true or false");
+  expect_usage_error(good, {"parallel.zero1.buckets=1"}, "unknown key 'parallel.zero1.buckets'");
+  expect_usage_error(good, {"kernels.moe_lanes=9"}, "key 'kernels.moe_lanes' (from --set): must be 1 to 8");
+  expect_usage_error(good, {"kernels.cpu_threads=-2"}, "key 'kernels.cpu_threads' (from --set): must be >= 0");
+  expect_usage_error(good, {"kernels.gemm=cublas"}, "unknown key 'kernels.gemm'");
+}
+
 TEST(TrainConfig, RejectsLinearAttentionModelAtBuild) {
   const auto dir = fixtures::temp_dir("train_test", "linear");
   const auto prefix = fixtures::make_dataset(dir, "d");
   auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "out"), "t.yaml");
   c.model.attention = model::AttentionKind::kLinear;
   try {
-    Trainer t(c, ParallelContext::single(), true);
+    Trainer t(c, parallel::Mesh(), true);
     FAIL();
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("supports mha, gqa and cca"), std::string::npos) << e.what();
@@ -79,7 +126,7 @@ TEST(Trainer, MissingAndTruncatedDataset) {
   {
     const auto c = parse_train_config(fixtures::train_config_text((dir / "nope").string(), dir / "out"), "t.yaml");
     try {
-      Trainer t(c, ParallelContext::single(), true);
+      Trainer t(c, parallel::Mesh(), true);
       FAIL();
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("nope"), std::string::npos) << e.what();
@@ -88,7 +135,7 @@ TEST(Trainer, MissingAndTruncatedDataset) {
   fs::resize_file(prefix + ".bin", fs::file_size(prefix + ".bin") - 10);
   const auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "out"), "t.yaml");
   try {
-    Trainer t(c, ParallelContext::single(), true);
+    Trainer t(c, parallel::Mesh(), true);
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("d.bin"), std::string::npos) << e.what();
@@ -99,7 +146,7 @@ TEST(Trainer, NanLossStopsNamingTheStep) {
   const auto dir = fixtures::temp_dir("train_test", "nan");
   const auto prefix = fixtures::make_dataset(dir, "d");
   const auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "out"), "t.yaml");
-  Trainer t(c, ParallelContext::single(), true);
+  Trainer t(c, parallel::Mesh(), true);
   t.run(3);
   {
     // poison one final-norm weight through the backend's state, as a bad update would
@@ -131,7 +178,7 @@ TEST(Trainer, ResumeIsBitExact) {
     if (e.path().extension() == ".bin" && fs::file_size(e.path()) > 4) data = e.path();
   ASSERT_FALSE(data.empty());
   fs::resize_file(data, fs::file_size(data) - 4);
-  Trainer d(cfg, ParallelContext::single(), true);
+  Trainer d(cfg, parallel::Mesh(), true);
   try {
     d.resume(ck.string());
     FAIL();
@@ -149,7 +196,7 @@ TEST(Trainer, GradAccumMatchesLargerMicroBatch) {
   auto c2 = parse_train_config(fixtures::train_config_text(prefix, dir / "o2"), "t.yaml",
                                {"steps=1", "schedule.warmup_steps=0", "batch.micro_batch=4", "batch.grad_accum=1", "router.aux_loss_weight=0",
                                 "router.z_loss_weight=0"});
-  Trainer a(c1, ParallelContext::single(), true), b(c2, ParallelContext::single(), true);
+  Trainer a(c1, parallel::Mesh(), true), b(c2, parallel::Mesh(), true);
   const auto sa = a.run(), sb = b.run();
   EXPECT_NEAR(sa[0].loss, sb[0].loss, 1e-5);
   EXPECT_NEAR(sa[0].grad_norm, sb[0].grad_norm, 1e-4 * sb[0].grad_norm);
@@ -159,7 +206,7 @@ TEST(Trainer, InitFromStartsFreshOptimizerOnTheCheckpointsWeights) {
   const auto dir = fixtures::temp_dir("train_test", "init_from");
   const auto prefix = fixtures::make_dataset(dir, "d");
   auto src_cfg = parse_train_config(fixtures::train_config_text(prefix, dir / "src"), "t.yaml", {"steps=3"});
-  Trainer src(src_cfg, ParallelContext::single(), true);
+  Trainer src(src_cfg, parallel::Mesh(), true);
   src.run();
   src.finish_checkpoint();
   const TrainState trained = src.backend().state();
@@ -167,7 +214,7 @@ TEST(Trainer, InitFromStartsFreshOptimizerOnTheCheckpointsWeights) {
   auto cfg = parse_train_config(fixtures::train_config_text(prefix, dir / "dst"), "t.yaml",
                                 {"steps=2", "init_from=" + (dir / "src").string()});
   EXPECT_EQ(cfg.init_from, (dir / "src").string());
-  Trainer t(cfg, ParallelContext::single(), true);
+  Trainer t(cfg, parallel::Mesh(), true);
   t.run(0);  // no steps: only the initialization
   EXPECT_EQ(t.step(), 0);
   const TrainState got = t.backend().state();
@@ -181,13 +228,13 @@ TEST(Trainer, InitFromStartsFreshOptimizerOnTheCheckpointsWeights) {
   // Its first step sees the trained weights: the loss starts where the source run ended, well
   // below a fresh model's.
   auto fresh_cfg = parse_train_config(fixtures::train_config_text(prefix, dir / "fresh"), "t.yaml", {"steps=2"});
-  Trainer fresh(fresh_cfg, ParallelContext::single(), true);
+  Trainer fresh(fresh_cfg, parallel::Mesh(), true);
   const double fresh_loss = fresh.run(1).front().loss;
   const double init_loss = t.run(1).front().loss;
   EXPECT_LT(init_loss, fresh_loss - 0.1) << "init_from did not carry the trained weights";
 
   // A resumed run takes its weights from --resume, not init_from.
-  Trainer r(cfg, ParallelContext::single(), true);
+  Trainer r(cfg, parallel::Mesh(), true);
   r.resume((dir / "src").string());
   r.run(3);  // nothing left: the source already did 3 steps (of its schedule's 3)
   EXPECT_EQ(r.step(), 3);
@@ -197,12 +244,12 @@ TEST(Trainer, InitFromRefusesWhatIsNotTheModelsWeights) {
   const auto dir = fixtures::temp_dir("train_test", "init_from_bad");
   const auto prefix = fixtures::make_dataset(dir, "d");
   auto src_cfg = parse_train_config(fixtures::train_config_text(prefix, dir / "src"), "t.yaml", {"steps=2"});
-  Trainer(src_cfg, ParallelContext::single(), true).run();
+  Trainer(src_cfg, parallel::Mesh(), true).run();
   // not a checkpoint: refused before any work
   auto c1 = parse_train_config(fixtures::train_config_text(prefix, dir / "o1"), "t.yaml",
                                {"init_from=" + (dir / "nothing").string()});
   try {
-    Trainer t(c1, ParallelContext::single(), true);
+    Trainer t(c1, parallel::Mesh(), true);
     FAIL() << "accepted a missing init_from";
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("init_from " + (dir / "nothing").string() + ": not a keel checkpoint"),
@@ -212,7 +259,7 @@ TEST(Trainer, InitFromRefusesWhatIsNotTheModelsWeights) {
   // another model's weights: the tensor is named
   auto c2 = parse_train_config(fixtures::train_config_text(prefix, dir / "o2"), "t.yaml",
                                {"init_from=" + (dir / "src").string(), "model.hidden=32"});
-  Trainer t(c2, ParallelContext::single(), true);
+  Trainer t(c2, parallel::Mesh(), true);
   try {
     t.run(1);
     FAIL() << "loaded weights of another shape";
@@ -278,12 +325,12 @@ TEST(Trainer, StopAtACheckpointStepSavesIt) {
   const auto dir = fixtures::temp_dir("train_test", "stop_at_interval");
   const auto prefix = fixtures::make_dataset(dir, "d");
   const auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "a"), "t.yaml", {"checkpoint.interval=3"});
-  Trainer t(c, ParallelContext::single(), true);
+  Trainer t(c, parallel::Mesh(), true);
   EXPECT_EQ(t.run(6, /*checkpoint_at_stop=*/true).size(), 6u);  // step 6 saved once, not twice
   EXPECT_TRUE(fs::exists(dir / "a" / "step_00000006" / "metadata.json"));
   EXPECT_EQ(ckpt::latest_dir((dir / "a").string()), (dir / "a" / "step_00000006").string());
   // resumed past where it would stop: nothing to do, nothing saved
-  Trainer r(c, ParallelContext::single(), true);
+  Trainer r(c, parallel::Mesh(), true);
   r.resume((dir / "a").string());
   EXPECT_TRUE(r.run(2, true).empty());
   EXPECT_EQ(r.step(), 6);
@@ -293,13 +340,13 @@ TEST(Trainer, ResumedRunWritesOnlyIntoItsOwnLineage) {
   const auto dir = fixtures::temp_dir("train_test", "lineage");
   const auto prefix = fixtures::make_dataset(dir, "d");
   const auto ca = parse_train_config(fixtures::train_config_text(prefix, dir / "a"), "t.yaml", {"checkpoint.interval=3"});
-  Trainer(ca, ParallelContext::single(), true).run(6, true);
+  Trainer(ca, parallel::Mesh(), true).run(6, true);
   auto cb = ca;
   cb.output_dir = cb.checkpoint_dir = (dir / "b").string();
-  Trainer(cb, ParallelContext::single(), true).run(3, true);
+  Trainer(cb, parallel::Mesh(), true).run(3, true);
   // a's checkpoint resumed into b, which holds b's own: refused, b untouched
   {
-    Trainer t(cb, ParallelContext::single(), true);
+    Trainer t(cb, parallel::Mesh(), true);
     t.resume((dir / "a").string());
     EXPECT_NE(error_of([&] { t.run(); }).find("holds another run's checkpoints (up to step 3)"), std::string::npos);
     EXPECT_EQ(t.step(), 6);
@@ -307,14 +354,14 @@ TEST(Trainer, ResumedRunWritesOnlyIntoItsOwnLineage) {
   EXPECT_EQ(ckpt::latest_dir((dir / "b").string()), (dir / "b" / "step_00000003").string());
   // a rollback to step 3 of a, which holds step 6: its saves would collide
   {
-    Trainer t(ca, ParallelContext::single(), true);
+    Trainer t(ca, parallel::Mesh(), true);
     t.resume((dir / "a" / "step_00000003").string());
     EXPECT_NE(error_of([&] { t.run(); }).find("holds checkpoints up to step 6, after step 3"), std::string::npos);
   }
   // ... allowed into an empty directory
   auto cc = ca;
   cc.checkpoint_dir = (dir / "branch").string();
-  Trainer t(cc, ParallelContext::single(), true);
+  Trainer t(cc, parallel::Mesh(), true);
   t.resume((dir / "a" / "step_00000003").string());
   EXPECT_EQ(t.run(4, true).size(), 1u);
   EXPECT_TRUE(fs::exists(dir / "branch" / "step_00000004" / "metadata.json"));
@@ -327,17 +374,17 @@ TEST(Trainer, WhereItWritesIsCheckedBeforeAnyStep) {
   std::ofstream(dir / "afile") << "x";
   const auto c1 = parse_train_config(fixtures::train_config_text(prefix, dir / "o1"), "t.yaml",
                                      {"checkpoint.dir=" + (dir / "afile").string(), "checkpoint.interval=4"});
-  Trainer t1(c1, ParallelContext::single(), true);
+  Trainer t1(c1, parallel::Mesh(), true);
   EXPECT_NE(error_of([&] { t1.run(); }).find("checkpoint.dir " + (dir / "afile").string() + ": cannot create it"),
             std::string::npos);
   EXPECT_EQ(t1.step(), 0);
   // a fresh run does not append to another run's metrics
   const auto c2 = parse_train_config(fixtures::train_config_text(prefix, dir / "o2"), "t.yaml", {"steps=2"});
-  Trainer(c2, ParallelContext::single(), true).run();
+  Trainer(c2, parallel::Mesh(), true).run();
   const auto size = fs::file_size(dir / "o2" / "metrics.jsonl");
   auto c3 = c2;
   c3.checkpoint_dir = (dir / "elsewhere").string();
-  Trainer t3(c3, ParallelContext::single(), true);
+  Trainer t3(c3, parallel::Mesh(), true);
   EXPECT_NE(error_of([&] { t3.run(); }).find("already holds another run's metrics.jsonl"), std::string::npos);
   EXPECT_EQ(fs::file_size(dir / "o2" / "metrics.jsonl"), size);
 }
@@ -355,7 +402,7 @@ TEST(Trainer, EvalTokensOutsideTheVocabularyFailAtStartUp) {
   const auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "o"), "t.yaml",
                                     {"eval.prefix=" + (dir / "ev").string(), "eval.batches=4"});
   try {
-    Trainer t(c, ParallelContext::single(), true);
+    Trainer t(c, parallel::Mesh(), true);
     FAIL() << "accepted an eval set the model cannot read";
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("eval.prefix " + (dir / "ev").string() + ": eval sample"), std::string::npos)
@@ -370,14 +417,14 @@ TEST(Trainer, ResumeRefusesAChangedDatasetOrADamagedState) {
   const auto prefix = fixtures::make_dataset(dir, "d");
   const auto other = fixtures::make_dataset(dir, "smaller", 20);
   const auto c = parse_train_config(fixtures::train_config_text(prefix, dir / "a"), "t.yaml");
-  Trainer(c, ParallelContext::single(), true).run(3, true);
+  Trainer(c, parallel::Mesh(), true).run(3, true);
   auto changed = c;
   changed.data.prefixes[0] = other;
-  Trainer t(changed, ParallelContext::single(), true);
+  Trainer t(changed, parallel::Mesh(), true);
   EXPECT_NE(error_of([&] { t.resume((dir / "a").string()); }).find("the dataset changed"), std::string::npos);
   const fs::path step = dir / "a" / "step_00000003";
   edit_state(step, [](nlohmann::json& s) { s["step"] = "abc"; });
-  Trainer u(c, ParallelContext::single(), true);
+  Trainer u(c, parallel::Mesh(), true);
   EXPECT_NE(error_of([&] { u.resume((dir / "a").string()); })
                 .find(step.string() + ": state 'step' is \"abc\" (expected a non-negative integer)"),
             std::string::npos);

@@ -83,7 +83,7 @@ void zaya_gradcheck(bool skip) {
   o.ce_chunk = 7;         // several vocabulary chunks
   o.precise_loss = true;  // the loss in double: fp32 rounding would dominate the differences
   o.bias_update_rate = 0.01;
-  MoeTransformer model(cfg, o, ParallelContext::single());
+  MoeTransformer model(cfg, o, parallel::Mesh());
   perturb_vectors(model, 5);
   // Sharper router logits: the choice then depends more on the token (every class gets used
   // on a small batch) and the top-1 margins are wider.
@@ -179,7 +179,7 @@ TEST(TrainZaya, LayoutNamesGroupsAndInit) {
   ModelOptions o;
   o.micro_batch = 1;
   o.seq_length = 4;
-  MoeTransformer m(cfg, o, ParallelContext::single());
+  MoeTransformer m(cfg, o, parallel::Mesh());
   EXPECT_EQ(m.param("layers.0.attn.cca.conv0.bias")[0], 0.f);
   EXPECT_EQ(m.param("layers.1.res_scale.mlp.r_bias")[3], 0.f);
   EXPECT_EQ(m.param("layers.1.res_scale.mlp.r_scale")[3], 1.f);
@@ -216,7 +216,7 @@ TEST(TrainZaya, RecomputeFullGivesIdenticalGradients) {
     o.seq_length = 8;
     o.recompute = r;
     o.init_std = 0.2;
-    MoeTransformer m(cfg, o, ParallelContext::single());
+    MoeTransformer m(cfg, o, parallel::Mesh());
     perturb_vectors(m, 3);
     for (int i = 0; i < 2; ++i) m.router_bias(i).back() = 0.1f;
     m.zero_grads();
@@ -241,7 +241,7 @@ TEST(TrainZaya, OverfitsOneBatch) {
   o.micro_batch = 2;
   o.seq_length = 8;
   o.bias_update_rate = 0.01;
-  MoeTransformer m(cfg, o, ParallelContext::single());
+  MoeTransformer m(cfg, o, parallel::Mesh());
   const Batch b = random_batch(16, 23, 5);
   const auto [first, last] = fixtures::overfit_with_adamw(m, b.tokens.data(), b.targets.data(), 100, 1e-2);
   std::printf("[overfit] zaya ce %.4f -> %.4f, skip bias %.3f\n", first, last, m.router_bias(0).back());
@@ -255,7 +255,7 @@ TEST(TrainZaya, RejectsWhatIsStillUnsupported) {
   o.seq_length = 4;
   auto expect_error = [&](model::ModelConfig cfg, const char* needle) {
     try {
-      MoeTransformer m(cfg, o, ParallelContext::single());
+      MoeTransformer m(cfg, o, parallel::Mesh());
       ADD_FAILURE() << "accepted: " << needle;
     } catch (const UsageError& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();

@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 
 #include "common/error.h"
 #include "ops/cuda/gemm.h"
+#include "ops/parallel.h"
 
 namespace keel::ops::cuda::moe {
 
@@ -206,35 +208,19 @@ GemmDesc desc(std::int64_t m, std::int64_t n, std::int64_t k, bool trans_a, bool
 // the caller's stream, each lane with its own cuBLASLt runner (a workspace may not be shared by
 // concurrent GEMMs). Experts own disjoint rows and disjoint weight-gradient blocks, so the
 // lanes never write the same memory and the results do not depend on how they interleave.
-// KEEL_MOE_LANES (1..kLanes, read once) uses fewer: 1 runs the experts one after another on the
-// caller's stream.
+// ops::set_moe_lanes (kernels.moe_lanes of keel train's config, 1..kLanes) uses fewer: 1 runs
+// the experts one after another on the caller's stream.
 constexpr int kLanes = 8;
 constexpr int kDefaultLanes = 4;
+std::atomic<int> g_lanes{kDefaultLanes};
 
-int lanes_wanted() {
-  static const int wanted = [] {
-    const char* env = std::getenv("KEEL_MOE_LANES");
-    if (!env || !*env) return kDefaultLanes;
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    if (*end != '\0' || v < 1 || v > kLanes)
-      throw UsageError(fmt::format("KEEL_MOE_LANES={}: expected an integer in [1, {}]", env, kLanes));
-    return static_cast<int>(v);
-  }();
-  return wanted;
-}
+int lanes_wanted() { return g_lanes.load(std::memory_order_relaxed); }
 
-// lanes_wanted() streams, each with its own cuBLASLt runner (and its 32 MiB workspace).
+// Up to kLanes streams, each with its own cuBLASLt runner (and its 32 MiB workspace), made the
+// first time a call uses that many.
 class ExpertLanes {
  public:
-  ExpertLanes() : count_(lanes_wanted()) {
-    for (int i = 0; i < count_; ++i) {
-      KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&streams_[i], cudaStreamNonBlocking));
-      KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming));
-      gemms_[i] = std::make_unique<GemmRunner>();
-    }
-    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&start_, cudaEventDisableTiming));
-  }
+  ExpertLanes() { KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&start_, cudaEventDisableTiming)); }
   ~ExpertLanes() {  // at thread exit, possibly after the CUDA runtime: errors are ignored
     for (int i = 0; i < count_; ++i) {
       if (done_[i]) cudaEventDestroy(done_[i]);
@@ -250,6 +236,11 @@ class ExpertLanes {
 
   // Lanes 0..used-1 start after the work queued on `stream` so far.
   void fork(cudaStream_t stream, int used) {
+    for (; count_ < used; ++count_) {
+      KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&streams_[count_], cudaStreamNonBlocking));
+      KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&done_[count_], cudaEventDisableTiming));
+      gemms_[count_] = std::make_unique<GemmRunner>();
+    }
     KEEL_CUDA_CHECK(cudaEventRecord(start_, stream));
     for (int i = 0; i < used; ++i) KEEL_CUDA_CHECK(cudaStreamWaitEvent(streams_[i], start_, 0));
   }
@@ -264,7 +255,7 @@ class ExpertLanes {
   GemmRunner& gemm(int i) { return *gemms_[i]; }
 
  private:
-  int count_;
+  int count_ = 0;  // lanes made so far
   std::array<cudaStream_t, kLanes> streams_{};
   std::array<cudaEvent_t, kLanes> done_{};
   std::array<std::unique_ptr<GemmRunner>, kLanes> gemms_;
@@ -321,6 +312,11 @@ void for_each_expert(const std::vector<std::int64_t>& offsets, cudaStream_t stre
 }
 
 }  // namespace
+
+void set_lanes(int n) {
+  if (n < 1 || n > kLanes) throw UsageError(fmt::format("kernels.moe_lanes {}: expected an integer in [1, {}]", n, kLanes));
+  g_lanes.store(n, std::memory_order_relaxed);
+}
 
 std::int64_t plan_ints(std::int64_t slots, int experts) { return experts + 2 + 2 * slots; }
 
@@ -514,3 +510,7 @@ void backward(const Plan& plan, const float* gates, const Weights& w, std::int64
 }
 
 }  // namespace keel::ops::cuda::moe
+
+namespace keel::ops {
+void set_moe_lanes(int n) { cuda::moe::set_lanes(n); }
+}  // namespace keel::ops

@@ -20,8 +20,8 @@
 // Each expert's chain (its GEMMs and SwiGLU rows) runs on one of a few side streams forked
 // from and joined back to the caller's stream (one expert's GEMMs fill well under one wave of
 // the GPU); experts write disjoint rows and weight-gradient blocks, so the results are the same
-// as one after another (KEEL_MOE_LANES=1 runs them so, on the caller's stream; 2..8 sets the
-// number of side streams, default 4). Callers see one stream: work they queue after the call
+// as one after another (ops::set_moe_lanes(1), kernels.moe_lanes: 1 in keel train's config, runs
+// them so, on the caller's stream; 2..8 sets the number of side streams, default 4). Callers see one stream: work they queue after the call
 // runs after all of it.
 // Combine: y[n] = sum_k gates[n, k] * ys[position[n * top_k + k]], summed in fp32 in k order.
 // y is fp32 and OVERWRITTEN: it is the block output that the fp32 residual stream (and the

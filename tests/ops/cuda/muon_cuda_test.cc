@@ -298,8 +298,8 @@ TEST(MuonCuda, BackendMatchesCpuBackendAfterOneStep) {
   train::MuonTrainOptions mo;
   mo.enabled = true;
   const train::OptimizerConfig oc(optim::AdamWConfig{}, mo);
-  auto cpu = train::make_cpu_backend(cfg, opt, oc, train::ParallelContext::single());
-  auto gpu = train::make_cuda_backend(cfg, opt, oc, train::ParallelContext::single());
+  auto cpu = train::make_cpu_backend(cfg, opt, oc, parallel::Mesh());
+  auto gpu = train::make_cuda_backend(cfg, opt, oc, parallel::Mesh());
   const auto& layout = gpu->layout();
   // The memory report names the Muon workspace, as large as the largest matrix batch's.
   std::size_t workspace = 0;
