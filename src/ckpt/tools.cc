@@ -171,7 +171,7 @@ int verify(const std::string& path, bool all, std::FILE* out) {
 
 ReshardStats reshard(const std::string& src, const std::string& dst, const std::string& to, int threads) {
   const auto t0 = std::chrono::steady_clock::now();
-  const Mesh mesh = parse_mesh(to);
+  const mesh::Shape mesh = parse_mesh(to);
   require_new_root(dst);
   const Reader reader(src);
   const Metadata& m = reader.metadata();
