@@ -26,12 +26,15 @@ mesh::Shape parse_mesh(const std::string& text, int world = 0);
 // "pp_unit": 3, "pp_units": 6} (axes by short name; "zero" only when set, the pipeline unit only
 // when the tensor lives on one stage).
 nlohmann::json placement_to_json(const mesh::Placement& p);
-// Validates what rank_shard relies on (check_placement, 0 <= pp_unit < pp_units or -1). Throws
-// keel::Error saying which field is wrong (the caller names the tensor).
+// Validates the stored form: known axes, none twice, 0 <= pp_unit < pp_units (or -1). Throws
+// keel::Error saying which field is wrong (the caller names the tensor). What the folded mesh
+// cannot place (check_placement) still reads: a checkpoint of the four-axis mesh could hold it,
+// and loads read boxes, not placements.
 mesh::Placement placement_from_json(const nlohmann::json& j);
-// No axis twice; no ep beside dp or cp (the expert coordinate is derived from (dp, cp), so a
-// tensor split over ep and also over dp or cp would cut the same ranks twice); no split over pp
-// for a tensor of one pipeline stage. keel::Error.
+// What rank_shard needs of a placement, checked by it and by a save's commit: no axis twice; no
+// ep beside dp or cp (the expert coordinate is derived from (dp, cp), so a tensor split over ep
+// and also over dp or cp would cut the same ranks twice); no split over pp for a tensor of one
+// pipeline stage. keel::Error.
 void check_placement(const mesh::Placement& p);
 
 // One rank's view of one tensor.

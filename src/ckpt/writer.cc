@@ -306,6 +306,7 @@ std::optional<SaveStats> Saver::wait() {
             it->second.shape = shape;
             try {
               it->second.placement = placement_from_json(tj["placement"]);
+              check_placement(it->second.placement);  // what an offline reshard will re-apply
             } catch (const Error& e) {
               fail("tensor '{}' (rank {}): {}", name, r, e.what());
             }

@@ -355,15 +355,20 @@ TEST(CkptLayout, ZeroSplitsOverTheDataBlockOrTheExpertDataRanks) {
 }
 
 // A tensor split over ep cannot be split over dp or cp too (its expert coordinate is made of
-// them); nor one pipeline stage's tensor over pp; and checkpoints know zero 0 and 1 only.
+// them); nor one pipeline stage's tensor over pp; and checkpoints know zero 0 and 1 only. Such
+// a placement is refused where it would be placed (rank_shard, a save's commit, reshard,
+// naming the tensor); stored, as the four-axis mesh allowed, it still reads and loads.
 TEST(CkptLayout, PlacementsTheFoldedMeshCannotHoldAreErrors) {
-  auto placement = [](const std::string& text) { return error_of([&] { placement_from_json(nlohmann::json::parse(text)); }); };
-  EXPECT_NE(placement(R"({"dims": [["ep"], ["dp"]]})").find("placement splits over ep and dp: expert parallelism is folded into dp*cp"),
+  auto check = [](const std::string& text) {
+    return error_of([&] { check_placement(placement_from_json(nlohmann::json::parse(text))); });
+  };
+  EXPECT_NE(check(R"({"dims": [["ep"], ["dp"]]})").find("placement splits over ep and dp: expert parallelism is folded into dp*cp"),
             std::string::npos);
-  EXPECT_NE(placement(R"({"dims": [["cp", "ep"]]})").find("placement splits over ep and cp"), std::string::npos);
-  EXPECT_NE(placement(R"({"dims": [["pp"]], "pp_unit": 0, "pp_units": 2})").find("splits over pp but lives on one pipeline stage"),
+  EXPECT_NE(check(R"({"dims": [["cp", "ep"]]})").find("placement splits over ep and cp"), std::string::npos);
+  EXPECT_NE(check(R"({"dims": [["pp"]], "pp_unit": 0, "pp_units": 2})").find("splits over pp but lives on one pipeline stage"),
             std::string::npos);
-  EXPECT_EQ(placement(R"({"dims": [["ep"], ["tp"], ["tsp"]], "zero": true})"), "(no error)");
+  EXPECT_EQ(check(R"({"dims": [["ep"], ["tp"], ["tsp"]], "zero": true})"), "(no error)");
+  EXPECT_EQ(error_of([] { placement_from_json(nlohmann::json::parse(R"({"dims": [["ep"], ["dp"]]})")); }), "(no error)");
   mesh::Placement both = mesh::Placement::split(2, 0, Axis::kExpert);
   both.dims[1].push_back(Axis::kData);
   const mesh::Shape m = parse_mesh("dp=4,ep=2");
@@ -374,6 +379,29 @@ TEST(CkptLayout, PlacementsTheFoldedMeshCannotHoldAreErrors) {
             std::string::npos);
   EXPECT_NE(error_of([&] { rank_shard({4}, mesh::Placement::replicated(1), m, 4, 0); }).find("rank 4 is outside layout dp=4,ep=2"),
             std::string::npos);
+
+  const std::string root = temp_root("folded_placement");
+  // A save declaring one is refused at commit, naming the tensor; nothing is committed.
+  {
+    auto comm = make_self_comm();
+    Saver saver(*comm, root + "/save");
+    std::vector<float> w(16, 1.f);
+    saver.save(1, {{"w", ElemType::kF32, {4, 4}, both, full_box({4, 4}), w.data(), true}}, {}, {}, "dp=4,ep=2");
+    EXPECT_NE(error_of([&] { saver.wait(); }).find("tensor 'w' (rank 0): placement splits over ep and dp"), std::string::npos);
+    EXPECT_EQ(latest_dir(root + "/save"), "");
+  }
+  // A stored one (as the four-axis mesh could write) loads; reshard refuses it, naming the tensor.
+  save_virtual(root + "/old", kCfg, parse_mesh("tp=2"), 1);
+  edit_metadata(resolve_checkpoint(root + "/old"), [](nlohmann::json& j) {
+    for (auto& t : j["tensors"])
+      if (t["name"] == "embed.weight") t["placement"]["dims"] = nlohmann::json::parse(R"([["ep"], ["dp"]])");
+  });
+  EXPECT_EQ(load_all(root + "/old", kCfg, parse_mesh("dp=3,ep=3"), 1), 0);
+  EXPECT_NE(error_of([&] { reshard(root + "/old", root + "/resharded", "dp=2,ep=2", 1); })
+                .find("tensor 'embed.weight': placement splits over ep and dp"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(root + "/resharded"));
+  fs::remove_all(root);
 }
 
 // Placements in checkpoint metadata keep their format: axes by short name, "zero" only when
