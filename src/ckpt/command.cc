@@ -102,7 +102,7 @@ int run_demo_save_ranks(const Flags& f) {
   check_demo_steps(f);
   check_timeout(f.timeout);
   MpiSession mpi;
-  const Mesh mesh = usage([&] { return parse_mesh(f.layout, mpi.size()); });
+  const mesh::Shape mesh = usage([&] { return parse_mesh(f.layout, mpi.size()); });
   Watchdog dog;
   WatchdogScope scope(dog, "keel ckpt demo-save", f.timeout);
   auto comm = make_mpi_comm(MPI_COMM_WORLD);
@@ -164,7 +164,7 @@ int run_demo_load(const Flags& f) {
   if (f.threads < 1) throw UsageError("--threads must be at least 1");
   check_timeout(f.timeout);
   MpiSession mpi;
-  const Mesh mesh = usage([&] { return parse_mesh(f.layout, mpi.size()); });
+  const mesh::Shape mesh = usage([&] { return parse_mesh(f.layout, mpi.size()); });
   Watchdog dog;
   WatchdogScope scope(dog, "keel ckpt demo-load", f.timeout);
   // Rank-local work: an error on one rank must not leave the others waiting in a collective,
@@ -226,7 +226,7 @@ void add_command(CLI::App& app) {
   CLI::App* save = ckpt->add_subcommand(
       "demo-save", "Save a synthetic sharded MoE training state (deterministic contents) under MPI, asynchronously");
   save->add_option("root", f->root, "Checkpoint root directory")->required();
-  save->add_option("--layout", f->layout, "Mesh: pp=,dp=,ep=,tp=,zero=0|1 (dp fills the world when omitted)");
+  save->add_option("--layout", f->layout, "Mesh: pp=,dp=,cp=,tsp=,tp=,ep=,zero=0|1 (dp fills the world when omitted; ep folds into dp*cp)");
   save->add_option("--model", f->model, "Sizes: layers=,hidden=,vocab=,experts=,ffn= (default 2,64,1003,6,80)");
   save->add_option("--step", f->step, "First step saved")->capture_default_str();
   save->add_option("--saves", f->saves, "Number of saves (each overlaps the next step's work)")->capture_default_str();

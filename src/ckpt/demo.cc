@@ -12,6 +12,9 @@
 #include "common/units.h"
 
 namespace keel::ckpt {
+
+using mesh::Axis;
+
 namespace {
 
 
@@ -67,26 +70,26 @@ std::vector<DemoTensor> demo_tensors(const DemoConfig& c) {
   std::vector<DemoTensor> params;
   const std::int64_t H = c.hidden, V = c.vocab, E = c.experts, F = c.ffn;
   const int units = c.layers + 2;  // embedding, layers, head: pipeline units
-  auto add = [&](std::string name, Shape shape, std::vector<std::vector<std::string>> dims, int unit) {
-    Placement p;
+  auto add = [&](std::string name, Shape shape, std::vector<std::vector<Axis>> dims, int unit) {
+    mesh::Placement p;
     p.dims = std::move(dims);
     p.pp_unit = unit;
     p.pp_units = units;
     params.push_back({std::move(name), ElemType::kBF16, std::move(shape), std::move(p)});
   };
-  add("embed.weight", {V, H}, {{"tp"}, {}}, 0);
+  add("embed.weight", {V, H}, {{Axis::kTensor}, {}}, 0);
   for (int l = 0; l < c.layers; ++l) {
     const std::string p = fmt::format("layers.{}.", l);
     add(p + "attn_norm.weight", {H}, {{}}, l + 1);
-    add(p + "attn.qkv.weight", {3 * H, H}, {{"tp"}, {}}, l + 1);
-    add(p + "attn.out.weight", {H, H}, {{}, {"tp"}}, l + 1);
+    add(p + "attn.qkv.weight", {3 * H, H}, {{Axis::kTensor}, {}}, l + 1);
+    add(p + "attn.out.weight", {H, H}, {{}, {Axis::kTensor}}, l + 1);
     add(p + "moe_norm.weight", {H}, {{}}, l + 1);
     add(p + "moe.router.weight", {E, H}, {{}, {}}, l + 1);
-    add(p + "moe.experts.w_in", {E, 2 * F, H}, {{"ep"}, {"tp"}, {}}, l + 1);  // fused gate/up (SwiGLU)
-    add(p + "moe.experts.w_out", {E, H, F}, {{"ep"}, {}, {"tp"}}, l + 1);
+    add(p + "moe.experts.w_in", {E, 2 * F, H}, {{Axis::kExpert}, {Axis::kTensor}, {}}, l + 1);  // fused gate/up (SwiGLU)
+    add(p + "moe.experts.w_out", {E, H, F}, {{Axis::kExpert}, {}, {Axis::kTensor}}, l + 1);
   }
   add("final_norm.weight", {H}, {{}}, units - 1);
-  add("lm_head.weight", {V, H}, {{"tp"}, {}}, units - 1);
+  add("lm_head.weight", {V, H}, {{Axis::kTensor}, {}}, units - 1);
   std::vector<DemoTensor> all = params;
   for (const char* state : {"exp_avg", "exp_avg_sq"})
     for (const DemoTensor& p : params) {
@@ -96,7 +99,7 @@ std::vector<DemoTensor> demo_tensors(const DemoConfig& c) {
       o.placement.zero = true;
       all.push_back(std::move(o));
     }
-  all.push_back({"optim.step", ElemType::kI64, {}, Placement{}});  // a 0-d tensor, replicated
+  all.push_back({"optim.step", ElemType::kI64, {}, mesh::Placement{}});  // a 0-d tensor, replicated
   return all;
 }
 
@@ -136,7 +139,7 @@ nlohmann::json demo_rank_state(int rank, std::int64_t step) {
           {"data_position", step * 1024}};
 }
 
-DemoShards demo_state(const DemoConfig& c, const Mesh& mesh, int rank, std::int64_t step) {
+DemoShards demo_state(const DemoConfig& c, const mesh::Shape& mesh, int rank, std::int64_t step) {
   DemoShards out;
   const auto tensors = demo_tensors(c);
   out.buffers.reserve(tensors.size());
@@ -151,7 +154,7 @@ DemoShards demo_state(const DemoConfig& c, const Mesh& mesh, int rank, std::int6
   return out;
 }
 
-DemoTarget demo_target(const DemoConfig& c, const Mesh& mesh, int rank) {
+DemoTarget demo_target(const DemoConfig& c, const mesh::Shape& mesh, int rank) {
   DemoTarget out;
   const auto tensors = demo_tensors(c);
   out.buffers.reserve(tensors.size());

@@ -2,7 +2,8 @@
 // embedding and LM head split over tp (vocab), attention weights split over tp, router and
 // norms replicated, experts split over ep (experts) and tp (ffn), layers assigned to pipeline
 // stages, and AdamW-like exp_avg / exp_avg_sq states (fp32) that follow their parameters and
-// add a ZeRO-1 split over dp. Every element's bits are a hash of (tensor, index, step), so a
+// add a ZeRO-1 split over the data ranks (dp and cp; the expert-data ranks for the experts, as ep
+// is folded into dp * cp). Every element's bits are a hash of (tensor, index, step), so a
 // loaded tensor is checked bit for bit against the generator in any layout.
 #pragma once
 
@@ -32,7 +33,7 @@ struct DemoTensor {
   std::string name;
   ElemType type;
   Shape shape;
-  Placement placement;
+  mesh::Placement placement;
 };
 
 std::vector<DemoTensor> demo_tensors(const DemoConfig& c);
@@ -53,14 +54,14 @@ struct DemoShards {
   std::vector<SaveShard> shards;
   std::vector<std::vector<char>> buffers;
 };
-DemoShards demo_state(const DemoConfig& c, const Mesh& mesh, int rank, std::int64_t step);
+DemoShards demo_state(const DemoConfig& c, const mesh::Shape& mesh, int rank, std::int64_t step);
 
 // Load requests for everything `rank` of `mesh` holds (zeroed buffers owned here).
 struct DemoTarget {
   std::vector<LoadRequest> requests;
   std::vector<std::vector<char>> buffers;
 };
-DemoTarget demo_target(const DemoConfig& c, const Mesh& mesh, int rank);
+DemoTarget demo_target(const DemoConfig& c, const mesh::Shape& mesh, int rank);
 // Elements that differ from the generator at `step`; the first is described in *first.
 std::int64_t demo_verify(const DemoTarget& t, std::int64_t step, std::string* first);
 

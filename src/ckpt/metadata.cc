@@ -31,7 +31,7 @@ std::string metadata_to_json(const Metadata& m) {
     tj["name"] = t.name;
     tj["dtype"] = elem_name(t.type);
     tj["shape"] = t.shape;
-    tj["placement"] = t.placement.to_json();
+    tj["placement"] = placement_to_json(t.placement);
     nlohmann::json ss = nlohmann::json::array();
     for (const StoredShard& s : t.shards)
       ss.push_back({{"offsets", s.box.offsets}, {"lengths", s.box.lengths}, {"file", s.file}, {"byte_offset", s.offset},
@@ -151,7 +151,7 @@ TensorMeta parse_tensor(const nlohmann::json& tj, const std::string& where,
     t.type = parse_elem(f.string("dtype"));
     t.shape = f.shape("shape");
     byte_size(t.shape, t.type);  // a size beyond 64 bits is an error here, not a wrapped count later
-    t.placement = Placement::from_json(f.object("placement"));
+    t.placement = placement_from_json(f.object("placement"));
     if (t.placement.dims.size() != t.shape.size())
       fail("its placement has {} dimensions, its shape {}", t.placement.dims.size(), shape_str(t.shape));
     const nlohmann::json& shards = f.array("shards");
@@ -197,7 +197,7 @@ Metadata parse_metadata(const std::string& text, const std::string& path) {
     m.version = kFormatVersion;
     m.step = top.integer("step", 0, INT64_MAX);
     m.layout = top.string("layout");
-    m.world = static_cast<int>(top.integer("world", 1, kMaxWorld));
+    m.world = static_cast<int>(top.integer("world", 1, mesh::kMaxWorld));
     m.state = top.object("state");
     m.rank_states = top.array("rank_states");
     m.files = parse_files(top);

@@ -32,7 +32,7 @@ struct TensorMeta {
   std::string name;
   ElemType type = ElemType::kF32;
   Shape shape;
-  Placement placement;  // how it was laid out (offline resharding re-applies it to a new mesh)
+  mesh::Placement placement;  // how it was laid out (offline resharding re-applies it to a new mesh)
   std::vector<StoredShard> shards;
   std::uint64_t nbytes() const { return byte_size(shape, type); }
 };
@@ -40,7 +40,7 @@ struct TensorMeta {
 struct Metadata {
   int version = kFormatVersion;
   std::int64_t step = 0;
-  std::string layout;  // the mesh it was saved under (Mesh::str)
+  std::string layout;  // the mesh it was saved under (mesh::Shape::str; keel train: "dp=4,ep=2,zero=1")
   int world = 1;
   nlohmann::json state = nlohmann::json::object();        // step, data position, config, ...
   nlohmann::json rank_states = nlohmann::json::array();  // per saving rank (RNG states, ...)

@@ -279,7 +279,7 @@ SafetensorsStats import_safetensors(const std::string& in, const std::string& ds
   for (const auto& e : file.entries()) {
     buffers.emplace_back(new char[std::max<std::uint64_t>(1, e.nbytes())]);
     file.read(e, buffers.back().get());
-    Placement p;
+    mesh::Placement p;
     p.dims.assign(e.shape.size(), {});
     shards.push_back({e.name, e.type, e.shape, p, full_box(e.shape), buffers.back().get(), true});
   }

@@ -171,7 +171,7 @@ int verify(const std::string& path, bool all, std::FILE* out) {
 
 ReshardStats reshard(const std::string& src, const std::string& dst, const std::string& to, int threads) {
   const auto t0 = std::chrono::steady_clock::now();
-  const Mesh mesh = parse_mesh(to);
+  const mesh::Shape mesh = parse_mesh(to);
   require_new_root(dst);
   const Reader reader(src);
   const Metadata& m = reader.metadata();
@@ -185,7 +185,12 @@ ReshardStats reshard(const std::string& src, const std::string& dst, const std::
     shards.push_back({t.name, t.type, t.shape, t.placement, Box{Shape(t.shape.size(), 0), Shape(t.shape.size(), 0)},
                       nullptr, false});
     for (int v = 0; v < mesh.world(); ++v) {
-      const RankShard rs = rank_shard(t.shape, t.placement, mesh, v, i);
+      RankShard rs;
+      try {
+        rs = rank_shard(t.shape, t.placement, mesh, v, i);
+      } catch (const Error& e) {
+        fail("tensor '{}': {}", t.name, e.what());
+      }
       if (!rs.writer) continue;
       const std::size_t n = static_cast<std::size_t>(rs.box.volume()) * elem_size(t.type);
       buffers.emplace_back(new char[n]);

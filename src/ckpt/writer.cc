@@ -118,7 +118,7 @@ double Saver::save(std::int64_t step, const std::vector<SaveShard>& shards, cons
     if (!box_within(s.box, s.shape))
       fail("tensor '{}': shard {} lies outside its shape {}", s.name, box_str(s.box), shape_str(s.shape));
     tensors.push_back({{"name", s.name}, {"dtype", elem_name(s.type)}, {"shape", s.shape},
-                       {"placement", s.placement.to_json()}});
+                       {"placement", placement_to_json(s.placement)}});
     if (s.write && !s.box.empty() && !s.data) fail("tensor '{}': shard {} to write has no data", s.name, box_str(s.box));
   }
   const BucketPlan bp = plan_buckets(shards, opt_.threads);
@@ -305,7 +305,8 @@ std::optional<SaveStats> Saver::wait() {
             it->second.type = type;
             it->second.shape = shape;
             try {
-              it->second.placement = Placement::from_json(tj["placement"]);
+              it->second.placement = placement_from_json(tj["placement"]);
+              check_placement(it->second.placement);  // what an offline reshard will re-apply
             } catch (const Error& e) {
               fail("tensor '{}' (rank {}): {}", name, r, e.what());
             }

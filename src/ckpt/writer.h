@@ -40,7 +40,7 @@ struct SaveShard {
   std::string name;
   ElemType type = ElemType::kF32;
   Shape shape;
-  Placement placement;
+  mesh::Placement placement;
   Box box;
   const void* data = nullptr;
   bool write = false;

@@ -614,7 +614,7 @@ ZayaStats import_zaya_safetensors(const std::string& in, const std::string& dst,
   for (const auto& k : map.keel) {
     auto it = keel.find(k.name);
     if (it == keel.end()) continue;  // optional (balancing biases the release lacks)
-    Placement p;
+    mesh::Placement p;
     p.dims.assign(k.shape.size(), {});
     shards.push_back({k.name, ElemType::kF32, k.shape, p, full_box(k.shape), it->second.data(), true});
   }

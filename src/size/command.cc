@@ -56,10 +56,9 @@ int run(const RawFlags& f) {
   Setup s;
   s.model = model::load_model_config(f.config);
   s.hardware = hw::load_hardware(f.hardware);
-  bool dp_given = false;
-  s.layout = parse_layout(f.layout, &dp_given);
   require_positive(f.gpus, "--gpus");
-  resolve_layout(s.layout, dp_given, f.gpus.value_or(0), s.model);
+  s.layout = parse_layout(f.layout, f.gpus.value_or(0));
+  check_layout(s.layout, s.model);
   require_positive(f.seq, "--seq");
   s.seq = f.seq ? *f.seq : s.model.max_seq_len > 0 ? s.model.max_seq_len : 4096;
   if (s.seq % (s.layout.cp * s.layout.tsp) != 0)
@@ -119,7 +118,7 @@ void add_command(CLI::App& app) {
                   "separated (e.g. h200,gemm.json,mem.json)")
       ->capture_default_str();
   cmd->add_option("--layout", f->layout,
-                  "Parallel layout, e.g. tp=2,pp=4,ep=8,cp=1,tsp=1,zero=1 (dp from --gpus when left out)");
+                  "Parallel layout, e.g. tp=2,pp=4,ep=8,cp=1,tsp=1,zero=1 (dp from --gpus when left out; ep folds into dp*cp)");
   cmd->add_option("--gpus", f->gpus, "GPUs in the run (default: the layout's product)");
   cmd->add_option("--tokens", f->tokens, "Tokens to train (14T, 500B, 2.5e12): prints the time to train");
   cmd->add_option("--seq", f->seq, "Sequence length (default: the config's max_seq_len, else 4096)");

@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <initializer_list>
-#include <limits>
 #include <map>
 
 #include "common/error.h"
@@ -86,15 +84,6 @@ double layer_activation_bytes(const ModelConfig& m, int layer, Recompute r) {
   return b;
 }
 
-// The product of layout degrees, or a one-line error when it overflows an int (GPU counts are ints).
-int degree_product(std::initializer_list<int> degrees, const char* what) {
-  int product = 1;
-  for (int d : degrees)
-    if (__builtin_mul_overflow(product, d, &product))
-      throw UsageError(fmt::format("--layout: {} is larger than {} GPUs", what, std::numeric_limits<int>::max()));
-  return product;
-}
-
 // a * b, or a one-line error naming the quantity when it overflows int64.
 std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* what) {
   std::int64_t r = 0;
@@ -120,68 +109,31 @@ bool row_parallel(const std::string& n) {
   return n == "attn_out" || n == "linear_out" || n == "mlp_down" || n == "shared_down" || n == "expert_down";
 }
 
-}  // namespace
-
-std::string Layout::str() const {
-  return fmt::format("dp={},tp={},ep={},pp={},cp={},tsp={},zero={}", dp, tp, ep, pp, cp, tsp, zero);
+// Whether the layout text gives `key` (mesh::parse has checked its form).
+bool gives(const std::string& text, const std::string& key) {
+  for (const std::string& part : split_list(text))
+    if (part.substr(0, part.find('=')) == key) return true;
+  return false;
 }
 
-Layout parse_layout(const std::string& text, bool* dp_given) {
-  Layout l;
-  *dp_given = false;
-  for (const std::string& part : split_list(text)) {
-    const auto eq = part.find('=');
-    if (eq == std::string::npos)
-      throw UsageError(fmt::format("--layout: '{}' is not key=value (keys dp, tp, ep, pp, cp, tsp, zero)", part));
-    const std::string key = part.substr(0, eq), value = part.substr(eq + 1);
-    int v = 0;
-    try {
-      std::size_t used = 0;
-      v = std::stoi(value, &used);
-      if (used != value.size()) throw std::invalid_argument("trailing");
-    } catch (const std::exception&) {
-      throw UsageError(fmt::format("--layout: '{}' must be an integer, got '{}'", key, value));
-    }
-    if (key == "zero") {
-      if (v < 0 || v > 3) throw UsageError(fmt::format("--layout: 'zero' must be 0, 1, 2 or 3 (got {})", v));
-      l.zero = v;
-      continue;
-    }
-    if (v < 1) throw UsageError(fmt::format("--layout: '{}' must be at least 1 (got {})", key, v));
-    if (key == "dp") l.dp = v, *dp_given = true;
-    else if (key == "tp") l.tp = v;
-    else if (key == "ep") l.ep = v;
-    else if (key == "pp") l.pp = v;
-    else if (key == "cp") l.cp = v;
-    else if (key == "tsp") l.tsp = v;
-    else throw UsageError(fmt::format("--layout: unknown key '{}' (keys dp, tp, ep, pp, cp, tsp, zero)", key));
-  }
+}  // namespace
+
+mesh::Shape parse_layout(const std::string& text, int gpus) {
+  bool dp_given = false;
+  mesh::Shape l = mesh::parse(text, &dp_given);
+  if (!gives(text, "zero")) l.zero = 1;  // keel size's default, keel train's ZeRO-1
+  if (gpus > 0) mesh::fill_data(l, dp_given, gpus, text);
+  mesh::validate(l, fmt::format("layout '{}'", text));
   return l;
 }
 
-void resolve_layout(Layout& l, bool dp_given, int gpus, const ModelConfig& m) {
-  // Checked, so every product of degrees used later (tp*tsp, dp*cp, gpus()) fits an int.
-  const int replica = degree_product({l.tp, l.pp, l.cp, l.tsp}, "tp*pp*cp*tsp");
-  if (!dp_given) {
-    if (gpus > 0) {
-      if (gpus % replica != 0)
-        throw UsageError(fmt::format("--layout: tp*pp*cp*tsp = {} does not divide --gpus {}", replica, gpus));
-      l.dp = gpus / replica;
-    }
-  }
-  (void)degree_product({l.dp, l.tp, l.pp, l.cp, l.tsp}, "dp*tp*pp*cp*tsp");
-  if (dp_given && gpus > 0 && l.gpus() != gpus)
-    throw UsageError(fmt::format("--layout: dp*tp*pp*cp*tsp = {} but --gpus is {}", l.gpus(), gpus));
+void check_layout(const mesh::Shape& l, const ModelConfig& m) {
   if (m.heads % (l.tp * l.tsp) != 0)
     throw UsageError(fmt::format("--layout: tp*tsp = {} does not divide heads ({})", l.tp * l.tsp, m.heads));
   if (l.pp > m.layers) throw UsageError(fmt::format("--layout: pp={} is more than the {} layers", l.pp, m.layers));
   if (l.ep > 1 && m.experts == 0) throw UsageError(fmt::format("--layout: ep={} needs an MoE model", l.ep));
   if (m.experts > 0 && m.experts % l.ep != 0)
     throw UsageError(fmt::format("--layout: ep={} does not divide experts ({})", l.ep, m.experts));
-  if ((l.dp * l.cp) % l.ep != 0)
-    throw UsageError(fmt::format("--layout: ep={} does not divide dp*cp = {} (experts are sharded across "
-                                 "data-parallel ranks)",
-                                 l.ep, l.dp * l.cp));
 }
 
 std::int64_t tokens_per_local_expert(std::int64_t tokens_local, int ep, int top_k, int experts) {
@@ -208,7 +160,7 @@ namespace {
 // GPU; otherwise the vocabulary is walked in ce_chunk columns with an fp32 and a bf16 block.
 // Either way backward accumulates dhidden in fp32 [N, D].
 MemoryItem logits_item(const ModelConfig& m, const Setup& s, double tokens_local) {
-  const Layout& l = s.layout;
+  const mesh::Shape& l = s.layout;
   const double vocab_local = static_cast<double>(m.vocab_size) / (l.tp * l.tsp);
   const double kept = tokens_local * vocab_local * kBf16;
   const double accumulator = tokens_local * m.hidden * kFp32;
@@ -224,7 +176,7 @@ MemoryItem logits_item(const ModelConfig& m, const Setup& s, double tokens_local
 
 MemoryEstimate estimate_memory(const Setup& s) {
   const ModelConfig& m = s.model;
-  const Layout& l = s.layout;
+  const mesh::Shape& l = s.layout;
   const model::ParamCounts pc = model::count_params(m);
   const double L = m.layers, per_stage = static_cast<double>(ceil_div(m.layers, l.pp));
   const double frac = per_stage / L;
@@ -389,7 +341,7 @@ DecodePoint decode_step(const ModelConfig& m, const hw::Hardware& hw, int batch,
 
 StepEstimate estimate_step(const Setup& s) {
   const ModelConfig& m = s.model;
-  const Layout& l = s.layout;
+  const mesh::Shape& l = s.layout;
   const hw::GemmModel gm(s.hardware.profile, s.hardware.gemm_profile);
   StepEstimate st;
   st.tokens_per_gpu_microbatch = checked_mul(s.micro_batch, s.seq, "tokens per micro-batch (--micro-batch x --seq)") /
@@ -481,7 +433,7 @@ OptimizerStepEstimate estimate_muon_step(const Setup& s) {
     return o;
   }
   const ModelConfig& m = s.model;
-  const Layout& l = s.layout;
+  const mesh::Shape& l = s.layout;
   const hw::GemmModel gm(s.hardware.profile, s.hardware.gemm_profile);
   const double mp = static_cast<double>(l.tp) * l.tsp * l.pp;
   OptimizerStepEstimate o;
@@ -501,7 +453,7 @@ OptimizerStepEstimate estimate_muon_step(const Setup& s) {
     // ZeRO >= 1: each matrix is stepped once, somewhere among all G GPUs. Without it every
     // replica steps what it holds: the model-parallel shard's matrices, experts split over ep.
     const bool expert = g.name.starts_with("expert_");
-    const double share = l.zero >= 1 ? 1.0 / l.gpus() : 1.0 / (mp * (expert ? l.ep : 1));
+    const double share = l.zero >= 1 ? 1.0 / l.world() : 1.0 / (mp * (expert ? l.ep : 1));
     const double count = static_cast<double>(g.layers);
     if (g.name.ends_with("up_gate")) {  // gate and up, each [n / 2, k]
       add(g.n / 2, g.k, g.batch, 2 * count, share);
@@ -519,7 +471,7 @@ TrainTime estimate_train_time(const Setup& s, const model::TokenFlops& f, const 
   TrainTime t;
   t.flops_per_token = f.training();
   const double peak = s.hardware.profile.bf16_tflops * 1e12;
-  const double G = s.layout.gpus();
+  const double G = s.layout.world();
   t.tokens_per_s_per_gpu_at_mfu = peak * s.mfu / t.flops_per_token;
   t.tokens_per_s_per_gpu_predicted = peak * step.predicted_mfu / t.flops_per_token;
   if (s.tokens > 0) {

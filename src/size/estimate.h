@@ -8,6 +8,7 @@
 
 #include "hw/gemm_model.h"
 #include "hw/measured.h"
+#include "mesh/shape.h"
 #include "model/config.h"
 #include "model/flops.h"
 #include "model/params.h"
@@ -16,24 +17,19 @@ namespace keel::size {
 
 enum class Optimizer { kAdamW, kMuon };
 
-struct Layout {
-  int dp = 1, tp = 1, ep = 1, pp = 1, cp = 1, tsp = 1;
-  int zero = 1;  // 0: replicated; 1: optimizer states sharded; 2: + gradients; 3: + weights
-  int gpus() const { return dp * tp * pp * cp * tsp; }
-  std::string str() const;
-};
-
-// Parses "tp=2,pp=4,ep=8,zero=1" (keys dp, tp, ep, pp, cp, tsp, zero). dp left out is
-// filled from --gpus later. UsageError naming the key on anything else.
-Layout parse_layout(const std::string& text, bool* dp_given);
-// Fills dp from gpus when not given and checks the layout against the model and GPU count:
-// the product divides the GPUs, tp/tsp divide heads, ep divides experts and dp*cp, pp <= layers.
-void resolve_layout(Layout& l, bool dp_given, int gpus, const model::ModelConfig& m);
+// The layout of a run is a mesh::Shape (mesh/shape.h): pp, dp, cp, tsp, tp and ep folded into
+// dp * cp, and the ZeRO stage (0..3 here; 1 when --layout leaves it out). parse_layout reads
+// --layout (mesh::parse), fills dp from --gpus when it is left out and gpus > 0
+// (mesh::fill_data) and checks the combination (mesh::validate); UsageError naming the text.
+mesh::Shape parse_layout(const std::string& text, int gpus);
+// The checks that depend on the model: tp*tsp divides heads, pp <= layers, ep needs an MoE model
+// and divides its experts. UsageError with one line per problem.
+void check_layout(const mesh::Shape& l, const model::ModelConfig& m);
 
 struct Setup {
   model::ModelConfig model;
   hw::Hardware hardware;
-  Layout layout;
+  mesh::Shape layout{.zero = 1};  // keel size's default: ZeRO-1, as keel train runs
   std::int64_t seq = 4096;
   int micro_batch = 1;
   int micro_batches = 1;  // per step per pipeline (gradient accumulation): sets the pipeline bubble

@@ -43,7 +43,7 @@ int KeelTrainShards::busiest_muon_rank() const {
 namespace {
 
 bool keel_train_runs(const Setup& s) {
-  const Layout& l = s.layout;
+  const mesh::Shape& l = s.layout;
   if (l.tp != 1 || l.tsp != 1 || l.pp != 1 || l.cp != 1) return false;
   if (l.dp > 1 && l.zero != 1) return false;
   train::ModelOptions o;
@@ -94,7 +94,7 @@ struct MuonRange {
 
 std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
   if (!keel_train_runs(s)) return std::nullopt;
-  const Layout& l = s.layout;
+  const mesh::Shape& l = s.layout;
   optim::ParamLayout layout = model::param_layout(s.model, l.ep);
   const bool muon = s.optimizer == Optimizer::kMuon;
   if (muon) {

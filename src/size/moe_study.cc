@@ -38,8 +38,7 @@ MoeStudy run_moe_study(const Setup& s, const MoeStudyOptions& o) {
     model::ParamCounts pc;
     try {
       model::validate(m);
-      bool dp_given = true;
-      resolve_layout(cs.layout, dp_given, 0, m);
+      check_layout(cs.layout, m);
       pc = model::count_params(m);  // a candidate whose count overflows is skipped with the reason
     } catch (const UsageError& err) {
       study.skipped.push_back(fmt::format("experts {} top-{}: {}", e, k, err.what()));

@@ -89,7 +89,7 @@ void print_report(const SizeReport& r, std::FILE* out, bool show_gemms) {
   line(fmt::format("#   peak bf16 {:.0f} TFLOP/s dense, HBM {:.2f} TB/s, {:.0f} GiB, {} SMs/CUs, link {:.0f} GB/s",
                    hw.bf16_tflops, hw.hbm_tbps, hw.hbm_gib, hw.sm_count, hw.link_gbps));
   line(fmt::format("#   layout {} on {} GPUs, seq {}, micro-batch {}, {} micro-batches/step, recompute {}, {}",
-                   s.layout.str(), s.layout.gpus(), s.seq, s.micro_batch, s.micro_batches,
+                   s.layout.str(), s.layout.world(), s.seq, s.micro_batch, s.micro_batches,
                    model::recompute_name(s.recompute), s.optimizer == Optimizer::kMuon ? "Muon" : "AdamW"));
 
   // Parameters.
@@ -178,7 +178,7 @@ void print_report(const SizeReport& r, std::FILE* out, bool show_gemms) {
                      st.optimizer.seconds > 0.1 * st.step_seconds ? " (more micro-batches per step amortize it)" : ""));
   if (s.tokens > 0)
     line(fmt::format("{} tokens on {} GPUs: {} at {:.0f}% MFU; {} at the predicted {:.1f}%", human_count(s.tokens),
-                     s.layout.gpus(), human_duration(t.seconds_at_mfu), 100 * s.mfu, human_duration(t.seconds_predicted),
+                     s.layout.world(), human_duration(t.seconds_at_mfu), 100 * s.mfu, human_duration(t.seconds_predicted),
                      100 * st.predicted_mfu));
   else
     line("(give --tokens N to get the time to train N tokens)");
@@ -255,7 +255,7 @@ nlohmann::json report_json(const SizeReport& r) {
                    {"gemm_profile_shapes", s.hardware.gemm_profile.size()},
                    {"sources", s.hardware.sources}};
   const auto& l = s.layout;
-  j["layout"] = {{"gpus", l.gpus()}, {"dp", l.dp}, {"tp", l.tp}, {"ep", l.ep}, {"pp", l.pp},
+  j["layout"] = {{"gpus", l.world()}, {"dp", l.dp}, {"tp", l.tp}, {"ep", l.ep}, {"pp", l.pp},
                  {"cp", l.cp},       {"tsp", l.tsp}, {"zero", l.zero}};
   j["run"] = {{"seq", s.seq},
               {"micro_batch", s.micro_batch},
@@ -351,7 +351,7 @@ nlohmann::json report_json(const SizeReport& r) {
                {"predicted_mfu", r.step.predicted_mfu},
                {"gemms", gemms}};
   j["training"] = {{"tokens", s.tokens},
-                   {"gpus", l.gpus()},
+                   {"gpus", l.world()},
                    {"flops_per_token", r.train.flops_per_token},
                    {"mfu_assumed", s.mfu},
                    {"tokens_per_s_per_gpu_at_mfu", r.train.tokens_per_s_per_gpu_at_mfu},

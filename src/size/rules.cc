@@ -75,7 +75,7 @@ WidthChoice best_swiglu_width(const hw::GemmModel& gm, std::int64_t tokens, int 
 
 std::vector<Finding> check_sizing(const Setup& s) {
   const model::ModelConfig& m = s.model;
-  const Layout& l = s.layout;
+  const mesh::Shape& l = s.layout;
   const hw::GemmModel gm(s.hardware.profile, s.hardware.gemm_profile);
   const StepEstimate step = estimate_step(s);
   const int sms = s.hardware.profile.sm_count;

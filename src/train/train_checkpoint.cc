@@ -78,6 +78,8 @@ void for_each_box_in(const optim::ParamInfo& p, const StateSlice& slice, std::in
   }
 }
 
+// The saved layout in the mesh vocabulary (mesh/shape.h): ep is folded into the data ranks, so
+// "dp=4,ep=2,zero=1" spans the 4 ranks that ran (the checkpoint's "world").
 std::string layout_name(int ranks, const StateSlice& s) {
   std::string name = fmt::format("dp={}", ranks);
   if (s.expert_parallel > 1) name += fmt::format(",ep={}", s.expert_parallel);

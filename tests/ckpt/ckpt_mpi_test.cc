@@ -19,6 +19,7 @@
 #include "../error_message.h"
 
 namespace fs = std::filesystem;
+namespace mesh = keel::mesh;
 using namespace keel::ckpt;
 
 namespace {
@@ -41,7 +42,7 @@ std::string shared_root(const std::string& name) {
 const char* save_layout(int world) {
   switch (world) {
     case 4: return "dp=2,tp=2,zero=1";
-    case 3: return "ep=3";
+    case 3: return "ep=3";  // dp fills the world: dp=3,ep=3
     case 2: return "pp=2";
     default: return "dp=1";
   }
@@ -49,7 +50,7 @@ const char* save_layout(int world) {
 
 const DemoConfig kCfg = parse_demo_config("layers=3,hidden=32,vocab=257,experts=6,ffn=24");
 
-void save_steps(Saver& saver, const Mesh& mesh, std::initializer_list<std::int64_t> steps) {
+void save_steps(Saver& saver, const mesh::Shape& mesh, std::initializer_list<std::int64_t> steps) {
   for (std::int64_t step : steps) {
     DemoShards state = demo_state(kCfg, mesh, world_rank(), step);  // "the training step"
     saver.save(step, state.shards, {{"config", kCfg.to_json()}}, demo_rank_state(world_rank(), step), mesh.str());
@@ -63,7 +64,7 @@ std::string error_of(const std::function<void()>& f) { return keel::test::error_
 TEST(CkptMpi, SaveHereLoadAt1238BitIdentical) {
   const std::string root = shared_root("reshard");
   auto comm = make_mpi_comm(MPI_COMM_WORLD);
-  const Mesh saved = parse_mesh(save_layout(comm->size()), comm->size());
+  const mesh::Shape saved = parse_mesh(save_layout(comm->size()), comm->size());
   {
     Saver saver(*comm, root);
     save_steps(saver, saved, {10, 20});
@@ -76,8 +77,9 @@ TEST(CkptMpi, SaveHereLoadAt1238BitIdentical) {
   const Reader reader(root);
   EXPECT_EQ(reader.metadata().world, comm->size());
   EXPECT_EQ(reader.metadata().rank_states.size(), static_cast<std::size_t>(comm->size()));
-  for (const char* layout : {"dp=1", "tp=2", "ep=3,zero=1", "dp=3,zero=1", "pp=2,ep=2,tp=2", "dp=8,zero=1"}) {
-    const Mesh target = parse_mesh(layout);
+  for (const char* layout : {"dp=1", "tp=2", "dp=3,ep=3,zero=1", "dp=3,zero=1", "pp=2,dp=2,ep=2,tp=2", "dp=8,zero=1",
+                             "dp=2,cp=2,ep=4,zero=1"}) {
+    const mesh::Shape target = parse_mesh(layout);
     double local[3] = {0, 0, 0}, sum[3];
     for (int v = comm->rank(); v < target.world(); v += comm->size()) {
       DemoTarget t = demo_target(kCfg, target, v);
@@ -104,7 +106,7 @@ TEST(CkptMpi, SaveHereLoadAt1238BitIdentical) {
 TEST(CkptMpi, FullDiskOnOneRankFailsEveryRankAndKeepsPrevious) {
   const std::string root = shared_root("enospc");
   auto comm = make_mpi_comm(MPI_COMM_WORLD);
-  const Mesh mesh = parse_mesh(save_layout(comm->size()), comm->size());
+  const mesh::Shape mesh = parse_mesh(save_layout(comm->size()), comm->size());
   {
     Saver saver(*comm, root);
     save_steps(saver, mesh, {1});
@@ -131,7 +133,7 @@ TEST(CkptMpi, RanksDisagreeingOnATensorAreRejected) {
   const std::string root = shared_root("disagree");
   auto comm = make_mpi_comm(MPI_COMM_WORLD);
   std::vector<float> data(8, 1.f);
-  Placement p;
+  mesh::Placement p;
   p.dims = {{}};
   const std::int64_t n = comm->rank() == 1 ? 9 : 8;  // rank 1 has another shape
   std::vector<SaveShard> shards = {{"w", ElemType::kF32, {n}, p, Box{{0}, {comm->rank() == 0 ? 8 : 0}}, data.data(),

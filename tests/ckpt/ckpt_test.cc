@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
+#include <tuple>
 
 #include "ckpt/checksum.h"
 #include "ckpt/comm.h"
@@ -24,7 +26,9 @@
 #include "../error_message.h"
 
 namespace fs = std::filesystem;
+namespace mesh = keel::mesh;
 using namespace keel::ckpt;
+using keel::mesh::Axis;
 
 namespace {
 
@@ -37,7 +41,7 @@ std::string temp_root(const std::string& name) {
 
 // Saves the demo state of every rank of `mesh` from this one process (as the offline tools
 // do): the shards each virtual rank writes, committed as one checkpoint.
-SaveStats save_virtual(const std::string& root, const DemoConfig& cfg, const Mesh& mesh, std::int64_t step,
+SaveStats save_virtual(const std::string& root, const DemoConfig& cfg, const mesh::Shape& mesh, std::int64_t step,
                        SaveOptions opt = {}) {
   std::vector<DemoShards> states;
   std::vector<SaveShard> shards;
@@ -54,7 +58,7 @@ SaveStats save_virtual(const std::string& root, const DemoConfig& cfg, const Mes
 }
 
 // Loads every rank of `mesh` and returns the number of wrong elements; amplification out.
-std::int64_t load_all(const std::string& path, const DemoConfig& cfg, const Mesh& mesh, std::int64_t step,
+std::int64_t load_all(const std::string& path, const DemoConfig& cfg, const mesh::Shape& mesh, std::int64_t step,
                       double* amplification = nullptr) {
   const Reader reader(path);
   std::int64_t wrong = 0;
@@ -208,25 +212,65 @@ TEST(CkptGeometry, Coverage) {
 
 TEST(CkptLayout, ParseAndUnevenSplits) {
   EXPECT_EQ(parse_mesh("tp=2", 8).dp, 4);
-  EXPECT_EQ(parse_mesh("pp=2,ep=2,tp=2,zero=1").world(), 8);
-  EXPECT_NE(error_of([] { parse_mesh("tp=3", 4); }).find("spans 3 ranks, but 4 ranks"), std::string::npos);
+  EXPECT_EQ(parse_mesh("pp=2,dp=2,ep=2,tp=2,zero=1").world(), 8);
+  // ep is folded into dp*cp: a layout that leaves dp to the world keeps its ranks.
+  EXPECT_EQ(parse_mesh("pp=2,ep=2,tp=2,zero=1", 8).dp, 2);
+  EXPECT_EQ(parse_mesh("ep=3", 3).str(), "dp=3,ep=3");
+  EXPECT_EQ(parse_mesh("dp=2,tp=2,zero=1").str(), "dp=2,tp=2,zero=1");
+  EXPECT_EQ(parse_mesh("dp=4,ep=2,zero=1").world(), 4);
+  EXPECT_NE(error_of([] { parse_mesh("tp=3", 4); }).find("layout 'tp=3': pp*cp*tsp*tp = 3 does not divide the 4 ranks"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { parse_mesh("dp=2,tp=2", 8); })
+                .find("layout 'dp=2,tp=2' spans 4 ranks (pp*dp*cp*tsp*tp), but there are 8"),
+            std::string::npos);
   EXPECT_NE(error_of([] { parse_mesh("mp=2"); }).find("unknown axis 'mp'"), std::string::npos);
+  // Without a world, ep alone spans one rank it cannot fold into; and the old four-axis
+  // "dp=2,ep=3" (6 ranks) is now "dp=6,ep=3".
+  EXPECT_NE(error_of([] { parse_mesh("ep=3"); }).find("layout 'ep=3': ep=3 does not divide dp*cp = 1"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_mesh("dp=2,ep=3,tp=2"); }).find("ep=3 does not divide dp*cp = 2"), std::string::npos);
+  EXPECT_EQ(parse_mesh("dp=6,ep=3,tp=2").world(), 12);
+  // Checkpoints know ZeRO 0 and 1 (keel size models 2 and 3).
+  EXPECT_NE(error_of([] { parse_mesh("dp=4,zero=2"); }).find("zero=2 has no checkpoint layout (checkpoints know zero 0 and 1"),
+            std::string::npos);
   // 5 rows over 4 ranks: 2, 2, 1, 0 (an empty shard).
-  Placement p;
-  p.dims = {{"tp"}, {}};
-  const Mesh m = parse_mesh("tp=4");
+  mesh::Placement p;
+  p.dims = {{Axis::kTensor}, {}};
+  const mesh::Shape m = parse_mesh("tp=4");
   std::vector<std::int64_t> lens;
   for (int r = 0; r < 4; ++r) lens.push_back(rank_shard({5, 3}, p, m, r, 0).box.lengths[0]);
   EXPECT_EQ(lens, (std::vector<std::int64_t>{2, 2, 1, 0}));
   EXPECT_FALSE(rank_shard({5, 3}, p, m, 3, 0).writer);  // empty shards are not written
 }
 
+// The old four-axis mesh (world = pp*dp*ep*tp, rank = ((p*dp + d)*ep + e)*tp + t): a layout that
+// left dp to the world keeps its rank count, and every rank its coordinates, with the expert
+// coordinate the old e and the expert-data coordinate the old d.
+TEST(CkptLayout, OldLayoutsWithoutDpKeepTheirRanksAndCoordinates) {
+  const std::vector<std::pair<std::string, int>> old = {
+      {"ep=3", 3}, {"pp=2,ep=2,tp=2", 8}, {"ep=2,tp=2", 8}, {"pp=2,ep=3,zero=1", 12}, {"ep=4", 8}};
+  for (const auto& [text, world] : old) {
+    const mesh::Shape m = parse_mesh(text, world);
+    ASSERT_EQ(m.world(), world) << text;
+    const int dp_old = world / (m.pp * m.ep * m.tp);
+    EXPECT_EQ(m.dp, dp_old * m.ep) << text;
+    for (int r = 0; r < world; ++r) {
+      const int t = r % m.tp, e = (r / m.tp) % m.ep, d = (r / (m.tp * m.ep)) % dp_old, pp = r / (m.tp * m.ep * dp_old);
+      const mesh::Coord c = m.coord(r);
+      EXPECT_EQ(c.pp, pp) << text << " rank " << r;
+      EXPECT_EQ(c.ep, e) << text << " rank " << r;
+      EXPECT_EQ(c.edp, d) << text << " rank " << r;
+      EXPECT_EQ(c.tp, t) << text << " rank " << r;
+    }
+  }
+}
+
 // For many meshes: writers' boxes cover each demo tensor exactly once, replicated tensors
 // are written by exactly one rank, and the writing is spread over ranks.
 TEST(CkptLayout, OneWriterPerDistinctShard) {
   const auto tensors = demo_tensors(kCfg);
-  for (const char* layout : {"dp=1", "dp=4,zero=1", "tp=3", "ep=4", "pp=2,dp=2", "pp=3,ep=2,tp=2,zero=1", "dp=2,ep=3,tp=2"}) {
-    const Mesh mesh = parse_mesh(layout);
+  for (const char* layout : {"dp=1", "dp=4,zero=1", "tp=3", "dp=4,ep=4", "pp=2,dp=2", "pp=3,dp=2,ep=2,tp=2,zero=1",
+                             "dp=6,ep=3,tp=2"}) {
+    const mesh::Shape mesh = parse_mesh(layout);
     std::vector<std::uint64_t> per_rank(mesh.world());
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       std::vector<Box> boxes;
@@ -238,6 +282,143 @@ TEST(CkptLayout, OneWriterPerDistinctShard) {
     }
     for (int r = 0; r < mesh.world(); ++r) EXPECT_GT(per_rank[r], 0u) << layout << " rank " << r << " writes nothing";
   }
+}
+
+// Expert parallelism folded into dp*cp, as keel train runs it. For meshes with ep (with and
+// without ZeRO, with tp, pp, cp and tsp; experts even and uneven over ep): the writers of every
+// tensor cover it exactly once; a rank holds the experts of its expert coordinate, the same block
+// as every rank of that coordinate (on its stage and tensor slice); and under ZeRO an expert
+// state's parts run over the expert-data ranks, inside the rank's experts when these split evenly.
+TEST(CkptLayout, FoldedExpertParallelismWritesEveryElementOnce) {
+  for (const char* model : {"layers=2,hidden=24,vocab=101,experts=5,ffn=12", "layers=3,hidden=16,vocab=64,experts=8,ffn=8"}) {
+    const DemoConfig cfg = parse_demo_config(model);
+    const auto tensors = demo_tensors(cfg);
+    for (const char* layout : {"dp=4,ep=2", "dp=4,ep=2,zero=1", "dp=4,ep=4,zero=1", "dp=8,ep=4,zero=1", "dp=6,ep=3,tp=2",
+                               "dp=6,ep=3,tp=2,zero=1", "pp=2,dp=4,ep=2,tp=2,zero=1", "pp=3,dp=2,ep=2,tp=2",
+                               "dp=2,cp=2,ep=4,zero=1", "dp=3,cp=2,ep=2,zero=1", "dp=2,cp=2,ep=2,tsp=2,tp=2,zero=1"}) {
+      SCOPED_TRACE(std::string(model) + " on " + layout);
+      const mesh::Shape mesh = parse_mesh(layout);
+      std::vector<std::uint64_t> per_rank(mesh.world());
+      for (std::size_t i = 0; i < tensors.size(); ++i) {
+        const DemoTensor& t = tensors[i];
+        const bool expert = t.placement.splits(Axis::kExpert);
+        const std::int64_t E = cfg.experts, per = (E + mesh.ep - 1) / mesh.ep;
+        std::vector<Box> boxes;
+        std::map<std::tuple<int, int, int, int>, Box> block;  // (pp, ep, tsp, tp) -> the expert block held
+        for (int r = 0; r < mesh.world(); ++r) {
+          const RankShard s = rank_shard(t.shape, t.placement, mesh, r, i);
+          if (s.writer) boxes.push_back(s.box), per_rank[r] += s.box.volume();
+          if (!expert || !s.held) continue;
+          const mesh::Coord c = mesh.coord(r);
+          if (!t.placement.zero || mesh.zero == 0) {
+            EXPECT_EQ(s.box.offsets[0], std::min(E, c.ep * per)) << t.name << " rank " << r;
+            EXPECT_EQ(s.box.lengths[0], std::min(E, c.ep * per + per) - std::min(E, c.ep * per)) << t.name;
+            const auto [it, fresh] = block.try_emplace({c.pp, c.ep, c.tsp, c.tp}, s.box);
+            EXPECT_EQ(it->second, s.box) << t.name << " rank " << r << ": another block than its expert group's";
+          } else if (E % (mesh.ep * mesh.expert_data()) == 0) {
+            // ZeRO over the expert-data ranks, inside the rank's own experts (parts are cut from
+            // the product of the degrees: nested in the expert blocks when the experts split evenly).
+            EXPECT_GE(s.box.offsets[0], c.ep * per) << t.name << " rank " << r;
+            EXPECT_LE(s.box.offsets[0] + s.box.lengths[0], c.ep * per + per) << t.name << " rank " << r;
+          }
+        }
+        EXPECT_EQ(coverage_problem(t.shape, boxes), "") << t.name;
+      }
+      // ZeRO spreads the writes over every rank (without it a stage of few tensors, as the last
+      // of pp=3 here, has fewer distinct shards than ranks).
+      if (mesh.zero == 1)
+        for (int r = 0; r < mesh.world(); ++r) EXPECT_GT(per_rank[r], 0u) << "rank " << r << " writes nothing";
+    }
+  }
+}
+
+// ZeRO cuts an optimizer state over the data ranks that hold the same block: dp then cp (the
+// dp*cp block, j = d*cp + c) for a tensor not split over ep, the expert-data coordinate for one
+// that is.
+TEST(CkptLayout, ZeroSplitsOverTheDataBlockOrTheExpertDataRanks) {
+  mesh::Placement dense = mesh::Placement::replicated(1);
+  dense.zero = true;
+  mesh::Placement experts = mesh::Placement::split(2, 0, Axis::kExpert);
+  experts.zero = true;
+  const mesh::Shape m = parse_mesh("dp=2,cp=2,ep=2,tp=2,zero=1");  // 8 ranks, j = d*2 + c
+  for (int r = 0; r < m.world(); ++r) {
+    const mesh::Coord c = m.coord(r);
+    const int j = c.dp * m.cp + c.cp;
+    EXPECT_EQ(rank_shard({8}, dense, m, r, 0).box, (Box{{2 * j}, {2}})) << "rank " << r;
+    // Experts [4, 3] over ep=2 (2 each), each block over the 2 expert-data ranks: row ep*2 + edp.
+    EXPECT_EQ(rank_shard({4, 3}, experts, m, r, 0).box, (Box{{c.ep * 2 + c.edp, 0}, {1, 3}})) << "rank " << r;
+  }
+  // zero=0: no ZeRO cut; the states follow their parameters.
+  const mesh::Shape plain = parse_mesh("dp=2,cp=2,ep=2,tp=2");
+  EXPECT_EQ(rank_shard({8}, dense, plain, 5, 0).box, full_box({8}));
+  EXPECT_EQ(rank_shard({4, 3}, experts, plain, 5, 0).box, (Box{{plain.coord(5).ep * 2, 0}, {2, 3}}));
+}
+
+// A tensor split over ep cannot be split over dp or cp too (its expert coordinate is made of
+// them); nor one pipeline stage's tensor over pp; and checkpoints know zero 0 and 1 only. Such
+// a placement is refused where it would be placed (rank_shard, a save's commit, reshard,
+// naming the tensor); stored, as the four-axis mesh allowed, it still reads and loads.
+TEST(CkptLayout, PlacementsTheFoldedMeshCannotHoldAreErrors) {
+  auto check = [](const std::string& text) {
+    return error_of([&] { check_placement(placement_from_json(nlohmann::json::parse(text))); });
+  };
+  EXPECT_NE(check(R"({"dims": [["ep"], ["dp"]]})").find("placement splits over ep and dp: expert parallelism is folded into dp*cp"),
+            std::string::npos);
+  EXPECT_NE(check(R"({"dims": [["cp", "ep"]]})").find("placement splits over ep and cp"), std::string::npos);
+  EXPECT_NE(check(R"({"dims": [["pp"]], "pp_unit": 0, "pp_units": 2})").find("splits over pp but lives on one pipeline stage"),
+            std::string::npos);
+  EXPECT_EQ(check(R"({"dims": [["ep"], ["tp"], ["tsp"]], "zero": true})"), "(no error)");
+  EXPECT_EQ(error_of([] { placement_from_json(nlohmann::json::parse(R"({"dims": [["ep"], ["dp"]]})")); }), "(no error)");
+  mesh::Placement both = mesh::Placement::split(2, 0, Axis::kExpert);
+  both.dims[1].push_back(Axis::kData);
+  const mesh::Shape m = parse_mesh("dp=4,ep=2");
+  EXPECT_NE(error_of([&] { rank_shard({4, 4}, both, m, 0, 0); }).find("placement splits over ep and dp"), std::string::npos);
+  mesh::Shape zero2 = m;
+  zero2.zero = 2;
+  EXPECT_NE(error_of([&] { rank_shard({4}, mesh::Placement::replicated(1), zero2, 0, 0); }).find("checkpoints know zero 0 and 1"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { rank_shard({4}, mesh::Placement::replicated(1), m, 4, 0); }).find("rank 4 is outside layout dp=4,ep=2"),
+            std::string::npos);
+
+  const std::string root = temp_root("folded_placement");
+  // A save declaring one is refused at commit, naming the tensor; nothing is committed.
+  {
+    auto comm = make_self_comm();
+    Saver saver(*comm, root + "/save");
+    std::vector<float> w(16, 1.f);
+    saver.save(1, {{"w", ElemType::kF32, {4, 4}, both, full_box({4, 4}), w.data(), true}}, {}, {}, "dp=4,ep=2");
+    EXPECT_NE(error_of([&] { saver.wait(); }).find("tensor 'w' (rank 0): placement splits over ep and dp"), std::string::npos);
+    EXPECT_EQ(latest_dir(root + "/save"), "");
+  }
+  // A stored one (as the four-axis mesh could write) loads; reshard refuses it, naming the tensor.
+  save_virtual(root + "/old", kCfg, parse_mesh("tp=2"), 1);
+  edit_metadata(resolve_checkpoint(root + "/old"), [](nlohmann::json& j) {
+    for (auto& t : j["tensors"])
+      if (t["name"] == "embed.weight") t["placement"]["dims"] = nlohmann::json::parse(R"([["ep"], ["dp"]])");
+  });
+  EXPECT_EQ(load_all(root + "/old", kCfg, parse_mesh("dp=3,ep=3"), 1), 0);
+  EXPECT_NE(error_of([&] { reshard(root + "/old", root + "/resharded", "dp=2,ep=2", 1); })
+                .find("tensor 'embed.weight': placement splits over ep and dp"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(root + "/resharded"));
+  fs::remove_all(root);
+}
+
+// Placements in checkpoint metadata keep their format: axes by short name, "zero" only when
+// set, the pipeline unit only when the tensor lives on one stage. What earlier keel wrote reads
+// as it was; the axes cp and tsp are written the same way.
+TEST(CkptLayout, PlacementJsonKeepsItsFormat) {
+  const auto old = nlohmann::json::parse(R"({"dims": [["ep"], ["tp"], []], "zero": true, "pp_unit": 1, "pp_units": 4})");
+  const mesh::Placement p = placement_from_json(old);
+  EXPECT_EQ(p.dims, (std::vector<std::vector<Axis>>{{Axis::kExpert}, {Axis::kTensor}, {}}));
+  EXPECT_TRUE(p.zero);
+  EXPECT_EQ(p.pp_unit, 1);
+  EXPECT_EQ(p.pp_units, 4);
+  EXPECT_EQ(placement_to_json(p), old);
+  const auto axes = nlohmann::json::parse(R"({"dims": [["cp", "tsp"], ["pp", "dp"]]})");
+  EXPECT_EQ(placement_to_json(placement_from_json(axes)), axes);
+  EXPECT_EQ(placement_to_json(mesh::Placement::replicated(2)), nlohmann::json::parse(R"({"dims": [[], []]})"));
+  EXPECT_EQ(placement_to_json(mesh::Placement::replicated(0)), nlohmann::json::parse(R"({"dims": []})"));
 }
 
 TEST(CkptMetadata, RoundTripAndVersioning) {
@@ -269,22 +450,60 @@ TEST(CkptMetadata, RoundTripAndVersioning) {
 }
 
 // Save in one layout, load in others (world 1, 2, 3, 8; uneven and empty shards, ZeRO-1,
-// pipeline stages), bit-identical with read amplification 1.
+// pipeline stages, ep folded into dp and cp), bit-identical with read amplification 1.
 TEST(CkptSaveLoad, AnyLayoutToAnyOther) {
   const std::string root = temp_root("any");
-  const Mesh saved = parse_mesh("dp=2,tp=2,zero=1");
+  const mesh::Shape saved = parse_mesh("dp=2,tp=2,zero=1");
   save_virtual(root, kCfg, saved, 5);
-  for (const char* layout : {"dp=1", "tp=2", "ep=3", "dp=3,zero=1", "pp=2,ep=2,tp=2", "dp=8,zero=1", "pp=4,tp=2"}) {
+  for (const char* layout : {"dp=1", "tp=2", "dp=3,ep=3", "dp=3,zero=1", "pp=2,dp=2,ep=2,tp=2", "dp=8,zero=1", "pp=4,tp=2",
+                             "dp=4,ep=2,zero=1", "dp=2,cp=2,ep=4,zero=1", "dp=2,cp=2,ep=2,tsp=2,zero=1"}) {
     double amp = 0;
     EXPECT_EQ(load_all(root, kCfg, parse_mesh(layout), 5, &amp), 0) << layout;
     EXPECT_DOUBLE_EQ(amp, 1.0) << layout;
+  }
+  // Saved with experts over ep (folded into dp, ZeRO over the expert-data ranks), loaded back.
+  const std::string ep_root = temp_root("any_ep");
+  save_virtual(ep_root, kCfg, parse_mesh("pp=2,dp=4,ep=2,tp=2,zero=1"), 6);
+  for (const char* layout : {"dp=1", "dp=3,ep=3,zero=1", "dp=2,tp=2,zero=1", "dp=2,cp=2,ep=4,zero=1"}) {
+    double amp = 0;
+    EXPECT_EQ(load_all(ep_root, kCfg, parse_mesh(layout), 6, &amp), 0) << layout;
+    EXPECT_DOUBLE_EQ(amp, 1.0) << layout;
+  }
+  EXPECT_EQ(read_metadata(resolve_checkpoint(ep_root)).world, 16);
+  fs::remove_all(ep_root);
+  fs::remove_all(root);
+}
+
+// Metadata "world" is the saved layout's rank count (offline tools save other worlds than their
+// own one process): keel train's "dp=4,ep=2,zero=1" on 4 ranks is 4 ranks, ep folded into dp
+// (the old four-axis mesh read it as 8); no layout is the saving world.
+TEST(CkptSaveLoad, MetadataWorldIsTheLayoutsRankCount) {
+  const std::string root = temp_root("world");
+  auto comm = make_self_comm();
+  Saver saver(*comm, root);
+  std::vector<float> x(6, 1.f);
+  mesh::Placement p = mesh::Placement::replicated(1);
+  p.zero = true;
+  struct Case {
+    std::int64_t step;
+    const char* layout;
+    int world;
+  };
+  for (const Case& c : {Case{1, "dp=4,ep=2,zero=1", 4}, Case{2, "dp=2,ep=2,zero=1", 2}, Case{3, "dp=8,ep=4,zero=1", 8},
+                        Case{4, "pp=2,dp=3,ep=3", 6}, Case{5, "", 1}}) {
+    saver.save(c.step, {{"x", ElemType::kF32, {6}, p, full_box({6}), x.data(), true}}, {}, {}, c.layout);
+    ASSERT_TRUE(saver.wait());
+    const Metadata m = read_metadata(resolve_checkpoint(root));
+    EXPECT_EQ(m.step, c.step);
+    EXPECT_EQ(m.world, c.world) << c.layout;
+    EXPECT_EQ(m.layout, c.layout);
   }
   fs::remove_all(root);
 }
 
 TEST(CkptSaveLoad, AsyncOneInFlightAndRetention) {
   const std::string root = temp_root("retention");
-  const Mesh mesh = parse_mesh("tp=2");
+  const mesh::Shape mesh = parse_mesh("tp=2");
   auto comm = make_self_comm();
   SaveOptions opt;
   opt.keep_last = 2;
@@ -317,7 +536,7 @@ TEST(CkptSaveLoad, AsyncOneInFlightAndRetention) {
 
 TEST(CkptSaveLoad, ReservedStagingIsUsedAndRefusedWhileASaveIsInFlight) {
   const std::string root = temp_root("reserve");
-  const Mesh mesh = parse_mesh("tp=2");
+  const mesh::Shape mesh = parse_mesh("tp=2");
   auto comm = make_self_comm();
   Saver saver(*comm, root);
   std::vector<DemoShards> states;
@@ -336,7 +555,7 @@ TEST(CkptSaveLoad, ReservedStagingIsUsedAndRefusedWhileASaveIsInFlight) {
 
 TEST(CkptFaults, FullDiskLeavesPreviousCheckpoint) {
   const std::string root = temp_root("enospc");
-  const Mesh mesh = parse_mesh("tp=2");
+  const mesh::Shape mesh = parse_mesh("tp=2");
   save_virtual(root, kCfg, mesh, 1);
   SaveOptions bad;
   bad.fail_with_enospc = true;
@@ -374,7 +593,7 @@ TEST(CkptFaults, TornSaveIsIgnoredAndReported) {
 
 TEST(CkptFaults, CorruptedTruncatedMissingFiles) {
   const std::string root = temp_root("corrupt");
-  const Mesh mesh = parse_mesh("tp=2");
+  const mesh::Shape mesh = parse_mesh("tp=2");
   save_virtual(root, kCfg, mesh, 3);
   const std::string dir = resolve_checkpoint(root);
   const Metadata m = read_metadata(dir);
@@ -448,8 +667,8 @@ TEST(CkptFaults, SaveThatDoesNotCoverIsNotCommitted) {
   const std::string root = temp_root("nocover");
   save_virtual(root, kCfg, parse_mesh("dp=1"), 1);
   std::vector<char> data(10 * 4);
-  Placement p;
-  p.dims = {{"tp"}};
+  mesh::Placement p;
+  p.dims = {{Axis::kTensor}};
   auto comm = make_self_comm();
   Saver saver(*comm, root);
   saver.save(2, {{"half", ElemType::kF32, {20}, p, Box{{0}, {10}}, data.data(), true}}, {}, {}, "");
@@ -463,7 +682,7 @@ TEST(CkptTools, ReshardAndSafetensorsRoundTrip) {
   const std::string root = temp_root("tools");
   save_virtual(root, kCfg, parse_mesh("pp=2,tp=2"), 4);
   const std::string dst = root + "/resharded";
-  const ReshardStats rs = reshard(root, dst, "ep=3,dp=2,zero=1", 2);
+  const ReshardStats rs = reshard(root, dst, "ep=3,dp=6,zero=1", 2);
   EXPECT_DOUBLE_EQ(rs.amplification, 1.0);
   const Metadata m = read_metadata(resolve_checkpoint(dst));
   EXPECT_EQ(m.world, 6);
@@ -484,7 +703,7 @@ TEST(CkptTools, ReshardAndSafetensorsRoundTrip) {
   const std::string imp = root + "/imported";
   import_safetensors(st, imp, std::nullopt, 2);
   EXPECT_EQ(read_metadata(resolve_checkpoint(imp)).step, 4);
-  EXPECT_EQ(load_all(imp, kCfg, parse_mesh("ep=2,tp=2"), 4), 0);
+  EXPECT_EQ(load_all(imp, kCfg, parse_mesh("dp=2,ep=2,tp=2"), 4), 0);
 
   // Damaged safetensors files give one clear error (into a new root: `imp` holds a checkpoint).
   const std::string fresh = root + "/fresh";
@@ -561,16 +780,16 @@ TEST(CkptLayout, RepeatedAxesAndMeshesBeyondTheWorldBoundAreErrors) {
   EXPECT_NE(error_of([] { parse_mesh("zero=1,dp=2,zero=0"); }).find("zero is given twice"), std::string::npos);
   // 65536 x 65536 overflows int: once an empty mesh that resharded into an empty checkpoint.
   EXPECT_NE(error_of([] { parse_mesh("dp=65536,tp=65536"); })
-                .find("layout 'dp=65536,tp=65536' spans 4294967296 ranks, more than the 1048576 keel supports"),
+                .find("layout 'dp=65536,tp=65536': pp*dp*cp*tsp*tp = 4294967296 ranks, more than the 1048576 keel supports"),
             std::string::npos);
   EXPECT_NE(error_of([] { parse_mesh("pp=2000000000"); }).find("pp=2000000000 is more than"), std::string::npos);
-  EXPECT_EQ(parse_mesh("dp=1024,tp=1024").world(), kMaxWorld);
+  EXPECT_EQ(parse_mesh("dp=1024,tp=1024").world(), mesh::kMaxWorld);
   EXPECT_NE(error_of([] { parse_demo_config("layers=2,layers=3"); }).find("layers is given twice"), std::string::npos);
   EXPECT_NE(error_of([] { parse_demo_config("layers=2x"); }).find("'2x' is not an integer"), std::string::npos);
 }
 
 TEST(CkptLayout, PlacementsOutsideTheMeshAreRejected) {
-  auto placement = [](const std::string& text) { return error_of([&] { Placement::from_json(nlohmann::json::parse(text)); }); };
+  auto placement = [](const std::string& text) { return error_of([&] { placement_from_json(nlohmann::json::parse(text)); }); };
   // pp_unit 9 of 4 names no pipeline stage: every rank would skip the tensor.
   EXPECT_NE(placement(R"({"dims": [[]], "pp_unit": 9, "pp_units": 4})").find("\"pp_unit\" is 9, not an integer in [-1, 3]"),
             std::string::npos);
@@ -784,7 +1003,7 @@ TEST(CkptSaveLoad, NegativeStepsAreRefusedAndImportHonoursAnyGivenStep) {
   auto comm = make_self_comm();
   Saver saver(*comm, root + "/neg");
   std::vector<float> one(1, 1.f);
-  Placement p;
+  mesh::Placement p;
   const std::string err = error_of([&] {
     saver.save(-5, {{"x", ElemType::kF32, {}, p, Box{}, one.data(), true}}, {}, {}, "");
   });

@@ -10,7 +10,9 @@ keel_cli_test(NAME ckpt_save4 NP 4 MATCH "saved step 20: stall [0-9.]+ ms \\(slo
   ARGS ckpt demo-save ${ck}/root --layout dp=2,tp=2,zero=1 --step 10 --saves 2 --every 10)
 set_tests_properties(cli_ckpt_save4 PROPERTIES FIXTURES_REQUIRED ckpt_clean FIXTURES_SETUP ckpt_saved)
 
-foreach(load "1;dp=1" "2;tp=2" "3;ep=3" "8;pp=2,ep=2,tp=2")
+# ep is folded into dp*cp: a layout that leaves dp out fills it from the world ("ep=3" on 3 ranks
+# is dp=3,ep=3; "ep=2,tp=2,zero=1" on 4 is dp=2,ep=2,tp=2, the experts over ep, ZeRO over the rest).
+foreach(load "1;dp=1" "2;tp=2" "3;ep=3" "4;ep=2,tp=2,zero=1" "8;pp=2,ep=2,tp=2")
   list(GET load 0 np)
   list(GET load 1 layout)
   keel_cli_test(NAME ckpt_load${np} NP ${np} MATCH "read amplification 1\\.000"
@@ -24,8 +26,8 @@ keel_cli_test(NAME ckpt_inspect_shards MATCH "data_r0000[0-3]_b[01]\\.bin @ [0-9
   ARGS ckpt inspect ${ck}/root/step_00000010 --shards)
 keel_cli_test(NAME ckpt_verify MATCH "verified .*checksums match, every element of every tensor stored exactly once"
   ARGS ckpt verify ${ck}/root --all)
-keel_cli_test(NAME ckpt_reshard MATCH "resharded to pp=2,dp=1,ep=3,tp=1,zero=0 .* read amplification 1\\.000"
-  ARGS ckpt reshard ${ck}/root ${ck}/resharded --to pp=2,ep=3)
+keel_cli_test(NAME ckpt_reshard MATCH "resharded to pp=2,dp=3,ep=3 .* read amplification 1\\.000"
+  ARGS ckpt reshard ${ck}/root ${ck}/resharded --to pp=2,dp=3,ep=3)
 keel_cli_test(NAME ckpt_export MATCH "exported step 20: 52 tensors"
   ARGS ckpt export ${ck}/root ${ck}/model.safetensors --format safetensors)
 keel_cli_test(NAME ckpt_save_committed_step EXIT 1 MATCH "keel: error: .*step 20 is already committed"
@@ -35,7 +37,7 @@ set_tests_properties(cli_ckpt_load_identical cli_ckpt_inspect cli_ckpt_inspect_s
 set_tests_properties(cli_ckpt_reshard PROPERTIES FIXTURES_SETUP ckpt_resharded)
 set_tests_properties(cli_ckpt_export PROPERTIES FIXTURES_SETUP ckpt_exported)
 
-keel_cli_test(NAME ckpt_load_resharded NP 6 MATCH "saved by 6 ranks in layout pp=2,dp=1,ep=3,tp=1,zero=0"
+keel_cli_test(NAME ckpt_load_resharded NP 6 MATCH "saved by 6 ranks in layout pp=2,dp=3,ep=3"
   ARGS ckpt demo-load ${ck}/resharded --layout tp=2,dp=3,zero=1)
 set_tests_properties(cli_ckpt_load_resharded PROPERTIES FIXTURES_REQUIRED ckpt_resharded)
 keel_cli_test(NAME ckpt_import MATCH "imported 52 tensors, .* as step 20"
@@ -52,8 +54,11 @@ keel_cli_test(NAME ckpt_enospc NP 2 EXIT 1
 set_tests_properties(cli_ckpt_enospc PROPERTIES FIXTURES_REQUIRED ckpt_clean)
 
 # Bad input.
-keel_cli_test(NAME ckpt_layout_world EXIT 1 NP 2 MATCH "keel: error: (\\[rank 0\\] )?layout 'tp=3' spans 3 ranks, but 2 ranks are running"
+keel_cli_test(NAME ckpt_layout_world EXIT 1 NP 2 MATCH "keel: error: (\\[rank 0\\] )?layout 'tp=3': pp\\*cp\\*tsp\\*tp = 3 does not divide the 2 ranks"
   ARGS ckpt demo-load ${ck}/root --layout tp=3)
+keel_cli_test(NAME ckpt_layout_world_dp EXIT 1 NP 2
+  MATCH "keel: error: (\\[rank 0\\] )?layout 'dp=4' spans 4 ranks \\(pp\\*dp\\*cp\\*tsp\\*tp\\), but there are 2"
+  ARGS ckpt demo-load ${ck}/root --layout dp=4)
 keel_cli_test(NAME ckpt_layout_axis EXIT 1 MATCH "keel: error: layout 'mp=2': unknown axis 'mp'"
   ARGS ckpt demo-save ${ck}/x --layout mp=2)
 keel_cli_test(NAME ckpt_missing EXIT 1 MATCH "keel: error: /nonexistent/ckpt: no such checkpoint"
@@ -72,8 +77,16 @@ keel_cli_test(NAME ckpt_export_exists EXIT 1
   MATCH "keel: error: ${ck}/model\\.safetensors: exists; pass --force to replace it"
   ARGS ckpt export ${ck}/root ${ck}/model.safetensors)
 keel_cli_test(NAME ckpt_reshard_huge_mesh EXIT 1
-  MATCH "keel: error: layout 'dp=65536,tp=65536' spans 4294967296 ranks, more than the 1048576 keel supports"
+  MATCH "keel: error: layout 'dp=65536,tp=65536': pp\\*dp\\*cp\\*tsp\\*tp = 4294967296 ranks, more than the 1048576 keel supports"
   ARGS ckpt reshard ${ck}/root ${ck}/huge --to dp=65536,tp=65536)
+# ep takes no ranks of its own (folded into dp*cp): without a world to fill dp from, the old
+# four-axis "pp=2,ep=3" is one clear error, not a 6-rank mesh (write pp=2,dp=3,ep=3).
+keel_cli_test(NAME ckpt_reshard_ep_not_folded EXIT 1
+  MATCH "keel: error: layout 'pp=2,ep=3': ep=3 does not divide dp\\*cp = 1 \\(expert parallelism is folded into the data and context ranks\\)"
+  ARGS ckpt reshard ${ck}/root ${ck}/unfolded --to pp=2,ep=3)
+keel_cli_test(NAME ckpt_reshard_zero2 EXIT 1
+  MATCH "keel: error: layout 'dp=2,zero=2': zero=2 has no checkpoint layout \\(checkpoints know zero 0 and 1"
+  ARGS ckpt reshard ${ck}/root ${ck}/zero2 --to dp=2,zero=2)
 keel_cli_test(NAME ckpt_layout_repeated EXIT 1 MATCH "keel: error: layout 'tp=2,tp=4': tp is given twice"
   ARGS ckpt reshard ${ck}/root ${ck}/twice --to tp=2,tp=4)
 keel_cli_test(NAME ckpt_reshard_into_existing_root EXIT 1
@@ -84,7 +97,8 @@ keel_cli_test(NAME ckpt_import_into_existing_root EXIT 1
   ARGS ckpt import ${ck}/model.safetensors ${ck}/root)
 keel_cli_test(NAME ckpt_import_negative_step EXIT 1 MATCH "keel: error: --step must be at least 0, got -7"
   ARGS ckpt import ${ck}/model.safetensors ${ck}/negative --step -7)
-set_tests_properties(cli_ckpt_export_into_checkpoint cli_ckpt_reshard_huge_mesh cli_ckpt_layout_repeated
+set_tests_properties(cli_ckpt_export_into_checkpoint cli_ckpt_reshard_huge_mesh cli_ckpt_reshard_ep_not_folded
+  cli_ckpt_reshard_zero2 cli_ckpt_layout_world_dp cli_ckpt_layout_repeated
   cli_ckpt_reshard_into_existing_root PROPERTIES FIXTURES_REQUIRED ckpt_saved)
 set_tests_properties(cli_ckpt_export_exists cli_ckpt_import_into_existing_root cli_ckpt_import_negative_step
   PROPERTIES FIXTURES_REQUIRED "ckpt_saved;ckpt_exported")

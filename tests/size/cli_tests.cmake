@@ -9,6 +9,12 @@ keel_cli_test(NAME size_zaya1_sections MATCH "## Sizing findings"
   ARGS size ${cfg}/zaya1-8b.yaml --hardware h200 --layout tp=2,ep=4,zero=2 --gpus 64)
 keel_cli_test(NAME size_zaya1_time MATCH "12\\.00T tokens on 1024 GPUs: [0-9.]+ days at 40% MFU"
   ARGS size ${cfg}/zaya1-8b.yaml --hardware mi300x --gpus 1024 --tokens 12T)
+# The layout as the report prints it (mesh::Shape::str: dp always, other axes when not 1, zero
+# when not 0; ZeRO-1 when --layout leaves zero out).
+keel_cli_test(NAME size_layout_line MATCH "^#   layout pp=4,dp=8,tp=2,ep=8,zero=1 on 64 GPUs, "
+  ARGS size ${cfg}/mixtral-8x7b.yaml --hardware h100 --layout tp=2,ep=8,pp=4 --gpus 64)
+keel_cli_test(NAME size_layout_zero0_line MATCH "^#   layout dp=4,tp=2 on 8 GPUs, "
+  ARGS size ${cfg}/llama3-8b.yaml --hardware h100 --layout tp=2,zero=0 --gpus 8)
 keel_cli_test(NAME size_mixtral MATCH "with embeddings +46\\.70B +12\\.88B"
   ARGS size ${cfg}/mixtral-8x7b.yaml --hardware h100 --layout tp=2,ep=8,pp=4 --gpus 64 --recompute full)
 keel_cli_test(NAME size_llama3 MATCH "with embeddings +8\\.03B"
@@ -44,11 +50,18 @@ keel_cli_test(NAME size_topk_above_experts EXIT 1 MATCH "keel: error: .*'top_k' 
   ARGS size ${data}/topk_above_experts.yaml)
 keel_cli_test(NAME size_heads_not_dividing EXIT 1 MATCH "keel: error: .*'heads' \\(16\\) does not divide 'hidden' \\(1000\\)"
   ARGS size ${data}/heads_not_dividing.yaml)
-keel_cli_test(NAME size_layout_indivisible EXIT 1 MATCH "keel: error: --layout: tp\\*pp\\*cp\\*tsp = 12 does not divide --gpus 64"
+keel_cli_test(NAME size_layout_indivisible EXIT 1 MATCH "keel: error: layout 'tp=4,pp=3': pp\\*cp\\*tsp\\*tp = 12 does not divide the 64 ranks"
   ARGS size ${cfg}/llama3-8b.yaml --layout tp=4,pp=3 --gpus 64)
+keel_cli_test(NAME size_layout_gpus EXIT 1
+  MATCH "keel: error: layout 'dp=4,tp=2' spans 8 ranks \\(pp\\*dp\\*cp\\*tsp\\*tp\\), but there are 16"
+  ARGS size ${cfg}/llama3-8b.yaml --layout dp=4,tp=2 --gpus 16)
+# ep is folded into dp*cp (as keel train runs it): it takes no GPUs of its own and must divide dp*cp.
+keel_cli_test(NAME size_layout_ep_folded EXIT 1
+  MATCH "keel: error: layout 'ep=8': ep=8 does not divide dp\\*cp = 4 \\(expert parallelism is folded into the data and context ranks\\)"
+  ARGS size ${cfg}/zaya1-8b.yaml --layout ep=8 --gpus 4)
 keel_cli_test(NAME size_layout_ep EXIT 1 MATCH "keel: error: --layout: ep=3 does not divide experts \\(16\\)"
   ARGS size ${cfg}/zaya1-8b.yaml --layout ep=3 --gpus 6)
-keel_cli_test(NAME size_layout_key EXIT 1 MATCH "keel: error: --layout: unknown key 'mp'"
+keel_cli_test(NAME size_layout_key EXIT 1 MATCH "keel: error: layout 'mp=2': unknown axis 'mp'"
   ARGS size ${cfg}/zaya1-8b.yaml --layout mp=2)
 keel_cli_test(NAME size_unknown_hardware EXIT 1 MATCH "keel: error: unknown hardware 'v100'"
   ARGS size ${cfg}/zaya1-8b.yaml --hardware v100)

@@ -19,9 +19,8 @@ Setup setup(const std::string& model_name, const std::string& layout, int gpus, 
   Setup s;
   s.model = model::load_model_config(std::string(KEEL_SOURCE_DIR) + "/configs/" + model_name + ".yaml");
   s.hardware = hw::load_hardware("h200");
-  bool dp_given = false;
-  s.layout = parse_layout(layout, &dp_given);
-  resolve_layout(s.layout, dp_given, gpus, s.model);
+  s.layout = parse_layout(layout, gpus);
+  check_layout(s.layout, s.model);
   s.seq = 4096;
   s.optimizer = optimizer;
   return s;

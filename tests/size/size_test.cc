@@ -25,9 +25,8 @@ Setup setup(const std::string& model_name, const std::string& layout, int gpus, 
   Setup s;
   s.model = load(model_name);
   s.hardware = hw::load_hardware(hardware);
-  bool dp_given = false;
-  s.layout = parse_layout(layout, &dp_given);
-  resolve_layout(s.layout, dp_given, gpus, s.model);
+  s.layout = parse_layout(layout, gpus);
+  check_layout(s.layout, s.model);
   s.seq = 4096;
   return s;
 }
@@ -40,40 +39,52 @@ double item(const MemoryEstimate& e, const std::string& prefix) {
 }
 
 TEST(Layout, ParsesAndResolves) {
-  bool dp_given = false;
-  Layout l = parse_layout("tp=2,pp=4,ep=8,zero=2", &dp_given);
-  EXPECT_FALSE(dp_given);
-  resolve_layout(l, dp_given, 64, load("mixtral-8x7b"));
+  const mesh::Shape l = parse_layout("tp=2,pp=4,ep=8,zero=2", 64);
+  check_layout(l, load("mixtral-8x7b"));
   EXPECT_EQ(l.dp, 8);
-  EXPECT_EQ(l.gpus(), 64);
+  EXPECT_EQ(l.world(), 64);
   EXPECT_EQ(l.zero, 2);
+  EXPECT_EQ(l.str(), "pp=4,dp=8,tp=2,ep=8,zero=2");  // mesh::Shape::str, as the report prints it
+  // zero left out is keel size's default, ZeRO-1; zero=0 given stays 0.
+  EXPECT_EQ(parse_layout("tp=2", 8).zero, 1);
+  EXPECT_EQ(parse_layout("tp=2,zero=0", 8).zero, 0);
+  EXPECT_EQ(parse_layout("tp=2,zero=0", 8).str(), "dp=4,tp=2");
+  EXPECT_EQ(keel::size::Setup{}.layout.zero, 1);
+  // Without --gpus, dp left out is 1 and the layout's product is the GPU count.
+  EXPECT_EQ(parse_layout("tp=2,cp=2", 0).world(), 4);
+  // ep is folded into dp*cp, as keel train runs it: 8 GPUs of ep=4 are 8 data ranks in 2 expert groups.
+  const mesh::Shape ep = parse_layout("ep=4", 8);
+  EXPECT_EQ(ep.world(), 8);
+  EXPECT_EQ(ep.expert_data(), 2);
 }
 
 TEST(Layout, RejectsWhatCannotRun) {
   auto error = [](const std::string& text, int gpus, const std::string& model) -> std::string {
     try {
-      bool dp_given = false;
-      Layout l = parse_layout(text, &dp_given);
-      resolve_layout(l, dp_given, gpus, load(model));
+      check_layout(parse_layout(text, gpus), load(model));
     } catch (const UsageError& e) {
       return e.what();
     }
     return "";
   };
-  EXPECT_NE(error("tp=4,pp=3", 64, "llama3-8b").find("tp*pp*cp*tsp = 12 does not divide --gpus 64"), std::string::npos);
-  EXPECT_NE(error("dp=4,tp=2", 16, "llama3-8b").find("dp*tp*pp*cp*tsp = 8 but --gpus is 16"), std::string::npos);
+  EXPECT_NE(error("tp=4,pp=3", 64, "llama3-8b").find("layout 'tp=4,pp=3': pp*cp*tsp*tp = 12 does not divide the 64 ranks"),
+            std::string::npos);
+  EXPECT_NE(error("dp=4,tp=2", 16, "llama3-8b").find("layout 'dp=4,tp=2' spans 8 ranks (pp*dp*cp*tsp*tp), but there are 16"),
+            std::string::npos);
   EXPECT_NE(error("tp=3", 3, "llama3-8b").find("tp*tsp = 3 does not divide heads (32)"), std::string::npos);
   EXPECT_NE(error("ep=3", 6, "zaya1-8b").find("ep=3 does not divide experts (16)"), std::string::npos);
   EXPECT_NE(error("ep=8", 4, "zaya1-8b").find("ep=8 does not divide dp*cp = 4"), std::string::npos);
   EXPECT_NE(error("ep=2", 2, "llama3-8b").find("ep=2 needs an MoE model"), std::string::npos);
   EXPECT_NE(error("pp=64", 64, "llama3-8b").find("pp=64 is more than the 32 layers"), std::string::npos);
-  EXPECT_NE(error("zero=4", 1, "llama3-8b").find("'zero' must be 0, 1, 2 or 3"), std::string::npos);
-  EXPECT_NE(error("tp=two", 1, "llama3-8b").find("'tp' must be an integer, got 'two'"), std::string::npos);
-  EXPECT_NE(error("mp=2", 1, "llama3-8b").find("unknown key 'mp'"), std::string::npos);
+  EXPECT_NE(error("zero=4", 1, "llama3-8b").find("zero must be 0, 1, 2 or 3 (got 4)"), std::string::npos);
+  EXPECT_NE(error("tp=two", 1, "llama3-8b").find("tp=two is not an integer"), std::string::npos);
+  EXPECT_NE(error("mp=2", 1, "llama3-8b").find("unknown axis 'mp'"), std::string::npos);
+  EXPECT_NE(error("tp=2,tp=4", 8, "llama3-8b").find("tp is given twice"), std::string::npos);
   // Degrees whose product passes an int: an error, not a wrapped (zero) divisor.
-  EXPECT_NE(error("tp=65536,pp=65536", 64, "llama3-8b").find("tp*pp*cp*tsp is larger than 2147483647 GPUs"),
+  EXPECT_NE(error("tp=65536,pp=65536", 64, "llama3-8b").find("pp*cp*tsp*tp = 4294967296 does not divide the 64 ranks"),
             std::string::npos);
-  EXPECT_NE(error("dp=65536,pp=32768", 0, "llama3-8b").find("dp*tp*pp*cp*tsp is larger than 2147483647 GPUs"),
+  EXPECT_NE(error("dp=65536,pp=32768", 0, "llama3-8b")
+                .find("pp*dp*cp*tsp*tp = 2147483648 ranks, more than the 1048576 keel supports"),
             std::string::npos);
 }
 

@@ -73,7 +73,8 @@ set_tests_properties(cli_train_dp2_resume_on_one PROPERTIES FIXTURES_REQUIRED "t
 # checkpoint stores whole [E, ...] expert tensors); one rank resumes with all 4.
 keel_cli_test(NAME train_ep2_stop NP 2 MATCH "x 2 data-parallel ranks \\(ZeRO-1\\), expert parallel 2, "
   ARGS train ${tcfg} ${tdp} --set parallel.expert=2 --set output_dir=train_ep --stop-after 4)
-keel_cli_test(NAME train_ep2_inspect MATCH "dp=2,ep=2,zero=1"
+# The layout keel train saves, ep folded into its 2 data ranks: 2 ranks, not 4 (dp x ep).
+keel_cli_test(NAME train_ep2_inspect MATCH "saved by 2 ranks in layout dp=2,ep=2,zero=1"
   ARGS ckpt inspect train_ep)
 keel_cli_test(NAME train_ep2_resume_on_one MATCH "resumed from train_ep/step_00000004 at step 4 \\(read .* GiB in .*, read amplification 1\\.000\\)"
   ARGS train ${tcfg} ${tdp} --set output_dir=train_ep --set steps=8 --resume train_ep)
