@@ -1,6 +1,7 @@
 #include "ops/zaya_router.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "common/error.h"
 #include "ops/linear.h"
@@ -98,11 +99,14 @@ void backward(const Tensor& x, const Tensor& prev_state, const Params& p, const 
   linear::backward(s.h1, p.w2, b1, b2, g.w2, g.b2);  // b2 = dh1
   for (std::int64_t i = 0; i < n * d; ++i) b2[i] *= gelu_grad(s.z1[i]);  // dz1
   linear::backward(s.u, p.w1, b2, b1, g.w1, g.b1);  // b1 = du
-  rmsnorm::backward(s.state, p.w_norm, s.rstd, b1, b2, g.w_norm);  // b2 = da (from this stage)
+  // da = dstate_next (or 0) + this stage's share: RMSNorm backward adds into its dx.
   if (!dstate_next.empty()) {
     require_shape(dstate_next, {n, d}, "zaya_router dstate_next");
-    for (std::int64_t i = 0; i < n * d; ++i) b2[i] += dstate_next[i];
+    std::memcpy(b2.data(), dstate_next.data(), sizeof(float) * static_cast<std::size_t>(n * d));
+  } else {
+    b2.zero();
   }
+  rmsnorm::backward(s.state, p.w_norm, s.rstd, b1, b2, g.w_norm);  // b2 = da
   if (!prev_state.empty()) {
     require_shape(prev_state, {n, d}, "zaya_router prev_state");
     if (!g.gamma.empty()) {
