@@ -15,8 +15,9 @@
 // The selection and its bias have no gradient; the gate carries the router's gradient.
 // Softmax, selection and counts are delegated to ops::router (top_k = 1, no renormalization).
 //
-// Gradients: dx, dprev_state overwritten; parameter gradients accumulated (+=). Any may be empty
-// except where noted.
+// Gradients (docs/ops.md, Gradient convention): dx, dprev_state overwritten; parameter gradients
+// accumulated (+=). Any may be empty except where noted. (Inside, the norm's dx is added onto
+// dstate_next, the state's gradient from the next stage: the residual-stream pattern.)
 #pragma once
 
 #include <cstdint>
