@@ -8,6 +8,9 @@
 //
 // Shapes: x, y, r, h, out [N, D]; b, s and the four merge vectors [D].
 // Gradients (see linear.h): dx, dr, dh overwritten; db, ds accumulated (+=). Any may be empty.
+// dr is the residual stream's gradient but is still overwritten: the merge continues the stream
+// (it does not branch off it like a norm), and in backward it is that gradient's first writer,
+// in place over dout; the norms that read r then add their share (docs/ops.md).
 // Saved for backward: the inputs (x, or r and h) and the parameters. Nothing else.
 #pragma once
 

@@ -42,7 +42,7 @@ void backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor
         double dot = 0;  // sum_d (dy * w) * xhat
         for (std::int64_t j = 0; j < d; ++j) dot += double(dyr[j]) * w[j] * xr[j] * r;
         const float m = static_cast<float>(dot / double(d));
-        for (std::int64_t j = 0; j < d; ++j) dxr[j] = r * (dyr[j] * w[j] - xr[j] * r * m);
+        for (std::int64_t j = 0; j < d; ++j) dxr[j] += r * (dyr[j] * w[j] - xr[j] * r * m);  // accumulated
       }
     });
   }

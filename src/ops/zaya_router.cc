@@ -1,6 +1,7 @@
 #include "ops/zaya_router.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "common/error.h"
 #include "ops/linear.h"
@@ -98,11 +99,14 @@ void backward(const Tensor& x, const Tensor& prev_state, const Params& p, const 
   linear::backward(s.h1, p.w2, b1, b2, g.w2, g.b2);  // b2 = dh1
   for (std::int64_t i = 0; i < n * d; ++i) b2[i] *= gelu_grad(s.z1[i]);  // dz1
   linear::backward(s.u, p.w1, b2, b1, g.w1, g.b1);  // b1 = du
-  rmsnorm::backward(s.state, p.w_norm, s.rstd, b1, b2, g.w_norm);  // b2 = da (from this stage)
+  // da = dstate_next (or 0) + this stage's share: RMSNorm backward adds into its dx.
   if (!dstate_next.empty()) {
     require_shape(dstate_next, {n, d}, "zaya_router dstate_next");
-    for (std::int64_t i = 0; i < n * d; ++i) b2[i] += dstate_next[i];
+    std::memcpy(b2.data(), dstate_next.data(), sizeof(float) * static_cast<std::size_t>(n * d));
+  } else {
+    b2.zero();
   }
+  rmsnorm::backward(s.state, p.w_norm, s.rstd, b1, b2, g.w_norm);  // b2 = da
   if (!prev_state.empty()) {
     require_shape(prev_state, {n, d}, "zaya_router prev_state");
     if (!g.gamma.empty()) {
@@ -130,27 +134,29 @@ void skip_forward(const Tensor& x, const std::int32_t* idx, const Tensor& gates,
   require_shape(gates, {n, 1}, "zaya_router skip gates");
   require_shape(y, {n, h}, "zaya_router skip y");
   for (std::int64_t i = 0; i < n; ++i) {
-    const float gi = idx[i] == skip_class ? gates[i] : 0.f;
+    if (idx[i] != skip_class) continue;  // not a skip row: left untouched
+    const float gi = gates[i];
     for (std::int64_t j = 0; j < h; ++j) y.row(i)[j] = gi * x.row(i)[j];
   }
 }
 
 void skip_backward(const Tensor& x, const std::int32_t* idx, const Tensor& gates, int skip_class, const Tensor& dy,
                    const Tensor& dx, const Tensor& dgates) {
+  if (x.ndim() != 2) fail("zaya_router skip: x must be [N, H], got {}", x.shape_string());
   const std::int64_t n = x.dim(0), h = x.dim(1);
+  require_shape(gates, {n, 1}, "zaya_router skip gates");
   require_shape(dy, {n, h}, "zaya_router skip dy");
   if (!dgates.empty()) require_shape(dgates, {n, 1}, "zaya_router skip dgates");
   if (!dx.empty()) require_shape(dx, {n, h}, "zaya_router skip dx");
   for (std::int64_t i = 0; i < n; ++i) {
-    const bool skip = idx[i] == skip_class;
+    if (idx[i] != skip_class) continue;  // not a skip row: left untouched
     if (!dgates.empty()) {
       double acc = 0;
-      if (skip)
-        for (std::int64_t j = 0; j < h; ++j) acc += double(dy.row(i)[j]) * x.row(i)[j];
+      for (std::int64_t j = 0; j < h; ++j) acc += double(dy.row(i)[j]) * x.row(i)[j];
       dgates[i] = static_cast<float>(acc);
     }
     if (!dx.empty()) {
-      const float gi = skip ? gates[i] : 0.f;
+      const float gi = gates[i];
       for (std::int64_t j = 0; j < h; ++j) dx.row(i)[j] = gi * dy.row(i)[j];
     }
   }

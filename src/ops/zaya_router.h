@@ -15,8 +15,9 @@
 // The selection and its bias have no gradient; the gate carries the router's gradient.
 // Softmax, selection and counts are delegated to ops::router (top_k = 1, no renormalization).
 //
-// Gradients: dx, dprev_state overwritten; parameter gradients accumulated (+=). Any may be empty
-// except where noted.
+// Gradients (docs/ops.md, Gradient convention): dx, dprev_state overwritten; parameter gradients
+// accumulated (+=). Any may be empty except where noted. (Inside, the norm's dx is added onto
+// dstate_next, the state's gradient from the next stage: the residual-stream pattern.)
 #pragma once
 
 #include <cstdint>
@@ -68,11 +69,13 @@ void backward(const Tensor& x, const Tensor& prev_state, const Params& p, const 
               const Tensor& dstate_next, const Tensor& dx, const Tensor& dprev_state, const Params& grads,
               const Tensor& scratch);
 
-// The MoD skip path: y[n] = g[n] * x[n] where idx[n] == skip_class, else 0 (y overwritten, so
-// the caller adds it to the experts' combine). x, y [N, H]; gates [N, 1].
+// The MoD skip path. Both functions write only the skip tokens' rows (idx[n] == skip_class)
+// and leave every other row untouched (the caller's expert scatter writes those), as the CUDA
+// twins in ops/cuda/zaya_router.h do.
+// skip_forward: y[n] = g[n] * x[n] on skip rows (written). x, y [N, H]; gates [N, 1].
 void skip_forward(const Tensor& x, const std::int32_t* idx, const Tensor& gates, int skip_class, const Tensor& y);
-// dgates[n] = dy[n] . x[n] and dx[n] = g[n] dy[n] for skip tokens, 0 otherwise (both
-// overwritten; either may be empty). The caller adds them to the expert path's gradients.
+// skip_backward: dgates[n] = dy[n] . x[n] and dx[n] = g[n] dy[n] on skip rows (written: they
+// are activation gradients); other rows untouched. Either output may be empty.
 void skip_backward(const Tensor& x, const std::int32_t* idx, const Tensor& gates, int skip_class, const Tensor& dy,
                    const Tensor& dx, const Tensor& dgates);
 

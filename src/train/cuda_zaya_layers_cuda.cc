@@ -23,9 +23,10 @@ void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf
     if (experts) experts->forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
     else k::moe::forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
   }
-  // Expert rows from the packed output, 0 on skipped rows; then the skip path adds gate * x there.
+  // Expert rows from the packed output, 0 on skipped rows; then the skip path writes gate * x
+  // there (it writes only the skip rows, so it must come after the unpack).
   cuda::unpack_rows(sc.yk, a.pos, N, D, y, stream);
-  if (s.skip) k::zaya_router::skip_add_forward(x, a.router.idx, a.router.gates, s.experts, y, N, D, stream);
+  if (s.skip) k::zaya_router::skip_forward(x, a.router.idx, a.router.gates, s.experts, y, N, D, stream);
 }
 
 void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const Grads& g, const bf16* x,
@@ -45,11 +46,12 @@ void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const G
     k::moe::zero_expert_grads(g.experts, s.experts, D, s.expert_hidden, stream);  // no routed rows: all zeros
   }
   // dx: the experts' dx on routed rows, gate * dy on skipped rows (fp32). dL/d gate: the
-  // experts' on routed rows, dy . x on skipped rows (skip_add_backward adds it onto the 0s).
+  // experts' on routed rows, dy . x on skipped rows (skip_backward writes those rows after the
+  // unpack, which put 0 there).
   cuda::unpack_moe_dx(sc.dxk, a.pos, a.router.gates, dy, N, D, dx, stream);
   cuda::unpack_rows(sc.dgk, a.pos, N, 1, sc.dgates, stream);
   if (s.skip)
-    k::zaya_router::skip_add_backward(x, a.router.idx, a.router.gates, s.experts, dy, nullptr, sc.dgates, N, D, stream);
+    k::zaya_router::skip_backward(x, a.router.idx, a.router.gates, s.experts, dy, nullptr, sc.dgates, N, D, stream);
   // The router's share of dx goes through the bf16 scratch (the expert dx there is consumed).
   k::zaya_router::backward(gemm, s.router_dims(), x, prev_state, w.router, a.router, sc.dgates, dstate_next, sc.dxk,
                            dprev_state, g.router, sc.router, stream);

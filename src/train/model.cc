@@ -605,12 +605,10 @@ void MoeTransformer::layer_backward(int l, LayerActs& a, const Tensor& x_in, con
   LayerParams& G = lg_[l];
   // MLP block: y = x_mid + mlp(n2(x_mid)); dres holds dL/dy.
   mlp_backward(l, a, dres, dtmp_, dtmp2_);
-  ops::rmsnorm::backward(a.x_mid, P.mlp_norm, a.rstd2, dtmp_, dtmp2_, G.mlp_norm);
-  add_into(dres, dtmp2_);  // dres now dL/dx_mid
+  ops::rmsnorm::backward(a.x_mid, P.mlp_norm, a.rstd2, dtmp_, dres, G.mlp_norm);  // adds: dres now dL/dx_mid
   // Attention block: x_mid = x_in + attn(n1(x_in)).
   attn_backward(l, a, dres, dtmp_, dtmp2_);
-  ops::rmsnorm::backward(x_in, P.attn_norm, a.rstd1, dtmp_, dtmp2_, G.attn_norm);
-  add_into(dres, dtmp2_);  // dres now dL/dx_in
+  ops::rmsnorm::backward(x_in, P.attn_norm, a.rstd1, dtmp_, dres, G.attn_norm);  // adds: dres now dL/dx_in
 }
 
 // ---- ZAYA1 residual scaling: two streams (r, h) between stages ----
@@ -645,13 +643,11 @@ void MoeTransformer::scaled_layer_backward(int l, LayerActs& a) {
   LayerParams& G = lg_[l];
   const zaya::ResScale &A = P.attn_scale, &M = P.mlp_scale, &dA = G.attn_scale, &dM = G.mlp_scale;
   mlp_backward(l, a, dhres_, dtmp3_, dtmp_);                                         // dtmp3 = dL/dh2
-  ops::rmsnorm::backward(resid_[l + 1], P.mlp_norm, a.rstd2, dtmp3_, dtmp_, G.mlp_norm);
-  add_into(dres_, dtmp_);                                                             // dres = dL/dr2
+  ops::rmsnorm::backward(resid_[l + 1], P.mlp_norm, a.rstd2, dtmp3_, dres_, G.mlp_norm);  // adds: dres = dL/dr2
   ops::residual_scale::merge_backward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, dres_, dres_,
                                       dtmp3_, dM.r_bias, dM.r_scale, dM.h_bias, dM.h_scale);  // dres = dL/dr1 (so far)
   attn_backward(l, a, dtmp3_, dtmp_, dtmp2_);                                         // dtmp = dL/dh1
-  ops::rmsnorm::backward(a.x_mid, P.attn_norm, a.rstd1, dtmp_, dtmp2_, G.attn_norm);
-  add_into(dres_, dtmp2_);                                                            // dres = dL/dr1
+  ops::rmsnorm::backward(a.x_mid, P.attn_norm, a.rstd1, dtmp_, dres_, G.attn_norm);   // adds: dres = dL/dr1
   if (l == 0)
     ops::residual_scale::backward(resid_[0], A.h_bias, A.h_scale, dres_, dres_, dA.h_bias, dA.h_scale);
   else
@@ -720,6 +716,9 @@ void MoeTransformer::backward(float loss_scale) {
   ops::cross_entropy::Options co;
   co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size);
   ops::cross_entropy::backward(final_h_, lm_head_, targets_.data(), ce_lse_, loss_scale, co, ce_scratch_, dtmp_, d_lm_head_);
+  // rmsnorm adds its dx into the residual gradient; the final norm is its first writer in this
+  // micro-batch, so clear what the previous backward left there (as the CUDA backend does).
+  dres_.zero();
   ops::rmsnorm::backward(scaled ? final_r_ : resid_[cfg_.layers], final_norm_, final_rstd_, dtmp_, dres_, d_final_norm_);
   if (scaled) {
     const zaya::ResScale &F = final_scale_, &dF = d_final_scale_;

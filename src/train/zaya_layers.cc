@@ -34,7 +34,8 @@ void moe_forward(const Shape& s, const MoeParams& p, const Tensor& x, const Tens
   a.kept_idx.clear();
   for (std::int64_t i = 0; i < n; ++i)
     if (a.router.idx[i] < s.experts) a.kept.push_back(static_cast<std::int32_t>(i)), a.kept_idx.push_back(a.router.idx[i]);
-  // Skip rows get gate * x, every other row 0 (overwritten below by its expert output).
+  // Skip rows get gate * x here; routed rows get their expert output from the scatter below;
+  // together they cover every row (every token is either skipped or routed).
   ops::zaya_router::skip_forward(x, a.router.idx.data(), a.router.gates, s.skip ? s.experts : -1, y);
   const std::int64_t nk = static_cast<std::int64_t>(a.kept.size());
   if (nk == 0 && !p.ep) return;  // expert parallel: the exchange is collective, 0 rows included
@@ -52,7 +53,8 @@ void moe_forward(const Shape& s, const MoeParams& p, const Tensor& x, const Tens
 void moe_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const Tensor& x, const Tensor& prev_state,
                   MoeActs& a, const MoeScratch& sc, const Tensor& dy, const Tensor& dstate_next, const Tensor& dx,
                   const Tensor& dprev_state) {
-  // Skip path first: it overwrites dx and dgates on every row (0 on routed rows).
+  // The skip path writes the skip rows of dx and dgates; the scatters below write the routed
+  // rows; together they cover every row.
   ops::zaya_router::skip_backward(x, a.router.idx.data(), a.router.gates, s.skip ? s.experts : -1, dy, dx, sc.dgates);
   const std::int64_t nk = static_cast<std::int64_t>(a.kept.size());
   if (nk > 0 || p.ep) {

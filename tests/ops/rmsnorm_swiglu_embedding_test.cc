@@ -36,7 +36,7 @@ TEST(OpRmsNorm, ForwardMatchesNaive) {
 TEST(OpRmsNorm, ThreadedBackwardMatchesSerialDouble) {
   const std::int64_t n = 512, d = 64;
   auto x = random_vector(n * d, 15), w = random_vector(d, 16), dy = random_vector(n * d, 17);
-  std::vector<float> y(n * d), rstd(n), dx(n * d), dw(d, 0.f);
+  std::vector<float> y(n * d), rstd(n), dx(n * d, 0.f), dw(d, 0.f);  // dx starts at 0: rmsnorm adds into it
   Tensor tx(x.data(), {n, d}), tw(w.data(), {d}), tr(rstd.data(), {n});
   ops::rmsnorm::forward(tx, tw, 1e-5f, Tensor(y.data(), {n, d}), tr);
   ops::rmsnorm::backward(tx, tw, tr, Tensor(dy.data(), {n, d}), Tensor(dx.data(), {n, d}), Tensor(dw.data(), {d}));
@@ -57,7 +57,7 @@ TEST(OpRmsNorm, ThreadedBackwardMatchesSerialDouble) {
 TEST(OpRmsNorm, GradCheck) {
   const std::int64_t n = 6, d = 16;
   auto x = random_vector(n * d, 12), w = random_vector(d, 13), r = random_vector(n * d, 14);
-  std::vector<float> y(n * d), rstd(n), dx(n * d), dw(d, 0.f);
+  std::vector<float> y(n * d), rstd(n), dx(n * d, 0.f), dw(d, 0.f);  // dx starts at 0: rmsnorm adds into it
   Tensor tx(x.data(), {n, d}), tw(w.data(), {d}), ty(y.data(), {n, d}), tr(rstd.data(), {n});
   const float eps = 1e-5f;
   auto loss = [&] {
@@ -68,6 +68,41 @@ TEST(OpRmsNorm, GradCheck) {
   ops::rmsnorm::backward(tx, tw, tr, Tensor(r.data(), {n, d}), Tensor(dx.data(), {n, d}), Tensor(dw.data(), {d}));
   EXPECT_LT(check_grad("rmsnorm dx", loss, x.data(), dx.data(), n * d).rel_err, kGradTol);
   EXPECT_LT(check_grad("rmsnorm dw", loss, w.data(), dw.data(), d).rel_err, kGradTol);
+}
+
+// Both gradients are accumulated (docs/ops.md, Gradient convention: dx is the residual-stream
+// exception). Rows chosen so every value is exact in fp32: x = 1 (rstd 1) and x = 2 (rstd 1/2),
+// eps 0, so xhat = 1 and dx = rstd (dy w - mean(dy w)), dw = sum_n dy.
+TEST(OpRmsNorm, BackwardAccumulatesIntoDxAndDw) {
+  const std::int64_t n = 2, d = 4;
+  std::vector<float> x = {1, 1, 1, 1, 2, 2, 2, 2}, w = {2, 1, 1, 0.5f}, dy = {1, 2, 3, 4, 4, 0, -2, 2};
+  std::vector<float> y(n * d), rstd(n);
+  Tensor tx(x.data(), {n, d}), tw(w.data(), {d}), tr(rstd.data(), {n});
+  ops::rmsnorm::forward(tx, tw, 0.f, Tensor(y.data(), {n, d}), tr);
+  ASSERT_EQ(rstd, (std::vector<float>{1.f, 0.5f}));
+  std::vector<float> dx = {10, 20, 30, 40, -1, 1, -1, 1}, dw = {0.5f, -1, 0.25f, 2};
+  ops::rmsnorm::backward(tx, tw, tr, Tensor(dy.data(), {n, d}), Tensor(dx.data(), {n, d}), Tensor(dw.data(), {d}));
+  // Row 0: dy w = (2, 2, 3, 2), mean 2.25 -> (-0.25, -0.25, 0.75, -0.25).
+  // Row 1: dy w = (8, 0, -2, 1), mean 1.75, rstd 0.5 -> (3.125, -0.875, -1.875, -0.375).
+  EXPECT_EQ(dx, (std::vector<float>{9.75f, 19.75f, 30.75f, 39.75f, 2.125f, 0.125f, -2.875f, 0.625f}));
+  // dw: (1, 2, 3, 4) + (4, 0, -2, 2) = (5, 2, 1, 6) onto (0.5, -1, 0.25, 2).
+  EXPECT_EQ(dw, (std::vector<float>{5.5f, 1.f, 1.25f, 8.f}));
+
+  // Random inputs: from a non-zero start, each element is that start plus the result from a
+  // zero start, bit for bit (one fp32 add per element).
+  const std::int64_t m = 300, e = 40;
+  auto rx = random_vector(m * e, 30), rw = random_vector(e, 31), rdy = random_vector(m * e, 32);
+  auto dx0 = random_vector(m * e, 33), dw0 = random_vector(e, 34);
+  std::vector<float> ry(m * e), rr(m), fresh_dx(m * e, 0.f), fresh_dw(e, 0.f);
+  Tensor rtx(rx.data(), {m, e}), rtw(rw.data(), {e}), rtr(rr.data(), {m});
+  ops::rmsnorm::forward(rtx, rtw, 1e-5f, Tensor(ry.data(), {m, e}), rtr);
+  ops::rmsnorm::backward(rtx, rtw, rtr, Tensor(rdy.data(), {m, e}), Tensor(fresh_dx.data(), {m, e}),
+                         Tensor(fresh_dw.data(), {e}));
+  auto acc_dx = dx0, acc_dw = dw0;
+  ops::rmsnorm::backward(rtx, rtw, rtr, Tensor(rdy.data(), {m, e}), Tensor(acc_dx.data(), {m, e}),
+                         Tensor(acc_dw.data(), {e}));
+  for (std::int64_t i = 0; i < m * e; ++i) ASSERT_EQ(acc_dx[i], dx0[i] + fresh_dx[i]) << "dx " << i;
+  for (std::int64_t j = 0; j < e; ++j) ASSERT_EQ(acc_dw[j], dw0[j] + fresh_dw[j]) << "dw " << j;
 }
 
 TEST(OpSwiglu, ForwardAndGradCheck) {

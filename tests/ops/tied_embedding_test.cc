@@ -32,7 +32,7 @@ TEST(OpTiedEmbedding, GradCheckThroughRmsNormAndChunkedCrossEntropy) {
     return double(ops::cross_entropy::forward(ty, tt, targets.data(), o, tl, ts));
   };
   loss();
-  std::vector<float> dtable(v * d, 0.f), dw(d, 0.f), dy(n * d), dh(n * d);
+  std::vector<float> dtable(v * d, 0.f), dw(d, 0.f), dy(n * d), dh(n * d, 0.f);  // dh starts at 0: rmsnorm adds into it
   ops::cross_entropy::backward(ty, tt, targets.data(), tl, 1.f, o, ts, Tensor(dy.data(), {n, d}), Tensor(dtable.data(), {v, d}));
   ops::rmsnorm::backward(th, tw, tr, Tensor(dy.data(), {n, d}), Tensor(dh.data(), {n, d}), Tensor(dw.data(), {d}));
   ops::embedding::backward(ids.data(), n, Tensor(dh.data(), {n, d}), Tensor(dtable.data(), {v, d}));

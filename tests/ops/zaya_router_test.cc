@@ -166,14 +166,35 @@ TEST(OpZayaRouter, BiasChangesSelectionButNotGates) {
   EXPECT_NE(idx0, st.s.idx);
 }
 
+// The skip path writes only the skip rows (class 2 here) and leaves every other row as it was:
+// the outputs start at a sentinel, which the routed rows must keep (the experts' scatter writes
+// those in the trainer). Backward likewise: dgates = dy . x and dx = g dy on skip rows.
 TEST(OpZayaRouter, SkipClassPassesInputScaledByItsProbability) {
-  const std::int64_t n = 4, h = 3;
-  auto x = random_vector(n * h, 500);
-  std::vector<std::int32_t> idx = {2, 0, 2, 1};
-  std::vector<float> gates = {0.6f, 0.3f, 0.45f, 0.9f}, y(n * h);
-  zr::skip_forward(Tensor(x.data(), {n, h}), idx.data(), Tensor(gates.data(), {n, 1}), 2, Tensor(y.data(), {n, h}));
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t j = 0; j < h; ++j) EXPECT_FLOAT_EQ(y[i * h + j], idx[i] == 2 ? gates[i] * x[i * h + j] : 0.f);
+  const std::int64_t n = 5, h = 3;
+  const int skip = 2;
+  const float sentinel = 7.f;
+  auto x = random_vector(n * h, 500), dy = random_vector(n * h, 501);
+  std::vector<std::int32_t> idx = {2, 0, 2, 1, 3};
+  std::vector<float> gates = {0.6f, 0.3f, 0.45f, 0.9f, 0.2f};
+  std::vector<float> y(n * h, sentinel), dx(n * h, sentinel), dg(n, sentinel);
+  zr::skip_forward(Tensor(x.data(), {n, h}), idx.data(), Tensor(gates.data(), {n, 1}), skip, Tensor(y.data(), {n, h}));
+  zr::skip_backward(Tensor(x.data(), {n, h}), idx.data(), Tensor(gates.data(), {n, 1}), skip, Tensor(dy.data(), {n, h}),
+                    Tensor(dx.data(), {n, h}), Tensor(dg.data(), {n, 1}));
+  for (std::int64_t i = 0; i < n; ++i) {
+    SCOPED_TRACE(testing::Message() << "row " << i << (idx[i] == skip ? " (skip)" : " (routed)"));
+    double dot = 0;
+    for (std::int64_t j = 0; j < h; ++j) dot += double(dy[i * h + j]) * x[i * h + j];
+    EXPECT_EQ(dg[i], idx[i] == skip ? static_cast<float>(dot) : sentinel);
+    for (std::int64_t j = 0; j < h; ++j) {
+      EXPECT_EQ(y[i * h + j], idx[i] == skip ? gates[i] * x[i * h + j] : sentinel);
+      EXPECT_EQ(dx[i * h + j], idx[i] == skip ? gates[i] * dy[i * h + j] : sentinel);
+    }
+  }
+  // Either gradient may be empty; the other is still written.
+  std::vector<float> dg2(n, sentinel);
+  zr::skip_backward(Tensor(x.data(), {n, h}), idx.data(), Tensor(gates.data(), {n, 1}), skip, Tensor(dy.data(), {n, h}),
+                    Tensor(), Tensor(dg2.data(), {n, 1}));
+  EXPECT_EQ(dg2, dg);
 }
 
 // A synthetic imbalanced router: fixed per-token probabilities with class 0 favoured. Each

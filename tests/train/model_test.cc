@@ -98,6 +98,51 @@ TEST(TrainModel, RecomputeFullGivesIdenticalGradients) {
   EXPECT_EQ(0, std::memcmp(g0.data(), g1.data(), g0.size() * sizeof(float)));
 }
 
+// ||a - b|| over elements [off, off + n) of two gradient vectors (b empty: ||a||).
+double slice_dist(const std::vector<float>& a, const std::vector<float>& b, std::int64_t off, std::int64_t n) {
+  double s = 0;
+  for (std::int64_t i = off; i < off + n; ++i) {
+    const double d = double(a[i]) - (b.empty() ? 0.0 : double(b[i]));
+    s += d * d;
+  }
+  return std::sqrt(s);
+}
+
+// Two micro-batches' gradients are the sum of each one's alone (fresh models from the same
+// init), per parameter, the embedding included: nothing of one backward's residual-stream
+// gradient may leak into the next (rmsnorm adds its dx into that buffer, so the final norm's
+// backward must start from zeros). The CPU twin of CudaBackend.GradientsAreTheStepsOwnAndMicroBatchesSum.
+TEST(TrainModel, MicroBatchGradientsSum) {
+  for (const bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const auto cfg = fixtures::tiny_config(tied);
+    ModelOptions o;
+    o.micro_batch = 2;
+    o.seq_length = 6;
+    o.init_std = 0.2;
+    const int n = o.micro_batch * o.seq_length, vocab = static_cast<int>(cfg.vocab_size);
+    const fixtures::Batch a = fixtures::random_batch(n, vocab, 31), b = fixtures::random_batch(n, vocab, 32);
+    const MoeTransformer probe(cfg, o, ParallelContext::single());  // for the layout
+    auto grads_of = [&](const std::vector<const fixtures::Batch*>& batches) {
+      MoeTransformer m(cfg, o, ParallelContext::single());
+      m.zero_grads();
+      for (const auto* batch : batches) {
+        m.forward(batch->tokens.data(), batch->targets.data());
+        m.backward();
+      }
+      return std::vector<float>(m.grads(), m.grads() + m.param_floats());
+    };
+    const auto ga = grads_of({&a}), gb = grads_of({&b}), gab = grads_of({&a, &b});
+    std::vector<float> sum(ga.size());
+    for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = ga[i] + gb[i];
+    for (const auto& p : probe.layout().params) {
+      const double ref = slice_dist(sum, {}, p.offset, p.numel);
+      if (p.name == "embed.weight" || p.name.ends_with("norm.weight")) EXPECT_GT(ref, 0.0) << p.name;
+      EXPECT_LE(slice_dist(gab, sum, p.offset, p.numel), 1e-5 * ref) << p.name;
+    }
+  }
+}
+
 TEST(TrainModel, RecomputeFullUsesLessActivationMemory) {
   const auto cfg = fixtures::tiny_config(false, 4);
   ModelOptions o;

@@ -4,10 +4,12 @@
 //  - Pointers are device pointers; shapes are passed as explicit extents (row-major, contiguous
 //    unless a leading dimension says otherwise); every launch takes a cudaStream_t and never
 //    synchronizes the host unless its header says so.
-//  - Activations are bf16, statistics (norm rstd, softmax lse, router probabilities) fp32,
-//    parameter gradients fp32 and accumulated (+=), activation gradients overwritten, exactly
-//    as the CPU reference ops in src/ops document (two ops can also write a parameter
-//    gradient, on request: docs/gpu_training.md).
+//  - Activations are bf16, statistics (norm rstd, softmax lse, router probabilities) fp32.
+//    Gradients follow the one convention of docs/ops.md (Gradient convention), exactly as the
+//    CPU reference ops in src/ops: parameter gradients fp32 and accumulated (+=), activation
+//    gradients overwritten, except rmsnorm's dx, which adds into the fp32 residual-stream
+//    gradient. Two ops can also write a parameter gradient, on request
+//    (moe::Grads::overwrite, cross_entropy::Options::overwrite_dw; docs/gpu_training.md).
 //  - Included only from .cu files and *_cuda.cc / *_cuda_test.cc: a CPU-only build never sees it.
 #pragma once
 

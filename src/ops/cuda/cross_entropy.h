@@ -44,6 +44,7 @@ struct Options {
   bool keep_logits = false;
   // backward writes dw (=, zeros when there are no tokens) instead of adding to it: a step's
   // first micro-batch then needs no memset of the [V, D] gradient before (docs/gpu_training.md).
+  // One of the two sanctioned exceptions to "parameter gradients are accumulated" (docs/ops.md).
   bool overwrite_dw = false;
 };
 

@@ -3,8 +3,8 @@
 //
 // Shapes (row-major, contiguous): x [n, in] bf16, w [out, in] bf16, y/dy [n, out] bf16,
 // dx [n, in] bf16, dw [out, in] fp32. n is tokens (B*T flattened).
-// Gradient convention: dx is OVERWRITTEN; dw is ACCUMULATED (+=) in fp32, so micro-batches and
-// tied weights sum into one gradient buffer. Either may be null to skip computing it.
+// Gradient convention (docs/ops.md): dx is OVERWRITTEN; dw is ACCUMULATED (+=) in fp32, so
+// micro-batches and tied weights sum into one gradient buffer. Either may be null to skip computing it.
 // Saved for backward: x and w. Nothing else.
 // Every call is three or fewer GEMMs on `stream` through `gemm`; none synchronizes the host.
 // Bad extents (negative) throw keel::Error.

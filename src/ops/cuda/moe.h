@@ -82,6 +82,7 @@ struct Grads {
   float* w_gate = nullptr;  // [E, F, D], accumulated; null to skip
   float* w_up = nullptr;
   float* w_down = nullptr;  // [E, D, F]
+  // One of the two sanctioned exceptions to "parameter gradients are accumulated" (docs/ops.md).
   // false: the backward ADDS each expert's gradient (micro-batches sum into one buffer). true:
   // it WRITES them (beta = 0 GEMMs; experts without rows get zeros), so a step's first
   // micro-batch needs no memset of these [E, F, D] blocks beforehand and its weight-gradient

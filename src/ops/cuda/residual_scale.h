@@ -7,8 +7,9 @@
 // fp32, docs/gpu_training.md); h and dh [rows, dim] either bf16 (an attention block's output
 // GEMM) or fp32 (the MoE combine): both overloads exist and compute in fp32. The vectors b, s,
 // b_r, s_r, b_h, s_h and their gradients [dim] fp32.
-// Gradients as the CPU op: dx, dr, dh OVERWRITTEN; db, ds ACCUMULATED (+=). Any gradient
-// pointer may be null to skip it. Saved for backward: the inputs (x, or r and h) and the
+// Gradients as the CPU op: dx, dr, dh OVERWRITTEN (dr too, though it is the residual stream's
+// gradient: see ops/residual_scale.h); db, ds ACCUMULATED (+=). Any gradient pointer may be
+// null to skip it. Saved for backward: the inputs (x, or r and h) and the
 // parameters.
 // Aliasing: y may alias x; out may alias r (or an fp32 h); dx may alias dy; dr may alias dout
 // (in-place residual gradient); dh must not alias dout. Each element is read before it is

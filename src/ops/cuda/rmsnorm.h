@@ -6,11 +6,10 @@
 // dy [rows, dim] bf16, dx [rows, dim] fp32, dw [dim] fp32. Saved for backward: x (the residual
 // stream itself), rstd; w is the parameter.
 //
-// !!! dx IS ACCUMULATED (dx += ...), UNLIKE THE CPU OP (which overwrites dx) !!!
-// On the GPU path dx is the fp32 residual-stream gradient, which already holds the gradient
-// that flows past the norm through the skip connection; adding into it saves a buffer and a
-// pass. To get the CPU op's overwrite semantics, zero dx first. dw is accumulated too (+=), as
-// every parameter gradient.
+// dx and dw are ACCUMULATED (+=), as in ops/rmsnorm.h (docs/ops.md, Gradient convention: the
+// residual-stream exception): dx is the fp32 residual-stream gradient, which already holds the
+// share that flows past the norm through the skip connection, so the norm adds its share to it
+// (no extra buffer or add pass). dw is accumulated as every parameter gradient.
 //
 // One warp per row (float4 loads when dim % 4 == 0 and the pointers allow it). dw is reduced
 // per block over a chunk of rows in registers and the per-chunk partials are added with one
@@ -28,7 +27,7 @@ void forward(const float* x, const float* w, float eps, bf16* y, float* rstd, st
              cudaStream_t stream);
 
 // With xhat = x * rstd and g = dy * w:
-//   dx += rstd * (g - xhat * mean_d(g * xhat))   (ACCUMULATED, see above; skipped when null)
+//   dx += rstd * (g - xhat * mean_d(g * xhat))   (accumulated, see above; skipped when null)
 //   dw += sum_rows dy * xhat                      (accumulated; skipped when null)
 void backward(const float* x, const float* w, const float* rstd, const bf16* dy, float* dx, float* dw,
               std::int64_t rows, std::int64_t dim, cudaStream_t stream);

@@ -104,7 +104,7 @@ __global__ void skip_forward_kernel(const bf16* __restrict__ x, const std::int32
   const std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (n >= tokens || idx[n] != skip_class) return;
   const float g = gates[n];
-  for (std::int64_t j = threadIdx.x % 32; j < hidden; j += 32) y[n * hidden + j] += g * __bfloat162float(x[n * hidden + j]);
+  for (std::int64_t j = threadIdx.x % 32; j < hidden; j += 32) y[n * hidden + j] = g * __bfloat162float(x[n * hidden + j]);
 }
 
 __global__ void skip_backward_kernel(const bf16* __restrict__ x, const std::int32_t* __restrict__ idx,
@@ -120,10 +120,10 @@ __global__ void skip_backward_kernel(const bf16* __restrict__ x, const std::int3
     const std::int64_t e = n * hidden + j;
     const float d = dy[e];
     dot += d * __bfloat162float(x[e]);
-    if (dx) dx[e] = __float2bfloat16(__bfloat162float(dx[e]) + g * d);
+    if (dx) dx[e] = __float2bfloat16(g * d);
   }
   for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-  if (dgates && lane == 0) dgates[n] += dot;
+  if (dgates && lane == 0) dgates[n] = dot;
 }
 
 void check_dims(const Dims& d) {
@@ -253,16 +253,16 @@ void backward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_
   linear::backward(gemm, x, w.w_down, k.b, dx, g.w_down, N, d.hidden, D, stream);
 }
 
-void skip_add_forward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, float* y,
-                      std::int64_t tokens, std::int64_t hidden, cudaStream_t stream) {
+void skip_forward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, float* y,
+                  std::int64_t tokens, std::int64_t hidden, cudaStream_t stream) {
   if (tokens < 0 || hidden <= 0) fail("cuda zaya_router skip: bad extents {} x {}", tokens, hidden);
   if (tokens == 0) return;
   skip_forward_kernel<<<grid_for(tokens, 8), 256, 0, stream>>>(x, idx, gates, skip_class, y, tokens, hidden);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
-void skip_add_backward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, const float* dy,
-                       bf16* dx, float* dgates, std::int64_t tokens, std::int64_t hidden, cudaStream_t stream) {
+void skip_backward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, const float* dy,
+                   bf16* dx, float* dgates, std::int64_t tokens, std::int64_t hidden, cudaStream_t stream) {
   if (tokens < 0 || hidden <= 0) fail("cuda zaya_router skip: bad extents {} x {}", tokens, hidden);
   if (tokens == 0 || (!dx && !dgates)) return;
   skip_backward_kernel<<<grid_for(tokens, 8), 256, 0, stream>>>(x, idx, gates, skip_class, dy, dx, dgates, tokens,

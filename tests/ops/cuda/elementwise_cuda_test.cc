@@ -156,8 +156,8 @@ TEST(ElementwiseCudaRmsNorm, ForwardAndBackwardMatchCpu) {
     EXPECT_TRUE(all_close(to_host(d_rstd), rstd, 1e-5f, 0.f, "rstd"));
     EXPECT_TRUE(all_close(to_host(d_y), y, 1e-2f, 1e-3f, "y (bf16)"));
 
-    // Backward from the CPU's saved rstd (isolates backward). dx and dw start non-zero: the
-    // GPU op accumulates into both; the CPU op overwrites dx and accumulates dw.
+    // Backward from the CPU's saved rstd (isolates backward). dx and dw start non-zero: both
+    // ops accumulate into both (docs/ops.md, Gradient convention).
     auto dy = rounded_bf16(random_vector(rows * dim, 12));
     auto dx0 = random_vector(rows * dim, 13);
     auto dw = random_vector(dim, 14);
@@ -167,10 +167,9 @@ TEST(ElementwiseCudaRmsNorm, ForwardAndBackwardMatchCpu) {
     auto d_dw = to_device<float>(dw);
     ops::cuda::rmsnorm::backward(d_x.get(), d_w.get(), d_rstd_cpu.get(), d_dy.get(), d_dx.get(), d_dw.get(), rows, dim,
                                  nullptr);
-    std::vector<float> dx(rows * dim);
+    std::vector<float> dx = dx0;
     ops::rmsnorm::backward(Tensor(x.data(), {rows, dim}), Tensor(w.data(), {dim}), Tensor(rstd.data(), {rows}),
                            Tensor(dy.data(), {rows, dim}), Tensor(dx.data(), {rows, dim}), Tensor(dw.data(), {dim}));
-    for (std::size_t i = 0; i < dx.size(); ++i) dx[i] += dx0[i];
     EXPECT_TRUE(all_close(to_host(d_dx), dx, 1e-5f, 1e-5f, "dx (accumulated)"));
     EXPECT_TRUE(all_close(to_host(d_dw), dw, 1e-5f, 1e-4f, "dw (accumulated)"));
   }
@@ -181,7 +180,8 @@ TEST(ElementwiseCudaRmsNorm, NullOutputsAreSkipped) {
   const std::int64_t rows = 9, dim = 64;
   auto x = random_vector(rows * dim, 20), w = random_vector(dim, 21);
   auto dy = rounded_bf16(random_vector(rows * dim, 22));
-  std::vector<float> y(rows * dim), rstd(rows), dx(rows * dim), dw(dim, 0.f);
+  const auto dx0 = random_vector(rows * dim, 23);  // both sides add into the same non-zero start
+  std::vector<float> y(rows * dim), rstd(rows), dx = dx0, dw(dim, 0.f);
   ops::rmsnorm::forward(Tensor(x.data(), {rows, dim}), Tensor(w.data(), {dim}), 1e-6f, Tensor(y.data(), {rows, dim}),
                         Tensor(rstd.data(), {rows}));
   ops::rmsnorm::backward(Tensor(x.data(), {rows, dim}), Tensor(w.data(), {dim}), Tensor(rstd.data(), {rows}),
@@ -191,7 +191,8 @@ TEST(ElementwiseCudaRmsNorm, NullOutputsAreSkipped) {
   DeviceArray<cuda_bf16> d_y(rows * dim);
   ops::cuda::rmsnorm::forward(d_x.get(), d_w.get(), 1e-6f, d_y.get(), nullptr, rows, dim, nullptr);
   EXPECT_TRUE(all_close(to_host(d_y), y, 1e-2f, 1e-3f, "y without rstd"));
-  DeviceArray<float> d_dx(rows * dim), d_dw(dim);
+  auto d_dx = to_device<float>(dx0);
+  DeviceArray<float> d_dw(dim);
   ops::cuda::rmsnorm::backward(d_x.get(), d_w.get(), d_rstd.get(), d_dy.get(), d_dx.get(), nullptr, rows, dim, nullptr);
   ops::cuda::rmsnorm::backward(d_x.get(), d_w.get(), d_rstd.get(), d_dy.get(), nullptr, d_dw.get(), rows, dim, nullptr);
   EXPECT_TRUE(all_close(to_host(d_dx), dx, 1e-5f, 1e-5f, "dx only"));

@@ -73,12 +73,6 @@ double logged_rel_err(const char* what, const std::vector<float>& got, const std
   return e;
 }
 
-std::vector<float> plus(const std::vector<float>& a, const std::vector<float>& b) {
-  std::vector<float> r(a.size());
-  for (std::size_t i = 0; i < a.size(); ++i) r[i] = a[i] + b[i];
-  return r;
-}
-
 // ---------------------------------------------------------------- residual scaling
 
 TEST(ResidualScaleCuda, ForwardAndBackwardMatchCpu) {
@@ -423,7 +417,10 @@ TEST(ZayaRouterCuda, ForwardAndBackwardMatchCpu) {
   }
 }
 
-TEST(ZayaRouterCuda, SkipPathAccumulatesTheCpuSkipOutputs) {
+// Both twins write the skip rows (y = g x, dx = g dy, dgates = dy . x) and leave every other row
+// untouched. Both start from the same non-zero values: the skip rows must match the CPU op and
+// the other rows must still hold their starting values exactly.
+TEST(ZayaRouterCuda, SkipPathWritesTheSkipRowsLikeCpu) {
   KEEL_REQUIRE_GPU();
   namespace zr = ops::zaya_router;
   namespace kzr = ops::cuda::zaya_router;
@@ -434,7 +431,7 @@ TEST(ZayaRouterCuda, SkipPathAccumulatesTheCpuSkipOutputs) {
   auto x = rounded_bf16(random_vector(N * H, 80)), gates = random_vector(N, 81, 0.05f, 1.f);
   auto dy = random_vector(N * H, 82), y0 = random_vector(N * H, 83), dx0 = rounded_bf16(random_vector(N * H, 84)),
        dg0 = random_vector(N, 85);
-  std::vector<float> y(N * H), dx(N * H), dg(N);
+  std::vector<float> y = y0, dx = dx0, dg = dg0;
   zr::skip_forward(Tensor(x.data(), {N, H}), idx.data(), Tensor(gates.data(), {N, 1}), skip, Tensor(y.data(), {N, H}));
   zr::skip_backward(Tensor(x.data(), {N, H}), idx.data(), Tensor(gates.data(), {N, 1}), skip, Tensor(dy.data(), {N, H}),
                     Tensor(dx.data(), {N, H}), Tensor(dg.data(), {N, 1}));
@@ -443,11 +440,27 @@ TEST(ZayaRouterCuda, SkipPathAccumulatesTheCpuSkipOutputs) {
   auto d_g = to_device<float>(gates), d_dy = to_device<float>(dy), d_y = to_device<float>(y0),
        d_dg = to_device<float>(dg0);
   auto d_dx = to_device<cuda_bf16>(dx0);
-  kzr::skip_add_forward(d_x.get(), d_idx.get(), d_g.get(), skip, d_y.get(), N, H, nullptr);
-  kzr::skip_add_backward(d_x.get(), d_idx.get(), d_g.get(), skip, d_dy.get(), d_dx.get(), d_dg.get(), N, H, nullptr);
-  EXPECT_TRUE(all_close(to_host(d_y), plus(y0, y), 1e-6f, 1e-6f, "y += g x"));
-  EXPECT_TRUE(all_close(to_host(d_dx), plus(dx0, dx), 4e-3f, 1e-6f, "dx += g dy (bf16)"));
-  EXPECT_TRUE(all_close(to_host(d_dg), plus(dg0, dg), 1e-5f, 1e-4f, "dgates += dy . x"));
+  kzr::skip_forward(d_x.get(), d_idx.get(), d_g.get(), skip, d_y.get(), N, H, nullptr);
+  kzr::skip_backward(d_x.get(), d_idx.get(), d_g.get(), skip, d_dy.get(), d_dx.get(), d_dg.get(), N, H, nullptr);
+  const auto got_y = to_host(d_y), got_dx = to_host(d_dx), got_dg = to_host(d_dg);
+  // Split each output into its skip rows (compared with the CPU op) and the other rows (which
+  // must be their starting values, bit for bit).
+  auto rows = [&](const std::vector<float>& v, std::int64_t w, bool skipped) {
+    std::vector<float> r;
+    for (std::int64_t n = 0; n < N; ++n)
+      if ((idx[n] == skip) == skipped) r.insert(r.end(), v.begin() + n * w, v.begin() + (n + 1) * w);
+    return r;
+  };
+  EXPECT_TRUE(all_close(rows(got_y, H, true), rows(y, H, true), 1e-6f, 1e-6f, "y = g x on skip rows"));
+  EXPECT_TRUE(all_close(rows(got_dx, H, true), rows(dx, H, true), 4e-3f, 1e-6f, "dx = g dy (bf16) on skip rows"));
+  EXPECT_TRUE(all_close(rows(got_dg, 1, true), rows(dg, 1, true), 1e-5f, 1e-4f, "dgates = dy . x on skip rows"));
+  EXPECT_TRUE(all_close(rows(got_y, H, false), rows(y0, H, false), 0.f, 0.f, "y untouched on other rows"));
+  EXPECT_TRUE(all_close(rows(got_dx, H, false), rows(dx0, H, false), 0.f, 0.f, "dx untouched on other rows"));
+  EXPECT_TRUE(all_close(rows(got_dg, 1, false), rows(dg0, 1, false), 0.f, 0.f, "dgates untouched on other rows"));
+  // The CPU op left the same rows untouched.
+  EXPECT_TRUE(all_close(rows(y, H, false), rows(y0, H, false), 0.f, 0.f, "CPU y untouched on other rows"));
+  EXPECT_TRUE(all_close(rows(dx, H, false), rows(dx0, H, false), 0.f, 0.f, "CPU dx untouched on other rows"));
+  EXPECT_TRUE(all_close(rows(dg, 1, false), rows(dg0, 1, false), 0.f, 0.f, "CPU dgates untouched on other rows"));
 }
 
 // ---------------------------------------------------------------- CCA
