@@ -38,8 +38,8 @@
 #include "ops/cuda/swiglu.h"
 #include "ops/cuda/zaya_router.h"
 #include "ops/rope.h"
-#include "train/cuda_kernels.h"
-#include "train/cuda_zaya_layers_cuda.h"
+#include "blocks/cuda/kernels.h"
+#include "blocks/cuda/zaya_moe.h"
 #include "train/model.h"
 
 namespace keel::generate {
@@ -88,7 +88,7 @@ struct LayerDev {
   const bf16 *w_gate = nullptr, *w_up = nullptr, *w_down = nullptr;       // dense
   const bf16* router = nullptr;                                            // linear router [E, D]
   k::moe::Weights experts;
-  train::cuda_zaya::Weights zw;  // MLP router + experts
+  blocks::cuda::zaya::Weights zw;  // MLP router + experts
   ResScaleDev attn_scale, mlp_scale;
 };
 
@@ -115,7 +115,7 @@ struct Acts {
   void* zsaved = nullptr;  // zaya_router::saved_bytes
   std::int32_t *kept = nullptr, *kept_idx = nullptr, *zpos = nullptr, *zcount = nullptr;
   float* eda[2] = {nullptr, nullptr};
-  train::cuda_zaya::Scratch zs;
+  blocks::cuda::zaya::Scratch zs;
   void* dattn_ws = nullptr;
   float *final_r = nullptr, *rl = nullptr, *hl = nullptr, *logits = nullptr;
   bf16* fh = nullptr;
@@ -155,7 +155,7 @@ class CudaDecoder final : public Decoder {
         fail("generate: router bias of {} classes, the model routes over {}", b.size(), classes_);
     mlp_router_ = cfg_.router_hidden > 0;
     scaled_ = cfg_.residual_scaling;
-    cca_cfg_ = train::cca_config(cfg_);
+    cca_cfg_ = blocks::cca_config(cfg_);
     zshape_.hidden = cfg_.hidden;
     zshape_.router_hidden = cfg_.router_hidden;
     zshape_.expert_hidden = cfg_.expert_hidden;
@@ -340,7 +340,7 @@ class CudaDecoder final : public Decoder {
 
     // Device views by role, from the host views' offsets.
     float* base = const_cast<float*>(w.params.data());
-    const train::WeightViews v = train::map_weights(cfg_, layout, base);
+    const blocks::WeightViews v = blocks::map_weights(cfg_, layout, base);
     auto b16 = [&](const Tensor& t) -> const bf16* { return t.empty() ? nullptr : w16_ + (t.data() - base); };
     auto f32v = [&](const Tensor& t) -> const float* {
       if (t.empty()) return nullptr;
@@ -348,7 +348,7 @@ class CudaDecoder final : public Decoder {
       if (it == f32_offset.end()) fail("generate: no fp32 device copy of a parameter at offset {}", t.data() - base);
       return f32 + it->second;
     };
-    auto res = [&](const train::zaya::ResScale& s) {
+    auto res = [&](const blocks::ResScale& s) {
       return ResScaleDev{f32v(s.h_scale), f32v(s.h_bias), f32v(s.r_scale), f32v(s.r_bias)};
     };
     embed_ = b16(v.embed);
@@ -357,7 +357,7 @@ class CudaDecoder final : public Decoder {
     final_scale_ = res(v.final_scale);
     layers_.assign(static_cast<std::size_t>(cfg_.layers), LayerDev{});
     for (int l = 0; l < cfg_.layers; ++l) {
-      const train::LayerWeights& P = v.layers[static_cast<std::size_t>(l)];
+      const blocks::LayerWeights& P = v.layers[static_cast<std::size_t>(l)];
       LayerDev& L = layers_[static_cast<std::size_t>(l)];
       L.cca = model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca;
       L.moe = moe_index_[static_cast<std::size_t>(l)];
@@ -431,7 +431,7 @@ class CudaDecoder final : public Decoder {
       a.plan_ws = c.take<std::int32_t>(k::moe::plan_ints(S, static_cast<int>(E)));
     }
     if (any_moe && mlp_router_) {
-      train::cuda_zaya::Shape zs = zshape_;
+      blocks::cuda::zaya::Shape zs = zshape_;
       zs.tokens = N;
       a.zsaved = c.take<std::byte>(static_cast<std::int64_t>(k::zaya_router::saved_bytes(zs.router_dims())));
       a.kept = c.take<std::int32_t>(N);
@@ -632,15 +632,15 @@ class CudaDecoder final : public Decoder {
     float* out = accumulate ? a.y : y;
     const int m = L.moe;
     if (mlp_router_) {
-      train::cuda_zaya::Shape zs = zshape_;
+      blocks::cuda::zaya::Shape zs = zshape_;
       zs.tokens = n;
-      train::cuda_zaya::Acts za;
+      blocks::cuda::zaya::Acts za;
       za.router = k::zaya_router::carve_saved(zs.router_dims(), a.zsaved);
       za.router.state = a.eda[m % 2];
       za.kept = a.kept, za.kept_idx = a.kept_idx, za.pos = a.zpos, za.count = a.zcount, za.plan_ws = a.plan_ws;
       za.experts = a.msaved;
       const float* prev = m > 0 ? a.eda[(m - 1) % 2] : nullptr;
-      train::cuda_zaya::moe_forward(*gemm_, zs, L.zw, x, prev, bias_ + std::int64_t(m) * classes_, za, a.zs, out,
+      blocks::cuda::zaya::moe_forward(*gemm_, zs, L.zw, x, prev, bias_ + std::int64_t(m) * classes_, za, a.zs, out,
                                     stream_);
     } else {
       const int E = cfg_.experts, K = cfg_.top_k;
@@ -650,7 +650,7 @@ class CudaDecoder final : public Decoder {
       const k::moe::Plan plan = k::moe::make_plan(a.idx, n, K, E, a.plan_ws, stream_);  // syncs
       k::moe::forward(plan, x, a.gates, L.experts, D, cfg_.expert_hidden, a.msaved, out, stream_);
     }
-    if (accumulate) train::cuda::add_f32(y, a.y, y, n * D, stream_);
+    if (accumulate) blocks::cuda::add_f32(y, a.y, y, n * D, stream_);
   }
 
   // Final merge, norm and LM head over every position (all_positions) or each sequence's
@@ -686,7 +686,7 @@ class CudaDecoder final : public Decoder {
   bool any_cca_ = false, any_softmax_ = false, mlp_router_ = false, scaled_ = false;
   int classes_ = 0;
   k::cca::Config cca_cfg_;
-  train::cuda_zaya::Shape zshape_;
+  blocks::cuda::zaya::Shape zshape_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<k::GemmRunner> gemm_;
   std::unique_ptr<k::rope::UploadedTable> rope_;

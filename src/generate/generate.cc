@@ -138,7 +138,7 @@ struct InferenceModel::Work {
   std::vector<std::int32_t> idx, positions;
   std::vector<std::int64_t> counts;
   std::vector<float> scores;
-  train::zaya::MoeActs zacts;
+  blocks::zaya::MoeActs zacts;
   Tensor get(Slot s, std::initializer_list<std::int64_t> shape) {
     std::int64_t n = 1;
     for (auto d : shape) n *= d;
@@ -232,11 +232,11 @@ InferenceModel::InferenceModel(ModelWeights weights) : w_(std::move(weights)), w
     if (static_cast<int>(b.size()) != classes)
       fail("generate: router bias of {} classes, the model routes over {}", b.size(), classes);
 
-  train::WeightViews views = train::map_weights(cfg, layout_, w_.params.data());
+  blocks::WeightViews views = blocks::map_weights(cfg, layout_, w_.params.data());
   lp_ = std::move(views.layers);
   embed_ = views.embed, final_norm_ = views.final_norm, lm_head_ = views.lm_head, final_scale_ = views.final_scale;
 
-  cca_cfg_ = train::cca_config(cfg);
+  cca_cfg_ = blocks::cca_config(cfg);
   zshape_.hidden = cfg.hidden;
   zshape_.router_hidden = cfg.router_hidden;
   zshape_.expert_hidden = cfg.expert_hidden;
@@ -279,7 +279,7 @@ void InferenceModel::embed(const std::uint32_t* ids, std::int64_t n, const Tenso
 
 // Residual-scaled models: the input of layer l's attention stage (x_mid) from the streams.
 void InferenceModel::attn_stage_input(int l, std::int64_t, const Tensor& r, const Tensor& h, const Tensor& x_mid) {
-  const train::zaya::ResScale& A = lp_[l].attn_scale;
+  const blocks::ResScale& A = lp_[l].attn_scale;
   if (l == 0)
     ops::residual_scale::forward(r, A.h_bias, A.h_scale, x_mid);
   else
@@ -295,7 +295,7 @@ void InferenceModel::mlp_stage(int l, std::int64_t n, const Tensor& x_mid, const
   const float eps = static_cast<float>(w_.config.norm_eps);
   const Tensor h2 = work_->get(Work::kH2, {n, D});
   if (w_.config.residual_scaling) {
-    const train::zaya::ResScale& M = P.mlp_scale;
+    const blocks::ResScale& M = P.mlp_scale;
     ops::residual_scale::merge_forward(x_mid, attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, r_out);
     ops::rmsnorm::forward(r_out, P.mlp_norm, eps, h2, Tensor());
     mlp(l, n, h2, h_out);
@@ -330,18 +330,18 @@ void InferenceModel::mlp(int l, std::int64_t n, const Tensor& x, const Tensor& y
     const int classes = zshape_.classes();
     zshape_.tokens = n;
     const Tensor rbuf = w.get(Work::kRouterSaved, {ops::zaya_router::saved_floats(n, R, classes)});
-    train::zaya::MoeActs& a = w.zacts;
+    blocks::zaya::MoeActs& a = w.zacts;
     a.router = ops::zaya_router::carve_saved(rbuf.data(), n, R, classes);
     a.router.state = w.get(m % 2 ? Work::kEda1 : Work::kEda0, {n, R});
     const Tensor prev = m > 0 ? Tensor(w.buf[m % 2 ? Work::kEda0 : Work::kEda1].data(), {n, R}) : Tensor();
     a.experts = {w.get(Work::kXs, {n, D}), w.get(Work::kHGate, {n, F}), w.get(Work::kHUp, {n, F}),
                  w.get(Work::kAct, {n, F}), w.get(Work::kYs, {n, D})};
-    train::zaya::MoeScratch sc;
+    blocks::zaya::MoeScratch sc;
     sc.xk = w.get(Work::kXk, {n, D});
     sc.yk = w.get(Work::kYk, {n, D});
     sc.gk = w.get(Work::kGk, {n, 1});
     const Tensor bias(w_.router_bias[m].data(), {classes});
-    train::zaya::moe_forward(zshape_, {P.zrouter, P.experts}, x, prev, bias, static_cast<float>(cfg.norm_eps), a, sc, y);
+    blocks::zaya::moe_forward(zshape_, {P.zrouter, P.experts}, x, prev, bias, static_cast<float>(cfg.norm_eps), a, sc, y);
     return;
   }
   const int E = cfg.experts, K = cfg.top_k;
@@ -366,7 +366,7 @@ void InferenceModel::head(std::int64_t n, const Tensor& r, const Tensor& h, floa
   Tensor in = r;
   if (cfg.residual_scaling) {
     in = work_->get(Work::kFinal, {n, D});
-    const train::zaya::ResScale& F = final_scale_;
+    const blocks::ResScale& F = final_scale_;
     ops::residual_scale::merge_forward(r, h, F.r_bias, F.r_scale, F.h_bias, F.h_scale, in);
   }
   const Tensor fh = work_->get(Work::kFinalH, {n, D});

@@ -47,7 +47,8 @@
 #include "optim/param_groups.h"
 #include "tensor/tensor.h"
 #include "train/model.h"
-#include "train/zaya_layers.h"
+#include "blocks/weights.h"
+#include "blocks/zaya_moe.h"
 
 namespace keel::generate {
 
@@ -114,7 +115,7 @@ class InferenceModel {
   void decode(const std::uint32_t* tokens, Cache& cache, std::vector<float>& logits);
 
  private:
-  using LayerParams = train::LayerWeights;
+  using LayerParams = blocks::LayerWeights;
   struct Work;
   void embed(const std::uint32_t* ids, std::int64_t n, const Tensor& out);
   // n rows each. Residual scaling: x_mid = merge of the streams r, h entering layer l.
@@ -133,11 +134,11 @@ class InferenceModel {
   optim::ParamLayout layout_;
   std::vector<LayerParams> lp_;
   Tensor embed_, final_norm_, lm_head_;
-  train::zaya::ResScale final_scale_;
+  blocks::ResScale final_scale_;
   std::vector<int> moe_index_;  // per layer: MoE stage index or -1
   std::vector<char> cca_;       // per layer: attention is CCA
   ops::cca::Config cca_cfg_;
-  train::zaya::Shape zshape_;
+  blocks::zaya::Shape zshape_;
   ops::rope::Table rope_;
   std::unique_ptr<Work> work_;
 };

@@ -62,4 +62,23 @@ std::int64_t backward_scratch_floats(std::int64_t slots, std::int64_t d, std::in
 void backward(const Plan& plan, const Tensor& x, const Tensor& gates, const Weights& w, const Saved& saved,
               const Tensor& dy, const Tensor& scratch, const Tensor& dx, const Tensor& dgates, const Weights& dweights);
 
+// Where a routed layer's experts run when they are not all on this rank (callers without a
+// runner call forward() and backward() above): spread over an expert-parallel group of ranks
+// (parallel/expert_parallel.h). One object per MoE layer (it keeps what backward needs). Same
+// arguments as forward() and backward(); `w` and `dweights` hold the experts this rank has (all
+// E, or E / P), the plan routes over all E; a runner may keep its own saved rows and scratch
+// and ignore the caller's. The CUDA twin is ops/cuda/moe.h's ExpertRunner.
+class ExpertRunner {
+ public:
+  virtual ~ExpertRunner() = default;
+  virtual void forward(const Plan& plan, const Tensor& x, const Tensor& gates, const Weights& w, const Saved& saved,
+                       const Tensor& y) = 0;
+  virtual void backward(const Plan& plan, const Tensor& x, const Tensor& gates, const Weights& w, const Saved& saved,
+                        const Tensor& dy, const Tensor& scratch, const Tensor& dx, const Tensor& dgates,
+                        const Weights& dweights) = 0;
+  // True when every rank of a group must call forward() and backward() together, even with no
+  // tokens.
+  virtual bool collective() const { return false; }
+};
+
 }  // namespace keel::ops::moe

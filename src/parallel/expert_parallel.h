@@ -47,7 +47,7 @@ struct ExpertMajorLayout {
 // Throws keel::Error when recv does not hold P * El counts or one is negative.
 ExpertMajorLayout expert_major_layout(const std::vector<std::int64_t>& recv, int sources, int local_experts);
 
-class ExpertParallelMoe {
+class ExpertParallelMoe final : public ops::moe::ExpertRunner {
  public:
   // comm: the expert-parallel group (not owned; it must outlive the object); experts: E of the
   // whole layer, a multiple of the group size (keel::UsageError otherwise).
@@ -67,6 +67,19 @@ class ExpertParallelMoe {
   // local_grads (shapes of `local`, any may be empty) accumulated (+=). Collective.
   void backward(const Tensor& dy, const ops::moe::Weights& local, const Tensor& dx, const Tensor& dgates,
                 const ops::moe::Weights& local_grads);
+
+  // The same as an ops::moe::ExpertRunner (the caller's saved rows and scratch are not used: the
+  // rows live at the experts' ranks).
+  void forward(const ops::moe::Plan& plan, const Tensor& x, const Tensor& gates, const ops::moe::Weights& w,
+               const ops::moe::Saved&, const Tensor& y) override {
+    forward(plan, x, gates, w, y);
+  }
+  void backward(const ops::moe::Plan&, const Tensor&, const Tensor&, const ops::moe::Weights& w,
+                const ops::moe::Saved&, const Tensor& dy, const Tensor&, const Tensor& dx, const Tensor& dgates,
+                const ops::moe::Weights& dweights) override {
+    backward(dy, w, dx, dgates, dweights);
+  }
+  bool collective() const override { return true; }
 
   // Rows this rank's experts computed in the last forward (tokens of the whole group).
   std::int64_t received_rows() const { return static_cast<std::int64_t>(expert_major_.size()); }

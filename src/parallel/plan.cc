@@ -16,4 +16,14 @@ void check_plan(const model::ModelConfig& model, const mesh::Shape& shape, const
                                  model.name, model.experts, shape.ep));
 }
 
+CpuPlan::CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh) {
+  check_plan(cfg, mesh.shape());
+  layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::LayerRunners{});
+  for (int l = 0; l < cfg.layers; ++l) {
+    if (mesh.expert().size == 1 || !model::is_moe_layer(cfg, l)) continue;
+    ep_layers_.push_back(std::make_unique<ExpertParallelMoe>(mesh.expert().comm, cfg.experts));
+    layers_[static_cast<std::size_t>(l)].experts = ep_layers_.back().get();
+  }
+}
+
 }  // namespace keel::parallel

@@ -61,4 +61,22 @@ const Arena::Region* Arena::find(const void* p) const {
   return nullptr;
 }
 
+Tensor ArenaPlanner::tensor(std::string_view what, std::initializer_list<std::int64_t> shape) {
+  std::int64_t n = 1;
+  for (auto s : shape) n *= s;
+  if (!arena_) {
+    counted_ += Arena::footprint(static_cast<std::size_t>(n) * sizeof(float));
+    return {};
+  }
+  return arena_->tensor(what, shape);
+}
+
+void* ArenaPlanner::bytes(std::string_view what, std::size_t n) {
+  if (!arena_) {
+    counted_ += Arena::footprint(n);
+    return nullptr;
+  }
+  return arena_->allocate_bytes(what, n);
+}
+
 }  // namespace keel

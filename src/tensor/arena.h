@@ -71,4 +71,24 @@ class Arena {
   std::vector<Region> regions_;
 };
 
+// Lays regions out in an Arena in two passes, the way keel's CPU models plan their activations:
+// without an arena it only counts the bytes the same calls would take (so the arena can be made
+// at its exact size) and hands out empty views; with one it hands out the regions.
+class ArenaPlanner {
+ public:
+  explicit ArenaPlanner(Arena* arena = nullptr) : arena_(arena) {}
+  Tensor tensor(std::string_view what, std::initializer_list<std::int64_t> shape);
+  void* bytes(std::string_view what, std::size_t n);
+  template <typename T>
+  T* take(std::string_view what, std::size_t count) {
+    return static_cast<T*>(bytes(what, count * sizeof(T)));
+  }
+  bool sizing() const { return arena_ == nullptr; }
+  std::size_t counted() const { return counted_; }  // bytes the sizing pass counted
+
+ private:
+  Arena* arena_;
+  std::size_t counted_ = 0;
+};
+
 }  // namespace keel

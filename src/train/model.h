@@ -31,17 +31,17 @@
 #include <string_view>
 #include <vector>
 
+#include "blocks/attention.h"
+#include "blocks/mlp.h"
+#include "blocks/weights.h"
 #include "model/config.h"
 #include "model/param_layout.h"
-#include "ops/cca.h"
-#include "ops/moe.h"
 #include "ops/rope.h"
 #include "optim/param_groups.h"
-#include "parallel/expert_parallel.h"
+#include "parallel/mesh.h"
+#include "parallel/plan.h"
 #include "tensor/arena.h"
 #include "tensor/tensor.h"
-#include "parallel/mesh.h"
-#include "train/zaya_layers.h"
 
 namespace keel::train {
 
@@ -74,38 +74,13 @@ struct LossParts {
 // Throws keel::UsageError (one line naming the model) for anything keel train cannot train yet
 // or for micro_batch / seq_length / ce_chunk out of range. Every backend calls it first.
 void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt);
-// The CCA layer shape of a model (ops::cca::Config from its heads, head_dim and conv widths).
-ops::cca::Config cca_config(const model::ModelConfig& cfg);
 // 6 x active matmul parameters (LM head included) x tokens + causal attention, fwd + bwd.
 double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batch, int seq_length);
-
-// Views, by role, of every parameter of a model in one flat buffer laid out by
-// model::param_layout() (the parameters, or the gradients at the same offsets). The training
-// model and the inference model (keel generate) both read their weights through it.
-struct LayerWeights {
-  Tensor attn_norm, wq, wk, wv, wo, mlp_norm;  // wq..wo: mha/gqa layers
-  ops::cca::Params cca;                        // CCA layers
-  bool moe = false;
-  Tensor w_gate, w_up, w_down;       // dense [F, D], [F, D], [D, F]
-  Tensor router;                     // linear router [E, D]
-  ops::zaya_router::Params zrouter;  // MLP router (router_hidden > 0)
-  ops::moe::Weights experts;
-  zaya::ResScale attn_scale, mlp_scale;  // residual scaling before each stage (residual_scaling)
-};
-
-struct WeightViews {
-  std::vector<LayerWeights> layers;
-  Tensor embed, final_norm, lm_head;  // lm_head views embed with tied embeddings
-  zaya::ResScale final_scale;         // residual scaling before the final norm
-};
 
 // Aux-loss-free balancing from expert loads (one vector per MoE layer, summed since the last
 // update): bias_e += rate * sign(mean load - load_e). Shared by the CPU and CUDA backends.
 void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, double rate,
                            std::vector<std::vector<float>>& bias);
-
-// Throws keel::Error naming a parameter of the layout it has no role for.
-WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* base);
 
 class MoeTransformer {
  public:
@@ -159,15 +134,19 @@ class MoeTransformer {
   double flops_per_micro_batch() const;
 
  private:
-  using LayerParams = LayerWeights;
-  struct LayerActs;
+  struct LayerActs {
+    Tensor h1, rstd1, x_mid, h2, rstd2;
+    Tensor attn_out;  // residual scaling: the attention stage output
+    blocks::AttnSaved attn;
+    blocks::MlpSaved mlp;
+  };
   void allocate_params();
-  std::size_t plan_acts(Arena* arena);  // nullptr: only count bytes
-  void attn_forward(int l, LayerActs& a, const Tensor& y);
-  void attn_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh, const Tensor& scratch);
-  zaya::MoeParams zaya_moe_params(const LayerParams& L, int moe_index) const;
+  void plan_acts(ArenaPlanner& p);
+  LayerActs& acts_for(int l) { return acts_[opt_.recompute == Recompute::kFull ? 0 : static_cast<std::size_t>(l)]; }
+  blocks::AttnContext attn_context(int l) const;
+  blocks::EdaIo eda(int m) const;
   void mlp_forward(int l, LayerActs& a, bool count_load, LossParts& lp, const Tensor& y);
-  void mlp_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh, const Tensor& scratch);
+  void mlp_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh);
   void layer_forward(int l, LayerActs& a, const Tensor& x_in, const Tensor& x_out, bool count_load, LossParts& lp);
   void layer_backward(int l, LayerActs& a, const Tensor& x_in, const Tensor& dres);
   void scaled_layer_forward(int l, LayerActs& a, const Tensor& r_out, const Tensor& h_out, bool count_load,
@@ -177,29 +156,28 @@ class MoeTransformer {
   model::ModelConfig cfg_;
   ModelOptions opt_;
   parallel::Mesh mesh_;
+  parallel::CpuPlan plan_;  // each layer's runners
   optim::ParamLayout layout_;
   std::unique_ptr<Arena> param_arena_, grad_arena_, act_arena_;
   float* params_ = nullptr;
   float* grads_ = nullptr;
   ops::rope::Table rope_;
-  std::vector<LayerParams> lp_, lg_;  // params and grads views per layer
-  Tensor embed_, final_norm_, lm_head_, d_embed_, d_final_norm_, d_lm_head_;
-  zaya::ResScale final_scale_, d_final_scale_;  // residual scaling before the final norm
-  std::vector<char> cca_layer_;                 // per layer: attention is CCA
-  ops::cca::Config cca_cfg_;
-  zaya::Shape zshape_;                          // MLP-router MoE stages
+  blocks::WeightViews w_, g_;  // the parameters and the gradients, by role
+  blocks::AttnShape attn_shape_;
+  blocks::MlpShape mlp_shape_;
+  std::vector<int> moe_layer_ids_, moe_index_of_layer_;
+  std::vector<char> cca_layer_;  // per layer: attention is CCA
   std::vector<LayerActs> acts_;  // one per layer (none) or one shared workspace (full)
   std::vector<Tensor> resid_;    // [layers + 1] residual stream (layer inputs, final output)
   std::vector<Tensor> hres_;     // [layers + 1] residual scaling: mixer output into layer l (l >= 1)
   std::vector<Tensor> eda_state_;  // per MoE stage: the MLP router's EDA state [N, router_hidden]
+  Tensor deda_[2];                 // dL/d EDA state, alternating between consecutive MoE stages
   Tensor final_r_, final_h_, final_rstd_, ce_lse_, ce_scratch_;
-  Tensor dres_, dtmp_, dtmp2_, dtmp3_, dhres_, cca_scratch_;
-  Tensor deda_[2];  // dL/d EDA state, alternating between consecutive MoE stages
-  zaya::MoeScratch zs_;
+  Tensor dres_, dtmp_, dtmp2_, dtmp3_, dhres_;
+  blocks::AttnScratch attn_scratch_;
+  blocks::MlpScratch mlp_scratch_;
   std::vector<std::uint32_t> tokens_;
   std::vector<std::int32_t> targets_, positions_;
-  std::vector<int> moe_layer_ids_, moe_index_of_layer_;
-  std::vector<std::unique_ptr<parallel::ExpertParallelMoe>> ep_;  // per MoE layer, with expert parallelism
   std::vector<std::vector<std::int64_t>> load_;
   std::vector<std::vector<float>> bias_;
   bool have_forward_ = false;

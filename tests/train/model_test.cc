@@ -122,9 +122,9 @@ TEST(TrainModel, MicroBatchGradientsSum) {
     o.init_std = 0.2;
     const int n = o.micro_batch * o.seq_length, vocab = static_cast<int>(cfg.vocab_size);
     const fixtures::Batch a = fixtures::random_batch(n, vocab, 31), b = fixtures::random_batch(n, vocab, 32);
-    const MoeTransformer probe(cfg, o, ParallelContext::single());  // for the layout
+    const MoeTransformer probe(cfg, o, parallel::Mesh());  // for the layout
     auto grads_of = [&](const std::vector<const fixtures::Batch*>& batches) {
-      MoeTransformer m(cfg, o, ParallelContext::single());
+      MoeTransformer m(cfg, o, parallel::Mesh());
       m.zero_grads();
       for (const auto* batch : batches) {
         m.forward(batch->tokens.data(), batch->targets.data());

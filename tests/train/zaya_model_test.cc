@@ -247,7 +247,7 @@ TEST(TrainZaya, MicroBatchGradientsSum) {
   o.seq_length = 8;
   o.init_std = 0.2;
   auto grads_of = [&](const std::vector<const Batch*>& batches) {
-    MoeTransformer m(cfg, o, ParallelContext::single());
+    MoeTransformer m(cfg, o, parallel::Mesh());
     perturb_vectors(m, 3);
     for (int i = 0; i < 2; ++i) m.router_bias(i).back() = 0.1f;
     m.zero_grads();
@@ -261,7 +261,7 @@ TEST(TrainZaya, MicroBatchGradientsSum) {
   const auto ga = grads_of({&a}), gb = grads_of({&b}), gab = grads_of({&a, &b});
   std::vector<float> sum(ga.size());
   for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = ga[i] + gb[i];
-  const MoeTransformer probe(cfg, o, ParallelContext::single());  // for the layout
+  const MoeTransformer probe(cfg, o, parallel::Mesh());  // for the layout
   for (const auto& p : probe.layout().params) {
     double num = 0, den = 0;
     for (std::int64_t i = p.offset; i < p.offset + p.numel; ++i) {

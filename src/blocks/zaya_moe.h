@@ -23,22 +23,14 @@
 
 #include "ops/moe.h"
 #include "ops/zaya_router.h"
-#include "parallel/expert_parallel.h"
 #include "tensor/tensor.h"
 
-namespace keel::train::zaya {
-
-// The per-channel vectors of one residual-scaling stage (ops::residual_scale), [D] each:
-// r_next = (r + r_bias) * r_scale + (h + h_bias) * h_scale. The first stage of the model has
-// only the h pair (it scales the embedding, which becomes the residual stream).
-struct ResScale {
-  Tensor h_scale, h_bias, r_scale, r_bias;
-};
+namespace keel::blocks::zaya {
 
 struct MoeParams {
   ops::zaya_router::Params router;  // gamma empty on the first MoE stage (no EDA there)
-  ops::moe::Weights experts;        // [E, F, D], [E, F, D], [E, D, F] (this rank's E / ep with `ep`)
-  parallel::ExpertParallelMoe* ep = nullptr;  // expert parallelism: where the experts run (forward's p)
+  ops::moe::Weights experts;        // [E, F, D], [E, F, D], [E, D, F] (this rank's experts)
+  ops::moe::ExpertRunner* runner = nullptr;  // where the experts run (forward's p); null: all here
 };
 
 struct MoeActs {
@@ -73,4 +65,4 @@ void moe_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const 
                   MoeActs& a, const MoeScratch& scratch, const Tensor& dy, const Tensor& dstate_next, const Tensor& dx,
                   const Tensor& dprev_state);
 
-}  // namespace keel::train::zaya
+}  // namespace keel::blocks::zaya

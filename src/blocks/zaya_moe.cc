@@ -1,10 +1,10 @@
-#include "train/zaya_layers.h"
+#include "blocks/zaya_moe.h"
 
 #include <cstring>
 
 #include "common/error.h"
 
-namespace keel::train::zaya {
+namespace keel::blocks::zaya {
 namespace {
 
 // The first `rows` rows of a [N, C] buffer.
@@ -38,13 +38,14 @@ void moe_forward(const Shape& s, const MoeParams& p, const Tensor& x, const Tens
   // together they cover every row (every token is either skipped or routed).
   ops::zaya_router::skip_forward(x, a.router.idx.data(), a.router.gates, s.skip ? s.experts : -1, y);
   const std::int64_t nk = static_cast<std::int64_t>(a.kept.size());
-  if (nk == 0 && !p.ep) return;  // expert parallel: the exchange is collective, 0 rows included
+  const bool collective = p.runner && p.runner->collective();
+  if (nk == 0 && !collective) return;  // expert parallel: the exchange is collective, 0 rows included
   a.plan = ops::moe::make_plan(a.kept_idx.data(), nk, 1, s.experts);
   const Tensor xk = head(sc.xk, nk), gk = head(sc.gk, nk), yk = head(sc.yk, nk);
   gather(x, a.kept, xk);
   gather(a.router.gates, a.kept, gk);
-  if (p.ep)
-    p.ep->forward(a.plan, xk, gk, p.experts, yk);
+  if (p.runner)
+    p.runner->forward(a.plan, xk, gk, p.experts, head(a.experts, nk), yk);
   else
     ops::moe::forward(a.plan, xk, gk, p.experts, head(a.experts, nk), yk);
   scatter(yk, a.kept, y);
@@ -57,14 +58,14 @@ void moe_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const 
   // rows; together they cover every row.
   ops::zaya_router::skip_backward(x, a.router.idx.data(), a.router.gates, s.skip ? s.experts : -1, dy, dx, sc.dgates);
   const std::int64_t nk = static_cast<std::int64_t>(a.kept.size());
-  if (nk > 0 || p.ep) {
+  if (nk > 0 || (p.runner && p.runner->collective())) {
     const Tensor xk = head(sc.xk, nk), gk = head(sc.gk, nk), dyk = head(sc.dyk, nk), dxk = head(sc.dxk, nk),
                  dgk = head(sc.dgk, nk);
     gather(x, a.kept, xk);
     gather(a.router.gates, a.kept, gk);
     gather(dy, a.kept, dyk);
-    if (p.ep)
-      p.ep->backward(dyk, p.experts, dxk, dgk, g.experts);
+    if (p.runner)
+      p.runner->backward(a.plan, xk, gk, p.experts, head(a.experts, nk), dyk, sc.experts, dxk, dgk, g.experts);
     else
       ops::moe::backward(a.plan, xk, gk, p.experts, head(a.experts, nk), dyk, sc.experts, dxk, dgk, g.experts);
     scatter(dxk, a.kept, dx);
@@ -78,4 +79,4 @@ void moe_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const 
   for (std::int64_t i = 0; i < total; ++i) d[i] += r[i];
 }
 
-}  // namespace keel::train::zaya
+}  // namespace keel::blocks::zaya

@@ -1,6 +1,6 @@
-#include "train/cuda_kernels.h"
+#include "blocks/cuda/kernels.h"
 
-namespace keel::train::cuda {
+namespace keel::blocks::cuda {
 namespace {
 
 constexpr int kThreads = 256;
@@ -134,4 +134,4 @@ void unpack_moe_dx(const bf16* dxk, const std::int32_t* pos, const float* gates,
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
-}  // namespace keel::train::cuda
+}  // namespace keel::blocks::cuda

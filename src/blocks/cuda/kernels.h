@@ -1,13 +1,13 @@
-// Small kernels the GPU training backend needs between ops (CUDA only): an elementwise add, and
-// the row packing around the dropless experts for ZAYA1's MLP router, whose skip class must not
-// reach ops/cuda/moe.h (make_plan accepts expert indices in [0, E) only).
+// Small kernels the GPU blocks need between ops (CUDA only): an elementwise add, and the row
+// packing around the dropless experts for ZAYA1's MLP router, whose skip class must not reach
+// ops/cuda/moe.h (make_plan accepts expert indices in [0, E) only).
 #pragma once
 
 #include <cstdint>
 
 #include "ops/cuda/common.h"
 
-namespace keel::train::cuda {
+namespace keel::blocks::cuda {
 
 using ops::cuda::bf16;
 
@@ -37,4 +37,4 @@ void unpack_rows(const float* src, const std::int32_t* pos, std::int64_t n_rows,
 void unpack_moe_dx(const bf16* dxk, const std::int32_t* pos, const float* gates, const float* dy,
                    std::int64_t n_rows, std::int64_t width, float* dx, cudaStream_t stream);
 
-}  // namespace keel::train::cuda
+}  // namespace keel::blocks::cuda

@@ -1,7 +1,7 @@
-// The ZAYA1 MoE stage on the GPU: the CUDA twin of train/zaya_layers.h (same data flow, same
+// The ZAYA1 MoE stage on the GPU: the CUDA twin of blocks/zaya_moe.h (same data flow, same
 // packing of the routed tokens), composed from ops/cuda/zaya_router.h (MLP router with EDA, the
 // skip path), ops/cuda/moe.h (dropless top-1 SwiGLU experts) and the packing kernels of
-// train/cuda_kernels.h. Per token n of x [N, D] (the stage's RMSNorm output, bf16), E experts
+// blocks/cuda/kernels.h. Per token n of x [N, D] (the stage's RMSNorm output, bf16), E experts
 // and, with `skip`, class E = skip:
 //   router: state [N, R] (post-EDA; the caller's per-stage buffer), probs, idx, gate = p_idx
 //   y[n] = gate[n] * Expert_idx[n](x[n])   for idx[n] <  E
@@ -26,7 +26,7 @@
 #include "ops/cuda/moe.h"
 #include "ops/cuda/zaya_router.h"
 
-namespace keel::train::cuda_zaya {
+namespace keel::blocks::cuda::zaya {
 
 using ops::cuda::bf16;
 
@@ -88,4 +88,4 @@ void moe_backward(ops::cuda::GemmRunner& gemm, const Shape& s, const Weights& w,
                   float* dx, float* dprev_state, cudaStream_t stream,
                   ops::cuda::moe::ExpertRunner* experts = nullptr);
 
-}  // namespace keel::train::cuda_zaya
+}  // namespace keel::blocks::cuda::zaya

@@ -1,9 +1,9 @@
-#include "train/cuda_zaya_layers_cuda.h"
+#include "blocks/cuda/zaya_moe.h"
 
 #include "ops/cuda/cast.h"
-#include "train/cuda_kernels.h"
+#include "blocks/cuda/kernels.h"
 
-namespace keel::train::cuda_zaya {
+namespace keel::blocks::cuda::zaya {
 
 namespace k = ops::cuda;
 
@@ -12,20 +12,20 @@ void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf
                  k::moe::ExpertRunner* experts) {
   const std::int64_t N = s.tokens, D = s.hidden;
   k::zaya_router::forward(gemm, s.router_dims(), x, prev_state, w.router, bias, a.router, stream);
-  cuda::pack_routed(a.router.idx, N, s.experts, a.kept, a.kept_idx, a.pos, a.count, stream);
+  pack_routed(a.router.idx, N, s.experts, a.kept, a.kept_idx, a.pos, a.count, stream);
   // The plan's one sync also brings nk, the tokens left after the skip class, to the host.
   a.plan = k::moe::make_plan(a.kept_idx, N, 1, s.experts, a.plan_ws, stream, s.skip ? a.count : nullptr);
   a.nk = a.plan.tokens;
   // With expert parallelism every rank takes part, with no routed tokens too.
   if (a.nk > 0 || (experts && experts->collective())) {
-    cuda::gather_rows(x, a.kept, a.nk, D, sc.xk, stream);
-    cuda::gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
+    gather_rows(x, a.kept, a.nk, D, sc.xk, stream);
+    gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
     if (experts) experts->forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
     else k::moe::forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
   }
   // Expert rows from the packed output, 0 on skipped rows; then the skip path writes gate * x
   // there (it writes only the skip rows, so it must come after the unpack).
-  cuda::unpack_rows(sc.yk, a.pos, N, D, y, stream);
+  unpack_rows(sc.yk, a.pos, N, D, y, stream);
   if (s.skip) k::zaya_router::skip_forward(x, a.router.idx, a.router.gates, s.experts, y, N, D, stream);
 }
 
@@ -34,8 +34,8 @@ void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const G
                   float* dx, float* dprev_state, cudaStream_t stream, k::moe::ExpertRunner* experts) {
   const std::int64_t N = s.tokens, D = s.hidden;
   if (a.nk > 0 || (experts && experts->collective())) {
-    cuda::gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
-    cuda::gather_rows(dy, a.kept, a.nk, D, sc.dyk, stream);
+    gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
+    gather_rows(dy, a.kept, a.nk, D, sc.dyk, stream);
     if (experts)
       experts->backward(a.plan, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.dyk, sc.experts, sc.dxk, sc.dgk,
                         g.experts, stream);
@@ -48,8 +48,8 @@ void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const G
   // dx: the experts' dx on routed rows, gate * dy on skipped rows (fp32). dL/d gate: the
   // experts' on routed rows, dy . x on skipped rows (skip_backward writes those rows after the
   // unpack, which put 0 there).
-  cuda::unpack_moe_dx(sc.dxk, a.pos, a.router.gates, dy, N, D, dx, stream);
-  cuda::unpack_rows(sc.dgk, a.pos, N, 1, sc.dgates, stream);
+  unpack_moe_dx(sc.dxk, a.pos, a.router.gates, dy, N, D, dx, stream);
+  unpack_rows(sc.dgk, a.pos, N, 1, sc.dgates, stream);
   if (s.skip)
     k::zaya_router::skip_backward(x, a.router.idx, a.router.gates, s.experts, dy, nullptr, sc.dgates, N, D, stream);
   // The router's share of dx goes through the bf16 scratch (the expert dx there is consumed).
@@ -58,4 +58,4 @@ void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const G
   k::add_bf16_to_f32(sc.dxk, dx, N * D, stream);
 }
 
-}  // namespace keel::train::cuda_zaya
+}  // namespace keel::blocks::cuda::zaya

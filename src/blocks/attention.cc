@@ -1,0 +1,105 @@
+#include "blocks/attention.h"
+
+#include <cmath>
+
+#include "ops/linear.h"
+
+namespace keel::blocks {
+namespace {
+
+void add_into(const Tensor& dst, const Tensor& src) {
+  const std::int64_t n = dst.numel();
+  float* d = dst.data();
+  const float* s = src.data();
+  for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
+}
+
+// A [B, T, H, Dh] (or [N, X]) tensor seen as [N, rest].
+Tensor rows(const Tensor& t, std::int64_t n) { return t.reshaped({n, t.numel() / n}); }
+
+}  // namespace
+
+float AttnShape::scale() const { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
+
+AttnShape AttnShape::of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq) {
+  AttnShape s;
+  s.batch = batch;
+  s.seq = seq;
+  s.hidden = cfg.hidden;
+  s.heads = cfg.heads;
+  s.kv_heads = cfg.kv_heads;
+  s.head_dim = cfg.head_dim;
+  s.cca = cca_config(cfg);
+  return s;
+}
+
+void carve(ArenaPlanner& p, const std::string& prefix, const AttnShape& s, bool softmax, bool cca, AttnSaved& a) {
+  const std::int64_t B = s.batch, T = s.seq, Hq = s.heads, Hkv = s.kv_heads, Dh = s.head_dim;
+  if (softmax) {
+    a.q = p.tensor(prefix + "q", {B, T, Hq, Dh});
+    a.k = p.tensor(prefix + "k", {B, T, Hkv, Dh});
+    a.v = p.tensor(prefix + "v", {B, T, Hkv, Dh});
+    a.att = p.tensor(prefix + "att", {B, T, Hq, Dh});
+    a.lse = p.tensor(prefix + "lse", {B, Hq, T});
+  }
+  if (cca) {
+    const Tensor buf = p.tensor(prefix + "cca_saved", {ops::cca::saved_floats(s.cca, B, T)});
+    if (!p.sizing()) a.cca = ops::cca::carve_saved(s.cca, B, T, buf.data());
+  }
+}
+
+void carve(ArenaPlanner& p, const AttnShape& s, bool softmax, bool cca, AttnScratch& sc) {
+  const std::int64_t B = s.batch, T = s.seq, Hq = s.heads, Hkv = s.kv_heads, Dh = s.head_dim;
+  if (softmax) {
+    sc.dq = p.tensor("bwd.dq", {B, T, Hq, Dh});
+    sc.dk = p.tensor("bwd.dk", {B, T, Hkv, Dh});
+    sc.dv = p.tensor("bwd.dv", {B, T, Hkv, Dh});
+    sc.datt = p.tensor("bwd.datt", {B, T, Hq, Dh});
+  }
+  if (cca) sc.cca = p.tensor("bwd.cca_scratch", {ops::cca::backward_scratch_floats(s.cca, B, T)});
+}
+
+void attention_forward(const AttnShape& s, const LayerWeights& w, bool cca, const Tensor& h, const AttnContext& c,
+                       const AttnSaved& a, const Tensor& y) {
+  const std::int64_t N = s.tokens();
+  const Tensor x = c.linear->enter(h);
+  if (cca) {
+    ops::cca::forward(s.cca, s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, y);
+    c.linear->exit(y);
+    return;
+  }
+  ops::linear::forward(x, w.wq, {}, rows(a.q, N));
+  ops::linear::forward(x, w.wk, {}, rows(a.k, N));
+  ops::linear::forward(x, w.wv, {}, rows(a.v, N));
+  const Tensor q3 = a.q.reshaped({N, s.heads, s.head_dim}), k3 = a.k.reshaped({N, s.kv_heads, s.head_dim});
+  ops::rope::forward(*c.rope, q3, c.pos, q3);
+  ops::rope::forward(*c.rope, k3, c.pos, k3);
+  c.core->forward(a.q, a.k, a.v, s.scale(), a.att, a.lse);
+  ops::linear::forward(rows(a.att, N), w.wo, {}, y);
+  c.linear->exit(y);
+}
+
+void attention_backward(const AttnShape& s, const LayerWeights& w, LayerWeights& g, bool cca, const Tensor& h,
+                        const AttnContext& c, const AttnSaved& a, const AttnScratch& sc, const Tensor& dy,
+                        const Tensor& dh) {
+  const std::int64_t N = s.tokens();
+  const Tensor x = c.linear->enter(h);  // the rows forward's projections read
+  const Tensor g_out = c.linear->exit_backward(dy);
+  if (cca) {
+    ops::cca::backward(s.cca, s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, g_out, dh, g.cca, sc.cca);
+    return;
+  }
+  ops::linear::backward(rows(a.att, N), w.wo, g_out, rows(sc.datt, N), g.wo, {});
+  c.core->backward(a.q, a.k, a.v, a.att, a.lse, sc.datt, s.scale(), sc.dq, sc.dk, sc.dv);
+  const Tensor dq3 = sc.dq.reshaped({N, s.heads, s.head_dim}), dk3 = sc.dk.reshaped({N, s.kv_heads, s.head_dim});
+  ops::rope::backward(*c.rope, dq3, c.pos, dq3);
+  ops::rope::backward(*c.rope, dk3, c.pos, dk3);
+  ops::linear::backward(x, w.wq, rows(sc.dq, N), dh, g.wq, {});
+  ops::linear::backward(x, w.wk, rows(sc.dk, N), sc.tmp, g.wk, {});
+  add_into(dh, sc.tmp);
+  ops::linear::backward(x, w.wv, rows(sc.dv, N), sc.tmp, g.wv, {});
+  add_into(dh, sc.tmp);
+  c.linear->enter_backward(dh);
+}
+
+}  // namespace keel::blocks

@@ -1,0 +1,62 @@
+// The attention block on the CPU (fp32 reference), written once for training (train/model.h)
+// and decoding's prefill (generate/generate.h): mha/gqa (q, k, v projections, RoPE, causal
+// attention, output projection) or ZAYA1's CCA (ops/cca.h, its output projection included). The
+// per-token decode over a cache is attention_decode.h. The GPU twin is blocks/cuda/attention.h.
+//
+// h (the stage's RMSNorm output) [N, D], N = batch x seq tokens -> y [N, D] OVERWRITTEN. Backward:
+// dy [N, D] -> dh [N, D] OVERWRITTEN, parameter gradients ACCUMULATED. The runners (runners.h:
+// the tensor-parallel boundary and the attention core) come from the plan; at degree 1 they are
+// the local ops.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "blocks/runners.h"
+#include "blocks/weights.h"
+#include "model/config.h"
+#include "ops/cca.h"
+#include "ops/rope.h"
+#include "tensor/arena.h"
+
+namespace keel::blocks {
+
+struct AttnShape {
+  std::int64_t batch = 0, seq = 0, hidden = 0;
+  int heads = 0, kv_heads = 0, head_dim = 0;
+  ops::cca::Config cca;
+  std::int64_t tokens() const { return batch * seq; }
+  float scale() const;  // 1 / sqrt(head_dim)
+  static AttnShape of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq);
+};
+
+// What a layer's forward keeps for its backward (a decoder's prefill carves one set as scratch).
+struct AttnSaved {
+  Tensor q, k, v, att, lse;  // mha/gqa: [B, T, Hq, Dh], [B, T, Hkv, Dh] x 2, [B, T, Hq, Dh], [B, Hq, T]
+  ops::cca::Saved cca;       // CCA
+};
+void carve(ArenaPlanner& p, const std::string& prefix, const AttnShape& s, bool softmax, bool cca, AttnSaved& a);
+
+// Backward scratch shared by every layer; `tmp` [N, D] is the caller's.
+struct AttnScratch {
+  Tensor dq, dk, dv, datt;  // mha/gqa
+  Tensor cca;               // cca::backward_scratch_floats
+  Tensor tmp;               // [N, D]: one projection's input gradient before it is summed
+};
+void carve(ArenaPlanner& p, const AttnShape& s, bool softmax, bool cca, AttnScratch& sc);
+
+// Each token's position [N] with the rotary table, and the block's runners.
+struct AttnContext {
+  const std::int32_t* pos = nullptr;
+  const ops::rope::Table* rope = nullptr;
+  LinearRunner* linear = &local_linear();
+  AttentionCore* core = &local_attention();
+};
+
+void attention_forward(const AttnShape& s, const LayerWeights& w, bool cca, const Tensor& h, const AttnContext& c,
+                       const AttnSaved& a, const Tensor& y);
+void attention_backward(const AttnShape& s, const LayerWeights& w, LayerWeights& g, bool cca, const Tensor& h,
+                        const AttnContext& c, const AttnSaved& a, const AttnScratch& sc, const Tensor& dy,
+                        const Tensor& dh);
+
+}  // namespace keel::blocks

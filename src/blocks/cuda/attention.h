@@ -1,0 +1,73 @@
+// The attention block on the GPU, written once for training (train/cuda_model_cuda.h) and
+// decoding's prefill (generate/cuda_decoder_cuda.cc): mha/gqa (q, k, v projections, RoPE,
+// flash attention, output projection) or ZAYA1's CCA (ops/cuda/cca.h, its output projection
+// included). The per-token decode over a cache is attention_decode.h. The CPU twin is
+// blocks/attention.h.
+//
+// Dtypes: h (the stage's RMSNorm output) bf16 [N, D], N = batch x seq tokens; the block output
+// written bf16 to `out` (residual scaling merges it, ops/cuda/residual_scale.h) and, with
+// `add_into`, ADDED into an fp32 [N, D] (the plain pre-norm layer's residual stream; for mha/gqa
+// with a whole output the add rides in the output GEMM, beta = 1, and `out` is not written).
+// Backward: dy bf16 [N, D] in, dh bf16 [N, D] OVERWRITTEN, parameter gradients ACCUMULATED. No
+// host sync. The runners (runners.h: the tensor-parallel boundary and the attention core) come
+// from the plan; at degree 1 they are the local ops.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "blocks/cuda/runners.h"
+#include "blocks/cuda/weights.h"
+#include "device/device_arena.h"
+#include "model/config.h"
+#include "ops/cuda/cca.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/rope.h"
+
+namespace keel::blocks::cuda {
+
+struct AttnShape {
+  std::int64_t batch = 0, seq = 0, hidden = 0;
+  int heads = 0, kv_heads = 0, head_dim = 0;
+  ops::cuda::cca::Config cca;
+  std::int64_t tokens() const { return batch * seq; }
+  std::int64_t q_dim() const { return std::int64_t(heads) * head_dim; }
+  std::int64_t kv_dim() const { return std::int64_t(kv_heads) * head_dim; }
+  float scale() const;  // 1 / sqrt(head_dim)
+  static AttnShape of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq);
+};
+
+// What a layer's forward keeps for its backward (the decoder carves one set as prefill scratch).
+struct AttnSaved {
+  bf16 *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr;  // mha/gqa [N, Q], [N, KV], [N, KV], [N, Q]
+  float* lse = nullptr;                                            // [B, Hq, T]
+  ops::cuda::cca::Saved cca;                                       // CCA
+};
+void carve(DeviceCarver& c, const AttnShape& s, bool softmax, bool cca, AttnSaved& a);
+
+// Backward scratch shared by every layer.
+struct AttnScratch {
+  bf16 *datt = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;  // mha/gqa
+  void* attn = nullptr;                                                // attention::backward_workspace_bytes
+  void* cca = nullptr;                                                 // cca::backward_scratch_bytes
+  float* dh = nullptr;  // [N, D] fp32: the projections' input gradient before it is rounded (the caller's)
+};
+void carve(DeviceCarver& c, const AttnShape& s, bool softmax, bool cca, const AttentionCore& core, AttnScratch& sc);
+
+// Each token's position (device [N]) with the rotary table, and the block's runners.
+struct AttnContext {
+  const std::int32_t* pos = nullptr;
+  const ops::cuda::rope::DeviceTable* rope = nullptr;
+  LinearRunner* linear = &local_linear();
+  AttentionCore* core = &local_attention();
+};
+
+// out: bf16 [N, D]; add_into: fp32 [N, D] or null (see the top).
+void attention_forward(ops::cuda::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, const bf16* h,
+                       const AttnContext& p, const AttnSaved& a, float* add_into, bf16* out, cudaStream_t stream);
+
+void attention_backward(ops::cuda::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, const LayerGrads& g,
+                        const bf16* h, const AttnContext& p, const AttnSaved& a, const AttnScratch& sc, const bf16* dy,
+                        bf16* dh, cudaStream_t stream);
+
+}  // namespace keel::blocks::cuda

@@ -1,0 +1,202 @@
+#include "blocks/cuda/mlp.h"
+
+#include <algorithm>
+
+#include "blocks/cuda/kernels.h"
+#include "device/cuda_check.h"
+#include "ops/cuda/cast.h"
+#include "ops/cuda/linear.h"
+#include "ops/cuda/swiglu.h"
+
+namespace keel::blocks::cuda {
+
+namespace k = ops::cuda;
+
+MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize) {
+  MlpShape s;
+  s.tokens = tokens;
+  s.hidden = cfg.hidden;
+  s.ffn = cfg.ffn_hidden;
+  s.expert_hidden = cfg.expert_hidden;
+  s.experts = cfg.experts;
+  s.top_k = cfg.top_k;
+  s.mlp_router = cfg.router_hidden > 0;
+  s.renormalize = renormalize;
+  s.zaya.tokens = tokens;
+  s.zaya.hidden = cfg.hidden;
+  s.zaya.router_hidden = cfg.router_hidden;
+  s.zaya.expert_hidden = cfg.expert_hidden;
+  s.zaya.experts = cfg.experts;
+  s.zaya.skip = cfg.router_skip_expert;
+  s.zaya.eps = static_cast<float>(cfg.norm_eps);
+  return s;
+}
+
+void carve(DeviceCarver& c, const MlpShape& s, const MlpParts& parts, MlpSaved& a) {
+  const std::int64_t N = s.tokens, D = s.hidden, E = std::max(s.experts, 1), K = std::max(s.top_k, 1);
+  const std::int64_t FE = std::max<std::int64_t>(s.expert_hidden, 1), FD = std::max<std::int64_t>(s.ffn, 1);
+  const std::int64_t S = N * K;
+  if (parts.dense) {
+    a.g = c.take<bf16>(N * FD);
+    a.u = c.take<bf16>(N * FD);
+    a.a = c.take<bf16>(N * FD);
+  }
+  if (!parts.routed) return;
+  if (s.mlp_router) {
+    // the router's `state` region goes unused: forward points it at the caller's EDA buffer
+    const k::zaya_router::Dims zdims = s.zaya.router_dims();
+    std::byte* buf = c.take<std::byte>(static_cast<std::int64_t>(k::zaya_router::saved_bytes(zdims)));
+    if (buf) a.zmoe.router = k::zaya_router::carve_saved(zdims, buf);
+    a.zmoe.kept = c.take<std::int32_t>(N);
+    a.zmoe.kept_idx = c.take<std::int32_t>(N);
+    a.zmoe.pos = c.take<std::int32_t>(N);
+    a.zmoe.count = c.take<std::int32_t>(1);
+    a.zmoe.plan_ws = c.take<std::int32_t>(k::moe::plan_ints(N, static_cast<int>(E)));
+  } else {
+    a.rlogits = c.take<float>(N * E);
+    a.probs = c.take<float>(N * E);
+    a.rlse = c.take<float>(N);
+    a.gates = c.take<float>(N * K);
+    a.losses = c.take<float>(k::router::loss_floats(E));
+    a.idx = c.take<std::int32_t>(S);
+    a.counts = c.take<std::int32_t>(E);
+    a.plan_ws = c.take<std::int32_t>(k::moe::plan_ints(S, static_cast<int>(E)));
+  }
+  a.experts.xs = c.take<bf16>(S * D);
+  if (parts.expert_rows) {  // with expert parallelism the experts' rows live at their rank
+    a.experts.h_gate = c.take<bf16>(S * FE);
+    a.experts.h_up = c.take<bf16>(S * FE);
+    a.experts.act = c.take<bf16>(S * FE);
+  }
+  a.experts.ys = c.take<bf16>(S * D);
+  a.zmoe.experts = a.experts;
+}
+
+void carve(DeviceCarver& c, const MlpShape& s, const MlpScratchParts& parts, MlpScratch& sc) {
+  const std::int64_t N = s.tokens, D = s.hidden, E = std::max(s.experts, 1), K = std::max(s.top_k, 1);
+  const std::int64_t FE = std::max<std::int64_t>(s.expert_hidden, 1), FD = std::max<std::int64_t>(s.ffn, 1);
+  if (parts.residual_out && (parts.routed || (parts.dense && parts.dense_split))) sc.moe_out = c.take<float>(N * D);
+  if (parts.backward && parts.dense) {
+    sc.dg = c.take<bf16>(N * FD);
+    sc.du = c.take<bf16>(N * FD);
+    sc.da = c.take<bf16>(N * FD);
+  }
+  if (parts.backward && parts.routed && !s.mlp_router) {
+    sc.dgates = c.take<float>(N * K);
+    sc.dlogits = c.take<float>(N * E);
+    sc.dlogits_bf = c.take<bf16>(N * E);
+  }
+  if (parts.backward && parts.routed && parts.expert_rows)
+    sc.moe = c.take<std::byte>(static_cast<std::int64_t>(k::moe::backward_scratch_bytes(N * K, D, FE)));
+  if (parts.routed && s.mlp_router) {
+    zaya::Scratch& z = sc.zs;
+    z.xk = c.take<bf16>(N * D);
+    if (parts.backward) z.dxk = c.take<bf16>(N * D);
+    z.yk = c.take<float>(N * D);
+    if (parts.backward) z.dyk = c.take<float>(N * D);
+    z.gk = c.take<float>(N);
+    if (parts.backward) {
+      z.dgk = c.take<float>(N);
+      z.dgates = c.take<float>(N);
+      z.router = c.take<std::byte>(static_cast<std::int64_t>(k::zaya_router::backward_scratch_bytes(s.zaya.router_dims())));
+      z.experts = sc.moe;
+    }
+  }
+}
+
+void mlp_forward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, const float* bias, const bf16* x,
+                 const EdaIo& eda, const float* residual, float* y, MlpSaved& a, const MlpScratch& sc,
+                 LinearRunner& linear, k::moe::ExpertRunner* experts, cudaStream_t stream) {
+  const std::int64_t N = s.tokens, D = s.hidden;
+  if (w.moe < 0) {
+    const std::int64_t F = s.ffn;
+    const bf16* xin = linear.enter(x, N, D, stream);
+    k::linear::forward(gemm, xin, w.w_gate, a.g, N, D, F, stream);
+    k::linear::forward(gemm, xin, w.w_up, a.u, N, D, F, stream);
+    k::swiglu::forward(a.g, a.u, a.a, N * F, stream);
+    const bool fused = !residual || linear.output_is_whole();
+    if (residual && fused && residual != y)
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(y, residual, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    // the residual add rides in the down projection (fp32 C, beta = 1) when its output is whole
+    float* down = fused ? y : sc.moe_out;
+    k::GemmDesc d;
+    d.m = N, d.n = D, d.k = F, d.trans_b = true, d.c_type = k::GemmOut::kFp32, d.beta = residual && fused ? 1.f : 0.f;
+    gemm.run(d, a.a, w.w_down, down, stream);
+    if (!fused || !residual) linear.exit(down, N, D, stream);
+    if (!fused) add_f32(residual, down, y, N * D, stream);
+    return;
+  }
+  float* out = residual ? sc.moe_out : y;
+  if (s.mlp_router) {
+    a.zmoe.router.state = eda.state;
+    zaya::moe_forward(gemm, s.zaya, {w.zrouter, w.experts}, x, eda.prev, bias, a.zmoe, sc.zs, out, stream, experts);
+  } else {
+    const int E = s.experts;
+    k::linear::forward_f32(gemm, x, w.router, a.rlogits, N, D, E, stream);
+    k::router::Options ro{s.top_k, s.renormalize};
+    k::router::forward(a.rlogits, bias, N, E, ro, a.probs, a.rlse, a.idx, a.gates, a.counts, a.losses, stream);
+    a.plan = k::moe::make_plan(a.idx, N, s.top_k, E, a.plan_ws, stream);  // syncs: host expert offsets
+    if (experts)
+      experts->forward(a.plan, x, a.gates, w.experts, D, s.expert_hidden, a.experts, out, stream);
+    else
+      k::moe::forward(a.plan, x, a.gates, w.experts, D, s.expert_hidden, a.experts, out, stream);
+  }
+  if (residual) add_f32(residual, out, y, N * D, stream);
+}
+
+void mlp_loads(const MlpShape& s, const MlpSaved& a, std::int32_t* counts) {
+  const int E = s.experts;
+  if (s.mlp_router) {
+    for (int e = 0; e < E; ++e) counts[e] = a.zmoe.nk > 0 ? static_cast<std::int32_t>(a.zmoe.plan.count(e)) : 0;
+    if (s.zaya.skip) counts[E] = static_cast<std::int32_t>(s.tokens - a.zmoe.nk);
+    return;
+  }
+  for (int e = 0; e < E; ++e) counts[e] = static_cast<std::int32_t>(a.plan.count(e));
+}
+
+void mlp_backward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, const LayerGrads& g, const bf16* x,
+                  const EdaIo& eda, const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc, const float* dy, float* dx,
+                  float aux_weight, float z_weight, LinearRunner& linear, k::moe::ExpertRunner* experts,
+                  cudaStream_t stream) {
+  const std::int64_t N = s.tokens, D = s.hidden;
+  auto gemm_dx = [&](std::int64_t kk, const bf16* da, const bf16* wt, float beta) {
+    k::GemmDesc d;
+    d.m = N, d.n = D, d.k = kk, d.c_type = k::GemmOut::kFp32, d.beta = beta;
+    gemm.run(d, da, wt, dx, stream);
+  };
+  if (w.moe < 0) {
+    const std::int64_t F = s.ffn;
+    k::f32_to_bf16(dy, sc.dy, N * D, stream);
+    const bf16* g_out = linear.exit_backward(sc.dy, N, D, stream);
+    const bf16* xin = linear.enter(x, N, D, stream);  // the rows forward's projections read
+    k::linear::backward(gemm, a.a, w.w_down, g_out, sc.da, g.w_down, N, F, D, stream);
+    k::swiglu::backward(a.g, a.u, sc.da, sc.dg, sc.du, N * F, stream);
+    k::linear::backward(gemm, xin, w.w_gate, sc.dg, nullptr, g.w_gate, N, D, F, stream);
+    k::linear::backward(gemm, xin, w.w_up, sc.du, nullptr, g.w_up, N, D, F, stream);
+    gemm_dx(F, sc.dg, w.w_gate, 0.f);
+    gemm_dx(F, sc.du, w.w_up, 1.f);
+    linear.enter_backward(dx, N, D, stream);
+    return;
+  }
+  if (s.mlp_router) {
+    zaya::moe_backward(gemm, s.zaya, {w.zrouter, w.experts}, {g.zrouter, g.experts}, x, eda.prev, a.zmoe, sc.zs, dy,
+                       deda.dstate_next, dx, deda.dprev, stream, experts);
+    return;
+  }
+  const int E = s.experts;
+  if (experts)
+    experts->backward(a.plan, a.gates, w.experts, D, s.expert_hidden, a.experts, dy, sc.moe, sc.dx, sc.dgates,
+                      g.experts, stream);
+  else
+    k::moe::backward(a.plan, a.gates, w.experts, D, s.expert_hidden, a.experts, dy, sc.moe, sc.dx, sc.dgates,
+                     g.experts, stream);
+  k::router::Options ro{s.top_k, s.renormalize};
+  k::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, N, E, ro, sc.dgates, aux_weight, z_weight, sc.dlogits,
+                      stream);
+  k::f32_to_bf16(sc.dlogits, sc.dlogits_bf, N * E, stream);
+  k::bf16_to_f32(sc.dx, dx, N * D, stream);
+  gemm_dx(E, sc.dlogits_bf, w.router, 1.f);
+  k::linear::backward(gemm, x, w.router, sc.dlogits_bf, nullptr, g.router, N, D, E, stream);
+}
+
+}  // namespace keel::blocks::cuda

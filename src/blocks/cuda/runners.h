@@ -1,0 +1,76 @@
+// What a GPU block asks a parallel scheme to do: its runners, handed to it by the plan
+// (parallel/plan_cuda.h) built from the mesh. At degree 1 every runner is the local op, so block
+// code is the same at every degree; a scheme is a set of runners in src/parallel/ (docs/
+// architecture.md, "Adding a parallel scheme"). The CPU twin is blocks/runners.h.
+//
+//   LinearRunner   the tensor-parallel boundary of a sub-block (Megatron's f and g): what the
+//                  column-parallel projections read, and how the row-parallel projection's
+//                  partial output becomes the block output; and the same in backward.
+//   AttentionCore  causal softmax attention over this rank's q, k, v (context parallelism
+//                  gathers or rings the keys and values; TSP broadcasts head shards).
+//   ExpertRunner   where a routed layer's experts run (ops/cuda/moe.h; expert parallelism:
+//                  parallel/expert_parallel_cuda.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "ops/cuda/common.h"
+#include "ops/cuda/moe.h"
+
+namespace keel::blocks::cuda {
+
+using ops::cuda::bf16;
+
+class LinearRunner {
+ public:
+  virtual ~LinearRunner() = default;
+  // Forward, before the column-parallel projections: the rows they read (tokens x width bf16).
+  // Degree 1: x itself.
+  virtual const bf16* enter(const bf16* x, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {
+    return x;
+  }
+  // True when the row-parallel output projection's result is the block output as it stands,
+  // so it may add into the residual stream inside its GEMM (beta = 1). Degree 1: true.
+  virtual bool output_is_whole() const { return true; }
+  // Forward, after the row-parallel projection wrote this rank's part of the output y (bf16 or
+  // fp32, tokens x width): the block output in place. Degree 1: nothing to do.
+  virtual void exit(bf16* y, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {}
+  virtual void exit(float* y, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {}
+  // Backward, the gradient of the block output as the row-parallel projection reads it. Degree 1:
+  // dy itself.
+  virtual const bf16* exit_backward(const bf16* dy, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {
+    return dy;
+  }
+  // Backward, the column-parallel projections' input gradient summed over them (fp32, in place):
+  // the gradient of the block input. Degree 1: nothing to do.
+  virtual void enter_backward(float* dx, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {}
+};
+
+class AttentionCore {
+ public:
+  virtual ~AttentionCore() = default;
+  // q [B, T, Hq, Dh], k and v [B, T, Hkv, Dh] of this rank's tokens (after RoPE) -> out
+  // [B, T, Hq, Dh], lse [B, Hq, T]; ops/cuda/attention.h's conventions.
+  virtual void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T, int Hq,
+                       int Hkv, int Dh, float scale, cudaStream_t stream);
+  virtual std::size_t backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh) const;
+  virtual void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
+                        const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv,
+                        int Dh, float scale, cudaStream_t stream);
+};
+
+// The degree-1 runners (stateless; shared).
+LinearRunner& local_linear();
+AttentionCore& local_attention();
+
+// What one layer's blocks run on. experts is null for a dense layer, or for a routed layer
+// whose experts all run here through ops/cuda/moe.h directly.
+struct LayerRunners {
+  LinearRunner* attn_linear = &local_linear();
+  LinearRunner* mlp_linear = &local_linear();
+  AttentionCore* attention = &local_attention();
+  ops::cuda::moe::ExpertRunner* experts = nullptr;
+};
+
+}  // namespace keel::blocks::cuda

@@ -1,0 +1,167 @@
+#include "blocks/mlp.h"
+
+#include <algorithm>
+
+#include "ops/linear.h"
+#include "ops/router.h"
+#include "ops/swiglu.h"
+#include "ops/zaya_router.h"
+
+namespace keel::blocks {
+namespace {
+
+void add_into(const Tensor& dst, const Tensor& src) {
+  const std::int64_t n = dst.numel();
+  float* d = dst.data();
+  const float* s = src.data();
+  for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
+}
+
+}  // namespace
+
+MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize) {
+  MlpShape s;
+  s.tokens = tokens;
+  s.hidden = cfg.hidden;
+  s.ffn = cfg.ffn_hidden;
+  s.expert_hidden = cfg.expert_hidden;
+  s.experts = cfg.experts;
+  s.top_k = cfg.top_k;
+  s.mlp_router = cfg.router_hidden > 0;
+  s.renormalize = renormalize;
+  s.eps = static_cast<float>(cfg.norm_eps);
+  s.zaya.tokens = tokens;
+  s.zaya.hidden = cfg.hidden;
+  s.zaya.router_hidden = cfg.router_hidden;
+  s.zaya.expert_hidden = cfg.expert_hidden;
+  s.zaya.experts = cfg.experts;
+  s.zaya.skip = cfg.router_skip_expert;
+  return s;
+}
+
+void carve(ArenaPlanner& p, const std::string& prefix, const MlpShape& s, bool dense, bool routed, MlpSaved& a) {
+  const std::int64_t N = s.tokens, D = s.hidden, E = std::max(s.experts, 1), K = std::max(s.top_k, 1);
+  const std::int64_t FE = std::max<std::int64_t>(s.expert_hidden, 1), FD = std::max<std::int64_t>(s.ffn, 1);
+  const std::int64_t SL = N * K, R = std::max<std::int64_t>(s.zaya.router_hidden, 1);
+  if (dense) {
+    a.g = p.tensor(prefix + "g", {N, FD});
+    a.u = p.tensor(prefix + "u", {N, FD});
+    a.a = p.tensor(prefix + "a", {N, FD});
+  }
+  if (!routed) return;
+  if (s.mlp_router) {
+    // The router's `state` view in this buffer goes unused: forward points it at the caller's EDA buffer.
+    const Tensor buf = p.tensor(prefix + "router_saved", {ops::zaya_router::saved_floats(N, R, s.zaya.classes())});
+    if (!p.sizing()) a.zmoe.router = ops::zaya_router::carve_saved(buf.data(), N, R, s.zaya.classes());
+  } else {
+    a.rlogits = p.tensor(prefix + "router_logits", {N, E});
+    a.probs = p.tensor(prefix + "router_probs", {N, E});
+    a.rlse = p.tensor(prefix + "router_lse", {N});
+    a.gates = p.tensor(prefix + "gates", {N, K});
+    a.idx = p.take<std::int32_t>(prefix + "expert_idx", static_cast<std::size_t>(SL));
+    a.counts = p.take<std::int64_t>(prefix + "counts", static_cast<std::size_t>(E));
+  }
+  a.experts.xs = p.tensor(prefix + "xs", {SL, D});
+  a.experts.h_gate = p.tensor(prefix + "h_gate", {SL, FE});
+  a.experts.h_up = p.tensor(prefix + "h_up", {SL, FE});
+  a.experts.act = p.tensor(prefix + "act", {SL, FE});
+  a.experts.ys = p.tensor(prefix + "ys", {SL, D});
+  a.zmoe.experts = a.experts;
+}
+
+void carve(ArenaPlanner& p, const MlpShape& s, bool dense, bool routed, bool backward, MlpScratch& sc) {
+  const std::int64_t N = s.tokens, D = s.hidden, E = std::max(s.experts, 1), K = std::max(s.top_k, 1);
+  const std::int64_t FE = std::max<std::int64_t>(s.expert_hidden, 1), FD = std::max<std::int64_t>(s.ffn, 1);
+  const std::int64_t SL = N * K, R = std::max<std::int64_t>(s.zaya.router_hidden, 1);
+  if (backward && dense) {
+    sc.dg = p.tensor("bwd.dg", {N, FD});
+    sc.du = p.tensor("bwd.du", {N, FD});
+    sc.da = p.tensor("bwd.da", {N, FD});
+  }
+  if (!routed) return;
+  if (backward && !s.mlp_router) {
+    sc.dgates = p.tensor("bwd.dgates", {N, K});
+    sc.dlogits = p.tensor("bwd.dlogits", {N, E});
+  }
+  if (backward) sc.moe = p.tensor("bwd.moe_scratch", {ops::moe::backward_scratch_floats(SL, D, FE)});
+  if (s.mlp_router) {
+    zaya::MoeScratch& z = sc.zs;
+    z.xk = p.tensor("moe.xk", {N, D});
+    z.yk = p.tensor("moe.yk", {N, D});
+    z.gk = p.tensor("moe.gk", {N, 1});
+    if (backward) {
+      z.dyk = p.tensor("bwd.moe.dyk", {N, D});
+      z.dxk = p.tensor("bwd.moe.dxk", {N, D});
+      z.dx_router = p.tensor("bwd.moe.dx_router", {N, D});
+      z.dgk = p.tensor("bwd.moe.dgk", {N, 1});
+      z.dgates = p.tensor("bwd.moe.dgates", {N, 1});
+      z.router = p.tensor("bwd.moe.router_scratch", {ops::zaya_router::backward_scratch_floats(N, R, s.zaya.classes())});
+      z.experts = sc.moe;
+    }
+  }
+}
+
+void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, const Tensor& x, const EdaIo& eda,
+                 MlpSaved& a, const MlpScratch& sc, const Tensor& y, LinearRunner& linear,
+                 ops::moe::ExpertRunner* experts, std::int64_t* load, RouterLosses* losses) {
+  const std::int64_t N = s.tokens;
+  if (!w.moe) {
+    const Tensor xin = linear.enter(x);
+    ops::linear::forward(xin, w.w_gate, {}, a.g);
+    ops::linear::forward(xin, w.w_up, {}, a.u);
+    ops::swiglu::forward(a.g, a.u, a.a);
+    ops::linear::forward(a.a, w.w_down, {}, y);
+    linear.exit(y);
+    return;
+  }
+  if (s.mlp_router) {
+    // ZAYA1 router: no aux or z loss (balancing is the bias controller's job).
+    a.zmoe.router.state = eda.state;
+    zaya::moe_forward(s.zaya, {w.zrouter, w.experts, experts}, x, eda.prev, bias, s.eps, a.zmoe, sc.zs, y);
+    if (load)
+      for (int e = 0; e < s.zaya.classes(); ++e) load[e] += a.zmoe.router.counts[static_cast<std::size_t>(e)];
+    return;
+  }
+  ops::linear::forward(x, w.router, {}, a.rlogits);
+  const ops::router::Losses l =
+      ops::router::forward(a.rlogits, bias, {s.top_k, s.renormalize}, a.probs, a.rlse, a.idx, a.gates, a.counts);
+  if (losses) losses->aux += l.aux, losses->z += l.z;
+  if (load)
+    for (int e = 0; e < s.experts; ++e) load[e] += a.counts[e];
+  a.plan = ops::moe::make_plan(a.idx, N, s.top_k, s.experts);
+  if (experts)
+    experts->forward(a.plan, x, a.gates, w.experts, a.experts, y);
+  else
+    ops::moe::forward(a.plan, x, a.gates, w.experts, a.experts, y);
+}
+
+void mlp_backward(const MlpShape& s, const LayerWeights& w, LayerWeights& g, const Tensor& x, const EdaIo& eda,
+                  const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc, const Tensor& dy, const Tensor& dx,
+                  float aux_weight, float z_weight, LinearRunner& linear, ops::moe::ExpertRunner* experts) {
+  if (!w.moe) {
+    const Tensor xin = linear.enter(x);  // the rows forward's projections read
+    const Tensor g_out = linear.exit_backward(dy);
+    ops::linear::backward(a.a, w.w_down, g_out, sc.da, g.w_down, {});
+    ops::swiglu::backward(a.g, a.u, sc.da, sc.dg, sc.du);
+    ops::linear::backward(xin, w.w_gate, sc.dg, dx, g.w_gate, {});
+    ops::linear::backward(xin, w.w_up, sc.du, sc.tmp, g.w_up, {});
+    add_into(dx, sc.tmp);
+    linear.enter_backward(dx);
+    return;
+  }
+  if (s.mlp_router) {
+    zaya::moe_backward(s.zaya, {w.zrouter, w.experts, experts}, {g.zrouter, g.experts, nullptr}, x, eda.prev, a.zmoe,
+                       sc.zs, dy, deda.dstate_next, dx, deda.dprev);
+    return;
+  }
+  if (experts)
+    experts->backward(a.plan, x, a.gates, w.experts, a.experts, dy, sc.moe, dx, sc.dgates, g.experts);
+  else
+    ops::moe::backward(a.plan, x, a.gates, w.experts, a.experts, dy, sc.moe, dx, sc.dgates, g.experts);
+  ops::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, {s.top_k, s.renormalize}, sc.dgates, aux_weight,
+                        z_weight, sc.dlogits);
+  ops::linear::backward(x, w.router, sc.dlogits, sc.tmp, g.router, {});
+  add_into(dx, sc.tmp);
+}
+
+}  // namespace keel::blocks

@@ -1,0 +1,59 @@
+// What a CPU block asks a parallel scheme to do: its runners, handed to it by the plan
+// (parallel/plan.h) built from the mesh. At degree 1 every runner is the local op, so block code
+// is the same at every degree; a scheme is a set of runners in src/parallel/ (docs/
+// architecture.md, "Adding a parallel scheme"). The GPU twin is blocks/cuda/runners.h.
+//
+//   LinearRunner   the tensor-parallel boundary of a sub-block (Megatron's f and g): what the
+//                  column-parallel projections read, and how the row-parallel projection's
+//                  partial output becomes the block output; and the same in backward.
+//   AttentionCore  causal softmax attention over this rank's q, k, v (context parallelism
+//                  gathers or rings the keys and values; TSP broadcasts head shards).
+//   ExpertRunner   where a routed layer's experts run (ops/moe.h; expert parallelism:
+//                  parallel/expert_parallel.h).
+#pragma once
+
+#include "ops/moe.h"
+#include "tensor/tensor.h"
+
+namespace keel::blocks {
+
+class LinearRunner {
+ public:
+  virtual ~LinearRunner() = default;
+  // Forward, before the column-parallel projections: the rows they read. Degree 1: x itself.
+  virtual Tensor enter(const Tensor& x) { return x; }
+  // Forward, after the row-parallel projection wrote this rank's part of the block output y:
+  // the whole output in place. Degree 1: nothing to do.
+  virtual void exit(const Tensor& y) {}
+  // Backward: the gradient of the block output as the row-parallel projection reads it, and the
+  // column-parallel projections' input gradient (summed over them) made the gradient of the
+  // block input, in place. Degree 1: dy itself; nothing to do.
+  virtual Tensor exit_backward(const Tensor& dy) { return dy; }
+  virtual void enter_backward(const Tensor& dx) {}
+};
+
+class AttentionCore {
+ public:
+  virtual ~AttentionCore() = default;
+  // q [B, T, Hq, Dh], k and v [B, T, Hkv, Dh] of this rank's tokens (after RoPE) -> out
+  // [B, T, Hq, Dh], lse [B, Hq, T]: ops/attention.h's conventions.
+  virtual void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out,
+                       const Tensor& lse);
+  virtual void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                        const Tensor& dout, float scale, const Tensor& dq, const Tensor& dk, const Tensor& dv);
+};
+
+// The degree-1 runners (stateless; shared).
+LinearRunner& local_linear();
+AttentionCore& local_attention();
+
+// What one layer's blocks run on. experts is null for a dense layer, or for a routed layer whose
+// experts all run here through ops/moe.h directly.
+struct LayerRunners {
+  LinearRunner* attn_linear = &local_linear();
+  LinearRunner* mlp_linear = &local_linear();
+  AttentionCore* attention = &local_attention();
+  ops::moe::ExpertRunner* experts = nullptr;
+};
+
+}  // namespace keel::blocks

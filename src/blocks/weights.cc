@@ -1,0 +1,153 @@
+#include "blocks/weights.h"
+
+#include <map>
+
+#include "common/error.h"
+
+namespace keel::blocks {
+namespace {
+
+Tensor param_view(float* base, const optim::ParamInfo& p) {
+  const auto& s = p.shape;
+  float* d = base + p.offset;
+  if (s.size() == 1) return Tensor(d, {s[0]});
+  if (s.size() == 2) return Tensor(d, {s[0], s[1]});
+  return Tensor(d, {s[0], s[1], s[2]});
+}
+
+const std::map<std::string, Slot>& layer_slots() {
+  static const std::map<std::string, Slot> m = {
+      {"res_scale.attn.h_scale", Slot::kAttnHScale}, {"res_scale.attn.h_bias", Slot::kAttnHBias},
+      {"res_scale.attn.r_scale", Slot::kAttnRScale}, {"res_scale.attn.r_bias", Slot::kAttnRBias},
+      {"attn_norm.weight", Slot::kAttnNorm},         {"attn.wq", Slot::kWq},
+      {"attn.wk", Slot::kWk},                         {"attn.wv", Slot::kWv},
+      {"attn.wo", Slot::kWo},                         {"attn.cca.w_qk", Slot::kCcaWqk},
+      {"attn.cca.w_v", Slot::kCcaWv},                 {"attn.cca.conv0.weight", Slot::kCcaConv0W},
+      {"attn.cca.conv0.bias", Slot::kCcaConv0B},      {"attn.cca.conv1.weight", Slot::kCcaConv1W},
+      {"attn.cca.conv1.bias", Slot::kCcaConv1B},      {"attn.cca.temp", Slot::kCcaTemp},
+      {"attn.cca.wo", Slot::kCcaWo},                  {"res_scale.mlp.h_scale", Slot::kMlpHScale},
+      {"res_scale.mlp.h_bias", Slot::kMlpHBias},      {"res_scale.mlp.r_scale", Slot::kMlpRScale},
+      {"res_scale.mlp.r_bias", Slot::kMlpRBias},      {"mlp_norm.weight", Slot::kMlpNorm},
+      {"mlp.w_gate", Slot::kGate},                    {"mlp.w_up", Slot::kUp},
+      {"mlp.w_down", Slot::kDown},                    {"moe.router", Slot::kRouter},
+      {"moe.router.down.weight", Slot::kZrDownW},     {"moe.router.down.bias", Slot::kZrDownB},
+      {"moe.router.eda_scale", Slot::kZrEda},         {"moe.router.norm.weight", Slot::kZrNorm},
+      {"moe.router.mlp1.weight", Slot::kZrW1},        {"moe.router.mlp1.bias", Slot::kZrB1},
+      {"moe.router.mlp2.weight", Slot::kZrW2},        {"moe.router.mlp2.bias", Slot::kZrB2},
+      {"moe.router.out.weight", Slot::kZrOut},        {"moe.w_gate", Slot::kExpertGate},
+      {"moe.w_up", Slot::kExpertUp},                  {"moe.w_down", Slot::kExpertDown},
+  };
+  return m;
+}
+
+const std::map<std::string, Slot>& model_slots() {
+  static const std::map<std::string, Slot> m = {
+      {"embed.weight", Slot::kEmbed},
+      {"final_norm.weight", Slot::kFinalNorm},
+      {"lm_head.weight", Slot::kLmHead},
+      {"final_res_scale.h_scale", Slot::kFinalHScale},
+      {"final_res_scale.h_bias", Slot::kFinalHBias},
+      {"final_res_scale.r_scale", Slot::kFinalRScale},
+      {"final_res_scale.r_bias", Slot::kFinalRBias},
+  };
+  return m;
+}
+
+}  // namespace
+
+ParamRole role_of(const std::string& name) {
+  if (const auto it = model_slots().find(name); it != model_slots().end()) return {-1, it->second};
+  if (name.starts_with("layers.")) {
+    const auto dot = name.find('.', 7);
+    if (dot != std::string::npos && dot > 7 && name.find_first_not_of("0123456789", 7) == dot) {
+      const auto it = layer_slots().find(name.substr(dot + 1));
+      if (it != layer_slots().end()) return {std::stoi(name.substr(7, dot - 7)), it->second};
+    }
+  }
+  fail("model: unmapped parameter '{}'", name);
+}
+
+bool bf16_only(Slot s) {
+  switch (s) {
+    case Slot::kEmbed: case Slot::kLmHead: case Slot::kWq: case Slot::kWk: case Slot::kWv: case Slot::kWo:
+    case Slot::kCcaWqk: case Slot::kCcaWv: case Slot::kCcaWo: case Slot::kGate: case Slot::kUp: case Slot::kDown:
+    case Slot::kRouter: case Slot::kZrDownW: case Slot::kZrW1: case Slot::kZrW2: case Slot::kZrOut:
+    case Slot::kExpertGate: case Slot::kExpertUp: case Slot::kExpertDown:
+      return true;
+    default:
+      return false;
+  }
+}
+
+WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* base) {
+  WeightViews w;
+  w.layers.assign(static_cast<std::size_t>(cfg.layers), LayerWeights{});
+  for (const auto& p : layout.params) {
+    const Tensor t = param_view(base, p);
+    const ParamRole r = role_of(p.name);
+    if (r.layer >= cfg.layers) fail("model: parameter '{}' of a layer the model does not have", p.name);
+    LayerWeights& L = w.layers[static_cast<std::size_t>(std::max(r.layer, 0))];
+    switch (r.slot) {
+      case Slot::kEmbed: w.embed = t; break;
+      case Slot::kFinalNorm: w.final_norm = t; break;
+      case Slot::kLmHead: w.lm_head = t; break;
+      case Slot::kFinalHScale: w.final_scale.h_scale = t; break;
+      case Slot::kFinalHBias: w.final_scale.h_bias = t; break;
+      case Slot::kFinalRScale: w.final_scale.r_scale = t; break;
+      case Slot::kFinalRBias: w.final_scale.r_bias = t; break;
+      case Slot::kAttnHScale: L.attn_scale.h_scale = t; break;
+      case Slot::kAttnHBias: L.attn_scale.h_bias = t; break;
+      case Slot::kAttnRScale: L.attn_scale.r_scale = t; break;
+      case Slot::kAttnRBias: L.attn_scale.r_bias = t; break;
+      case Slot::kAttnNorm: L.attn_norm = t; break;
+      case Slot::kWq: L.wq = t; break;
+      case Slot::kWk: L.wk = t; break;
+      case Slot::kWv: L.wv = t; break;
+      case Slot::kWo: L.wo = t; break;
+      case Slot::kCcaWqk: L.cca.w_qk = t; break;
+      case Slot::kCcaWv: L.cca.w_v = t; break;
+      case Slot::kCcaConv0W: L.cca.conv0_w = t; break;
+      case Slot::kCcaConv0B: L.cca.conv0_b = t; break;
+      case Slot::kCcaConv1W: L.cca.conv1_w = t; break;
+      case Slot::kCcaConv1B: L.cca.conv1_b = t; break;
+      case Slot::kCcaTemp: L.cca.temp = t; break;
+      case Slot::kCcaWo: L.cca.w_o = t; break;
+      case Slot::kMlpHScale: L.mlp_scale.h_scale = t; break;
+      case Slot::kMlpHBias: L.mlp_scale.h_bias = t; break;
+      case Slot::kMlpRScale: L.mlp_scale.r_scale = t; break;
+      case Slot::kMlpRBias: L.mlp_scale.r_bias = t; break;
+      case Slot::kMlpNorm: L.mlp_norm = t; break;
+      case Slot::kGate: L.w_gate = t; break;
+      case Slot::kUp: L.w_up = t; break;
+      case Slot::kDown: L.w_down = t; break;
+      case Slot::kRouter: L.router = t, L.moe = true; break;
+      case Slot::kZrDownW: L.zrouter.w_down = t; break;
+      case Slot::kZrDownB: L.zrouter.b_down = t; break;
+      case Slot::kZrEda: L.zrouter.gamma = t; break;
+      case Slot::kZrNorm: L.zrouter.w_norm = t; break;
+      case Slot::kZrW1: L.zrouter.w1 = t; break;
+      case Slot::kZrB1: L.zrouter.b1 = t; break;
+      case Slot::kZrW2: L.zrouter.w2 = t; break;
+      case Slot::kZrB2: L.zrouter.b2 = t; break;
+      case Slot::kZrOut: L.zrouter.w3 = t; break;
+      case Slot::kExpertGate: L.experts.w_gate = t, L.moe = true; break;
+      case Slot::kExpertUp: L.experts.w_up = t; break;
+      case Slot::kExpertDown: L.experts.w_down = t; break;
+    }
+  }
+  if (cfg.tied_embeddings) w.lm_head = w.embed;
+  return w;
+}
+
+ops::cca::Config cca_config(const model::ModelConfig& cfg) {
+  ops::cca::Config c;
+  c.hidden = cfg.hidden;
+  c.q_heads = cfg.heads;
+  c.kv_heads = cfg.kv_heads;
+  c.head_dim = cfg.head_dim;
+  c.conv0_width = cfg.cca_conv_width;
+  c.conv1_width = cfg.cca_group_conv_width;
+  return c;
+}
+
+}  // namespace keel::blocks

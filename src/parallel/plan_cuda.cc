@@ -1,0 +1,25 @@
+#include "parallel/plan_cuda.h"
+
+#include "parallel/plan.h"
+
+namespace keel::parallel {
+
+CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh) {
+  check_plan(cfg, mesh.shape());
+  layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::cuda::LayerRunners{});
+  if (mesh.expert().size > 1)
+    ep_group_ = std::make_shared<CudaExpertParallelGroup>(mesh.expert().comm, mesh.nccl(GroupKind::kExpert), cfg.experts);
+  for (int l = 0; l < cfg.layers; ++l) {
+    if (!ep_group_ || !model::is_moe_layer(cfg, l)) continue;
+    ep_layers_.push_back(std::make_unique<CudaExpertParallelMoe>(ep_group_));
+    layers_[static_cast<std::size_t>(l)].experts = ep_layers_.back().get();
+  }
+}
+
+std::size_t CudaPlan::device_bytes() const {
+  std::size_t b = ep_group_ ? ep_group_->device_bytes() : 0;
+  for (const auto& l : ep_layers_) b += l->device_bytes();
+  return b;
+}
+
+}  // namespace keel::parallel

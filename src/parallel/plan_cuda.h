@@ -1,0 +1,31 @@
+// The GPU runners of a model under a mesh (blocks/cuda/runners.h): one LayerRunners per layer.
+// At degree 1 every runner is the local op; expert parallelism gives each MoE layer a
+// CudaExpertParallelMoe over the mesh's expert group. CUDA builds only.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "blocks/cuda/runners.h"
+#include "model/config.h"
+#include "parallel/expert_parallel_cuda.h"
+#include "parallel/mesh.h"
+
+namespace keel::parallel {
+
+class CudaPlan {
+ public:
+  // Checks the model against the mesh (check_plan) and, with expert parallelism, builds the
+  // expert group's runners (collective over the expert group, with this rank's GPU set).
+  CudaPlan(const model::ModelConfig& cfg, Mesh& mesh);
+  const std::vector<blocks::cuda::LayerRunners>& layers() const { return layers_; }
+  // GPU memory the runners hold of their own (the expert exchange's buffers).
+  std::size_t device_bytes() const;
+
+ private:
+  std::shared_ptr<CudaExpertParallelGroup> ep_group_;
+  std::vector<std::unique_ptr<CudaExpertParallelMoe>> ep_layers_;  // per MoE layer
+  std::vector<blocks::cuda::LayerRunners> layers_;
+};
+
+}  // namespace keel::parallel

@@ -1,0 +1,424 @@
+#include "train/cuda_model_cuda.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "blocks/cuda/kernels.h"
+#include "common/error.h"
+#include "device/cuda_check.h"
+#include "ops/cuda/cast.h"
+#include "ops/cuda/causal_conv.h"
+#include "ops/cuda/embedding.h"
+#include "ops/cuda/residual_scale.h"
+#include "ops/cuda/rmsnorm.h"
+#include "ops/rope.h"
+
+namespace keel::train {
+
+namespace k = ops::cuda;
+namespace bc = blocks::cuda;
+
+// The saved tensors of one layer's forward (one set per layer, or one shared set with full
+// recompute).
+struct CudaModel::LayerActs {
+  bf16 *h1 = nullptr, *h2 = nullptr;
+  float *rstd1 = nullptr, *x_mid = nullptr, *rstd2 = nullptr;
+  bf16* attn_out = nullptr;  // the attention block's output [N, D] (CCA, or residual scaling)
+  bc::AttnSaved attn;
+  bc::MlpSaved mlp;
+};
+
+// The residual stream(s) and their gradients.
+struct CudaModel::Stream {
+  std::vector<float*> resid;      // [layers + 1] layer inputs and the final output, fp32 [N, D]
+  std::vector<float*> hres;       // residual scaling: [layers + 1] the mixer output entering layer l
+  std::vector<float*> eda_state;  // per MoE stage: the MLP router's EDA state [N, R]
+  float* deda[2] = {nullptr, nullptr};  // dL/d EDA state, alternating between consecutive stages
+  float* spare = nullptr;               // full recompute: where a recomputed residual output goes
+  float *final_r = nullptr, *dres = nullptr, *dhres = nullptr, *dh = nullptr;
+  bf16 *dres_bf = nullptr, *dh_bf = nullptr;
+};
+
+// The final norm, the cross-entropy and the micro-batch's token ids.
+struct CudaModel::Head {
+  bf16* final_h = nullptr;
+  float *final_rstd = nullptr, *lse = nullptr;
+  k::cross_entropy::Result* result = nullptr;
+  std::byte* scratch = nullptr;
+  std::uint32_t* tokens = nullptr;
+  std::int32_t *targets = nullptr, *positions = nullptr;
+};
+
+CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options, const optim::ParamLayout& layout,
+                     std::vector<bc::LayerRunners> runners, std::size_t gpu_memory, cudaStream_t stream)
+    : cfg_(cfg), opt_(options), layout_(layout), runners_(std::move(runners)), stream_(stream),
+      st_(std::make_unique<Stream>()), head_(std::make_unique<Head>()) {
+  validate_trainable(cfg_, opt_);
+  // validate_trainable() leaves mha, gqa and cca; the attention kernel (CCA's too) needs:
+  if (cfg_.head_dim != 64 && cfg_.head_dim != 128)
+    throw UsageError(fmt::format("model '{}': head_dim {}: the CUDA attention supports 64 and 128", cfg_.name,
+                                 cfg_.head_dim));
+  if (static_cast<int>(runners_.size()) != cfg_.layers)
+    fail("cuda model: {} layers' runners for {} layers", runners_.size(), cfg_.layers);
+  tokens_ = static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length;
+  for (int l = 0; l < cfg_.layers; ++l) {
+    moe_index_of_layer_.push_back(model::is_moe_layer(cfg_, l) ? static_cast<int>(moe_layer_ids_.size()) : -1);
+    if (model::is_moe_layer(cfg_, l)) moe_layer_ids_.push_back(l);
+    const bool cca = model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca;
+    any_cca_ |= cca;
+    any_softmax_ |= !cca;
+  }
+  scaled_ = cfg_.residual_scaling;
+  // the CUDA CCA's limits (ops/cuda/cca.h), reported here rather than at the first step
+  if (any_cca_ && (cfg_.cca_conv_width > k::causal_conv::kMaxWidth || cfg_.cca_group_conv_width > k::causal_conv::kMaxWidth ||
+                   std::int64_t(cfg_.heads + cfg_.kv_heads) * cfg_.head_dim > 12288))
+    throw UsageError(fmt::format("model '{}': the CUDA CCA takes conv widths <= {} and (heads + kv_heads) * "
+                                 "head_dim <= 12288 (device: cpu trains it)",
+                                 cfg_.name, k::causal_conv::kMaxWidth));
+  attn_shape_ = bc::AttnShape::of(cfg_, opt_.micro_batch, opt_.seq_length);
+  mlp_shape_ = bc::MlpShape::of(cfg_, tokens_, opt_.renormalize_gates);
+  // Keep the whole bf16 logits between forward and backward (no recomputed LM head) when they
+  // take at most an eighth of the GPU; otherwise walk the vocabulary in ce_chunk chunks.
+  ce_keep_logits_ = static_cast<double>(tokens_) * cfg_.vocab_size * 2 <= gpu_memory / 8.0;
+  gemm_ = std::make_unique<k::GemmRunner>();
+  layer_counts_.assign(moe_layer_ids_.size(), std::vector<std::int32_t>(static_cast<std::size_t>(classes()), 0));
+  host_losses_.assign(moe_layer_ids_.size(), k::router::Losses{});
+}
+
+CudaModel::~CudaModel() = default;
+
+CudaModel::LayerActs& CudaModel::acts_for(int l) {
+  return acts_[opt_.recompute == Recompute::kFull ? 0 : static_cast<std::size_t>(l)];
+}
+
+k::cross_entropy::Options CudaModel::ce_options() const {
+  k::cross_entropy::Options o;
+  o.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size);
+  o.keep_logits = ce_keep_logits_;
+  return o;
+}
+
+void CudaModel::carve(DeviceArena& A) {
+  DeviceCarver& c = A.carver();
+  const std::int64_t N = tokens_, D = cfg_.hidden, R = std::max(cfg_.router_hidden, 1);
+  const bool any_moe = !moe_layer_ids_.empty(), any_dense = moe_layer_ids_.size() < std::size_t(cfg_.layers);
+  const bool zaya_moe = any_moe && mlp_shape_.mlp_router, full = opt_.recompute == Recompute::kFull;
+  // with expert parallelism the experts' rows live at their rank (parallel/expert_parallel_cuda.h)
+  bool expert_rows = true;
+  for (const auto& r : runners_) expert_rows = expert_rows && r.experts == nullptr;
+  Stream& st = *st_;
+  const std::size_t start = c.used();
+  st.resid.clear();
+  for (int l = 0; l <= cfg_.layers; ++l) st.resid.push_back(c.take<float>(N * D));
+  // residual scaling: hres[l] is the mixer output entering layer l (none for layer 0)
+  st.hres.assign(static_cast<std::size_t>(cfg_.layers + 1), nullptr);
+  if (scaled_)
+    for (int l = 1; l <= cfg_.layers; ++l) st.hres[static_cast<std::size_t>(l)] = c.take<float>(N * D);
+  // The MLP router's EDA state of each MoE stage: read by the next stage in forward and in
+  // backward, so it lives outside the (possibly shared) layer sets.
+  st.eda_state.assign(zaya_moe ? moe_layer_ids_.size() : 0, nullptr);
+  for (auto& e : st.eda_state) e = c.take<float>(N * R);
+  st.spare = full ? c.take<float>(N * D) : nullptr;
+  const int sets = full ? 1 : cfg_.layers;
+  acts_.assign(static_cast<std::size_t>(sets), LayerActs{});
+  for (int i = 0; i < sets; ++i) {
+    LayerActs& a = acts_[static_cast<std::size_t>(i)];
+    const bool moe = sets == 1 ? any_moe : moe_index_of_layer_[static_cast<std::size_t>(i)] >= 0;
+    const bool dense = sets == 1 ? any_dense : !moe;
+    const bool cca = sets == 1 ? any_cca_ : model::layer_attention_kind(cfg_, i) == model::AttentionKind::kCca;
+    const bool softmax = sets == 1 ? any_softmax_ : !cca;
+    a.h1 = c.take<bf16>(N * D);
+    a.rstd1 = c.take<float>(N);
+    bc::carve(c, attn_shape_, softmax, cca, a.attn);
+    if (cca || scaled_) a.attn_out = c.take<bf16>(N * D);
+    a.x_mid = c.take<float>(N * D);
+    a.h2 = c.take<bf16>(N * D);
+    a.rstd2 = c.take<float>(N);
+    bc::carve(c, mlp_shape_, bc::MlpParts{dense, moe, expert_rows}, a.mlp);
+  }
+  saved_bytes_ = c.used() - start;
+  // shared backward scratch
+  st.dres = c.take<float>(N * D);
+  st.dres_bf = c.take<bf16>(N * D);
+  st.dh = c.take<float>(N * D);
+  st.dh_bf = c.take<bf16>(N * D);
+  bool dense_split = false;
+  for (const auto& r : runners_) dense_split = dense_split || !r.mlp_linear->output_is_whole();
+  bc::MlpScratchParts mp;
+  mp.dense = any_dense, mp.routed = any_moe, mp.backward = true, mp.residual_out = !scaled_;
+  mp.dense_split = dense_split, mp.expert_rows = expert_rows;
+  bc::carve(c, mlp_shape_, mp, mlp_scratch_);
+  mlp_scratch_.dy = st.dres_bf;  // the blocks' bf16 [N, D] scratch is the model's
+  mlp_scratch_.dx = st.dh_bf;
+  bc::carve(c, attn_shape_, any_softmax_, any_cca_, *runners_.front().attention, attn_scratch_);
+  attn_scratch_.dh = st.dh;
+  if (zaya_moe) {
+    st.deda[0] = c.take<float>(N * R);
+    st.deda[1] = c.take<float>(N * R);
+  }
+  if (scaled_) {
+    st.dhres = c.take<float>(N * D);
+    st.final_r = c.take<float>(N * D);
+  }
+  Head& h = *head_;
+  h.final_h = c.take<bf16>(N * D);
+  h.final_rstd = c.take<float>(N);
+  h.lse = c.take<float>(N);
+  h.result = c.take<k::cross_entropy::Result>(1);
+  const std::size_t before_ce = c.used();
+  h.scratch = c.take<std::byte>(
+      static_cast<std::int64_t>(k::cross_entropy::scratch_bytes(N, D, cfg_.vocab_size, ce_options())));
+  ce_bytes_ = c.used() - before_ce;
+  h.tokens = c.take<std::uint32_t>(N);
+  h.targets = c.take<std::int32_t>(N);
+  h.positions = c.take<std::int32_t>(N);
+}
+
+void CudaModel::bind(const Buffers& b) {
+  auto f32 = [&](const optim::ParamInfo& p) { return b.params + p.offset; };
+  auto b16 = [&](const optim::ParamInfo& p) { return b.params_bf16 + p.offset; };
+  w_ = bc::device_weights(cfg_, layout_, f32, b16);
+  g_ = bc::device_grads(cfg_, layout_, b.grads);
+  bias_ = b.bias;
+  rope_ = std::make_unique<k::rope::UploadedTable>(
+      ops::rope::make_table(cfg_.head_dim, cfg_.rope_fraction, cfg_.rope_base, std::max(opt_.seq_length, cfg_.max_seq_len)));
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens_));
+  for (std::int64_t i = 0; i < tokens_; ++i) pos[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i % opt_.seq_length);
+  // Host-to-device copies go on stream_ and are waited for: a plain cudaMemcpy from pageable
+  // memory may return before its DMA lands, and kernels on this non-blocking stream do not
+  // wait for the legacy stream (the first step then reads stale weights).
+  KEEL_CUDA_CHECK(cudaMemcpyAsync(head_->positions, pos.data(), pos.size() * sizeof(std::int32_t),
+                                  cudaMemcpyHostToDevice, stream_));
+  KEEL_CUDA_CHECK(keel::stream_sync(stream_));
+}
+
+bc::AttnContext CudaModel::attn_context(int l) const {
+  const bc::LayerRunners& r = runners_[static_cast<std::size_t>(l)];
+  return {head_->positions, &rope_->view(), r.attn_linear, r.attention};
+}
+
+bc::EdaIo CudaModel::eda(int m) const {
+  if (!mlp_shape_.mlp_router) return {};
+  return {st_->eda_state[static_cast<std::size_t>(m)], m > 0 ? st_->eda_state[static_cast<std::size_t>(m - 1)] : nullptr};
+}
+
+LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_t* targets_host,
+                             parallel::StageHooks& hooks, std::vector<std::vector<std::int64_t>>& load) {
+  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  Stream& st = *st_;
+  Head& h = *head_;
+  for (std::int64_t i = 0; i < N; ++i)
+    if (tokens_host[i] >= static_cast<std::uint64_t>(V))
+      fail("token id {} at position {} is outside the vocabulary ({})", tokens_host[i], i, V);
+  KEEL_CUDA_CHECK(cudaMemcpyAsync(h.tokens, tokens_host, N * sizeof(std::uint32_t), cudaMemcpyHostToDevice, stream_));
+  KEEL_CUDA_CHECK(cudaMemcpyAsync(h.targets, targets_host, N * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
+  hooks.forward_begin();
+  hooks.before_stage(0);  // overlapped ZeRO-1: the parameters of each stage as they arrive
+  // The lookup reads the bf16 working copy, as the GEMMs do (bf16 mixed precision): under
+  // data parallelism the table then travels in bf16, half the bytes the forward waits for.
+  k::embedding::forward_bf16_table(h.tokens, N, w_.embed, st.resid[0], V, D, stream_);
+  for (int l = 0; l < cfg_.layers; ++l) {
+    hooks.before_stage(1 + 2 * l);
+    if (scaled_)
+      scaled_layer_forward(l, acts_for(l), st.resid[l + 1], st.hres[l + 1], /*count_load=*/true);
+    else
+      layer_forward(l, acts_for(l), st.resid[l], st.resid[l + 1], /*count_load=*/true);
+    // (each layer asks for its MLP stage, 2 + 2l, itself: between its two parts)
+  }
+  hooks.before_stage(model::stage_count(cfg_.layers) - 1);
+  const float* final_in = st.resid[cfg_.layers];
+  if (scaled_) {
+    const bc::ResScale& F = w_.final_scale;
+    k::residual_scale::merge_forward(st.resid[cfg_.layers], st.hres[cfg_.layers], F.r_bias, F.r_scale, F.h_bias,
+                                     F.h_scale, st.final_r, N, D, stream_);
+    final_in = st.final_r;
+  }
+  k::rmsnorm::forward(final_in, w_.final_norm, eps, h.final_h, h.final_rstd, N, D, stream_);
+  k::cross_entropy::forward(h.final_h, w_.lm_head, h.targets, N, D, V, ce_options(), h.lse, h.result, h.scratch,
+                            stream_);
+  hooks.forward_end();
+  // one sync: the loss, the router losses and the expert loads of this micro-batch
+  LossParts lp;
+  const k::cross_entropy::Result r = k::cross_entropy::read_result(h.result, stream_);
+  lp.ce = r.loss;
+  const int classes = this->classes();
+  for (std::size_t m = 0; m < moe_layer_ids_.size(); ++m) {
+    LayerActs& a = acts_for(moe_layer_ids_[m]);
+    if (mlp_shape_.mlp_router) {
+      // the MLP router has no aux or z loss (its balance is the bias controller's)
+    } else if (opt_.recompute == Recompute::kNone || moe_layer_ids_.size() == 1) {
+      const auto losses = k::router::read_losses(a.mlp.losses, stream_);
+      lp.aux += losses.aux;
+      lp.z += losses.z;
+    } else {
+      lp.aux += host_losses_[m].aux;
+      lp.z += host_losses_[m].z;
+    }
+    for (int e = 0; e < classes; ++e) load[m][static_cast<std::size_t>(e)] += layer_counts_[m][static_cast<std::size_t>(e)];
+  }
+  lp.total = lp.ce + opt_.aux_loss_weight * lp.aux + opt_.z_loss_weight * lp.z;
+  have_forward_ = true;
+  return lp;
+}
+
+// A routed or dense MLP block: y = residual + mlp(a.h2) (residual null: y = mlp(a.h2)).
+// Records the layer's loads when count_load.
+void CudaModel::mlp_forward(int l, LayerActs& a, const float* residual, float* y, bool count_load) {
+  const int m = moe_index_of_layer_[static_cast<std::size_t>(l)];
+  const bc::LayerRunners& r = runners_[static_cast<std::size_t>(l)];
+  const float* bias = m >= 0 ? bias_ + std::int64_t(m) * classes() : nullptr;
+  bc::mlp_forward(*gemm_, mlp_shape_, w_.layers[static_cast<std::size_t>(l)], bias, a.h2, eda(std::max(m, 0)), residual, y,
+                  a.mlp, mlp_scratch_, *r.mlp_linear, r.experts, stream_);
+  if (m < 0 || !count_load) return;
+  bc::mlp_loads(mlp_shape_, a.mlp, layer_counts_[static_cast<std::size_t>(m)].data());
+  if (!mlp_shape_.mlp_router && opt_.recompute == Recompute::kFull)
+    host_losses_[static_cast<std::size_t>(m)] = k::router::read_losses(a.mlp.losses, stream_);
+}
+
+// Plain pre-norm layer: x_mid = x_in + attn(n1(x_in)); x_out = x_mid + mlp(n2(x_mid)).
+void CudaModel::layer_forward(int l, LayerActs& a, const float* x_in, float* x_out, bool count_load) {
+  const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
+  const std::int64_t N = tokens_, D = cfg_.hidden;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  k::rmsnorm::forward(x_in, W.attn_norm, eps, a.h1, a.rstd1, N, D, stream_);
+  KEEL_CUDA_CHECK(cudaMemcpyAsync(a.x_mid, x_in, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+  bc::attention_forward(*gemm_, attn_shape_, W, a.h1, attn_context(l), a.attn, a.x_mid, a.attn_out, stream_);
+  k::rmsnorm::forward(a.x_mid, W.mlp_norm, eps, a.h2, a.rstd2, N, D, stream_);
+  mlp_forward(l, a, a.x_mid, x_out, count_load);
+}
+
+// ZAYA1 residual scaling (MoeTransformer::scaled_layer_forward): layer l takes (resid[l],
+// hres[l]) (layer 0: the embedding only) and gives
+//   r1 = merge_attn(r, h) (layer 0: (emb + b_h) * s_h) -> a.x_mid;  ya = attn(n1(r1)) -> a.attn_out
+//   r2 = merge_mlp(r1, ya) -> r_out;  ym = mlp(n2(r2)) -> h_out (fp32)
+void CudaModel::scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h_out, bool count_load) {
+  const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
+  const std::int64_t N = tokens_, D = cfg_.hidden;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  const bc::ResScale &A = W.attn_scale, &M = W.mlp_scale;
+  Stream& st = *st_;
+  if (l == 0)
+    k::residual_scale::forward(st.resid[0], A.h_bias, A.h_scale, a.x_mid, N, D, stream_);
+  else
+    k::residual_scale::merge_forward(st.resid[static_cast<std::size_t>(l)], st.hres[static_cast<std::size_t>(l)], A.r_bias,
+                                     A.r_scale, A.h_bias, A.h_scale, a.x_mid, N, D, stream_);
+  k::rmsnorm::forward(a.x_mid, W.attn_norm, eps, a.h1, a.rstd1, N, D, stream_);
+  bc::attention_forward(*gemm_, attn_shape_, W, a.h1, attn_context(l), a.attn, nullptr, a.attn_out, stream_);
+  k::residual_scale::merge_forward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, r_out, N, D, stream_);
+  k::rmsnorm::forward(r_out, W.mlp_norm, eps, a.h2, a.rstd2, N, D, stream_);
+  mlp_forward(l, a, nullptr, h_out, count_load);
+}
+
+void CudaModel::backward(float loss_scale, bool grads_fresh, parallel::StageHooks& hooks) {
+  if (!have_forward_) fail("model: backward() without a forward()");
+  cur_scale_ = loss_scale;
+  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  Stream& st = *st_;
+  Head& h = *head_;
+  k::cross_entropy::Options ce = ce_options();
+  ce.overwrite_dw = grads_fresh;  // the LM head's gradient is written first (a tied table's scatter-add follows)
+  k::cross_entropy::backward(h.final_h, w_.lm_head, h.targets, h.lse, loss_scale, N, D, V, ce, h.scratch, st.dh_bf,
+                             g_.lm_head, stream_);
+  KEEL_CUDA_CHECK(cudaMemsetAsync(st.dres, 0, N * D * sizeof(float), stream_));
+  k::rmsnorm::backward(scaled_ ? st.final_r : st.resid[cfg_.layers], w_.final_norm, h.final_rstd, st.dh_bf, st.dres,
+                       g_.final_norm, N, D, stream_);
+  if (scaled_) {  // dres = dL/d resid[L], dhres = dL/d hres[L]
+    const bc::ResScale& F = w_.final_scale;
+    const bc::ResScaleGrads& dF = g_.final_scale;
+    k::residual_scale::merge_backward(st.resid[cfg_.layers], st.hres[cfg_.layers], F.r_bias, F.r_scale, F.h_bias,
+                                      F.h_scale, st.dres, st.dres, st.dhres, dF.r_bias, dF.r_scale, dF.h_bias,
+                                      dF.h_scale, N, D, stream_);
+  }
+  hooks.grads_final(model::stage_count(cfg_.layers) - 1);
+  const bool full = opt_.recompute == Recompute::kFull;
+  for (int l = cfg_.layers - 1; l >= 0; --l) {
+    LayerActs& a = acts_for(l);
+    if (scaled_) {
+      // Recompute: the residual output goes to the spare (resid[l + 1] already holds it and the
+      // MLP-norm backward reads it there); the mixer output to hres[l + 1], which only layer
+      // l + 1's backward read, and that has run.
+      if (full) scaled_layer_forward(l, a, st.spare, st.hres[static_cast<std::size_t>(l) + 1], /*count_load=*/false);
+      scaled_layer_backward(l, a, grads_fresh, hooks);
+    } else {
+      if (full) layer_forward(l, a, st.resid[static_cast<std::size_t>(l)], st.spare, /*count_load=*/false);
+      layer_backward(l, a, st.resid[static_cast<std::size_t>(l)], grads_fresh, hooks);
+    }
+  }
+  hooks.layers_done();
+  if (!hooks.take_embedding_grads(h.tokens, st.dres, N)) {
+    k::embedding::backward(h.tokens, N, st.dres, g_.embed, V, D, stream_);
+    hooks.grads_final(0);
+  }
+  have_forward_ = false;
+}
+
+// The MLP block's backward: dy fp32 [N, D] = dL/d(block output) -> st.dh = dL/d a.h2 (fp32).
+void CudaModel::mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fresh) {
+  const int m = moe_index_of_layer_[static_cast<std::size_t>(l)];
+  const bc::LayerRunners& r = runners_[static_cast<std::size_t>(l)];
+  bc::LayerGrads g = g_.layers[static_cast<std::size_t>(l)];
+  g.experts.overwrite = grads_fresh;
+  // EDA chain: stage m + 1 left dL/d state_m in deda[(m + 1) % 2]; this stage writes dL/d
+  // state_{m-1} into the other buffer.
+  bc::EdaGrads deda;
+  if (m >= 0 && mlp_shape_.mlp_router) {
+    const int nmoe = static_cast<int>(moe_layer_ids_.size());
+    deda.dstate_next = m + 1 < nmoe ? st_->deda[(m + 1) % 2] : nullptr;
+    deda.dprev = m > 0 ? st_->deda[m % 2] : nullptr;
+  }
+  bc::mlp_backward(*gemm_, mlp_shape_, w_.layers[static_cast<std::size_t>(l)], g, a.h2, eda(std::max(m, 0)), deda, a.mlp,
+                   mlp_scratch_, dy, st_->dh, static_cast<float>(opt_.aux_loss_weight * cur_scale_),
+                   static_cast<float>(opt_.z_loss_weight * cur_scale_), *r.mlp_linear, r.experts, stream_);
+}
+
+// dres holds dL/d(layer output) on entry and dL/d(layer input) on return.
+void CudaModel::layer_backward(int l, LayerActs& a, const float* x_in, bool grads_fresh, parallel::StageHooks& hooks) {
+  const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
+  const bc::LayerGrads& G = g_.layers[static_cast<std::size_t>(l)];
+  const std::int64_t N = tokens_, D = cfg_.hidden;
+  Stream& st = *st_;
+  // MLP block: out = x_mid + mlp(n2(x_mid)); st.dh collects dL/dh2.
+  mlp_backward(l, a, st.dres, grads_fresh);
+  k::f32_to_bf16(st.dh, st.dh_bf, N * D, stream_);
+  k::rmsnorm::backward(a.x_mid, W.mlp_norm, a.rstd2, st.dh_bf, st.dres, G.mlp_norm, N, D, stream_);
+  hooks.grads_final(2 + 2 * l);
+  // Attention block: x_mid = x_in + attn(n1(x_in)); dres is now dL/dx_mid.
+  k::f32_to_bf16(st.dres, st.dres_bf, N * D, stream_);
+  bc::attention_backward(*gemm_, attn_shape_, W, G, a.h1, attn_context(l), a.attn, attn_scratch_, st.dres_bf, st.dh_bf,
+                         stream_);
+  k::rmsnorm::backward(x_in, W.attn_norm, a.rstd1, st.dh_bf, st.dres, G.attn_norm, N, D, stream_);
+  hooks.grads_final(1 + 2 * l);
+}
+
+// In: dres = dL/d resid[l + 1], dhres = dL/d hres[l + 1]. Out: dres = dL/d resid[l], dhres =
+// dL/d hres[l] (layer 0: dres = dL/d embedding).
+void CudaModel::scaled_layer_backward(int l, LayerActs& a, bool grads_fresh, parallel::StageHooks& hooks) {
+  const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
+  const bc::LayerGrads& G = g_.layers[static_cast<std::size_t>(l)];
+  const std::int64_t N = tokens_, D = cfg_.hidden;
+  const bc::ResScale &A = W.attn_scale, &M = W.mlp_scale;
+  const bc::ResScaleGrads &dA = G.attn_scale, &dM = G.mlp_scale;
+  Stream& st = *st_;
+  mlp_backward(l, a, st.dhres, grads_fresh);
+  k::f32_to_bf16(st.dh, st.dh_bf, N * D, stream_);
+  k::rmsnorm::backward(st.resid[static_cast<std::size_t>(l) + 1], W.mlp_norm, a.rstd2, st.dh_bf, st.dres, G.mlp_norm, N,
+                       D, stream_);
+  // dres = dL/dr2 -> dL/dr1 (so far); dres_bf = dL/d attn_out (bf16: it feeds the output GEMM)
+  k::residual_scale::merge_backward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, st.dres, st.dres,
+                                    st.dres_bf, dM.r_bias, dM.r_scale, dM.h_bias, dM.h_scale, N, D, stream_);
+  hooks.grads_final(2 + 2 * l);
+  bc::attention_backward(*gemm_, attn_shape_, W, G, a.h1, attn_context(l), a.attn, attn_scratch_, st.dres_bf, st.dh_bf,
+                         stream_);
+  k::rmsnorm::backward(a.x_mid, W.attn_norm, a.rstd1, st.dh_bf, st.dres, G.attn_norm, N, D, stream_);
+  if (l == 0)
+    k::residual_scale::backward(st.resid[0], A.h_bias, A.h_scale, st.dres, st.dres, dA.h_bias, dA.h_scale, N, D, stream_);
+  else
+    k::residual_scale::merge_backward(st.resid[static_cast<std::size_t>(l)], st.hres[static_cast<std::size_t>(l)], A.r_bias,
+                                      A.r_scale, A.h_bias, A.h_scale, st.dres, st.dres, st.dhres, dA.r_bias, dA.r_scale,
+                                      dA.h_bias, dA.h_scale, N, D, stream_);
+  hooks.grads_final(1 + 2 * l);
+}
+
+}  // namespace keel::train

@@ -1,0 +1,121 @@
+// The model math of GPU training: MoeTransformer's layer graph (train/model.h) over flat device
+// buffers, built from the GPU blocks (blocks/cuda/attention.h, blocks/cuda/mlp.h) with the
+// runners the plan gives each layer. It owns the activations (every layer's saved tensors, the
+// shared backward scratch, the cross-entropy's buffers), not the parameters, gradients or
+// optimizer state: the backend (cuda_backend_cuda.cc) allocates those and binds them. It tells
+// a data-parallel schedule where it is through parallel::StageHooks (before each stage's
+// parameters are read in forward, when each stage's gradients are final in backward); it never
+// communicates itself. CUDA builds only.
+//
+// Per layer (plain pre-norm): x_mid = x + attn(n1(x)), y = x_mid + mlp(n2(x_mid)); with ZAYA1's
+// residual scaling two streams (r, h) merged before each stage and before the final norm
+// (MoeTransformer::scaled_layer_forward). Precision: bf16 GEMM operands, fp32 accumulation, the
+// residual stream(s) and their gradients fp32. Host syncs: one per MoE layer in forward (the
+// dispatch plan), one at the end of forward (the loss and the loads).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "blocks/cuda/attention.h"
+#include "blocks/cuda/mlp.h"
+#include "blocks/cuda/runners.h"
+#include "blocks/cuda/weights.h"
+#include "device/device_arena.h"
+#include "model/config.h"
+#include "ops/cuda/cross_entropy.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/router.h"
+#include "ops/cuda/rope.h"
+#include "parallel/stage_hooks.h"
+#include "train/model.h"
+
+namespace keel::train {
+
+class CudaModel {
+ public:
+  using bf16 = ops::cuda::bf16;
+
+  // The flat buffers the backend owns: fp32 parameters (every one the blocks read in fp32 must be
+  // backed), their bf16 copy, the gradients, and the router selection biases ([moe][classes]).
+  struct Buffers {
+    const float* params = nullptr;
+    const bf16* params_bf16 = nullptr;
+    float* grads = nullptr;
+    const float* bias = nullptr;
+  };
+
+  // runners: one per layer, from the plan (parallel/plan_cuda.h). gpu_memory: the device's
+  // bytes, which decide whether the bf16 logits are kept between forward and backward.
+  CudaModel(const model::ModelConfig& cfg, const ModelOptions& options, const optim::ParamLayout& layout,
+            std::vector<blocks::cuda::LayerRunners> runners, std::size_t gpu_memory, cudaStream_t stream);
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  // Takes every activation region from `acts` (a sizing pass before acts.allocate(), then the
+  // real one): the layers' saved tensors first (saved_bytes()), then the shared scratch.
+  void carve(DeviceArena& acts);
+  // After the real carve: the flat buffers (pointers stay valid) and the positions' upload.
+  void bind(const Buffers& b);
+
+  // tokens, targets: micro_batch x seq_length on the host. Adds each MoE layer's routing counts
+  // (E experts, + the skip class) of this micro-batch into load[m].
+  LossParts forward(const std::uint32_t* tokens, const std::int32_t* targets, parallel::StageHooks& hooks,
+                    std::vector<std::vector<std::int64_t>>& load);
+  // d(loss_scale x the last forward's loss) into the gradients: accumulated, or written for the
+  // blocks a step's first backward writes (grads_fresh: the expert stacks and the LM head).
+  void backward(float loss_scale, bool grads_fresh, parallel::StageHooks& hooks);
+
+  std::int64_t tokens() const { return tokens_; }
+  int moe_layer_count() const { return static_cast<int>(moe_layer_ids_.size()); }
+  int classes() const { return mlp_shape_.classes(); }
+  bool keeps_logits() const { return ce_keep_logits_; }
+  ops::cuda::GemmRunner& gemm() { return *gemm_; }
+  std::size_t saved_bytes() const { return saved_bytes_; }  // the layers' saved activations
+  std::size_t ce_bytes() const { return ce_bytes_; }        // the cross-entropy's scratch (kept logits)
+
+ private:
+  struct LayerActs;
+  struct Stream;
+  struct Head;
+  LayerActs& acts_for(int l);
+  blocks::cuda::AttnContext attn_context(int l) const;
+  blocks::cuda::EdaIo eda(int m) const;
+  ops::cuda::cross_entropy::Options ce_options() const;
+  void layer_forward(int l, LayerActs& a, const float* x_in, float* x_out, bool count_load);
+  void scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h_out, bool count_load);
+  void mlp_forward(int l, LayerActs& a, const float* residual, float* y, bool count_load);
+  void mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fresh);
+  void layer_backward(int l, LayerActs& a, const float* x_in, bool grads_fresh, parallel::StageHooks& hooks);
+  void scaled_layer_backward(int l, LayerActs& a, bool grads_fresh, parallel::StageHooks& hooks);
+
+  model::ModelConfig cfg_;
+  ModelOptions opt_;
+  const optim::ParamLayout& layout_;
+  std::vector<blocks::cuda::LayerRunners> runners_;
+  cudaStream_t stream_;
+  std::unique_ptr<ops::cuda::GemmRunner> gemm_;
+  std::unique_ptr<ops::cuda::rope::UploadedTable> rope_;
+  std::int64_t tokens_ = 0;
+  bool ce_keep_logits_ = false, scaled_ = false, any_cca_ = false, any_softmax_ = false;
+  blocks::cuda::AttnShape attn_shape_;
+  blocks::cuda::MlpShape mlp_shape_;
+  std::vector<int> moe_layer_ids_, moe_index_of_layer_;
+  blocks::cuda::ModelWeights w_;
+  blocks::cuda::ModelGrads g_;
+  const float* bias_ = nullptr;
+  std::vector<LayerActs> acts_;  // one per layer, or one shared set with full recompute
+  std::unique_ptr<Stream> st_;   // residual streams and their gradients
+  std::unique_ptr<Head> head_;   // final norm, cross-entropy, token ids
+  blocks::cuda::AttnScratch attn_scratch_;
+  blocks::cuda::MlpScratch mlp_scratch_;
+  std::vector<std::vector<std::int32_t>> layer_counts_;  // per MoE layer: this micro-batch's loads
+  std::vector<ops::cuda::router::Losses> host_losses_;  // full recompute: read in forward
+  std::size_t saved_bytes_ = 0, ce_bytes_ = 0;
+  bool have_forward_ = false;
+  float cur_scale_ = 1.0f;
+};
+
+}  // namespace keel::train
