@@ -13,7 +13,7 @@
 #include "ops/attention.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
 #include "ops/residual_scale.h"
 #include "ops/rmsnorm.h"
 #include "ops/router.h"
@@ -168,7 +168,7 @@ void cached_attention(const Tensor& q, const std::vector<float>& kc, const std::
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
   // Threads only when a task has enough work to pay for starting them (ops/parallel.h).
   const std::int64_t min_tasks = std::max<std::int64_t>(1, 65536 / std::max<std::int64_t>(1, len * dh));
-  ops::parallel_for(B * hq, min_tasks, [&](std::int64_t lo, std::int64_t hi) {
+  parallel_for(B * hq, min_tasks, [&](std::int64_t lo, std::int64_t hi) {
     std::vector<float> p(static_cast<std::size_t>(len));
     for (std::int64_t bh = lo; bh < hi; ++bh) {
       const std::int64_t b = bh / hq, h = bh % hq, g = h / group;
@@ -505,7 +505,7 @@ void InferenceModel::cca_decode(int l, Cache& cache, const Tensor& x, const Tens
   const float sqrt_d = static_cast<float>(std::sqrt(double(d)));
   const float* w0 = p.conv0_w.data();
   const float* w1 = p.conv1_w.data();
-  ops::parallel_for(B, 4, [&](std::int64_t lo, std::int64_t hi) {
+  parallel_for(B, 4, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t b = lo; b < hi; ++b) {
       float* st0 = lc.conv0_in.data() + b * (W0 - 1) * C;  // [W0-1, C] oldest first
       float* st1 = lc.conv1_in.data() + b * (W1 - 1) * C;  // [W1-1, C]

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "common/error.h"
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
 
 namespace keel::ops::attention {
 

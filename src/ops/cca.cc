@@ -8,7 +8,7 @@
 #include "ops/attention.h"
 #include "ops/causal_conv.h"
 #include "ops/linear.h"
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
 
 namespace keel::ops::cca {
 

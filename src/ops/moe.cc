@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "common/error.h"
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
 #include "ops/swiglu.h"
 
 namespace keel::ops::moe {

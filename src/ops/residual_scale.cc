@@ -1,7 +1,7 @@
 #include "ops/residual_scale.h"
 
 #include "common/error.h"
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
 
 namespace keel::ops::residual_scale {
 

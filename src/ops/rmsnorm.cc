@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "common/error.h"
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
 
 namespace keel::ops::rmsnorm {
 

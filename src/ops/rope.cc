@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "common/error.h"
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
 
 namespace keel::ops::rope {
 

@@ -5,7 +5,7 @@
 
 #include "common/error.h"
 #include "ops/linear.h"
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
 #include "ops/rmsnorm.h"
 #include "ops/router.h"
 

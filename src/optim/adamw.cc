@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "common/error.h"
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
 
 namespace keel::optim {
 
@@ -28,7 +28,7 @@ void adamw_update(float* param, const float* grad, float* m, float* v, std::int6
   const float step_size = static_cast<float>(lr / bc1);
   const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
   const float eps = static_cast<float>(c.eps);
-  ops::parallel_for(n, 1 << 16, [&](std::int64_t b, std::int64_t e) {
+  parallel_for(n, 1 << 16, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t i = b; i < e; ++i) {
       float g = grad_scale * grad[i];
       float mi = b1 * m[i] + one_b1 * g;

@@ -9,7 +9,7 @@
 #include "common/error.h"
 #include "common/mpi_session.h"
 #include "common/watchdog.h"
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
 
 namespace keel::parallel {
 namespace {
@@ -107,7 +107,7 @@ void ExpertParallelMoe::forward(const ops::moe::Plan& plan, const Tensor& x, con
 
   // 3. the slots' token rows in expert order, to the experts' ranks
   std::vector<float> xs_sorted(static_cast<std::size_t>(s * d));
-  ops::parallel_for(s, 256, [&](std::int64_t b, std::int64_t e) {
+  parallel_for(s, 256, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t slot = b; slot < e; ++slot)
       copy_rows(xs_sorted.data() + slot * d, x.row(plan_.source[slot] / top_k), 1, d);
   });
@@ -155,7 +155,7 @@ void ExpertParallelMoe::forward(const ops::moe::Plan& plan, const Tensor& x, con
   for (std::int64_t i = 0; i < r; ++i) copy_rows(y_src.data() + std::int64_t(expert_major_[i]) * d, y_local.data() + i * d, 1, d);
   ys_sorted_.resize(static_cast<std::size_t>(s * d));
   exchange(y_src.data(), recv_rows_, ys_sorted_.data(), send_rows_, d);
-  ops::parallel_for(n, 64, [&](std::int64_t b, std::int64_t e) {
+  parallel_for(n, 64, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t i = b; i < e; ++i) {
       float* yr = y.row(i);
       std::fill(yr, yr + d, 0.f);
@@ -177,7 +177,7 @@ void ExpertParallelMoe::backward(const Tensor& dy, const ops::moe::Weights& loca
   if (!dgates.empty()) require_shape(dgates, {n, top_k}, "expert parallel dgates");
   // combine backward at the tokens' rank: gate gradients, gate-weighted slot gradients
   std::vector<float> dys_sorted(static_cast<std::size_t>(s * d));
-  ops::parallel_for(n, 64, [&](std::int64_t b, std::int64_t e) {
+  parallel_for(n, 64, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t i = b; i < e; ++i) {
       const float* dyr = dy.row(i);
       for (int k = 0; k < top_k; ++k) {
@@ -213,7 +213,7 @@ void ExpertParallelMoe::backward(const Tensor& dy, const ops::moe::Weights& loca
   for (std::int64_t i = 0; i < r; ++i) copy_rows(dx_src.data() + std::int64_t(expert_major_[i]) * d, dx_local.data() + i * d, 1, d);
   exchange(dx_src.data(), recv_rows_, dxs_sorted.data(), send_rows_, d);
   if (dx.empty()) return;
-  ops::parallel_for(n, 64, [&](std::int64_t b, std::int64_t e) {
+  parallel_for(n, 64, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t i = b; i < e; ++i) {
       float* dxr = dx.row(i);
       std::fill(dxr, dxr + d, 0.f);

@@ -220,12 +220,10 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
   // data parallelism the table then travels in bf16, half the bytes the forward waits for.
   k::embedding::forward_bf16_table(h.tokens, N, w_.embed, st.resid[0], V, D, stream_);
   for (int l = 0; l < cfg_.layers; ++l) {
-    hooks.before_stage(1 + 2 * l);
     if (scaled_)
-      scaled_layer_forward(l, acts_for(l), st.resid[l + 1], st.hres[l + 1], /*count_load=*/true);
+      scaled_layer_forward(l, acts_for(l), st.resid[l + 1], st.hres[l + 1], /*count_load=*/true, hooks);
     else
-      layer_forward(l, acts_for(l), st.resid[l], st.resid[l + 1], /*count_load=*/true);
-    // (each layer asks for its MLP stage, 2 + 2l, itself: between its two parts)
+      layer_forward(l, acts_for(l), st.resid[l], st.resid[l + 1], /*count_load=*/true, hooks);
   }
   hooks.before_stage(model::stage_count(cfg_.layers) - 1);
   const float* final_in = st.resid[cfg_.layers];
@@ -278,13 +276,16 @@ void CudaModel::mlp_forward(int l, LayerActs& a, const float* residual, float* y
 }
 
 // Plain pre-norm layer: x_mid = x_in + attn(n1(x_in)); x_out = x_mid + mlp(n2(x_mid)).
-void CudaModel::layer_forward(int l, LayerActs& a, const float* x_in, float* x_out, bool count_load) {
+void CudaModel::layer_forward(int l, LayerActs& a, const float* x_in, float* x_out, bool count_load,
+                              parallel::StageHooks& hooks) {
   const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
   const std::int64_t N = tokens_, D = cfg_.hidden;
   const float eps = static_cast<float>(cfg_.norm_eps);
+  hooks.before_stage(1 + 2 * l);
   k::rmsnorm::forward(x_in, W.attn_norm, eps, a.h1, a.rstd1, N, D, stream_);
   KEEL_CUDA_CHECK(cudaMemcpyAsync(a.x_mid, x_in, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   bc::attention_forward(*gemm_, attn_shape_, W, a.h1, attn_context(l), a.attn, a.x_mid, a.attn_out, stream_);
+  hooks.before_stage(2 + 2 * l);
   k::rmsnorm::forward(a.x_mid, W.mlp_norm, eps, a.h2, a.rstd2, N, D, stream_);
   mlp_forward(l, a, a.x_mid, x_out, count_load);
 }
@@ -293,12 +294,14 @@ void CudaModel::layer_forward(int l, LayerActs& a, const float* x_in, float* x_o
 // hres[l]) (layer 0: the embedding only) and gives
 //   r1 = merge_attn(r, h) (layer 0: (emb + b_h) * s_h) -> a.x_mid;  ya = attn(n1(r1)) -> a.attn_out
 //   r2 = merge_mlp(r1, ya) -> r_out;  ym = mlp(n2(r2)) -> h_out (fp32)
-void CudaModel::scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h_out, bool count_load) {
+void CudaModel::scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h_out, bool count_load,
+                                     parallel::StageHooks& hooks) {
   const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
   const std::int64_t N = tokens_, D = cfg_.hidden;
   const float eps = static_cast<float>(cfg_.norm_eps);
   const bc::ResScale &A = W.attn_scale, &M = W.mlp_scale;
   Stream& st = *st_;
+  hooks.before_stage(1 + 2 * l);
   if (l == 0)
     k::residual_scale::forward(st.resid[0], A.h_bias, A.h_scale, a.x_mid, N, D, stream_);
   else
@@ -306,6 +309,7 @@ void CudaModel::scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h
                                      A.r_scale, A.h_bias, A.h_scale, a.x_mid, N, D, stream_);
   k::rmsnorm::forward(a.x_mid, W.attn_norm, eps, a.h1, a.rstd1, N, D, stream_);
   bc::attention_forward(*gemm_, attn_shape_, W, a.h1, attn_context(l), a.attn, nullptr, a.attn_out, stream_);
+  hooks.before_stage(2 + 2 * l);
   k::residual_scale::merge_forward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, r_out, N, D, stream_);
   k::rmsnorm::forward(r_out, W.mlp_norm, eps, a.h2, a.rstd2, N, D, stream_);
   mlp_forward(l, a, nullptr, h_out, count_load);
@@ -339,10 +343,11 @@ void CudaModel::backward(float loss_scale, bool grads_fresh, parallel::StageHook
       // Recompute: the residual output goes to the spare (resid[l + 1] already holds it and the
       // MLP-norm backward reads it there); the mixer output to hres[l + 1], which only layer
       // l + 1's backward read, and that has run.
-      if (full) scaled_layer_forward(l, a, st.spare, st.hres[static_cast<std::size_t>(l) + 1], /*count_load=*/false);
+      if (full)
+        scaled_layer_forward(l, a, st.spare, st.hres[static_cast<std::size_t>(l) + 1], /*count_load=*/false, hooks);
       scaled_layer_backward(l, a, grads_fresh, hooks);
     } else {
-      if (full) layer_forward(l, a, st.resid[static_cast<std::size_t>(l)], st.spare, /*count_load=*/false);
+      if (full) layer_forward(l, a, st.resid[static_cast<std::size_t>(l)], st.spare, /*count_load=*/false, hooks);
       layer_backward(l, a, st.resid[static_cast<std::size_t>(l)], grads_fresh, hooks);
     }
   }

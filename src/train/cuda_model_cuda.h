@@ -84,8 +84,10 @@ class CudaModel {
   blocks::cuda::AttnContext attn_context(int l) const;
   blocks::cuda::EdaIo eda(int m) const;
   ops::cuda::cross_entropy::Options ce_options() const;
-  void layer_forward(int l, LayerActs& a, const float* x_in, float* x_out, bool count_load);
-  void scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h_out, bool count_load);
+  // Each asks for its two stages' parameters (1 + 2l, 2 + 2l) before it reads them.
+  void layer_forward(int l, LayerActs& a, const float* x_in, float* x_out, bool count_load, parallel::StageHooks& hooks);
+  void scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h_out, bool count_load,
+                            parallel::StageHooks& hooks);
   void mlp_forward(int l, LayerActs& a, const float* residual, float* y, bool count_load);
   void mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fresh);
   void layer_backward(int l, LayerActs& a, const float* x_in, bool grads_fresh, parallel::StageHooks& hooks);

@@ -16,7 +16,8 @@
 #include "common/fileio.h"
 #include "common/mpi_session.h"
 #include "common/watchdog.h"
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
+#include "ops/kernel_settings.h"
 #include "optim/clip.h"
 #include "optim/schedule.h"
 
@@ -45,7 +46,7 @@ void sum_over(const parallel::Group& g, std::int64_t* x, int n) {
 
 // kernels.* of the config: process-wide settings of the ops, the same for every backend.
 void apply_kernel_options(const KernelOptions& k) {
-  ops::set_threads(k.cpu_threads);
+  set_cpu_threads(k.cpu_threads);
   ops::set_moe_lanes(k.moe_lanes);
 }
 
@@ -229,13 +230,18 @@ StepStats Trainer::train_step() {
     }
   }
   // expert load of this step (before the bias update resets the counters)
-  s.load_min = 0, s.load_max = 0;
+  s.load_min = 0, s.load_max = 0, s.busiest_share = 0, s.skip_share = 0;
   bool first = true;
   for (int i = 0; i < m.moe_layer_count(); ++i) {
     const auto load = m.load(i);
     double mean = 0;
     for (auto c : load) mean += static_cast<double>(c);
+    const double total = mean;
     mean /= static_cast<double>(load.size());
+    if (total > 0) {
+      s.busiest_share = std::max(s.busiest_share, static_cast<double>(*std::max_element(load.begin(), load.end())) / total);
+      if (cfg_.model.router_skip_expert) s.skip_share = std::max(s.skip_share, static_cast<double>(load.back()) / total);
+    }
     for (auto c : load) {
       const double f = mean > 0 ? c / mean : 0;
       s.load_min = first ? f : std::min(s.load_min, f);
@@ -273,7 +279,9 @@ void Trainer::log_step(const StepStats& s, double seconds, std::int64_t tokens) 
                          {"mfu", mfu},
                          {"memory_mib", mem},
                          {"expert_load_min", s.load_min},
-                         {"expert_load_max", s.load_max}});
+                         {"expert_load_max", s.load_max},
+                         {"routing_busiest_share", s.busiest_share},
+                         {"routing_skip_share", s.skip_share}});
 }
 
 std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop) {

@@ -25,6 +25,10 @@ struct StepStats {
   std::int64_t step = 0;  // 1-based: the number of optimizer steps done after this one
   double loss = 0, ce = 0, aux = 0, z = 0, lr = 0, grad_norm = 0;
   double load_min = 0, load_max = 0;  // expert load / mean load, over every MoE layer
+  // The routing, as every throughput figure states it: the largest share of a layer's routed
+  // slots one class took, and the largest share the skip class took (0 without one), over the
+  // MoE layers.
+  double busiest_share = 0, skip_share = 0;
 };
 
 class Trainer {

@@ -9,7 +9,7 @@
 
 #include "common/error.h"
 #include "ops/cuda/gemm.h"
-#include "ops/parallel.h"
+#include "ops/kernel_settings.h"
 
 namespace keel::ops::cuda::moe {
 

@@ -1,8 +1,8 @@
-#include "ops/parallel.h"
+#include "common/parallel_for.h"
 
 #include <atomic>
 
-namespace keel::ops {
+namespace keel {
 namespace {
 
 int all_cores() {
@@ -14,15 +14,11 @@ std::atomic<int> g_threads{0};  // 0: every core
 
 }  // namespace
 
-int ops_threads() {
+int cpu_threads() {
   const int n = g_threads.load(std::memory_order_relaxed);
   return n > 0 ? n : all_cores();
 }
 
-void set_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
+void set_cpu_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
 
-#ifndef KEEL_HAVE_CUDA
-void set_moe_lanes(int) {}
-#endif
-
-}  // namespace keel::ops
+}  // namespace keel
