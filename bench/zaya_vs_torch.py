@@ -96,7 +96,7 @@ def flops_per_token(d):
 
 
 def total_params(d):
-    """Parameter count of keel's layout (model_param_layout) for these dimensions."""
+    """Parameter count of keel's layout (model::param_layout) for these dimensions."""
     D, Dh, Hq, Hkv, R, E, F, L = (d["hidden"], d["head_dim"], d["heads"], d["kv_heads"], d["router_hidden"],
                                   d["experts"], d["expert_hidden"], d["layers"])
     Q, KV = Hq * Dh, Hkv * Dh

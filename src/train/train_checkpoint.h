@@ -86,7 +86,7 @@ struct LoadedTrainState {
 };
 
 // Reads a checkpoint directory (or a root whose `latest` names one) into the parameter layout
-// (model_param_layout) and router-bias sizes of `cfg`: every parameter, and the optimizer state
+// (model::param_layout) and router-bias sizes of `cfg`: every parameter, and the optimizer state
 // of the flat range `shard` (second < 0: all of it). Throws keel::Error naming the tensor or
 // file on a missing tensor, a shape or dtype mismatch, or a damaged file.
 LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg,
