@@ -7,8 +7,10 @@ then B A, ...), `--runs` times each, on the same GPUs, and reports each side's m
 over the timed steps (after `--warmup`) of each run, the median of those over the runs, and the
 ratio B / A. The runs are the same computation, so their losses must agree too (printed).
 
-Cases (all `device: cuda`, random tokens from a uint32 dataset this script writes, AdamW, 8K
-tokens per GPU per step):
+Cases (all `device: cuda`, AdamW, 8K tokens per GPU per step, on a uint32 dataset this script
+writes: `--data text` (the default) cuts rows of seq + 1 byte tokens at random offsets from
+keel's demo corpus (data/corpus/*.txt), so the router sees text's skewed token statistics;
+`--data random` draws uniform-random tokens over the whole vocabulary):
   zaya1   the ZAYA1-shaped model of bench/zaya_vs_torch.py (the 8-layer cut of ZAYA1-8B: CCA,
           the MLP router with EDA and the skip class, residual scaling), one GPU, with keel's
           balancing-bias controller (router.bias_update_rate 0.01) as that script runs it
@@ -47,29 +49,40 @@ def config_text(case, prefix, out, steps):
     return "\n".join("  lr: 3e-05" if line.startswith("  lr: ") else line for line in text.split("\n"))
 
 
-def dataset(case, out, steps):
-    prefix = os.path.join(out, "random_" + case)
+CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "corpus")
+
+
+def token_rows(data, rng, n, length, vocab):
+    """n rows of `length` tokens: windows of the demo corpus's bytes, or uniform-random ids."""
+    if data == "random":
+        return rng.integers(0, vocab, size=(n, length), dtype=np.uint64)
+    text = b"".join(open(os.path.join(CORPUS, f), "rb").read() for f in ("stories.txt", "arithmetic.txt"))
+    text = np.frombuffer(text * (length // len(text) + 2), dtype=np.uint8)
+    starts = rng.integers(0, len(text) - length, size=n)
+    return np.stack([text[s:s + length] for s in starts]).astype(np.uint64)
+
+
+def dataset(case, out, steps, data):
+    prefix = os.path.join(out, f"{data}_{case}")
     if os.path.exists(prefix + ".bin"):
         return prefix
     rng = np.random.default_rng(0)
     if case == "zaya1":
         d = zaya_vs_torch.ZAYA8
-        rows = rng.integers(0, d["vocab"], size=(d["micro_batch"] * (steps + 4), d["seq"] + 1), dtype=np.uint64)
-        zaya_vs_torch.write_dataset(prefix, rows)
+        zaya_vs_torch.write_dataset(prefix, token_rows(data, rng, d["micro_batch"] * (steps + 4), d["seq"] + 1, d["vocab"]))
     else:
         d = train_vs_torch.DIMS
         n = d["micro_batch"] * 2 * (steps + 4)
-        train_vs_torch.write_dataset(prefix, rng.integers(0, d["vocab"], size=n * (d["seq"] + 1), dtype=np.uint64),
-                                     d["seq"])
+        train_vs_torch.write_dataset(prefix, token_rows(data, rng, n, d["seq"] + 1, d["vocab"]).reshape(-1), d["seq"])
     return prefix
 
 
-def run(keel, case, out, tag, steps, warmup, timeout):
+def run(keel, case, out, tag, steps, warmup, timeout, data):
     run_dir = os.path.join(out, f"{case}_{tag}")
     shutil.rmtree(run_dir, ignore_errors=True)  # keel train refuses another run's metrics
     os.makedirs(run_dir)
     path = os.path.join(run_dir, "train.yaml")
-    open(path, "w").write(config_text(case, dataset(case, out, steps), run_dir, steps))
+    open(path, "w").write(config_text(case, dataset(case, out, steps, data), run_dir, steps))
     cmd = [keel, "train", path]
     if case == "dp2":
         cmd = ["mpirun", "--allow-run-as-root", "-np", "2", "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE"] + cmd
@@ -98,6 +111,7 @@ def main():
     ap.add_argument("--b", required=True, help="the changed keel binary")
     ap.add_argument("--out", default="out/engine_ab")
     ap.add_argument("--cases", default="zaya1,bench,dp2")
+    ap.add_argument("--data", choices=("text", "random"), default="text")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=4)
@@ -109,7 +123,7 @@ def main():
         res = {"A": [], "B": []}
         for i in range(a.runs):
             for side in (("A", "B") if i % 2 == 0 else ("B", "A")):
-                r = run(a.a if side == "A" else a.b, case, a.out, f"{side}{i}", a.steps, a.warmup, a.timeout)
+                r = run(a.a if side == "A" else a.b, case, a.out, f"{side}{i}", a.steps, a.warmup, a.timeout, a.data)
                 res[side].append(r)
                 print(f"{case} {side}{i}: {r}", flush=True)
         results[case] = res
@@ -118,7 +132,7 @@ def main():
     def fmt(x, f="{:.4f}"):
         return "-" if x is None else f.format(x)
 
-    print("\n== keel A (baseline) vs B (change): tokens/s, median of each run's timed steps; median of runs")
+    print(f"\n== keel A (baseline) vs B (change), {a.data} tokens: tokens/s, median of each run's timed steps; median of runs")
     print(f"{'case':7} {'A tok/s (runs)':>34} {'B tok/s (runs)':>34} {'B/A':>7} {'ce A':>8} {'ce B':>8} "
           f"{'busiest':>8} {'skip':>6}")
     for case, res in results.items():

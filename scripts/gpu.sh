@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train dp ep decode ckpt
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train dp ep decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -215,6 +215,25 @@ for step in "${steps[@]}"; do
       timeout 600 "$build/keel" generate --model "$out/zaya1-8b-cut.yaml" -p "Once upon a time" -n 128 \
           --batch 1,8,64 --bench --device cuda 2>&1 | tee "$out/decode.log" | tail -8
       { echo "decode (ZAYA1-8B widths, $layers layers, 128 new tokens):"; grep -E '^ +(batch|1|8|64) ' "$out/decode.log"; } >>"$summary" ;;
+    ab)
+      # Throughput before and after a change: KEEL_AB_BASE (default baseline/, a source tree of
+      # the earlier commit, e.g. `git archive COMMIT | tar -x -C baseline`) is built (target keel
+      # only, into its build-gpu/) and bench/engine_ab.py trains the same runs with both binaries,
+      # alternately; KEEL_AB_ARGS go to the script (default --cases zaya1,bench,dp2 --runs 3).
+      base=${KEEL_AB_BASE:-baseline}
+      if [ ! -f "$base/CMakeLists.txt" ]; then note "ab: skipped (no source tree at $base)"; continue; fi
+      start=$(date +%s)
+      gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+      if cmake -S "$base" -B "$base/build-gpu" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+          >"$out/ab_build.log" 2>&1 && cmake --build "$base/build-gpu" --target keel >>"$out/ab_build.log" 2>&1; then
+        note "ab: baseline built ($(( $(date +%s) - start )) s)"
+      else
+        tail -20 "$out/ab_build.log"; note "ab: baseline build FAILED (see ab_build.log)"; continue
+      fi
+      timeout 900 python3 bench/engine_ab.py --a "$base/build-gpu/keel" --b "$build/keel" --out /tmp/keel-ab \
+          ${KEEL_AB_ARGS:---cases zaya1,bench,dp2 --runs 3} 2>&1 | tee "$out/engine_ab.log" | tail -8
+      cp /tmp/keel-ab/engine_ab.json "$out/" 2>/dev/null
+      grep -A5 '^== keel A (baseline)' "$out/engine_ab.log" >>"$summary" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
