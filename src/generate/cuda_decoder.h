@@ -13,7 +13,7 @@
 // prefill runs the training ops unchanged (linear, rope, flash attention, cca::forward, the
 // routers and dropless MoE, ...) on B*T tokens and copies what they computed into the caches;
 // decode runs the same per-token ops on B rows, with ops/cuda/decode_attention.h for the
-// attention over the cache and the small kernels of generate/decode_kernels.h for CCA's conv
+// attention over the cache and the small kernels of blocks/cuda/decode_kernels.h for CCA's conv
 // and value-shift states. Every MoE layer synchronizes the stream once (moe::make_plan reads
 // the per-expert row counts on the host; twice with ZAYA1's skip class), so a step is not a
 // single CUDA graph.

@@ -21,7 +21,7 @@
 #include "device/cuda_devices.h"
 #include "device/device_buffer.h"
 #include "generate/cuda_decoder.h"
-#include "generate/decode_kernels.h"
+#include "blocks/cuda/decode_kernels.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cast.h"
 #include "ops/cuda/causal_conv.h"
@@ -47,7 +47,7 @@ namespace {
 
 using ops::cuda::bf16;
 namespace k = ops::cuda;
-namespace dk = generate::cuda;
+namespace dk = blocks::cuda;
 
 static_assert(k::causal_conv::kMaxWidth == 8 && k::router::kMaxTopK == 16,
               "cuda_decoder_unsupported() (cuda_decoder.cc) states these limits");
