@@ -10,13 +10,13 @@
 // fixed state (depthwise-conv inputs, grouped-conv inputs, the previous token's value half),
 // bf16 like the activations the CUDA CCA feeds its convs.
 //
-// prefill runs the training ops unchanged (linear, rope, flash attention, cca::forward, the
-// routers and dropless MoE, ...) on B*T tokens and copies what they computed into the caches;
-// decode runs the same per-token ops on B rows, with ops/cuda/decode_attention.h for the
-// attention over the cache and the small kernels of generate/decode_kernels.h for CCA's conv
-// and value-shift states. Every MoE layer synchronizes the stream once (moe::make_plan reads
-// the per-expert row counts on the host; twice with ZAYA1's skip class), so a step is not a
-// single CUDA graph.
+// prefill runs the training blocks unchanged (blocks/cuda/attention.h and mlp.h: linear, rope,
+// flash attention, cca::forward, the routers and dropless MoE, ...) on B*T tokens and copies what
+// they computed into the caches; decode runs the same per-token ops on B rows, with
+// blocks/cuda/attention_decode.h for the attention over the cache (ops/cuda/decode_attention.h)
+// and CCA's conv and value-shift states (blocks/cuda/decode_kernels.h). Every MoE layer
+// synchronizes the stream once (moe::make_plan reads the per-expert row counts on the host; twice
+// with ZAYA1's skip class), so a step is not a single CUDA graph.
 #pragma once
 
 #include <memory>

@@ -8,16 +8,16 @@
 #include <cstring>
 #include <limits>
 
+#include "blocks/attention.h"
+#include "blocks/mlp.h"
+#include "blocks/runners.h"
 #include "ckpt/reader.h"
 #include "common/error.h"
-#include "ops/attention.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
-#include "common/parallel_for.h"
 #include "ops/residual_scale.h"
 #include "ops/rmsnorm.h"
-#include "ops/router.h"
-#include "ops/swiglu.h"
+#include "tensor/arena.h"
 #include "train/model.h"
 #include "train/train_checkpoint.h"
 #include "train/train_config.h"
@@ -128,23 +128,23 @@ ModelWeights fresh_weights(const model::ModelConfig& config, bool renormalize_ga
 
 // ---------------------------------------------------------------- model
 
-// Grow-only scratch: buffers keep their capacity across calls, so decode steps do not allocate.
+// The activations of one call over N = B x T tokens, carved from one grow-only Arena for the
+// (B, T, head rows) of the call: re-carved when that shape changes, reallocated only when it
+// needs more, so decode steps do not allocate.
 struct InferenceModel::Work {
-  enum Slot {
-    kR, kH, kXMid, kH1, kAttnOut, kH2, kMlpOut, kQ, kK, kV, kAtt, kLse, kQk0, kCcaSaved, kRLogits, kProbs, kRLse,
-    kGates, kXs, kHGate, kHUp, kAct, kYs, kRouterSaved, kEda0, kEda1, kXk, kYk, kGk, kFinal, kFinalH, kC0, kNSlots
-  };
-  std::vector<float> buf[kNSlots];
-  std::vector<std::int32_t> idx, positions;
-  std::vector<std::int64_t> counts;
-  std::vector<float> scores;
-  blocks::zaya::MoeActs zacts;
-  Tensor get(Slot s, std::initializer_list<std::int64_t> shape) {
-    std::int64_t n = 1;
-    for (auto d : shape) n *= d;
-    if (static_cast<std::int64_t>(buf[s].size()) < n) buf[s].resize(static_cast<std::size_t>(n));
-    return Tensor(buf[s].data(), shape);
-  }
+  std::unique_ptr<Arena> arena;
+  std::int64_t planned[3] = {-1, -1, -1};  // B, T, head rows
+  std::vector<std::int32_t> positions;     // [N]
+  blocks::AttnShape attn;                  // (B, T)
+  blocks::MlpShape mlp;                    // N tokens
+  // Streams: r (the residual; plain layers: x), h (residual scaling: the mixer output).
+  Tensor r, h, x_mid, h1, attn_out, h2;    // [N, D]
+  blocks::AttnSaved attn_saved;            // prefill: the block's saved set; decode (T = 1): its scratch
+  blocks::MlpSaved mlp_saved;
+  blocks::MlpScratch mlp_scratch;
+  Tensor eda[2];                           // ZAYA1: the EDA states of consecutive MoE stages [N, R]
+  Tensor final_in, final_h;                // [head rows, D]
+  Tensor rl, hl;                           // [B, D] each sequence's last position (prefill)
 };
 
 namespace {
@@ -152,52 +152,6 @@ namespace {
 void add_into(const Tensor& dst, const Tensor& src) {
   const std::int64_t n = dst.numel();
   for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
-}
-
-inline float dot(const float* a, const float* b, std::int64_t n) {
-  float s = 0.f;
-  for (std::int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// Attention of one new query row per (sequence, head) over positions 0..len-1 of the cache
-// (the new token's k/v already appended). q, out [B, Hq, Dh]; caches [B, capacity, Hkv, Dh].
-void cached_attention(const Tensor& q, const std::vector<float>& kc, const std::vector<float>& vc, int capacity,
-                      std::int64_t len, std::int64_t hq, std::int64_t hkv, std::int64_t dh, const Tensor& out) {
-  const std::int64_t B = q.dim(0), group = hq / hkv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-  // Threads only when a task has enough work to pay for starting them (ops/parallel.h).
-  const std::int64_t min_tasks = std::max<std::int64_t>(1, 65536 / std::max<std::int64_t>(1, len * dh));
-  parallel_for(B * hq, min_tasks, [&](std::int64_t lo, std::int64_t hi) {
-    std::vector<float> p(static_cast<std::size_t>(len));
-    for (std::int64_t bh = lo; bh < hi; ++bh) {
-      const std::int64_t b = bh / hq, h = bh % hq, g = h / group;
-      const float* qi = q.data() + (b * hq + h) * dh;
-      const float* kb = kc.data() + (b * capacity * hkv + g) * dh;
-      const float* vb = vc.data() + (b * capacity * hkv + g) * dh;
-      float m = -std::numeric_limits<float>::infinity();
-      for (std::int64_t j = 0; j < len; ++j) {
-        p[j] = scale * dot(qi, kb + j * hkv * dh, dh);
-        m = std::max(m, p[j]);
-      }
-      float sum = 0.f;
-      for (std::int64_t j = 0; j < len; ++j) sum += (p[j] = std::exp(p[j] - m));
-      float* oi = out.data() + (b * hq + h) * dh;
-      std::fill(oi, oi + dh, 0.f);
-      const float inv = 1.f / sum;
-      for (std::int64_t j = 0; j < len; ++j) {
-        const float w = p[j] * inv;
-        const float* vj = vb + j * hkv * dh;
-        for (std::int64_t c = 0; c < dh; ++c) oi[c] += w * vj[c];
-      }
-    }
-  });
-}
-
-// Row t of sequence b of a [B*T, width] buffer into row `pos` of cache [B, capacity, width].
-void put_row(std::vector<float>& cache, int capacity, std::int64_t b, std::int64_t pos, const float* src,
-             std::int64_t width) {
-  std::memcpy(cache.data() + (b * capacity + pos) * width, src, sizeof(float) * static_cast<std::size_t>(width));
 }
 
 }  // namespace
@@ -235,13 +189,6 @@ InferenceModel::InferenceModel(ModelWeights weights) : w_(std::move(weights)), w
   blocks::WeightViews views = blocks::map_weights(cfg, layout_, w_.params.data());
   lp_ = std::move(views.layers);
   embed_ = views.embed, final_norm_ = views.final_norm, lm_head_ = views.lm_head, final_scale_ = views.final_scale;
-
-  cca_cfg_ = blocks::cca_config(cfg);
-  zshape_.hidden = cfg.hidden;
-  zshape_.router_hidden = cfg.router_hidden;
-  zshape_.expert_hidden = cfg.expert_hidden;
-  zshape_.experts = cfg.experts;
-  zshape_.skip = cfg.router_skip_expert;
 }
 
 InferenceModel::~InferenceModel() = default;
@@ -255,121 +202,126 @@ Cache InferenceModel::make_cache(int batch, int capacity) const {
   Cache c;
   c.batch = batch;
   c.capacity = capacity;
-  const std::int64_t kv = std::int64_t(cfg.kv_heads) * cfg.head_dim, C = cca_cfg_.qk_channels();
-  for (int l = 0; l < cfg.layers; ++l) {
-    LayerCache lc;
-    lc.k.assign(static_cast<std::size_t>(std::int64_t(batch) * capacity * kv), 0.f);
-    lc.v.assign(lc.k.size(), 0.f);
-    if (cca_[l]) {
-      const LayerParams& L = lp_[l];
-      lc.conv0_in.assign(static_cast<std::size_t>(std::int64_t(batch) * (cfg.cca_conv_width - 1) * C), 0.f);
-      // Before the sequence the grouped conv reads depthwise outputs of all-zero input: the bias.
-      lc.conv1_in.resize(static_cast<std::size_t>(std::int64_t(batch) * (cfg.cca_group_conv_width - 1) * C));
-      for (std::size_t i = 0; i < lc.conv1_in.size(); ++i) lc.conv1_in[i] = L.cca.conv0_b[static_cast<std::int64_t>(i % C)];
-      lc.prev_v.assign(static_cast<std::size_t>(std::int64_t(batch) * kv / 2), 0.f);
-    }
-    c.layers.push_back(std::move(lc));
-  }
+  const blocks::AttnShape s = blocks::AttnShape::of(cfg, batch, 1);
+  for (int l = 0; l < cfg.layers; ++l) c.layers.push_back(blocks::make_layer_cache(s, cca_[l] != 0, lp_[l], capacity));
   return c;
+}
+
+void InferenceModel::plan(ArenaPlanner& p, std::int64_t B, std::int64_t T, std::int64_t head_rows) {
+  const model::ModelConfig& cfg = w_.config;
+  const std::int64_t N = B * T, D = cfg.hidden, R = std::max(cfg.router_hidden, 1);
+  Work& w = *work_;
+  bool any_moe = false, any_dense = false, any_cca = false, any_softmax = false;
+  for (int l = 0; l < cfg.layers; ++l) {
+    (moe_index_[l] >= 0 ? any_moe : any_dense) = true;
+    (cca_[l] ? any_cca : any_softmax) = true;
+  }
+  w.attn = blocks::AttnShape::of(cfg, B, T);
+  w.mlp = blocks::MlpShape::of(cfg, N, w_.renormalize_gates);
+  w.r = p.tensor("r", {N, D});
+  w.h = cfg.residual_scaling ? p.tensor("h", {N, D}) : Tensor();
+  w.x_mid = p.tensor("x_mid", {N, D});
+  w.h1 = p.tensor("h1", {N, D});
+  w.attn_out = p.tensor("attn_out", {N, D});
+  w.h2 = p.tensor("h2", {N, D});
+  blocks::carve(p, "attn.", w.attn, any_softmax, any_cca, w.attn_saved);
+  blocks::carve(p, "mlp.", w.mlp, any_dense, any_moe, w.mlp_saved);
+  blocks::carve(p, w.mlp, any_dense, any_moe, /*backward=*/false, w.mlp_scratch);
+  w.eda[0] = w.eda[1] = Tensor();
+  if (any_moe && w.mlp.mlp_router) {
+    w.eda[0] = p.tensor("eda.0", {N, R});
+    w.eda[1] = p.tensor("eda.1", {N, R});
+  }
+  w.final_in = cfg.residual_scaling ? p.tensor("final_in", {head_rows, D}) : Tensor();
+  w.final_h = p.tensor("final_h", {head_rows, D});
+  w.rl = p.tensor("rl", {B, D});
+  w.hl = cfg.residual_scaling ? p.tensor("hl", {B, D}) : Tensor();
+}
+
+InferenceModel::Work& InferenceModel::prepare(std::int64_t B, std::int64_t T, std::int64_t head_rows, int capacity,
+                                              int first_position) {
+  const model::ModelConfig& cfg = w_.config;
+  if (rope_.max_positions < capacity)
+    rope_ = ops::rope::make_table(cfg.head_dim, cfg.rope_fraction, cfg.rope_base, std::max(capacity, cfg.max_seq_len));
+  Work& w = *work_;
+  if (B != w.planned[0] || T != w.planned[1] || head_rows != w.planned[2]) {
+    ArenaPlanner sizing;
+    plan(sizing, B, T, head_rows);
+    if (!w.arena || w.arena->capacity() < sizing.counted())
+      w.arena = std::make_unique<Arena>("generate activations", sizing.counted());
+    else
+      w.arena->reset();
+    ArenaPlanner real(w.arena.get());
+    plan(real, B, T, head_rows);
+    w.planned[0] = B, w.planned[1] = T, w.planned[2] = head_rows;
+  }
+  w.positions.resize(static_cast<std::size_t>(B * T));
+  for (std::int64_t i = 0; i < B * T; ++i) w.positions[i] = static_cast<std::int32_t>(first_position + i % T);
+  return w;
 }
 
 void InferenceModel::embed(const std::uint32_t* ids, std::int64_t n, const Tensor& out) {
   ops::embedding::forward(ids, n, embed_, out);
 }
 
-// Residual-scaled models: the input of layer l's attention stage (x_mid) from the streams.
-void InferenceModel::attn_stage_input(int l, std::int64_t, const Tensor& r, const Tensor& h, const Tensor& x_mid) {
-  const blocks::ResScale& A = lp_[l].attn_scale;
-  if (l == 0)
-    ops::residual_scale::forward(r, A.h_bias, A.h_scale, x_mid);
-  else
-    ops::residual_scale::merge_forward(r, h, A.r_bias, A.r_scale, A.h_bias, A.h_scale, x_mid);
+// Layer l's attention-stage input: x_mid (residual scaling: the merge of the streams r, h
+// entering the layer; plain layers: r) and h1 = n1(x_mid).
+void InferenceModel::attn_input(int l, Work& w) {
+  const LayerParams& P = lp_[l];
+  if (w_.config.residual_scaling) {
+    const blocks::ResScale& A = P.attn_scale;
+    if (l == 0)
+      ops::residual_scale::forward(w.r, A.h_bias, A.h_scale, w.x_mid);
+    else
+      ops::residual_scale::merge_forward(w.r, w.h, A.r_bias, A.r_scale, A.h_bias, A.h_scale, w.x_mid);
+  } else {
+    std::memcpy(w.x_mid.data(), w.r.data(), sizeof(float) * static_cast<std::size_t>(w.r.numel()));
+  }
+  ops::rmsnorm::forward(w.x_mid, P.attn_norm, static_cast<float>(w_.config.norm_eps), w.h1, Tensor());
 }
 
-// After the attention: plain layers r_out = x_mid + attn_out + mlp(n2(.)); residual-scaled
-// layers r_out = merge(x_mid, attn_out), h_out = mlp(n2(r_out)).
-void InferenceModel::mlp_stage(int l, std::int64_t n, const Tensor& x_mid, const Tensor& attn_out, const Tensor& r_out,
-                               const Tensor& h_out) {
+// After the attention (attn_out): plain layers x_mid += attn_out, r = x_mid + mlp(n2(x_mid));
+// residual scaling r = merge(x_mid, attn_out), h = mlp(n2(r)).
+void InferenceModel::mlp_stage(int l, Work& w) {
   const LayerParams& P = lp_[l];
-  const std::int64_t D = w_.config.hidden;
   const float eps = static_cast<float>(w_.config.norm_eps);
-  const Tensor h2 = work_->get(Work::kH2, {n, D});
   if (w_.config.residual_scaling) {
     const blocks::ResScale& M = P.mlp_scale;
-    ops::residual_scale::merge_forward(x_mid, attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, r_out);
-    ops::rmsnorm::forward(r_out, P.mlp_norm, eps, h2, Tensor());
-    mlp(l, n, h2, h_out);
+    ops::residual_scale::merge_forward(w.x_mid, w.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, w.r);
+    ops::rmsnorm::forward(w.r, P.mlp_norm, eps, w.h2, Tensor());
+    mlp(l, w, w.h);
   } else {
-    // x_mid already holds x + attn (prefill / decode add it); r_out = x_mid + mlp(n2(x_mid)).
-    ops::rmsnorm::forward(x_mid, P.mlp_norm, eps, h2, Tensor());
-    mlp(l, n, h2, r_out);
-    add_into(r_out, x_mid);
+    add_into(w.x_mid, w.attn_out);
+    ops::rmsnorm::forward(w.x_mid, P.mlp_norm, eps, w.h2, Tensor());
+    mlp(l, w, w.r);
+    add_into(w.r, w.x_mid);
   }
 }
 
-void InferenceModel::mlp(int l, std::int64_t n, const Tensor& x, const Tensor& y) {
-  const LayerParams& P = lp_[l];
-  const model::ModelConfig& cfg = w_.config;
-  const std::int64_t D = cfg.hidden;
-  Work& w = *work_;
+// y = mlp(h2): the MLP block (dense, linear-router or ZAYA1 MoE). ZAYA1's EDA state of stage m
+// is read by stage m + 1 of the same tokens: two buffers alternate (the state lives only within
+// one forward).
+void InferenceModel::mlp(int l, Work& w, const Tensor& y) {
   const int m = moe_index_[l];
-  if (m < 0) {
-    const std::int64_t F = cfg.ffn_hidden;
-    const Tensor g = w.get(Work::kHGate, {n, F}), u = w.get(Work::kHUp, {n, F}), a = w.get(Work::kAct, {n, F});
-    ops::linear::forward(x, P.w_gate, {}, g);
-    ops::linear::forward(x, P.w_up, {}, u);
-    ops::swiglu::forward(g, u, a);
-    ops::linear::forward(a, P.w_down, {}, y);
-    return;
-  }
-  const std::int64_t F = cfg.expert_hidden;
-  if (cfg.router_hidden > 0) {
-    // ZAYA1: the EDA state of stage m is read by stage m + 1 of the same tokens; two buffers
-    // alternate (the state lives only within one forward).
-    const std::int64_t R = cfg.router_hidden;
-    const int classes = zshape_.classes();
-    zshape_.tokens = n;
-    const Tensor rbuf = w.get(Work::kRouterSaved, {ops::zaya_router::saved_floats(n, R, classes)});
-    blocks::zaya::MoeActs& a = w.zacts;
-    a.router = ops::zaya_router::carve_saved(rbuf.data(), n, R, classes);
-    a.router.state = w.get(m % 2 ? Work::kEda1 : Work::kEda0, {n, R});
-    const Tensor prev = m > 0 ? Tensor(w.buf[m % 2 ? Work::kEda0 : Work::kEda1].data(), {n, R}) : Tensor();
-    a.experts = {w.get(Work::kXs, {n, D}), w.get(Work::kHGate, {n, F}), w.get(Work::kHUp, {n, F}),
-                 w.get(Work::kAct, {n, F}), w.get(Work::kYs, {n, D})};
-    blocks::zaya::MoeScratch sc;
-    sc.xk = w.get(Work::kXk, {n, D});
-    sc.yk = w.get(Work::kYk, {n, D});
-    sc.gk = w.get(Work::kGk, {n, 1});
-    const Tensor bias(w_.router_bias[m].data(), {classes});
-    blocks::zaya::moe_forward(zshape_, {P.zrouter, P.experts}, x, prev, bias, static_cast<float>(cfg.norm_eps), a, sc, y);
-    return;
-  }
-  const int E = cfg.experts, K = cfg.top_k;
-  const std::int64_t S = n * K;
-  const Tensor logits = w.get(Work::kRLogits, {n, E}), probs = w.get(Work::kProbs, {n, E}),
-               lse = w.get(Work::kRLse, {n}), gates = w.get(Work::kGates, {n, K});
-  w.idx.resize(static_cast<std::size_t>(S));
-  w.counts.resize(static_cast<std::size_t>(E));
-  ops::linear::forward(x, P.router, {}, logits);
-  const Tensor bias(w_.router_bias[m].data(), {E});
-  ops::router::forward(logits, bias, {K, w_.renormalize_gates}, probs, lse, w.idx.data(), gates, w.counts.data());
-  const ops::moe::Plan plan = ops::moe::make_plan(w.idx.data(), n, K, E);
-  const ops::moe::Saved saved{w.get(Work::kXs, {S, D}), w.get(Work::kHGate, {S, F}), w.get(Work::kHUp, {S, F}),
-                              w.get(Work::kAct, {S, F}), w.get(Work::kYs, {S, D})};
-  ops::moe::forward(plan, x, gates, P.experts, saved, y);
+  const Tensor bias = m >= 0 ? Tensor(w_.router_bias[m].data(), {w.mlp.classes()}) : Tensor();
+  blocks::EdaIo eda;
+  if (m >= 0 && w.mlp.mlp_router) eda = {w.eda[m % 2], m > 0 ? w.eda[(m - 1) % 2] : Tensor()};
+  blocks::mlp_forward(w.mlp, lp_[l], bias, w.h2, eda, w.mlp_saved, w.mlp_scratch, y, blocks::local_linear(),
+                      /*experts=*/nullptr, /*load=*/nullptr, /*losses=*/nullptr);
 }
 
 // Final merge (residual scaling), norm and LM head on n rows of the streams.
 void InferenceModel::head(std::int64_t n, const Tensor& r, const Tensor& h, float* logits) {
   const model::ModelConfig& cfg = w_.config;
   const std::int64_t D = cfg.hidden, V = cfg.vocab_size;
+  Work& w = *work_;
   Tensor in = r;
   if (cfg.residual_scaling) {
-    in = work_->get(Work::kFinal, {n, D});
+    in = w.final_in.reshaped({n, D});
     const blocks::ResScale& F = final_scale_;
     ops::residual_scale::merge_forward(r, h, F.r_bias, F.r_scale, F.h_bias, F.h_scale, in);
   }
-  const Tensor fh = work_->get(Work::kFinalH, {n, D});
+  const Tensor fh = w.final_h.reshaped({n, D});
   ops::rmsnorm::forward(in, final_norm_, static_cast<float>(cfg.norm_eps), fh, Tensor());
   ops::linear::forward(fh, lm_head_, {}, Tensor(logits, {n, V}));
 }
@@ -380,236 +332,51 @@ void InferenceModel::prefill(const std::uint32_t* tokens, int T, Cache& cache, s
   if (cache.length != 0) fail("generate: prefill needs an empty cache (it holds {} positions)", cache.length);
   if (T < 1 || T > cache.capacity) fail("generate: prefill of {} tokens into a cache of {} positions", T, cache.capacity);
   const std::int64_t B = cache.batch, N = B * T, D = cfg.hidden, V = cfg.vocab_size;
-  const std::int64_t Hq = cfg.heads, Hkv = cfg.kv_heads, Dh = cfg.head_dim, Q = Hq * Dh, KV = Hkv * Dh;
-  const float eps = static_cast<float>(cfg.norm_eps);
-  if (rope_.max_positions < cache.capacity)
-    rope_ = ops::rope::make_table(cfg.head_dim, cfg.rope_fraction, cfg.rope_base, std::max(cache.capacity, cfg.max_seq_len));
-  Work& w = *work_;
-  w.positions.resize(static_cast<std::size_t>(N));
-  for (std::int64_t i = 0; i < N; ++i) w.positions[i] = static_cast<std::int32_t>(i % T);
-  const bool scaled = cfg.residual_scaling;
-  // Streams: r (the residual; plain layers: x), h (residual scaling: the mixer output).
-  Tensor r = w.get(Work::kR, {N, D}), h = scaled ? w.get(Work::kH, {N, D}) : Tensor();
-  embed(tokens, N, r);
+  Work& w = prepare(B, T, all_positions ? N : B, cache.capacity, 0);
+  // The training ops over the whole prompt (attention.h's block: ops::attention / ops::cca),
+  // then the caches from what they computed.
+  blocks::AttnContext ctx;
+  ctx.pos = w.positions.data();
+  ctx.rope = &rope_;
+  embed(tokens, N, w.r);
   for (int l = 0; l < cfg.layers; ++l) {
     const LayerParams& P = lp_[l];
-    LayerCache& lc = cache.layers[l];
-    const Tensor x_mid = w.get(Work::kXMid, {N, D}), h1 = w.get(Work::kH1, {N, D}), att_out = w.get(Work::kAttnOut, {N, D});
-    if (scaled)
-      attn_stage_input(l, N, r, h, x_mid);
-    else
-      std::memcpy(x_mid.data(), r.data(), sizeof(float) * static_cast<std::size_t>(N * D));
-    ops::rmsnorm::forward(x_mid, P.attn_norm, eps, h1, Tensor());
-    if (cca_[l]) {
-      const ops::cca::Saved s =
-          ops::cca::carve_saved(cca_cfg_, B, T, w.get(Work::kCcaSaved, {ops::cca::saved_floats(cca_cfg_, B, T)}).data());
-      ops::cca::forward(cca_cfg_, B, T, h1, w.positions.data(), rope_, P.cca, s, att_out);
-      // Cache: attention operands k and v, and the conv / value-shift states at the end.
-      const std::int64_t C = cca_cfg_.qk_channels(), W0 = cfg.cca_conv_width, W1 = cfg.cca_group_conv_width;
-      const std::int64_t half = KV / 2;
-      for (std::int64_t b = 0; b < B; ++b) {
-        for (std::int64_t t = 0; t < T; ++t) {
-          put_row(lc.k, cache.capacity, b, t, s.k.row(b * T + t), KV);
-          put_row(lc.v, cache.capacity, b, t, s.v.row(b * T + t), KV);
-        }
-        for (std::int64_t j = 0; j < W0 - 1; ++j) {
-          const std::int64_t t = T - (W0 - 1) + j;
-          float* dst = lc.conv0_in.data() + (b * (W0 - 1) + j) * C;
-          if (t >= 0)
-            std::memcpy(dst, s.qk0.row(b * T + t), sizeof(float) * static_cast<std::size_t>(C));
-          else
-            std::fill(dst, dst + C, 0.f);
-        }
-        // c0 rows are times -(W1-1) .. T-1; the last W1-1 of them are the grouped conv's state.
-        for (std::int64_t j = 0; j < W1 - 1; ++j)
-          std::memcpy(lc.conv1_in.data() + (b * (W1 - 1) + j) * C, s.c0.data() + (b * (T + W1 - 1) + T + j) * C,
-                      sizeof(float) * static_cast<std::size_t>(C));
-        // The last token's x W_v2^T (the forward's value shift dropped it): the next token's
-        // previous-token values.
-        const float* x_last = h1.row(b * T + T - 1);
-        for (std::int64_t i = 0; i < half; ++i)
-          lc.prev_v[b * half + i] = dot(x_last, P.cca.w_v.row(half + i), D);
-      }
-    } else {
-      const Tensor q = w.get(Work::kQ, {N, Q}), k = w.get(Work::kK, {N, KV}), v = w.get(Work::kV, {N, KV});
-      ops::linear::forward(h1, P.wq, {}, q);
-      ops::linear::forward(h1, P.wk, {}, k);
-      ops::linear::forward(h1, P.wv, {}, v);
-      ops::rope::forward(rope_, q.reshaped({N, Hq, Dh}), w.positions.data(), q.reshaped({N, Hq, Dh}));
-      ops::rope::forward(rope_, k.reshaped({N, Hkv, Dh}), w.positions.data(), k.reshaped({N, Hkv, Dh}));
-      const Tensor att = w.get(Work::kAtt, {B, T, Hq, Dh}), lse = w.get(Work::kLse, {B, Hq, T});
-      ops::attention::forward(q.reshaped({B, T, Hq, Dh}), k.reshaped({B, T, Hkv, Dh}), v.reshaped({B, T, Hkv, Dh}),
-                              1.0f / std::sqrt(static_cast<float>(Dh)), att, lse);
-      ops::linear::forward(att.reshaped({N, Q}), P.wo, {}, att_out);
-      for (std::int64_t b = 0; b < B; ++b)
-        for (std::int64_t t = 0; t < T; ++t) {
-          put_row(lc.k, cache.capacity, b, t, k.row(b * T + t), KV);
-          put_row(lc.v, cache.capacity, b, t, v.row(b * T + t), KV);
-        }
-    }
-    if (!scaled) add_into(x_mid, att_out);
-    mlp_stage(l, N, x_mid, att_out, r, h);
+    attn_input(l, w);
+    blocks::attention_forward(w.attn, P, cca_[l] != 0, w.h1, ctx, w.attn_saved, w.attn_out);
+    blocks::fill_cache(w.attn, P, cca_[l] != 0, w.h1, w.attn_saved, cache.capacity, cache.layers[l]);
+    mlp_stage(l, w);
   }
   cache.length = T;
   if (all_positions) {
     logits.resize(static_cast<std::size_t>(N * V));
-    head(N, r, h, logits.data());
+    head(N, w.r, w.h, logits.data());
     return;
   }
   // Only the last position of each sequence feeds the next token: gather those rows.
-  const Tensor rl = w.get(Work::kXMid, {B, D}), hl = scaled ? w.get(Work::kH1, {B, D}) : Tensor();
+  const bool scaled = cfg.residual_scaling;
   for (std::int64_t b = 0; b < B; ++b) {
-    std::memcpy(rl.row(b), r.row(b * T + T - 1), sizeof(float) * static_cast<std::size_t>(D));
-    if (scaled) std::memcpy(hl.row(b), h.row(b * T + T - 1), sizeof(float) * static_cast<std::size_t>(D));
+    std::memcpy(w.rl.row(b), w.r.row(b * T + T - 1), sizeof(float) * static_cast<std::size_t>(D));
+    if (scaled) std::memcpy(w.hl.row(b), w.h.row(b * T + T - 1), sizeof(float) * static_cast<std::size_t>(D));
   }
   logits.resize(static_cast<std::size_t>(B * V));
-  head(B, rl, hl, logits.data());
-}
-
-// mha/gqa attention of the B new tokens (x [B, D], the normed input) at position cache.length.
-void InferenceModel::attn_decode(int l, Cache& cache, const Tensor& x, const Tensor& y) {
-  const model::ModelConfig& cfg = w_.config;
-  const LayerParams& P = lp_[l];
-  LayerCache& lc = cache.layers[l];
-  Work& w = *work_;
-  const std::int64_t B = cache.batch, Hq = cfg.heads, Hkv = cfg.kv_heads, Dh = cfg.head_dim, Q = Hq * Dh, KV = Hkv * Dh;
-  const std::int64_t pos = cache.length;
-  const Tensor q = w.get(Work::kQ, {B, Q}), k = w.get(Work::kK, {B, KV}), v = w.get(Work::kV, {B, KV});
-  ops::linear::forward(x, P.wq, {}, q);
-  ops::linear::forward(x, P.wk, {}, k);
-  ops::linear::forward(x, P.wv, {}, v);
-  ops::rope::forward(rope_, q.reshaped({B, Hq, Dh}), w.positions.data(), q.reshaped({B, Hq, Dh}));
-  ops::rope::forward(rope_, k.reshaped({B, Hkv, Dh}), w.positions.data(), k.reshaped({B, Hkv, Dh}));
-  for (std::int64_t b = 0; b < B; ++b) {
-    put_row(lc.k, cache.capacity, b, pos, k.row(b), KV);
-    put_row(lc.v, cache.capacity, b, pos, v.row(b), KV);
-  }
-  const Tensor att = w.get(Work::kAtt, {B, Hq, Dh});
-  cached_attention(q.reshaped({B, Hq, Dh}), lc.k, lc.v, cache.capacity, pos + 1, Hq, Hkv, Dh, att);
-  ops::linear::forward(att.reshaped({B, Q}), P.wo, {}, y);
-}
-
-// CCA of the B new tokens at position cache.length, from the conv states and the cache
-// (ops/cca.h has the equations; this is its forward restricted to the last token).
-void InferenceModel::cca_decode(int l, Cache& cache, const Tensor& x, const Tensor& y) {
-  const model::ModelConfig& cfg = w_.config;
-  const ops::cca::Params& p = lp_[l].cca;
-  LayerCache& lc = cache.layers[l];
-  Work& w = *work_;
-  const std::int64_t B = cache.batch, d = cfg.head_dim, nq = cfg.heads, nkv = cfg.kv_heads, G = nq / nkv;
-  const std::int64_t C = cca_cfg_.qk_channels(), dq = nq * d, dk = nkv * d, half = dk / 2;
-  const std::int64_t W0 = cfg.cca_conv_width, W1 = cfg.cca_group_conv_width, pos = cache.length;
-  const Tensor qk0 = w.get(Work::kQk0, {B, C}), c0 = w.get(Work::kC0, {B, C}), a = w.get(Work::kAtt, {B, C});
-  const Tensor q = w.get(Work::kQ, {B, dq}), k = w.get(Work::kK, {B, dk}), u = w.get(Work::kV, {B, dk});
-  ops::linear::forward(x, p.w_qk, Tensor(), qk0);
-  const float sqrt_d = static_cast<float>(std::sqrt(double(d)));
-  const float* w0 = p.conv0_w.data();
-  const float* w1 = p.conv1_w.data();
-  parallel_for(B, 4, [&](std::int64_t lo, std::int64_t hi) {
-    for (std::int64_t b = lo; b < hi; ++b) {
-      float* st0 = lc.conv0_in.data() + b * (W0 - 1) * C;  // [W0-1, C] oldest first
-      float* st1 = lc.conv1_in.data() + b * (W1 - 1) * C;  // [W1-1, C]
-      const float* x0 = qk0.row(b);
-      float* cr = c0.row(b);
-      // Depthwise: tap W0-1 multiplies the current token, tap k < W0-1 state row k.
-      for (std::int64_t c = 0; c < C; ++c) {
-        float acc = p.conv0_b[c];
-        for (std::int64_t kk = 0; kk < W0 - 1; ++kk) acc += w0[c * W0 + kk] * st0[kk * C + c];
-        acc += w0[c * W0 + W0 - 1] * x0[c];
-        cr[c] = acc;
-      }
-      // Grouped: output channel o of group g = o / d reads the group's d channels at each tap.
-      float* ar = a.row(b);
-      for (std::int64_t o = 0; o < C; ++o) {
-        const std::int64_t g0 = (o / d) * d;
-        float acc = p.conv1_b[o];
-        for (std::int64_t kk = 0; kk < W1; ++kk) {
-          const float* src = kk < W1 - 1 ? st1 + kk * C + g0 : cr + g0;
-          const float* wr = w1 + o * d * W1;
-          for (std::int64_t i = 0; i < d; ++i) acc += wr[i * W1 + kk] * src[i];
-        }
-        ar[o] = acc;
-      }
-      // Slide the states by one token.
-      if (W0 > 1) {
-        std::memmove(st0, st0 + C, sizeof(float) * static_cast<std::size_t>((W0 - 2) * C));
-        std::memcpy(st0 + (W0 - 2) * C, x0, sizeof(float) * static_cast<std::size_t>(C));
-      }
-      if (W1 > 1) {
-        std::memmove(st1, st1 + C, sizeof(float) * static_cast<std::size_t>((W1 - 2) * C));
-        std::memcpy(st1 + (W1 - 2) * C, cr, sizeof(float) * static_cast<std::size_t>(C));
-      }
-      // Mixing terms (pre-conv skips), then L2 normalization, sqrt(d) and the k temperature.
-      for (std::int64_t g = 0; g < nkv; ++g) {
-        const float* k0 = x0 + dq + g * d;
-        float* ak = ar + dq + g * d;
-        for (std::int64_t i = 0; i < d; ++i) {
-          double mean_q = 0;
-          for (std::int64_t j = 0; j < G; ++j) mean_q += x0[(g * G + j) * d + i];
-          mean_q /= double(G);
-          for (std::int64_t j = 0; j < G; ++j) ar[(g * G + j) * d + i] += 0.5f * (x0[(g * G + j) * d + i] + k0[i]);
-          ak[i] += static_cast<float>(0.5 * mean_q + 0.5 * k0[i]);
-        }
-      }
-      for (std::int64_t hh = 0; hh < nq + nkv; ++hh) {
-        const float* ah = ar + hh * d;
-        double ss = 0;
-        for (std::int64_t i = 0; i < d; ++i) ss += double(ah[i]) * ah[i];
-        const float rn = static_cast<float>(1.0 / std::sqrt(ss + double(cca_cfg_.l2_eps)));
-        float* out = hh < nq ? q.row(b) + hh * d : k.row(b) + (hh - nq) * d;
-        const float scale = hh < nq ? sqrt_d * rn : p.temp[hh - nq] * sqrt_d * rn;
-        for (std::int64_t i = 0; i < d; ++i) out[i] = ah[i] * scale;
-      }
-    }
-  });
-  ops::rope::forward(rope_, q.reshaped({B, nq, d}), w.positions.data(), q.reshaped({B, nq, d}));
-  ops::rope::forward(rope_, k.reshaped({B, nkv, d}), w.positions.data(), k.reshaped({B, nkv, d}));
-  // Values: [x_t W_v1^T | x_{t-1} W_v2^T]; this token's second half waits for the next one.
-  ops::linear::forward(x, p.w_v, Tensor(), u);
-  for (std::int64_t b = 0; b < B; ++b) {
-    float* ur = u.row(b);
-    float* pv = lc.prev_v.data() + b * half;
-    for (std::int64_t i = 0; i < half; ++i) std::swap(ur[half + i], pv[i]);
-    put_row(lc.k, cache.capacity, b, pos, k.row(b), dk);
-    put_row(lc.v, cache.capacity, b, pos, ur, dk);
-  }
-  const Tensor att = w.get(Work::kAttnOut, {B, nq, d});
-  cached_attention(q.reshaped({B, nq, d}), lc.k, lc.v, cache.capacity, pos + 1, nq, nkv, d, att);
-  ops::linear::forward(att.reshaped({B, dq}), p.w_o, Tensor(), y);
+  head(B, w.rl, w.hl, logits.data());
 }
 
 void InferenceModel::decode(const std::uint32_t* tokens, Cache& cache, std::vector<float>& logits) {
   const model::ModelConfig& cfg = w_.config;
   if (cache.length >= cache.capacity) fail("generate: the cache is full ({} positions)", cache.capacity);
-  const std::int64_t B = cache.batch, D = cfg.hidden, V = cfg.vocab_size;
-  const float eps = static_cast<float>(cfg.norm_eps);
-  if (rope_.max_positions < cache.capacity)
-    rope_ = ops::rope::make_table(cfg.head_dim, cfg.rope_fraction, cfg.rope_base, std::max(cache.capacity, cfg.max_seq_len));
-  Work& w = *work_;
-  w.positions.assign(static_cast<std::size_t>(B), cache.length);
-  const bool scaled = cfg.residual_scaling;
-  // The attention helpers use the projection slots (kQ, kK, kV, kAtt, kQk0, kC0, kAttnOut) as
-  // scratch; the attention output goes to kMlpOut, which nothing else uses while decoding.
-  Tensor r = w.get(Work::kR, {B, D}), h = scaled ? w.get(Work::kH, {B, D}) : Tensor();
-  embed(tokens, B, r);
+  const std::int64_t B = cache.batch, V = cfg.vocab_size;
+  Work& w = prepare(B, 1, B, cache.capacity, cache.length);
+  embed(tokens, B, w.r);
   for (int l = 0; l < cfg.layers; ++l) {
-    const LayerParams& P = lp_[l];
-    const Tensor x_mid = w.get(Work::kXMid, {B, D}), h1 = w.get(Work::kH1, {B, D}), att_out = w.get(Work::kMlpOut, {B, D});
-    if (scaled)
-      attn_stage_input(l, B, r, h, x_mid);
-    else
-      std::memcpy(x_mid.data(), r.data(), sizeof(float) * static_cast<std::size_t>(B * D));
-    ops::rmsnorm::forward(x_mid, P.attn_norm, eps, h1, Tensor());
-    if (cca_[l])
-      cca_decode(l, cache, h1, att_out);
-    else
-      attn_decode(l, cache, h1, att_out);
-    if (!scaled) add_into(x_mid, att_out);
-    mlp_stage(l, B, x_mid, att_out, r, h);
+    attn_input(l, w);
+    blocks::attention_decode(w.attn, lp_[l], cca_[l] != 0, w.h1, w.positions.data(), rope_, cache.capacity,
+                             cache.length, cache.layers[l], w.attn_saved, w.attn_out);
+    mlp_stage(l, w);
   }
   cache.length += 1;
   logits.resize(static_cast<std::size_t>(B * V));
-  head(B, r, h, logits.data());
+  head(B, w.r, w.h, logits.data());
 }
 
 // ---------------------------------------------------------------- sampling

@@ -1,32 +1,26 @@
 // Incremental decoding (`keel generate`, docs/generate.md). This file: the CPU reference (fp32),
-// an inference-only copy of MoeTransformer's forward (src/train/model.{h,cc}) that reads the same flat fp32 parameter
-// buffer (model::param_layout names and offsets, so a keel train checkpoint loads as it
-// is), plus per-layer caches, so that after a prefill over the prompt every new token costs one
-// forward of that token alone.
+// an inference-only forward of MoeTransformer (src/train/model.{h,cc}) over the same blocks
+// (src/blocks), reading the same flat fp32 parameter buffer (model::param_layout names and
+// offsets, so a keel train checkpoint loads as it is), plus per-layer caches, so that after a
+// prefill over the prompt every new token costs one forward of that token alone.
 //
 // Two forwards, deliberately on different code paths so that each checks the other:
-//   prefill  the whole prompt at once with the training ops unchanged (ops::attention::forward,
-//            ops::cca::forward, ...): the same computation as MoeTransformer::forward. It then
-//            fills the caches from what those ops computed.
+//   prefill  the whole prompt at once with the training blocks unchanged (blocks::
+//            attention_forward: ops::attention::forward, ops::cca::forward, ...;
+//            blocks::mlp_forward): the same computation as MoeTransformer::forward. It then
+//            fills the caches from what those ops computed (blocks::fill_cache).
 //   decode   one token per sequence at position cache.length: per-token ops (norms,
 //            projections, routers, experts) are the same ops on B rows; what depends on earlier
 //            tokens (attention over the cache, the causal convs, CCA's previous-token values,
-//            RoPE at the position) is computed here from the cache.
+//            RoPE at the position) comes from the cache (blocks::attention_decode).
 // Decoding from an empty cache is valid (it is a prefill one token at a time).
 //
-// Caches, per layer and sequence (fp32):
-//   mha/gqa  k (rotated) and v: [capacity, kv_heads, head_dim] each.
-//   CCA      the same k/v cache of its kv heads (the attention operands: k normalized, scaled by
-//            the temperature and rotated; v = [x_t W_v1^T | x_{t-1} W_v2^T]), plus a state of
-//            fixed size: the last (W0 - 1) inputs of the depthwise conv (qk0 rows; zeros before
-//            the sequence), the last (W1 - 1) depthwise outputs feeding the grouped conv (before
-//            the sequence these are the conv0 bias alone, as in the reference's single up-front
-//            padding: ops/causal_conv.h), and the previous token's value half x_{t-1} W_v2^T
-//            (stored projected: kv_heads*head_dim/2 floats instead of the hidden state it comes
-//            from, the same values; zeros before the sequence).
-//   MoE      nothing across tokens. ZAYA1's EDA state flows from MoE stage to MoE stage within
-//            one token (ops/zaya_router.h: state_m = a_m + gamma * state_{m-1}, per token row),
-//            so it lives in the per-call workspace only.
+// The caches (per layer and sequence, fp32: k/v rows, CCA's conv and value-shift states) and the
+// per-token attention over them are blocks/attention_decode.h; the attention and MLP blocks are
+// those of training (blocks/attention.h, blocks/mlp.h), so this file is the driver: caches per
+// batch, the layer loop, the head, sampling. MoE layers keep nothing across tokens (ZAYA1's EDA
+// state flows from MoE stage to MoE stage within one token, so it lives in the per-call
+// workspace only).
 //
 // Shapes: B sequences decoded together (all at the same position), V = vocab_size. Logits are
 // fp32 [B, V] (or [B, T, V] from a prefill asked for every position).
@@ -41,14 +35,13 @@
 #include <utility>
 #include <vector>
 
+#include "blocks/attention_decode.h"
+#include "blocks/weights.h"
 #include "model/config.h"
-#include "ops/cca.h"
 #include "ops/rope.h"
 #include "optim/param_groups.h"
+#include "tensor/arena.h"
 #include "tensor/tensor.h"
-#include "train/model.h"
-#include "blocks/weights.h"
-#include "blocks/zaya_moe.h"
 
 namespace keel::generate {
 
@@ -74,12 +67,7 @@ ModelWeights load_checkpoint_weights(const std::string& path, const std::optiona
 ModelWeights fresh_weights(const model::ModelConfig& config, bool renormalize_gates, double init_std,
                            std::uint64_t seed);
 
-struct LayerCache {
-  std::vector<float> k, v;       // [B, capacity, kv_heads, head_dim]
-  std::vector<float> conv0_in;   // CCA: [B, W0 - 1, C] last depthwise-conv inputs, oldest first
-  std::vector<float> conv1_in;   // CCA: [B, W1 - 1, C] last depthwise outputs, oldest first
-  std::vector<float> prev_v;     // CCA: [B, kv_heads*head_dim/2] previous token's x W_v2^T
-};
+using LayerCache = blocks::LayerCache;
 
 struct Cache {
   int batch = 0;
@@ -117,18 +105,15 @@ class InferenceModel {
  private:
   using LayerParams = blocks::LayerWeights;
   struct Work;
+  // The workspace of a call over B x T tokens (head rows: the rows the LM head runs on), the
+  // rotary table for `capacity` positions, and each token's position from first_position.
+  Work& prepare(std::int64_t B, std::int64_t T, std::int64_t head_rows, int capacity, int first_position);
+  void plan(ArenaPlanner& p, std::int64_t B, std::int64_t T, std::int64_t head_rows);
   void embed(const std::uint32_t* ids, std::int64_t n, const Tensor& out);
-  // n rows each. Residual scaling: x_mid = merge of the streams r, h entering layer l.
-  void attn_stage_input(int l, std::int64_t n, const Tensor& r, const Tensor& h, const Tensor& x_mid);
-  // After the attention: plain layers r_out = x_mid (+ attn already added) + mlp(n2(x_mid));
-  // residual scaling r_out = merge(x_mid, attn_out), h_out = mlp(n2(r_out)). r_out/h_out may
-  // be the layer's input streams (already consumed into x_mid).
-  void mlp_stage(int l, std::int64_t n, const Tensor& x_mid, const Tensor& attn_out, const Tensor& r_out,
-                 const Tensor& h_out);
-  void mlp(int l, std::int64_t n, const Tensor& x, const Tensor& y);  // dense, linear-router or ZAYA1 MoE
+  void attn_input(int l, Work& w);  // x_mid and h1 = n1(x_mid) from the streams
+  void mlp_stage(int l, Work& w);   // after the attention: the streams leaving layer l
+  void mlp(int l, Work& w, const Tensor& y);  // y = mlp(h2): dense, linear-router or ZAYA1 MoE
   void head(std::int64_t n, const Tensor& r, const Tensor& h, float* logits);  // final merge, norm, LM head
-  void cca_decode(int l, Cache& cache, const Tensor& x, const Tensor& y);
-  void attn_decode(int l, Cache& cache, const Tensor& x, const Tensor& y);
 
   ModelWeights w_;
   optim::ParamLayout layout_;
@@ -137,8 +122,6 @@ class InferenceModel {
   blocks::ResScale final_scale_;
   std::vector<int> moe_index_;  // per layer: MoE stage index or -1
   std::vector<char> cca_;       // per layer: attention is CCA
-  ops::cca::Config cca_cfg_;
-  blocks::zaya::Shape zshape_;
   ops::rope::Table rope_;
   std::unique_ptr<Work> work_;
 };

@@ -1,6 +1,7 @@
-// Small CUDA kernels of the GPU decoder (generate/cuda_decoder_cuda.cc) that no op of
-// src/ops/cuda covers: positions, cache rows, and CCA's per-token state updates (its conv
-// states and previous-token value half). Included only from .cu and *_cuda.cc files.
+// Small CUDA kernels of GPU decoding that no op of src/ops/cuda covers: positions, cache rows,
+// and CCA's per-token state updates (its conv states and previous-token value half), used by the
+// attention over a cache (attention_decode.h), and the greedy argmax of the decoder's driver
+// (generate/cuda_decoder_cuda.cc). Included only from .cu and *_cuda.cc files.
 //
 // The CCA step kernels compute, for one new token per sequence, exactly what ops/cuda/cca.h's
 // forward computes for the last token of a sequence (same fp32 summation orders, same bf16
@@ -12,7 +13,7 @@
 
 #include "ops/cuda/common.h"
 
-namespace keel::generate::cuda {
+namespace keel::blocks::cuda {
 
 using ops::cuda::bf16;
 
@@ -58,4 +59,4 @@ void cca_value_step(const bf16* u, bf16* prev, bf16* v_cache, std::int64_t B, st
 void argmax_rows(const float* logits, std::int64_t rows, std::int64_t V, std::int64_t allowed, std::uint32_t* out,
                  cudaStream_t stream);
 
-}  // namespace keel::generate::cuda
+}  // namespace keel::blocks::cuda

@@ -1,10 +1,10 @@
-#include "generate/decode_kernels.h"
+#include "blocks/cuda/decode_kernels.h"
 
 #include <cmath>
 
 #include "common/error.h"
 
-namespace keel::generate::cuda {
+namespace keel::blocks::cuda {
 
 namespace {
 
@@ -240,4 +240,4 @@ void cca_value_step(const bf16* u, bf16* prev, bf16* v_cache, std::int64_t B, st
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
-}  // namespace keel::generate::cuda
+}  // namespace keel::blocks::cuda
