@@ -2,7 +2,7 @@
 // generate.h on one GPU, with the CUDA ops of src/ops/cuda. Plain C++ (no CUDA headers), so the
 // command and the tests include it in every build; without CUDA the factory throws.
 //
-// Precision, as the GPU training path (src/train/cuda_backend_cuda.cc) minus the fp32 master
+// Precision, as the GPU training path (src/train/cuda_model_cuda.cc, src/blocks/cuda/) minus the fp32 master
 // weights: every matrix (and the embedding table) is a bf16 copy on the device; norms, biases,
 // residual scales, CCA temperatures and conv weights stay fp32; activations feeding GEMMs are
 // bf16, the residual stream(s) fp32, GEMMs accumulate in fp32, router logits are fp32. The
