@@ -7,13 +7,6 @@
 namespace keel::blocks {
 namespace {
 
-void add_into(const Tensor& dst, const Tensor& src) {
-  const std::int64_t n = dst.numel();
-  float* d = dst.data();
-  const float* s = src.data();
-  for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
-}
-
 // A [B, T, H, Dh] (or [N, X]) tensor seen as [N, rest].
 Tensor rows(const Tensor& t, std::int64_t n) { return t.reshaped({n, t.numel() / n}); }
 

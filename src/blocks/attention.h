@@ -13,6 +13,7 @@
 #include <string>
 
 #include "blocks/runners.h"
+#include "blocks/shape.h"
 #include "blocks/weights.h"
 #include "model/config.h"
 #include "ops/cca.h"
@@ -20,15 +21,6 @@
 #include "tensor/arena.h"
 
 namespace keel::blocks {
-
-struct AttnShape {
-  std::int64_t batch = 0, seq = 0, hidden = 0;
-  int heads = 0, kv_heads = 0, head_dim = 0;
-  ops::cca::Config cca;
-  std::int64_t tokens() const { return batch * seq; }
-  float scale() const;  // 1 / sqrt(head_dim)
-  static AttnShape of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq);
-};
 
 // What a layer's forward keeps for its backward (a decoder's prefill carves one set as scratch).
 struct AttnSaved {

@@ -8,16 +8,6 @@
 #include "ops/zaya_router.h"
 
 namespace keel::blocks {
-namespace {
-
-void add_into(const Tensor& dst, const Tensor& src) {
-  const std::int64_t n = dst.numel();
-  float* d = dst.data();
-  const float* s = src.data();
-  for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
-}
-
-}  // namespace
 
 MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize) {
   MlpShape s;
@@ -29,13 +19,13 @@ MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool r
   s.top_k = cfg.top_k;
   s.mlp_router = cfg.router_hidden > 0;
   s.renormalize = renormalize;
-  s.eps = static_cast<float>(cfg.norm_eps);
   s.zaya.tokens = tokens;
   s.zaya.hidden = cfg.hidden;
   s.zaya.router_hidden = cfg.router_hidden;
   s.zaya.expert_hidden = cfg.expert_hidden;
   s.zaya.experts = cfg.experts;
   s.zaya.skip = cfg.router_skip_expert;
+  s.zaya.eps = static_cast<float>(cfg.norm_eps);
   return s;
 }
 
@@ -117,7 +107,7 @@ void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, c
   if (s.mlp_router) {
     // ZAYA1 router: no aux or z loss (balancing is the bias controller's job).
     a.zmoe.router.state = eda.state;
-    zaya::moe_forward(s.zaya, {w.zrouter, w.experts, experts}, x, eda.prev, bias, s.eps, a.zmoe, sc.zs, y);
+    zaya::moe_forward(s.zaya, {w.zrouter, w.experts, experts}, x, eda.prev, bias, s.zaya.eps, a.zmoe, sc.zs, y);
     if (load)
       for (int e = 0; e < s.zaya.classes(); ++e) load[e] += a.zmoe.router.counts[static_cast<std::size_t>(e)];
     return;

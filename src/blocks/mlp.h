@@ -13,6 +13,7 @@
 #include <string>
 
 #include "blocks/runners.h"
+#include "blocks/shape.h"
 #include "blocks/weights.h"
 #include "blocks/zaya_moe.h"
 #include "model/config.h"
@@ -21,16 +22,7 @@
 
 namespace keel::blocks {
 
-struct MlpShape {
-  std::int64_t tokens = 0, hidden = 0, ffn = 0, expert_hidden = 0;
-  int experts = 0, top_k = 1;
-  bool mlp_router = false;  // ZAYA1's MLP router (zaya), else the linear top-k router
-  bool renormalize = true;  // linear router: gates renormalized over the top_k
-  float eps = 1e-5f;        // the MLP router's RMSNorm
-  zaya::Shape zaya;         // the ZAYA1 stage (mlp_router)
-  int classes() const { return mlp_router ? zaya.classes() : experts; }
-  static MlpShape of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize);
-};
+// MlpShape: blocks/shape.h.
 
 // What a layer's forward keeps for its backward (a decoder carves one set as its scratch).
 struct MlpSaved {

@@ -5,7 +5,6 @@
 #include "common/error.h"
 
 namespace keel::blocks {
-namespace {
 
 Tensor param_view(float* base, const optim::ParamInfo& p) {
   const auto& s = p.shape;
@@ -14,6 +13,8 @@ Tensor param_view(float* base, const optim::ParamInfo& p) {
   if (s.size() == 2) return Tensor(d, {s[0], s[1]});
   return Tensor(d, {s[0], s[1], s[2]});
 }
+
+namespace {
 
 const std::map<std::string, Slot>& layer_slots() {
   static const std::map<std::string, Slot> m = {

@@ -64,6 +64,9 @@ ParamRole role_of(const std::string& name);
 // fp32 (blocks/cuda/weights.h).
 bool bf16_only(Slot s);
 
+// The tensor of parameter `p` in a flat buffer laid out by its layout (base + p.offset, p.shape).
+Tensor param_view(float* base, const optim::ParamInfo& p);
+
 // Throws keel::Error naming a parameter of the layout it has no role for.
 WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* base);
 

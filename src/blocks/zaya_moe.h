@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "blocks/shape.h"
 #include "ops/moe.h"
 #include "ops/zaya_router.h"
 #include "tensor/tensor.h"
@@ -48,12 +49,7 @@ struct MoeScratch {
   Tensor xk, yk, dyk, dxk, dx_router, gk, dgk, dgates, router, experts;
 };
 
-struct Shape {
-  std::int64_t tokens = 0, hidden = 0, router_hidden = 0, expert_hidden = 0;
-  int experts = 0;  // E (without the skip class)
-  bool skip = false;
-  int classes() const { return experts + (skip ? 1 : 0); }
-};
+using Shape = ZayaShape;  // blocks/shape.h
 
 // x [N, D]; prev_state [N, R] or empty (first MoE stage); bias [classes]; y [N, D] overwritten.
 void moe_forward(const Shape& s, const MoeParams& p, const Tensor& x, const Tensor& prev_state, const Tensor& bias,

@@ -147,15 +147,6 @@ struct InferenceModel::Work {
   Tensor rl, hl;                           // [B, D] each sequence's last position (prefill)
 };
 
-namespace {
-
-void add_into(const Tensor& dst, const Tensor& src) {
-  const std::int64_t n = dst.numel();
-  for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
-}
-
-}  // namespace
-
 std::int64_t Cache::bytes_per_sequence() const {
   std::int64_t floats = 0;
   for (const auto& l : layers) {

@@ -59,6 +59,14 @@ bool Tensor::has_shape(std::initializer_list<std::int64_t> shape) const {
   return true;
 }
 
+void add_into(const Tensor& dst, const Tensor& src) {
+  if (dst.numel() != src.numel()) fail("add_into: {} += {}: element counts differ", dst.shape_string(), src.shape_string());
+  const std::int64_t n = dst.numel();
+  float* d = dst.data();
+  const float* s = src.data();
+  for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
+}
+
 void require_shape(const Tensor& t, std::initializer_list<std::int64_t> shape, const char* what) {
   if (t.empty() && Tensor(nullptr, shape).numel() > 0) fail("{}: missing tensor (null data)", what);
   if (!t.has_shape(shape)) fail("{}: expected shape {}, got {}", what, Tensor(nullptr, shape).shape_string(), t.shape_string());

@@ -55,6 +55,9 @@ class Tensor {
   std::array<std::int64_t, kMaxDims> shape_{};
 };
 
+// dst += src elementwise; throws keel::Error unless both hold as many elements.
+void add_into(const Tensor& dst, const Tensor& src);
+
 // Throws keel::Error "<what>: expected shape [..], got [..]" unless t has exactly `shape`.
 void require_shape(const Tensor& t, std::initializer_list<std::int64_t> shape, const char* what);
 

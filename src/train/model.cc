@@ -21,16 +21,6 @@ Recompute parse_recompute(const std::string& s) {
 }
 const char* to_string(Recompute r) { return r == Recompute::kFull ? "full" : "none"; }
 
-namespace {
-
-void add_into(const Tensor& dst, const Tensor& src) {
-  const std::int64_t n = dst.numel();
-  float* d = dst.data();
-  const float* s = src.data();
-  for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
-}
-
-}  // namespace
 
 void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt) {
   model::validate(cfg);
@@ -204,27 +194,15 @@ std::int64_t MoeTransformer::param_count() const {  // the whole model's, whatev
   return model::global_param_count(layout_);
 }
 
-namespace {
-
-Tensor param_view(float* base, const optim::ParamInfo& p) {
-  const auto& s = p.shape;
-  float* d = base + p.offset;
-  if (s.size() == 1) return Tensor(d, {s[0]});
-  if (s.size() == 2) return Tensor(d, {s[0], s[1]});
-  return Tensor(d, {s[0], s[1], s[2]});
-}
-
-}  // namespace
-
 Tensor MoeTransformer::param(const std::string& name) const {
   for (const auto& p : layout_.params)
-    if (p.name == name) return param_view(params_, p);
+    if (p.name == name) return blocks::param_view(params_, p);
   fail("model: no parameter '{}'", name);
 }
 
 Tensor MoeTransformer::grad(const std::string& name) const {
   for (const auto& p : layout_.params)
-    if (p.name == name) return param_view(grads_, p);
+    if (p.name == name) return blocks::param_view(grads_, p);
   fail("model: no parameter '{}'", name);
 }
 

@@ -18,6 +18,7 @@
 
 #include "blocks/cuda/runners.h"
 #include "blocks/cuda/weights.h"
+#include "blocks/shape.h"
 #include "device/device_arena.h"
 #include "model/config.h"
 #include "ops/cuda/cca.h"
@@ -26,16 +27,7 @@
 
 namespace keel::blocks::cuda {
 
-struct AttnShape {
-  std::int64_t batch = 0, seq = 0, hidden = 0;
-  int heads = 0, kv_heads = 0, head_dim = 0;
-  ops::cuda::cca::Config cca;
-  std::int64_t tokens() const { return batch * seq; }
-  std::int64_t q_dim() const { return std::int64_t(heads) * head_dim; }
-  std::int64_t kv_dim() const { return std::int64_t(kv_heads) * head_dim; }
-  float scale() const;  // 1 / sqrt(head_dim)
-  static AttnShape of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq);
-};
+using blocks::AttnShape;  // blocks/shape.h, shared with the CPU block
 
 // What a layer's forward keeps for its backward (the decoder carves one set as prefill scratch).
 struct AttnSaved {

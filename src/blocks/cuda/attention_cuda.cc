@@ -10,20 +10,6 @@ namespace keel::blocks::cuda {
 
 namespace k = ops::cuda;
 
-float AttnShape::scale() const { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
-
-AttnShape AttnShape::of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq) {
-  AttnShape s;
-  s.batch = batch;
-  s.seq = seq;
-  s.hidden = cfg.hidden;
-  s.heads = cfg.heads;
-  s.kv_heads = cfg.kv_heads;
-  s.head_dim = cfg.head_dim;
-  s.cca = blocks::cca_config(cfg);
-  return s;
-}
-
 void carve(DeviceCarver& c, const AttnShape& s, bool softmax, bool cca, AttnSaved& a) {
   const std::int64_t N = s.tokens(), Q = s.q_dim(), KV = s.kv_dim();
   if (softmax) {

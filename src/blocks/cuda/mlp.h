@@ -20,6 +20,7 @@
 #include "blocks/cuda/runners.h"
 #include "blocks/cuda/weights.h"
 #include "blocks/cuda/zaya_moe.h"
+#include "blocks/shape.h"
 #include "device/device_arena.h"
 #include "model/config.h"
 #include "ops/cuda/gemm.h"
@@ -28,15 +29,7 @@
 
 namespace keel::blocks::cuda {
 
-struct MlpShape {
-  std::int64_t tokens = 0, hidden = 0, ffn = 0, expert_hidden = 0;
-  int experts = 0, top_k = 1;
-  bool mlp_router = false;     // ZAYA1's MLP router (zaya), else the linear top-k router
-  bool renormalize = true;     // linear router: gates renormalized over the top_k
-  zaya::Shape zaya;            // the ZAYA1 stage (mlp_router)
-  int classes() const { return mlp_router ? zaya.classes() : experts; }
-  static MlpShape of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize);
-};
+using blocks::MlpShape;  // blocks/shape.h, shared with the CPU block
 
 // What a layer's forward keeps for its backward (one set per layer, or one shared set with full
 // recompute; the decoder carves one set as its forward scratch). `dense` / `routed` / `zaya`

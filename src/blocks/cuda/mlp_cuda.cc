@@ -12,26 +12,6 @@ namespace keel::blocks::cuda {
 
 namespace k = ops::cuda;
 
-MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize) {
-  MlpShape s;
-  s.tokens = tokens;
-  s.hidden = cfg.hidden;
-  s.ffn = cfg.ffn_hidden;
-  s.expert_hidden = cfg.expert_hidden;
-  s.experts = cfg.experts;
-  s.top_k = cfg.top_k;
-  s.mlp_router = cfg.router_hidden > 0;
-  s.renormalize = renormalize;
-  s.zaya.tokens = tokens;
-  s.zaya.hidden = cfg.hidden;
-  s.zaya.router_hidden = cfg.router_hidden;
-  s.zaya.expert_hidden = cfg.expert_hidden;
-  s.zaya.experts = cfg.experts;
-  s.zaya.skip = cfg.router_skip_expert;
-  s.zaya.eps = static_cast<float>(cfg.norm_eps);
-  return s;
-}
-
 void carve(DeviceCarver& c, const MlpShape& s, const MlpParts& parts, MlpSaved& a) {
   const std::int64_t N = s.tokens, D = s.hidden, E = std::max(s.experts, 1), K = std::max(s.top_k, 1);
   const std::int64_t FE = std::max<std::int64_t>(s.expert_hidden, 1), FD = std::max<std::int64_t>(s.ffn, 1);
@@ -44,7 +24,7 @@ void carve(DeviceCarver& c, const MlpShape& s, const MlpParts& parts, MlpSaved& 
   if (!parts.routed) return;
   if (s.mlp_router) {
     // the router's `state` region goes unused: forward points it at the caller's EDA buffer
-    const k::zaya_router::Dims zdims = s.zaya.router_dims();
+    const k::zaya_router::Dims zdims = zaya::router_dims(s.zaya);
     std::byte* buf = c.take<std::byte>(static_cast<std::int64_t>(k::zaya_router::saved_bytes(zdims)));
     if (buf) a.zmoe.router = k::zaya_router::carve_saved(zdims, buf);
     a.zmoe.kept = c.take<std::int32_t>(N);
@@ -98,7 +78,7 @@ void carve(DeviceCarver& c, const MlpShape& s, const MlpScratchParts& parts, Mlp
     if (parts.backward) {
       z.dgk = c.take<float>(N);
       z.dgates = c.take<float>(N);
-      z.router = c.take<std::byte>(static_cast<std::int64_t>(k::zaya_router::backward_scratch_bytes(s.zaya.router_dims())));
+      z.router = c.take<std::byte>(static_cast<std::int64_t>(k::zaya_router::backward_scratch_bytes(zaya::router_dims(s.zaya))));
       z.experts = sc.moe;
     }
   }

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "blocks/shape.h"
 #include "ops/cuda/common.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/moe.h"
@@ -30,14 +31,10 @@ namespace keel::blocks::cuda::zaya {
 
 using ops::cuda::bf16;
 
-struct Shape {
-  std::int64_t tokens = 0, hidden = 0, router_hidden = 0, expert_hidden = 0;
-  int experts = 0;  // E (without the skip class)
-  bool skip = false;
-  float eps = 1e-5f;  // the router's RMSNorm
-  int classes() const { return experts + (skip ? 1 : 0); }
-  ops::cuda::zaya_router::Dims router_dims() const { return {tokens, hidden, router_hidden, classes(), eps}; }
-};
+using Shape = ZayaShape;  // blocks/shape.h, shared with the CPU block
+inline ops::cuda::zaya_router::Dims router_dims(const Shape& s) {
+  return {s.tokens, s.hidden, s.router_hidden, s.classes(), s.eps};
+}
 
 struct Weights {
   ops::cuda::zaya_router::Weights router;  // gamma null on the first MoE stage (no EDA there)

@@ -11,7 +11,7 @@ void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf
                  const float* bias, Acts& a, const Scratch& sc, float* y, cudaStream_t stream,
                  k::moe::ExpertRunner* experts) {
   const std::int64_t N = s.tokens, D = s.hidden;
-  k::zaya_router::forward(gemm, s.router_dims(), x, prev_state, w.router, bias, a.router, stream);
+  k::zaya_router::forward(gemm, router_dims(s), x, prev_state, w.router, bias, a.router, stream);
   pack_routed(a.router.idx, N, s.experts, a.kept, a.kept_idx, a.pos, a.count, stream);
   // The plan's one sync also brings nk, the tokens left after the skip class, to the host.
   a.plan = k::moe::make_plan(a.kept_idx, N, 1, s.experts, a.plan_ws, stream, s.skip ? a.count : nullptr);
@@ -53,7 +53,7 @@ void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const G
   if (s.skip)
     k::zaya_router::skip_backward(x, a.router.idx, a.router.gates, s.experts, dy, nullptr, sc.dgates, N, D, stream);
   // The router's share of dx goes through the bf16 scratch (the expert dx there is consumed).
-  k::zaya_router::backward(gemm, s.router_dims(), x, prev_state, w.router, a.router, sc.dgates, dstate_next, sc.dxk,
+  k::zaya_router::backward(gemm, router_dims(s), x, prev_state, w.router, a.router, sc.dgates, dstate_next, sc.dxk,
                            dprev_state, g.router, sc.router, stream);
   k::add_bf16_to_f32(sc.dxk, dx, N * D, stream);
 }

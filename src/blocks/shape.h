@@ -1,0 +1,44 @@
+// The blocks' shapes, one struct each for the CPU block and its GPU twin: the attention block
+// (blocks/attention.h, blocks/cuda/attention.h), ZAYA1's MoE stage (blocks/zaya_moe.h,
+// blocks/cuda/zaya_moe.h) and the MLP block (blocks/mlp.h, blocks/cuda/mlp.h).
+#pragma once
+
+#include <cstdint>
+
+#include "model/config.h"
+#include "ops/cca.h"
+
+namespace keel::blocks {
+
+struct AttnShape {
+  std::int64_t batch = 0, seq = 0, hidden = 0;
+  int heads = 0, kv_heads = 0, head_dim = 0;
+  ops::cca::Config cca;
+  std::int64_t tokens() const { return batch * seq; }
+  std::int64_t q_dim() const { return std::int64_t(heads) * head_dim; }
+  std::int64_t kv_dim() const { return std::int64_t(kv_heads) * head_dim; }
+  float scale() const;  // 1 / sqrt(head_dim)
+  static AttnShape of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq);
+};
+
+// ZAYA1's MoE stage: the MLP router (with EDA) over E experts and the skip class, the experts.
+struct ZayaShape {
+  std::int64_t tokens = 0, hidden = 0, router_hidden = 0, expert_hidden = 0;
+  int experts = 0;  // E (without the skip class)
+  bool skip = false;
+  float eps = 1e-5f;  // the router's RMSNorm
+  int classes() const { return experts + (skip ? 1 : 0); }
+};
+
+// The MLP block of N = `tokens` rows: dense, a linear top-k router's MoE, or ZAYA1's stage.
+struct MlpShape {
+  std::int64_t tokens = 0, hidden = 0, ffn = 0, expert_hidden = 0;
+  int experts = 0, top_k = 1;
+  bool mlp_router = false;  // ZAYA1's MLP router (zaya), else the linear top-k router
+  bool renormalize = true;  // linear router: gates renormalized over the top_k
+  ZayaShape zaya;           // the ZAYA1 stage (mlp_router)
+  int classes() const { return mlp_router ? zaya.classes() : experts; }
+  static MlpShape of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize);
+};
+
+}  // namespace keel::blocks
