@@ -10,19 +10,31 @@ namespace {
 // A [B, T, H, Dh] (or [N, X]) tensor seen as [N, rest].
 Tensor rows(const Tensor& t, std::int64_t n) { return t.reshaped({n, t.numel() / n}); }
 
+// The rows of a k or v projection (or its gradient) this rank's query heads read: all of it, or
+// with kv heads replicated over the tensor group (AttnShape::kv_head0) one head's.
+Tensor kv_rows(const AttnShape& s, const Tensor& w) {
+  if (s.kv_head0 < 0 || w.empty()) return w;
+  return Tensor(w.row(std::int64_t(s.kv_head0) * s.head_dim), {s.head_dim, w.dim(1)});
+}
+
 }  // namespace
 
 float AttnShape::scale() const { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
 
-AttnShape AttnShape::of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq) {
+AttnShape AttnShape::of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq, TensorSplit tp) {
   AttnShape s;
   s.batch = batch;
   s.seq = seq;
   s.hidden = cfg.hidden;
-  s.heads = cfg.heads;
-  s.kv_heads = cfg.kv_heads;
+  s.heads = cfg.heads / tp.degree;
   s.head_dim = cfg.head_dim;
-  s.cca = cca_config(cfg);
+  if (tp.degree > cfg.kv_heads) {  // model::kv_replicated: the query heads of this rank share one kv head
+    s.kv_heads = 1;
+    s.kv_head0 = tp.rank * s.heads / (cfg.heads / cfg.kv_heads);
+  } else {
+    s.kv_heads = cfg.kv_heads / tp.degree;
+  }
+  s.cca = cca_config(cfg, tp);
   return s;
 }
 
@@ -55,21 +67,21 @@ void carve(ArenaPlanner& p, const AttnShape& s, bool softmax, bool cca, AttnScra
 void attention_forward(const AttnShape& s, const LayerWeights& w, bool cca, const Tensor& h, const AttnContext& c,
                        const AttnSaved& a, const Tensor& y) {
   const std::int64_t N = s.tokens();
-  const Tensor x = c.linear->enter(h);
+  const Tensor x = c.linear->enter(h), out = c.linear->out(y);
   if (cca) {
-    ops::cca::forward(s.cca, s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, y);
-    c.linear->exit(y);
+    ops::cca::forward(s.cca, s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, out);
+    c.linear->exit(out, y);
     return;
   }
   ops::linear::forward(x, w.wq, {}, rows(a.q, N));
-  ops::linear::forward(x, w.wk, {}, rows(a.k, N));
-  ops::linear::forward(x, w.wv, {}, rows(a.v, N));
+  ops::linear::forward(x, kv_rows(s, w.wk), {}, rows(a.k, N));
+  ops::linear::forward(x, kv_rows(s, w.wv), {}, rows(a.v, N));
   const Tensor q3 = a.q.reshaped({N, s.heads, s.head_dim}), k3 = a.k.reshaped({N, s.kv_heads, s.head_dim});
   ops::rope::forward(*c.rope, q3, c.pos, q3);
   ops::rope::forward(*c.rope, k3, c.pos, k3);
   c.core->forward(a.q, a.k, a.v, s.scale(), a.att, a.lse);
-  ops::linear::forward(rows(a.att, N), w.wo, {}, y);
-  c.linear->exit(y);
+  ops::linear::forward(rows(a.att, N), w.wo, {}, out);
+  c.linear->exit(out, y);
 }
 
 void attention_backward(const AttnShape& s, const LayerWeights& w, LayerWeights& g, bool cca, const Tensor& h,
@@ -77,9 +89,10 @@ void attention_backward(const AttnShape& s, const LayerWeights& w, LayerWeights&
                         const Tensor& dh) {
   const std::int64_t N = s.tokens();
   const Tensor x = c.linear->enter(h);  // the rows forward's projections read
-  const Tensor g_out = c.linear->exit_backward(dy);
+  const Tensor g_out = c.linear->exit_backward(dy), dx = c.linear->dx_out(dh);
   if (cca) {
-    ops::cca::backward(s.cca, s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, g_out, dh, g.cca, sc.cca);
+    ops::cca::backward(s.cca, s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, g_out, dx, g.cca, sc.cca);
+    c.linear->enter_backward(dx, dh);
     return;
   }
   ops::linear::backward(rows(a.att, N), w.wo, g_out, rows(sc.datt, N), g.wo, {});
@@ -87,12 +100,12 @@ void attention_backward(const AttnShape& s, const LayerWeights& w, LayerWeights&
   const Tensor dq3 = sc.dq.reshaped({N, s.heads, s.head_dim}), dk3 = sc.dk.reshaped({N, s.kv_heads, s.head_dim});
   ops::rope::backward(*c.rope, dq3, c.pos, dq3);
   ops::rope::backward(*c.rope, dk3, c.pos, dk3);
-  ops::linear::backward(x, w.wq, rows(sc.dq, N), dh, g.wq, {});
-  ops::linear::backward(x, w.wk, rows(sc.dk, N), sc.tmp, g.wk, {});
-  add_into(dh, sc.tmp);
-  ops::linear::backward(x, w.wv, rows(sc.dv, N), sc.tmp, g.wv, {});
-  add_into(dh, sc.tmp);
-  c.linear->enter_backward(dh);
+  ops::linear::backward(x, w.wq, rows(sc.dq, N), dx, g.wq, {});
+  ops::linear::backward(x, kv_rows(s, w.wk), rows(sc.dk, N), sc.tmp, kv_rows(s, g.wk), {});
+  add_into(dx, sc.tmp);
+  ops::linear::backward(x, kv_rows(s, w.wv), rows(sc.dv, N), sc.tmp, kv_rows(s, g.wv), {});
+  add_into(dx, sc.tmp);
+  c.linear->enter_backward(dx, dh);
 }
 
 }  // namespace keel::blocks

@@ -9,12 +9,12 @@
 
 namespace keel::blocks {
 
-MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize) {
+MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize, TensorSplit tp) {
   MlpShape s;
   s.tokens = tokens;
   s.hidden = cfg.hidden;
-  s.ffn = cfg.ffn_hidden;
-  s.expert_hidden = cfg.expert_hidden;
+  s.ffn = cfg.ffn_hidden / tp.degree;
+  s.expert_hidden = cfg.expert_hidden / tp.degree;
   s.experts = cfg.experts;
   s.top_k = cfg.top_k;
   s.mlp_router = cfg.router_hidden > 0;
@@ -22,7 +22,8 @@ MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool r
   s.zaya.tokens = tokens;
   s.zaya.hidden = cfg.hidden;
   s.zaya.router_hidden = cfg.router_hidden;
-  s.zaya.expert_hidden = cfg.expert_hidden;
+  s.zaya.expert_hidden = s.expert_hidden;
+  s.zaya.skip_output = tp.rank == 0;
   s.zaya.experts = cfg.experts;
   s.zaya.skip = cfg.router_skip_expert;
   s.zaya.eps = static_cast<float>(cfg.norm_eps);
@@ -91,67 +92,65 @@ void carve(ArenaPlanner& p, const MlpShape& s, bool dense, bool routed, bool bac
   }
 }
 
-void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, const Tensor& x, const EdaIo& eda,
+void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, const Tensor& x_in, const EdaIo& eda,
                  MlpSaved& a, const MlpScratch& sc, const Tensor& y, LinearRunner& linear,
                  ops::moe::ExpertRunner* experts, std::int64_t* load, RouterLosses* losses) {
   const std::int64_t N = s.tokens;
+  // Under tensor parallelism the routers run on every token of the group (replicated) and the
+  // experts, like the dense MLP, are column- then row-parallel: `out` is a partial sum.
+  const Tensor x = linear.enter(x_in), out = linear.out(y);
   if (!w.moe) {
-    const Tensor xin = linear.enter(x);
-    ops::linear::forward(xin, w.w_gate, {}, a.g);
-    ops::linear::forward(xin, w.w_up, {}, a.u);
+    ops::linear::forward(x, w.w_gate, {}, a.g);
+    ops::linear::forward(x, w.w_up, {}, a.u);
     ops::swiglu::forward(a.g, a.u, a.a);
-    ops::linear::forward(a.a, w.w_down, {}, y);
-    linear.exit(y);
-    return;
-  }
-  if (s.mlp_router) {
+    ops::linear::forward(a.a, w.w_down, {}, out);
+  } else if (s.mlp_router) {
     // ZAYA1 router: no aux or z loss (balancing is the bias controller's job).
     a.zmoe.router.state = eda.state;
-    zaya::moe_forward(s.zaya, {w.zrouter, w.experts, experts}, x, eda.prev, bias, s.zaya.eps, a.zmoe, sc.zs, y);
+    zaya::moe_forward(s.zaya, {w.zrouter, w.experts, experts}, x, eda.prev, bias, s.zaya.eps, a.zmoe, sc.zs, out);
     if (load)
       for (int e = 0; e < s.zaya.classes(); ++e) load[e] += a.zmoe.router.counts[static_cast<std::size_t>(e)];
-    return;
+  } else {
+    ops::linear::forward(x, w.router, {}, a.rlogits);
+    const ops::router::Losses l =
+        ops::router::forward(a.rlogits, bias, {s.top_k, s.renormalize}, a.probs, a.rlse, a.idx, a.gates, a.counts);
+    if (losses) losses->aux += l.aux, losses->z += l.z;
+    if (load)
+      for (int e = 0; e < s.experts; ++e) load[e] += a.counts[e];
+    a.plan = ops::moe::make_plan(a.idx, N, s.top_k, s.experts);
+    if (experts)
+      experts->forward(a.plan, x, a.gates, w.experts, a.experts, out);
+    else
+      ops::moe::forward(a.plan, x, a.gates, w.experts, a.experts, out);
   }
-  ops::linear::forward(x, w.router, {}, a.rlogits);
-  const ops::router::Losses l =
-      ops::router::forward(a.rlogits, bias, {s.top_k, s.renormalize}, a.probs, a.rlse, a.idx, a.gates, a.counts);
-  if (losses) losses->aux += l.aux, losses->z += l.z;
-  if (load)
-    for (int e = 0; e < s.experts; ++e) load[e] += a.counts[e];
-  a.plan = ops::moe::make_plan(a.idx, N, s.top_k, s.experts);
-  if (experts)
-    experts->forward(a.plan, x, a.gates, w.experts, a.experts, y);
-  else
-    ops::moe::forward(a.plan, x, a.gates, w.experts, a.experts, y);
+  linear.exit(out, y);
 }
 
-void mlp_backward(const MlpShape& s, const LayerWeights& w, LayerWeights& g, const Tensor& x, const EdaIo& eda,
-                  const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc, const Tensor& dy, const Tensor& dx,
+void mlp_backward(const MlpShape& s, const LayerWeights& w, LayerWeights& g, const Tensor& x_in, const EdaIo& eda,
+                  const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc, const Tensor& dy_in, const Tensor& dx_in,
                   float aux_weight, float z_weight, LinearRunner& linear, ops::moe::ExpertRunner* experts) {
+  const Tensor x = linear.enter(x_in);  // the rows forward's projections read
+  const Tensor dy = linear.exit_backward(dy_in), dx = linear.dx_out(dx_in);
   if (!w.moe) {
-    const Tensor xin = linear.enter(x);  // the rows forward's projections read
-    const Tensor g_out = linear.exit_backward(dy);
-    ops::linear::backward(a.a, w.w_down, g_out, sc.da, g.w_down, {});
+    ops::linear::backward(a.a, w.w_down, dy, sc.da, g.w_down, {});
     ops::swiglu::backward(a.g, a.u, sc.da, sc.dg, sc.du);
-    ops::linear::backward(xin, w.w_gate, sc.dg, dx, g.w_gate, {});
-    ops::linear::backward(xin, w.w_up, sc.du, sc.tmp, g.w_up, {});
+    ops::linear::backward(x, w.w_gate, sc.dg, dx, g.w_gate, {});
+    ops::linear::backward(x, w.w_up, sc.du, sc.tmp, g.w_up, {});
     add_into(dx, sc.tmp);
-    linear.enter_backward(dx);
-    return;
-  }
-  if (s.mlp_router) {
+  } else if (s.mlp_router) {
     zaya::moe_backward(s.zaya, {w.zrouter, w.experts, experts}, {g.zrouter, g.experts, nullptr}, x, eda.prev, a.zmoe,
                        sc.zs, dy, deda.dstate_next, dx, deda.dprev);
-    return;
+  } else {
+    if (experts)
+      experts->backward(a.plan, x, a.gates, w.experts, a.experts, dy, sc.moe, dx, sc.dgates, g.experts);
+    else
+      ops::moe::backward(a.plan, x, a.gates, w.experts, a.experts, dy, sc.moe, dx, sc.dgates, g.experts);
+    ops::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, {s.top_k, s.renormalize}, sc.dgates, aux_weight,
+                          z_weight, sc.dlogits);
+    ops::linear::backward(x, w.router, sc.dlogits, sc.tmp, g.router, {});
+    add_into(dx, sc.tmp);
   }
-  if (experts)
-    experts->backward(a.plan, x, a.gates, w.experts, a.experts, dy, sc.moe, dx, sc.dgates, g.experts);
-  else
-    ops::moe::backward(a.plan, x, a.gates, w.experts, a.experts, dy, sc.moe, dx, sc.dgates, g.experts);
-  ops::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, {s.top_k, s.renormalize}, sc.dgates, aux_weight,
-                        z_weight, sc.dlogits);
-  ops::linear::backward(x, w.router, sc.dlogits, sc.tmp, g.router, {});
-  add_into(dx, sc.tmp);
+  linear.enter_backward(dx, dx_in);
 }
 
 }  // namespace keel::blocks

@@ -20,16 +20,25 @@ namespace keel::blocks {
 class LinearRunner {
  public:
   virtual ~LinearRunner() = default;
-  // Forward, before the column-parallel projections: the rows they read. Degree 1: x itself.
+  // Forward, before the column-parallel projections: the rows they read. Degree 1: x itself;
+  // sequence parallelism gathers this rank's rows of the group into the block's [N, D].
   virtual Tensor enter(const Tensor& x) { return x; }
-  // Forward, after the row-parallel projection wrote this rank's part of the block output y:
-  // the whole output in place. Degree 1: nothing to do.
-  virtual void exit(const Tensor& y) {}
-  // Backward: the gradient of the block output as the row-parallel projection reads it, and the
-  // column-parallel projections' input gradient (summed over them) made the gradient of the
-  // block input, in place. Degree 1: dy itself; nothing to do.
+  // Where the row-parallel projection writes its (partial) output, for a block output y: y
+  // itself, or under sequence parallelism a [N, D] buffer of the runner's.
+  virtual Tensor out(const Tensor& y) { return y; }
+  // After the row-parallel projection wrote `partial` (= out(y)): the block output in y (summed
+  // over the group: all-reduced in place, or reduce-scattered into this rank's rows). Degree 1:
+  // nothing to do.
+  virtual void exit(const Tensor& partial, const Tensor& y) {}
+  // Backward: the gradient of the block output as the row-parallel projection reads it (sequence
+  // parallelism gathers it). Degree 1: dy itself.
   virtual Tensor exit_backward(const Tensor& dy) { return dy; }
-  virtual void enter_backward(const Tensor& dx) {}
+  // Where the column-parallel projections write their input gradient (summed over them), for
+  // the block input's gradient dx: dx itself, or a [N, D] buffer of the runner's.
+  virtual Tensor dx_out(const Tensor& dx) { return dx; }
+  // That gradient (= dx_out(dx)) made the gradient of the block input in dx, summed over the
+  // group. Degree 1: nothing to do.
+  virtual void enter_backward(const Tensor& partial, const Tensor& dx) {}
 };
 
 class AttentionCore {

@@ -10,15 +10,25 @@
 
 namespace keel::blocks {
 
+// This rank's place in its tensor-parallel group (parallel/tensor_parallel.h): the blocks hold
+// 1/degree of the heads and of the FFN widths. Degree 1: the whole block.
+struct TensorSplit {
+  int degree = 1, rank = 0;
+};
+
 struct AttnShape {
   std::int64_t batch = 0, seq = 0, hidden = 0;
-  int heads = 0, kv_heads = 0, head_dim = 0;
-  ops::cca::Config cca;
+  int heads = 0, kv_heads = 0, head_dim = 0;  // this rank's (heads / tp; kv heads: see kv_head0)
+  // More tensor ranks than kv heads: the k and v projections are whole on every rank and this
+  // rank's query heads read kv head kv_head0 (kv_heads is then 1). -1: the projections are this
+  // rank's slice.
+  int kv_head0 = -1;
+  ops::cca::Config cca;  // this rank's heads
   std::int64_t tokens() const { return batch * seq; }
   std::int64_t q_dim() const { return std::int64_t(heads) * head_dim; }
   std::int64_t kv_dim() const { return std::int64_t(kv_heads) * head_dim; }
   float scale() const;  // 1 / sqrt(head_dim)
-  static AttnShape of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq);
+  static AttnShape of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq, TensorSplit tp = {});
 };
 
 // ZAYA1's MoE stage: the MLP router (with EDA) over E experts and the skip class, the experts.
@@ -26,19 +36,22 @@ struct ZayaShape {
   std::int64_t tokens = 0, hidden = 0, router_hidden = 0, expert_hidden = 0;
   int experts = 0;  // E (without the skip class)
   bool skip = false;
+  // Whether this rank adds the skip class's output (gate * x): under tensor parallelism the
+  // experts' outputs are partial sums over the group and the skip term is added by rank 0 only.
+  bool skip_output = true;
   float eps = 1e-5f;  // the router's RMSNorm
   int classes() const { return experts + (skip ? 1 : 0); }
 };
 
 // The MLP block of N = `tokens` rows: dense, a linear top-k router's MoE, or ZAYA1's stage.
 struct MlpShape {
-  std::int64_t tokens = 0, hidden = 0, ffn = 0, expert_hidden = 0;
+  std::int64_t tokens = 0, hidden = 0, ffn = 0, expert_hidden = 0;  // ffn, expert_hidden: this rank's (/ tp)
   int experts = 0, top_k = 1;
   bool mlp_router = false;  // ZAYA1's MLP router (zaya), else the linear top-k router
   bool renormalize = true;  // linear router: gates renormalized over the top_k
   ZayaShape zaya;           // the ZAYA1 stage (mlp_router)
   int classes() const { return mlp_router ? zaya.classes() : experts; }
-  static MlpShape of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize);
+  static MlpShape of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize, TensorSplit tp = {});
 };
 
 }  // namespace keel::blocks

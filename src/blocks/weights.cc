@@ -1,5 +1,7 @@
 #include "blocks/weights.h"
 
+#include <algorithm>
+
 #include <map>
 
 #include "common/error.h"
@@ -140,14 +142,22 @@ WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout&
   return w;
 }
 
-ops::cca::Config cca_config(const model::ModelConfig& cfg) {
+ops::cca::Config cca_config(const model::ModelConfig& cfg, TensorSplit tp) {
   ops::cca::Config c;
   c.hidden = cfg.hidden;
-  c.q_heads = cfg.heads;
-  c.kv_heads = cfg.kv_heads;
+  c.q_heads = cfg.heads / tp.degree;
+  c.kv_heads = std::max(1, cfg.kv_heads / tp.degree);
   c.head_dim = cfg.head_dim;
   c.conv0_width = cfg.cca_conv_width;
   c.conv1_width = cfg.cca_group_conv_width;
+  if (tp.degree > 1) {
+    // This rank's value heads are the columns [lo, hi) of the whole [current | previous] value;
+    // the previous-token half is [KV / 2, KV).
+    const std::int64_t KV = std::int64_t(cfg.kv_heads) * cfg.head_dim, lo = tp.rank * c.kv_heads * c.head_dim,
+                       hi = lo + c.kv_heads * c.head_dim;
+    c.v_shift_begin = std::clamp(KV / 2, lo, hi) - lo;
+    c.v_shift_end = hi - lo;
+  }
   return c;
 }
 

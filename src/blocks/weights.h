@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "blocks/shape.h"
 #include "model/config.h"
 #include "ops/cca.h"
 #include "ops/moe.h"
@@ -71,6 +72,6 @@ Tensor param_view(float* base, const optim::ParamInfo& p);
 WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* base);
 
 // The CCA layer shape of a model (ops::cca::Config from its heads, head_dim and conv widths).
-ops::cca::Config cca_config(const model::ModelConfig& cfg);
+ops::cca::Config cca_config(const model::ModelConfig& cfg, TensorSplit tp = {});
 
 }  // namespace keel::blocks

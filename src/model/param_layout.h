@@ -17,9 +17,11 @@
 //   moe.{w_gate,w_up,w_down}                           experts [E, F, D], [E, F, D], [E, D, F]
 // and embed.weight first, final_res_scale.*, final_norm.weight and lm_head.weight (untied) last.
 //
-// Placements: the expert stacks split dimension 0 (the experts) over the expert axis; every
-// other parameter is replicated. The schemes that split more (tensor, TSP) add their placements
-// here, one per parameter (docs/architecture.md).
+// Placements: the expert stacks split dimension 0 (the experts) over the expert axis. Over the
+// tensor axis (Megatron): the embedding and the LM head by vocabulary rows; q, k, v (CCA: the
+// q and k heads of the fused tensors, parts {Q, KV}, the value heads, the temperatures), the
+// MLP's and experts' gate and up column-parallel; the attention output and the down projections
+// row-parallel (their input dimension). Norms, residual scales and routers are replicated.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +46,9 @@ std::vector<optim::ParamSpec> param_specs(const ModelConfig& cfg);
 // Muon with the same offsets). Throws keel::UsageError when a split does not divide its
 // dimension (experts over ep).
 optim::ParamLayout param_layout(const ModelConfig& cfg, const mesh::Shape& mesh = {});
+// Whether the tensor ranks of `mesh` outnumber the kv heads, so that every tensor rank holds the
+// whole k and v projections (mha / gqa) instead of a slice.
+bool kv_replicated(const ModelConfig& cfg, const mesh::Shape& mesh);
 // The layout of one expert-parallel rank: param_layout with mesh ep = expert_parallel.
 optim::ParamLayout param_layout(const ModelConfig& cfg, int expert_parallel);
 
@@ -59,9 +64,27 @@ std::int64_t global_param_count(const optim::ParamLayout& layout);
 int param_stage(const std::string& name, int layers);
 inline int stage_count(int layers) { return 2 * layers + 2; }
 
-// Where a rank's block of parameter p (at coordinate `at` of `mesh`) starts in the whole tensor:
-// the flat row-major index of its element 0. Blocks are one contiguous run of the whole tensor
-// when only leading dimensions are split, as every split of the schema is; keel::Error otherwise.
+// A rank's block of a parameter as pieces of the whole tensor. A block is the local tensor of
+// shape p.shape (placement.local_shape); its rows (dimension 0) come in pieces, each a
+// rectangular box of the whole tensor: global indices [offset[d], offset[d] + extent[d]) per
+// dimension, held from local row `local_row` on (every other dimension from local index 0,
+// extent[d] = p.shape[d] for d > 0). One piece for a plain placement (whatever dimensions it
+// splits: a row-parallel [D, Q] block is rows [0, D) x columns [t Q/tp, (t+1) Q/tp)); one per
+// part for a placement with parts (CCA's [q; k]: the rank's q rows, then its k rows), adjacent
+// pieces merged (so one when dimension 0 is not split).
+struct BlockPiece {
+  std::vector<std::int64_t> offset, extent;  // per dimension, in the whole tensor
+  std::int64_t local_row = 0;                // where the piece starts along the block's dimension 0
+};
+// The pieces of the block of parameter p (a ParamInfo of param_layout(cfg, mesh), whose
+// placement is the effective one, e.g. kv_replicated) a rank at coordinate `at` of `mesh` holds,
+// in local row order; they cover the block exactly. keel::Error when the placement does not
+// split p.global_shape evenly into p.shape (a ParamInfo of another mesh).
+std::vector<BlockPiece> block_pieces(const optim::ParamInfo& p, const mesh::Shape& mesh, const mesh::Coord& at);
+
+// Where a rank's block of parameter p starts in the whole tensor (the flat row-major index of
+// its element 0) when the block is one contiguous run of it (only leading dimensions split, no
+// parts: the expert stacks over ep alone); keel::Error otherwise (use block_pieces).
 std::int64_t block_start(const optim::ParamInfo& p, const mesh::Shape& mesh, const mesh::Coord& at);
 
 // normal(0, init_std) for every tensor of >= 2 dims, convs included (output projections `*.wo`,

@@ -16,7 +16,10 @@ namespace {
 void check_config(const Config& c, std::int64_t B, std::int64_t T, const rope::Table& rt) {
   if (c.hidden <= 0 || c.q_heads <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 || c.q_heads % c.kv_heads)
     fail("cca: need positive sizes and q_heads % kv_heads == 0 (got q {}, kv {})", c.q_heads, c.kv_heads);
-  if ((c.kv_heads * c.head_dim) % 2) fail("cca: kv_heads * head_dim must be even (two value halves)");
+  if (c.v_shift_begin < 0 && (c.kv_heads * c.head_dim) % 2) fail("cca: kv_heads * head_dim must be even (two value halves)");
+  if (c.shift_begin() < 0 || c.shift_begin() > c.shift_end() || c.shift_end() > c.kv_heads * c.head_dim)
+    fail("cca: value shift columns [{}, {}) outside the {} value columns", c.shift_begin(), c.shift_end(),
+         c.kv_heads * c.head_dim);
   if (c.conv0_width < 1 || c.conv1_width < 1) fail("cca: conv widths must be >= 1");
   if (B <= 0 || T <= 0) fail("cca: B and T must be positive, got {} and {}", B, T);
   if (rt.head_dim != c.head_dim) fail("cca: rope table head_dim {} != head_dim {}", rt.head_dim, c.head_dim);
@@ -53,7 +56,7 @@ void forward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, c
              const rope::Table& rt, const Params& p, const Saved& s, const Tensor& y) {
   check_config(c, B, T, rt);
   const std::int64_t N = B * T, H = c.hidden, d = c.head_dim, nq = c.q_heads, nkv = c.kv_heads, G = nq / nkv;
-  const std::int64_t C = c.qk_channels(), dq = nq * d, dk = nkv * d, W1 = c.conv1_width;
+  const std::int64_t C = c.qk_channels(), dq = nq * d, W1 = c.conv1_width;
   require_shape(x, {N, H}, "cca x");
   require_shape(y, {N, H}, "cca y");
   require_shape(p.temp, {nkv}, "cca temp");
@@ -103,11 +106,11 @@ void forward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, c
 
   // 4. Values: current token | previous token (zero before the first token of a sequence).
   linear::forward(x, p.w_v, Tensor(), s.v);
-  const std::int64_t half = dk / 2;
-  for (std::int64_t b = 0; b < B; ++b) {
+  const std::int64_t half = c.shift_begin(), width = c.shift_end() - half;
+  for (std::int64_t b = 0; b < B && width > 0; ++b) {
     for (std::int64_t t = T - 1; t >= 1; --t)
-      std::memcpy(s.v.row(b * T + t) + half, s.v.row(b * T + t - 1) + half, sizeof(float) * half);
-    std::memset(s.v.row(b * T) + half, 0, sizeof(float) * half);
+      std::memcpy(s.v.row(b * T + t) + half, s.v.row(b * T + t - 1) + half, sizeof(float) * width);
+    std::memset(s.v.row(b * T) + half, 0, sizeof(float) * width);
   }
 
   // 5. Causal GQA attention and the output projection.
@@ -147,11 +150,11 @@ void backward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, 
                       dkv.reshaped({B, T, nkv, d}), dv.reshaped({B, T, nkv, d}));
 
   // 4. Values: undo the shift (du2[t] = dv2[t + 1], 0 for the last token), then W_v.
-  const std::int64_t half = dk / 2;
-  for (std::int64_t b = 0; b < B; ++b) {
+  const std::int64_t half = c.shift_begin(), width = c.shift_end() - half;
+  for (std::int64_t b = 0; b < B && width > 0; ++b) {
     for (std::int64_t t = 0; t + 1 < T; ++t)
-      std::memcpy(dv.row(b * T + t) + half, dv.row(b * T + t + 1) + half, sizeof(float) * half);
-    std::memset(dv.row(b * T + T - 1) + half, 0, sizeof(float) * half);
+      std::memcpy(dv.row(b * T + t) + half, dv.row(b * T + t + 1) + half, sizeof(float) * width);
+    std::memset(dv.row(b * T + T - 1) + half, 0, sizeof(float) * width);
   }
   linear::backward(x, p.w_v, dv, dx.empty() ? Tensor() : dxt, g.w_v, Tensor());
 

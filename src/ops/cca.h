@@ -37,7 +37,13 @@ struct Config {
   std::int64_t q_heads = 8, kv_heads = 2, head_dim = 128;
   int conv0_width = 2, conv1_width = 2;  // cca_time0, cca_time1
   float l2_eps = 0.f;                     // added to the squared norm; 0 = the reference
+  // The value columns [v_shift_begin, v_shift_end) that hold the previous token's projection
+  // (val_proj2); -1: the second half, [nkv d / 2, nkv d). A tensor-parallel rank holding some of
+  // the value heads gives its own range (blocks::cca_config).
+  std::int64_t v_shift_begin = -1, v_shift_end = -1;
   std::int64_t qk_channels() const { return (q_heads + kv_heads) * head_dim; }
+  std::int64_t shift_begin() const { return v_shift_begin < 0 ? kv_heads * head_dim / 2 : v_shift_begin; }
+  std::int64_t shift_end() const { return v_shift_end < 0 ? kv_heads * head_dim : v_shift_end; }
 };
 
 struct Params {

@@ -18,17 +18,20 @@ struct Dims {
 };
 
 Dims check(const Tensor& hidden, const Tensor& w, const std::int32_t* targets, const Options& o, const Tensor& lse,
-           const Tensor& scratch) {
+           const Tensor& scratch, const Slice& slice) {
   if (hidden.ndim() != 2 || w.ndim() != 2) fail("cross_entropy: hidden and W must be 2-D, got {} and {}", hidden.shape_string(), w.shape_string());
   Dims s{hidden.dim(0), hidden.dim(1), w.dim(0)};
   require_shape(w, {s.v, s.d}, "cross_entropy W");
-  require_shape(lse, {s.n}, "cross_entropy lse");
+  if (!lse.empty()) require_shape(lse, {s.n}, "cross_entropy lse");
+  const std::int64_t vocab = slice.vocab < 0 ? s.v : slice.vocab;
+  if (slice.begin < 0 || slice.begin + s.v > vocab)
+    fail("cross_entropy: rows [{}, {}) are not a slice of the vocabulary of {}", slice.begin, slice.begin + s.v, vocab);
   if (o.chunk < 1) fail("cross_entropy: chunk must be >= 1, got {}", o.chunk);
   if (scratch.numel() < scratch_floats(s.n, std::min(o.chunk, s.v)))
     fail("cross_entropy: scratch has {} floats, needs {}", scratch.numel(), scratch_floats(s.n, std::min(o.chunk, s.v)));
   for (std::int64_t i = 0; i < s.n; ++i)
-    if (targets[i] != o.ignore_index && (targets[i] < 0 || targets[i] >= s.v))
-      fail("cross_entropy: target {} at position {} outside the vocabulary of {} (ignore_index {})", targets[i], i, s.v, o.ignore_index);
+    if (targets[i] != o.ignore_index && (targets[i] < 0 || targets[i] >= vocab))
+      fail("cross_entropy: target {} at position {} outside the vocabulary of {} (ignore_index {})", targets[i], i, vocab, o.ignore_index);
   return s;
 }
 
@@ -47,15 +50,12 @@ std::int64_t valid_count(const std::int32_t* targets, std::int64_t n, const Opti
   return c;
 }
 
-float forward(const Tensor& hidden, const Tensor& w, const std::int32_t* targets, const Options& o, const Tensor& lse,
-              const Tensor& scratch) {
-  const Dims s = check(hidden, w, targets, o, lse, scratch);
-  if (s.n == 0) return 0.f;
-  std::vector<float> m(s.n, -std::numeric_limits<float>::infinity());
-  std::vector<double> sum(s.n, 0.0);
-  std::vector<float> target_logit(s.n, 0.f);
+void slice_lse(const Tensor& hidden, const Tensor& w, const std::int32_t* targets, const Options& o, const Slice& slice,
+               const Tensor& scratch, float* m, double* sum, double* target_logit) {
+  const Dims s = check(hidden, w, targets, o, Tensor(), scratch, slice);
   for (std::int64_t v0 = 0; v0 < s.v; v0 += o.chunk) {
     const std::int64_t cs = std::min(o.chunk, s.v - v0);
+    const std::int64_t t0 = slice.begin + v0;  // the vocabulary id of the chunk's first column
     chunk_logits(hidden, w, s, v0, cs, scratch.data());
     parallel_for(s.n, 16, [&](std::int64_t b, std::int64_t e) {
       for (std::int64_t i = b; i < e; ++i) {
@@ -67,10 +67,19 @@ float forward(const Tensor& hidden, const Tensor& w, const std::int32_t* targets
         for (std::int64_t j = 0; j < cs; ++j) acc += std::exp(double(l[j]) - nm);
         m[i] = nm;
         sum[i] = acc;
-        if (targets[i] >= v0 && targets[i] < v0 + cs) target_logit[i] = l[targets[i] - v0];
+        if (targets[i] >= t0 && targets[i] < t0 + cs) target_logit[i] = l[targets[i] - t0];
       }
     });
   }
+}
+
+float forward(const Tensor& hidden, const Tensor& w, const std::int32_t* targets, const Options& o, const Tensor& lse,
+              const Tensor& scratch) {
+  const Dims s = check(hidden, w, targets, o, lse, scratch, {});
+  if (s.n == 0) return 0.f;
+  std::vector<float> m(s.n, -std::numeric_limits<float>::infinity());
+  std::vector<double> sum(s.n, 0.0), target_logit(s.n, 0.0);
+  slice_lse(hidden, w, targets, o, {}, scratch, m.data(), sum.data(), target_logit.data());
   double total = 0;
   std::int64_t valid = 0;
   for (std::int64_t i = 0; i < s.n; ++i) {
@@ -86,8 +95,8 @@ float forward(const Tensor& hidden, const Tensor& w, const std::int32_t* targets
 }
 
 void backward(const Tensor& hidden, const Tensor& w, const std::int32_t* targets, const Tensor& lse, float dloss,
-              const Options& o, const Tensor& scratch, const Tensor& dhidden, const Tensor& dw) {
-  const Dims s = check(hidden, w, targets, o, lse, scratch);
+              const Options& o, const Tensor& scratch, const Tensor& dhidden, const Tensor& dw, const Slice& slice) {
+  const Dims s = check(hidden, w, targets, o, lse, scratch, slice);
   if (!dhidden.empty()) {
     require_shape(dhidden, {s.n, s.d}, "cross_entropy dhidden");
     dhidden.zero();
@@ -98,6 +107,7 @@ void backward(const Tensor& hidden, const Tensor& w, const std::int32_t* targets
   const float scale = dloss / float(valid);
   for (std::int64_t v0 = 0; v0 < s.v; v0 += o.chunk) {
     const std::int64_t cs = std::min(o.chunk, s.v - v0);
+    const std::int64_t t0 = slice.begin + v0;  // the vocabulary id of the chunk's first column
     float* g = scratch.data();
     chunk_logits(hidden, w, s, v0, cs, g);
     parallel_for(s.n, 16, [&](std::int64_t b, std::int64_t e) {
@@ -108,7 +118,7 @@ void backward(const Tensor& hidden, const Tensor& w, const std::int32_t* targets
           continue;
         }
         for (std::int64_t j = 0; j < cs; ++j) row[j] = std::exp(row[j] - lse[i]) * scale;
-        if (targets[i] >= v0 && targets[i] < v0 + cs) row[targets[i] - v0] -= scale;
+        if (targets[i] >= t0 && targets[i] < t0 + cs) row[targets[i] - t0] -= scale;
       }
     });
     // dhidden[n, d] += G[n, cs] * W_c[cs, d]

@@ -36,8 +36,23 @@ std::int64_t valid_count(const std::int32_t* targets, std::int64_t n, const Opti
 float forward(const Tensor& hidden, const Tensor& w, const std::int32_t* targets, const Options& o, const Tensor& lse,
               const Tensor& scratch);
 
-// dloss: upstream gradient of the mean loss (1 for the plain loss).
+// A slice of the vocabulary (the vocabulary-parallel head, parallel/vocab_parallel.h): w holds
+// rows [begin, begin + w rows) of a head of `vocab` rows, and targets are ids of the whole
+// vocabulary (outside [0, vocab) throws). vocab < 0: w is the whole head.
+struct Slice {
+  std::int64_t begin = 0, vocab = -1;
+};
+
+// The first half of forward over a slice: per row i with a valid target, the running max m[i]
+// and sum[i] of exp(logit - m[i]) over the slice's columns (sum rescaled as the max grows; m
+// starts at -inf, sum at 0), and target_logit[i] where the target is in the slice (untouched
+// elsewhere). Ignored rows are untouched.
+void slice_lse(const Tensor& hidden, const Tensor& w, const std::int32_t* targets, const Options& o, const Slice& slice,
+               const Tensor& scratch, float* m, double* sum, double* target_logit);
+
+// dloss: upstream gradient of the mean loss (1 for the plain loss). Over a slice, lse is the
+// whole vocabulary's and dhidden this slice's share of the gradient (the caller sums the slices').
 void backward(const Tensor& hidden, const Tensor& w, const std::int32_t* targets, const Tensor& lse, float dloss,
-              const Options& o, const Tensor& scratch, const Tensor& dhidden, const Tensor& dw);
+              const Options& o, const Tensor& scratch, const Tensor& dhidden, const Tensor& dw, const Slice& slice = {});
 
 }  // namespace keel::ops::cross_entropy

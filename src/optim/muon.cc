@@ -31,6 +31,19 @@ std::int64_t muon_scratch_floats(std::int64_t rows, std::int64_t cols) {
   return rows * cols + newton_schulz_scratch_floats(rows, cols);
 }
 
+double muon_orthogonalize(float* u, std::int64_t rows, std::int64_t cols, const MuonConfig& c, float* ns_scratch) {
+  newton_schulz(u, u, rows, cols, ns_scratch, c.ns_steps, c.coeffs);
+  double k = muon_scale(c, rows, cols);
+  if (c.scale == MuonScale::kExactRms) {
+    const std::int64_t mn = rows * cols;
+    double sq = 0;
+    for (std::int64_t i = 0; i < mn; ++i) sq += static_cast<double>(u[i]) * u[i];
+    double rms = std::sqrt(sq / static_cast<double>(mn));
+    k = rms > 0 ? c.rms_target / rms : 0.0;
+  }
+  return k;
+}
+
 void muon_matrix_step(float* param, const float* grad, float* momentum, std::int64_t matrices, std::int64_t rows,
                       std::int64_t cols, const MuonConfig& c, double lr, bool decay, float grad_scale, float* scratch,
                       float* update_out) {
@@ -51,14 +64,7 @@ void muon_matrix_step(float* param, const float* grad, float* momentum, std::int
       m[i] = mi;
       u[i] = c.nesterov ? one_beta * gi + beta * mi : mi;
     }
-    newton_schulz(u, u, rows, cols, ns, c.ns_steps, c.coeffs);
-    double k = muon_scale(c, rows, cols);
-    if (c.scale == MuonScale::kExactRms) {
-      double sq = 0;
-      for (std::int64_t i = 0; i < mn; ++i) sq += static_cast<double>(u[i]) * u[i];
-      double rms = std::sqrt(sq / static_cast<double>(mn));
-      k = rms > 0 ? c.rms_target / rms : 0.0;
-    }
+    const double k = muon_orthogonalize(u, rows, cols, c, ns);
     const float kf = static_cast<float>(k), step = static_cast<float>(lr * k);
     for (std::int64_t i = 0; i < mn; ++i) p[i] = p[i] * keep - step * u[i];
     if (update_out)

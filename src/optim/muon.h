@@ -57,6 +57,14 @@ double muon_scale(const MuonConfig& c, std::int64_t rows, std::int64_t cols);
 // Scratch floats muon_matrix_step() needs for one rows x cols matrix.
 std::int64_t muon_scratch_floats(std::int64_t rows, std::int64_t cols);
 
+// The non-elementwise part of one Muon step on one whole rows x cols matrix: u <- NS5(u) in
+// place (newton_schulz with c.ns_steps and c.coeffs), and returns the scale k of the equations
+// above (kExactRms: measured on the result, 0 for a zero result). ns_scratch holds
+// newton_schulz_scratch_floats(rows, cols) floats. muon_matrix_step() runs exactly this between
+// its elementwise parts; tensor-parallel Muon (parallel/tensor_parallel_muon.h) runs it on the
+// rank that gathered the whole matrix.
+double muon_orthogonalize(float* u, std::int64_t rows, std::int64_t cols, const MuonConfig& c, float* ns_scratch);
+
 // One Muon step on `matrices` consecutive rows x cols matrices (param, grad, momentum each
 // matrices * rows * cols floats). scratch: muon_scratch_floats(rows, cols) floats.
 // If update_out is not null it receives k * O (the step before lr, for tests and logging).

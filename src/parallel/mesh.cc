@@ -29,6 +29,7 @@ struct Mesh::State {
   mesh::Shape shape;
   mesh::Coord coord;
   int rank = 0, size = 1;
+  MPI_Comm world = MPI_COMM_NULL;  // the launch's (not owned)
   std::array<Group, kGroupKinds> groups{};
   std::vector<MPI_Comm> owned;  // sub-communicators this mesh split off (freed with it)
   std::mutex nccl_mu;           // abort_all() may run on the watchdog's thread
@@ -99,6 +100,7 @@ Mesh::Mesh(const mesh::Shape& shape, MPI_Comm world, const std::string& what) : 
   mesh::validate(shape, what);
   State& st = *s_;
   st.shape = shape;
+  st.world = world;
   if (world != MPI_COMM_NULL) {
     mpi_check(MPI_Comm_rank(world, &st.rank), "MPI_Comm_rank");
     mpi_check(MPI_Comm_size(world, &st.size), "MPI_Comm_size");
@@ -136,6 +138,7 @@ const mesh::Shape& Mesh::shape() const { return s_->shape; }
 const mesh::Coord& Mesh::coord() const { return s_->coord; }
 int Mesh::rank() const { return s_->rank; }
 int Mesh::size() const { return s_->size; }
+MPI_Comm Mesh::world() const { return s_->world; }
 const Group& Mesh::group(GroupKind g) const { return s_->groups[static_cast<std::size_t>(g)]; }
 
 std::shared_ptr<NcclGroup> Mesh::nccl(GroupKind g) {

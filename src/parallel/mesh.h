@@ -47,6 +47,7 @@ class Mesh {
   const mesh::Coord& coord() const;  // this rank's
   int rank() const;                  // in the world of the mesh
   int size() const;
+  MPI_Comm world() const;  // the communicator the mesh spans (MPI_COMM_NULL: one process alone)
   const Group& group(GroupKind g) const;
   const Group& data() const { return group(GroupKind::kData); }
   const Group& expert() const { return group(GroupKind::kExpert); }

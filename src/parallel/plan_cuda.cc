@@ -2,10 +2,18 @@
 
 #include "parallel/plan.h"
 
+#include <fmt/format.h>
+
+#include "common/error.h"
+
 namespace keel::parallel {
 
 CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh) {
   check_plan(cfg, mesh.shape());
+  if (mesh.shape().tp > 1)
+    throw UsageError(fmt::format("parallel.tensor {}: tensor parallelism runs on CPU ranks so far (device: cpu); its "
+                                 "GPU runners are not written yet",
+                                 mesh.shape().tp));
   layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::cuda::LayerRunners{});
   if (mesh.expert().size > 1)
     ep_group_ = std::make_shared<CudaExpertParallelGroup>(mesh.expert().comm, mesh.nccl(GroupKind::kExpert), cfg.experts);

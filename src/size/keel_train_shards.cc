@@ -10,6 +10,7 @@
 #include "hw/gemm_model.h"
 #include "optim/muon.h"
 #include "optim/muon_workspace.h"
+#include "parallel/plan.h"
 #include "parallel/zero1.h"
 #include "parallel/zero1_buckets.h"
 #include "train/backend.h"
@@ -44,7 +45,7 @@ namespace {
 
 bool keel_train_runs(const Setup& s) {
   const mesh::Shape& l = s.layout;
-  if (l.tp != 1 || l.tsp != 1 || l.pp != 1 || l.cp != 1) return false;
+  if (l.tsp != 1 || l.pp != 1 || l.cp != 1) return false;
   if (l.dp > 1 && l.zero != 1) return false;
   train::ModelOptions o;
   o.micro_batch = s.micro_batch;
@@ -52,6 +53,7 @@ bool keel_train_runs(const Setup& s) {
   o.ce_chunk = s.ce_chunk;
   try {
     train::validate_trainable(s.model, o);
+    parallel::check_plan(s.model, l);
   } catch (const UsageError&) {
     return false;
   }
@@ -59,15 +61,19 @@ bool keel_train_runs(const Setup& s) {
 }
 
 // Newton-Schulz of the Muon matrices in [begin, end), consecutive matrices of one stack stepped
-// together as keel train's muon_step_range() does. The matrices are listed once, in offset
+// together as keel train's muon_step_range() does. A matrix split over the tensor axis is
+// orthogonalized whole on one rank of its group, the owners rotating: 1/tp of its whole cost per
+// rank. The matrices are listed once, in offset
 // order, so a range costs a binary search and its own matrices (ranks can number thousands).
 struct MuonRange {
   const hw::GemmModel& gm;
+  const optim::ParamLayout& layout;
+  int tp;
   std::vector<parallel::MuonMatrixRef> all;
   std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t>, OptimizerStepEstimate> cache;
 
-  MuonRange(const optim::ParamLayout& layout, const hw::GemmModel& g)
-      : gm(g), all(parallel::muon_matrices_in(layout, 0, layout.total_floats)) {
+  MuonRange(const optim::ParamLayout& l, const hw::GemmModel& g, int tensor)
+      : gm(g), layout(l), tp(tensor), all(parallel::muon_matrices_in(l, 0, l.total_floats)) {
     std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
   }
 
@@ -78,11 +84,15 @@ struct MuonRange {
     while (inside(i)) {
       auto j = i + 1;
       while (inside(j) && j->param == i->param) ++j;
-      const std::tuple key{i->rows, i->cols, static_cast<std::int64_t>(j - i)};
+      std::int64_t rows = i->rows, cols = i->cols;
+      const auto& p = layout.params[static_cast<std::size_t>(i->param)];
+      const bool split = tp > 1 && p.placement.splits(mesh::Axis::kTensor);
+      if (split) (p.placement.dims.back().empty() ? rows : cols) *= tp;
+      const std::tuple key{rows, cols, static_cast<std::int64_t>(j - i)};
       auto it = cache.find(key);
-      if (it == cache.end()) it = cache.emplace(key, newton_schulz_estimate(gm, i->rows, i->cols, std::get<2>(key))).first;
-      sum.flops_total += it->second.flops_total;
-      sum.seconds += it->second.seconds;
+      if (it == cache.end()) it = cache.emplace(key, newton_schulz_estimate(gm, rows, cols, std::get<2>(key))).first;
+      sum.flops_total += it->second.flops_total / (split ? tp : 1);
+      sum.seconds += it->second.seconds / (split ? tp : 1);
       i = j;
     }
     sum.flops_per_gpu = sum.flops_total;
@@ -95,22 +105,23 @@ struct MuonRange {
 std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
   if (!keel_train_runs(s)) return std::nullopt;
   const mesh::Shape& l = s.layout;
-  optim::ParamLayout layout = model::param_layout(s.model, l.ep);
+  mesh::Shape shape;  // as rank 0 (the plans in the result cover every rank; tensor ranks alike)
+  shape.dp = l.dp;
+  shape.tp = l.tp;
+  shape.ep = l.ep;
+  optim::ParamLayout layout = model::param_layout(s.model, shape);
   const bool muon = s.optimizer == Optimizer::kMuon;
   if (muon) {
     train::MuonTrainOptions m;
     m.enabled = true;
     layout = train::regroup_layout(layout, train::train_group_rules(m));
   }
-  mesh::Shape shape;  // as rank 0 (the plans in the result cover every rank)
-  shape.dp = l.dp;
-  shape.ep = l.ep;
   const train::StateShards sh = train::plan_state_shards(layout, shape, mesh::Coord{});
   const std::int64_t total = layout.total_floats;
   const bool experts = sh.replicated_end < total;
 
   const hw::GemmModel gm(s.hardware.profile, s.hardware.gemm_profile);
-  MuonRange muon_range(layout, gm);
+  MuonRange muon_range(layout, gm, l.tp);
   KeelTrainShards k;
   // Rank r of the data group is rank r % ep of its expert group and rank r / ep of its
   // expert-data group (parallel::Mesh: expert groups are ep consecutive ranks).
@@ -120,7 +131,7 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
     std::int64_t xb = 0, xe = 0;
     if (experts) xb = sh.experts.begin(r / l.ep), xe = sh.experts.end(r / l.ep);
     k.rank_optimizer_floats.push_back(static_cast<double>((re - rb) + (xe - xb)));
-    const train::StateSlice slice{l.ep, r % l.ep, rb, re, xb, xe};
+    const train::StateSlice slice{l.ep, r % l.ep, rb, re, xb, xe, l.tp, 0};
     double adamw = 0;
     for (const train::MomentSpan& sp : train::adamw_moment_spans(layout, slice)) adamw += static_cast<double>(sp.count);
     k.rank_adamw_floats.push_back(adamw);
@@ -132,9 +143,10 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
   }
   if (muon) {
     k.muon_workspace_bytes = static_cast<double>(optim::muon_workspace_bytes(layout));
-    // The replicated region once, and every expert group's copy of the expert region.
-    k.muon_flops_total = muon_range(0, sh.replicated_end).flops_total;
-    if (experts) k.muon_flops_total += l.ep * muon_range(sh.replicated_end, total).flops_total;
+    // The replicated region once, and every expert group's copy of the expert region (per
+    // tensor rank: the split matrices. 1/tp share each; a replicated one on every tensor rank).
+    k.muon_flops_total = l.tp * muon_range(0, sh.replicated_end).flops_total;
+    if (experts) k.muon_flops_total += l.tp * l.ep * muon_range(sh.replicated_end, total).flops_total;
   }
   if (s.grad_reduce_bf16 && l.dp > 1) {
     const auto stages = parallel::overlap_stage_bounds(layout, s.model.layers, sh.replicated_end);

@@ -1,5 +1,6 @@
 // What `keel train` itself holds and steps per GPU, for the layouts it runs: data parallelism
-// with ZeRO-1 and expert parallelism (tp = tsp = pp = cp = 1), on a model it can train.
+// with ZeRO-1, expert parallelism and tensor parallelism (tsp = pp = cp = 1), on a model it can
+// train (with tp: its placements, model/param_layout.h; every tensor rank alike).
 //
 // keel size's general formulas give every GPU 1/G of the optimizer state and of Muon's
 // Newton-Schulz work. keel train's ZeRO-1 cuts (parallel/zero1.h) never split a Muon matrix and
@@ -38,7 +39,8 @@ struct KeelTrainShards {
   int busiest_muon_rank() const;  // by seconds; 0 without Muon
 };
 
-// nullopt when keel train does not run this layout (tp, tsp, pp or cp above 1; ZeRO other than
+// nullopt when keel train does not run this layout (tsp, pp or cp above 1, a tensor degree the
+// model does not split over; ZeRO other than
 // 1 on several data-parallel ranks) or this model (train::validate_trainable): the general
 // formulas then stand alone.
 std::optional<KeelTrainShards> keel_train_shards(const Setup& s);

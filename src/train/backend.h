@@ -47,11 +47,15 @@ namespace keel::train {
 // layer, those of expert_rank, after every replicated parameter). Its optimizer state covers
 // the ZeRO-1 shard [shard_begin, shard_end) of the replicated parameters and, with expert
 // parallelism, the ZeRO-1 shard [expert_begin, expert_end) of its expert region over the ranks
-// holding the same experts.
+// holding the same experts. With tensor parallelism (tensor_parallel > 1) the layout is
+// model::param_layout of a mesh with that tp (and ep = expert_parallel): the rank holds the
+// blocks of tensor rank `tensor_rank` of the parameters split over tp (model::block_pieces), and
+// its shards are of that flat buffer (the data ranks of one tensor rank shard it alike).
 struct StateSlice {
   int expert_parallel = 1, expert_rank = 0;
   std::int64_t shard_begin = 0, shard_end = 0;
   std::int64_t expert_begin = 0, expert_end = 0;
+  int tensor_parallel = 1, tensor_rank = 0;
   std::int64_t moments() const { return (shard_end - shard_begin) + (expert_end - expert_begin); }
 };
 
@@ -84,11 +88,16 @@ struct TrainState {
   // moments of [expert_begin, expert_end) follow the shard's in adam_m / adam_v.
   int expert_parallel = 1, expert_rank = 0;
   std::int64_t expert_begin = 0, expert_end = 0;
-  StateSlice slice() const { return {expert_parallel, expert_rank, shard_begin, shard_end, expert_begin, expert_end}; }
+  // With tensor parallelism: which tensor rank's blocks `params` holds (StateSlice).
+  int tensor_parallel = 1, tensor_rank = 0;
+  StateSlice slice() const {
+    return {expert_parallel, expert_rank, shard_begin, shard_end, expert_begin, expert_end, tensor_parallel, tensor_rank};
+  }
   void set_slice(const StateSlice& s) {
     expert_parallel = s.expert_parallel, expert_rank = s.expert_rank;
     shard_begin = s.shard_begin, shard_end = s.shard_end;
     expert_begin = s.expert_begin, expert_end = s.expert_end;
+    tensor_parallel = s.tensor_parallel, tensor_rank = s.tensor_rank;
   }
   std::vector<std::vector<float>> router_bias;    // one [E] per MoE layer
   std::int64_t adamw_step = 0;

@@ -21,20 +21,24 @@
 namespace keel::train {
 namespace {
 
-// The run's mesh: the data-parallel group is the launch's world (parallel.data: 0 or the world
-// size); expert parallelism is folded into it (parallel.expert consecutive ranks hold all
-// experts). Resolves `device: auto` to cuda or cpu alike on every rank. With several ranks on
+// The run's mesh: world = parallel.data x parallel.tensor (parallel.data 0: the world over the
+// tensor degree), tensor groups of consecutive ranks; expert parallelism is folded into the data
+// ranks (parallel.expert consecutive data ranks hold all experts). Resolves `device: auto` to cuda or cpu alike on every rank. With several ranks on
 // GPUs, each rank takes its node-local rank's GPU or the one its launcher bound it to
 // (device/rank_gpu.h). Checked before any GPU work, alike on every rank.
 parallel::Mesh make_mesh(TrainConfig& cfg, const MpiSession& mpi) {
-  const int data = cfg.parallel_data == 0 ? mpi.size() : cfg.parallel_data;
-  if (data != mpi.size())
-    throw UsageError(fmt::format("{}: parallel.data ({}) must equal the number of ranks ({}): every rank trains on its "
-                                 "own part of the batch; set parallel.data: 0 to use every rank",
-                                 cfg.path, data, mpi.size()));
-  if (mpi.size() % cfg.parallel_expert != 0 || cfg.model.experts % cfg.parallel_expert != 0)
-    throw UsageError(fmt::format("{}: parallel.expert ({}) must divide the number of ranks ({}) and of experts ({})",
-                                 cfg.path, cfg.parallel_expert, mpi.size(), cfg.model.experts));
+  const int tensor = cfg.parallel_tensor;
+  if (cfg.parallel_data == 0 && mpi.size() % tensor != 0)
+    throw UsageError(fmt::format("{}: parallel.tensor ({}) must divide the number of ranks ({})", cfg.path, tensor,
+                                 mpi.size()));
+  const int data = cfg.parallel_data == 0 ? mpi.size() / tensor : cfg.parallel_data;
+  if (static_cast<long>(data) * tensor != mpi.size())
+    throw UsageError(fmt::format("{}: parallel.data ({}) x parallel.tensor ({}) must equal the number of ranks ({}); "
+                                 "set parallel.data: 0 to use every rank",
+                                 cfg.path, data, tensor, mpi.size()));
+  if (data % cfg.parallel_expert != 0 || cfg.model.experts % cfg.parallel_expert != 0)
+    throw UsageError(fmt::format("{}: parallel.expert ({}) must divide the data-parallel ranks ({}) and the experts ({})",
+                                 cfg.path, cfg.parallel_expert, data, cfg.model.experts));
   // Every rank decides alike whether it trains on a GPU: an error on some ranks only would leave
   // the rest waiting in the next collective, and `auto` would pick CPU on some, CUDA on others.
   int sees = visible_cuda_devices() > 0 ? 1 : 0, fewest = sees, most = sees;
@@ -49,6 +53,10 @@ parallel::Mesh make_mesh(TrainConfig& cfg, const MpiSession& mpi) {
     throw UsageError(fmt::format("{}: parallel.expert ({}) on GPUs needs the overlapped ZeRO-1 step: set "
                                  "parallel.zero1.overlap: true (or train on device: cpu)",
                                  cfg.path, cfg.parallel_expert));
+  if (tensor > 1 && cuda)
+    throw UsageError(fmt::format("parallel.tensor {}: tensor parallelism runs on CPU ranks so far (device: cpu); its "
+                                 "GPU runners are not written yet",
+                                 tensor));
   cfg.device = cuda ? "cuda" : "cpu";  // the Trainer follows this choice, made alike on every rank
   if (mpi.size() > 1 && cfg.device != "cpu") {
     if (fewest != most)
@@ -59,9 +67,10 @@ parallel::Mesh make_mesh(TrainConfig& cfg, const MpiSession& mpi) {
     if (cuda) bind_rank_gpu();  // the node-local rank's GPU, or the one a launcher bound it to
   }
   mesh::Shape shape;
-  shape.dp = mpi.size();
+  shape.dp = data;
+  shape.tp = tensor;
   shape.ep = cfg.parallel_expert;
-  shape.zero = mpi.size() > 1 ? 1 : 0;
+  shape.zero = data > 1 ? 1 : 0;
   return parallel::Mesh(shape, mpi.size() > 1 ? MPI_COMM_WORLD : MPI_COMM_NULL, cfg.path + ": parallel");
 }
 

@@ -13,6 +13,8 @@
 #include "hw/hardware.h"
 #include "optim/clip.h"
 #include "parallel/data_parallel_comm.h"
+#include "parallel/tensor_parallel.h"
+#include "parallel/tensor_parallel_muon.h"
 #include "parallel/zero1.h"
 #include "tensor/arena.h"
 #include "train/backend.h"
@@ -25,7 +27,11 @@ class CpuBackend final : public TrainBackend {
  public:
   CpuBackend(const model::ModelConfig& cfg, const ModelOptions& options, const OptimizerConfig& optimizer,
              const parallel::Mesh& mesh, const parallel::DataParallelOptions& dp)
-      : model_(cfg, options, mesh), adam_(optimizer.adamw), muon_(optimizer.muon.config) {
+      : model_(cfg, options, mesh),
+        adam_(optimizer.adamw),
+        muon_(optimizer.muon.config),
+        tp_(mesh.group(parallel::GroupKind::kTensor).comm),
+        sequence_(options.sequence_parallel) {
     validate(optimizer.muon);
     // The model's layout names every parameter for AdamW; with Muon on, the same offsets with
     // the matrices regrouped (the model itself only reads offsets).
@@ -71,7 +77,10 @@ class CpuBackend final : public TrainBackend {
   void backward(float loss_scale) override { model_.backward(loss_scale); }
 
   StepResult clip_and_step(double max_norm, double lr) override {
+    // Tensor parallelism: the replicated parameters' partial gradients summed over the group.
+    parallel::reduce_partial_gradients(tp_, layout_, sequence_, model_.grads());
     if (dp_) return zero1_step(max_norm, lr);
+    if (tp_.size() > 1) return tensor_parallel_step(max_norm, lr);
     // One norm over every gradient, AdamW's and Muon's alike; both see the coefficient as their
     // gradient scale (the gradients themselves are not rewritten).
     const optim::ClipResult clip =
@@ -142,6 +151,72 @@ class CpuBackend final : public TrainBackend {
   MoeTransformer& model() { return model_; }
 
  private:
+  // One Muon matrix (or stack) of parameter p at `offset`, momentum at `m`. A matrix split over
+  // the tensor axis joins `batch`, stepped by muon_batch(): orthogonalized whole on one rank of
+  // the group, the owners balanced over the batch.
+  void muon_matrix(const optim::ParamInfo& p, std::int64_t offset, float* m, std::int64_t matrices, std::int64_t rows,
+                   std::int64_t cols, double lr, float scale, std::vector<parallel::TpMuonTensor>& batch) {
+    float* params = model_.params();
+    float* grads = model_.grads();
+    const parallel::TpMuonSplit sp = tp_.size() > 1 ? parallel::tp_muon_split(p, tp_.size()) : parallel::TpMuonSplit{};
+    if (!sp.split)
+      return optim::muon_matrix_step(params + offset, grads + offset, m, matrices, rows, cols, muon_, lr * p.lr_scale,
+                                     p.weight_decay, scale, muon_scratch_);
+    parallel::TpMuonTensor t;
+    t.param = params + offset, t.grad = grads + offset, t.momentum = m;
+    t.matrices = matrices, t.local_rows = rows, t.local_cols = cols;
+    t.split_dim = sp.split_dim, t.row_parts = sp.row_parts;
+    t.lr = lr * p.lr_scale, t.decay = p.weight_decay;
+    batch.push_back(std::move(t));
+  }
+  // The tensor-parallel matrices of a step, in two exchanges over the group (collective: every
+  // tensor rank of a data rank steps the same matrices).
+  void muon_batch(const std::vector<parallel::TpMuonTensor>& batch, float scale) {
+    if (tp_.size() > 1) parallel::tp_muon_step_batch(batch, muon_, scale, tp_.comm(), tp_muon_workspace_);
+  }
+
+  // The sum of squares of the gradients in [lo_r, hi_r): of the parameters split over the tensor
+  // axis (their other blocks are on the other tensor ranks) and of the others.
+  std::pair<double, double> sum_squares_in(std::int64_t lo_r, std::int64_t hi_r) const {
+    double split = 0, whole = 0;
+    for (const auto& p : layout_.params) {
+      const std::int64_t lo = std::max(p.offset, lo_r), hi = std::min(p.offset + p.numel, hi_r);
+      if (lo >= hi) continue;
+      (p.placement.splits(mesh::Axis::kTensor) ? split : whole) += optim::sum_squares(model_.grads() + lo, hi - lo);
+    }
+    return {split, whole};
+  }
+
+  [[noreturn]] void non_finite(double norm, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) const {
+    std::string bad;  // the first parameter of this rank's ranges holding one, if any
+    for (const auto& p : layout_.params) {
+      for (const auto& [rb, re] : ranges) {
+        const std::int64_t lo = std::max(p.offset, rb), hi = std::min(p.offset + p.numel, re);
+        if (lo < hi && !std::isfinite(optim::sum_squares(model_.grads() + lo, hi - lo))) bad = p.name;
+      }
+      if (!bad.empty()) break;
+    }
+    throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), bad, norm);
+  }
+
+  // Tensor parallelism without data parallelism: the norm over every rank's blocks, AdamW on
+  // this rank's blocks, Muon on whole matrices.
+  StepResult tensor_parallel_step(double max_norm, double lr) {
+    const auto [split, whole] = sum_squares_in(0, layout_.total_floats);
+    const double norm = std::sqrt(tp_.sum(split) + whole);
+    if (!std::isfinite(norm)) non_finite(norm, {{0, layout_.total_floats}});
+    const double coef = optim::clip_coefficient(norm, max_norm);
+    const float scale = static_cast<float>(coef);
+    optim::FlatRange r{0, model_.param_floats(), model_.params(), model_.grads(), adam_m_, adam_v_};
+    adam_.step(layout_, r, lr, scale);  // skips Muon parameters
+    std::vector<parallel::TpMuonTensor> batch;
+    for (const auto& p : layout_.params)
+      if (p.optimizer == optim::OptimizerKind::kMuon)
+        muon_matrix(p, p.offset, adam_m_ + p.offset, p.matrices(), p.rows(), p.cols(), lr, scale, batch);
+    muon_batch(batch, scale);
+    return {norm, coef};
+  }
+
   // ZeRO-1: reduce-scatter the gradients, the global norm from the shards' sums of squares,
   // AdamW on the shard and Muon on the whole matrices in it, all-gather the parameters. With
   // expert parallelism the expert region does the same over the expert-data group; each
@@ -154,41 +229,26 @@ class CpuBackend final : public TrainBackend {
     const std::int64_t xb = slice_.expert_begin, xe = slice_.expert_end;
     dp_->reduce_scatter_sum(grads, plan_.bounds);
     if (expert_dp_) expert_dp_->reduce_scatter_sum(grads, expert_plan_.bounds);
-    auto sum_squares_in = [&](std::int64_t lo_r, std::int64_t hi_r) {
-      double ss = 0;
-      for (const auto& p : layout_.params) {
-        const std::int64_t lo = std::max(p.offset, lo_r), hi = std::min(p.offset + p.numel, hi_r);
-        if (lo < hi) ss += optim::sum_squares(grads + lo, hi - lo);
-      }
-      return ss;
-    };
-    double ss = sum_squares_in(b, e) + sum_squares_in(xb, xe);
-    dp_->all_reduce_sum(&ss, 1);
-    const double norm = std::sqrt(ss);
-    if (!std::isfinite(norm)) {
-      std::string bad;  // the first parameter of this rank's shards holding one, if any
-      for (const auto& p : layout_.params) {
-        for (const auto& [rb, re] : {std::pair{b, e}, std::pair{xb, xe}}) {
-          const std::int64_t lo = std::max(p.offset, rb), hi = std::min(p.offset + p.numel, re);
-          if (lo < hi && !std::isfinite(optim::sum_squares(grads + lo, hi - lo))) bad = p.name;
-        }
-        if (!bad.empty()) break;
-      }
-      throw optim::NonFiniteGradient(fmt::format("gradient norm is {}", norm), bad, norm);
-    }
+    const auto [s1, w1] = sum_squares_in(b, e);
+    const auto [s2, w2] = sum_squares_in(xb, xe);
+    double ss[2] = {s1 + s2, w1 + w2};  // split over the tensor axis, and not
+    dp_->all_reduce_sum(ss, 2);
+    const double norm = std::sqrt(tp_.sum(ss[0]) + ss[1]);
+    if (!std::isfinite(norm)) non_finite(norm, {{b, e}, {xb, xe}});
     const double coef = optim::clip_coefficient(norm, max_norm);
     const float scale = static_cast<float>(coef);
     std::vector<optim::FlatRange> ranges;  // the shard's, then the expert shard's (moments in that order)
     for (const MomentRange& r : moment_ranges(slice_))
       ranges.push_back({r.begin, r.end, params + r.begin, grads + r.begin, adam_m_ + r.at, adam_v_ + r.at});
     adam_.step(layout_, ranges, lr, scale);  // skips Muon parameters
+    std::vector<parallel::TpMuonTensor> batch;
     for (const auto& r : ranges)
       for (const auto& m : parallel::muon_matrices_in(layout_, r.begin, r.end)) {
         const auto& p = layout_.params[static_cast<std::size_t>(m.param)];
         const std::int64_t at = (r.m - adam_m_) + (m.offset - r.begin);
-        optim::muon_matrix_step(params + m.offset, grads + m.offset, adam_m_ + at, 1, m.rows, m.cols, muon_,
-                                lr * p.lr_scale, p.weight_decay, scale, muon_scratch_);
+        muon_matrix(p, m.offset, adam_m_ + at, 1, m.rows, m.cols, lr, scale, batch);
       }
+    muon_batch(batch, scale);
     dp_->all_gather(params, plan_.bounds);
     if (expert_dp_) expert_dp_->all_gather(params, expert_plan_.bounds);
     return {norm, coef};
@@ -208,6 +268,9 @@ class CpuBackend final : public TrainBackend {
   std::unique_ptr<parallel::DataParallelComm> expert_dp_;  // over expert_data, when it has several ranks
   parallel::Zero1Plan expert_plan_;                 // the expert region's shards over expert_data
   StateSlice slice_;                                // + its experts and their optimizer shard
+  parallel::TensorGroup tp_;                        // this rank's tensor group (size 1 without)
+  std::vector<float> tp_muon_workspace_;            // tensor-parallel Muon's exchanges
+  bool sequence_ = false;                           // sequence parallelism over it
 };
 
 }  // namespace
@@ -229,6 +292,10 @@ StateShards plan_state_shards(const optim::ParamLayout& layout, const mesh::Shap
     if (expert.size > 1 && p.placement.splits(mesh::Axis::kExpert)) s.replicated_end = std::min(s.replicated_end, p.offset);
   s.slice.expert_parallel = expert.size;
   s.slice.expert_rank = expert.rank;
+  s.slice.tensor_parallel = shape.tp;
+  s.slice.tensor_rank = at.tp;
+  s.slice.tensor_parallel = shape.tp;
+  s.slice.tensor_rank = at.tp;
   s.slice.shard_end = total;
   if (data.size > 1) {
     s.replicated = parallel::plan_zero1_region(layout, 0, s.replicated_end, data.size);
@@ -282,6 +349,9 @@ void check_train_state(const TrainState& s, const optim::ParamLayout& layout, co
       s.expert_begin != slice.expert_begin || s.expert_end != slice.expert_end)
     fail("train state holds the experts of expert-parallel rank {} of {}, this rank holds those of rank {} of {}",
          s.expert_rank, s.expert_parallel, slice.expert_rank, slice.expert_parallel);
+  if (s.tensor_parallel != slice.tensor_parallel || s.tensor_rank != slice.tensor_rank)
+    fail("train state holds the blocks of tensor rank {} of {}, this rank holds those of rank {} of {}", s.tensor_rank,
+         s.tensor_parallel, slice.tensor_rank, slice.tensor_parallel);
   if (s.router_bias.size() != router_bias_sizes.size())
     fail("train state holds {} router biases, this model has {} MoE layers", s.router_bias.size(),
          router_bias_sizes.size());

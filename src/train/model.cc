@@ -11,6 +11,7 @@
 #include "ops/residual_scale.h"
 #include "ops/rmsnorm.h"
 #include "parallel/plan.h"
+#include "parallel/vocab_parallel.h"
 
 namespace keel::train {
 
@@ -85,8 +86,13 @@ double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batc
 }
 
 MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOptions& options, const parallel::Mesh& mesh)
-    : cfg_(config), opt_(options), mesh_(mesh), plan_(cfg_, mesh_) {
+    : cfg_(config),
+      opt_(options),
+      mesh_(mesh),
+      plan_(cfg_, mesh_, std::int64_t(options.micro_batch) * options.seq_length, options.sequence_parallel) {
   validate_trainable(cfg_, opt_);
+  tp_ = {mesh_.group(parallel::GroupKind::kTensor).size, mesh_.group(parallel::GroupKind::kTensor).rank};
+  if (opt_.precise_loss && tp_.degree > 1) fail("model: precise_loss needs the whole LM head (tensor degree 1)");
   for (int l = 0; l < cfg_.layers; ++l) {
     cca_layer_.push_back(model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca ? 1 : 0);
     if (model::is_moe_layer(cfg_, l)) {
@@ -97,8 +103,9 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
     }
   }
   const std::int64_t n = static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length;
-  attn_shape_ = blocks::AttnShape::of(cfg_, opt_.micro_batch, opt_.seq_length);
-  mlp_shape_ = blocks::MlpShape::of(cfg_, n, opt_.renormalize_gates);
+  rows_ = opt_.sequence_parallel ? n / tp_.degree : n;
+  attn_shape_ = blocks::AttnShape::of(cfg_, opt_.micro_batch, opt_.seq_length, tp_);
+  mlp_shape_ = blocks::MlpShape::of(cfg_, n, opt_.renormalize_gates, tp_);
   const int classes = mlp_shape_.classes();
   load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(classes, 0));
   bias_.assign(moe_layer_ids_.size(), std::vector<float>(classes, 0.f));
@@ -129,7 +136,10 @@ void MoeTransformer::allocate_params() {
 }
 
 void MoeTransformer::plan_acts(ArenaPlanner& p) {
-  const std::int64_t B = opt_.micro_batch, S = opt_.seq_length, N = B * S, D = cfg_.hidden, V = cfg_.vocab_size;
+  // N: the tokens a block reads; L: the rows of the residual stream, norms and residual scales
+  // this rank holds (N / tp under sequence parallelism); Vl: its vocabulary rows.
+  const std::int64_t B = opt_.micro_batch, S = opt_.seq_length, N = B * S, L = rows_, D = cfg_.hidden;
+  const std::int64_t Vl = cfg_.vocab_size / tp_.degree;
   const std::int64_t R = std::max(cfg_.router_hidden, 1);
   const bool any_moe = !moe_layer_ids_.empty(), any_dense = moe_layer_ids_.size() < std::size_t(cfg_.layers);
   const bool mlp_router = mlp_shape_.mlp_router, scaled = cfg_.residual_scaling;
@@ -137,12 +147,12 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
   const bool any_softmax = std::count(cca_layer_.begin(), cca_layer_.end(), 0) > 0;
 
   resid_.clear();
-  for (int l = 0; l <= cfg_.layers; ++l) resid_.push_back(p.tensor(fmt::format("resid.{}", l), {N, D}));
+  for (int l = 0; l <= cfg_.layers; ++l) resid_.push_back(p.tensor(fmt::format("resid.{}", l), {L, D}));
   // Residual scaling keeps two streams: hres_[l] is the mixer output entering layer l (none
   // for layer 0, whose stream is the embedding in resid_[0]).
   hres_.assign(cfg_.layers + 1, Tensor());
   if (scaled)
-    for (int l = 1; l <= cfg_.layers; ++l) hres_[l] = p.tensor(fmt::format("hres.{}", l), {N, D});
+    for (int l = 1; l <= cfg_.layers; ++l) hres_[l] = p.tensor(fmt::format("hres.{}", l), {L, D});
   // The MLP router's EDA state of each MoE stage: read by the next stage in forward and in
   // backward, so it lives outside the (possibly shared) layer workspaces.
   eda_state_.clear();
@@ -158,13 +168,13 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
     const bool dense = sets == 1 ? any_dense : !moe;
     const bool cca = sets == 1 ? any_cca : cca_layer_[i] != 0;
     const bool softmax = sets == 1 ? any_softmax : cca_layer_[i] == 0;
-    a.h1 = p.tensor(pre + "h1", {N, D});
-    a.rstd1 = p.tensor(pre + "rstd1", {N});
+    a.h1 = p.tensor(pre + "h1", {L, D});
+    a.rstd1 = p.tensor(pre + "rstd1", {L});
     blocks::carve(p, pre, attn_shape_, softmax, cca, a.attn);
-    a.x_mid = p.tensor(pre + "x_mid", {N, D});
-    if (scaled) a.attn_out = p.tensor(pre + "attn_out", {N, D});
-    a.h2 = p.tensor(pre + "h2", {N, D});
-    a.rstd2 = p.tensor(pre + "rstd2", {N});
+    a.x_mid = p.tensor(pre + "x_mid", {L, D});
+    if (scaled) a.attn_out = p.tensor(pre + "attn_out", {L, D});
+    a.h2 = p.tensor(pre + "h2", {L, D});
+    a.rstd2 = p.tensor(pre + "rstd2", {L});
     blocks::carve(p, pre, mlp_shape_, dense, moe, a.mlp);
   }
   // Backward scratch, shared by all layers.
@@ -174,19 +184,23 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
     deda_[0] = p.tensor("bwd.deda.0", {N, R});
     deda_[1] = p.tensor("bwd.deda.1", {N, R});
   }
-  dres_ = p.tensor("bwd.dres", {N, D});
-  dtmp_ = p.tensor("bwd.dtmp", {N, D});
-  dtmp2_ = p.tensor("bwd.dtmp2", {N, D});
+  dres_ = p.tensor("bwd.dres", {L, D});
+  dtmp_ = p.tensor("bwd.dtmp", {L, D});
+  dtmp2_ = p.tensor("bwd.dtmp2", {N, D});  // the blocks' [N, D] scratch
   attn_scratch_.tmp = mlp_scratch_.tmp = dtmp2_;
   if (scaled) {
-    dhres_ = p.tensor("bwd.dhres", {N, D});
-    dtmp3_ = p.tensor("bwd.dtmp3", {N, D});
-    final_r_ = p.tensor("final_r", {N, D});
+    dhres_ = p.tensor("bwd.dhres", {L, D});
+    dtmp3_ = p.tensor("bwd.dtmp3", {L, D});
+    final_r_ = p.tensor("final_r", {L, D});
   }
-  final_h_ = p.tensor("final_h", {N, D});
-  final_rstd_ = p.tensor("final_rstd", {N});
+  final_h_ = p.tensor("final_h", {L, D});
+  final_rstd_ = p.tensor("final_rstd", {L});
+  if (tp_.degree > 1) {  // the vocabulary-parallel embedding and head: every token's rows
+    whole_a_ = p.tensor("tp.whole_a", {N, D});
+    whole_b_ = p.tensor("tp.whole_b", {N, D});
+  }
   ce_lse_ = p.tensor("ce_lse", {N});
-  const std::int64_t chunk = std::min<std::int64_t>(opt_.ce_chunk, V);
+  const std::int64_t chunk = std::min<std::int64_t>(opt_.ce_chunk, Vl);
   ce_scratch_ = p.tensor("ce_scratch", {ops::cross_entropy::scratch_floats(N, chunk)});
 }
 
@@ -271,6 +285,9 @@ void MoeTransformer::mlp_forward(int l, LayerActs& a, bool count_load, LossParts
 void MoeTransformer::mlp_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh) {
   const int m = moe_index_of_layer_[static_cast<std::size_t>(l)];
   const blocks::LayerRunners& r = plan_.layers()[static_cast<std::size_t>(l)];
+  // The router losses' gradients are whole on every tensor rank, the rest of the router's
+  // partial: the first rank adds them (reduce_partial_gradients sums the router's gradients).
+  const float own = tp_.rank == 0 ? 1.f : 0.f;
   // EDA chain: stage m + 1 left dL/d state_m in deda_[(m + 1) % 2]; this stage writes
   // dL/d state_{m-1} into the other buffer.
   blocks::EdaGrads deda;
@@ -280,8 +297,8 @@ void MoeTransformer::mlp_backward(int l, LayerActs& a, const Tensor& dy, const T
     if (m > 0) deda.dprev = deda_[m % 2];
   }
   blocks::mlp_backward(mlp_shape_, w_.layers[static_cast<std::size_t>(l)], g_.layers[static_cast<std::size_t>(l)], a.h2,
-                       eda(m), deda, a.mlp, mlp_scratch_, dy, dh, static_cast<float>(opt_.aux_loss_weight * cur_scale_),
-                       static_cast<float>(opt_.z_loss_weight * cur_scale_), *r.mlp_linear, r.experts);
+                       eda(m), deda, a.mlp, mlp_scratch_, dy, dh, static_cast<float>(opt_.aux_loss_weight * cur_scale_ * own),
+                       static_cast<float>(opt_.z_loss_weight * cur_scale_ * own), *r.mlp_linear, r.experts);
 }
 
 // ---- plain pre-norm layer: x_mid = x + attn(n1(x)); y = x_mid + mlp(n2(x_mid)) ----
@@ -359,7 +376,7 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
   tokens_.assign(tokens, tokens + N);
   targets_.assign(targets, targets + N);
   LossParts lp;
-  ops::embedding::forward(tokens_.data(), N, w_.embed, resid_[0]);
+  embed_forward();
   const bool scaled = cfg_.residual_scaling;
   for (int l = 0; l < cfg_.layers; ++l) {
     LayerActs& a = acts_for(l);
@@ -376,16 +393,14 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
     final_in = final_r_;
   }
   ops::rmsnorm::forward(final_in, w_.final_norm, static_cast<float>(cfg_.norm_eps), final_h_, final_rstd_);
-  ops::cross_entropy::Options co;
-  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size);
-  lp.ce = ops::cross_entropy::forward(final_h_, w_.lm_head, targets_.data(), co, ce_lse_, ce_scratch_);
+  lp.ce = head_forward();
   if (opt_.precise_loss) {
     const std::int64_t V = cfg_.vocab_size, D = cfg_.hidden;
     std::vector<double> z(static_cast<std::size_t>(V));
     double sum = 0;
     std::int64_t valid = 0;
     for (std::int64_t i = 0; i < N; ++i) {
-      if (targets_[i] == co.ignore_index) continue;
+      if (targets_[i] == ops::cross_entropy::Options{}.ignore_index) continue;
       const float* h = final_h_.row(i);
       double m = -1e300;
       for (std::int64_t v = 0; v < V; ++v) {
@@ -410,11 +425,8 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
 void MoeTransformer::backward(float loss_scale) {
   if (!have_forward_) fail("model: backward() without a forward()");
   cur_scale_ = loss_scale;
-  const std::int64_t N = static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length;
   const bool scaled = cfg_.residual_scaling, full = opt_.recompute == Recompute::kFull;
-  ops::cross_entropy::Options co;
-  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size);
-  ops::cross_entropy::backward(final_h_, w_.lm_head, targets_.data(), ce_lse_, loss_scale, co, ce_scratch_, dtmp_, g_.lm_head);
+  head_backward(loss_scale);  // dtmp_ = dL/d final_h_
   // rmsnorm adds its dx into the residual gradient; the final norm is its first writer in this
   // micro-batch, so clear what the previous backward left there (as the CUDA backend does).
   dres_.zero();
@@ -437,9 +449,72 @@ void MoeTransformer::backward(float loss_scale) {
       layer_backward(l, a, resid_[l], dres_);
     }
   }
-  ops::embedding::backward(tokens_.data(), N, dres_, g_.embed);
+  embed_backward();
   have_forward_ = false;
 }
+
+// ---- the embedding and the LM head: whole at tensor degree 1, else vocabulary-parallel ----
+
+void MoeTransformer::embed_forward() {
+  const std::int64_t N = static_cast<std::int64_t>(tokens_.size());
+  if (tp_.degree == 1) return ops::embedding::forward(tokens_.data(), N, w_.embed, resid_[0]);
+  // Every token's row from the rank holding it, zeros elsewhere, summed over the group.
+  parallel::vocab_embedding_forward(tokens_.data(), N, w_.embed, vocab_begin(), cfg_.vocab_size, whole_a_);
+  const parallel::TensorParallelLinear& tp = *plan_.tensor();
+  if (opt_.sequence_parallel) {
+    tp.group().reduce_scatter(whole_a_.data(), resid_[0].data(), resid_[0].numel());
+  } else {
+    tp.group().all_reduce(whole_a_.data(), whole_a_.numel());
+    std::memcpy(resid_[0].data(), whole_a_.data(), sizeof(float) * static_cast<std::size_t>(whole_a_.numel()));
+  }
+}
+
+// dres_: dL/d the embedding output (this rank's rows).
+void MoeTransformer::embed_backward() {
+  const std::int64_t N = static_cast<std::int64_t>(tokens_.size());
+  if (tp_.degree == 1) return ops::embedding::backward(tokens_.data(), N, dres_, g_.embed);
+  Tensor d = dres_;
+  if (opt_.sequence_parallel) {
+    plan_.tensor()->group().all_gather(dres_.data(), whole_b_.data(), dres_.numel());
+    d = whole_b_;
+  }
+  parallel::vocab_embedding_backward(tokens_.data(), N, d, vocab_begin(), cfg_.vocab_size, g_.embed);
+}
+
+float MoeTransformer::head_forward() {
+  ops::cross_entropy::Options co;
+  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / tp_.degree);
+  if (tp_.degree == 1) return ops::cross_entropy::forward(final_h_, w_.lm_head, targets_.data(), co, ce_lse_, ce_scratch_);
+  const parallel::TensorParallelLinear& tp = *plan_.tensor();
+  Tensor h = final_h_;
+  if (opt_.sequence_parallel) {  // every token's final hidden state: the head splits the vocabulary
+    tp.group().all_gather(final_h_.data(), whole_a_.data(), final_h_.numel());
+    h = whole_a_;
+  }
+  return parallel::vocab_ce_forward(h, w_.lm_head, vocab_begin(), cfg_.vocab_size, targets_.data(), co, ce_lse_,
+                                    ce_scratch_, mesh_.group(parallel::GroupKind::kTensor).comm);
+}
+
+// dtmp_ (overwritten): dL/d final_h_ (this rank's rows).
+void MoeTransformer::head_backward(float loss_scale) {
+  ops::cross_entropy::Options co;
+  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / tp_.degree);
+  if (tp_.degree == 1)
+    return ops::cross_entropy::backward(final_h_, w_.lm_head, targets_.data(), ce_lse_, loss_scale, co, ce_scratch_,
+                                        dtmp_, g_.lm_head);
+  const parallel::TensorParallelLinear& tp = *plan_.tensor();
+  const Tensor h = opt_.sequence_parallel ? whole_a_ : final_h_;  // gathered by head_forward
+  parallel::vocab_ce_backward(h, w_.lm_head, vocab_begin(), cfg_.vocab_size, targets_.data(), ce_lse_, loss_scale, co,
+                              ce_scratch_, whole_b_, g_.lm_head);
+  if (opt_.sequence_parallel) {
+    tp.group().reduce_scatter(whole_b_.data(), dtmp_.data(), dtmp_.numel());
+  } else {
+    tp.group().all_reduce(whole_b_.data(), whole_b_.numel());
+    std::memcpy(dtmp_.data(), whole_b_.data(), sizeof(float) * static_cast<std::size_t>(whole_b_.numel()));
+  }
+}
+
+std::int64_t MoeTransformer::vocab_begin() const { return cfg_.vocab_size / tp_.degree * tp_.rank; }
 
 double MoeTransformer::flops_per_micro_batch() const {
   return model_flops_per_micro_batch(cfg_, opt_.micro_batch, opt_.seq_length);

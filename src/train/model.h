@@ -65,6 +65,9 @@ struct ModelOptions {
   // pass): for finite-difference gradient checks, where the fp32 loss's rounding would
   // dominate. Gradients are unchanged.
   bool precise_loss = false;
+  // Under tensor parallelism (the mesh's tp > 1): the residual stream, norms and residual scales
+  // hold 1/tp of the tokens (Megatron's sequence parallelism; parallel/tensor_parallel.h).
+  bool sequence_parallel = false;
 };
 
 struct LossParts {
@@ -152,11 +155,18 @@ class MoeTransformer {
   void scaled_layer_forward(int l, LayerActs& a, const Tensor& r_out, const Tensor& h_out, bool count_load,
                             LossParts& lp);
   void scaled_layer_backward(int l, LayerActs& a);
+  void embed_forward();
+  void embed_backward();
+  float head_forward();
+  void head_backward(float loss_scale);
+  std::int64_t vocab_begin() const;  // the first vocabulary row this rank holds
 
   model::ModelConfig cfg_;
   ModelOptions opt_;
   parallel::Mesh mesh_;
   parallel::CpuPlan plan_;  // each layer's runners
+  blocks::TensorSplit tp_;  // this rank in its tensor group
+  std::int64_t rows_ = 0;   // rows of the residual stream on this rank (N, or N / tp with sequence parallelism)
   optim::ParamLayout layout_;
   std::unique_ptr<Arena> param_arena_, grad_arena_, act_arena_;
   float* params_ = nullptr;
@@ -173,6 +183,7 @@ class MoeTransformer {
   std::vector<Tensor> eda_state_;  // per MoE stage: the MLP router's EDA state [N, router_hidden]
   Tensor deda_[2];                 // dL/d EDA state, alternating between consecutive MoE stages
   Tensor final_r_, final_h_, final_rstd_, ce_lse_, ce_scratch_;
+  Tensor whole_a_, whole_b_;  // tensor parallelism: [N, D] rows of every token (embedding, head)
   Tensor dres_, dtmp_, dtmp2_, dtmp3_, dhres_;
   blocks::AttnScratch attn_scratch_;
   blocks::MlpScratch mlp_scratch_;

@@ -46,52 +46,146 @@ ckpt::LoadRequest request(std::string name, ckpt::Shape shape, ckpt::Box box, fl
   return r;
 }
 
-// A parameter as this rank holds it: its global (checkpoint) shape, and where its local block
-// starts in the global tensor (its placement: an expert-parallel rank holds E / ep experts of an
-// expert tensor, a contiguous slab of the global [E, ...] tensor starting at expert
-// expert_rank * E / ep).
-struct Held {
-  ckpt::Shape global;
-  std::int64_t first = 0;  // flat index in the global tensor of the local element 0
-};
-
-Held held(const optim::ParamInfo& p, const StateSlice& slice) {
-  mesh::Shape m;
-  m.dp = m.ep = slice.expert_parallel;
-  mesh::Coord at;
-  at.ep = slice.expert_rank;
-  return {p.global_shape, model::block_start(p, m, at)};
-}
-
 // Calls f(box, flat_offset) for the boxes (of the global tensor) of parameter p's elements in the
 // local flat range [b, e): flat_offset is the box's first element in the local flat buffer.
 template <typename F>
-void for_each_box_in(const optim::ParamInfo& p, const StateSlice& slice, std::int64_t b, std::int64_t e, F&& f) {
+void for_each_box_in(const optim::ParamInfo& p, const std::vector<model::BlockPiece>& pieces, std::int64_t b,
+                     std::int64_t e, F&& f) {
   const std::int64_t lo = std::max(p.offset, b), hi = std::min(p.offset + p.numel, e);
   if (lo >= hi) return;
-  const Held h = held(p, slice);
   std::int64_t at = lo;
-  for (auto& box : ckpt::flat_range_boxes(h.global, h.first + lo - p.offset, h.first + hi - p.offset)) {
+  for (auto& box : block_boxes(p, pieces, lo - p.offset, hi - p.offset)) {
     const std::int64_t n = box.volume();
     f(std::move(box), at);
     at += n;
   }
 }
 
-// The saved layout in the mesh vocabulary (mesh/shape.h): ep is folded into the data ranks, so
-// "dp=4,ep=2,zero=1" spans the 4 ranks that ran (the checkpoint's "world").
-std::string layout_name(int ranks, const StateSlice& s) {
-  std::string name = fmt::format("dp={}", ranks);
-  if (s.expert_parallel > 1) name += fmt::format(",ep={}", s.expert_parallel);
-  if (ranks > 1) name += ",zero=1";
-  return name;
+// Every parameter's pieces at the slice's coordinate, in layout order.
+std::vector<std::vector<model::BlockPiece>> all_pieces(const optim::ParamLayout& layout, const StateSlice& s) {
+  const mesh::Shape m = slice_mesh(s);
+  const mesh::Coord at = slice_coord(s);
+  std::vector<std::vector<model::BlockPiece>> out;
+  out.reserve(layout.params.size());
+  for (const auto& p : layout.params) out.push_back(model::block_pieces(p, m, at));
+  return out;
+}
+
+void check_slice(const StateSlice& s, const char* what) {
+  if (s.expert_parallel < 1 || s.expert_rank < 0 || s.expert_rank >= s.expert_parallel)
+    fail("checkpoint {}: expert rank {} of {}", what, s.expert_rank, s.expert_parallel);
+  if (s.tensor_parallel < 1 || s.tensor_rank < 0 || s.tensor_rank >= s.tensor_parallel)
+    fail("checkpoint {}: tensor rank {} of {}", what, s.tensor_rank, s.tensor_parallel);
 }
 
 }  // namespace
 
-TrainCheckpointer::TrainCheckpointer(std::string root, const TrainCheckpointOptions& options, MPI_Comm data_comm)
-    : root_(std::move(root)),
-      comm_(data_comm == MPI_COMM_NULL ? ckpt::make_self_comm() : ckpt::make_mpi_comm(data_comm)) {
+mesh::Shape slice_mesh(const StateSlice& s) {
+  mesh::Shape m;
+  m.dp = m.ep = s.expert_parallel;
+  m.tp = s.tensor_parallel;
+  return m;
+}
+
+mesh::Coord slice_coord(const StateSlice& s) {
+  mesh::Coord at;
+  at.dp = at.ep = s.expert_rank;
+  at.tp = s.tensor_rank;
+  return at;
+}
+
+std::vector<ckpt::Box> block_boxes(const optim::ParamInfo& p, const std::vector<model::BlockPiece>& pieces,
+                                   std::int64_t lo, std::int64_t hi) {
+  std::int64_t n = 1;
+  for (auto d : p.shape) n *= d;
+  if (lo < 0 || hi > n || lo > hi)
+    fail("parameter '{}': local range [{}, {}) is outside its block of {} elements", p.name, lo, hi, n);
+  std::vector<ckpt::Box> out;
+  for (ckpt::Box& box : ckpt::flat_range_boxes(p.shape, lo, hi)) {
+    if (box.ndim() == 0) {
+      out.push_back(std::move(box));
+      continue;
+    }
+    const std::int64_t r0 = box.offsets[0], r1 = r0 + box.lengths[0];
+    for (const model::BlockPiece& pc : pieces) {  // in local row order: the boxes stay in flat order
+      const std::int64_t a = std::max(r0, pc.local_row), b = std::min(r1, pc.local_row + pc.extent[0]);
+      if (a >= b) continue;
+      ckpt::Box g = box;
+      g.offsets[0] = pc.offset[0] + (a - pc.local_row);
+      g.lengths[0] = b - a;
+      for (std::size_t d = 1; d < g.ndim(); ++d) g.offsets[d] += pc.offset[d];
+      out.push_back(std::move(g));
+    }
+  }
+  return out;
+}
+
+std::vector<ckpt::Box> block_boxes(const optim::ParamInfo& p, const StateSlice& slice, std::int64_t lo,
+                                   std::int64_t hi) {
+  return block_boxes(p, model::block_pieces(p, slice_mesh(slice), slice_coord(slice)), lo, hi);
+}
+
+std::string checkpoint_layout_name(int ranks, const StateSlice& s) {
+  if (s.tensor_parallel < 1 || ranks < 1 || ranks % s.tensor_parallel != 0)
+    fail("checkpoint: {} saving ranks are not whole tensor groups of {} (with tensor parallelism every rank of the "
+         "world saves: pass its communicator)",
+         ranks, s.tensor_parallel);
+  mesh::Shape m;
+  m.dp = ranks / s.tensor_parallel;
+  m.tp = s.tensor_parallel;
+  m.ep = s.expert_parallel;
+  m.zero = m.dp > 1 ? 1 : 0;
+  return m.str();
+}
+
+std::vector<ckpt::SaveShard> checkpoint_shards(const CheckpointView& view, const optim::ParamLayout& layout, int rank,
+                                               int ranks) {
+  // Each rank writes its ZeRO-1 shards (of the replicated region, and with expert parallelism of
+  // its experts' region): the optimizer state it owns and the parameters of the same ranges
+  // (replicated over the data ranks, so any holder could; this spreads the writes). Under
+  // tensor parallelism each tensor rank's shards cover its own blocks, which tensor rank 0's
+  // copies of the parameters not split over tp would duplicate: only tensor rank 0 writes those.
+  // The shards tile every tensor, so every element is written once.
+  const StateSlice& sl = view.slice;
+  const std::int64_t b = sl.shard_begin, e = sl.shard_end;
+  if (b < 0 || b > e || e > layout.total_floats || sl.expert_begin < 0 || sl.expert_begin > sl.expert_end ||
+      sl.expert_end > layout.total_floats || !view.params || (sl.moments() > 0 && (!view.adam_m || !view.adam_v)))
+    fail("checkpoint: optimizer ranges [{}, {}) + [{}, {}) of {} floats have no data", b, e, sl.expert_begin,
+         sl.expert_end, layout.total_floats);
+  check_slice(sl, "save");
+  if (ranks < 1 || rank < 0 || rank >= ranks) fail("checkpoint: rank {} of {} saving ranks", rank, ranks);
+  const auto pieces = all_pieces(layout, sl);
+  std::vector<ckpt::SaveShard> out;
+  for (const MomentRange& r : moment_ranges(sl))
+    for (std::size_t i = 0; i < layout.params.size(); ++i) {
+      const optim::ParamInfo& p = layout.params[i];
+      if (sl.tensor_rank != 0 && !p.placement.splits(mesh::Axis::kTensor)) continue;  // tensor rank 0's copy
+      for_each_box_in(p, pieces[i], r.begin, r.end, [&](ckpt::Box box, std::int64_t at) {
+        const ckpt::Shape& g = p.global_shape;
+        const std::int64_t m = r.at + (at - r.begin);
+        out.push_back(shard("model/" + p.name, g, box, view.params + at, false));
+        out.push_back(shard("optim/exp_avg/" + p.name, g, box, view.adam_m + m, true));
+        if (p.optimizer == optim::OptimizerKind::kAdamW)  // Muon keeps no v (adamw_moment_spans)
+          out.push_back(shard("optim/exp_avg_sq/" + p.name, g, std::move(box), view.adam_v + m, true));
+      });
+    }
+  for (auto& s : out) s.on_device = view.on_device;
+  for (std::size_t i = 0; i < view.router_bias.size(); ++i) {  // replicated: spread over the ranks (host memory)
+    if (static_cast<int>(i % static_cast<std::size_t>(ranks)) != rank) continue;
+    const ckpt::Shape shape{static_cast<std::int64_t>(view.router_bias[i].size())};
+    out.push_back(shard(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), view.router_bias[i].data(), false));
+  }
+  return out;
+}
+
+TrainCheckpointer::TrainCheckpointer(std::string root, const TrainCheckpointOptions& options, MPI_Comm comm)
+    : TrainCheckpointer(std::move(root), options,
+                        comm == MPI_COMM_NULL ? ckpt::make_self_comm() : ckpt::make_mpi_comm(comm)) {}
+
+TrainCheckpointer::TrainCheckpointer(std::string root, const TrainCheckpointOptions& options,
+                                     std::unique_ptr<ckpt::Comm> comm)
+    : root_(std::move(root)), comm_(std::move(comm)) {
+  if (!comm_) fail("checkpoint {}: no communicator", root_);
   ckpt::SaveOptions o;
   o.keep_last = options.keep_last;
   o.keep_every = options.keep_every;
@@ -109,34 +203,7 @@ TrainCheckpointer::~TrainCheckpointer() {
 }
 
 std::vector<ckpt::SaveShard> TrainCheckpointer::shards(const CheckpointView& view, const optim::ParamLayout& layout) const {
-  // Each rank writes its ZeRO-1 shards (of the replicated region, and with expert parallelism of
-  // its experts' region): the optimizer state it owns and the parameters of the same ranges
-  // (replicated, so any holder could; this spreads the writes). The shards tile every tensor,
-  // so every element is written once.
-  const StateSlice& sl = view.slice;
-  const std::int64_t b = sl.shard_begin, e = sl.shard_end;
-  if (b < 0 || b > e || e > layout.total_floats || sl.expert_begin < 0 || sl.expert_begin > sl.expert_end ||
-      sl.expert_end > layout.total_floats || !view.params || (sl.moments() > 0 && (!view.adam_m || !view.adam_v)))
-    fail("checkpoint: optimizer ranges [{}, {}) + [{}, {}) of {} floats have no data", b, e, sl.expert_begin,
-         sl.expert_end, layout.total_floats);
-  std::vector<ckpt::SaveShard> out;
-  for (const MomentRange& r : moment_ranges(sl))
-    for (const auto& p : layout.params)
-      for_each_box_in(p, sl, r.begin, r.end, [&](ckpt::Box box, std::int64_t at) {
-        const ckpt::Shape g = held(p, sl).global;
-        const std::int64_t m = r.at + (at - r.begin);
-        out.push_back(shard("model/" + p.name, g, box, view.params + at, false));
-        out.push_back(shard("optim/exp_avg/" + p.name, g, box, view.adam_m + m, true));
-        if (p.optimizer == optim::OptimizerKind::kAdamW)  // Muon keeps no v (adamw_moment_spans)
-          out.push_back(shard("optim/exp_avg_sq/" + p.name, g, std::move(box), view.adam_v + m, true));
-      });
-  for (auto& s : out) s.on_device = view.on_device;
-  for (std::size_t i = 0; i < view.router_bias.size(); ++i) {  // replicated: spread over the ranks (host memory)
-    if (static_cast<int>(i % static_cast<std::size_t>(comm_->size())) != comm_->rank()) continue;
-    const ckpt::Shape shape{static_cast<std::int64_t>(view.router_bias[i].size())};
-    out.push_back(shard(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), view.router_bias[i].data(), false));
-  }
-  return out;
+  return checkpoint_shards(view, layout, comm_->rank(), comm_->size());
 }
 
 void TrainCheckpointer::reserve(const CheckpointView& view, const optim::ParamLayout& layout) {
@@ -149,7 +216,8 @@ double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, co
   s["format"] = kTrainFormat;
   s["step"] = step;
   s["optimizer_step"] = view.adamw_step;
-  return saver_->save(step, shards(view, layout), s, nlohmann::json::object(), layout_name(comm_->size(), view.slice));
+  const std::string name = checkpoint_layout_name(comm_->size(), view.slice);
+  return saver_->save(step, shards(view, layout), s, nlohmann::json::object(), name);
 }
 
 std::optional<ckpt::SaveStats> TrainCheckpointer::finish() { return saver_->wait(); }
@@ -188,13 +256,13 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
 }
 
 LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg, const StateSlice& slice) {
-  const optim::ParamLayout layout = model::param_layout(cfg, slice.expert_parallel);
+  check_slice(slice, "load");
+  const optim::ParamLayout layout = model::param_layout(cfg, slice_mesh(slice));
   for (const MomentRange& r : moment_ranges(slice))
     if (r.begin < 0 || r.begin > r.end || r.end > layout.total_floats)
       fail("checkpoint load: optimizer range [{}, {}) is outside this rank's {} floats", r.begin, r.end,
            layout.total_floats);
-  if (slice.expert_rank < 0 || slice.expert_rank >= slice.expert_parallel)
-    fail("checkpoint load: expert rank {} of {}", slice.expert_rank, slice.expert_parallel);
+  const auto pieces = all_pieces(layout, slice);
   const ckpt::Reader reader(path);
   const nlohmann::json& s = reader.metadata().state;
   const bool has_format = s.is_object() && s.contains("format") && s["format"].is_string();
@@ -215,12 +283,7 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
          out.step, reader.metadata().step);
   TrainState& st = out.state;
   st.params.assign(static_cast<std::size_t>(layout.total_floats), 0.f);
-  st.shard_begin = slice.shard_begin;
-  st.shard_end = slice.shard_end;
-  st.expert_parallel = slice.expert_parallel;
-  st.expert_rank = slice.expert_rank;
-  st.expert_begin = slice.expert_begin;
-  st.expert_end = slice.expert_end;
+  st.set_slice(slice);
   st.adam_m.assign(static_cast<std::size_t>(slice.moments()), 0.f);
   st.adam_v.assign(static_cast<std::size_t>(slice.moments()), 0.f);
   // one selection bias per MoE layer over its classes (the experts, plus the skip class)
@@ -228,14 +291,17 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
   st.router_bias.assign(static_cast<std::size_t>(model::moe_layer_count(cfg)), std::vector<float>(classes, 0.f));
   std::vector<ckpt::LoadRequest> reqs;
   // Every parameter this rank holds, and the optimizer state of its ranges, whatever the layout saved.
-  for (const auto& p : layout.params)
-    for_each_box_in(p, slice, p.offset, p.offset + p.numel, [&](ckpt::Box box, std::int64_t at) {
-      reqs.push_back(request("model/" + p.name, held(p, slice).global, std::move(box), st.params.data() + at));
+  for (std::size_t i = 0; i < layout.params.size(); ++i) {
+    const optim::ParamInfo& p = layout.params[i];
+    for_each_box_in(p, pieces[i], p.offset, p.offset + p.numel, [&](ckpt::Box box, std::int64_t at) {
+      reqs.push_back(request("model/" + p.name, p.global_shape, std::move(box), st.params.data() + at));
     });
+  }
   for (const MomentRange& r : moment_ranges(slice))
-    for (const auto& p : layout.params)
-      for_each_box_in(p, slice, r.begin, r.end, [&](ckpt::Box box, std::int64_t at) {
-        const ckpt::Shape g = held(p, slice).global;
+    for (std::size_t i = 0; i < layout.params.size(); ++i) {
+      const optim::ParamInfo& p = layout.params[i];
+      for_each_box_in(p, pieces[i], r.begin, r.end, [&](ckpt::Box box, std::int64_t at) {
+        const ckpt::Shape& g = p.global_shape;
         const std::int64_t m = r.at + (at - r.begin);
         reqs.push_back(request("optim/exp_avg/" + p.name, g, box, st.adam_m.data() + m));
         // A parameter the saving run trained with Muon has no v; it stays zero (and
@@ -243,6 +309,7 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
         if (format == kTrainFormatV2 || stored.contains("optim/exp_avg_sq/" + p.name))
           reqs.push_back(request("optim/exp_avg_sq/" + p.name, g, std::move(box), st.adam_v.data() + m));
       });
+    }
   for (std::size_t i = 0; i < st.router_bias.size(); ++i) {
     const ckpt::Shape shape{static_cast<std::int64_t>(st.router_bias[i].size())};
     reqs.push_back(request(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), st.router_bias[i].data()));
@@ -256,11 +323,15 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
 }
 
 LoadedWeights load_model_weights(const std::string& path, const model::ModelConfig& cfg, int expert_parallel,
-                                 int expert_rank) {
+                                 int expert_rank, int tensor_parallel, int tensor_rank) {
   StateSlice slice;
   slice.expert_parallel = expert_parallel;
   slice.expert_rank = expert_rank;
-  const optim::ParamLayout layout = model::param_layout(cfg, expert_parallel);
+  slice.tensor_parallel = tensor_parallel;
+  slice.tensor_rank = tensor_rank;
+  check_slice(slice, "load");
+  const optim::ParamLayout layout = model::param_layout(cfg, slice_mesh(slice));
+  const auto pieces = all_pieces(layout, slice);
   const ckpt::Reader reader(path);
   const ckpt::Metadata& meta = reader.metadata();
   const nlohmann::json& s = meta.state;
@@ -277,12 +348,16 @@ LoadedWeights load_model_weights(const std::string& path, const model::ModelConf
   const std::size_t classes = static_cast<std::size_t>(cfg.experts + (cfg.router_skip_expert ? 1 : 0));
   out.state.router_bias.assign(static_cast<std::size_t>(model::moe_layer_count(cfg)), std::vector<float>(classes, 0.f));
   std::vector<ckpt::LoadRequest> reqs;
-  for (const auto& p : layout.params)
-    for_each_box_in(p, slice, p.offset, p.offset + p.numel, [&](ckpt::Box box, std::int64_t at) {
-      reqs.push_back(request("model/" + p.name, held(p, slice).global, std::move(box), out.state.params.data() + at));
+  for (std::size_t i = 0; i < layout.params.size(); ++i) {
+    const optim::ParamInfo& p = layout.params[i];
+    for_each_box_in(p, pieces[i], p.offset, p.offset + p.numel, [&](ckpt::Box box, std::int64_t at) {
+      reqs.push_back(request("model/" + p.name, p.global_shape, std::move(box), out.state.params.data() + at));
     });
+  }
   out.state.expert_parallel = expert_parallel;
   out.state.expert_rank = expert_rank;
+  out.state.tensor_parallel = tensor_parallel;
+  out.state.tensor_rank = tensor_rank;
   // Balancing biases are carried when the source had them (a release may not): all or none,
   // since a partial set would route some layers with trained biases and others without.
   int have = 0;

@@ -17,9 +17,14 @@
 // Under data parallelism with ZeRO-1 (layout "dp=N,zero=1") every rank writes the boxes of its
 // optimizer shard's flat range [shard_begin, shard_end), of the optimizer state and of the
 // (replicated) parameters alike, so the writes are spread evenly and each element is stored
-// once; router biases are spread over the ranks. A load reads whole parameters and the boxes
-// of the loading rank's own shard, so a checkpoint from any number of ranks resumes at any
-// other (the ckpt library's resharding: each load names the boxes it needs).
+// once; router biases are spread over the ranks. Under tensor parallelism ("dp=N,tp=T,zero=1",
+// the saving ranks are the world of N x T) the data ranks of each tensor rank shard that rank's
+// flat buffer alike: a parameter split over tp is written by every tensor rank, the boxes of
+// its own block (model::block_pieces: inner-dimension splits and parts make these several
+// boxes) in its shard's range; a parameter every tensor rank holds whole is written by tensor
+// rank 0 alone. A load reads the boxes of the loading rank's blocks and of its own shard, so a
+// checkpoint from any number of ranks and any tensor degree resumes at any other (the ckpt
+// library's resharding: each load names the boxes it needs).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -31,7 +36,10 @@
 #include <utility>
 
 #include "ckpt/comm.h"
+#include "ckpt/types.h"
 #include "ckpt/writer.h"
+#include "mesh/shape.h"
+#include "model/param_layout.h"
 #include "optim/param_groups.h"
 #include "train/backend.h"
 
@@ -43,11 +51,44 @@ struct TrainCheckpointOptions {
   int threads = 2;     // writer threads (data files per rank)
 };
 
+// The mesh a slice stands for (only the degrees of the axes that split parameters matter: ep
+// and tp; dp = ep) and its coordinate on it: model::param_layout(cfg, slice_mesh(s)) is the
+// slice's layout, model::block_pieces(p, slice_mesh(s), slice_coord(s)) its blocks.
+mesh::Shape slice_mesh(const StateSlice& s);
+mesh::Coord slice_coord(const StateSlice& s);
+
+// The boxes of the whole tensor that hold the elements [lo, hi) (local flat indices, 0 = the
+// block's first element) of a block of p made of `pieces` (model::block_pieces): the local
+// range as boxes of the block (ckpt::flat_range_boxes on p.shape), cut where pieces meet, moved
+// to the pieces' places in the whole tensor. In local flat order, each box one contiguous run of
+// the block (box k's elements start where box k-1's end). keel::Error for a range outside it.
+std::vector<ckpt::Box> block_boxes(const optim::ParamInfo& p, const std::vector<model::BlockPiece>& pieces,
+                                   std::int64_t lo, std::int64_t hi);
+// The same for the block the rank of `slice` holds.
+std::vector<ckpt::Box> block_boxes(const optim::ParamInfo& p, const StateSlice& slice, std::int64_t lo, std::int64_t hi);
+
+// What rank `rank` of the `ranks` that save together writes of `view` (a state of `layout`):
+// the boxes of its optimizer ranges of model/*, optim/exp_avg/* and optim/exp_avg_sq/* (those of
+// parameters split over tp on every tensor rank, the others on tensor rank 0), and the router
+// biases i with i % ranks == rank. Over all ranks of a mesh (each with its slice of
+// train::plan_state_shards) every element of every tensor is written exactly once. keel::Error
+// when the view has no data for its ranges.
+std::vector<ckpt::SaveShard> checkpoint_shards(const CheckpointView& view, const optim::ParamLayout& layout, int rank,
+                                               int ranks);
+// The layout `ranks` saving ranks holding slices like `s` save, in the mesh vocabulary
+// (mesh/shape.h): "dp=4,ep=2,zero=1", "dp=2,tp=2,zero=1" (dp = ranks / tp; ep folded into
+// the data ranks; zero=1 when dp > 1). keel::Error when tp does not divide ranks.
+std::string checkpoint_layout_name(int ranks, const StateSlice& s);
+
 class TrainCheckpointer {
  public:
-  // data_comm: the data-parallel group (MPI_COMM_NULL: this process alone). Every rank of it
-  // calls save() and finish() together.
-  TrainCheckpointer(std::string root, const TrainCheckpointOptions& options, MPI_Comm data_comm = MPI_COMM_NULL);
+  // comm: the ranks that save together, every one calling save() and finish() together
+  // (MPI_COMM_NULL: this process alone). Without tensor parallelism the data-parallel group;
+  // with it, every rank that holds state: the world of the data x tensor ranks (each tensor
+  // rank writes its own blocks).
+  TrainCheckpointer(std::string root, const TrainCheckpointOptions& options, MPI_Comm comm = MPI_COMM_NULL);
+  // The same over any ckpt::Comm (tests: ranks simulated by threads of one process).
+  TrainCheckpointer(std::string root, const TrainCheckpointOptions& options, std::unique_ptr<ckpt::Comm> comm);
   ~TrainCheckpointer();
 
   // Stages `state` (plus `extra`: step, sampler position, ...) and starts writing; completes a
@@ -91,8 +132,9 @@ struct LoadedTrainState {
 // file on a missing tensor, a shape or dtype mismatch, or a damaged file.
 LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg,
                                        std::pair<std::int64_t, std::int64_t> shard = {0, -1});
-// The same for what `slice` holds: its experts (of layout model::param_layout(cfg,
-// slice.expert_parallel)) and its optimizer ranges, from a checkpoint of any layout.
+// The same for what `slice` holds: its experts and tensor blocks (of layout
+// model::param_layout(cfg, slice_mesh(slice))) and its optimizer ranges, from a checkpoint of
+// any layout.
 LoadedTrainState load_train_checkpoint(const std::string& path, const model::ModelConfig& cfg, const StateSlice& slice);
 
 // The weights alone, to start a new run or to decode: every `model/<param>` of `cfg`, and the
@@ -107,9 +149,11 @@ struct LoadedWeights {
   std::string description;  // "step N" / "weights imported from PATH (zaya1 names)"
   bool router_bias = false; // the checkpoint had the balancing biases
 };
-// With expert_parallel > 1: the weights of that expert-parallel rank (its E / ep experts).
+// With expert_parallel > 1: the weights of that expert-parallel rank (its E / ep experts); with
+// tensor_parallel > 1 the blocks of that tensor rank (layout model::param_layout(cfg, mesh with
+// ep and tp)). The state's slice carries both.
 LoadedWeights load_model_weights(const std::string& path, const model::ModelConfig& cfg, int expert_parallel = 1,
-                                 int expert_rank = 0);
+                                 int expert_rank = 0, int tensor_parallel = 1, int tensor_rank = 0);
 
 // True when `path` looks like a keel ckpt root or step directory (has `latest` or
 // metadata.json), as opposed to a single-file checkpoint of the older format.

@@ -96,8 +96,8 @@ Trainer::Trainer(TrainConfig config, const parallel::Mesh& mesh, bool quiet)
   std::error_code ec;
   const std::filesystem::path metrics = MetricsLog::jsonl_path_in(cfg_.output_dir);
   earlier_metrics_ = std::filesystem::is_regular_file(metrics, ec) && std::filesystem::file_size(metrics, ec) > 0;
-  if (mesh_.data().rank == 0) log_ = std::make_unique<MetricsLog>(cfg_.output_dir, cfg_.tensorboard);
-  if (mesh_.data().rank != 0) quiet_ = true;  // rank 0 speaks for the group
+  if (mesh_.rank() == 0) log_ = std::make_unique<MetricsLog>(cfg_.output_dir, cfg_.tensorboard);
+  if (mesh_.rank() != 0) quiet_ = true;  // rank 0 speaks for the world
   const std::int64_t N = std::int64_t(cfg_.micro_batch) * cfg_.model_options.seq_length;
   inputs_.resize(N);
   targets_.resize(N);
@@ -260,7 +260,7 @@ void Trainer::log_step(const StepStats& s, double seconds, std::int64_t tokens) 
   const double steps_done = static_cast<double>(tokens) /
                             (double(cfg_.micro_batch) * cfg_.model_options.seq_length * cfg_.grad_accum);
   // per device: the group's FLOPs over the group's peak
-  const double mfu = seconds > 0 ? flops * steps_done / seconds / (cfg_.peak_flops * mesh_.data().size) : 0;
+  const double mfu = seconds > 0 ? flops * steps_done / seconds / (cfg_.peak_flops * mesh_.size()) : 0;
   const double mem = mib(backend_->memory_bytes());
   if (!quiet_)
     std::printf("step %6lld/%lld | loss %.4f (ce %.4f aux %.3f z %.3f) | lr %.3e | grad norm %.3f | %.0f tok/s | "
@@ -294,9 +294,9 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
   if (!started_) {
     if (saves) check_checkpoint_dir();
     int earlier = earlier_metrics_ && !resumed_;
-    if (mesh_.data().size > 1) {
+    if (mesh_.size() > 1) {
       PeerWait wait("MPI_Bcast (start-up check)");
-      mpi_check(MPI_Bcast(&earlier, 1, MPI_INT, 0, mesh_.data().comm), "MPI_Bcast");
+      mpi_check(MPI_Bcast(&earlier, 1, MPI_INT, 0, mesh_.world()), "MPI_Bcast");
     }
     if (earlier)
       throw UsageError(fmt::format("output_dir {} already holds another run's metrics.jsonl: continue that run with "
@@ -316,18 +316,22 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
                 "recompute %s\n",
                 cfg_.model.name.c_str(), static_cast<long long>(backend_->param_count()), cfg_.model.layers,
                 backend_->moe_layer_count(), backend_->device().c_str(),
-                mesh_.data().size > 1
-                    ? fmt::format(" x {} data-parallel ranks (ZeRO-1{}){}", mesh_.data().size,
-                                  cfg_.data_parallel.grad_reduce == parallel::GradReduceDtype::kBf16 ? ", gradients reduced in bf16" : "",
-                                  mesh_.expert().size > 1 ? fmt::format(", expert parallel {}", mesh_.expert().size) : "")
-                          .c_str()
-                    : "",
+                ((mesh_.data().size > 1
+                     ? fmt::format(" x {} data-parallel ranks (ZeRO-1{}){}", mesh_.data().size,
+                                   cfg_.data_parallel.grad_reduce == parallel::GradReduceDtype::kBf16 ? ", gradients reduced in bf16" : "",
+                                   mesh_.expert().size > 1 ? fmt::format(", expert parallel {}", mesh_.expert().size) : "")
+                     : std::string()) +
+                    (mesh_.shape().tp > 1
+                         ? fmt::format(" x tensor parallel {}{}", mesh_.shape().tp,
+                                       cfg_.model_options.sequence_parallel ? " (sequence parallel)" : "")
+                         : std::string()))
+                    .c_str(),
                 static_cast<long long>(cfg_.steps), static_cast<long long>(step_tokens),
                 to_string(cfg_.model_options.recompute));
   if (!quiet_ && step_ == 0) std::printf("%s\n", memory_report(*backend_).c_str());
   while (step_ < until) {
     progress(fmt::format("step {}", step_ + 1));
-    if (step_ + 1 == hang_step_ && mesh_.data().rank == hang_rank_) {
+    if (step_ + 1 == hang_step_ && mesh_.rank() == hang_rank_) {
       std::printf("fault injection: rank %d hangs at step %lld\n", hang_rank_, static_cast<long long>(hang_step_));
       std::fflush(stdout);
       hang_forever();
@@ -396,7 +400,7 @@ void Trainer::make_checkpointer() {
   TrainCheckpointOptions o;
   o.keep_last = cfg_.checkpoint_keep_last;
   o.keep_every = cfg_.checkpoint_keep_every;
-  ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o, mesh_.data().comm);
+  ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o, mesh_.world());
   // the staging buffers now, not in the first save's stall (pinned gigabytes take seconds)
   ckpt_->reserve(backend_->checkpoint_view(), backend_->layout());
 }
@@ -438,9 +442,9 @@ void Trainer::commit_when_written() {
   // only while a save is in flight (every rank saves at the same steps).
   if (!ckpt_ || !ckpt_->in_flight()) return;
   int done = ckpt_->writes_done() ? 1 : 0;
-  if (mesh_.data().size > 1) {
+  if (mesh_.size() > 1) {
     PeerWait wait("MPI_Allreduce (checkpoint writes done)");
-    mpi_check(MPI_Allreduce(MPI_IN_PLACE, &done, 1, MPI_INT, MPI_MIN, mesh_.data().comm), "MPI_Allreduce");
+    mpi_check(MPI_Allreduce(MPI_IN_PLACE, &done, 1, MPI_INT, MPI_MIN, mesh_.world()), "MPI_Allreduce");
   }
   if (done) {
     progress(fmt::format("committing the checkpoint after step {}", step_));
@@ -461,7 +465,7 @@ void Trainer::finish_checkpoint() {
 void Trainer::init_from_weights(const std::string& path) {
   LoadedWeights got;
   try {
-    got = load_model_weights(path, cfg_.model, mesh_.expert().size, mesh_.expert().rank);
+    got = load_model_weights(path, cfg_.model, mesh_.expert().size, mesh_.expert().rank, mesh_.shape().tp, mesh_.coord().tp);
   } catch (const Error& e) {
     throw Error(fmt::format("init_from {}: {}", path, e.what()));
   }

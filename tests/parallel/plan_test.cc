@@ -37,7 +37,7 @@ TEST(ParallelPlan, DataAndExpertParallelismPass) {
 }
 
 TEST(ParallelPlan, EachUnimplementedAxisIsOneError) {
-  for (const mesh::Axis a : {mesh::Axis::kTensor, mesh::Axis::kContext, mesh::Axis::kTsp, mesh::Axis::kPipeline}) {
+  for (const mesh::Axis a : {mesh::Axis::kContext, mesh::Axis::kTsp, mesh::Axis::kPipeline}) {
     mesh::Shape s;
     s.set(a, 2);
     const std::string e = error_of(moe(4), s);
@@ -46,6 +46,40 @@ TEST(ParallelPlan, EachUnimplementedAxisIsOneError) {
               std::string::npos)
         << e;
   }
+}
+
+TEST(ParallelPlan, TensorDegreesThatSplitPass) {
+  for (int tp : {2, 4}) {  // 4: more tensor ranks than the 2 kv heads, which are replicated
+    mesh::Shape s;
+    s.tp = tp;
+    EXPECT_EQ(error_of(moe(4), s), "") << tp;
+  }
+}
+
+TEST(ParallelPlan, TensorDegreesThatDoNotSplitAreOneError) {
+  const auto check = [](model::ModelConfig m, int tp, const std::string& why) {
+    mesh::Shape s;
+    s.tp = tp;
+    const std::string e = error_of(m, s);
+    EXPECT_NE(e.find("t.yaml: model 'm' does not split over tensor-parallel degree " + std::to_string(tp)),
+              std::string::npos)
+        << e;
+    EXPECT_NE(e.find(why), std::string::npos) << e;
+  };
+  check(moe(4), 8, "4 attention heads do not divide by 8");
+  model::ModelConfig m = moe(4);
+  m.vocab_size = 65;
+  check(m, 2, "the vocabulary of 65 does not divide by 2");
+  m = moe(4);
+  m.expert_hidden = 18;
+  check(m, 4, "layer 0's expert_hidden width 18 does not divide by 4");
+  m = moe(4);
+  m.heads = 6, m.kv_heads = 3, m.head_dim = 4;
+  check(m, 2, "3 kv heads");
+  m = moe(4);
+  m.attention = model::AttentionKind::kCca;
+  m.heads = 8, m.kv_heads = 2;
+  check(m, 4, "CCA needs the degree to divide its 2 kv heads");
 }
 
 TEST(ParallelPlan, ExpertsMustSplit) {

@@ -118,15 +118,35 @@ TEST(KeelTrainShards, Bf16ReduceScratchIsTheLargestStageOrTheExpertRegion) {
   EXPECT_EQ(scratch("zero=1", 1, true), 0);
 }
 
+TEST(KeelTrainShards, TensorParallelLayoutsAreKeelTrainsOwn) {
+  // dp=4 x tp=2: every rank holds the tp=2 layout (half of every split matrix, the routers and
+  // norms whole) and a quarter of it as its ZeRO-1 shard, Muon matrices never cut.
+  const auto k = keel_train_shards(setup("zaya1-8b", "tp=2,zero=1", 8, Optimizer::kMuon));
+  ASSERT_TRUE(k);
+  ASSERT_EQ(k->rank_optimizer_floats.size(), 4u);
+  mesh::Shape m;
+  m.dp = 4, m.tp = 2;
+  const double local = static_cast<double>(model::param_layout(setup("zaya1-8b", "zero=1", 1, Optimizer::kMuon).model, m).total_floats);
+  const double whole = static_cast<double>(model::param_layout(setup("zaya1-8b", "zero=1", 1, Optimizer::kMuon).model).total_floats);
+  EXPECT_LT(local, 0.52 * whole);  // all but the replicated norms and routers halves
+  EXPECT_NEAR(k->mean_optimizer_floats(), local / 4, 1e-6 * local);
+  EXPECT_LT(k->busiest_optimizer_floats(), 1.1 * local / 4);
+  // The Newton-Schulz work of the whole model is done once (the split matrices on their owners).
+  const auto one = keel_train_shards(setup("zaya1-8b", "zero=0", 1, Optimizer::kMuon));
+  ASSERT_TRUE(one);
+  EXPECT_NEAR(k->muon_flops_total, one->muon_flops_total, 0.01 * one->muon_flops_total);
+}
+
 TEST(KeelTrainShards, LayoutsAndModelsKeelTrainDoesNotRunKeepTheGeneralFormulas) {
-  EXPECT_FALSE(keel_train_shards(setup("zaya1-8b", "tp=2,zero=1", 8, Optimizer::kMuon)));
+  EXPECT_FALSE(keel_train_shards(setup("zaya1-8b", "tsp=2,zero=1", 8, Optimizer::kMuon)));
+  EXPECT_FALSE(keel_train_shards(setup("zaya1-8b", "tp=8,zero=1", 8, Optimizer::kMuon)));  // 8 heads, but 2 kv heads: CCA
   EXPECT_FALSE(keel_train_shards(setup("zaya1-8b", "pp=2,zero=1", 8, Optimizer::kMuon)));
   EXPECT_FALSE(keel_train_shards(setup("zaya1-8b", "zero=2", 8, Optimizer::kMuon)));
   EXPECT_FALSE(keel_train_shards(setup("zaya1-8b", "zero=0", 8, Optimizer::kMuon)));
   EXPECT_TRUE(keel_train_shards(setup("zaya1-8b", "zero=0", 1, Optimizer::kMuon)));  // one GPU shards nothing
   EXPECT_FALSE(keel_train_shards(setup("lasp2-hybrid-1b", "zero=1", 8, Optimizer::kMuon)));  // linear attention
   EXPECT_FALSE(keel_train_shards(setup("olmoe-1b-7b", "zero=1", 8, Optimizer::kMuon)));      // qk_norm
-  EXPECT_EQ(estimate_memory(setup("zaya1-8b", "tp=2,zero=1", 8, Optimizer::kMuon)).keel_train_optimizer_floats, 0);
+  EXPECT_EQ(estimate_memory(setup("zaya1-8b", "tsp=2,zero=1", 8, Optimizer::kMuon)).keel_train_optimizer_floats, 0);
 }
 
 }  // namespace

@@ -250,7 +250,7 @@ TEST(Memory, MuonMatricesHoldNoSecondMoment) {
   EXPECT_NEAR(item(estimate_memory(s), "optimizer"), 8 * params + 4 * adamw_params, 12 * 1e-4 * params);
   // A layout keel train does not run keeps the general formula over the 1/(dp cp) shard: 8 B for
   // the matrices, 12 B for the rest (the embedding).
-  keel::size::Setup t = setup("zaya1-8b", "tp=2,zero=1", 8);
+  keel::size::Setup t = setup("zaya1-8b", "tsp=2,zero=1", 8);
   t.optimizer = Optimizer::kMuon;
   const MemoryEstimate e = estimate_memory(t);
   EXPECT_EQ(e.keel_train_optimizer_floats, 0);

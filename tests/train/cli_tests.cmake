@@ -84,17 +84,42 @@ set_tests_properties(cli_train_ep_clean PROPERTIES FIXTURES_SETUP train_ep_clean
 set_tests_properties(cli_train_ep2_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_ep_clean" FIXTURES_SETUP train_ep)
 set_tests_properties(cli_train_ep2_inspect cli_train_ep2_resume_on_one PROPERTIES FIXTURES_REQUIRED "train_stories;train_ep")
 set_tests_properties(cli_train_ep2_resume_on_one PROPERTIES DEPENDS cli_train_ep2_inspect)
+# Tensor parallel with sequence parallelism on CPU ranks: 2 ranks each holding half of every
+# layer train and save (whole tensors in the checkpoint); one rank resumes the whole model.
+keel_cli_test(NAME train_tp2_stop NP 2 MATCH "on cpu x tensor parallel 2 \\(sequence parallel\\), "
+  ARGS train ${tcfg} ${tdp} --set parallel.tensor=2 --set parallel.sequence=true --set output_dir=train_tp --stop-after 4)
+keel_cli_test(NAME train_tp2_inspect MATCH "saved by 2 ranks in layout dp=1,tp=2"
+  ARGS ckpt inspect train_tp)
+keel_cli_test(NAME train_tp2_resume_on_one MATCH "resumed from train_tp/step_00000004 at step 4"
+  ARGS train ${tcfg} ${tdp} --set output_dir=train_tp --set steps=8 --resume train_tp)
+add_test(NAME cli_train_tp_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_tp WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_train_tp_clean PROPERTIES FIXTURES_SETUP train_tp_clean)
+set_tests_properties(cli_train_tp2_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_tp_clean" FIXTURES_SETUP train_tp)
+set_tests_properties(cli_train_tp2_inspect cli_train_tp2_resume_on_one PROPERTIES FIXTURES_REQUIRED "train_stories;train_tp")
+set_tests_properties(cli_train_tp2_resume_on_one PROPERTIES DEPENDS cli_train_tp2_inspect)
+keel_cli_test(NAME train_tp_does_not_divide_the_ranks NP 2 EXIT 1
+  MATCH "parallel\\.tensor \\(4\\) must divide the number of ranks \\(2\\)"
+  ARGS train ${tcfg} ${tdp} --set parallel.tensor=4)
+keel_cli_test(NAME train_tp_does_not_split_the_model NP 2 EXIT 1
+  MATCH "does not split over tensor-parallel degree 2 \\(parallel\\.tensor\\): the vocabulary of 263 does not divide by 2"
+  ARGS train ${tcfg} ${tdp} --set parallel.tensor=2 --set model.vocab_size=263)
+keel_cli_test(NAME train_sequence_without_tensor EXIT 1
+  MATCH "parallel\\.sequence.*needs parallel\\.tensor above 1"
+  ARGS train ${tcfg} ${tdp} --set parallel.sequence=true)
+keel_cli_test(NAME train_tp_on_gpus_is_refused NP 2 EXIT 1
+  MATCH "parallel\\.tensor 2: tensor parallelism runs on CPU ranks so far"
+  ARGS train ${tcfg} ${tdp} --set device=cuda --set parallel.tensor=2)
 keel_cli_test(NAME train_ep_on_gpus_needs_the_overlapped_step NP 2 EXIT 1
   MATCH "parallel\\.expert \\(2\\) on GPUs needs the overlapped ZeRO-1 step: set parallel\\.zero1\\.overlap: true"
   ARGS train ${tcfg} ${tdp} --set device=cuda --set parallel.expert=2 --set parallel.zero1.overlap=false)
 keel_cli_test(NAME train_dp_degree_mismatch NP 2 EXIT 1
-  MATCH "parallel\\.data \\(3\\) must equal the number of ranks \\(2\\)"
+  MATCH "parallel\\.data \\(3\\) x parallel\\.tensor \\(1\\) must equal the number of ranks \\(2\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.data=3)
 keel_cli_test(NAME train_dp_batch_does_not_split NP 2 EXIT 1 MATCH "batch\\.grad_accum \\(3\\) must be a multiple of the data-parallel degree \\(2\\)"
   ARGS train ${tcfg} ${tdp} --set batch.grad_accum=3)
 set_tests_properties(cli_train_dp_batch_does_not_split PROPERTIES FIXTURES_REQUIRED train_stories)
 keel_cli_test(NAME train_expert_parallel_does_not_divide NP 2 EXIT 1
-  MATCH "parallel\\.expert \\(3\\) must divide the number of ranks \\(2\\) and of experts \\(4\\)"
+  MATCH "parallel\\.expert \\(3\\) must divide the data-parallel ranks \\(2\\) and the experts \\(4\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.expert=3)
 # A rank that hangs (fault injection: rank 1 sleeps at the start of step 3) leaves rank 0 inside
 # a collective: both exit within --timeout with one line naming the step, never a hang, and the

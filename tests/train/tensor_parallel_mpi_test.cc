@@ -1,0 +1,268 @@
+// keel train with tensor parallelism (Megatron, with and without sequence parallelism) on CPU
+// ranks under MPI (run at 2, 3 and 4 ranks; tensor degrees 2 and 4 where they divide the world):
+// a run at tensor degree T (alone, with data parallelism + ZeRO-1, with expert parallelism)
+// matches the 1-rank run of the same global batch within fp32-reduction tolerance, step by step
+// for 20 steps, on the tests' tiny MoE (gqa, linear top-2 router; kv heads replicated when T
+// exceeds them) and on a ZAYA1-shaped tiny model (CCA, the MLP router with the skip class,
+// residual scaling, tied embeddings), with AdamW and with Muon; after one step every parameter's
+// gradient block equals the same elements of the 1-rank gradient; every rank holds its blocks
+// (model::block_pieces) and the 1-rank run's values there; checkpoints move between tensor
+// degrees both ways.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "../mpi_test_util.h"
+#include "common/error.h"
+#include "model/param_layout.h"
+#include "train/trainer.h"
+#include "train_mpi_test_util.h"
+#include "train_test_util.h"
+
+namespace keel::train {
+namespace {
+
+namespace fs = std::filesystem;
+using keel::test::world_rank;
+using keel::test::world_size;
+
+fs::path shared_dir(const std::string& name) { return keel::test::shared_temp_dir("tp_mpi", name); }
+
+// The world as dp x tp (tensor groups of consecutive ranks), expert parallelism over the data ranks.
+parallel::Mesh tp_mesh(int tp, int ep = 1) {
+  mesh::Shape s;
+  s.tp = tp;
+  s.dp = world_size() / tp;
+  s.ep = ep;
+  s.zero = s.dp > 1 ? 1 : 0;
+  return parallel::Mesh(s, MPI_COMM_WORLD);
+}
+
+// A ZAYA1-shaped tiny model: CCA (4 query heads of 4, 2 kv heads), the MLP router with the skip
+// class, residual scaling, tied embeddings.
+const std::vector<std::string> kZaya = {"model.attention=cca",       "model.cca_q_dim=16",
+                                        "model.cca_k_dim=8",         "model.cca_v_dim=8",
+                                        "model.cca_conv_width=2",    "model.cca_group_conv_width=2",
+                                        "model.residual_scaling=true", "model.tied_embeddings=true",
+                                        "model.router_hidden=8",     "model.router_mlp_layers=3",
+                                        "model.top_k=1",             "model.router_skip_expert=true"};
+
+TrainConfig config(const fs::path& dir, const fs::path& out, int tp, bool sequence,
+                   const std::vector<std::string>& extra = {}, const std::string& optimizer_extra = "") {
+  if (world_rank() == 0 && !fs::exists(dir / "d.idx")) fixtures::make_dataset(dir, "d");
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::vector<std::string> sets = {"steps=20", "checkpoint.final=false", "parallel.tensor=" + std::to_string(tp)};
+  if (sequence) sets.push_back("parallel.sequence=true");
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return parse_train_config(fixtures::train_config_text((dir / "d").string(), out, optimizer_extra), "tp.yaml", sets);
+}
+
+// For every element of every parameter block this rank holds: f(local value, the same element of
+// the whole model's `whole` buffer) — the blocks mapped through model::block_pieces.
+template <typename F>
+void for_each_element(const optim::ParamLayout& local, const std::vector<float>& values, const parallel::Mesh& mesh,
+                      const optim::ParamLayout& whole_layout, const std::vector<float>& whole, F&& f) {
+  std::map<std::string, const optim::ParamInfo*> by_name;
+  for (const auto& p : whole_layout.params) by_name[p.name] = &p;
+  for (const auto& p : local.params) {
+    const optim::ParamInfo& w = *by_name.at(p.name);
+    const std::size_t nd = p.shape.size();
+    for (const model::BlockPiece& piece : model::block_pieces(p, mesh.shape(), mesh.coord())) {
+      std::vector<std::int64_t> idx(nd, 0);  // index inside the piece
+      const std::int64_t count = [&] {
+        std::int64_t c = 1;
+        for (auto e : piece.extent) c *= e;
+        return c;
+      }();
+      for (std::int64_t k = 0; k < count; ++k) {
+        std::int64_t rem = k, local_flat = 0, global_flat = 0, lstride = 1, gstride = 1;
+        for (std::size_t d = nd; d-- > 0;) {
+          idx[d] = rem % piece.extent[d];
+          rem /= piece.extent[d];
+        }
+        for (std::size_t d = nd; d-- > 0;) {
+          const std::int64_t li = d == 0 ? piece.local_row + idx[0] : idx[d];
+          local_flat += li * lstride;
+          global_flat += (piece.offset[d] + idx[d]) * gstride;
+          lstride *= p.shape[d];
+          gstride *= p.global_shape[d];
+        }
+        f(p.name, values[static_cast<std::size_t>(p.offset + local_flat)],
+          whole[static_cast<std::size_t>(w.offset + global_flat)]);
+      }
+    }
+  }
+}
+
+// The largest difference relative to the largest value over this rank's blocks.
+double max_rel_diff(const optim::ParamLayout& local, const std::vector<float>& values, const parallel::Mesh& mesh,
+                    const optim::ParamLayout& whole_layout, const std::vector<float>& whole) {
+  double num = 0, den = 0;
+  for_each_element(local, values, mesh, whole_layout, whole, [&](const std::string&, float a, float b) {
+    num = std::max(num, std::fabs(double(a) - b));
+    den = std::max(den, std::fabs(double(b)));
+  });
+  return den > 0 ? num / den : num;
+}
+
+struct Case {
+  int tp = 2;
+  bool sequence = false;
+  int ep = 1;
+  std::vector<std::string> sets;
+  std::string optimizer;
+  std::string tag;
+};
+
+void expect_matches_single_rank(const Case& c) {
+  if (world_size() % c.tp != 0) GTEST_SKIP() << "tensor degree " << c.tp << " does not divide " << world_size();
+  if ((world_size() / c.tp) % c.ep != 0) GTEST_SKIP() << "ep " << c.ep << " does not divide the data ranks";
+  const fs::path dir = shared_dir(c.tag);
+  std::vector<std::string> sets = c.sets;
+  const int dp = world_size() / c.tp;
+  if (c.ep > 1) sets.push_back("parallel.expert=" + std::to_string(c.ep));
+  // With data parallelism, micro-batches of one sequence: the data ranks take interleaved
+  // sequences, and the linear router's aux loss (per micro-batch) would otherwise differ.
+  if (dp > 1) sets.insert(sets.end(), {"batch.micro_batch=1", "batch.grad_accum=" + std::to_string(4 * dp)});
+  TrainConfig cfg = config(dir, dir / "tp", c.tp, c.sequence, sets, c.optimizer);
+  const parallel::Mesh mesh = tp_mesh(c.tp, c.ep);
+  Trainer t(cfg, mesh, true);
+  // This rank holds 1/T of every split parameter.
+  for (const auto& p : t.backend().layout().params)
+    if (p.placement.splits(mesh::Axis::kTensor)) {
+      std::int64_t whole = 1, local = 1;
+      for (std::size_t d = 0; d < p.shape.size(); ++d) whole *= p.global_shape[d], local *= p.shape[d];
+      const int ep_split = p.placement.splits(mesh::Axis::kExpert) ? c.ep : 1;
+      ASSERT_EQ(local * c.tp * ep_split, whole) << p.name;
+    }
+  TrainConfig one = cfg;
+  one.parallel_tensor = 1;
+  one.parallel_expert = 1;
+  one.model_options.sequence_parallel = false;
+  one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
+  Trainer single(one, parallel::Mesh(), true);
+
+  // One step: every parameter's gradient block (the partial gradients summed over the group).
+  const auto g1 = t.run(1);
+  const auto w1 = single.run(1);
+  ASSERT_EQ(g1.size(), 1u);
+  EXPECT_NEAR(g1[0].loss, w1[0].loss, 1e-5 * std::fabs(w1[0].loss)) << c.tag;
+  if (dp == 1) {  // ZeRO-1 reduce-scatters the gradients in place: compared where they are whole
+    std::map<std::string, std::pair<double, double>> worst;  // per parameter: max |diff|, max |want|
+    for_each_element(t.backend().layout(), t.backend().gradients(), mesh, single.backend().layout(),
+                     single.backend().gradients(), [&](const std::string& name, float a, float b) {
+                       auto& w = worst[name];
+                       w.first = std::max(w.first, std::fabs(double(a) - b));
+                       w.second = std::max(w.second, std::fabs(double(b)));
+                     });
+    for (const auto& [name, w] : worst) EXPECT_LE(w.first, 1e-5 * w.second + 1e-9) << c.tag << " gradient of " << name;
+  }
+  const auto got = t.run();
+  const auto want = single.run();
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i].loss, want[i].loss, 1e-5 * std::fabs(want[i].loss)) << c.tag << " step " << i + 2;
+    EXPECT_NEAR(got[i].grad_norm, want[i].grad_norm, 1e-4 * want[i].grad_norm) << c.tag << " step " << i + 2;
+  }
+  EXPECT_LT(max_rel_diff(t.backend().layout(), t.backend().state().params, mesh, single.backend().layout(),
+                         single.backend().state().params),
+            5e-5)
+      << c.tag;
+  EXPECT_EQ(t.backend().param_count(), single.backend().param_count()) << "the whole model's count on every rank";
+}
+
+const std::string& kMuon = fixtures::kMuonOptimizer;
+
+TEST(TensorParallel, Tp2MatchesOneRank) { expect_matches_single_rank({2, false, 1, {}, "", "tp2"}); }
+TEST(TensorParallel, Tp2SequenceParallelMatchesOneRank) { expect_matches_single_rank({2, true, 1, {}, "", "tp2sp"}); }
+TEST(TensorParallel, Tp2WithMuonMatchesOneRank) { expect_matches_single_rank({2, true, 1, {}, kMuon, "tp2muon"}); }
+TEST(TensorParallel, Tp4ReplicatesKvHeadsAndMatchesOneRank) {
+  expect_matches_single_rank({4, true, 1, {}, kMuon, "tp4"});
+}
+TEST(TensorParallel, Tp4WithoutSequenceParallelMatchesOneRank) {
+  expect_matches_single_rank({4, false, 1, {}, "", "tp4nosp"});
+}
+TEST(TensorParallel, Tp2ZayaMatchesOneRank) { expect_matches_single_rank({2, true, 1, kZaya, "", "zaya_tp2"}); }
+TEST(TensorParallel, Tp2ZayaWithMuonMatchesOneRank) {
+  expect_matches_single_rank({2, false, 1, kZaya, kMuon, "zaya_tp2muon"});
+}
+TEST(TensorParallel, Tp2TimesDp2MatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, true, 1, {}, kMuon, "tp2dp2"});
+}
+TEST(TensorParallel, Tp2TimesDp2ZayaMatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, true, 1, kZaya, "", "zaya_tp2dp2"});
+}
+TEST(TensorParallel, Tp2WithExpertParallelMatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, true, 2, {}, kMuon, "tp2ep2"});
+}
+
+// A model the degree does not split: one clear error, on every rank, before any work.
+TEST(TensorParallel, BadDegreesAreOneClearError) {
+  if (world_size() % 2 != 0) GTEST_SKIP();
+  const fs::path dir = shared_dir("bad");
+  for (const auto& [sets, word] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"model.heads=3", "model.kv_heads=3", "model.hidden=12"}, "heads"},
+           {{"model.vocab_size=25"}, "vocabulary"},
+           {{"model.expert_hidden=15"}, "expert_hidden"}}) {
+    TrainConfig cfg = config(dir, dir / "bad", 2, false, sets);
+    try {
+      Trainer t(cfg, tp_mesh(2), true);
+      ADD_FAILURE() << "accepted " << word;
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("tensor-parallel degree 2"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Trains to step 3 and saves at tensor degree `save_tp` (0: one rank alone), resumes at
+// `resume_tp` (0: one rank) and finishes: steps 4..6 match the uninterrupted run.
+void expect_resume(int save_tp, int resume_tp, const std::string& tag) {
+  if ((save_tp > 0 && world_size() % save_tp) || (resume_tp > 0 && world_size() % resume_tp)) GTEST_SKIP();
+  const fs::path dir = shared_dir(tag);
+  const auto mesh_of = [&](int tp) { return tp > 0 ? tp_mesh(tp) : parallel::Mesh(); };
+  const auto out = [&](const std::string& name, int tp) {
+    return tp > 0 ? dir / name : dir / (name + std::to_string(world_rank()));
+  };
+  const auto cfg_of = [&](const std::string& name, int tp, const std::vector<std::string>& sets) {
+    std::vector<std::string> s = sets;
+    s.push_back("steps=6");
+    s.insert(s.end(), {"batch.micro_batch=1", "batch.grad_accum=" + std::to_string(4 * world_size())});
+    return config(dir, out(name, tp), std::max(tp, 1), tp > 1, s, kMuon);
+  };
+  Trainer full(cfg_of("full", resume_tp, {}), mesh_of(resume_tp), true);
+  const auto expect = full.run();
+  TrainConfig first_cfg = cfg_of("first", save_tp, {"checkpoint.interval=3"});
+  {
+    Trainer first(first_cfg, mesh_of(save_tp), true);
+    first.run(3);
+    first.finish_checkpoint();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  Trainer second(cfg_of("second", resume_tp, {}), mesh_of(resume_tp), true);
+  second.resume(first_cfg.checkpoint_dir);
+  ASSERT_EQ(second.step(), 3);
+  const auto got = second.run();
+  ASSERT_EQ(got.size(), 3u);
+  for (std::size_t i = 0; i < got.size(); ++i)
+    EXPECT_NEAR(got[i].loss, expect[i + 3].loss, 1e-5 * std::fabs(expect[i + 3].loss)) << tag << " step " << i + 4;
+}
+
+TEST(TensorParallel, CheckpointAtTp2ResumesOnOneRank) { expect_resume(2, 0, "resume_tp2_1"); }
+TEST(TensorParallel, CheckpointOfOneRankResumesAtTp2) { expect_resume(0, 2, "resume_1_tp2"); }
+TEST(TensorParallel, CheckpointAtTp2ResumesAtTp4) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_resume(2, 4, "resume_tp2_tp4");
+}
+
+}  // namespace
+}  // namespace keel::train
