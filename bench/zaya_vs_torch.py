@@ -30,7 +30,7 @@ head and tap) over the sequence left-padded by 2, the pre-conv mixing terms
 rotate-half partial RoPE, values = [x_t W_v1 | x_{t-1} W_v2], causal GQA
 scaled_dot_product_attention, o_proj; the MLP router in fp32 where keel keeps fp32 (EDA
 state, norm, softmax), top-1 by argmax(p + bias), gate = the unbiased p, skip class
-returning gate * x; SwiGLU experts run by a loop over experts as Hugging Face MoE models do;
+returning 0 (Hugging Face's modeling_zaya.py masks its probability to 0); SwiGLU experts run by a loop over experts as Hugging Face MoE models do;
 fp32 residual streams; tied LM head with the full logits. bf16 autocast over fp32 parameters,
 torch.optim.AdamW(fused=True). Run eager and under torch.compile(model): the expert loop, whose
 shapes change every step, is excluded by torch.compiler.disable (no recompiles), so Dynamo runs
@@ -343,7 +343,7 @@ def build_torch_model(d, dev, act_dtype):
 
     @torch.compiler.disable
     def experts_and_skip(x, idx, gate, w_gate, w_up, w_down):
-        """y[n] = gate * Expert_idx(x[n]); skip class: gate * x[n]. A loop over experts (HF MoE)."""
+        """y[n] = gate * Expert_idx(x[n]); skip class: 0. A loop over experts (HF MoE)."""
         counts = torch.bincount(idx, minlength=classes)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         order = torch.argsort(idx)
@@ -358,7 +358,7 @@ def build_torch_model(d, dev, act_dtype):
             xe = x[rows]
             ye = F.linear(F.silu(F.linear(xe, w_gate[e])) * F.linear(xe, w_up[e]), w_down[e])
             out.index_add_(0, rows, ye.float() * gate[rows, None])
-        return out + x.float() * (gate * (idx == E).float())[:, None], counts
+        return out, counts
 
     class Layer(nn.Module):
         def __init__(self, l):
@@ -638,7 +638,7 @@ def parity(keel, out, d, steps=8, muon=False):
     pattern = rng.integers(0, V, size=T, dtype=np.uint64)
     lr = 3e-3  # large enough that every parameter moves measurably in one step
     # A fast controller, so that the skip class (selection bias -1 at init) is chosen within a
-    # few steps and its path (gate * x) is checked too.
+    # few steps and its path (output 0) is checked too.
     rate = 0.25
     res = run_keel(keel, out, d, steps, 0, "cpu", rows=np.tile(pattern, (64, 1)), checkpoint_every=1, lr=lr,
                    bias_rate=rate, muon=muon)

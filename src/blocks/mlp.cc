@@ -23,7 +23,6 @@ MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool r
   s.zaya.hidden = cfg.hidden;
   s.zaya.router_hidden = cfg.router_hidden;
   s.zaya.expert_hidden = s.expert_hidden;
-  s.zaya.skip_output = tp.rank == 0;
   s.zaya.experts = cfg.experts;
   s.zaya.skip = cfg.router_skip_expert;
   s.zaya.eps = static_cast<float>(cfg.norm_eps);

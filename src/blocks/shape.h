@@ -36,9 +36,6 @@ struct ZayaShape {
   std::int64_t tokens = 0, hidden = 0, router_hidden = 0, expert_hidden = 0;
   int experts = 0;  // E (without the skip class)
   bool skip = false;
-  // Whether this rank adds the skip class's output (gate * x): under tensor parallelism the
-  // experts' outputs are partial sums over the group and the skip term is added by rank 0 only.
-  bool skip_output = true;
   float eps = 1e-5f;  // the router's RMSNorm
   int classes() const { return experts + (skip ? 1 : 0); }
 };

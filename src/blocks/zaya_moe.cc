@@ -24,13 +24,6 @@ void scatter(const Tensor& src, const std::vector<std::int32_t>& rows, const Ten
   for (std::size_t i = 0; i < rows.size(); ++i) std::memcpy(dst.row(rows[i]), src.row(std::int64_t(i)), bytes);
 }
 
-// Zeroes the rows of the skip class.
-void zero_skip_rows(const std::int32_t* idx, int skip_class, const Tensor& t) {
-  const std::int64_t n = t.dim(0);
-  for (std::int64_t i = 0; i < n; ++i)
-    if (idx[i] == skip_class) std::memset(t.row(i), 0, sizeof(float) * static_cast<std::size_t>(t.dim(1)));
-}
-
 }  // namespace
 
 void moe_forward(const Shape& s, const MoeParams& p, const Tensor& x, const Tensor& prev_state, const Tensor& bias,
@@ -41,10 +34,9 @@ void moe_forward(const Shape& s, const MoeParams& p, const Tensor& x, const Tens
   a.kept_idx.clear();
   for (std::int64_t i = 0; i < n; ++i)
     if (a.router.idx[i] < s.experts) a.kept.push_back(static_cast<std::int32_t>(i)), a.kept_idx.push_back(a.router.idx[i]);
-  // Skip rows get gate * x here; routed rows get their expert output from the scatter below;
+  // Skip rows get 0 here (the skip class runs no expert); routed rows get their expert output from the scatter below;
   // together they cover every row (every token is either skipped or routed).
   ops::zaya_router::skip_forward(x, a.router.idx.data(), a.router.gates, s.skip ? s.experts : -1, y);
-  if (s.skip && !s.skip_output) zero_skip_rows(a.router.idx.data(), s.experts, y);
   const std::int64_t nk = static_cast<std::int64_t>(a.kept.size());
   const bool collective = p.runner && p.runner->collective();
   if (nk == 0 && !collective) return;  // expert parallel: the exchange is collective, 0 rows included
@@ -65,10 +57,6 @@ void moe_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const 
   // The skip path writes the skip rows of dx and dgates; the scatters below write the routed
   // rows; together they cover every row.
   ops::zaya_router::skip_backward(x, a.router.idx.data(), a.router.gates, s.skip ? s.experts : -1, dy, dx, sc.dgates);
-  if (s.skip && !s.skip_output) {  // this rank added no skip term: none of its gradient either
-    zero_skip_rows(a.router.idx.data(), s.experts, dx);
-    zero_skip_rows(a.router.idx.data(), s.experts, sc.dgates);
-  }
   const std::int64_t nk = static_cast<std::int64_t>(a.kept.size());
   if (nk > 0 || (p.runner && p.runner->collective())) {
     const Tensor xk = head(sc.xk, nk), gk = head(sc.gk, nk), dyk = head(sc.dyk, nk), dxk = head(sc.dxk, nk),

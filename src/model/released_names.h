@@ -29,8 +29,8 @@
 // when present). With tied embeddings a released `lm_head.weight` is accepted and dropped on
 // import (the tie makes it the embedding) and never written on export.
 //
-// What the mapping cannot fix: the zaya1 branch's router masks the skip class's output to 0,
-// where keel (like the alternating-layer code and Primus) returns g * x for skip-routed tokens;
+// The forward the weights meet: keel zeroes the skip class's output as the zaya1 branch (and
+// transformers, Zyphra's vLLM) do; the alternating-layer code and Primus return g * x there.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,7 @@
 #include "ops/zaya_router.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstring>
 
@@ -133,11 +135,8 @@ void skip_forward(const Tensor& x, const std::int32_t* idx, const Tensor& gates,
   const std::int64_t n = x.dim(0), h = x.dim(1);
   require_shape(gates, {n, 1}, "zaya_router skip gates");
   require_shape(y, {n, h}, "zaya_router skip y");
-  for (std::int64_t i = 0; i < n; ++i) {
-    if (idx[i] != skip_class) continue;  // not a skip row: left untouched
-    const float gi = gates[i];
-    for (std::int64_t j = 0; j < h; ++j) y.row(i)[j] = gi * x.row(i)[j];
-  }
+  for (std::int64_t i = 0; i < n; ++i)
+    if (idx[i] == skip_class) std::fill(y.row(i), y.row(i) + h, 0.f);  // other rows: left untouched
 }
 
 void skip_backward(const Tensor& x, const std::int32_t* idx, const Tensor& gates, int skip_class, const Tensor& dy,
@@ -150,15 +149,8 @@ void skip_backward(const Tensor& x, const std::int32_t* idx, const Tensor& gates
   if (!dx.empty()) require_shape(dx, {n, h}, "zaya_router skip dx");
   for (std::int64_t i = 0; i < n; ++i) {
     if (idx[i] != skip_class) continue;  // not a skip row: left untouched
-    if (!dgates.empty()) {
-      double acc = 0;
-      for (std::int64_t j = 0; j < h; ++j) acc += double(dy.row(i)[j]) * x.row(i)[j];
-      dgates[i] = static_cast<float>(acc);
-    }
-    if (!dx.empty()) {
-      const float gi = gates[i];
-      for (std::int64_t j = 0; j < h; ++j) dx.row(i)[j] = gi * dy.row(i)[j];
-    }
+    if (!dgates.empty()) dgates[i] = 0.f;
+    if (!dx.empty()) std::fill(dx.row(i), dx.row(i) + h, 0.f);
   }
 }
 

@@ -11,7 +11,7 @@
 //   p     = softmax(z) (fp32);  e* = argmax_e (p_e + beta_e) (ties: lower index);  g = p_{e*}
 // `state` (= a, post-EDA and pre-norm) is passed to the next MoE stage as its a_prev; its
 // gradient flows back through the chain. E counts the skip class when enabled (E = 17 in
-// ZAYA1: 16 experts + class 16 = skip, whose output is g * x: see skip_forward).
+// ZAYA1: 16 experts + class 16 = skip, whose MoE output is 0: see skip_forward).
 // The selection and its bias have no gradient; the gate carries the router's gradient.
 // Softmax, selection and counts are delegated to ops::router (top_k = 1, no renormalization).
 //
@@ -69,13 +69,17 @@ void backward(const Tensor& x, const Tensor& prev_state, const Params& p, const 
               const Tensor& dstate_next, const Tensor& dx, const Tensor& dprev_state, const Params& grads,
               const Tensor& scratch);
 
-// The MoD skip path. Both functions write only the skip tokens' rows (idx[n] == skip_class)
-// and leave every other row untouched (the caller's expert scatter writes those), as the CUDA
-// twins in ops/cuda/zaya_router.h do.
-// skip_forward: y[n] = g[n] * x[n] on skip rows (written). x, y [N, H]; gates [N, 1].
+// The MoD skip path: a token routed to the skip class runs no expert and its MoE output is 0,
+// so only the residual path carries it (as the maintained implementations of the released
+// model do: Hugging Face transformers' modeling_zaya.py and Zyphra's vLLM mask the skip
+// token's probability to 0; docs/zaya1_ops.md). Both functions write only the skip tokens'
+// rows (idx[n] == skip_class) and leave every other row untouched (the caller's expert scatter
+// writes those), as the CUDA twins in ops/cuda/zaya_router.h do.
+// skip_forward: y[n] = 0 on skip rows (written). x, y [N, H]; gates [N, 1].
 void skip_forward(const Tensor& x, const std::int32_t* idx, const Tensor& gates, int skip_class, const Tensor& y);
-// skip_backward: dgates[n] = dy[n] . x[n] and dx[n] = g[n] dy[n] on skip rows (written: they
-// are activation gradients); other rows untouched. Either output may be empty.
+// skip_backward: dgates[n] = 0 and dx[n] = 0 on skip rows (written: they are activation
+// gradients; the skip output does not depend on the gate or on x); other rows untouched.
+// Either output may be empty.
 void skip_backward(const Tensor& x, const std::int32_t* idx, const Tensor& gates, int skip_class, const Tensor& dy,
                    const Tensor& dx, const Tensor& dgates);
 

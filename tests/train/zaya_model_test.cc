@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <numeric>
 #include <cstring>
 #include <random>
 #include <set>
@@ -218,13 +219,17 @@ TEST(TrainZaya, RecomputeFullGivesIdenticalGradients) {
     o.init_std = 0.2;
     MoeTransformer m(cfg, o, parallel::Mesh());
     perturb_vectors(m, 3);
-    for (int i = 0; i < 2; ++i) m.router_bias(i).back() = 0.1f;
+    for (int i = 0; i < 2; ++i) m.router_bias(i).back() = 0.02f;  // some tokens skip, some run an expert
     m.zero_grads();
     *loss = static_cast<float>(m.forward(b.tokens.data(), b.targets.data()).total);
     m.backward();
     m.forward(b.tokens.data(), b.targets.data());  // a second micro-batch accumulates
     m.backward(0.5f);
-    EXPECT_GT(m.load(1).back(), 0);  // some tokens skipped
+    for (int i = 0; i < 2; ++i) {
+      const auto& l = m.load(i);
+      EXPECT_GT(l.back(), 0) << "MoE layer " << i << ": some tokens skipped";
+      EXPECT_GT(std::accumulate(l.begin(), l.end() - 1, std::int64_t{0}), 0) << "MoE layer " << i << ": some routed";
+    }
     return std::vector<float>(m.grads(), m.grads() + m.param_floats());
   };
   float l0 = 0, l1 = 0;
@@ -249,13 +254,17 @@ TEST(TrainZaya, MicroBatchGradientsSum) {
   auto grads_of = [&](const std::vector<const Batch*>& batches) {
     MoeTransformer m(cfg, o, parallel::Mesh());
     perturb_vectors(m, 3);
-    for (int i = 0; i < 2; ++i) m.router_bias(i).back() = 0.1f;
+    for (int i = 0; i < 2; ++i) m.router_bias(i).back() = 0.02f;  // some tokens skip, some run an expert
     m.zero_grads();
     for (const auto* batch : batches) {
       m.forward(batch->tokens.data(), batch->targets.data());
       m.backward();
     }
-    EXPECT_GT(m.load(1).back(), 0);  // some tokens skipped
+    for (int i = 0; i < 2; ++i) {
+      const auto& l = m.load(i);
+      EXPECT_GT(l.back(), 0) << "MoE layer " << i << ": some tokens skipped";
+      EXPECT_GT(std::accumulate(l.begin(), l.end() - 1, std::int64_t{0}), 0) << "MoE layer " << i << ": some routed";
+    }
     return std::vector<float>(m.grads(), m.grads() + m.param_floats());
   };
   const auto ga = grads_of({&a}), gb = grads_of({&b}), gab = grads_of({&a, &b});

@@ -82,13 +82,12 @@ __global__ void unpack_rows_kernel(const float* __restrict__ src, const std::int
 }
 
 __global__ void unpack_moe_dx_kernel(const bf16* __restrict__ dxk, const std::int32_t* __restrict__ pos,
-                                     const float* __restrict__ gates, const float* __restrict__ dy,
                                      std::int64_t n_rows, std::int64_t width, float* __restrict__ dx) {
   const std::int64_t total = n_rows * width, stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
     const std::int64_t r = i / width, c = i - r * width;
     const std::int32_t p = pos[r];
-    dx[i] = p >= 0 ? __bfloat162float(dxk[static_cast<std::int64_t>(p) * width + c]) : gates[r] * dy[i];
+    dx[i] = p >= 0 ? __bfloat162float(dxk[static_cast<std::int64_t>(p) * width + c]) : 0.f;
   }
 }
 
@@ -127,10 +126,10 @@ void unpack_rows(const float* src, const std::int32_t* pos, std::int64_t n_rows,
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
-void unpack_moe_dx(const bf16* dxk, const std::int32_t* pos, const float* gates, const float* dy,
-                   std::int64_t n_rows, std::int64_t width, float* dx, cudaStream_t stream) {
+void unpack_moe_dx(const bf16* dxk, const std::int32_t* pos, std::int64_t n_rows, std::int64_t width, float* dx,
+                   cudaStream_t stream) {
   if (n_rows <= 0 || width <= 0) return;
-  unpack_moe_dx_kernel<<<capped_grid(n_rows * width), kThreads, 0, stream>>>(dxk, pos, gates, dy, n_rows, width, dx);
+  unpack_moe_dx_kernel<<<capped_grid(n_rows * width), kThreads, 0, stream>>>(dxk, pos, n_rows, width, dx);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 

@@ -31,10 +31,10 @@ void gather_rows(const float* src, const std::int32_t* rows, std::int64_t count,
 void unpack_rows(const float* src, const std::int32_t* pos, std::int64_t n_rows, std::int64_t width, float* dst,
                  cudaStream_t stream);
 
-// The gradient of the MoE stage's input through the experts and the skip path, fp32:
-// dx[n, :] = pos[n] >= 0 ? dxk[pos[n], :] (the experts' packed bf16 dx) : gates[n] * dy[n, :]
-// (a skipped token's output is gate * x). dx overwritten on every row.
-void unpack_moe_dx(const bf16* dxk, const std::int32_t* pos, const float* gates, const float* dy,
-                   std::int64_t n_rows, std::int64_t width, float* dx, cudaStream_t stream);
+// The gradient of the MoE stage's input through the experts, fp32: dx[n, :] = pos[n] >= 0 ?
+// dxk[pos[n], :] (the experts' packed bf16 dx) : 0 (a skipped token's MoE output is 0). dx
+// overwritten on every row.
+void unpack_moe_dx(const bf16* dxk, const std::int32_t* pos, std::int64_t n_rows, std::int64_t width, float* dx,
+                   cudaStream_t stream);
 
 }  // namespace keel::blocks::cuda

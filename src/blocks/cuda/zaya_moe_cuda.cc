@@ -23,8 +23,8 @@ void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf
     if (experts) experts->forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
     else k::moe::forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
   }
-  // Expert rows from the packed output, 0 on skipped rows; then the skip path writes gate * x
-  // there (it writes only the skip rows, so it must come after the unpack).
+  // Expert rows from the packed output, 0 on skipped rows (the skip class's MoE output); the
+  // skip path writes those rows again (0), after the unpack.
   unpack_rows(sc.yk, a.pos, N, D, y, stream);
   if (s.skip) k::zaya_router::skip_forward(x, a.router.idx, a.router.gates, s.experts, y, N, D, stream);
 }
@@ -45,10 +45,9 @@ void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const G
   } else {
     k::moe::zero_expert_grads(g.experts, s.experts, D, s.expert_hidden, stream);  // no routed rows: all zeros
   }
-  // dx: the experts' dx on routed rows, gate * dy on skipped rows (fp32). dL/d gate: the
-  // experts' on routed rows, dy . x on skipped rows (skip_backward writes those rows after the
-  // unpack, which put 0 there).
-  unpack_moe_dx(sc.dxk, a.pos, a.router.gates, dy, N, D, dx, stream);
+  // dx: the experts' dx on routed rows, 0 on skipped rows (fp32). dL/d gate: the experts' on
+  // routed rows, 0 on skipped rows (skip_backward writes those rows after the unpack).
+  unpack_moe_dx(sc.dxk, a.pos, N, D, dx, stream);
   unpack_rows(sc.dgk, a.pos, N, 1, sc.dgates, stream);
   if (s.skip)
     k::zaya_router::skip_backward(x, a.router.idx, a.router.gates, s.experts, dy, nullptr, sc.dgates, N, D, stream);

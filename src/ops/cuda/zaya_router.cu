@@ -97,14 +97,13 @@ __global__ void eda_backward_kernel(const float* __restrict__ da, const float* _
   if (dgamma && prev) add_partial(dgamma + j, sg, one);
 }
 
-// One warp per token.
+// One warp per token: the skip rows' output (0) and gradients (0).
 __global__ void skip_forward_kernel(const bf16* __restrict__ x, const std::int32_t* __restrict__ idx,
                                     const float* __restrict__ gates, int skip_class, float* __restrict__ y,
                                     std::int64_t tokens, std::int64_t hidden) {
   const std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (n >= tokens || idx[n] != skip_class) return;
-  const float g = gates[n];
-  for (std::int64_t j = threadIdx.x % 32; j < hidden; j += 32) y[n * hidden + j] = g * __bfloat162float(x[n * hidden + j]);
+  for (std::int64_t j = threadIdx.x % 32; j < hidden; j += 32) y[n * hidden + j] = 0.f;
 }
 
 __global__ void skip_backward_kernel(const bf16* __restrict__ x, const std::int32_t* __restrict__ idx,
@@ -114,16 +113,9 @@ __global__ void skip_backward_kernel(const bf16* __restrict__ x, const std::int3
   const std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (n >= tokens || idx[n] != skip_class) return;
   const int lane = threadIdx.x % 32;
-  const float g = gates[n];
-  float dot = 0.f;
-  for (std::int64_t j = lane; j < hidden; j += 32) {
-    const std::int64_t e = n * hidden + j;
-    const float d = dy[e];
-    dot += d * __bfloat162float(x[e]);
-    if (dx) dx[e] = __float2bfloat16(g * d);
-  }
-  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-  if (dgates && lane == 0) dgates[n] = dot;
+  if (dx)
+    for (std::int64_t j = lane; j < hidden; j += 32) dx[n * hidden + j] = __float2bfloat16(0.f);
+  if (dgates && lane == 0) dgates[n] = 0.f;
 }
 
 void check_dims(const Dims& d) {

@@ -20,9 +20,9 @@
 // Bias gradients (b_down, b1, b2) and dgamma are column sums with per-chunk atomicAdds: equal
 // to the CPU op to fp32 rounding, not bit for bit. No host sync anywhere.
 //
-// The MoD skip class (class E - 1 in ZAYA1): skip_forward / skip_backward write the skip
-// tokens' rows (y = g x; dx = g dy, dgates = dy . x) and leave every other row untouched, as
-// the CPU ops do. The trainer calls them after the expert unpack, which writes every row (0 on
+// The MoD skip class (class E - 1 in ZAYA1): its MoE output is 0 (ops/zaya_router.h).
+// skip_forward / skip_backward write the skip tokens' rows (y = 0; dx = 0, dgates = 0) and
+// leave every other row untouched, as the CPU ops do. The trainer calls them after the expert unpack, which writes every row (0 on
 // the skip rows), so they land directly in the MoE stage's fp32 output y and in the expert
 // path's dx / dgates with no extra buffer or pass.
 #pragma once
@@ -94,13 +94,13 @@ void backward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_
               const Saved& s, const float* dgates, const float* dstate_next, bf16* dx, float* dprev_state,
               const Grads& g, void* scratch, cudaStream_t stream);
 
-// y[n] = g[n] * x[n] where idx[n] == skip_class (written); other rows untouched. x [N, H] bf16,
+// y[n] = 0 where idx[n] == skip_class (written); other rows untouched. x [N, H] bf16,
 // y [N, H] fp32, gates [N] fp32.
 void skip_forward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, float* y,
                   std::int64_t tokens, std::int64_t hidden, cudaStream_t stream);
-// On skip tokens: dgates[n] = dy[n] . x[n] (fp32) and dx[n] = g[n] dy[n] (bf16) (both written:
-// activation gradients); other rows untouched. dy [N, H] fp32 (the MoE output's gradient).
-// Either output may be null.
+// On skip tokens: dgates[n] = 0 (fp32) and dx[n] = 0 (bf16) (both written: activation
+// gradients); other rows untouched. dy [N, H] fp32 (the MoE output's gradient). Either output
+// may be null.
 void skip_backward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, const float* dy,
                    bf16* dx, float* dgates, std::int64_t tokens, std::int64_t hidden, cudaStream_t stream);
 

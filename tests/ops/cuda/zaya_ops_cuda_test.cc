@@ -417,8 +417,8 @@ TEST(ZayaRouterCuda, ForwardAndBackwardMatchCpu) {
   }
 }
 
-// Both twins write the skip rows (y = g x, dx = g dy, dgates = dy . x) and leave every other row
-// untouched. Both start from the same non-zero values: the skip rows must match the CPU op and
+// Both twins write the skip rows (y = 0, dx = 0, dgates = 0: a skip token's MoE output is 0) and
+// leave every other row untouched. Both start from the same non-zero values: the skip rows must match the CPU op and
 // the other rows must still hold their starting values exactly.
 TEST(ZayaRouterCuda, SkipPathWritesTheSkipRowsLikeCpu) {
   KEEL_REQUIRE_GPU();
@@ -451,12 +451,14 @@ TEST(ZayaRouterCuda, SkipPathWritesTheSkipRowsLikeCpu) {
       if ((idx[n] == skip) == skipped) r.insert(r.end(), v.begin() + n * w, v.begin() + (n + 1) * w);
     return r;
   };
-  EXPECT_TRUE(all_close(rows(got_y, H, true), rows(y, H, true), 1e-6f, 1e-6f, "y = g x on skip rows"));
-  EXPECT_TRUE(all_close(rows(got_dx, H, true), rows(dx, H, true), 4e-3f, 1e-6f, "dx = g dy (bf16) on skip rows"));
-  EXPECT_TRUE(all_close(rows(got_dg, 1, true), rows(dg, 1, true), 1e-5f, 1e-4f, "dgates = dy . x on skip rows"));
+  EXPECT_TRUE(all_close(rows(got_y, H, true), rows(y, H, true), 1e-6f, 1e-6f, "y = 0 on skip rows"));
+  EXPECT_TRUE(all_close(rows(got_dx, H, true), rows(dx, H, true), 4e-3f, 1e-6f, "dx = 0 (bf16) on skip rows"));
+  EXPECT_TRUE(all_close(rows(got_dg, 1, true), rows(dg, 1, true), 1e-5f, 1e-4f, "dgates = 0 on skip rows"));
   EXPECT_TRUE(all_close(rows(got_y, H, false), rows(y0, H, false), 0.f, 0.f, "y untouched on other rows"));
   EXPECT_TRUE(all_close(rows(got_dx, H, false), rows(dx0, H, false), 0.f, 0.f, "dx untouched on other rows"));
   EXPECT_TRUE(all_close(rows(got_dg, 1, false), rows(dg0, 1, false), 0.f, 0.f, "dgates untouched on other rows"));
+  for (std::int64_t n = 0; n < N; ++n)
+    if (idx[n] == skip) ASSERT_EQ(y[n * H], 0.f) << "the CPU op's skip row " << n;
   // The CPU op left the same rows untouched.
   EXPECT_TRUE(all_close(rows(y, H, false), rows(y0, H, false), 0.f, 0.f, "CPU y untouched on other rows"));
   EXPECT_TRUE(all_close(rows(dx, H, false), rows(dx0, H, false), 0.f, 0.f, "CPU dx untouched on other rows"));
