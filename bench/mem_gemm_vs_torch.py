@@ -184,9 +184,9 @@ def main():
                            "--layout", "nt"])]
     model = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "zaya1-8b.yaml")
     if args.quick:
-        sets.append(("zaya1_layer", ["--model", model, "--tokens", "16384", "--forward-only"]))
+        sets.append(("zaya1_layer", ["--model", model, "--step-tokens", "16384", "--forward-only"]))
     else:
-        sets.append(("zaya1_layer", ["--model", model, "--tokens", "16384"]))
+        sets.append(("zaya1_layer", ["--model", model, "--step-tokens", "16384"]))
     for tag, extra in sets:
         path = os.path.join(args.out, f"keel_gemm_{tag}.json")
         run_keel(common + extra + ["--json", path], os.path.join(args.out, f"keel_gemm_{tag}.log"))

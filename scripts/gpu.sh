@@ -83,7 +83,7 @@ for step in "${steps[@]}"; do
       # the GPUs they see. The GPUs that held a keel process are sampled with nvidia-smi.
       if [ "$gpus" -lt 2 ]; then note "launch: skipped (needs 2+ GPUs)"; continue; fi
       "$build/keel" data tokenize data/corpus/stories.jsonl --out /tmp/keel-launch/corpus/stories --append-eos \
-        --holdout 0.05 >"$out/launch_data.log" 2>&1 || { tail -5 "$out/launch_data.log"; note "launch: tokenize FAILED"; continue; }
+        --holdout 0.05 --force >"$out/launch_data.log" 2>&1 || { tail -5 "$out/launch_data.log"; note "launch: tokenize FAILED"; continue; }
       tiny=(train configs/train/tiny.yaml --set steps=30 --set log_interval=10 --set checkpoint.final=false --set batch.grad_accum=$gpus
             --set data.datasets.stories=/tmp/keel-launch/corpus/stories --set eval.prefix=/tmp/keel-launch/corpus/stories_heldout)
       comm=(bench comm --backend nccl --op all_reduce,all_to_all -b 1M -e 16M -f 4)
@@ -212,7 +212,7 @@ for step in "${steps[@]}"; do
       # KEEL_DECODE_LAYERS (8) of its 40 layers, freshly initialized (no released weights here).
       layers=${KEEL_DECODE_LAYERS:-8}
       sed "s/^layers: .*/layers: $layers/; s/^name: .*/name: zaya1-8b-cut$layers/" configs/zaya1-8b.yaml >"$out/zaya1-8b-cut.yaml"
-      timeout 600 "$build/keel" generate --model "$out/zaya1-8b-cut.yaml" -p "Once upon a time" -n 128 \
+      timeout 600 "$build/keel" generate --model "$out/zaya1-8b-cut.yaml" -p "Once upon a time" --max-new-tokens 128 \
           --batch 1,8,64 --bench --device cuda 2>&1 | tee "$out/decode.log" | tail -8
       { echo "decode (ZAYA1-8B widths, $layers layers, 128 new tokens):"; grep -E '^ +(batch|1|8|64) ' "$out/decode.log"; } >>"$summary" ;;
     ab)

@@ -27,8 +27,9 @@ echo "keel quickstart: results in out/ (bench_comm.json, bench_comm.csv, bench_c
 
 # Then train the tiny MoE on the shipped corpus and watch the loss fall: on the GPU when there
 # is one (seconds), else on the CPU reference path (about a minute). Each quickstart starts a
-# fresh demo run (keel train refuses to write over an earlier run's checkpoints).
-build/keel data tokenize data/corpus/stories.jsonl --out out/corpus/stories --append-eos --holdout 0.05
+# fresh demo run (keel train refuses to write over an earlier run's checkpoints), and re-tokenizes
+# the corpus over the last quickstart's (--force: keel data tokenize replaces a dataset only so).
+build/keel data tokenize data/corpus/stories.jsonl --out out/corpus/stories --append-eos --holdout 0.05 --force
 rm -rf out/train-tiny
 build/keel train configs/train/tiny.yaml
 echo "keel quickstart: training log in out/train-tiny (metrics.jsonl, checkpoints)"

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -33,7 +34,7 @@ struct Flags {
   std::string names, dtype;  // export/import: released parameter names (zaya1, ...), export dtype
   std::int64_t step = 1, import_step = 0;  // import_step counts only when --step was given
   int saves = 1, every = 1, threads = 2, keep_last = 0, keep_every = 0;
-  double timeout = 120;
+  double timeout = kDefaultTimeoutSeconds;  // keel's --timeout (common/watchdog.h)
   bool verify_checksums = false, all = false, shards = false, force = false;
   int die_rank = -1, enospc_rank = -1;
   std::int64_t die_after = 0, inject_step = -1;
@@ -66,12 +67,9 @@ double max_over_ranks(double v) {
 
 int run_demo_save_ranks(const Flags& f);
 
-// The watchdog's deadline: 0 or a negative value would read as an instant "hang" (exit 124),
-// and an unbounded one overflows the clock's arithmetic.
-void check_timeout(double seconds) {
-  if (!(seconds > 0) || seconds > 1e9)
-    throw UsageError(fmt::format("--timeout must be a positive number of seconds (at most 1e9), got {}", seconds));
-}
+// keel's --timeout, as every command takes it: seconds >= 0; 0 or inf (or from 1e9) is no
+// deadline, which the watchdog takes as it is.
+void check_timeout(double seconds) { check_timeout_flag(seconds); }
 
 // demo-save's steps: the first at least 0 and the last one representable, so every save gets a
 // step directory that listings and `latest` can name.
@@ -160,6 +158,27 @@ int run_demo_save_ranks(const Flags& f) {
   return kExitOk;
 }
 
+// The demo model a checkpoint's state names, or one line saying what the checkpoint is instead
+// (a keel train checkpoint's `config` is its YAML text: reading it as demo sizes failed with
+// nlohmann's "[json.exception.type_error.304] cannot use at() with string").
+DemoConfig demo_config_of(const Metadata& m, const std::string& dir) {
+  const nlohmann::json& st = m.state;
+  if (st.is_object() && st.contains("format") && st["format"].is_string() &&
+      st["format"].get<std::string>().rfind("keel.train", 0) == 0)
+    fail("{}: a keel train checkpoint ({}), not a demo one: demo-load checks what keel ckpt demo-save wrote; "
+         "use keel ckpt inspect or keel ckpt verify for this one",
+         dir, st["format"].get<std::string>());
+  if (!st.is_object() || !st.contains("config")) fail("{}: not a demo checkpoint (its state has no demo config)", dir);
+  const nlohmann::json& c = st["config"];
+  for (const char* key : {"layers", "hidden", "vocab", "experts", "ffn"})
+    if (!c.is_object() || !c.contains(key) || !c[key].is_number_integer() || c[key].get<std::int64_t>() < 1 ||
+        c[key].get<std::int64_t>() > INT32_MAX)
+      fail("{}: not a demo checkpoint (its state's config has no positive integer '{}'; demo-save writes layers, "
+           "hidden, vocab, experts and ffn)",
+           dir, key);
+  return DemoConfig::from_json(c);
+}
+
 int run_demo_load(const Flags& f) {
   if (f.threads < 1) throw UsageError("--threads must be at least 1");
   check_timeout(f.timeout);
@@ -176,8 +195,7 @@ int run_demo_load(const Flags& f) {
   try {
     reader = std::make_unique<Reader>(f.path);
     const Metadata& m = reader->metadata();
-    if (!m.state.contains("config")) fail("{}: not a demo checkpoint (its state has no demo config)", reader->dir());
-    const DemoConfig cfg = DemoConfig::from_json(m.state["config"]);
+    const DemoConfig cfg = demo_config_of(m, reader->dir());
     DemoTarget target = demo_target(cfg, mesh, mpi.rank());
     LoadOptions lo;
     lo.threads = f.threads;
@@ -234,7 +252,7 @@ void add_command(CLI::App& app) {
   save->add_option("--threads", f->threads, "Writer threads (= data files) per rank")->capture_default_str();
   save->add_option("--keep-last", f->keep_last, "Retention: keep the newest K checkpoints (0 = all)");
   save->add_option("--keep-every", f->keep_every, "Retention: also keep every step divisible by M");
-  save->add_option("--timeout", f->timeout, "Seconds before a hung save is an error (exit 124)")->capture_default_str();
+  save->add_option("--timeout", f->timeout, "Seconds before a hung save is an error (exit 124); 0 or inf: no deadline")->capture_default_str();
   save->add_option("--inject-die-rank", f->die_rank, "Testing: this rank _exit()s mid-save")->group("");
   save->add_option("--inject-die-after", f->die_after, "Testing: ... after writing this many bytes")->group("");
   save->add_option("--inject-enospc-rank", f->enospc_rank, "Testing: this rank's writes fail with ENOSPC")->group("");
@@ -247,7 +265,7 @@ void add_command(CLI::App& app) {
   load->add_option("--layout", f->layout, "Target mesh (as demo-save)");
   load->add_option("--threads", f->threads, "Reader threads per rank")->capture_default_str();
   load->add_flag("--verify-checksums", f->verify_checksums, "Read every touched shard whole to check its CRC32C");
-  load->add_option("--timeout", f->timeout, "Seconds before a hung load is an error (exit 124)")->capture_default_str();
+  load->add_option("--timeout", f->timeout, "Seconds before a hung load is an error (exit 124); 0 or inf: no deadline")->capture_default_str();
   load->callback([f] { set_exit_code(run_demo_load(*f)); });
 
   CLI::App* insp = ckpt->add_subcommand("inspect", "Steps, layout, state, files and the tensor tree of a checkpoint");

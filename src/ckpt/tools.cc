@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -70,6 +71,61 @@ void inspect(const std::string& path, std::FILE* out, bool list_shards) {
   for (const auto& [f, n] : m.files) fmt::print(out, "    {:<28} {:>10}\n", f, format_size(n));
 }
 
+namespace {
+
+// A keel train checkpoint (state format keel.train/2 or /3, src/train/train_checkpoint.h) must be
+// a whole train state, not only intact bytes: its step counters and sampler position, and for
+// every model/<p> the optimizer's optim/exp_avg/<p>, plus optim/exp_avg_sq/<p> unless the state's
+// muon_params lists p (Muon keeps no v; keel.train/2 stored v for all). A keel.train/3 state
+// without muon_params (saved before keel recorded it) cannot tell a Muon parameter from a lost v:
+// its v are not checked (*unchecked says so). Other checkpoints: nothing to check.
+std::vector<std::string> train_state_problems(const Metadata& m, std::string* unchecked) {
+  std::vector<std::string> out;
+  const nlohmann::json& s = m.state;
+  if (!s.is_object() || !s.contains("format") || !s["format"].is_string()) return out;
+  const std::string format = s["format"].get<std::string>();
+  if (format != "keel.train/2" && format != "keel.train/3") return out;
+  for (const char* key : {"step", "optimizer_step"})
+    if (!s.contains(key) || !s[key].is_number_integer() || s[key].get<std::int64_t>() < 0)
+      out.push_back(fmt::format("train state '{}' is {} (expected a non-negative integer)", key,
+                                s.contains(key) ? s[key].dump() : "missing"));
+  if (!s.contains("sampler") || !s["sampler"].is_object())
+    out.push_back(s.contains("sampler")
+                      ? fmt::format("train state 'sampler' (the data sampler's position) is {}, not an object",
+                                    s["sampler"].dump())
+                      : std::string("train state 'sampler' (the data sampler's position) is missing"));
+  std::set<std::string> names, muon;
+  for (const auto& t : m.tensors) names.insert(t.name);
+  const bool listed = s.contains("muon_params") && s["muon_params"].is_array();
+  if (listed)
+    for (const auto& n : s["muon_params"])
+      if (n.is_string()) muon.insert(n.get<std::string>());
+  if (format == "keel.train/3" && !listed)
+    *unchecked = "its AdamW second moments are not checked: the state has no muon_params (saved by an older keel)";
+  const std::string model = "model/", m1 = "optim/exp_avg/", m2 = "optim/exp_avg_sq/";
+  for (const auto& n : names) {
+    if (n.starts_with(model)) {
+      const std::string p = n.substr(model.size());
+      if (!names.contains(m1 + p))
+        out.push_back(fmt::format("incomplete train state: tensor '{}{}' (the optimizer's first moment of '{}') is missing",
+                                  m1, p, p));
+      const bool needs_v = format == "keel.train/2" || (listed && !muon.contains(p));
+      if (needs_v && !names.contains(m2 + p))
+        out.push_back(fmt::format("incomplete train state: tensor '{}{}' (AdamW's second moment of '{}') is missing{}", m2,
+                                  p, p, listed ? ", and the state's muon_params does not list the parameter" : ""));
+    } else {
+      for (const std::string& prefix : {m1, m2})
+        if (n.starts_with(prefix) && !names.contains(model + n.substr(prefix.size())))
+          out.push_back(fmt::format("incomplete train state: tensor '{}' has no parameter '{}{}'", n, model,
+                                    n.substr(prefix.size())));
+    }
+  }
+  if (out.empty() && unchecked->empty()) *unchecked = "a complete train state";
+  return out;
+}
+
+}  // namespace
+
 VerifyResult verify_checkpoint(const std::string& dir) {
   VerifyResult r;
   Metadata m;
@@ -122,6 +178,7 @@ VerifyResult verify_checkpoint(const std::string& dir) {
     const std::string p = coverage_problem(t.shape, boxes);
     if (!p.empty()) r.problems.push_back(fmt::format("tensor '{}' {}: {}", t.name, shape_str(t.shape), p));
   }
+  for (auto& p : train_state_problems(m, &r.note)) r.problems.push_back(std::move(p));
   return r;
 }
 
@@ -163,8 +220,8 @@ int verify(const std::string& path, bool all, std::FILE* out) {
     for (const auto& p : r.problems) fmt::print(out, "PROBLEM {}: {}\n", d, p);
     problems += static_cast<int>(r.problems.size());
     if (r.problems.empty())
-      fmt::print(out, "verified {}: {} shards, {} read, checksums match, every element of every tensor stored exactly once\n",
-                 d, r.shards, format_size(r.bytes));
+      fmt::print(out, "verified {}: {} shards, {} read, checksums match, every element of every tensor stored exactly once{}\n",
+                 d, r.shards, format_size(r.bytes), r.note.empty() ? "" : "; " + r.note);
   }
   return problems;
 }

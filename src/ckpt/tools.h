@@ -19,9 +19,12 @@ void inspect(const std::string& path, std::FILE* out, bool list_shards);
 struct VerifyResult {
   std::vector<std::string> problems;  // empty: the checkpoint verified
   std::uint64_t shards = 0, bytes = 0;
+  std::string note;  // of a keel train checkpoint: "a complete train state", or what could not be checked
 };
 // Verifies one checkpoint directory: metadata, every data file's size, every shard's CRC32C
-// (reading each file once, sequentially) and coverage (every element exactly once).
+// (reading each file once, sequentially) and coverage (every element exactly once); of a keel
+// train checkpoint (state format keel.train/N) also that it is a whole train state: step
+// counters, sampler position, each parameter's optimizer moments (m; v unless Muon trained it).
 VerifyResult verify_checkpoint(const std::string& dir);
 // Verifies `path` (a root: lists every step, verifies `latest` or all committed steps with
 // `all`); prints what it finds and returns the number of problems.

@@ -1,12 +1,15 @@
 #include "common/fileio.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
 #include "common/error.h"
+#include "common/units.h"
 
 namespace keel {
 
@@ -48,11 +51,12 @@ std::string why_no_new_file(const std::string& path) {
   return "";
 }
 
-std::string read_file(const std::string& path) {
-  // POSIX reads, not std::ifstream: an ifstream opens a directory without complaint and then
-  // reads nothing, so a directory passed as a file became empty text. read() reports EISDIR.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("cannot read {}: {}", path, std::strerror(errno));
+namespace {
+
+// The rest of an open file (closed here), failing past max_bytes through too_large (which
+// closes nothing: the fd is closed first).
+template <typename TooLarge>
+std::string read_all(int fd, const std::string& path, std::uint64_t max_bytes, TooLarge&& too_large) {
   std::string text;
   char buf[1 << 16];
   for (;;) {
@@ -64,10 +68,63 @@ std::string read_file(const std::string& path) {
       ::close(fd);
       fail("cannot read {}: {}", path, std::strerror(err));
     }
+    if (text.size() + static_cast<std::size_t>(n) > max_bytes) {
+      ::close(fd);
+      too_large();
+    }
     text.append(buf, static_cast<std::size_t>(n));
   }
   ::close(fd);
   return text;
+}
+
+}  // namespace
+
+std::string read_file(const std::string& path) {
+  // POSIX reads, not std::ifstream: an ifstream opens a directory without complaint and then
+  // reads nothing, so a directory passed as a file became empty text. read() reports EISDIR.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("cannot read {}: {}", path, std::strerror(errno));
+  return read_all(fd, path, std::numeric_limits<std::uint64_t>::max(), [] {});
+}
+
+namespace {
+
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a pipe";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+}  // namespace
+
+std::string read_config_file(const std::string& path, std::uint64_t max_bytes) {
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) fail("cannot read {}: {}", path, std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail("cannot read {}: {}", path, std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail("cannot read {}: it is {}, not a config file", path, file_kind(st.st_mode));
+  }
+  auto too_large = [&](const std::string& size) {
+    fail("cannot read {}: {} is too large for a config file (at most {}): is it the right file?", path, size,
+         format_size(max_bytes));
+  };
+  if (static_cast<std::uint64_t>(st.st_size) > max_bytes) {
+    ::close(fd);
+    too_large(fmt::format("{} bytes", st.st_size));
+  }
+  // the file may have grown since fstat
+  return read_all(fd, path, max_bytes, [&] { too_large("more than " + format_size(max_bytes)); });
 }
 
 }  // namespace keel

@@ -1,6 +1,7 @@
 // Small file helpers with the guarantees keel's outputs need.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace keel {
@@ -17,5 +18,14 @@ std::string why_no_new_file(const std::string& path);
 
 // Reads a whole file; throws keel::Error naming the path when it cannot.
 std::string read_file(const std::string& path);
+
+// The largest config file keel reads (train, model and data YAMLs, hardware-profile JSON):
+// the largest shipped one is a few KiB, so a file past this is the wrong file.
+inline constexpr std::uint64_t kMaxConfigBytes = std::uint64_t{16} << 20;
+
+// Reads a config file whole, refusing before reading anything what cannot be one: a directory,
+// a device, FIFO or socket (`keel train /dev/zero` read until the OOM killer), a file over
+// `max_bytes`. Throws keel::Error naming the path and what was expected.
+std::string read_config_file(const std::string& path, std::uint64_t max_bytes = kMaxConfigBytes);
 
 }  // namespace keel

@@ -42,6 +42,18 @@ void report_error(const std::string& message) {
   std::fflush(stderr);
 }
 
+void report_warning(const std::string& message) {
+  if (launcher_rank() > 0) return;
+  std::fprintf(stderr, "keel: warning: %s\n", message.c_str());
+  std::fflush(stderr);
+}
+
+void warn_deprecated_flag(const std::string& command, const std::string& old_flag, const std::string& new_flag,
+                          const std::string& why) {
+  report_warning(fmt::format("{}: {} is deprecated, use {}{}", command, old_flag, new_flag,
+                             why.empty() ? "" : fmt::format(" ({})", why)));
+}
+
 void set_exit_code(int code) { g_exit_code = code; }
 int exit_code() { return g_exit_code; }
 

@@ -16,6 +16,16 @@ int launcher_size();
 // is named so a failing rank can be found among many.
 void report_error(const std::string& message);
 
+// Prints "keel: warning: <message>" on stderr, once per job: under a launcher every rank parses
+// the same flags, so only rank 0 speaks.
+void report_warning(const std::string& message);
+
+// An old spelling of a flag that still works: one warning naming the new one, e.g.
+// "keel: warning: generate: -n is deprecated, use --max-new-tokens (-n means --iters in keel
+// bench)". `why` may be empty.
+void warn_deprecated_flag(const std::string& command, const std::string& old_flag, const std::string& new_flag,
+                          const std::string& why);
+
 // The exit code a command wants main() to return (commands run inside CLI11 callbacks).
 void set_exit_code(int code);
 int exit_code();

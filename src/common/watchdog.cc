@@ -38,6 +38,11 @@ PeerWait::~PeerWait() {
   g_wait_what.store(prev_what_, std::memory_order_release);
 }
 
+void check_timeout_flag(double seconds) {
+  if (!(seconds >= 0))
+    throw UsageError(fmt::format("--timeout {}: must be seconds >= 0 (0 or inf: no deadline)", seconds));
+}
+
 void hang_forever() {
   for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
 }
@@ -60,7 +65,8 @@ void Watchdog::arm(std::string what, double seconds) {
     seconds_ = seconds;
     // duration_cast of a huge (or infinite) limit overflows into a deadline in the past, which
     // would report a hang at once; such a limit means "never", so leave the watchdog disarmed.
-    armed_ = seconds < kNoDeadlineSeconds;
+    // So does 0 (--timeout 0: no deadline), not an instant hang.
+    armed_ = seconds > 0 && seconds < kNoDeadlineSeconds;
     if (armed_)
       deadline_ = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                                          std::chrono::duration<double>(seconds));

@@ -14,6 +14,13 @@
 
 namespace keel {
 
+// keel's `--timeout S`, the same in every command that has one (bench comm, train, ckpt
+// demo-save and demo-load): seconds a phase may take, default kDefaultTimeoutSeconds; 0 or inf
+// (or anything from Watchdog::kNoDeadlineSeconds) means no deadline, which Watchdog::arm takes
+// as it is. Throws keel::UsageError naming the flag for a negative or NaN value.
+inline constexpr double kDefaultTimeoutSeconds = 600;
+void check_timeout_flag(double seconds);
+
 class Watchdog {
  public:
   Watchdog();
@@ -21,8 +28,9 @@ class Watchdog {
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
 
-  // Starts (or restarts) the countdown for `what`. A limit of kNoDeadlineSeconds or more (or
-  // +inf) means "no deadline": the watchdog stays disarmed instead of overflowing the clock.
+  // Starts (or restarts) the countdown for `what`. A limit of 0 (or less, or NaN), or of
+  // kNoDeadlineSeconds or more (or +inf), means "no deadline": the watchdog stays disarmed
+  // instead of firing at once or overflowing the clock.
   void arm(std::string what, double seconds);
 
   // About 31 years: beyond it a deadline would overflow steady_clock's int64 nanoseconds.

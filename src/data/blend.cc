@@ -72,7 +72,7 @@ DataConfig parse_data_config(const std::string& text, const std::string& what, c
 DataConfig parse_data_config(const YAML::Node& root, const std::string& what, const std::string& base_dir,
                              bool default_phase) {
   if (!root.IsMap()) throw UsageError(fmt::format("{}: a data config is a YAML mapping", what));
-  reject_duplicate_keys(root, what);
+  check_yaml_document(root, what);
   only_keys(what, root, {"seq_length", "seed", "shuffle", "datasets", "phases"}, "");
   DataConfig c;
   if (!root["seq_length"]) throw UsageError(fmt::format("{}: missing 'seq_length'", what));
@@ -148,7 +148,7 @@ DataConfig parse_data_config(const YAML::Node& root, const std::string& what, co
 DataConfig load_data_config(const std::string& path) {
   std::string text;
   try {
-    text = read_file(path);
+    text = read_config_file(path);
   } catch (const Error& e) {
     throw UsageError(e.what());
   }

@@ -27,7 +27,7 @@ namespace {
 struct TokenizeFlags {
   std::vector<std::string> inputs;
   std::string out, tokenizer = "byte", jsonl_key = "text", dtype = "auto";
-  bool append_eos = false, quiet = false;
+  bool append_eos = false, quiet = false, force = false;
   double holdout = 0;  // fraction of documents written to PREFIX_heldout instead
 };
 
@@ -103,6 +103,24 @@ int run_tokenize(const TokenizeFlags& f) {
         throw UsageError(fmt::format("{}{} is left from an earlier --holdout split of {}: it would overlap this "
                                      "dataset; remove {}.bin and {}.idx, or pass --holdout again",
                                      held_prefix, ext, f.out, held_prefix, held_prefix));
+  // An existing dataset is replaced only with --force: a dataset can take days to make, and
+  // `tokenize X.bin --out X` replaced its own input without a word.
+  std::vector<std::string> outputs = {f.out + ".bin", f.out + ".idx"};
+  if (f.holdout > 0) outputs.insert(outputs.end(), {held_prefix + ".bin", held_prefix + ".idx"});
+  if (!f.force) {
+    std::error_code eq;
+    for (const auto& in : f.inputs)
+      for (const auto& out : outputs)
+        if (std::filesystem::equivalent(in, out, eq))
+          throw UsageError(fmt::format("--out {} would replace the input {} (as {}) with its tokens: give another "
+                                       "--out (or --force)",
+                                       f.out, in, out));
+    for (const auto& out : outputs)
+      if (std::filesystem::exists(std::filesystem::symlink_status(out, eq)))
+        throw UsageError(fmt::format("--out {}: {} already exists (an earlier dataset?): pass --force to replace it, "
+                                     "or choose another prefix",
+                                     f.out, out));
+  }
   // Like any output path, the prefix's directory is made when missing.
   const std::filesystem::path parent = std::filesystem::path(f.out).parent_path();
   std::error_code ec;
@@ -282,6 +300,8 @@ void add_command(CLI::App& app) {
       ->capture_default_str();
   tok->add_option("--dtype", t->dtype, "Token dtype: auto (uint16 below 65500 ids, else int32), uint16, int32, uint32")
       ->capture_default_str();
+  tok->add_flag("--force", t->force,
+                "Replace an existing dataset at --out (refused without it), even one that is an input");
   tok->add_flag("-q,--quiet", t->quiet, "No summary");
   tok->callback([t] { set_exit_code(run_tokenize(*t)); });
 

@@ -242,6 +242,11 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
            need);
     }
     if (bin_size_ % w != 0) fail("{}: {} bytes is not a whole number of {} tokens", bin_path, bin_size_, dtype_name(dtype_));
+    // The .bin holds the index's tokens and nothing else (Megatron writes them back to back): a
+    // larger one belongs to another index, and training would read the wrong tokens.
+    if (bin_size_ != total_tokens_ * w)
+      fail("{}: {} bytes, but {} describes {} {} tokens ({} bytes): the two files are not one dataset", bin_path,
+           bin_size_, idx_path, total_tokens_, dtype_name(dtype_), total_tokens_ * w);
   } catch (...) {
     if (idx_) ::munmap(const_cast<unsigned char*>(idx_), idx_size_);
     if (bin_) ::munmap(const_cast<unsigned char*>(bin_), bin_size_);

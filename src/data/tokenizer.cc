@@ -83,20 +83,45 @@ class SentencePieceTokenizer : public Tokenizer {
 
 }  // namespace
 
+namespace {
+
+// SentencePiece's status text names its own source ("Internal: ./src/sentencepiece_processor.cc(1101)
+// [model_proto->ParseFromArray(...)] "): say what it means for the file instead.
+std::string load_failure(const std::string& what, const sentencepiece::util::Status& status) {
+  const std::string text = status.ToString();
+  if (text.find("ParseFromArray") != std::string::npos)
+    return fmt::format("cannot load SentencePiece model {}: not a SentencePiece model (its bytes do not parse as a "
+                       "serialized ModelProto, as spm_train writes)",
+                       what);
+  const char* raw = status.message();
+  std::string msg(raw ? raw : "");
+  // "./src/file.cc(123) [condition] message": keep the message
+  if (msg.rfind("./", 0) == 0 || msg.rfind("src/", 0) == 0)
+    if (const auto end = msg.find("] "); end != std::string::npos) msg = msg.substr(end + 2);
+  while (!msg.empty() && msg.back() == ' ') msg.pop_back();
+  return fmt::format("cannot load SentencePiece model {}: {}", what, msg.empty() ? text : msg);
+}
+
+}  // namespace
+
 std::unique_ptr<Tokenizer> load_sentencepiece(const std::string& model_path) {
   struct stat st {};
   if (::stat(model_path.c_str(), &st) != 0)
     fail("cannot read SentencePiece model {}: no such file", model_path);
+  // SentencePiece reads through std::filebuf, whose error for a directory names no file
+  if (!S_ISREG(st.st_mode))
+    fail("cannot read SentencePiece model {}: {} (expected a .model file)", model_path,
+         S_ISDIR(st.st_mode) ? "it is a directory" : "not a regular file");
   auto t = std::make_unique<SentencePieceTokenizer>(model_path);
   const auto status = t->sp().Load(model_path);
-  if (!status.ok()) fail("cannot load SentencePiece model {}: {}", model_path, status.ToString());
+  if (!status.ok()) fail("{}", load_failure(model_path, status));
   return t;
 }
 
 std::unique_ptr<Tokenizer> load_sentencepiece_proto(const std::string& serialized, const std::string& what) {
   auto t = std::make_unique<SentencePieceTokenizer>(what);
   const auto status = t->sp().LoadFromSerializedProto(serialized);
-  if (!status.ok()) fail("cannot load SentencePiece model {}: {}", what, status.ToString());
+  if (!status.ok()) fail("{}", load_failure(what, status));
   return t;
 }
 

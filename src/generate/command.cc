@@ -15,6 +15,7 @@
 #include "common/error.h"
 #include "common/fileio.h"
 #include "common/host.h"
+#include "common/process.h"
 #include "data/tokenizer.h"
 #include "generate/cuda_decoder.h"
 #include "generate/generate.h"
@@ -274,13 +275,19 @@ void add_command(CLI::App& app) {
   cmd->add_option("--prompt-file", a->prompt_file, "Read the prompt from a file");
   cmd->add_option("--tokenizer", a->tokenizer, "byte or spm:MODEL_FILE (the one the training data was tokenized with)")
       ->capture_default_str();
-  cmd->add_option("--max-new-tokens,-n", a->max_new, "Tokens to generate per sequence")->capture_default_str();
+  CLI::Option* max_new = cmd->add_option("--max-new-tokens", a->max_new, "Tokens to generate per sequence")
+                             ->capture_default_str();
   cmd->add_option("--temperature,-t", a->temperature, "Sampling temperature (0: greedy)")->capture_default_str();
   cmd->add_option("--top-k", a->top_k, "Sample among the k most likely tokens (0: all)")->capture_default_str();
   cmd->add_option("--seed", a->seed, "Sampling seed (each sequence of a batch draws its own stream)")->capture_default_str();
-  cmd->add_option("--batch,-b", a->batch, "Batch sizes to time, comma-separated: --batch 1,8,64 (the text is the first's)")
-      ->delimiter(',')
-      ->capture_default_str();
+  CLI::Option* batch =
+      cmd->add_option("--batch", a->batch, "Batch sizes to time, comma-separated: --batch 1,8,64 (the text is the first's)")
+          ->delimiter(',')
+          ->capture_default_str();
+  // The old short spellings (keel's -n and -b are the benchmarks' --iters and --min, as in
+  // nccl-tests): they still work, with one deprecation line (README, "Flags across commands").
+  CLI::Option* old_n = cmd->add_option("-n", a->max_new, "Deprecated: --max-new-tokens")->group("");
+  CLI::Option* old_b = cmd->add_option("-b", a->batch, "Deprecated: --batch")->delimiter(',')->group("");
   cmd->add_flag("--ignore-eos", a->ignore_eos, "Decode all --max-new-tokens even past EOS (fixed-length latency runs)");
   cmd->add_option("--device", a->device, "auto (cuda when a GPU is visible and keel has CUDA), cpu (fp32) or cuda (bf16)")
       ->capture_default_str();
@@ -288,7 +295,15 @@ void add_command(CLI::App& app) {
   cmd->add_flag("--bos", a->bos, "Start the prompt with the tokenizer's BOS id");
   cmd->add_option("--init-seed", a->init_seed, "Seed of the fresh weights (--model / --config)")->capture_default_str();
   cmd->add_option("--init-std", a->init_std, "Std of the fresh weights (--model / --config)")->capture_default_str();
-  cmd->callback([a] { run(*a); });
+  cmd->callback([a, old_n, old_b, max_new, batch] {
+    if (old_n->count() > 0 && max_new->count() > 0)
+      throw UsageError("generate: --max-new-tokens and the old -n both given: give --max-new-tokens only");
+    if (old_b->count() > 0 && batch->count() > 0)
+      throw UsageError("generate: --batch and the old -b both given: give --batch only");
+    if (old_n->count() > 0) warn_deprecated_flag("generate", "-n", "--max-new-tokens", "-n is --iters in keel bench");
+    if (old_b->count() > 0) warn_deprecated_flag("generate", "-b", "--batch", "-b is --min in keel bench");
+    run(*a);
+  });
 }
 
 }  // namespace keel::generate

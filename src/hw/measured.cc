@@ -187,7 +187,7 @@ Hardware load_hardware(const std::string& spec) {
     }
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(read_file(part));
+      j = nlohmann::json::parse(read_config_file(part));
     } catch (const nlohmann::json::exception& e) {
       throw UsageError(fmt::format("{}: not valid JSON ({})", part, e.what()));
     } catch (const Error& e) {

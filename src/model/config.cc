@@ -10,6 +10,7 @@
 #include <map>
 
 #include "common/error.h"
+#include "common/fileio.h"
 #include "common/yaml_checks.h"
 
 namespace keel::model {
@@ -202,15 +203,24 @@ void validate(const ModelConfig& m) {
   if (m.max_seq_len < 0) throw UsageError("key 'max_seq_len' must not be negative");
 }
 
-ModelConfig load_model_config(const std::string& path) {
-  YAML::Node root;
+// A model or train YAML file, bounded and refused by name when it is no file (a directory read
+// through YAML::LoadFile said only "basic_filebuf::underflow error reading the file").
+static YAML::Node load_yaml_file(const std::string& path) {
+  std::string text;
   try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    throw UsageError(fmt::format("{}: cannot read the model config", path));
+    text = read_config_file(path);
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  try {
+    return YAML::Load(text);
   } catch (const YAML::Exception& e) {
     throw UsageError(fmt::format("{}: not valid YAML: {}", path, e.what()));
   }
+}
+
+ModelConfig load_model_config(const std::string& path) {
+  const YAML::Node root = load_yaml_file(path);
   return parse_model_config(root, std::filesystem::path(path).stem().string(), path);
 }
 
@@ -221,21 +231,15 @@ ModelConfig model_of_train_config(const YAML::Node& node, const std::string& wha
 }
 
 ModelConfig load_model_or_train_config(const std::string& path) {
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    throw UsageError(fmt::format("{}: cannot read the config", path));
-  } catch (const YAML::Exception& e) {
-    throw UsageError(fmt::format("{}: not valid YAML: {}", path, e.what()));
-  }
+  const YAML::Node root = load_yaml_file(path);
+  check_yaml_document(root, path);
   if (root.IsMap() && root["model"]) return model_of_train_config(root["model"], path + ": model");
   return parse_model_config(root, std::filesystem::path(path).stem().string(), path);
 }
 
 ModelConfig parse_model_config(const YAML::Node& root, const std::string& name, const std::string& what) {
   if (!root.IsMap()) throw UsageError(fmt::format("{}: a model config must be a YAML mapping of keys", what));
-  reject_duplicate_keys(root, what);
+  check_yaml_document(root, what);
 
   ModelConfig m;
   m.name = name;
@@ -297,6 +301,12 @@ ModelConfig parse_model_config(const YAML::Node& root, const std::string& name, 
     }
     // Defaults that follow from other keys: MHA has as many kv heads as heads; head_dim is
     // hidden/heads unless given.
+    // The name goes into checkpoints' JSON; without a `name` key it is the file's name.
+    if (!root["name"])
+      if (const std::string why = why_not_utf8(m.name); !why.empty())
+        throw UsageError(fmt::format("the model's name, taken from the file name '{}' as there is no key 'name', is "
+                                     "not valid UTF-8 ({}): add a key 'name'",
+                                     escape_bytes(m.name), why));
     if (!have_kv_heads) m.kv_heads = m.heads;
     if (!have_head_dim && m.heads > 0) m.head_dim = m.hidden / m.heads;
     validate(m);

@@ -19,6 +19,7 @@ namespace {
 struct RawFlags {
   std::string config, hardware = "h100", layout, tokens, recompute = "none", optimizer = "adamw",
               grad_reduce = "fp32";
+  std::string tokens_flag = "--train-tokens";  // as given: the old --tokens still works
   std::string decode_batch = "1,8,32,128", json, plot, moe_budget = "active", moe_experts = "8,16,32,64",
               moe_top_k = "1,2,4";
   // Left out: a default that depends on the layout or the config. Optional, so a given 0 is
@@ -78,7 +79,7 @@ int run(const RawFlags& f) {
   s.grad_reduce_bf16 = f.grad_reduce == "bf16";
   if (!(f.mfu > 0 && f.mfu <= 1)) throw UsageError(fmt::format("--mfu must be in (0, 1] (got {})", f.mfu));
   s.mfu = f.mfu;
-  if (!f.tokens.empty()) s.tokens = parse_decimal_count(f.tokens, "--tokens");
+  if (!f.tokens.empty()) s.tokens = parse_decimal_count(f.tokens, f.tokens_flag);
   s.decode_batches = int_list(f.decode_batch, "--decode-batch");
 
   std::unique_ptr<MoeStudyOptions> moe;
@@ -120,7 +121,11 @@ void add_command(CLI::App& app) {
   cmd->add_option("--layout", f->layout,
                   "Parallel layout, e.g. tp=2,pp=4,ep=8,cp=1,tsp=1,zero=1 (dp from --gpus when left out; ep folds into dp*cp)");
   cmd->add_option("--gpus", f->gpus, "GPUs in the run (default: the layout's product)");
-  cmd->add_option("--tokens", f->tokens, "Tokens to train (14T, 500B, 2.5e12): prints the time to train");
+  CLI::Option* train_tokens =
+      cmd->add_option("--train-tokens", f->tokens, "Tokens to train (14T, 500B, 2.5e12): prints the time to train");
+  // The old spelling: --tokens meant three things in keel (README, "Flags across commands"); it still works.
+  CLI::Option* old_tokens =
+      cmd->add_option("--tokens", f->tokens, "Deprecated: --train-tokens")->group("");
   cmd->add_option("--seq", f->seq, "Sequence length (default: the config's max_seq_len, else 4096)");
   cmd->add_option("--micro-batch", f->micro_batch, "Sequences per micro-batch per data-parallel rank")
       ->capture_default_str();
@@ -149,7 +154,15 @@ void add_command(CLI::App& app) {
   cmd->add_flag("--gemms", f->gemms, "List every predicted GEMM of the step");
   cmd->add_option("--json", f->json, "Write everything as JSON (schema keel.size/1)");
   cmd->add_flag("-q,--quiet", f->quiet, "No report on stdout");
-  cmd->callback([f] { set_exit_code(run(*f)); });
+  cmd->callback([f, old_tokens, train_tokens] {
+    if (old_tokens->count() > 0 && train_tokens->count() > 0)
+      throw UsageError("size: --train-tokens and the old --tokens both given: give --train-tokens only");
+    if (old_tokens->count() > 0) {
+      warn_deprecated_flag("size", "--tokens", "--train-tokens", "tokens to train");
+      f->tokens_flag = "--tokens";
+    }
+    set_exit_code(run(*f));
+  });
 }
 
 }  // namespace keel::size

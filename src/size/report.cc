@@ -181,7 +181,7 @@ void print_report(const SizeReport& r, std::FILE* out, bool show_gemms) {
                      s.layout.world(), human_duration(t.seconds_at_mfu), 100 * s.mfu, human_duration(t.seconds_predicted),
                      100 * st.predicted_mfu));
   else
-    line("(give --tokens N to get the time to train N tokens)");
+    line("(give --train-tokens N to get the time to train N tokens)");
   if (show_gemms) {
     line(fmt::format("  {:<16} {:<10} {:>8} {:>8} {:>8} {:>5} {:>7} {:>6} {:>6} {:>8}", "gemm", "pass", "m", "n", "k",
                      "batch", "layers", "waves", "wave%", "TFLOP/s"));

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,6 +13,8 @@
 #include "common/error.h"
 #include "common/hash.h"
 #include "common/mpi_session.h"
+#include "common/process.h"
+#include "common/stop_signal.h"
 #include "common/watchdog.h"
 #include "device/cuda_devices.h"
 #include "device/rank_gpu.h"
@@ -141,7 +144,7 @@ void add_command(CLI::App& app) {
     std::vector<std::string> sets;
     std::string resume;
     std::int64_t until = -1;
-    double timeout = 600;
+    double timeout = kDefaultTimeoutSeconds;  // keel's --timeout (common/watchdog.h)
     int hang_rank = -1;
     std::int64_t hang_step = -1;  // 0: at start-up, before the ranks compare their configs
   };
@@ -157,14 +160,13 @@ void add_command(CLI::App& app) {
                   "Stop after this many optimizer steps in total (the schedule still spans `steps`); saves a checkpoint");
   cmd->add_option("--timeout", args->timeout,
                   "Seconds a rank may go without progress (start-up, resume, each step, eval, checkpoint phase) before "
-                  "it exits with an error (124), as when a rank hangs or dies; 0: wait forever")
+                  "it exits with an error (124), as when a rank hangs or dies; 0 or inf: no deadline")
       ->capture_default_str();
   cmd->add_option("--inject-hang-rank", args->hang_rank, "Fault injection (tests): this rank hangs at --inject-hang-step");
   cmd->add_option("--inject-hang-step", args->hang_step,
                   "Fault injection (tests): the step at which it hangs (0: at start-up, before the config check)");
   cmd->callback([args, stop_after] {
-    if (!(args->timeout >= 0) || !std::isfinite(args->timeout))
-      throw UsageError(fmt::format("--timeout {}: must be seconds >= 0 (0: wait forever)", args->timeout));
+    check_timeout_flag(args->timeout);  // >= 0; 0 or inf: no deadline
     if (stop_after->count() > 0 && args->until < 1)
       throw UsageError(fmt::format("--stop-after {}: must be a step count >= 1", args->until));
     if (args->hang_step < -1) throw UsageError("--inject-hang-step must be >= 0 (0: at start-up)");
@@ -172,6 +174,9 @@ void add_command(CLI::App& app) {
     if ((args->hang_rank >= 0) != (args->hang_step >= 0))
       throw UsageError("--inject-hang-rank and --inject-hang-step go together");
     MpiSession mpi;  // a world of one without a launcher
+    // SIGINT / SIGTERM (Ctrl-C, a preemption): the first stops the run at the next step boundary,
+    // every rank at the same one, after saving a checkpoint there; a second exits at once.
+    install_stop_signals();
     // A hung or dead peer blocks the others inside a collective forever: each phase below runs
     // under a deadline, so every surviving rank exits with one line instead (and the launcher
     // tears down the rest).
@@ -194,6 +199,7 @@ void add_command(CLI::App& app) {
     Trainer t(cfg, mesh);
     t.watch_progress(&dog, args->timeout);
     if (args->hang_step > 0) t.inject_hang(args->hang_rank, args->hang_step);
+    t.stop_when([] { return stop_signal(); });
     if (!args->resume.empty()) {
       phase(fmt::format("resuming from {}", args->resume));
       t.resume(args->resume);
@@ -206,6 +212,24 @@ void add_command(CLI::App& app) {
     const auto stats = t.run(args->until, /*checkpoint_at_stop=*/true);
     dog.disarm();
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (const int sig = t.stopped_by(); sig != 0) {  // a clean stop on a signal: 128 + its number, as a shell reports it
+      set_exit_code(128 + sig);
+      if (mpi.rank() != 0) return;
+      const std::string saved = t.checkpoint_path(t.step());
+      if (std::filesystem::exists(std::filesystem::path(saved) / "metadata.json"))
+        std::printf("stopped on %s after step %lld of %lld: checkpoint %s; continue with --resume %s\n",
+                    signal_name(sig), static_cast<long long>(t.step()), static_cast<long long>(cfg.steps),
+                    saved.c_str(), cfg.checkpoint_dir.c_str());
+      else if (t.step() == start)
+        std::printf("stopped on %s at step %lld, before training: nothing new to save\n", signal_name(sig),
+                    static_cast<long long>(t.step()));
+      else
+        std::printf("stopped on %s after step %lld of %lld: no checkpoint saved (this run saves none: "
+                    "checkpoint.final is false and checkpoint.interval 0)\n",
+                    signal_name(sig), static_cast<long long>(t.step()), static_cast<long long>(cfg.steps));
+      std::fflush(stdout);
+      return;
+    }
     if (mpi.rank() != 0) return;  // rank 0 speaks for the group
     if (!stats.empty())
       std::printf("done: steps %lld -> %lld in %.1f s, loss %.4f -> %.4f (start-up %.1f s before the first step)\n",

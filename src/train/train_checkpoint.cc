@@ -12,6 +12,7 @@
 #include "ckpt/reader.h"
 #include "ckpt/store.h"
 #include "common/error.h"
+#include "train/param_rules.h"
 
 namespace keel::train {
 namespace {
@@ -216,6 +217,12 @@ double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, co
   s["format"] = kTrainFormat;
   s["step"] = step;
   s["optimizer_step"] = view.adamw_step;
+  // The parameters saved without optim/exp_avg_sq (Muon keeps no v): what makes the state whole
+  // checkable (keel ckpt verify, the load) rather than a missing v passing for Muon's.
+  nlohmann::json muon = nlohmann::json::array();
+  for (const auto& p : layout.params)
+    if (p.optimizer != optim::OptimizerKind::kAdamW) muon.push_back(p.name);
+  s["muon_params"] = std::move(muon);
   const std::string name = checkpoint_layout_name(comm_->size(), view.slice);
   return saver_->save(step, shards(view, layout), s, nlohmann::json::object(), name);
 }
@@ -243,6 +250,41 @@ std::int64_t state_count(const nlohmann::json& s, const char* key, const std::st
     fail("checkpoint {}: state '{}' is {} (expected a non-negative integer): the metadata is damaged", dir, key,
          s.is_object() && s.contains(key) ? s[key].dump() : "missing");
   return s[key].get<std::int64_t>();
+}
+
+// What a whole train state of `layout` holds and this checkpoint lacks: every parameter's
+// optim/exp_avg, and optim/exp_avg_sq for every parameter the saving run trained with AdamW (the
+// state's muon_params lists the others; keel.train/2 stored v for all; a keel.train/3 state
+// saved before muon_params was recorded needs v where no Muon run could have trained the
+// parameter). Returns the first missing tensor, described, or "".
+std::string missing_optimizer_tensor(const ckpt::Metadata& meta, const optim::ParamLayout& layout,
+                                     const std::string& format) {
+  std::set<std::string> stored, muon;
+  for (const auto& t : meta.tensors) stored.insert(t.name);
+  const nlohmann::json& s = meta.state;
+  const bool listed = s.is_object() && s.contains("muon_params") && s["muon_params"].is_array();
+  if (listed) {
+    for (const auto& n : s["muon_params"])
+      if (n.is_string()) muon.insert(n.get<std::string>());
+  } else if (format != kTrainFormatV2) {
+    MuonTrainOptions m;
+    m.enabled = true;
+    try {
+      for (const auto& p : regroup_layout(layout, train_group_rules(m)).params)
+        if (p.optimizer == optim::OptimizerKind::kMuon) muon.insert(p.name);
+    } catch (const Error&) {  // no Muon rule set fits: cannot tell, so nothing is required
+      for (const auto& p : layout.params) muon.insert(p.name);
+    }
+  }
+  for (const auto& p : layout.params) {
+    if (!stored.contains("optim/exp_avg/" + p.name))
+      return fmt::format("tensor 'optim/exp_avg/{}' (the optimizer's first moment of '{}') is missing", p.name, p.name);
+    if (stored.contains("optim/exp_avg_sq/" + p.name) || muon.contains(p.name)) continue;
+    return fmt::format("tensor 'optim/exp_avg_sq/{}' (AdamW's second moment of '{}') is missing, and {}", p.name, p.name,
+                       listed ? "the saving run trained that parameter with AdamW (its state's muon_params does not list it)"
+                              : "AdamW trains that parameter with or without Muon");
+  }
+  return "";
 }
 
 }  // namespace
@@ -281,6 +323,11 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
   if (out.step != reader.metadata().step)
     fail("checkpoint {}: its state says step {} but its metadata step {}: the metadata is damaged", reader.dir(),
          out.step, reader.metadata().step);
+  // A whole train state, or one line naming what is missing (not a zero v read as Muon's later).
+  if (const std::string missing = missing_optimizer_tensor(reader.metadata(), layout, format); !missing.empty())
+    fail("checkpoint {}: {}: not a complete train state (damaged, or copied in part); `keel ckpt verify {}` lists "
+         "every problem",
+         reader.dir(), missing, reader.dir());
   TrainState& st = out.state;
   st.params.assign(static_cast<std::size_t>(layout.total_floats), 0.f);
   st.set_slice(slice);

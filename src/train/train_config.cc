@@ -93,10 +93,15 @@ void apply_override(YAML::Node& root, const std::string& spec, Ctx& ctx) {
   }
   YAML::Node v;
   try {
-    v = without_marks(YAML::Load(value));
+    v = YAML::Load(value);
   } catch (const YAML::Exception& e) {
     throw UsageError(fmt::format("--set '{}': value is not valid YAML", spec));
   }
+  // bounded before without_marks copies it: a value of nested aliases would expand there
+  const std::string from = fmt::format("{} (--set {})", ctx.what, key);
+  reject_duplicate_keys(v, from);
+  v = without_marks(v);
+  check_yaml_document(v, from, key);
   n[parts.back()] = v;
   ctx.overridden.insert(key);
 }
@@ -187,8 +192,10 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     throw UsageError(fmt::format("{}: not valid YAML: {}", what, e.what()));
   }
   if (!root.IsMap()) throw UsageError(fmt::format("{}: a train config must be a YAML mapping of keys", what));
-  reject_duplicate_keys(root, what);
+  check_yaml_document(root, what);
   for (const auto& o : overrides) apply_override(root, o, ctx);
+  // again with the --set keys in place (a dataset name given by --set is a key)
+  if (!overrides.empty()) check_yaml_document(root, what);
 
   TrainConfig c;
   c.path = what;
@@ -386,7 +393,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
 TrainConfig load_train_config(const std::string& path, const std::vector<std::string>& overrides) {
   std::string text;
   try {
-    text = read_file(path);
+    text = read_config_file(path);
   } catch (const Error& e) {
     throw UsageError(e.what());
   }

@@ -1,16 +1,20 @@
 #include "train/trainer.h"
 
 #include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 
 #include <unistd.h>
 
+#include "ckpt/metadata.h"
 #include "ckpt/store.h"
 #include "common/error.h"
 #include "common/fileio.h"
@@ -42,6 +46,55 @@ void sum_over(const parallel::Group& g, std::int64_t* x, int n) {
   if (g.size == 1) return;
   PeerWait wait("MPI_Allreduce (step statistics)");
   mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_INT64_T, MPI_SUM, g.comm), "MPI_Allreduce");
+}
+
+// The scalars of a YAML document under dotted names ("optimizer.lr" -> "3.0e-3"; list items by index).
+void flatten_yaml(const YAML::Node& n, const std::string& key, std::map<std::string, std::string>& out) {
+  if (n.IsMap()) {
+    if (n.size() == 0 && !key.empty()) out[key] = "{}";
+    for (const auto& kv : n) {
+      const std::string k = kv.first.Scalar();
+      flatten_yaml(kv.second, key.empty() ? k : key + "." + k, out);
+    }
+  } else if (n.IsSequence()) {
+    if (n.size() == 0) out[key] = "[]";
+    for (std::size_t i = 0; i < n.size(); ++i) flatten_yaml(n[i], fmt::format("{}[{}]", key, i), out);
+  } else if (n.IsScalar()) {
+    out[key] = n.Scalar();
+  } else {
+    out[key] = "null";
+  }
+}
+
+bool same_value(const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  char *ea = nullptr, *eb = nullptr;
+  const double x = std::strtod(a.c_str(), &ea), y = std::strtod(b.c_str(), &eb);
+  return !a.empty() && !b.empty() && *ea == 0 && *eb == 0 && x == y;  // 3.0e-3 and 0.003
+}
+
+// How config text `now` differs from `saved` in the keys starting with `prefix`: "optimizer.lr
+// 3.0e-3 -> 1.0e-3, checkpoint.interval (unset) -> 1"; "" when nothing differs or either does not parse.
+std::string config_changes(const std::string& saved, const std::string& now, const std::string& prefix) {
+  std::map<std::string, std::string> a, b;
+  try {
+    flatten_yaml(YAML::Load(saved), "", a);
+    flatten_yaml(YAML::Load(now), "", b);
+  } catch (const std::exception&) {
+    return "";
+  }
+  std::map<std::string, std::pair<std::string, std::string>> keys;
+  for (const auto& [k, v] : a) keys[k].first = v;
+  for (const auto& [k, v] : b) keys[k].second = v;
+  std::string out;
+  for (const auto& [k, v] : keys) {
+    if (!k.starts_with(prefix)) continue;
+    const bool in_a = a.contains(k), in_b = b.contains(k);
+    if (in_a && in_b && same_value(v.first, v.second)) continue;
+    out += fmt::format("{}{} {} -> {}", out.empty() ? "" : ", ", k, in_a ? v.first : "(unset)",
+                       in_b ? v.second : "(unset)");
+  }
+  return out;
 }
 
 // kernels.* of the config: process-wide settings of the ops, the same for every backend.
@@ -82,8 +135,10 @@ Trainer::Trainer(TrainConfig config, const parallel::Mesh& mesh, bool quiet)
       throw UsageError(fmt::format("eval.prefix {} holds {} tokens, fewer than seq_length + 1 = {}", cfg_.eval_prefix,
                                    eval_ds_->tokens(), cfg_.data.seq_length + 1));
     eval_sampler_ = std::make_unique<data::SequenceSampler>(*eval_ds_, cfg_.data.seq_length, cfg_.data.seed + 1);
-    check_eval_tokens();
   }
+  // Before anything is written or allocated: no other run may be writing into these directories
+  // (a second run on the same GPU would otherwise fail for want of the first one's memory).
+  lock_run_dirs(/*create_checkpoint_dir=*/false);
   // The model last: the data checks above are cheap, the backend allocates gigabytes.
   const bool cuda = cfg_.device == "cuda" || (cfg_.device == "auto" && cuda_training_available());
   const OptimizerConfig optimizer(cfg_.adamw, cfg_.muon);
@@ -92,6 +147,9 @@ Trainer::Trainer(TrainConfig config, const parallel::Mesh& mesh, bool quiet)
                   : make_cpu_backend(cfg_.model, cfg_.model_options, optimizer, mesh_, cfg_.data_parallel);
   // CPUs: about 2 cores of fp32 FMA, the CI machine's; set mfu_peak_flops for a real figure.
   if (!(cfg_.peak_flops > 0)) cfg_.peak_flops = cuda ? device_peak_bf16_flops(backend_->device()) : 1e11;
+  // After the backend, whose sizes it checks in a moment: the scan reads eval.batches x
+  // micro_batch samples, hours for a micro_batch no machine holds.
+  if (eval_sampler_) check_eval_tokens();
   // Read before this run's log opens: a fresh run must not append to another run's metrics.
   std::error_code ec;
   const std::filesystem::path metrics = MetricsLog::jsonl_path_in(cfg_.output_dir);
@@ -119,6 +177,55 @@ void Trainer::check_eval_tokens() const {
   }
 }
 
+void Trainer::lock_run_dirs(bool create_checkpoint_dir) {
+  namespace fs = std::filesystem;
+  std::string refused, notes;
+  if (mesh_.rank() == 0) {
+    const std::string who = lock_holder_line("keel train " + cfg_.path);
+    auto take = [&](const char* key, const std::string& dir, std::shared_ptr<DirLock>& slot) {
+      if (slot || !refused.empty()) return;
+      const DirLock::Result r = DirLock::acquire(dir, who);
+      if (!r.unsupported.empty()) {
+        notes += fmt::format("warning: {} {}: cannot lock it ({}): a second run writing there at once would not be "
+                             "stopped\n",
+                             key, dir, r.unsupported);
+        return;
+      }
+      if (!r.lock) {
+        refused = fmt::format("{} {} is in use by another run: {} holds its lock {}; wait for that run to end (or stop "
+                              "it), or train into another directory",
+                              key, dir, r.holder.empty() ? "a process that is starting or ending (it has not written its name)" : r.holder,
+                              (fs::path(dir) / DirLock::kFileName).string());
+        return;
+      }
+      if (!r.stale.empty())
+        notes += fmt::format("{} {}: the run that held its lock is gone ({}): taking the lock over\n", key, dir, r.stale);
+      slot = r.lock;
+    };
+    // A directory that cannot be made is left to the checks that name it (MetricsLog, check_checkpoint_dir).
+    std::error_code ec;
+    fs::create_directories(cfg_.output_dir, ec);
+    if (fs::is_directory(cfg_.output_dir, ec)) take("output_dir", cfg_.output_dir, output_lock_);
+    if (create_checkpoint_dir) fs::create_directories(cfg_.checkpoint_dir, ec);
+    if (fs::is_directory(cfg_.checkpoint_dir, ec)) take("checkpoint.dir", cfg_.checkpoint_dir, checkpoint_lock_);
+  }
+  if (mesh_.size() > 1) {
+    PeerWait wait("MPI_Bcast (directory locks)");
+    broadcast_string(refused, 0, mesh_.world());
+  }
+  if (!refused.empty()) throw UsageError(refused);
+  if (mesh_.rank() == 0 && !quiet_ && !notes.empty()) std::printf("%s", notes.c_str());
+}
+
+int Trainer::poll_stop() {
+  int sig = stop_requested_ ? stop_requested_() : 0;
+  if (mesh_.size() > 1) {
+    PeerWait wait("MPI_Allreduce (stop request)");
+    mpi_check(MPI_Allreduce(MPI_IN_PLACE, &sig, 1, MPI_INT, MPI_MAX, mesh_.world()), "MPI_Allreduce");
+  }
+  return sig;
+}
+
 void Trainer::check_checkpoint_dir() const {
   namespace fs = std::filesystem;
   const std::string& dir = cfg_.checkpoint_dir;
@@ -132,11 +239,24 @@ void Trainer::check_checkpoint_dir() const {
       why_no_new_file((fs::path(dir) / fmt::format(".keel-write-test.{}.{}", mesh_.data().rank, ::getpid())).string());
   if (!why.empty()) fail("checkpoint.dir {}: cannot write there: {}", dir, why);
   if (!resumed_) {
-    // A fresh run must not write over the checkpoints of another.
-    if (is_ckpt_directory(dir))
-      throw UsageError(fmt::format("checkpoint.dir {} already holds checkpoints (its `latest`: {}): continue with "
-                                   "--resume {}, or train into another directory",
-                                   dir, ckpt::latest_dir(dir), dir));
+    // A fresh run must not write over the checkpoints of another (committed steps count without
+    // a `latest` too: a crash between the first commit and its pointer leaves that).
+    std::int64_t committed = -1;
+    for (const auto& e : ckpt::list_steps(dir))
+      if (e.committed) committed = e.step;
+    if (is_ckpt_directory(dir) || committed >= 0) {
+      std::string latest;
+      try {
+        latest = ckpt::latest_dir(dir);
+      } catch (const Error&) {
+      }
+      throw UsageError(fmt::format("checkpoint.dir {} already holds checkpoints ({}): continue with --resume {}, or "
+                                   "train into another directory",
+                                   dir,
+                                   latest.empty() ? fmt::format("up to step {}", committed)
+                                                  : fmt::format("its `latest`: {}", latest),
+                                   dir));
+    }
     return;
   }
   // A resumed run writes only into its own lineage: the directory it resumed from, up to the
@@ -292,16 +412,19 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
   const bool saves = until > start && (cfg_.checkpoint_final || cfg_.checkpoint_interval > 0 || stops_early);
   // Checked before any work: where this run writes, and that it writes over nothing of another run's.
   if (!started_) {
-    if (saves) check_checkpoint_dir();
-    int earlier = earlier_metrics_ && !resumed_;
+    if (saves) {
+      lock_run_dirs(/*create_checkpoint_dir=*/true);
+      check_checkpoint_dir();
+    }
+    int earlier = earlier_metrics_ && !resumed_ && !restarted_;
     if (mesh_.size() > 1) {
       PeerWait wait("MPI_Bcast (start-up check)");
       mpi_check(MPI_Bcast(&earlier, 1, MPI_INT, 0, mesh_.world()), "MPI_Bcast");
     }
     if (earlier)
       throw UsageError(fmt::format("output_dir {} already holds another run's metrics.jsonl: continue that run with "
-                                   "--resume, or train into another directory",
-                                   cfg_.output_dir));
+                                   "--resume {}, or train into another directory",
+                                   cfg_.output_dir, cfg_.checkpoint_dir));
     started_ = true;
   }
   if (step_ == 0 && !resumed_ && !initialized_ && !cfg_.init_from.empty()) init_from_weights(cfg_.init_from);
@@ -330,6 +453,13 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
                 to_string(cfg_.model_options.recompute));
   if (!quiet_ && step_ == 0) std::printf("%s\n", memory_report(*backend_).c_str());
   while (step_ < until) {
+    // A stop request (SIGINT / SIGTERM) of any rank stops every rank here, at the same step.
+    if (stop_requested_) {
+      if (const int sig = poll_stop(); sig != 0) {
+        stopped_by_ = sig;
+        break;
+      }
+    }
     progress(fmt::format("step {}", step_ + 1));
     if (step_ + 1 == hang_step_ && mesh_.rank() == hang_rank_) {
       std::printf("fault injection: rank %d hangs at step %lld\n", hang_rank_, static_cast<long long>(hang_step_));
@@ -360,7 +490,9 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
     }
     std::fflush(stdout);
   }
-  if (stops_early) {  // stopped before the schedule's end: resumable from here (unless just saved)
+  // Stopped before the schedule's end (--stop-after, or a signal in a run that saves
+  // checkpoints): resumable from here (unless just saved; a signal before any step saves nothing).
+  if (stops_early || (stopped_by_ != 0 && saves && step_ > start)) {
     progress(fmt::format("the checkpoint of step {}", step_));
     save_checkpoint();
   }
@@ -488,40 +620,122 @@ void Trainer::init_from_weights(const std::string& path) {
 }
 
 void Trainer::resume(const std::string& path_in) {
+  namespace fs = std::filesystem;
   std::string path = path_in;
-  if (is_ckpt_directory(path)) {
-    LoadedTrainState got;
-    try {
-      got = load_train_checkpoint(path, cfg_.model, backend_->state_slice());
-    } catch (const Error& e) {
-      throw Error(fmt::format("--resume {}: {}", path, e.what()));
+  std::error_code ec;
+  // A root: its newest committed step. That is `latest`, unless the pointer lags behind a newer
+  // commit (the disk filled, or the process died, between the commit and the pointer update) or
+  // is missing or damaged: then the newest committed step, said here (the next save moves `latest`).
+  std::string redirected;
+  if (fs::is_directory(path, ec) && !fs::exists(fs::path(path) / ckpt::kMetadataFile, ec)) {
+    std::string newest;
+    std::int64_t newest_step = -1;
+    for (const auto& e : ckpt::list_steps(path))
+      if (e.committed) newest = e.dir, newest_step = e.step;
+    if (!newest.empty()) {
+      std::string latest, why;
+      try {
+        latest = ckpt::latest_dir(path);
+      } catch (const Error& e) {
+        why = e.what();
+      }
+      if (latest != newest) {
+        if (!why.empty())
+          redirected = fmt::format("its `latest` is unreadable ({})", why);
+        else if (latest.empty())
+          redirected = "it has no `latest` pointer";
+        else
+          redirected = fmt::format("its `latest` names {}, but step {} is committed {}", fs::path(latest).filename().string(),
+                                   newest_step,
+                                   fs::exists(fs::path(latest) / ckpt::kMetadataFile, ec)
+                                       ? "and newer (the pointer was not updated after that commit: a full disk, or a "
+                                         "crash in between)"
+                                       : "(and the step `latest` names is not)");
+        path = newest;
+      }
     }
-    backend_->set_state(got.state);
-    try {
-      loader_->restore(got.extra.at("sampler"));
-    } catch (const std::exception& e) {
-      throw Error(fmt::format("checkpoint {}: sampler state: {}", got.dir, e.what()));
-    }
-    step_ = got.step;
-    resumed_ = true;
-    resumed_from_ = got.dir;
-    // the group's read: bytes summed, the slowest rank's time; amplification over the group
-    double io[3] = {static_cast<double>(got.bytes_read), got.bytes_read / std::max(got.read_amplification, 1e-12),
-                    got.read_seconds};
-    sum_over(mesh_.data(), io, 2);
-    if (mesh_.data().size > 1) {
-      PeerWait wait("MPI_Allreduce (resume statistics)");
-      mpi_check(MPI_Allreduce(MPI_IN_PLACE, &io[2], 1, MPI_DOUBLE, MPI_MAX, mesh_.data().comm), "MPI_Allreduce");
-    }
-    if (!quiet_)
-      std::printf("resumed from %s at step %lld (read %.2f GiB in %.2f s, %.2f GB/s, read amplification %.3f)\n",
-                  got.dir.c_str(), static_cast<long long>(step_), io[0] / 1073741824.0, io[2],
-                  io[2] > 0 ? io[0] / io[2] / 1e9 : 0.0, io[1] > 0 ? io[0] / io[1] : 1.0);
-    return;
   }
-  throw UsageError(fmt::format("--resume {}: not a keel checkpoint (expected a checkpoint.dir root with `latest`, or a "
-                               "step_NNNNNNNN directory with metadata.json)",
-                               path));
+  if (!is_ckpt_directory(path)) {
+    // This config's own directory with nothing committed yet: a run that stopped before its first
+    // save (or a job script that always passes --resume, at its first start). It continues from
+    // step 0 into the same directories, its metrics appended to the same log.
+    auto same = [&](const std::string& a, const std::string& b) {
+      return fs::weakly_canonical(fs::absolute(a, ec), ec) == fs::weakly_canonical(fs::absolute(b, ec), ec);
+    };
+    const bool own = same(path, cfg_.checkpoint_dir) || same(path, cfg_.output_dir);
+    bool ckpt_dir_holds = is_ckpt_directory(cfg_.checkpoint_dir);
+    for (const auto& e : ckpt::list_steps(cfg_.checkpoint_dir)) ckpt_dir_holds = ckpt_dir_holds || e.committed;
+    if (own && !ckpt_dir_holds && (!fs::exists(path, ec) || fs::is_directory(path, ec))) {
+      restarted_ = true;
+      if (!quiet_)
+        std::printf("--resume %s: no checkpoint was committed there yet (the run stopped before its first save): "
+                    "starting at step 0\n",
+                    path.c_str());
+      return;
+    }
+    if (own && ckpt_dir_holds)
+      throw UsageError(fmt::format("--resume {}: not a keel checkpoint; this config's checkpoints are in its "
+                                   "checkpoint.dir: --resume {}",
+                                   path, cfg_.checkpoint_dir));
+    throw UsageError(fmt::format("--resume {}: not a keel checkpoint (expected a checkpoint.dir root with `latest`, or a "
+                                 "step_NNNNNNNN directory with metadata.json)",
+                                 path));
+  }
+  LoadedTrainState got;
+  try {
+    got = load_train_checkpoint(path, cfg_.model, backend_->state_slice());
+  } catch (const Error& e) {
+    // Another model is refused (by its tensors); the keys that made it another are worth naming.
+    std::string model_changes;
+    try {
+      const ckpt::Metadata m = ckpt::read_metadata(ckpt::resolve_checkpoint(path));
+      if (m.state.is_object() && m.state.contains("config") && m.state["config"].is_string())
+        model_changes = config_changes(m.state["config"].get<std::string>(), cfg_.text, "model.");
+    } catch (const std::exception&) {
+    }
+    throw Error(fmt::format("--resume {}: {}{}", path_in, e.what(),
+                            model_changes.empty() ? "" : fmt::format(" (the model keys changed: {})", model_changes)));
+  }
+  backend_->set_state(got.state);
+  // The sampler's position, as save_checkpoint() writes it: a state without it (or a damaged one)
+  // is named, never the JSON library's message.
+  const std::string metadata = (fs::path(got.dir) / ckpt::kMetadataFile).string();
+  if (!got.extra.contains("sampler") || !got.extra["sampler"].is_object())
+    throw Error(fmt::format("checkpoint {}: state 'sampler' is {} (expected the data sampler's position, an object "
+                            "keel train saves with every checkpoint): the metadata is damaged",
+                            metadata, got.extra.contains("sampler") ? got.extra["sampler"].dump() : "missing"));
+  try {
+    loader_->restore(got.extra["sampler"]);
+  } catch (const Error& e) {
+    throw Error(fmt::format("checkpoint {}: state 'sampler': {}", metadata, e.what()));
+  } catch (const std::exception&) {
+    throw Error(fmt::format("checkpoint {}: state 'sampler' is damaged (a member is missing or of the wrong type; "
+                            "expected the data sampler's position as keel train saves it)",
+                            metadata));
+  }
+  step_ = got.step;
+  resumed_ = true;
+  resumed_from_ = got.dir;
+  // the group's read: bytes summed, the slowest rank's time; amplification over the group
+  double io[3] = {static_cast<double>(got.bytes_read), got.bytes_read / std::max(got.read_amplification, 1e-12),
+                  got.read_seconds};
+  sum_over(mesh_.data(), io, 2);
+  if (mesh_.data().size > 1) {
+    PeerWait wait("MPI_Allreduce (resume statistics)");
+    mpi_check(MPI_Allreduce(MPI_IN_PLACE, &io[2], 1, MPI_DOUBLE, MPI_MAX, mesh_.data().comm), "MPI_Allreduce");
+  }
+  if (quiet_) return;
+  if (!redirected.empty())
+    std::printf("--resume %s: %s: resuming from its newest committed step, %s\n", path_in.c_str(), redirected.c_str(),
+                got.dir.c_str());
+  std::printf("resumed from %s at step %lld (read %.2f GiB in %.2f s, %.2f GB/s, read amplification %.3f)\n",
+              got.dir.c_str(), static_cast<long long>(step_), io[0] / 1073741824.0, io[2],
+              io[2] > 0 ? io[0] / io[2] / 1e9 : 0.0, io[1] > 0 ? io[0] / io[1] : 1.0);
+  // What this run changes (lr, schedule, batch, optimizer, ...): said, not silently taken.
+  if (got.extra.contains("config") && got.extra["config"].is_string()) {
+    const std::string changes = config_changes(got.extra["config"].get<std::string>(), cfg_.text, "");
+    if (!changes.empty()) std::printf("resumed with config changes (checkpoint -> now): %s\n", changes.c_str());
+  }
 }
 
 }  // namespace keel::train

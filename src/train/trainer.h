@@ -7,10 +7,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "common/dir_lock.h"
 #include "common/watchdog.h"
 #include "data/blend.h"
 #include "train/backend.h"
@@ -40,8 +42,15 @@ class Trainer {
   Trainer(TrainConfig config, const parallel::Mesh& mesh = {}, bool quiet = false);
   ~Trainer();
 
-  // Loads a keel ckpt checkpoint (a checkpoint.dir root: its `latest`; or one step directory),
-  // or, from keel before the ckpt library, a checkpoint-*.keel file or the newest in a directory.
+  // The constructor takes the run's directory locks (common/dir_lock.h): output_dir, and
+  // checkpoint.dir when it exists (run() takes it when it creates it). Another process holding
+  // one is a UsageError naming it, on every rank (rank 0 locks and tells the others).
+
+  // Loads a keel ckpt checkpoint: a checkpoint.dir root (its newest committed step: `latest`, or a
+  // newer committed step when `latest` lags behind it, which is said), or one step directory.
+  // This config's own checkpoint.dir or output_dir holding no committed checkpoint yet (a run that
+  // stopped before its first save) continues as a restart from step 0, said and logged into the
+  // same metrics.jsonl. Prints how this config differs from the checkpoint's.
   void resume(const std::string& path);
   // Sets the weights (and router biases, when present) from a keel checkpoint, with fresh
   // optimizer state: what config.init_from does, which run() calls when the run starts at step
@@ -72,6 +81,12 @@ class Trainer {
   // Fault injection for tests: data-parallel rank `rank` stops making progress (sleeps) at the
   // start of step `step`, as a hung GPU or process would.
   void inject_hang(int rank, std::int64_t step) { hang_rank_ = rank, hang_step_ = step; }
+  // A stop request (keel train: the first SIGINT / SIGTERM): `requested` returns a signal number
+  // or 0. run() asks it at every step boundary and combines the answers over the world, so every
+  // rank stops at the same step when any rank was asked; it then saves a checkpoint of that step
+  // (when the run saves checkpoints) and returns. stopped_by() is that signal afterwards.
+  void stop_when(std::function<int()> requested) { stop_requested_ = std::move(requested); }
+  int stopped_by() const { return stopped_by_; }
 
   std::int64_t step() const { return step_; }
   TrainBackend& backend() { return *backend_; }
@@ -90,6 +105,11 @@ class Trainer {
   void commit_when_written();
   // Re-arms the watchdog, if any, for `what`.
   void progress(const std::string& what);
+  // Takes output_dir's lock and checkpoint.dir's (when it exists, or creating it) on rank 0; the
+  // refusal, if any, is one UsageError on every rank (collective over the world).
+  void lock_run_dirs(bool create_checkpoint_dir);
+  // The stop request of any rank, the same on every rank (collective over the world).
+  int poll_stop();
 
   TrainConfig cfg_;
   parallel::Mesh mesh_;
@@ -104,6 +124,10 @@ class Trainer {
   std::int64_t step_ = 0;
   int local_accum_ = 1;  // micro-batches per step on this rank: grad_accum / data-parallel degree
   bool resumed_ = false;
+  bool restarted_ = false;       // --resume of this run's own directory with no checkpoint yet: from step 0
+  std::shared_ptr<DirLock> output_lock_, checkpoint_lock_;
+  std::function<int()> stop_requested_;
+  int stopped_by_ = 0;
   std::string resumed_from_;     // the step directory resume() read
   bool started_ = false;         // run() has done its start-up checks
   bool earlier_metrics_ = false;  // output_dir held a non-empty metrics.jsonl before this run

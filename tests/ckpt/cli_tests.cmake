@@ -102,10 +102,15 @@ set_tests_properties(cli_ckpt_export_into_checkpoint cli_ckpt_reshard_huge_mesh 
   cli_ckpt_reshard_into_existing_root PROPERTIES FIXTURES_REQUIRED ckpt_saved)
 set_tests_properties(cli_ckpt_export_exists cli_ckpt_import_into_existing_root cli_ckpt_import_negative_step
   PROPERTIES FIXTURES_REQUIRED "ckpt_saved;ckpt_exported")
-keel_cli_test(NAME ckpt_timeout_zero EXIT 1
-  MATCH "keel: error: --timeout must be a positive number of seconds \\(at most 1e9\\), got 0"
+# --timeout as every keel command takes it (common/watchdog.h): 0 or inf is no deadline (0 was an
+# error here, inf too; train took 0 and refused inf), a negative value one line.
+keel_cli_test(NAME ckpt_timeout_zero MATCH "read amplification 1\\.000"
   ARGS ckpt demo-load ${ck}/root --timeout 0)
-keel_cli_test(NAME ckpt_timeout_negative EXIT 1 MATCH "keel: error: --timeout must be a positive number of seconds"
+keel_cli_test(NAME ckpt_timeout_inf MATCH "read amplification 1\\.000"
+  ARGS ckpt demo-load ${ck}/root --timeout inf)
+set_tests_properties(cli_ckpt_timeout_zero cli_ckpt_timeout_inf PROPERTIES FIXTURES_REQUIRED ckpt_saved)
+keel_cli_test(NAME ckpt_timeout_negative EXIT 1
+  MATCH "^keel: error: --timeout -1: must be seconds >= 0 \\(0 or inf: no deadline\\)$"
   ARGS ckpt demo-save ${ck}/timeout --timeout -1)
 keel_cli_test(NAME ckpt_negative_step EXIT 1 MATCH "keel: error: --step must be at least 0, got -5"
   ARGS ckpt demo-save ${ck}/negative --step -5)
@@ -152,10 +157,10 @@ keel_cli_test(NAME ckpt_zaya_train_from_imported
        --set checkpoint.final=false --set output_dir=ckpt_zaya/finetune --set init_from=ckpt_zaya/imported)
 keel_cli_test(NAME ckpt_zaya_generate_from_imported
   MATCH "^model zaya1-tiny: .*; checkpoint ckpt_zaya/imported/step_00000002 \\(weights imported from ckpt_zaya/alt"
-  ARGS generate ckpt_zaya/imported --config ${zcfg} --prompt "Tom ran" -n 4 --ignore-eos)
+  ARGS generate ckpt_zaya/imported --config ${zcfg} --prompt "Tom ran" --max-new-tokens 4 --ignore-eos)
 keel_cli_test(NAME ckpt_zaya_generate_imported_needs_model EXIT 1
   MATCH "keel: error: checkpoint ckpt_zaya/imported/step_00000002: no saved train config \\(imported weights\\?\\): name the model with --model"
-  ARGS generate ckpt_zaya/imported --prompt "Tom ran" -n 4)
+  ARGS generate ckpt_zaya/imported --prompt "Tom ran" --max-new-tokens 4)
 set_tests_properties(cli_ckpt_zaya_train_from_imported cli_ckpt_zaya_generate_from_imported
   cli_ckpt_zaya_generate_imported_needs_model PROPERTIES FIXTURES_REQUIRED "ckpt_zaya_imported;train_stories")
 keel_cli_test(NAME ckpt_zaya_import_other_layout EXIT 1 MATCH
@@ -175,3 +180,12 @@ keel_cli_test(NAME ckpt_zaya_unknown_names EXIT 1 MATCH "keel: error: unknown --
   ARGS ckpt import ckpt_zaya/hf ckpt_zaya/bad --names llama --model ${zcfg})
 keel_cli_test(NAME ckpt_zaya_unknown_dtype EXIT 1 MATCH "keel: error: unknown --dtype 'fp8' \\(fp32, bf16\\)"
   ARGS ckpt export ckpt_zaya/train ckpt_zaya/bad --names zaya1 --model ${zcfg} --dtype fp8)
+
+# Issue 34: demo-load on a keel train checkpoint (tests/train's train_stop) read its state's
+# `config`, the train YAML text, as demo sizes: "[json.exception.type_error.304] cannot use at()
+# with string". It names the checkpoint and what it is instead.
+keel_cli_test(NAME ckpt_demo_load_train_checkpoint EXIT 1
+  MATCH "^keel: error: train_stop/step_[0-9]+: a keel train checkpoint \\(keel\\.train/[0-9]+\\), not a demo one: demo-load checks what keel ckpt demo-save wrote; use keel ckpt inspect or keel ckpt verify for this one$"
+  NOT "json\\.exception"
+  ARGS ckpt demo-load train_stop)
+set_tests_properties(cli_ckpt_demo_load_train_checkpoint PROPERTIES FIXTURES_REQUIRED "train_stories;train_stop")

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
+#include <string>
 #include <limits>
 #include <thread>
 
@@ -31,6 +33,27 @@ TEST(WatchdogDeathTest, HugeOrInfiniteLimitsMeanNoDeadline) {
     SCOPED_TRACE(seconds);
     EXPECT_EXIT(arm_wait_and_exit(seconds), testing::ExitedWithCode(0), "");
   }
+}
+
+// keel's --timeout 0 is no deadline in every command (keel train's meaning); armed as it is, it
+// must not read as a deadline already past.
+TEST(WatchdogDeathTest, ZeroMeansNoDeadline) {
+  EXPECT_EXIT(arm_wait_and_exit(0), testing::ExitedWithCode(0), "");
+}
+
+TEST(TimeoutFlag, ZeroInfAndSecondsPassNegativeAndNaNAreOneLine) {
+  for (double ok : {0.0, 0.5, 600.0, 1e300, std::numeric_limits<double>::infinity()})
+    EXPECT_NO_THROW(check_timeout_flag(ok)) << ok;
+  for (double bad : {-1.0, -std::numeric_limits<double>::infinity(), std::nan("")}) {
+    try {
+      check_timeout_flag(bad);
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("must be seconds >= 0 (0 or inf: no deadline)"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(kDefaultTimeoutSeconds, 600);
 }
 
 TEST(WatchdogDeathTest, RearmingWithNoDeadlineCancelsTheOldOne) {

@@ -3,9 +3,10 @@
 set(corpus ${PROJECT_SOURCE_DIR}/data/corpus)
 set(din ${CMAKE_CURRENT_SOURCE_DIR}/data/inputs)
 
+# (--force on the fixtures that write a fixed prefix: a rerun of the suite replaces the last run's)
 keel_cli_test(NAME data_tokenize_jsonl
   MATCH "tokenized 1 file: 220 documents, [0-9]+ tokens \\(byte tokenizer, vocab 259, uint16\\)"
-  ARGS data tokenize ${corpus}/stories.jsonl --out data_stories --append-eos)
+  ARGS data tokenize ${corpus}/stories.jsonl --out data_stories --append-eos --force)
 set_tests_properties(cli_data_tokenize_jsonl PROPERTIES FIXTURES_SETUP data_stories)
 keel_cli_test(NAME data_tokenize_bad_holdout EXIT nonzero MATCH "--holdout must be in .0, 1\\), got 1.5"
   ARGS data tokenize ${corpus}/stories.jsonl --out data_bad_holdout --holdout 1.5)
@@ -25,7 +26,7 @@ keel_cli_test(NAME data_inspect_summary MATCH "^documents +220$" ARGS data inspe
 set_tests_properties(cli_data_inspect cli_data_inspect_summary PROPERTIES FIXTURES_REQUIRED data_stories)
 
 keel_cli_test(NAME data_tokenize_text MATCH "tokenized 2 files: 520 documents, .*uint32\\)"
-  ARGS data tokenize ${corpus}/stories.txt ${corpus}/arithmetic.txt --out data_text --dtype uint32)
+  ARGS data tokenize ${corpus}/stories.txt ${corpus}/arithmetic.txt --out data_text --dtype uint32 --force)
 set_tests_properties(cli_data_tokenize_text PROPERTIES FIXTURES_SETUP data_text)
 keel_cli_test(NAME data_inspect_uint32 MATCH "^dtype +uint32 \\(Megatron dtype code 9\\)$"
   ARGS data inspect data_text --document 300)
@@ -78,3 +79,26 @@ keel_cli_test(NAME data_tokenize_directory_prefix EXIT nonzero MATCH "--out 'dat
 keel_cli_test(NAME data_inspect_negative_document EXIT nonzero MATCH "--document: must not be negative"
   ARGS data inspect data_stories --document -1)
 set_tests_properties(cli_data_inspect_negative_document PROPERTIES FIXTURES_REQUIRED data_stories)
+
+# Issue 34: an existing dataset is replaced only with --force (it was replaced without a word),
+# and `tokenize X.bin --out X`, which replaced its own input, is refused; the refusals leave the
+# dataset as it was.
+add_test(NAME cli_data_force_clean COMMAND ${CMAKE_COMMAND} -E rm -rf data_force WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_data_force_clean PROPERTIES FIXTURES_SETUP data_force_clean)
+keel_cli_test(NAME data_force_first MATCH "wrote data_force/s\\.bin and data_force/s\\.idx"
+  ARGS data tokenize ${corpus}/stories.jsonl --out data_force/s)
+set_tests_properties(cli_data_force_first PROPERTIES FIXTURES_REQUIRED data_force_clean FIXTURES_SETUP data_force)
+keel_cli_test(NAME data_tokenize_existing_refused EXIT 1
+  MATCH "^keel: error: --out data_force/s: data_force/s\\.bin already exists \\(an earlier dataset\\?\\): pass --force to replace it, or choose another prefix$"
+  ARGS data tokenize ${corpus}/arithmetic.jsonl --out data_force/s)
+keel_cli_test(NAME data_tokenize_own_input_refused EXIT 1
+  MATCH "^keel: error: --out data_force/s would replace the input data_force/s\\.bin \\(as data_force/s\\.bin\\) with its tokens: give another --out \\(or --force\\)$"
+  ARGS data tokenize data_force/s.bin --out data_force/s)
+keel_cli_test(NAME data_tokenize_refusals_kept MATCH "^documents +220$" ARGS data inspect data_force/s)
+keel_cli_test(NAME data_tokenize_force MATCH "tokenized 1 file: 300 documents"
+  ARGS data tokenize ${corpus}/arithmetic.jsonl --out data_force/s --force)
+set_tests_properties(cli_data_tokenize_existing_refused cli_data_tokenize_own_input_refused cli_data_tokenize_refusals_kept
+  cli_data_tokenize_force PROPERTIES FIXTURES_REQUIRED data_force)
+set_tests_properties(cli_data_tokenize_refusals_kept PROPERTIES
+  DEPENDS "cli_data_tokenize_existing_refused;cli_data_tokenize_own_input_refused")
+set_tests_properties(cli_data_tokenize_force PROPERTIES DEPENDS cli_data_tokenize_refusals_kept)

@@ -162,6 +162,13 @@ TEST(DataIndexed, ValidationErrorsNameTheFile) {
   expect_error(idx.substr(0, idx.size() - 8), bin, p + ".idx: truncated index");
   expect_error(idx + "xyz", bin, p + ".idx: 3 unexpected bytes");
   expect_error(idx, bin.substr(0, bin.size() - 2), p + ".bin: truncated");
+  // Issue 34: a larger .bin (another dataset's, or this one with more appended) was accepted and
+  // trained on the wrong tokens: the sizes must agree exactly.
+  const std::uint64_t tokens = bin.size() / 2;
+  expect_error(idx, bin + "ab", fmt::format("{}.bin: {} bytes, but {}.idx describes {} uint16 tokens ({} bytes): the "
+                                            "two files are not one dataset",
+                                            p, bin.size() + 2, p, tokens, bin.size()));
+  expect_error(idx, bin + bin, fmt::format("{}.bin: {} bytes, but", p, 2 * bin.size()));
   // A pointer past the end of the .bin (sequence 4's pointer, at 34 + 10*4 + 4*8).
   bad = idx;
   const std::int64_t far = 1 << 20;
@@ -263,9 +270,17 @@ TEST(DataTokenizer, SentencePieceErrors) {
                 .find("cannot read SentencePiece model " + (dir / "nope.model") + ": no such file"),
             std::string::npos);
   spit(dir / "garbage.model", "this is not a model");
-  EXPECT_NE(error_of([&] { make_tokenizer("spm:" + (dir / "garbage.model")); })
-                .find("cannot load SentencePiece model " + (dir / "garbage.model")),
-            std::string::npos);
+  // Issue 34: SentencePiece's own text ("Internal: ./src/sentencepiece_processor.cc(1101)
+  // [model_proto->ParseFromArray(...)]") is replaced by what it means for the file.
+  EXPECT_EQ(error_of([&] { make_tokenizer("spm:" + (dir / "garbage.model")); }),
+            "cannot load SentencePiece model " + (dir / "garbage.model") +
+                ": not a SentencePiece model (its bytes do not parse as a serialized ModelProto, as spm_train writes)");
+  EXPECT_EQ(error_of([&] { load_sentencepiece_proto("this is not a model", "g.model"); }),
+            "cannot load SentencePiece model g.model: not a SentencePiece model (its bytes do not parse as a "
+            "serialized ModelProto, as spm_train writes)");
+  // a directory: read through std::filebuf it failed as "basic_filebuf::underflow ...", no path
+  EXPECT_EQ(error_of([&] { make_tokenizer("spm:" + (dir / "")); }),
+            "cannot read SentencePiece model " + (dir / "") + ": it is a directory (expected a .model file)");
   EXPECT_THROW(make_tokenizer("gpt2"), UsageError);
 }
 
@@ -537,6 +552,32 @@ phases:
   EXPECT_NE(err("seq_length: 0\ndatasets: {a: x}\nphases:\n  - weights: {a: 1}\n").find("at least 1"), std::string::npos);
   EXPECT_NE(err("datasets: {a: x}\nphases: []\n").find("missing 'seq_length'"), std::string::npos);
   EXPECT_NE(err("seq_length: [\n").find("invalid YAML"), std::string::npos);
+}
+
+// Issue 34: every YAML keel reads is bounded: its size before reading (/dev/zero was read until
+// the OOM killer), its nodes with aliases expanded, and its strings must be UTF-8.
+TEST(DataConfig, BoundedAndUtf8) {
+  auto load_error = [](const std::string& path) { return error_of([&] { load_data_config(path); }); };
+  EXPECT_EQ(load_error("/dev/zero"), "cannot read /dev/zero: it is a character device, not a config file");
+  TempDir dir;
+  const std::string big = dir / "big.yaml";
+  spit(big, "");
+  fs::resize_file(big, (std::uint64_t{16} << 20) + 1);  // sparse: nothing allocated
+  EXPECT_EQ(load_error(big), "cannot read " + big + ": 16777217 bytes is too large for a config file (at most 16 MiB): is "
+                             "it the right file?");
+  std::string bomb = "seq_length: 8\ndatasets: {a: x}\nphases: [{weights: {a: 1}}]\nx0: &x0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n";
+  for (int i = 1; i <= 6; ++i) {
+    bomb += fmt::format("x{}: &x{} [", i, i);
+    for (int k = 0; k < 10; ++k) bomb += fmt::format("{}*x{}", k ? ", " : "", i - 1);
+    bomb += "]\n";
+  }
+  EXPECT_EQ(error_of([&] { parse_data_config(bomb, "cfg.yaml", ""); }),
+            "cfg.yaml: more than 1000000 values with its aliases expanded (aliases nested inside aliases?); a keel "
+            "config holds a few hundred");
+  EXPECT_EQ(error_of([&] { parse_data_config("seq_length: 8\ndatasets: {a: \"x\xff\"}\nphases: [{weights: {a: 1}}]\n",
+                                             "cfg.yaml", ""); }),
+            "cfg.yaml: key 'datasets.a' (line 2) is not valid UTF-8 (byte 0xff at offset 1); configs are stored in "
+            "checkpoints as JSON, which needs UTF-8");
 }
 
 }  // namespace

@@ -138,6 +138,13 @@ TEST(MeasuredHardware, ErrorsNameTheFile) {
     "results": [{"m": 1, "n": 1, "k": 1, "dtype": "bf16", "tflops": 1}]})");
   EXPECT_NE(error(baddevice).find("baddevice.json: unexpected layout"), std::string::npos);
   EXPECT_NE(error("h100," + norow).find("results[0].n is missing or not a number"), std::string::npos);
+  // Issue 34: a profile that is no file is refused before reading (through a .json link to
+  // /dev/zero, the read ran until the OOM killer)
+  const std::filesystem::path zero = std::filesystem::path(write("x.json", "")).parent_path() / "zero.json";
+  std::filesystem::remove(zero);
+  std::filesystem::create_symlink("/dev/zero", zero);
+  EXPECT_EQ(error("h100," + zero.string()),
+            "cannot read " + zero.string() + ": it is a character device, not a config file");
 }
 
 // The error load_hardware gives for a file of `schema` with `device` and `results`, or "".

@@ -170,12 +170,37 @@ TEST(ModelConfig, BadConfigsNameTheKey) {
   e = load_error("missing.yaml", "- a\n- b\n");
   EXPECT_NE(e.find("must be a YAML mapping"), std::string::npos) << e;
 
-  try {
-    load_model_config("/nonexistent/model.yaml");
-    ADD_FAILURE() << "no error for a missing file";
-  } catch (const UsageError& err) {
-    EXPECT_NE(std::string(err.what()).find("/nonexistent/model.yaml: cannot read"), std::string::npos);
+  EXPECT_EQ(test::error_message<UsageError>([] { load_model_config("/nonexistent/model.yaml"); }, "(no error)"),
+            "cannot read /nonexistent/model.yaml: No such file or directory");
+}
+
+// Issue 34: a model YAML that is no file was read through YAML::LoadFile, whose error for a
+// directory ("basic_filebuf::underflow error reading the file: Is a directory") named no path,
+// and /dev/zero was read until memory ran out. Both are refused, by name, before any read.
+TEST(ModelConfig, NoFileIsRefusedByNameBeforeReading) {
+  const auto dir = std::filesystem::temp_directory_path() / "keel_model_config_test_dir";
+  std::filesystem::create_directories(dir);
+  for (auto load : {+[](const std::string& p) { load_model_config(p); },
+                    +[](const std::string& p) { load_model_or_train_config(p); }}) {
+    EXPECT_EQ(test::error_message<UsageError>([&] { load(dir.string()); }, "(no error)"),
+              "cannot read " + dir.string() + ": it is a directory, not a config file");
+    EXPECT_EQ(test::error_message<UsageError>([&] { load("/dev/zero"); }, "(no error)"),
+              "cannot read /dev/zero: it is a character device, not a config file");
   }
+}
+
+// Issue 34: the model's name goes into every checkpoint's JSON. Without a `name` key it is the
+// file's name, which need not be UTF-8: refused at load, not at the first checkpoint commit.
+TEST(ModelConfig, NameMustBeUtf8) {
+  const std::string bad_name = write_yaml("m\xff.yaml", kTinyGqa);
+  EXPECT_EQ(test::error_message<UsageError>([&] { load_model_config(bad_name); }, "(no error)"),
+            bad_name + ": the model's name, taken from the file name 'm\\xff' as there is no key 'name', is not "
+                       "valid UTF-8 (byte 0xff at offset 1): add a key 'name'");
+  EXPECT_EQ(load_model_config(write_yaml("m\xff" "2.yaml", std::string(kTinyGqa) + "name: ok\n")).name, "ok");
+  const std::string latin1 = write_yaml("latin1.yaml", std::string(kTinyGqa) + "name: caf\xe9\n");
+  EXPECT_EQ(test::error_message<UsageError>([&] { load_model_config(latin1); }, "(no error)"),
+            latin1 + ": key 'name' (line 9) is not valid UTF-8 (byte 0xe9 at offset 3 starts no valid character); "
+                     "configs are stored in checkpoints as JSON, which needs UTF-8");
 }
 
 }  // namespace

@@ -4,11 +4,20 @@ set(cfg ${PROJECT_SOURCE_DIR}/configs)
 set(data ${CMAKE_CURRENT_SOURCE_DIR}/size/data)
 
 keel_cli_test(NAME size_zaya1 MATCH "non-embedding +8\\.30B +753\\.6M"
-  ARGS size ${cfg}/zaya1-8b.yaml --hardware mi300x --gpus 1024 --tokens 12T --micro-batch 4)
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware mi300x --gpus 1024 --train-tokens 12T --micro-batch 4)
 keel_cli_test(NAME size_zaya1_sections MATCH "## Sizing findings"
   ARGS size ${cfg}/zaya1-8b.yaml --hardware h200 --layout tp=2,ep=4,zero=2 --gpus 64)
 keel_cli_test(NAME size_zaya1_time MATCH "12\\.00T tokens on 1024 GPUs: [0-9.]+ days at 40% MFU"
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware mi300x --gpus 1024 --train-tokens 12T)
+# --tokens meant three things in keel (here tokens to train; in keel bench gemm tokens per step;
+# in keel data inspect tokens to show): the old spelling still works, with one deprecation line.
+keel_cli_test(NAME size_old_tokens_spelling MATCH "^keel: warning: size: --tokens is deprecated, use --train-tokens"
   ARGS size ${cfg}/zaya1-8b.yaml --hardware mi300x --gpus 1024 --tokens 12T)
+keel_cli_test(NAME size_old_tokens_still_trains MATCH "12\\.00T tokens on 1024 GPUs: [0-9.]+ days at 40% MFU"
+  ARGS size ${cfg}/zaya1-8b.yaml --hardware mi300x --gpus 1024 --tokens 12T)
+keel_cli_test(NAME size_old_and_new_tokens EXIT 1
+  MATCH "^keel: error: size: --train-tokens and the old --tokens both given: give --train-tokens only$"
+  ARGS size ${cfg}/zaya1-8b.yaml --tokens 1T --train-tokens 2T)
 # The layout as the report prints it (mesh::Shape::str: dp always, other axes when not 1, zero
 # when not 0; ZeRO-1 when --layout leaves zero out).
 keel_cli_test(NAME size_layout_line MATCH "^#   layout pp=4,dp=8,tp=2,ep=8,zero=1 on 64 GPUs, "
@@ -65,11 +74,13 @@ keel_cli_test(NAME size_layout_key EXIT 1 MATCH "keel: error: layout 'mp=2': unk
   ARGS size ${cfg}/zaya1-8b.yaml --layout mp=2)
 keel_cli_test(NAME size_unknown_hardware EXIT 1 MATCH "keel: error: unknown hardware 'v100'"
   ARGS size ${cfg}/zaya1-8b.yaml --hardware v100)
-keel_cli_test(NAME size_missing_config EXIT 1 MATCH "keel: error: /nonexistent\\.yaml: cannot read"
+keel_cli_test(NAME size_missing_config EXIT 1 MATCH "^keel: error: cannot read /nonexistent\\.yaml: No such file or directory$"
   ARGS size /nonexistent.yaml)
 keel_cli_test(NAME size_bad_grad_reduce EXIT 1 MATCH "keel: error: unknown --grad-reduce 'fp16' \\(choose fp32 or bf16\\)"
   ARGS size ${cfg}/zaya1-8b.yaml --grad-reduce fp16)
-keel_cli_test(NAME size_bad_tokens EXIT 1 MATCH "keel: error: --tokens '12X' has an unknown unit"
+keel_cli_test(NAME size_bad_tokens EXIT 1 MATCH "keel: error: --train-tokens '12X' has an unknown unit"
+  ARGS size ${cfg}/zaya1-8b.yaml --train-tokens 12X)
+keel_cli_test(NAME size_bad_old_tokens EXIT 1 MATCH "keel: error: --tokens '12X' has an unknown unit"
   ARGS size ${cfg}/zaya1-8b.yaml --tokens 12X)
 keel_cli_test(NAME size_moe_study_dense EXIT 1 MATCH "keel: error: --moe-study needs an MoE model"
   ARGS size ${cfg}/llama3-8b.yaml --moe-study)
@@ -93,10 +104,10 @@ keel_cli_test(NAME size_hw_negative_busbw EXIT 1
   ARGS size ${cfg}/mixtral-8x7b.yaml --hardware ${data}/comm_negative_busbw.json)
 keel_cli_test(NAME size_hw_zero_tflops EXIT 1
   MATCH "keel: error: .*gemm_zero_tflops\\.json: results\\[0\\]\\.tflops must be a measurement in .* \\(got 0\\)"
-  ARGS size ${cfg}/mixtral-8x7b.yaml --hardware ${data}/gemm_zero_tflops.json --tokens 1T)
+  ARGS size ${cfg}/mixtral-8x7b.yaml --hardware ${data}/gemm_zero_tflops.json --train-tokens 1T)
 keel_cli_test(NAME size_hw_tiny_tflops EXIT 1
   MATCH "keel: error: .*gemm_tiny_tflops\\.json: results\\[0\\]\\.tflops must be a measurement in .* \\(got 1e-300\\)"
-  ARGS size ${cfg}/mixtral-8x7b.yaml --hardware ${data}/gemm_tiny_tflops.json --tokens 1T)
+  ARGS size ${cfg}/mixtral-8x7b.yaml --hardware ${data}/gemm_tiny_tflops.json --train-tokens 1T)
 keel_cli_test(NAME size_hw_sm_count_wraps EXIT 1
   MATCH "keel: error: .*mem_sm_count_wraps\\.json: devices\\[0\\]\\.sm_count must be a whole number in \\[1, 65536\\] \\(got 4294967297\\)"
   ARGS size ${cfg}/mixtral-8x7b.yaml --hardware ${data}/mem_sm_count_wraps.json)

@@ -6,7 +6,7 @@ set(tshort --set data.datasets.stories=train_stories --set steps=16 --set log_in
 
 # 5% of the documents held out (by a hash of their position: the same split on every machine).
 keel_cli_test(NAME train_tokenize MATCH "held out 13 documents, [0-9]+ tokens \\(--holdout 0.05\\)"
-  ARGS data tokenize ${PROJECT_SOURCE_DIR}/data/corpus/stories.jsonl --out train_stories --append-eos --holdout 0.05)
+  ARGS data tokenize ${PROJECT_SOURCE_DIR}/data/corpus/stories.jsonl --out train_stories --append-eos --holdout 0.05 --force)
 set_tests_properties(cli_train_tokenize PROPERTIES FIXTURES_SETUP train_stories)
 
 keel_cli_test(NAME train_tiny MATCH "done: steps 0 -> 16 in .* s, loss 5\\.[0-9]+ -> "
@@ -20,6 +20,21 @@ keel_cli_test(NAME train_memory_report
   MATCH "memory on this rank: [0-9.]+ GiB = parameters [0-9.]+ GiB \\+ gradients [0-9.]+ GiB \\+ optimizer state [0-9.]+ GiB \\+ activations and scratch"
   ARGS train ${tcfg} ${tshort} --set steps=4 --set output_dir=train_memory --set device=cpu)
 set_tests_properties(cli_train_memory_report PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+# The same line wherever device: auto lands, one rank: the CPU backend's items, or the CUDA
+# backend's (fp32 master weights, bf16 weights, fp32 gradients, ...) on a machine with a GPU.
+keel_cli_test(NAME train_memory_report_auto
+  MATCH "memory on this rank: [0-9.]+ GiB = (parameters [0-9.]+ GiB \\+ gradients [0-9.]+ GiB|fp32 master weights [0-9.]+ GiB \\+ bf16 weights [0-9.]+ GiB \\+ fp32 gradients [0-9.]+ GiB)"
+  ARGS train ${tcfg} ${tshort} --set steps=4 --set checkpoint.final=false --set output_dir=train_memory_auto)
+set_tests_properties(cli_train_memory_report_auto PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+# --timeout is the same in every command (common/watchdog.h): seconds, default 600; 0 or inf is no
+# deadline (train refused inf before), a negative or NaN value one line.
+keel_cli_test(NAME train_timeout_inf MATCH "done: steps 0 -> 4"
+  ARGS train ${tcfg} ${tshort} --set steps=4 --set device=cpu --set checkpoint.final=false
+       --set output_dir=train_timeout_inf --timeout inf)
+set_tests_properties(cli_train_timeout_inf PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+keel_cli_test(NAME train_timeout_negative EXIT 1
+  MATCH "^keel: error: --timeout -1: must be seconds >= 0 \\(0 or inf: no deadline\\)$"
+  ARGS train ${tcfg} --timeout -1)
 keel_cli_test(NAME train_stop MATCH "saved train_stop/step_00000008 "
   ARGS train ${tcfg} ${tshort} --set output_dir=train_stop --stop-after 8)
 set_tests_properties(cli_train_stop PROPERTIES FIXTURES_SETUP train_stop)
@@ -36,6 +51,9 @@ set_tests_properties(cli_train_stop PROPERTIES FIXTURES_REQUIRED "train_stories;
 keel_cli_test(NAME train_refuses_existing_checkpoints EXIT 1 MATCH "already holds checkpoints.*--resume"
   ARGS train ${tcfg} ${tshort} --set output_dir=train_stop)
 set_tests_properties(cli_train_refuses_existing_checkpoints PROPERTIES FIXTURES_REQUIRED "train_stories;train_stop")
+# Both use train_stop, which the resume writes: one at a time (else the refusal is the run lock's,
+# `is in use by another run`, docs/train.md "One run per directory").
+set_tests_properties(cli_train_refuses_existing_checkpoints cli_train_resume PROPERTIES RESOURCE_LOCK train_stop_dir)
 # --stop-after on a checkpoint.interval step saves that step once and exits 0.
 keel_cli_test(NAME train_stop_at_interval MATCH "done: steps 0 -> 8 in"
   ARGS train ${tcfg} ${tshort} --set output_dir=train_stop_iv --set checkpoint.interval=4 --stop-after 8)
@@ -45,7 +63,7 @@ keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must
   ARGS train ${tcfg} ${tshort} --set output_dir=train_never --stop-after -5)
 # The other runs write checkpoints too: each starts from an empty directory so reruns work.
 add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_memory train_zaya train_stop_iv train_hang train_hang_ck
-         train_dp_auto train_dp_bf16
+         train_dp_auto train_dp_auto1 train_dp_bf16 train_memory_auto train_timeout_inf
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
@@ -124,13 +142,21 @@ keel_cli_test(NAME train_expert_parallel_does_not_divide NP 2 EXIT 1
 # A rank that hangs (fault injection: rank 1 sleeps at the start of step 3) leaves rank 0 inside
 # a collective: both exit within --timeout with one line naming the step, never a hang, and the
 # stuck rank says it is the one (rank 0, waiting, gives it a grace period to say so).
-# device: auto under mpiexec: the ranks agree on CPU or GPU before any of them starts (on the
-# CI machine, no GPU: both train on CPU; with a GPU per rank, both bind one).
-keel_cli_test(NAME train_dp_device_auto NP 2 MATCH "done: steps 0 -> 16"
+# device: auto under mpiexec: the ranks agree on CPU or GPU before any of them starts. Which
+# outcome is right depends on the GPUs keel sees (GPUS: the others skip): none (CI, or a build
+# without CUDA), both train on CPU; 2 or more, each rank binds its own; one, the 2 ranks would
+# share it, which is refused with one line.
+keel_cli_test(NAME train_dp_device_auto NP 2 GPUS "0,2+" MATCH "done: steps 0 -> 16"
   ARGS train ${tcfg} ${tshort} --set device=auto --set batch.grad_accum=2 --set output_dir=train_dp_auto)
 set_tests_properties(cli_train_dp_device_auto PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+keel_cli_test(NAME train_dp_device_auto_one_gpu NP 2 GPUS 1 EXIT 1
+  MATCH "keel: error: .*node-local ranks 0 and 1 on host .* would drive the same GPU .*launch one rank per GPU"
+  NOT "done: steps"
+  ARGS train ${tcfg} ${tshort} --set device=auto --set batch.grad_accum=2 --set output_dir=train_dp_auto1)
+set_tests_properties(cli_train_dp_device_auto_one_gpu PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 # parallel.grad_reduce: bf16 (gradients summed in bf16 over the ranks) is taken and said.
-keel_cli_test(NAME train_dp_bf16_grad_reduce NP 2 MATCH "x 2 data-parallel ranks \\(ZeRO-1, gradients reduced in bf16\\)"
+# Device auto too: 2 CPU ranks, or a GPU each (one GPU for 2 ranks is refused, above).
+keel_cli_test(NAME train_dp_bf16_grad_reduce NP 2 GPUS "0,2+" MATCH "x 2 data-parallel ranks \\(ZeRO-1, gradients reduced in bf16\\)"
   ARGS train ${tcfg} ${tshort} --set parallel.grad_reduce=bf16 --set steps=4 --set batch.grad_accum=2
        --set checkpoint.final=false --set output_dir=train_dp_bf16)
 set_tests_properties(cli_train_dp_bf16_grad_reduce PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")

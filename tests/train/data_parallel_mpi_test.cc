@@ -51,9 +51,12 @@ double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return den > 0 ? num / den : num;
 }
 
-void expect_matches_single_rank(const std::string& optimizer_extra, const std::string& tag) {
+void expect_matches_single_rank(const std::string& optimizer_extra, const std::string& tag,
+                                const std::vector<std::string>& extra = {}) {
   const fs::path dir = shared_dir(tag);
-  TrainConfig cfg = config(dir, dir / "dp", {"checkpoint.final=false"}, optimizer_extra);
+  std::vector<std::string> sets = {"checkpoint.final=false"};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  TrainConfig cfg = config(dir, dir / "dp", sets, optimizer_extra);
   Trainer dp(cfg, world_context(), true);
   const auto dp_stats = dp.run();
   // The reference: this process alone over the same 12 micro-batches per step.
@@ -78,6 +81,43 @@ void expect_matches_single_rank(const std::string& optimizer_extra, const std::s
 TEST(DataParallel, MatchesOneRankWithAdamW) { expect_matches_single_rank("", "adamw"); }
 
 TEST(DataParallel, MatchesOneRankWithMuon) { expect_matches_single_rank(kMuon, "muon"); }
+
+// Issue 34: rank r takes every dp-th sample of the step (data::BatchLoader), so with micro_batch
+// above 1 its micro-batches group other sequences than the 1-rank run's. Every loss term but the
+// linear router's aux loss is a mean over tokens (the same over any grouping of equal
+// micro-batches); the aux loss, E * sum_e f_e P_e per micro-batch, is not. Without it (the z-loss
+// and bias balancing on) N ranks match one rank at micro_batch 2 as at micro_batch 1
+// (docs/parallel.md says when runs at different rank counts match).
+TEST(DataParallel, MatchesOneRankWithSeveralSequencesPerMicroBatchWithoutAuxLoss) {
+  expect_matches_single_rank("", "mb2_no_aux", {"batch.micro_batch=2", "router.aux_loss_weight=0"});
+}
+
+// The other half of that claim: with the aux loss on and micro_batch 2, the first step's
+// cross-entropy is the 1-rank run's (the same parameters, the same tokens) but its aux loss is
+// not (other micro-batches). Should the ranks come to take the 1-rank run's micro-batches
+// (contiguous slices of each global batch), this fails: then docs/parallel.md can say that runs
+// at any rank count match.
+TEST(DataParallel, AuxLossDependsOnTheRankCountWithSeveralSequencesPerMicroBatch) {
+  if (world_size() < 2) GTEST_SKIP() << "needs 2+ ranks";
+  const fs::path dir = shared_dir("mb2_aux");
+  TrainConfig cfg = config(dir, dir / "dp", {"checkpoint.final=false", "batch.micro_batch=2", "steps=2"});
+  Trainer dp(cfg, world_context(), true);
+  const auto a = dp.run();
+  TrainConfig one = cfg;
+  one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
+  Trainer single(one, parallel::Mesh(), true);
+  const auto b = single.run();
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(b.size(), 2u);
+  EXPECT_NEAR(a[0].ce, b[0].ce, 1e-5 * std::fabs(b[0].ce));
+  EXPECT_NEAR(a[0].z, b[0].z, 1e-5 * std::fabs(b[0].z)) << "the z-loss is a mean over tokens";
+  EXPECT_GT(std::fabs(a[0].aux - b[0].aux), 2e-6 * std::fabs(b[0].aux))  // fp32 rounding: about 1e-7
+      << "the aux loss of " << world_size() << " ranks equals one rank's (" << a[0].aux
+      << "): the ranks take the 1-rank run's micro-batches; update docs/parallel.md";
+  if (world_rank() == 0)
+    std::printf("  micro_batch 2 on %d ranks: step 1 aux %.6f vs %.6f on one rank, ce %.6f vs %.6f\n", world_size(),
+                a[0].aux, b[0].aux, a[0].ce, b[0].ce);
+}
 
 // parallel.grad_reduce: bf16 sums the gradients in bf16 (DataParallelComm's own test checks the
 // rounding exactly): the run differs from the fp32 one (the setting reaches the comm) by no

@@ -40,7 +40,7 @@ struct TimingPlan {
   int warmup = 5;
   int iters = 20;
   int graph_replays = 0;  // > 0: capture `iters` ops into a CUDA graph and replay it this many times
-  double timeout_s = 300;
+  double timeout_s = 600;  // keel's --timeout default (common/watchdog.h); 0 or inf: no deadline
 };
 
 // One rank's measurements of one case.
@@ -56,6 +56,13 @@ struct RankCheck {
   std::uint64_t wrong = 0;
   std::int64_t first_wrong = -1;      // element index in the output buffer, -1 if none
   float got = 0, expected = 0;
+};
+
+// The most memory one rank of a sweep holds (runner.h's largest_buffers): its send and receive
+// buffers at their largest over every case, and the largest message of a reducing case (MPI's
+// reductions may take a scratch buffer of up to that size inside the library).
+struct SweepBuffers {
+  std::uint64_t send = 0, recv = 0, reduce = 0;
 };
 
 struct DeviceDescription {
@@ -79,6 +86,10 @@ class Backend {
   // every full group is formed and runs at once (to see contention); otherwise only ranks
   // [0, group_size) take part and the rest sit the measurement out.
   virtual void form_groups(int group_size, bool all_groups) = 0;
+  // Why the sweep's buffers cannot fit this process's memory, or "" when they can; called
+  // before anything is allocated (not collective). `ranks_on_host`: the world's processes on
+  // this host, whose buffers share its memory.
+  virtual std::string memory_problem(const SweepBuffers& need, int ranks_on_host) const = 0;
   // Allocates (or keeps) buffers of at least these sizes on every owned rank.
   virtual void reserve(std::uint64_t send_bytes, std::uint64_t recv_bytes) = 0;
   // Times the case on the owned ranks that are in a group; others add nothing to `out`.

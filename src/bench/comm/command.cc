@@ -23,7 +23,7 @@ struct RawFlags {
   bool all_groups = false, no_check = false, quiet = false;
   int root = 0, warmup = 5, iters = 20, graph = 0, hang_rank = -1, corrupt_rank = -1, error_rank = -1;
   std::string hang_at = "case";
-  double timeout = 300, min_busbw = 0;
+  double timeout = kDefaultTimeoutSeconds, min_busbw = 0;
   std::uint64_t seed = 1;
   std::string json, csv, plot;
 };
@@ -136,6 +136,29 @@ void check_outputs_before_sweep(const CommOptions& o, const MpiSession& mpi) {
   if (!problem.empty()) throw UsageError(problem);  // printed once, by rank 0
 }
 
+// Every buffer of the sweep must fit before the first is allocated: an 8 GiB sweep on CPU ranks
+// (`--backend mpi -b 8G -e 8G`) filled its buffers until the kernel's OOM killer ended it after
+// 44 s, exit 137 and no keel line. Each process checks its own memory (host memory shared with
+// the world's other ranks on its host; or its GPUs' free memory); the lowest rank that finds a
+// problem speaks for all, so every rank stops with the same line.
+void check_memory_before_sweep(const Backend& backend, const CommOptions& o, const MpiSession& mpi) {
+  const SweepBuffers need = largest_buffers(o, backend.world_size());
+  PeerWait wait("the memory check before the sweep (MPI_Comm_split_type, MPI_Allreduce)");
+  MPI_Comm host = MPI_COMM_NULL;
+  mpi_check(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, mpi.rank(), MPI_INFO_NULL, &host),
+            "MPI_Comm_split_type");
+  int ranks_on_host = 1;
+  MPI_Comm_size(host, &ranks_on_host);
+  MPI_Comm_free(&host);
+  std::string problem = backend.memory_problem(need, ranks_on_host);
+  const int mine = problem.empty() ? mpi.size() : mpi.rank();
+  int first = mine;
+  mpi_check(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD), "MPI_Allreduce");
+  if (first == mpi.size()) return;
+  broadcast_string(problem, first, MPI_COMM_WORLD);
+  throw UsageError(problem);  // printed once, by rank 0
+}
+
 int run(const RawFlags& flags) {
   CommOptions o = to_options(flags);  // before MPI: a bad flag needs no ranks
   MpiSession mpi;
@@ -161,6 +184,7 @@ int run(const RawFlags& flags) {
   if (chosen == "mpi") backend = make_mpi_backend();
   o.backend = chosen;
   validate_options(o, backend->world_size());
+  check_memory_before_sweep(*backend, o, mpi);
   startup.disarm();
 
   // Releasing communicators can itself hang after a failure (a kernel still waiting for a
@@ -209,7 +233,9 @@ void add_comm_command(CLI::App& bench) {
                   "Capture the timed operations in a CUDA graph and replay it N times (small-message latency without "
                   "launch overhead); 0 = host-timed loop")
       ->capture_default_str();
-  cmd->add_option("--timeout", flags->timeout, "Seconds before a hung collective is an error")->capture_default_str();
+  cmd->add_option("--timeout", flags->timeout,
+                  "Seconds before a hung collective is an error (exit 124); 0 or inf: no deadline")
+      ->capture_default_str();
   cmd->add_flag("--no-check", flags->no_check, "Skip checking results (they are checked by default)");
   cmd->add_option("--seed", flags->seed, "Seed of the checked input data")->capture_default_str();
   cmd->add_option("--json", flags->json, "Write results as JSON (schema keel.bench.comm/1)");

@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "bench/comm/backend.h"
+#include "bench/comm/runner.h"
 #include "common/error.h"
 #include "common/host.h"
 #include "common/mpi_session.h"
@@ -90,12 +91,21 @@ class MpiBackend final : public Backend {
     }
   }
 
+  std::string memory_problem(const SweepBuffers& need, int ranks_on_host) const override {
+    return host_memory_problem(need, ranks_on_host, host_available_bytes(), host_name());
+  }
+
   void reserve(std::uint64_t send_bytes, std::uint64_t recv_bytes) override {
+    // The old buffer goes first: growing never holds both (the memory check counts one of each).
     if (send_bytes > send_cap_) {
+      send_.reset();
+      send_cap_ = 0;
       send_ = alloc_host(send_bytes);
       send_cap_ = send_bytes;
     }
     if (recv_bytes > recv_cap_) {
+      recv_.reset();
+      recv_cap_ = 0;
       recv_ = alloc_host(recv_bytes);
       recv_cap_ = recv_bytes;
     }

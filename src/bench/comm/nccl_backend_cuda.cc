@@ -14,6 +14,7 @@
 #include "bench/comm/nccl_kernels.h"
 #include "common/host.h"
 #include "common/mpi_session.h"
+#include "common/units.h"
 #include "common/watchdog.h"
 #include "device/cuda_check.h"
 #include "device/cuda_devices.h"
@@ -180,6 +181,26 @@ class NcclBackend final : public Backend {
     if (group_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&group_mpi_);
     const bool member = std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) { return s.group_rank >= 0; });
     mpi_check(MPI_Comm_split(MPI_COMM_WORLD, member ? 0 : MPI_UNDEFINED, proc_rank_, &group_mpi_), "MPI_Comm_split");
+  }
+
+  // NCCL reduces on the device (no scratch the size of a message); its own communicator
+  // buffers and the CUDA context's growth are what the 256 MiB margin leaves room for, as in
+  // bench mem's check.
+  std::string memory_problem(const SweepBuffers& need, int) const override {
+    const std::uint64_t bytes = need.send + need.recv;
+    for (const auto& s : slots_) {
+      std::size_t free_b = 0, total_b = 0;
+      KEEL_CUDA_CHECK(cudaSetDevice(s.device));
+      KEEL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+      const std::uint64_t usable = free_b > (256ull << 20) ? free_b - (256ull << 20) : 0;
+      if (bytes > usable)
+        return fmt::format(
+            "bench comm: the sweep needs {} on GPU {} of {} ({} send + {} receive buffers), but {} of its {} is "
+            "free: lower --max (-e)",
+            format_size(bytes), s.device, host_, format_size(need.send), format_size(need.recv), format_size(free_b),
+            format_size(total_b));
+    }
+    return "";
   }
 
   void reserve(std::uint64_t send_bytes, std::uint64_t recv_bytes) override {

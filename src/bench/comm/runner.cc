@@ -191,13 +191,45 @@ std::vector<std::uint64_t> case_sizes(const CommOptions& o, Collective op, DType
   return out;
 }
 
+SweepBuffers largest_buffers(const CommOptions& o, int world) {
+  SweepBuffers b;
+  const std::vector<int> ranks = o.ranks.empty() ? std::vector<int>{world} : o.ranks;
+  for (int n : ranks)
+    for (Collective op : o.ops)
+      for (DType t : o.dtypes)
+        for (std::uint64_t s : case_sizes(o, op, t, n)) {
+          const CollectiveShape shape = collective_shape(op, s, t, n);
+          const std::uint64_t send = shape.send_count * dtype_size(t), recv = shape.recv_count * dtype_size(t);
+          b.send = std::max(b.send, send);
+          b.recv = std::max(b.recv, recv);
+          if (collective_reduces(op)) b.reduce = std::max({b.reduce, send, recv});
+        }
+  return b;
+}
+
+std::string host_memory_problem(const SweepBuffers& need, int ranks_on_host, std::uint64_t available,
+                                const std::string& host) {
+  const std::uint64_t per_rank = need.send + need.recv + need.reduce;  // each at most 1 PiB
+  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(ranks_on_host, 1));
+  const std::uint64_t total = per_rank > UINT64_MAX / ranks ? UINT64_MAX : per_rank * ranks;
+  // The same margin as bench mem's and bench gemm's CPU checks: the OS, MPI and the page cache
+  // keep some of what MemAvailable counts.
+  if (total <= available / 10 * 9) return "";
+  return fmt::format(
+      "bench comm: the sweep needs {} of host memory on {}: {} rank{} x ({} send + {} receive buffers{}), but only {} "
+      "is available: lower --max (-e){}",
+      format_size(total), host, ranks, ranks == 1 ? "" : "s", format_size(need.send), format_size(need.recv),
+      need.reduce ? fmt::format(" + up to {} of MPI reduction scratch", format_size(need.reduce)) : "",
+      format_size(available), ranks > 1 ? " or start fewer ranks on this host" : "");
+}
+
 void validate_options(const CommOptions& o, int world) {
   try {
     if (o.plan.iters < 1) fail("--iters must be at least 1, got {}", o.plan.iters);
     if (o.plan.warmup < 0) fail("--warmup must not be negative, got {}", o.plan.warmup);
     if (o.plan.graph_replays < 0) fail("--graph must not be negative, got {}", o.plan.graph_replays);
     // inf is allowed (no deadline); NaN is not a limit at all.
-    if (!(o.plan.timeout_s > 0)) fail("--timeout must be positive, got {}", o.plan.timeout_s);
+    check_timeout_flag(o.plan.timeout_s);  // 0 or inf: no deadline
     if (o.plan.graph_replays > 0 && o.backend == "mpi") fail("--graph needs the nccl backend (CUDA graphs)");
     // NaN would compare false against every busbw and so silently pass the gate.
     if (!(o.min_busbw >= 0) || !std::isfinite(o.min_busbw))

@@ -72,6 +72,17 @@ struct CommReport {
 // rounded down to a multiple that does (so -f 1.5 works), duplicates dropped.
 std::vector<std::uint64_t> case_sizes(const CommOptions& o, Collective op, DType t, int nranks);
 
+// The buffers one rank of the sweep holds at most (every group size, op, dtype and size of `o`
+// on a world of `world` ranks): what the memory check before the sweep compares.
+SweepBuffers largest_buffers(const CommOptions& o, int world);
+
+// The host-memory check of CPU ranks (--backend mpi), pure so it can be tested with any numbers:
+// `ranks_on_host` ranks each holding `need` (send + receive + MPI's reduction scratch) against
+// `available` bytes (MemAvailable); "" when they fit in 90% of it, else one line naming the
+// host, the need and what to change.
+std::string host_memory_problem(const SweepBuffers& need, int ranks_on_host, std::uint64_t available,
+                                const std::string& host);
+
 // Validates options against the world (collective: every rank throws the same UsageError).
 void validate_options(const CommOptions& o, int world_size);
 // Receives results on rank 0 as the sweep produces them (the live table).

@@ -19,6 +19,7 @@ namespace {
 struct RawFlags {
   std::string backend = "auto", dtype, m, n, k, mnk, shapes, layout = "nn", model;
   std::optional<std::int64_t> tokens;  // optional: a given 0 is an error, not "not given"
+  std::string tokens_flag = "--step-tokens";  // as given: the old --tokens still works
   ModelDims dims;
   bool forward_only = false;
   int warmup = 5, iters = 30, candidates = 16, tune_iters = 5, check_samples = 64, device = 0, threads = 0;
@@ -48,8 +49,8 @@ GemmOptions to_options(const RawFlags& f, const std::string& backend) {
       o.shapes = parse_shape_list(f.shapes, layout);
       o.mode = "list";
     } else if (model_mode) {
-      if (!f.tokens) fail("a model's layer GEMMs need --tokens (tokens per step), a positive number");
-      if (*f.tokens <= 0) fail("--tokens must be positive, got {}", *f.tokens);
+      if (!f.tokens) fail("a model's layer GEMMs need --step-tokens (tokens per step), a positive number");
+      if (*f.tokens <= 0) fail("{} must be positive, got {}", f.tokens_flag, *f.tokens);
       if (!f.model.empty() && any_given(f.dims)) fail("give --model or dimension flags, not both");
       bool lm_head = true;
       model::ModelConfig config;
@@ -185,7 +186,11 @@ void add_gemm_command(CLI::App& bench) {
       ->group(g_shapes);
   auto* g_model = "Layer GEMMs of a model";
   cmd->add_option("--model", f->model, "Model YAML (configs/*.yaml, as keel size reads it)")->group(g_model);
-  cmd->add_option("--tokens", f->tokens, "Tokens per step (micro-batch x sequence)")->group(g_model);
+  CLI::Option* step_tokens =
+      cmd->add_option("--step-tokens", f->tokens, "Tokens per step (micro-batch x sequence)")->group(g_model);
+  // The old spelling: --tokens meant three things in keel (README, "Flags across commands"); it still works.
+  CLI::Option* old_tokens =
+      cmd->add_option("--tokens", f->tokens, "Deprecated: --step-tokens")->group("");
   cmd->add_flag("--forward-only", f->forward_only, "Only forward GEMMs (default: also bwd_data and bwd_weight)")
       ->group(g_model);
   cmd->add_option("--hidden", f->dims.hidden, "Hidden size")->group(g_model);
@@ -225,7 +230,15 @@ void add_gemm_command(CLI::App& bench) {
   cmd->add_option("--plot-x", f->plot_x, "x axis of --plot: auto, m, n, k or gflop")->capture_default_str();
   cmd->add_flag("-q,--quiet", f->quiet, "No table on stdout");
   cmd->add_flag("--inject-corrupt", f->corrupt, "Testing: damage one sampled output (exercises the checker)")->group("");
-  cmd->callback([f] { set_exit_code(run(*f)); });
+  cmd->callback([f, old_tokens, step_tokens] {
+    if (old_tokens->count() > 0 && step_tokens->count() > 0)
+      throw UsageError("bench gemm: --step-tokens and the old --tokens both given: give --step-tokens only");
+    if (old_tokens->count() > 0) {
+      warn_deprecated_flag("bench gemm", "--tokens", "--step-tokens", "tokens per training step");
+      f->tokens_flag = "--tokens";
+    }
+    set_exit_code(run(*f));
+  });
 }
 
 }  // namespace keel::bench

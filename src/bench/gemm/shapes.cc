@@ -94,7 +94,7 @@ std::vector<GemmShape> shapes_from_model(const model::ModelConfig& config, std::
   std::int64_t routed = 0;
   if (config.experts > 0 && (__builtin_mul_overflow(tokens, config.top_k, &routed) ||
                              __builtin_add_overflow(routed, config.experts, &routed)))
-    fail("--tokens {} x top_k {} overflows int64", tokens, config.top_k);
+    fail("--step-tokens {} x top_k {} overflows int64", tokens, config.top_k);
   std::vector<GemmShape> out;
   for (const auto& g : model::layer_gemms(config, tokens, backward)) {
     // layer_gemms() works in the config's int sizes; a sum past INT_MAX comes back negative.

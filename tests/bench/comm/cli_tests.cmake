@@ -18,6 +18,11 @@ keel_cli_test(NAME comm_fractional_factor NP 2 MATCH " 484 +121 "
 # No deadline: a huge --timeout once overflowed into a deadline in the past (a false hang).
 keel_cli_test(NAME comm_infinite_timeout NP 2 MATCH "Wrong values: 0 OK" ARGS bench comm ${quick} --timeout inf)
 keel_cli_test(NAME comm_huge_timeout NP 2 MATCH "Wrong values: 0 OK" ARGS bench comm ${quick} --timeout 1e300)
+# --timeout as every keel command takes it (common/watchdog.h): 0 is no deadline too (it was an
+# error here, and meant "wait forever" in keel train), a negative value one line.
+keel_cli_test(NAME comm_zero_timeout NP 2 MATCH "Wrong values: 0 OK" ARGS bench comm ${quick} --timeout 0)
+keel_cli_test(NAME comm_negative_timeout EXIT 1
+  MATCH "^keel: error: --timeout -1: must be seconds >= 0 \\(0 or inf: no deadline\\)$" ARGS bench comm ${quick} --timeout -1)
 add_test(NAME cli_comm_outputs_files
   COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/bench/comm/check_outputs.sh $<TARGET_FILE:keel> ${MPIEXEC_EXECUTABLE})
 set_tests_properties(cli_comm_outputs_files PROPERTIES ENVIRONMENT "${KEEL_MPI_ENV}" TIMEOUT 300)
@@ -52,6 +57,25 @@ keel_cli_test(NAME comm_plot_is_directory NP 2 EXIT nonzero MATCH "--plot '.' is
   NOT "Wrong values" ARGS bench comm ${quick} --plot .)
 keel_cli_test(NAME comm_same_output_twice NP 2 EXIT nonzero MATCH "--json and --csv both name 'comm_same.json'"
   NOT "Wrong values" ARGS bench comm ${quick} --json comm_same.json --csv comm_same.json)
+
+# Memory is checked before any buffer is allocated (issue 34: `-b 8G -e 8G` on CPU ranks was
+# killed by the OOM killer after 44 s, exit 137, no keel line). A size no machine holds, so the
+# check refuses it everywhere, with one line from rank 0 (before: each rank's allocation failed
+# alone, "cannot allocate ... bytes", or the pages were filled until the kernel killed it).
+keel_cli_test(NAME comm_host_memory_checked_first NP 2 EXIT 1
+  MATCH "^keel: error: (\\[rank 0\\] )?bench comm: the sweep needs 384 TiB of host memory on .*: 2 ranks x \\(64 TiB send \\+ 64 TiB receive buffers \\+ up to 64 TiB of MPI reduction scratch\\), but only .* is available: lower --max \\(-e\\) or start fewer ranks on this host$"
+  NOT "\\[rank 1\\]|cannot allocate|Wrong values"
+  ARGS bench comm --backend mpi -b 64T -e 64T --op all_reduce)
+set_tests_properties(cli_comm_host_memory_checked_first PROPERTIES TIMEOUT 60)
+if(KEEL_HAVE_CUDA)
+  # The same on GPUs (device memory, every GPU driven from one process): needs 2 GPUs to run a
+  # collective at all (GPUS: skipped elsewhere).
+  keel_cli_test(NAME comm_device_memory_checked_first GPUS 2+ EXIT 1
+    MATCH "^keel: error: bench comm: the sweep needs 128 TiB on GPU 0 of .* \\(64 TiB send \\+ 64 TiB receive buffers\\), but .* is free: lower --max \\(-e\\)$"
+    NOT "cannot allocate|Wrong values"
+    ARGS bench comm --backend nccl -b 64T -e 64T --op all_reduce)
+  set_tests_properties(cli_comm_device_memory_checked_first PROPERTIES TIMEOUT 60)
+endif()
 
 # Faults: a hung rank trips --timeout; a corrupted result fails the check; a slow link fails the gate.
 # The hung rank names itself; the ranks waiting on it in a collective never claim to be stuck.

@@ -81,8 +81,55 @@ TEST(CommValidate, GateAndTimeoutMustBeNumbers) {
   o.min_busbw = 0;
   o.plan.timeout_s = std::nan("");
   EXPECT_THROW(validate_options(o, 2), UsageError);
+  o.plan.timeout_s = -1;
+  EXPECT_NE(error_of([&] { validate_options(o, 2); }).find("--timeout -1: must be seconds >= 0"), std::string::npos);
   o.plan.timeout_s = std::numeric_limits<double>::infinity();  // no deadline
   EXPECT_NO_THROW(validate_options(o, 2));
+  o.plan.timeout_s = 0;  // no deadline too, as in every keel command
+  EXPECT_NO_THROW(validate_options(o, 2));
+}
+
+// The memory check before the sweep (issue 34): the largest send and receive buffers over every
+// case, and the largest message a reducing op moves (MPI's reduction scratch).
+TEST(CommMemory, LargestBuffersCoverEveryCase) {
+  CommOptions o = two_rank_options();
+  o.ops = {Collective::kAllGather, Collective::kBroadcast};
+  o.min_bytes = 1024;
+  o.max_bytes = 8ull << 30;
+  SweepBuffers b = largest_buffers(o, 4);
+  EXPECT_EQ(b.send, 8ull << 30);  // broadcast: send = receive = the size
+  EXPECT_EQ(b.recv, 8ull << 30);
+  EXPECT_EQ(b.reduce, 0u) << "neither op reduces";
+  o.ops = {Collective::kAllGather};
+  o.ranks = {2, 4};
+  b = largest_buffers(o, 4);
+  EXPECT_EQ(b.send, 4ull << 30) << "all-gather sends a half at 2 ranks (the largest share)";
+  EXPECT_EQ(b.recv, 8ull << 30);
+  o.ops = {Collective::kReduceScatter};
+  o.ranks = {};
+  b = largest_buffers(o, 4);
+  EXPECT_EQ(b.send, 8ull << 30);
+  EXPECT_EQ(b.recv, 2ull << 30);
+  EXPECT_EQ(b.reduce, 8ull << 30);
+}
+
+TEST(CommMemory, HostCheckCountsEveryRankOfTheHost) {
+  const std::uint64_t G = 1ull << 30;
+  const SweepBuffers all_reduce_8g{8 * G, 8 * G, 8 * G};  // --backend mpi -b 8G -e 8G
+  // 4 ranks x 24 GiB = 96 GiB against 64 GiB available: refused, naming what to change.
+  const std::string msg = host_memory_problem(all_reduce_8g, 4, 64 * G, "node7");
+  EXPECT_EQ(msg,
+            "bench comm: the sweep needs 96 GiB of host memory on node7: 4 ranks x (8 GiB send + 8 GiB receive "
+            "buffers + up to 8 GiB of MPI reduction scratch), but only 64 GiB is available: lower --max (-e) or start "
+            "fewer ranks on this host");
+  EXPECT_EQ(host_memory_problem(all_reduce_8g, 2, 64 * G, "node7"), "") << "48 GiB fits in 90% of 64";
+  EXPECT_NE(host_memory_problem(all_reduce_8g, 2, 50 * G, "node7"), "") << "48 GiB is over 90% of 50";
+  // One rank, no reducing op: no scratch, no "fewer ranks".
+  EXPECT_EQ(host_memory_problem({G, G, 0}, 1, G, "h"),
+            "bench comm: the sweep needs 2 GiB of host memory on h: 1 rank x (1 GiB send + 1 GiB receive buffers), "
+            "but only 1 GiB is available: lower --max (-e)");
+  // Sizes up to 1 PiB times any rank count do not wrap around into a small need.
+  EXPECT_NE(host_memory_problem({1ull << 50, 1ull << 50, 1ull << 50}, 1 << 30, UINT64_MAX / 2, "h"), "");
 }
 
 TEST(CommValidate, NonFiniteOrHugeSweepsAreErrors) {
