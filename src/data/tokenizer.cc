@@ -86,10 +86,11 @@ class SentencePieceTokenizer : public Tokenizer {
 namespace {
 
 // SentencePiece's status text names its own source ("Internal: ./src/sentencepiece_processor.cc(1101)
-// [model_proto->ParseFromArray(...)] "): say what it means for the file instead.
+// [model_proto->ParseFromArray(...)] ", or in other releases "could not parse ModelProto from
+// PATH"): say what it means for the file instead.
 std::string load_failure(const std::string& what, const sentencepiece::util::Status& status) {
   const std::string text = status.ToString();
-  if (text.find("ParseFromArray") != std::string::npos)
+  if (text.find("ParseFromArray") != std::string::npos || text.find("could not parse ModelProto") != std::string::npos)
     return fmt::format("cannot load SentencePiece model {}: not a SentencePiece model (its bytes do not parse as a "
                        "serialized ModelProto, as spm_train writes)",
                        what);

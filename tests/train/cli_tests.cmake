@@ -165,7 +165,8 @@ keel_cli_test(NAME train_hung_rank_is_an_error NP 2 EXIT nonzero
   NOT "\\[rank 0\\] .*stuck one"
   ARGS train ${tcfg} ${tdp} --set output_dir=train_hang --set checkpoint.final=false --timeout 5
        --inject-hang-rank 1 --inject-hang-step 3)
-set_tests_properties(cli_train_hung_rank_is_an_error PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean" TIMEOUT 60)
+set_tests_properties(cli_train_hung_rank_is_an_error PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean" TIMEOUT 60
+                     RUN_SERIAL TRUE)  # as the bench comm hang tests: wall-clock timeouts
 # A checkpoint commits once every rank's writes are done, not at the next save: the run below
 # saves at step 20 and hangs at step 30 (no destructor runs after the watchdog fires), and step
 # 20 is committed and `latest` (before, the hang lost it: nothing was committed).
