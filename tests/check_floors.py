@@ -26,9 +26,10 @@ ALLOWED = {
     "ckpt": {"common", "device", "mesh", "model"},
     "train": {"blocks", "ckpt", "common", "data", "device", "hw", "mesh", "model", "ops", "optim", "parallel", "tensor"},
     "generate": {"blocks", "ckpt", "common", "data", "device", "mesh", "model", "ops", "optim", "tensor", "train"},
+    "eval": {"ckpt", "common", "data", "model", "ops", "train"},
     "size": {"common", "hw", "mesh", "model", "optim", "parallel", "train"},
     "bench": {"common", "device", "hw", "model"},
-    "cli": {"bench", "ckpt", "common", "data", "generate", "size", "train"},
+    "cli": {"bench", "ckpt", "common", "data", "eval", "generate", "size", "train"},
 }
 
 

@@ -17,6 +17,7 @@
 #include "common/mpi_session.h"
 #include "common/process.h"
 #include "data/command.h"
+#include "eval/command.h"
 #include "generate/command.h"
 #include "size/command.h"
 #include "train/command.h"
@@ -101,6 +102,7 @@ int main(int argc, char** argv) {
   keel::data::add_command(app);
   keel::train::add_command(app);
   keel::generate::add_command(app);
+  keel::eval::add_command(app);
 
   if (const std::string problem = command_word_problem(app, argc, argv); !problem.empty()) {
     // Under a launcher every rank parses the same words: let one of them speak.

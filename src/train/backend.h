@@ -189,6 +189,10 @@ class TrainBackend {
     return s;
   }
 
+  // The CPU reference model behind this backend (keel eval's per-token log-probabilities read
+  // its LM head after forward()); nullptr on the GPU, whose forward keeps no per-token values.
+  virtual const MoeTransformer* cpu_model() const { return nullptr; }
+
   // The fp32 gradients (layout().total_floats) in host memory: for tests and debugging.
   virtual std::vector<float> gradients() const = 0;
 

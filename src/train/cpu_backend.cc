@@ -149,6 +149,7 @@ class CpuBackend final : public TrainBackend {
   }
 
   MoeTransformer& model() { return model_; }
+  const MoeTransformer* cpu_model() const override { return &model_; }
 
  private:
   // One Muon matrix (or stack) of parameter p at `offset`, momentum at `m`. A matrix split over

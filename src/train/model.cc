@@ -6,6 +6,7 @@
 #include <string_view>
 
 #include "common/error.h"
+#include "common/parallel_for.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/residual_scale.h"
@@ -420,6 +421,43 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
   lp.total = lp.ce + opt_.aux_loss_weight * lp.aux + opt_.z_loss_weight * lp.z;
   have_forward_ = true;
   return lp;
+}
+
+void MoeTransformer::token_logprobs(int top_k, float* logprob, std::int32_t* top_ids, float* top_logprob) const {
+  if (!have_forward_) fail("model: token_logprobs before a forward");
+  if (tp_.degree != 1) fail("model: per-token log-probabilities need the whole LM head (tensor degree 1)");
+  const std::int64_t V = cfg_.vocab_size, D = cfg_.hidden, N = static_cast<std::int64_t>(targets_.size());
+  if (top_k < 0 || top_k > V) fail("model: top_k {} outside [0, vocab {}]", top_k, V);
+  const auto logit = [&](std::int64_t i, std::int64_t v) {
+    const float* h = final_h_.row(i);
+    const float* w = w_.lm_head.row(v);
+    double acc = 0;
+    for (std::int64_t d = 0; d < D; ++d) acc += double(h[d]) * w[d];
+    return acc;
+  };
+  const std::int32_t ignore = ops::cross_entropy::Options{}.ignore_index;
+  parallel_for(N, 16, [&](std::int64_t lo, std::int64_t hi) {
+    std::vector<double> z(top_k > 0 ? static_cast<std::size_t>(V) : 0);
+    std::vector<std::int32_t> ids(z.size());
+    for (std::int64_t i = lo; i < hi; ++i) {
+      if (top_k == 0) {  // the head's logsumexp (ce_lse_: 0 at ignored rows)
+        logprob[i] = targets_[i] == ignore ? 0.f : static_cast<float>(logit(i, targets_[i]) - ce_lse_.data()[i]);
+        continue;
+      }
+      double m = -1e300, se = 0;
+      for (std::int64_t v = 0; v < V; ++v) z[v] = logit(i, v), ids[v] = static_cast<std::int32_t>(v), m = std::max(m, z[v]);
+      for (std::int64_t v = 0; v < V; ++v) se += std::exp(z[v] - m);
+      const double lse = m + std::log(se);
+      logprob[i] = targets_[i] == ignore ? 0.f : static_cast<float>(z[targets_[i]] - lse);
+      std::partial_sort(ids.begin(), ids.begin() + top_k, ids.end(), [&](std::int32_t a, std::int32_t b) {
+        return z[a] > z[b] || (z[a] == z[b] && a < b);
+      });
+      for (int k = 0; k < top_k; ++k) {
+        top_ids[i * top_k + k] = ids[k];
+        top_logprob[i * top_k + k] = static_cast<float>(z[ids[k]] - lse);
+      }
+    }
+  });
 }
 
 void MoeTransformer::backward(float loss_scale) {

@@ -115,6 +115,12 @@ class MoeTransformer {
   // tokens: B*T input ids, targets: B*T int32 labels (-1 ignored). Returns the loss parts of
   // this micro-batch; keeps what backward needs. Adds the routing counts to the load counters.
   LossParts forward(const std::uint32_t* tokens, const std::int32_t* targets);
+  // After forward(), for keel eval's --logprobs (tensor degree 1 only; keel::Error otherwise):
+  // each of the B*T rows' log-probability of its target, log softmax(logits)[target] = logit -
+  // logsumexp (0 where the target is ignored), into logprob[N]; with top_k > 0 also the top_k
+  // most likely ids of every row and their log-probabilities, most likely first, into
+  // top_ids[N * top_k] and top_logprob[N * top_k] (top_k <= vocab_size).
+  void token_logprobs(int top_k, float* logprob, std::int32_t* top_ids, float* top_logprob) const;
   // Accumulates d(loss_scale * total loss)/d(params) into the gradient arena.
   void backward(float loss_scale = 1.0f);
 

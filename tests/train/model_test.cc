@@ -238,5 +238,47 @@ TEST(TrainModel, InitIsDeterministicAndOneStreamAcrossParallelChunks) {
   EXPECT_NE(std::memcmp(a.data() + embed->offset, b.data() + embed->offset, 64 * sizeof(float)), 0);
 }
 
+// keel eval's --logprobs: the per-token log-probabilities after forward() average (negated) to
+// the forward's CE over the valid targets, ignored targets give 0, and the top-k ids are the
+// most likely ones in order, the target's log-probability among them where it ranks.
+
+TEST(TrainModel, TokenLogprobsGiveTheForwardCe) {
+  for (const bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const auto cfg = fixtures::tiny_config(tied);
+    ModelOptions o;
+    o.micro_batch = 2;
+    o.seq_length = 6;
+    o.init_std = 0.3;
+    o.ce_chunk = 5;  // several vocabulary chunks
+    const int n = o.micro_batch * o.seq_length, V = static_cast<int>(cfg.vocab_size);
+    fixtures::Batch b = fixtures::random_batch(n, V, 41);
+    b.targets[3] = -1;  // one ignored target
+    MoeTransformer m(cfg, o, parallel::Mesh());
+    const double ce = m.forward(b.tokens.data(), b.targets.data()).ce;
+    for (const int k : {0, 3}) {
+      std::vector<float> lp(n), top_lp(static_cast<std::size_t>(n * k));
+      std::vector<std::int32_t> top_ids(top_lp.size());
+      m.token_logprobs(k, lp.data(), top_ids.data(), top_lp.data());
+      double sum = 0;
+      int valid = 0;
+      for (int i = 0; i < n; ++i) {
+        if (b.targets[i] < 0) {
+          EXPECT_EQ(lp[i], 0.f);
+          continue;
+        }
+        EXPECT_LT(lp[i], 0.f);
+        sum -= lp[i], ++valid;
+        for (int j = 0; j < k; ++j) {
+          if (j > 0) EXPECT_LE(top_lp[i * k + j], top_lp[i * k + j - 1]);
+          if (top_ids[i * k + j] == b.targets[i]) EXPECT_NEAR(top_lp[i * k + j], lp[i], 1e-5);
+        }
+        if (k > 0) EXPECT_GE(top_lp[i * k] + 1e-6, lp[i]);
+      }
+      EXPECT_NEAR(sum / valid, ce, 1e-5 * ce) << "top_k " << k;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace keel::train
