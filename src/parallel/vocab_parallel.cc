@@ -26,15 +26,28 @@ void check_ids(const std::uint32_t* ids, std::int64_t n, std::int64_t vocab) {
       fail("vocab parallel embedding: token id {} at position {} is outside the vocabulary of {}", ids[i], i, vocab);
 }
 
+struct Slice {
+  std::int64_t rows, width;  // this rank's vocabulary rows, the embedding width
+};
+
+// The checks both directions share: a [V_local, D] table (its gradient in backward) that is a
+// slice of the vocabulary, the [n, D] rows, and token ids inside the vocabulary.
+Slice check_embedding(const std::uint32_t* tokens, std::int64_t n, const Tensor& table, const char* table_name,
+                      std::int64_t vocab_begin, std::int64_t vocab, const Tensor& rows, const char* rows_name) {
+  if (table.ndim() != 2)
+    fail("vocab parallel embedding: {} must be [V_local, D], got {}", table_name, table.shape_string());
+  const Slice s{table.dim(0), table.dim(1)};
+  check_slice(vocab_begin, s.rows, vocab, "vocab parallel embedding");
+  require_shape(rows, {n, s.width}, rows_name);
+  check_ids(tokens, n, vocab);
+  return s;
+}
+
 }  // namespace
 
 void vocab_embedding_forward(const std::uint32_t* tokens, std::int64_t n, const Tensor& w_local, std::int64_t vocab_begin,
                              std::int64_t vocab, const Tensor& out) {
-  if (w_local.ndim() != 2) fail("vocab parallel embedding: table must be [V_local, D], got {}", w_local.shape_string());
-  const std::int64_t vl = w_local.dim(0), d = w_local.dim(1);
-  check_slice(vocab_begin, vl, vocab, "vocab parallel embedding");
-  require_shape(out, {n, d}, "vocab parallel embedding out");
-  check_ids(tokens, n, vocab);
+  const auto [vl, d] = check_embedding(tokens, n, w_local, "table", vocab_begin, vocab, out, "vocab parallel embedding out");
   parallel_for(n, 256, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t i = b; i < e; ++i) {
       const std::int64_t r = std::int64_t(tokens[i]) - vocab_begin;
@@ -48,11 +61,8 @@ void vocab_embedding_forward(const std::uint32_t* tokens, std::int64_t n, const 
 
 void vocab_embedding_backward(const std::uint32_t* tokens, std::int64_t n, const Tensor& dout, std::int64_t vocab_begin,
                               std::int64_t vocab, const Tensor& dw_local) {
-  if (dw_local.ndim() != 2) fail("vocab parallel embedding: dtable must be [V_local, D], got {}", dw_local.shape_string());
-  const std::int64_t vl = dw_local.dim(0), d = dw_local.dim(1);
-  check_slice(vocab_begin, vl, vocab, "vocab parallel embedding");
-  require_shape(dout, {n, d}, "vocab parallel embedding dout");
-  check_ids(tokens, n, vocab);
+  const auto [vl, d] =
+      check_embedding(tokens, n, dw_local, "dtable", vocab_begin, vocab, dout, "vocab parallel embedding dout");
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t r = std::int64_t(tokens[i]) - vocab_begin;
     if (r < 0 || r >= vl) continue;

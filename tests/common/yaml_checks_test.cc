@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "../error_message.h"
+#include "alias_bomb.h"
 
 namespace keel {
 namespace {
@@ -36,17 +37,7 @@ TEST(YamlChecks, LineSuffixOnlyForNodesFromAFile) {
 
 // A "billion laughs" document: 9 aliases of 9 aliases ... 9 levels deep, 10^9 values expanded
 // from about 300 bytes. Walking it whole took minutes; the walk stops at kMaxYamlNodes.
-std::string alias_bomb() {
-  std::string y = "a: &a [x, x, x, x, x, x, x, x, x]\n";
-  const std::string names = "abcdefghi";
-  for (std::size_t i = 1; i < names.size(); ++i) {
-    const std::string p = "*" + names.substr(i - 1, 1);
-    y += names.substr(i, 1) + ": &" + names.substr(i, 1) + " [" + p;
-    for (int k = 1; k < 9; ++k) y += ", " + p;
-    y += "]\n";
-  }
-  return y;
-}
+std::string alias_bomb() { return test::alias_bomb(9); }
 
 TEST(YamlChecks, AliasBombIsRefusedWithoutExpandingIt) {
   const std::string bomb = alias_bomb();

@@ -16,6 +16,7 @@
 
 #include "train_test_util.h"
 #include "../error_message.h"
+#include "../common/alias_bomb.h"
 
 namespace keel::train {
 namespace {
@@ -26,17 +27,7 @@ using fixtures::expect_usage_error;
 const std::string kUtf8Tail = "; configs are stored in checkpoints as JSON, which needs UTF-8";
 
 // 9 aliases of 9 aliases, 8 levels: 43 million values from under 400 bytes.
-std::string alias_bomb() {
-  std::string y = "a: &a [x, x, x, x, x, x, x, x, x]\n";
-  const std::string names = "abcdefgh";
-  for (std::size_t i = 1; i < names.size(); ++i) {
-    const std::string p = "*" + names.substr(i - 1, 1);
-    y += names.substr(i, 1) + ": &" + names.substr(i, 1) + " [" + p;
-    for (int k = 1; k < 9; ++k) y += ", " + p;
-    y += "]\n";
-  }
-  return y;
-}
+std::string alias_bomb() { return test::alias_bomb(8); }
 
 std::string parse_error(const std::string& text, const std::vector<std::string>& sets = {}) {
   return test::error_message<UsageError>([&] { parse_train_config(text, "bad.yaml", sets); }, "(no error)");
