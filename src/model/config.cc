@@ -76,6 +76,27 @@ bool is_moe_layer(const ModelConfig& m, int layer) {
   return (layer - m.first_dense_layers) % std::max(1, m.moe_layer_interval) == 0;
 }
 
+bool is_sliding_layer(const ModelConfig& m, int layer) {
+  if (m.layer_sliding.empty()) return false;
+  return m.layer_sliding[static_cast<size_t>(layer) % m.layer_sliding.size()];
+}
+
+int attention_window(const ModelConfig& m, int layer) { return is_sliding_layer(m, layer) ? m.sliding_window : 0; }
+
+double layer_rope_base(const ModelConfig& m, int layer) {
+  return is_sliding_layer(m, layer) && m.sliding_rope_base > 0 ? m.sliding_rope_base : m.rope_base;
+}
+
+double layer_rope_fraction(const ModelConfig& m, int layer) {
+  return is_sliding_layer(m, layer) && m.sliding_rope_fraction >= 0 ? m.sliding_rope_fraction : m.rope_fraction;
+}
+
+bool any_sliding_layer(const ModelConfig& m) {
+  for (int l = 0; l < m.layers; ++l)
+    if (is_sliding_layer(m, l)) return true;
+  return false;
+}
+
 int moe_layer_count(const ModelConfig& m) {
   int n = 0;
   for (int l = 0; l < m.layers; ++l) n += is_moe_layer(m, l);
@@ -201,6 +222,27 @@ void validate(const ModelConfig& m) {
   if (!std::isfinite(m.rope_base) || (m.rope_fraction > 0 && !(m.rope_base > 1)))
     throw UsageError(fmt::format("key 'rope_base' ({}) must be a finite number above 1", m.rope_base));
   if (m.max_seq_len < 0) throw UsageError("key 'max_seq_len' must not be negative");
+
+  if (!m.layer_sliding.empty() && m.layers % static_cast<int>(m.layer_sliding.size()) != 0)
+    throw UsageError(fmt::format("key 'layer_sliding' has {} entries, which neither equals nor divides 'layers' ({})",
+                                 m.layer_sliding.size(), m.layers));
+  if (any_sliding_layer(m)) {
+    if (m.sliding_window < 1)
+      throw UsageError(fmt::format("key 'sliding_window' must be positive: 'layer_sliding' makes layers slide (got {})",
+                                   m.sliding_window));
+    for (int l = 0; l < m.layers; ++l)
+      if (is_sliding_layer(m, l) && layer_attention_kind(m, l) == AttentionKind::kLinear)
+        throw UsageError(fmt::format("key 'layer_sliding': layer {} is linear attention, which has no window", l));
+  } else if (m.sliding_window != 0) {
+    throw UsageError(fmt::format("key 'sliding_window' ({}) needs 'layer_sliding' naming the layers that slide",
+                                 m.sliding_window));
+  }
+  if (m.sliding_window < 0) throw UsageError("key 'sliding_window' must not be negative");
+  if (!(m.sliding_rope_fraction <= 1))  // negative: as rope_fraction (the YAML key takes [0, 1] only)
+    throw UsageError(fmt::format("key 'sliding_rope_fraction' ({}) must be in [0, 1]", m.sliding_rope_fraction));
+  if (!std::isfinite(m.sliding_rope_base) || m.sliding_rope_base < 0 ||
+      (m.sliding_rope_base > 0 && !(m.sliding_rope_base > 1)))  // 0: as rope_base
+    throw UsageError(fmt::format("key 'sliding_rope_base' ({}) must be a finite number above 1", m.sliding_rope_base));
 }
 
 // A model or train YAML file, bounded and refused by name when it is no file (a directory read
@@ -290,6 +332,22 @@ ModelConfig parse_model_config(const YAML::Node& root, const std::string& name, 
       {"rope_base", f64(&m.rope_base)},
       {"norm_eps", f64(&m.norm_eps)},
       {"max_seq_len", i32(&m.max_seq_len)},
+      {"layer_sliding",
+       [&](const YAML::Node& v, const std::string& k) {
+         if (!v.IsSequence())
+           throw UsageError(fmt::format("key '{}'{} must be a list such as [false, false, false, true]", k,
+                                        yaml_line_suffix(v)));
+         m.layer_sliding.clear();
+         for (const auto& e : v) m.layer_sliding.push_back(scalar<bool>(e, k, "a list of true or false"));
+       }},
+      {"sliding_window", i32(&m.sliding_window)},
+      {"sliding_rope_base", f64(&m.sliding_rope_base)},
+      {"sliding_rope_fraction",
+       [&](const YAML::Node& v, const std::string& k) {
+         m.sliding_rope_fraction = scalar<double>(v, k, "a number");
+         if (!(m.sliding_rope_fraction >= 0 && m.sliding_rope_fraction <= 1))
+           throw UsageError(fmt::format("key '{}' ({}) must be in [0, 1]", k, m.sliding_rope_fraction));
+       }},
   };
   try {
     for (const auto& kv : root) {

@@ -52,6 +52,15 @@ struct ModelConfig {
   bool residual_scaling = false;
   double rope_fraction = 1.0, rope_base = 10000.0, norm_eps = 1e-5;
   int max_seq_len = 0;
+  // Sliding-window layers (the ZAYA1 release's "hybrid_sliding" layer type): layer l slides
+  // when layer_sliding is non-empty and layer_sliding[l % size] is set (one entry per layer or
+  // a pattern repeated, as layer_attention). In a sliding layer token t attends to tokens
+  // max(0, t - sliding_window + 1) .. t of its sequence (itself included, as Hugging Face's
+  // sliding-window mask), and RoPE uses sliding_rope_base / sliding_rope_fraction; 0 and a
+  // negative fraction mean "as rope_base / rope_fraction".
+  std::vector<bool> layer_sliding;
+  int sliding_window = 0;
+  double sliding_rope_base = 0, sliding_rope_fraction = -1;
 };
 
 // Loads and validates a model YAML. Throws keel::UsageError with a one-line message naming
@@ -75,6 +84,13 @@ AttentionKind layer_attention_kind(const ModelConfig& m, int layer);
 // multiple of moe_layer_interval (Megatron's moe_layer_freq: the first eligible layer is MoE).
 bool is_moe_layer(const ModelConfig& m, int layer);
 int moe_layer_count(const ModelConfig& m);
+// Sliding-window layers: whether layer `layer` slides, its window (0: full causal attention)
+// and its RoPE parameters (the sliding ones on sliding layers).
+bool is_sliding_layer(const ModelConfig& m, int layer);
+int attention_window(const ModelConfig& m, int layer);
+double layer_rope_base(const ModelConfig& m, int layer);
+double layer_rope_fraction(const ModelConfig& m, int layer);
+bool any_sliding_layer(const ModelConfig& m);
 int attention_layer_count(const ModelConfig& m, AttentionKind kind);
 const char* attention_kind_name(AttentionKind k);  // "mha", "gqa", "cca", "linear"
 // Tokens each expert sees when `tokens` are routed top_k ways evenly: ceil(tokens*top_k/experts).
