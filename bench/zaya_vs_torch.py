@@ -72,7 +72,8 @@ import time
 
 import numpy as np
 
-# The 8-layer cut of configs/zaya1-8b.yaml.
+# The 8-layer cut of configs/zaya1-8b.yaml, at ZAYA1's pretraining RoPE base and length (10000,
+# 4096; the YAML is the released model: 5e6, 131072).
 ZAYA8 = dict(name="zaya1-8b-8l", attention="cca", skip=True, vocab=262272, hidden=2048, layers=8, heads=8, kv_heads=2,
              head_dim=128, conv0=2, conv1=2, experts=16, expert_hidden=2048, router_hidden=256, rope_fraction=0.5,
              rope_base=10000.0, eps=1e-5, seq=4096, micro_batch=2)
@@ -439,15 +440,19 @@ def build_torch_model(d, dev, act_dtype):
 
     model = Model().to(dev)
     # keel's init rule (model::init_parameters): normal(0, 0.02) for every tensor of 2+ dims,
-    # output projections (wo, the experts' w_down) scaled by 1/sqrt(2 layers); 1-D as built.
-    # Drawn on the device (the same distribution as keel's, not the same numbers).
+    # output projections (wo, the experts' w_down) scaled by 1/sqrt(2 layers), and keel train's
+    # router init (router.init_gain 1): the MLP router's r x r and output layers normal(0,
+    # 1/sqrt(r)); 1-D as built. Drawn on the device (the same distribution as keel's, not the
+    # same numbers).
     g = torch.Generator(device=dev).manual_seed(0)
     out_scale = 1.0 / math.sqrt(2 * L)
     with torch.no_grad():
         for name, (p, _) in model.keel_params().items():
             if p.dim() >= 2:
                 out_proj = name.endswith(".wo") or name.endswith("w_down")
-                p.normal_(0.0, INIT_STD * (out_scale if out_proj else 1.0), generator=g)
+                router_mlp = ".moe.router." in name and not name.endswith("router.down.weight")
+                std = 1.0 / math.sqrt(p.shape[-1]) if router_mlp else INIT_STD * (out_scale if out_proj else 1.0)
+                p.normal_(0.0, std, generator=g)
     return model
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train dp ep decode ckpt ab
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -195,6 +195,12 @@ for step in "${steps[@]}"; do
       timeout 900 python3 bench/train_vs_torch.py --keel "$build/keel" --out "$out/train" ${KEEL_TRAIN_ARGS:-} 2>&1 \
         | tee "$out/train_vs_torch.log" | tail -20
       grep -A12 '^== keel train vs PyTorch' "$out/train_vs_torch.log" >>"$summary" ;;
+    routing)
+      # Routing health on the ZAYA1-shaped model, real text: the old router init vs keel train's
+      # defaults (busiest class / fair share, skip share, loss, tokens/s); KEEL_ROUTING_ARGS to the script.
+      timeout 900 python3 bench/routing_health.py --keel "$build/keel" --out "$out/routing" ${KEEL_ROUTING_ARGS:-} 2>&1 \
+        | tee "$out/routing_health.log" | tail -8
+      grep -A6 '^== routing health' "$out/routing_health.log" >>"$summary" ;;
     ckpt)
       # keel checkpoints vs torch.distributed.checkpoint on the same state size, all GPUs; the
       # checkpoints go to KEEL_CKPT_DIR (local disk, not $OUT), the logs and JSON to $OUT;

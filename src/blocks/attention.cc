@@ -17,6 +17,13 @@ Tensor kv_rows(const AttnShape& s, const Tensor& w) {
   return Tensor(w.row(std::int64_t(s.kv_head0) * s.head_dim), {s.head_dim, w.dim(1)});
 }
 
+// CCA's config for this layer: the shape's, with the layer's window.
+ops::cca::Config layer_cca(const AttnShape& s, const AttnContext& c) {
+  ops::cca::Config cc = s.cca;
+  cc.window = c.window;
+  return cc;
+}
+
 }  // namespace
 
 float AttnShape::scale() const { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
@@ -69,7 +76,7 @@ void attention_forward(const AttnShape& s, const LayerWeights& w, bool cca, cons
   const std::int64_t N = s.tokens();
   const Tensor x = c.linear->enter(h), out = c.linear->out(y);
   if (cca) {
-    ops::cca::forward(s.cca, s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, out);
+    ops::cca::forward(layer_cca(s, c), s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, out);
     c.linear->exit(out, y);
     return;
   }
@@ -79,7 +86,7 @@ void attention_forward(const AttnShape& s, const LayerWeights& w, bool cca, cons
   const Tensor q3 = a.q.reshaped({N, s.heads, s.head_dim}), k3 = a.k.reshaped({N, s.kv_heads, s.head_dim});
   ops::rope::forward(*c.rope, q3, c.pos, q3);
   ops::rope::forward(*c.rope, k3, c.pos, k3);
-  c.core->forward(a.q, a.k, a.v, s.scale(), a.att, a.lse);
+  c.core->forward(a.q, a.k, a.v, s.scale(), c.window, a.att, a.lse);
   ops::linear::forward(rows(a.att, N), w.wo, {}, out);
   c.linear->exit(out, y);
 }
@@ -91,12 +98,12 @@ void attention_backward(const AttnShape& s, const LayerWeights& w, LayerWeights&
   const Tensor x = c.linear->enter(h);  // the rows forward's projections read
   const Tensor g_out = c.linear->exit_backward(dy), dx = c.linear->dx_out(dh);
   if (cca) {
-    ops::cca::backward(s.cca, s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, g_out, dx, g.cca, sc.cca);
+    ops::cca::backward(layer_cca(s, c), s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, g_out, dx, g.cca, sc.cca);
     c.linear->enter_backward(dx, dh);
     return;
   }
   ops::linear::backward(rows(a.att, N), w.wo, g_out, rows(sc.datt, N), g.wo, {});
-  c.core->backward(a.q, a.k, a.v, a.att, a.lse, sc.datt, s.scale(), sc.dq, sc.dk, sc.dv);
+  c.core->backward(a.q, a.k, a.v, a.att, a.lse, sc.datt, s.scale(), c.window, sc.dq, sc.dk, sc.dv);
   const Tensor dq3 = sc.dq.reshaped({N, s.heads, s.head_dim}), dk3 = sc.dk.reshaped({N, s.kv_heads, s.head_dim});
   ops::rope::backward(*c.rope, dq3, c.pos, dq3);
   ops::rope::backward(*c.rope, dk3, c.pos, dk3);

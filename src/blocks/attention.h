@@ -37,10 +37,12 @@ struct AttnScratch {
 };
 void carve(ArenaPlanner& p, const AttnShape& s, bool softmax, bool cca, AttnScratch& sc);
 
-// Each token's position [N] with the rotary table, and the block's runners.
+// Each token's position [N] with the layer's rotary table and attention window (0: full
+// causal; a sliding layer's model::attention_window), and the block's runners.
 struct AttnContext {
   const std::int32_t* pos = nullptr;
   const ops::rope::Table* rope = nullptr;
+  int window = 0;
   LinearRunner* linear = &local_linear();
   AttentionCore* core = &local_attention();
 };

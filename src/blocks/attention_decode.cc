@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "common/parallel_for.h"
+#include "ops/attention.h"
 #include "ops/linear.h"
 
 namespace keel::blocks {
@@ -18,10 +19,12 @@ inline float dot(const float* a, const float* b, std::int64_t n) {
   return s;
 }
 
-// Attention of one new query row per (sequence, head) over positions 0..len-1 of the cache
-// (the new token's k/v already appended). q, out [B, Hq, Dh]; caches [B, capacity, Hkv, Dh].
+// Attention of one new query row per (sequence, head) over positions first..len-1 of the cache
+// (the new token's k/v already appended; first > 0 in a sliding layer). q, out [B, Hq, Dh];
+// caches [B, capacity, Hkv, Dh].
 void cached_attention(const Tensor& q, const std::vector<float>& kc, const std::vector<float>& vc, int capacity,
-                      std::int64_t len, std::int64_t hq, std::int64_t hkv, std::int64_t dh, const Tensor& out) {
+                      std::int64_t first, std::int64_t len, std::int64_t hq, std::int64_t hkv, std::int64_t dh,
+                      const Tensor& out) {
   const std::int64_t B = q.dim(0), group = hq / hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
   // Threads only when a task has enough work to pay for starting them (common/parallel_for.h).
@@ -34,16 +37,16 @@ void cached_attention(const Tensor& q, const std::vector<float>& kc, const std::
       const float* kb = kc.data() + (b * capacity * hkv + g) * dh;
       const float* vb = vc.data() + (b * capacity * hkv + g) * dh;
       float m = -std::numeric_limits<float>::infinity();
-      for (std::int64_t j = 0; j < len; ++j) {
+      for (std::int64_t j = first; j < len; ++j) {
         p[j] = scale * dot(qi, kb + j * hkv * dh, dh);
         m = std::max(m, p[j]);
       }
       float sum = 0.f;
-      for (std::int64_t j = 0; j < len; ++j) sum += (p[j] = std::exp(p[j] - m));
+      for (std::int64_t j = first; j < len; ++j) sum += (p[j] = std::exp(p[j] - m));
       float* oi = out.data() + (b * hq + h) * dh;
       std::fill(oi, oi + dh, 0.f);
       const float inv = 1.f / sum;
-      for (std::int64_t j = 0; j < len; ++j) {
+      for (std::int64_t j = first; j < len; ++j) {
         const float w = p[j] * inv;
         const float* vj = vb + j * hkv * dh;
         for (std::int64_t c = 0; c < dh; ++c) oi[c] += w * vj[c];
@@ -60,8 +63,8 @@ void put_row(std::vector<float>& cache, int capacity, std::int64_t b, std::int64
 
 // mha/gqa of the B new tokens (h [B, D], the normed input) at position `length`.
 void mha_decode(const AttnShape& s, const LayerWeights& w, const Tensor& h, const std::int32_t* pos,
-                const ops::rope::Table& rope, int capacity, std::int64_t length, LayerCache& c, const AttnSaved& a,
-                const Tensor& y) {
+                const ops::rope::Table& rope, int window, int capacity, std::int64_t length, LayerCache& c,
+                const AttnSaved& a, const Tensor& y) {
   const std::int64_t B = s.batch, Hq = s.heads, Hkv = s.kv_heads, Dh = s.head_dim, Q = Hq * Dh, KV = Hkv * Dh;
   const Tensor q = a.q.reshaped({B, Q}), k = a.k.reshaped({B, KV}), v = a.v.reshaped({B, KV});
   ops::linear::forward(h, w.wq, {}, q);
@@ -74,7 +77,8 @@ void mha_decode(const AttnShape& s, const LayerWeights& w, const Tensor& h, cons
     put_row(c.v, capacity, b, length, v.row(b), KV);
   }
   const Tensor att = a.att.reshaped({B, Hq, Dh});
-  cached_attention(q.reshaped({B, Hq, Dh}), c.k, c.v, capacity, length + 1, Hq, Hkv, Dh, att);
+  cached_attention(q.reshaped({B, Hq, Dh}), c.k, c.v, capacity, ops::attention::first_key(length, window), length + 1,
+                   Hq, Hkv, Dh, att);
   ops::linear::forward(att.reshaped({B, Q}), w.wo, {}, y);
 }
 
@@ -82,8 +86,8 @@ void mha_decode(const AttnShape& s, const LayerWeights& w, const Tensor& h, cons
 // has the equations; this is its forward restricted to the last token). The cca Saved regions
 // (carved for T = 1) are the scratch.
 void cca_decode(const AttnShape& s, const LayerWeights& w, const Tensor& h, const std::int32_t* pos,
-                const ops::rope::Table& rope, int capacity, std::int64_t length, LayerCache& c, const AttnSaved& as,
-                const Tensor& y) {
+                const ops::rope::Table& rope, int window, int capacity, std::int64_t length, LayerCache& c,
+                const AttnSaved& as, const Tensor& y) {
   const ops::cca::Params& p = w.cca;
   const ops::cca::Config& cc = s.cca;
   const std::int64_t B = s.batch, d = cc.head_dim, nq = cc.q_heads, nkv = cc.kv_heads, G = nq / nkv;
@@ -164,7 +168,8 @@ void cca_decode(const AttnShape& s, const LayerWeights& w, const Tensor& h, cons
     put_row(c.v, capacity, b, length, ur, dk);
   }
   const Tensor att = as.cca.att.reshaped({B, nq, d});
-  cached_attention(q.reshaped({B, nq, d}), c.k, c.v, capacity, length + 1, nq, nkv, d, att);
+  cached_attention(q.reshaped({B, nq, d}), c.k, c.v, capacity, ops::attention::first_key(length, window), length + 1,
+                   nq, nkv, d, att);
   ops::linear::forward(att.reshaped({B, dq}), p.w_o, Tensor(), y);
 }
 
@@ -225,12 +230,12 @@ void fill_cache(const AttnShape& s, const LayerWeights& w, bool cca, const Tenso
 }
 
 void attention_decode(const AttnShape& s, const LayerWeights& w, bool cca, const Tensor& h, const std::int32_t* pos,
-                      const ops::rope::Table& rope, int capacity, std::int64_t length, LayerCache& c,
+                      const ops::rope::Table& rope, int window, int capacity, std::int64_t length, LayerCache& c,
                       const AttnSaved& a, const Tensor& y) {
   if (cca)
-    cca_decode(s, w, h, pos, rope, capacity, length, c, a, y);
+    cca_decode(s, w, h, pos, rope, window, capacity, length, c, a, y);
   else
-    mha_decode(s, w, h, pos, rope, capacity, length, c, a, y);
+    mha_decode(s, w, h, pos, rope, window, capacity, length, c, a, y);
 }
 
 }  // namespace keel::blocks

@@ -45,11 +45,12 @@ void fill_cache(const AttnShape& s, const LayerWeights& w, bool cca, const Tenso
                 int capacity, LayerCache& c);
 
 // One new token per sequence (s.seq == 1; h [B, D], the stage's RMSNorm output) at position
-// `length` (pos[b] == length, the cache filled up to it): appends its k/v row, slides CCA's
-// states, y [B, D] OVERWRITTEN. `a` is an AttnSaved set carved for (s.batch, 1), used as
-// scratch.
+// `length` (pos[b] == length, the cache filled up to it) with the layer's rotary table and
+// window (0: full causal; W > 0: it attends to the last W cached positions, itself included):
+// appends its k/v row, slides CCA's states, y [B, D] OVERWRITTEN. `a` is an AttnSaved set
+// carved for (s.batch, 1), used as scratch.
 void attention_decode(const AttnShape& s, const LayerWeights& w, bool cca, const Tensor& h, const std::int32_t* pos,
-                      const ops::rope::Table& rope, int capacity, std::int64_t length, LayerCache& c,
+                      const ops::rope::Table& rope, int window, int capacity, std::int64_t length, LayerCache& c,
                       const AttnSaved& a, const Tensor& y);
 
 }  // namespace keel::blocks

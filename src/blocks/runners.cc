@@ -4,14 +4,15 @@
 
 namespace keel::blocks {
 
-void AttentionCore::forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out,
-                            const Tensor& lse) {
-  ops::attention::forward(q, k, v, scale, out, lse);
+void AttentionCore::forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, int window,
+                            const Tensor& out, const Tensor& lse) {
+  ops::attention::forward(q, k, v, scale, out, lse, window);
 }
 
 void AttentionCore::backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                             const Tensor& dout, float scale, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
-  ops::attention::backward(q, k, v, out, lse, dout, scale, dq, dk, dv);
+                             const Tensor& dout, float scale, int window, const Tensor& dq, const Tensor& dk,
+                             const Tensor& dv) {
+  ops::attention::backward(q, k, v, out, lse, dout, scale, dq, dk, dv, window);
 }
 
 LinearRunner& local_linear() {

@@ -45,11 +45,13 @@ class AttentionCore {
  public:
   virtual ~AttentionCore() = default;
   // q [B, T, Hq, Dh], k and v [B, T, Hkv, Dh] of this rank's tokens (after RoPE) -> out
-  // [B, T, Hq, Dh], lse [B, Hq, T]: ops/attention.h's conventions.
-  virtual void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out,
+  // [B, T, Hq, Dh], lse [B, Hq, T]: ops/attention.h's conventions, window included (0: full
+  // causal; W > 0: the layer's sliding window, which a scheme splitting the sequence must keep).
+  virtual void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, int window, const Tensor& out,
                        const Tensor& lse);
   virtual void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                        const Tensor& dout, float scale, const Tensor& dq, const Tensor& dk, const Tensor& dv);
+                        const Tensor& dout, float scale, int window, const Tensor& dq, const Tensor& dk,
+                        const Tensor& dv);
 };
 
 // The degree-1 runners (stateless; shared).

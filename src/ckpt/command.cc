@@ -341,7 +341,9 @@ void add_command(CLI::App& app) {
       im->add_option("--step", f->import_step, "Step to record (default: the file's keel.step, else 0)");
   im->add_option("--names", f->names,
                  "Read released weights (zaya1 or zaya1-alternating names) into keel's model/<param> tensors");
-  im->add_option("--model", f->model, "With --names: the model config (a model YAML, or a keel train YAML) to import into");
+  im->add_option("--model", f->model,
+                 "With --names: the model config (a model YAML, or a keel train YAML) to import into; needed only "
+                 "without a config.json beside the weights, which it must otherwise agree with");
   im->add_option("--threads", f->threads, "Writer threads")->capture_default_str();
   im->callback([f, import_step] {
     if (f->format != "safetensors") throw UsageError(fmt::format("unknown --format '{}' (safetensors)", f->format));
@@ -359,11 +361,15 @@ void add_command(CLI::App& app) {
       return;
     }
     const auto names = zaya::parse_names(f->names);
-    if (f->model.empty()) throw UsageError("--names needs --model CONFIG.yaml (the model to import into)");
-    const auto cfg = load_model_for_names(f->model);
-    const auto st = zaya::import_zaya_safetensors(f->path, f->out, cfg, names, step, f->threads);
-    fmt::print("imported {} weights into model '{}': {} keel tensors, {} as step {} -> {}\n", zaya::to_string(names),
-               cfg.name, st.tensors, format_size(st.bytes), st.step, st.path);
+    // The model: the release's config.json, --model, or both (agreeing).
+    std::optional<model::ModelConfig> given;
+    if (!f->model.empty()) given = load_model_for_names(f->model);
+    const auto cfg = usage([&] { return zaya::release_model(f->path, names, given, f->model); });
+    const std::string json = zaya::release_config_path(f->path);
+    const std::string from = json.empty() ? f->model : f->model.empty() ? json : json + " and --model " + f->model;
+    const auto st = zaya::import_zaya_safetensors(f->path, f->out, cfg, names, step, f->threads, from);
+    fmt::print("imported {} weights into model '{}': {} keel tensors, {} as step {} -> {} (model from {})\n",
+               zaya::to_string(names), cfg.name, st.tensors, format_size(st.bytes), st.step, st.path, from);
     set_exit_code(kExitOk);
   });
 }

@@ -9,6 +9,7 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
 
 #include "ckpt/comm.h"
 #include "ckpt/metadata.h"
@@ -18,6 +19,7 @@
 #include "common/dtype.h"
 #include "common/error.h"
 #include "common/fileio.h"
+#include "common/yaml_checks.h"
 
 namespace fs = std::filesystem;
 
@@ -96,7 +98,58 @@ Sources open_sources(const std::string& in) {
   return s;
 }
 
+// A model named after the directory its config.json is in (ZAYA1-8B/config.json: "ZAYA1-8B").
+std::string release_name(const std::string& config_path) {
+  const std::string name = fs::absolute(config_path).lexically_normal().parent_path().filename().string();
+  return name.empty() || !why_not_utf8(name).empty() ? "imported" : name;
+}
+
 }  // namespace
+
+std::string release_config_path(const std::string& in) {
+  const fs::path dir = fs::is_directory(in) ? fs::path(in) : fs::path(in).parent_path();
+  const fs::path p = dir / "config.json";
+  return fs::exists(p) ? p.string() : "";
+}
+
+model::ModelConfig release_model(const std::string& in, Names names, const std::optional<model::ModelConfig>& given,
+                                 const std::string& given_path) {
+  const std::string path = release_config_path(in);
+  if (path.empty()) {
+    if (given) return *given;
+    throw UsageError(fmt::format("{}: no config.json beside the weights: name the model with --model CONFIG.yaml", in));
+  }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_config_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    throw UsageError(fmt::format("{}: not valid JSON ({})", path, e.what()));
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  const model::ModelConfig cfg = model_of_hf_config(j, names, release_name(path), path);
+  if (!given) return cfg;
+  const auto a = model::model_key_values(cfg), b = model::model_key_values(*given);
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].second != b[i].second)
+      throw UsageError(fmt::format("{}: describes another model than --model {} ('{}'): {} is {} in config.json, {} in "
+                                   "--model",
+                                   path, given_path, given->name, a[i].first, a[i].second, b[i].second));
+  return *given;
+}
+
+std::string imported_train_config(const model::ModelConfig& cfg) {
+  YAML::Node root;
+  root["model"] = model::model_node(cfg);
+  root["data"]["datasets"]["none"] = "(weights imported by keel ckpt import: no training data)";
+  root["data"]["seq_length"] = std::to_string(cfg.max_seq_len > 0 ? std::min(cfg.max_seq_len, 2048) : 2048);
+  root["steps"] = "1";
+  YAML::Emitter em;
+  em << root;
+  return fmt::format("# The model of weights imported by keel ckpt import --names, which keel generate, keel eval and\n"
+                     "# keel train (init_from) read from here; data and steps are placeholders.\n{}\n",
+                     em.c_str());
+}
 
 ElemType parse_export_dtype(std::string_view s) {
   if (s == "fp32" || s == "f32" || s == "float32") return ElemType::kF32;
@@ -187,7 +240,8 @@ ZayaStats export_zaya_safetensors(const std::string& src, const std::string& out
 }
 
 ZayaStats import_zaya_safetensors(const std::string& in, const std::string& dst, const model::ModelConfig& cfg,
-                                  Names names, std::optional<std::int64_t> step, int threads) {
+                                  Names names, std::optional<std::int64_t> step, int threads,
+                                  const std::string& model_from) {
   if (step && *step < 0) fail("import: step {} is negative: steps are non-negative", *step);
   const NameMap map = build_name_map(cfg, names);
   check_coverage(map);
@@ -248,7 +302,9 @@ ZayaStats import_zaya_safetensors(const std::string& in, const std::string& dst,
                           {"names", to_string(names)},
                           {"model", cfg.name},
                           {"kind", "keel ckpt import --names"},
-                          {"step", at}};
+                          {"step", at},
+                          {"model_from", model_from},
+                          {"config", imported_train_config(cfg)}};
   auto comm = make_self_comm();
   fs::create_directories(dst);
   SaveOptions so;

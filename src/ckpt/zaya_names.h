@@ -15,6 +15,7 @@
 #include "ckpt/safetensors.h"
 #include "ckpt/types.h"
 #include "model/config.h"
+#include "model/released_config.h"
 #include "model/released_names.h"
 
 namespace keel::ckpt::zaya {
@@ -23,6 +24,7 @@ using model::released::build_name_map;
 using model::released::check_coverage;
 using model::released::hf_config;
 using model::released::KeelTensor;
+using model::released::model_of_hf_config;
 using model::released::NameMap;
 using model::released::Names;
 using model::released::parse_names;
@@ -51,6 +53,23 @@ struct ZayaStats {
 ZayaStats export_zaya_safetensors(const std::string& src, const std::string& out, const model::ModelConfig& cfg,
                                   Names names, ElemType dtype, int threads, bool overwrite = false);
 
+// The config.json of the release `in` (a directory: the one in it; a .safetensors file: the one
+// beside it); "" when there is none.
+std::string release_config_path(const std::string& in);
+
+// The model to import the release `in` into: the one its config.json describes
+// (model_of_hf_config, named after the release's directory), or `given` (--model, read from
+// `given_path`) where there is no config.json. With both, they must agree on every key that
+// shapes the computation (model::model_key_values): else one error naming the first key that
+// differs; the model is then `given` (its name). Throws keel::UsageError when there is neither.
+model::ModelConfig release_model(const std::string& in, Names names, const std::optional<model::ModelConfig>& given,
+                                 const std::string& given_path);
+
+// The train config an imported checkpoint records as its state's "config", as keel train's
+// checkpoints do: the model's keys inline (data and steps are placeholders), so keel generate,
+// keel eval and keel train (init_from) take the model from the checkpoint.
+std::string imported_train_config(const model::ModelConfig& cfg);
+
 // Reads released weights and commits a keel checkpoint under the new root `dst`
 // (require_new_root) at `step` (nullopt: the keel.step a keel export recorded in the file's
 // __metadata__, else 0) holding fp32
@@ -59,8 +78,10 @@ ZayaStats export_zaya_safetensors(const std::string& src, const std::string& out
 // release) or model.safetensors. Accepts F32, BF16 and F16 tensors. Throws keel::Error naming
 // the tensor for an unknown released name (with a hint when it belongs to the other layout), a
 // missing one, a duplicate, a wrong shape or a non-float dtype. Holds the whole model in fp32
-// in memory (twice while the checkpoint is staged).
+// in memory (twice while the checkpoint is staged). The checkpoint's state records the model
+// (imported_train_config) and `model_from`, where its config came from (config.json or --model).
 ZayaStats import_zaya_safetensors(const std::string& in, const std::string& dst, const model::ModelConfig& cfg,
-                                  Names names, std::optional<std::int64_t> step, int threads);
+                                  Names names, std::optional<std::int64_t> step, int threads,
+                                  const std::string& model_from = "");
 
 }  // namespace keel::ckpt::zaya

@@ -32,7 +32,7 @@ struct Args {
   double temperature = 0.0, init_std = 0.02;
   std::uint64_t seed = 1, init_seed = 1234;
   std::vector<int> batch{1};
-  bool ignore_eos = false, bos = false, bench = false;
+  bool ignore_eos = false, bos = false, bench = false, print_ids = false;
 };
 
 // --device: cuda when asked, or with auto when keel has CUDA, a GPU is visible and the GPU path
@@ -241,6 +241,13 @@ void run(const Args& a) {
       const std::string text = printable(tok->decode(all));
       std::fwrite(text.data(), 1, text.size(), stdout);
       std::printf("\n---\n");
+      if (a.print_ids) {
+        // The token ids themselves (prompt then generated): the text hides ids the tokenizer
+        // decodes to nothing or to the same bytes (reference checks compare these).
+        std::string ids = "ids:";
+        for (auto id : all) ids += fmt::format(" {}", id);
+        std::printf("%s\n", ids.c_str());
+      }
       std::fflush(stdout);
     }
   }
@@ -293,6 +300,7 @@ void add_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--bench", a->bench, "Latency run: --ignore-eos, and only the latency table (no text)");
   cmd->add_flag("--bos", a->bos, "Start the prompt with the tokenizer's BOS id");
+  cmd->add_flag("--print-ids", a->print_ids, "After the text, print the token ids of sequence 0 (prompt + generated) on one line 'ids: ...'");
   cmd->add_option("--init-seed", a->init_seed, "Seed of the fresh weights (--model / --config)")->capture_default_str();
   cmd->add_option("--init-std", a->init_std, "Std of the fresh weights (--model / --config)")->capture_default_str();
   cmd->callback([a, old_n, old_b, max_new, batch] {

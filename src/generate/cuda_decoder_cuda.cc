@@ -21,6 +21,7 @@
 #include "blocks/cuda/attention_decode.h"
 #include "blocks/cuda/decode_kernels.h"
 #include "blocks/cuda/mlp.h"
+#include "blocks/cuda/rope_tables.h"
 #include "blocks/cuda/runners.h"
 #include "blocks/cuda/weights.h"
 #include "blocks/weights.h"
@@ -37,9 +38,7 @@
 #include "ops/cuda/linear.h"
 #include "ops/cuda/residual_scale.h"
 #include "ops/cuda/rmsnorm.h"
-#include "ops/cuda/rope.h"
 #include "ops/cuda/router.h"
-#include "ops/rope.h"
 #include "train/model.h"
 
 namespace keel::generate {
@@ -138,9 +137,8 @@ class CudaDecoder final : public Decoder {
       throw UsageError(fmt::format("generate: prompt + new tokens = {} positions exceeds model '{}' max_seq_len {}",
                                    capacity, cfg_.name, cfg_.max_seq_len));
     const int positions = std::max(capacity, cfg_.max_seq_len);
-    if (!rope_ || rope_->view().max_positions < positions)
-      rope_ = std::make_unique<k::rope::UploadedTable>(
-          ops::rope::make_table(cfg_.head_dim, cfg_.rope_fraction, cfg_.rope_base, positions));
+    if (!ropes_ || ropes_->max_positions() < positions)
+      ropes_ = std::make_unique<bc::DeviceRopeTables>(blocks::make_rope_tables(cfg_, positions));
     batch_ = batch;
     capacity_ = capacity;
     length_ = 0;
@@ -346,10 +344,11 @@ class CudaDecoder final : public Decoder {
     k::embedding::forward_bf16_table(a.tokens, N, w_.embed, a.r, V, D, stream_);
     bc::AttnContext ctx;
     ctx.pos = a.positions;
-    ctx.rope = &rope_->view();
     for (int l = 0; l < cfg_.layers; ++l) {
       const bc::LayerWeights& L = layer(l);
       const bc::LayerCache& lc = caches_[static_cast<std::size_t>(l)];
+      ctx.rope = &ropes_->layer(l);
+      ctx.window = model::attention_window(cfg_, l);
       float* x_mid = scaled_ ? a.x_mid : a.r;  // plain layers add into the residual stream in place
       if (scaled_) {
         const bc::ResScale& A = L.attn_scale;
@@ -371,8 +370,8 @@ class CudaDecoder final : public Decoder {
         bc::fill_cache(*gemm_, attn_shape_, L, a.h1, a.attn, capacity_, lc, a.cache, stream_);
         if (L.cca && add_into) k::add_bf16_to_f32(a.attn_out, add_into, N * D, stream_);
       } else {
-        bc::attention_decode(*gemm_, attn_shape_, L, a.h1, a.positions, rope_->view(), capacity_, length_, lc, a.attn,
-                             a.cache, add_into, a.attn_out, stream_);
+        bc::attention_decode(*gemm_, attn_shape_, L, a.h1, a.positions, *ctx.rope, ctx.window, capacity_, length_, lc,
+                             a.attn, a.cache, add_into, a.attn_out, stream_);
       }
       if (scaled_) {
         const bc::ResScale& M = L.mlp_scale;
@@ -437,7 +436,7 @@ class CudaDecoder final : public Decoder {
   int classes_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<k::GemmRunner> gemm_;
-  std::unique_ptr<k::rope::UploadedTable> rope_;
+  std::unique_ptr<bc::DeviceRopeTables> ropes_;  // each layer's rotary table
 
   GrowingDeviceBuffer w16_buf_ = decoder_buffer(), f32_buf_ = decoder_buffer(), bias_buf_ = decoder_buffer(),
       cache_buf_ = decoder_buffer(), act_buf_ = decoder_buffer();

@@ -28,55 +28,11 @@ namespace keel::generate {
 
 namespace {
 
-std::string layer_attention_text(const model::ModelConfig& m) {
-  std::string s;
-  for (const auto k : m.layer_attention) s += fmt::format("{}{}", s.empty() ? "" : ",", model::attention_kind_name(k));
-  return s;
-}
-
-// Every key of a model YAML that shapes the computation, with its parsed value (doubles in
-// their shortest exact form, so equal text means equal value). The name is left out: a renamed
-// copy of a model is the same model.
-std::vector<std::pair<const char*, std::string>> model_key_values(const model::ModelConfig& m) {
-  const auto v = [](const auto& x) { return fmt::format("{}", x); };
-  return {{"vocab_size", v(m.vocab_size)},
-          {"hidden", v(m.hidden)},
-          {"layers", v(m.layers)},
-          {"attention", model::attention_kind_name(m.attention)},
-          {"heads", v(m.heads)},
-          {"kv_heads", v(m.kv_heads)},
-          {"head_dim", v(m.head_dim)},
-          {"layer_attention", layer_attention_text(m)},
-          {"cca_q_dim", v(m.cca_q_dim)},
-          {"cca_k_dim", v(m.cca_k_dim)},
-          {"cca_v_dim", v(m.cca_v_dim)},
-          {"cca_conv_width", v(m.cca_conv_width)},
-          {"cca_group_conv_width", v(m.cca_group_conv_width)},
-          {"linear_chunk", v(m.linear_chunk)},
-          {"qk_norm", v(m.qk_norm)},
-          {"ffn_hidden", v(m.ffn_hidden)},
-          {"experts", v(m.experts)},
-          {"top_k", v(m.top_k)},
-          {"expert_hidden", v(m.expert_hidden)},
-          {"shared_experts", v(m.shared_experts)},
-          {"moe_layer_interval", v(m.moe_layer_interval)},
-          {"first_dense_layers", v(m.first_dense_layers)},
-          {"router_hidden", v(m.router_hidden)},
-          {"router_mlp_layers", v(m.router_mlp_layers)},
-          {"router_skip_expert", v(m.router_skip_expert)},
-          {"tied_embeddings", v(m.tied_embeddings)},
-          {"residual_scaling", v(m.residual_scaling)},
-          {"rope_fraction", v(m.rope_fraction)},
-          {"rope_base", v(m.rope_base)},
-          {"norm_eps", v(m.norm_eps)},
-          {"max_seq_len", v(m.max_seq_len)}};
-}
-
 // A --model / --config given with a checkpoint that saved its own config must be that model:
 // the same parameter count is not enough (another head layout has the same floats and would
 // run the checkpoint's weights as a different network).
 void require_same_model(const std::string& dir, const model::ModelConfig& saved, const model::ModelConfig& given) {
-  const auto a = model_key_values(saved), b = model_key_values(given);
+  const auto a = model::model_key_values(saved), b = model::model_key_values(given);
   for (std::size_t i = 0; i < a.size(); ++i)
     if (a[i].second != b[i].second)
       fail("checkpoint {} holds model '{}' ({} layers, hidden {}), not the model '{}' given with it: {} is {} in the "
@@ -232,8 +188,7 @@ void InferenceModel::plan(ArenaPlanner& p, std::int64_t B, std::int64_t T, std::
 InferenceModel::Work& InferenceModel::prepare(std::int64_t B, std::int64_t T, std::int64_t head_rows, int capacity,
                                               int first_position) {
   const model::ModelConfig& cfg = w_.config;
-  if (rope_.max_positions < capacity)
-    rope_ = ops::rope::make_table(cfg.head_dim, cfg.rope_fraction, cfg.rope_base, std::max(capacity, cfg.max_seq_len));
+  if (ropes_.max_positions() < capacity) ropes_ = blocks::make_rope_tables(cfg, std::max(capacity, cfg.max_seq_len));
   Work& w = *work_;
   if (B != w.planned[0] || T != w.planned[1] || head_rows != w.planned[2]) {
     ArenaPlanner sizing;
@@ -328,10 +283,11 @@ void InferenceModel::prefill(const std::uint32_t* tokens, int T, Cache& cache, s
   // then the caches from what they computed.
   blocks::AttnContext ctx;
   ctx.pos = w.positions.data();
-  ctx.rope = &rope_;
   embed(tokens, N, w.r);
   for (int l = 0; l < cfg.layers; ++l) {
     const LayerParams& P = lp_[l];
+    ctx.rope = &ropes_.layer(l);
+    ctx.window = model::attention_window(cfg, l);
     attn_input(l, w);
     blocks::attention_forward(w.attn, P, cca_[l] != 0, w.h1, ctx, w.attn_saved, w.attn_out);
     blocks::fill_cache(w.attn, P, cca_[l] != 0, w.h1, w.attn_saved, cache.capacity, cache.layers[l]);
@@ -361,8 +317,9 @@ void InferenceModel::decode(const std::uint32_t* tokens, Cache& cache, std::vect
   embed(tokens, B, w.r);
   for (int l = 0; l < cfg.layers; ++l) {
     attn_input(l, w);
-    blocks::attention_decode(w.attn, lp_[l], cca_[l] != 0, w.h1, w.positions.data(), rope_, cache.capacity,
-                             cache.length, cache.layers[l], w.attn_saved, w.attn_out);
+    blocks::attention_decode(w.attn, lp_[l], cca_[l] != 0, w.h1, w.positions.data(), ropes_.layer(l),
+                             model::attention_window(cfg, l), cache.capacity, cache.length, cache.layers[l],
+                             w.attn_saved, w.attn_out);
     mlp_stage(l, w);
   }
   cache.length += 1;

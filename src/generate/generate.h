@@ -36,9 +36,9 @@
 #include <vector>
 
 #include "blocks/attention_decode.h"
+#include "blocks/rope_tables.h"
 #include "blocks/weights.h"
 #include "model/config.h"
-#include "ops/rope.h"
 #include "optim/param_groups.h"
 #include "tensor/arena.h"
 #include "tensor/tensor.h"
@@ -56,10 +56,10 @@ struct ModelWeights {
 
 // The model of a keel checkpoint (a checkpoint.dir root, its `latest`, or a step directory):
 // weights and router biases from model/* and router/bias.* (train::load_model_weights). The
-// model config and router.renormalize come from the train config saved in a keel train
-// checkpoint; a weight set `keel ckpt import` committed (released weights) carries none, so
-// `model` (a model config, renormalize_gates) must name it; given for a train checkpoint too, it
-// must agree with the saved one. Throws keel::Error naming the file or tensor on anything
+// model config and router.renormalize come from the train config saved in the checkpoint (keel
+// train's, and keel ckpt import's: the release's config.json or --model); a checkpoint without
+// one (imported before imports recorded it) needs `model` (a model config, renormalize_gates) to
+// name it; given with a saved one, it must agree with it (model::model_key_values). Throws keel::Error naming the file or tensor on anything
 // missing or mismatched.
 ModelWeights load_checkpoint_weights(const std::string& path, const std::optional<ModelWeights>& model = std::nullopt);
 // A freshly initialized model (model::init_parameters; router biases 0, -1 for the skip
@@ -106,7 +106,7 @@ class InferenceModel {
   using LayerParams = blocks::LayerWeights;
   struct Work;
   // The workspace of a call over B x T tokens (head rows: the rows the LM head runs on), the
-  // rotary table for `capacity` positions, and each token's position from first_position.
+  // rotary tables for `capacity` positions, and each token's position from first_position.
   Work& prepare(std::int64_t B, std::int64_t T, std::int64_t head_rows, int capacity, int first_position);
   void plan(ArenaPlanner& p, std::int64_t B, std::int64_t T, std::int64_t head_rows);
   void embed(const std::uint32_t* ids, std::int64_t n, const Tensor& out);
@@ -122,7 +122,7 @@ class InferenceModel {
   blocks::ResScale final_scale_;
   std::vector<int> moe_index_;  // per layer: MoE stage index or -1
   std::vector<char> cca_;       // per layer: attention is CCA
-  ops::rope::Table rope_;
+  blocks::RopeTables ropes_;  // each layer's rotary table (sliding layers may have their own)
   std::unique_ptr<Work> work_;
 };
 

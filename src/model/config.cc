@@ -245,6 +245,118 @@ void validate(const ModelConfig& m) {
     throw UsageError(fmt::format("key 'sliding_rope_base' ({}) must be a finite number above 1", m.sliding_rope_base));
 }
 
+YAML::Node model_node(const ModelConfig& m) {
+  // Scalars as text: doubles in their shortest exact form, so they parse back to the same value.
+  const auto v = [](const auto& x) { return fmt::format("{}", x); };
+  YAML::Node n;
+  n["name"] = m.name;
+  n["vocab_size"] = v(m.vocab_size);
+  n["hidden"] = v(m.hidden);
+  n["layers"] = v(m.layers);
+  n["attention"] = attention_kind_name(m.attention);
+  n["heads"] = v(m.heads);
+  n["kv_heads"] = v(m.kv_heads);
+  n["head_dim"] = v(m.head_dim);
+  if (!m.layer_attention.empty()) {
+    YAML::Node list(YAML::NodeType::Sequence);
+    for (const AttentionKind k : m.layer_attention) list.push_back(attention_kind_name(k));
+    list.SetStyle(YAML::EmitterStyle::Flow);
+    n["layer_attention"] = list;
+  }
+  n["cca_q_dim"] = v(m.cca_q_dim);
+  n["cca_k_dim"] = v(m.cca_k_dim);
+  n["cca_v_dim"] = v(m.cca_v_dim);
+  n["cca_conv_width"] = v(m.cca_conv_width);
+  n["cca_group_conv_width"] = v(m.cca_group_conv_width);
+  n["linear_chunk"] = v(m.linear_chunk);
+  n["qk_norm"] = v(m.qk_norm);
+  n["ffn_hidden"] = v(m.ffn_hidden);
+  n["experts"] = v(m.experts);
+  n["top_k"] = v(m.top_k);
+  n["expert_hidden"] = v(m.expert_hidden);
+  n["shared_experts"] = v(m.shared_experts);
+  n["moe_layer_interval"] = v(m.moe_layer_interval);
+  n["first_dense_layers"] = v(m.first_dense_layers);
+  n["router_hidden"] = v(m.router_hidden);
+  n["router_mlp_layers"] = v(m.router_mlp_layers);
+  n["router_skip_expert"] = v(m.router_skip_expert);
+  n["tied_embeddings"] = v(m.tied_embeddings);
+  n["residual_scaling"] = v(m.residual_scaling);
+  n["rope_fraction"] = v(m.rope_fraction);
+  n["rope_base"] = v(m.rope_base);
+  n["norm_eps"] = v(m.norm_eps);
+  n["max_seq_len"] = v(m.max_seq_len);
+  if (!m.layer_sliding.empty()) {
+    YAML::Node list(YAML::NodeType::Sequence);
+    for (const bool b : m.layer_sliding) list.push_back(v(b));
+    list.SetStyle(YAML::EmitterStyle::Flow);
+    n["layer_sliding"] = list;
+  }
+  n["sliding_window"] = v(m.sliding_window);
+  n["sliding_rope_base"] = v(m.sliding_rope_base);
+  if (m.sliding_rope_fraction >= 0) n["sliding_rope_fraction"] = v(m.sliding_rope_fraction);
+  return n;
+}
+
+std::string model_yaml(const ModelConfig& m) {
+  YAML::Emitter em;
+  em << model_node(m);
+  return std::string(em.c_str()) + "\n";
+}
+
+std::vector<std::pair<std::string, std::string>> model_key_values(const ModelConfig& m) {
+  const auto v = [](const auto& x) { return fmt::format("{}", x); };
+  std::string attention = attention_kind_name(layer_attention_kind(m, 0)), sliding;
+  bool mixed = false;
+  int first_sliding = -1;
+  for (int l = 0; l < m.layers; ++l) {
+    mixed |= layer_attention_kind(m, l) != layer_attention_kind(m, 0);
+    if (!is_sliding_layer(m, l)) continue;
+    sliding += fmt::format("{}{}", sliding.empty() ? "layers " : ",", l);
+    if (first_sliding < 0) first_sliding = l;
+  }
+  if (mixed) {
+    attention.clear();
+    for (int l = 0; l < m.layers; ++l)
+      attention += fmt::format("{}{}", l ? "," : "", attention_kind_name(layer_attention_kind(m, l)));
+  }
+  const bool slides = first_sliding >= 0;
+  return {{"vocab_size", v(m.vocab_size)},
+          {"hidden", v(m.hidden)},
+          {"layers", v(m.layers)},
+          {"attention", attention},
+          {"heads", v(m.heads)},
+          {"kv_heads", v(m.kv_heads)},
+          {"head_dim", v(m.head_dim)},
+          {"cca_q_dim", v(m.cca_q_dim)},
+          {"cca_k_dim", v(m.cca_k_dim)},
+          {"cca_v_dim", v(m.cca_v_dim)},
+          {"cca_conv_width", v(m.cca_conv_width)},
+          {"cca_group_conv_width", v(m.cca_group_conv_width)},
+          {"linear_chunk", v(m.linear_chunk)},
+          {"qk_norm", v(m.qk_norm)},
+          {"ffn_hidden", v(m.ffn_hidden)},
+          {"experts", v(m.experts)},
+          {"top_k", v(m.top_k)},
+          {"expert_hidden", v(m.expert_hidden)},
+          {"shared_experts", v(m.shared_experts)},
+          {"moe_layer_interval", v(m.moe_layer_interval)},
+          {"first_dense_layers", v(m.first_dense_layers)},
+          {"router_hidden", v(m.router_hidden)},
+          {"router_mlp_layers", v(m.router_mlp_layers)},
+          {"router_skip_expert", v(m.router_skip_expert)},
+          {"tied_embeddings", v(m.tied_embeddings)},
+          {"residual_scaling", v(m.residual_scaling)},
+          {"rope_fraction", v(m.rope_fraction)},
+          {"rope_base", v(m.rope_base)},
+          {"norm_eps", v(m.norm_eps)},
+          {"max_seq_len", v(m.max_seq_len)},
+          {"layer_sliding", slides ? sliding : "none"},
+          {"sliding_window", slides ? v(m.sliding_window) : "0"},
+          {"sliding_rope_base", slides ? v(layer_rope_base(m, first_sliding)) : "0"},
+          {"sliding_rope_fraction", slides ? v(layer_rope_fraction(m, first_sliding)) : "0"}};
+}
+
 // A model or train YAML file, bounded and refused by name when it is no file (a directory read
 // through YAML::LoadFile said only "basic_filebuf::underflow error reading the file").
 static YAML::Node load_yaml_file(const std::string& path) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace YAML {
@@ -61,6 +62,8 @@ struct ModelConfig {
   std::vector<bool> layer_sliding;
   int sliding_window = 0;
   double sliding_rope_base = 0, sliding_rope_fraction = -1;
+
+  bool operator==(const ModelConfig&) const = default;  // every field, the name included
 };
 
 // Loads and validates a model YAML. Throws keel::UsageError with a one-line message naming
@@ -77,6 +80,20 @@ ModelConfig model_of_train_config(const YAML::Node& node, const std::string& wha
 ModelConfig load_model_or_train_config(const std::string& path);
 // Validates a config built in code (same checks as the loader).
 void validate(const ModelConfig& m);
+
+// The model YAML of `m`: a mapping of every key parse_model_config reads (but empty per-layer
+// lists and the "unset" negative sliding_rope_fraction), which parse_model_config turns back into
+// `m`, field for field. model_yaml is that mapping emitted as text.
+YAML::Node model_node(const ModelConfig& m);
+std::string model_yaml(const ModelConfig& m);
+
+// Every key that shapes the computation with its value as text, in the form that makes equal
+// text mean the same network: doubles in their shortest exact form, per-layer lists as what each
+// layer runs ("attention" one kind or the list per layer, "layer_sliding" the sliding layers,
+// the sliding_* keys as the sliding layers use them, "0" without any). The name is left out: a
+// renamed copy of a model is the same model. Used to refuse a --model that is not a
+// checkpoint's or a release's model, naming the first key that differs.
+std::vector<std::pair<std::string, std::string>> model_key_values(const ModelConfig& m);
 
 // Per-layer structure, from the fields above.
 AttentionKind layer_attention_kind(const ModelConfig& m, int layer);

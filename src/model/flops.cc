@@ -60,17 +60,20 @@ TokenFlops token_flops(const ModelConfig& m, std::int64_t seq) {
     f.body_forward += 2 * weights;
   }
 
-  // Attention core per layer and token. Softmax (MHA/GQA/CCA): QK^T and PV over the context,
-  // 2*C*T each without the causal mask; causal halves it. Linear attention (chunked): the
-  // d x d state update and readout (4*d^2 per head) plus the causal intra-chunk products.
-  const double softmax_layers = attention_layer_count(m, AttentionKind::kMha) +
-                                attention_layer_count(m, AttentionKind::kGqa) +
-                                attention_layer_count(m, AttentionKind::kCca);
+  // Attention core per layer and token. Softmax (MHA/GQA/CCA): QK^T and PV over the keys a query
+  // attends, 2*C each per key (attended_keys: the causal half of the context, or of a sliding
+  // layer's window). Linear attention (chunked): the d x d state update and readout (4*d^2 per
+  // head) plus the causal intra-chunk products.
   const double linear_layers = attention_layer_count(m, AttentionKind::kLinear);
   const double T = static_cast<double>(seq);
-  const double softmax_full = softmax_layers * 4 * q * T;
+  double softmax_causal = 0, softmax_full = 0;
+  for (int l = 0; l < m.layers; ++l) {
+    if (layer_attention_kind(m, l) == AttentionKind::kLinear) continue;
+    softmax_causal += 4 * q * attended_keys(m, l, seq);
+    softmax_full += 4 * q * attended_keys(m, l, seq, /*halved=*/false);
+  }
   const double linear_core = linear_layers * m.heads * (4 * hd * hd + 2 * hd * std::min<double>(m.linear_chunk, T));
-  f.attention_forward = softmax_full / 2 + linear_core;
+  f.attention_forward = softmax_causal + linear_core;
   f.attention_forward_palm = softmax_full + linear_core;
   f.items.push_back({"attention_core", f.attention_forward});
 
@@ -78,6 +81,13 @@ TokenFlops token_flops(const ModelConfig& m, std::int64_t seq) {
   f.items.push_back({"lm_head", f.lm_head_forward});
   f.recomputable_selective = conv;
   return f;
+}
+
+double attended_keys(const ModelConfig& m, int layer, std::int64_t seq, bool halved) {
+  const double T = static_cast<double>(seq);
+  const int w = attention_window(m, layer);
+  const double W = w > 0 && w < seq ? w : T;  // the keys of the last query
+  return halved ? W - W * W / (2 * T) : W;
 }
 
 }  // namespace keel::model

@@ -1,7 +1,8 @@
 // FLOPs per token. Convention (docs/size.md): a multiply-add is 2 FLOPs; backward is twice
 // the forward (dX and dW); attention's score and value products are counted causal-halved
 // (llm.c: training 6*N + 6*L*C*T with C the query width, T the sequence); PaLM's non-halved
-// 6*N + 12*L*C*T is reported beside it. MFU = model FLOPs (no recomputation) / (time x dense
+// 6*N + 12*L*C*T is reported beside it. A sliding-window layer counts only its window
+// (attended_keys). MFU = model FLOPs (no recomputation) / (time x dense
 // bf16 peak); recomputation is hardware FLOPs (HFU), never MFU.
 #pragma once
 
@@ -44,5 +45,11 @@ struct TokenFlops {
 };
 
 TokenFlops token_flops(const ModelConfig& m, std::int64_t seq);
+
+// Keys a query of softmax layer `layer` attends to, averaged over the seq queries of a sequence:
+// the T of attention's per-token 4*C*T. Causal-halved: seq / 2, or in a sliding layer with window
+// W < seq, W - W^2 / (2 seq) (the first W queries ramp up as causal ones do, the rest see W each;
+// W = seq gives seq / 2). Not halved (PaLM): seq, or min(W, seq).
+double attended_keys(const ModelConfig& m, int layer, std::int64_t seq, bool halved = true);
 
 }  // namespace keel::model

@@ -286,7 +286,7 @@ int param_stage(const std::string& name, int layers) {
 }
 
 void init_parameters(const ModelConfig& cfg, const optim::ParamLayout& layout, double init_std, std::uint64_t seed,
-                     float* params, const mesh::Shape& mesh, const mesh::Coord& at) {
+                     float* params, const mesh::Shape& mesh, const mesh::Coord& at, double router_init_gain) {
   const double out_scale = 1.0 / std::sqrt(2.0 * cfg.layers);
   std::memset(params, 0, static_cast<std::size_t>(layout.total_floats) * sizeof(float));
   // One splitmix64 stream over the matrices in the order of the whole model's parameters
@@ -328,13 +328,20 @@ void init_parameters(const ModelConfig& cfg, const optim::ParamLayout& layout, d
     const auto it = first_draw.find(p.name);
     if (it == first_draw.end()) fail("init: parameter '{}' is not in model '{}'", p.name, cfg.name);
     const bool out_proj = p.name.ends_with(".wo") || p.name.ends_with("w_down");
+    // The MLP router's layers after its norm: with std 0.02 each r x r layer scales its input by
+    // ~0.02 sqrt(r) / 2, so the logits come out ~1e-3 and the first steps route every token by
+    // the selection bias alone (one class takes the layer); fan-in scaling keeps them O(1).
+    const bool router_mlp = router_init_gain > 0 && p.name.find(".moe.router.") != std::string::npos &&
+                            (p.name.ends_with(".weight") && !p.name.ends_with("router.down.weight"));
+    const double sd = router_mlp ? router_init_gain / std::sqrt(double(p.global_shape.back()))
+                                 : init_std * (out_proj ? out_scale : 1.0);
     std::int64_t inner = 1;  // local elements per row of the block
     for (std::size_t k = 1; k < p.shape.size(); ++k) inner *= p.shape[k];
     for (BlockPiece& pc : block_pieces(p, mesh, at)) {
       std::int64_t n = 1;
       for (auto e : pc.extent) n *= e;
       float* start = d + pc.local_row * inner;
-      fills.push_back({std::move(pc), &p.global_shape, start, n, init_std * (out_proj ? out_scale : 1.0), it->second});
+      fills.push_back({std::move(pc), &p.global_shape, start, n, sd, it->second});
     }
   }
   constexpr std::uint64_t kIncrement = 0x9E3779B97F4A7C15ull;  // Rng::next()'s

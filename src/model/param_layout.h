@@ -92,8 +92,11 @@ std::int64_t block_start(const optim::ParamInfo& p, const mesh::Shape& mesh, con
 // scales, EDA scale, CCA temperatures). The same values on every platform for a seed, drawn as
 // if for the whole model (param_layout(cfg)): a rank's block of a split parameter (at coordinate
 // `at` of `mesh`) gets exactly the values the same elements have in the whole model.
+// router_init_gain > 0: the MLP router's r x r layers and output layer (moe.router.mlp<i>,
+// moe.router.out) are normal(0, router_init_gain / sqrt(fan_in)) instead (the same draws scaled).
 void init_parameters(const ModelConfig& cfg, const optim::ParamLayout& layout, double init_std, std::uint64_t seed,
-                     float* params, const mesh::Shape& mesh = {}, const mesh::Coord& at = {});
+                     float* params, const mesh::Shape& mesh = {}, const mesh::Coord& at = {},
+                     double router_init_gain = 0);
 
 // The router selection biases a fresh model starts with, one [classes] per MoE layer: 0, and -1
 // for the skip class (ZAYA1: it starts disfavoured).

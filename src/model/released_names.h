@@ -38,8 +38,6 @@
 #include <string_view>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "model/config.h"
 
 namespace keel::model::released {
@@ -88,10 +86,7 @@ NameMap build_name_map(const model::ModelConfig& cfg, Names names);
 // its released shape exactly, released names unique. Throws keel::Error naming the tensor.
 void check_coverage(const NameMap& map);
 
-// The Hugging Face config.json of the layout (model_type "zaya", the fork's keys); `dtype`:
-// "float32" or "bfloat16". Values keel's config does not hold (token ids) are the fork's
-// defaults.
-nlohmann::json hf_config(const model::ModelConfig& cfg, Names names, std::string_view dtype);
+// The config.json beside the weights, both ways: model/released_config.h.
 
 // Elements per dim-0 row of a shape (0 for a scalar or no rows): a piece's rows times this is
 // its element count.

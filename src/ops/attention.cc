@@ -34,8 +34,10 @@ inline float dot(const float* a, const float* b, std::int64_t n) {
 }
 }  // namespace
 
-void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out, const Tensor& lse) {
+void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out, const Tensor& lse,
+             int window) {
   const Dims s = check(q, k, v, out, lse);
+  if (window < 0) fail("attention: window {} must be >= 0 (0: full causal)", window);
   // Element pointers: q/out row (b, t, h) at ((b*T + t)*Hq + h)*Dh, k/v at ((b*T + t)*Hkv + g)*Dh.
   auto qp = [&](const Tensor& x, std::int64_t b, std::int64_t t, std::int64_t h) { return x.data() + ((b * s.t + t) * s.hq + h) * s.d; };
   auto kp = [&](const Tensor& x, std::int64_t b, std::int64_t t, std::int64_t g) { return x.data() + ((b * s.t + t) * s.hkv + g) * s.d; };
@@ -45,17 +47,18 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, con
       const std::int64_t b = bh / s.hq, h = bh % s.hq, g = h / s.group;
       for (std::int64_t i = 0; i < s.t; ++i) {
         const float* qi = qp(q, b, i, h);
+        const std::int64_t j0 = first_key(i, window);  // keys j0..i; p[j] for j < j0 is never read
         float m = -std::numeric_limits<float>::infinity();
-        for (std::int64_t j = 0; j <= i; ++j) {
+        for (std::int64_t j = j0; j <= i; ++j) {
           p[j] = scale * dot(qi, kp(k, b, j, g), s.d);
           m = std::max(m, p[j]);
         }
         float sum = 0.f;
-        for (std::int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - m));
+        for (std::int64_t j = j0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - m));
         float* oi = qp(out, b, i, h);
         std::fill(oi, oi + s.d, 0.f);
         const float inv = 1.f / sum;
-        for (std::int64_t j = 0; j <= i; ++j) {
+        for (std::int64_t j = j0; j <= i; ++j) {
           const float w = p[j] * inv;
           const float* vj = kp(v, b, j, g);
           for (std::int64_t c = 0; c < s.d; ++c) oi[c] += w * vj[c];
@@ -67,8 +70,9 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, con
 }
 
 void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dout,
-              float scale, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+              float scale, const Tensor& dq, const Tensor& dk, const Tensor& dv, int window) {
   const Dims s = check(q, k, v, out, lse);
+  if (window < 0) fail("attention: window {} must be >= 0 (0: full causal)", window);
   require_shape(dout, {s.b, s.t, s.hq, s.d}, "attention dout");
   require_shape(dq, {s.b, s.t, s.hq, s.d}, "attention dq");
   require_shape(dk, {s.b, s.t, s.hkv, s.d}, "attention dk");
@@ -92,7 +96,7 @@ void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o
           std::fill(dqi, dqi + s.d, 0.f);
           const float di = dot(doi, qp(out, b, i, h), s.d);
           const float li = lse.data()[(b * s.hq + h) * s.t + i];
-          for (std::int64_t j = 0; j <= i; ++j) {
+          for (std::int64_t j = first_key(i, window); j <= i; ++j) {
             const float* kj = kp(k, b, j, g);
             const float* vj = kp(v, b, j, g);
             const float pij = std::exp(scale * dot(qi, kj, s.d) - li);

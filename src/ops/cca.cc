@@ -113,9 +113,9 @@ void forward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, c
     std::memset(s.v.row(b * T) + half, 0, sizeof(float) * width);
   }
 
-  // 5. Causal GQA attention and the output projection.
+  // 5. Causal GQA attention (the layer's window) and the output projection.
   attention::forward(s.q.reshaped({B, T, nq, d}), s.k.reshaped({B, T, nkv, d}), s.v.reshaped({B, T, nkv, d}),
-                     static_cast<float>(1.0 / std::sqrt(double(d))), s.att.reshaped({B, T, nq, d}), s.lse);
+                     static_cast<float>(1.0 / std::sqrt(double(d))), s.att.reshaped({B, T, nq, d}), s.lse, c.window);
   linear::forward(s.att, p.w_o, Tensor(), y);
 }
 
@@ -147,7 +147,7 @@ void backward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, 
   attention::backward(s.q.reshaped({B, T, nq, d}), s.k.reshaped({B, T, nkv, d}), s.v.reshaped({B, T, nkv, d}),
                       s.att.reshaped({B, T, nq, d}), s.lse, datt.reshaped({B, T, nq, d}),
                       static_cast<float>(1.0 / std::sqrt(double(d))), dqv.reshaped({B, T, nq, d}),
-                      dkv.reshaped({B, T, nkv, d}), dv.reshaped({B, T, nkv, d}));
+                      dkv.reshaped({B, T, nkv, d}), dv.reshaped({B, T, nkv, d}), c.window);
 
   // 4. Values: undo the shift (du2[t] = dv2[t + 1], 0 for the last token), then W_v.
   const std::int64_t half = c.shift_begin(), width = c.shift_end() - half;

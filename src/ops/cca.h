@@ -18,6 +18,8 @@
 //     reference's F.pad(hs[:-1]) does. Computed as u = x W_v^T, then the second half of u
 //     shifted one token later within each sequence: linear maps commute with the shift.)
 //   att = causal GQA softmax attention(q, k, v), scale 1/sqrt(d)       [N, nq d]
+//     (with Config::window W > 0 token t attends to tokens t - W < j <= t only: a sliding
+//     layer; the convolutions and the value shift are unchanged)
 //   y = att W_o^T                                                       [N, H]
 // Positions are per token (rope); the conv and the value shift restart per sequence of T,
 // not at document boundaries inside a packed sequence (neither does the reference).
@@ -41,6 +43,7 @@ struct Config {
   // (val_proj2); -1: the second half, [nkv d / 2, nkv d). A tensor-parallel rank holding some of
   // the value heads gives its own range (blocks::cca_config).
   std::int64_t v_shift_begin = -1, v_shift_end = -1;
+  int window = 0;  // the attention's sliding window (ops/attention.h); 0: full causal
   std::int64_t qk_channels() const { return (q_heads + kv_heads) * head_dim; }
   std::int64_t shift_begin() const { return v_shift_begin < 0 ? kv_heads * head_dim / 2 : v_shift_begin; }
   std::int64_t shift_end() const { return v_shift_end < 0 ? kv_heads * head_dim : v_shift_end; }

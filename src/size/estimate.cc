@@ -375,21 +375,23 @@ StepEstimate estimate_step(const Setup& s) {
   }
   for (const auto& g : st.gemms) st.gemm_seconds += g.seconds();
 
-  // Attention core as GEMMs per layer: QK^T [s_local x s] and PV [s_local x d] per head,
-  // half of it under the causal mask; backward twice the forward. Linear attention: the
-  // chunked products (intra-chunk QK^T/PV, state update, readout).
+  // Attention core as GEMMs per layer: QK^T [s_local x s] and PV [s_local x d] per head, the
+  // part a layer computes (model::attended_keys / s: half of it under the causal mask, less in a
+  // sliding layer's window); backward twice the forward. Linear attention: the chunked products
+  // (intra-chunk QK^T/PV, state update, readout).
   const double passes = 3 + (s.recompute == Recompute::kFull ? 1 : 0);
   const std::int64_t heads_local = m.heads / shard * l.tsp;  // tsp: every head, local queries
   const std::int64_t hb = heads_local * s.micro_batch;
   const std::int64_t d = m.head_dim;
-  const double softmax_layers = (model::attention_layer_count(m, AttentionKind::kMha) +
-                                 model::attention_layer_count(m, AttentionKind::kGqa) +
-                                 model::attention_layer_count(m, AttentionKind::kCca)) /
-                                static_cast<double>(l.pp);
+  double softmax_share = 0;  // the softmax layers' parts of the products, per pipeline stage
+  for (int layer = 0; layer < m.layers; ++layer)
+    if (model::layer_attention_kind(m, layer) != AttentionKind::kLinear)
+      softmax_share += model::attended_keys(m, layer, s.seq) / static_cast<double>(s.seq);
+  softmax_share /= static_cast<double>(l.pp);
   const std::int64_t s_local = s.seq / (l.cp * l.tsp);
-  if (softmax_layers > 0) {
+  if (softmax_share > 0) {
     const double qk = gm.predict({s_local, s.seq, d, hb}).seconds, pv = gm.predict({s_local, d, s.seq, hb}).seconds;
-    st.attention_seconds += softmax_layers * passes * 0.5 * (qk + pv);
+    st.attention_seconds += softmax_share * passes * (qk + pv);
   }
   const double linear_layers = model::attention_layer_count(m, AttentionKind::kLinear) / static_cast<double>(l.pp);
   if (linear_layers > 0) {

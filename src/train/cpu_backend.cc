@@ -37,6 +37,7 @@ class CpuBackend final : public TrainBackend {
     // the matrices regrouped (the model itself only reads offsets).
     layout_ = optimizer.muon.enabled ? regroup_layout(model_.layout(), train_group_rules(optimizer.muon))
                                      : model_.layout();
+    scale_router_lr(layout_, options.router_lr_scale);
     // ZeRO-1 shards (plan_state_shards: with expert parallelism the expert region is sharded
     // over the expert-data group, whose gradients it sums)
     const StateShards shards = plan_state_shards(layout_, mesh);

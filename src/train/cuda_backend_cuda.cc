@@ -95,6 +95,7 @@ class CudaBackend final : public TrainBackend {
     layout_ = model::param_layout(cfg_, mesh.shape());
     // Muon: the same offsets, the matrices regrouped (param_rules.h)
     if (optimizer.muon.enabled) layout_ = regroup_layout(layout_, train_group_rules(optimizer.muon));
+    scale_router_lr(layout_, opt_.router_lr_scale);
     const std::size_t muon_ws_bytes = k::muon::workspace_bytes(layout_);
     // ZeRO-1 over the data-parallel ranks (parallel/zero1.h): optimizer state for this rank's
     // shard only (plan_state_shards: with expert parallelism the replicated region over the data
@@ -187,7 +188,8 @@ class CudaBackend final : public TrainBackend {
     if (schedule_) schedule_->bind({params_, params_bf16_, grads_, grads_bf16});
 
     std::vector<float> init(static_cast<std::size_t>(n));
-    model::init_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, init.data(), mesh_.shape(), mesh_.coord());
+    model::init_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, init.data(), mesh_.shape(), mesh_.coord(),
+                           opt_.router_init_gain);
     upload_params(init);
   }
 
@@ -279,7 +281,7 @@ class CudaBackend final : public TrainBackend {
   StateSlice state_slice() const override { return slice_; }
   void update_router_bias() override {
     if (opt_.bias_update_rate != 0.0) {
-      update_balancing_bias(load_, opt_.bias_update_rate, bias_);
+      update_balancing_bias(load_, opt_.bias_update_rate, opt_.balance_rule, bias_);
       upload_bias();
     }
     reset_load();

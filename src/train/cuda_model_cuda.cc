@@ -12,7 +12,6 @@
 #include "ops/cuda/embedding.h"
 #include "ops/cuda/residual_scale.h"
 #include "ops/cuda/rmsnorm.h"
-#include "ops/rope.h"
 
 namespace keel::train {
 
@@ -181,8 +180,8 @@ void CudaModel::bind(const Buffers& b) {
   w_ = bc::device_weights(cfg_, layout_, f32, b16);
   g_ = bc::device_grads(cfg_, layout_, b.grads);
   bias_ = b.bias;
-  rope_ = std::make_unique<k::rope::UploadedTable>(
-      ops::rope::make_table(cfg_.head_dim, cfg_.rope_fraction, cfg_.rope_base, std::max(opt_.seq_length, cfg_.max_seq_len)));
+  ropes_ = std::make_unique<bc::DeviceRopeTables>(
+      blocks::make_rope_tables(cfg_, std::max(opt_.seq_length, cfg_.max_seq_len)));
   std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens_));
   for (std::int64_t i = 0; i < tokens_; ++i) pos[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i % opt_.seq_length);
   // Host-to-device copies go on stream_ and are waited for: a plain cudaMemcpy from pageable
@@ -195,7 +194,7 @@ void CudaModel::bind(const Buffers& b) {
 
 bc::AttnContext CudaModel::attn_context(int l) const {
   const bc::LayerRunners& r = runners_[static_cast<std::size_t>(l)];
-  return {head_->positions, &rope_->view(), r.attn_linear, r.attention};
+  return {head_->positions, &ropes_->layer(l), model::attention_window(cfg_, l), r.attn_linear, r.attention};
 }
 
 bc::EdaIo CudaModel::eda(int m) const {

@@ -20,6 +20,7 @@
 
 #include "blocks/cuda/attention.h"
 #include "blocks/cuda/mlp.h"
+#include "blocks/cuda/rope_tables.h"
 #include "blocks/cuda/runners.h"
 #include "blocks/cuda/weights.h"
 #include "device/device_arena.h"
@@ -27,7 +28,6 @@
 #include "ops/cuda/cross_entropy.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/router.h"
-#include "ops/cuda/rope.h"
 #include "parallel/stage_hooks.h"
 #include "train/model.h"
 
@@ -99,7 +99,7 @@ class CudaModel {
   std::vector<blocks::cuda::LayerRunners> runners_;
   cudaStream_t stream_;
   std::unique_ptr<ops::cuda::GemmRunner> gemm_;
-  std::unique_ptr<ops::cuda::rope::UploadedTable> rope_;
+  std::unique_ptr<blocks::cuda::DeviceRopeTables> ropes_;  // each layer's rotary table
   std::int64_t tokens_ = 0;
   bool ce_keep_logits_ = false, scaled_ = false, any_cca_ = false, any_softmax_ = false;
   blocks::cuda::AttnShape attn_shape_;

@@ -70,6 +70,16 @@ void MetricsLog::text(std::int64_t step, const std::string& tag, const std::stri
   }
 }
 
+void MetricsLog::table(std::int64_t step, const std::string& name,
+                       const std::vector<std::vector<std::int64_t>>& rows) {
+  if (name == "step" || name == "time") fail("metrics log: the name '{}' is reserved", name);
+  nlohmann::ordered_json line;
+  line["step"] = step;
+  line["time"] = unix_time_now();
+  line[name] = rows;
+  write_line(line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
 void MetricsLog::flush() {
   if (std::fflush(jsonl_.get()) != 0) fail("cannot write {}: {}", jsonl_path_, std::strerror(errno));
   if (tb_) tb_->flush();

@@ -35,6 +35,9 @@ class MetricsLog {
   // A text entry (e.g. the run config at step 0): {"step":S,"time":T,"<tag>":"<text>"} in
   // JSONL and a text summary (TensorBoard's Text tab) in the event file.
   void text(std::int64_t step, const std::string& tag, const std::string& text);
+  // A table of integers (e.g. every MoE layer's per-class routing counts):
+  // {"step":S,"time":T,"<name>":[[...],...]} in JSONL only (TensorBoard has no place for it).
+  void table(std::int64_t step, const std::string& name, const std::vector<std::vector<std::int64_t>>& rows);
   void flush();
 
   const std::string& jsonl_path() const { return jsonl_path_; }

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "common/parallel_for.h"
+#include "model/flops.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/residual_scale.h"
@@ -80,9 +81,12 @@ double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batc
       active += 3.0 * D * cfg.ffn_hidden;
   }
   active += D * static_cast<double>(cfg.vocab_size);  // LM head
-  // attention scores and values: 2 GEMMs of T x T x Dh per head and layer, causal half, x3
-  // (fwd + bwd): 6 * layers * T * (Hq * Dh) per token
-  const double attn = 3.0 * 2.0 * 2.0 * Hq * Dh * seq_length * 0.5 * tokens * cfg.layers;
+  // attention scores and values: 2 GEMMs of Dh per head and attended key (model::attended_keys:
+  // the causal half of T, or of a sliding layer's window), x3 (fwd + bwd): 12 * Hq * Dh * keys
+  // per token and layer
+  double keys = 0;
+  for (int l = 0; l < cfg.layers; ++l) keys += model::attended_keys(cfg, l, seq_length);
+  const double attn = 3.0 * 2.0 * 2.0 * Hq * Dh * keys * tokens;
   return 6.0 * active * tokens + attn;
 }
 
@@ -110,8 +114,7 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   const int classes = mlp_shape_.classes();
   load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(classes, 0));
   bias_.assign(moe_layer_ids_.size(), std::vector<float>(classes, 0.f));
-  rope_ = ops::rope::make_table(cfg_.head_dim, cfg_.rope_fraction, cfg_.rope_base,
-                                std::max(opt_.seq_length, cfg_.max_seq_len));
+  ropes_ = blocks::make_rope_tables(cfg_, std::max(opt_.seq_length, cfg_.max_seq_len));
   allocate_params();
   ArenaPlanner sizing;
   plan_acts(sizing);
@@ -222,7 +225,8 @@ Tensor MoeTransformer::grad(const std::string& name) const {
 }
 
 void MoeTransformer::init_parameters() {
-  model::init_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_, mesh_.shape(), mesh_.coord());
+  model::init_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, params_, mesh_.shape(), mesh_.coord(),
+                         opt_.router_init_gain);
   bias_ = model::initial_router_biases(cfg_);
   reset_load();
 }
@@ -240,27 +244,32 @@ void MoeTransformer::reset_load() {
 }
 
 void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, double rate,
-                           std::vector<std::vector<float>>& bias) {
+                           ops::bias_controller::Rule rule, std::vector<std::vector<float>>& bias) {
+  if (rule == ops::bias_controller::Rule::Adam) fail("update_balancing_bias: the Adam rule keeps moments keel train does not save");
   for (std::size_t m = 0; m < load.size(); ++m) {
-    double mean = 0;
-    for (auto c : load[m]) mean += static_cast<double>(c);
-    mean /= static_cast<double>(load[m].size());
+    double total = 0;
+    for (auto c : load[m]) total += static_cast<double>(c);
+    if (total == 0) continue;
+    const double mean = total / static_cast<double>(load[m].size());
     for (std::size_t e = 0; e < load[m].size(); ++e) {
-      const double d = mean - static_cast<double>(load[m][e]);
-      const float sgn = d > 0 ? 1.f : (d < 0 ? -1.f : 0.f);
-      bias[m][e] += static_cast<float>(rate) * sgn;
+      const double d = mean - static_cast<double>(load[m][e]);  // > 0: under its share
+      if (rule == ops::bias_controller::Rule::Sign) {
+        bias[m][e] += static_cast<float>(rate) * (d > 0 ? 1.f : (d < 0 ? -1.f : 0.f));
+      } else {  // proportional: rate * (1/E - f_e)
+        bias[m][e] += static_cast<float>(rate * d / total);
+      }
     }
   }
 }
 
 void MoeTransformer::update_router_bias() {
-  if (opt_.bias_update_rate != 0.0) update_balancing_bias(load_, opt_.bias_update_rate, bias_);
+  if (opt_.bias_update_rate != 0.0) update_balancing_bias(load_, opt_.bias_update_rate, opt_.balance_rule, bias_);
   reset_load();
 }
 
 blocks::AttnContext MoeTransformer::attn_context(int l) const {
   const blocks::LayerRunners& r = plan_.layers()[static_cast<std::size_t>(l)];
-  return {positions_.data(), &rope_, r.attn_linear, r.attention};
+  return {positions_.data(), &ropes_.layer(l), model::attention_window(cfg_, l), r.attn_linear, r.attention};
 }
 
 blocks::EdaIo MoeTransformer::eda(int m) const {

@@ -2,7 +2,8 @@
 // (src/ops), with explicit forward and backward and no autograd (docs/train.md).
 //
 // Per layer (pre-norm):  h = x + attn(n1(x)),  attn = GQA/MHA (Wo attn(rope(Wq .), rope(Wk .),
-//                        Wv .)) or ZAYA1's CCA (ops::cca)
+//                        Wv .)) or ZAYA1's CCA (ops::cca); a sliding-window layer attends to
+//                        the last sliding_window tokens only, with its own RoPE table
 //                        y = h + mlp(n2(h)),  mlp = dense SwiGLU or routed SwiGLU experts (linear
 //                        top-k router, or ZAYA1's MLP router with EDA and the skip class)
 // then a final RMSNorm and the chunked cross-entropy LM head (tied to the embedding or not).
@@ -33,10 +34,11 @@
 
 #include "blocks/attention.h"
 #include "blocks/mlp.h"
+#include "blocks/rope_tables.h"
 #include "blocks/weights.h"
 #include "model/config.h"
 #include "model/param_layout.h"
-#include "ops/rope.h"
+#include "ops/zaya_router.h"
 #include "optim/param_groups.h"
 #include "parallel/mesh.h"
 #include "parallel/plan.h"
@@ -56,8 +58,16 @@ struct ModelOptions {
   double aux_loss_weight = 0.01;  // Switch load-balancing loss weight (per MoE layer, summed)
   double z_loss_weight = 0.001;   // router z-loss weight
   bool renormalize_gates = true;  // gates renormalized over the top_k
-  double bias_update_rate = 0.0;  // aux-loss-free balancing: bias += rate * sign(mean - load)
-                                  // (over E + 1 classes, skip included, for the MLP router)
+  // Aux-loss-free balancing (over E + 1 classes, skip included, for the MLP router), with f_e
+  // the class's share of the step's routed tokens: sign: bias_e -= rate * sign(f_e - 1/classes)
+  // (DeepSeek-V3); proportional: bias_e -= rate * (f_e - 1/classes). 0 = biases fixed.
+  double bias_update_rate = 0.0;
+  ops::bias_controller::Rule balance_rule = ops::bias_controller::Rule::Sign;
+  // The MLP router's r x r layers and output layer start as normal(0, router_init_gain /
+  // sqrt(fan_in)) (variance preserving: the first softmax depends on the token); 0: init_std,
+  // as every other matrix (Hugging Face's init, whose logits are ~1e-3 and route by the bias).
+  double router_init_gain = 0.0;
+  double router_lr_scale = 1.0;  // the routers' learning rate over the scheduled one (scale_router_lr)
   std::int64_t ce_chunk = 8192;
   double init_std = 0.02;
   std::uint64_t init_seed = 1234;
@@ -81,9 +91,10 @@ void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt);
 double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batch, int seq_length);
 
 // Aux-loss-free balancing from expert loads (one vector per MoE layer, summed since the last
-// update): bias_e += rate * sign(mean load - load_e). Shared by the CPU and CUDA backends.
+// update), by `rule` (ops::bias_controller: sign or proportional; ModelOptions says each).
+// Shared by the CPU and CUDA backends.
 void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, double rate,
-                           std::vector<std::vector<float>>& bias);
+                           ops::bias_controller::Rule rule, std::vector<std::vector<float>>& bias);
 
 class MoeTransformer {
  public:
@@ -177,7 +188,7 @@ class MoeTransformer {
   std::unique_ptr<Arena> param_arena_, grad_arena_, act_arena_;
   float* params_ = nullptr;
   float* grads_ = nullptr;
-  ops::rope::Table rope_;
+  blocks::RopeTables ropes_;  // each layer's rotary table (sliding layers may have their own)
   blocks::WeightViews w_, g_;  // the parameters and the gradients, by role
   blocks::AttnShape attn_shape_;
   blocks::MlpShape mlp_shape_;

@@ -85,6 +85,12 @@ optim::ParamLayout regroup_layout(const optim::ParamLayout& layout, const std::v
   return out;
 }
 
+void scale_router_lr(optim::ParamLayout& layout, double scale) {
+  if (!(std::isfinite(scale) && scale >= 0)) fail("router.lr_scale {} must be finite and >= 0", scale);
+  for (auto& p : layout.params)
+    if (p.name.find(".moe.router") != std::string::npos) p.lr_scale *= scale;
+}
+
 OptimizerShare optimizer_share(const optim::ParamLayout& layout, optim::OptimizerKind kind) {
   OptimizerShare s;
   for (const auto& p : layout.params)

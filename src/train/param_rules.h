@@ -70,6 +70,11 @@ std::vector<optim::GroupRule> train_group_rules(const MuonTrainOptions& muon);
 // offset or the total size would change.
 optim::ParamLayout regroup_layout(const optim::ParamLayout& layout, const std::vector<optim::GroupRule>& rules);
 
+// `router.lr_scale`: multiplies the lr_scale of every router parameter (names containing
+// ".moe.router": the linear router, or the MLP router's layers, norm and EDA scale), whichever
+// optimizer trains it. 1 leaves the layout as it is.
+void scale_router_lr(optim::ParamLayout& layout, double scale);
+
 // Number of parameters (tensors) and elements trained by `kind` in `layout`.
 struct OptimizerShare {
   int tensors = 0;

@@ -9,6 +9,8 @@
 #include <set>
 #include <utility>
 
+#include "ckpt/metadata.h"
+#include "ckpt/store.h"
 #include "common/error.h"
 #include "common/fileio.h"
 #include "common/yaml_checks.h"
@@ -180,6 +182,28 @@ void parse_muon(const YAML::Node& m, const Ctx& ctx, MuonTrainOptions& out) {
   }
 }
 
+// The `model:` of the train config the checkpoint `path` records (keel train's checkpoints, and
+// keel ckpt import's since it reads the release's config.json), for a config that starts from
+// it (init_from) and leaves `model:` out.
+YAML::Node recorded_model(const std::string& path, const std::string& what) {
+  const std::string missing = fmt::format("{}: missing key 'model' (init_from {}", what, path);
+  std::string text;
+  try {
+    const ckpt::Metadata m = ckpt::read_metadata(ckpt::resolve_checkpoint(path));
+    if (m.state.is_object() && m.state.contains("config") && m.state["config"].is_string())
+      text = m.state["config"].get<std::string>();
+  } catch (const Error& e) {
+    throw UsageError(fmt::format("{}: {})", missing, e.what()));
+  }
+  YAML::Node model;
+  try {
+    if (!text.empty()) model = YAML::Load(text)["model"];
+  } catch (const YAML::Exception&) {
+  }
+  if (!model || model.IsNull()) throw UsageError(fmt::format("{} records no model: name it with 'model:')", missing));
+  return model;
+}
+
 }  // namespace
 
 TrainConfig parse_train_config(const std::string& yaml_text, const std::string& what,
@@ -206,7 +230,10 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (!root[key]) throw UsageError(fmt::format("{}: missing key '{}'", what, key));
     return root[key];
   };
-  // model
+  // model: given, or the one the init_from checkpoint records, put inline (so that this run's
+  // checkpoints record it too)
+  if (!root["model"] && root["init_from"] && root["init_from"].IsScalar())
+    root["model"] = recorded_model(root["init_from"].Scalar(), what);
   const YAML::Node mnode = need("model");
   try {
     if (mnode.IsScalar() || mnode.IsMap()) {
@@ -221,6 +248,9 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     throw UsageError(fmt::format("{}: model: {}", what, e.what()));
   }
   ModelOptions& mo = c.model_options;
+  // keel train's router init: fan-in scaled (ModelOptions' 0 keeps init_std for code that builds
+  // models directly; router.init_gain: 0 asks for that here).
+  mo.router_init_gain = 1.0;
   if (root["recompute"]) {
     try {
       mo.recompute = parse_recompute(ctx.get<std::string>(root["recompute"], "recompute", "none or full"));
@@ -229,12 +259,31 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     }
   }
   if (const auto r = root["router"]) {
-    ctx.only(r, "router", {"aux_loss_weight", "z_loss_weight", "bias_update_rate", "renormalize"});
+    ctx.only(r, "router",
+             {"aux_loss_weight", "z_loss_weight", "bias_update_rate", "balance", "init_gain", "lr_scale", "renormalize",
+              "log_counts"});
     if (r["aux_loss_weight"]) mo.aux_loss_weight = ctx.get<double>(r["aux_loss_weight"], "router.aux_loss_weight", "a number");
     if (r["z_loss_weight"]) mo.z_loss_weight = ctx.get<double>(r["z_loss_weight"], "router.z_loss_weight", "a number");
     if (r["bias_update_rate"])
       mo.bias_update_rate = ctx.get<double>(r["bias_update_rate"], "router.bias_update_rate", "a number");
+    if (r["balance"]) {
+      const std::string rule = ctx.get<std::string>(r["balance"], "router.balance", "sign or proportional");
+      if (rule == "sign") mo.balance_rule = ops::bias_controller::Rule::Sign;
+      else if (rule == "proportional") mo.balance_rule = ops::bias_controller::Rule::Proportional;
+      else ctx.bad("router.balance", r["balance"], fmt::format("unknown rule '{}' (sign or proportional)", rule));
+    }
+    if (r["init_gain"]) {
+      mo.router_init_gain = ctx.get<double>(r["init_gain"], "router.init_gain", "a number");
+      if (!(mo.router_init_gain >= 0 && mo.router_init_gain <= 100))
+        ctx.bad("router.init_gain", r["init_gain"], "must be in [0, 100] (0: init_std, as the other matrices)");
+    }
+    if (r["lr_scale"]) {
+      mo.router_lr_scale = ctx.get<double>(r["lr_scale"], "router.lr_scale", "a number");
+      if (!(mo.router_lr_scale >= 0 && mo.router_lr_scale <= 1000))
+        ctx.bad("router.lr_scale", r["lr_scale"], "must be in [0, 1000] (the routers' lr over the scheduled one)");
+    }
     if (r["renormalize"]) mo.renormalize_gates = ctx.get<bool>(r["renormalize"], "router.renormalize", "true or false");
+    if (r["log_counts"]) c.log_routing_counts = ctx.get<bool>(r["log_counts"], "router.log_counts", "true or false");
     if (!(mo.aux_loss_weight >= 0) || !(mo.z_loss_weight >= 0) || !(mo.bias_update_rate >= 0))
       ctx.bad("router", r, "weights and bias_update_rate must be >= 0");
   }

@@ -28,7 +28,8 @@ struct KernelOptions {
 
 struct TrainConfig {
   std::string path;                 // the config file (for messages)
-  model::ModelConfig model;         // `model:` a model YAML path, or the model keys inline
+  model::ModelConfig model;         // `model:` a model YAML path, or the model keys inline; left out
+                                    // with init_from: the model that checkpoint records
   std::string model_source;         // the path, or "inline"
   ModelOptions model_options;       // recompute, router.*, ce_chunk, seed (micro_batch/seq from below)
   data::DataConfig data;            // `data:` a keel data config (phases optional: one phase of equal weights)
@@ -59,6 +60,8 @@ struct TrainConfig {
   int checkpoint_keep_last = 0;     // `checkpoint.keep_last`: newest K kept (0: all)
   int checkpoint_keep_every = 0;    // `checkpoint.keep_every`: also every step divisible by M
   bool tensorboard = false;
+  bool log_routing_counts = false;  // `router.log_counts`: every MoE layer's per-class token counts of each
+                                    // logged step in metrics.jsonl ("routing_counts")
   double peak_flops = 0;            // `mfu_peak_flops`: FLOP/s that MFU is measured against (0: the
                                     // GPU's dense bf16 peak from its hardware profile; 1e11 on CPUs)
   std::string device = "auto";      // `device`: auto (cuda when a GPU is visible), cpu or cuda

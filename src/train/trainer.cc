@@ -97,6 +97,26 @@ std::string config_changes(const std::string& saved, const std::string& now, con
   return out;
 }
 
+// How `model` differs from the model the checkpoint `dir` records (its saved train config), in
+// the keys that shape the computation: "rope_base 5000000 -> 10000, ..."; "" when it records
+// none or the same.
+std::string recorded_model_changes(const std::string& dir, const model::ModelConfig& model) {
+  model::ModelConfig saved;
+  try {
+    const ckpt::Metadata m = ckpt::read_metadata(dir);
+    if (!m.state.is_object() || !m.state.contains("config") || !m.state["config"].is_string()) return "";
+    saved = parse_train_config(m.state["config"].get<std::string>(), dir).model;
+  } catch (const std::exception&) {
+    return "";
+  }
+  const auto a = model::model_key_values(saved), b = model::model_key_values(model);
+  std::string out;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].second != b[i].second)
+      out += fmt::format("{}{} {} -> {}", out.empty() ? "" : ", ", a[i].first, a[i].second, b[i].second);
+  return out;
+}
+
 // kernels.* of the config: process-wide settings of the ops, the same for every backend.
 void apply_kernel_options(const KernelOptions& k) {
   set_cpu_threads(k.cpu_threads);
@@ -354,14 +374,16 @@ StepStats Trainer::train_step() {
   bool first = true;
   for (int i = 0; i < m.moe_layer_count(); ++i) {
     const auto load = m.load(i);
+    if (cfg_.log_routing_counts) s.routing_counts.push_back(load);
     double mean = 0;
     for (auto c : load) mean += static_cast<double>(c);
     const double total = mean;
     mean /= static_cast<double>(load.size());
-    if (total > 0) {
-      s.busiest_share = std::max(s.busiest_share, static_cast<double>(*std::max_element(load.begin(), load.end())) / total);
-      if (cfg_.model.router_skip_expert) s.skip_share = std::max(s.skip_share, static_cast<double>(load.back()) / total);
-    }
+    const double busiest = total > 0 ? static_cast<double>(*std::max_element(load.begin(), load.end())) / total : 0;
+    const double skip = total > 0 && cfg_.model.router_skip_expert ? static_cast<double>(load.back()) / total : 0;
+    s.layer_busiest.push_back(busiest), s.layer_skip.push_back(skip);
+    s.busiest_share = std::max(s.busiest_share, busiest);
+    s.skip_share = std::max(s.skip_share, skip);
     for (auto c : load) {
       const double f = mean > 0 ? c / mean : 0;
       s.load_min = first ? f : std::min(s.load_min, f);
@@ -374,6 +396,24 @@ StepStats Trainer::train_step() {
   return s;
 }
 
+// The step line's routing: each MoE layer's busiest class over its fair share (1 / classes,
+// skip included) and skip share, or for more than 8 MoE layers the worst layer's.
+static std::string routing_text(const StepStats& s, int classes, bool skip) {
+  if (s.layer_busiest.empty()) return "";
+  std::string out = " | busiest/fair";
+  if (s.layer_busiest.size() <= 8) {
+    for (double b : s.layer_busiest) out += fmt::format(" {:.2f}", b * classes);
+  } else {
+    const auto worst = std::max_element(s.layer_busiest.begin(), s.layer_busiest.end()) - s.layer_busiest.begin();
+    out += fmt::format(" {:.2f} (layer {} of {})", s.layer_busiest[worst] * classes, worst, s.layer_busiest.size());
+  }
+  if (skip) {
+    const auto [lo, hi] = std::minmax_element(s.layer_skip.begin(), s.layer_skip.end());
+    out += fmt::format(" skip {:.2f}-{:.2f}", *lo, *hi);
+  }
+  return out;
+}
+
 void Trainer::log_step(const StepStats& s, double seconds, std::int64_t tokens) {
   const double tps = seconds > 0 ? tokens / seconds : 0;
   const double flops = backend_->flops_per_micro_batch() * cfg_.grad_accum;
@@ -384,24 +424,32 @@ void Trainer::log_step(const StepStats& s, double seconds, std::int64_t tokens) 
   const double mem = mib(backend_->memory_bytes());
   if (!quiet_)
     std::printf("step %6lld/%lld | loss %.4f (ce %.4f aux %.3f z %.3f) | lr %.3e | grad norm %.3f | %.0f tok/s | "
-                "MFU %.2f%% | mem %.1f MiB | expert load %.2f-%.2f\n",
+                "MFU %.2f%% | mem %.1f MiB | expert load %.2f-%.2f%s\n",
                 static_cast<long long>(s.step), static_cast<long long>(cfg_.steps), s.loss, s.ce, s.aux, s.z, s.lr,
-                s.grad_norm, tps, 100 * mfu, mem, s.load_min, s.load_max);
+                s.grad_norm, tps, 100 * mfu, mem, s.load_min, s.load_max,
+                routing_text(s, cfg_.model.experts + (cfg_.model.router_skip_expert ? 1 : 0), cfg_.model.router_skip_expert).c_str());
   std::fflush(stdout);
   if (!log_) return;
-  log_->scalars(s.step, {{"loss", s.loss},
-                         {"ce", s.ce},
-                         {"aux", s.aux},
-                         {"z", s.z},
-                         {"lr", s.lr},
-                         {"grad_norm", s.grad_norm},
-                         {"tokens_per_s", tps},
-                         {"mfu", mfu},
-                         {"memory_mib", mem},
-                         {"expert_load_min", s.load_min},
-                         {"expert_load_max", s.load_max},
-                         {"routing_busiest_share", s.busiest_share},
-                         {"routing_skip_share", s.skip_share}});
+  std::vector<std::pair<std::string, double>> values = {
+      {"loss", s.loss},
+      {"ce", s.ce},
+      {"aux", s.aux},
+      {"z", s.z},
+      {"lr", s.lr},
+      {"grad_norm", s.grad_norm},
+      {"tokens_per_s", tps},
+      {"mfu", mfu},
+      {"memory_mib", mem},
+      {"expert_load_min", s.load_min},
+      {"expert_load_max", s.load_max},
+      {"routing_busiest_share", s.busiest_share},
+      {"routing_skip_share", s.skip_share}};
+  for (std::size_t i = 0; i < s.layer_busiest.size(); ++i) {  // per MoE layer
+    values.emplace_back(fmt::format("routing_busiest_share.{}", i), s.layer_busiest[i]);
+    if (cfg_.model.router_skip_expert) values.emplace_back(fmt::format("routing_skip_share.{}", i), s.layer_skip[i]);
+  }
+  log_->scalars(s.step, values);
+  if (!s.routing_counts.empty()) log_->table(s.step, "routing_counts", s.routing_counts);
 }
 
 std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop) {
@@ -614,9 +662,14 @@ void Trainer::init_from_weights(const std::string& path) {
   if (!got.router_bias) st.router_bias = model::initial_router_biases(cfg_.model);
   backend_->set_state(st);
   initialized_ = true;
-  if (!quiet_)
-    std::printf("initialized from checkpoint %s (%s)%s\n", got.dir.c_str(), got.description.c_str(),
-                got.router_bias ? "" : "; no balancing biases in it: router biases start at their defaults");
+  if (quiet_) return;
+  std::printf("initialized from checkpoint %s (%s)%s\n", got.dir.c_str(), got.description.c_str(),
+              got.router_bias ? "" : "; no balancing biases in it: router biases start at their defaults");
+  // Another RoPE or window than the weights were trained with is allowed (a context extension
+  // changes them), but said.
+  if (const std::string changes = recorded_model_changes(got.dir, cfg_.model); !changes.empty())
+    std::printf("init_from %s: this config's model differs from the one the checkpoint records: %s\n", path.c_str(),
+                changes.c_str());
 }
 
 void Trainer::resume(const std::string& path_in) {

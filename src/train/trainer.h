@@ -31,6 +31,12 @@ struct StepStats {
   // slots one class took, and the largest share the skip class took (0 without one), over the
   // MoE layers.
   double busiest_share = 0, skip_share = 0;
+  // The same per MoE layer: layer_busiest[i] the busiest class's share of layer i's routed slots
+  // (skip included), layer_skip[i] the skip class's (0 without one).
+  std::vector<double> layer_busiest, layer_skip;
+  // With router.log_counts: every MoE layer's tokens per router class this step (the skip class
+  // last), summed over micro-batches and data-parallel ranks.
+  std::vector<std::vector<std::int64_t>> routing_counts;
 };
 
 class Trainer {

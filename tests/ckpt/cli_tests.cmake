@@ -148,8 +148,9 @@ keel_cli_test(NAME ckpt_zaya_import MATCH
   "imported zaya1-alternating weights into model 'zaya1-tiny': 65 keel tensors, .* as step 2 -> ckpt_zaya/imported/step_00000002"
   ARGS ckpt import ckpt_zaya/alt ckpt_zaya/imported --format safetensors --names zaya1-alternating --model ${zcfg})
 set_tests_properties(cli_ckpt_zaya_import PROPERTIES FIXTURES_REQUIRED ckpt_zaya_exported FIXTURES_SETUP ckpt_zaya_imported)
-# Released weights start a keel run (init_from: fresh optimizer, step 0) and decode (the model
-# named with --config, since an import carries no train config).
+# Released weights start a keel run (init_from: fresh optimizer, step 0) and decode; the import
+# records its model (here --model, agreeing with the export's config.json), so --config may be
+# left out, and one that disagrees is refused.
 keel_cli_test(NAME ckpt_zaya_train_from_imported
   MATCH "^initialized from checkpoint ckpt_zaya/imported/step_00000002 \\(weights imported from ckpt_zaya/alt \\(zaya1-alternating names\\)\\)$"
   ARGS train ${zcfg} --set data.datasets.stories=train_stories --set eval.prefix=train_stories_heldout
@@ -158,16 +159,60 @@ keel_cli_test(NAME ckpt_zaya_train_from_imported
 keel_cli_test(NAME ckpt_zaya_generate_from_imported
   MATCH "^model zaya1-tiny: .*; checkpoint ckpt_zaya/imported/step_00000002 \\(weights imported from ckpt_zaya/alt"
   ARGS generate ckpt_zaya/imported --config ${zcfg} --prompt "Tom ran" --max-new-tokens 4 --ignore-eos)
-keel_cli_test(NAME ckpt_zaya_generate_imported_needs_model EXIT 1
-  MATCH "keel: error: checkpoint ckpt_zaya/imported/step_00000002: no saved train config \\(imported weights\\?\\): name the model with --model"
-  ARGS generate ckpt_zaya/imported --prompt "Tom ran" --max-new-tokens 4)
+keel_cli_test(NAME ckpt_zaya_generate_imported_other_model EXIT 1
+  MATCH "^keel: error: checkpoint ckpt_zaya/imported/step_00000002 holds model 'zaya1-tiny' \\(2 layers, hidden 256\\), not the model 'zaya1-tiny' given with it: vocab_size is 264 in the checkpoint, 1024 given$"
+  ARGS generate ckpt_zaya/imported --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt "Tom ran" --max-new-tokens 4)
+# Another RoPE than the imported model's is allowed in training (a context extension), and said.
+keel_cli_test(NAME ckpt_zaya_train_from_imported_other_rope
+  MATCH "^init_from ckpt_zaya/imported: this config's model differs from the one the checkpoint records: rope_base 10000 -> 5000000$"
+  ARGS train ${zcfg} --set data.datasets.stories=train_stories --set eval.prefix=train_stories_heldout
+       --set steps=1 --set data.seq_length=64 --set schedule.warmup_steps=0 --set batch.micro_batch=2
+       --set checkpoint.final=false --set output_dir=ckpt_zaya/finetune_rope --set init_from=ckpt_zaya/imported
+       --set model.rope_base=5.0e6)
 set_tests_properties(cli_ckpt_zaya_train_from_imported cli_ckpt_zaya_generate_from_imported
-  cli_ckpt_zaya_generate_imported_needs_model PROPERTIES FIXTURES_REQUIRED "ckpt_zaya_imported;train_stories")
+  cli_ckpt_zaya_generate_imported_other_model cli_ckpt_zaya_train_from_imported_other_rope
+  PROPERTIES FIXTURES_REQUIRED "ckpt_zaya_imported;train_stories")
+
+# Issue 36: a release directory's config.json is its model. Import with no --model (the export's
+# config.json, model named after its directory), then generate, eval and train from it with no
+# model given anywhere.
+keel_cli_test(NAME ckpt_zaya_import_by_config_json MATCH
+  "^imported zaya1 weights into model 'hf': 65 keel tensors, .* as step 2 -> ckpt_zaya/from_json/step_00000002 \\(model from ckpt_zaya/hf/config\\.json\\)$"
+  ARGS ckpt import ckpt_zaya/hf ckpt_zaya/from_json --names zaya1)
+set_tests_properties(cli_ckpt_zaya_import_by_config_json PROPERTIES FIXTURES_REQUIRED ckpt_zaya_exported
+  FIXTURES_SETUP ckpt_zaya_from_json)
+keel_cli_test(NAME ckpt_zaya_generate_by_config_json
+  MATCH "^model hf: .*; checkpoint ckpt_zaya/from_json/step_00000002 \\(weights imported from ckpt_zaya/hf \\(zaya1 names\\)\\)$"
+  ARGS generate ckpt_zaya/from_json --prompt "Tom ran" --max-new-tokens 4 --ignore-eos --device cpu)
+keel_cli_test(NAME ckpt_zaya_eval_by_config_json
+  MATCH "^model hf: checkpoint ckpt_zaya/from_json/step_00000002 \\(weights imported from ckpt_zaya/hf \\(zaya1 names\\)\\); device cpu"
+  ARGS eval ckpt_zaya/from_json --data train_stories_heldout --max-batches 1 --device cpu)
+keel_cli_test(NAME ckpt_zaya_train_by_config_json
+  MATCH "^initialized from checkpoint ckpt_zaya/from_json/step_00000002 \\(weights imported from ckpt_zaya/hf \\(zaya1 names\\)\\)$"
+  NOT "differs from the one the checkpoint records"
+  ARGS train ${CMAKE_CURRENT_SOURCE_DIR}/ckpt/data/finetune_no_model.yaml --set init_from=ckpt_zaya/from_json
+       --set output_dir=ckpt_zaya/finetune_json)
+set_tests_properties(cli_ckpt_zaya_generate_by_config_json cli_ckpt_zaya_eval_by_config_json
+  cli_ckpt_zaya_train_by_config_json PROPERTIES FIXTURES_REQUIRED "ckpt_zaya_from_json;train_stories")
+# A train config without `model:` needs an init_from checkpoint that records one (a demo one does not).
+keel_cli_test(NAME ckpt_zaya_train_init_from_records_no_model EXIT 1
+  MATCH "^keel: error: .*/finetune_no_model\\.yaml: missing key 'model' \\(init_from ${ck}/imported records no model: name it with 'model:'\\)$"
+  ARGS train ${CMAKE_CURRENT_SOURCE_DIR}/ckpt/data/finetune_no_model.yaml --set init_from=${ck}/imported
+       --set output_dir=ckpt_zaya/finetune_none)
+set_tests_properties(cli_ckpt_zaya_train_init_from_records_no_model PROPERTIES FIXTURES_REQUIRED ckpt_imported)
+# What config.json says keel cannot run is one line naming the key; no config.json needs --model.
+keel_cli_test(NAME ckpt_zaya_import_refuses_yarn EXIT 1
+  MATCH "^keel: error: .*/ckpt/data/release_yarn/config\\.json: 'rope_parameters\\.hybrid\\.rope_type' is \"yarn\": keel runs the default RoPE only$"
+  ARGS ckpt import ${CMAKE_CURRENT_SOURCE_DIR}/ckpt/data/release_yarn ckpt_zaya/yarn --names zaya1)
+keel_cli_test(NAME ckpt_zaya_import_without_config_json EXIT 1
+  MATCH "^keel: error: ${ck}/model\\.safetensors: no config\\.json beside the weights: name the model with --model CONFIG\\.yaml$"
+  ARGS ckpt import ${ck}/model.safetensors ckpt_zaya/no_json --names zaya1)
+set_tests_properties(cli_ckpt_zaya_import_without_config_json PROPERTIES FIXTURES_REQUIRED ckpt_exported)
 keel_cli_test(NAME ckpt_zaya_import_other_layout EXIT 1 MATCH
-  "keel: error: ckpt_zaya/hf/model\\.safetensors: tensor '.*' is not a zaya1-alternating parameter of model 'zaya1-tiny' \\(2 layers, 4 experts\\) \\(it is a name of the zaya1 branch's layout: use --names zaya1\\)"
+  "^keel: error: ckpt_zaya/hf/config\\.json: 'layer_types' is a key of the zaya1 layout's config: use --names zaya1$"
   ARGS ckpt import ckpt_zaya/hf ckpt_zaya/bad --names zaya1-alternating --model ${zcfg})
 keel_cli_test(NAME ckpt_zaya_import_wrong_model EXIT 1 MATCH
-  "keel: error: .*tensor 'model\\.embed_tokens\\.weight' is \\[264, 256\\], model 'zaya1-tiny' needs \\[1024, 256\\]"
+  "^keel: error: ckpt_zaya/hf/config\\.json: describes another model than --model .*/configs/zaya1-tiny\\.yaml \\('zaya1-tiny'\\): vocab_size is 264 in config\\.json, 1024 in --model$"
   ARGS ckpt import ckpt_zaya/hf ckpt_zaya/bad --names zaya1 --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml)
 keel_cli_test(NAME ckpt_zaya_export_not_zaya EXIT 1 MATCH
   "keel: error: --names zaya1: model 'moe-tiny' layer 0 attention is not cca: not a ZAYA1-shaped model"

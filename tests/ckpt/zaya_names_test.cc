@@ -16,9 +16,11 @@
 #include "ckpt/zaya_names.h"
 #include "common/dtype.h"
 #include "common/error.h"
+#include "generate/generate.h"
 #include "model/config.h"
 #include "train/model.h"
 #include "train/train_checkpoint.h"
+#include "train/train_config.h"
 #include "../error_message.h"
 
 namespace fs = std::filesystem;
@@ -192,6 +194,109 @@ TEST(ZayaNames, ImportsShardedReleaseDirectory) {
   std::ofstream(rel / "model.safetensors.index.json") << index.dump(2);
   import_zaya_safetensors(rel.string(), (tmp.path / "imported").string(), cfg, Names::kZaya1Alternating, 0, 2);
   expect_same_params(cfg, st.params, read_model(cfg, (tmp.path / "imported").string()).params, false);
+}
+
+// A zaya1-tiny as the release differs from keel's pretraining config: RoPE 5e6 on the full
+// layers, sliding-window layers with their own RoPE, an untied head, another norm epsilon.
+model::ModelConfig release_like_tiny() {
+  model::ModelConfig m = config("zaya1-tiny.yaml");
+  m.name = "release";
+  m.layers = 4;
+  m.layer_sliding = {false, true};
+  m.sliding_window = 16;
+  m.rope_base = 5e6;
+  m.sliding_rope_base = 1e4;
+  m.sliding_rope_fraction = 1.0;
+  m.tied_embeddings = false;
+  m.norm_eps = 1e-6;
+  m.max_seq_len = 1024;
+  model::validate(m);
+  return m;
+}
+
+// Hugging Face's layout of a large release: the tensors over two shard files named by
+// model.safetensors.index.json, config.json beside them.
+fs::path make_sharded_release(const std::string& one_file, const fs::path& rel) {
+  fs::create_directories(rel);
+  nlohmann::json index = {{"metadata", nlohmann::json::object()}, {"weight_map", nlohmann::json::object()}};
+  for (int shard = 0; shard < 2; ++shard) {
+    const std::string name = "model-0000" + std::to_string(shard + 1) + "-of-00002.safetensors";
+    rewrite(one_file, (rel / name).string(), [&](SafetensorsWriter::Tensor& t) {
+      const bool first = t.name.find("mlp") == std::string::npos;
+      if (first != (shard == 0)) return false;
+      index["weight_map"][t.name] = name;
+      return true;
+    });
+  }
+  std::ofstream(rel / "model.safetensors.index.json") << index.dump(2);
+  fs::copy_file(fs::path(one_file).parent_path() / "config.json", rel / "config.json");
+  return rel;
+}
+
+// Issue 36: a release directory imports with no --model: its config.json is the model, which
+// the checkpoint records, so generation needs no --model either.
+TEST(ZayaNames, ReleaseDirectoryImportsByItsConfigJson) {
+  const model::ModelConfig cfg = release_like_tiny();
+  TmpDir tmp;
+  const train::TrainState st = save_random_checkpoint(cfg, tmp.path / "train", 5);
+  const auto ex = export_zaya_safetensors((tmp.path / "train").string(), (tmp.path / "hf").string(), cfg,
+                                          Names::kZaya1, ElemType::kF32, 2);
+  const fs::path rel = make_sharded_release(ex.path, tmp.path / "release");
+  EXPECT_EQ(release_config_path(rel.string()), (rel / "config.json").string());
+  const model::ModelConfig got = release_model(rel.string(), Names::kZaya1, std::nullopt, "");
+  EXPECT_EQ(got, cfg) << model::model_yaml(got);  // named after the directory: "release"
+
+  const std::string dst = (tmp.path / "imported").string();
+  const ZayaStats im = import_zaya_safetensors(rel.string(), dst, got, Names::kZaya1, std::nullopt, 2,
+                                               (rel / "config.json").string());
+  EXPECT_EQ(im.step, 0);  // the shards carry no keel.step
+  expect_same_params(cfg, st.params, read_model(cfg, dst).params, false);
+  const Reader reader(dst);
+  const nlohmann::json& state = reader.metadata().state;
+  EXPECT_EQ(state["model_from"], (rel / "config.json").string());
+  const train::TrainConfig tc = train::parse_train_config(state["config"].get<std::string>(), "saved config");
+  EXPECT_EQ(tc.model, cfg);
+  // keel generate's loader takes the model from the checkpoint, and decodes with it.
+  generate::ModelWeights w = generate::load_checkpoint_weights(dst, std::nullopt);
+  EXPECT_EQ(w.config, cfg);
+  expect_same_params(cfg, st.params, w.params, false);
+}
+
+TEST(ZayaNames, TheModelComesFromConfigJsonOrModelAndBothMustAgree) {
+  const model::ModelConfig cfg = config("zaya1-tiny.yaml");
+  TmpDir tmp;
+  save_random_checkpoint(cfg, tmp.path / "train", 1);
+  const auto ex = export_zaya_safetensors((tmp.path / "train").string(), (tmp.path / "hf").string(), cfg,
+                                          Names::kZaya1, ElemType::kF32, 2);
+  const std::string dir = (tmp.path / "hf").string();
+  // config.json beside a single file is read as in its directory.
+  EXPECT_EQ(release_config_path(ex.path), dir + "/config.json");
+  model::ModelConfig from_json = release_model(ex.path, Names::kZaya1, std::nullopt, "");
+  EXPECT_EQ(from_json.name, "hf");
+  from_json.name = cfg.name;
+  EXPECT_EQ(from_json, cfg);
+  // --model agreeing: its name; disagreeing on a key that shapes the computation: refused.
+  EXPECT_EQ(release_model(dir, Names::kZaya1, cfg, "tiny.yaml").name, "zaya1-tiny");
+  model::ModelConfig other = cfg;
+  other.rope_base = 5e6;
+  EXPECT_EQ(error_of([&] { release_model(dir, Names::kZaya1, other, "other.yaml"); }),
+            dir + "/config.json: describes another model than --model other.yaml ('zaya1-tiny'): rope_base is 10000 in "
+                  "config.json, 5000000 in --model");
+  // No config.json: --model is the model, and without it one line says to give it.
+  fs::remove(dir + "/config.json");
+  EXPECT_EQ(release_config_path(dir), "");
+  EXPECT_EQ(release_model(dir, Names::kZaya1, other, "other.yaml"), other);
+  EXPECT_EQ(error_of([&] { release_model(dir, Names::kZaya1, std::nullopt, ""); }),
+            dir + ": no config.json beside the weights: name the model with --model CONFIG.yaml");
+  // A config.json keel cannot represent is one line naming the key; so is one that is no JSON.
+  nlohmann::json j = hf_config(cfg, Names::kZaya1, "float32");
+  j["rope_parameters"]["hybrid"]["rope_type"] = "yarn";
+  std::ofstream(dir + "/config.json") << j.dump();
+  EXPECT_EQ(error_of([&] { release_model(dir, Names::kZaya1, cfg, "tiny.yaml"); }),
+            dir + "/config.json: 'rope_parameters.hybrid.rope_type' is \"yarn\": keel runs the default RoPE only");
+  std::ofstream(dir + "/config.json") << "{\"vocab_size\": ";
+  EXPECT_EQ(error_of([&] { release_model(dir, Names::kZaya1, std::nullopt, ""); }).rfind(dir + "/config.json: not valid JSON", 0),
+            0u);
 }
 
 TEST(ZayaNames, BadReleasesAreOneClearErrorNamingTheTensor) {

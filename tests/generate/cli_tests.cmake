@@ -51,6 +51,10 @@ keel_cli_test(NAME generate_zaya1_fresh
   ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt "hello" --max-new-tokens 6 --batch 1,2 --ignore-eos)
 
 # Bad input.
+# --print-ids: the prompt's byte ids ("hello" = 104 101 108 108 111), then the 6 generated ids.
+keel_cli_test(NAME generate_print_ids MATCH "^ids: 104 101 108 108 111( [0-9]+){6}$"
+  ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt "hello" --max-new-tokens 6 --ignore-eos
+       --device cpu --print-ids)
 keel_cli_test(NAME generate_not_a_checkpoint EXIT 1 MATCH "^keel: error: generate: no_such_dir is not a keel checkpoint"
   ARGS generate no_such_dir --prompt hi)
 keel_cli_test(NAME generate_no_model EXIT 1 MATCH "^keel: error: generate: give a model: a checkpoint directory, --model"

@@ -1,8 +1,8 @@
 // The GPU decoder (generate/cuda_decoder.h) against the CPU reference decoder (generate.h) on
 // tiny random models of every kind the CPU path supports: gqa and mha with dense and
 // linear-router top-2 MoE layers, ZAYA1 (CCA with conv widths 2/2 and 3/4, MLP router with EDA
-// and the skip class, residual scaling, tied head), and CCA without residual scaling under a
-// linear router with head_dim 128. Skips without a GPU.
+// and the skip class, residual scaling, tied head), CCA without residual scaling under a
+// linear router with head_dim 128, and sliding-window layers. Skips without a GPU.
 //
 // bf16 weights and activations on the GPU against fp32 on the CPU: logits agree to bf16
 // rounding (norm-relative ~1e-2), not to fp32. Discrete routing would turn a near-tie into a
@@ -362,6 +362,15 @@ TEST(GenerateCuda, CcaPlainResidualHeadDim128MatchesCpuAndPrefill) {
   KEEL_REQUIRE_GPU_DECODER();
   check_strict(cca_plain_config(), 11);
 }
+// Sliding-window layers (window 3 of T = 11, with their own RoPE): the GPU prefill (flash
+// attention with a window) and decode over the last W cached positions against the CPU
+// reference. The kernels' tile edges are tests/ops/cuda's (AttentionCuda.SlidingWindow).
+TEST(GenerateCuda, SlidingMatchesCpuAndPrefill) {
+  KEEL_REQUIRE_GPU_DECODER();
+  check_strict(test_util::with_sliding(gqa_config(2), 3), 27);
+  check_strict(test_util::with_sliding(zaya_config(3, 4), 3), 29);
+}
+
 TEST(GenerateCuda, SpreadRoutingMostlyAgrees) {
   KEEL_REQUIRE_GPU_DECODER();
   check_statistical(gqa_config(2), 13);

@@ -2,8 +2,9 @@
 // give the logits of a full-sequence prefill, and the prefill those of the training model
 // (MoeTransformer::forward, through its per-position cross-entropy), for a gqa/mha model with
 // dense and linear-router MoE layers and for a ZAYA1 model (CCA, MLP router with EDA and the
-// skip class, residual scaling). Every 1-D parameter (norms, biases, residual scales, conv
-// biases, temperatures) is perturbed away from its init so no state's initial value hides.
+// skip class, residual scaling), each also with sliding-window layers. Every 1-D parameter
+// (norms, biases, residual scales, conv biases, temperatures) is perturbed away from its init so
+// no state's initial value hides.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -183,6 +184,53 @@ TEST(Generate, MhaDecodeMatchesPrefillAndTrainingModel) { check_model(gqa_config
 TEST(Generate, Zaya1DecodeMatchesPrefillAndTrainingModel) { check_model(zaya_config(2, 2), 7); }
 // Wider convs: states of more than one token (W0 - 1 = 2, W1 - 1 = 3).
 TEST(Generate, CcaWiderConvStates) { check_model(zaya_config(3, 4), 9); }
+
+// Sliding-window layers (window 3 < T = 11, their own RoPE): decode attends to the last 3 cached
+// positions and must give the prefill's logits, and the prefill the training model's.
+TEST(Generate, GqaSlidingDecodeMatchesPrefillAndTrainingModel) {
+  check_model(test_util::with_sliding(gqa_config(2), 3), 21);
+}
+TEST(Generate, Zaya1SlidingDecodeMatchesPrefillAndTrainingModel) {
+  check_model(test_util::with_sliding(zaya_config(3, 4), 3), 31);
+}
+
+// The window is live end to end: with the model's own RoPE in the sliding layers, positions
+// before the window fills (t < W) give the full-attention model's logits bit for bit, later
+// positions differ; decode over the window agrees with both.
+TEST(Generate, SlidingWindowChangesOnlyPositionsPastTheWindow) {
+  const int B = 2, T = 9, W = 4;
+  for (const model::ModelConfig& full_cfg : {gqa_config(2), zaya_config(2, 2)}) {
+    model::ModelConfig cfg = full_cfg;
+    cfg.layer_sliding = {true};
+    cfg.sliding_window = W;
+    const ModelWeights w = perturbed_weights(full_cfg, 25);
+    ModelWeights ws = w;
+    ws.config = cfg;
+    InferenceModel full(w), sliding(ws);
+    const std::int64_t V = cfg.vocab_size;
+    const auto tokens = random_tokens(B * T, V, 26);
+    std::vector<float> zf, zs;
+    Cache cf = full.make_cache(B, T), cs = sliding.make_cache(B, T);
+    full.prefill(tokens.data(), T, cf, zf, /*all_positions=*/true);
+    sliding.prefill(tokens.data(), T, cs, zs, /*all_positions=*/true);
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < T; ++t) {
+        double diff = 0;
+        for (std::int64_t v = 0; v < V; ++v) {
+          const std::size_t i = static_cast<std::size_t>((b * T + t) * V + v);
+          diff = std::max(diff, double(std::fabs(zs[i] - zf[i])));
+        }
+        if (t < W)
+          EXPECT_EQ(diff, 0.0) << cfg.name << " position " << t << " sees no more than its window";
+        else
+          EXPECT_GT(diff, 1e-4) << cfg.name << " position " << t << ": the window was ignored";
+      }
+    const auto inc = decode_all(sliding, tokens, B, T, 0);
+    double worst = 0;
+    for (std::size_t i = 0; i < zs.size(); ++i) worst = std::max(worst, double(std::fabs(zs[i] - inc[i])));
+    EXPECT_LT(worst, 1e-4 * max_abs(zs)) << cfg.name << ": decode over the window vs prefill";
+  }
+}
 
 TEST(Generate, CacheSizes) {
   const model::ModelConfig g = gqa_config(2), z = zaya_config(2, 2);

@@ -1,6 +1,6 @@
 // Pieces shared by the decoder tests (generate_test.cc on the CPU, generate_cuda_test.cc on the
-// GPU): perturbing a fresh model's weights so no initial value hides a wrong state, random
-// token ids, the largest magnitude.
+// GPU): perturbing a fresh model's weights so no initial value hides a wrong state, sliding-window
+// layers, random token ids, the largest magnitude.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +29,19 @@ inline void perturb_weights(ModelWeights& w, const model::ModelConfig& cfg, std:
     if (p.ndim() == 2 && p.name.find("moe.router.") != std::string::npos)
       for (std::int64_t i = 0; i < p.numel; ++i) w.params[p.offset + i] *= 8.f;
   }
+}
+
+// cfg with sliding-window layers (ZAYA1's "hybrid_sliding"): layers 1 and 2 of every 3 attend
+// to the last `window` tokens, with their own RoPE base and fraction (rotary_fraction the other
+// side of 1/2 from the model's, so both tables are live).
+inline model::ModelConfig with_sliding(model::ModelConfig cfg, int window) {
+  cfg.name += "-sliding";
+  cfg.layer_sliding = {false, true, true};
+  cfg.sliding_window = window;
+  cfg.sliding_rope_base = 500.0;
+  cfg.sliding_rope_fraction = cfg.rope_fraction > 0.5 ? 0.5 : 1.0;
+  model::validate(cfg);
+  return cfg;
 }
 
 inline std::vector<std::uint32_t> random_tokens(std::int64_t n, std::int64_t vocab, std::uint32_t seed) {

@@ -1,6 +1,7 @@
 #include "model/config.h"
 
 #include <gtest/gtest.h>
+#include <yaml-cpp/yaml.h>
 
 #include <filesystem>
 #include <fstream>
@@ -201,6 +202,72 @@ TEST(ModelConfig, NameMustBeUtf8) {
   EXPECT_EQ(test::error_message<UsageError>([&] { load_model_config(latin1); }, "(no error)"),
             latin1 + ": key 'name' (line 9) is not valid UTF-8 (byte 0xe9 at offset 3 starts no valid character); "
                      "configs are stored in checkpoints as JSON, which needs UTF-8");
+}
+
+// model_yaml is parse_model_config's inverse: every key, the sliding ones included, comes back
+// exactly (doubles too), for every shipped config and one that sets every key off its default.
+TEST(ModelConfig, SerializedYamlParsesBackToTheSameConfig) {
+  auto round_trip = [](const ModelConfig& m) {
+    return parse_model_config(YAML::Load(model_yaml(m)), "(unnamed)", "round trip");
+  };
+  int shipped = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(KEEL_SOURCE_DIR) + "/configs")) {
+    if (e.path().extension() != ".yaml") continue;
+    const ModelConfig m = load_model_config(e.path().string());
+    EXPECT_EQ(round_trip(m), m) << e.path() << "\n" << model_yaml(m);
+    ++shipped;
+  }
+  EXPECT_GE(shipped, 6);
+  ModelConfig m = load_model_config(config_path("zaya1-tiny.yaml"));
+  m.name = "odd: \"name\" # with YAML's specials";
+  m.layers = 4;
+  m.layer_attention = {AttentionKind::kCca, AttentionKind::kCca};
+  m.linear_chunk = 64;
+  m.moe_layer_interval = 1;
+  m.tied_embeddings = false;
+  m.rope_fraction = 0.3;
+  m.rope_base = 5e6;
+  m.norm_eps = 1.0 / 3.0e5;  // no short decimal form
+  m.max_seq_len = 131072;
+  m.layer_sliding = {true, false};
+  m.sliding_window = 17;
+  m.sliding_rope_base = 12345.678;
+  m.sliding_rope_fraction = 0.75;
+  validate(m);
+  const ModelConfig back = round_trip(m);
+  EXPECT_EQ(back, m) << model_yaml(m);
+  EXPECT_EQ(back.norm_eps, m.norm_eps);
+  EXPECT_EQ(back.layer_sliding, m.layer_sliding);
+  EXPECT_EQ(back.sliding_rope_fraction, 0.75);
+  // The unset sliding keys stay unset (a negative sliding_rope_fraction is not a YAML value).
+  m.layer_sliding.clear();
+  m.sliding_window = 0;
+  m.sliding_rope_base = 0;
+  m.sliding_rope_fraction = -1;
+  EXPECT_EQ(round_trip(m), m) << model_yaml(m);
+}
+
+// model_key_values compares what each layer computes: the same network written two ways
+// (a pattern or one entry per layer; a sliding RoPE base given or inherited) is the same model.
+TEST(ModelConfig, KeyValuesCompareWhatTheLayersCompute) {
+  ModelConfig a = load_model_config(config_path("zaya1-tiny.yaml"));
+  a.layers = 4;
+  a.layer_sliding = {false, true};
+  a.sliding_window = 8;
+  a.sliding_rope_base = a.rope_base;
+  ModelConfig b = a;
+  b.layer_sliding = {false, true, false, true};
+  b.sliding_rope_base = 0;
+  b.layer_attention = {AttentionKind::kCca};
+  EXPECT_EQ(model_key_values(a), model_key_values(b));
+  b.sliding_rope_base = 5e6;
+  const auto ka = model_key_values(a), kb = model_key_values(b);
+  ASSERT_EQ(ka.size(), kb.size());
+  std::string differs;
+  for (std::size_t i = 0; i < ka.size(); ++i)
+    if (ka[i].second != kb[i].second) differs += ka[i].first + " " + ka[i].second + " -> " + kb[i].second + ";";
+  EXPECT_EQ(differs, "sliding_rope_base 10000 -> 5000000;");
+  for (const auto& [key, value] : ka) EXPECT_NE(key, "name");
 }
 
 }  // namespace

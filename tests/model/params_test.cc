@@ -138,6 +138,30 @@ TEST(Flops, TrainingIsSixNPlusAttention) {
   }
 }
 
+// A sliding layer's attention counts only its window: W - W^2 / 2T keys per query (the first W
+// queries ramp up as causal ones do), exactly the causal T / 2 at W = T; PaLM's non-halved count
+// is W. The other terms do not change.
+TEST(Flops, SlidingLayersCountTheirWindow) {
+  const ModelConfig full = load("zaya1-8b");
+  ModelConfig m = full;
+  m.layer_sliding = {false, true};  // every other layer of 40 slides
+  m.sliding_window = 1024;
+  validate(m);
+  const std::int64_t T = 4096;
+  const double C = double(m.heads) * m.head_dim, W = 1024;
+  const TokenFlops f = token_flops(m, T), g = token_flops(full, T);
+  EXPECT_DOUBLE_EQ(f.body_forward, g.body_forward);
+  EXPECT_DOUBLE_EQ(f.lm_head_forward, g.lm_head_forward);
+  EXPECT_NEAR(f.attention_forward, 20 * 4 * C * (T / 2.0) + 20 * 4 * C * (W - W * W / (2.0 * T)),
+              1e-9 * g.attention_forward);
+  EXPECT_NEAR(f.attention_forward_palm, 20 * 4 * C * T + 20 * 4 * C * W, 1e-9 * g.attention_forward_palm);
+  EXPECT_DOUBLE_EQ(attended_keys(m, 1, T), W - W * W / (2.0 * T));
+  EXPECT_DOUBLE_EQ(attended_keys(m, 0, T), T / 2.0);
+  EXPECT_DOUBLE_EQ(attended_keys(m, 1, 1024), 512.0);  // window = T: full causal
+  EXPECT_DOUBLE_EQ(attended_keys(m, 1, 512), 256.0);   // window beyond T: full causal
+  EXPECT_DOUBLE_EQ(attended_keys(m, 1, T, /*halved=*/false), W);
+}
+
 TEST(Flops, Zaya1MatchesTheHandDerivation) {
   // zaya1.md 2.9: at T = 4096, body 4.52e9, LM head 3.22e9, attention 1.01e9, total ~8.75e9.
   const TokenFlops f = token_flops(load("zaya1-8b"), 4096);

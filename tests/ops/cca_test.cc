@@ -1,9 +1,11 @@
 // ZAYA1 CCA block: end-to-end gradient check, a naive double-precision forward written from the
-// reference's equations, causality and independence of the sequences of a batch.
+// reference's equations (with and without a sliding layer's window), causality and independence
+// of the sequences of a batch.
 #include "ops/cca.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -130,18 +132,19 @@ std::vector<double> naive_cca(CcaCase& k) {
     }
     for (std::int64_t t = 0; t < T; ++t) {
       std::vector<double> att(dq, 0.0);
+      const std::int64_t j0 = c.window > 0 ? std::max<std::int64_t>(0, t - c.window + 1) : 0;  // sliding layer
       for (std::int64_t h = 0; h < nq; ++h) {
         const std::int64_t gk = h / G;
         std::vector<double> sc(t + 1);
         double mx = -1e300, z = 0;
-        for (std::int64_t j = 0; j <= t; ++j) {
+        for (std::int64_t j = j0; j <= t; ++j) {
           double dot = 0;
           for (std::int64_t i = 0; i < d; ++i) dot += Q[t * dq + h * d + i] * K[j * dk + gk * d + i];
           sc[j] = dot / std::sqrt(double(d));
           mx = std::max(mx, sc[j]);
         }
-        for (std::int64_t j = 0; j <= t; ++j) z += (sc[j] = std::exp(sc[j] - mx));
-        for (std::int64_t j = 0; j <= t; ++j)
+        for (std::int64_t j = j0; j <= t; ++j) z += (sc[j] = std::exp(sc[j] - mx));
+        for (std::int64_t j = j0; j <= t; ++j)
           for (std::int64_t i = 0; i < d; ++i) att[h * d + i] += sc[j] / z * V[j * dk + gk * d + i];
       }
       for (std::int64_t o = 0; o < H; ++o) {
@@ -170,6 +173,27 @@ TEST(OpCca, ForwardMatchesNaiveReferenceEquations) {
     }
     EXPECT_GT(mag, 0.1);
     EXPECT_LT(err, 1e-4 * std::max(1.0, mag)) << "nq " << sh.nq << " nkv " << sh.nkv << " W0 " << sh.W0 << " W1 " << sh.W1;
+  }
+}
+
+// A sliding layer's CCA (Config::window): the attention sees the last W tokens; the convs and
+// the value shift are unchanged. The window must change the output (else it was ignored).
+TEST(OpCca, SlidingWindowMatchesNaiveReferenceEquations) {
+  CcaCase full(2, 7, 12, 4, 2, 8, 2, 3);
+  full.forward();
+  for (int w : {1, 2, 4}) {
+    CcaCase k(2, 7, 12, 4, 2, 8, 2, 3);
+    k.c.window = w;
+    k.forward();
+    const auto ref = naive_cca(k);
+    double err = 0, mag = 0, moved = 0;
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      err = std::max(err, std::abs(ref[i] - k.y[i]));
+      mag = std::max(mag, std::abs(ref[i]));
+      moved = std::max(moved, double(std::abs(k.y[i] - full.y[i])));
+    }
+    EXPECT_LT(err, 1e-4 * std::max(1.0, mag)) << "window " << w;
+    EXPECT_GT(moved, 1e-3) << "window " << w << " computed full causal attention";
   }
 }
 
@@ -215,6 +239,7 @@ TEST(OpCca, GradCheckEndToEnd) {
   for (Shape sh : {Shape{4, 2, 2, 2}, Shape{3, 1, 3, 2}}) {
     CcaCase k(2, 5, 12, sh.nq, sh.nkv, 8, sh.W0, sh.W1);
     if (sh.nkv == 1) k.c.l2_eps = 0.05f;  // the eps path of the normalization (large, so it matters)
+    if (sh.nkv == 2) k.c.window = 2;      // a sliding layer
     auto r = random_vector(k.y.size(), 720);
     auto loss = [&] {
       k.forward();
@@ -225,7 +250,8 @@ TEST(OpCca, GradCheckEndToEnd) {
     ca::backward(k.c, k.B, k.T, Tensor(k.x.data(), {k.N, 12}), k.pos.data(), k.rt, k.view(k.p), k.s, Tensor(r.data(), {k.N, 12}),
                  Tensor(dx.data(), {k.N, 12}), k.view(k.g), Tensor(scratch.data(), {std::int64_t(scratch.size())}));
     const std::string tag = " (nq " + std::to_string(sh.nq) + ", nkv " + std::to_string(sh.nkv) + ", W0 " +
-                            std::to_string(sh.W0) + (k.c.l2_eps > 0 ? ", l2_eps" : "") + ")";
+                            std::to_string(sh.W0) + (k.c.l2_eps > 0 ? ", l2_eps" : "") +
+                            (k.c.window > 0 ? ", window 2" : "") + ")";
     EXPECT_LT(check_grad("cca dx" + tag, loss, k.x.data(), dx.data(), dx.size()).rel_err, kGradTol);
     for (int i = 0; i < 8; ++i)
       EXPECT_LT(check_grad(std::string("cca d") + kNames[i] + tag, loss, k.p[i].data(), k.g[i].data(), k.p[i].size()).rel_err,

@@ -4,7 +4,7 @@
 set -eu
 keel=$1; cfg=$2
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
-"$keel" size "$cfg/zaya1-8b.yaml" --hardware mi300x --gpus 1024 --train-tokens 12T --micro-batch 4 \
+"$keel" size "$cfg/zaya1-8b.yaml" --seq 4096 --hardware mi300x --gpus 1024 --train-tokens 12T --micro-batch 4 \
   --moe-study --moe-experts 8,16,32 --moe-top-k 1,2 --json "$dir/size.json" --plot "$dir/moe.png" > "$dir/out.txt"
 head -c 8 "$dir/moe.png" | od -An -c | grep -q 'P   N   G' || { echo "moe.png is not a PNG"; exit 1; }
 cat > "$dir/gemm.json" <<'JSON'
@@ -17,7 +17,7 @@ cat > "$dir/mem.json" <<'JSON'
 {"schema": "keel.bench.mem/1", "devices": [{"name": "AMD Instinct MI300X"}],
  "results": [{"kernel": "copy", "bytes": 1073741824, "gbps": 4150.0}, {"kernel": "triad", "bytes": 1073741824, "gbps": 4100.0}]}
 JSON
-"$keel" size "$cfg/zaya1-8b.yaml" --hardware "$dir/gemm.json,$dir/mem.json" --gpus 1024 --train-tokens 12T --micro-batch 4 \
+"$keel" size "$cfg/zaya1-8b.yaml" --seq 4096 --hardware "$dir/gemm.json,$dir/mem.json" --gpus 1024 --train-tokens 12T --micro-batch 4 \
   --json "$dir/measured.json" > "$dir/measured.txt"
 grep -q "measured GEMM profile" "$dir/measured.txt" || { echo "no GEMM profile in the report"; exit 1; }
 python3 - "$dir/size.json" "$dir/measured.json" <<'PY'

@@ -215,3 +215,11 @@ set_tests_properties(cli_train_zaya1_tiny PROPERTIES FIXTURES_REQUIRED "train_st
 add_test(NAME train_tensorboard_reads_keel_events
          COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/train/check_tensorboard.sh $<TARGET_FILE:keel_tests>)
 set_tests_properties(train_tensorboard_reads_keel_events PROPERTIES TIMEOUT 120)
+
+# Routing health on real text (issue 36, part 4): keel train's router init keeps the tiny ZAYA1's
+# MoE layers near balance after step 50 where the old init (router.init_gain 0) collapses onto
+# one class; both runs, 100 CPU steps each (about 45 s).
+add_test(NAME train_routing_health
+         COMMAND python3 ${CMAKE_CURRENT_SOURCE_DIR}/train/check_routing.py $<TARGET_FILE:keel> train_stories train_routing
+         WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(train_routing_health PROPERTIES FIXTURES_REQUIRED train_stories ENVIRONMENT "CUDA_VISIBLE_DEVICES=" TIMEOUT 600)

@@ -319,6 +319,23 @@ TEST(MetricsLog, JsonlLinesParseBack) {
   fs::remove_all(dir);
 }
 
+TEST(MetricsLog, TablesAreJsonlOnly) {
+  const std::string dir = temp_dir("table");
+  {
+    MetricsLog log(dir, true);
+    log.table(3, "routing_counts", {{5, 0, 7}, {1, 2, 9}});
+    EXPECT_THROW(log.table(3, "time", {{1}}), keel::Error);
+  }
+  const std::vector<std::string> lines = lines_of(keel::read_file(dir + "/metrics.jsonl"));
+  ASSERT_EQ(lines.size(), 1u);
+  const auto j = nlohmann::ordered_json::parse(lines[0]);
+  EXPECT_EQ(j.begin().key(), "step");
+  EXPECT_EQ(j["step"].get<std::int64_t>(), 3);
+  EXPECT_GT(j["time"].get<double>(), 0);
+  EXPECT_EQ(j["routing_counts"], nlohmann::json::parse("[[5, 0, 7], [1, 2, 9]]"));
+  fs::remove_all(dir);
+}
+
 TEST(MetricsLog, ReservedNamesAndBadDirectory) {
   const std::string dir = temp_dir("errors");
   MetricsLog log(dir, false);

@@ -13,6 +13,7 @@
 #include "parallel/plan.h"
 #include "train/model.h"
 
+#include "model_gradcheck.h"
 #include "train_test_util.h"
 
 namespace keel::train {
@@ -30,19 +31,7 @@ void whole_model_gradcheck(bool tied) {
   o.precise_loss = true;    // the loss in double: fp32 rounding would dominate the differences
   MoeTransformer model(cfg, o, parallel::Mesh());
   const fixtures::Batch b = fixtures::random_batch(o.micro_batch * o.seq_length, static_cast<int>(cfg.vocab_size), 7);
-  model.zero_grads();
-  model.forward(b.tokens.data(), b.targets.data());
-  model.backward();
-  std::vector<float> grads(model.grads(), model.grads() + model.param_floats());
-  auto loss = [&] { return model.forward(b.tokens.data(), b.targets.data()).total; };
-  double worst = 0;
-  for (const auto& p : model.layout().params) {
-    const auto r = test::check_grad(p.name, loss, model.params() + p.offset, grads.data() + p.offset, p.numel,
-                                    /*eps=*/1e-3, /*max_elems=*/60);
-    EXPECT_LT(r.rel_err, test::kGradTol) << p.name;
-    EXPECT_GT(r.ana_norm, 0.0) << p.name;
-    worst = std::max(worst, r.rel_err);
-  }
+  const double worst = fixtures::check_model_grads(model, b, tied ? "tied" : "untied");
   std::printf("[gradcheck] whole model (tied=%d): worst rel_err %.3e\n", tied ? 1 : 0, worst);
 }
 

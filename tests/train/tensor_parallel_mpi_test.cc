@@ -53,6 +53,16 @@ const std::vector<std::string> kZaya = {"model.attention=cca",       "model.cca_
                                         "model.router_hidden=8",     "model.router_mlp_layers=3",
                                         "model.top_k=1",             "model.router_skip_expert=true"};
 
+// Layer 1 of 2 slides over 5 of the 16 tokens with its own RoPE: the window and the layer's
+// table reach the blocks through the tensor-parallel runners.
+const std::vector<std::string> kSliding = {"model.layer_sliding=[false, true]", "model.sliding_window=5",
+                                           "model.sliding_rope_base=500", "model.sliding_rope_fraction=0.5"};
+
+std::vector<std::string> joined(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 TrainConfig config(const fs::path& dir, const fs::path& out, int tp, bool sequence,
                    const std::vector<std::string>& extra = {}, const std::string& optimizer_extra = "") {
   if (world_rank() == 0 && !fs::exists(dir / "d.idx")) fixtures::make_dataset(dir, "d");
@@ -191,6 +201,12 @@ TEST(TensorParallel, Tp4WithoutSequenceParallelMatchesOneRank) {
 TEST(TensorParallel, Tp2ZayaMatchesOneRank) { expect_matches_single_rank({2, true, 1, kZaya, "", "zaya_tp2"}); }
 TEST(TensorParallel, Tp2ZayaWithMuonMatchesOneRank) {
   expect_matches_single_rank({2, false, 1, kZaya, kMuon, "zaya_tp2muon"});
+}
+TEST(TensorParallel, Tp2SlidingMatchesOneRank) {
+  expect_matches_single_rank({2, true, 1, kSliding, "", "sliding_tp2"});
+}
+TEST(TensorParallel, Tp2ZayaSlidingMatchesOneRank) {
+  expect_matches_single_rank({2, true, 1, joined(kZaya, kSliding), "", "zaya_sliding_tp2"});
 }
 TEST(TensorParallel, Tp2TimesDp2MatchesOneRank) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";

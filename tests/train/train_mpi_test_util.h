@@ -26,8 +26,13 @@ inline parallel::Mesh world_context(int ep = 1) {
 // The optimizer section's extra lines for Muon (train_config_text's optimizer_extra).
 inline const std::string kMuonOptimizer = "  muon:\n    enabled: true\n";
 
-// ZAYA1's MoE stage: the 3-layer MLP router (top-1) with the skip class.
+// ZAYA1's MoE stage: the 3-layer MLP router (top-1) with the skip class. router.init_gain 0
+// (normal(0, 0.02) everywhere): the bias leads the routing, so no token sits within rounding of
+// a tie between two classes; with the fan-in init (keel train's default) a last-bit difference
+// between an expert-parallel and a one-rank run (their expert sums run in other orders) flips a
+// near-tied token within a few steps (7e-4 relative in the parameters at 2 ranks).
 inline const std::vector<std::string> kZayaRouterSets = {"model.router_hidden=8", "model.router_mlp_layers=3",
-                                                         "model.top_k=1", "model.router_skip_expert=true"};
+                                                         "model.top_k=1", "model.router_skip_expert=true",
+                                                         "router.init_gain=0"};
 
 }  // namespace keel::train::fixtures

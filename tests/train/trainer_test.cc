@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/store.h"
+#include "common/fileio.h"
 #include "data/indexed_dataset.h"
 #include "train/trainer.h"
 
@@ -200,6 +201,45 @@ TEST(Trainer, GradAccumMatchesLargerMicroBatch) {
   const auto sa = a.run(), sb = b.run();
   EXPECT_NEAR(sa[0].loss, sb[0].loss, 1e-5);
   EXPECT_NEAR(sa[0].grad_norm, sb[0].grad_norm, 1e-4 * sb[0].grad_norm);
+}
+
+TEST(Trainer, RoutingCountsAreLoggedPerLayerWhenAsked) {
+  // router.log_counts: one metrics.jsonl line {"step", "time", "routing_counts": [[per class] per MoE
+  // layer]} per logged step, the step's own routing (every micro-batch, before the bias update).
+  const auto dir = fixtures::temp_dir("train_test", "routing_counts");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  auto on = parse_train_config(fixtures::train_config_text(prefix, dir / "on"), "t.yaml",
+                               {"steps=3", "log_interval=1", "schedule.warmup_steps=0", "router.log_counts=true"});
+  EXPECT_TRUE(on.log_routing_counts);
+  Trainer a(on, parallel::Mesh(), true);
+  const auto stats = a.run();
+  ASSERT_EQ(stats.size(), 3u);
+  std::vector<std::vector<std::vector<std::int64_t>>> logged;
+  std::ifstream in(dir / "on" / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("routing_counts")) continue;
+    EXPECT_EQ(j["step"].get<std::int64_t>(), static_cast<std::int64_t>(logged.size()) + 1);
+    logged.push_back(j["routing_counts"].get<std::vector<std::vector<std::int64_t>>>());
+  }
+  ASSERT_EQ(logged.size(), 3u);
+  for (std::size_t s = 0; s < 3; ++s) {
+    EXPECT_EQ(logged[s], stats[s].routing_counts);
+    ASSERT_EQ(logged[s].size(), 1u);     // layer 1 is the one MoE layer
+    ASSERT_EQ(logged[s][0].size(), 4u);  // 4 experts, no skip class
+    std::int64_t routed = 0;
+    for (auto c : logged[s][0]) routed += c;
+    EXPECT_EQ(routed, 2 * 2 * 16 * 2);  // micro_batch x grad_accum x seq_length tokens, top-2
+  }
+  // off by default: nothing logged, nothing kept
+  auto off = parse_train_config(fixtures::train_config_text(prefix, dir / "off"), "t.yaml",
+                                {"steps=1", "log_interval=1", "schedule.warmup_steps=0"});
+  EXPECT_FALSE(off.log_routing_counts);
+  Trainer b(off, parallel::Mesh(), true);
+  EXPECT_TRUE(b.run().at(0).routing_counts.empty());
+  EXPECT_EQ(keel::read_file((dir / "off" / "metrics.jsonl").string()).find("routing_counts"), std::string::npos);
+  fixtures::expect_usage_error(fixtures::train_config_text(prefix, dir / "x"), {"router.log_counts=7"},
+                               "key 'router.log_counts' (from --set): must be true or false");
 }
 
 TEST(Trainer, InitFromStartsFreshOptimizerOnTheCheckpointsWeights) {

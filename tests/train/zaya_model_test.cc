@@ -205,6 +205,14 @@ TEST(TrainZaya, Zaya8bLayoutMatchesKeelSize) {
   for (const auto& p : layout.params) n += p.numel;
   EXPECT_EQ(n, model::count_params(cfg).total);
   EXPECT_GT(model_flops_per_micro_batch(cfg, 1, 4096), 0.0);
+  // Sliding layers count only their window's attention (model::attended_keys): half the layers
+  // with window 1024 of 4096 save 12 * Hq * Dh * (T/2 - (W - W^2 / 2T)) per token and layer.
+  model::ModelConfig sliding = cfg;
+  sliding.layer_sliding = {false, true};
+  sliding.sliding_window = 1024;
+  const double saved = 12.0 * cfg.heads * cfg.head_dim * (2048 - (1024 - 1024.0 * 1024 / 8192)) * 4096 * cfg.layers / 2;
+  EXPECT_NEAR(model_flops_per_micro_batch(cfg, 1, 4096) - model_flops_per_micro_batch(sliding, 1, 4096), saved,
+              1e-9 * saved);
 }
 
 TEST(TrainZaya, RecomputeFullGivesIdenticalGradients) {

@@ -46,10 +46,12 @@ struct AttnScratch {
 };
 void carve(DeviceCarver& c, const AttnShape& s, bool softmax, bool cca, const AttentionCore& core, AttnScratch& sc);
 
-// Each token's position (device [N]) with the rotary table, and the block's runners.
+// Each token's position (device [N]) with the layer's rotary table and attention window (0:
+// full causal; a sliding layer's model::attention_window), and the block's runners.
 struct AttnContext {
   const std::int32_t* pos = nullptr;
   const ops::cuda::rope::DeviceTable* rope = nullptr;
+  int window = 0;
   LinearRunner* linear = &local_linear();
   AttentionCore* core = &local_attention();
 };

@@ -10,6 +10,15 @@ namespace keel::blocks::cuda {
 
 namespace k = ops::cuda;
 
+namespace {
+// CCA's config for this layer: the shape's, with the layer's window.
+k::cca::Config layer_cca(const AttnShape& s, const AttnContext& p) {
+  k::cca::Config cc = s.cca;
+  cc.window = p.window;
+  return cc;
+}
+}  // namespace
+
 void carve(DeviceCarver& c, const AttnShape& s, bool softmax, bool cca, AttnSaved& a) {
   const std::int64_t N = s.tokens(), Q = s.q_dim(), KV = s.kv_dim();
   if (softmax) {
@@ -43,7 +52,7 @@ void attention_forward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeigh
   const std::int64_t N = s.tokens(), D = s.hidden, Q = s.q_dim(), KV = s.kv_dim();
   const bf16* x = p.linear->enter(h, N, D, stream);
   if (w.cca) {
-    k::cca::forward(gemm, s.cca, s.batch, s.seq, x, p.pos, *p.rope, w.cca_w, a.cca, out, stream);
+    k::cca::forward(gemm, layer_cca(s, p), s.batch, s.seq, x, p.pos, *p.rope, w.cca_w, a.cca, out, stream);
     p.linear->exit(out, N, D, stream);
     if (add_into) k::add_bf16_to_f32(out, add_into, N * D, stream);
     return;
@@ -54,7 +63,7 @@ void attention_forward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeigh
   k::rope::forward(*p.rope, a.q, p.pos, N, s.heads, stream);
   k::rope::forward(*p.rope, a.k, p.pos, N, s.kv_heads, stream);
   p.core->forward(a.q, a.k, a.v, a.att, a.lse, static_cast<int>(s.batch), static_cast<int>(s.seq), s.heads, s.kv_heads,
-                  s.head_dim, s.scale(), stream);
+                  s.head_dim, s.scale(), p.window, stream);
   if (add_into && p.linear->output_is_whole()) {
     // add_into += att Wo^T: the residual add rides in the GEMM (fp32 C, beta = 1)
     k::GemmDesc d;
@@ -74,12 +83,13 @@ void attention_backward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeig
   const bf16* x = p.linear->enter(h, N, D, stream);  // the rows forward's projections read
   const bf16* g_out = p.linear->exit_backward(dy, N, D, stream);
   if (w.cca) {
-    k::cca::backward(gemm, s.cca, s.batch, s.seq, x, p.pos, *p.rope, w.cca_w, a.cca, g_out, dh, g.cca, sc.cca, stream);
+    k::cca::backward(gemm, layer_cca(s, p), s.batch, s.seq, x, p.pos, *p.rope, w.cca_w, a.cca, g_out, dh, g.cca, sc.cca,
+                     stream);
     return;
   }
   k::linear::backward(gemm, a.att, w.wo, g_out, sc.datt, g.wo, N, Q, D, stream);
   p.core->backward(a.q, a.k, a.v, a.att, a.lse, sc.datt, sc.dq, sc.dk, sc.dv, sc.attn, static_cast<int>(s.batch),
-                   static_cast<int>(s.seq), s.heads, s.kv_heads, s.head_dim, s.scale(), stream);
+                   static_cast<int>(s.seq), s.heads, s.kv_heads, s.head_dim, s.scale(), p.window, stream);
   k::rope::backward(*p.rope, sc.dq, p.pos, N, s.heads, stream);
   k::rope::backward(*p.rope, sc.dk, p.pos, N, s.kv_heads, stream);
   k::linear::backward(gemm, x, w.wq, sc.dq, nullptr, g.wq, N, D, Q, stream);

@@ -52,12 +52,14 @@ void fill_cache(ops::cuda::GemmRunner& gemm, const AttnShape& s, const LayerWeig
                 cudaStream_t stream);
 
 // One new token per sequence (s.seq == 1; h bf16 [B, D]) at position `length` (pos: device [B],
-// each `length`): appends its k/v row, slides CCA's states; the block output as
-// attention_forward's (out bf16 [B, D]; add_into fp32 [B, D] or null: mha/gqa add in the output
-// GEMM, CCA writes out then adds). `a` is an AttnSaved set carved for (s.batch, 1), the scratch.
+// each `length`) with the layer's rotary table and window (0: full causal; W > 0: the last W
+// cached positions, itself included): appends its k/v row, slides CCA's states; the block
+// output as attention_forward's (out bf16 [B, D]; add_into fp32 [B, D] or null: mha/gqa add in
+// the output GEMM, CCA writes out then adds). `a` is an AttnSaved set carved for (s.batch, 1),
+// the scratch.
 void attention_decode(ops::cuda::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, const bf16* h,
-                      const std::int32_t* pos, const ops::cuda::rope::DeviceTable& rope, std::int64_t capacity,
-                      std::int64_t length, const LayerCache& lc, const AttnSaved& a, const CacheScratch& sc,
-                      float* add_into, bf16* out, cudaStream_t stream);
+                      const std::int32_t* pos, const ops::cuda::rope::DeviceTable& rope, int window,
+                      std::int64_t capacity, std::int64_t length, const LayerCache& lc, const AttnSaved& a,
+                      const CacheScratch& sc, float* add_into, bf16* out, cudaStream_t stream);
 
 }  // namespace keel::blocks::cuda

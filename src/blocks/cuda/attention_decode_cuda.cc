@@ -28,8 +28,9 @@ void out_projection(k::GemmRunner& gemm, const AttnShape& s, const bf16* wo, con
 
 // mha/gqa of one new token per sequence at position `length`.
 void mha_decode(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, const bf16* h, const std::int32_t* pos,
-                const k::rope::DeviceTable& rope, std::int64_t capacity, std::int64_t length, const LayerCache& lc,
-                const AttnSaved& a, const CacheScratch& sc, float* add_into, bf16* out, cudaStream_t stream) {
+                const k::rope::DeviceTable& rope, int window, std::int64_t capacity, std::int64_t length,
+                const LayerCache& lc, const AttnSaved& a, const CacheScratch& sc, float* add_into, bf16* out,
+                cudaStream_t stream) {
   const std::int64_t B = s.batch, D = s.hidden, Q = s.q_dim(), KV = s.kv_dim();
   k::linear::forward(gemm, h, w.wq, a.q, B, D, Q, stream);
   k::linear::forward(gemm, h, w.wk, a.k, B, D, KV, stream);
@@ -39,7 +40,7 @@ void mha_decode(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, 
   copy_rows(lc.k + length * KV, capacity * KV, a.k, KV, KV, B, sizeof(bf16), stream);
   copy_rows(lc.v + length * KV, capacity * KV, a.v, KV, KV, B, sizeof(bf16), stream);
   k::decode_attention::forward(a.q, lc.k, lc.v, a.att, static_cast<int>(B), s.heads, s.kv_heads, s.head_dim, capacity,
-                               length + 1, s.scale(), sc.attn_ws, stream);
+                               length + 1, s.scale(), window, sc.attn_ws, stream);
   out_projection(gemm, s, w.wo, a.att, B, add_into, out, stream);
 }
 
@@ -47,8 +48,9 @@ void mha_decode(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, 
 // and value-shift states standing in for the earlier tokens. The cca Saved regions (carved for
 // T = 1) are the scratch.
 void cca_decode(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, const bf16* h, const std::int32_t* pos,
-                const k::rope::DeviceTable& rope, std::int64_t capacity, std::int64_t length, const LayerCache& lc,
-                const AttnSaved& a, const CacheScratch& sc, float* add_into, bf16* out, cudaStream_t stream) {
+                const k::rope::DeviceTable& rope, int window, std::int64_t capacity, std::int64_t length,
+                const LayerCache& lc, const AttnSaved& a, const CacheScratch& sc, float* add_into, bf16* out,
+                cudaStream_t stream) {
   const std::int64_t B = s.batch, D = s.hidden, KV = s.kv_dim(), C = s.cca.qk_channels(), dq = s.q_dim();
   const int nq = s.heads, nkv = s.kv_heads, d = s.head_dim;
   const k::cca::Saved& c = a.cca;
@@ -64,7 +66,7 @@ void cca_decode(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, 
   copy_rows(lc.k + length * KV, capacity * KV, c.k, KV, KV, B, sizeof(bf16), stream);
   cca_value_step(c.att, lc.prev_v, lc.v, B, KV, capacity, length, stream);
   k::decode_attention::forward(c.q, lc.k, lc.v, c.att, static_cast<int>(B), nq, nkv, d, capacity, length + 1,
-                               s.scale(), sc.attn_ws, stream);
+                               s.scale(), window, sc.attn_ws, stream);
   k::linear::forward(gemm, c.att, cw.w_o, out, B, dq, D, stream);
   if (add_into) k::add_bf16_to_f32(out, add_into, B * D, stream);
 }
@@ -118,13 +120,13 @@ void fill_cache(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, 
 }
 
 void attention_decode(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, const bf16* h,
-                      const std::int32_t* pos, const k::rope::DeviceTable& rope, std::int64_t capacity,
+                      const std::int32_t* pos, const k::rope::DeviceTable& rope, int window, std::int64_t capacity,
                       std::int64_t length, const LayerCache& lc, const AttnSaved& a, const CacheScratch& sc,
                       float* add_into, bf16* out, cudaStream_t stream) {
   if (w.cca)
-    cca_decode(gemm, s, w, h, pos, rope, capacity, length, lc, a, sc, add_into, out, stream);
+    cca_decode(gemm, s, w, h, pos, rope, window, capacity, length, lc, a, sc, add_into, out, stream);
   else
-    mha_decode(gemm, s, w, h, pos, rope, capacity, length, lc, a, sc, add_into, out, stream);
+    mha_decode(gemm, s, w, h, pos, rope, window, capacity, length, lc, a, sc, add_into, out, stream);
 }
 
 }  // namespace keel::blocks::cuda

@@ -51,13 +51,15 @@ class AttentionCore {
  public:
   virtual ~AttentionCore() = default;
   // q [B, T, Hq, Dh], k and v [B, T, Hkv, Dh] of this rank's tokens (after RoPE) -> out
-  // [B, T, Hq, Dh], lse [B, Hq, T]; ops/cuda/attention.h's conventions.
+  // [B, T, Hq, Dh], lse [B, Hq, T]; ops/cuda/attention.h's conventions, window included (0:
+  // full causal; W > 0: the layer's sliding window, which a scheme splitting the sequence must
+  // keep).
   virtual void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T, int Hq,
-                       int Hkv, int Dh, float scale, cudaStream_t stream);
+                       int Hkv, int Dh, float scale, int window, cudaStream_t stream);
   virtual std::size_t backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh) const;
   virtual void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                         const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv,
-                        int Dh, float scale, cudaStream_t stream);
+                        int Dh, float scale, int window, cudaStream_t stream);
 };
 
 // The degree-1 runners (stateless; shared).

@@ -135,7 +135,7 @@ struct Fwd {
 template <int kDh>
 __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
     forward_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                   bf16* __restrict__ out, float* __restrict__ lse, int T, int Hq, int Hkv, float scale_log2) {
+                   bf16* __restrict__ out, float* __restrict__ lse, int T, int Hq, int Hkv, int W, float scale_log2) {
   using C = Fwd<kDh>;
   constexpr int kBr = C::kBr, kBc = C::kBc, kLd = C::kLd;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -151,12 +151,16 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
   const bf16* k_g = k + (static_cast<std::int64_t>(b) * T * Hkv + g) * kDh;
   const bf16* v_g = v + (static_cast<std::int64_t>(b) * T * Hkv + g) * kDh;
 
-  const int kv_end = min(T, q0 + kBr);  // causal: keys past the tile's last query are never read
+  // Row r sees keys r - W < j <= r (W = T: all of 0..r). Causal: keys past the tile's last query
+  // are never read; window: nor key tiles wholly before its first query's window.
+  const int kv_end = min(T, q0 + kBr);
+  const int j_begin = max(0, q0 - W + 1) / kBc;
   const int n_kv = (kv_end + kBc - 1) / kBc;
 
   load_rows_async<kDh>(q_s, kLd, q_g, q_stride, q0, kBr, T, tid, C::kThreads);
-  load_rows_async<kDh>(k_s, kLd, k_g, kv_stride, 0, kBc, T, tid, C::kThreads);
-  load_rows_async<kDh>(v_s, kLd, v_g, kv_stride, 0, kBc, T, tid, C::kThreads);
+  const int st0 = j_begin & 1;  // tile j lives in stage j & 1
+  load_rows_async<kDh>(k_s + st0 * kBc * kLd, kLd, k_g, kv_stride, j_begin * kBc, kBc, T, tid, C::kThreads);
+  load_rows_async<kDh>(v_s + st0 * kBc * kLd, kLd, v_g, kv_stride, j_begin * kBc, kBc, T, tid, C::kThreads);
   cp_async_commit();
 
   const int w_row0 = q0 + warp * 16;            // this warp's first query row
@@ -168,7 +172,7 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
   // Running max (log2 units of the scaled score) and sum of the two rows this thread holds.
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
-  for (int j = 0; j < n_kv; ++j) {
+  for (int j = j_begin; j < n_kv; ++j) {
     cp_async_wait_all();
     __syncthreads();  // tile j landed for everyone, and everyone is done with tile j - 1's stage
     if (j + 1 < n_kv) {  // prefetch tile j + 1 into the other stage while computing tile j
@@ -178,7 +182,8 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
       cp_async_commit();
     }
     const int kv0 = j * kBc;
-    if (kv0 > w_row0 + 15) continue;  // the whole tile is above this warp's diagonal
+    // The whole tile above this warp's diagonal, or before all of its rows' windows.
+    if (kv0 > w_row0 + 15 || kv0 + kBc - 1 <= w_row0 - W) continue;
     const bf16* ks = k_s + (j & 1) * kBc * kLd;
     const bf16* vs = v_s + (j & 1) * kBc * kLd;
 
@@ -199,8 +204,9 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
       }
     }
 
-    // Scale into log2 units; mask keys above the diagonal and past the sequence end.
-    const bool need_mask = kv0 + kBc - 1 > w_row0 || kv0 + kBc > T;
+    // Scale into log2 units; mask keys above the diagonal, past the sequence end and before the
+    // row's window.
+    const bool need_mask = kv0 + kBc - 1 > w_row0 || kv0 + kBc > T || kv0 <= w_row0 + 15 - W;
 #pragma unroll
     for (int n = 0; n < kBc / 8; ++n) {
 #pragma unroll
@@ -209,7 +215,7 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
         if (need_mask) {
           const int key = kv0 + n * 8 + 2 * (lane & 3) + (e & 1);
           const int row = e < 2 ? row_lo : row_hi;
-          if (key > row || key >= T) x = -INFINITY;
+          if (key > row || key >= T || key <= row - W) x = -INFINITY;
         }
         s[n][e] = x;
       }
@@ -223,8 +229,9 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
       for (int n = 0; n < kBc / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
       mx = quad_max(mx);
       const float m_new = fmaxf(m_run[r], mx);
-      // Key 0 is visible to every row, so m_new is finite from the first tile on; the guard
-      // only keeps a fully masked row from producing inf - inf = NaN.
+      // A row whose keys in this tile are all masked (before its window: it sees later tiles;
+      // padding rows past T) keeps m = -inf; the guard keeps it from producing inf - inf = NaN.
+      // Every row below T sees itself, so its final sum is positive.
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
       const float alpha = exp2f(m_run[r] - m_use);
       m_run[r] = m_new;
@@ -353,7 +360,7 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
     backward_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                     const bf16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ d_row,
                     float* __restrict__ dq_acc, float* __restrict__ dk_acc, float* __restrict__ dv_acc, int T, int Hq,
-                    int Hkv, float scale, float scale_log2) {
+                    int Hkv, int W, float scale, float scale_log2) {
   using C = Bwd<kDh>;
   constexpr int kBr = C::kBr, kBc = C::kBc, kLd = C::kLd, kDsLd = C::kDsLd;
   static_assert(kBc % kBr == 0, "the first query tile of a key tile is the one starting at the same position");
@@ -376,7 +383,10 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
   const float* lse_g = lse + (static_cast<std::int64_t>(b) * Hq + h) * T;
   const float* d_g = d_row + (static_cast<std::int64_t>(b) * Hq + h) * T;
 
-  const int n_q = (T + kBr - 1) / kBr;
+  // Key j is seen by queries j <= i < j + W: the query tiles from the diagonal to the one holding
+  // the tile's last key's last query (W = T: to the end).
+  const int q_end = min(T, kv0 + kBc - 1 + W);
+  const int n_q = (q_end + kBr - 1) / kBr;
   const int qt0 = kv0 / kBr;
 
   auto load_q_tile = [&](int qt, int st) {
@@ -433,8 +443,9 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
         mma(p[2 * np + 1], a, bf[2], bf[3]);
       }
     }
-    // p^T = exp(scale s - lse), zero above the diagonal and for query rows past the end.
-    const bool need_mask = q0 < w_key0 + 15 || q0 + kBr > T;
+    // p^T = exp(scale s - lse), zero above the diagonal, for query rows past the end and for
+    // keys before a query's window.
+    const bool need_mask = q0 < w_key0 + 15 || q0 + kBr > T || q0 + kBr - 1 - w_key0 >= W;
 #pragma unroll
     for (int n = 0; n < kBr / 8; ++n) {
 #pragma unroll
@@ -443,7 +454,7 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
         float x = exp2f(p[n][e] * scale_log2 - lses[qi]);
         if (need_mask) {
           const int key = e < 2 ? key_lo : key_hi;
-          if (key > q0 + qi || q0 + qi >= T) x = 0.f;
+          if (key > q0 + qi || q0 + qi >= T || q0 + qi - key >= W) x = 0.f;
         }
         p[n][e] = x;
       }
@@ -559,6 +570,10 @@ void check_extents(const char* what, int B, int T, int Hq, int Hkv, int Dh) {
     fail("attention {}: {} query heads do not split into groups over {} kv heads", what, Hq, Hkv);
 }
 
+void check_window(const char* what, int window) {
+  if (window < 0) fail("attention {}: window {} must be >= 0 (0: full causal)", what, window);
+}
+
 void check_aligned(const char* what, const char* name, const void* p) {
   if (p == nullptr) fail("attention {}: {} is null", what, name);
   if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) fail("attention {}: {} is not 16-byte aligned", what, name);
@@ -581,27 +596,30 @@ WorkspaceLayout workspace_layout(int B, int T, int Hq, int Hkv, int Dh) {
   return w;
 }
 
+// The window the kernels mask with, in [1, T]: W = T is full causal attention (0 or W >= T).
+int kernel_window(int window, int T) { return window > 0 && window < T ? window : T; }
+
 template <int kDh>
 void launch_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T, int Hq, int Hkv,
-                    float scale, cudaStream_t stream) {
+                    int W, float scale, cudaStream_t stream) {
   using C = Fwd<kDh>;
   KEEL_CUDA_CHECK(
       cudaFuncSetAttribute(forward_kernel<kDh>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>((T + C::kBr - 1) / C::kBr));
-  forward_kernel<kDh><<<grid, C::kThreads, C::kSmemBytes, stream>>>(q, k, v, out, lse, T, Hq, Hkv, scale * kLog2e);
+  forward_kernel<kDh><<<grid, C::kThreads, C::kSmemBytes, stream>>>(q, k, v, out, lse, T, Hq, Hkv, W, scale * kLog2e);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
 template <int kDh>
 void launch_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* d_row,
-                     float* dq_acc, float* dk_acc, float* dv_acc, int B, int T, int Hq, int Hkv, float scale,
+                     float* dq_acc, float* dk_acc, float* dv_acc, int B, int T, int Hq, int Hkv, int W, float scale,
                      cudaStream_t stream) {
   using C = Bwd<kDh>;
   KEEL_CUDA_CHECK(
       cudaFuncSetAttribute(backward_kernel<kDh>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>((T + C::kBc - 1) / C::kBc));
   backward_kernel<kDh><<<grid, C::kThreads, C::kSmemBytes, stream>>>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc,
-                                                                    T, Hq, Hkv, scale, scale * kLog2e);
+                                                                    T, Hq, Hkv, W, scale, scale * kLog2e);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
@@ -615,8 +633,9 @@ void launch_to_bf16(const float* x, bf16* y, std::size_t n, cudaStream_t stream)
 }  // namespace
 
 void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T, int Hq, int Hkv, int Dh,
-             float scale, cudaStream_t stream) {
+             float scale, int window, cudaStream_t stream) {
   check_extents("forward", B, T, Hq, Hkv, Dh);
+  check_window("forward", window);
   if (B == 0 || T == 0) return;
   if (static_cast<std::int64_t>(B) * Hq > 0x7fffffff) fail("attention forward: B * Hq = {} is too large", B * Hq);
   check_aligned("forward", "q", q);
@@ -624,10 +643,11 @@ void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
   check_aligned("forward", "v", v);
   check_aligned("forward", "out", out);
   if (lse == nullptr) fail("attention forward: lse is null");
+  const int W = kernel_window(window, T);
   if (Dh == 64)
-    launch_forward<64>(q, k, v, out, lse, B, T, Hq, Hkv, scale, stream);
+    launch_forward<64>(q, k, v, out, lse, B, T, Hq, Hkv, W, scale, stream);
   else
-    launch_forward<128>(q, k, v, out, lse, B, T, Hq, Hkv, scale, stream);
+    launch_forward<128>(q, k, v, out, lse, B, T, Hq, Hkv, W, scale, stream);
 }
 
 std::size_t backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh) {
@@ -636,9 +656,10 @@ std::size_t backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh) {
 }
 
 void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout, bf16* dq,
-              bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv, int Dh, float scale,
+              bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv, int Dh, float scale, int window,
               cudaStream_t stream) {
   check_extents("backward", B, T, Hq, Hkv, Dh);
+  check_window("backward", window);
   if (B == 0 || T == 0) return;
   const char* names[] = {"q", "k", "v", "out", "dout", "dq", "dk", "dv", "workspace"};
   const void* ptrs[] = {q, k, v, out, dout, dq, dk, dv, workspace};
@@ -659,10 +680,11 @@ void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, cons
   dot_rows_kernel<<<grid_for(rows_q, kDotWarps), kDotWarps * 32, 0, stream>>>(dout, out, d_row, rows_q, T, Hq, Dh);
   KEEL_CUDA_CHECK_LAUNCH();
 
+  const int W = kernel_window(window, T);
   if (Dh == 64)
-    launch_backward<64>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, T, Hq, Hkv, scale, stream);
+    launch_backward<64>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, T, Hq, Hkv, W, scale, stream);
   else
-    launch_backward<128>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, T, Hq, Hkv, scale, stream);
+    launch_backward<128>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, T, Hq, Hkv, W, scale, stream);
 
   const std::size_t n_q = static_cast<std::size_t>(rows_q) * Dh, n_kv = static_cast<std::size_t>(B) * T * Hkv * Dh;
   launch_to_bf16(dq_acc, dq, n_q, stream);

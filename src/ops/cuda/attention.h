@@ -7,7 +7,8 @@
 //   q, out, dout, dq  [B, T, Hq, Dh]   bf16
 //   k, v, dk, dv      [B, T, Hkv, Dh]  bf16
 //   lse               [B, Hq, T]       fp32 (log-sum-exp of each query row's scaled scores)
-// Query head h reads kv head h / (Hq / Hkv); token t attends to tokens 0..t of its sequence;
+// Query head h reads kv head h / (Hq / Hkv); token t attends to tokens 0..t of its sequence,
+// or with a sliding window W > 0 to t - W < j <= t (ops/attention.h; W >= T is full causal);
 // scores = scale * q.k (scale = 1/sqrt(Dh) for the usual attention).
 // Supported: Dh = 64 or 128, Hq % Hkv == 0, any T >= 1 (B or T == 0 runs nothing). Every
 // pointer must be 16-byte aligned (the kernels move 16-byte vectors). Anything else throws
@@ -22,8 +23,11 @@
 // tile), streaming 64-key K/V tiles through shared memory with cp.async double buffering,
 // bf16 tensor-core MMAs and an online softmax in fp32 registers; key tiles entirely above the
 // causal diagonal are never visited, and the heaviest (last) query tiles are scheduled first.
+// A window skips the key tiles wholly before a query tile's first window and masks the tiles
+// at its edges elementwise, so a sliding layer costs O(T W), not O(T^2).
 // Backward runs one block per (sequence, query head, 64-key tile): dk and dv of the tile live
-// in registers over all the query tiles below the diagonal, dq is added with fp32 atomics into
+// in registers over the query tiles below the diagonal that see it (with a window: up to
+// W - 1 queries past its last key), dq is added with fp32 atomics into
 // the workspace. Because the several query heads of a group write the same dk/dv rows, those
 // are summed with fp32 atomics into the workspace too, and a last pass converts dq, dk, dv to
 // bf16. Results are therefore deterministic up to fp32 addition order, not bit for bit.
@@ -37,9 +41,9 @@
 
 namespace keel::ops::cuda::attention {
 
-// out, lse overwritten.
+// out, lse overwritten. window: 0 = full causal, W > 0 = the last W tokens.
 void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T, int Hq, int Hkv, int Dh,
-             float scale, cudaStream_t stream);
+             float scale, int window, cudaStream_t stream);
 
 // Bytes of device scratch backward needs for these extents (fp32 D_i = dout_i . out_i and the
 // fp32 dq, dk, dv accumulators, each region 256-byte aligned). Throws on unsupported extents.
@@ -47,10 +51,11 @@ std::size_t backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh);
 
 // With D_i = dout_i . out_i and p, ds as in ops/attention.h:
 //   dq_i = scale sum_j ds_ij k_j,  dk_j = scale sum_i ds_ij q_i,  dv_j = sum_i p_ij dout_i
-// dq, dk, dv overwritten. `workspace` (backward_workspace_bytes, 256-byte aligned, contents
-// ignored) must not be used by anything else until this call's work on `stream` is done.
+// dq, dk, dv overwritten; window as forward's. `workspace` (backward_workspace_bytes, 256-byte
+// aligned, contents ignored) must not be used by anything else until this call's work on
+// `stream` is done.
 void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout, bf16* dq,
-              bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv, int Dh, float scale,
+              bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv, int Dh, float scale, int window,
               cudaStream_t stream);
 
 }  // namespace keel::ops::cuda::attention

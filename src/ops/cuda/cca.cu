@@ -279,9 +279,9 @@ void forward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, 
   value_shift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(s.att, s.v, d.N, T, d.dk / 2);
   KEEL_CUDA_CHECK_LAUNCH();
 
-  // 5. Causal GQA attention and the output projection.
+  // 5. Causal GQA attention (the layer's window) and the output projection.
   attention::forward(s.q, s.k, s.v, s.att, s.lse, int(B), int(T), int(d.nq), int(d.nkv), int(d.d),
-                     1.f / sqrt_d, stream);
+                     1.f / sqrt_d, c.window, stream);
   linear::forward(gemm, s.att, w.w_o, y, d.N, d.dq, d.H, stream);
 }
 
@@ -305,7 +305,7 @@ void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T,
   // 5. Output projection and attention.
   linear::backward(gemm, s.att, w.w_o, dy, k.datt, g.w_o, d.N, d.dq, d.H, stream);
   attention::backward(s.q, s.k, s.v, s.att, s.lse, k.datt, k.dq, k.dk, k.dv, k.attn_ws, int(B), int(T), int(d.nq),
-                      int(d.nkv), int(d.d), 1.f / sqrt_d, stream);
+                      int(d.nkv), int(d.d), 1.f / sqrt_d, c.window, stream);
 
   // 4. Values: undo the shift into du (datt's memory, free now). Its GEMMs run last, once the
   //    W_qk dgrad has overwritten dx, so the W_v dgrad can add into dx (beta = 1).

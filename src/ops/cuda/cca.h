@@ -5,7 +5,8 @@
 // shift, and their backward passes. docs/zaya1_ops.md §3 has the math; in short, per token:
 //   qk0 = x W_qk^T;  qk = grouped(depthwise(qk0)) + mixing(qk0);  q, k = L2-normalized heads of
 //   qk times sqrt(d) (k also times temp[g]);  RoPE;  v = [x_t W_v1^T | x_{t-1} W_v2^T];
-//   att = causal GQA attention(q, k, v, 1/sqrt(d));  y = att W_o^T.
+//   att = causal GQA attention(q, k, v, 1/sqrt(d); Config::window: a sliding layer's window);
+//   y = att W_o^T.
 //
 // Dtypes (docs/gpu_training.md: bf16 where a tensor feeds a GEMM or the attention kernel, fp32
 // for statistics and the pre-normalization values):

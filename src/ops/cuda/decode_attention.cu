@@ -21,25 +21,26 @@ struct Split {
   std::int64_t chunk;
 };
 
-Split split_for(int B, int Hq, int Hkv, std::int64_t length) {
+Split split_for(int B, int Hq, int Hkv, std::int64_t keys) {
   const int G = Hq / Hkv, hchunks = (G + kMaxHeads - 1) / kMaxHeads;
   const std::int64_t base = static_cast<std::int64_t>(B) * Hkv * hchunks;
   std::int64_t s = std::max<std::int64_t>(1, kTargetBlocks / std::max<std::int64_t>(base, 1));
   s = std::min<std::int64_t>(s, kMaxSplits);
-  s = std::min<std::int64_t>(s, (length + kMinKeys - 1) / kMinKeys);
+  s = std::min<std::int64_t>(s, (keys + kMinKeys - 1) / kMinKeys);
   s = std::max<std::int64_t>(s, 1);
-  const std::int64_t chunk = (length + s - 1) / s;
-  return {static_cast<int>((length + chunk - 1) / chunk), chunk};
+  const std::int64_t chunk = (keys + s - 1) / s;
+  return {static_cast<int>((keys + chunk - 1) / chunk), chunk};
 }
 
-// blockIdx.x = (b * Hkv + g) * hchunks + hc, blockIdx.y = key split. kE = Dh / 32 channels per
-// lane (lane l holds channels [l kE, (l + 1) kE) of every row).
+// blockIdx.x = (b * Hkv + g) * hchunks + hc, blockIdx.y = key split of the keys first..length-1.
+// kE = Dh / 32 channels per lane (lane l holds channels [l kE, (l + 1) kE) of every row).
 template <int kE>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                                           const bf16* __restrict__ vc, bf16* __restrict__ out,
                                                           float* __restrict__ part, int Hq, int Hkv, int hchunks,
-                                                          std::int64_t capacity, std::int64_t length,
-                                                          std::int64_t chunk, int splits, float scale) {
+                                                          std::int64_t capacity, std::int64_t first,
+                                                          std::int64_t length, std::int64_t chunk, int splits,
+                                                          float scale) {
   constexpr int Dh = 32 * kE;
   __shared__ float m_s[kWarps][kMaxHeads], l_s[kWarps][kMaxHeads];
   __shared__ float acc_s[kWarps][kMaxHeads][Dh];
@@ -47,7 +48,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const bf16* __restrict
   const int hc = blockIdx.x % hchunks, bg = blockIdx.x / hchunks, g = bg % Hkv, b = bg / Hkv;
   const int h0 = g * G + hc * kMaxHeads, nh = min(kMaxHeads, G - hc * kMaxHeads);
   const int split = blockIdx.y;
-  const std::int64_t j0 = static_cast<std::int64_t>(split) * chunk;
+  const std::int64_t j0 = first + static_cast<std::int64_t>(split) * chunk;
   const std::int64_t j1 = min(length, j0 + chunk);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
@@ -146,28 +147,32 @@ std::size_t workspace_bytes(int B, int Hq, int Dh) {
   return static_cast<std::size_t>(B) * Hq * kMaxSplits * (Dh + 2) * sizeof(float);
 }
 
-int key_splits(int B, int Hq, int Hkv, std::int64_t length) {
+int key_splits(int B, int Hq, int Hkv, std::int64_t keys) {
   check(B, Hq, Hkv, 64);
-  return split_for(B, Hq, Hkv, std::max<std::int64_t>(length, 1)).splits;
+  return split_for(B, Hq, Hkv, std::max<std::int64_t>(keys, 1)).splits;
 }
 
 void forward(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out, int B, int Hq, int Hkv, int Dh,
-             std::int64_t capacity, std::int64_t length, float scale, void* workspace, cudaStream_t stream) {
+             std::int64_t capacity, std::int64_t length, float scale, int window, void* workspace,
+             cudaStream_t stream) {
   check(B, Hq, Hkv, Dh);
   if (length < 1 || length > capacity)
     fail("decode attention: length {} must be in [1, capacity {}]", length, capacity);
+  if (window < 0) fail("decode attention: window {} must be >= 0 (0: every cached position)", window);
   if (B == 0) return;
-  const Split sp = split_for(B, Hq, Hkv, length);
+  // The keys the query attends: the last `window` positions, or all of them.
+  const std::int64_t first = window > 0 && length > window ? length - window : 0;
+  const Split sp = split_for(B, Hq, Hkv, length - first);
   if (sp.splits > 1 && !workspace) fail("decode attention: {} key splits need a workspace", sp.splits);
   const int G = Hq / Hkv, hchunks = (G + kMaxHeads - 1) / kMaxHeads;
   const dim3 grid(static_cast<unsigned>(static_cast<std::int64_t>(B) * Hkv * hchunks), static_cast<unsigned>(sp.splits));
   float* part = static_cast<float*>(workspace);
   if (Dh == 64)
-    decode_kernel<2><<<grid, kThreads, 0, stream>>>(q, k_cache, v_cache, out, part, Hq, Hkv, hchunks, capacity, length,
-                                                    sp.chunk, sp.splits, scale);
+    decode_kernel<2><<<grid, kThreads, 0, stream>>>(q, k_cache, v_cache, out, part, Hq, Hkv, hchunks, capacity, first,
+                                                    length, sp.chunk, sp.splits, scale);
   else
-    decode_kernel<4><<<grid, kThreads, 0, stream>>>(q, k_cache, v_cache, out, part, Hq, Hkv, hchunks, capacity, length,
-                                                    sp.chunk, sp.splits, scale);
+    decode_kernel<4><<<grid, kThreads, 0, stream>>>(q, k_cache, v_cache, out, part, Hq, Hkv, hchunks, capacity, first,
+                                                    length, sp.chunk, sp.splits, scale);
   KEEL_CUDA_CHECK_LAUNCH();
   if (sp.splits > 1) {
     combine_kernel<<<static_cast<unsigned>(static_cast<std::int64_t>(B) * Hq), Dh, 0, stream>>>(part, out, sp.splits,

@@ -1,12 +1,14 @@
 // Attention of one new query per sequence against a key/value cache on the GPU: the decode step
 // of incremental generation (keel generate --device cuda, docs/generate.md). The math is the
 // last row of ops/attention.h's causal attention: for query head h of sequence b, with kv head
-// g = h / (Hq / Hkv) and the cache positions j < length,
+// g = h / (Hq / Hkv) and the cache positions j < length (with a sliding window W > 0 only the
+// last W of them, length - W <= j < length: a sliding layer's query at position length - 1),
 //   s_j = scale * q[b, h] . k[b, j, g],  p = softmax(s),  out[b, h] = sum_j p_j v[b, j, g].
 //
 // Shapes and dtypes (row-major, contiguous):
 //   q, out      [B, Hq, Dh]             bf16 (one token per sequence: the projection rows)
-//   k, v caches [B, capacity, Hkv, Dh]  bf16 (rows 0..length-1 are read; the rest never)
+//   k, v caches [B, capacity, Hkv, Dh]  bf16 (rows 0..length-1, or the window's, are read; the
+//                                       rest never)
 // Scores, softmax and the weighted sum of values are fp32; only the output is rounded (once)
 // to bf16. Supported: Dh = 64 or 128, Hq % Hkv == 0, 1 <= length <= capacity. Anything else
 // throws keel::Error before launching. out is overwritten.
@@ -32,11 +34,13 @@ namespace keel::ops::cuda::decode_attention {
 // allocator; contents ignored).
 std::size_t workspace_bytes(int B, int Hq, int Dh);
 
-// Splits of the key range forward uses for these extents (1 = no workspace traffic); exposed
-// for tests.
-int key_splits(int B, int Hq, int Hkv, std::int64_t length);
+// Splits of the key range forward uses for these extents (1 = no workspace traffic), `keys`
+// the keys attended (length, or with a window min(length, window)); exposed for tests.
+int key_splits(int B, int Hq, int Hkv, std::int64_t keys);
 
+// window: 0 = every cached position, W > 0 = the last W.
 void forward(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out, int B, int Hq, int Hkv, int Dh,
-             std::int64_t capacity, std::int64_t length, float scale, void* workspace, cudaStream_t stream);
+             std::int64_t capacity, std::int64_t length, float scale, int window, void* workspace,
+             cudaStream_t stream);
 
 }  // namespace keel::ops::cuda::decode_attention

@@ -1,5 +1,6 @@
 // The CUDA flash attention against the fp32 CPU reference (ops/attention.h) on bf16-rounded
-// random inputs, plus a timing of the training shape (printed, not asserted).
+// random inputs, full causal and with sliding windows, plus a timing of the training shape
+// (printed, not asserted).
 #include "ops/cuda/attention.h"
 
 #include <gtest/gtest.h>
@@ -68,8 +69,10 @@ Inputs make_inputs(const Shape& s, std::uint64_t seed) {
           rounded_bf16(random_vector(nkv, seed + 2, -1.7f, 1.7f)), rounded_bf16(random_vector(nq, seed + 3, -1.f, 1.f))};
 }
 
-void check_shape(const Shape& s, std::uint64_t seed) {
-  SCOPED_TRACE(name(s));
+// window: 0 = full causal, W > 0 = sliding (the CPU reference is tested against a naive masked
+// softmax in tests/ops/rope_attention_test.cc).
+void check_shape(const Shape& s, std::uint64_t seed, int window = 0) {
+  SCOPED_TRACE(name(s) + " window=" + std::to_string(window));
   const float scale = 1.f / std::sqrt(static_cast<float>(s.Dh));
   Inputs in = make_inputs(s, seed);
   const std::size_t nq = in.q.size(), nkv = in.k.size(), nl = static_cast<std::size_t>(s.B) * s.Hq * s.T;
@@ -79,13 +82,13 @@ void check_shape(const Shape& s, std::uint64_t seed) {
   const Tensor tq(in.q.data(), {s.B, s.T, s.Hq, s.Dh}), tk(in.k.data(), {s.B, s.T, s.Hkv, s.Dh});
   const Tensor tv(in.v.data(), {s.B, s.T, s.Hkv, s.Dh});
   ops::attention::forward(tq, tk, tv, scale, Tensor(out_ref.data(), {s.B, s.T, s.Hq, s.Dh}),
-                          Tensor(lse_ref.data(), {s.B, s.Hq, s.T}));
+                          Tensor(lse_ref.data(), {s.B, s.Hq, s.T}), window);
 
   // GPU forward; out and lse poisoned so unwritten elements show.
   auto q = to_device<Bf16>(in.q), k = to_device<Bf16>(in.k), v = to_device<Bf16>(in.v);
   auto out = to_device<Bf16>(std::vector<float>(nq, 1e4f));
   auto lse = to_device<float>(std::vector<float>(nl, 1e4f));
-  gpu::forward(q.get(), k.get(), v.get(), out.get(), lse.get(), s.B, s.T, s.Hq, s.Hkv, s.Dh, scale, nullptr);
+  gpu::forward(q.get(), k.get(), v.get(), out.get(), lse.get(), s.B, s.T, s.Hq, s.Hkv, s.Dh, scale, window, nullptr);
   KEEL_CUDA_CHECK(cudaGetLastError());
   EXPECT_TRUE(all_close(to_host(out), out_ref, 2e-2f, 2e-2f, "out"));
   EXPECT_TRUE(all_close(to_host(lse), lse_ref, 1e-3f, 1e-3f, "lse"));
@@ -97,7 +100,8 @@ void check_shape(const Shape& s, std::uint64_t seed) {
   ops::attention::backward(tq, tk, tv, Tensor(out_in_copy.data(), {s.B, s.T, s.Hq, s.Dh}),
                            Tensor(lse_copy.data(), {s.B, s.Hq, s.T}), Tensor(in.dout.data(), {s.B, s.T, s.Hq, s.Dh}),
                            scale, Tensor(dq_ref.data(), {s.B, s.T, s.Hq, s.Dh}),
-                           Tensor(dk_ref.data(), {s.B, s.T, s.Hkv, s.Dh}), Tensor(dv_ref.data(), {s.B, s.T, s.Hkv, s.Dh}));
+                           Tensor(dk_ref.data(), {s.B, s.T, s.Hkv, s.Dh}), Tensor(dv_ref.data(), {s.B, s.T, s.Hkv, s.Dh}),
+                           window);
 
   auto out_d = to_device<Bf16>(out_in), dout = to_device<Bf16>(in.dout);
   auto lse_d = to_device<float>(lse_ref);
@@ -107,7 +111,7 @@ void check_shape(const Shape& s, std::uint64_t seed) {
   DeviceArray<unsigned char> ws(ws_bytes);
   KEEL_CUDA_CHECK(cudaMemset(ws.get(), 0x7f, ws_bytes));  // garbage: backward must not rely on zeros
   gpu::backward(q.get(), k.get(), v.get(), out_d.get(), lse_d.get(), dout.get(), dq.get(), dk.get(), dv.get(), ws.get(),
-                s.B, s.T, s.Hq, s.Hkv, s.Dh, scale, nullptr);
+                s.B, s.T, s.Hq, s.Hkv, s.Dh, scale, window, nullptr);
   KEEL_CUDA_CHECK(cudaGetLastError());
 
   const struct {
@@ -150,45 +154,63 @@ TEST(AttentionCuda, WholeTiles) {
   check_shape({2, 256, 16, 2, 128}, 503);
 }
 
+// Sliding windows around the kernels' tiles (forward: 128 queries x 64 keys; backward: 128 keys
+// x 64 queries): one key, windows inside a tile, at and across tile edges, several tiles, T or
+// more (full causal), on odd and whole lengths, MHA and GQA, Dh 64 and 128.
+TEST(AttentionCuda, SlidingWindow) {
+  KEEL_REQUIRE_GPU();
+  for (int w : {1, 5, 63, 64, 65, 128, 129, 200, 300}) {
+    check_shape({2, 200, 4, 4, 64}, 600 + w, w);
+    check_shape({1, 333, 8, 2, 128}, 700 + w, w);
+  }
+  check_shape({2, 77, 16, 2, 64}, 801, 13);
+  check_shape({2, 3, 4, 4, 128}, 802, 2);
+}
+
 TEST(AttentionCuda, RejectsBadExtents) {
   KEEL_REQUIRE_GPU();
   DeviceArray<Bf16> x(4096);
   DeviceArray<float> l(64);
-  EXPECT_THROW(gpu::forward(x.get(), x.get(), x.get(), x.get(), l.get(), 1, 4, 2, 2, 96, 0.1f, nullptr), Error);
-  EXPECT_THROW(gpu::forward(x.get(), x.get(), x.get(), x.get(), l.get(), 1, 4, 6, 4, 64, 0.1f, nullptr), Error);
+  EXPECT_THROW(gpu::forward(x.get(), x.get(), x.get(), x.get(), l.get(), 1, 4, 2, 2, 96, 0.1f, 0, nullptr), Error);
+  EXPECT_THROW(gpu::forward(x.get(), x.get(), x.get(), x.get(), l.get(), 1, 4, 6, 4, 64, 0.1f, 0, nullptr), Error);
+  EXPECT_THROW(gpu::forward(x.get(), x.get(), x.get(), x.get(), l.get(), 1, 4, 2, 2, 64, 0.1f, -1, nullptr), Error);
   EXPECT_THROW(gpu::backward_workspace_bytes(1, 4, 6, 4, 64), Error);
   EXPECT_THROW(gpu::backward_workspace_bytes(1, 4, 4, 4, 32), Error);
 }
 
-// Host reference of one query row (b, h, t) of the forward, for spot checks at sizes where the
-// whole CPU reference would take too long.
-void reference_row(const Inputs& in, const Shape& s, float scale, int b, int h, int t, std::vector<float>& o, float& lse) {
+// Host reference of one query row (b, h, t) of the forward (keys j0..t: j0 = 0, or the window's
+// first), for spot checks at sizes where the whole CPU reference would take too long.
+void reference_row(const Inputs& in, const Shape& s, float scale, int window, int b, int h, int t,
+                   std::vector<float>& o, float& lse) {
   const int g = h / (s.Hq / s.Hkv);
   auto qrow = [&](int tt) { return in.q.data() + ((static_cast<std::size_t>(b) * s.T + tt) * s.Hq + h) * s.Dh; };
   auto kvrow = [&](const std::vector<float>& x, int tt) {
     return x.data() + ((static_cast<std::size_t>(b) * s.T + tt) * s.Hkv + g) * s.Dh;
   };
+  const int j0 = static_cast<int>(ops::attention::first_key(t, window));
   std::vector<double> p(t + 1);
   double m = -1e300;
-  for (int j = 0; j <= t; ++j) {
+  for (int j = j0; j <= t; ++j) {
     double d = 0;
     for (int c = 0; c < s.Dh; ++c) d += static_cast<double>(qrow(t)[c]) * kvrow(in.k, j)[c];
     p[j] = scale * d;
     m = std::max(m, p[j]);
   }
   double sum = 0;
-  for (int j = 0; j <= t; ++j) sum += (p[j] = std::exp(p[j] - m));
+  for (int j = j0; j <= t; ++j) sum += (p[j] = std::exp(p[j] - m));
   o.assign(s.Dh, 0.f);
   for (int c = 0; c < s.Dh; ++c) {
     double acc = 0;
-    for (int j = 0; j <= t; ++j) acc += p[j] * kvrow(in.v, j)[c];
+    for (int j = j0; j <= t; ++j) acc += p[j] * kvrow(in.v, j)[c];
     o[c] = static_cast<float>(acc / sum);
   }
   lse = static_cast<float>(m + std::log(sum));
 }
 
-TEST(AttentionCudaPerf, Forward4096) {
-  KEEL_REQUIRE_GPU();
+// Times forward and backward at the training shape (printed, not asserted) with the FLOPs the
+// mask leaves (causal: half the square; a window W: W - W^2 / 2T keys per query), then spot
+// checks rows against the host reference and the gradients for finiteness.
+void time_and_spot_check(int window) {
   const Shape s{2, 4096, 16, 2, 128};
   const float scale = 1.f / std::sqrt(static_cast<float>(s.Dh));
   const Inputs in = make_inputs(s, 7);
@@ -212,21 +234,23 @@ TEST(AttentionCudaPerf, Forward4096) {
     KEEL_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     return ms / kRuns;
   };
-  const float fwd_ms = time_ms(
-      [&] { gpu::forward(q.get(), k.get(), v.get(), out.get(), lse.get(), s.B, s.T, s.Hq, s.Hkv, s.Dh, scale, nullptr); });
+  const float fwd_ms = time_ms([&] {
+    gpu::forward(q.get(), k.get(), v.get(), out.get(), lse.get(), s.B, s.T, s.Hq, s.Hkv, s.Dh, scale, window, nullptr);
+  });
   const float bwd_ms = time_ms([&] {
     gpu::backward(q.get(), k.get(), v.get(), out.get(), lse.get(), dout.get(), dq.get(), dk.get(), dv.get(), ws.get(), s.B,
-                  s.T, s.Hq, s.Hkv, s.Dh, scale, nullptr);
+                  s.T, s.Hq, s.Hkv, s.Dh, scale, window, nullptr);
   });
   KEEL_CUDA_CHECK(cudaEventDestroy(start));
   KEEL_CUDA_CHECK(cudaEventDestroy(stop));
 
-  // Causal FLOPs: two T x T x Dh matmuls per head, half of the square visited; backward 2.5x.
-  const double fwd_flops = 2.0 * 2.0 * s.T * static_cast<double>(s.T) * s.Dh * s.Hq * s.B / 2.0;
+  // Two T x keys x Dh matmuls per head, keys per query as the mask leaves them; backward 2.5x.
+  const double T = s.T, W = window > 0 && window < s.T ? window : T, keys = W - W * W / (2 * T);
+  const double fwd_flops = 2.0 * 2.0 * T * keys * s.Dh * s.Hq * s.B;
   const double bwd_flops = 2.5 * fwd_flops;
-  std::printf("[attention cuda] B=%d T=%d Hq=%d Hkv=%d Dh=%d: forward %.3f ms (%.1f TFLOP/s), backward %.3f ms "
-              "(%.1f TFLOP/s)\n",
-              s.B, s.T, s.Hq, s.Hkv, s.Dh, fwd_ms, fwd_flops / (fwd_ms * 1e-3) / 1e12, bwd_ms,
+  std::printf("[attention cuda] B=%d T=%d Hq=%d Hkv=%d Dh=%d window=%d: forward %.3f ms (%.1f TFLOP/s), backward "
+              "%.3f ms (%.1f TFLOP/s)\n",
+              s.B, s.T, s.Hq, s.Hkv, s.Dh, window, fwd_ms, fwd_flops / (fwd_ms * 1e-3) / 1e12, bwd_ms,
               bwd_flops / (bwd_ms * 1e-3) / 1e12);
 
   // Spot checks at full length: a few forward rows against a host reference, and the
@@ -234,10 +258,10 @@ TEST(AttentionCudaPerf, Forward4096) {
   const std::vector<float> out_h = to_host(out), lse_h = to_host(lse);
   for (const int b : {0, 1}) {
     for (const int h : {0, 7, 15}) {
-      for (const int t : {0, 1, 63, 64, 2047, 4095}) {
+      for (const int t : {0, 1, 63, 64, 1023, 1024, 1090, 2047, 4095}) {
         std::vector<float> o;
         float l = 0.f;
-        reference_row(in, s, scale, b, h, t, o, l);
+        reference_row(in, s, scale, window, b, h, t, o, l);
         const std::size_t row = (static_cast<std::size_t>(b) * s.T + t) * s.Hq + h;
         const std::vector<float> got(out_h.begin() + row * s.Dh, out_h.begin() + (row + 1) * s.Dh);
         EXPECT_TRUE(all_close(got, o, 2e-2f, 2e-2f, "out row")) << "b=" << b << " h=" << h << " t=" << t;
@@ -250,6 +274,17 @@ TEST(AttentionCudaPerf, Forward4096) {
     const std::size_t bad = std::count_if(x.begin(), x.end(), [](float f) { return !std::isfinite(f); });
     EXPECT_EQ(bad, 0u) << "non-finite gradient elements";
   }
+}
+
+TEST(AttentionCudaPerf, Forward4096) {
+  KEEL_REQUIRE_GPU();
+  time_and_spot_check(0);
+}
+
+// A quarter of the sequence: about 7/16 of the causal FLOPs, so about that share of the time.
+TEST(AttentionCudaPerf, SlidingWindow1024Of4096) {
+  KEEL_REQUIRE_GPU();
+  time_and_spot_check(1024);
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
 // ops/cuda/decode_attention.h against a CPU reference (double precision on the same bf16
 // inputs): one query per sequence over the first `length` rows of a k/v cache, for GQA, MHA and
-// groups wider than one block's 8 heads, head_dim 64 and 128, one key and full caches, and
-// lengths that take the split (flash-decoding) path. Cache rows past `length` hold NaN, so a
-// read beyond it shows up in the output.
+// groups wider than one block's 8 heads, head_dim 64 and 128, one key and full caches, lengths
+// that take the split (flash-decoding) path, and sliding windows (the last W rows only). Cache
+// rows past `length`, and before a window, hold NaN, so a read outside the keys shows up in the
+// output.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -26,9 +28,10 @@ using test::rounded_bf16;
 using test::to_device;
 using test::to_host;
 
-// q [B, Hq, Dh], caches [B, cap, Hkv, Dh] -> out [B, Hq, Dh].
+// q [B, Hq, Dh], caches [B, cap, Hkv, Dh] rows first..len-1 -> out [B, Hq, Dh].
 std::vector<float> reference(const std::vector<float>& q, const std::vector<float>& kc, const std::vector<float>& vc,
-                             int B, int Hq, int Hkv, int Dh, std::int64_t cap, std::int64_t len, double scale) {
+                             int B, int Hq, int Hkv, int Dh, std::int64_t cap, std::int64_t first, std::int64_t len,
+                             double scale) {
   std::vector<float> out(static_cast<std::size_t>(B) * Hq * Dh);
   const int G = Hq / Hkv;
   std::vector<double> s(static_cast<std::size_t>(len));
@@ -37,7 +40,7 @@ std::vector<float> reference(const std::vector<float>& q, const std::vector<floa
       const int g = h / G;
       const float* qi = q.data() + (static_cast<std::int64_t>(b) * Hq + h) * Dh;
       double mx = -1e300;
-      for (std::int64_t j = 0; j < len; ++j) {
+      for (std::int64_t j = first; j < len; ++j) {
         const float* kj = kc.data() + ((b * cap + j) * Hkv + g) * Dh;
         double d = 0;
         for (int c = 0; c < Dh; ++c) d += double(qi[c]) * kj[c];
@@ -45,30 +48,34 @@ std::vector<float> reference(const std::vector<float>& q, const std::vector<floa
         mx = std::max(mx, s[j]);
       }
       double sum = 0;
-      for (std::int64_t j = 0; j < len; ++j) sum += (s[j] = std::exp(s[j] - mx));
+      for (std::int64_t j = first; j < len; ++j) sum += (s[j] = std::exp(s[j] - mx));
       for (int c = 0; c < Dh; ++c) {
         double o = 0;
-        for (std::int64_t j = 0; j < len; ++j) o += s[j] * vc[((b * cap + j) * Hkv + g) * Dh + c];
+        for (std::int64_t j = first; j < len; ++j) o += s[j] * vc[((b * cap + j) * Hkv + g) * Dh + c];
         out[(static_cast<std::int64_t>(b) * Hq + h) * Dh + c] = static_cast<float>(o / sum);
       }
     }
   return out;
 }
 
-void check(int B, int Hq, int Hkv, int Dh, std::int64_t cap, std::int64_t len, std::uint64_t seed) {
+// window: 0 = every cached row, W > 0 = the last W.
+void check(int B, int Hq, int Hkv, int Dh, std::int64_t cap, std::int64_t len, std::uint64_t seed, int window = 0) {
   SCOPED_TRACE(testing::Message() << "B " << B << " Hq " << Hq << " Hkv " << Hkv << " Dh " << Dh << " cap " << cap
-                                  << " len " << len);
+                                  << " len " << len << " window " << window);
+  const std::int64_t first = window > 0 ? std::max<std::int64_t>(0, len - window) : 0;
   const std::size_t nq = static_cast<std::size_t>(B) * Hq * Dh, nc = static_cast<std::size_t>(B) * cap * Hkv * Dh;
   // Scores of a few units: the softmax is neither flat nor one-hot.
   const auto q = rounded_bf16(random_vector(nq, seed, -1.5f, 1.5f));
   auto kc = rounded_bf16(random_vector(nc, seed + 1, -1.5f, 1.5f));
   auto vc = rounded_bf16(random_vector(nc, seed + 2));
   for (int b = 0; b < B; ++b)
-    for (std::int64_t j = len; j < cap; ++j)
+    for (std::int64_t j = 0; j < cap; ++j) {
+      if (j >= first && j < len) continue;
       for (std::int64_t i = 0; i < Hkv * Dh; ++i) {
         kc[(b * cap + j) * Hkv * Dh + i] = std::numeric_limits<float>::quiet_NaN();
         vc[(b * cap + j) * Hkv * Dh + i] = std::numeric_limits<float>::quiet_NaN();
       }
+    }
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   auto dq = to_device<__nv_bfloat16>(q);
   auto dk = to_device<__nv_bfloat16>(kc);
@@ -76,11 +83,12 @@ void check(int B, int Hq, int Hkv, int Dh, std::int64_t cap, std::int64_t len, s
   DeviceArray<__nv_bfloat16> dout(nq);
   DeviceArray<std::uint8_t> ws(ops::cuda::decode_attention::workspace_bytes(B, Hq, Dh));
   ops::cuda::decode_attention::forward(dq.get(), dk.get(), dv.get(), dout.get(), B, Hq, Hkv, Dh, cap, len, scale,
-                                       ws.get(), nullptr);
+                                       window, ws.get(), nullptr);
   const auto got = to_host(dout);
-  const auto want = reference(q, kc, vc, B, Hq, Hkv, Dh, cap, len, scale);
+  const auto want = reference(q, kc, vc, B, Hq, Hkv, Dh, cap, first, len, scale);
   const double e = norm_rel_err(got, want);
-  std::printf("    splits %d: norm-relative error %.2e\n", ops::cuda::decode_attention::key_splits(B, Hq, Hkv, len), e);
+  std::printf("    splits %d: norm-relative error %.2e\n",
+              ops::cuda::decode_attention::key_splits(B, Hq, Hkv, len - first), e);
   // The output is rounded once to bf16 (relative 2^-9); everything before is fp32.
   EXPECT_LT(e, 4e-3);
   EXPECT_TRUE(all_close(got, want, 1e-2f, 2e-3f, "out"));
@@ -116,19 +124,34 @@ TEST(DecodeAttentionCuda, SplitKeys) {
   check(1, 4, 2, 64, 200, 65, 10);  // two splits of 33 and 32 keys
 }
 
+// A sliding layer: the last W cached rows (rows before them are NaN), one key, a window inside
+// one split or across several, and windows covering the whole cache.
+TEST(DecodeAttentionCuda, SlidingWindow) {
+  KEEL_REQUIRE_GPU();
+  check(3, 8, 2, 64, 40, 17, 11, 1);
+  check(3, 8, 2, 64, 40, 17, 12, 5);
+  check(2, 4, 4, 128, 70, 69, 13, 17);
+  check(2, 4, 4, 128, 70, 10, 14, 17);  // window longer than the cache so far: every row
+  check(1, 8, 2, 64, 3000, 2999, 15, 1000);  // split keys within the window
+  check(1, 12, 1, 128, 20, 20, 16, 20);
+}
+
 TEST(DecodeAttentionCuda, RejectsBadExtents) {
   KEEL_REQUIRE_GPU();
   DeviceArray<__nv_bfloat16> x(64 * 8 * 4);
-  EXPECT_THROW(ops::cuda::decode_attention::forward(x.get(), x.get(), x.get(), x.get(), 1, 4, 2, 32, 8, 1, 1.f,
+  EXPECT_THROW(ops::cuda::decode_attention::forward(x.get(), x.get(), x.get(), x.get(), 1, 4, 2, 32, 8, 1, 1.f, 0,
                                                      nullptr, nullptr),
                Error);
-  EXPECT_THROW(ops::cuda::decode_attention::forward(x.get(), x.get(), x.get(), x.get(), 1, 4, 3, 64, 8, 1, 1.f,
+  EXPECT_THROW(ops::cuda::decode_attention::forward(x.get(), x.get(), x.get(), x.get(), 1, 4, 3, 64, 8, 1, 1.f, 0,
                                                      nullptr, nullptr),
                Error);
-  EXPECT_THROW(ops::cuda::decode_attention::forward(x.get(), x.get(), x.get(), x.get(), 1, 4, 2, 64, 8, 9, 1.f,
+  EXPECT_THROW(ops::cuda::decode_attention::forward(x.get(), x.get(), x.get(), x.get(), 1, 4, 2, 64, 8, 9, 1.f, 0,
                                                      nullptr, nullptr),
                Error);
-  EXPECT_THROW(ops::cuda::decode_attention::forward(x.get(), x.get(), x.get(), x.get(), 1, 4, 2, 64, 8, 0, 1.f,
+  EXPECT_THROW(ops::cuda::decode_attention::forward(x.get(), x.get(), x.get(), x.get(), 1, 4, 2, 64, 8, 0, 1.f, 0,
+                                                     nullptr, nullptr),
+               Error);
+  EXPECT_THROW(ops::cuda::decode_attention::forward(x.get(), x.get(), x.get(), x.get(), 1, 4, 2, 64, 8, 1, 1.f, -1,
                                                      nullptr, nullptr),
                Error);
 }

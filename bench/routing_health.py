@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Routing health of keel train on the ZAYA1-shaped model, on real text (issue 36, part 4).
+
+The model: bench/zaya_vs_torch.py's ZAYA1-shaped model (the first 8 layers of ZAYA1-8B: hidden
+2048, CCA 8/2 heads of 128, MLP router of 256 with EDA, 16 SwiGLU experts of 2048 + the skip
+class, vocabulary 262,272), sequence 4096, 2 sequences = 8,192 tokens per step, bf16 on one GPU,
+AdamW at lr 3e-4 (constant), no aux loss. Data: the shipped corpus (data/corpus/*.jsonl) through
+keel's byte tokenizer: real text, a small corpus read several times over.
+
+Runs, the same data and seed:
+  before:  router.init_gain 0 (every matrix normal(0, 0.02): the router's logits start ~1e-3, so
+           the selection bias alone routes every token) and the sign controller at rate 0.01:
+           keel train until this change;
+  after:   keel train's defaults (router.init_gain 1: the router MLP normal(0, 1/sqrt(fan_in)))
+           with the same controller;
+  after-proportional: the defaults with router.balance proportional, rate 0.1.
+Each run reports, after step --after: the worst per-layer busiest class over its fair share
+(1/17, skip included), the mean skip share, the loss (mean of the last 5 steps) and the loss at
+steps 10/25/50, tokens/s and MFU (median over steps 5..end). Table last; JSON to OUT/routing.json.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zaya_vs_torch import ZAYA8, TINY, keel_config  # noqa: E402
+
+VARIANTS = {
+    "before": ["--set", "router.init_gain=0", "--set", "router.balance=sign", "--set", "router.bias_update_rate=0.01"],
+    "after": ["--set", "router.balance=sign", "--set", "router.bias_update_rate=0.01"],
+    "after-proportional": ["--set", "router.balance=proportional", "--set", "router.bias_update_rate=0.1"],
+}
+
+
+def variant_args(v):
+    """A named variant, or RULE:RATE[:GAIN[:LR_SCALE]] (router.balance, router.bias_update_rate,
+    router.init_gain, router.lr_scale)."""
+    if v in VARIANTS:
+        return VARIANTS[v]
+    rule, rate, *more = v.split(":")
+    args = ["--set", f"router.balance={rule}", "--set", f"router.bias_update_rate={rate}"]
+    for key, value in zip(("init_gain", "lr_scale"), more):
+        args += ["--set", f"router.{key}={value}"]
+    return args
+
+
+def tokenize(keel, src, out):
+    prefix = os.path.join(out, "corpus")
+    docs = os.path.join(out, "corpus.jsonl")
+    with open(docs, "w") as f:
+        for name in ("stories.jsonl", "arithmetic.jsonl"):
+            f.write(open(os.path.join(src, "data/corpus", name)).read())
+    subprocess.run([keel, "data", "tokenize", docs, "--out", prefix, "--append-eos", "--force"], check=True,
+                   stdout=subprocess.DEVNULL)
+    return prefix
+
+
+def run(keel, d, prefix, out, steps, device, extra):
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    cfg = os.path.join(out, "train.yaml")
+    with open(cfg, "w") as f:
+        f.write(keel_config(d, prefix, out, steps, device))
+    r = subprocess.run([keel, "train", cfg, *extra], capture_output=True, text=True)
+    open(os.path.join(out, "train.log"), "w").write(r.stdout + r.stderr)
+    if r.returncode != 0:
+        sys.exit(f"keel train failed ({r.returncode}): {(r.stdout + r.stderr)[-3000:]}")
+    return [json.loads(l) for l in open(os.path.join(out, "run", "metrics.jsonl")) if '"loss"' in l]
+
+
+def summarize(rows, classes, after):
+    late = [r for r in rows if r["step"] > after]
+    busiest = lambda r: max(r[k] for k in r if k.startswith("routing_busiest_share.")) * classes
+    skip = lambda r: statistics.mean(r[k] for k in r if k.startswith("routing_skip_share."))
+    per_layer = sorted(k for k in rows[0] if k.startswith("routing_busiest_share."))
+    at = {r["step"]: r["ce"] for r in rows}
+    timed = [r for r in rows if r["step"] >= 5]
+    return {
+        "worst_busiest_over_fair_after": max(busiest(r) for r in late),
+        "mean_busiest_over_fair_after": statistics.mean(busiest(r) for r in late),
+        "per_layer_worst_after": [max(r[k] for r in late) * classes for k in per_layer],
+        "mean_skip_share_after": statistics.mean(skip(r) for r in late),
+        "ce_at": {s: at.get(s) for s in (1, 10, 25, 50)},
+        "ce_final": statistics.mean(r["ce"] for r in rows[-5:]),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "mfu": statistics.median(r["mfu"] for r in timed),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--keel", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--after", type=int, default=50)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--tiny", action="store_true", help="toy dimensions (a CPU check of this script)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma list: before, after, after-proportional, or RULE:RATE[:INIT_GAIN[:LR_SCALE]]")
+    a = ap.parse_args()
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    d = dict(TINY if a.tiny else ZAYA8)
+    os.makedirs(a.out, exist_ok=True)
+    prefix = tokenize(a.keel, src, a.out)
+    classes = d["experts"] + (1 if d["skip"] else 0)
+    results = {}
+    for v in a.variants.split(","):
+        rows = run(a.keel, d, prefix, os.path.join(a.out, v), a.steps, a.device, variant_args(v))
+        results[v] = summarize(rows, classes, a.after)
+        print(f"{v}: {json.dumps(results[v])}", flush=True)
+    json.dump({"model": d["name"], "steps": a.steps, "after": a.after, "results": results},
+              open(os.path.join(a.out, "routing.json"), "w"), indent=1)
+    print(f"\n== routing health: {d['name']}, {a.steps} steps of {d['seq'] * d['micro_batch']} tokens, real text "
+          f"(byte-tokenized data/corpus), {a.device}; after step {a.after}:")
+    print(f"{'variant':20s} {'busiest/fair worst':>18s} {'mean':>6s} {'skip':>6s} {'ce@10':>7s} {'ce@25':>7s} "
+          f"{'ce@50':>7s} {'ce end':>7s} {'tok/s':>8s} {'MFU':>6s}")
+    for v, r in results.items():
+        c = r["ce_at"]
+        f = lambda x: f"{x:7.3f}" if x is not None else "      -"
+        print(f"{v:20s} {r['worst_busiest_over_fair_after']:18.2f} {r['mean_busiest_over_fair_after']:6.2f} "
+              f"{r['mean_skip_share_after']:6.3f} {f(c[10])} {f(c[25])} {f(c[50])} {r['ce_final']:7.3f} "
+              f"{r['tokens_per_s']:8.0f} {100 * r['mfu']:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+// The router settings of issue 36, part 4: the MLP router's fan-in init (router.init_gain), the
+// balancing rules (router.balance) and the routers' learning rate (router.lr_scale), and their
+// config keys. The routing health they give on real text: tests/train/check_routing.py.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "model/param_layout.h"
+#include "train/model.h"
+#include "train/param_rules.h"
+#include "train/train_config.h"
+
+#include "train_test_util.h"
+
+namespace keel::train {
+namespace {
+
+model::ModelConfig zaya_like() {
+  model::ModelConfig cfg = fixtures::tiny_config(true, 3);  // layers 1 and 2 MoE
+  cfg.router_hidden = 64;
+  cfg.router_mlp_layers = 3;
+  cfg.top_k = 1;
+  cfg.router_skip_expert = true;
+  model::validate(cfg);
+  return cfg;
+}
+
+double rms_of(const optim::ParamLayout& layout, const std::vector<float>& v, const std::string& name) {
+  for (const auto& p : layout.params)
+    if (p.name == name) {
+      double s = 0;
+      for (std::int64_t i = 0; i < p.numel; ++i) s += double(v[p.offset + i]) * v[p.offset + i];
+      return std::sqrt(s / double(p.numel));
+    }
+  ADD_FAILURE() << "no parameter " << name;
+  return 0;
+}
+
+TEST(RouterBalance, InitGainScalesTheRouterMlpByFanIn) {
+  const auto cfg = zaya_like();
+  const auto layout = model::param_layout(cfg);
+  std::vector<float> base(layout.total_floats), scaled(layout.total_floats);
+  model::init_parameters(cfg, layout, 0.02, 5, base.data());
+  model::init_parameters(cfg, layout, 0.02, 5, scaled.data(), {}, {}, 2.0);
+  const double want = 2.0 / std::sqrt(64.0);  // gain / sqrt(router_hidden)
+  for (const char* n : {"layers.1.moe.router.mlp1.weight", "layers.1.moe.router.mlp2.weight",
+                        "layers.2.moe.router.out.weight"}) {
+    EXPECT_NEAR(rms_of(layout, scaled, n), want, 0.15 * want) << n;
+    EXPECT_NEAR(rms_of(layout, base, n), 0.02, 0.004) << n;
+  }
+  // The same draws scaled: everything else, the router's down projection included, unchanged.
+  for (const auto& p : layout.params) {
+    const bool mlp = p.name.find(".moe.router.") != std::string::npos && p.ndim() == 2 &&
+                     !p.name.ends_with("router.down.weight");
+    for (std::int64_t i = 0; i < p.numel; i += 97) {
+      const float a = base[p.offset + i], b = scaled[p.offset + i];
+      if (mlp) EXPECT_NEAR(b, a * want / 0.02, 1e-5 * std::abs(b) + 1e-7) << p.name;
+      else ASSERT_EQ(a, b) << p.name;
+    }
+  }
+}
+
+TEST(RouterBalance, RulesMoveTheBiasTowardTheFairShare) {
+  // 3 classes, 12 tokens: shares 1/2, 1/3, 1/6 against 1/3 each.
+  const std::vector<std::vector<std::int64_t>> load = {{6, 4, 2}};
+  std::vector<std::vector<float>> sign = {{0.f, 0.f, 0.f}}, prop = sign;
+  update_balancing_bias(load, 0.1, ops::bias_controller::Rule::Sign, sign);
+  EXPECT_FLOAT_EQ(sign[0][0], -0.1f);
+  EXPECT_FLOAT_EQ(sign[0][1], 0.f);  // exactly at its share: unchanged
+  EXPECT_FLOAT_EQ(sign[0][2], 0.1f);
+  update_balancing_bias(load, 0.6, ops::bias_controller::Rule::Proportional, prop);
+  EXPECT_NEAR(prop[0][0], -0.6 * (0.5 - 1.0 / 3), 1e-7);
+  EXPECT_NEAR(prop[0][1], 0.0, 1e-7);
+  EXPECT_NEAR(prop[0][2], 0.6 * (1.0 / 3 - 1.0 / 6), 1e-7);
+  std::vector<std::vector<float>> none = {{0.5f, 0.f, 0.f}};
+  update_balancing_bias({{0, 0, 0}}, 0.1, ops::bias_controller::Rule::Proportional, none);  // no tokens
+  EXPECT_EQ(none[0][0], 0.5f);
+}
+
+TEST(RouterBalance, LrScaleAppliesToTheRoutersOnly) {
+  auto layout = model::param_layout(zaya_like());
+  scale_router_lr(layout, 0.1);
+  int routers = 0;
+  for (const auto& p : layout.params) {
+    const bool router = p.name.find(".moe.router") != std::string::npos;
+    routers += router;
+    EXPECT_DOUBLE_EQ(p.lr_scale, router ? 0.1 : 1.0) << p.name;
+  }
+  EXPECT_GT(routers, 10);
+  EXPECT_THROW(scale_router_lr(layout, -1), Error);
+}
+
+TEST(RouterBalance, ConfigKeys) {
+  const std::string text = fixtures::train_config_text("/nonexistent/data", "/tmp/keel-router-out");
+  const TrainConfig c = parse_train_config(
+      text, "t.yaml", {"router.balance=proportional", "router.init_gain=0.5", "router.lr_scale=0.1"});
+  EXPECT_EQ(c.model_options.balance_rule, ops::bias_controller::Rule::Proportional);
+  EXPECT_DOUBLE_EQ(c.model_options.router_init_gain, 0.5);
+  EXPECT_DOUBLE_EQ(c.model_options.router_lr_scale, 0.1);
+  const TrainConfig d = parse_train_config(text, "t.yaml");
+  EXPECT_EQ(d.model_options.balance_rule, ops::bias_controller::Rule::Sign);
+  EXPECT_DOUBLE_EQ(d.model_options.router_init_gain, 1.0);  // keel train's fan-in init
+  EXPECT_DOUBLE_EQ(d.model_options.router_lr_scale, 1.0);
+  fixtures::expect_usage_error(text, {"router.balance=adam"}, "router.balance");
+  fixtures::expect_usage_error(text, {"router.init_gain=-1"}, "router.init_gain");
+  fixtures::expect_usage_error(text, {"router.lr_scale=nan"}, "router.lr_scale");
+  fixtures::expect_usage_error(text, {"router.balanse=sign"}, "balanse");
+}
+
+}  // namespace
+}  // namespace keel::train
