@@ -32,6 +32,7 @@ namespace {
 struct Flags {
   std::string root, path, out, layout, model, to, format = "safetensors";
   std::string names, dtype;  // export/import: released parameter names (zaya1, ...), export dtype
+  std::string token_ids;     // export --names: PAD,BOS,EOS for config.json
   std::int64_t step = 1, import_step = 0;  // import_step counts only when --step was given
   int saves = 1, every = 1, threads = 2, keep_last = 0, keep_every = 0;
   double timeout = kDefaultTimeoutSeconds;  // keel's --timeout (common/watchdog.h)
@@ -310,13 +311,17 @@ void add_command(CLI::App& app) {
                  "beside the file");
   ex->add_option("--model", f->model, "With --names: the model config (a model YAML, or the keel train YAML) the checkpoint holds");
   ex->add_option("--dtype", f->dtype, "With --names: fp32 (default) or bf16");
+  ex->add_option("--token-ids", f->token_ids,
+                 "With --names: the tokenizer's PAD,BOS,EOS ids for config.json, each an id or none (default: the "
+                 "release's 0,2,106 for its 262,272-token vocabulary, else none,none,none)");
   ex->add_option("--threads", f->threads, "Reader threads")->capture_default_str();
   ex->add_flag("--force", f->force,
                "Replace an existing output file (never a file of the checkpoint being exported or its root)");
   ex->callback([f] {
     if (f->format != "safetensors") throw UsageError(fmt::format("unknown --format '{}' (safetensors)", f->format));
     if (f->names.empty()) {
-      if (!f->model.empty() || !f->dtype.empty()) throw UsageError("--model and --dtype need --names");
+      if (!f->model.empty() || !f->dtype.empty() || !f->token_ids.empty())
+        throw UsageError("--model, --dtype and --token-ids need --names");
       const auto st = export_safetensors(f->path, f->out, f->threads, f->force);
       fmt::print("exported step {}: {} tensors, {} -> {}\n", st.step, st.tensors, format_size(st.bytes), st.path);
       set_exit_code(kExitOk);
@@ -326,9 +331,13 @@ void add_command(CLI::App& app) {
     if (f->model.empty()) throw UsageError("--names needs --model CONFIG.yaml (the model the checkpoint holds)");
     const auto dtype = zaya::parse_export_dtype(f->dtype.empty() ? "fp32" : f->dtype);
     const auto cfg = load_model_for_names(f->model);
-    const auto st = zaya::export_zaya_safetensors(f->path, f->out, cfg, names, dtype, f->threads, f->force);
+    const auto ids = f->token_ids.empty() ? model::released::default_token_ids(cfg)
+                                          : model::released::parse_token_ids(f->token_ids, cfg.vocab_size);
+    const auto st = zaya::export_zaya_safetensors(f->path, f->out, cfg, names, dtype, f->threads, ids, f->force);
     fmt::print("exported step {} of model '{}' under {} names: {} tensors ({}), {} -> {} (+ {})\n", st.step, cfg.name,
                zaya::to_string(names), st.tensors, elem_name(dtype), format_size(st.bytes), st.path, st.config);
+    if (!ids.pad && !ids.bos && !ids.eos)
+      fmt::print("config.json names no pad/bos/eos token ids (--token-ids PAD,BOS,EOS gives the tokenizer's)\n");
     set_exit_code(kExitOk);
   });
 

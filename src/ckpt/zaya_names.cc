@@ -158,7 +158,8 @@ ElemType parse_export_dtype(std::string_view s) {
 }
 
 ZayaStats export_zaya_safetensors(const std::string& src, const std::string& out, const model::ModelConfig& cfg,
-                                  Names names, ElemType dtype, int threads, bool overwrite) {
+                                  Names names, ElemType dtype, int threads, const model::released::TokenIds& ids,
+                                  bool overwrite) {
   if (dtype != ElemType::kF32 && dtype != ElemType::kBF16) fail("export dtype must be f32 or bf16");
   const NameMap map = build_name_map(cfg, names);
   check_coverage(map);
@@ -235,7 +236,7 @@ ZayaStats export_zaya_safetensors(const std::string& src, const std::string& out
     }
   }
   w.commit();
-  write_file_atomically(config, hf_config(cfg, names, dtype == ElemType::kBF16 ? "bfloat16" : "float32").dump(2) + "\n");
+  write_file_atomically(config, hf_config(cfg, names, dtype == ElemType::kBF16 ? "bfloat16" : "float32", ids).dump(2) + "\n");
   return {rules.size(), w.data_bytes(), m.step, path, config};
 }
 

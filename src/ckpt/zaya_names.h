@@ -49,9 +49,11 @@ struct ZayaStats {
 // a time, plus config.json beside it. The balancing biases stay fp32 (the release keeps them
 // fp32 buffers); everything else is written as `dtype`. Throws keel::Error naming the tensor on
 // a missing keel tensor or a shape that does not match `cfg`. Both output files are checked
-// with check_export_target (an existing one is replaced only with `overwrite`).
+// with check_export_target (an existing one is replaced only with `overwrite`). config.json names
+// `ids` as the tokenizer's special ids.
 ZayaStats export_zaya_safetensors(const std::string& src, const std::string& out, const model::ModelConfig& cfg,
-                                  Names names, ElemType dtype, int threads, bool overwrite = false);
+                                  Names names, ElemType dtype, int threads, const model::released::TokenIds& ids,
+                                  bool overwrite = false);
 
 // The config.json of the release `in` (a directory: the one in it; a .safetensors file: the one
 // beside it); "" when there is none.

@@ -393,7 +393,38 @@ ModelConfig alternating_model(Keys& k, const std::string& name) {
 
 }  // namespace
 
-nlohmann::json hf_config(const ModelConfig& cfg, Names names, std::string_view dtype) {
+TokenIds default_token_ids(const ModelConfig& cfg) {
+  if (cfg.vocab_size == 262272) return {0, 2, 106};
+  return {};
+}
+
+TokenIds parse_token_ids(const std::string& text, std::int64_t vocab_size) {
+  const std::string what = fmt::format("--token-ids '{}'", text);
+  std::vector<std::string> parts;
+  std::size_t at = 0;
+  for (std::size_t comma; (comma = text.find(',', at)) != std::string::npos; at = comma + 1)
+    parts.push_back(text.substr(at, comma - at));
+  parts.push_back(text.substr(at));
+  if (parts.size() != 3) throw UsageError(fmt::format("{}: give PAD,BOS,EOS (each an id or none)", what));
+  std::optional<std::int64_t> v[3];
+  for (int i = 0; i < 3; ++i) {
+    if (parts[i] == "none") continue;
+    std::size_t used = 0;
+    long long id = -1;
+    try {
+      id = std::stoll(parts[i], &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != parts[i].size() || parts[i].empty() || id < 0 || id >= vocab_size)
+      throw UsageError(fmt::format("{}: '{}' is not none or a token id below the vocabulary size {}", what, parts[i],
+                                   vocab_size));
+    v[i] = id;
+  }
+  return {v[0], v[1], v[2]};
+}
+
+nlohmann::json hf_config(const ModelConfig& cfg, Names names, std::string_view dtype, const TokenIds& ids) {
   // Keys as the fork's ZayaConfig reads them (configuration_zaya.py of each branch; checked
   // against the stored sources of github.com/Zyphra/transformers and a PrimeRL port of the
   // zaya1 branch's config on 2026-11-21) and, for zaya1, transformers' ZayaConfig (5.24). Keys
@@ -433,10 +464,11 @@ nlohmann::json hf_config(const ModelConfig& cfg, Names names, std::string_view d
   j["attention_dropout"] = 0.0;
   j["max_position_embeddings"] = cfg.max_seq_len > 0 ? cfg.max_seq_len : 4096;
   j["use_cache"] = true;
-  // Token ids: the released ZAYA1-8B's (Gemma-3 tokenizer); keel's model config has none.
-  j["pad_token_id"] = 0;
-  j["bos_token_id"] = 2;
-  j["eos_token_id"] = 106;
+  // Token ids: the tokenizer's, as the exporter was told (keel's model config has none).
+  const auto id = [](const std::optional<std::int64_t>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
+  j["pad_token_id"] = id(ids.pad);
+  j["bos_token_id"] = id(ids.bos);
+  j["eos_token_id"] = id(ids.eos);
   j["initializer_range"] = 0.02;
   if (names == Names::kZaya1) {
     // Branch zaya1 / transformers: one decoder layer (attention + MoE) per keel layer, "hybrid"

@@ -12,6 +12,10 @@
 #include <string>
 #include <string_view>
 
+#include <cstdint>
+#include <optional>
+#include <string>
+
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
@@ -19,10 +23,23 @@
 
 namespace keel::model::released {
 
-// The config.json of the layout (model_type "zaya"); `dtype`: "float32" or "bfloat16". Values
-// keel's config does not hold (token ids) are the release's. Throws keel::UsageError for a
-// model the layout's config cannot describe (zaya1-alternating: sliding-window layers).
-nlohmann::json hf_config(const ModelConfig& cfg, Names names, std::string_view dtype);
+// The tokenizer's special ids config.json names (pad_token_id, bos_token_id, eos_token_id): keel's
+// model config holds none. Unset: null in config.json.
+struct TokenIds {
+  std::optional<std::int64_t> pad, bos, eos;
+};
+// The ids config.json gets when the exporter is told none: the release's (Gemma-3 tokenizer: pad
+// 0, bos 2, eos 106) for the release's vocabulary of 262,272, else none (a byte-tokenizer model's
+// id 106 is the letter 'j': Hugging Face's generate would stop on it).
+TokenIds default_token_ids(const ModelConfig& cfg);
+// "PAD,BOS,EOS" (each an id or "none"), as keel ckpt export --token-ids takes them; throws
+// keel::UsageError naming the text otherwise.
+TokenIds parse_token_ids(const std::string& text, std::int64_t vocab_size);
+
+// The config.json of the layout (model_type "zaya"); `dtype`: "float32" or "bfloat16". Throws
+// keel::UsageError for a model the layout's config cannot describe (zaya1-alternating:
+// sliding-window layers).
+nlohmann::json hf_config(const ModelConfig& cfg, Names names, std::string_view dtype, const TokenIds& ids);
 
 // The keel model the config.json `config` describes, for weights under `names`, named `name`.
 // Throws keel::UsageError, one line starting with `what` (the file's path) and naming the key,

@@ -146,7 +146,7 @@ TEST(ZayaNames, RoundTripThroughReleasedNamesIsBitExact) {
       SCOPED_TRACE(std::string(to_string(names)) + " " + std::string(elem_name(dtype)));
       const fs::path dir = tmp.path / (std::string(to_string(names)) + "_" + std::string(elem_name(dtype)));
       const ZayaStats ex = export_zaya_safetensors((tmp.path / "train").string(), dir.string() + "/model.safetensors",
-                                                   cfg, names, dtype, 2);
+                                                   cfg, names, dtype, 2, {});
       EXPECT_EQ(ex.step, 7);
       EXPECT_TRUE(fs::exists(dir / "config.json"));
       const NameMap map = build_name_map(cfg, names);
@@ -177,7 +177,7 @@ TEST(ZayaNames, ImportsShardedReleaseDirectory) {
   TmpDir tmp;
   const train::TrainState st = save_random_checkpoint(cfg, tmp.path / "train", 3);
   const auto ex = export_zaya_safetensors((tmp.path / "train").string(), (tmp.path / "one.safetensors").string(), cfg,
-                                          Names::kZaya1Alternating, ElemType::kF32, 2);
+                                          Names::kZaya1Alternating, ElemType::kF32, 2, {});
   // Split into two shards with an index, as Hugging Face's save_pretrained writes large models.
   const fs::path rel = tmp.path / "release";
   fs::create_directories(rel);
@@ -240,7 +240,7 @@ TEST(ZayaNames, ReleaseDirectoryImportsByItsConfigJson) {
   TmpDir tmp;
   const train::TrainState st = save_random_checkpoint(cfg, tmp.path / "train", 5);
   const auto ex = export_zaya_safetensors((tmp.path / "train").string(), (tmp.path / "hf").string(), cfg,
-                                          Names::kZaya1, ElemType::kF32, 2);
+                                          Names::kZaya1, ElemType::kF32, 2, {});
   const fs::path rel = make_sharded_release(ex.path, tmp.path / "release");
   EXPECT_EQ(release_config_path(rel.string()), (rel / "config.json").string());
   const model::ModelConfig got = release_model(rel.string(), Names::kZaya1, std::nullopt, "");
@@ -267,7 +267,7 @@ TEST(ZayaNames, TheModelComesFromConfigJsonOrModelAndBothMustAgree) {
   TmpDir tmp;
   save_random_checkpoint(cfg, tmp.path / "train", 1);
   const auto ex = export_zaya_safetensors((tmp.path / "train").string(), (tmp.path / "hf").string(), cfg,
-                                          Names::kZaya1, ElemType::kF32, 2);
+                                          Names::kZaya1, ElemType::kF32, 2, {});
   const std::string dir = (tmp.path / "hf").string();
   // config.json beside a single file is read as in its directory.
   EXPECT_EQ(release_config_path(ex.path), dir + "/config.json");
@@ -289,7 +289,7 @@ TEST(ZayaNames, TheModelComesFromConfigJsonOrModelAndBothMustAgree) {
   EXPECT_EQ(error_of([&] { release_model(dir, Names::kZaya1, std::nullopt, ""); }),
             dir + ": no config.json beside the weights: name the model with --model CONFIG.yaml");
   // A config.json keel cannot represent is one line naming the key; so is one that is no JSON.
-  nlohmann::json j = hf_config(cfg, Names::kZaya1, "float32");
+  nlohmann::json j = hf_config(cfg, Names::kZaya1, "float32", {});
   j["rope_parameters"]["hybrid"]["rope_type"] = "yarn";
   std::ofstream(dir + "/config.json") << j.dump();
   EXPECT_EQ(error_of([&] { release_model(dir, Names::kZaya1, cfg, "tiny.yaml"); }),
@@ -305,18 +305,18 @@ TEST(ZayaNames, BadReleasesAreOneClearErrorNamingTheTensor) {
   save_random_checkpoint(cfg, tmp.path / "train", 1);
   const std::string train_dir = (tmp.path / "train").string();
   const std::string good = (tmp.path / "good.safetensors").string();
-  export_zaya_safetensors(train_dir, good, cfg, Names::kZaya1, ElemType::kBF16, 2);
+  export_zaya_safetensors(train_dir, good, cfg, Names::kZaya1, ElemType::kBF16, 2, {});
   // An existing output (the file, or config.json beside it) is replaced only with overwrite
   // (--force); an import never writes into a root that holds checkpoints.
-  EXPECT_NE(error_of([&] { export_zaya_safetensors(train_dir, good, cfg, Names::kZaya1, ElemType::kBF16, 1); })
+  EXPECT_NE(error_of([&] { export_zaya_safetensors(train_dir, good, cfg, Names::kZaya1, ElemType::kBF16, 1, {}); })
                 .find(good + ": exists; pass --force to replace it"),
             std::string::npos);
   const std::string beside = (tmp.path / "beside.safetensors").string();
-  EXPECT_NE(error_of([&] { export_zaya_safetensors(train_dir, beside, cfg, Names::kZaya1, ElemType::kBF16, 1); })
+  EXPECT_NE(error_of([&] { export_zaya_safetensors(train_dir, beside, cfg, Names::kZaya1, ElemType::kBF16, 1, {}); })
                 .find("config.json: exists; pass --force to replace it"),
             std::string::npos);
   EXPECT_FALSE(fs::exists(beside));
-  export_zaya_safetensors(train_dir, good, cfg, Names::kZaya1, ElemType::kBF16, 1, /*overwrite=*/true);
+  export_zaya_safetensors(train_dir, good, cfg, Names::kZaya1, ElemType::kBF16, 1, {}, /*overwrite=*/true);
   EXPECT_NE(error_of([&] { import_zaya_safetensors(good, train_dir, cfg, Names::kZaya1, std::nullopt, 1); })
                 .find(train_dir + ": already holds checkpoints"),
             std::string::npos);
@@ -371,7 +371,7 @@ TEST(ZayaNames, BadReleasesAreOneClearErrorNamingTheTensor) {
   // Export against the wrong model config names the first tensor that does not fit.
   const std::string wrong_model = error_of([&] {
     export_zaya_safetensors(train_dir, (tmp.path / "w.safetensors").string(), config("zaya1-8b.yaml"), Names::kZaya1,
-                            ElemType::kF32, 1);
+                            ElemType::kF32, 1, {});
   });
   EXPECT_NE(wrong_model.find("tensor 'model/embed.weight' is [1024, 256] in the checkpoint, model 'zaya1-8b' needs "
                              "[262272, 2048]"),

@@ -84,25 +84,25 @@ TEST(ReleasedConfig, ExportThenImportGivesTheModelBack) {
     for (Names names : {Names::kZaya1, Names::kZaya1Alternating}) {
       SCOPED_TRACE(m.name + " " + to_string(names));
       if (names == Names::kZaya1Alternating && any_sliding_layer(m)) {
-        const std::string e = test::error_message<UsageError>([&] { hf_config(m, names, "float32"); });
+        const std::string e = test::error_message<UsageError>([&] { hf_config(m, names, "float32", {}); });
         EXPECT_NE(e.find("has sliding-window layers, which keel does not write in this layout's config: use --names "
                          "zaya1"),
                   std::string::npos)
             << e;
         continue;
       }
-      const json written = json::parse(hf_config(m, names, "bfloat16").dump(2));  // through the text
+      const json written = json::parse(hf_config(m, names, "bfloat16", {}).dump(2));  // through the text
       const ModelConfig back = model_of_hf_config(written, names, m.name, "config.json");
       EXPECT_EQ(back, m) << model_yaml(back) << "\n---\n" << model_yaml(m);
     }
   // Transformers' keys for the sliding model: layer types, the window, RoPE per type.
-  const json j = hf_config(sliding_tiny(), Names::kZaya1, "float32");
+  const json j = hf_config(sliding_tiny(), Names::kZaya1, "float32", {});
   EXPECT_EQ(j["layer_types"], json({"hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding"}));
   EXPECT_EQ(j["sliding_window"], 8);
   EXPECT_EQ(j["rope_parameters"]["hybrid"]["rope_theta"], 5e6);
   EXPECT_EQ(j["rope_parameters"]["hybrid_sliding"]["rope_theta"], 1e4);
   EXPECT_EQ(j["rope_parameters"]["hybrid_sliding"]["partial_rotary_factor"], 1.0);
-  EXPECT_FALSE(hf_config(config("zaya1-tiny.yaml"), Names::kZaya1, "float32")["rope_parameters"].contains("hybrid_sliding"));
+  EXPECT_FALSE(hf_config(config("zaya1-tiny.yaml"), Names::kZaya1, "float32", {})["rope_parameters"].contains("hybrid_sliding"));
 }
 
 // configs/zaya1-8b.yaml describes the released model: transformers' defaults, and so an empty
@@ -309,6 +309,32 @@ TEST(ReleasedConfig, ReadsTheLegacyAlternatingConfig) {
             "zaya1-alternating");
   EXPECT_EQ(error_of(tiny(), Names::kZaya1Alternating),
             "rel/config.json: 'layer_types' is a key of the zaya1 layout's config: use --names zaya1");
+}
+
+// config.json's token ids: the tokenizer's as given, the release's only for its vocabulary, else
+// null (a byte-tokenizer model's id 106 is the letter 'j', which HF's generate would stop on).
+TEST(ReleasedConfig, TokenIds) {
+  const ModelConfig tiny_model = config("zaya1-tiny.yaml");
+  EXPECT_FALSE(default_token_ids(tiny_model).eos.has_value());
+  const TokenIds release = default_token_ids(config("zaya1-8b.yaml"));
+  EXPECT_EQ(*release.pad, 0);
+  EXPECT_EQ(*release.bos, 2);
+  EXPECT_EQ(*release.eos, 106);
+  json j = hf_config(tiny_model, Names::kZaya1, "float32", {});
+  EXPECT_TRUE(j["eos_token_id"].is_null() && j["bos_token_id"].is_null() && j["pad_token_id"].is_null());
+  j = hf_config(tiny_model, Names::kZaya1, "float32", parse_token_ids("256,257,258", tiny_model.vocab_size));
+  EXPECT_EQ(j["pad_token_id"], 256);
+  EXPECT_EQ(j["bos_token_id"], 257);
+  EXPECT_EQ(j["eos_token_id"], 258);
+  const TokenIds some = parse_token_ids("none,none,7", tiny_model.vocab_size);
+  EXPECT_FALSE(some.pad.has_value());
+  EXPECT_EQ(*some.eos, 7);
+  // The importer reads either form back (token ids do not shape the computation).
+  EXPECT_EQ(model_of_hf_config(j, Names::kZaya1, tiny_model.name, "config.json"), tiny_model);
+  for (const char* bad : {"1,2", "1,2,x", "1,2,-3", "1,2,99999", "1,,3"})
+    EXPECT_NE(test::error_message<UsageError>([&] { parse_token_ids(bad, tiny_model.vocab_size); }).find("--token-ids"),
+              std::string::npos)
+        << bad;
 }
 
 }  // namespace
