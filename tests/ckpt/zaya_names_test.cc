@@ -22,6 +22,7 @@
 #include "train/train_checkpoint.h"
 #include "train/train_config.h"
 #include "../error_message.h"
+#include "../model/release_like.h"
 
 namespace fs = std::filesystem;
 
@@ -196,23 +197,8 @@ TEST(ZayaNames, ImportsShardedReleaseDirectory) {
   expect_same_params(cfg, st.params, read_model(cfg, (tmp.path / "imported").string()).params, false);
 }
 
-// A zaya1-tiny as the release differs from keel's pretraining config: RoPE 5e6 on the full
-// layers, sliding-window layers with their own RoPE, an untied head, another norm epsilon.
-model::ModelConfig release_like_tiny() {
-  model::ModelConfig m = config("zaya1-tiny.yaml");
-  m.name = "release";
-  m.layers = 4;
-  m.layer_sliding = {false, true};
-  m.sliding_window = 16;
-  m.rope_base = 5e6;
-  m.sliding_rope_base = 1e4;
-  m.sliding_rope_fraction = 1.0;
-  m.tied_embeddings = false;
-  m.norm_eps = 1e-6;
-  m.max_seq_len = 1024;
-  model::validate(m);
-  return m;
-}
+// A zaya1-tiny as the release differs from keel's pretraining config (tests/model/release_like.h).
+model::ModelConfig release_like_tiny() { return test::release_like_tiny("release", 16, 1024); }
 
 // Hugging Face's layout of a large release: the tensors over two shard files named by
 // model.safetensors.index.json, config.json beside them.

@@ -12,6 +12,7 @@
 #include "model/config.h"
 #include "model/released_config.h"
 #include "../error_message.h"
+#include "release_like.h"
 
 namespace keel::model::released {
 namespace {
@@ -64,20 +65,7 @@ std::string differences(const ModelConfig& a, const ModelConfig& b) {
 }
 
 // A zaya1-tiny with sliding layers, its own RoPE on them, and an untied head.
-ModelConfig sliding_tiny() {
-  ModelConfig m = config("zaya1-tiny.yaml");
-  m.layers = 4;
-  m.layer_sliding = {false, true};
-  m.sliding_window = 8;
-  m.rope_base = 5e6;
-  m.sliding_rope_base = 1e4;
-  m.sliding_rope_fraction = 1.0;
-  m.tied_embeddings = false;
-  m.norm_eps = 1e-6;
-  m.max_seq_len = 4096;
-  validate(m);
-  return m;
-}
+ModelConfig sliding_tiny() { return test::release_like_tiny("zaya1-tiny", 8, 4096); }
 
 TEST(ReleasedConfig, ExportThenImportGivesTheModelBack) {
   for (const ModelConfig& m : {config("zaya1-tiny.yaml"), config("zaya1-8b.yaml"), sliding_tiny()})
