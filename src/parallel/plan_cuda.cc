@@ -8,13 +8,13 @@
 
 namespace keel::parallel {
 
-CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh) {
+CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t tokens, bool sequence) {
   check_plan(cfg, mesh.shape());
-  if (mesh.shape().tp > 1)
-    throw UsageError(fmt::format("parallel.tensor {}: tensor parallelism runs on CPU ranks so far (device: cpu); its "
-                                 "GPU runners are not written yet",
-                                 mesh.shape().tp));
   layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::cuda::LayerRunners{});
+  if (mesh.group(GroupKind::kTensor).size > 1) {
+    tp_ = std::make_unique<CudaTensorParallelLinear>(mesh.nccl(GroupKind::kTensor), tokens, cfg.hidden, sequence);
+    for (auto& l : layers_) l.attn_linear = l.mlp_linear = tp_.get();
+  }
   if (mesh.expert().size > 1)
     ep_group_ = std::make_shared<CudaExpertParallelGroup>(mesh.expert().comm, mesh.nccl(GroupKind::kExpert), cfg.experts);
   for (int l = 0; l < cfg.layers; ++l) {
@@ -26,6 +26,7 @@ CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh) {
 
 std::size_t CudaPlan::device_bytes() const {
   std::size_t b = ep_group_ ? ep_group_->device_bytes() : 0;
+  if (tp_) b += tp_->device_bytes();
   for (const auto& l : ep_layers_) b += l->device_bytes();
   return b;
 }

@@ -10,19 +10,26 @@
 #include "model/config.h"
 #include "parallel/expert_parallel_cuda.h"
 #include "parallel/mesh.h"
+#include "parallel/tensor_parallel_cuda.h"
 
 namespace keel::parallel {
 
 class CudaPlan {
  public:
   // Checks the model against the mesh (check_plan) and, with expert parallelism, builds the
-  // expert group's runners (collective over the expert group, with this rank's GPU set).
-  CudaPlan(const model::ModelConfig& cfg, Mesh& mesh);
+  // expert group's runners (collective over the expert group, with this rank's GPU set); with
+  // tensor parallelism every block's linear runner is one CudaTensorParallelLinear over the
+  // tensor group (tokens: the rows a block reads; sequence: sequence parallelism).
+  CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t tokens = 0, bool sequence = false);
   const std::vector<blocks::cuda::LayerRunners>& layers() const { return layers_; }
-  // GPU memory the runners hold of their own (the expert exchange's buffers).
+  // GPU memory the runners hold of their own (the expert exchange's and the sequence-parallel
+  // gathers' buffers).
   std::size_t device_bytes() const;
+  // The tensor-parallel boundary, null at tensor degree 1.
+  CudaTensorParallelLinear* tensor() const { return tp_.get(); }
 
  private:
+  std::unique_ptr<CudaTensorParallelLinear> tp_;
   std::shared_ptr<CudaExpertParallelGroup> ep_group_;
   std::vector<std::unique_ptr<CudaExpertParallelMoe>> ep_layers_;  // per MoE layer
   std::vector<blocks::cuda::LayerRunners> layers_;

@@ -56,10 +56,6 @@ parallel::Mesh make_mesh(TrainConfig& cfg, const MpiSession& mpi) {
     throw UsageError(fmt::format("{}: parallel.expert ({}) on GPUs needs the overlapped ZeRO-1 step: set "
                                  "parallel.zero1.overlap: true (or train on device: cpu)",
                                  cfg.path, cfg.parallel_expert));
-  if (tensor > 1 && cuda)
-    throw UsageError(fmt::format("parallel.tensor {}: tensor parallelism runs on CPU ranks so far (device: cpu); its "
-                                 "GPU runners are not written yet",
-                                 tensor));
   cfg.device = cuda ? "cuda" : "cpu";  // the Trainer follows this choice, made alike on every rank
   if (mpi.size() > 1 && cfg.device != "cpu") {
     if (fewest != most)

@@ -38,6 +38,8 @@
 #include "ops/cuda/muon.h"
 #include "parallel/data_parallel_comm.h"
 #include "parallel/plan_cuda.h"
+#include "parallel/tensor_parallel.h"
+#include "parallel/tensor_parallel_muon_cuda.h"
 #include "parallel/zero1.h"
 #include "parallel/zero1_overlap_cuda.h"
 #include "parallel/zero1_profile_cuda.h"
@@ -111,9 +113,24 @@ class CudaBackend final : public TrainBackend {
     if (mesh_.expert().size > 1 && !stages)
       throw UsageError("keel train (cuda): expert parallelism needs the overlapped ZeRO-1 step (parallel.zero1.overlap: "
                        "false and layouts whose stages are not in offset order are not supported)");
-    plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_);
-    model_ = std::make_unique<CudaModel>(cfg_, opt_, layout_, plan_->layers(), prop.totalGlobalMem, stream_);
+    const int tp = mesh_.group(parallel::GroupKind::kTensor).size;
+    if (tp > 1 && mesh_.data().size > 1)
+      throw UsageError(fmt::format("parallel.tensor {} with parallel.data {}: on GPUs tensor parallelism does not yet "
+                                   "compose with data parallelism (device: cpu trains it); use one tensor group",
+                                   tp, mesh_.data().size));
+    plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_, std::int64_t(opt_.micro_batch) * opt_.seq_length,
+                                                 opt_.sequence_parallel);
+    model_ = std::make_unique<CudaModel>(cfg_, opt_, layout_, plan_->layers(), plan_->tensor(), prop.totalGlobalMem,
+                                         stream_);
+    if (plan_->tensor()) plan_tensor_ranges();
     optimizer_ = std::make_unique<CudaOptimizer>(optimizer, layout_, slice_);
+    if (tp > 1 && optimizer.muon.enabled) {  // Muon's split matrices gather to their owners
+      tp_muon_ = std::make_unique<parallel::CudaTensorParallelMuon>(optimizer.muon.config, layout_,
+                                                                    mesh_.nccl(parallel::GroupKind::kTensor));
+      std::vector<bool> elsewhere(layout_.params.size());
+      for (std::size_t i = 0; i < elsewhere.size(); ++i) elsewhere[i] = tp_muon_->owns(i);
+      optimizer_->set_muon_elsewhere(std::move(elsewhere));
+    }
     if (mesh_.data().size > 1 && dp.zero1.profile) prof_ = std::make_unique<Zero1Profile>();
     if (prof_ && !stages) profile_hooks_ = std::make_unique<ProfileHooks>(*prof_, stream_);
     if (stages) {
@@ -265,6 +282,7 @@ class CudaBackend final : public TrainBackend {
     std::pair<double, float> r;
     if (schedule_) r = schedule_->step(*optimizer_, max_norm, model_->gemm());
     else if (dp_) r = zero1_step(max_norm);
+    else if (plan_->tensor()) r = tensor_parallel_step(max_norm);
     else r = optimizer_->step_all(max_norm, model_->gemm(), stream_);
     return {r.first, static_cast<double>(r.second)};
   }
@@ -403,6 +421,67 @@ class CudaBackend final : public TrainBackend {
     return {norm, coef};
   }
 
+  // Tensor parallelism (one tensor group, no data parallelism): the replicated parameters'
+  // partial gradients summed over the group (parallel::tp_partial_gradient), the norm over every
+  // rank's blocks (split parameters summed over the group, replicated ones counted once: they
+  // are the same on every rank), then AdamW on this rank's blocks.
+  std::pair<double, float> tensor_parallel_step(double max_norm) {
+    parallel::CudaTensorParallelLinear& tp = *plan_->tensor();
+    if (partial_floats_ > 0) {
+      float* pack = static_cast<float*>(tp_pack_.ensure(static_cast<std::size_t>(partial_floats_) * sizeof(float), stream_,
+                                                        "partial-gradient pack"));
+      std::int64_t at = 0;
+      for (const auto& [b, e] : partial_ranges_) {
+        KEEL_CUDA_CHECK(cudaMemcpyAsync(pack + at, grads_ + b, static_cast<std::size_t>(e - b) * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, stream_));
+        at += e - b;
+      }
+      tp.all_reduce(pack, partial_floats_, stream_);
+      at = 0;
+      for (const auto& [b, e] : partial_ranges_) {
+        KEEL_CUDA_CHECK(cudaMemcpyAsync(grads_ + b, pack + at, static_cast<std::size_t>(e - b) * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, stream_));
+        at += e - b;
+      }
+    }
+    bool first = true;
+    for (const auto& [b, e] : split_ranges_) optimizer_->sum_squares(b, e, /*accumulate=*/!first, stream_), first = false;
+    if (first) optimizer_->sum_squares(0, 0, /*accumulate=*/false, stream_), first = false;
+    tp.group().all_reduce_sum(optimizer_->sum_squares_buffer(), 1, parallel::NcclType::kFloat64, stream_);
+    for (const auto& [b, e] : whole_ranges_) optimizer_->sum_squares(b, e, /*accumulate=*/true, stream_);
+    optimizer_->clip(max_norm, stream_);
+    const auto [norm, coef] = optimizer_->read_norm(stream_);
+    CudaOptimizer::require_finite(norm);
+    optimizer_->begin_updates();
+    optimizer_->update(0, layout_.total_floats, model_->gemm(), stream_);
+    if (tp_muon_)
+      tp_muon_->step(params_, grads_, adam_m_, params_bf16_, optimizer_->lr(), optimizer_->clip_coefficient(),
+                     model_->gemm(), stream_);
+    optimizer_->end_updates();
+    return {norm, coef};
+  }
+
+  // The flat ranges [begin, end) of the tensor-parallel step: the parameters split over the
+  // tensor axis, the others, and of those the ones whose gradient is a partial sum here.
+  void plan_tensor_ranges() {
+    auto add = [](std::vector<std::pair<std::int64_t, std::int64_t>>& v, std::int64_t b, std::int64_t e) {
+      if (!v.empty() && v.back().second == b) v.back().second = e;
+      else v.emplace_back(b, e);
+    };
+    std::vector<const optim::ParamInfo*> by_offset;
+    for (const auto& p : layout_.params) by_offset.push_back(&p);
+    std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
+    for (const auto* p : by_offset) {
+      const std::int64_t b = p->offset, e = p->offset + p->numel;
+      if (p->placement.splits(mesh::Axis::kTensor)) {
+        add(split_ranges_, b, e);
+      } else {
+        add(whole_ranges_, b, e);
+        if (parallel::tp_partial_gradient(*p, opt_.sequence_parallel)) add(partial_ranges_, b, e), partial_floats_ += e - b;
+      }
+    }
+  }
+
   // The gradients' zeroing deferred by zero_grads(): after the optimizer stream is done with them.
   void flush_zero_grads() const {
     if (!zero_pending_) return;
@@ -494,6 +573,7 @@ class CudaBackend final : public TrainBackend {
   std::unique_ptr<parallel::CudaPlan> plan_;
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<CudaOptimizer> optimizer_;
+  std::unique_ptr<parallel::CudaTensorParallelMuon> tp_muon_;  // tensor parallelism with Muon
   std::unique_ptr<Zero1Profile> prof_;                         // parallel.zero1.profile
   std::unique_ptr<ProfileHooks> profile_hooks_;                // its marks in the classic step
   std::unique_ptr<parallel::Zero1OverlapSchedule> schedule_;   // the overlapped ZeRO-1 step
@@ -511,6 +591,10 @@ class CudaBackend final : public TrainBackend {
   std::vector<std::vector<float>> bias_;
   // gradient ranges [begin, end): written by a step's first backward / zeroed by zero_grads()
   std::vector<std::pair<std::int64_t, std::int64_t>> grad_overwrite_, grad_zeroed_;
+  // tensor parallelism: split / whole / partial-gradient ranges, and the partial gradients' pack
+  std::vector<std::pair<std::int64_t, std::int64_t>> split_ranges_, whole_ranges_, partial_ranges_;
+  std::int64_t partial_floats_ = 0;
+  GrowingDeviceBuffer tp_pack_{"out of GPU memory: the ", "train on more GPUs or a smaller model"};
   mutable bool grads_fresh_ = false;   // zero_grads() ran, no backward since: grad_overwrite_ holds stale values
   mutable bool zero_pending_ = false;  // zero_grads() deferred to the first backward
 };

@@ -44,14 +44,16 @@ struct CudaModel::Head {
   bf16* final_h = nullptr;
   float *final_rstd = nullptr, *lse = nullptr;
   k::cross_entropy::Result* result = nullptr;
+  float* parts = nullptr;  // tensor parallelism: every rank's partial statistics of its vocabulary slice
   std::byte* scratch = nullptr;
   std::uint32_t* tokens = nullptr;
   std::int32_t *targets = nullptr, *positions = nullptr;
 };
 
 CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options, const optim::ParamLayout& layout,
-                     std::vector<bc::LayerRunners> runners, std::size_t gpu_memory, cudaStream_t stream)
-    : cfg_(cfg), opt_(options), layout_(layout), runners_(std::move(runners)), stream_(stream),
+                     std::vector<bc::LayerRunners> runners, parallel::CudaTensorParallelLinear* tp,
+                     std::size_t gpu_memory, cudaStream_t stream)
+    : cfg_(cfg), opt_(options), layout_(layout), runners_(std::move(runners)), tp_(tp), stream_(stream),
       st_(std::make_unique<Stream>()), head_(std::make_unique<Head>()) {
   validate_trainable(cfg_, opt_);
   // validate_trainable() leaves mha, gqa and cca; the attention kernel (CCA's too) needs:
@@ -61,6 +63,12 @@ CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options,
   if (static_cast<int>(runners_.size()) != cfg_.layers)
     fail("cuda model: {} layers' runners for {} layers", runners_.size(), cfg_.layers);
   tokens_ = static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length;
+  const blocks::TensorSplit split{tp_ ? tp_->size() : 1, tp_ ? tp_->rank() : 0};
+  rows_ = tp_ ? tp_->rows(tokens_) : tokens_;
+  vocab_local_ = cfg_.vocab_size / split.degree;
+  vocab_begin_ = vocab_local_ * split.rank;
+  if (tp_ && opt_.sequence_parallel != tp_->sequence())
+    fail("cuda model: sequence parallelism {} in the options, {} in the runner", opt_.sequence_parallel, tp_->sequence());
   for (int l = 0; l < cfg_.layers; ++l) {
     moe_index_of_layer_.push_back(model::is_moe_layer(cfg_, l) ? static_cast<int>(moe_layer_ids_.size()) : -1);
     if (model::is_moe_layer(cfg_, l)) moe_layer_ids_.push_back(l);
@@ -75,11 +83,11 @@ CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options,
     throw UsageError(fmt::format("model '{}': the CUDA CCA takes conv widths <= {} and (heads + kv_heads) * "
                                  "head_dim <= 12288 (device: cpu trains it)",
                                  cfg_.name, k::causal_conv::kMaxWidth));
-  attn_shape_ = bc::AttnShape::of(cfg_, opt_.micro_batch, opt_.seq_length);
-  mlp_shape_ = bc::MlpShape::of(cfg_, tokens_, opt_.renormalize_gates);
+  attn_shape_ = bc::AttnShape::of(cfg_, opt_.micro_batch, opt_.seq_length, split);
+  mlp_shape_ = bc::MlpShape::of(cfg_, tokens_, opt_.renormalize_gates, split);
   // Keep the whole bf16 logits between forward and backward (no recomputed LM head) when they
   // take at most an eighth of the GPU; otherwise walk the vocabulary in ce_chunk chunks.
-  ce_keep_logits_ = static_cast<double>(tokens_) * cfg_.vocab_size * 2 <= gpu_memory / 8.0;
+  ce_keep_logits_ = static_cast<double>(tokens_) * vocab_local_ * 2 <= gpu_memory / 8.0;
   gemm_ = std::make_unique<k::GemmRunner>();
   layer_counts_.assign(moe_layer_ids_.size(), std::vector<std::int32_t>(static_cast<std::size_t>(classes()), 0));
   host_losses_.assign(moe_layer_ids_.size(), k::router::Losses{});
@@ -91,16 +99,20 @@ CudaModel::LayerActs& CudaModel::acts_for(int l) {
   return acts_[opt_.recompute == Recompute::kFull ? 0 : static_cast<std::size_t>(l)];
 }
 
+k::cross_entropy::Slice CudaModel::vocab_slice() const { return {vocab_begin_, vocab_local_, cfg_.vocab_size}; }
+
 k::cross_entropy::Options CudaModel::ce_options() const {
   k::cross_entropy::Options o;
-  o.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size);
+  o.chunk = std::min<std::int64_t>(opt_.ce_chunk, vocab_local_);
   o.keep_logits = ce_keep_logits_;
   return o;
 }
 
 void CudaModel::carve(DeviceArena& A) {
   DeviceCarver& c = A.carver();
-  const std::int64_t N = tokens_, D = cfg_.hidden, R = std::max(cfg_.router_hidden, 1);
+  // N: the rows a block reads; L: the residual stream's rows here (N / T under sequence
+  // parallelism); R: the MLP router's width
+  const std::int64_t N = tokens_, L = rows_, D = cfg_.hidden, R = std::max(cfg_.router_hidden, 1);
   const bool any_moe = !moe_layer_ids_.empty(), any_dense = moe_layer_ids_.size() < std::size_t(cfg_.layers);
   const bool zaya_moe = any_moe && mlp_shape_.mlp_router, full = opt_.recompute == Recompute::kFull;
   // with expert parallelism the experts' rows live at their rank (parallel/expert_parallel_cuda.h)
@@ -109,16 +121,16 @@ void CudaModel::carve(DeviceArena& A) {
   Stream& st = *st_;
   const std::size_t start = c.used();
   st.resid.clear();
-  for (int l = 0; l <= cfg_.layers; ++l) st.resid.push_back(c.take<float>(N * D));
+  for (int l = 0; l <= cfg_.layers; ++l) st.resid.push_back(c.take<float>(L * D));
   // residual scaling: hres[l] is the mixer output entering layer l (none for layer 0)
   st.hres.assign(static_cast<std::size_t>(cfg_.layers + 1), nullptr);
   if (scaled_)
-    for (int l = 1; l <= cfg_.layers; ++l) st.hres[static_cast<std::size_t>(l)] = c.take<float>(N * D);
+    for (int l = 1; l <= cfg_.layers; ++l) st.hres[static_cast<std::size_t>(l)] = c.take<float>(L * D);
   // The MLP router's EDA state of each MoE stage: read by the next stage in forward and in
   // backward, so it lives outside the (possibly shared) layer sets.
   st.eda_state.assign(zaya_moe ? moe_layer_ids_.size() : 0, nullptr);
   for (auto& e : st.eda_state) e = c.take<float>(N * R);
-  st.spare = full ? c.take<float>(N * D) : nullptr;
+  st.spare = full ? c.take<float>(L * D) : nullptr;
   const int sets = full ? 1 : cfg_.layers;
   acts_.assign(static_cast<std::size_t>(sets), LayerActs{});
   for (int i = 0; i < sets; ++i) {
@@ -127,21 +139,22 @@ void CudaModel::carve(DeviceArena& A) {
     const bool dense = sets == 1 ? any_dense : !moe;
     const bool cca = sets == 1 ? any_cca_ : model::layer_attention_kind(cfg_, i) == model::AttentionKind::kCca;
     const bool softmax = sets == 1 ? any_softmax_ : !cca;
-    a.h1 = c.take<bf16>(N * D);
-    a.rstd1 = c.take<float>(N);
+    a.h1 = c.take<bf16>(L * D);
+    a.rstd1 = c.take<float>(L);
     bc::carve(c, attn_shape_, softmax, cca, a.attn);
-    if (cca || scaled_) a.attn_out = c.take<bf16>(N * D);
-    a.x_mid = c.take<float>(N * D);
-    a.h2 = c.take<bf16>(N * D);
-    a.rstd2 = c.take<float>(N);
+    // the attention block's output when it does not add into the stream inside its GEMM
+    if (cca || scaled_ || tp_) a.attn_out = c.take<bf16>(L * D);
+    a.x_mid = c.take<float>(L * D);
+    a.h2 = c.take<bf16>(L * D);
+    a.rstd2 = c.take<float>(L);
     bc::carve(c, mlp_shape_, bc::MlpParts{dense, moe, expert_rows}, a.mlp);
   }
   saved_bytes_ = c.used() - start;
   // shared backward scratch
-  st.dres = c.take<float>(N * D);
-  st.dres_bf = c.take<bf16>(N * D);
-  st.dh = c.take<float>(N * D);
-  st.dh_bf = c.take<bf16>(N * D);
+  st.dres = c.take<float>(L * D);
+  st.dres_bf = c.take<bf16>(L * D);
+  st.dh = c.take<float>(L * D);
+  st.dh_bf = c.take<bf16>(N * D);  // also the routed experts' bf16 dx (N rows)
   bool dense_split = false;
   for (const auto& r : runners_) dense_split = dense_split || !r.mlp_linear->output_is_whole();
   bc::MlpScratchParts mp;
@@ -157,17 +170,18 @@ void CudaModel::carve(DeviceArena& A) {
     st.deda[1] = c.take<float>(N * R);
   }
   if (scaled_) {
-    st.dhres = c.take<float>(N * D);
-    st.final_r = c.take<float>(N * D);
+    st.dhres = c.take<float>(L * D);
+    st.final_r = c.take<float>(L * D);
   }
   Head& h = *head_;
-  h.final_h = c.take<bf16>(N * D);
-  h.final_rstd = c.take<float>(N);
+  h.final_h = c.take<bf16>(L * D);
+  h.final_rstd = c.take<float>(L);
   h.lse = c.take<float>(N);
   h.result = c.take<k::cross_entropy::Result>(1);
   const std::size_t before_ce = c.used();
   h.scratch = c.take<std::byte>(
-      static_cast<std::int64_t>(k::cross_entropy::scratch_bytes(N, D, cfg_.vocab_size, ce_options())));
+      static_cast<std::int64_t>(k::cross_entropy::scratch_bytes(N, D, vocab_local_, ce_options())));
+  if (tp_) h.parts = c.take<float>(2 * N * tp_->size());
   ce_bytes_ = c.used() - before_ce;
   h.tokens = c.take<std::uint32_t>(N);
   h.targets = c.take<std::int32_t>(N);
@@ -204,7 +218,7 @@ bc::EdaIo CudaModel::eda(int m) const {
 
 LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_t* targets_host,
                              parallel::StageHooks& hooks, std::vector<std::vector<std::int64_t>>& load) {
-  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden, L = rows_;
   const float eps = static_cast<float>(cfg_.norm_eps);
   Stream& st = *st_;
   Head& h = *head_;
@@ -215,9 +229,7 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
   KEEL_CUDA_CHECK(cudaMemcpyAsync(h.targets, targets_host, N * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
   hooks.forward_begin();
   hooks.before_stage(0);  // overlapped ZeRO-1: the parameters of each stage as they arrive
-  // The lookup reads the bf16 working copy, as the GEMMs do (bf16 mixed precision): under
-  // data parallelism the table then travels in bf16, half the bytes the forward waits for.
-  k::embedding::forward_bf16_table(h.tokens, N, w_.embed, st.resid[0], V, D, stream_);
+  embedding_forward();
   for (int l = 0; l < cfg_.layers; ++l) {
     if (scaled_)
       scaled_layer_forward(l, acts_for(l), st.resid[l + 1], st.hres[l + 1], /*count_load=*/true, hooks);
@@ -229,12 +241,11 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
   if (scaled_) {
     const bc::ResScale& F = w_.final_scale;
     k::residual_scale::merge_forward(st.resid[cfg_.layers], st.hres[cfg_.layers], F.r_bias, F.r_scale, F.h_bias,
-                                     F.h_scale, st.final_r, N, D, stream_);
+                                     F.h_scale, st.final_r, L, D, stream_);
     final_in = st.final_r;
   }
-  k::rmsnorm::forward(final_in, w_.final_norm, eps, h.final_h, h.final_rstd, N, D, stream_);
-  k::cross_entropy::forward(h.final_h, w_.lm_head, h.targets, N, D, V, ce_options(), h.lse, h.result, h.scratch,
-                            stream_);
+  k::rmsnorm::forward(final_in, w_.final_norm, eps, h.final_h, h.final_rstd, L, D, stream_);
+  head_forward();
   hooks.forward_end();
   // one sync: the loss, the router losses and the expert loads of this micro-batch
   LossParts lp;
@@ -260,6 +271,67 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
   return lp;
 }
 
+// ---- the embedding and the LM head: whole at tensor degree 1, else vocabulary-parallel ----
+
+// resid[0] = the token rows of the table. The lookup reads the bf16 working copy, as the GEMMs
+// do (bf16 mixed precision): under data parallelism the table then travels in bf16, half the
+// bytes the forward waits for. Tensor parallelism: each rank looks up the tokens in its
+// vocabulary rows (zeros elsewhere) and the partials are summed over the group (into this
+// rank's rows under sequence parallelism).
+void CudaModel::embedding_forward() {
+  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  float* resid0 = st_->resid[0];
+  if (!tp_) return k::embedding::forward_bf16_table(head_->tokens, N, w_.embed, resid0, V, D, stream_);
+  float* partial = tp_->out(resid0, N, D);
+  k::embedding::forward_bf16_table_slice(head_->tokens, N, w_.embed, partial, vocab_begin_, vocab_local_, V, D, stream_);
+  tp_->exit(partial, resid0, N, D, stream_);
+}
+
+// st.dres = dL/d resid[0] (this rank's rows) into the table's gradient (this rank's vocabulary
+// rows under tensor parallelism, from every token's row).
+void CudaModel::embedding_backward() {
+  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  if (!tp_) return k::embedding::backward(head_->tokens, N, st_->dres, g_.embed, V, D, stream_);
+  const float* d = tp_->exit_backward(static_cast<const float*>(st_->dres), N, D, stream_);
+  k::embedding::backward_slice(head_->tokens, N, d, g_.embed, vocab_begin_, vocab_local_, V, D, stream_);
+}
+
+// The final hidden states (every token's: gathered under sequence parallelism) through the LM
+// head into the loss: the whole vocabulary, or this rank's slice, whose partial statistics are
+// all-gathered over the group and combined, the same on every rank; never the whole logits.
+void CudaModel::head_forward() {
+  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  Head& h = *head_;
+  if (!tp_)
+    return k::cross_entropy::forward(h.final_h, w_.lm_head, h.targets, N, D, V, ce_options(), h.lse, h.result,
+                                     h.scratch, stream_);
+  const bf16* hidden = tp_->enter(h.final_h, N, D, stream_);
+  const std::int64_t part = 2 * N;  // [lse_r | target logit_r] per rank
+  float* mine = h.parts + part * tp_->rank();
+  k::cross_entropy::slice_forward(hidden, w_.lm_head, h.targets, N, D, vocab_slice(), ce_options(), mine, h.scratch,
+                                  stream_);
+  tp_->group().all_gather(mine, h.parts, part, parallel::NcclType::kFloat32, stream_);
+  k::cross_entropy::combine(h.parts, tp_->size(), h.targets, N, V, ce_options(), h.lse, h.result, stream_);
+}
+
+// st.dh_bf = dL/d final_h (this rank's rows) and the LM head's gradient (this rank's slice).
+void CudaModel::head_backward(float loss_scale, bool grads_fresh) {
+  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  Stream& st = *st_;
+  Head& h = *head_;
+  k::cross_entropy::Options ce = ce_options();
+  ce.overwrite_dw = grads_fresh;  // the LM head's gradient is written first (a tied table's scatter-add follows)
+  if (!tp_)
+    return k::cross_entropy::backward(h.final_h, w_.lm_head, h.targets, h.lse, loss_scale, N, D, V, ce, h.scratch,
+                                      st.dh_bf, g_.lm_head, stream_);
+  const bf16* hidden = tp_->enter(h.final_h, N, D, stream_);
+  float* partial = tp_->dx_out(st.dh, N, D);
+  k::cross_entropy::slice_backward(hidden, w_.lm_head, h.targets, h.lse, loss_scale, N, D, vocab_slice(), ce,
+                                   h.scratch, partial, g_.lm_head, stream_);
+  tp_->enter_backward(partial, st.dh, N, D, stream_);
+  k::f32_to_bf16(st.dh, st.dh_bf, rows_ * D, stream_);
+}
+
 // A routed or dense MLP block: y = residual + mlp(a.h2) (residual null: y = mlp(a.h2)).
 // Records the layer's loads when count_load.
 void CudaModel::mlp_forward(int l, LayerActs& a, const float* residual, float* y, bool count_load) {
@@ -278,7 +350,7 @@ void CudaModel::mlp_forward(int l, LayerActs& a, const float* residual, float* y
 void CudaModel::layer_forward(int l, LayerActs& a, const float* x_in, float* x_out, bool count_load,
                               parallel::StageHooks& hooks) {
   const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
-  const std::int64_t N = tokens_, D = cfg_.hidden;
+  const std::int64_t N = rows_, D = cfg_.hidden;  // this rank's rows of the residual stream
   const float eps = static_cast<float>(cfg_.norm_eps);
   hooks.before_stage(1 + 2 * l);
   k::rmsnorm::forward(x_in, W.attn_norm, eps, a.h1, a.rstd1, N, D, stream_);
@@ -296,7 +368,7 @@ void CudaModel::layer_forward(int l, LayerActs& a, const float* x_in, float* x_o
 void CudaModel::scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h_out, bool count_load,
                                      parallel::StageHooks& hooks) {
   const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
-  const std::int64_t N = tokens_, D = cfg_.hidden;
+  const std::int64_t N = rows_, D = cfg_.hidden;  // this rank's rows of the residual stream
   const float eps = static_cast<float>(cfg_.norm_eps);
   const bc::ResScale &A = W.attn_scale, &M = W.mlp_scale;
   Stream& st = *st_;
@@ -317,22 +389,19 @@ void CudaModel::scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h
 void CudaModel::backward(float loss_scale, bool grads_fresh, parallel::StageHooks& hooks) {
   if (!have_forward_) fail("model: backward() without a forward()");
   cur_scale_ = loss_scale;
-  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  const std::int64_t N = tokens_, D = cfg_.hidden, L = rows_;
   Stream& st = *st_;
   Head& h = *head_;
-  k::cross_entropy::Options ce = ce_options();
-  ce.overwrite_dw = grads_fresh;  // the LM head's gradient is written first (a tied table's scatter-add follows)
-  k::cross_entropy::backward(h.final_h, w_.lm_head, h.targets, h.lse, loss_scale, N, D, V, ce, h.scratch, st.dh_bf,
-                             g_.lm_head, stream_);
-  KEEL_CUDA_CHECK(cudaMemsetAsync(st.dres, 0, N * D * sizeof(float), stream_));
+  head_backward(loss_scale, grads_fresh);  // st.dh_bf = dL/d final_h
+  KEEL_CUDA_CHECK(cudaMemsetAsync(st.dres, 0, L * D * sizeof(float), stream_));
   k::rmsnorm::backward(scaled_ ? st.final_r : st.resid[cfg_.layers], w_.final_norm, h.final_rstd, st.dh_bf, st.dres,
-                       g_.final_norm, N, D, stream_);
+                       g_.final_norm, L, D, stream_);
   if (scaled_) {  // dres = dL/d resid[L], dhres = dL/d hres[L]
     const bc::ResScale& F = w_.final_scale;
     const bc::ResScaleGrads& dF = g_.final_scale;
     k::residual_scale::merge_backward(st.resid[cfg_.layers], st.hres[cfg_.layers], F.r_bias, F.r_scale, F.h_bias,
                                       F.h_scale, st.dres, st.dres, st.dhres, dF.r_bias, dF.r_scale, dF.h_bias,
-                                      dF.h_scale, N, D, stream_);
+                                      dF.h_scale, L, D, stream_);
   }
   hooks.grads_final(model::stage_count(cfg_.layers) - 1);
   const bool full = opt_.recompute == Recompute::kFull;
@@ -352,7 +421,7 @@ void CudaModel::backward(float loss_scale, bool grads_fresh, parallel::StageHook
   }
   hooks.layers_done();
   if (!hooks.take_embedding_grads(h.tokens, st.dres, N)) {
-    k::embedding::backward(h.tokens, N, st.dres, g_.embed, V, D, stream_);
+    embedding_backward();
     hooks.grads_final(0);
   }
   have_forward_ = false;
@@ -364,6 +433,10 @@ void CudaModel::mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fr
   const bc::LayerRunners& r = runners_[static_cast<std::size_t>(l)];
   bc::LayerGrads g = g_.layers[static_cast<std::size_t>(l)];
   g.experts.overwrite = grads_fresh;
+  // The router losses' gradient terms are whole on every tensor rank, the rest of the router's
+  // gradient a partial sum (summed over the group with the other partial gradients): tensor
+  // rank 0 adds them, once.
+  const double own = tp_ && tp_->rank() != 0 ? 0.0 : 1.0;
   // EDA chain: stage m + 1 left dL/d state_m in deda[(m + 1) % 2]; this stage writes dL/d
   // state_{m-1} into the other buffer.
   bc::EdaGrads deda;
@@ -373,15 +446,15 @@ void CudaModel::mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fr
     deda.dprev = m > 0 ? st_->deda[m % 2] : nullptr;
   }
   bc::mlp_backward(*gemm_, mlp_shape_, w_.layers[static_cast<std::size_t>(l)], g, a.h2, eda(std::max(m, 0)), deda, a.mlp,
-                   mlp_scratch_, dy, st_->dh, static_cast<float>(opt_.aux_loss_weight * cur_scale_),
-                   static_cast<float>(opt_.z_loss_weight * cur_scale_), *r.mlp_linear, r.experts, stream_);
+                   mlp_scratch_, dy, st_->dh, static_cast<float>(own * opt_.aux_loss_weight * cur_scale_),
+                   static_cast<float>(own * opt_.z_loss_weight * cur_scale_), *r.mlp_linear, r.experts, stream_);
 }
 
 // dres holds dL/d(layer output) on entry and dL/d(layer input) on return.
 void CudaModel::layer_backward(int l, LayerActs& a, const float* x_in, bool grads_fresh, parallel::StageHooks& hooks) {
   const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
   const bc::LayerGrads& G = g_.layers[static_cast<std::size_t>(l)];
-  const std::int64_t N = tokens_, D = cfg_.hidden;
+  const std::int64_t N = rows_, D = cfg_.hidden;  // this rank's rows of the residual stream
   Stream& st = *st_;
   // MLP block: out = x_mid + mlp(n2(x_mid)); st.dh collects dL/dh2.
   mlp_backward(l, a, st.dres, grads_fresh);
@@ -401,7 +474,7 @@ void CudaModel::layer_backward(int l, LayerActs& a, const float* x_in, bool grad
 void CudaModel::scaled_layer_backward(int l, LayerActs& a, bool grads_fresh, parallel::StageHooks& hooks) {
   const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
   const bc::LayerGrads& G = g_.layers[static_cast<std::size_t>(l)];
-  const std::int64_t N = tokens_, D = cfg_.hidden;
+  const std::int64_t N = rows_, D = cfg_.hidden;  // this rank's rows of the residual stream
   const bc::ResScale &A = W.attn_scale, &M = W.mlp_scale;
   const bc::ResScaleGrads &dA = G.attn_scale, &dM = G.mlp_scale;
   Stream& st = *st_;

@@ -29,6 +29,7 @@
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/router.h"
 #include "parallel/stage_hooks.h"
+#include "parallel/tensor_parallel_cuda.h"
 #include "train/model.h"
 
 namespace keel::train {
@@ -46,10 +47,13 @@ class CudaModel {
     const float* bias = nullptr;
   };
 
-  // runners: one per layer, from the plan (parallel/plan_cuda.h). gpu_memory: the device's
-  // bytes, which decide whether the bf16 logits are kept between forward and backward.
+  // runners: one per layer, from the plan (parallel/plan_cuda.h); tp: the plan's tensor-parallel
+  // boundary (null at tensor degree 1), which the embedding and the LM head use too (vocabulary
+  // parallel). gpu_memory: the device's bytes, which decide whether the bf16 logits are kept
+  // between forward and backward.
   CudaModel(const model::ModelConfig& cfg, const ModelOptions& options, const optim::ParamLayout& layout,
-            std::vector<blocks::cuda::LayerRunners> runners, std::size_t gpu_memory, cudaStream_t stream);
+            std::vector<blocks::cuda::LayerRunners> runners, parallel::CudaTensorParallelLinear* tp,
+            std::size_t gpu_memory, cudaStream_t stream);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -69,6 +73,7 @@ class CudaModel {
   void backward(float loss_scale, bool grads_fresh, parallel::StageHooks& hooks);
 
   std::int64_t tokens() const { return tokens_; }
+  std::int64_t rows() const { return rows_; }  // the residual stream's rows here (tokens / T under sequence parallelism)
   int moe_layer_count() const { return static_cast<int>(moe_layer_ids_.size()); }
   int classes() const { return mlp_shape_.classes(); }
   bool keeps_logits() const { return ce_keep_logits_; }
@@ -84,10 +89,15 @@ class CudaModel {
   blocks::cuda::AttnContext attn_context(int l) const;
   blocks::cuda::EdaIo eda(int m) const;
   ops::cuda::cross_entropy::Options ce_options() const;
+  ops::cuda::cross_entropy::Slice vocab_slice() const;  // this rank's rows of the LM head
   // Each asks for its two stages' parameters (1 + 2l, 2 + 2l) before it reads them.
   void layer_forward(int l, LayerActs& a, const float* x_in, float* x_out, bool count_load, parallel::StageHooks& hooks);
   void scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h_out, bool count_load,
                             parallel::StageHooks& hooks);
+  void embedding_forward();
+  void embedding_backward();
+  void head_forward();
+  void head_backward(float loss_scale, bool grads_fresh);
   void mlp_forward(int l, LayerActs& a, const float* residual, float* y, bool count_load);
   void mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fresh);
   void layer_backward(int l, LayerActs& a, const float* x_in, bool grads_fresh, parallel::StageHooks& hooks);
@@ -97,10 +107,12 @@ class CudaModel {
   ModelOptions opt_;
   const optim::ParamLayout& layout_;
   std::vector<blocks::cuda::LayerRunners> runners_;
+  parallel::CudaTensorParallelLinear* tp_ = nullptr;
   cudaStream_t stream_;
   std::unique_ptr<ops::cuda::GemmRunner> gemm_;
   std::unique_ptr<blocks::cuda::DeviceRopeTables> ropes_;  // each layer's rotary table
-  std::int64_t tokens_ = 0;
+  std::int64_t tokens_ = 0, rows_ = 0;
+  std::int64_t vocab_begin_ = 0, vocab_local_ = 0;  // this rank's rows of the embedding and LM head
   bool ce_keep_logits_ = false, scaled_ = false, any_cca_ = false, any_softmax_ = false;
   blocks::cuda::AttnShape attn_shape_;
   blocks::cuda::MlpShape mlp_shape_;

@@ -88,6 +88,10 @@ void CudaOptimizer::update(std::int64_t begin, std::int64_t end, k::GemmRunner& 
   for (std::size_t i = 0; i < mats.size();) {
     std::size_t j = i + 1;
     while (j < mats.size() && mats[j].param == mats[i].param) ++j;
+    if (static_cast<std::size_t>(mats[i].param) < muon_elsewhere_.size() && muon_elsewhere_[mats[i].param]) {
+      i = j;
+      continue;
+    }
     const auto& p = layout_.params[static_cast<std::size_t>(mats[i].param)];
     const std::int64_t o = mats[i].offset;
     k::muon::matrix_step(buf_.params + o, buf_.grads + o, buf_.m + moment_index(o), buf_.params_bf16 + o,

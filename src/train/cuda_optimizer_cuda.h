@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "device/device_arena.h"
 #include "ops/cuda/adamw.h"
@@ -44,6 +45,12 @@ class CudaOptimizer final : public parallel::ShardOptimizer {
   static void require_finite(double norm);
 
   std::int64_t step_count() const { return adam_.step_count(); }
+  // The parameters whose Muon step runs elsewhere (tensor parallelism:
+  // parallel::CudaTensorParallelMuon), by layout index: update() leaves their matrices alone.
+  void set_muon_elsewhere(std::vector<bool> elsewhere) { muon_elsewhere_ = std::move(elsewhere); }
+  // The device clip coefficient of the last clip() (the gradients' scale for the updates).
+  const float* clip_coefficient() const { return coef_; }
+  double lr() const { return lr_; }
   void set_step_count(std::int64_t t) { adam_.set_step_count(t); }
 
   // parallel::ShardOptimizer
@@ -69,6 +76,7 @@ class CudaOptimizer final : public parallel::ShardOptimizer {
   std::int64_t t0_ = 0;  // the AdamW step of the updates in progress (every call runs at t0 + 1)
   double *norm_ws_ = nullptr, *sum_sq_ = nullptr, *norm_ = nullptr;
   float* coef_ = nullptr;
+  std::vector<bool> muon_elsewhere_;
 };
 
 }  // namespace keel::train

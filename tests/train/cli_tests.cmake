@@ -63,7 +63,7 @@ keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must
   ARGS train ${tcfg} ${tshort} --set output_dir=train_never --stop-after -5)
 # The other runs write checkpoints too: each starts from an empty directory so reruns work.
 add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_memory train_zaya train_stop_iv train_hang train_hang_ck
-         train_dp_auto train_dp_auto1 train_dp_bf16 train_memory_auto train_timeout_inf
+         train_dp_auto train_dp_auto1 train_dp_bf16 train_memory_auto train_timeout_inf train_tp_gpu train_tp_gpu_muon
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
@@ -124,9 +124,16 @@ keel_cli_test(NAME train_tp_does_not_split_the_model NP 2 EXIT 1
 keel_cli_test(NAME train_sequence_without_tensor EXIT 1
   MATCH "parallel\\.sequence.*needs parallel\\.tensor above 1"
   ARGS train ${tcfg} ${tdp} --set parallel.sequence=true)
-keel_cli_test(NAME train_tp_on_gpus_is_refused NP 2 EXIT 1
-  MATCH "parallel\\.tensor 2: tensor parallelism runs on CPU ranks so far"
-  ARGS train ${tcfg} ${tdp} --set device=cuda --set parallel.tensor=2)
+# Tensor parallelism on 2 GPUs (skipped elsewhere): with sequence parallelism, and with Muon
+# (whole matrices orthogonalized on their owners), it trains and says so.
+keel_cli_test(NAME train_tp2_gpus NP 2 GPUS "2+" MATCH "tensor parallel 2 \\(sequence parallel\\)"
+  ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.tensor=2 --set parallel.sequence=true
+       --set checkpoint.final=false --set output_dir=train_tp_gpu)
+set_tests_properties(cli_train_tp2_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+keel_cli_test(NAME train_tp2_gpus_muon NP 2 GPUS "2+" MATCH "tensor parallel 2"
+  ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.tensor=2 --set optimizer.muon.enabled=true
+       --set checkpoint.final=false --set output_dir=train_tp_gpu_muon)
+set_tests_properties(cli_train_tp2_gpus_muon PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 keel_cli_test(NAME train_ep_on_gpus_needs_the_overlapped_step NP 2 EXIT 1
   MATCH "parallel\\.expert \\(2\\) on GPUs needs the overlapped ZeRO-1 step: set parallel\\.zero1\\.overlap: true"
   ARGS train ${tcfg} ${tdp} --set device=cuda --set parallel.expert=2 --set parallel.zero1.overlap=false)

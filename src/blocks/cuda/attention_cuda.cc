@@ -47,19 +47,29 @@ void carve(DeviceCarver& c, const AttnShape& s, bool softmax, bool cca, const At
   if (cca) sc.cca = c.take<std::byte>(static_cast<std::int64_t>(k::cca::backward_scratch_bytes(s.cca, s.batch, s.seq)));
 }
 
+// kv heads replicated over the tensor group (AttnShape::kv_head0): this rank's query heads read
+// the rows of one head of the whole k and v projections.
+static const bf16* kv_rows(const AttnShape& s, const bf16* w) {
+  return s.kv_head0 < 0 || !w ? w : w + std::int64_t(s.kv_head0) * s.head_dim * s.hidden;
+}
+static float* kv_rows(const AttnShape& s, float* g) {
+  return s.kv_head0 < 0 || !g ? g : g + std::int64_t(s.kv_head0) * s.head_dim * s.hidden;
+}
+
 void attention_forward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, const bf16* h,
                        const AttnContext& p, const AttnSaved& a, float* add_into, bf16* out, cudaStream_t stream) {
-  const std::int64_t N = s.tokens(), D = s.hidden, Q = s.q_dim(), KV = s.kv_dim();
+  const std::int64_t N = s.tokens(), D = s.hidden, Q = s.q_dim(), KV = s.kv_dim(), R = p.linear->rows(N);
   const bf16* x = p.linear->enter(h, N, D, stream);
   if (w.cca) {
-    k::cca::forward(gemm, layer_cca(s, p), s.batch, s.seq, x, p.pos, *p.rope, w.cca_w, a.cca, out, stream);
-    p.linear->exit(out, N, D, stream);
-    if (add_into) k::add_bf16_to_f32(out, add_into, N * D, stream);
+    bf16* partial = p.linear->out(out, N, D);
+    k::cca::forward(gemm, layer_cca(s, p), s.batch, s.seq, x, p.pos, *p.rope, w.cca_w, a.cca, partial, stream);
+    p.linear->exit(partial, out, N, D, stream);
+    if (add_into) k::add_bf16_to_f32(out, add_into, R * D, stream);
     return;
   }
   k::linear::forward(gemm, x, w.wq, a.q, N, D, Q, stream);
-  k::linear::forward(gemm, x, w.wk, a.k, N, D, KV, stream);
-  k::linear::forward(gemm, x, w.wv, a.v, N, D, KV, stream);
+  k::linear::forward(gemm, x, kv_rows(s, w.wk), a.k, N, D, KV, stream);
+  k::linear::forward(gemm, x, kv_rows(s, w.wv), a.v, N, D, KV, stream);
   k::rope::forward(*p.rope, a.q, p.pos, N, s.heads, stream);
   k::rope::forward(*p.rope, a.k, p.pos, N, s.kv_heads, stream);
   p.core->forward(a.q, a.k, a.v, a.att, a.lse, static_cast<int>(s.batch), static_cast<int>(s.seq), s.heads, s.kv_heads,
@@ -71,20 +81,23 @@ void attention_forward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeigh
     gemm.run(d, a.att, w.wo, add_into, stream);
     return;
   }
-  k::linear::forward(gemm, a.att, w.wo, out, N, Q, D, stream);
-  p.linear->exit(out, N, D, stream);
-  if (add_into) k::add_bf16_to_f32(out, add_into, N * D, stream);
+  bf16* partial = p.linear->out(out, N, D);
+  k::linear::forward(gemm, a.att, w.wo, partial, N, Q, D, stream);
+  p.linear->exit(partial, out, N, D, stream);
+  if (add_into) k::add_bf16_to_f32(out, add_into, R * D, stream);
 }
 
 void attention_backward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, const LayerGrads& g,
                         const bf16* h, const AttnContext& p, const AttnSaved& a, const AttnScratch& sc, const bf16* dy,
                         bf16* dh, cudaStream_t stream) {
-  const std::int64_t N = s.tokens(), D = s.hidden, Q = s.q_dim(), KV = s.kv_dim();
+  const std::int64_t N = s.tokens(), D = s.hidden, Q = s.q_dim(), KV = s.kv_dim(), R = p.linear->rows(N);
   const bf16* x = p.linear->enter(h, N, D, stream);  // the rows forward's projections read
   const bf16* g_out = p.linear->exit_backward(dy, N, D, stream);
   if (w.cca) {
-    k::cca::backward(gemm, layer_cca(s, p), s.batch, s.seq, x, p.pos, *p.rope, w.cca_w, a.cca, g_out, dh, g.cca, sc.cca,
-                     stream);
+    bf16* dpart = p.linear->dx_out(dh, N, D);
+    k::cca::backward(gemm, layer_cca(s, p), s.batch, s.seq, x, p.pos, *p.rope, w.cca_w, a.cca, g_out, dpart, g.cca,
+                     sc.cca, stream);
+    p.linear->enter_backward(dpart, dh, N, D, stream);
     return;
   }
   k::linear::backward(gemm, a.att, w.wo, g_out, sc.datt, g.wo, N, Q, D, stream);
@@ -93,19 +106,20 @@ void attention_backward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeig
   k::rope::backward(*p.rope, sc.dq, p.pos, N, s.heads, stream);
   k::rope::backward(*p.rope, sc.dk, p.pos, N, s.kv_heads, stream);
   k::linear::backward(gemm, x, w.wq, sc.dq, nullptr, g.wq, N, D, Q, stream);
-  k::linear::backward(gemm, x, w.wk, sc.dk, nullptr, g.wk, N, D, KV, stream);
-  k::linear::backward(gemm, x, w.wv, sc.dv, nullptr, g.wv, N, D, KV, stream);
-  // dh = dq Wq + dk Wk + dv Wv, summed in fp32, then rounded once
+  k::linear::backward(gemm, x, kv_rows(s, w.wk), sc.dk, nullptr, kv_rows(s, g.wk), N, D, KV, stream);
+  k::linear::backward(gemm, x, kv_rows(s, w.wv), sc.dv, nullptr, kv_rows(s, g.wv), N, D, KV, stream);
+  // dh = dq Wq + dk Wk + dv Wv, summed in fp32 (over the group too), then rounded once
+  float* dpart = p.linear->dx_out(sc.dh, N, D);
   auto dgemm = [&](std::int64_t kk, const bf16* da, const bf16* wt, float beta) {
     k::GemmDesc d;
     d.m = N, d.n = D, d.k = kk, d.c_type = k::GemmOut::kFp32, d.beta = beta;
-    gemm.run(d, da, wt, sc.dh, stream);
+    gemm.run(d, da, wt, dpart, stream);
   };
   dgemm(Q, sc.dq, w.wq, 0.f);
-  dgemm(KV, sc.dk, w.wk, 1.f);
-  dgemm(KV, sc.dv, w.wv, 1.f);
-  p.linear->enter_backward(sc.dh, N, D, stream);
-  k::f32_to_bf16(sc.dh, dh, N * D, stream);
+  dgemm(KV, sc.dk, kv_rows(s, w.wk), 1.f);
+  dgemm(KV, sc.dv, kv_rows(s, w.wv), 1.f);
+  p.linear->enter_backward(dpart, sc.dh, N, D, stream);
+  k::f32_to_bf16(sc.dh, dh, R * D, stream);
 }
 
 }  // namespace keel::blocks::cuda

@@ -84,32 +84,34 @@ void carve(DeviceCarver& c, const MlpShape& s, const MlpScratchParts& parts, Mlp
   }
 }
 
-void mlp_forward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, const float* bias, const bf16* x,
+void mlp_forward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, const float* bias, const bf16* x_in,
                  const EdaIo& eda, const float* residual, float* y, MlpSaved& a, const MlpScratch& sc,
                  LinearRunner& linear, k::moe::ExpertRunner* experts, cudaStream_t stream) {
-  const std::int64_t N = s.tokens, D = s.hidden;
+  const std::int64_t N = s.tokens, D = s.hidden, R = linear.rows(N);
+  const bf16* x = linear.enter(x_in, N, D, stream);
   if (w.moe < 0) {
     const std::int64_t F = s.ffn;
-    const bf16* xin = linear.enter(x, N, D, stream);
-    k::linear::forward(gemm, xin, w.w_gate, a.g, N, D, F, stream);
-    k::linear::forward(gemm, xin, w.w_up, a.u, N, D, F, stream);
+    k::linear::forward(gemm, x, w.w_gate, a.g, N, D, F, stream);
+    k::linear::forward(gemm, x, w.w_up, a.u, N, D, F, stream);
     k::swiglu::forward(a.g, a.u, a.a, N * F, stream);
     const bool fused = !residual || linear.output_is_whole();
     if (residual && fused && residual != y)
-      KEEL_CUDA_CHECK(cudaMemcpyAsync(y, residual, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(y, residual, R * D * sizeof(float), cudaMemcpyDeviceToDevice, stream));
     // the residual add rides in the down projection (fp32 C, beta = 1) when its output is whole
-    float* down = fused ? y : sc.moe_out;
+    float* out = fused ? y : sc.moe_out;
+    float* down = linear.out(out, N, D);
     k::GemmDesc d;
     d.m = N, d.n = D, d.k = F, d.trans_b = true, d.c_type = k::GemmOut::kFp32, d.beta = residual && fused ? 1.f : 0.f;
     gemm.run(d, a.a, w.w_down, down, stream);
-    if (!fused || !residual) linear.exit(down, N, D, stream);
-    if (!fused) add_f32(residual, down, y, N * D, stream);
+    linear.exit(down, out, N, D, stream);
+    if (!fused) add_f32(residual, out, y, R * D, stream);
     return;
   }
   float* out = residual ? sc.moe_out : y;
+  float* partial = linear.out(out, N, D);
   if (s.mlp_router) {
     a.zmoe.router.state = eda.state;
-    zaya::moe_forward(gemm, s.zaya, {w.zrouter, w.experts}, x, eda.prev, bias, a.zmoe, sc.zs, out, stream, experts);
+    zaya::moe_forward(gemm, s.zaya, {w.zrouter, w.experts}, x, eda.prev, bias, a.zmoe, sc.zs, partial, stream, experts);
   } else {
     const int E = s.experts;
     k::linear::forward_f32(gemm, x, w.router, a.rlogits, N, D, E, stream);
@@ -117,11 +119,12 @@ void mlp_forward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, 
     k::router::forward(a.rlogits, bias, N, E, ro, a.probs, a.rlse, a.idx, a.gates, a.counts, a.losses, stream);
     a.plan = k::moe::make_plan(a.idx, N, s.top_k, E, a.plan_ws, stream);  // syncs: host expert offsets
     if (experts)
-      experts->forward(a.plan, x, a.gates, w.experts, D, s.expert_hidden, a.experts, out, stream);
+      experts->forward(a.plan, x, a.gates, w.experts, D, s.expert_hidden, a.experts, partial, stream);
     else
-      k::moe::forward(a.plan, x, a.gates, w.experts, D, s.expert_hidden, a.experts, out, stream);
+      k::moe::forward(a.plan, x, a.gates, w.experts, D, s.expert_hidden, a.experts, partial, stream);
   }
-  if (residual) add_f32(residual, out, y, N * D, stream);
+  linear.exit(partial, out, N, D, stream);
+  if (residual) add_f32(residual, out, y, R * D, stream);
 }
 
 void mlp_loads(const MlpShape& s, const MlpSaved& a, std::int32_t* counts) {
@@ -134,11 +137,13 @@ void mlp_loads(const MlpShape& s, const MlpSaved& a, std::int32_t* counts) {
   for (int e = 0; e < E; ++e) counts[e] = static_cast<std::int32_t>(a.plan.count(e));
 }
 
-void mlp_backward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, const LayerGrads& g, const bf16* x,
-                  const EdaIo& eda, const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc, const float* dy, float* dx,
-                  float aux_weight, float z_weight, LinearRunner& linear, k::moe::ExpertRunner* experts,
+void mlp_backward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, const LayerGrads& g, const bf16* x_in,
+                  const EdaIo& eda, const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc, const float* dy_in,
+                  float* dx_in, float aux_weight, float z_weight, LinearRunner& linear, k::moe::ExpertRunner* experts,
                   cudaStream_t stream) {
-  const std::int64_t N = s.tokens, D = s.hidden;
+  const std::int64_t N = s.tokens, D = s.hidden, R = linear.rows(N);
+  const bf16* x = linear.enter(x_in, N, D, stream);  // the rows forward's projections read
+  float* dx = linear.dx_out(dx_in, N, D);            // their input gradient, summed over the group below
   auto gemm_dx = [&](std::int64_t kk, const bf16* da, const bf16* wt, float beta) {
     k::GemmDesc d;
     d.m = N, d.n = D, d.k = kk, d.c_type = k::GemmOut::kFp32, d.beta = beta;
@@ -146,21 +151,22 @@ void mlp_backward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w,
   };
   if (w.moe < 0) {
     const std::int64_t F = s.ffn;
-    k::f32_to_bf16(dy, sc.dy, N * D, stream);
+    k::f32_to_bf16(dy_in, sc.dy, R * D, stream);
     const bf16* g_out = linear.exit_backward(sc.dy, N, D, stream);
-    const bf16* xin = linear.enter(x, N, D, stream);  // the rows forward's projections read
     k::linear::backward(gemm, a.a, w.w_down, g_out, sc.da, g.w_down, N, F, D, stream);
     k::swiglu::backward(a.g, a.u, sc.da, sc.dg, sc.du, N * F, stream);
-    k::linear::backward(gemm, xin, w.w_gate, sc.dg, nullptr, g.w_gate, N, D, F, stream);
-    k::linear::backward(gemm, xin, w.w_up, sc.du, nullptr, g.w_up, N, D, F, stream);
+    k::linear::backward(gemm, x, w.w_gate, sc.dg, nullptr, g.w_gate, N, D, F, stream);
+    k::linear::backward(gemm, x, w.w_up, sc.du, nullptr, g.w_up, N, D, F, stream);
     gemm_dx(F, sc.dg, w.w_gate, 0.f);
     gemm_dx(F, sc.du, w.w_up, 1.f);
-    linear.enter_backward(dx, N, D, stream);
+    linear.enter_backward(dx, dx_in, N, D, stream);
     return;
   }
+  const float* dy = linear.exit_backward(dy_in, N, D, stream);
   if (s.mlp_router) {
     zaya::moe_backward(gemm, s.zaya, {w.zrouter, w.experts}, {g.zrouter, g.experts}, x, eda.prev, a.zmoe, sc.zs, dy,
                        deda.dstate_next, dx, deda.dprev, stream, experts);
+    linear.enter_backward(dx, dx_in, N, D, stream);
     return;
   }
   const int E = s.experts;
@@ -177,6 +183,7 @@ void mlp_backward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w,
   k::bf16_to_f32(sc.dx, dx, N * D, stream);
   gemm_dx(E, sc.dlogits_bf, w.router, 1.f);
   k::linear::backward(gemm, x, w.router, sc.dlogits_bf, nullptr, g.router, N, D, E, stream);
+  linear.enter_backward(dx, dx_in, N, D, stream);
 }
 
 }  // namespace keel::blocks::cuda

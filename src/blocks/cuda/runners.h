@@ -25,26 +25,44 @@ using ops::cuda::bf16;
 class LinearRunner {
  public:
   virtual ~LinearRunner() = default;
-  // Forward, before the column-parallel projections: the rows they read (tokens x width bf16).
-  // Degree 1: x itself.
+  // The rows of the residual stream this rank holds for a block of `tokens` rows: tokens, or
+  // under sequence parallelism tokens / T.
+  virtual std::int64_t rows(std::int64_t tokens) const { return tokens; }
+  // Forward, before the column-parallel projections: the rows they read (tokens x width bf16)
+  // from this rank's rows(tokens) rows x. Degree 1: x itself; sequence parallelism all-gathers.
   virtual const bf16* enter(const bf16* x, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {
     return x;
   }
   // True when the row-parallel output projection's result is the block output as it stands,
   // so it may add into the residual stream inside its GEMM (beta = 1). Degree 1: true.
   virtual bool output_is_whole() const { return true; }
-  // Forward, after the row-parallel projection wrote this rank's part of the output y (bf16 or
-  // fp32, tokens x width): the block output in place. Degree 1: nothing to do.
-  virtual void exit(bf16* y, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {}
-  virtual void exit(float* y, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {}
-  // Backward, the gradient of the block output as the row-parallel projection reads it. Degree 1:
-  // dy itself.
+  // Where the row-parallel projection writes its (partial) tokens x width output for a block
+  // output y of rows(tokens) rows: y itself, or under sequence parallelism a buffer of the
+  // runner's.
+  virtual bf16* out(bf16* y, std::int64_t tokens, std::int64_t width) { return y; }
+  virtual float* out(float* y, std::int64_t tokens, std::int64_t width) { return y; }
+  // Forward, after the row-parallel projection wrote `partial` (= out(y)): the block output in
+  // y, summed over the group (all-reduced in place, or reduce-scattered into this rank's rows).
+  // Degree 1: nothing to do.
+  virtual void exit(bf16* partial, bf16* y, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {}
+  virtual void exit(float* partial, float* y, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {}
+  // Backward, the gradient of the block output (rows(tokens) rows) as the row-parallel
+  // projection reads it (tokens rows). Degree 1: dy itself; sequence parallelism all-gathers.
   virtual const bf16* exit_backward(const bf16* dy, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {
     return dy;
   }
-  // Backward, the column-parallel projections' input gradient summed over them (fp32, in place):
-  // the gradient of the block input. Degree 1: nothing to do.
-  virtual void enter_backward(float* dx, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {}
+  virtual const float* exit_backward(const float* dy, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {
+    return dy;
+  }
+  // Backward, where the column-parallel projections write their input gradient (tokens rows,
+  // summed over them) for the block input's gradient dx (rows(tokens) rows): dx itself, or under
+  // sequence parallelism a buffer of the runner's.
+  virtual float* dx_out(float* dx, std::int64_t tokens, std::int64_t width) { return dx; }
+  virtual bf16* dx_out(bf16* dx, std::int64_t tokens, std::int64_t width) { return dx; }
+  // That gradient (= dx_out(dx)) made the gradient of the block input in dx, summed over the
+  // group. Degree 1: nothing to do.
+  virtual void enter_backward(float* partial, float* dx, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {}
+  virtual void enter_backward(bf16* partial, bf16* dx, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {}
 };
 
 class AttentionCore {

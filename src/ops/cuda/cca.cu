@@ -130,27 +130,29 @@ __global__ void conv_dx_mix_backward_kernel(const float* __restrict__ dqk, const
 }
 
 // v[n] = [u[n, :half] | u[n-1, half:]] with zeros at t = 0 of each sequence (u [N, 2 half]).
+// v[n] = u[n] outside the shifted columns [lo, hi), u[n-1] inside them (zeros at t = 0): the
+// previous token's projection (Config::shift_begin / shift_end; the whole model's second half).
 __global__ void value_shift_kernel(const bf16* __restrict__ u, bf16* __restrict__ v, std::int64_t N, std::int64_t T,
-                                   std::int64_t half) {
-  const std::int64_t width = 2 * half, total = N * width;
+                                   std::int64_t width, std::int64_t lo, std::int64_t hi) {
+  const std::int64_t total = N * width;
   for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t n = e / width, col = e % width;
-    if (col < half)
+    if (col < lo || col >= hi)
       v[e] = u[e];
     else
       v[e] = n % T == 0 ? __float2bfloat16(0.f) : u[e - width];
   }
 }
 
-// The transpose: du[n] = [dv[n, :half] | dv[n+1, half:]] with zeros at t = T-1.
+// The transpose: du[n] = dv[n] outside [lo, hi), dv[n+1] inside (zeros at t = T-1).
 __global__ void value_unshift_kernel(const bf16* __restrict__ dv, bf16* __restrict__ du, std::int64_t N,
-                                     std::int64_t T, std::int64_t half) {
-  const std::int64_t width = 2 * half, total = N * width;
+                                     std::int64_t T, std::int64_t width, std::int64_t lo, std::int64_t hi) {
+  const std::int64_t total = N * width;
   for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t n = e / width, col = e % width;
-    if (col < half)
+    if (col < lo || col >= hi)
       du[e] = dv[e];
     else
       du[e] = n % T == T - 1 ? __float2bfloat16(0.f) : dv[e + width];
@@ -166,6 +168,9 @@ Dims check(const Config& c, std::int64_t B, std::int64_t T, const rope::DeviceTa
     fail("cuda cca: need positive sizes and q_heads % kv_heads == 0 (got q {}, kv {})", c.q_heads, c.kv_heads);
   if (c.head_dim != 64 && c.head_dim != 128) fail("cuda cca: head_dim {} (the attention kernel takes 64 or 128)", c.head_dim);
   if ((c.kv_heads * c.head_dim) % 2) fail("cuda cca: kv_heads * head_dim must be even (two value halves)");
+  if (c.shift_begin() < 0 || c.shift_begin() > c.shift_end() || c.shift_end() > c.kv_heads * c.head_dim)
+    fail("cuda cca: the shifted value columns [{}, {}) are outside [0, {})", c.shift_begin(), c.shift_end(),
+         c.kv_heads * c.head_dim);
   if (c.conv0_width < 1 || c.conv1_width < 1 || c.conv0_width > causal_conv::kMaxWidth ||
       c.conv1_width > causal_conv::kMaxWidth)
     fail("cuda cca: conv widths must be in [1, {}], got {} and {}", causal_conv::kMaxWidth, c.conv0_width,
@@ -276,7 +281,8 @@ void forward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, 
 
   // 4. Values: u = x W_v^T into att (free until step 5; dk <= dq), then the shifted copy.
   linear::forward(gemm, x, w.w_v, s.att, d.N, d.H, d.dk, stream);
-  value_shift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(s.att, s.v, d.N, T, d.dk / 2);
+  value_shift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(s.att, s.v, d.N, T, d.dk,
+                                                                                     c.shift_begin(), c.shift_end());
   KEEL_CUDA_CHECK_LAUNCH();
 
   // 5. Causal GQA attention (the layer's window) and the output projection.
@@ -310,7 +316,8 @@ void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T,
   // 4. Values: undo the shift into du (datt's memory, free now). Its GEMMs run last, once the
   //    W_qk dgrad has overwritten dx, so the W_v dgrad can add into dx (beta = 1).
   bf16* du = k.datt;
-  value_unshift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(k.dv, du, d.N, T, d.dk / 2);
+  value_unshift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(k.dv, du, d.N, T, d.dk,
+                                                                                       c.shift_begin(), c.shift_end());
   KEEL_CUDA_CHECK_LAUNCH();
 
   // 3. RoPE: inverse rotation in place.

@@ -56,6 +56,13 @@ Carved carve(void* base, std::int64_t n, std::int64_t d, std::int64_t v, const O
   return carve_layout(base, n, d, c, c);
 }
 
+// The slice mode's layout: the same over the slice's V_local columns, without the dhidden
+// accumulator (its backward writes the caller's fp32 dhidden directly). Never larger than
+// carve(base, n, d, V_local, o), and with the kept logits at the same offset.
+Carved carve_slice(void* base, std::int64_t n, std::int64_t vocab_local, const Options& o) {
+  return carve(base, n, 0, vocab_local, o);
+}
+
 __device__ inline bool is_valid(std::int32_t t, std::int32_t ignore, std::int64_t vocab) {
   return t != ignore && t >= 0 && t < vocab;
 }
@@ -235,7 +242,59 @@ __global__ void finish_forward_kernel(const std::int32_t* __restrict__ targets, 
   }
 }
 
-__global__ void count_valid_kernel(const std::int32_t* __restrict__ targets, std::int32_t ignore, std::int64_t vocab,
+// A slice's part of the forward: [lse_r | target logit] per row (0 | 0 on rows that do not
+// count; lse_r = -inf on an empty slice).
+__global__ void finish_slice_kernel(const std::int32_t* __restrict__ targets, std::int32_t ignore, std::int64_t vocab,
+                                    std::int64_t n, const float* __restrict__ row_max,
+                                    const float* __restrict__ row_sum, const float* __restrict__ target,
+                                    float* __restrict__ part) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const bool valid = is_valid(targets[i], ignore, vocab);
+  part[i] = valid ? row_max[i] + logf(row_sum[i]) : 0.f;
+  part[n + i] = valid ? target[i] : 0.f;
+}
+
+// The ranks' parts [ranks][2N] -> lse and the Result, as finish_forward_kernel: per row the
+// log-sum-exp of the ranks' lse_r (max over ranks, then the sum of exp(lse_r - max) in rank
+// order, in double) and the sum of their target logits (one non-zero) in rank order; then the
+// same fixed-order block reductions. Every rank runs it on the same gathered parts and gets
+// the same bits.
+__global__ void __launch_bounds__(kFinalThreads) combine_kernel(const float* __restrict__ parts, std::int64_t ranks,
+                               const std::int32_t* __restrict__ targets, std::int32_t ignore, std::int64_t vocab,
+                               std::int64_t n, float* __restrict__ lse, Result* __restrict__ result) {
+  double total = 0.0;
+  float valid = 0.f, bad = 0.f;  // exact up to 2^24 rows per thread: far beyond N / 1024
+  for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const std::int32_t t = targets[i];
+    if (is_valid(t, ignore, vocab)) {
+      float m = -INFINITY;
+      for (std::int64_t r = 0; r < ranks; ++r) m = fmaxf(m, parts[r * 2 * n + i]);
+      double sum = 0.0, tl = 0.0;
+      for (std::int64_t r = 0; r < ranks; ++r) {
+        sum += exp(static_cast<double>(parts[r * 2 * n + i]) - m);  // exp(-inf) = 0: an empty slice
+        tl += parts[r * 2 * n + n + i];
+      }
+      const float z = static_cast<float>(m + log(sum));
+      lse[i] = z;
+      total += static_cast<double>(z) - tl;
+      valid += 1.f;
+    } else {
+      lse[i] = 0.f;
+      if (t != ignore) bad += 1.f;
+    }
+  }
+  total = block_reduce<kFinalThreads>(total, Sum<double>{}, 0.0);
+  const int nvalid = static_cast<int>(block_reduce<kFinalThreads>(static_cast<double>(valid), Sum<double>{}, 0.0));
+  const int nbad = static_cast<int>(block_reduce<kFinalThreads>(static_cast<double>(bad), Sum<double>{}, 0.0));
+  if (threadIdx.x == 0) {
+    result->loss = nvalid > 0 ? static_cast<float>(total / nvalid) : 0.f;
+    result->valid = nvalid;
+    result->bad_targets = nbad;
+  }
+}
+
+__global__ void __launch_bounds__(kFinalThreads) count_valid_kernel(const std::int32_t* __restrict__ targets, std::int32_t ignore, std::int64_t vocab,
                                    std::int64_t n, int* __restrict__ valid) {
   double c = 0.0;
   for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) c += is_valid(targets[i], ignore, vocab) ? 1.0 : 0.0;
@@ -334,6 +393,74 @@ GemmDesc desc(std::int64_t m, std::int64_t n, std::int64_t k, bool trans_a, bool
   return g;
 }
 
+void check_slice(std::int64_t n, std::int64_t d, const Slice& sl, const Options& o) {
+  if (n < 0 || d < 1) fail("cuda cross_entropy slice: need tokens >= 0 and d >= 1; got {}, {}", n, d);
+  if (sl.vocab < 1 || sl.begin < 0 || sl.rows < 0 || sl.begin + sl.rows > sl.vocab)
+    fail("cuda cross_entropy slice: rows [{}, {}) are not a slice of the vocabulary of {}", sl.begin,
+         sl.begin + sl.rows, sl.vocab);
+  if (o.chunk < 1) fail("cuda cross_entropy: chunk must be >= 1, got {}", o.chunk);
+  if (sl.vocab > INT32_MAX) fail("cuda cross_entropy: vocabulary {} exceeds int32 targets", sl.vocab);
+}
+
+// The statistics pass shared by both modes: rows [0, rows) of w are the vocabulary ids
+// [begin, begin + rows) of a vocabulary of `vocab` (the whole head: 0, V, V). Per row of a
+// valid target, the running max and sum over those columns and the target logit when the
+// target is one of them (s.row_max, s.row_sum, s.target; initialized here). With keep_logits
+// the bf16 [N, rows] logits stay in s.dlogits for backward.
+void row_stats(const bf16* hidden, const bf16* w, const std::int32_t* targets, std::int64_t n, std::int64_t d,
+               std::int64_t begin, std::int64_t rows, std::int64_t vocab, const Options& o, const Scratch& s,
+               cudaStream_t stream) {
+  init_rows_kernel<<<grid_for(n, 256), 256, 0, stream>>>(s.row_max, s.row_sum, s.target, n);
+  KEEL_CUDA_CHECK_LAUNCH();
+  if (rows == 0) return;
+  GemmRunner& gemm = thread_gemm();
+  if (o.keep_logits) {
+    // One GEMM for all the columns: logits [N, rows] = hidden W^T in bf16 (as autocast keeps
+    // them), kept for backward; the row statistics read the bf16 values backward will use.
+    gemm.run(desc(n, rows, d, false, true, 0.f, GemmOut::kBf16), hidden, w, s.dlogits, stream);
+    launch_online_lse<bf16>(s.dlogits, rows, targets, o.ignore_index, vocab, begin, rows, n, s, stream);
+  } else {
+    const std::int64_t c = std::min(o.chunk, rows);
+    for (std::int64_t c0 = 0; c0 < rows; c0 += c) {
+      const std::int64_t cs = std::min(c, rows - c0);
+      // logits [N, cs] = hidden [N, D] W[c0 : c0 + cs]^T; column j is vocabulary id begin + c0 + j
+      gemm.run(desc(n, cs, d, false, true, 0.f), hidden, w + c0 * d, s.logits, stream);
+      launch_online_lse<float>(s.logits, cs, targets, o.ignore_index, vocab, begin + c0, cs, n, s, stream);
+    }
+  }
+}
+
+// The gradient pass shared by both modes (columns as in row_stats; rows >= 1): dlogits, then
+// dh [N, D] fp32 = dlogits W (overwritten; null to skip) and dw [rows, D] (+)= dlogits^T hidden
+// (null to skip). n_valid is counted on the device over the whole vocabulary's targets.
+void grads(const bf16* hidden, const bf16* w, const std::int32_t* targets, const float* lse, float dloss,
+           std::int64_t n, std::int64_t d, std::int64_t begin, std::int64_t rows, std::int64_t vocab, const Options& o,
+           const Scratch& s, float* dh, float* dw, cudaStream_t stream) {
+  const float dw_beta = o.overwrite_dw ? 0.f : 1.f;  // every row of dw is written either way
+  count_valid_kernel<<<1, kFinalThreads, 0, stream>>>(targets, o.ignore_index, vocab, n, s.valid);
+  KEEL_CUDA_CHECK_LAUNCH();
+  GemmRunner& gemm = thread_gemm();
+  if (o.keep_logits) {
+    // The kept logits become dlogits in place; then two GEMMs over all the columns.
+    launch_dlogits<bf16>(s.dlogits, rows, targets, o.ignore_index, vocab, begin, rows, n, lse, dloss, s.valid,
+                         s.dlogits, stream);
+    if (dh) gemm.run(desc(n, d, rows, false, false, 0.f), s.dlogits, w, dh, stream);
+    if (dw) gemm.run(desc(rows, d, n, true, false, dw_beta), s.dlogits, hidden, dw, stream);
+  } else {
+    const std::int64_t c = std::min(o.chunk, rows);
+    for (std::int64_t c0 = 0; c0 < rows; c0 += c) {
+      const std::int64_t cs = std::min(c, rows - c0);
+      gemm.run(desc(n, cs, d, false, true, 0.f), hidden, w + c0 * d, s.logits, stream);
+      launch_dlogits<float>(s.logits, cs, targets, o.ignore_index, vocab, begin + c0, cs, n, lse, dloss, s.valid,
+                            s.dlogits, stream);
+      // dh [N, D] (+)= dlogits [N, cs] W_c [cs, D]; the first chunk overwrites.
+      if (dh) gemm.run(desc(n, d, cs, false, false, c0 == 0 ? 0.f : 1.f), s.dlogits, w + c0 * d, dh, stream);
+      // dW_c [cs, D] += dlogits^T [cs, N] hidden [N, D] (= with overwrite_dw)
+      if (dw) gemm.run(desc(cs, d, n, true, false, dw_beta), s.dlogits, hidden, dw + c0 * d, stream);
+    }
+  }
+}
+
 }  // namespace
 
 std::int64_t scratch_bytes(std::int64_t tokens, std::int64_t d, std::int64_t vocab, const Options& o) {
@@ -349,24 +476,8 @@ void forward(const bf16* hidden, const bf16* w, const std::int32_t* targets, std
     return;
   }
   if (!hidden || !w || !targets || !lse || !scratch) fail("cuda cross_entropy: forward got a null pointer");
-  const std::int64_t c = std::min(o.chunk, v);
   const Scratch s = carve(scratch, n, d, v, o).s;
-  init_rows_kernel<<<grid_for(n, 256), 256, 0, stream>>>(s.row_max, s.row_sum, s.target, n);
-  KEEL_CUDA_CHECK_LAUNCH();
-  GemmRunner& gemm = thread_gemm();
-  if (o.keep_logits) {
-    // One GEMM for the whole vocabulary: logits [N, V] = hidden W^T in bf16 (as autocast keeps
-    // them), kept for backward; the row statistics read the bf16 values backward will use.
-    gemm.run(desc(n, v, d, false, true, 0.f, GemmOut::kBf16), hidden, w, s.dlogits, stream);
-    launch_online_lse<bf16>(s.dlogits, v, targets, o.ignore_index, v, 0, v, n, s, stream);
-  } else {
-    for (std::int64_t v0 = 0; v0 < v; v0 += c) {
-      const std::int64_t cs = std::min(c, v - v0);
-      // logits [N, cs] = hidden [N, D] W[v0 : v0 + cs]^T
-      gemm.run(desc(n, cs, d, false, true, 0.f), hidden, w + v0 * d, s.logits, stream);
-      launch_online_lse<float>(s.logits, cs, targets, o.ignore_index, v, v0, cs, n, s, stream);
-    }
-  }
+  row_stats(hidden, w, targets, n, d, 0, v, v, o, s, stream);
   finish_forward_kernel<<<1, kFinalThreads, 0, stream>>>(targets, o.ignore_index, v, n, s.row_max, s.row_sum, s.target,
                                                          lse, result);
   KEEL_CUDA_CHECK_LAUNCH();
@@ -389,36 +500,65 @@ void backward(const bf16* hidden, const bf16* w, const std::int32_t* targets, co
     KEEL_CUDA_CHECK(cudaMemsetAsync(dw, 0, static_cast<std::size_t>(v * d) * sizeof(float), stream));
   if (n == 0 || (!dhidden && !dw)) return;
   if (!hidden || !w || !targets || !lse || !scratch) fail("cuda cross_entropy: backward got a null pointer");
-  const float dw_beta = o.overwrite_dw ? 0.f : 1.f;  // every row of dw is written either way
-  const std::int64_t c = std::min(o.chunk, v);
   const Scratch s = carve(scratch, n, d, v, o).s;
-  count_valid_kernel<<<1, kFinalThreads, 0, stream>>>(targets, o.ignore_index, v, n, s.valid);
-  KEEL_CUDA_CHECK_LAUNCH();
-  GemmRunner& gemm = thread_gemm();
-  if (o.keep_logits) {
-    // The kept logits become dlogits in place; then two whole-vocabulary GEMMs.
-    launch_dlogits<bf16>(s.dlogits, v, targets, o.ignore_index, v, 0, v, n, lse, dloss, s.valid, s.dlogits, stream);
-    if (dhidden) gemm.run(desc(n, d, v, false, false, 0.f), s.dlogits, w, s.dhidden, stream);
-    if (dw) gemm.run(desc(v, d, n, true, false, dw_beta), s.dlogits, hidden, dw, stream);
-  } else {
-    for (std::int64_t v0 = 0; v0 < v; v0 += c) {
-      const std::int64_t cs = std::min(c, v - v0);
-      gemm.run(desc(n, cs, d, false, true, 0.f), hidden, w + v0 * d, s.logits, stream);
-      launch_dlogits<float>(s.logits, cs, targets, o.ignore_index, v, v0, cs, n, lse, dloss, s.valid, s.dlogits,
-                            stream);
-      // dhidden [N, D] (+)= dlogits [N, cs] W_c [cs, D]; the first chunk overwrites.
-      if (dhidden)
-        gemm.run(desc(n, d, cs, false, false, v0 == 0 ? 0.f : 1.f), s.dlogits, w + v0 * d, s.dhidden, stream);
-      // dW_c [cs, D] += dlogits^T [cs, N] hidden [N, D] (= with overwrite_dw)
-      if (dw) gemm.run(desc(cs, d, n, true, false, dw_beta), s.dlogits, hidden, dw + v0 * d, stream);
-    }
-  }
+  grads(hidden, w, targets, lse, dloss, n, d, 0, v, v, o, s, dhidden ? s.dhidden : nullptr, dw, stream);
   if (dhidden) {
     const std::int64_t total = n * d;
     const std::int64_t blocks = std::min<std::int64_t>((total + 255) / 256, 132 * 16);
     to_bf16_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(s.dhidden, dhidden, total);
     KEEL_CUDA_CHECK_LAUNCH();
   }
+}
+
+std::int64_t slice_scratch_bytes(std::int64_t tokens, std::int64_t vocab_local, const Options& o) {
+  return carve_slice(nullptr, tokens, vocab_local, o).bytes;
+}
+
+void slice_forward(const bf16* hidden, const bf16* w_local, const std::int32_t* targets, std::int64_t n,
+                   std::int64_t d, const Slice& slice, const Options& o, float* part, void* scratch,
+                   cudaStream_t stream) {
+  check_slice(n, d, slice, o);
+  if (n == 0) return;
+  if (!hidden || !targets || !part || !scratch || (slice.rows > 0 && !w_local))
+    fail("cuda cross_entropy: slice_forward got a null pointer");
+  const Scratch s = carve_slice(scratch, n, slice.rows, o).s;
+  row_stats(hidden, w_local, targets, n, d, slice.begin, slice.rows, slice.vocab, o, s, stream);
+  finish_slice_kernel<<<grid_for(n, 256), 256, 0, stream>>>(targets, o.ignore_index, slice.vocab, n, s.row_max,
+                                                            s.row_sum, s.target, part);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+void combine(const float* parts, std::int64_t ranks, const std::int32_t* targets, std::int64_t n, std::int64_t vocab,
+             const Options& o, float* lse, Result* result, cudaStream_t stream) {
+  if (n < 0 || ranks < 1 || vocab < 1 || vocab > INT32_MAX)
+    fail("cuda cross_entropy combine: need tokens >= 0, ranks >= 1 and 1 <= vocab <= 2^31 - 1; got {}, {}, {}", n,
+         ranks, vocab);
+  if (!result) fail("cuda cross_entropy: result must not be null");
+  if (n == 0) {
+    KEEL_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(Result), stream));
+    return;
+  }
+  if (!parts || !targets || !lse) fail("cuda cross_entropy: combine got a null pointer");
+  combine_kernel<<<1, kFinalThreads, 0, stream>>>(parts, ranks, targets, o.ignore_index, vocab, n, lse, result);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+void slice_backward(const bf16* hidden, const bf16* w_local, const std::int32_t* targets, const float* lse, float dloss,
+                    std::int64_t n, std::int64_t d, const Slice& slice, const Options& o, void* scratch,
+                    float* dhidden_f32, float* dw_local, cudaStream_t stream) {
+  check_slice(n, d, slice, o);
+  if (n == 0 && dw_local && o.overwrite_dw && slice.rows > 0)
+    KEEL_CUDA_CHECK(cudaMemsetAsync(dw_local, 0, static_cast<std::size_t>(slice.rows * d) * sizeof(float), stream));
+  if (n == 0 || (!dhidden_f32 && !dw_local)) return;
+  if (slice.rows == 0) {  // no columns: a zero share of dhidden, no dw rows
+    if (dhidden_f32)
+      KEEL_CUDA_CHECK(cudaMemsetAsync(dhidden_f32, 0, static_cast<std::size_t>(n * d) * sizeof(float), stream));
+    return;
+  }
+  if (!hidden || !w_local || !targets || !lse || !scratch) fail("cuda cross_entropy: slice_backward got a null pointer");
+  const Scratch s = carve_slice(scratch, n, slice.rows, o).s;
+  grads(hidden, w_local, targets, lse, dloss, n, d, slice.begin, slice.rows, slice.vocab, o, s, dhidden_f32, dw_local,
+        stream);
 }
 
 }  // namespace keel::ops::cuda::cross_entropy

@@ -26,6 +26,33 @@
 // gradient adds up), or written with Options::overwrite_dw; either may be null. Both passes use
 // scratch_bytes(...) of device scratch (contents need not survive between them). Saved for
 // backward: hidden, w, targets, lse.
+//
+// Vocabulary slices (Megatron-style tensor parallelism; the CPU twin is
+// parallel/vocab_parallel.h): rank r of T holds w_local [V_local, D], rows [begin, begin +
+// V_local) of the [V, D] head (normally begin = r V / T); hidden [N, D] and the global targets
+// are the same on every rank. Three steps, the communication between them the caller's:
+//   1. slice_forward: the chunked (or keep_logits) pass above over this slice's V_local
+//      columns only, writing part [2N] fp32 = [lse_r (N) | target_logit_r (N)]: per row
+//      lse_r = log sum over the slice of exp(l_ij) (-inf for an empty slice) and the target
+//      logit where the global target falls in the slice, else 0; rows that do not count
+//      (ignore_index, or a target outside [0, V)) get 0 | 0.
+//   2. the caller all-gathers the parts in rank order into parts [T][2N] (ncclAllGather of 2N
+//      floats per rank), then combine: per valid row lse = M + log sum_r exp(lse_r - M), M =
+//      max_r lse_r, and the Result (loss = mean of lse - sum_r target_logit_r, valid,
+//      bad_targets) as forward's. Fixed-order reductions in one block: every rank gets the same
+//      bits. lse of rows that do not count is 0.
+//   3. slice_backward with that global lse: dlogits = (softmax - onehot) dloss / n_valid over
+//      the slice's columns (softmax_ij = exp(l_ij - lse_i); the onehot only where the target is
+//      in the slice; n_valid counted on the device from the global targets), then dw_local
+//      (+)= dlogits^T hidden and this slice's share dhidden_f32 [N, D] fp32 = dlogits w_local
+//      (OVERWRITTEN; the caller sums the ranks' shares in fp32: all-reduce or reduce-scatter).
+// A slice covering the whole vocabulary (begin 0, V_local = V, T = 1) gives forward's lse,
+// Result and gradients to fp32 rounding (the lse is regrouped, dhidden not rounded to bf16).
+// Nothing checks that the ranks' slices tile the vocabulary: that is the caller's layout.
+// Alignment: none beyond the whole-vocabulary ops'. begin and V_local may be any values (the
+// GEMMs take any operand offset; the row kernels use 16-byte loads only where every row of
+// their block is 16-byte aligned, e.g. the kept [N, V_local] bf16 logits when V_local % 8 ==
+// 0, and element loads otherwise).
 #pragma once
 
 #include <cstdint>
@@ -72,5 +99,42 @@ Result read_result(const Result* result, cudaStream_t stream);
 void backward(const bf16* hidden, const bf16* w, const std::int32_t* targets, const float* lse, float dloss,
               std::int64_t tokens, std::int64_t d, std::int64_t vocab, const Options& o, void* scratch, bf16* dhidden,
               float* dw, cudaStream_t stream);
+
+// ---------------------------------------------------------------- vocabulary slices
+
+// w_local holds rows [begin, begin + rows) of a head of `vocab` rows (targets are ids of the
+// whole vocabulary). 0 <= begin, 0 <= rows, begin + rows <= vocab, else keel::Error.
+struct Slice {
+  std::int64_t begin = 0;  // the vocabulary id of w_local's first row
+  std::int64_t rows = 0;   // V_local (may be 0: that rank's part is -inf | 0, its shares zero)
+  std::int64_t vocab = 0;  // V
+};
+
+// Device scratch for slice_forward and slice_backward: the layout of scratch_bytes over V_local
+// columns (fp32 and bf16 [N, min(chunk, V_local)] blocks, or with keep_logits the bf16 [N,
+// V_local] logits, which must survive from slice_forward to slice_backward; combine does not
+// touch the scratch) and O(N) row statistics, without the fp32 [N, D] dhidden accumulator.
+// scratch_bytes(N, D, V_local, o) is never smaller, so that buffer works too.
+std::int64_t slice_scratch_bytes(std::int64_t tokens, std::int64_t vocab_local, const Options& o);
+
+// hidden [N, D] bf16, w_local [V_local, D] bf16, targets [N] int32 (global ids) -> part [2N]
+// fp32 = [lse_r (N) | target_logit_r (N)] (layout above). No host sync. tokens may be 0.
+void slice_forward(const bf16* hidden, const bf16* w_local, const std::int32_t* targets, std::int64_t tokens,
+                   std::int64_t d, const Slice& slice, const Options& o, float* part, void* scratch,
+                   cudaStream_t stream);
+
+// parts [ranks][2N] fp32: the slice_forward parts of the ranks, in rank order (all-gathered).
+// Writes lse [N] (the global log-sum-exp, 0 on rows that do not count) and *result (overwritten;
+// bad_targets counts targets outside [0, vocab) other than ignore_index, and read_result throws
+// on them as for forward). Only o.ignore_index is used. No host sync. tokens may be 0.
+void combine(const float* parts, std::int64_t ranks, const std::int32_t* targets, std::int64_t tokens,
+             std::int64_t vocab, const Options& o, float* lse, Result* result, cudaStream_t stream);
+
+// lse [N]: combine's (global). dhidden_f32 [N, D] fp32: this slice's share, OVERWRITTEN (zeros
+// on an empty slice); dw_local [V_local, D] fp32: ACCUMULATED, or written with overwrite_dw;
+// either may be null. dloss as for backward. No host sync.
+void slice_backward(const bf16* hidden, const bf16* w_local, const std::int32_t* targets, const float* lse, float dloss,
+                    std::int64_t tokens, std::int64_t d, const Slice& slice, const Options& o, void* scratch,
+                    float* dhidden_f32, float* dw_local, cudaStream_t stream);
 
 }  // namespace keel::ops::cuda::cross_entropy

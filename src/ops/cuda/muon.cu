@@ -279,7 +279,59 @@ void scale_and_update(float* param, bf16* param_bf16, const bf16* x, std::int64_
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
+// Tensor parallelism: the momentum update and U of a block, elementwise (grid-stride).
+__global__ void block_momentum_kernel(const float* __restrict__ grad, float* __restrict__ momentum,
+                                      float* __restrict__ u, std::int64_t n, MomentumArgs a,
+                                      const float* __restrict__ device_scale) {
+  const float scale = effective_grad_scale(a.host_scale, device_scale);
+  if (!isfinite(scale)) return;  // the step is skipped (see muon.h)
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    float m = momentum[i];
+    u[i] = momentum_and_u(grad[i], m, a, scale);
+    momentum[i] = m;
+  }
+}
+
+// p = p keep - lr kx, param_bf16 = bf16(p) (grid-stride).
+__global__ void block_update_kernel(float* __restrict__ param, bf16* __restrict__ param_bf16,
+                                    const float* __restrict__ kx, std::int64_t n, float keep, float lr,
+                                    float host_scale, const float* __restrict__ device_scale) {
+  if (!isfinite(effective_grad_scale(host_scale, device_scale))) return;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const float p = __fsub_rn(__fmul_rn(param[i], keep), __fmul_rn(lr, kx[i]));
+    param[i] = p;
+    if (param_bf16) param_bf16[i] = __float2bfloat16(p);
+  }
+}
+
+unsigned grid_of(std::int64_t n) {
+  return static_cast<unsigned>(std::clamp<std::int64_t>((n + kThreads - 1) / kThreads, 1, 65535));
+}
+
 }  // namespace
+
+void block_momentum(const float* grad, float* momentum, float* u, std::int64_t n, const optim::MuonConfig& c,
+                    float grad_scale, const float* device_grad_scale, cudaStream_t stream) {
+  if (n < 0) fail("muon: bad block of {} elements", n);
+  if (!std::isfinite(grad_scale)) fail("muon: grad_scale is not finite ({})", grad_scale);
+  if (n == 0) return;
+  const MomentumArgs ma{static_cast<float>(c.momentum), static_cast<float>(1.0 - c.momentum), grad_scale, c.nesterov};
+  block_momentum_kernel<<<grid_of(n), kThreads, 0, stream>>>(grad, momentum, u, n, ma, device_grad_scale);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+void block_update(float* param, bf16* param_bf16, const float* kx, std::int64_t n, const optim::MuonConfig& c,
+                  double lr, bool decay, float grad_scale, const float* device_grad_scale, cudaStream_t stream) {
+  if (n < 0) fail("muon: bad block of {} elements", n);
+  if (!(std::isfinite(lr) && lr >= 0)) fail("muon: lr must be finite and >= 0, got {}", lr);
+  if (n == 0) return;
+  const double wd = decay ? lr * c.weight_decay : 0.0;
+  block_update_kernel<<<grid_of(n), kThreads, 0, stream>>>(param, param_bf16, kx, n, static_cast<float>(1.0 - wd),
+                                                          static_cast<float>(lr), grad_scale, device_grad_scale);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
 
 std::size_t workspace_bytes(std::int64_t matrices, std::int64_t rows, std::int64_t cols) {
   return optim::muon_workspace_layout(matrices, rows, cols).bytes;

@@ -51,6 +51,18 @@ void matrix_step(float* param, const float* grad, float* momentum, bf16* param_b
                  float grad_scale, const float* device_grad_scale, void* workspace, GemmRunner& gemm,
                  cudaStream_t stream, float* update_out = nullptr);
 
+// Tensor parallelism (parallel/tensor_parallel_muon_cuda.h) splits a step in three: on every
+// rank's block of a matrix, block_momentum (the momentum update, and U written to u, exactly as
+// matrix_step computes them); the whole matrix's U gathered to one rank, which orthogonalizes it
+// (matrix_step with momentum 0 and no Nesterov, so M = U, on scratch, its update_out = k X); the
+// blocks of k X back, and on every rank block_update: p = p (1 - lr wd) - lr kX (wd when
+// decay), param_bf16 = bf16(p) (optional). n elements each, device; the device clip coefficient
+// skips both like matrix_step when it is not finite.
+void block_momentum(const float* grad, float* momentum, float* u, std::int64_t n, const optim::MuonConfig& c,
+                    float grad_scale, const float* device_grad_scale, cudaStream_t stream);
+void block_update(float* param, bf16* param_bf16, const float* kx, std::int64_t n, const optim::MuonConfig& c,
+                  double lr, bool decay, float grad_scale, const float* device_grad_scale, cudaStream_t stream);
+
 // optim::Muon on device buffers: every Muon parameter of `layout`, one matrix_step each, with
 // lr * the parameter's lr_scale. params, grads, momentum (and params_bf16 when not null) are
 // whole flat buffers indexed by the layout's offsets. AdamW parameters are not touched.

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/error.h"
@@ -127,6 +128,120 @@ TEST(ElementwiseCudaEmbedding, BadIdIsRecordedNotRead) {
   // A clean record does not throw.
   ops::cuda::embedding::reset_bad_id(d_bad.get(), nullptr);
   EXPECT_NO_THROW(ops::cuda::embedding::throw_if_bad_id(d_bad.get(), vocab, nullptr));
+}
+
+// Vocabulary slices (tensor parallelism) simulated in one process: rank r of T holds rows
+// [b_r, b_{r+1}) of the table. The partial lookups are the whole lookup's rows in the slice and
+// zeros elsewhere, so their sum over the ranks is the whole lookup exactly; the slice backward
+// adds into its own rows only (given a pointer into a whole-table buffer, every row outside the
+// slice stays as it was) and the union of the slices is the whole-table backward.
+struct EmbSliceCase {
+  std::int64_t vocab, dim, n;
+  int ranks;
+  std::vector<std::int64_t> sizes;  // empty: r V / T
+};
+
+TEST(ElementwiseCudaEmbedding, VocabSlicesMatchWholeTable) {
+  KEEL_REQUIRE_GPU();
+  // Odd widths (element path), uneven and empty slices, begins that are no multiple of 8.
+  const EmbSliceCase cases[] = {{1000, 96, 64, 1, {}},   {1000, 96, 64, 2, {}}, {1000, 96, 300, 3, {334, 333, 333}},
+                                {1000, 2048, 64, 4, {}}, {13, 7, 37, 3, {}},    {13, 8, 37, 4, {0, 5, 5, 3}}};
+  std::uint64_t seed = 500;
+  for (const EmbSliceCase& c : cases) {
+    SCOPED_TRACE(testing::Message() << "V " << c.vocab << " D " << c.dim << " n " << c.n << " T " << c.ranks
+                                    << (c.sizes.empty() ? "" : " uneven"));
+    const std::int64_t v = c.vocab, dim = c.dim, n = c.n;
+    std::vector<std::int64_t> b(c.ranks + 1, 0);
+    for (int r = 1; r <= c.ranks; ++r) b[r] = c.sizes.empty() ? r * v / c.ranks : b[r - 1] + c.sizes[r - 1];
+    ASSERT_EQ(b.back(), v);
+    auto table = rounded_bf16(random_vector(v * dim, ++seed));
+    const auto ids = random_ids(n, v, ++seed);
+    auto d_ids = upload_raw(ids);
+    auto d_table = to_device<cuda_bf16>(table);
+    std::vector<float> whole(n * dim);
+    ops::embedding::forward(ids.data(), n, Tensor(table.data(), {v, dim}), Tensor(whole.data(), {n, dim}));
+
+    // Forward: each partial exactly, then their sum.
+    std::vector<float> sum(n * dim, 0.f);
+    for (int r = 0; r < c.ranks; ++r) {
+      auto d_out = to_device<float>(random_vector(n * dim, 600 + r));  // poisoned: every row is written
+      ops::cuda::embedding::forward_bf16_table_slice(d_ids.get(), n, d_table.get() + b[r] * dim, d_out.get(), b[r],
+                                                     b[r + 1] - b[r], v, dim, nullptr);
+      const auto out = to_host(d_out);
+      std::vector<float> want(n * dim, 0.f);
+      for (std::int64_t i = 0; i < n; ++i)
+        if (ids[i] >= b[r] && ids[i] < b[r + 1])
+          for (std::int64_t j = 0; j < dim; ++j) want[i * dim + j] = whole[i * dim + j];
+      EXPECT_TRUE(all_close(out, want, 0.f, 0.f, "rank " + std::to_string(r) + "'s partial lookup"));
+      for (std::int64_t k = 0; k < n * dim; ++k) sum[k] += out[k];
+    }
+    EXPECT_TRUE(all_close(sum, whole, 0.f, 0.f, "partials summed over the ranks"));
+
+    // Backward: own rows only, the union the whole-table backward.
+    const auto dout = random_vector(n * dim, ++seed);
+    const auto dtable0 = random_vector(v * dim, ++seed);
+    std::vector<float> want = dtable0, dout_h = dout;
+    ops::embedding::backward(ids.data(), n, Tensor(dout_h.data(), {n, dim}), Tensor(want.data(), {v, dim}));
+    auto d_dout = to_device<float>(dout);
+    std::vector<float> uni(v * dim);
+    for (int r = 0; r < c.ranks; ++r) {
+      auto d_dtable = to_device<float>(dtable0);
+      ops::cuda::embedding::backward_slice(d_ids.get(), n, d_dout.get(), d_dtable.get() + b[r] * dim, b[r],
+                                           b[r + 1] - b[r], v, dim, nullptr);
+      const auto got = to_host(d_dtable);
+      for (std::int64_t row = 0; row < v; ++row) {
+        const bool own = row >= b[r] && row < b[r + 1];
+        for (std::int64_t j = 0; j < dim; ++j) {
+          const std::int64_t k = row * dim + j;
+          if (own)
+            uni[k] = got[k];
+          else
+            ASSERT_EQ(got[k], dtable0[k]) << "rank " << r << " wrote row " << row << ", outside its slice";
+        }
+      }
+    }
+    EXPECT_TRUE(all_close(uni, want, 1e-5f, 1e-5f, "slice backwards together"));
+  }
+}
+
+TEST(ElementwiseCudaEmbedding, VocabSliceBadIdIsRecordedAndSliceChecked) {
+  KEEL_REQUIRE_GPU();
+  const std::int64_t vocab = 11, dim = 8, n = 20, begin = 4, rows = 4;
+  const auto table = rounded_bf16(random_vector(vocab * dim, 8));
+  auto ids = random_ids(n, vocab, 9);
+  ids[7] = vocab + 3;
+  ids[12] = vocab;
+  auto d_ids = upload_raw(ids);
+  auto d_table = to_device<cuda_bf16>(table);
+  DeviceArray<float> d_out(n * dim);
+  DeviceArray<unsigned long long> d_bad(1);
+  ops::cuda::embedding::reset_bad_id(d_bad.get(), nullptr);
+  ops::cuda::embedding::forward_bf16_table_slice(d_ids.get(), n, d_table.get() + begin * dim, d_out.get(), begin, rows,
+                                                 vocab, dim, nullptr, d_bad.get());
+  const auto out = to_host(d_out);
+  for (std::int64_t j = 0; j < dim; ++j) {
+    EXPECT_EQ(out[7 * dim + j], 0.f);
+    EXPECT_EQ(out[12 * dim + j], 0.f);
+  }
+  try {
+    ops::cuda::embedding::throw_if_bad_id(d_bad.get(), vocab, nullptr);
+    ADD_FAILURE() << "no error for an out-of-range id";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("token id 14 at position 7"), std::string::npos) << e.what();
+  }
+  ops::cuda::embedding::reset_bad_id(d_bad.get(), nullptr);
+  auto d_dout = to_device<float>(random_vector(n * dim, 10));
+  DeviceArray<float> d_dtable(rows * dim);
+  ops::cuda::embedding::backward_slice(d_ids.get(), n, d_dout.get(), d_dtable.get(), begin, rows, vocab, dim, nullptr,
+                                       d_bad.get());
+  EXPECT_THROW(ops::cuda::embedding::throw_if_bad_id(d_bad.get(), vocab, nullptr), Error);
+  // A slice outside the vocabulary is refused.
+  EXPECT_THROW(ops::cuda::embedding::forward_bf16_table_slice(d_ids.get(), n, d_table.get(), d_out.get(), 8, 4, vocab,
+                                                              dim, nullptr),
+               Error);
+  EXPECT_THROW(ops::cuda::embedding::backward_slice(d_ids.get(), n, d_dout.get(), d_dtable.get(), -1, 4, vocab, dim,
+                                                    nullptr),
+               Error);
 }
 
 // ---------------------------------------------------------------- rmsnorm

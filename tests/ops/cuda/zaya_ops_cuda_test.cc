@@ -471,6 +471,7 @@ struct CcaShape {
   std::int64_t B, T, H, nq, nkv, d;
   int W0, W1;
   float l2_eps;
+  std::int64_t shift_begin = -1, shift_end = -1;  // Config::v_shift_*: -1, the second half
 };
 
 TEST(CcaCuda, ForwardAndBackwardMatchCpu) {
@@ -480,14 +481,21 @@ TEST(CcaCuda, ForwardAndBackwardMatchCpu) {
   auto& gemm = ops::cuda::thread_gemm();
   // ZAYA1-tiny (hidden 256, 4 q heads x 64, 2 kv heads: q dim 256, k dim 128, values 64 + 64,
   // conv widths 2); GQA 8/2 with a 3-wide depthwise conv; head dim 128 with one kv head (both
-  // value halves in one head), a 3-wide grouped conv and l2_eps.
+  // value halves in one head), a 3-wide grouped conv and l2_eps. Then the value-shift ranges of
+  // tensor-parallel ranks (blocks::cca_config): all columns shifted (the rank holding the
+  // previous-token head), none, and a range inside a head.
   for (const CcaShape cs : {CcaShape{2, 37, 256, 4, 2, 64, 2, 2, 0.f}, CcaShape{2, 70, 192, 8, 2, 64, 3, 2, 0.f},
-                            CcaShape{1, 45, 128, 2, 1, 128, 2, 3, 1e-3f}}) {
+                            CcaShape{1, 45, 128, 2, 1, 128, 2, 3, 1e-3f},
+                            CcaShape{2, 37, 256, 4, 2, 64, 2, 2, 0.f, 0, 128},
+                            CcaShape{2, 37, 256, 4, 2, 64, 2, 2, 0.f, 128, 128},
+                            CcaShape{1, 45, 128, 2, 1, 128, 2, 3, 1e-3f, 32, 96}}) {
     SCOPED_TRACE(testing::Message() << "B " << cs.B << " T " << cs.T << " H " << cs.H << " nq " << cs.nq << " nkv "
-                                    << cs.nkv << " d " << cs.d << " W " << cs.W0 << "," << cs.W1);
+                                    << cs.nkv << " d " << cs.d << " W " << cs.W0 << "," << cs.W1 << " shift ["
+                                    << cs.shift_begin << ", " << cs.shift_end << ")");
     ca::Config c;
     c.hidden = cs.H, c.q_heads = cs.nq, c.kv_heads = cs.nkv, c.head_dim = cs.d;
     c.conv0_width = cs.W0, c.conv1_width = cs.W1, c.l2_eps = cs.l2_eps;
+    c.v_shift_begin = cs.shift_begin, c.v_shift_end = cs.shift_end;
     const std::int64_t B = cs.B, T = cs.T, N = B * T, H = cs.H, d = cs.d, C = c.qk_channels(), nq = cs.nq,
                        nkv = cs.nkv;
     const std::int64_t W0 = cs.W0, W1 = cs.W1;
