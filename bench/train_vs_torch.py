@@ -128,18 +128,24 @@ def run_keel(keel, out, d, steps, warmup):
             "steps": len(ce)}
 
 
-def run_torch(d, steps, warmup, compiled, ddp=False):
-    """One GPU, or with ddp=True one rank of a torchrun job (torch.distributed initialized):
-    DistributedDataParallel (gradient all-reduce in buckets overlapped with backward) and
-    ZeroRedundancyOptimizer (ZeRO-1: AdamW states sharded over the ranks)."""
+def build_torch_model(d, dev):
+    """The benchmark MoE in plain torch, with keel's initialization (from torch's global RNG: seed it first).
+
+    Module tree (the names a tensor-parallel plan addresses, bench/train_tp_torch.py): embed,
+    layers[i].{n1, attn.{wq, wk, wv, wo}, n2, moe.{router, experts}}, norm, head (the LM head tied
+    to embed, with the cross-entropy). The attention's head counts are attributes (n_heads,
+    n_kv_heads) so that a rank of a tensor-parallel group can hold a slice of the heads, and the
+    experts read their stacked weights through _local() (a DTensor's shard under tensor
+    parallelism; the tensor itself otherwise), as torchtitan's models do."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
-    torch.manual_seed(0)  # the same initialization on every rank
-    dev = torch.device("cuda", torch.cuda.current_device())
     D, Hq, Hkv, Dh, E, FE, V = d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["experts"], d["expert_hidden"], d["vocab"]
-    T, B = d["seq"], d["micro_batch"]
+    T = d["seq"]
+
+    def _local(w):
+        return w.to_local() if hasattr(w, "to_local") else w
 
     class RMSNorm(nn.Module):
         def __init__(self):
@@ -158,33 +164,33 @@ def run_torch(d, steps, warmup, compiled, ddp=False):
         x1, x2 = x[..., : Dh // 2].float(), x[..., Dh // 2:].float()
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
-    class Layer(nn.Module):
+    class Attention(nn.Module):
         def __init__(self):
             super().__init__()
-            self.n1, self.n2 = RMSNorm(), RMSNorm()
+            self.n_heads, self.n_kv_heads = Hq, Hkv  # the heads this module computes (a shard's under TP)
             self.wq = nn.Linear(D, Hq * Dh, bias=False)
             self.wk = nn.Linear(D, Hkv * Dh, bias=False)
             self.wv = nn.Linear(D, Hkv * Dh, bias=False)
             self.wo = nn.Linear(Hq * Dh, D, bias=False)
-            self.router = nn.Linear(D, E, bias=False)
+
+        def forward(self, h):  # h [B, T, D]
+            B, S = h.shape[0], h.shape[1]
+            q = rope(self.wq(h).view(B, S, self.n_heads, Dh)).transpose(1, 2)
+            k = rope(self.wk(h).view(B, S, self.n_kv_heads, Dh)).transpose(1, 2)
+            v = self.wv(h).view(B, S, self.n_kv_heads, Dh).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self.wo(a.transpose(1, 2).reshape(B, S, self.n_heads * Dh))
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
             self.w_gate = nn.Parameter(torch.randn(E, FE, D) * 0.02)
             self.w_up = nn.Parameter(torch.randn(E, FE, D) * 0.02)
             self.w_down = nn.Parameter(torch.randn(E, D, FE) * 0.02)
 
-        def forward(self, x):
-            h = self.n1(x)
-            q = rope(self.wq(h).view(B, T, Hq, Dh)).transpose(1, 2)
-            k = rope(self.wk(h).view(B, T, Hkv, Dh)).transpose(1, 2)
-            v = self.wv(h).view(B, T, Hkv, Dh).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + self.wo(a.transpose(1, 2).reshape(B, T, Hq * Dh))
-            h = self.n2(x).view(B * T, D)
-            logits = self.router(h).float()
-            probs = logits.softmax(-1)
-            gate, sel = probs.max(-1)
-            counts = torch.bincount(sel, minlength=E)
-            aux = E * ((counts.float() / (B * T)) * probs.mean(0)).sum()
-            z = torch.logsumexp(logits, -1).pow(2).mean()
+        def forward(self, h, gate, sel, counts):
+            """sum over each token's expert of gate x SwiGLU_e(h): a loop over experts (HF MoE models)."""
+            w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
             out = torch.zeros_like(h)
             order = torch.argsort(sel)
             splits = counts.tolist()
@@ -196,10 +202,54 @@ def run_torch(d, steps, warmup, compiled, ddp=False):
                 idx = order[start:start + n]
                 start += n
                 xe = h[idx]
-                ye = (F.silu(xe @ self.w_gate[e].t().to(xe.dtype)) * (xe @ self.w_up[e].t().to(xe.dtype))) @ \
-                    self.w_down[e].t().to(xe.dtype)
+                ye = (F.silu(xe @ w_gate[e].t().to(xe.dtype)) * (xe @ w_up[e].t().to(xe.dtype))) @ \
+                    w_down[e].t().to(xe.dtype)
                 out.index_add_(0, idx, (ye * gate[idx, None]).to(out.dtype))
-            return x + out.view(B, T, D), aux, z
+            return out
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(D, E, bias=False)
+            self.experts = Experts()
+            self.last_counts = None  # the last forward's tokens per expert (routing reports)
+
+        def forward(self, x):  # x [B, T, D]
+            B, S = x.shape[0], x.shape[1]
+            h = x.view(B * S, D)
+            logits = self.router(h).float()
+            probs = logits.softmax(-1)
+            gate, sel = probs.max(-1)
+            counts = torch.bincount(sel, minlength=E)
+            aux = E * ((counts.float() / (B * S)) * probs.mean(0)).sum()
+            z = torch.logsumexp(logits, -1).pow(2).mean()
+            self.last_counts = counts.detach()
+            out = self.experts(h, gate, sel, counts)
+            return out.view(B, S, D), aux, z
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1 = RMSNorm()
+            self.attn = Attention()
+            self.n2 = RMSNorm()
+            self.moe = MoE()
+
+        def forward(self, x):
+            x = x + self.attn(self.n1(x))
+            out, aux, z = self.moe(self.n2(x))
+            return x + out, aux, z
+
+    class TiedHead(nn.Module):
+        """The LM head tied to the embedding (full logits) and the cross-entropy."""
+
+        def __init__(self, embed):
+            super().__init__()
+            self.__dict__["embed"] = embed  # a reference, not a second registration
+
+        def forward(self, x, targets):
+            logits = x @ self.embed.weight.t().to(x.dtype)
+            return F.cross_entropy(logits.view(-1, V).float(), targets.view(-1))
 
     class Model(nn.Module):
         def __init__(self):
@@ -208,6 +258,7 @@ def run_torch(d, steps, warmup, compiled, ddp=False):
             nn.init.normal_(self.embed.weight, std=0.02)
             self.layers = nn.ModuleList([Layer() for _ in range(d["layers"])])
             self.norm = RMSNorm()
+            self.head = TiedHead(self.embed)
 
         def forward(self, tokens, targets):
             x = self.embed(tokens)
@@ -215,18 +266,39 @@ def run_torch(d, steps, warmup, compiled, ddp=False):
             for layer in self.layers:
                 x, aux, z = layer(x)
                 aux_total, z_total = aux_total + aux, z_total + z
-            logits = self.norm(x) @ self.embed.weight.t().to(x.dtype)
-            ce = F.cross_entropy(logits.view(-1, V).float(), targets.view(-1))
+            ce = self.head(self.norm(x), targets)
             return ce + AUX_W * aux_total + Z_W * z_total, ce
 
     model = Model().to(dev)
     # keel's initialization: normal(0, 0.02) for every matrix, output projections (wo, w_down)
     # scaled by 1/sqrt(2 layers), norms 1; so both start from the same routing statistics.
+    # (Drawn in the order of the model's first layout: embedding, then per layer the expert
+    # stacks, the attention projections and the router.)
+    out_scale = 1.0 / math.sqrt(2 * d["layers"])
+    order = [("embed.weight", model.embed.weight)]
+    for i, layer in enumerate(model.layers):
+        ex, at = layer.moe.experts, layer.attn
+        order += [(f"layers.{i}.w_gate", ex.w_gate), (f"layers.{i}.w_up", ex.w_up), (f"layers.{i}.w_down", ex.w_down),
+                  (f"layers.{i}.wq.weight", at.wq.weight), (f"layers.{i}.wk.weight", at.wk.weight),
+                  (f"layers.{i}.wv.weight", at.wv.weight), (f"layers.{i}.wo.weight", at.wo.weight),
+                  (f"layers.{i}.router.weight", layer.moe.router.weight)]
+    assert len(order) == sum(1 for p in model.parameters() if p.dim() >= 2)
     with torch.no_grad():
-        out_scale = 1.0 / math.sqrt(2 * d["layers"])
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02 * (out_scale if name.endswith("wo.weight") or name.endswith("w_down") else 1.0))
+        for name, p in order:
+            p.normal_(0.0, 0.02 * (out_scale if name.endswith("wo.weight") or name.endswith("w_down") else 1.0))
+    return model
+
+
+def run_torch(d, steps, warmup, compiled, ddp=False):
+    """One GPU, or with ddp=True one rank of a torchrun job (torch.distributed initialized):
+    DistributedDataParallel (gradient all-reduce in buckets overlapped with backward) and
+    ZeroRedundancyOptimizer (ZeRO-1: AdamW states sharded over the ranks)."""
+    import torch
+
+    torch.manual_seed(0)  # the same initialization on every rank
+    dev = torch.device("cuda", torch.cuda.current_device())
+    V, T, B = d["vocab"], d["seq"], d["micro_batch"]
+    model = build_torch_model(d, dev)
     if ddp:
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer

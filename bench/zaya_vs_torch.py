@@ -240,7 +240,14 @@ def run_keel(keel, out, d, steps, warmup, device, rows=None, checkpoint_every=0,
 # ---------------------------------------------------------------------------------------------
 
 def build_torch_model(d, dev, act_dtype):
-    """The ZAYA1 model in plain torch; keel_params() maps keel's parameter names onto it."""
+    """The ZAYA1 model in plain torch; keel_params() maps keel's parameter names onto it.
+
+    Module tree (the names a tensor-parallel plan addresses, bench/train_tp_torch.py): embed,
+    layers[i].{res_attn, attn_norm, cca, res_mlp, mlp_norm, moe.{router, experts}, sel_bias},
+    final_res, final_norm, head (the LM head tied to embed, with the cross-entropy). CCA's head
+    counts and value shift are attributes, so that a rank of a tensor-parallel group can hold a
+    slice of the heads; CCA and the experts read their weights through _local() (a DTensor's
+    shard under tensor parallelism; the tensor itself otherwise), as torchtitan's models do."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -274,6 +281,9 @@ def build_torch_model(d, dev, act_dtype):
     def vec(n, fill):
         return nn.Parameter(torch.full((n,), float(fill)))
 
+    def _local(w):
+        return w.to_local() if hasattr(w, "to_local") else w
+
     class ResScale(nn.Module):  # merge(r, h) = (r + r_bias) * r_scale + (h + h_bias) * h_scale
         def __init__(self, with_r):
             super().__init__()
@@ -297,28 +307,34 @@ def build_torch_model(d, dev, act_dtype):
             self.conv1_b = vec(C, 0)
             self.temp = vec(nkv, 1)
             self.wo = nn.Parameter(torch.empty(D, Q))
+            # The q / kv heads this module computes (a shard's under tensor parallelism, whose
+            # w_qk, convs and their biases then hold [its q heads; its k heads]) and the first
+            # value channel that takes the previous token (the second half of val_proj).
+            self.nq, self.nkv, self.v_shift_from = nq, nkv, KV // 2
 
         def forward(self, x):  # x [B, T, D]
-            B = x.shape[0]
-            qk0 = F.linear(x, self.w_qk)                                        # [B, T, C]
+            B, T = x.shape[0], x.shape[1]
+            nq, nkv = self.nq, self.nkv
+            Q, C = nq * Dh, (nq + nkv) * Dh
+            qk0 = F.linear(x, _local(self.w_qk))                                # [B, T, C]
             c = F.pad(qk0.transpose(1, 2), ((W0 - 1) + (W1 - 1), 0))            # causal: left pad
-            c = F.conv1d(c, self.conv0_w, self.conv0_b, groups=C)              # [B, C, T + W1 - 1]
-            c = F.conv1d(c, self.conv1_w, self.conv1_b, groups=C // Dh)        # [B, C, T]
+            c = F.conv1d(c, _local(self.conv0_w), _local(self.conv0_b), groups=C)        # [B, C, T + W1 - 1]
+            c = F.conv1d(c, _local(self.conv1_w), _local(self.conv1_b), groups=C // Dh)  # [B, C, T]
             conv = c.transpose(1, 2).float()
             q0 = qk0[..., :Q].float().view(B, T, nkv, G, Dh)
             k0 = qk0[..., Q:].float().view(B, T, nkv, 1, Dh)
             aq = conv[..., :Q].view(B, T, nkv, G, Dh) + 0.5 * (q0 + k0)        # m_q = (q0 + k0) / 2
             ak = conv[..., Q:].view(B, T, nkv, Dh) + 0.5 * q0.mean(3) + 0.5 * k0[:, :, :, 0]
             q = aq * (sqrt_d * torch.rsqrt(aq.pow(2).sum(-1, keepdim=True)))
-            k = ak * (sqrt_d * torch.rsqrt(ak.pow(2).sum(-1, keepdim=True))) * self.temp.view(nkv, 1)
+            k = ak * (sqrt_d * torch.rsqrt(ak.pow(2).sum(-1, keepdim=True))) * _local(self.temp).view(nkv, 1)
             q = rope(q.reshape(B, T, nq, Dh)).to(act_dtype)
             k = rope(k).to(act_dtype)
-            v = F.linear(x, self.w_v)                                           # [B, T, KV]
-            half = KV // 2                                                      # second half: previous token
+            v = F.linear(x, _local(self.w_v))                                   # [B, T, KV]
+            half = self.v_shift_from                                            # second half: previous token
             v = torch.cat([v[..., :half], F.pad(v[:, :-1, half:], (0, 0, 1, 0))], -1).view(B, T, nkv, Dh)
             att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2).to(act_dtype),
                                                  is_causal=True, scale=1.0 / sqrt_d, enable_gqa=True)
-            return F.linear(att.transpose(1, 2).reshape(B, T, Q), self.wo)
+            return F.linear(att.transpose(1, 2).reshape(B, T, Q), _local(self.wo))
 
     class Router(nn.Module):
         def __init__(self, eda):
@@ -361,55 +377,82 @@ def build_torch_model(d, dev, act_dtype):
             out.index_add_(0, rows, ye.float() * gate[rows, None])
         return out, counts
 
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_gate = nn.Parameter(torch.empty(E, FE, D))
+            self.w_up = nn.Parameter(torch.empty(E, FE, D))
+            self.w_down = nn.Parameter(torch.empty(E, D, FE))
+
+        def forward(self, x, gate, idx):
+            return experts_and_skip(x, idx, gate, _local(self.w_gate), _local(self.w_up), _local(self.w_down))
+
+    class MoE(nn.Module):
+        def __init__(self, l):
+            super().__init__()
+            self.router = Router(eda=l > 0)
+            self.experts = Experts()
+
+        def forward(self, x, prev, bias):  # x [B, T, D]
+            B, T = x.shape[0], x.shape[1]
+            x = x.view(B * T, D)
+            state, idx, gate = self.router(x, prev, bias)
+            y, counts = self.experts(x, gate, idx)
+            return y.view(B, T, D), state, counts
+
     class Layer(nn.Module):
         def __init__(self, l):
             super().__init__()
             self.res_attn, self.res_mlp = ResScale(l > 0), ResScale(True)
             self.attn_norm, self.mlp_norm = vec(D, 1), vec(D, 1)
             self.cca = CCA()
-            self.router = Router(eda=l > 0)
-            self.w_gate = nn.Parameter(torch.empty(E, FE, D))
-            self.w_up = nn.Parameter(torch.empty(E, FE, D))
-            self.w_down = nn.Parameter(torch.empty(E, D, FE))
+            self.moe = MoE(l)
             self.register_buffer("sel_bias", torch.zeros(classes))
             with torch.no_grad():
                 self.sel_bias[E] = -1.0                                          # ZAYA1: skip starts at -1
 
         def forward(self, r, h, prev):
-            B = h.shape[0]
             r1 = self.res_attn(r, h)
             ya = self.cca(rmsnorm(r1, self.attn_norm, act_dtype))
             r2 = self.res_mlp(r1, ya)
-            x = rmsnorm(r2, self.mlp_norm, act_dtype).view(B * T, D)
-            state, idx, gate = self.router(x, prev, self.sel_bias)
-            y, counts = experts_and_skip(x, idx, gate, self.w_gate, self.w_up, self.w_down)
-            return r2, y.view(B, T, D), state, counts
+            y, state, counts = self.moe(rmsnorm(r2, self.mlp_norm, act_dtype), prev, self.sel_bias)
+            return r2, y, state, counts
+
+    class TiedHead(nn.Module):
+        """The LM head tied to the embedding (full logits) and the cross-entropy."""
+
+        def __init__(self, embed):
+            super().__init__()
+            self.__dict__["embed"] = embed  # a reference, not a second registration
+
+        def forward(self, x, targets):
+            logits = F.linear(x, self.embed.weight)
+            return F.cross_entropy(logits.view(-1, V).float(), targets.view(-1))
 
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed = nn.Parameter(torch.empty(V, D))
+            self.embed = nn.Embedding(V, D, _weight=torch.empty(V, D))
             self.layers = nn.ModuleList([Layer(l) for l in range(L)])
             self.final_res = ResScale(True)
             self.final_norm = vec(D, 1)
+            self.head = TiedHead(self.embed)
 
         def forward(self, tokens, targets):
             # (torch.compile falls back to eager for this loop, as the expert loop breaks the
             # graph; each Layer.forward and loss() are compiled as frames of their own.)
-            r, h, prev, counts = None, F.embedding(tokens, self.embed), None, []
+            r, h, prev, counts = None, self.embed(tokens), None, []
             for layer in self.layers:
                 r, h, prev, c = layer(r, h, prev)
                 counts.append(c)
             return self.loss(r, h, targets), counts
 
         def loss(self, r, h, targets):
-            x = rmsnorm(self.final_res(r, h), self.final_norm, act_dtype)
-            logits = F.linear(x, self.embed)
-            return F.cross_entropy(logits.view(-1, V).float(), targets.view(-1))
+            return self.head(rmsnorm(self.final_res(r, h), self.final_norm, act_dtype), targets)
 
         def keel_params(self):
             """keel parameter name -> (torch parameter, keel shape)."""
-            m = {"embed.weight": (self.embed, None)}
+            m = {"embed.weight": (self.embed.weight, None)}
 
             def rs(prefix, s):
                 m[prefix + "h_scale"], m[prefix + "h_bias"] = (s.h_scale, None), (s.h_bias, None)
@@ -426,14 +469,14 @@ def build_torch_model(d, dev, act_dtype):
                     m[p + "attn.cca." + k] = (t, (C, W0) if k == "conv0.weight" else None)
                 rs(p + "res_scale.mlp.", y.res_mlp)
                 m[p + "mlp_norm.weight"] = (y.mlp_norm, None)
-                ro = y.router
+                ro = y.moe.router
                 for k, t in (("down.weight", ro.down_w), ("down.bias", ro.down_b), ("eda_scale", ro.eda_scale),
                              ("norm.weight", ro.norm_w), ("mlp1.weight", ro.mlp1_w), ("mlp1.bias", ro.mlp1_b),
                              ("mlp2.weight", ro.mlp2_w), ("mlp2.bias", ro.mlp2_b), ("out.weight", ro.out_w)):
                     if t is not None:
                         m[p + "moe.router." + k] = (t, None)
                 for k in ("w_gate", "w_up", "w_down"):
-                    m[p + "moe." + k] = (getattr(y, k), None)
+                    m[p + "moe." + k] = (getattr(y.moe.experts, k), None)
             rs("final_res_scale.", self.final_res)
             m["final_norm.weight"] = (self.final_norm, None)
             return m

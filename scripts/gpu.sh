@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep decode ckpt ab
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -190,6 +190,21 @@ for step in "${steps[@]}"; do
       timeout 900 python3 bench/train_dp_scaling.py --keel "$build/keel" --out "$out/ep" --gpus "$scaling" \
           --ep-gpus "$scaling" ${KEEL_EP_ARGS:---no-torch --lr 3e-5 --router-bias-rate 0.05} 2>&1 | tee "$out/ep_scaling.log" | tail -16
       grep -A12 -E '^== (keel train weak scaling|PyTorch DDP)' "$out/ep_scaling.log" >>"$summary" ;;
+    tp)
+      if [ "$gpus" -lt 2 ]; then note "tp: skipped (needs 2+ GPUs)"; continue; fi
+      # keel train's tensor parallelism on 2 GPUs (T=2 with and without sequence parallelism,
+      # beside DP=2 and EP=2) against PyTorch's tensor-parallel API on the same models and step
+      # (bench/train_tp_vs_torch.py: the bench model and the ZAYA1-shaped model; tokens/s, MFU,
+      # memory per GPU, routing, and the time over the one-GPU runs). KEEL_TP_ARGS go to the script;
+      # both models take about 16 runs: where a call's time is short, split them, e.g.
+      # KEEL_TP_ARGS="--models bench" then "--models zaya1" (or --no-one-gpu, --configs ...).
+      timeout "${KEEL_TP_TIMEOUT:-900}" python3 bench/train_tp_vs_torch.py --keel "$build/keel" --out "$out/tp" \
+          ${KEEL_TP_ARGS:-} 2>&1 | tee "$out/tp_vs_torch.log" | tail -30
+      if grep -q '^== keel TP vs PyTorch TP' "$out/tp_vs_torch.log"; then
+        grep -A40 '^== keel TP vs PyTorch TP' "$out/tp_vs_torch.log" >>"$summary"
+      else
+        note "tp: FAILED or timed out before the table (see tp_vs_torch.log)"
+      fi ;;
     train)
       # keel train vs a PyTorch implementation of the same MoE and step (eager and torch.compile).
       timeout 900 python3 bench/train_vs_torch.py --keel "$build/keel" --out "$out/train" ${KEEL_TRAIN_ARGS:-} 2>&1 \

@@ -22,9 +22,10 @@ class CudaPlan {
   // tensor group (tokens: the rows a block reads; sequence: sequence parallelism).
   CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t tokens = 0, bool sequence = false);
   const std::vector<blocks::cuda::LayerRunners>& layers() const { return layers_; }
-  // GPU memory the runners hold of their own (the expert exchange's and the sequence-parallel
-  // gathers' buffers).
+  // GPU memory the runners hold of their own: the expert exchange's buffers, and the
+  // sequence-parallel gathers' (tensor_bytes).
   std::size_t device_bytes() const;
+  std::size_t tensor_bytes() const { return tp_ ? tp_->device_bytes() : 0; }
   // The tensor-parallel boundary, null at tensor degree 1.
   CudaTensorParallelLinear* tensor() const { return tp_.get(); }
 

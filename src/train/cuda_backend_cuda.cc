@@ -239,7 +239,8 @@ class CudaBackend final : public TrainBackend {
             {"saved activations", saved},
             {"backward scratch", acts - saved - ce},
             {"cross-entropy (kept logits)", ce},
-            {"expert-parallel exchange", plan_->device_bytes()}};
+            {"expert-parallel exchange", plan_->device_bytes() - plan_->tensor_bytes()},
+            {"sequence-parallel gathers", plan_->tensor_bytes()}};
   }
 
   void zero_grads() override {
