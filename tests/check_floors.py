@@ -29,7 +29,9 @@ ALLOWED = {
     "eval": {"ckpt", "common", "data", "model", "ops", "train"},
     "size": {"common", "hw", "mesh", "model", "optim", "parallel", "train"},
     "bench": {"common", "device", "hw", "model"},
-    "cli": {"bench", "ckpt", "common", "data", "eval", "generate", "size", "train"},
+    # the supervisor drives keel train from outside: it reads train configs and checkpoint roots
+    "run": {"ckpt", "common", "device", "train"},
+    "cli": {"bench", "ckpt", "common", "data", "eval", "generate", "run", "size", "train"},
 }
 
 

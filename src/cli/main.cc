@@ -19,6 +19,7 @@
 #include "data/command.h"
 #include "eval/command.h"
 #include "generate/command.h"
+#include "run/command.h"
 #include "size/command.h"
 #include "train/command.h"
 
@@ -103,6 +104,7 @@ int main(int argc, char** argv) {
   keel::train::add_command(app);
   keel::generate::add_command(app);
   keel::eval::add_command(app);
+  keel::run::add_command(app);
 
   if (const std::string problem = command_word_problem(app, argc, argv); !problem.empty()) {
     // Under a launcher every rank parses the same words: let one of them speak.

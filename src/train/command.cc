@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/faults.h"
 #include "common/hash.h"
 #include "common/mpi_session.h"
 #include "common/process.h"
@@ -143,6 +144,9 @@ void add_command(CLI::App& app) {
     double timeout = kDefaultTimeoutSeconds;  // keel's --timeout (common/watchdog.h)
     int hang_rank = -1;
     std::int64_t hang_step = -1;  // 0: at start-up, before the ranks compare their configs
+    std::vector<std::string> inject;        // fault specs (common/faults.h)
+    std::string heartbeat;                  // directory of the ranks' heartbeat files
+    std::vector<std::int64_t> skip_steps;   // steps whose data is skipped
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
@@ -161,15 +165,45 @@ void add_command(CLI::App& app) {
   cmd->add_option("--inject-hang-rank", args->hang_rank, "Fault injection (tests): this rank hangs at --inject-hang-step");
   cmd->add_option("--inject-hang-step", args->hang_step,
                   "Fault injection (tests): the step at which it hangs (0: at start-up, before the config check)");
-  cmd->callback([args, stop_after] {
+  cmd->add_option("--inject", args->inject,
+                  "Fault injection (tests, supervisor drills; repeatable): a comma list of KIND@STEP[:rRANK][:ARG]: "
+                  "kill@S (SIGKILL), exit@S[:CODE] (_exit, default 3), hang@S, slow@S[-E][:MS] (sleep MS ms, default "
+                  "500, at each step S..E), nan@S (the step's loss is NaN); at the start of step S on world rank RANK "
+                  "(default 0)");
+  CLI::Option* heartbeat = cmd->add_option("--heartbeat", args->heartbeat,
+                  "Every rank writes DIR/rank-<rank>.json after start-up, after every step and at the end: "
+                  "{rank, step, time, step_seconds, phase (start|step|done), host, pid, world}");
+  cmd->add_option("--skip-step", args->skip_steps,
+                  "Skip the data of step S (repeatable): before step S the loader drops that step's micro-batches and "
+                  "step S trains on the following ones; nothing for a step at or before the one resumed from");
+  cmd->callback([args, stop_after, heartbeat] {
     check_timeout_flag(args->timeout);  // >= 0; 0 or inf: no deadline
     if (stop_after->count() > 0 && args->until < 1)
       throw UsageError(fmt::format("--stop-after {}: must be a step count >= 1", args->until));
     if (args->hang_step < -1) throw UsageError("--inject-hang-step must be >= 0 (0: at start-up)");
+    FaultPlan faults;
+    for (const std::string& spec : args->inject) faults.add(parse_faults(spec, "--inject"));
+    for (const std::int64_t s : args->skip_steps)
+      if (s < 1) throw UsageError(fmt::format("--skip-step {}: must be a step >= 1 (steps count from 1)", s));
+    if (heartbeat->count() > 0 && args->heartbeat.empty())
+      throw UsageError("--heartbeat: needs a directory (it is created when missing)");
     TrainConfig cfg = load_train_config(args->config, args->sets);
     if ((args->hang_rank >= 0) != (args->hang_step >= 0))
       throw UsageError("--inject-hang-rank and --inject-hang-step go together");
     MpiSession mpi;  // a world of one without a launcher
+    for (const Fault& f : faults.faults)
+      if (f.rank >= mpi.size())
+        throw UsageError(fmt::format("--inject {}: rank {} is not in this run of {} rank{} (0-{})", f.spec, f.rank,
+                                     mpi.size(), mpi.size() == 1 ? "" : "s", mpi.size() - 1));
+    // --inject-hang-rank R --inject-hang-step S (S >= 1): hang@S:rR (S = 0 is handled below, at start-up)
+    if (args->hang_step > 0) {
+      Fault f;
+      f.kind = Fault::Kind::kHang;
+      f.first_step = f.last_step = args->hang_step;
+      f.rank = args->hang_rank;
+      f.spec = fmt::format("hang@{}:r{}", args->hang_step, args->hang_rank);
+      faults.faults.push_back(f);
+    }
     // SIGINT / SIGTERM (Ctrl-C, a preemption): the first stops the run at the next step boundary,
     // every rank at the same one, after saving a checkpoint there; a second exits at once.
     install_stop_signals();
@@ -185,8 +219,9 @@ void add_command(CLI::App& app) {
     };
     phase("start-up (config check, GPU binding)");
     if (args->hang_step == 0 && mpi.rank() == args->hang_rank) hang_forever();
-    require_same_config_on_every_rank(fmt::format("{}\n--resume: {}\n--stop-after: {}\n", cfg.text, args->resume,
-                                                  args->until),
+    // --skip-step too: a rank skipping other data than its peers would train silently on another batch.
+    require_same_config_on_every_rank(fmt::format("{}\n--resume: {}\n--stop-after: {}\n--skip-step: {}\n", cfg.text,
+                                                  args->resume, args->until, fmt::join(args->skip_steps, ",")),
                                       mpi);
     parallel::Mesh mesh = make_mesh(cfg, mpi);
     dog.on_timeout([mesh]() mutable { mesh.abort_all(); });  // collectives stuck on a dead peer return
@@ -194,7 +229,9 @@ void add_command(CLI::App& app) {
     const auto started = std::chrono::steady_clock::now();
     Trainer t(cfg, mesh);
     t.watch_progress(&dog, args->timeout);
-    if (args->hang_step > 0) t.inject_hang(args->hang_rank, args->hang_step);
+    t.set_faults(faults);
+    if (!args->heartbeat.empty()) t.heartbeat_to(args->heartbeat);
+    t.skip_data_of(args->skip_steps);
     t.stop_when([] { return stop_signal(); });
     if (!args->resume.empty()) {
       phase(fmt::format("resuming from {}", args->resume));

@@ -4,6 +4,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include "ckpt/store.h"
 #include "common/error.h"
 #include "common/fileio.h"
+#include "common/host.h"
 #include "common/mpi_session.h"
 #include "common/watchdog.h"
 #include "common/parallel_for.h"
@@ -313,6 +315,23 @@ StepStats Trainer::train_step() {
   // Every micro-batch's loss is a mean over its tokens; the step's is the mean over the
   // grad_accum micro-batches of all ranks (gradients are summed over ranks by the optimizer).
   const float scale = 1.0f / static_cast<float>(cfg_.grad_accum);
+  // Fault injection (nan@S:rR): the first micro-batch's loss parts are NaN on rank R and the
+  // other ranks of its tensor group (tp consecutive world ranks, whose losses are one), after
+  // its backward: every rank runs the same collectives, and the check below stops them all.
+  bool nan_injected = false;
+  if (!faults_.empty()) {
+    const int first = mesh_.rank() - mesh_.coord().tp;
+    for (int r = first; r < first + mesh_.shape().tp; ++r)
+      if (faults_.nan_at(s.step, r)) {
+        nan_injected = true;
+        if (r == mesh_.rank()) {
+          std::fflush(stdout);
+          std::fprintf(stderr, "keel: fault injection: rank %d's loss is NaN at step %lld\n", r,
+                       static_cast<long long>(s.step));
+          std::fflush(stderr);
+        }
+      }
+  }
   for (int a = 0; a < local_accum_; ++a) {
     const auto rows = loader_->next_batch();
     for (int b = 0; b < cfg_.micro_batch; ++b) {
@@ -327,12 +346,13 @@ StepStats Trainer::train_step() {
         targets_[b * L + t] = static_cast<std::int32_t>(row[t + 1]);
       }
     }
-    const LossParts lp = m.forward(inputs_.data(), targets_.data());
+    LossParts lp = m.forward(inputs_.data(), targets_.data());
     if (!std::isfinite(lp.total)) {  // reported below (on every rank alike), with no backward of it
       s.loss = lp.total, s.ce = lp.ce, s.aux = lp.aux, s.z = lp.z;
       break;
     }
     m.backward(scale);
+    if (a == 0 && nan_injected) lp.total = lp.ce = lp.aux = lp.z = std::nan("");
     s.loss += lp.total * scale;
     s.ce += lp.ce * scale;
     s.aux += lp.aux * scale;
@@ -343,14 +363,14 @@ StepStats Trainer::train_step() {
   sum_over(mesh_.data(), parts, 4);
   s.loss = parts[0], s.ce = parts[1], s.aux = parts[2], s.z = parts[3];
   if (!std::isfinite(s.loss))
-    throw Error(fmt::format("step {}: loss is {} (ce {}, aux {}, z {}): stopping", s.step, num(s.loss), num(s.ce),
+    throw NonFiniteStep(fmt::format("step {}: loss is {} (ce {}, aux {}, z {}): stopping", s.step, num(s.loss), num(s.ce),
                             num(s.aux), num(s.z)));
   s.lr = optim::lr_at(cfg_.schedule, step_);
   StepResult r;
   try {
     r = m.clip_and_step(cfg_.clip, s.lr);
   } catch (const optim::NonFiniteGradient& e) {
-    throw Error(fmt::format("step {}: gradient norm is {}{}: stopping", s.step, num(e.norm()),
+    throw NonFiniteStep(fmt::format("step {}: gradient norm is {}{}: stopping", s.step, num(e.norm()),
                             e.param().empty() ? "" : fmt::format(" (first non-finite gradient in '{}')", e.param())));
   }
   s.grad_norm = r.grad_norm;
@@ -500,6 +520,10 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
                 static_cast<long long>(cfg_.steps), static_cast<long long>(step_tokens),
                 to_string(cfg_.model_options.recompute));
   if (!quiet_ && step_ == 0) std::printf("%s\n", memory_report(*backend_).c_str());
+  if (!heartbeat_started_) {  // after start-up (and resume), before the first step
+    heartbeat_started_ = true;
+    heartbeat("start", 0);
+  }
   while (step_ < until) {
     // A stop request (SIGINT / SIGTERM) of any rank stops every rank here, at the same step.
     if (stop_requested_) {
@@ -509,12 +533,29 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
       }
     }
     progress(fmt::format("step {}", step_ + 1));
-    if (step_ + 1 == hang_step_ && mesh_.rank() == hang_rank_) {
-      std::printf("fault injection: rank %d hangs at step %lld\n", hang_rank_, static_cast<long long>(hang_step_));
-      std::fflush(stdout);
-      hang_forever();
+    const auto step_start = clock::now();
+    faults_.before_step(step_ + 1, mesh_.rank());  // fault injection: kill, exit, hang, slow
+    if (std::find(skip_steps_.begin(), skip_steps_.end(), step_ + 1) != skip_steps_.end()) {
+      // --skip-step: this step's micro-batches, drawn as train_step() would and dropped
+      for (int a = 0; a < local_accum_; ++a) loader_->next_batch();
+      if (!quiet_) std::printf("keel train: skipping the data of step %lld\n", static_cast<long long>(step_ + 1));
     }
-    const StepStats s = train_step();
+    const nlohmann::json data_at = loader_->state();  // the data position before this step's batches
+    StepStats s;
+    try {
+      s = train_step();
+    } catch (const NonFiniteStep&) {
+      // A non-finite loss or gradient norm stops every rank alike before any update: the state
+      // of step_ is still good. Saved here (with the data position before this step), a restart
+      // that skips this step's data (--skip-step, keel run) loses only this step.
+      if (saves) {
+        loader_->restore(data_at);
+        progress(fmt::format("the checkpoint of step {} (before the non-finite step)", step_));
+        save_checkpoint();
+        finish_checkpoint();
+      }
+      throw;
+    }
     tokens += step_tokens;
     out.push_back(s);
     if (s.step % cfg_.log_interval == 0 || s.step == 1 || s.step == cfg_.steps) {
@@ -536,6 +577,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
     } else {
       commit_when_written();
     }
+    heartbeat("step", std::chrono::duration<double>(clock::now() - step_start).count());
     std::fflush(stdout);
   }
   // Stopped before the schedule's end (--stop-after, or a signal in a run that saves
@@ -547,7 +589,55 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
   progress("committing the last checkpoint");
   finish_checkpoint();  // a run ends with its last checkpoint committed
   if (log_) log_->flush();
+  heartbeat("done", last_step_seconds_);
   return out;
+}
+
+void Trainer::heartbeat(const char* phase, double step_seconds) {
+  if (heartbeat_dir_.empty()) return;
+  namespace fs = std::filesystem;
+  last_step_seconds_ = step_seconds;
+  nlohmann::ordered_json j;
+  j["rank"] = mesh_.rank();
+  j["step"] = step_;
+  j["time"] = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  j["step_seconds"] = step_seconds;
+  j["phase"] = phase;
+  if (heartbeat_host_.empty()) heartbeat_host_ = host_name();
+  j["host"] = heartbeat_host_;
+  j["pid"] = static_cast<std::int64_t>(::getpid());
+  j["world"] = mesh_.size();
+  const std::string text = j.dump() + "\n";
+  const std::string path = (fs::path(heartbeat_dir_) / fmt::format("rank-{}.json", mesh_.rank())).string();
+  const std::string tmp = path + ".tmp";
+  std::string why;
+  std::error_code ec;
+  if (!heartbeat_dir_made_) {
+    fs::create_directories(heartbeat_dir_, ec);
+    heartbeat_dir_made_ = !ec;
+    if (ec) why = fmt::format("cannot create {}: {}", heartbeat_dir_, ec.message());
+  }
+  if (why.empty()) {
+    // One small file per step: no fsync (a heartbeat lost to a crash of the machine is stale anyway).
+    std::FILE* f = std::fopen(tmp.c_str(), "w");
+    if (!f) {
+      why = fmt::format("cannot write {}: {}", tmp, std::strerror(errno));
+      heartbeat_dir_made_ = false;  // made again next time (removed under the run?)
+    } else {
+      const bool wrote = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+      const int err = errno;
+      if (std::fclose(f) != 0 || !wrote)
+        why = fmt::format("cannot write {}: {}", tmp, std::strerror(wrote ? errno : err));
+      else if (std::rename(tmp.c_str(), path.c_str()) != 0)
+        why = fmt::format("cannot rename {} to {}: {}", tmp, path, std::strerror(errno));
+    }
+  }
+  if (why.empty() || heartbeat_warned_) return;
+  heartbeat_warned_ = true;
+  std::fprintf(stderr, "keel: warning: %s--heartbeat %s: %s; training goes on (this warning once)\n",
+               mesh_.size() > 1 ? fmt::format("[rank {}] ", mesh_.rank()).c_str() : "", heartbeat_dir_.c_str(),
+               why.c_str());
+  std::fflush(stderr);
 }
 
 void Trainer::progress(const std::string& what) {

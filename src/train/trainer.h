@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "common/dir_lock.h"
+#include "common/error.h"
+#include "common/faults.h"
 #include "common/watchdog.h"
 #include "data/blend.h"
 #include "train/backend.h"
@@ -22,6 +24,14 @@
 #include "train/train_config.h"
 
 namespace keel::train {
+
+// A step whose loss or gradient norm is not finite (the same verdict on every rank): the run
+// stops; nothing was updated, and the trainer saves the state before that step when it saves
+// checkpoints.
+class NonFiniteStep : public keel::Error {
+ public:
+  using keel::Error::Error;
+};
 
 struct StepStats {
   std::int64_t step = 0;  // 1-based: the number of optimizer steps done after this one
@@ -84,9 +94,21 @@ class Trainer {
   // checkpoint phase, so a rank that stops making progress (its own hang, or a peer's in a
   // collective) exits with one line naming the step (common/watchdog.h). Not owned.
   void watch_progress(Watchdog* dog, double seconds) { dog_ = dog, dog_seconds_ = seconds; }
-  // Fault injection for tests: data-parallel rank `rank` stops making progress (sleeps) at the
-  // start of step `step`, as a hung GPU or process would.
-  void inject_hang(int rank, std::int64_t step) { hang_rank_ = rank, hang_step_ = step; }
+  // Fault injection (common/faults.h, keel train --inject): run() asks the plan at the start of
+  // every step, before any of its work (kill, exit, hang, slow on this world rank), and
+  // train_step() whether the step's loss is to be NaN (then on every rank of this rank's tensor
+  // group, so that the ranks stop alike through the non-finite-loss check).
+  void set_faults(FaultPlan plan) { faults_ = std::move(plan); }
+  // keel train --heartbeat DIR: every rank writes DIR/rank-<world rank>.json (through a .tmp
+  // file and a rename) after start-up (phase "start"), after every step (phase "step", after
+  // that step's checkpoint save) and at run()'s end (phase "done"): {"rank", "step", "time"
+  // (unix seconds), "step_seconds", "phase", "host", "pid", "world"}. DIR is created when
+  // missing; a failed write is one warning line, never an error.
+  void heartbeat_to(std::string dir) { heartbeat_dir_ = std::move(dir); }
+  // keel train --skip-step S: just before step S runs, the loader skips one step's micro-batches
+  // (the data of step S), and step S trains on the data that follows. Steps this run does not
+  // execute (at or before the step it resumed from) skip nothing.
+  void skip_data_of(std::vector<std::int64_t> steps) { skip_steps_ = std::move(steps); }
   // A stop request (keel train: the first SIGINT / SIGTERM): `requested` returns a signal number
   // or 0. run() asks it at every step boundary and combines the answers over the world, so every
   // rank stops at the same step when any rank was asked; it then saves a checkpoint of that step
@@ -116,6 +138,8 @@ class Trainer {
   void lock_run_dirs(bool create_checkpoint_dir);
   // The stop request of any rank, the same on every rank (collective over the world).
   int poll_stop();
+  // Writes this rank's heartbeat file, if any (heartbeat_to()).
+  void heartbeat(const char* phase, double step_seconds);
 
   TrainConfig cfg_;
   parallel::Mesh mesh_;
@@ -141,8 +165,14 @@ class Trainer {
   bool initialized_ = false;  // init_from_weights() done
   Watchdog* dog_ = nullptr;
   double dog_seconds_ = 0;
-  int hang_rank_ = -1;
-  std::int64_t hang_step_ = 0;
+  FaultPlan faults_;
+  std::vector<std::int64_t> skip_steps_;
+  std::string heartbeat_dir_;
+  bool heartbeat_started_ = false;  // the "start" heartbeat is written
+  bool heartbeat_warned_ = false;
+  bool heartbeat_dir_made_ = false;
+  double last_step_seconds_ = 0;  // the step_seconds of the last heartbeat
+  std::string heartbeat_host_;
   std::vector<std::int32_t> targets_;
   std::vector<std::uint32_t> inputs_;
 };

@@ -4,10 +4,10 @@
 # before anything is read (`keel train /dev/zero` read until the OOM killer; a directory given
 # as a model YAML said "basic_filebuf::underflow error reading the file").
 keel_cli_test(NAME unknown_command_suggests EXIT 1
-  MATCH "^keel: error: unknown command 'trian' for keel: did you mean 'train'\\? \\(keel's commands: bench, size, ckpt, data, train, generate, eval\\)$"
+  MATCH "^keel: error: unknown command 'trian' for keel: did you mean 'train'\\? \\(keel's commands: bench, size, ckpt, data, train, generate, eval, run\\)$"
   ARGS trian configs/train/tiny.yaml)
 keel_cli_test(NAME unknown_command_far EXIT 1
-  MATCH "^keel: error: unknown command 'frobnicate' for keel \\(keel's commands: bench, size, ckpt, data, train, generate, eval\\)$"
+  MATCH "^keel: error: unknown command 'frobnicate' for keel \\(keel's commands: bench, size, ckpt, data, train, generate, eval, run\\)$"
   NOT "did you mean|subcommand is required"
   ARGS frobnicate)
 keel_cli_test(NAME unknown_subcommand EXIT 1

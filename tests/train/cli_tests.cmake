@@ -64,6 +64,7 @@ keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must
 # The other runs write checkpoints too: each starts from an empty directory so reruns work.
 add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_memory train_zaya train_stop_iv train_hang train_hang_ck
          train_dp_auto train_dp_auto1 train_dp_bf16 train_memory_auto train_timeout_inf train_tp_gpu train_tp_gpu_muon
+         train_inject_exit train_inject_kill train_inject_nan train_inject_nan_dp train_inject_nan_tp train_inject_slow
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
@@ -197,6 +198,58 @@ keel_cli_test(NAME train_inject_hang_step_negative EXIT 1 MATCH "--inject-hang-s
   ARGS train ${tcfg} --inject-hang-rank 0 --inject-hang-step -2)
 keel_cli_test(NAME train_inject_hang_needs_both EXIT 1 MATCH "--inject-hang-rank and --inject-hang-step go together"
   ARGS train ${tcfg} --inject-hang-rank 0)
+
+# The hooks of a supervisor (docs/train.md "Fault injection, heartbeats, skipped data"): --inject
+# kills, exits, slows or NaNs a rank at a step, one line each; a malformed spec is one line naming it.
+set(tfault ${tshort} --set device=cpu --set checkpoint.final=false --set log_interval=1)
+keel_cli_test(NAME train_inject_unknown EXIT 1
+  MATCH "^keel: error: --inject kil@3: unknown fault 'kil' \\(kill, exit, hang, slow, nan\\)$"
+  ARGS train ${tcfg} ${tfault} --set output_dir=train_never --inject kill@5 --inject kil@3)
+keel_cli_test(NAME train_inject_rank_outside EXIT 1
+  MATCH "^keel: error: --inject exit@2:r1: rank 1 is not in this run of 1 rank \\(0-0\\)$"
+  ARGS train ${tcfg} ${tfault} --set output_dir=train_never --inject exit@2:r1)
+keel_cli_test(NAME train_inject_exit EXIT 3 MATCH "keel: fault injection: rank 0 exits with code 3 at step 3"
+  NOT "step +3/16"
+  ARGS train ${tcfg} ${tfault} --set output_dir=train_inject_exit --inject exit@3)
+keel_cli_test(NAME train_inject_kill EXIT 137 MATCH "keel: fault injection: rank 0 killed at step 2"
+  NOT "step +2/16"
+  ARGS train ${tcfg} ${tfault} --set output_dir=train_inject_kill --inject kill@2)
+keel_cli_test(NAME train_inject_nan EXIT nonzero
+  MATCH "keel: error: step 2: loss is NaN \\(ce NaN, aux NaN, z NaN\\): stopping"
+  ARGS train ${tcfg} ${tfault} --set output_dir=train_inject_nan --inject nan@2)
+# On one rank of 2, data parallel and tensor parallel: every rank stops at that step, none hangs.
+keel_cli_test(NAME train_inject_nan_dp NP 2 EXIT nonzero MATCH "step 3: loss is NaN" NOT "did not finish within"
+  ARGS train ${tcfg} ${tfault} --set batch.grad_accum=2 --set output_dir=train_inject_nan_dp --timeout 60
+       --inject nan@3:r1)
+keel_cli_test(NAME train_inject_nan_tp NP 2 EXIT nonzero MATCH "step 3: loss is NaN" NOT "did not finish within"
+  ARGS train ${tcfg} ${tfault} --set parallel.tensor=2 --set output_dir=train_inject_nan_tp --timeout 60
+       --inject nan@3:r1)
+keel_cli_test(NAME train_inject_slow MATCH "keel: fault injection: rank 0 sleeps 200 ms at step 3"
+  NOT "sleeps 200 ms at step 4"
+  ARGS train ${tcfg} ${tfault} --set steps=4 --set output_dir=train_inject_slow --inject slow@2-3:200)
+set_tests_properties(cli_train_inject_rank_outside PROPERTIES FIXTURES_REQUIRED train_stories)
+set_tests_properties(cli_train_inject_exit cli_train_inject_kill cli_train_inject_nan cli_train_inject_nan_dp
+                     cli_train_inject_nan_tp cli_train_inject_slow
+                     PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+keel_cli_test(NAME train_skip_step_zero EXIT 1 MATCH "^keel: error: --skip-step 0: must be a step >= 1"
+  ARGS train ${tcfg} --skip-step 0)
+# --heartbeat DIR: each rank's DIR/rank-<r>.json after start-up, every step and the end (one and
+# two ranks); --skip-step S: step S trains on the data after its own, and a resumed run applies
+# the skip only where its checkpoint predates it (tests/train/check_train_faults.py).
+add_test(NAME train_heartbeat
+         COMMAND python3 ${CMAKE_CURRENT_SOURCE_DIR}/train/check_train_faults.py heartbeat $<TARGET_FILE:keel>
+                 train_stories train_faults_hb
+         WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+add_test(NAME train_heartbeat_mpi
+         COMMAND python3 ${CMAKE_CURRENT_SOURCE_DIR}/train/check_train_faults.py heartbeat $<TARGET_FILE:keel>
+                 train_stories train_faults_hb_mpi ${KEEL_MPIEXEC} -n 2
+         WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+add_test(NAME train_skip_step
+         COMMAND python3 ${CMAKE_CURRENT_SOURCE_DIR}/train/check_train_faults.py skip $<TARGET_FILE:keel>
+                 train_stories train_faults_skip
+         WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(train_heartbeat train_heartbeat_mpi train_skip_step PROPERTIES FIXTURES_REQUIRED train_stories
+                     ENVIRONMENT "${KEEL_MPI_ENV}" TIMEOUT 300)
 
 # Bad input.
 keel_cli_test(NAME train_unknown_key EXIT 1 MATCH "^keel: error: .*tiny\\.yaml: unknown key 'optimizer\\.lrr' \\(from --set\\)"

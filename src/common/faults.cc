@@ -1,0 +1,152 @@
+#include "common/faults.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "common/error.h"
+#include "common/watchdog.h"
+
+namespace keel {
+namespace {
+
+// A whole decimal number (no sign, no spaces), or false.
+bool parse_int(const std::string& s, std::int64_t& out) {
+  if (s.empty() || s[0] < '0' || s[0] > '9') return false;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+  return ec == std::errc() && end == s.data() + s.size();
+}
+
+std::string trimmed(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+  return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::size_t b = 0;
+  for (;;) {
+    const std::size_t e = s.find(sep, b);
+    out.push_back(s.substr(b, e == std::string::npos ? std::string::npos : e - b));
+    if (e == std::string::npos) return out;
+    b = e + 1;
+  }
+}
+
+Fault parse_one(const std::string& word, const std::string& flag) {
+  auto bad = [&](const std::string& why) { return UsageError(fmt::format("{} {}: {}", flag, word, why)); };
+  const std::string form = "expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1";
+  if (word.empty()) throw UsageError(fmt::format("{} '': an empty fault ({})", flag, form));
+  const std::size_t at = word.find('@');
+  if (at == std::string::npos) throw bad(form);
+  Fault f;
+  f.spec = word;
+  const std::string kind = word.substr(0, at);
+  if (kind == "kill") f.kind = Fault::Kind::kKill;
+  else if (kind == "exit") f.kind = Fault::Kind::kExit;
+  else if (kind == "hang") f.kind = Fault::Kind::kHang;
+  else if (kind == "slow") f.kind = Fault::Kind::kSlow;
+  else if (kind == "nan") f.kind = Fault::Kind::kNan;
+  else throw bad(fmt::format("unknown fault '{}' (kill, exit, hang, slow, nan)", kind));
+  const bool slow = f.kind == Fault::Kind::kSlow;
+  const std::vector<std::string> fields = split(word.substr(at + 1), ':');
+
+  auto step = [&](const std::string& s) {
+    std::int64_t v = 0;
+    if (!parse_int(s, v)) throw bad(fmt::format("'{}' is not a step (a number >= 1)", s));
+    if (v < 1) throw bad(fmt::format("step {}: steps count from 1", v));
+    return v;
+  };
+  const std::string& steps = fields[0];
+  if (const std::size_t dash = steps.find('-'); dash != std::string::npos && dash > 0) {
+    if (!slow) throw bad(fmt::format("a step range is for slow only ({} fires at one step)", kind));
+    f.first_step = step(steps.substr(0, dash));
+    f.last_step = step(steps.substr(dash + 1));
+    if (f.last_step < f.first_step)
+      throw bad(fmt::format("the range {}-{} ends before it starts", f.first_step, f.last_step));
+  } else {
+    f.first_step = f.last_step = step(steps);
+  }
+
+  bool have_rank = false, have_arg = false;
+  for (std::size_t i = 1; i < fields.size(); ++i) {
+    const std::string& x = fields[i];
+    std::int64_t v = 0;
+    if (x.empty()) throw bad("an empty field after ':'");
+    if (x[0] == 'r') {
+      if (have_rank) throw bad("more than one rank");
+      if (!parse_int(x.substr(1), v) || v > 1'000'000)
+        throw bad(fmt::format("'{}' is not a rank (rN: a world rank N >= 0)", x));
+      f.rank = static_cast<int>(v);
+      have_rank = true;
+      continue;
+    }
+    if (have_arg) throw bad("more than one argument");
+    have_arg = true;
+    switch (f.kind) {
+      case Fault::Kind::kExit:
+        if (!parse_int(x, v) || v > 255) throw bad(fmt::format("'{}' is not an exit code (0-255)", x));
+        f.exit_code = static_cast<int>(v);
+        break;
+      case Fault::Kind::kSlow:
+        if (!parse_int(x, v) || v > 86'400'000) throw bad(fmt::format("'{}' is not milliseconds (0-86400000)", x));
+        f.sleep_ms = v;
+        break;
+      default:
+        throw bad(fmt::format("{} takes no argument ('{}'; a rank is written r{})", kind, x, x));
+    }
+  }
+  return f;
+}
+
+}  // namespace
+
+FaultPlan parse_faults(const std::string& spec, const std::string& flag) {
+  FaultPlan plan;
+  for (const std::string& word : split(spec, ',')) plan.faults.push_back(parse_one(trimmed(word), flag));
+  return plan;
+}
+
+void FaultPlan::before_step(std::int64_t step, int rank) const {
+  auto due = [&](const Fault& f) { return f.rank == rank && step >= f.first_step && step <= f.last_step; };
+  auto say = [&](const std::string& what) {
+    std::fflush(stdout);  // the step lines before it
+    std::fprintf(stderr, "keel: fault injection: rank %d %s at step %lld\n", rank, what.c_str(),
+                 static_cast<long long>(step));
+    std::fflush(stderr);
+  };
+  for (const Fault& f : faults)
+    if (f.kind == Fault::Kind::kSlow && due(f)) {
+      say(fmt::format("sleeps {} ms", f.sleep_ms));
+      std::this_thread::sleep_for(std::chrono::milliseconds(f.sleep_ms));
+    }
+  for (const Fault& f : faults) {
+    if (!due(f)) continue;
+    switch (f.kind) {
+      case Fault::Kind::kKill:
+        say("killed");
+        ::kill(::getpid(), SIGKILL);
+        for (;;) ::pause();  // until the signal lands
+      case Fault::Kind::kExit:
+        say(fmt::format("exits with code {}", f.exit_code));
+        ::_exit(f.exit_code);
+      case Fault::Kind::kHang:
+        say("hangs");
+        hang_forever();
+      default:
+        break;
+    }
+  }
+}
+
+bool FaultPlan::nan_at(std::int64_t step, int rank) const {
+  for (const Fault& f : faults)
+    if (f.kind == Fault::Kind::kNan && f.rank == rank && step >= f.first_step && step <= f.last_step) return true;
+  return false;
+}
+
+}  // namespace keel

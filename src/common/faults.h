@@ -1,0 +1,48 @@
+// Fault injection for tests and for the supervisor's drills (`keel train --inject SPEC`): a
+// rank dies, exits, hangs, slows down or reports a NaN loss at a chosen step, as a crashed
+// process, a wedged GPU, a straggler or a diverged run would.
+//
+// A spec is a comma-separated list of KIND@STEP[:rRANK][:ARG] (steps 1-based, ranks world ranks,
+// default 0):
+//   kill@S[:rR]            at the start of step S, rank R sends itself SIGKILL
+//   exit@S[:rR][:CODE]     ... calls _exit(CODE) (default 3, 0-255)
+//   hang@S[:rR]            ... stops making progress (hang_forever, common/watchdog.h)
+//   slow@S[-E][:rR][:MS]   at the start of each step S..E (E = S by default) sleeps MS ms (default 500)
+//   nan@S[:rR]             the loss of step S on rank R is NaN (the trainer asks nan_at)
+// Each fault that fires prints one line "keel: fault injection: ..." to stderr first.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace keel {
+
+struct Fault {
+  enum class Kind { kKill, kExit, kHang, kSlow, kNan };
+  Kind kind = Kind::kKill;
+  std::int64_t first_step = 1, last_step = 1;  // the steps it fires at, inclusive (a range for slow only)
+  int rank = 0;                                // world rank
+  int exit_code = 3;                           // exit
+  std::int64_t sleep_ms = 500;                 // slow
+  std::string spec;                            // the word it was parsed from ("kill@3:r1"), for messages
+};
+
+struct FaultPlan {
+  std::vector<Fault> faults;
+
+  bool empty() const { return faults.empty(); }
+  // Adds every fault of `other` (the union).
+  void add(const FaultPlan& other) { faults.insert(faults.end(), other.faults.begin(), other.faults.end()); }
+  // What is due on world rank `rank` at the start of step `step` (1-based), before any of its
+  // work: sleeps for slow faults, then kills, exits or hangs (not returning) for the others.
+  void before_step(std::int64_t step, int rank) const;
+  // Whether the loss of step `step` on world rank `rank` is to be NaN.
+  bool nan_at(std::int64_t step, int rank) const;
+};
+
+// Parses a spec (above). A malformed word is a keel::UsageError of one line naming it:
+// "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan)" (`flag` names the source).
+FaultPlan parse_faults(const std::string& spec, const std::string& flag = "--inject");
+
+}  // namespace keel

@@ -1,0 +1,60 @@
+#include "run/command.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <memory>
+
+#include "common/error.h"
+#include "common/process.h"
+#include "device/cuda_devices.h"
+#include "run/supervisor.h"
+
+namespace keel::run {
+
+void add_command(CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  auto ranks = std::make_shared<int>(0);
+  CLI::App* cmd = app.add_subcommand(
+      "run", "Train through faults, unattended: launch `keel train`, watch it (dead or hung ranks, NaN), and restart "
+             "it from its newest checkpoint until every step is done");
+  cmd->add_option("config", o->config, "Training config (YAML), as keel train takes it")->required();
+  cmd->add_option("--set", o->sets, "Override a config key (repeatable), as keel train's --set");
+  cmd->add_option("--ranks", *ranks, "Processes on this node (default: one per visible GPU, else 1)");
+  cmd->add_option("--launcher", o->launcher, "How several ranks start (mpirun)")->capture_default_str();
+  cmd->add_option("--hosts", o->hosts, "mpirun --hostfile for a multi-node job");
+  cmd->add_option("--max-restarts", o->max_restarts, "Faults to survive before giving up")->capture_default_str();
+  cmd->add_option("--hang-factor", o->hang_factor,
+                  "A rank is hung when its heartbeat is older than this many median step times")
+      ->capture_default_str();
+  cmd->add_option("--min-deadline", o->min_deadline, "The hang deadline's floor, seconds")->capture_default_str();
+  cmd->add_option("--start-deadline", o->start_deadline,
+                  "Seconds from launch to every rank's first heartbeat (start-up, resume) before it is a hang")
+      ->capture_default_str();
+  cmd->add_option("--backoff", o->backoff, "Seconds before the first restart; doubles per restart")->capture_default_str();
+  cmd->add_option("--backoff-max", o->backoff_max, "The back-off's ceiling, seconds")->capture_default_str();
+  cmd->add_option("--grace", o->grace, "Seconds a stop signal gives the job to save and exit")->capture_default_str();
+  cmd->add_option("--events", o->events, "Event log (JSONL; default: <output_dir>/run_events.jsonl)");
+  cmd->add_option("--inject", o->inject,
+                  "Fault injection (tests, soak runs): keel train --inject specs, e.g. kill@5:r1 (repeatable)");
+  cmd->add_option("--train-arg", o->train_args, "One more keel train flag or value, passed as is (repeatable)");
+  cmd->callback([o, ranks] {
+    if (launcher_size() > 1)
+      throw UsageError("run: keel run is the supervisor, not a rank: start it once, not under mpirun or srun");
+    o->ranks = *ranks > 0 ? *ranks : std::max(1, visible_cuda_devices());
+    if (*ranks < 0) throw UsageError(fmt::format("--ranks {}: must be >= 1", *ranks));
+    if (o->launcher != "mpirun")
+      throw UsageError(fmt::format("--launcher {}: keel run launches with mpirun (srun: run keel run inside the "
+                                   "allocation with --launcher mpirun)",
+                                   o->launcher));
+    if (o->max_restarts < 0) throw UsageError(fmt::format("--max-restarts {}: must be >= 0", o->max_restarts));
+    for (const auto& [v, name] : {std::pair{o->hang_factor, "--hang-factor"}, std::pair{o->min_deadline, "--min-deadline"},
+                                  std::pair{o->start_deadline, "--start-deadline"}, std::pair{o->backoff, "--backoff"},
+                                  std::pair{o->backoff_max, "--backoff-max"}, std::pair{o->grace, "--grace"}})
+      if (!(std::isfinite(v) && v >= 0)) throw UsageError(fmt::format("{} {}: must be a number >= 0", name, v));
+    if (o->hang_factor < 1) throw UsageError(fmt::format("--hang-factor {}: must be >= 1", o->hang_factor));
+    set_exit_code(run(*o));
+  });
+}
+
+}  // namespace keel::run

@@ -1,0 +1,449 @@
+#include "run/supervisor.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <regex>
+#include <thread>
+
+#include "ckpt/store.h"
+#include "common/error.h"
+#include "common/host.h"
+#include "train/train_config.h"
+
+namespace keel::run {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::atomic<int> g_stop{0};
+extern "C" void on_stop(int sig) { g_stop.store(sig); }
+
+std::string self_exe() {
+  std::error_code ec;
+  const fs::path p = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) fail("run: cannot find the keel binary (/proc/self/exe: {})", ec.message());
+  return p.string();
+}
+
+// One rank's last heartbeat (keel train --heartbeat).
+struct Beat {
+  int rank = -1, pid = 0, world = 0;
+  std::int64_t step = 0;
+  double time = 0, step_seconds = 0;
+  std::string phase, host;
+};
+
+std::map<int, Beat> read_beats(const fs::path& dir) {
+  std::map<int, Beat> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!name.starts_with("rank-") || !name.ends_with(".json")) continue;
+    std::ifstream f(e.path());
+    const nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object()) continue;  // being replaced: read it next time
+    Beat b;
+    b.rank = j.value("rank", -1), b.pid = j.value("pid", 0), b.world = j.value("world", 0);
+    b.step = j.value("step", std::int64_t{0});
+    b.time = j.value("time", 0.0), b.step_seconds = j.value("step_seconds", 0.0);
+    b.phase = j.value("phase", std::string()), b.host = j.value("host", std::string());
+    if (b.rank >= 0) out[b.rank] = b;
+  }
+  return out;
+}
+
+// The step `latest` of a checkpoint root names (0 without one).
+std::int64_t latest_step(const std::string& root) {
+  const std::string dir = ckpt::latest_dir(root);
+  if (dir.empty()) return 0;
+  std::smatch m;
+  const std::string name = fs::path(dir).filename().string();
+  if (std::regex_search(name, m, std::regex("step_0*([0-9]+)"))) return std::stoll(m[1]);
+  return 0;
+}
+
+// The step a fault spec names (KIND@STEP...), -1 when it names none.
+std::int64_t spec_step(const std::string& spec) {
+  std::smatch m;
+  if (std::regex_search(spec, m, std::regex("@([0-9]+)"))) return std::stoll(m[1]);
+  return -1;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+class EventLog {
+ public:
+  explicit EventLog(const std::string& path) : path_(path) {
+    std::error_code ec;
+    fs::create_directories(fs::path(path).parent_path(), ec);
+  }
+  void write(nlohmann::json j) {
+    j["time"] = unix_now();
+    std::ofstream f(path_, std::ios::app);
+    f << j.dump() << "\n";
+  }
+
+ private:
+  std::string path_;
+};
+
+// One attempt: the child process (the launcher, or keel train itself) in its own process group,
+// its output copied to stdout and to the attempt's log.
+struct Child {
+  pid_t pid = -1;
+  int out = -1;  // read end of its stdout + stderr
+};
+
+Child spawn(const std::vector<std::string>& argv) {
+  int fds[2];
+  if (pipe(fds) != 0) fail("run: pipe: {}", std::strerror(errno));
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) fail("run: fork: {}", std::strerror(errno));
+  if (pid == 0) {
+    setpgid(0, 0);
+    signal(SIGINT, SIG_DFL), signal(SIGTERM, SIG_DFL);
+    dup2(fds[1], 1), dup2(fds[1], 2);
+    close(fds[0]), close(fds[1]);
+    execvp(args[0], args.data());
+    std::fprintf(stderr, "keel: error: run: cannot start %s: %s\n", args[0], std::strerror(errno));
+    _exit(127);
+  }
+  setpgid(pid, pid);
+  close(fds[1]);
+  fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
+  return {pid, fds[0]};
+}
+
+struct Fault {
+  std::string kind;  // dead, hang, nan, exit
+  int rank = -1, pid = 0;
+  std::string host;
+  std::int64_t step = 0;  // the last step every rank finished
+  double detect_seconds = 0;
+  std::string detail;
+  std::int64_t skip_step = 0;  // nan: the step whose data is skipped on restart
+};
+
+}  // namespace
+
+int run(const Options& o) {
+  const train::TrainConfig cfg = train::load_train_config(o.config, o.sets);
+  const std::string ckpt_root = cfg.checkpoint_dir.empty() ? cfg.output_dir : cfg.checkpoint_dir;
+  if (cfg.checkpoint_interval <= 0)
+    std::fprintf(stderr, "keel: warning: run: checkpoint.interval is 0: a fault restarts the run from its start "
+                         "(or from the checkpoint it resumed)\n");
+  const fs::path out_dir = cfg.output_dir, beats_dir = out_dir / ".heartbeat";
+  EventLog events(o.events.empty() ? (out_dir / "run_events.jsonl").string() : o.events);
+  const std::string exe = self_exe();
+  std::signal(SIGINT, on_stop);
+  std::signal(SIGTERM, on_stop);
+
+  const auto wall0 = Clock::now();
+  std::vector<std::int64_t> skips;
+  std::vector<std::string> pending = o.inject;
+  std::map<std::string, int> survived;
+  double useful = 0;  // seconds of the steps kept
+  int restarts = 0;
+  std::string last_startup_error;  // the previous attempt's error before its first step
+  events.write({{"event", "start"}, {"config", o.config}, {"ranks", o.ranks}, {"steps", cfg.steps}});
+  for (int attempt = 1;; ++attempt) {
+    const std::int64_t resume = latest_step(ckpt_root);
+    std::error_code ec;
+    fs::remove_all(beats_dir, ec);
+    fs::create_directories(beats_dir, ec);
+    std::vector<std::string> argv;
+    if (o.ranks > 1) {
+      argv = {o.launcher, "-np", std::to_string(o.ranks), "--oversubscribe", "--bind-to", "none"};
+      if (!o.hosts.empty()) argv.insert(argv.end(), {"--hostfile", o.hosts});
+    }
+    argv.insert(argv.end(), {exe, "train", o.config, "--heartbeat", beats_dir.string()});
+    for (const auto& s : o.sets) argv.insert(argv.end(), {"--set", s});
+    if (resume > 0) argv.insert(argv.end(), {"--resume", ckpt_root});
+    for (std::int64_t s : skips) argv.insert(argv.end(), {"--skip-step", std::to_string(s)});
+    for (const auto& f : pending) argv.insert(argv.end(), {"--inject", f});
+    argv.insert(argv.end(), o.train_args.begin(), o.train_args.end());
+    std::printf("keel run: attempt %d%s\n", attempt,
+                resume > 0 ? fmt::format(", resuming from step {}", resume).c_str() : ", from the start");
+    std::fflush(stdout);
+    const std::string log_path = (out_dir / fmt::format("run_attempt_{}.log", attempt)).string();
+    fs::create_directories(out_dir, ec);
+    std::ofstream log(log_path);
+    const auto t_start = Clock::now();
+    Child child = spawn(argv);
+
+    std::deque<std::string> tail;  // the attempt's last lines
+    std::string partial;
+    auto drain = [&] {
+      char buf[65536];
+      for (;;) {
+        const ssize_t n = read(child.out, buf, sizeof buf);
+        if (n <= 0) break;
+        std::fwrite(buf, 1, static_cast<std::size_t>(n), stdout);
+        log.write(buf, n);
+        partial.append(buf, static_cast<std::size_t>(n));
+        for (std::size_t nl; (nl = partial.find('\n')) != std::string::npos;) {
+          tail.push_back(partial.substr(0, nl));
+          partial.erase(0, nl + 1);
+          if (tail.size() > 400) tail.pop_front();
+        }
+      }
+      std::fflush(stdout);
+      log.flush();
+    };
+    auto kill_job = [&](const std::map<int, Beat>& beats) {
+      kill(-child.pid, SIGTERM);
+      for (const auto& [r, b] : beats)
+        if (b.pid > 0) kill(b.pid, SIGKILL);  // a hung rank does not answer SIGTERM
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      kill(-child.pid, SIGKILL);
+    };
+
+    std::optional<Fault> fault;
+    int status = 0;
+    bool exited = false, stopping = false;
+    Clock::time_point stop_at{};
+    std::vector<double> step_times;
+    std::int64_t seen_step = resume;
+    std::map<int, Beat> beats;
+    while (!exited) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(o.poll));
+      drain();
+      if (waitpid(child.pid, &status, WNOHANG) == child.pid) {
+        exited = true;
+        break;
+      }
+      if (const int sig = g_stop.load(); sig != 0 && !stopping) {
+        stopping = true, stop_at = Clock::now();
+        std::printf("keel run: signal %d: the job saves at its next step and stops\n", sig);
+        // to the ranks themselves (a launcher that gets it aborts the job instead of letting the
+        // ranks finish their save), or the group before any rank has started
+        const std::map<int, Beat> now_beats = read_beats(beats_dir);
+        bool told = false;
+        for (const auto& [r, b] : now_beats)
+          if (b.pid > 0 && b.host == host_name()) told |= kill(b.pid, SIGTERM) == 0;
+        if (!told) kill(-child.pid, SIGTERM);
+      }
+      if (stopping) {
+        if (std::chrono::duration<double>(Clock::now() - stop_at).count() > o.grace) kill_job(read_beats(beats_dir));
+        continue;
+      }
+      beats = read_beats(beats_dir);
+      const double now = unix_now();
+      // step times: every rank reports its last; the median over the attempt's steps so far
+      for (const auto& [r, b] : beats)
+        if (b.step > seen_step && b.step_seconds > 0 && r == beats.begin()->first) {
+          seen_step = b.step;
+          step_times.push_back(b.step_seconds);
+        }
+      // a rank whose process is gone (same host: its pid)
+      for (const auto& [r, b] : beats)
+        if (b.pid > 0 && b.phase != "done" && b.host == host_name() && kill(b.pid, 0) != 0 && errno == ESRCH) {
+          Fault f;
+          f.kind = "dead", f.rank = r, f.pid = b.pid, f.host = b.host, f.step = b.step;
+          f.detect_seconds = o.poll;  // within one poll of its exit
+          f.detail = "its process is gone";
+          fault = f;
+          break;
+        }
+      if (fault) {
+        kill_job(beats);
+        break;
+      }
+      // a hung rank: the oldest heartbeat against the adaptive deadline
+      const double since_start = std::chrono::duration<double>(Clock::now() - t_start).count();
+      const int world = beats.empty() ? 0 : beats.begin()->second.world;
+      const bool all_started = world > 0 && static_cast<int>(beats.size()) >= world;
+      if (!all_started) {
+        if (since_start > o.start_deadline) {
+          Fault f;
+          f.kind = "hang", f.step = resume, f.detect_seconds = since_start;
+          f.detail = fmt::format("{} of {} ranks started within {} s", beats.size(), std::max(world, o.ranks),
+                                 o.start_deadline);
+          fault = f;
+          kill_job(beats);
+          break;
+        }
+        continue;
+      }
+      const double deadline = step_times.empty() ? o.start_deadline
+                                                 : std::max(o.min_deadline, o.hang_factor * median(step_times));
+      const Beat* oldest = nullptr;
+      for (const auto& [r, b] : beats)
+        if (b.phase != "done" && (!oldest || b.time < oldest->time)) oldest = &b;
+      if (oldest && now - oldest->time > deadline) {
+        Fault f;
+        f.kind = "hang", f.rank = oldest->rank, f.pid = oldest->pid, f.host = oldest->host, f.step = oldest->step;
+        f.detect_seconds = now - oldest->time;
+        f.detail = fmt::format("no heartbeat for {:.1f} s (deadline {:.1f} s: {} x the median step {:.3f} s, at least {} s)",
+                               f.detect_seconds, deadline, o.hang_factor, median(step_times), o.min_deadline);
+        fault = f;
+        kill_job(beats);
+        break;
+      }
+    }
+    if (!exited) waitpid(child.pid, &status, 0);
+    drain();
+    if (!partial.empty()) tail.push_back(partial);
+    close(child.out);
+    beats = read_beats(beats_dir);
+    std::int64_t reached = resume;
+    bool done = !beats.empty();
+    for (const auto& [r, b] : beats) {
+      reached = std::max(reached, b.step);
+      done = done && b.phase == "done";
+    }
+    const double attempt_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
+    const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (!fault && clean && done && reached >= cfg.steps) {
+      useful += median(step_times) * static_cast<double>(reached - resume);
+      const double wall = std::chrono::duration<double>(Clock::now() - wall0).count();
+      int total = 0;
+      nlohmann::json by_kind = nlohmann::json::object();
+      for (const auto& [k, n] : survived) by_kind[k] = n, total += n;
+      const double ratio = wall > 0 ? useful / wall : 0;
+      events.write({{"event", "done"}, {"steps", cfg.steps}, {"attempts", attempt}, {"faults_survived", total},
+                    {"by_kind", by_kind}, {"wall_seconds", wall}, {"step_seconds_kept", useful},
+                    {"effective_ratio", ratio}});
+      std::printf("keel run: done: %lld steps in %.1f s, %d attempt%s, faults survived: %d%s, effective training "
+                  "time %.1f%% (%.1f s in the steps kept)\n",
+                  static_cast<long long>(cfg.steps), wall, attempt, attempt == 1 ? "" : "s", total,
+                  total ? fmt::format(" ({})", by_kind.dump()).c_str() : "", 100 * ratio, useful);
+      return 0;
+    }
+    // keel train stopped by a signal saves, writes its "done" heartbeat and exits 128 + signal
+    if (!fault && stopping && (clean || done)) {
+      events.write({{"event", "stopped"}, {"signal", g_stop.load()}, {"step", reached}});
+      std::printf("keel run: stopped by signal %d at step %lld (saved; resume with keel run again)\n", g_stop.load(),
+                  static_cast<long long>(reached));
+      return 0;
+    }
+    if (stopping) {
+      events.write({{"event", "stopped"}, {"signal", g_stop.load()}, {"step", reached}, {"clean", false}});
+      throw Error(fmt::format("run: stopped by signal {}, but the job {} before its ranks had saved (see {})",
+                              g_stop.load(),
+                              WIFSIGNALED(status) ? fmt::format("ended by signal {}", WTERMSIG(status))
+                                                  : fmt::format("exited with {}", WEXITSTATUS(status)),
+                              log_path));
+    }
+    // keel train's own verdict on a non-finite loss, from its last lines (its ranks exit after
+    // it, which the pid check may have seen first)
+    {
+      std::smatch m;
+      const std::regex nonfinite("step ([0-9]+): (loss|gradient norm) is");
+      for (auto it = tail.rbegin(); it != tail.rend(); ++it)
+        if (std::regex_search(*it, m, nonfinite)) {
+          Fault f = fault.value_or(Fault{});
+          f.kind = "nan", f.skip_step = std::stoll(m[1]), f.detail = *it;
+          if (!fault) f.step = reached, f.detect_seconds = o.poll;
+          fault = f;
+          break;
+        }
+    }
+    if (!fault) {
+      Fault f;
+      f.step = reached;
+      f.detect_seconds = o.poll;
+      {
+        f.kind = clean ? "exit" : "dead";
+        f.detail = WIFSIGNALED(status) ? fmt::format("the job ended by signal {}", WTERMSIG(status))
+                                       : fmt::format("the job exited with {}{}", WEXITSTATUS(status),
+                                                     clean ? " before its last step" : "");
+        for (auto it = tail.rbegin(); it != tail.rend(); ++it)
+          if (it->find("keel: error:") != std::string::npos) {
+            f.detail += ": " + *it;
+            break;
+          }
+      }
+      fault = f;
+    }
+    // The same error before any step, twice in a row (a bad flag or config, a missing file): no
+    // restart will mend it.
+    std::string startup_error;
+    if (beats.empty() || reached == resume)
+      for (auto it = tail.rbegin(); it != tail.rend(); ++it)
+        if (it->find("keel: error:") != std::string::npos) {
+          startup_error = *it;
+          break;
+        }
+    if (!startup_error.empty() && startup_error == last_startup_error) {
+      events.write({{"event", "give_up"}, {"restarts", restarts}, {"last_fault", fault->kind}, {"detail", startup_error}});
+      throw Error(fmt::format("run: the job fails at start-up with the same error twice; not restarting it: {}",
+                              startup_error.substr(startup_error.find("keel: error:") + 13)));
+    }
+    last_startup_error = startup_error;
+    ++restarts;
+    survived[fault->kind]++;
+    const std::int64_t next = latest_step(ckpt_root);
+    if (fault->kind == "nan" && fault->skip_step > 0) skips.push_back(fault->skip_step);
+    const std::int64_t lost = std::max<std::int64_t>(0, reached - next);
+    useful += median(step_times) * static_cast<double>(std::max<std::int64_t>(0, std::min(reached, next) - resume));
+    events.write({{"event", "fault"}, {"attempt", attempt}, {"kind", fault->kind}, {"rank", fault->rank},
+                  {"host", fault->host}, {"pid", fault->pid}, {"step", fault->step}, {"reached", reached},
+                  {"detect_seconds", fault->detect_seconds}, {"attempt_seconds", attempt_seconds},
+                  {"detail", fault->detail}, {"skip_step", fault->skip_step}});
+    std::printf("keel run: fault (%s%s) at step %lld: %s; detected in %.2f s\n", fault->kind.c_str(),
+                fault->rank >= 0 ? fmt::format(", rank {} on {} pid {}", fault->rank, fault->host, fault->pid).c_str() : "",
+                static_cast<long long>(reached), fault->detail.c_str(), fault->detect_seconds);
+    if (restarts > o.max_restarts) {
+      events.write({{"event", "give_up"}, {"restarts", restarts - 1}, {"last_fault", fault->kind}});
+      throw Error(fmt::format("run: gave up after {} restarts (--max-restarts {}); the last fault: {} at step {} ({}); "
+                              "the events are in {}",
+                              restarts - 1, o.max_restarts, fault->kind, reached, fault->detail,
+                              o.events.empty() ? (out_dir / "run_events.jsonl").string() : o.events));
+    }
+    const double wait = std::min(o.backoff_max, o.backoff * std::pow(2.0, restarts - 1));
+    events.write({{"event", "restart"}, {"attempt", attempt + 1}, {"resume_step", next}, {"steps_lost", lost},
+                  {"backoff_seconds", wait}, {"skips", skips}});
+    std::printf("keel run: restarting from step %lld (%lld step%s lost) in %.1f s\n", static_cast<long long>(next),
+                static_cast<long long>(lost), lost == 1 ? "" : "s", wait);
+    std::fflush(stdout);
+    // injected faults at steps this attempt did not start are still to come (a fault fires at
+    // the start of its step: the step after the last one finished has started)
+    std::vector<std::string> still;
+    for (const auto& f : pending)
+      if (spec_step(f) > reached + 1) still.push_back(f);
+    pending = still;
+    std::this_thread::sleep_for(std::chrono::duration<double>(wait));
+    if (g_stop.load() != 0) {
+      events.write({{"event", "stopped"}, {"signal", g_stop.load()}, {"step", next}});
+      std::printf("keel run: signal %d before the restart: stopped at step %lld\n", g_stop.load(),
+                  static_cast<long long>(next));
+      return 0;
+    }
+  }
+}
+
+}  // namespace keel::run

@@ -1,0 +1,54 @@
+// `keel run`: the supervisor that keeps a training job going through faults (docs/
+// fault_tolerance.md). It launches `keel train` (one process, or N ranks under mpirun), watches
+// it, and after a fault restarts it from the newest committed checkpoint until the configured
+// steps are done. It never runs inside a rank: src/train/ does not include it; it drives keel
+// train through its flags (--heartbeat, --resume, --skip-step, --inject) and its output.
+//
+// Detection, each with its latency:
+//   dead rank   a rank's process is gone (its heartbeat names its pid; checked every poll) or
+//               the launcher exited with an error;
+//   hung rank   a rank's heartbeat is older than a deadline that adapts to the run: hang_factor
+//               x the median step time of this attempt, at least min_deadline (start_deadline
+//               before the first step); the job's processes are then killed;
+//   NaN / inf   keel train stops with "step S: loss is nan" (or a non-finite gradient norm):
+//               the restart resumes from the last checkpoint and skips step S's data;
+//   early exit  keel train exited 0 before its last step without being asked to stop.
+// Restart: from `latest` of the run's checkpoint root (committed atomically by keel train: a
+// torn save is never `latest`), after a back-off doubling from `backoff` up to `backoff_max`;
+// at most max_restarts. A stop signal (SIGINT, SIGTERM) is passed on: keel train saves at its
+// next step boundary and exits 0; the supervisor waits up to `grace` seconds.
+//
+// Events (one JSON object per line, events file): start, fault (kind, rank, host, pid, step,
+// detect_seconds), restart (resume step, steps lost, back-off), done / give_up, and a summary:
+// faults survived by kind and the effective training time ratio (the time of the steps kept
+// over the wall time).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace keel::run {
+
+struct Options {
+  std::string config;                 // the keel train config
+  std::vector<std::string> sets;      // --set overrides for every attempt
+  int ranks = 1;                      // processes (one per GPU, or CPU ranks)
+  std::string launcher = "mpirun";    // how ranks > 1 start: mpirun
+  std::string hosts;                  // mpirun --hostfile (empty: this node)
+  int max_restarts = 10;
+  double hang_factor = 3.0, min_deadline = 10.0, start_deadline = 300.0;
+  double backoff = 1.0, backoff_max = 30.0;
+  double grace = 120.0;               // after a stop signal
+  double poll = 0.1;                  // seconds between checks
+  std::vector<std::string> inject;    // keel train --inject specs (faults for testing; see run())
+  std::string events;                 // events file (default: <output_dir>/run_events.jsonl)
+  std::vector<std::string> train_args;  // more keel train flags, as given
+};
+
+// Runs the job to its end. Returns the process exit code: 0 when all steps are done (or a stop
+// signal ended it cleanly), non-zero after max_restarts faults (one error line saying why).
+// Faults injected with `inject` go to the first attempt; a later attempt gets those whose step
+// lies beyond the step its predecessor reached (the others have fired).
+int run(const Options& o);
+
+}  // namespace keel::run

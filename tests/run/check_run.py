@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""keel run, the supervisor, through injected faults on 2 CPU ranks (issue 32).
+
+The tiny MoE on the story corpus, 16 steps, a checkpoint every 4 steps, the metrics of every
+step. First an uninterrupted `keel train` under mpirun (the reference); then keel run with:
+  kill   rank 1 killed at the start of step 7: detected as a dead rank, restarted from step 4;
+         every step's loss equals the reference's bit for bit (CPU, same world size), at most one
+         checkpoint interval lost;
+  hang   rank 0 stops at step 10: detected within 3 x the median step + 3 s of the last
+         heartbeat (deadline floor 2 s), restarted from step 8, losses bit for bit (which rank
+         hung is not checked: the rank waiting for it stops beating at the same step);
+  nan    step 11's loss is NaN: keel train saves step 10 and stops, keel run resumes from step 10
+         skipping step 11's data: one step lost, steps 1-10 bit for bit, then it trains on (finite
+         losses to step 16, which differ from the reference's: other data);
+  give up  a kill with --max-restarts 0: one error line, non-zero exit;
+  stop   SIGTERM to keel run mid-run: the job saves and keel run exits 0;
+and every run's events file (run_events.jsonl) records what happened.
+Usage: check_run.py KEEL CONFIG STORIES_PREFIX WORKDIR
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+KEEL, CONFIG, STORIES, WORK = sys.argv[1:5]
+STEPS, INTERVAL = 16, 4
+SETS = ["device=cpu", f"data.datasets.stories={STORIES}", f"steps={STEPS}", "log_interval=1",
+        "schedule.warmup_steps=4", "data.seq_length=64", "batch.micro_batch=2", "batch.grad_accum=2",
+        f"eval.prefix={STORIES}_heldout", "eval.interval=0", f"checkpoint.interval={INTERVAL}"]
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           OMPI_MCA_rmaps_base_oversubscribe="1")
+failures = []
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what)
+    if not ok:
+        failures.append(what)
+
+
+def sets(out):
+    args = []
+    for s in SETS + [f"output_dir={out}"]:
+        args += ["--set", s]
+    return args
+
+
+def losses(out):
+    """step -> loss; a resumed run's rows replace the lost attempt's."""
+    rows = {}
+    for line in open(os.path.join(out, "metrics.jsonl")):
+        r = json.loads(line)
+        if "loss" in r and "step" in r:
+            rows[r["step"]] = r["loss"]
+    return rows
+
+
+def events(out):
+    return [json.loads(l) for l in open(os.path.join(out, "run_events.jsonl"))]
+
+
+def keel_run(name, *extra, expect=0):
+    out = os.path.join(WORK, name)
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.time()
+    r = subprocess.run([KEEL, "run", CONFIG, "--ranks", "2", "--backoff", "0", *sets(out), *extra],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    print(f"-- keel run {name}: exit {r.returncode} in {time.time() - t0:.1f} s")
+    for line in r.stdout.splitlines():
+        if line.startswith("keel run:") or "fault injection" in line:
+            print("   " + line)
+    if r.returncode != expect:
+        print(r.stdout[-3000:], r.stderr[-3000:])
+    check(r.returncode == expect, f"{name}: exit {r.returncode} (want {expect})")
+    return out, r
+
+
+# the reference: 2 ranks, no fault
+ref_out = os.path.join(WORK, "reference")
+shutil.rmtree(ref_out, ignore_errors=True)
+r = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", KEEL, "train", CONFIG,
+                    *sets(ref_out)], capture_output=True, text=True, env=ENV, timeout=300)
+if r.returncode != 0:
+    sys.exit(f"the reference run failed:\n{r.stdout}\n{r.stderr}")
+ref = losses(ref_out)
+assert len(ref) == STEPS, ref
+
+# kill
+out, _ = keel_run("kill", "--inject", "kill@7:r1")
+got, ev = losses(out), events(out)
+check(got == ref, "kill: every step's loss equals the uninterrupted run's bit for bit")
+faults = [e for e in ev if e["event"] == "fault"]
+check(len(faults) == 1 and faults[0]["kind"] == "dead", f"kill: one dead-rank fault ({[f['kind'] for f in faults]})")
+restart = [e for e in ev if e["event"] == "restart"]
+check(restart and restart[0]["resume_step"] == 4 and restart[0]["steps_lost"] <= INTERVAL,
+      f"kill: resumed from step 4, at most {INTERVAL} steps lost ({restart})")
+done = [e for e in ev if e["event"] == "done"]
+check(done and done[0]["faults_survived"] == 1 and 0 < done[0]["effective_ratio"] <= 1,
+      f"kill: done, one fault survived, an effective ratio ({done})")
+
+# hang
+out, _ = keel_run("hang", "--inject", "hang@10:r0", "--min-deadline", "2", "--hang-factor", "3")
+got, ev = losses(out), events(out)
+check(got == ref, "hang: every step's loss equals the uninterrupted run's bit for bit")
+faults = [e for e in ev if e["event"] == "fault"]
+check(len(faults) == 1 and faults[0]["kind"] == "hang", f"hang: one hung-rank fault ({faults})")
+if faults:
+    check(faults[0]["detect_seconds"] <= 3 * 2 + 3,
+          f"hang: detected {faults[0]['detect_seconds']:.2f} s after its last heartbeat (deadline floor 2 s)")
+
+# nan
+out, _ = keel_run("nan", "--inject", "nan@11")
+got, ev = losses(out), events(out)
+check(all(got[s] == ref[s] for s in range(1, 11)), "nan: steps 1-10 equal the uninterrupted run's")
+check(len(got) == STEPS and all(v == v and abs(v) < 1e9 for v in got.values()), "nan: 16 finite steps")
+check(got[11] != ref[11], "nan: step 11 trained on other data (the NaN step's was skipped)")
+faults = [e for e in ev if e["event"] == "fault"]
+restart = [e for e in ev if e["event"] == "restart"]
+check(len(faults) == 1 and faults[0]["kind"] == "nan" and faults[0]["skip_step"] == 11, f"nan: one NaN fault at step 11 ({faults})")
+check(restart and restart[0]["resume_step"] == 10 and restart[0]["steps_lost"] == 0,
+      f"nan: resumed from step 10, nothing but the NaN step lost ({restart})")
+
+# give up
+out, r = keel_run("give_up", "--inject", "kill@3:r1", "--max-restarts", "0", expect=1)
+check("keel: error: run: gave up after 0 restarts" in r.stderr, "give up: one error line")
+
+# SIGTERM
+out = os.path.join(WORK, "stop")
+shutil.rmtree(out, ignore_errors=True)
+p = subprocess.Popen([KEEL, "run", CONFIG, "--ranks", "2", "--backoff", "0", *sets(out), "--inject", "slow@1-16:r0:300"],
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+deadline = time.time() + 120
+while time.time() < deadline and not os.path.exists(os.path.join(out, "metrics.jsonl")):
+    time.sleep(0.2)
+time.sleep(1.0)
+p.send_signal(signal.SIGTERM)
+text, _ = p.communicate(timeout=120)
+print("-- keel run stop: exit", p.returncode)
+check(p.returncode == 0, f"stop: keel run exits 0 after SIGTERM ({p.returncode})")
+latest = os.path.join(out, "latest")
+check(os.path.exists(latest), "stop: a checkpoint was saved")
+check(any(e["event"] == "stopped" for e in events(out)), "stop: the events file says it stopped")
+
+if failures:
+    sys.exit(f"{len(failures)} check(s) failed: {failures}")
+print("all checks passed")
