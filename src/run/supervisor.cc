@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "ckpt/store.h"
+#include "ckpt/tools.h"
 #include "common/error.h"
 #include "common/host.h"
 #include "train/train_config.h"
@@ -85,6 +86,42 @@ std::int64_t latest_step(const std::string& root) {
   const std::string name = fs::path(dir).filename().string();
   if (std::regex_search(name, m, std::regex("step_0*([0-9]+)"))) return std::stoll(m[1]);
   return 0;
+}
+
+// The newest committed checkpoint that verifies (ckpt::verify_checkpoint: sizes, CRCs, coverage,
+// a whole train state) made `latest`, its step returned (0: none). A newer one that does not
+// verify (a torn or truncated file) is moved aside to ROOT/corrupt_step_N (keel never lists or
+// removes that name) and recorded, and `latest` is pointed at the previous committed step.
+template <typename Log>
+std::int64_t usable_latest(const std::string& root, Log& events) {
+  for (;;) {
+    std::string dir;
+    try {
+      dir = ckpt::latest_dir(root);
+    } catch (const Error&) {
+    }
+    if (dir.empty()) return 0;
+    const std::int64_t step = latest_step(root);
+    const ckpt::VerifyResult v = ckpt::verify_checkpoint(dir);
+    if (v.problems.empty()) return step;
+    const fs::path aside = fs::path(root) / fmt::format("corrupt_{}", fs::path(dir).filename().string());
+    std::error_code ec;
+    fs::remove_all(aside, ec);
+    fs::rename(dir, aside, ec);
+    if (ec) fail("run: the checkpoint {} does not verify ({}) and cannot be moved aside: {}", dir, v.problems.front(),
+                 ec.message());
+    std::string previous;
+    for (const auto& e : ckpt::list_steps(root))
+      if (e.committed && e.step < step) previous = fs::path(e.dir).filename().string();
+    if (previous.empty())
+      fs::remove(fs::path(root) / "latest", ec);
+    else
+      ckpt::commit_file((fs::path(root) / "latest").string(), previous + "\n");
+    std::printf("keel run: checkpoint %s does not verify (%s): moved to %s; `latest` is now %s\n", dir.c_str(),
+                v.problems.front().c_str(), aside.string().c_str(), previous.empty() ? "none" : previous.c_str());
+    events.write({{"event", "corrupt_checkpoint"}, {"step", step}, {"problem", v.problems.front()},
+                  {"moved_to", aside.string()}, {"latest", previous}});
+  }
 }
 
 // The step a fault spec names (KIND@STEP...), -1 when it names none.
@@ -180,7 +217,7 @@ int run(const Options& o) {
   std::string last_startup_error;  // the previous attempt's error before its first step
   events.write({{"event", "start"}, {"config", o.config}, {"ranks", o.ranks}, {"steps", cfg.steps}});
   for (int attempt = 1;; ++attempt) {
-    const std::int64_t resume = latest_step(ckpt_root);
+    const std::int64_t resume = usable_latest(ckpt_root, events);
     std::error_code ec;
     fs::remove_all(beats_dir, ec);
     fs::create_directories(beats_dir, ec);

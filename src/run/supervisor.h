@@ -14,7 +14,9 @@
 //               the restart resumes from the last checkpoint and skips step S's data;
 //   early exit  keel train exited 0 before its last step without being asked to stop.
 // Restart: from `latest` of the run's checkpoint root (committed atomically by keel train: a
-// torn save is never `latest`), after a back-off doubling from `backoff` up to `backoff_max`;
+// torn save is never `latest`) once it verifies (ckpt::verify_checkpoint; a newer one that does
+// not, its files damaged since, is moved aside and `latest` points at the one before), after a
+// back-off doubling from `backoff` up to `backoff_max`;
 // at most max_restarts. A stop signal (SIGINT, SIGTERM) is passed on: keel train saves at its
 // next step boundary and exits 0; the supervisor waits up to `grace` seconds.
 //

@@ -13,6 +13,8 @@ step. First an uninterrupted `keel train` under mpirun (the reference); then kee
          skipping step 11's data: one step lost, steps 1-10 bit for bit, then it trains on (finite
          losses to step 16, which differ from the reference's: other data);
   give up  a kill with --max-restarts 0: one error line, non-zero exit;
+  corrupt  a run gives up after its checkpoint of step 8, whose data is then truncated: keel run
+           again moves step 8 aside, resumes from step 4, losses bit for bit;
   stop   SIGTERM to keel run mid-run: the job saves and keel run exits 0;
 and every run's events file (run_events.jsonl) records what happened.
 Usage: check_run.py KEEL CONFIG STORIES_PREFIX WORKDIR
@@ -126,6 +128,27 @@ check(restart and restart[0]["resume_step"] == 10 and restart[0]["steps_lost"] =
 # give up
 out, r = keel_run("give_up", "--inject", "kill@3:r1", "--max-restarts", "0", expect=1)
 check("keel: error: run: gave up after 0 restarts" in r.stderr, "give up: one error line")
+
+# a newest checkpoint damaged after its commit: the give-up run above left steps 0-2 only, so a
+# run that gives up after checkpoints 4 and 8, then step_8's data truncated, then keel run again
+out, r = keel_run("corrupt", "--inject", "kill@10:r1", "--max-restarts", "0", expect=1)
+step8 = os.path.join(out, "step_00000008")
+data = sorted(f for f in os.listdir(step8) if f.endswith(".bin"))
+with open(os.path.join(step8, data[0]), "r+b") as f:
+    f.truncate(os.path.getsize(os.path.join(step8, data[0])) // 2)
+r = subprocess.run([KEEL, "run", CONFIG, "--ranks", "2", "--backoff", "0", *sets(out)], capture_output=True, text=True,
+                   env=ENV, timeout=300)
+print("-- keel run corrupt (second run): exit", r.returncode)
+for line in r.stdout.splitlines():
+    if line.startswith("keel run:"):
+        print("   " + line)
+check(r.returncode == 0, f"corrupt: the second keel run completes ({r.returncode})")
+ev = events(out)
+bad = [e for e in ev if e["event"] == "corrupt_checkpoint"]
+check(len(bad) == 1 and bad[0]["step"] == 8 and bad[0]["latest"] == "step_00000004",
+      f"corrupt: step 8 moved aside, `latest` back to step 4 ({bad})")
+check(os.path.isdir(os.path.join(out, "corrupt_step_00000008")), "corrupt: the damaged checkpoint is kept aside")
+check(losses(out) == ref, "corrupt: every step's loss equals the uninterrupted run's bit for bit")
 
 # SIGTERM
 out = os.path.join(WORK, "stop")
