@@ -28,6 +28,7 @@
 #include "ckpt/store.h"
 #include "ckpt/tools.h"
 #include "common/error.h"
+#include "common/faults.h"
 #include "common/host.h"
 #include "train/train_config.h"
 
@@ -82,10 +83,8 @@ std::map<int, Beat> read_beats(const fs::path& dir) {
 std::int64_t latest_step(const std::string& root) {
   const std::string dir = ckpt::latest_dir(root);
   if (dir.empty()) return 0;
-  std::smatch m;
-  const std::string name = fs::path(dir).filename().string();
-  if (std::regex_search(name, m, std::regex("step_0*([0-9]+)"))) return std::stoll(m[1]);
-  return 0;
+  std::int64_t step = 0;
+  return ckpt::parse_step_dir_name(fs::path(dir).filename().string(), &step) ? step : 0;
 }
 
 // The newest committed checkpoint that verifies (ckpt::verify_checkpoint: sizes, CRCs, coverage,
@@ -122,13 +121,6 @@ std::int64_t usable_latest(const std::string& root, Log& events) {
     events.write({{"event", "corrupt_checkpoint"}, {"step", step}, {"problem", v.problems.front()},
                   {"moved_to", aside.string()}, {"latest", previous}});
   }
-}
-
-// The step a fault spec names (KIND@STEP...), -1 when it names none.
-std::int64_t spec_step(const std::string& spec) {
-  std::smatch m;
-  if (std::regex_search(spec, m, std::regex("@([0-9]+)"))) return std::stoll(m[1]);
-  return -1;
 }
 
 double median(std::vector<double> v) {
@@ -210,7 +202,11 @@ int run(const Options& o) {
 
   const auto wall0 = Clock::now();
   std::vector<std::int64_t> skips;
-  std::vector<std::string> pending = o.inject;
+  // the injected faults, one by one (common/faults.h parses them here as keel train does: a bad
+  // spec is one line before any launch)
+  std::vector<keel::Fault> pending;
+  for (const auto& spec : o.inject)
+    for (const keel::Fault& f : parse_faults(spec).faults) pending.push_back(f);
   std::map<std::string, int> survived;
   double useful = 0;  // seconds of the steps kept
   int restarts = 0;
@@ -230,7 +226,7 @@ int run(const Options& o) {
     for (const auto& s : o.sets) argv.insert(argv.end(), {"--set", s});
     if (resume > 0) argv.insert(argv.end(), {"--resume", ckpt_root});
     for (std::int64_t s : skips) argv.insert(argv.end(), {"--skip-step", std::to_string(s)});
-    for (const auto& f : pending) argv.insert(argv.end(), {"--inject", f});
+    for (const auto& f : pending) argv.insert(argv.end(), {"--inject", f.spec});
     argv.insert(argv.end(), o.train_args.begin(), o.train_args.end());
     std::printf("keel run: attempt %d%s\n", attempt,
                 resume > 0 ? fmt::format(", resuming from step {}", resume).c_str() : ", from the start");
@@ -300,8 +296,8 @@ int run(const Options& o) {
       beats = read_beats(beats_dir);
       const double now = unix_now();
       // step times: every rank reports its last; the median over the attempt's steps so far
-      for (const auto& [r, b] : beats)
-        if (b.step > seen_step && b.step_seconds > 0 && r == beats.begin()->first) {
+      if (!beats.empty())
+        if (const Beat& b = beats.begin()->second; b.step > seen_step && b.step_seconds > 0) {
           seen_step = b.step;
           step_times.push_back(b.step_seconds);
         }
@@ -469,9 +465,9 @@ int run(const Options& o) {
     std::fflush(stdout);
     // injected faults at steps this attempt did not start are still to come (a fault fires at
     // the start of its step: the step after the last one finished has started)
-    std::vector<std::string> still;
+    std::vector<keel::Fault> still;
     for (const auto& f : pending)
-      if (spec_step(f) > reached + 1) still.push_back(f);
+      if (f.first_step > reached + 1) still.push_back(f);
     pending = still;
     std::this_thread::sleep_for(std::chrono::duration<double>(wait));
     if (g_stop.load() != 0) {

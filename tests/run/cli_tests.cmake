@@ -7,6 +7,8 @@ keel_cli_test(NAME run_bad_hang_factor EXIT 1 MATCH "--hang-factor 0.5: must be 
   ARGS run ${rcfg} --hang-factor 0.5)
 keel_cli_test(NAME run_bad_launcher EXIT 1 MATCH "--launcher srun: keel run launches with mpirun"
   ARGS run ${rcfg} --launcher srun)
+keel_cli_test(NAME run_bad_inject EXIT 1 MATCH "--inject kil@3: unknown fault 'kil'"
+  ARGS run ${rcfg} --inject kil@3)
 keel_cli_test(NAME run_inside_a_launcher_is_refused NP 2 EXIT 1
   MATCH "keel run is the supervisor, not a rank" ARGS run ${rcfg})
 add_test(NAME run_fault_drills
