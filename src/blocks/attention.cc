@@ -24,6 +24,9 @@ ops::cca::Config layer_cca(const AttnShape& s, const AttnContext& c) {
   return cc;
 }
 
+// CCA's view of the split: none for whole sequences (no halos kept).
+ops::SequenceSplit* split(const AttnShape& s, const AttnContext& c) { return s.segments > 0 ? c.core : nullptr; }
+
 }  // namespace
 
 float AttnShape::scale() const { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
@@ -55,8 +58,8 @@ void carve(ArenaPlanner& p, const std::string& prefix, const AttnShape& s, bool 
     a.lse = p.tensor(prefix + "lse", {B, Hq, T});
   }
   if (cca) {
-    const Tensor buf = p.tensor(prefix + "cca_saved", {ops::cca::saved_floats(s.cca, B, T)});
-    if (!p.sizing()) a.cca = ops::cca::carve_saved(s.cca, B, T, buf.data());
+    const Tensor buf = p.tensor(prefix + "cca_saved", {ops::cca::saved_floats(s.cca, B, T, s.segments)});
+    if (!p.sizing()) a.cca = ops::cca::carve_saved(s.cca, B, T, buf.data(), s.segments);
   }
 }
 
@@ -68,7 +71,7 @@ void carve(ArenaPlanner& p, const AttnShape& s, bool softmax, bool cca, AttnScra
     sc.dv = p.tensor("bwd.dv", {B, T, Hkv, Dh});
     sc.datt = p.tensor("bwd.datt", {B, T, Hq, Dh});
   }
-  if (cca) sc.cca = p.tensor("bwd.cca_scratch", {ops::cca::backward_scratch_floats(s.cca, B, T)});
+  if (cca) sc.cca = p.tensor("bwd.cca_scratch", {ops::cca::backward_scratch_floats(s.cca, B, T, s.segments)});
 }
 
 void attention_forward(const AttnShape& s, const LayerWeights& w, bool cca, const Tensor& h, const AttnContext& c,
@@ -76,7 +79,7 @@ void attention_forward(const AttnShape& s, const LayerWeights& w, bool cca, cons
   const std::int64_t N = s.tokens();
   const Tensor x = c.linear->enter(h), out = c.linear->out(y);
   if (cca) {
-    ops::cca::forward(layer_cca(s, c), s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, out);
+    ops::cca::forward(layer_cca(s, c), s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, out, split(s, c));
     c.linear->exit(out, y);
     return;
   }
@@ -86,7 +89,7 @@ void attention_forward(const AttnShape& s, const LayerWeights& w, bool cca, cons
   const Tensor q3 = a.q.reshaped({N, s.heads, s.head_dim}), k3 = a.k.reshaped({N, s.kv_heads, s.head_dim});
   ops::rope::forward(*c.rope, q3, c.pos, q3);
   ops::rope::forward(*c.rope, k3, c.pos, k3);
-  c.core->forward(a.q, a.k, a.v, s.scale(), c.window, a.att, a.lse);
+  c.core->attend(a.q, a.k, a.v, s.scale(), c.window, a.att, a.lse);
   ops::linear::forward(rows(a.att, N), w.wo, {}, out);
   c.linear->exit(out, y);
 }
@@ -98,12 +101,13 @@ void attention_backward(const AttnShape& s, const LayerWeights& w, LayerWeights&
   const Tensor x = c.linear->enter(h);  // the rows forward's projections read
   const Tensor g_out = c.linear->exit_backward(dy), dx = c.linear->dx_out(dh);
   if (cca) {
-    ops::cca::backward(layer_cca(s, c), s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, g_out, dx, g.cca, sc.cca);
+    ops::cca::backward(layer_cca(s, c), s.batch, s.seq, x, c.pos, *c.rope, w.cca, a.cca, g_out, dx, g.cca, sc.cca,
+                       split(s, c));
     c.linear->enter_backward(dx, dh);
     return;
   }
   ops::linear::backward(rows(a.att, N), w.wo, g_out, rows(sc.datt, N), g.wo, {});
-  c.core->backward(a.q, a.k, a.v, a.att, a.lse, sc.datt, s.scale(), c.window, sc.dq, sc.dk, sc.dv);
+  c.core->attend_backward(a.q, a.k, a.v, a.att, a.lse, sc.datt, s.scale(), c.window, sc.dq, sc.dk, sc.dv);
   const Tensor dq3 = sc.dq.reshaped({N, s.heads, s.head_dim}), dk3 = sc.dk.reshaped({N, s.kv_heads, s.head_dim});
   ops::rope::backward(*c.rope, dq3, c.pos, dq3);
   ops::rope::backward(*c.rope, dk3, c.pos, dk3);

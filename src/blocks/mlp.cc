@@ -93,7 +93,7 @@ void carve(ArenaPlanner& p, const MlpShape& s, bool dense, bool routed, bool bac
 
 void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, const Tensor& x_in, const EdaIo& eda,
                  MlpSaved& a, const MlpScratch& sc, const Tensor& y, LinearRunner& linear,
-                 ops::moe::ExpertRunner* experts, std::int64_t* load, RouterLosses* losses) {
+                 ops::moe::ExpertRunner* experts, std::int64_t* load, RouterLosses* losses, TokenGroup& tokens) {
   const std::int64_t N = s.tokens;
   // Under tensor parallelism the routers run on every token of the group (replicated) and the
   // experts, like the dense MLP, are column- then row-parallel: `out` is a partial sum.
@@ -111,11 +111,15 @@ void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, c
       for (int e = 0; e < s.zaya.classes(); ++e) load[e] += a.zmoe.router.counts[static_cast<std::size_t>(e)];
   } else {
     ops::linear::forward(x, w.router, {}, a.rlogits);
-    const ops::router::Losses l =
+    ops::router::Losses l =
         ops::router::forward(a.rlogits, bias, {s.top_k, s.renormalize}, a.probs, a.rlse, a.idx, a.gates, a.counts);
-    if (losses) losses->aux += l.aux, losses->z += l.z;
     if (load)
       for (int e = 0; e < s.experts; ++e) load[e] += a.counts[e];
+    if (tokens.size() > 1) {  // the micro-batch's counts (backward reads them too)
+      tokens.sum(a.counts, s.experts);
+      l.aux = ops::router::aux_loss(a.probs, a.counts, N * tokens.size(), s.top_k);
+    }
+    if (losses) losses->aux += l.aux, losses->z += l.z;
     a.plan = ops::moe::make_plan(a.idx, N, s.top_k, s.experts);
     if (experts)
       experts->forward(a.plan, x, a.gates, w.experts, a.experts, out);
@@ -127,7 +131,8 @@ void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, c
 
 void mlp_backward(const MlpShape& s, const LayerWeights& w, LayerWeights& g, const Tensor& x_in, const EdaIo& eda,
                   const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc, const Tensor& dy_in, const Tensor& dx_in,
-                  float aux_weight, float z_weight, LinearRunner& linear, ops::moe::ExpertRunner* experts) {
+                  float aux_weight, float z_weight, LinearRunner& linear, ops::moe::ExpertRunner* experts,
+                  TokenGroup& tokens) {
   const Tensor x = linear.enter(x_in);  // the rows forward's projections read
   const Tensor dy = linear.exit_backward(dy_in), dx = linear.dx_out(dx_in);
   if (!w.moe) {
@@ -145,7 +150,7 @@ void mlp_backward(const MlpShape& s, const LayerWeights& w, LayerWeights& g, con
     else
       ops::moe::backward(a.plan, x, a.gates, w.experts, a.experts, dy, sc.moe, dx, sc.dgates, g.experts);
     ops::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, {s.top_k, s.renormalize}, sc.dgates, aux_weight,
-                          z_weight, sc.dlogits);
+                          z_weight, sc.dlogits, s.tokens * tokens.size());
     ops::linear::backward(x, w.router, sc.dlogits, sc.tmp, g.router, {});
     add_into(dx, sc.tmp);
   }

@@ -6,13 +6,19 @@
 //   LinearRunner   the tensor-parallel boundary of a sub-block (Megatron's f and g): what the
 //                  column-parallel projections read, and how the row-parallel projection's
 //                  partial output becomes the block output; and the same in backward.
-//   AttentionCore  causal softmax attention over this rank's q, k, v (context parallelism
-//                  gathers or rings the keys and values; TSP broadcasts head shards).
+//   AttentionCore  how this rank's tokens sit in their sequences (ops/sequence_split.h): causal
+//                  softmax attention of its queries over the whole sequence, and the halos of
+//                  CCA's convolutions (context parallelism gathers the keys and values and
+//                  fetches halos from the neighbouring ranks; TSP broadcasts head shards).
+//   TokenGroup     the ranks whose tokens make up one micro-batch's sequences (context
+//                  parallelism): per-micro-batch statistics (the linear router's expert counts
+//                  behind its balancing loss) are summed over them.
 //   ExpertRunner   where a routed layer's experts run (ops/moe.h; expert parallelism:
 //                  parallel/expert_parallel.h).
 #pragma once
 
 #include "ops/moe.h"
+#include "ops/sequence_split.h"
 #include "tensor/tensor.h"
 
 namespace keel::blocks {
@@ -41,22 +47,21 @@ class LinearRunner {
   virtual void enter_backward(const Tensor& partial, const Tensor& dx) {}
 };
 
-class AttentionCore {
+using AttentionCore = ops::SequenceSplit;
+
+class TokenGroup {
  public:
-  virtual ~AttentionCore() = default;
-  // q [B, T, Hq, Dh], k and v [B, T, Hkv, Dh] of this rank's tokens (after RoPE) -> out
-  // [B, T, Hq, Dh], lse [B, Hq, T]: ops/attention.h's conventions, window included (0: full
-  // causal; W > 0: the layer's sliding window, which a scheme splitting the sequence must keep).
-  virtual void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, int window, const Tensor& out,
-                       const Tensor& lse);
-  virtual void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                        const Tensor& dout, float scale, int window, const Tensor& dq, const Tensor& dk,
-                        const Tensor& dv);
+  virtual ~TokenGroup() = default;
+  // Ranks sharing each sequence of the micro-batch (1: this rank has whole sequences).
+  virtual int size() const { return 1; }
+  // Sums x[0..n) over the group, in place (every rank gets the sums).
+  virtual void sum(std::int64_t* x, int n) {}
 };
 
 // The degree-1 runners (stateless; shared).
 LinearRunner& local_linear();
 AttentionCore& local_attention();
+TokenGroup& local_tokens();
 
 // What one layer's blocks run on. experts is null for a dense layer, or for a routed layer whose
 // experts all run here through ops/moe.h directly.
@@ -65,6 +70,7 @@ struct LayerRunners {
   LinearRunner* mlp_linear = &local_linear();
   AttentionCore* attention = &local_attention();
   ops::moe::ExpertRunner* experts = nullptr;
+  TokenGroup* tokens = &local_tokens();
 };
 
 }  // namespace keel::blocks

@@ -24,6 +24,9 @@ struct AttnShape {
   // rank's slice.
   int kv_head0 = -1;
   ops::cca::Config cca;  // this rank's heads
+  // Context parallelism: the runs of consecutive tokens this rank holds per sequence (seq tokens
+  // in all; ops/sequence_split.h), whose halos CCA keeps for backward. 0: whole sequences.
+  int segments = 0;
   std::int64_t tokens() const { return batch * seq; }
   std::int64_t q_dim() const { return std::int64_t(heads) * head_dim; }
   std::int64_t kv_dim() const { return std::int64_t(kv_heads) * head_dim; }

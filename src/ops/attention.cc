@@ -12,18 +12,26 @@ namespace keel::ops::attention {
 
 namespace {
 struct Dims {
-  std::int64_t b, t, hq, hkv, d, group;
+  std::int64_t b, tq, tk, hq, hkv, d, group;
 };
 
-Dims check(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse) {
+// q_pos == nullptr: forward()/backward() (Tk = Tq, query row t at position t); otherwise the _at
+// variants (Tk from k, every q_pos[t] checked to lie in [0, Tk)).
+Dims check(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+           const std::int32_t* q_pos, int window) {
   if (q.ndim() != 4 || k.ndim() != 4) fail("attention: q and k must be [B, T, H, Dh], got {} and {}", q.shape_string(), k.shape_string());
-  Dims s{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3), 0};
+  if (window < 0) fail("attention: window {} must be >= 0 (0: full causal)", window);
+  Dims s{q.dim(0), q.dim(1), q_pos ? k.dim(1) : q.dim(1), q.dim(2), k.dim(2), q.dim(3), 0};
   if (s.hkv <= 0 || s.hq % s.hkv) fail("attention: {} query heads do not split into groups over {} kv heads", s.hq, s.hkv);
   s.group = s.hq / s.hkv;
-  require_shape(k, {s.b, s.t, s.hkv, s.d}, "attention k");
-  require_shape(v, {s.b, s.t, s.hkv, s.d}, "attention v");
-  require_shape(out, {s.b, s.t, s.hq, s.d}, "attention out");
-  require_shape(lse, {s.b, s.hq, s.t}, "attention lse");
+  require_shape(k, {s.b, s.tk, s.hkv, s.d}, "attention k");
+  require_shape(v, {s.b, s.tk, s.hkv, s.d}, "attention v");
+  require_shape(out, {s.b, s.tq, s.hq, s.d}, "attention out");
+  require_shape(lse, {s.b, s.hq, s.tq}, "attention lse");
+  if (q_pos)
+    for (std::int64_t t = 0; t < s.tq; ++t)
+      if (q_pos[t] < 0 || q_pos[t] >= s.tk)
+        fail("attention: q_pos[{}] = {} is outside the {} keys [0, {})", t, q_pos[t], s.tk, s.tk);
   return s;
 }
 
@@ -32,71 +40,73 @@ inline float dot(const float* a, const float* b, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
-}  // namespace
 
-void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out, const Tensor& lse,
-             int window) {
-  const Dims s = check(q, k, v, out, lse);
-  if (window < 0) fail("attention: window {} must be >= 0 (0: full causal)", window);
-  // Element pointers: q/out row (b, t, h) at ((b*T + t)*Hq + h)*Dh, k/v at ((b*T + t)*Hkv + g)*Dh.
-  auto qp = [&](const Tensor& x, std::int64_t b, std::int64_t t, std::int64_t h) { return x.data() + ((b * s.t + t) * s.hq + h) * s.d; };
-  auto kp = [&](const Tensor& x, std::int64_t b, std::int64_t t, std::int64_t g) { return x.data() + ((b * s.t + t) * s.hkv + g) * s.d; };
+// The one implementation of both entry points; q_pos == nullptr is the identity (Tk = Tq).
+void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos, float scale,
+                  const Tensor& out, const Tensor& lse, int window) {
+  const Dims s = check(q, k, v, out, lse, q_pos, window);
+  // Element pointers: q/out row (b, i, h) at ((b*Tq + i)*Hq + h)*Dh, k/v at ((b*Tk + j)*Hkv + g)*Dh.
+  auto qp = [&](const Tensor& x, std::int64_t b, std::int64_t i, std::int64_t h) { return x.data() + ((b * s.tq + i) * s.hq + h) * s.d; };
+  auto kp = [&](const Tensor& x, std::int64_t b, std::int64_t j, std::int64_t g) { return x.data() + ((b * s.tk + j) * s.hkv + g) * s.d; };
   parallel_for(s.b * s.hq, 1, [&](std::int64_t begin, std::int64_t end) {
-    std::vector<float> p(static_cast<std::size_t>(s.t));
+    std::vector<float> p(static_cast<std::size_t>(s.tk));
     for (std::int64_t bh = begin; bh < end; ++bh) {
       const std::int64_t b = bh / s.hq, h = bh % s.hq, g = h / s.group;
-      for (std::int64_t i = 0; i < s.t; ++i) {
+      for (std::int64_t i = 0; i < s.tq; ++i) {
         const float* qi = qp(q, b, i, h);
-        const std::int64_t j0 = first_key(i, window);  // keys j0..i; p[j] for j < j0 is never read
+        const std::int64_t pi = q_pos ? q_pos[i] : i;  // the query's position among the keys
+        const std::int64_t j0 = first_key(pi, window);  // keys j0..pi; p[j] for j < j0 is never read
         float m = -std::numeric_limits<float>::infinity();
-        for (std::int64_t j = j0; j <= i; ++j) {
+        for (std::int64_t j = j0; j <= pi; ++j) {
           p[j] = scale * dot(qi, kp(k, b, j, g), s.d);
           m = std::max(m, p[j]);
         }
         float sum = 0.f;
-        for (std::int64_t j = j0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - m));
+        for (std::int64_t j = j0; j <= pi; ++j) sum += (p[j] = std::exp(p[j] - m));
         float* oi = qp(out, b, i, h);
         std::fill(oi, oi + s.d, 0.f);
         const float inv = 1.f / sum;
-        for (std::int64_t j = j0; j <= i; ++j) {
+        for (std::int64_t j = j0; j <= pi; ++j) {
           const float w = p[j] * inv;
           const float* vj = kp(v, b, j, g);
           for (std::int64_t c = 0; c < s.d; ++c) oi[c] += w * vj[c];
         }
-        lse.data()[(b * s.hq + h) * s.t + i] = m + std::log(sum);
+        lse.data()[(b * s.hq + h) * s.tq + i] = m + std::log(sum);
       }
     }
   });
 }
 
-void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dout,
-              float scale, const Tensor& dq, const Tensor& dk, const Tensor& dv, int window) {
-  const Dims s = check(q, k, v, out, lse);
-  if (window < 0) fail("attention: window {} must be >= 0 (0: full causal)", window);
-  require_shape(dout, {s.b, s.t, s.hq, s.d}, "attention dout");
-  require_shape(dq, {s.b, s.t, s.hq, s.d}, "attention dq");
-  require_shape(dk, {s.b, s.t, s.hkv, s.d}, "attention dk");
-  require_shape(dv, {s.b, s.t, s.hkv, s.d}, "attention dv");
-  auto qp = [&](const Tensor& x, std::int64_t b, std::int64_t t, std::int64_t h) { return x.data() + ((b * s.t + t) * s.hq + h) * s.d; };
-  auto kp = [&](const Tensor& x, std::int64_t b, std::int64_t t, std::int64_t g) { return x.data() + ((b * s.t + t) * s.hkv + g) * s.d; };
-  // One task per (sequence, kv head): it owns dk/dv of that kv head and dq of the query heads
-  // of its group, so no two threads ever add into the same element.
+void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos, const Tensor& out,
+                   const Tensor& lse, const Tensor& dout, float scale, const Tensor& dq, const Tensor& dk,
+                   const Tensor& dv, int window) {
+  const Dims s = check(q, k, v, out, lse, q_pos, window);
+  require_shape(dout, {s.b, s.tq, s.hq, s.d}, "attention dout");
+  require_shape(dq, {s.b, s.tq, s.hq, s.d}, "attention dq");
+  require_shape(dk, {s.b, s.tk, s.hkv, s.d}, "attention dk");
+  require_shape(dv, {s.b, s.tk, s.hkv, s.d}, "attention dv");
+  auto qp = [&](const Tensor& x, std::int64_t b, std::int64_t i, std::int64_t h) { return x.data() + ((b * s.tq + i) * s.hq + h) * s.d; };
+  auto kp = [&](const Tensor& x, std::int64_t b, std::int64_t j, std::int64_t g) { return x.data() + ((b * s.tk + j) * s.hkv + g) * s.d; };
+  // One task per (sequence, kv head): it owns dk/dv of that kv head (all Tk keys, zeroed here,
+  // so keys no query attends come out zero) and dq of the query heads of its group, so no two
+  // threads ever add into the same element.
   parallel_for(s.b * s.hkv, 1, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t bg = begin; bg < end; ++bg) {
       const std::int64_t b = bg / s.hkv, g = bg % s.hkv;
-      for (std::int64_t t = 0; t < s.t; ++t) {
-        std::fill(kp(dk, b, t, g), kp(dk, b, t, g) + s.d, 0.f);
-        std::fill(kp(dv, b, t, g), kp(dv, b, t, g) + s.d, 0.f);
+      for (std::int64_t j = 0; j < s.tk; ++j) {
+        std::fill(kp(dk, b, j, g), kp(dk, b, j, g) + s.d, 0.f);
+        std::fill(kp(dv, b, j, g), kp(dv, b, j, g) + s.d, 0.f);
       }
       for (std::int64_t h = g * s.group; h < (g + 1) * s.group; ++h) {
-        for (std::int64_t i = 0; i < s.t; ++i) {
+        for (std::int64_t i = 0; i < s.tq; ++i) {
           const float* qi = qp(q, b, i, h);
           const float* doi = qp(dout, b, i, h);
           float* dqi = qp(dq, b, i, h);
           std::fill(dqi, dqi + s.d, 0.f);
           const float di = dot(doi, qp(out, b, i, h), s.d);
-          const float li = lse.data()[(b * s.hq + h) * s.t + i];
-          for (std::int64_t j = first_key(i, window); j <= i; ++j) {
+          const float li = lse.data()[(b * s.hq + h) * s.tq + i];
+          const std::int64_t pi = q_pos ? q_pos[i] : i;
+          for (std::int64_t j = first_key(pi, window); j <= pi; ++j) {
             const float* kj = kp(k, b, j, g);
             const float* vj = kp(v, b, j, g);
             const float pij = std::exp(scale * dot(qi, kj, s.d) - li);
@@ -113,6 +123,30 @@ void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o
       }
     }
   });
+}
+}  // namespace
+
+void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out, const Tensor& lse,
+             int window) {
+  forward_impl(q, k, v, nullptr, scale, out, lse, window);
+}
+
+void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dout,
+              float scale, const Tensor& dq, const Tensor& dk, const Tensor& dv, int window) {
+  backward_impl(q, k, v, nullptr, out, lse, dout, scale, dq, dk, dv, window);
+}
+
+void forward_at(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos, float scale,
+                const Tensor& out, const Tensor& lse, int window) {
+  if (!q_pos) fail("attention forward_at: q_pos is null (one key position per query row is required)");
+  forward_impl(q, k, v, q_pos, scale, out, lse, window);
+}
+
+void backward_at(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos, const Tensor& out,
+                 const Tensor& lse, const Tensor& dout, float scale, const Tensor& dq, const Tensor& dk,
+                 const Tensor& dv, int window) {
+  if (!q_pos) fail("attention backward_at: q_pos is null (one key position per query row is required)");
+  backward_impl(q, k, v, q_pos, out, lse, dout, scale, dq, dk, dv, window);
 }
 
 }  // namespace keel::ops::attention

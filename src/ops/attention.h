@@ -15,7 +15,17 @@
 //   dk_j  = scale sum_i ds_ij q_i,       dv_j = sum_i p_ij dout_i.
 // Backward needs q, k, v, out, lse and forward's window. dq, dk, dv are overwritten.
 // The CPU forward processes one query row at a time (O(T) scratch per thread).
+//
+// forward_at/backward_at (context parallelism: this rank's query rows, the whole sequence's
+// gathered keys): q, out, dq, dout [B, Tq, Hq, Dh] and lse [B, Hq, Tq]; k, v, dk, dv
+// [B, Tk, Hkv, Dh] hold keys 0..Tk-1. Query row t sits at position q_pos[t] (0 <= q_pos[t] < Tk,
+// any order, repeats allowed) and attends to keys first_key(q_pos[t], W)..q_pos[t]. dk, dv are
+// this rank's partial sums (zero at keys none of its queries attends): summed over the ranks
+// they are the full backward's dk, dv. forward/backward are the same code with Tq = Tk and
+// q_pos[t] = t, bit for bit.
 #pragma once
+
+#include <cstdint>
 
 #include "tensor/tensor.h"
 
@@ -27,6 +37,16 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, con
 
 void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dout,
               float scale, const Tensor& dq, const Tensor& dk, const Tensor& dv, int window = 0);
+
+// Queries at positions q_pos[0..Tq) (non-null, each in [0, Tk)) over the Tk keys of k, v (above).
+// With Tq == Tk and q_pos[t] == t these are forward()/backward() exactly.
+void forward_at(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos, float scale,
+                const Tensor& out, const Tensor& lse, int window = 0);
+
+// dq [B, Tq, Hq, Dh] and dk, dv [B, Tk, Hkv, Dh] are overwritten.
+void backward_at(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos, const Tensor& out,
+                 const Tensor& lse, const Tensor& dout, float scale, const Tensor& dq, const Tensor& dk,
+                 const Tensor& dv, int window = 0);
 
 // The first key query token t attends to: 0, or t - W + 1 with a window W > 0.
 inline std::int64_t first_key(std::int64_t t, int window) { return window > 0 && t >= window ? t - window + 1 : 0; }

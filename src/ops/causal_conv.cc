@@ -15,6 +15,14 @@ void check_depthwise(const Tensor& x, const Tensor& w, int extra, const Tensor& 
   if (extra < 0) fail("causal_conv depthwise: extra must be >= 0, got {}", extra);
   require_shape(y, {x.dim(0), x.dim(1) + extra, x.dim(2)}, ywhat);
 }
+// The input at time ts (< T) of sequence bi, or nullptr where it is zero (before time 0, no halo).
+inline const float* depthwise_input(const Tensor& x, const Tensor& halo, std::int64_t P, std::int64_t bi,
+                                    std::int64_t ts) {
+  const std::int64_t T = x.dim(1), C = x.dim(2);
+  if (ts >= 0) return x.data() + (bi * T + ts) * C;
+  if (halo.empty()) return nullptr;
+  return halo.data() + (bi * P + ts + P) * C;  // ts >= -P always
+}
 void check_grouped(const Tensor& x, const Tensor& w, int lead, const Tensor& y, const char* ywhat) {
   if (x.ndim() != 3) fail("causal_conv grouped: x must be [B, T + lead, C], got {}", x.shape_string());
   const std::int64_t c = x.dim(2);
@@ -25,19 +33,20 @@ void check_grouped(const Tensor& x, const Tensor& w, int lead, const Tensor& y, 
 }
 }  // namespace
 
-void depthwise_forward(const Tensor& x, const Tensor& w, const Tensor& b, int extra, const Tensor& y) {
+void depthwise_forward(const Tensor& x, const Tensor& w, const Tensor& b, int extra, const Tensor& y,
+                       const Tensor& halo) {
   check_depthwise(x, w, extra, y, "causal_conv depthwise y");
-  const std::int64_t B = x.dim(0), T = x.dim(1), C = x.dim(2), W = w.dim(1), To = T + extra;
+  const std::int64_t B = x.dim(0), T = x.dim(1), C = x.dim(2), W = w.dim(1), To = T + extra, P = extra + W - 1;
   if (!b.empty()) require_shape(b, {C}, "causal_conv depthwise b");
+  if (!halo.empty()) require_shape(halo, {B, P, C}, "causal_conv depthwise halo");
   parallel_for(B * To, 64, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t r = lo; r < hi; ++r) {
       const std::int64_t bi = r / To, t = r % To - extra;
       float* yr = y.data() + r * C;
       for (std::int64_t c = 0; c < C; ++c) yr[c] = b.empty() ? 0.f : b[c];
       for (std::int64_t k = 0; k < W; ++k) {
-        const std::int64_t ts = t - (W - 1) + k;
-        if (ts < 0 || ts >= T) continue;
-        const float* xr = x.data() + (bi * T + ts) * C;
+        const float* xr = depthwise_input(x, halo, P, bi, t - (W - 1) + k);
+        if (!xr) continue;
         for (std::int64_t c = 0; c < C; ++c) yr[c] += w.data()[c * W + k] * xr[c];
       }
     }
@@ -45,16 +54,21 @@ void depthwise_forward(const Tensor& x, const Tensor& w, const Tensor& b, int ex
 }
 
 void depthwise_backward(const Tensor& x, const Tensor& w, int extra, const Tensor& dy, const Tensor& dx, const Tensor& dw,
-                        const Tensor& db) {
+                        const Tensor& db, const Tensor& halo, const Tensor& dhalo) {
   check_depthwise(x, w, extra, dy, "causal_conv depthwise dy");
-  const std::int64_t B = x.dim(0), T = x.dim(1), C = x.dim(2), W = w.dim(1), To = T + extra;
-  if (!dx.empty()) {
-    require_shape(dx, {B, T, C}, "causal_conv depthwise dx");
-    // Input time s feeds output time t = s + (W-1) - k, i.e. row j = t + extra.
-    parallel_for(B * T, 64, [&](std::int64_t lo, std::int64_t hi) {
+  const std::int64_t B = x.dim(0), T = x.dim(1), C = x.dim(2), W = w.dim(1), To = T + extra, P = extra + W - 1;
+  if (!halo.empty()) require_shape(halo, {B, P, C}, "causal_conv depthwise halo");
+  if (!dhalo.empty()) require_shape(dhalo, {B, P, C}, "causal_conv depthwise dhalo");
+  if (!dx.empty()) require_shape(dx, {B, T, C}, "causal_conv depthwise dx");
+  // Input time s (s < 0: the halo's row s + P) feeds output time t = s + (W-1) - k, i.e. row
+  // j = t + extra.
+  const std::int64_t Ti = (dx.empty() ? 0 : T) + (dhalo.empty() ? 0 : P);  // input rows per sequence
+  if (Ti > 0) {
+    const std::int64_t s0 = dhalo.empty() ? 0 : -P;  // times s0 .. s0 + Ti - 1
+    parallel_for(B * Ti, 64, [&](std::int64_t lo, std::int64_t hi) {
       for (std::int64_t r = lo; r < hi; ++r) {
-        const std::int64_t bi = r / T, s = r % T;
-        float* dxr = dx.data() + r * C;
+        const std::int64_t bi = r / Ti, s = s0 + r % Ti;
+        float* dxr = s >= 0 ? dx.data() + (bi * T + s) * C : dhalo.data() + (bi * P + s + P) * C;
         for (std::int64_t c = 0; c < C; ++c) dxr[c] = 0.f;
         for (std::int64_t k = 0; k < W; ++k) {
           const std::int64_t j = s + (W - 1) - k + extra;
@@ -79,8 +93,8 @@ void depthwise_backward(const Tensor& x, const Tensor& w, int extra, const Tenso
             accb += g;
             const std::int64_t t = j - extra;
             for (std::int64_t k = 0; k < W; ++k) {
-              const std::int64_t ts = t - (W - 1) + k;
-              if (ts >= 0 && ts < T) acc[k] += g * x.data()[(bi * T + ts) * C + c];
+              const float* xr = depthwise_input(x, halo, P, bi, t - (W - 1) + k);
+              if (xr) acc[k] += g * xr[c];
             }
           }
         if (!dw.empty())

@@ -20,17 +20,23 @@
 // CCA: depthwise with extra = W1 - 1, then grouped with lead = W1 - 1 (W0 = W1 = 2 in ZAYA1,
 // C = 1280, Cg = 128: one dense 128 x 128 mix per head and tap).
 //
-// Gradients: dx overwritten, dw and db accumulated (+=); any may be empty. Saved for backward:
-// x and w only.
+// Halo (depthwise, optional): halo [B, extra + W - 1, C] holds the input at times
+//   -(extra + W - 1) .. -1 (row h is time h - (extra + W - 1)) instead of zeros: the last tokens
+//   before a run of a sequence split into runs (ops/sequence_split.h). Empty: zeros. Backward's
+//   dhalo (same shape, overwritten) is those inputs' gradient.
+//
+// Gradients: dx (and dhalo) overwritten, dw and db accumulated (+=); any may be empty. Saved for
+// backward: x, w (and the halo) only.
 #pragma once
 
 #include "tensor/tensor.h"
 
 namespace keel::ops::causal_conv {
 
-void depthwise_forward(const Tensor& x, const Tensor& w, const Tensor& b, int extra, const Tensor& y);
+void depthwise_forward(const Tensor& x, const Tensor& w, const Tensor& b, int extra, const Tensor& y,
+                       const Tensor& halo = Tensor());
 void depthwise_backward(const Tensor& x, const Tensor& w, int extra, const Tensor& dy, const Tensor& dx, const Tensor& dw,
-                        const Tensor& db);
+                        const Tensor& db, const Tensor& halo = Tensor(), const Tensor& dhalo = Tensor());
 
 void grouped_forward(const Tensor& x, const Tensor& w, const Tensor& b, int lead, const Tensor& y);
 void grouped_backward(const Tensor& x, const Tensor& w, int lead, const Tensor& dy, const Tensor& dx, const Tensor& dw,

@@ -24,16 +24,46 @@ void check_config(const Config& c, std::int64_t B, std::int64_t T, const rope::T
   if (B <= 0 || T <= 0) fail("cca: B and T must be positive, got {} and {}", B, T);
   if (rt.head_dim != c.head_dim) fail("cca: rope table head_dim {} != head_dim {}", rt.head_dim, c.head_dim);
 }
-}  // namespace
 
-std::int64_t saved_floats(const Config& c, std::int64_t B, std::int64_t T) {
-  const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
-  return 2 * N * C + B * (T + c.conv1_width - 1) * C + N * (c.q_heads + c.kv_heads) + 2 * N * dq + 2 * N * dk +
-         B * c.q_heads * T;
+std::int64_t halo_rows(const Config& c) { return (c.conv0_width - 1) + (c.conv1_width - 1); }
+
+// The runs the op sees: R = B * S runs of L tokens (segments 0, no split: R = B, L = T).
+struct Runs {
+  std::int64_t R, L;
+};
+Runs runs_of(const Config& c, std::int64_t B, std::int64_t T, int segments) {
+  if (segments < 0) fail("cca: segments must be >= 0, got {}", segments);
+  if (segments == 0) return {B, T};
+  if (T % segments)
+    fail("cca: a sequence split into {} runs needs the rank's tokens per sequence ({}) divisible by {}", segments, T,
+         segments);
+  const std::int64_t L = T / segments;
+  if (L < halo_rows(c))
+    fail("cca: runs of {} tokens ({} per sequence in {} runs) are shorter than the conv halo (W0-1)+(W1-1) = {}", L, T,
+         segments, halo_rows(c));
+  return {B * segments, L};
 }
 
-Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, float* p) {
+int split_segments(const SequenceSplit* split) {
+  if (!split) return 0;
+  const int S = split->segments();
+  if (S < 1) fail("cca: the sequence split has {} segments (need >= 1)", S);
+  return S;
+}
+}  // namespace
+
+std::int64_t halo_floats(const Config& c) { return halo_rows(c) * c.qk_channels() + (c.shift_end() - c.shift_begin()); }
+
+std::int64_t saved_floats(const Config& c, std::int64_t B, std::int64_t T, int segments) {
   const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
+  const Runs r = runs_of(c, B, T, segments);
+  return 2 * N * C + r.R * (r.L + c.conv1_width - 1) * C + N * (c.q_heads + c.kv_heads) + 2 * N * dq + 2 * N * dk +
+         B * c.q_heads * T + (segments > 0 ? r.R * halo_floats(c) : 0);
+}
+
+Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, float* p, int segments) {
+  const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
+  const Runs r = runs_of(c, B, T, segments);
   auto take = [&p](std::initializer_list<std::int64_t> shape) {
     Tensor t(p, shape);
     p += t.numel();
@@ -41,7 +71,7 @@ Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, float* p) {
   };
   Saved s;
   s.qk0 = take({N, C});
-  s.c0 = take({B, T + c.conv1_width - 1, C});
+  s.c0 = take({r.R, r.L + c.conv1_width - 1, C});
   s.qk = take({N, C});
   s.rnorm = take({N, c.q_heads + c.kv_heads});
   s.q = take({N, dq});
@@ -49,25 +79,48 @@ Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, float* p) {
   s.v = take({N, dk});
   s.att = take({N, dq});
   s.lse = take({B, c.q_heads, T});
+  if (segments > 0) s.halo = take({r.R, halo_floats(c)});
   return s;
 }
 
 void forward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, const std::int32_t* positions,
-             const rope::Table& rt, const Params& p, const Saved& s, const Tensor& y) {
+             const rope::Table& rt, const Params& p, const Saved& s, const Tensor& y, SequenceSplit* split) {
   check_config(c, B, T, rt);
   const std::int64_t N = B * T, H = c.hidden, d = c.head_dim, nq = c.q_heads, nkv = c.kv_heads, G = nq / nkv;
-  const std::int64_t C = c.qk_channels(), dq = nq * d, W1 = c.conv1_width;
+  const std::int64_t C = c.qk_channels(), dq = nq * d, W1 = c.conv1_width, hh = halo_rows(c);
+  const std::int64_t half = c.shift_begin(), width = c.shift_end() - half;
+  const Runs r = runs_of(c, B, T, split_segments(split));
+  const std::int64_t R = r.R, L = r.L;
   require_shape(x, {N, H}, "cca x");
   require_shape(y, {N, H}, "cca y");
   require_shape(p.temp, {nkv}, "cca temp");
   require_shape(s.qk, {N, C}, "cca saved qk");
   require_shape(s.rnorm, {N, nq + nkv}, "cca saved rnorm");
+  require_shape(s.c0, {R, L + W1 - 1, C}, "cca saved c0 (carve_saved with the split's segments)");
   require_shape(p.conv1_w, {C, d, W1}, "cca conv1_w");
+  if (split) require_shape(s.halo, {R, halo_floats(c)}, "cca saved halo (carve_saved with the split's segments)");
 
-  // 1. Projections and the two causal convolutions.
+  // 1. Projections (u = x W_v^T: the value shift is applied in 4), the halo exchange, and the
+  //    two causal convolutions.
   linear::forward(x, p.w_qk, Tensor(), s.qk0);
-  const Tensor qk0_3 = s.qk0.reshaped({B, T, C}), qk_3 = s.qk.reshaped({B, T, C});
-  causal_conv::depthwise_forward(qk0_3, p.conv0_w, p.conv0_b, int(W1 - 1), s.c0);
+  linear::forward(x, p.w_v, Tensor(), s.v);
+  const Tensor qk0_3 = s.qk0.reshaped({R, L, C}), qk_3 = s.qk.reshaped({R, L, C});
+  if (!split) {
+    causal_conv::depthwise_forward(qk0_3, p.conv0_w, p.conv0_b, int(W1 - 1), s.c0);
+  } else {
+    // Each run's tail: its last hh rows of qk0, then its last row's shift columns of u.
+    const std::int64_t F = halo_floats(c);
+    std::vector<float> tails(static_cast<std::size_t>(R * F));
+    for (std::int64_t i = 0; i < R; ++i) {
+      float* tail = tails.data() + i * F;
+      std::memcpy(tail, s.qk0.row(i * L + L - hh), sizeof(float) * hh * C);
+      std::memcpy(tail + hh * C, s.v.row(i * L + L - 1) + half, sizeof(float) * width);
+    }
+    if (F > 0) split->halo(Tensor(tails.data(), {R, F}), s.halo);
+    for (std::int64_t i = 0; i < R; ++i)
+      causal_conv::depthwise_forward(qk0_3.slice0(i, 1), p.conv0_w, p.conv0_b, int(W1 - 1), s.c0.slice0(i, 1),
+                                     Tensor(s.halo.row(i), {1, hh, C}));
+  }
   causal_conv::grouped_forward(s.c0, p.conv1_w, p.conv1_b, int(W1 - 1), qk_3);
 
   // 2. Mixing terms, L2 normalization, sqrt(d) scale, temperature on k.
@@ -104,35 +157,48 @@ void forward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, c
   rope::forward(rt, s.q.reshaped({N, nq, d}), positions, s.q.reshaped({N, nq, d}));
   rope::forward(rt, s.k.reshaped({N, nkv, d}), positions, s.k.reshaped({N, nkv, d}));
 
-  // 4. Values: current token | previous token (zero before the first token of a sequence).
-  linear::forward(x, p.w_v, Tensor(), s.v);
-  const std::int64_t half = c.shift_begin(), width = c.shift_end() - half;
-  for (std::int64_t b = 0; b < B && width > 0; ++b) {
-    for (std::int64_t t = T - 1; t >= 1; --t)
-      std::memcpy(s.v.row(b * T + t) + half, s.v.row(b * T + t - 1) + half, sizeof(float) * width);
-    std::memset(s.v.row(b * T) + half, 0, sizeof(float) * width);
+  // 4. Values: current token | previous token, within each run; before a run's first token the
+  //    halo's u row (zero where the run starts its sequence; no split: zero).
+  for (std::int64_t i = 0; i < R && width > 0; ++i) {
+    for (std::int64_t t = L - 1; t >= 1; --t)
+      std::memcpy(s.v.row(i * L + t) + half, s.v.row(i * L + t - 1) + half, sizeof(float) * width);
+    if (split)
+      std::memcpy(s.v.row(i * L) + half, s.halo.row(i) + hh * C, sizeof(float) * width);
+    else
+      std::memset(s.v.row(i * L) + half, 0, sizeof(float) * width);
   }
 
-  // 5. Causal GQA attention (the layer's window) and the output projection.
-  attention::forward(s.q.reshaped({B, T, nq, d}), s.k.reshaped({B, T, nkv, d}), s.v.reshaped({B, T, nkv, d}),
-                     static_cast<float>(1.0 / std::sqrt(double(d))), s.att.reshaped({B, T, nq, d}), s.lse, c.window);
+  // 5. Causal GQA attention (the layer's window; a split's over its whole sequences) and the
+  //    output projection.
+  const Tensor q4 = s.q.reshaped({B, T, nq, d}), k4 = s.k.reshaped({B, T, nkv, d}), v4 = s.v.reshaped({B, T, nkv, d});
+  const float scale = static_cast<float>(1.0 / std::sqrt(double(d)));
+  if (split)
+    split->attend(q4, k4, v4, scale, c.window, s.att.reshaped({B, T, nq, d}), s.lse);
+  else
+    attention::forward(q4, k4, v4, scale, s.att.reshaped({B, T, nq, d}), s.lse, c.window);
   linear::forward(s.att, p.w_o, Tensor(), y);
 }
 
-std::int64_t backward_scratch_floats(const Config& c, std::int64_t B, std::int64_t T) {
+std::int64_t backward_scratch_floats(const Config& c, std::int64_t B, std::int64_t T, int segments) {
   const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
-  return N * (2 * dq + 2 * dk + 2 * C + c.hidden) + B * (T + c.conv1_width - 1) * C;
+  const Runs r = runs_of(c, B, T, segments);
+  return N * (2 * dq + 2 * dk + 2 * C + c.hidden) + r.R * (r.L + c.conv1_width - 1) * C +
+         (segments > 0 ? 2 * r.R * halo_floats(c) : 0);
 }
 
 void backward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, const std::int32_t* positions,
               const rope::Table& rt, const Params& p, const Saved& s, const Tensor& dy, const Tensor& dx,
-              const Params& g, const Tensor& scratch) {
+              const Params& g, const Tensor& scratch, SequenceSplit* split) {
   check_config(c, B, T, rt);
   const std::int64_t N = B * T, H = c.hidden, d = c.head_dim, nq = c.q_heads, nkv = c.kv_heads, G = nq / nkv;
-  const std::int64_t C = c.qk_channels(), dq = nq * d, dk = nkv * d, W1 = c.conv1_width;
+  const std::int64_t C = c.qk_channels(), dq = nq * d, dk = nkv * d, W1 = c.conv1_width, hh = halo_rows(c);
+  const int S = split_segments(split);
+  const Runs r = runs_of(c, B, T, S);
+  const std::int64_t R = r.R, L = r.L, F = halo_floats(c);
   require_shape(dy, {N, H}, "cca dy");
-  if (scratch.numel() < backward_scratch_floats(c, B, T))
-    fail("cca backward: scratch has {} floats, needs {}", scratch.numel(), backward_scratch_floats(c, B, T));
+  if (split) require_shape(s.halo, {R, F}, "cca saved halo (carve_saved with the split's segments)");
+  const std::int64_t need = backward_scratch_floats(c, B, T, S);
+  if (scratch.numel() < need) fail("cca backward: scratch has {} floats, needs {}", scratch.numel(), need);
   float* sp = scratch.data();
   auto take = [&sp](std::initializer_list<std::int64_t> shape) {
     Tensor t(sp, shape);
@@ -140,23 +206,31 @@ void backward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, 
     return t;
   };
   const Tensor datt = take({N, dq}), dqv = take({N, dq}), dkv = take({N, dk}), dv = take({N, dk});
-  const Tensor dqk = take({N, C}), dqk0 = take({N, C}), dxt = take({N, H}), dc0 = take({B, T + W1 - 1, C});
+  const Tensor dqk = take({N, C}), dqk0 = take({N, C}), dxt = take({N, H}), dc0 = take({R, L + W1 - 1, C});
+  const Tensor dhalos = split ? take({R, F}) : Tensor(), dtails = split ? take({R, F}) : Tensor();
 
   // 5. Output projection and attention.
   linear::backward(s.att, p.w_o, dy, datt, g.w_o, Tensor());
-  attention::backward(s.q.reshaped({B, T, nq, d}), s.k.reshaped({B, T, nkv, d}), s.v.reshaped({B, T, nkv, d}),
-                      s.att.reshaped({B, T, nq, d}), s.lse, datt.reshaped({B, T, nq, d}),
-                      static_cast<float>(1.0 / std::sqrt(double(d))), dqv.reshaped({B, T, nq, d}),
-                      dkv.reshaped({B, T, nkv, d}), dv.reshaped({B, T, nkv, d}), c.window);
+  const Tensor q4 = s.q.reshaped({B, T, nq, d}), k4 = s.k.reshaped({B, T, nkv, d}), v4 = s.v.reshaped({B, T, nkv, d});
+  const float scale = static_cast<float>(1.0 / std::sqrt(double(d)));
+  if (split)
+    split->attend_backward(q4, k4, v4, s.att.reshaped({B, T, nq, d}), s.lse, datt.reshaped({B, T, nq, d}), scale,
+                           c.window, dqv.reshaped({B, T, nq, d}), dkv.reshaped({B, T, nkv, d}),
+                           dv.reshaped({B, T, nkv, d}));
+  else
+    attention::backward(q4, k4, v4, s.att.reshaped({B, T, nq, d}), s.lse, datt.reshaped({B, T, nq, d}), scale,
+                        dqv.reshaped({B, T, nq, d}), dkv.reshaped({B, T, nkv, d}), dv.reshaped({B, T, nkv, d}),
+                        c.window);
 
-  // 4. Values: undo the shift (du2[t] = dv2[t + 1], 0 for the last token), then W_v.
+  // 4. Values: undo the shift within each run (du2[t] = dv2[t + 1]; a run's first token's dv2 is
+  //    its halo's gradient; 0 for the last token, where the next run's part is added below).
   const std::int64_t half = c.shift_begin(), width = c.shift_end() - half;
-  for (std::int64_t b = 0; b < B && width > 0; ++b) {
-    for (std::int64_t t = 0; t + 1 < T; ++t)
-      std::memcpy(dv.row(b * T + t) + half, dv.row(b * T + t + 1) + half, sizeof(float) * width);
-    std::memset(dv.row(b * T + T - 1) + half, 0, sizeof(float) * width);
+  for (std::int64_t i = 0; i < R && width > 0; ++i) {
+    if (split) std::memcpy(dhalos.row(i) + hh * C, dv.row(i * L) + half, sizeof(float) * width);
+    for (std::int64_t t = 0; t + 1 < L; ++t)
+      std::memcpy(dv.row(i * L + t) + half, dv.row(i * L + t + 1) + half, sizeof(float) * width);
+    std::memset(dv.row(i * L + L - 1) + half, 0, sizeof(float) * width);
   }
-  linear::backward(x, p.w_v, dv, dx.empty() ? Tensor() : dxt, g.w_v, Tensor());
 
   // 3. RoPE (inverse rotation, in place).
   rope::backward(rt, dqv.reshaped({N, nq, d}), positions, dqv.reshaped({N, nq, d}));
@@ -186,9 +260,17 @@ void backward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, 
     for (std::int64_t j = 0; j < nkv; ++j) g.temp[j] += static_cast<float>(dtemp[j]);
 
   // 1. Convolutions, then the mixing terms' direct path into qk0, then W_qk.
-  causal_conv::grouped_backward(s.c0, p.conv1_w, int(W1 - 1), dqk.reshaped({B, T, C}), dc0, g.conv1_w, g.conv1_b);
-  causal_conv::depthwise_backward(s.qk0.reshaped({B, T, C}), p.conv0_w, int(W1 - 1), dc0, dqk0.reshaped({B, T, C}),
-                                  g.conv0_w, g.conv0_b);
+  causal_conv::grouped_backward(s.c0, p.conv1_w, int(W1 - 1), dqk.reshaped({R, L, C}), dc0, g.conv1_w, g.conv1_b);
+  if (!split) {
+    causal_conv::depthwise_backward(s.qk0.reshaped({B, T, C}), p.conv0_w, int(W1 - 1), dc0, dqk0.reshaped({B, T, C}),
+                                    g.conv0_w, g.conv0_b);
+  } else {
+    const Tensor qk0_3 = s.qk0.reshaped({R, L, C}), dqk0_3 = dqk0.reshaped({R, L, C});
+    for (std::int64_t i = 0; i < R; ++i)
+      causal_conv::depthwise_backward(qk0_3.slice0(i, 1), p.conv0_w, int(W1 - 1), dc0.slice0(i, 1), dqk0_3.slice0(i, 1),
+                                      g.conv0_w, g.conv0_b, Tensor(s.halo.row(i), {1, hh, C}),
+                                      Tensor(dhalos.row(i), {1, hh, C}));
+  }
   // m_q[h] = (q0[h] + k0[g]) / 2, m_k[g] = (mean_h q0[h]) / 2 + k0[g] / 2.
   parallel_for(N, 64, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t n = lo; n < hi; ++n) {
@@ -207,6 +289,20 @@ void backward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, 
         }
     }
   });
+
+  // 0. The halos' gradients back to the runs that gave them (one exchange), into the tails: the
+  //    last hh rows of dqk0 and the last row's shift columns of du. Then W_v and W_qk.
+  if (split) {
+    if (F > 0) split->halo_backward(dhalos, dtails);
+    for (std::int64_t i = 0; i < R; ++i) {
+      const float* dt = dtails.row(i);
+      float* dq0 = dqk0.row(i * L + L - hh);
+      for (std::int64_t j = 0; j < hh * C; ++j) dq0[j] += dt[j];
+      float* du = dv.row(i * L + L - 1) + half;
+      for (std::int64_t j = 0; j < width; ++j) du[j] += dt[hh * C + j];
+    }
+  }
+  linear::backward(x, p.w_v, dv, dx.empty() ? Tensor() : dxt, g.w_v, Tensor());
   if (!dx.empty()) {
     require_shape(dx, {N, H}, "cca dx");
     linear::backward(x, p.w_qk, dqk0, dx, g.w_qk, Tensor());

@@ -21,8 +21,18 @@
 //     (with Config::window W > 0 token t attends to tokens t - W < j <= t only: a sliding
 //     layer; the convolutions and the value shift are unchanged)
 //   y = att W_o^T                                                       [N, H]
-// Positions are per token (rope); the conv and the value shift restart per sequence of T,
-// not at document boundaries inside a packed sequence (neither does the reference).
+// Positions are per token (rope); the conv and the value shift restart per sequence (of T, or of
+// a split's runs joined by their halos, below), not at document boundaries inside a packed
+// sequence (neither does the reference).
+//
+// Sequence split (ops/sequence_split.h; null: whole sequences, as above). With S = segments()
+// the op sees x as B*S runs of L = T/S tokens (T: this rank's tokens per sequence; T % S == 0,
+// L >= hh = (W0-1) + (W1-1)). Each run gives the run after it its tail, halo_floats floats: its
+// last hh rows of qk0, then its last row's value-shift columns of u; split->halo returns each
+// run's halo (saved), which the depthwise conv reads as the times before the run and the value
+// shift as the previous token of the run's first. Attention goes through split->attend. Backward
+// sends the halos' gradients back through ONE split->halo_backward, added into the runs' tails
+// before the W_v and W_qk backward. Positions stay per row (each row's global position).
 //
 // Gradients: dx overwritten; parameter gradients accumulated (+=); any may be empty.
 #pragma once
@@ -30,6 +40,7 @@
 #include <cstdint>
 
 #include "ops/rope.h"
+#include "ops/sequence_split.h"
 #include "tensor/tensor.h"
 
 namespace keel::ops::cca {
@@ -60,10 +71,11 @@ struct Params {
   Tensor w_o;      // [H, nq d]
 };
 
-// What forward saves for backward (caller-allocated; saved_floats / carve_saved):
+// What forward saves for backward (caller-allocated; saved_floats / carve_saved, given the
+// split's segments S, 0 without a split; R = B*S runs of L = T/S tokens, R = B and L = T without):
 struct Saved {
   Tensor qk0;    // [N, C] pre-conv projections (conv input, mixing terms)
-  Tensor c0;     // [B, T + W1 - 1, C] depthwise output (grouped conv input)
+  Tensor c0;     // [R, L + W1 - 1, C] depthwise output (grouped conv input)
   Tensor qk;     // [N, C] conv output + mixing terms, before the L2 normalization
   Tensor rnorm;  // [N, nq + nkv] 1 / norm per head (q heads first)
   Tensor q;      // [N, nq d] attention query (normalized, scaled, rotated)
@@ -71,19 +83,25 @@ struct Saved {
   Tensor v;      // [N, nkv d] values (current | previous token)
   Tensor att;    // [N, nq d] attention output
   Tensor lse;    // [B, nq, T] attention log-sum-exp
+  Tensor halo;   // [R, halo_floats] each run's halo (split only; empty for segments 0)
 };
 
-std::int64_t saved_floats(const Config& c, std::int64_t B, std::int64_t T);
-Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, float* p);
+// Floats a run gives the next one: (W0-1 + W1-1) qk0 rows of C, plus the value-shift columns.
+std::int64_t halo_floats(const Config& c);
+std::int64_t saved_floats(const Config& c, std::int64_t B, std::int64_t T, int segments = 0);
+Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, float* p, int segments = 0);
 
-// x [N, H] with N = B*T; positions [N] (rope positions); y [N, H].
+// x [N, H] with N = B*T; positions [N] (rope positions); y [N, H]. s carved with the split's
+// segments (0 when split is null).
 void forward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, const std::int32_t* positions,
-             const rope::Table& rope_table, const Params& p, const Saved& s, const Tensor& y);
+             const rope::Table& rope_table, const Params& p, const Saved& s, const Tensor& y,
+             SequenceSplit* split = nullptr);
 
-std::int64_t backward_scratch_floats(const Config& c, std::int64_t B, std::int64_t T);
-// dy [N, H] -> dx [N, H] (overwritten), grads (+=). Needs x, positions, p and s from forward.
+std::int64_t backward_scratch_floats(const Config& c, std::int64_t B, std::int64_t T, int segments = 0);
+// dy [N, H] -> dx [N, H] (overwritten), grads (+=). Needs x, positions, p and s from forward,
+// and the same split.
 void backward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, const std::int32_t* positions,
               const rope::Table& rope_table, const Params& p, const Saved& s, const Tensor& dy, const Tensor& dx,
-              const Params& grads, const Tensor& scratch);
+              const Params& grads, const Tensor& scratch, SequenceSplit* split = nullptr);
 
 }  // namespace keel::ops::cca

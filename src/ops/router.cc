@@ -55,21 +55,28 @@ Losses forward(const Tensor& logits, const Tensor& bias, const Options& o, const
   for (std::int64_t i = 0; i < n * k; ++i) ++counts[expert_idx[i]];
   Losses out;
   if (n == 0) return out;
-  double aux = 0, z = 0;
-  for (std::int64_t j = 0; j < ne; ++j) {
-    double pm = 0;
-    for (std::int64_t i = 0; i < n; ++i) pm += probs.row(i)[j];
-    aux += double(counts[j]) / double(n * k) * (pm / double(n));
-  }
+  double z = 0;
   for (std::int64_t i = 0; i < n; ++i) z += double(lse[i]) * lse[i];
-  out.aux = static_cast<float>(double(ne) * aux);
+  out.aux = aux_loss(probs, counts, n, k);
   out.z = static_cast<float>(z / double(n));
   return out;
 }
 
+float aux_loss(const Tensor& probs, const std::int64_t* counts, std::int64_t count_rows, int top_k) {
+  const std::int64_t n = probs.dim(0), ne = probs.dim(1);
+  if (n == 0 || count_rows <= 0) return 0.f;
+  double aux = 0;
+  for (std::int64_t j = 0; j < ne; ++j) {
+    double pm = 0;
+    for (std::int64_t i = 0; i < n; ++i) pm += probs.row(i)[j];
+    aux += double(counts[j]) / double(count_rows * top_k) * (pm / double(n));
+  }
+  return static_cast<float>(double(ne) * aux);
+}
+
 void backward(const Tensor& probs, const Tensor& lse, const std::int32_t* expert_idx, const Tensor& gates,
               const std::int64_t* counts, const Options& o, const Tensor& dgates, float d_aux, float d_z,
-              const Tensor& dlogits) {
+              const Tensor& dlogits, std::int64_t count_rows) {
   const std::int64_t n = probs.dim(0), ne = probs.dim(1);
   const int k = o.top_k;
   require_shape(lse, {n}, "router lse");
@@ -78,9 +85,10 @@ void backward(const Tensor& probs, const Tensor& lse, const std::int32_t* expert
   if (!dgates.empty()) require_shape(dgates, {n, k}, "router dgates");
   if (n == 0) return;
   // d aux / d p[n, e] = E * f_e / N, the same for every token.
+  if (count_rows <= 0) count_rows = n;
   std::vector<float> daux_dp(static_cast<std::size_t>(ne));
   for (std::int64_t j = 0; j < ne; ++j)
-    daux_dp[j] = static_cast<float>(d_aux * double(ne) * (double(counts[j]) / double(n * k)) / double(n));
+    daux_dp[j] = static_cast<float>(d_aux * double(ne) * (double(counts[j]) / double(count_rows * k)) / double(n));
   const float zscale = static_cast<float>(2.0 * d_z / double(n));
   parallel_for(n, 64, [&](std::int64_t b, std::int64_t e) {
     std::vector<float> dp(static_cast<std::size_t>(ne));

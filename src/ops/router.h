@@ -41,8 +41,16 @@ struct Losses {
 Losses forward(const Tensor& logits, const Tensor& bias, const Options& o, const Tensor& probs, const Tensor& lse,
                std::int32_t* expert_idx, const Tensor& gates, std::int64_t* counts);
 
+// count_rows: the tokens `counts` were taken over (0: this call's N; see aux_loss).
 void backward(const Tensor& probs, const Tensor& lse, const std::int32_t* expert_idx, const Tensor& gates,
               const std::int64_t* counts, const Options& o, const Tensor& dgates, float d_aux, float d_z,
-              const Tensor& dlogits);
+              const Tensor& dlogits, std::int64_t count_rows = 0);
+
+// The aux loss with f_e from counts over count_rows tokens (f_e = counts[e] / (count_rows *
+// top_k)) and P_e this call's mean: forward's with counts and N. Under context parallelism a
+// rank passes the micro-batch's counts (summed over the ranks sharing its sequences): the mean
+// of the ranks' values is then the micro-batch's aux loss, and backward with the same counts and
+// count_rows its gradient (times the number of ranks).
+float aux_loss(const Tensor& probs, const std::int64_t* counts, std::int64_t count_rows, int top_k);
 
 }  // namespace keel::ops::router

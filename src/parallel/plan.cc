@@ -2,15 +2,17 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "common/error.h"
 
 namespace keel::parallel {
 
 void check_plan(const model::ModelConfig& model, const mesh::Shape& shape, const std::string& what) {
-  for (mesh::Axis a : {mesh::Axis::kContext, mesh::Axis::kTsp, mesh::Axis::kPipeline})
+  for (mesh::Axis a : {mesh::Axis::kTsp, mesh::Axis::kPipeline})
     if (shape.degree(a) > 1)
       throw UsageError(fmt::format(
-          "{}: {} parallelism ({}={}) is not implemented yet (data, tensor and expert parallelism are)", what,
+          "{}: {} parallelism ({}={}) is not implemented yet (data, context, tensor and expert parallelism are)", what,
           mesh::axis_title(a), mesh::axis_name(a), shape.degree(a)));
   if (shape.ep > 1 && (model.experts < 1 || model.experts % shape.ep != 0))
     throw UsageError(fmt::format("{}: model '{}': {} experts do not split over expert-parallel degree {}", what,
@@ -41,9 +43,27 @@ void check_plan(const model::ModelConfig& model, const mesh::Shape& shape, const
                        model.kv_heads));
 }
 
-CpuPlan::CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t tokens, bool sequence) {
+std::int64_t context_halo(const model::ModelConfig& cfg) {
+  for (int l = 0; l < cfg.layers; ++l)
+    if (model::layer_attention_kind(cfg, l) == model::AttentionKind::kCca)
+      return std::max<std::int64_t>(1, (cfg.cca_conv_width - 1) + (cfg.cca_group_conv_width - 1));
+  return 1;
+}
+
+CpuPlan::CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t batch, std::int64_t seq, bool sequence) {
   check_plan(cfg, mesh.shape());
   layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::LayerRunners{});
+  const Group& context = mesh.group(GroupKind::kContext);
+  std::int64_t tokens = batch * seq;
+  if (context.size > 1) {
+    check_context_split(seq, context.size, context_halo(cfg), "keel train");
+    cp_ = std::make_unique<ContextParallel>(context.comm, seq);
+    for (auto& l : layers_) {
+      l.attention = cp_.get();
+      l.tokens = cp_.get();
+    }
+    tokens /= context.size;
+  }
   if (mesh.group(GroupKind::kTensor).size > 1) {
     tp_ = std::make_unique<TensorParallelLinear>(mesh.group(GroupKind::kTensor).comm, tokens, cfg.hidden, sequence);
     for (auto& l : layers_) l.attn_linear = l.mlp_linear = tp_.get();

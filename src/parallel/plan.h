@@ -10,6 +10,7 @@
 #include "blocks/runners.h"
 #include "mesh/shape.h"
 #include "model/config.h"
+#include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
 #include "parallel/mesh.h"
 #include "parallel/tensor_parallel.h"
@@ -17,26 +18,37 @@
 namespace keel::parallel {
 
 // Throws keel::UsageError, one line prefixed by `what`, when `model` cannot run on a mesh of
-// `shape`: an axis keel train does not implement yet (cp, tsp, pp above 1), expert parallelism
+// `shape`: an axis keel train does not implement yet (tsp, pp above 1), expert parallelism
 // that does not divide the experts (or a model without experts), or a tensor degree that does not
 // divide the heads, the FFN widths or the vocabulary (nor the kv heads, nor is a multiple of
 // them; CCA: must divide them). Every backend calls
 // it first; the mesh shape itself is checked by mesh::validate (parallel::Mesh).
 void check_plan(const model::ModelConfig& model, const mesh::Shape& shape, const std::string& what = "keel train");
 
+// The tokens CCA's convolutions read before a token (its context-parallel halo): 1 for a model
+// without CCA (the split must still leave every chunk a token).
+std::int64_t context_halo(const model::ModelConfig& cfg);
+
 // The CPU runners of a model under a mesh (blocks/runners.h): one LayerRunners per layer. At
-// degree 1 every runner is the local op; expert parallelism gives each MoE layer an
-// ExpertParallelMoe over the mesh's expert group. The GPU twin is plan_cuda.h.
+// degree 1 every runner is the local op; context parallelism gives every layer the
+// ContextParallel attention core and token group, tensor parallelism the TensorParallelLinear
+// boundary, expert parallelism each MoE layer an ExpertParallelMoe over the mesh's expert group.
+// The GPU twin is plan_cuda.h.
 class CpuPlan {
  public:
-  // Checks the model against the mesh (check_plan). tokens: the rows a block reads (the
-  // micro-batch's tokens); sequence: sequence parallelism over the tensor group.
-  CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t tokens = 0, bool sequence = false);
+  // Checks the model against the mesh (check_plan, and that seq splits over the context
+  // group). batch x seq: the micro-batch (seq: whole sequences); sequence: sequence
+  // parallelism over the tensor group.
+  CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t batch = 0, std::int64_t seq = 0,
+          bool sequence = false);
   const std::vector<blocks::LayerRunners>& layers() const { return layers_; }
   // The tensor-parallel boundary, null at tensor degree 1.
   TensorParallelLinear* tensor() const { return tp_.get(); }
+  // The context-parallel core, null at context degree 1.
+  ContextParallel* context() const { return cp_.get(); }
 
  private:
+  std::unique_ptr<ContextParallel> cp_;
   std::unique_ptr<TensorParallelLinear> tp_;
   std::vector<std::unique_ptr<ExpertParallelMoe>> ep_layers_;  // per MoE layer
   std::vector<blocks::LayerRunners> layers_;

@@ -10,6 +10,10 @@ namespace keel::parallel {
 
 CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t tokens, bool sequence) {
   check_plan(cfg, mesh.shape());
+  if (mesh.shape().cp > 1)
+    throw UsageError(fmt::format("keel train: context parallelism (cp={}) runs on CPU ranks only so far: set device: "
+                                 "cpu, or parallel.context: 1 on GPUs",
+                                 mesh.shape().cp));
   layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::cuda::LayerRunners{});
   if (mesh.group(GroupKind::kTensor).size > 1) {
     tp_ = std::make_unique<CudaTensorParallelLinear>(mesh.nccl(GroupKind::kTensor), tokens, cfg.hidden, sequence);

@@ -45,7 +45,7 @@ namespace {
 
 bool keel_train_runs(const Setup& s) {
   const mesh::Shape& l = s.layout;
-  if (l.tsp != 1 || l.pp != 1 || l.cp != 1) return false;
+  if (l.tsp != 1 || l.pp != 1) return false;
   if (l.dp > 1 && l.zero != 1) return false;
   train::ModelOptions o;
   o.micro_batch = s.micro_batch;
@@ -54,6 +54,7 @@ bool keel_train_runs(const Setup& s) {
   try {
     train::validate_trainable(s.model, o);
     parallel::check_plan(s.model, l);
+    parallel::check_context_split(o.seq_length, l.cp, parallel::context_halo(s.model), "keel size");
   } catch (const UsageError&) {
     return false;
   }
@@ -107,6 +108,8 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
   const mesh::Shape& l = s.layout;
   mesh::Shape shape;  // as rank 0 (the plans in the result cover every rank; tensor ranks alike)
   shape.dp = l.dp;
+  shape.cp = l.cp;
+  const int data = l.dp * l.cp;  // the data group: ZeRO-1 shards over dp x cp
   shape.tp = l.tp;
   shape.ep = l.ep;
   optim::ParamLayout layout = model::param_layout(s.model, shape);
@@ -125,9 +128,9 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
   KeelTrainShards k;
   // Rank r of the data group is rank r % ep of its expert group and rank r / ep of its
   // expert-data group (parallel::Mesh: expert groups are ep consecutive ranks).
-  for (int r = 0; r < l.dp; ++r) {
+  for (int r = 0; r < data; ++r) {
     std::int64_t rb = 0, re = sh.replicated_end;
-    if (l.dp > 1) rb = sh.replicated.begin(r), re = sh.replicated.end(r);
+    if (data > 1) rb = sh.replicated.begin(r), re = sh.replicated.end(r);
     std::int64_t xb = 0, xe = 0;
     if (experts) xb = sh.experts.begin(r / l.ep), xe = sh.experts.end(r / l.ep);
     k.rank_optimizer_floats.push_back(static_cast<double>((re - rb) + (xe - xb)));
@@ -148,11 +151,11 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
     k.muon_flops_total = l.tp * muon_range(0, sh.replicated_end).flops_total;
     if (experts) k.muon_flops_total += l.tp * l.ep * muon_range(sh.replicated_end, total).flops_total;
   }
-  if (s.grad_reduce_bf16 && l.dp > 1) {
+  if (s.grad_reduce_bf16 && data > 1) {
     const auto stages = parallel::overlap_stage_bounds(layout, s.model.layers, sh.replicated_end);
     if (stages) {
       k.bf16_reduce_scratch = static_cast<double>(parallel::largest_stage_floats(*stages));
-      if (experts && l.dp / l.ep > 1)
+      if (experts && data / l.ep > 1)
         k.bf16_reduce_scratch = std::max(k.bf16_reduce_scratch, static_cast<double>(total - sh.replicated_end));
     } else {
       k.bf16_reduce_scratch = static_cast<double>(total);  // the classic step's bf16 copy of the buffer

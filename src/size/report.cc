@@ -129,7 +129,7 @@ void print_report(const SizeReport& r, std::FILE* out, bool show_gemms) {
                    human_count(mem.params_on_gpu), s.layout.zero,
                    s.layout.zero == 0 ? "nothing" : s.layout.zero == 1 ? "optimizer states" : s.layout.zero == 2 ? "optimizer states and gradients" : "optimizer states, gradients and weights",
                    s.layout.dp * s.layout.cp, s.layout.dp * s.layout.cp / s.layout.ep));
-  if (mem.keel_train_optimizer_floats > 0 && s.layout.dp > 1)
+  if (mem.keel_train_optimizer_floats > 0 && s.layout.dp * s.layout.cp > 1)
     line(fmt::format("keel train's ZeRO-1 cuts (whole Muon matrices, work balanced against floats): the busiest "
                      "rank's optimizer shard is {} floats, {:+.1f}% on the mean",
                      human_count(mem.keel_train_optimizer_floats),

@@ -19,30 +19,32 @@
 #include "common/watchdog.h"
 #include "device/cuda_devices.h"
 #include "device/rank_gpu.h"
+#include "parallel/plan.h"
 #include "train/backend.h"
 #include "train/trainer.h"
 
 namespace keel::train {
 namespace {
 
-// The run's mesh: world = parallel.data x parallel.tensor (parallel.data 0: the world over the
-// tensor degree), tensor groups of consecutive ranks; expert parallelism is folded into the data
-// ranks (parallel.expert consecutive data ranks hold all experts). Resolves `device: auto` to cuda or cpu alike on every rank. With several ranks on
+// The run's mesh: world = parallel.data x parallel.context x parallel.tensor (parallel.data 0:
+// the world over the other two), tensor groups of consecutive ranks, then context groups;
+// expert parallelism is folded into the data x context ranks (parallel.expert consecutive ones
+// hold all experts). Resolves `device: auto` to cuda or cpu alike on every rank. With several ranks on
 // GPUs, each rank takes its node-local rank's GPU or the one its launcher bound it to
 // (device/rank_gpu.h). Checked before any GPU work, alike on every rank.
 parallel::Mesh make_mesh(TrainConfig& cfg, const MpiSession& mpi) {
-  const int tensor = cfg.parallel_tensor;
-  if (cfg.parallel_data == 0 && mpi.size() % tensor != 0)
-    throw UsageError(fmt::format("{}: parallel.tensor ({}) must divide the number of ranks ({})", cfg.path, tensor,
-                                 mpi.size()));
-  const int data = cfg.parallel_data == 0 ? mpi.size() / tensor : cfg.parallel_data;
-  if (static_cast<long>(data) * tensor != mpi.size())
-    throw UsageError(fmt::format("{}: parallel.data ({}) x parallel.tensor ({}) must equal the number of ranks ({}); "
-                                 "set parallel.data: 0 to use every rank",
-                                 cfg.path, data, tensor, mpi.size()));
-  if (data % cfg.parallel_expert != 0 || cfg.model.experts % cfg.parallel_expert != 0)
-    throw UsageError(fmt::format("{}: parallel.expert ({}) must divide the data-parallel ranks ({}) and the experts ({})",
-                                 cfg.path, cfg.parallel_expert, data, cfg.model.experts));
+  const int tensor = cfg.parallel_tensor, context = cfg.parallel_context;
+  if (cfg.parallel_data == 0 && mpi.size() % (tensor * context) != 0)
+    throw UsageError(fmt::format("{}: parallel.context ({}) x parallel.tensor ({}) must divide the number of ranks ({})",
+                                 cfg.path, context, tensor, mpi.size()));
+  const int data = cfg.parallel_data == 0 ? mpi.size() / (tensor * context) : cfg.parallel_data;
+  if (static_cast<long>(data) * context * tensor != mpi.size())
+    throw UsageError(fmt::format("{}: parallel.data ({}) x parallel.context ({}) x parallel.tensor ({}) must equal the "
+                                 "number of ranks ({}); set parallel.data: 0 to use every rank",
+                                 cfg.path, data, context, tensor, mpi.size()));
+  if ((data * context) % cfg.parallel_expert != 0 || cfg.model.experts % cfg.parallel_expert != 0)
+    throw UsageError(fmt::format("{}: parallel.expert ({}) must divide the data x context ranks ({}) and the experts ({})",
+                                 cfg.path, cfg.parallel_expert, data * context, cfg.model.experts));
   // Every rank decides alike whether it trains on a GPU: an error on some ranks only would leave
   // the rest waiting in the next collective, and `auto` would pick CPU on some, CUDA on others.
   int sees = visible_cuda_devices() > 0 ? 1 : 0, fewest = sees, most = sees;
@@ -66,11 +68,13 @@ parallel::Mesh make_mesh(TrainConfig& cfg, const MpiSession& mpi) {
     if (cuda && most == 0) throw UsageError("device: cuda: no CUDA device is visible");
     if (cuda) bind_rank_gpu();  // the node-local rank's GPU, or the one a launcher bound it to
   }
+  parallel::check_context_split(static_cast<std::int64_t>(cfg.data.seq_length), context, parallel::context_halo(cfg.model), cfg.path);
   mesh::Shape shape;
   shape.dp = data;
+  shape.cp = context;
   shape.tp = tensor;
   shape.ep = cfg.parallel_expert;
-  shape.zero = data > 1 ? 1 : 0;
+  shape.zero = data * context > 1 ? 1 : 0;
   return parallel::Mesh(shape, mpi.size() > 1 ? MPI_COMM_WORLD : MPI_COMM_NULL, cfg.path + ": parallel");
 }
 

@@ -94,10 +94,12 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
     : cfg_(config),
       opt_(options),
       mesh_(mesh),
-      plan_(cfg_, mesh_, std::int64_t(options.micro_batch) * options.seq_length, options.sequence_parallel) {
+      plan_(cfg_, mesh_, options.micro_batch, options.seq_length, options.sequence_parallel) {
   validate_trainable(cfg_, opt_);
   tp_ = {mesh_.group(parallel::GroupKind::kTensor).size, mesh_.group(parallel::GroupKind::kTensor).rank};
-  if (opt_.precise_loss && tp_.degree > 1) fail("model: precise_loss needs the whole LM head (tensor degree 1)");
+  cp_ = mesh_.group(parallel::GroupKind::kContext).size;
+  if (opt_.precise_loss && (tp_.degree > 1 || cp_ > 1))
+    fail("model: precise_loss needs the whole LM head and whole sequences (tensor and context degree 1)");
   for (int l = 0; l < cfg_.layers; ++l) {
     cca_layer_.push_back(model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca ? 1 : 0);
     if (model::is_moe_layer(cfg_, l)) {
@@ -107,9 +109,11 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
       moe_index_of_layer_.push_back(-1);
     }
   }
-  const std::int64_t n = static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length;
+  // n: this rank's tokens of the micro-batch (all of them, or 1/cp of each sequence)
+  const std::int64_t local_seq = opt_.seq_length / cp_, n = std::int64_t(opt_.micro_batch) * local_seq;
   rows_ = opt_.sequence_parallel ? n / tp_.degree : n;
-  attn_shape_ = blocks::AttnShape::of(cfg_, opt_.micro_batch, opt_.seq_length, tp_);
+  attn_shape_ = blocks::AttnShape::of(cfg_, opt_.micro_batch, local_seq, tp_);
+  if (cp_ > 1) attn_shape_.segments = plan_.context()->segments();
   mlp_shape_ = blocks::MlpShape::of(cfg_, n, opt_.renormalize_gates, tp_);
   const int classes = mlp_shape_.classes();
   load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(classes, 0));
@@ -121,8 +125,11 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   act_arena_ = std::make_unique<Arena>("activations", sizing.counted());
   ArenaPlanner real(act_arena_.get());
   plan_acts(real);
+  // each row's position in its sequence (context parallelism: this rank's zigzag chunks)
+  const std::vector<std::int32_t> seq_pos =
+      parallel::zigzag_positions(opt_.seq_length, cp_, mesh_.group(parallel::GroupKind::kContext).rank);
   positions_.resize(n);
-  for (std::int64_t i = 0; i < n; ++i) positions_[i] = static_cast<std::int32_t>(i % opt_.seq_length);
+  for (std::int64_t i = 0; i < n; ++i) positions_[i] = seq_pos[static_cast<std::size_t>(i % local_seq)];
   init_parameters();
 }
 
@@ -142,7 +149,7 @@ void MoeTransformer::allocate_params() {
 void MoeTransformer::plan_acts(ArenaPlanner& p) {
   // N: the tokens a block reads; L: the rows of the residual stream, norms and residual scales
   // this rank holds (N / tp under sequence parallelism); Vl: its vocabulary rows.
-  const std::int64_t B = opt_.micro_batch, S = opt_.seq_length, N = B * S, L = rows_, D = cfg_.hidden;
+  const std::int64_t B = opt_.micro_batch, N = B * (opt_.seq_length / cp_), L = rows_, D = cfg_.hidden;
   const std::int64_t Vl = cfg_.vocab_size / tp_.degree;
   const std::int64_t R = std::max(cfg_.router_hidden, 1);
   const bool any_moe = !moe_layer_ids_.empty(), any_dense = moe_layer_ids_.size() < std::size_t(cfg_.layers);
@@ -286,7 +293,7 @@ void MoeTransformer::mlp_forward(int l, LayerActs& a, bool count_load, LossParts
   blocks::RouterLosses losses;
   blocks::mlp_forward(mlp_shape_, w_.layers[static_cast<std::size_t>(l)], bias, a.h2, eda(m), a.mlp, mlp_scratch_, y,
                       *r.mlp_linear, r.experts, count_load && m >= 0 ? load_[static_cast<std::size_t>(m)].data() : nullptr,
-                      &losses);
+                      &losses, *r.tokens);
   lp.aux += losses.aux;
   lp.z += losses.z;
 }
@@ -297,7 +304,8 @@ void MoeTransformer::mlp_backward(int l, LayerActs& a, const Tensor& dy, const T
   const blocks::LayerRunners& r = plan_.layers()[static_cast<std::size_t>(l)];
   // The router losses' gradients are whole on every tensor rank, the rest of the router's
   // partial: the first rank adds them (reduce_partial_gradients sums the router's gradients).
-  const float own = tp_.rank == 0 ? 1.f : 0.f;
+  // Under context parallelism the micro-batch's router losses are the mean of the ranks'.
+  const float own = tp_.rank == 0 ? 1.f / static_cast<float>(cp_) : 0.f;
   // EDA chain: stage m + 1 left dL/d state_m in deda_[(m + 1) % 2]; this stage writes
   // dL/d state_{m-1} into the other buffer.
   blocks::EdaGrads deda;
@@ -308,7 +316,7 @@ void MoeTransformer::mlp_backward(int l, LayerActs& a, const Tensor& dy, const T
   }
   blocks::mlp_backward(mlp_shape_, w_.layers[static_cast<std::size_t>(l)], g_.layers[static_cast<std::size_t>(l)], a.h2,
                        eda(m), deda, a.mlp, mlp_scratch_, dy, dh, static_cast<float>(opt_.aux_loss_weight * cur_scale_ * own),
-                       static_cast<float>(opt_.z_loss_weight * cur_scale_ * own), *r.mlp_linear, r.experts);
+                       static_cast<float>(opt_.z_loss_weight * cur_scale_ * own), *r.mlp_linear, r.experts, *r.tokens);
 }
 
 // ---- plain pre-norm layer: x_mid = x + attn(n1(x)); y = x_mid + mlp(n2(x_mid)) ----
@@ -382,9 +390,14 @@ void MoeTransformer::scaled_layer_backward(int l, LayerActs& a) {
 }
 
 LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_t* targets) {
-  const std::int64_t N = static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length;
-  tokens_.assign(tokens, tokens + N);
-  targets_.assign(targets, targets + N);
+  const std::int64_t S = opt_.seq_length, local_seq = S / cp_, N = opt_.micro_batch * local_seq;
+  tokens_.resize(static_cast<std::size_t>(N));
+  targets_.resize(static_cast<std::size_t>(N));
+  for (std::int64_t i = 0; i < N; ++i) {  // this rank's rows of each sequence (all of them at cp 1)
+    const std::int64_t at = i / local_seq * S + positions_[static_cast<std::size_t>(i)];
+    tokens_[static_cast<std::size_t>(i)] = tokens[at];
+    targets_[static_cast<std::size_t>(i)] = targets[at];
+  }
   LossParts lp;
   embed_forward();
   const bool scaled = cfg_.residual_scaling;
@@ -427,6 +440,19 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
     }
     lp.ce = valid > 0 ? sum / static_cast<double>(valid) : 0.0;
   }
+  ce_share_ = 1.0;
+  if (cp_ > 1) {
+    // The micro-batch's losses on every rank of the context group: the cross-entropy over all
+    // of its valid targets, the router losses' means over the ranks (aux: router::aux_loss).
+    const std::int32_t ignore = ops::cross_entropy::Options{}.ignore_index;
+    const double valid = static_cast<double>(N - std::count(targets_.begin(), targets_.end(), ignore));
+    double parts[4] = {lp.ce * valid, valid, lp.aux, lp.z};
+    plan_.context()->sum(parts, 4);
+    ce_share_ = parts[1] > 0 ? valid / parts[1] : 0.0;  // this rank's CE gradient weight
+    lp.ce = parts[1] > 0 ? parts[0] / parts[1] : 0.0;
+    lp.aux = parts[2] / cp_;
+    lp.z = parts[3] / cp_;
+  }
   lp.total = lp.ce + opt_.aux_loss_weight * lp.aux + opt_.z_loss_weight * lp.z;
   have_forward_ = true;
   return lp;
@@ -434,7 +460,8 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
 
 void MoeTransformer::token_logprobs(int top_k, float* logprob, std::int32_t* top_ids, float* top_logprob) const {
   if (!have_forward_) fail("model: token_logprobs before a forward");
-  if (tp_.degree != 1) fail("model: per-token log-probabilities need the whole LM head (tensor degree 1)");
+  if (tp_.degree != 1 || cp_ != 1)
+    fail("model: per-token log-probabilities need the whole LM head and whole sequences (tensor and context degree 1)");
   const std::int64_t V = cfg_.vocab_size, D = cfg_.hidden, N = static_cast<std::int64_t>(targets_.size());
   if (top_k < 0 || top_k > V) fail("model: top_k {} outside [0, vocab {}]", top_k, V);
   const auto logit = [&](std::int64_t i, std::int64_t v) {
@@ -473,7 +500,7 @@ void MoeTransformer::backward(float loss_scale) {
   if (!have_forward_) fail("model: backward() without a forward()");
   cur_scale_ = loss_scale;
   const bool scaled = cfg_.residual_scaling, full = opt_.recompute == Recompute::kFull;
-  head_backward(loss_scale);  // dtmp_ = dL/d final_h_
+  head_backward(static_cast<float>(loss_scale * ce_share_));  // dtmp_ = dL/d final_h_
   // rmsnorm adds its dx into the residual gradient; the final norm is its first writer in this
   // micro-batch, so clear what the previous backward left there (as the CUDA backend does).
   dres_.zero();

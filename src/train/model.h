@@ -123,8 +123,12 @@ class MoeTransformer {
   void init_parameters();
   void zero_grads();
 
-  // tokens: B*T input ids, targets: B*T int32 labels (-1 ignored). Returns the loss parts of
-  // this micro-batch; keeps what backward needs. Adds the routing counts to the load counters.
+  // tokens: B*T input ids, targets: B*T int32 labels (-1 ignored), whole sequences. Returns the
+  // loss parts of this micro-batch; keeps what backward needs. Adds the routing counts of this
+  // rank's tokens to the load counters. Under context parallelism (the mesh's cp > 1) every rank
+  // of the context group passes the same micro-batch, runs its zigzag chunks of each sequence
+  // (parallel/context_parallel.h) and returns the whole micro-batch's losses; backward gives
+  // this rank's share of the gradients (they sum over the data group, which spans cp).
   LossParts forward(const std::uint32_t* tokens, const std::int32_t* targets);
   // After forward(), for keel eval's --logprobs (tensor degree 1 only; keel::Error otherwise):
   // each of the B*T rows' log-probability of its target, log softmax(logits)[target] = logit -
@@ -183,6 +187,8 @@ class MoeTransformer {
   parallel::Mesh mesh_;
   parallel::CpuPlan plan_;  // each layer's runners
   blocks::TensorSplit tp_;  // this rank in its tensor group
+  int cp_ = 1;              // context-parallel degree: this rank holds 1/cp_ of each sequence
+  double ce_share_ = 1.0;   // this rank's share of the micro-batch's valid targets (its CE gradient weight)
   std::int64_t rows_ = 0;   // rows of the residual stream on this rank (N, or N / tp with sequence parallelism)
   optim::ParamLayout layout_;
   std::unique_ptr<Arena> param_arena_, grad_arena_, act_arena_;

@@ -126,16 +126,18 @@ std::vector<ckpt::Box> block_boxes(const optim::ParamInfo& p, const StateSlice& 
   return block_boxes(p, model::block_pieces(p, slice_mesh(slice), slice_coord(slice)), lo, hi);
 }
 
-std::string checkpoint_layout_name(int ranks, const StateSlice& s) {
-  if (s.tensor_parallel < 1 || ranks < 1 || ranks % s.tensor_parallel != 0)
-    fail("checkpoint: {} saving ranks are not whole tensor groups of {} (with tensor parallelism every rank of the "
-         "world saves: pass its communicator)",
-         ranks, s.tensor_parallel);
+std::string checkpoint_layout_name(int ranks, const StateSlice& s, int context_parallel) {
+  const int group = s.tensor_parallel * context_parallel;
+  if (s.tensor_parallel < 1 || context_parallel < 1 || ranks < 1 || ranks % group != 0)
+    fail("checkpoint: {} saving ranks are not whole tensor x context groups of {} (with tensor or context parallelism "
+         "every rank of the world saves: pass its communicator)",
+         ranks, group);
   mesh::Shape m;
-  m.dp = ranks / s.tensor_parallel;
+  m.dp = ranks / group;
+  m.cp = context_parallel;
   m.tp = s.tensor_parallel;
   m.ep = s.expert_parallel;
-  m.zero = m.dp > 1 ? 1 : 0;
+  m.zero = m.dp * m.cp > 1 ? 1 : 0;
   return m.str();
 }
 
@@ -185,7 +187,7 @@ TrainCheckpointer::TrainCheckpointer(std::string root, const TrainCheckpointOpti
 
 TrainCheckpointer::TrainCheckpointer(std::string root, const TrainCheckpointOptions& options,
                                      std::unique_ptr<ckpt::Comm> comm)
-    : root_(std::move(root)), comm_(std::move(comm)) {
+    : root_(std::move(root)), comm_(std::move(comm)), context_parallel_(options.context_parallel) {
   if (!comm_) fail("checkpoint {}: no communicator", root_);
   ckpt::SaveOptions o;
   o.keep_last = options.keep_last;
@@ -223,7 +225,7 @@ double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, co
   for (const auto& p : layout.params)
     if (p.optimizer != optim::OptimizerKind::kAdamW) muon.push_back(p.name);
   s["muon_params"] = std::move(muon);
-  const std::string name = checkpoint_layout_name(comm_->size(), view.slice);
+  const std::string name = checkpoint_layout_name(comm_->size(), view.slice, context_parallel_);
   return saver_->save(step, shards(view, layout), s, nlohmann::json::object(), name);
 }
 

@@ -49,6 +49,7 @@ struct TrainCheckpointOptions {
   int keep_last = 0;   // newest K committed checkpoints kept (0: all)
   int keep_every = 0;  // also every step divisible by M
   int threads = 2;     // writer threads (data files per rank)
+  int context_parallel = 1;  // the run's cp degree: named in the saved layout (it splits no tensor)
 };
 
 // The mesh a slice stands for (only the degrees of the axes that split parameters matter: ep
@@ -76,9 +77,10 @@ std::vector<ckpt::Box> block_boxes(const optim::ParamInfo& p, const StateSlice& 
 std::vector<ckpt::SaveShard> checkpoint_shards(const CheckpointView& view, const optim::ParamLayout& layout, int rank,
                                                int ranks);
 // The layout `ranks` saving ranks holding slices like `s` save, in the mesh vocabulary
-// (mesh/shape.h): "dp=4,ep=2,zero=1", "dp=2,tp=2,zero=1" (dp = ranks / tp; ep folded into
-// the data ranks; zero=1 when dp > 1). keel::Error when tp does not divide ranks.
-std::string checkpoint_layout_name(int ranks, const StateSlice& s);
+// (mesh/shape.h): "dp=4,ep=2,zero=1", "dp=2,tp=2,zero=1", "dp=1,cp=2,zero=1" (dp = ranks / (tp
+// x cp); ep folded into the data ranks; zero=1 when dp x cp > 1). keel::Error when tp x cp does
+// not divide ranks.
+std::string checkpoint_layout_name(int ranks, const StateSlice& s, int context_parallel = 1);
 
 class TrainCheckpointer {
  public:
@@ -113,6 +115,7 @@ class TrainCheckpointer {
 
   std::string root_;
   std::unique_ptr<ckpt::Comm> comm_;
+  int context_parallel_ = 1;
   std::unique_ptr<ckpt::Saver> saver_;
 };
 

@@ -368,8 +368,9 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (c.grad_accum < 1) ctx.bad("batch.grad_accum", b["grad_accum"], "must be >= 1");
   }
   if (const auto p = root["parallel"]) {
-    ctx.only(p, "parallel", {"data", "tensor", "sequence", "expert", "grad_reduce", "zero1"});
+    ctx.only(p, "parallel", {"data", "context", "tensor", "sequence", "expert", "grad_reduce", "zero1"});
     if (p["data"]) c.parallel_data = ctx.get<int>(p["data"], "parallel.data", "an integer");
+    if (p["context"]) c.parallel_context = ctx.get<int>(p["context"], "parallel.context", "an integer");
     if (p["tensor"]) c.parallel_tensor = ctx.get<int>(p["tensor"], "parallel.tensor", "an integer");
     if (p["sequence"])
       c.model_options.sequence_parallel = ctx.get<bool>(p["sequence"], "parallel.sequence", "true or false");
@@ -383,6 +384,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (c.parallel_data < 0) ctx.bad("parallel.data", p["data"], "must be >= 1 (or 0: every rank)");
     if (c.parallel_expert < 1) ctx.bad("parallel.expert", p["expert"], "must be >= 1");
     if (c.parallel_tensor < 1) ctx.bad("parallel.tensor", p["tensor"], "must be >= 1");
+    if (c.parallel_context < 1) ctx.bad("parallel.context", p["context"], "must be >= 1");
     if (c.model_options.sequence_parallel && c.parallel_tensor < 2)
       ctx.bad("parallel.sequence", p["sequence"], "needs parallel.tensor above 1 (it splits the tokens over the tensor group)");
   }

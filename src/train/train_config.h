@@ -45,6 +45,8 @@ struct TrainConfig {
   int parallel_data = 0;            // `parallel.data`: data-parallel degree (0: every rank of the launch)
   int parallel_tensor = 1;          // `parallel.tensor`: tensor-parallel degree (Megatron; `parallel.sequence`
                                     // is model_options.sequence_parallel)
+  int parallel_context = 1;         // `parallel.context`: context-parallel degree (each sequence's tokens
+                                    // split over it: parallel/context_parallel.h)
   int parallel_expert = 1;          // `parallel.expert`: expert-parallel degree, dividing the data-parallel
                                     // ranks and the experts
   // `parallel.grad_reduce` (fp32 or bf16: parallel/data_parallel_comm.h) and `parallel.zero1.*`

@@ -129,7 +129,9 @@ void apply_kernel_options(const KernelOptions& k) {
 
 Trainer::Trainer(TrainConfig config, const parallel::Mesh& mesh, bool quiet)
     : cfg_(std::move(config)), mesh_(mesh), quiet_(quiet) {
-  const int dp = mesh_.data().size;
+  // The micro-batches split over the dp ranks; the cp ranks of each share theirs (each runs its
+  // part of every sequence), so the batch's rank is the dp coordinate, not the data group's.
+  const int dp = mesh_.shape().dp;
   if (cfg_.grad_accum % dp != 0)
     throw UsageError(fmt::format("{}: batch.grad_accum ({}) must be a multiple of the data-parallel degree ({}): each "
                                  "step's micro-batches are split evenly over the ranks",
@@ -150,7 +152,7 @@ Trainer::Trainer(TrainConfig config, const parallel::Mesh& mesh, bool quiet)
   // Rank r takes micro-batch r of every dp consecutive ones: the global sample order and each
   // step's set of micro-batches do not depend on the number of ranks.
   loader_ = std::make_unique<data::BatchLoader>(data_->stream(), static_cast<std::uint64_t>(cfg_.micro_batch) * dp,
-                                                mesh_.data().rank, dp);
+                                                mesh_.coord().dp, dp);
   if (!cfg_.eval_prefix.empty()) {
     eval_ds_ = std::make_unique<data::IndexedDataset>(cfg_.eval_prefix);
     if (eval_ds_->tokens() < cfg_.data.seq_length + 1)
@@ -358,10 +360,12 @@ StepStats Trainer::train_step() {
     s.aux += lp.aux * scale;
     s.z += lp.z * scale;
   }
-  // the same totals (and the same verdict) on every rank
+  // the same totals (and the same verdict) on every rank; the cp ranks of a micro-batch each
+  // hold its whole loss
   double parts[4] = {s.loss, s.ce, s.aux, s.z};
   sum_over(mesh_.data(), parts, 4);
-  s.loss = parts[0], s.ce = parts[1], s.aux = parts[2], s.z = parts[3];
+  const double cp = mesh_.shape().cp;
+  s.loss = parts[0] / cp, s.ce = parts[1] / cp, s.aux = parts[2] / cp, s.z = parts[3] / cp;
   if (!std::isfinite(s.loss))
     throw NonFiniteStep(fmt::format("step {}: loss is {} (ce {}, aux {}, z {}): stopping", s.step, num(s.loss), num(s.ce),
                             num(s.aux), num(s.z)));
@@ -431,6 +435,22 @@ static std::string routing_text(const StepStats& s, int classes, bool skip) {
     const auto [lo, hi] = std::minmax_element(s.layer_skip.begin(), s.layer_skip.end());
     out += fmt::format(" skip {:.2f}-{:.2f}", *lo, *hi);
   }
+  return out;
+}
+
+// The start-up line's layout: " x 2 data-parallel ranks x context parallel 2 (zigzag) (ZeRO-1)
+// x tensor parallel 2", the axes above 1 only.
+std::string Trainer::parallel_text() const {
+  const mesh::Shape& sh = mesh_.shape();
+  std::string out;
+  if (sh.dp > 1) out += fmt::format(" x {} data-parallel ranks", sh.dp);
+  if (sh.cp > 1) out += fmt::format(" x context parallel {} (zigzag)", sh.cp);
+  if (mesh_.data().size > 1)
+    out += fmt::format(" (ZeRO-1{}){}",
+                       cfg_.data_parallel.grad_reduce == parallel::GradReduceDtype::kBf16 ? ", gradients reduced in bf16" : "",
+                       mesh_.expert().size > 1 ? fmt::format(", expert parallel {}", mesh_.expert().size) : "");
+  if (sh.tp > 1)
+    out += fmt::format(" x tensor parallel {}{}", sh.tp, cfg_.model_options.sequence_parallel ? " (sequence parallel)" : "");
   return out;
 }
 
@@ -507,16 +527,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
                 "recompute %s\n",
                 cfg_.model.name.c_str(), static_cast<long long>(backend_->param_count()), cfg_.model.layers,
                 backend_->moe_layer_count(), backend_->device().c_str(),
-                ((mesh_.data().size > 1
-                     ? fmt::format(" x {} data-parallel ranks (ZeRO-1{}){}", mesh_.data().size,
-                                   cfg_.data_parallel.grad_reduce == parallel::GradReduceDtype::kBf16 ? ", gradients reduced in bf16" : "",
-                                   mesh_.expert().size > 1 ? fmt::format(", expert parallel {}", mesh_.expert().size) : "")
-                     : std::string()) +
-                    (mesh_.shape().tp > 1
-                         ? fmt::format(" x tensor parallel {}{}", mesh_.shape().tp,
-                                       cfg_.model_options.sequence_parallel ? " (sequence parallel)" : "")
-                         : std::string()))
-                    .c_str(),
+                parallel_text().c_str(),
                 static_cast<long long>(cfg_.steps), static_cast<long long>(step_tokens),
                 to_string(cfg_.model_options.recompute));
   if (!quiet_ && step_ == 0) std::printf("%s\n", memory_report(*backend_).c_str());
@@ -649,8 +660,9 @@ double Trainer::evaluate() {
   const std::int64_t L = static_cast<std::int64_t>(cfg_.data.seq_length);
   std::vector<std::uint32_t> row(L + 1);
   double sum = 0;
-  // micro-batch b on rank b % dp; the mean over all of them on every rank
-  for (std::int64_t b = mesh_.data().rank; b < cfg_.eval_batches; b += mesh_.data().size) {
+  // micro-batch b on the dp rank b % dp (its cp ranks share it); the mean over all of them on
+  // every rank
+  for (std::int64_t b = mesh_.coord().dp; b < cfg_.eval_batches; b += mesh_.shape().dp) {
     for (int r = 0; r < cfg_.micro_batch; ++r) {
       eval_sampler_->sample(static_cast<std::uint64_t>(b * cfg_.micro_batch + r), row.data());
       for (std::int64_t t = 0; t < L; ++t) {  // token ids checked at start-up (check_eval_tokens)
@@ -662,7 +674,7 @@ double Trainer::evaluate() {
   }
   backend_->reset_load();
   sum_over(mesh_.data(), &sum, 1);
-  return sum / static_cast<double>(cfg_.eval_batches);
+  return sum / static_cast<double>(cfg_.eval_batches) / mesh_.shape().cp;
 }
 
 void Trainer::make_checkpointer() {
@@ -670,6 +682,7 @@ void Trainer::make_checkpointer() {
   TrainCheckpointOptions o;
   o.keep_last = cfg_.checkpoint_keep_last;
   o.keep_every = cfg_.checkpoint_keep_every;
+  o.context_parallel = mesh_.shape().cp;
   ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o, mesh_.world());
   // the staging buffers now, not in the first save's stall (pinned gigabytes take seconds)
   ckpt_->reserve(backend_->checkpoint_view(), backend_->layout());
@@ -693,7 +706,8 @@ void Trainer::save_checkpoint() {
   extra["rng"] = {{"init_seed", cfg_.seed}};  // the loop draws no random numbers beyond the sampler's
   extra["config"] = cfg_.text;
   extra["device"] = backend_->device();
-  extra["data_parallel"] = mesh_.data().size;
+  extra["data_parallel"] = mesh_.shape().dp;
+  extra["context_parallel"] = mesh_.shape().cp;
   extra["expert_parallel"] = mesh_.expert().size;
   const double staging = ckpt_->save(step_, view, backend_->layout(), extra);
   saved_step_ = step_;

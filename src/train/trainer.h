@@ -128,6 +128,7 @@ class Trainer {
   void check_checkpoint_dir() const;
   // Every token id of the samples evaluate() reads fits the vocabulary (UsageError otherwise).
   void check_eval_tokens() const;
+  std::string parallel_text() const;
   void log_step(const StepStats& s, double seconds, std::int64_t tokens);
   // Commits the save in flight once every rank's background writes are done (at a step boundary).
   void commit_when_written();

@@ -9,7 +9,9 @@
 #include <cmath>
 #include <vector>
 
+#include "common/error.h"
 #include "gradcheck.h"
+#include "ops/sequence_split.h"
 
 namespace keel {
 namespace {
@@ -257,6 +259,160 @@ TEST(OpCca, GradCheckEndToEnd) {
       EXPECT_LT(check_grad(std::string("cca d") + kNames[i] + tag, loss, k.p[i].data(), k.g[i].data(), k.p[i].size()).rel_err,
                 kGradTol);
   }
+}
+
+// ---- CCA over a SequenceSplit (ops/sequence_split.h) ----
+
+// A whole sequence held by ONE process as S adjacent runs: run s's halo is run s-1's tail (zeros
+// for s = 0), its backward the adjoint; attention is the base class's whole-sequence attention,
+// right here because the runs are adjacent and complete. So every result must equal the
+// whole-sequence op's.
+class AdjacentRuns : public ops::SequenceSplit {
+ public:
+  explicit AdjacentRuns(int S) : S_(S) {}
+  int segments() const override { return S_; }
+  void halo(const Tensor& tails, const Tensor& halos) override {
+    require_shape(halos, {tails.dim(0), tails.dim(1)}, "test halos");
+    for (std::int64_t r = 0; r < tails.dim(0); ++r)
+      for (std::int64_t j = 0; j < tails.dim(1); ++j) halos.row(r)[j] = r % S_ == 0 ? 0.f : tails.row(r - 1)[j];
+  }
+  void halo_backward(const Tensor& dhalos, const Tensor& dtails) override {
+    require_shape(dtails, {dhalos.dim(0), dhalos.dim(1)}, "test dtails");
+    for (std::int64_t r = 0; r < dhalos.dim(0); ++r)
+      for (std::int64_t j = 0; j < dhalos.dim(1); ++j) dtails.row(r)[j] = r % S_ == S_ - 1 ? 0.f : dhalos.row(r + 1)[j];
+  }
+
+ private:
+  int S_;
+};
+
+// Two runs whose halos are always zeros (the base class's halo): what an ignored halo would give.
+class ZeroHalos : public ops::SequenceSplit {
+ public:
+  int segments() const override { return 2; }
+};
+
+struct CcaResult {
+  std::vector<float> y, dx;
+  std::vector<std::vector<float>> g;  // kNames order
+};
+
+// Forward then backward (dy) of k's case through `split` (null: whole sequences), with Saved and
+// scratch sized for the split's segments.
+CcaResult run_cca(CcaCase& k, ops::SequenceSplit* split, std::vector<float>& dy) {
+  const int S = split ? split->segments() : 0;
+  const std::int64_t H = k.c.hidden;
+  std::vector<float> saved(ca::saved_floats(k.c, k.B, k.T, S)), scratch(ca::backward_scratch_floats(k.c, k.B, k.T, S));
+  const ca::Saved s = ca::carve_saved(k.c, k.B, k.T, saved.data(), S);
+  CcaResult r;
+  r.y.resize(k.N * H);
+  r.dx.resize(k.N * H);
+  for (auto& v : k.p) r.g.emplace_back(v.size(), 0.f);
+  const Tensor x(k.x.data(), {k.N, H});
+  ca::forward(k.c, k.B, k.T, x, k.pos.data(), k.rt, k.view(k.p), s, Tensor(r.y.data(), {k.N, H}), split);
+  ca::backward(k.c, k.B, k.T, x, k.pos.data(), k.rt, k.view(k.p), s, Tensor(dy.data(), {k.N, H}),
+               Tensor(r.dx.data(), {k.N, H}), k.view(r.g), Tensor(scratch.data(), {std::int64_t(scratch.size())}), split);
+  return r;
+}
+
+// max |a - b| / max(1, max |b|)
+double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double err = 0, mag = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    err = std::max(err, double(std::abs(a[i] - b[i])));
+    mag = std::max(mag, double(std::abs(b[i])));
+  }
+  return err / std::max(1.0, mag);
+}
+
+TEST(CcaSplit, AdjacentRunsEqualWholeSequences) {
+  struct Shape {
+    int W0, W1, S, window;
+  };
+  for (Shape sh : {Shape{2, 2, 2, 0}, Shape{2, 2, 3, 0}, Shape{3, 2, 2, 0}, Shape{3, 2, 3, 0}, Shape{2, 3, 3, 0},
+                   Shape{3, 2, 2, 5}}) {
+    CcaCase k(2, 12, 32, 4, 2, 8, sh.W0, sh.W1);
+    k.c.window = sh.window;
+    auto dy = random_vector(k.N * 32, 730);
+    const CcaResult whole = run_cca(k, nullptr, dy);
+    AdjacentRuns split(sh.S);
+    const CcaResult runs = run_cca(k, &split, dy);
+    const std::string tag = "W0 " + std::to_string(sh.W0) + " W1 " + std::to_string(sh.W1) + " S " +
+                            std::to_string(sh.S) + " window " + std::to_string(sh.window);
+    EXPECT_EQ(rel_diff(runs.y, whole.y), 0.0) << tag << ": y (the same float operations: bit-exact)";
+    EXPECT_LT(rel_diff(runs.dx, whole.dx), 1e-5) << tag << ": dx";
+    for (int i = 0; i < 8; ++i) {
+      EXPECT_LT(rel_diff(runs.g[i], whole.g[i]), 1e-5) << tag << ": d" << kNames[i];
+      EXPECT_GT(rel_diff(whole.g[i], std::vector<float>(whole.g[i].size(), 0.f)), 0.0) << tag << ": d" << kNames[i] << " is zero";
+    }
+  }
+}
+
+// The base split (whole sequences, segments 1): zero halos, the same result as no split.
+TEST(CcaSplit, WholeSequencesSplitEqualsNoSplit) {
+  CcaCase k(2, 6, 32, 4, 2, 8, 3, 2);
+  auto dy = random_vector(k.N * 32, 731);
+  const CcaResult whole = run_cca(k, nullptr, dy), one = run_cca(k, &ops::whole_sequences(), dy);
+  EXPECT_LT(rel_diff(one.y, whole.y), 1e-6);
+  EXPECT_LT(rel_diff(one.dx, whole.dx), 1e-5);
+  for (int i = 0; i < 8; ++i) EXPECT_LT(rel_diff(one.g[i], whole.g[i]), 1e-5) << kNames[i];
+}
+
+// Halos of zeros (as if the halo were ignored) must change run 1's first tokens (conv and value
+// shift) and leave run 0 alone: the equality above cannot come from an unused halo.
+TEST(CcaSplit, ZeroHalosDifferAtTheFirstTokensOfTheSecondRun) {
+  for (auto [W0, W1] : {std::pair<int, int>{2, 2}, {3, 2}}) {
+    CcaCase k(2, 8, 32, 4, 2, 8, W0, W1);
+    auto dy = random_vector(k.N * 32, 732);
+    const CcaResult whole = run_cca(k, nullptr, dy);
+    ZeroHalos split;
+    const CcaResult zero = run_cca(k, &split, dy);
+    const std::int64_t H = 32, L = 4;
+    for (std::int64_t b = 0; b < 2; ++b) {
+      for (std::int64_t t = 0; t < L; ++t)
+        for (std::int64_t j = 0; j < H; ++j)
+          EXPECT_EQ(zero.y[(b * 8 + t) * H + j], whole.y[(b * 8 + t) * H + j]) << "run 0 token " << t;
+      double diff = 0;
+      for (std::int64_t j = 0; j < H; ++j) diff += std::abs(zero.y[(b * 8 + L) * H + j] - whole.y[(b * 8 + L) * H + j]);
+      EXPECT_GT(diff, 1e-3) << "W0 " << W0 << " W1 " << W1 << " sequence " << b << ": run 1's first token ignored its halo";
+    }
+  }
+}
+
+TEST(CcaSplit, RejectsTokensNotDivisibleIntoRuns) {
+  CcaCase k(2, 7, 32, 4, 2, 8);
+  AdjacentRuns split(2);
+  EXPECT_THROW(ca::saved_floats(k.c, k.B, k.T, 2), Error);
+  EXPECT_THROW(ca::backward_scratch_floats(k.c, k.B, k.T, 2), Error);
+  try {
+    ca::forward(k.c, k.B, k.T, Tensor(k.x.data(), {k.N, 32}), k.pos.data(), k.rt, k.view(k.p), k.s,
+                Tensor(k.y.data(), {k.N, 32}), &split);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("divisible"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CcaSplit, RejectsRunsShorterThanTheConvHalo) {
+  CcaCase k(2, 4, 32, 4, 2, 8, 3, 2);  // runs of 2 tokens, halo (3-1) + (2-1) = 3
+  AdjacentRuns split(2);
+  EXPECT_THROW(ca::saved_floats(k.c, k.B, k.T, 2), Error);
+  try {
+    ca::forward(k.c, k.B, k.T, Tensor(k.x.data(), {k.N, 32}), k.pos.data(), k.rt, k.view(k.p), k.s,
+                Tensor(k.y.data(), {k.N, 32}), &split);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shorter than the conv halo"), std::string::npos) << e.what();
+  }
+}
+
+// Saved carved without the split's segments (no halo tensor) is refused, not overrun.
+TEST(CcaSplit, RejectsSavedWithoutTheHalo) {
+  CcaCase k(2, 6, 32, 4, 2, 8);
+  AdjacentRuns split(2);
+  EXPECT_THROW(ca::forward(k.c, k.B, k.T, Tensor(k.x.data(), {k.N, 32}), k.pos.data(), k.rt, k.view(k.p), k.s,
+                           Tensor(k.y.data(), {k.N, 32}), &split),
+               Error);
 }
 
 }  // namespace

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/error.h"
@@ -293,6 +295,236 @@ TEST(OpAttention, RejectsNegativeWindow) {
 TEST(OpAttention, RejectsHeadsNotDividing) {
   AttnCase c(1, 2, 3, 2, 4, 70);
   EXPECT_THROW(c.forward(), Error);
+}
+
+// ---- forward_at / backward_at: queries at given positions over a longer key sequence ----
+
+// Tq query rows at positions pos over Tk keys; outputs pre-filled with garbage (overwrite checks).
+struct AtCase {
+  std::int64_t b, tq, tk, hq, hkv, d;
+  std::vector<float> q, k, v, out, lse;
+  std::vector<std::int32_t> pos;
+  float scale;
+  int window = 0;
+  AtCase(std::int64_t b_, std::int64_t tk_, std::int64_t hq_, std::int64_t hkv_, std::int64_t d_,
+         std::vector<std::int32_t> pos_, std::uint32_t seed)
+      : b(b_), tq(static_cast<std::int64_t>(pos_.size())), tk(tk_), hq(hq_), hkv(hkv_), d(d_), pos(std::move(pos_)) {
+    q = random_vector(b * tq * hq * d, seed);
+    k = random_vector(b * tk * hkv * d, seed + 1);
+    v = random_vector(b * tk * hkv * d, seed + 2);
+    out.assign(q.size(), 7.f);
+    lse.assign(b * hq * tq, 7.f);
+    scale = 1.f / std::sqrt(float(d));
+  }
+  Tensor tq4(std::vector<float>& x) { return Tensor(x.data(), {b, tq, hq, d}); }
+  Tensor tk4(std::vector<float>& x) { return Tensor(x.data(), {b, tk, hkv, d}); }
+  Tensor tlse() { return Tensor(lse.data(), {b, hq, tq}); }
+  void forward() { ops::attention::forward_at(tq4(q), tk4(k), tk4(v), pos.data(), scale, tq4(out), tlse(), window); }
+  void backward(std::vector<float>& r, std::vector<float>& dq, std::vector<float>& dk, std::vector<float>& dv) {
+    dq.assign(q.size(), 7.f), dk.assign(k.size(), 7.f), dv.assign(v.size(), 7.f);
+    ops::attention::backward_at(tq4(q), tk4(k), tk4(v), pos.data(), tq4(out), tlse(), tq4(r), scale, tq4(dq), tk4(dk),
+                                tk4(dv), window);
+  }
+};
+
+// Identity positions with Tq == Tk: forward_at/backward_at are forward/backward bit for bit.
+TEST(AttentionAt, IdentityPositionsEqualForwardBackwardBitwise) {
+  for (int w : {0, 1, 3, 9}) {
+    AttnCase full(2, 9, 4, 2, 8, 200 + w);
+    full.window = w;
+    auto r = random_vector(full.q.size(), 210 + w);
+    std::vector<float> dq0, dk0, dv0;
+    full.forward();
+    full.backward(r, dq0, dk0, dv0);
+    std::vector<std::int32_t> pos(9);
+    for (int t = 0; t < 9; ++t) pos[t] = t;
+    AtCase c(2, 9, 4, 2, 8, pos, 200 + w);  // the same seed: the same q, k, v
+    c.window = w;
+    ASSERT_EQ(c.q, full.q);
+    ASSERT_EQ(c.k, full.k);
+    c.forward();
+    std::vector<float> dq, dk, dv;
+    c.backward(r, dq, dk, dv);
+    EXPECT_EQ(c.out, full.out) << "window " << w;
+    EXPECT_EQ(c.lse, full.lse) << "window " << w;
+    EXPECT_EQ(dq, dq0) << "window " << w;
+    EXPECT_EQ(dk, dk0) << "window " << w;
+    EXPECT_EQ(dv, dv0) << "window " << w;
+  }
+}
+
+// Context parallelism with zigzag chunks: of 2R chunks of length L = T / 2R, rank r holds chunks r
+// and 2R-1-r. Each rank's forward_at over the full k, v gives the full attention's rows of out and
+// lse; its backward_at gives the full dq rows, and the ranks' dk, dv sum to the full dk, dv (each
+// rank's dk, dv is exactly zero at the keys none of its queries attends).
+void expect_zigzag_split_matches_full(int ranks, int window, std::uint32_t seed) {
+  const std::int64_t B = 2, T = 24, Hq = 4, Hkv = 2, D = 8, L = T / (2 * ranks);
+  const std::string tag = " (ranks " + std::to_string(ranks) + ", window " + std::to_string(window) + ")";
+  AttnCase full(B, T, Hq, Hkv, D, seed);
+  full.window = window;
+  full.forward();
+  auto r = random_vector(full.q.size(), seed + 10);
+  std::vector<float> dq0, dk0, dv0;
+  full.backward(r, dq0, dk0, dv0);
+  std::vector<float> dk_sum(dk0.size(), 0.f), dv_sum(dv0.size(), 0.f);
+  const std::int64_t row = Hq * D;  // one token's q (or out, dout) row
+  for (int rk = 0; rk < ranks; ++rk) {
+    std::vector<std::int32_t> pos;
+    for (int chunk : {rk, 2 * ranks - 1 - rk})
+      for (std::int64_t x = 0; x < L; ++x) pos.push_back(static_cast<std::int32_t>(chunk * L + x));
+    AtCase c(B, T, Hq, Hkv, D, pos, seed);
+    c.window = window;
+    c.k = full.k, c.v = full.v;
+    const std::int64_t tq = c.tq;
+    std::vector<float> rr(c.q.size());
+    for (std::int64_t bb = 0; bb < B; ++bb)
+      for (std::int64_t t = 0; t < tq; ++t) {
+        std::copy_n(full.q.begin() + (bb * T + pos[t]) * row, row, c.q.begin() + (bb * tq + t) * row);
+        std::copy_n(r.begin() + (bb * T + pos[t]) * row, row, rr.begin() + (bb * tq + t) * row);
+      }
+    c.forward();
+    std::vector<float> dq, dk, dv;
+    c.backward(rr, dq, dk, dv);
+    for (std::int64_t bb = 0; bb < B; ++bb)
+      for (std::int64_t t = 0; t < tq; ++t) {
+        for (std::int64_t x = 0; x < row; ++x) {
+          EXPECT_NEAR(c.out[(bb * tq + t) * row + x], full.out[(bb * T + pos[t]) * row + x], 1e-6) << "out" << tag;
+          EXPECT_NEAR(dq[(bb * tq + t) * row + x], dq0[(bb * T + pos[t]) * row + x], 1e-5) << "dq" << tag;
+        }
+        for (std::int64_t h = 0; h < Hq; ++h)
+          EXPECT_NEAR(c.lse[(bb * Hq + h) * tq + t], full.lse[(bb * Hq + h) * T + pos[t]], 1e-6) << "lse" << tag;
+      }
+    std::vector<bool> attended(static_cast<std::size_t>(T), false);
+    for (std::int32_t p : pos)
+      for (std::int64_t j = ops::attention::first_key(p, window); j <= p; ++j) attended[j] = true;
+    for (std::int64_t bb = 0; bb < B; ++bb)
+      for (std::int64_t j = 0; j < T; ++j)
+        for (std::int64_t x = 0; x < Hkv * D; ++x) {
+          const std::size_t e = static_cast<std::size_t>((bb * T + j) * Hkv * D + x);
+          if (!attended[j]) {
+            EXPECT_EQ(dk[e], 0.f) << "rank " << rk << " key " << j << tag;
+            EXPECT_EQ(dv[e], 0.f) << "rank " << rk << " key " << j << tag;
+          }
+          dk_sum[e] += dk[e];
+          dv_sum[e] += dv[e];
+        }
+  }
+  for (std::size_t e = 0; e < dk0.size(); ++e) {
+    EXPECT_NEAR(dk_sum[e], dk0[e], 1e-5) << "dk" << tag;
+    EXPECT_NEAR(dv_sum[e], dv0[e], 1e-5) << "dv" << tag;
+  }
+}
+
+TEST(AttentionAt, ZigzagSplitOverTwoRanksMatchesFullAttention) {
+  expect_zigzag_split_matches_full(2, 0, 300);
+  expect_zigzag_split_matches_full(2, 5, 310);
+}
+
+TEST(AttentionAt, ZigzagSplitOverThreeRanksMatchesFullAttention) {
+  expect_zigzag_split_matches_full(3, 0, 320);
+  expect_zigzag_split_matches_full(3, 5, 330);
+}
+
+// Against a masked softmax in double: query row t sees key j when j <= pos[t] and pos[t] - j < W.
+// Positions in any order, repeated, Tq < Tk, the last key attended by none.
+TEST(AttentionAt, ForwardMatchesNaiveMaskedSoftmax) {
+  const std::vector<std::int32_t> pos = {7, 2, 7, 0, 5, 2};
+  const std::int64_t tk = 9;
+  for (int w : {0, 1, 3}) {
+    for (auto [hq, hkv] : {std::pair<int, int>{4, 4}, {4, 2}, {6, 1}}) {
+      AtCase c(2, tk, hq, hkv, 8, pos, 400 + w);
+      c.window = w;
+      c.forward();
+      const std::int64_t g = hq / hkv, tq = c.tq;
+      for (std::int64_t bb = 0; bb < c.b; ++bb)
+        for (std::int64_t h = 0; h < hq; ++h)
+          for (std::int64_t i = 0; i < tq; ++i) {
+            std::vector<double> s(static_cast<std::size_t>(tk));
+            double m = -1e300, z = 0;
+            for (std::int64_t j = 0; j < tk; ++j) {
+              double acc = 0;
+              for (std::int64_t x = 0; x < c.d; ++x)
+                acc += double(c.q[((bb * tq + i) * hq + h) * c.d + x]) * c.k[((bb * tk + j) * hkv + h / g) * c.d + x];
+              const bool visible = j <= pos[i] && (w == 0 || pos[i] - j < w);
+              s[j] = visible ? acc * c.scale : -std::numeric_limits<double>::infinity();
+              m = std::max(m, s[j]);
+            }
+            for (std::int64_t j = 0; j < tk; ++j) z += std::exp(s[j] - m);
+            EXPECT_NEAR(c.lse[(bb * hq + h) * tq + i], m + std::log(z), 1e-5);
+            for (std::int64_t x = 0; x < c.d; ++x) {
+              double o = 0;
+              for (std::int64_t j = 0; j < tk; ++j)
+                o += std::exp(s[j] - m) / z * c.v[((bb * tk + j) * hkv + h / g) * c.d + x];
+              EXPECT_NEAR(c.out[((bb * tq + i) * hq + h) * c.d + x], o, 1e-5)
+                  << "hq " << hq << " hkv " << hkv << " window " << w << " row " << i;
+            }
+          }
+    }
+  }
+}
+
+// Finite differences of dq, dk, dv (keys 5 and 6 are attended by no query: their gradient is 0).
+TEST(AttentionAt, GradCheck) {
+  for (int w : {0, 2}) {
+    AtCase c(2, 7, 4, 2, 8, {4, 1, 1, 2}, 500 + w);
+    c.window = w;
+    auto r = random_vector(c.q.size(), 510 + w);
+    auto loss = [&] {
+      c.forward();
+      return weighted_sum(c.out.data(), r);
+    };
+    loss();
+    std::vector<float> dq, dk, dv;
+    c.backward(r, dq, dk, dv);
+    const std::string tag = " (at, window " + std::to_string(w) + ")";
+    EXPECT_LT(check_grad("attention dq" + tag, loss, c.q.data(), dq.data(), c.q.size()).rel_err, kGradTol);
+    EXPECT_LT(check_grad("attention dk" + tag, loss, c.k.data(), dk.data(), c.k.size()).rel_err, kGradTol);
+    EXPECT_LT(check_grad("attention dv" + tag, loss, c.v.data(), dv.data(), c.v.size()).rel_err, kGradTol);
+    for (std::int64_t bb = 0; bb < c.b; ++bb)
+      for (std::int64_t j = 5; j < 7; ++j)
+        for (std::int64_t x = 0; x < c.hkv * c.d; ++x) {
+          EXPECT_EQ(dk[(bb * c.tk + j) * c.hkv * c.d + x], 0.f);
+          EXPECT_EQ(dv[(bb * c.tk + j) * c.hkv * c.d + x], 0.f);
+        }
+  }
+}
+
+TEST(AttentionAt, RejectsBadPositionsAndShapes) {
+  AtCase c(1, 6, 2, 1, 4, {0, 5, 3}, 600);
+  auto r = random_vector(c.q.size(), 601);
+  std::vector<float> dq, dk, dv;
+  c.forward();  // valid
+  c.backward(r, dq, dk, dv);
+  for (std::int32_t bad : {6, -1, 1000}) {
+    AtCase e = c;
+    e.pos[1] = bad;
+    EXPECT_THROW(e.forward(), Error) << "q_pos " << bad;
+    EXPECT_THROW(e.backward(r, dq, dk, dv), Error) << "q_pos " << bad;
+    try {
+      e.forward();
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find(std::to_string(bad)), std::string::npos) << err.what();
+    }
+  }
+  // k with 6 keys, v with 5.
+  std::vector<float> v5(static_cast<std::size_t>(5 * c.hkv * c.d));
+  Tensor tv5(v5.data(), {1, 5, c.hkv, c.d});
+  EXPECT_THROW(ops::attention::forward_at(c.tq4(c.q), c.tk4(c.k), tv5, c.pos.data(), c.scale, c.tq4(c.out), c.tlse()),
+               Error);
+  EXPECT_THROW(ops::attention::backward_at(c.tq4(c.q), c.tk4(c.k), tv5, c.pos.data(), c.tq4(c.out), c.tlse(),
+                                           c.tq4(r), c.scale, c.tq4(dq), c.tk4(dk), c.tk4(dv)),
+               Error);
+  // dk with Tq rows instead of Tk.
+  EXPECT_THROW(ops::attention::backward_at(c.tq4(c.q), c.tk4(c.k), c.tk4(c.v), c.pos.data(), c.tq4(c.out), c.tlse(),
+                                           c.tq4(r), c.scale, c.tq4(dq), Tensor(dk.data(), {1, 3, c.hkv, c.d}),
+                                           c.tk4(dv)),
+               Error);
+  // Null q_pos.
+  EXPECT_THROW(ops::attention::forward_at(c.tq4(c.q), c.tk4(c.k), c.tk4(c.v), nullptr, c.scale, c.tq4(c.out), c.tlse()),
+               Error);
+  EXPECT_THROW(ops::attention::backward_at(c.tq4(c.q), c.tk4(c.k), c.tk4(c.v), nullptr, c.tq4(c.out), c.tlse(),
+                                           c.tq4(r), c.scale, c.tq4(dq), c.tk4(dk), c.tk4(dv)),
+               Error);
 }
 
 }  // namespace

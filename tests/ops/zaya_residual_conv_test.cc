@@ -205,5 +205,138 @@ TEST(OpConv, GradCheck) {
   }
 }
 
+// Halo: the depthwise conv of a run reads the run's halo (the P = (W1-1) + (W0-1) inputs before
+// it) instead of zeros. A sequence of T tokens split at p: part 1 (tokens 0 .. p-1, no halo) and
+// part 2 (tokens p .. T-1, halo = part 1's last P rows) compose to the whole sequence's result.
+std::vector<float> take_rows(const std::vector<float>& v, std::int64_t B, std::int64_t T, std::int64_t C,
+                             std::int64_t t0, std::int64_t n) {
+  std::vector<float> out(B * n * C);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::int64_t c = 0; c < C; ++c) out[(b * n + t) * C + c] = v[(b * T + t0 + t) * C + c];
+  return out;
+}
+
+struct HaloSplit {
+  ConvCase& w;  // the whole sequence (weights, x, forward results)
+  std::int64_t p, P, T1, T2;
+  std::vector<float> x1, x2, halo, mid1, mid2, y1, y2;
+  HaloSplit(ConvCase& whole, std::int64_t p_)
+      : w(whole), p(p_), P(whole.W1 - 1 + whole.W0 - 1), T1(p_), T2(whole.T - p_) {
+    x1 = take_rows(w.x, w.B, w.T, w.C, 0, T1);
+    x2 = take_rows(w.x, w.B, w.T, w.C, p, T2);
+    halo = take_rows(w.x, w.B, w.T, w.C, p - P, P);
+    mid1.resize(w.B * (T1 + w.W1 - 1) * w.C);
+    mid2.resize(w.B * (T2 + w.W1 - 1) * w.C);
+    y1.resize(w.B * T1 * w.C);
+    y2.resize(w.B * T2 * w.C);
+  }
+  Tensor t(std::vector<float>& v, std::int64_t T) { return Tensor(v.data(), {w.B, T, w.C}); }
+  void forward() {
+    const int e = int(w.W1 - 1);
+    cc::depthwise_forward(t(x1, T1), w.tw0(), Tensor(w.b0.data(), {w.C}), e, t(mid1, T1 + e));
+    cc::grouped_forward(t(mid1, T1 + e), w.tw1(), Tensor(w.b1.data(), {w.C}), e, t(y1, T1));
+    cc::depthwise_forward(t(x2, T2), w.tw0(), Tensor(w.b0.data(), {w.C}), e, t(mid2, T2 + e), t(halo, P));
+    cc::grouped_forward(t(mid2, T2 + e), w.tw1(), Tensor(w.b1.data(), {w.C}), e, t(y2, T2));
+  }
+};
+
+TEST(OpConv, HaloForwardMatchesWholeSequence) {
+  for (auto [W0, W1] : {std::pair<int, int>{2, 2}, {3, 2}, {2, 3}})
+    for (std::int64_t p : {3, 4}) {
+      ConvCase c(2, 7, 6, 3, W0, W1);
+      c.forward();
+      HaloSplit h(c, p);
+      h.forward();
+      const auto ref1 = take_rows(c.y, c.B, c.T, c.C, 0, p), ref2 = take_rows(c.y, c.B, c.T, c.C, p, c.T - p);
+      for (std::size_t i = 0; i < ref1.size(); ++i) ASSERT_EQ(h.y1[i], ref1[i]) << "W0 " << W0 << " W1 " << W1 << " p " << p;
+      for (std::size_t i = 0; i < ref2.size(); ++i)
+        ASSERT_NEAR(h.y2[i], ref2[i], 1e-6) << "W0 " << W0 << " W1 " << W1 << " p " << p << " i " << i;
+      // The halo matters: zeros instead give another result at part 2's first token.
+      std::vector<float> mid(h.mid2.size()), y(h.y2.size());
+      const int e = int(W1 - 1);
+      cc::depthwise_forward(h.t(h.x2, h.T2), c.tw0(), Tensor(c.b0.data(), {c.C}), e, h.t(mid, h.T2 + e));
+      cc::grouped_forward(h.t(mid, h.T2 + e), c.tw1(), Tensor(c.b1.data(), {c.C}), e, h.t(y, h.T2));
+      double diff = 0;
+      for (std::int64_t ch = 0; ch < c.C; ++ch) diff += std::abs(y[ch] - h.y2[ch]);
+      EXPECT_GT(diff, 1e-3) << "W0 " << W0 << " W1 " << W1;
+    }
+}
+
+TEST(OpConv, HaloOfZerosEqualsNoHalo) {
+  for (auto [W0, W1] : {std::pair<int, int>{2, 2}, {3, 2}, {2, 3}}) {
+    ConvCase c(2, 5, 6, 3, W0, W1);
+    const std::int64_t P = (W1 - 1) + (W0 - 1), e = W1 - 1;
+    std::vector<float> zeros(c.B * P * c.C, 0.f), mid(c.mid.size()), dx(c.x.size()), dx0(c.x.size()),
+        dhalo(zeros.size(), 7.f), dw(c.w0.size(), 0.f), dw0(c.w0.size(), 0.f);
+    const Tensor th(zeros.data(), {c.B, P, c.C});
+    cc::depthwise_forward(c.tx(), c.tw0(), Tensor(c.b0.data(), {c.C}), int(e), c.tmid());
+    cc::depthwise_forward(c.tx(), c.tw0(), Tensor(c.b0.data(), {c.C}), int(e), Tensor(mid.data(), {c.B, c.T + e, c.C}), th);
+    for (std::size_t i = 0; i < mid.size(); ++i) ASSERT_EQ(mid[i], c.mid[i]);
+    auto dmid = random_vector(mid.size(), 61);
+    const Tensor tdm(dmid.data(), {c.B, c.T + e, c.C});
+    cc::depthwise_backward(c.tx(), c.tw0(), int(e), tdm, Tensor(dx0.data(), {c.B, c.T, c.C}), Tensor(dw0.data(), {c.C, W0}),
+                           Tensor());
+    cc::depthwise_backward(c.tx(), c.tw0(), int(e), tdm, Tensor(dx.data(), {c.B, c.T, c.C}), Tensor(dw.data(), {c.C, W0}),
+                           Tensor(), th, Tensor(dhalo.data(), {c.B, P, c.C}));
+    for (std::size_t i = 0; i < dx.size(); ++i) ASSERT_EQ(dx[i], dx0[i]);
+    for (std::size_t i = 0; i < dw.size(); ++i) ASSERT_EQ(dw[i], dw0[i]);
+    // dhalo overwritten: halo row h (time h - P) gets w[c, k] dmid[row h - P + (W0-1) - k + e].
+    for (std::int64_t b = 0; b < c.B; ++b)
+      for (std::int64_t h = 0; h < P; ++h)
+        for (std::int64_t ch = 0; ch < c.C; ++ch) {
+          double a = 0;
+          for (std::int64_t k = 0; k < W0; ++k) {
+            const std::int64_t j = h - P + (W0 - 1) - k + e;
+            if (j >= 0) a += c.w0[ch * W0 + k] * dmid[(b * (c.T + e) + j) * c.C + ch];
+          }
+          EXPECT_NEAR(dhalo[(b * P + h) * c.C + ch], a, 1e-6);
+        }
+  }
+}
+
+TEST(OpConv, HaloBackwardMatchesWholeSequence) {
+  for (auto [W0, W1] : {std::pair<int, int>{2, 2}, {3, 2}, {2, 3}})
+    for (std::int64_t p : {3, 4}) {
+      ConvCase c(2, 7, 6, 3, W0, W1);
+      c.forward();
+      HaloSplit h(c, p);
+      h.forward();
+      const std::int64_t B = c.B, T = c.T, C = c.C, e = W1 - 1, P = h.P, T1 = h.T1, T2 = h.T2;
+      const auto dy = random_vector(B * T * C, 62);
+      // Whole sequence.
+      std::vector<float> dmid(c.mid.size()), dx(c.x.size()), dw0(c.w0.size(), 0.f), db0(C, 0.f), dw1(c.w1.size(), 0.f),
+          db1(C, 0.f);
+      auto dyw = dy;
+      cc::grouped_backward(c.tmid(), c.tw1(), int(e), Tensor(dyw.data(), {B, T, C}), Tensor(dmid.data(), {B, T + e, C}),
+                           Tensor(dw1.data(), {C, c.Cg, W1}), Tensor(db1.data(), {C}));
+      cc::depthwise_backward(c.tx(), c.tw0(), int(e), Tensor(dmid.data(), {B, T + e, C}), Tensor(dx.data(), {B, T, C}),
+                             Tensor(dw0.data(), {C, W0}), Tensor(db0.data(), {C}));
+      // The two parts; parameter gradients accumulate over both.
+      auto dy1 = take_rows(dy, B, T, C, 0, T1), dy2 = take_rows(dy, B, T, C, p, T2);
+      std::vector<float> dmid1(h.mid1.size()), dmid2(h.mid2.size()), dx1(h.x1.size()), dx2(h.x2.size()),
+          dhalo(h.halo.size(), 7.f), sw0(c.w0.size(), 0.f), sb0(C, 0.f), sw1(c.w1.size(), 0.f), sb1(C, 0.f);
+      const Tensor tsw0(sw0.data(), {C, W0}), tsb0(sb0.data(), {C}), tsw1(sw1.data(), {C, c.Cg, W1}), tsb1(sb1.data(), {C});
+      cc::grouped_backward(h.t(h.mid1, T1 + e), c.tw1(), int(e), h.t(dy1, T1), h.t(dmid1, T1 + e), tsw1, tsb1);
+      cc::depthwise_backward(h.t(h.x1, T1), c.tw0(), int(e), h.t(dmid1, T1 + e), h.t(dx1, T1), tsw0, tsb0);
+      cc::grouped_backward(h.t(h.mid2, T2 + e), c.tw1(), int(e), h.t(dy2, T2), h.t(dmid2, T2 + e), tsw1, tsb1);
+      cc::depthwise_backward(h.t(h.x2, T2), c.tw0(), int(e), h.t(dmid2, T2 + e), h.t(dx2, T2), tsw0, tsb0, h.t(h.halo, P),
+                             h.t(dhalo, P));
+      // dhalo is the gradient of part 1's last P rows.
+      for (std::int64_t b = 0; b < B; ++b)
+        for (std::int64_t i = 0; i < P * C; ++i) dx1[(b * T1 + T1 - P) * C + i] += dhalo[b * P * C + i];
+      const std::string tag = "W0 " + std::to_string(W0) + " W1 " + std::to_string(W1) + " p " + std::to_string(p);
+      const auto ref1 = take_rows(dx, B, T, C, 0, T1), ref2 = take_rows(dx, B, T, C, p, T2);
+      for (std::size_t i = 0; i < ref1.size(); ++i) ASSERT_NEAR(dx1[i], ref1[i], 1e-5) << tag << " dx part 1, i " << i;
+      for (std::size_t i = 0; i < ref2.size(); ++i) ASSERT_NEAR(dx2[i], ref2[i], 1e-5) << tag << " dx part 2, i " << i;
+      for (std::size_t i = 0; i < dw0.size(); ++i) EXPECT_NEAR(sw0[i], dw0[i], 1e-5) << tag << " dw0 " << i;
+      for (std::size_t i = 0; i < dw1.size(); ++i) EXPECT_NEAR(sw1[i], dw1[i], 1e-5) << tag << " dw1 " << i;
+      for (std::int64_t i = 0; i < C; ++i) {
+        EXPECT_NEAR(sb0[i], db0[i], 1e-5) << tag << " db0 " << i;
+        EXPECT_NEAR(sb1[i], db1[i], 1e-5) << tag << " db1 " << i;
+      }
+    }
+}
+
 }  // namespace
 }  // namespace keel

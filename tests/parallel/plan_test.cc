@@ -37,7 +37,7 @@ TEST(ParallelPlan, DataAndExpertParallelismPass) {
 }
 
 TEST(ParallelPlan, EachUnimplementedAxisIsOneError) {
-  for (const mesh::Axis a : {mesh::Axis::kContext, mesh::Axis::kTsp, mesh::Axis::kPipeline}) {
+  for (const mesh::Axis a : {mesh::Axis::kTsp, mesh::Axis::kPipeline}) {
     mesh::Shape s;
     s.set(a, 2);
     const std::string e = error_of(moe(4), s);

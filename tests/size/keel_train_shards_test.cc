@@ -34,7 +34,8 @@ TEST(KeelTrainShards, EveryMuonMatrixIsSteppedOnceWhateverTheLayout) {
   ASSERT_EQ(whole->rank_muon_flops.size(), 1u);
   EXPECT_EQ(whole->rank_muon_flops[0], whole->muon_flops_total);
   for (const auto& [layout, gpus] : std::vector<std::pair<std::string, int>>{
-           {"zero=1", 8}, {"zero=1", 1024}, {"ep=8,zero=1", 64}, {"ep=16,zero=1", 16}}) {
+           {"zero=1", 8}, {"zero=1", 1024}, {"ep=8,zero=1", 64}, {"ep=16,zero=1", 16}, {"cp=2,zero=1", 8},
+           {"cp=4,ep=8,zero=1", 16}}) {
     SCOPED_TRACE(layout + " on " + std::to_string(gpus));
     const auto k = keel_train_shards(setup("zaya1-8b", layout, gpus, Optimizer::kMuon));
     ASSERT_TRUE(k);
@@ -57,7 +58,8 @@ TEST(KeelTrainShards, EveryMuonMatrixIsSteppedOnceWhateverTheLayout) {
 TEST(KeelTrainShards, OptimizerStateIsHeldOnceAndTheBusiestRankIsReported) {
   for (const Optimizer opt : {Optimizer::kAdamW, Optimizer::kMuon})
     for (const auto& [layout, gpus] : std::vector<std::pair<std::string, int>>{
-             {"zero=1", 1}, {"zero=1", 8}, {"ep=4,zero=1", 8}, {"ep=8,zero=1", 8}}) {
+             {"zero=1", 1}, {"zero=1", 8}, {"ep=4,zero=1", 8}, {"ep=8,zero=1", 8}, {"cp=2,zero=1", 8},
+             {"cp=2,ep=4,zero=1", 8}}) {
       SCOPED_TRACE(layout + " on " + std::to_string(gpus) + (opt == Optimizer::kMuon ? ", Muon" : ", AdamW"));
       const keel::size::Setup s = setup("zaya1-8b", layout, gpus, opt);
       const auto k = keel_train_shards(s);
@@ -88,7 +90,8 @@ TEST(KeelTrainShards, OptimizerStateIsHeldOnceAndTheBusiestRankIsReported) {
       double workspace = 0;
       for (const auto& i : e.items)
         if (i.name.starts_with("Muon workspace")) workspace = i.bytes;
-      const int ep = layout.starts_with("ep=") ? std::stoi(layout.substr(3)) : 1;
+      const auto at = layout.find("ep=");
+      const int ep = at == std::string::npos ? 1 : std::stoi(layout.substr(at + 3));
       EXPECT_EQ(workspace, opt == Optimizer::kMuon
                                ? static_cast<double>(optim::muon_workspace_layout(16 / ep, 2048, 2048).bytes)
                                : 0.0);

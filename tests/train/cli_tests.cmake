@@ -122,6 +122,28 @@ keel_cli_test(NAME train_tp_does_not_divide_the_ranks NP 2 EXIT 1
 keel_cli_test(NAME train_tp_does_not_split_the_model NP 2 EXIT 1
   MATCH "does not split over tensor-parallel degree 2 \\(parallel\\.tensor\\): the vocabulary of 263 does not divide by 2"
   ARGS train ${tcfg} ${tdp} --set parallel.tensor=2 --set model.vocab_size=263)
+# Context parallelism on CPU ranks: each sequence split over 2 ranks (zigzag chunks) trains and
+# saves; one rank resumes it with whole sequences. A sequence that does not split, and context
+# parallelism on GPUs (not built yet), are one clear error each.
+keel_cli_test(NAME train_cp2_stop NP 2 MATCH "on cpu x context parallel 2 \\(zigzag\\) \\(ZeRO-1\\), "
+  ARGS train ${tcfg} ${tdp} --set parallel.context=2 --set output_dir=train_cp --stop-after 4)
+keel_cli_test(NAME train_cp2_inspect MATCH "saved by 2 ranks in layout dp=1,cp=2,zero=1"
+  ARGS ckpt inspect train_cp)
+keel_cli_test(NAME train_cp2_resume_on_one MATCH "resumed from train_cp/step_00000004 at step 4"
+  ARGS train ${tcfg} ${tdp} --set output_dir=train_cp --set steps=8 --resume train_cp)
+add_test(NAME cli_train_cp_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_cp WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_train_cp_clean PROPERTIES FIXTURES_SETUP train_cp_clean)
+set_tests_properties(cli_train_cp2_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_cp_clean" FIXTURES_SETUP train_cp)
+set_tests_properties(cli_train_cp2_inspect cli_train_cp2_resume_on_one PROPERTIES FIXTURES_REQUIRED "train_stories;train_cp")
+set_tests_properties(cli_train_cp2_resume_on_one PROPERTIES DEPENDS cli_train_cp2_inspect)
+keel_cli_test(NAME train_cp_sequence_does_not_split NP 2 EXIT 1
+  MATCH "tiny\\.yaml: seq_length 65 does not split over context-parallel degree 2 \\(parallel\\.context\\)"
+  ARGS train ${tcfg} ${tdp} --set parallel.context=2 --set data.seq_length=65)
+keel_cli_test(NAME train_cp_bad_degree EXIT 1 MATCH "parallel\\.context.*must be >= 1"
+  ARGS train ${tcfg} ${tdp} --set parallel.context=0)
+keel_cli_test(NAME train_cp_on_gpus_is_not_built_yet NP 2 GPUS "2+" EXIT 1
+  MATCH "context parallelism \\(cp=2\\) runs on CPU ranks only so far"
+  ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.context=2 --set output_dir=train_cp_gpu)
 keel_cli_test(NAME train_sequence_without_tensor EXIT 1
   MATCH "parallel\\.sequence.*needs parallel\\.tensor above 1"
   ARGS train ${tcfg} ${tdp} --set parallel.sequence=true)
@@ -139,13 +161,13 @@ keel_cli_test(NAME train_ep_on_gpus_needs_the_overlapped_step NP 2 EXIT 1
   MATCH "parallel\\.expert \\(2\\) on GPUs needs the overlapped ZeRO-1 step: set parallel\\.zero1\\.overlap: true"
   ARGS train ${tcfg} ${tdp} --set device=cuda --set parallel.expert=2 --set parallel.zero1.overlap=false)
 keel_cli_test(NAME train_dp_degree_mismatch NP 2 EXIT 1
-  MATCH "parallel\\.data \\(3\\) x parallel\\.tensor \\(1\\) must equal the number of ranks \\(2\\)"
+  MATCH "parallel\\.data \\(3\\) x parallel\\.context \\(1\\) x parallel\\.tensor \\(1\\) must equal the number of ranks \\(2\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.data=3)
 keel_cli_test(NAME train_dp_batch_does_not_split NP 2 EXIT 1 MATCH "batch\\.grad_accum \\(3\\) must be a multiple of the data-parallel degree \\(2\\)"
   ARGS train ${tcfg} ${tdp} --set batch.grad_accum=3)
 set_tests_properties(cli_train_dp_batch_does_not_split PROPERTIES FIXTURES_REQUIRED train_stories)
 keel_cli_test(NAME train_expert_parallel_does_not_divide NP 2 EXIT 1
-  MATCH "parallel\\.expert \\(3\\) must divide the data-parallel ranks \\(2\\) and the experts \\(4\\)"
+  MATCH "parallel\\.expert \\(3\\) must divide the data x context ranks \\(2\\) and the experts \\(4\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.expert=3)
 # A rank that hangs (fault injection: rank 1 sleeps at the start of step 3) leaves rank 0 inside
 # a collective: both exit within --timeout with one line naming the step, never a hang, and the

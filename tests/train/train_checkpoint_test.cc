@@ -480,9 +480,16 @@ TEST(TrainCheckpointTensorParallel, TensorRanksNeedTheWorldCommunicator) {
     ck.save(1, r.state, r.layout, nlohmann::json::object());
     FAIL() << "saved tensor rank 1 of 2 alone";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("1 saving ranks are not whole tensor groups of 2"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("1 saving ranks are not whole tensor x context groups of 2"), std::string::npos)
         << e.what();
   }
+  // Context parallelism splits no tensor: it is named in the layout, and a world that is not
+  // whole tensor x context groups is refused.
+  StateSlice tp2;
+  tp2.tensor_parallel = 2;
+  EXPECT_EQ(checkpoint_layout_name(8, tp2, 2), "dp=2,cp=2,tp=2,zero=1");
+  EXPECT_EQ(checkpoint_layout_name(2, StateSlice{}, 2), "dp=1,cp=2,zero=1");
+  EXPECT_THROW(checkpoint_layout_name(6, tp2, 2), Error);
   // A load for a tensor rank outside the degree.
   StateSlice bad;
   bad.tensor_parallel = 2, bad.tensor_rank = 2;

@@ -6,8 +6,10 @@
 //   LinearRunner   the tensor-parallel boundary of a sub-block (Megatron's f and g): what the
 //                  column-parallel projections read, and how the row-parallel projection's
 //                  partial output becomes the block output; and the same in backward.
-//   AttentionCore  causal softmax attention over this rank's q, k, v (context parallelism
-//                  gathers or rings the keys and values; TSP broadcasts head shards).
+//   AttentionCore  how this rank's tokens sit in their sequences (ops/cuda/sequence_split.h):
+//                  causal attention of its queries over the whole sequence, and the halos of
+//                  CCA's convolutions (context parallelism gathers the keys and values and
+//                  fetches halos from the neighbouring ranks; TSP broadcasts head shards).
 //   ExpertRunner   where a routed layer's experts run (ops/cuda/moe.h; expert parallelism:
 //                  parallel/expert_parallel_cuda.h).
 #pragma once
@@ -17,6 +19,7 @@
 
 #include "ops/cuda/common.h"
 #include "ops/cuda/moe.h"
+#include "ops/cuda/sequence_split.h"
 
 namespace keel::blocks::cuda {
 
@@ -65,20 +68,7 @@ class LinearRunner {
   virtual void enter_backward(bf16* partial, bf16* dx, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {}
 };
 
-class AttentionCore {
- public:
-  virtual ~AttentionCore() = default;
-  // q [B, T, Hq, Dh], k and v [B, T, Hkv, Dh] of this rank's tokens (after RoPE) -> out
-  // [B, T, Hq, Dh], lse [B, Hq, T]; ops/cuda/attention.h's conventions, window included (0:
-  // full causal; W > 0: the layer's sliding window, which a scheme splitting the sequence must
-  // keep).
-  virtual void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T, int Hq,
-                       int Hkv, int Dh, float scale, int window, cudaStream_t stream);
-  virtual std::size_t backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh) const;
-  virtual void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
-                        const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv,
-                        int Dh, float scale, int window, cudaStream_t stream);
-};
+using AttentionCore = ops::cuda::SequenceSplit;
 
 // The degree-1 runners (stateless; shared).
 LinearRunner& local_linear();

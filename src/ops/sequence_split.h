@@ -1,0 +1,51 @@
+// How this rank's tokens sit in their sequences, as a sequence mixer (softmax attention, CCA)
+// sees it. Whole sequences (the default below): every token of each of the B sequences is here,
+// in order. Under context parallelism (parallel/context_parallel.h) a rank holds `segments()`
+// runs of consecutive tokens per sequence (zigzag: two), not adjacent to each other, so
+//   - the causal convolutions and CCA's value shift read the last tokens before each run: the
+//     run's halo, which the split fetches from the rank holding them (zeros where a run starts
+//     its sequence), and
+//   - attention reads the keys and values of the whole sequence.
+// blocks::AttentionCore (blocks/runners.h) is this interface: the plan hands each layer one.
+//
+// Layout: the [N, X] rows of a mixer input are B sequences x segments() runs x L tokens
+// (N = B * segments * L); row (b * segments + s) * L + t is token t of run s of sequence b.
+#pragma once
+
+#include "tensor/tensor.h"
+
+namespace keel::ops {
+
+class SequenceSplit {
+ public:
+  virtual ~SequenceSplit() = default;
+
+  // Runs of consecutive tokens per sequence on this rank (1: whole sequences).
+  virtual int segments() const { return 1; }
+
+  // Halo exchange. tails [B * segments, F]: what each run gives the run after it in its
+  // sequence (its last rows of something, packed by the caller into F floats). Fills halos
+  // [B * segments, F] with, for each run, the tail of the run before it in the sequence, or
+  // zeros where the run starts the sequence. Whole sequences: zeros.
+  virtual void halo(const Tensor& tails, const Tensor& halos);
+  // Its backward: dhalos [B * segments, F] (the gradient of each run's halo) -> dtails
+  // [B * segments, F] OVERWRITTEN with the gradient of each run's tail (zeros for the last run
+  // of a sequence). Whole sequences: zeros.
+  virtual void halo_backward(const Tensor& dhalos, const Tensor& dtails);
+
+  // Causal softmax attention of this rank's queries over the whole sequence's keys and values:
+  // q, out [B, T, Hq, Dh], k, v [B, T, Hkv, Dh] (this rank's T = segments * L tokens of each
+  // sequence, after RoPE), lse [B, Hq, T]; the result equals the rows of ops::attention::forward
+  // over whole sequences (ops/attention.h's conventions, window included). Backward: dq, dk, dv
+  // of this rank's rows, OVERWRITTEN (dk, dv summed over every rank's queries).
+  virtual void attend(const Tensor& q, const Tensor& k, const Tensor& v, float scale, int window, const Tensor& out,
+                      const Tensor& lse);
+  virtual void attend_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                               const Tensor& dout, float scale, int window, const Tensor& dq, const Tensor& dk,
+                               const Tensor& dv);
+};
+
+// The whole-sequence split (stateless; shared).
+SequenceSplit& whole_sequences();
+
+}  // namespace keel::ops

@@ -1,0 +1,207 @@
+#include "parallel/context_parallel.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+
+#include "common/error.h"
+#include "common/mpi_session.h"
+#include "common/watchdog.h"
+#include "ops/attention.h"
+
+namespace keel::parallel {
+
+namespace {
+
+int mpi_count(std::int64_t n, const char* what) {
+  if (n > INT_MAX) fail("context parallel: {} of {} floats per rank is too large for one MPI call", what, n);
+  return static_cast<int>(n);
+}
+
+// Rows [row0, row0 + rows) of `t` seen as [*, width] floats.
+float* row_ptr(const Tensor& t, std::int64_t row, std::int64_t width) { return t.data() + row * width; }
+
+}  // namespace
+
+void check_context_split(std::int64_t seq, int degree, std::int64_t min_chunk, const std::string& what) {
+  if (degree <= 1) return;
+  if (seq % (2 * degree) != 0)
+    throw UsageError(fmt::format("{}: seq_length {} does not split over context-parallel degree {} (parallel.context): "
+                                 "the zigzag partition needs 2 x {} = {} equal chunks",
+                                 what, seq, degree, degree, 2 * degree));
+  if (seq / (2 * degree) < min_chunk)
+    throw UsageError(fmt::format("{}: seq_length {} over context-parallel degree {} gives chunks of {} tokens, fewer "
+                                 "than the {} CCA's convolutions read before each chunk",
+                                 what, seq, degree, seq / (2 * degree), min_chunk));
+}
+
+std::vector<std::int32_t> zigzag_positions(std::int64_t seq, int degree, int rank) {
+  std::vector<std::int32_t> pos;
+  if (degree == 1) {
+    for (std::int64_t t = 0; t < seq; ++t) pos.push_back(static_cast<std::int32_t>(t));
+    return pos;
+  }
+  const std::int64_t chunk = seq / (2 * degree);
+  for (const std::int64_t c : {std::int64_t(rank), std::int64_t(2 * degree - 1 - rank)})
+    for (std::int64_t t = 0; t < chunk; ++t) pos.push_back(static_cast<std::int32_t>(c * chunk + t));
+  return pos;
+}
+
+ContextParallel::ContextParallel(MPI_Comm context, std::int64_t seq) : comm_(context), seq_(seq) {
+  if (comm_ != MPI_COMM_NULL) {
+    mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+    mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+  }
+  check_context_split(seq, size_, 1, "context parallel");
+  chunk_ = seq / (2 * size_);
+  pos_ = zigzag_positions(seq, size_, rank_);
+}
+
+std::int64_t ContextParallel::seq_row(int rank, std::int64_t b, std::int64_t t) const {
+  const std::int64_t run = t / chunk_, c = run == 0 ? rank : 2 * size_ - 1 - rank;
+  return b * seq_ + c * chunk_ + t % chunk_;
+}
+
+void ContextParallel::sum(std::int64_t* x, int n) {
+  if (size_ == 1 || n == 0) return;
+  PeerWait wait("MPI_Allreduce (context group)");
+  mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_INT64_T, MPI_SUM, comm_), "MPI_Allreduce");
+}
+
+void ContextParallel::sum(double* x, int n) const {
+  if (size_ == 1 || n == 0) return;
+  std::vector<double> all(static_cast<std::size_t>(size_) * n);
+  {
+    PeerWait wait("MPI_Allgather (context group)");
+    mpi_check(MPI_Allgather(x, n, MPI_DOUBLE, all.data(), n, MPI_DOUBLE, comm_), "MPI_Allgather");
+  }
+  for (int i = 0; i < n; ++i) {
+    double s = 0;
+    for (int j = 0; j < size_; ++j) s += all[static_cast<std::size_t>(j) * n + i];
+    x[i] = s;
+  }
+}
+
+void ContextParallel::gather(const Tensor& k, const Tensor& v) {
+  const std::int64_t B = k.dim(0), T = k.dim(1), w = k.dim(2) * k.dim(3), n = k.numel();
+  if (T != 2 * chunk_) fail("context parallel: {} tokens per sequence here, expected {}", T, 2 * chunk_);
+  require_shape(v, {k.dim(0), k.dim(1), k.dim(2), k.dim(3)}, "context parallel v");
+  send_.resize(static_cast<std::size_t>(2 * n));
+  recv_.resize(static_cast<std::size_t>(2 * n * size_));
+  std::memcpy(send_.data(), k.data(), sizeof(float) * static_cast<std::size_t>(n));
+  std::memcpy(send_.data() + n, v.data(), sizeof(float) * static_cast<std::size_t>(n));
+  {
+    PeerWait wait("MPI_Allgather (context-parallel k, v)");
+    mpi_check(MPI_Allgather(send_.data(), mpi_count(2 * n, "an all-gather"), MPI_FLOAT, recv_.data(),
+                            mpi_count(2 * n, "an all-gather"), MPI_FLOAT, comm_),
+              "MPI_Allgather");
+  }
+  k_.resize(static_cast<std::size_t>(B * seq_ * w));
+  v_.resize(k_.size());
+  for (int j = 0; j < size_; ++j) {
+    const float* rk = recv_.data() + std::int64_t(j) * 2 * n;
+    const float* rv = rk + n;
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t < T; ++t) {
+        const std::int64_t src = (b * T + t) * w, dst = seq_row(j, b, t) * w;
+        std::memcpy(k_.data() + dst, rk + src, sizeof(float) * static_cast<std::size_t>(w));
+        std::memcpy(v_.data() + dst, rv + src, sizeof(float) * static_cast<std::size_t>(w));
+      }
+  }
+}
+
+void ContextParallel::attend(const Tensor& q, const Tensor& k, const Tensor& v, float scale, int window,
+                             const Tensor& out, const Tensor& lse) {
+  gather(k, v);
+  const std::int64_t B = k.dim(0), H = k.dim(2), D = k.dim(3);
+  ops::attention::forward_at(q, Tensor(k_.data(), {B, seq_, H, D}), Tensor(v_.data(), {B, seq_, H, D}), pos_.data(),
+                             scale, out, lse, window);
+}
+
+void ContextParallel::attend_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                      const Tensor& lse, const Tensor& dout, float scale, int window, const Tensor& dq,
+                                      const Tensor& dk, const Tensor& dv) {
+  gather(k, v);  // forward's gathered keys are not kept: one buffer serves every layer
+  const std::int64_t B = k.dim(0), T = k.dim(1), H = k.dim(2), D = k.dim(3), w = H * D, n = k.numel();
+  dk_.resize(k_.size());
+  dv_.resize(k_.size());
+  const Tensor dK(dk_.data(), {B, seq_, H, D}), dV(dv_.data(), {B, seq_, H, D});
+  ops::attention::backward_at(q, Tensor(k_.data(), {B, seq_, H, D}), Tensor(v_.data(), {B, seq_, H, D}), pos_.data(),
+                              out, lse, dout, scale, dq, dK, dV, window);
+  // The whole sequence's dk, dv in rank order (each rank's rows as its k and v hold them), then
+  // summed over the group into the rank holding those keys.
+  recv_.resize(static_cast<std::size_t>(2 * n * size_));
+  for (int j = 0; j < size_; ++j) {
+    float* sk = recv_.data() + std::int64_t(j) * 2 * n;
+    float* sv = sk + n;
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t < T; ++t) {
+        const std::int64_t dst = (b * T + t) * w, src = seq_row(j, b, t) * w;
+        std::memcpy(sk + dst, dk_.data() + src, sizeof(float) * static_cast<std::size_t>(w));
+        std::memcpy(sv + dst, dv_.data() + src, sizeof(float) * static_cast<std::size_t>(w));
+      }
+  }
+  send_.resize(static_cast<std::size_t>(2 * n));
+  {
+    PeerWait wait("MPI_Reduce_scatter_block (context-parallel dk, dv)");
+    mpi_check(MPI_Reduce_scatter_block(recv_.data(), send_.data(), mpi_count(2 * n, "a reduce-scatter"), MPI_FLOAT,
+                                       MPI_SUM, comm_),
+              "MPI_Reduce_scatter_block");
+  }
+  require_shape(dk, {B, T, H, D}, "context parallel dk");
+  require_shape(dv, {B, T, H, D}, "context parallel dv");
+  std::memcpy(dk.data(), send_.data(), sizeof(float) * static_cast<std::size_t>(n));
+  std::memcpy(dv.data(), send_.data() + n, sizeof(float) * static_cast<std::size_t>(n));
+}
+
+void ContextParallel::exchange(const float* send, int to, float* recv, int from, std::int64_t n) const {
+  std::fill(recv, recv + n, 0.f);  // stays zero where there is no sender
+  PeerWait wait("MPI_Sendrecv (context-parallel halo)");
+  mpi_check(MPI_Sendrecv(send, mpi_count(n, "a halo"), MPI_FLOAT, to < 0 ? MPI_PROC_NULL : to, 0, recv,
+                         mpi_count(n, "a halo"), MPI_FLOAT, from < 0 ? MPI_PROC_NULL : from, 0, comm_,
+                         MPI_STATUS_IGNORE),
+            "MPI_Sendrecv");
+}
+
+// Runs: row b * 2 + 0 is chunk r, b * 2 + 1 chunk 2C-1-r. The run before chunk r is chunk r-1,
+// rank r-1's first run; before chunk 2C-1-r, chunk 2C-2-r: rank r+1's second run, or for the
+// last rank its own first run (chunk C-1 precedes chunk C).
+void ContextParallel::halo(const Tensor& tails, const Tensor& halos) {
+  const std::int64_t F = tails.dim(1), B = tails.dim(0) / 2;
+  require_shape(halos, {2 * B, F}, "context parallel halos");
+  const int up = rank_ + 1 < size_ ? rank_ + 1 : -1, down = rank_ - 1;
+  std::vector<float> first(B * F), second(B * F), got(B * F);
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::memcpy(first.data() + b * F, row_ptr(tails, 2 * b, F), sizeof(float) * F);
+    std::memcpy(second.data() + b * F, row_ptr(tails, 2 * b + 1, F), sizeof(float) * F);
+  }
+  exchange(first.data(), up, got.data(), down, B * F);  // first runs' tails go up
+  for (std::int64_t b = 0; b < B; ++b) std::memcpy(row_ptr(halos, 2 * b, F), got.data() + b * F, sizeof(float) * F);
+  exchange(second.data(), down, got.data(), up, B * F);  // second runs' tails go down
+  const std::vector<float>& before_second = up < 0 ? first : got;
+  for (std::int64_t b = 0; b < B; ++b)
+    std::memcpy(row_ptr(halos, 2 * b + 1, F), before_second.data() + b * F, sizeof(float) * F);
+}
+
+// The adjoint of halo(): each halo's gradient goes back to the run whose tail it was.
+void ContextParallel::halo_backward(const Tensor& dhalos, const Tensor& dtails) {
+  const std::int64_t F = dhalos.dim(1), B = dhalos.dim(0) / 2;
+  require_shape(dtails, {2 * B, F}, "context parallel dtails");
+  const int up = rank_ + 1 < size_ ? rank_ + 1 : -1, down = rank_ - 1;
+  std::vector<float> first(B * F), second(B * F), got(B * F);
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::memcpy(first.data() + b * F, row_ptr(dhalos, 2 * b, F), sizeof(float) * F);
+    std::memcpy(second.data() + b * F, row_ptr(dhalos, 2 * b + 1, F), sizeof(float) * F);
+  }
+  exchange(first.data(), down, got.data(), up, B * F);  // first runs' halo gradients go down
+  const std::vector<float>& into_first = up < 0 ? second : got;
+  for (std::int64_t b = 0; b < B; ++b)
+    std::memcpy(row_ptr(dtails, 2 * b, F), into_first.data() + b * F, sizeof(float) * F);
+  // second runs' halo gradients go up, except the last rank's, which were its own first run's
+  exchange(second.data(), up, got.data(), down, B * F);
+  for (std::int64_t b = 0; b < B; ++b) std::memcpy(row_ptr(dtails, 2 * b + 1, F), got.data() + b * F, sizeof(float) * F);
+}
+
+}  // namespace keel::parallel

@@ -1,0 +1,80 @@
+// Context parallelism on CPU ranks (MPI): each sequence's tokens split over the C ranks of the
+// context group, for sequences too long for one device. The runners the plan (plan.h) hands
+// every block when the mesh's cp degree is above 1.
+//
+// Partition (zigzag, load-balanced for causal attention): a sequence of S tokens is 2C chunks
+// of S / (2C); rank r holds chunks r and 2C-1-r, in that order, so its rows of a micro-batch are
+// B sequences x 2 runs x S / (2C) tokens (ops/sequence_split.h's layout). Each rank does the
+// same attention work: chunk r attends to r + 1 chunks, chunk 2C-1-r to 2C-r. Positions (RoPE)
+// are global (positions()).
+//
+// Everything per token (embedding, norms, the router, the experts, the LM head) runs on this
+// rank's tokens. The sequence mixers need the rest of the sequence:
+//   attention   all-gather of every rank's k and v over the group (cheap for ZAYA1's 2 kv heads),
+//               then this rank's queries at their global positions over the whole sequence
+//               (ops::attention::forward_at). Backward: the same gather, then dk and dv of the
+//               whole sequence reduce-scattered back to the ranks that hold those keys.
+//   halos       CCA's convolutions and value shift read the last tokens before each run: run
+//               r's come from rank r - 1's first run, run 2C-1-r's from rank r + 1's second run
+//               (rank C-1: its own first run); one send-receive with each neighbour, mirrored in
+//               backward for their gradients.
+// The micro-batch's statistics (the linear router's expert counts, the losses) are summed over
+// the group: TokenGroup. Gradients of every parameter are partial (this rank's tokens); they sum
+// over the data group, which spans dp x cp (mesh.h), like data parallelism's.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "blocks/runners.h"
+#include "tensor/tensor.h"
+
+namespace keel::parallel {
+
+// Throws keel::UsageError naming `what` unless a sequence of `seq` tokens splits into 2 * degree
+// chunks of at least `min_chunk` tokens (CCA: its convolutions' halo).
+void check_context_split(std::int64_t seq, int degree, std::int64_t min_chunk, const std::string& what);
+
+// The positions within its sequence of rank `rank`'s seq / degree tokens: chunk rank, then chunk
+// 2 * degree - 1 - rank. degree 1: 0 .. seq - 1.
+std::vector<std::int32_t> zigzag_positions(std::int64_t seq, int degree, int rank);
+
+class ContextParallel final : public blocks::AttentionCore, public blocks::TokenGroup {
+ public:
+  // context: the mesh's context group (MPI); seq: the whole sequence's tokens.
+  ContextParallel(MPI_Comm context, std::int64_t seq);
+  const std::vector<std::int32_t>& positions() const { return pos_; }
+
+  // AttentionCore
+  int segments() const override { return 2; }
+  void halo(const Tensor& tails, const Tensor& halos) override;
+  void halo_backward(const Tensor& dhalos, const Tensor& dtails) override;
+  void attend(const Tensor& q, const Tensor& k, const Tensor& v, float scale, int window, const Tensor& out,
+              const Tensor& lse) override;
+  void attend_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                       const Tensor& dout, float scale, int window, const Tensor& dq, const Tensor& dk,
+                       const Tensor& dv) override;
+  // TokenGroup
+  int size() const override { return size_; }
+  void sum(std::int64_t* x, int n) override;
+  // Sums x[0..n) over the group in place, each added in rank order: the same bits on every rank.
+  void sum(double* x, int n) const;
+
+ private:
+  // Every rank's k and v ([B, S/C, Hkv, Dh] each) -> k_ and v_ [B, S, Hkv, Dh] in sequence order.
+  void gather(const Tensor& k, const Tensor& v);
+  // The row of a rank's local row (b, t) in the whole sequence's [B, S] rows.
+  std::int64_t seq_row(int rank, std::int64_t b, std::int64_t t) const;
+  void exchange(const float* send, int to, float* recv, int from, std::int64_t n) const;
+
+  MPI_Comm comm_;
+  int size_ = 1, rank_ = 0;
+  std::int64_t seq_, chunk_;  // S, S / (2C)
+  std::vector<std::int32_t> pos_;
+  std::vector<float> send_, recv_, k_, v_, dk_, dv_;
+};
+
+}  // namespace keel::parallel

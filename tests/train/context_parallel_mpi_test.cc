@@ -1,0 +1,205 @@
+// keel train with context parallelism on CPU ranks under MPI (run at 2, 3 and 4 ranks): each
+// sequence's 24 tokens split over C ranks (zigzag chunks), alone (C = the world), with data
+// parallelism + ZeRO-1 (C=2 x DP=2), with expert parallelism (EP folded over the C ranks) and with
+// tensor parallelism (C=2 x TP=2), matches the one-rank run of the same global batch within 1e-5
+// relative per step for 20 steps: on the tests' tiny MoE (gqa, linear top-2 router with its aux
+// and z losses and the balancing bias) and on a ZAYA1-shaped tiny model (CCA, whose convolutions
+// and value shift read across chunk and rank boundaries, the MLP router with the skip class,
+// residual scaling), with AdamW and with Muon; plus a sliding-window layer. Checkpoints move
+// between context degrees both ways. A sequence that does not split is one clear error.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "../mpi_test_util.h"
+#include "common/error.h"
+#include "train/trainer.h"
+#include "train_mpi_test_util.h"
+#include "train_test_util.h"
+
+namespace keel::train {
+namespace {
+
+namespace fs = std::filesystem;
+using keel::test::world_rank;
+using keel::test::world_size;
+
+fs::path shared_dir(const std::string& name) { return keel::test::shared_temp_dir("cp_mpi", name); }
+
+parallel::Mesh cp_mesh(int cp, int tp = 1, int ep = 1) {
+  mesh::Shape s;
+  s.cp = cp;
+  s.tp = tp;
+  s.dp = world_size() / (cp * tp);
+  s.ep = ep;
+  s.zero = s.dp * s.cp > 1 ? 1 : 0;
+  return parallel::Mesh(s, MPI_COMM_WORLD);
+}
+
+const std::vector<std::string> kZaya = {"model.attention=cca",         "model.cca_q_dim=16",
+                                        "model.cca_k_dim=8",           "model.cca_v_dim=8",
+                                        "model.cca_conv_width=2",      "model.cca_group_conv_width=2",
+                                        "model.residual_scaling=true", "model.tied_embeddings=true",
+                                        "model.router_hidden=8",       "model.router_mlp_layers=3",
+                                        "model.top_k=1",               "model.router_skip_expert=true"};
+// Layer 1 of 2 slides over 5 tokens: its window crosses chunk boundaries.
+const std::vector<std::string> kSliding = {"model.layer_sliding=[false, true]", "model.sliding_window=5",
+                                           "model.sliding_rope_base=500", "model.sliding_rope_fraction=0.5"};
+
+std::vector<std::string> joined(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TrainConfig config(const fs::path& dir, const fs::path& out, const std::vector<std::string>& extra,
+                   const std::string& optimizer_extra = "") {
+  if (world_rank() == 0 && !fs::exists(dir / "d.idx")) fixtures::make_dataset(dir, "d");
+  MPI_Barrier(MPI_COMM_WORLD);
+  // 24 tokens: 2C chunks for C = 2, 3 and 4 (CCA reads 2 tokens before each chunk)
+  std::vector<std::string> sets = {"steps=20", "checkpoint.final=false", "data.seq_length=24"};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return parse_train_config(fixtures::train_config_text((dir / "d").string(), out, optimizer_extra), "cp.yaml", sets);
+}
+
+struct Case {
+  int cp = 2, tp = 1, ep = 1;
+  std::vector<std::string> sets;
+  std::string optimizer;
+  std::string tag;
+};
+
+void expect_matches_single_rank(const Case& c) {
+  if (world_size() % (c.cp * c.tp) != 0) GTEST_SKIP() << "cp x tp does not divide " << world_size();
+  const int dp = world_size() / (c.cp * c.tp);
+  if ((dp * c.cp) % c.ep != 0) GTEST_SKIP() << "ep does not divide dp x cp";
+  const fs::path dir = shared_dir(c.tag);
+  std::vector<std::string> sets = c.sets;
+  sets.push_back("parallel.context=" + std::to_string(c.cp));
+  if (c.tp > 1) sets.insert(sets.end(), {"parallel.tensor=" + std::to_string(c.tp), "parallel.sequence=true"});
+  if (c.ep > 1) sets.push_back("parallel.expert=" + std::to_string(c.ep));
+  // With data parallelism, micro-batches of one sequence (the linear router's aux loss is per
+  // micro-batch); the context ranks share theirs, so any micro-batch size works for them.
+  if (dp > 1) sets.insert(sets.end(), {"batch.micro_batch=1", "batch.grad_accum=" + std::to_string(4 * dp)});
+  TrainConfig cfg = config(dir, dir / "cp", sets, c.optimizer);
+  const parallel::Mesh mesh = cp_mesh(c.cp, c.tp, c.ep);
+  Trainer t(cfg, mesh, true);
+  TrainConfig one = cfg;
+  one.parallel_context = one.parallel_tensor = one.parallel_expert = 1;
+  one.model_options.sequence_parallel = false;
+  one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
+  Trainer single(one, parallel::Mesh(), true);
+  const auto got = t.run();
+  const auto want = single.run();
+  ASSERT_EQ(got.size(), want.size());
+  ASSERT_EQ(got.size(), 20u);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i].loss, want[i].loss, 1e-5 * std::fabs(want[i].loss)) << c.tag << " step " << i + 1;
+    EXPECT_NEAR(got[i].aux, want[i].aux, 1e-5 * std::fabs(want[i].aux) + 1e-9) << c.tag << " step " << i + 1;
+    EXPECT_NEAR(got[i].grad_norm, want[i].grad_norm, 1e-4 * want[i].grad_norm) << c.tag << " step " << i + 1;
+    // the routing of the whole batch, summed over the ranks' tokens
+    EXPECT_EQ(got[i].layer_busiest, want[i].layer_busiest) << c.tag << " step " << i + 1;
+  }
+  if (c.tp == 1 && c.ep == 1) {  // every rank holds the whole model
+    const auto& a = t.backend().state().params;
+    const auto& b = single.backend().state().params;
+    ASSERT_EQ(a.size(), b.size());
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      num = std::max(num, std::fabs(double(a[i]) - b[i]));
+      den = std::max(den, std::fabs(double(b[i])));
+    }
+    EXPECT_LT(num / den, 5e-5) << c.tag;
+  }
+}
+
+const std::string& kMuon = fixtures::kMuonOptimizer;
+
+TEST(ContextParallel, WorldMatchesOneRank) { expect_matches_single_rank({world_size(), 1, 1, {}, "", "cpN"}); }
+TEST(ContextParallel, WorldZayaMatchesOneRank) {
+  expect_matches_single_rank({world_size(), 1, 1, kZaya, "", "zaya_cpN"});
+}
+TEST(ContextParallel, WorldZayaSlidingWithMuonMatchesOneRank) {
+  expect_matches_single_rank({world_size(), 1, 1, joined(kZaya, kSliding), kMuon, "zaya_sliding_cpN"});
+}
+TEST(ContextParallel, Cp2WithExpertParallelMatchesOneRank) {
+  expect_matches_single_rank({2, 1, 2, {}, kMuon, "cp2ep2"});
+}
+TEST(ContextParallel, Cp2ZayaWithExpertParallelMatchesOneRank) {
+  expect_matches_single_rank({2, 1, 2, kZaya, "", "zaya_cp2ep2"});
+}
+TEST(ContextParallel, Cp2TimesDp2MatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, 1, 1, kZaya, "", "zaya_cp2dp2"});
+}
+TEST(ContextParallel, Cp2TimesDp2WithExpertParallelMatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, 1, 4, {}, "", "cp2dp2ep4"});
+}
+TEST(ContextParallel, Cp2TimesTp2MatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, 2, 1, kZaya, kMuon, "zaya_cp2tp2"});
+}
+
+// A sequence that does not split into 2C chunks (or chunks shorter than CCA's halo): one clear
+// error naming the config and parallel.context, before any work.
+TEST(ContextParallel, SequenceThatDoesNotSplitIsOneClearError) {
+  if (world_size() % 2 != 0) GTEST_SKIP();
+  const fs::path dir = shared_dir("bad");
+  for (const auto& [sets, word] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"data.seq_length=22"}, "does not split over context-parallel degree 2"},
+           {joined(kZaya, {"data.seq_length=4", "model.cca_conv_width=3"}), "fewer than the 3"}}) {
+    std::vector<std::string> s = sets;
+    s.push_back("parallel.context=2");
+    TrainConfig cfg = config(dir, dir / "bad", s);
+    try {
+      Trainer t(cfg, cp_mesh(2), true);
+      ADD_FAILURE() << "accepted " << word;
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Trains to step 3 and saves at context degree `save_cp` (0: one rank alone), resumes at
+// `resume_cp` (0: one rank) and finishes: steps 4..6 match the uninterrupted run.
+void expect_resume(int save_cp, int resume_cp, const std::string& tag) {
+  if ((save_cp > 0 && world_size() % save_cp) || (resume_cp > 0 && world_size() % resume_cp)) GTEST_SKIP();
+  const fs::path dir = shared_dir(tag);
+  const auto mesh_of = [&](int cp) { return cp > 0 ? cp_mesh(cp) : parallel::Mesh(); };
+  const auto out = [&](const std::string& name, int cp) {
+    return cp > 0 ? dir / name : dir / (name + std::to_string(world_rank()));
+  };
+  const auto cfg_of = [&](const std::string& name, int cp, const std::vector<std::string>& sets) {
+    std::vector<std::string> s = joined(kZaya, sets);
+    s.insert(s.end(), {"steps=6", "batch.micro_batch=1", "batch.grad_accum=4"});
+    if (cp > 1) s.push_back("parallel.context=" + std::to_string(cp));
+    if (cp > 0) s.push_back("parallel.data=" + std::to_string(world_size() / cp));
+    return config(dir, out(name, cp), s, kMuon);
+  };
+  Trainer full(cfg_of("full", resume_cp, {}), mesh_of(resume_cp), true);
+  const auto expect = full.run();
+  TrainConfig first_cfg = cfg_of("first", save_cp, {"checkpoint.interval=3"});
+  {
+    Trainer first(first_cfg, mesh_of(save_cp), true);
+    first.run(3);
+    first.finish_checkpoint();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  Trainer second(cfg_of("second", resume_cp, {}), mesh_of(resume_cp), true);
+  second.resume(first_cfg.checkpoint_dir);
+  ASSERT_EQ(second.step(), 3);
+  const auto got = second.run();
+  ASSERT_EQ(got.size(), 3u);
+  for (std::size_t i = 0; i < got.size(); ++i)
+    EXPECT_NEAR(got[i].loss, expect[i + 3].loss, 1e-5 * std::fabs(expect[i + 3].loss)) << tag << " step " << i + 4;
+}
+
+TEST(ContextParallel, CheckpointAtCp2ResumesOnOneRank) { expect_resume(2, 0, "resume_cp2_1"); }
+TEST(ContextParallel, CheckpointOfOneRankResumesAtCp2) { expect_resume(0, 2, "resume_1_cp2"); }
+
+}  // namespace
+}  // namespace keel::train
