@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp decode ckpt ab
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -204,6 +204,20 @@ for step in "${steps[@]}"; do
         grep -A40 '^== keel TP vs PyTorch TP' "$out/tp_vs_torch.log" >>"$summary"
       else
         note "tp: FAILED or timed out before the table (see tp_vs_torch.log)"
+      fi ;;
+    cp)
+      if [ "$gpus" -lt 2 ]; then note "cp: skipped (needs 2+ GPUs)"; continue; fi
+      # Context parallelism on 2 GPUs: the tests against one GPU (KEEL_CP_TESTS=0 skips), then
+      # bench/train_cp.py (KEEL_CP_ARGS, e.g. --longest): the ZAYA1-shaped model at 32K over
+      # CP=2 against 4K over DP=2, same tokens per GPU, with routing.
+      [ "${KEEL_CP_TESTS:-1}" = 0 ] || mpi_gtest cp 2 'ContextParallel*' "${KEEL_CP_TEST_TIMEOUT:-300}" '^  [a-z0-9_]+: step 9'
+      [ "${KEEL_CP_BENCH:-1}" = 0 ] && continue
+      timeout "${KEEL_CP_TIMEOUT:-900}" python3 bench/train_cp.py --keel "$build/keel" --out "$out/cp" \
+          ${KEEL_CP_ARGS:-} 2>&1 | tee "$out/train_cp.log" | tail -20
+      if grep -q '^== keel context parallelism' "$out/train_cp.log"; then
+        grep -A20 '^== keel context parallelism' "$out/train_cp.log" >>"$summary"
+      else
+        note "cp: FAILED or timed out before the table (see train_cp.log)"
       fi ;;
     train)
       # keel train vs a PyTorch implementation of the same MoE and step (eager and torch.compile).

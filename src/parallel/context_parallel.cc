@@ -70,19 +70,23 @@ void ContextParallel::sum(std::int64_t* x, int n) {
   mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_INT64_T, MPI_SUM, comm_), "MPI_Allreduce");
 }
 
-void ContextParallel::sum(double* x, int n) const {
-  if (size_ == 1 || n == 0) return;
-  std::vector<double> all(static_cast<std::size_t>(size_) * n);
+void sum_over_context(MPI_Comm context, double* x, int n) {
+  int size = 1;
+  if (context != MPI_COMM_NULL) mpi_check(MPI_Comm_size(context, &size), "MPI_Comm_size");
+  if (size == 1 || n == 0) return;
+  std::vector<double> all(static_cast<std::size_t>(size) * n);
   {
     PeerWait wait("MPI_Allgather (context group)");
-    mpi_check(MPI_Allgather(x, n, MPI_DOUBLE, all.data(), n, MPI_DOUBLE, comm_), "MPI_Allgather");
+    mpi_check(MPI_Allgather(x, n, MPI_DOUBLE, all.data(), n, MPI_DOUBLE, context), "MPI_Allgather");
   }
   for (int i = 0; i < n; ++i) {
     double s = 0;
-    for (int j = 0; j < size_; ++j) s += all[static_cast<std::size_t>(j) * n + i];
+    for (int j = 0; j < size; ++j) s += all[static_cast<std::size_t>(j) * n + i];
     x[i] = s;
   }
 }
+
+void ContextParallel::sum(double* x, int n) const { sum_over_context(comm_, x, n); }
 
 void ContextParallel::gather(const Tensor& k, const Tensor& v) {
   const std::int64_t B = k.dim(0), T = k.dim(1), w = k.dim(2) * k.dim(3), n = k.numel();

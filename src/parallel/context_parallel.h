@@ -42,6 +42,10 @@ void check_context_split(std::int64_t seq, int degree, std::int64_t min_chunk, c
 // 2 * degree - 1 - rank. degree 1: 0 .. seq - 1.
 std::vector<std::int32_t> zigzag_positions(std::int64_t seq, int degree, int rank);
 
+// Sums x[0..n) over the ranks of `context` on the host, in place, each added in rank order: the
+// same bits on every rank (MPI_COMM_NULL: nothing to sum).
+void sum_over_context(MPI_Comm context, double* x, int n);
+
 class ContextParallel final : public blocks::AttentionCore, public blocks::TokenGroup {
  public:
   // context: the mesh's context group (MPI); seq: the whole sequence's tokens.

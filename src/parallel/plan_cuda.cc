@@ -4,17 +4,24 @@
 
 #include <fmt/format.h>
 
+#include "blocks/shape.h"
 #include "common/error.h"
 
 namespace keel::parallel {
 
-CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t tokens, bool sequence) {
+CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t batch, std::int64_t seq, bool sequence) {
   check_plan(cfg, mesh.shape());
-  if (mesh.shape().cp > 1)
-    throw UsageError(fmt::format("keel train: context parallelism (cp={}) runs on CPU ranks only so far: set device: "
-                                 "cpu, or parallel.context: 1 on GPUs",
-                                 mesh.shape().cp));
   layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::cuda::LayerRunners{});
+  const Group& context = mesh.group(GroupKind::kContext);
+  std::int64_t tokens = batch * seq;
+  if (context.size > 1) {
+    check_context_split(seq, context.size, context_halo(cfg), "keel train");
+    const int T = mesh.group(GroupKind::kTensor).size;
+    const blocks::AttnShape s = blocks::AttnShape::of(cfg, batch, seq / context.size, {T, mesh.coord().tp});
+    cp_ = std::make_unique<CudaContextParallel>(mesh.nccl(GroupKind::kContext), context.comm, batch, seq, s.kv_dim());
+    for (auto& l : layers_) l.attention = cp_.get();
+    tokens /= context.size;
+  }
   if (mesh.group(GroupKind::kTensor).size > 1) {
     tp_ = std::make_unique<CudaTensorParallelLinear>(mesh.nccl(GroupKind::kTensor), tokens, cfg.hidden, sequence);
     for (auto& l : layers_) l.attn_linear = l.mlp_linear = tp_.get();
@@ -31,6 +38,7 @@ CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t token
 std::size_t CudaPlan::device_bytes() const {
   std::size_t b = ep_group_ ? ep_group_->device_bytes() : 0;
   if (tp_) b += tp_->device_bytes();
+  if (cp_) b += cp_->device_bytes();
   for (const auto& l : ep_layers_) b += l->device_bytes();
   return b;
 }

@@ -8,6 +8,7 @@
 
 #include "blocks/cuda/runners.h"
 #include "model/config.h"
+#include "parallel/context_parallel_cuda.h"
 #include "parallel/expert_parallel_cuda.h"
 #include "parallel/mesh.h"
 #include "parallel/tensor_parallel_cuda.h"
@@ -16,20 +17,27 @@ namespace keel::parallel {
 
 class CudaPlan {
  public:
-  // Checks the model against the mesh (check_plan) and, with expert parallelism, builds the
-  // expert group's runners (collective over the expert group, with this rank's GPU set); with
-  // tensor parallelism every block's linear runner is one CudaTensorParallelLinear over the
-  // tensor group (tokens: the rows a block reads; sequence: sequence parallelism).
-  CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t tokens = 0, bool sequence = false);
+  // Checks the model against the mesh (check_plan, and that seq splits over the context group)
+  // and, with expert parallelism, builds the expert group's runners (collective over the expert
+  // group, with this rank's GPU set); with context parallelism every block's attention core is
+  // one CudaContextParallel over the context group; with tensor parallelism every block's linear
+  // runner is one CudaTensorParallelLinear over the tensor group. batch x seq: the micro-batch
+  // (seq: whole sequences); sequence: sequence parallelism.
+  CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t batch = 0, std::int64_t seq = 0,
+           bool sequence = false);
   const std::vector<blocks::cuda::LayerRunners>& layers() const { return layers_; }
-  // GPU memory the runners hold of their own: the expert exchange's buffers, and the
-  // sequence-parallel gathers' (tensor_bytes).
+  // GPU memory the runners hold of their own: the expert exchange's buffers, the
+  // sequence-parallel gathers' (tensor_bytes) and the context-parallel gathers' (context_bytes).
   std::size_t device_bytes() const;
   std::size_t tensor_bytes() const { return tp_ ? tp_->device_bytes() : 0; }
+  std::size_t context_bytes() const { return cp_ ? cp_->device_bytes() : 0; }
   // The tensor-parallel boundary, null at tensor degree 1.
   CudaTensorParallelLinear* tensor() const { return tp_.get(); }
+  // The context-parallel core, null at context degree 1.
+  CudaContextParallel* context() const { return cp_.get(); }
 
  private:
+  std::unique_ptr<CudaContextParallel> cp_;
   std::unique_ptr<CudaTensorParallelLinear> tp_;
   std::shared_ptr<CudaExpertParallelGroup> ep_group_;
   std::vector<std::unique_ptr<CudaExpertParallelMoe>> ep_layers_;  // per MoE layer

@@ -273,6 +273,14 @@ MemoryEstimate estimate_memory(const Setup& s) {
     e.activations_full = acts(Recompute::kFull);
     e.items.push_back({fmt::format("activations ({} recompute)", model::recompute_name(s.recompute)), acts(s.recompute)});
     if (st.last) e.items.push_back(logits_item(m, s, tokens_local));
+    if (l.cp > 1 && l.tsp == 1) {
+      // keel train's context-parallel core (parallel/context_parallel_cuda.h): one layer's k and v
+      // of the whole sequence gathered (bf16: the receive buffer and the reordered copy), their
+      // fp32 gradients and the fp32 reduce-scatter buffer, plus this rank's send buffers.
+      const double kv = std::max<double>(1.0, static_cast<double>(m.kv_heads) / l.tp) * m.head_dim;
+      const double whole = static_cast<double>(s.micro_batch) * s.seq * kv;
+      e.items.push_back({"context-parallel k/v gathers (one layer)", 24 * whole + 12 * whole / l.cp});
+    }
     for (int i = 0; i < 3; ++i) e.activation_bytes_per_token_layer[i] = per_token[i];
     // Expert parallelism is dropless: a GPU saves every routed row its experts receive. With
     // balanced routing that is its own tokens' share, already in the activations; at worst (the

@@ -115,13 +115,13 @@ class CudaBackend final : public TrainBackend {
                        "false and layouts whose stages are not in offset order are not supported)");
     const int tp = mesh_.group(parallel::GroupKind::kTensor).size;
     if (tp > 1 && mesh_.data().size > 1)
-      throw UsageError(fmt::format("parallel.tensor {} with parallel.data {}: on GPUs tensor parallelism does not yet "
-                                   "compose with data parallelism (device: cpu trains it); use one tensor group",
+      throw UsageError(fmt::format("parallel.tensor {} with {} data x context ranks: on GPUs tensor parallelism does "
+                                   "not yet compose with data or context parallelism (device: cpu trains it); use one "
+                                   "tensor group",
                                    tp, mesh_.data().size));
-    plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_, std::int64_t(opt_.micro_batch) * opt_.seq_length,
-                                                 opt_.sequence_parallel);
-    model_ = std::make_unique<CudaModel>(cfg_, opt_, layout_, plan_->layers(), plan_->tensor(), prop.totalGlobalMem,
-                                         stream_);
+    plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_, opt_.micro_batch, opt_.seq_length, opt_.sequence_parallel);
+    model_ = std::make_unique<CudaModel>(cfg_, opt_, layout_, plan_->layers(), plan_->tensor(), plan_->context(),
+                                         prop.totalGlobalMem, stream_);
     if (plan_->tensor()) plan_tensor_ranges();
     optimizer_ = std::make_unique<CudaOptimizer>(optimizer, layout_, slice_);
     if (tp > 1 && optimizer.muon.enabled) {  // Muon's split matrices gather to their owners
@@ -239,8 +239,9 @@ class CudaBackend final : public TrainBackend {
             {"saved activations", saved},
             {"backward scratch", acts - saved - ce},
             {"cross-entropy (kept logits)", ce},
-            {"expert-parallel exchange", plan_->device_bytes() - plan_->tensor_bytes()},
-            {"sequence-parallel gathers", plan_->tensor_bytes()}};
+            {"expert-parallel exchange", plan_->device_bytes() - plan_->tensor_bytes() - plan_->context_bytes()},
+            {"sequence-parallel gathers", plan_->tensor_bytes()},
+            {"context-parallel k/v gathers", plan_->context_bytes()}};
   }
 
   void zero_grads() override {

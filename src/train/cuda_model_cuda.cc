@@ -52,8 +52,8 @@ struct CudaModel::Head {
 
 CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options, const optim::ParamLayout& layout,
                      std::vector<bc::LayerRunners> runners, parallel::CudaTensorParallelLinear* tp,
-                     std::size_t gpu_memory, cudaStream_t stream)
-    : cfg_(cfg), opt_(options), layout_(layout), runners_(std::move(runners)), tp_(tp), stream_(stream),
+                     parallel::CudaContextParallel* cp, std::size_t gpu_memory, cudaStream_t stream)
+    : cfg_(cfg), opt_(options), layout_(layout), runners_(std::move(runners)), tp_(tp), cp_(cp), stream_(stream),
       st_(std::make_unique<Stream>()), head_(std::make_unique<Head>()) {
   validate_trainable(cfg_, opt_);
   // validate_trainable() leaves mha, gqa and cca; the attention kernel (CCA's too) needs:
@@ -62,7 +62,9 @@ CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options,
                                  cfg_.head_dim));
   if (static_cast<int>(runners_.size()) != cfg_.layers)
     fail("cuda model: {} layers' runners for {} layers", runners_.size(), cfg_.layers);
-  tokens_ = static_cast<std::int64_t>(opt_.micro_batch) * opt_.seq_length;
+  const int C = cp_ ? cp_->size() : 1;  // context parallelism: this rank's 1/C of each sequence
+  const std::int64_t local_seq = opt_.seq_length / C;
+  tokens_ = static_cast<std::int64_t>(opt_.micro_batch) * local_seq;
   const blocks::TensorSplit split{tp_ ? tp_->size() : 1, tp_ ? tp_->rank() : 0};
   rows_ = tp_ ? tp_->rows(tokens_) : tokens_;
   vocab_local_ = cfg_.vocab_size / split.degree;
@@ -83,7 +85,8 @@ CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options,
     throw UsageError(fmt::format("model '{}': the CUDA CCA takes conv widths <= {} and (heads + kv_heads) * "
                                  "head_dim <= 12288 (device: cpu trains it)",
                                  cfg_.name, k::causal_conv::kMaxWidth));
-  attn_shape_ = bc::AttnShape::of(cfg_, opt_.micro_batch, opt_.seq_length, split);
+  attn_shape_ = bc::AttnShape::of(cfg_, opt_.micro_batch, local_seq, split);
+  if (cp_) attn_shape_.segments = cp_->segments();
   mlp_shape_ = bc::MlpShape::of(cfg_, tokens_, opt_.renormalize_gates, split);
   // Keep the whole bf16 logits between forward and backward (no recomputed LM head) when they
   // take at most an eighth of the GPU; otherwise walk the vocabulary in ce_chunk chunks.
@@ -196,8 +199,12 @@ void CudaModel::bind(const Buffers& b) {
   bias_ = b.bias;
   ropes_ = std::make_unique<bc::DeviceRopeTables>(
       blocks::make_rope_tables(cfg_, std::max(opt_.seq_length, cfg_.max_seq_len)));
+  // each row's position in its sequence (context parallelism: this rank's zigzag chunks)
   std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens_));
-  for (std::int64_t i = 0; i < tokens_; ++i) pos[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i % opt_.seq_length);
+  const std::int64_t local_seq = tokens_ / opt_.micro_batch;
+  for (std::int64_t i = 0; i < tokens_; ++i)
+    pos[static_cast<std::size_t>(i)] =
+        cp_ ? cp_->positions()[static_cast<std::size_t>(i % local_seq)] : static_cast<std::int32_t>(i % local_seq);
   // Host-to-device copies go on stream_ and are waited for: a plain cudaMemcpy from pageable
   // memory may return before its DMA lands, and kernels on this non-blocking stream do not
   // wait for the legacy stream (the first step then reads stale weights).
@@ -222,6 +229,18 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
   const float eps = static_cast<float>(cfg_.norm_eps);
   Stream& st = *st_;
   Head& h = *head_;
+  if (cp_) {  // this rank's rows of each sequence
+    const std::int64_t S = opt_.seq_length, local_seq = N / opt_.micro_batch;
+    host_tokens_.resize(static_cast<std::size_t>(N));
+    host_targets_.resize(static_cast<std::size_t>(N));
+    for (std::int64_t i = 0; i < N; ++i) {
+      const std::int64_t at = i / local_seq * S + cp_->positions()[static_cast<std::size_t>(i % local_seq)];
+      host_tokens_[static_cast<std::size_t>(i)] = tokens_host[at];
+      host_targets_[static_cast<std::size_t>(i)] = targets_host[at];
+    }
+    tokens_host = host_tokens_.data();
+    targets_host = host_targets_.data();
+  }
   for (std::int64_t i = 0; i < N; ++i)
     if (tokens_host[i] >= static_cast<std::uint64_t>(V))
       fail("token id {} at position {} is outside the vocabulary ({})", tokens_host[i], i, V);
@@ -265,6 +284,18 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
       lp.z += host_losses_[m].z;
     }
     for (int e = 0; e < classes; ++e) load[m][static_cast<std::size_t>(e)] += layer_counts_[m][static_cast<std::size_t>(e)];
+  }
+  ce_share_ = 1.0;
+  if (cp_) {
+    // The micro-batch's losses on every rank of the context group: the cross-entropy over all
+    // of its valid targets, the router losses' means over the ranks.
+    const double valid = r.valid, C = cp_->size();
+    double parts[4] = {lp.ce * valid, valid, lp.aux, lp.z};
+    cp_->sum(parts, 4);
+    ce_share_ = parts[1] > 0 ? valid / parts[1] : 0.0;  // this rank's CE gradient weight
+    lp.ce = parts[1] > 0 ? parts[0] / parts[1] : 0.0;
+    lp.aux = parts[2] / C;
+    lp.z = parts[3] / C;
   }
   lp.total = lp.ce + opt_.aux_loss_weight * lp.aux + opt_.z_loss_weight * lp.z;
   have_forward_ = true;
@@ -392,7 +423,7 @@ void CudaModel::backward(float loss_scale, bool grads_fresh, parallel::StageHook
   const std::int64_t N = tokens_, D = cfg_.hidden, L = rows_;
   Stream& st = *st_;
   Head& h = *head_;
-  head_backward(loss_scale, grads_fresh);  // st.dh_bf = dL/d final_h
+  head_backward(static_cast<float>(loss_scale * ce_share_), grads_fresh);  // st.dh_bf = dL/d final_h
   KEEL_CUDA_CHECK(cudaMemsetAsync(st.dres, 0, L * D * sizeof(float), stream_));
   k::rmsnorm::backward(scaled_ ? st.final_r : st.resid[cfg_.layers], w_.final_norm, h.final_rstd, st.dh_bf, st.dres,
                        g_.final_norm, L, D, stream_);
@@ -436,7 +467,8 @@ void CudaModel::mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fr
   // The router losses' gradient terms are whole on every tensor rank, the rest of the router's
   // gradient a partial sum (summed over the group with the other partial gradients): tensor
   // rank 0 adds them, once.
-  const double own = tp_ && tp_->rank() != 0 ? 0.0 : 1.0;
+  // Context parallelism: the micro-batch's router losses are the mean of the ranks'.
+  const double own = (tp_ && tp_->rank() != 0 ? 0.0 : 1.0) / (cp_ ? cp_->size() : 1);
   // EDA chain: stage m + 1 left dL/d state_m in deda[(m + 1) % 2]; this stage writes dL/d
   // state_{m-1} into the other buffer.
   bc::EdaGrads deda;

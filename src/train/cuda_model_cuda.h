@@ -28,6 +28,7 @@
 #include "ops/cuda/cross_entropy.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/router.h"
+#include "parallel/context_parallel_cuda.h"
 #include "parallel/stage_hooks.h"
 #include "parallel/tensor_parallel_cuda.h"
 #include "train/model.h"
@@ -49,11 +50,13 @@ class CudaModel {
 
   // runners: one per layer, from the plan (parallel/plan_cuda.h); tp: the plan's tensor-parallel
   // boundary (null at tensor degree 1), which the embedding and the LM head use too (vocabulary
-  // parallel). gpu_memory: the device's bytes, which decide whether the bf16 logits are kept
-  // between forward and backward.
+  // parallel); cp: the plan's context-parallel core (null at context degree 1): this rank runs
+  // its zigzag chunks of each sequence and the losses are reduced over the context group.
+  // gpu_memory: the device's bytes, which decide whether the bf16 logits are kept between
+  // forward and backward.
   CudaModel(const model::ModelConfig& cfg, const ModelOptions& options, const optim::ParamLayout& layout,
             std::vector<blocks::cuda::LayerRunners> runners, parallel::CudaTensorParallelLinear* tp,
-            std::size_t gpu_memory, cudaStream_t stream);
+            parallel::CudaContextParallel* cp, std::size_t gpu_memory, cudaStream_t stream);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -64,8 +67,11 @@ class CudaModel {
   // After the real carve: the flat buffers (pointers stay valid) and the positions' upload.
   void bind(const Buffers& b);
 
-  // tokens, targets: micro_batch x seq_length on the host. Adds each MoE layer's routing counts
-  // (E experts, + the skip class) of this micro-batch into load[m].
+  // tokens, targets: micro_batch x seq_length on the host (whole sequences). Adds each MoE
+  // layer's routing counts (E experts, + the skip class) of this rank's tokens into load[m].
+  // Under context parallelism the returned losses are the micro-batch's, the same on every rank
+  // of the context group (the linear router's aux loss: the mean of the ranks', each over its
+  // own tokens).
   LossParts forward(const std::uint32_t* tokens, const std::int32_t* targets, parallel::StageHooks& hooks,
                     std::vector<std::vector<std::int64_t>>& load);
   // d(loss_scale x the last forward's loss) into the gradients: accumulated, or written for the
@@ -108,6 +114,10 @@ class CudaModel {
   const optim::ParamLayout& layout_;
   std::vector<blocks::cuda::LayerRunners> runners_;
   parallel::CudaTensorParallelLinear* tp_ = nullptr;
+  parallel::CudaContextParallel* cp_ = nullptr;
+  double ce_share_ = 1.0;  // context parallelism: this rank's share of the micro-batch's valid targets
+  std::vector<std::uint32_t> host_tokens_;  // context parallelism: this rank's rows of the micro-batch
+  std::vector<std::int32_t> host_targets_;
   cudaStream_t stream_;
   std::unique_ptr<ops::cuda::GemmRunner> gemm_;
   std::unique_ptr<blocks::cuda::DeviceRopeTables> ropes_;  // each layer's rotary table

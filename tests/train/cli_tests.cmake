@@ -123,8 +123,8 @@ keel_cli_test(NAME train_tp_does_not_split_the_model NP 2 EXIT 1
   MATCH "does not split over tensor-parallel degree 2 \\(parallel\\.tensor\\): the vocabulary of 263 does not divide by 2"
   ARGS train ${tcfg} ${tdp} --set parallel.tensor=2 --set model.vocab_size=263)
 # Context parallelism on CPU ranks: each sequence split over 2 ranks (zigzag chunks) trains and
-# saves; one rank resumes it with whole sequences. A sequence that does not split, and context
-# parallelism on GPUs (not built yet), are one clear error each.
+# saves; one rank resumes it with whole sequences; a sequence that does not split is one clear
+# error. On 2 GPUs (skipped elsewhere) it trains and says so.
 keel_cli_test(NAME train_cp2_stop NP 2 MATCH "on cpu x context parallel 2 \\(zigzag\\) \\(ZeRO-1\\), "
   ARGS train ${tcfg} ${tdp} --set parallel.context=2 --set output_dir=train_cp --stop-after 4)
 keel_cli_test(NAME train_cp2_inspect MATCH "saved by 2 ranks in layout dp=1,cp=2,zero=1"
@@ -141,9 +141,10 @@ keel_cli_test(NAME train_cp_sequence_does_not_split NP 2 EXIT 1
   ARGS train ${tcfg} ${tdp} --set parallel.context=2 --set data.seq_length=65)
 keel_cli_test(NAME train_cp_bad_degree EXIT 1 MATCH "parallel\\.context.*must be >= 1"
   ARGS train ${tcfg} ${tdp} --set parallel.context=0)
-keel_cli_test(NAME train_cp_on_gpus_is_not_built_yet NP 2 GPUS "2+" EXIT 1
-  MATCH "context parallelism \\(cp=2\\) runs on CPU ranks only so far"
-  ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.context=2 --set output_dir=train_cp_gpu)
+keel_cli_test(NAME train_cp2_gpus NP 2 GPUS "2+" MATCH "context parallel 2 \\(zigzag\\)"
+  ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.context=2 --set checkpoint.final=false
+       --set output_dir=train_cp_gpu)
+set_tests_properties(cli_train_cp2_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 keel_cli_test(NAME train_sequence_without_tensor EXIT 1
   MATCH "parallel\\.sequence.*needs parallel\\.tensor above 1"
   ARGS train ${tcfg} ${tdp} --set parallel.sequence=true)

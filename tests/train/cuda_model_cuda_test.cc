@@ -74,7 +74,7 @@ void check_order(bool zaya, Recompute recompute) {
   KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   {
     CudaModel m(cfg, opt, layout, std::vector<blocks::cuda::LayerRunners>(static_cast<std::size_t>(cfg.layers)),
-                /*tp=*/nullptr, std::size_t(1) << 30, stream);
+                /*tp=*/nullptr, /*cp=*/nullptr, std::size_t(1) << 30, stream);
     DeviceArena acts("activations"), bufs("buffers");
     const std::int64_t n = layout.total_floats;
     float *p = nullptr, *g = nullptr, *bias = nullptr;

@@ -17,6 +17,9 @@ k::cca::Config layer_cca(const AttnShape& s, const AttnContext& p) {
   cc.window = p.window;
   return cc;
 }
+
+// CCA's view of the split: none for whole sequences (no halos kept).
+AttentionCore* split(const AttnShape& s, const AttnContext& p) { return s.segments > 0 ? p.core : nullptr; }
 }  // namespace
 
 void carve(DeviceCarver& c, const AttnShape& s, bool softmax, bool cca, AttnSaved& a) {
@@ -29,8 +32,9 @@ void carve(DeviceCarver& c, const AttnShape& s, bool softmax, bool cca, AttnSave
     a.lse = c.take<float>(s.batch * s.heads * s.seq);
   }
   if (cca) {
-    std::byte* buf = c.take<std::byte>(static_cast<std::int64_t>(k::cca::saved_bytes(s.cca, s.batch, s.seq)));
-    if (buf) a.cca = k::cca::carve_saved(s.cca, s.batch, s.seq, buf);
+    std::byte* buf =
+        c.take<std::byte>(static_cast<std::int64_t>(k::cca::saved_bytes(s.cca, s.batch, s.seq, s.segments)));
+    if (buf) a.cca = k::cca::carve_saved(s.cca, s.batch, s.seq, buf, s.segments);
   }
 }
 
@@ -44,7 +48,9 @@ void carve(DeviceCarver& c, const AttnShape& s, bool softmax, bool cca, const At
     sc.attn = c.take<std::byte>(static_cast<std::int64_t>(
         core.backward_workspace_bytes(static_cast<int>(s.batch), static_cast<int>(s.seq), s.heads, s.kv_heads, s.head_dim)));
   }
-  if (cca) sc.cca = c.take<std::byte>(static_cast<std::int64_t>(k::cca::backward_scratch_bytes(s.cca, s.batch, s.seq)));
+  if (cca)
+    sc.cca = c.take<std::byte>(
+        static_cast<std::int64_t>(k::cca::backward_scratch_bytes(s.cca, s.batch, s.seq, s.segments)));
 }
 
 // kv heads replicated over the tensor group (AttnShape::kv_head0): this rank's query heads read
@@ -62,7 +68,8 @@ void attention_forward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeigh
   const bf16* x = p.linear->enter(h, N, D, stream);
   if (w.cca) {
     bf16* partial = p.linear->out(out, N, D);
-    k::cca::forward(gemm, layer_cca(s, p), s.batch, s.seq, x, p.pos, *p.rope, w.cca_w, a.cca, partial, stream);
+    k::cca::forward(gemm, layer_cca(s, p), s.batch, s.seq, x, p.pos, *p.rope, w.cca_w, a.cca, partial, stream,
+                    split(s, p));
     p.linear->exit(partial, out, N, D, stream);
     if (add_into) k::add_bf16_to_f32(out, add_into, R * D, stream);
     return;
@@ -96,7 +103,7 @@ void attention_backward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeig
   if (w.cca) {
     bf16* dpart = p.linear->dx_out(dh, N, D);
     k::cca::backward(gemm, layer_cca(s, p), s.batch, s.seq, x, p.pos, *p.rope, w.cca_w, a.cca, g_out, dpart, g.cca,
-                     sc.cca, stream);
+                     sc.cca, stream, split(s, p));
     p.linear->enter_backward(dpart, dh, N, D, stream);
     return;
   }

@@ -132,10 +132,14 @@ struct Fwd {
   static constexpr int kSmemBytes = (kBr + 4 * kBc) * kLd * static_cast<int>(sizeof(bf16));
 };
 
+// One run of Lq queries at positions p0 .. p0 + Lq - 1 over Tk keys: q, out, lse point at the
+// run's first row, and q_rows is the rows per sequence of q, out and lse (their batch stride;
+// lse's (b, h) stride). forward() is the run p0 = 0, Lq = q_rows = Tk = T.
 template <int kDh>
 __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
     forward_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                   bf16* __restrict__ out, float* __restrict__ lse, int T, int Hq, int Hkv, int W, float scale_log2) {
+                   bf16* __restrict__ out, float* __restrict__ lse, int Lq, int q_rows, int p0, int Tk, int Hq, int Hkv,
+                   int W, float scale_log2) {
   using C = Fwd<kDh>;
   constexpr int kBr = C::kBr, kBc = C::kBc, kLd = C::kLd;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -144,28 +148,31 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
   bf16* v_s = k_s + 2 * kBc * kLd;  // [2][kBc][kLd]
 
   const int b = blockIdx.x / Hq, h = blockIdx.x % Hq, g = h / (Hq / Hkv);
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBr;  // longest (last) query tiles first
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBr;  // a row of the run; longest (last) tiles first
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const std::int64_t q_stride = static_cast<std::int64_t>(Hq) * kDh, kv_stride = static_cast<std::int64_t>(Hkv) * kDh;
-  const bf16* q_g = q + (static_cast<std::int64_t>(b) * T * Hq + h) * kDh;
-  const bf16* k_g = k + (static_cast<std::int64_t>(b) * T * Hkv + g) * kDh;
-  const bf16* v_g = v + (static_cast<std::int64_t>(b) * T * Hkv + g) * kDh;
+  const bf16* q_g = q + (static_cast<std::int64_t>(b) * q_rows * Hq + h) * kDh;
+  const bf16* k_g = k + (static_cast<std::int64_t>(b) * Tk * Hkv + g) * kDh;
+  const bf16* v_g = v + (static_cast<std::int64_t>(b) * Tk * Hkv + g) * kDh;
 
-  // Row r sees keys r - W < j <= r (W = T: all of 0..r). Causal: keys past the tile's last query
-  // are never read; window: nor key tiles wholly before its first query's window.
-  const int kv_end = min(T, q0 + kBr);
-  const int j_begin = max(0, q0 - W + 1) / kBc;
+  // The query at position t sees keys t - W < j <= t (W = Tk: all of 0..t). Causal: keys past
+  // the tile's last query are never read; window: nor key tiles wholly before its first query's
+  // window.
+  const int kv_end = min(Tk, p0 + min(Lq, q0 + kBr));
+  const int j_begin = max(0, p0 + q0 - W + 1) / kBc;
   const int n_kv = (kv_end + kBc - 1) / kBc;
 
-  load_rows_async<kDh>(q_s, kLd, q_g, q_stride, q0, kBr, T, tid, C::kThreads);
+  load_rows_async<kDh>(q_s, kLd, q_g, q_stride, q0, kBr, Lq, tid, C::kThreads);
   const int st0 = j_begin & 1;  // tile j lives in stage j & 1
-  load_rows_async<kDh>(k_s + st0 * kBc * kLd, kLd, k_g, kv_stride, j_begin * kBc, kBc, T, tid, C::kThreads);
-  load_rows_async<kDh>(v_s + st0 * kBc * kLd, kLd, v_g, kv_stride, j_begin * kBc, kBc, T, tid, C::kThreads);
+  load_rows_async<kDh>(k_s + st0 * kBc * kLd, kLd, k_g, kv_stride, j_begin * kBc, kBc, Tk, tid, C::kThreads);
+  load_rows_async<kDh>(v_s + st0 * kBc * kLd, kLd, v_g, kv_stride, j_begin * kBc, kBc, Tk, tid, C::kThreads);
   cp_async_commit();
 
-  const int w_row0 = q0 + warp * 16;            // this warp's first query row
+  const int w_row0 = q0 + warp * 16;            // this warp's first query row (of the run)
+  const int w_pos0 = p0 + w_row0;               // and its position
   const int row_lo = w_row0 + (lane >> 2);      // rows of accumulator elements 0, 1
   const int row_hi = row_lo + 8;                // rows of accumulator elements 2, 3
+  const int pos_lo = p0 + row_lo, pos_hi = p0 + row_hi;
   float o[kDh / 8][4];
 #pragma unroll
   for (int n = 0; n < kDh / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -177,13 +184,13 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
     __syncthreads();  // tile j landed for everyone, and everyone is done with tile j - 1's stage
     if (j + 1 < n_kv) {  // prefetch tile j + 1 into the other stage while computing tile j
       const int st = (j + 1) & 1;
-      load_rows_async<kDh>(k_s + st * kBc * kLd, kLd, k_g, kv_stride, (j + 1) * kBc, kBc, T, tid, C::kThreads);
-      load_rows_async<kDh>(v_s + st * kBc * kLd, kLd, v_g, kv_stride, (j + 1) * kBc, kBc, T, tid, C::kThreads);
+      load_rows_async<kDh>(k_s + st * kBc * kLd, kLd, k_g, kv_stride, (j + 1) * kBc, kBc, Tk, tid, C::kThreads);
+      load_rows_async<kDh>(v_s + st * kBc * kLd, kLd, v_g, kv_stride, (j + 1) * kBc, kBc, Tk, tid, C::kThreads);
       cp_async_commit();
     }
     const int kv0 = j * kBc;
     // The whole tile above this warp's diagonal, or before all of its rows' windows.
-    if (kv0 > w_row0 + 15 || kv0 + kBc - 1 <= w_row0 - W) continue;
+    if (kv0 > w_pos0 + 15 || kv0 + kBc - 1 <= w_pos0 - W) continue;
     const bf16* ks = k_s + (j & 1) * kBc * kLd;
     const bf16* vs = v_s + (j & 1) * kBc * kLd;
 
@@ -206,7 +213,7 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
 
     // Scale into log2 units; mask keys above the diagonal, past the sequence end and before the
     // row's window.
-    const bool need_mask = kv0 + kBc - 1 > w_row0 || kv0 + kBc > T || kv0 <= w_row0 + 15 - W;
+    const bool need_mask = kv0 + kBc - 1 > w_pos0 || kv0 + kBc > Tk || kv0 <= w_pos0 + 15 - W;
 #pragma unroll
     for (int n = 0; n < kBc / 8; ++n) {
 #pragma unroll
@@ -214,8 +221,8 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
         float x = s[n][e] * scale_log2;
         if (need_mask) {
           const int key = kv0 + n * 8 + 2 * (lane & 3) + (e & 1);
-          const int row = e < 2 ? row_lo : row_hi;
-          if (key > row || key >= T || key <= row - W) x = -INFINITY;
+          const int pos = e < 2 ? pos_lo : pos_hi;
+          if (key > pos || key >= Tk || key <= pos - W) x = -INFINITY;
         }
         s[n][e] = x;
       }
@@ -230,8 +237,8 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
       mx = quad_max(mx);
       const float m_new = fmaxf(m_run[r], mx);
       // A row whose keys in this tile are all masked (before its window: it sees later tiles;
-      // padding rows past T) keeps m = -inf; the guard keeps it from producing inf - inf = NaN.
-      // Every row below T sees itself, so its final sum is positive.
+      // padding rows past Lq) keeps m = -inf; the guard keeps it from producing inf - inf = NaN.
+      // Every row below Lq sees itself (its position is < Tk), so its final sum is positive.
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
       const float alpha = exp2f(m_run[r] - m_use);
       m_run[r] = m_new;
@@ -282,17 +289,17 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
         pack_bf16(o[n][2] * inv[1], o[n][3] * inv[1]);
   }
   __syncwarp();
-  bf16* out_g = out + (static_cast<std::int64_t>(b) * T * Hq + h) * kDh;
+  bf16* out_g = out + (static_cast<std::int64_t>(b) * q_rows * Hq + h) * kDh;
   for (int c = lane; c < 16 * (kDh / 8); c += 32) {
     const int r = c / (kDh / 8), ch = c % (kDh / 8);
-    if (w_row0 + r < T)
+    if (w_row0 + r < Lq)
       *reinterpret_cast<uint4*>(out_g + (w_row0 + r) * q_stride + ch * 8) =
           *reinterpret_cast<const uint4*>(o_s + r * kLd + ch * 8);
   }
   if ((lane & 3) == 0) {
-    float* lse_g = lse + (static_cast<std::int64_t>(b) * Hq + h) * T;
-    if (row_lo < T) lse_g[row_lo] = (m_run[0] + log2f(l_run[0])) * kLn2;
-    if (row_hi < T) lse_g[row_hi] = (m_run[1] + log2f(l_run[1])) * kLn2;
+    float* lse_g = lse + (static_cast<std::int64_t>(b) * Hq + h) * q_rows;
+    if (row_lo < Lq) lse_g[row_lo] = (m_run[0] + log2f(l_run[0])) * kLn2;
+    if (row_hi < Lq) lse_g[row_hi] = (m_run[1] + log2f(l_run[1])) * kLn2;
   }
 }
 
@@ -355,12 +362,15 @@ struct Bwd {
                                     4 * kBr * static_cast<int>(sizeof(float));
 };
 
+// One run of Lq queries at positions p0 .. p0 + Lq - 1 (as forward_kernel's: q, dout, lse,
+// d_row and dq_acc point at the run's first row, q_rows rows per sequence) over Tk keys; block y
+// is key tile kt0 + y. backward() is the run p0 = 0, Lq = q_rows = Tk = T, kt0 = 0.
 template <int kDh>
 __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
     backward_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                     const bf16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ d_row,
-                    float* __restrict__ dq_acc, float* __restrict__ dk_acc, float* __restrict__ dv_acc, int T, int Hq,
-                    int Hkv, int W, float scale, float scale_log2) {
+                    float* __restrict__ dq_acc, float* __restrict__ dk_acc, float* __restrict__ dv_acc, int Lq,
+                    int q_rows, int p0, int Tk, int kt0, int Hq, int Hkv, int W, float scale, float scale_log2) {
   using C = Bwd<kDh>;
   constexpr int kBr = C::kBr, kBc = C::kBc, kLd = C::kLd, kDsLd = C::kDsLd;
   static_assert(kBc % kBr == 0, "the first query tile of a key tile is the one starting at the same position");
@@ -375,32 +385,33 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
   float* dd_s = lse_s + 2 * kBr;                                // [2][kBr]
 
   const int b = blockIdx.x / Hq, h = blockIdx.x % Hq, g = h / (Hq / Hkv);
-  const int kv0 = blockIdx.y * kBc;  // first key tiles see the most queries: scheduled first
+  const int kv0 = (kt0 + blockIdx.y) * kBc;  // first key tiles see the most queries: scheduled first
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const std::int64_t q_stride = static_cast<std::int64_t>(Hq) * kDh, kv_stride = static_cast<std::int64_t>(Hkv) * kDh;
-  const std::int64_t q_off = (static_cast<std::int64_t>(b) * T * Hq + h) * kDh;
-  const std::int64_t kv_off = (static_cast<std::int64_t>(b) * T * Hkv + g) * kDh;
-  const float* lse_g = lse + (static_cast<std::int64_t>(b) * Hq + h) * T;
-  const float* d_g = d_row + (static_cast<std::int64_t>(b) * Hq + h) * T;
+  const std::int64_t q_off = (static_cast<std::int64_t>(b) * q_rows * Hq + h) * kDh;
+  const std::int64_t kv_off = (static_cast<std::int64_t>(b) * Tk * Hkv + g) * kDh;
+  const float* lse_g = lse + (static_cast<std::int64_t>(b) * Hq + h) * q_rows;
+  const float* d_g = d_row + (static_cast<std::int64_t>(b) * Hq + h) * q_rows;
 
-  // Key j is seen by queries j <= i < j + W: the query tiles from the diagonal to the one holding
-  // the tile's last key's last query (W = T: to the end).
-  const int q_end = min(T, kv0 + kBc - 1 + W);
+  // Key j is seen by the queries at positions j <= t < j + W: the run's query tiles from the one
+  // holding position kv0 (the diagonal) to the one holding the tile's last key's last query
+  // (W = Tk: to the run's end).
+  const int q_end = min(Lq, kv0 + kBc - 1 + W - p0);
   const int n_q = (q_end + kBr - 1) / kBr;
-  const int qt0 = kv0 / kBr;
+  const int qt0 = max(0, kv0 - p0) / kBr;
 
   auto load_q_tile = [&](int qt, int st) {
     const int row0 = qt * kBr;
-    load_rows_async<kDh>(q_s + st * kBr * kLd, kLd, q + q_off, q_stride, row0, kBr, T, tid, C::kThreads);
-    load_rows_async<kDh>(do_s + st * kBr * kLd, kLd, dout + q_off, q_stride, row0, kBr, T, tid, C::kThreads);
+    load_rows_async<kDh>(q_s + st * kBr * kLd, kLd, q + q_off, q_stride, row0, kBr, Lq, tid, C::kThreads);
+    load_rows_async<kDh>(do_s + st * kBr * kLd, kLd, dout + q_off, q_stride, row0, kBr, Lq, tid, C::kThreads);
     for (int i = tid; i < kBr; i += C::kThreads) {
       const int row = row0 + i;
-      lse_s[st * kBr + i] = row < T ? lse_g[row] * kLog2e : 0.f;
-      dd_s[st * kBr + i] = row < T ? d_g[row] : 0.f;
+      lse_s[st * kBr + i] = row < Lq ? lse_g[row] * kLog2e : 0.f;
+      dd_s[st * kBr + i] = row < Lq ? d_g[row] : 0.f;
     }
   };
-  load_rows_async<kDh>(k_s, kLd, k + kv_off, kv_stride, kv0, kBc, T, tid, C::kThreads);
-  load_rows_async<kDh>(v_s, kLd, v + kv_off, kv_stride, kv0, kBc, T, tid, C::kThreads);
+  load_rows_async<kDh>(k_s, kLd, k + kv_off, kv_stride, kv0, kBc, Tk, tid, C::kThreads);
+  load_rows_async<kDh>(v_s, kLd, v + kv_off, kv_stride, kv0, kBc, Tk, tid, C::kThreads);
   load_q_tile(qt0, 0);
   cp_async_commit();
 
@@ -421,7 +432,7 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
       load_q_tile(qt + 1, st ^ 1);
       cp_async_commit();
     }
-    const int q0 = qt * kBr;
+    const int q0 = qt * kBr, qp0 = p0 + q0;  // the tile's first row (of the run) and its position
     const bf16* qs = q_s + st * kBr * kLd;
     const bf16* dos = do_s + st * kBr * kLd;
     const float* lses = lse_s + st * kBr;
@@ -443,9 +454,9 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
         mma(p[2 * np + 1], a, bf[2], bf[3]);
       }
     }
-    // p^T = exp(scale s - lse), zero above the diagonal, for query rows past the end and for
-    // keys before a query's window.
-    const bool need_mask = q0 < w_key0 + 15 || q0 + kBr > T || q0 + kBr - 1 - w_key0 >= W;
+    // p^T = exp(scale s - lse), zero above the diagonal, for query rows past the run's end and
+    // for keys before a query's window.
+    const bool need_mask = qp0 < w_key0 + 15 || q0 + kBr > Lq || qp0 + kBr - 1 - w_key0 >= W;
 #pragma unroll
     for (int n = 0; n < kBr / 8; ++n) {
 #pragma unroll
@@ -454,7 +465,7 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
         float x = exp2f(p[n][e] * scale_log2 - lses[qi]);
         if (need_mask) {
           const int key = e < 2 ? key_lo : key_hi;
-          if (key > q0 + qi || q0 + qi >= T || q0 + qi - key >= W) x = 0.f;
+          if (key > qp0 + qi || q0 + qi >= Lq || qp0 + qi - key >= W) x = 0.f;
         }
         p[n][e] = x;
       }
@@ -536,8 +547,8 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
         const int col = np * 16 + x * 8 + 2 * (lane & 3);
-        if (qrow_lo < T) atomic_add2(dq_lo + col, acc[x][0] * scale, acc[x][1] * scale);
-        if (qrow_hi < T) atomic_add2(dq_hi + col, acc[x][2] * scale, acc[x][3] * scale);
+        if (qrow_lo < Lq) atomic_add2(dq_lo + col, acc[x][0] * scale, acc[x][1] * scale);
+        if (qrow_hi < Lq) atomic_add2(dq_hi + col, acc[x][2] * scale, acc[x][3] * scale);
       }
     }
   }
@@ -550,11 +561,11 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
 #pragma unroll
   for (int n = 0; n < kDh / 8; ++n) {
     const int col = n * 8 + 2 * (lane & 3);
-    if (key_lo < T) {
+    if (key_lo < Tk) {
       atomic_add2(dk_lo + col, dk[n][0] * scale, dk[n][1] * scale);
       atomic_add2(dv_lo + col, dv[n][0], dv[n][1]);
     }
-    if (key_hi < T) {
+    if (key_hi < Tk) {
       atomic_add2(dk_lo + hi + col, dk[n][2] * scale, dk[n][3] * scale);
       atomic_add2(dv_lo + hi + col, dv[n][2], dv[n][3]);
     }
@@ -562,6 +573,8 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
 }
 
 // ---------------------------------------------- host side ----------------------------------------------
+
+constexpr int kMaxRuns = 8;
 
 void check_extents(const char* what, int B, int T, int Hq, int Hkv, int Dh) {
   if (B < 0 || T < 0) fail("attention {}: B and T must be >= 0, got B={} T={}", what, B, T);
@@ -579,14 +592,27 @@ void check_aligned(const char* what, const char* name, const void* p) {
   if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) fail("attention {}: {} is not 16-byte aligned", what, name);
 }
 
+// Tq queries in `runs` runs of Tq / runs, run s at positions run_start[s].. of Tk keys.
+void check_runs(const char* what, int Tq, int Tk, const int* run_start, int runs) {
+  if (Tk < 0) fail("attention {}: Tk must be >= 0, got {}", what, Tk);
+  if (runs < 1 || runs > kMaxRuns) fail("attention {}: runs must be in [1, {}], got {}", what, kMaxRuns, runs);
+  if (run_start == nullptr) fail("attention {}: run_start is null", what);
+  if (Tq % runs != 0) fail("attention {}: Tq={} does not split into {} runs", what, Tq, runs);
+  const int L = Tq / runs;
+  for (int s = 0; s < runs; ++s)
+    if (run_start[s] < 0 || static_cast<std::int64_t>(run_start[s]) + L > Tk)
+      fail("attention {}: run {} at {} of {} queries does not fit in the {} keys", what, s, run_start[s], L, Tk);
+}
+
 constexpr std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
 struct WorkspaceLayout {
   std::size_t d_row = 0, dq = 0, dk = 0, dv = 0, total = 0;  // byte offsets
 };
 
-WorkspaceLayout workspace_layout(int B, int T, int Hq, int Hkv, int Dh) {
-  const std::size_t rows_q = static_cast<std::size_t>(B) * T * Hq, rows_kv = static_cast<std::size_t>(B) * T * Hkv;
+// T_kv: the keys whose dk, dv accumulate in the workspace (0: in the caller's fp32 outputs).
+WorkspaceLayout workspace_layout(int B, int Tq, int T_kv, int Hq, int Hkv, int Dh) {
+  const std::size_t rows_q = static_cast<std::size_t>(B) * Tq * Hq, rows_kv = static_cast<std::size_t>(B) * T_kv * Hkv;
   WorkspaceLayout w;
   w.d_row = 0;
   w.dq = align_up(rows_q * sizeof(float));
@@ -599,28 +625,44 @@ WorkspaceLayout workspace_layout(int B, int T, int Hq, int Hkv, int Dh) {
 // The window the kernels mask with, in [1, T]: W = T is full causal attention (0 or W >= T).
 int kernel_window(int window, int T) { return window > 0 && window < T ? window : T; }
 
+// One launch per run (checked by check_runs; L = Tq / runs >= 1); forward() is the run {0} of
+// Tq = Tk = T.
 template <int kDh>
-void launch_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T, int Hq, int Hkv,
-                    int W, float scale, cudaStream_t stream) {
+void launch_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int Tq, int Tk, int Hq,
+                    int Hkv, int W, float scale, const int* run_start, int runs, cudaStream_t stream) {
   using C = Fwd<kDh>;
   KEEL_CUDA_CHECK(
       cudaFuncSetAttribute(forward_kernel<kDh>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
-  const dim3 grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>((T + C::kBr - 1) / C::kBr));
-  forward_kernel<kDh><<<grid, C::kThreads, C::kSmemBytes, stream>>>(q, k, v, out, lse, T, Hq, Hkv, W, scale * kLog2e);
-  KEEL_CUDA_CHECK_LAUNCH();
+  const int L = Tq / runs;
+  const dim3 grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>((L + C::kBr - 1) / C::kBr));
+  for (int s = 0; s < runs; ++s) {
+    const std::int64_t row0 = static_cast<std::int64_t>(s) * L, off = row0 * Hq * kDh;
+    forward_kernel<kDh><<<grid, C::kThreads, C::kSmemBytes, stream>>>(
+        q + off, k, v, out + off, lse + row0, L, Tq, run_start[s], Tk, Hq, Hkv, W, scale * kLog2e);
+    KEEL_CUDA_CHECK_LAUNCH();
+  }
 }
 
+// The same for the accumulating backward kernel: run s's blocks cover the key tiles from the one
+// holding its first query's first key to the one holding its last query.
 template <int kDh>
 void launch_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* d_row,
-                     float* dq_acc, float* dk_acc, float* dv_acc, int B, int T, int Hq, int Hkv, int W, float scale,
-                     cudaStream_t stream) {
+                     float* dq_acc, float* dk_acc, float* dv_acc, int B, int Tq, int Tk, int Hq, int Hkv, int W,
+                     float scale, const int* run_start, int runs, cudaStream_t stream) {
   using C = Bwd<kDh>;
   KEEL_CUDA_CHECK(
       cudaFuncSetAttribute(backward_kernel<kDh>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
-  const dim3 grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>((T + C::kBc - 1) / C::kBc));
-  backward_kernel<kDh><<<grid, C::kThreads, C::kSmemBytes, stream>>>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc,
-                                                                    T, Hq, Hkv, W, scale, scale * kLog2e);
-  KEEL_CUDA_CHECK_LAUNCH();
+  const int L = Tq / runs;
+  for (int s = 0; s < runs; ++s) {
+    const int p0 = run_start[s];
+    const int kt0 = (p0 >= W ? p0 - W + 1 : 0) / C::kBc, kt_end = (p0 + L + C::kBc - 1) / C::kBc;
+    const dim3 grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>(kt_end - kt0));
+    const std::int64_t row0 = static_cast<std::int64_t>(s) * L, off = row0 * Hq * kDh;
+    backward_kernel<kDh><<<grid, C::kThreads, C::kSmemBytes, stream>>>(q + off, k, v, dout + off, lse + row0,
+                                                                      d_row + row0, dq_acc + off, dk_acc, dv_acc, L, Tq,
+                                                                      p0, Tk, kt0, Hq, Hkv, W, scale, scale * kLog2e);
+    KEEL_CUDA_CHECK_LAUNCH();
+  }
 }
 
 void launch_to_bf16(const float* x, bf16* y, std::size_t n, cudaStream_t stream) {
@@ -630,6 +672,45 @@ void launch_to_bf16(const float* x, bf16* y, std::size_t n, cudaStream_t stream)
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
+// Every check of forward()/forward_runs() (B > 0, Tq > 0 here), then the launches.
+void forward_checked(const char* what, const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B,
+                     int Tq, int Tk, int Hq, int Hkv, int Dh, float scale, int window, const int* run_start, int runs,
+                     cudaStream_t stream) {
+  if (static_cast<std::int64_t>(B) * Hq > 0x7fffffff) fail("attention {}: B * Hq = {} is too large", what, B * Hq);
+  check_aligned(what, "q", q);
+  check_aligned(what, "k", k);
+  check_aligned(what, "v", v);
+  check_aligned(what, "out", out);
+  if (lse == nullptr) fail("attention {}: lse is null", what);
+  const int W = kernel_window(window, Tk);
+  if (Dh == 64)
+    launch_forward<64>(q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, W, scale, run_start, runs, stream);
+  else
+    launch_forward<128>(q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, W, scale, run_start, runs, stream);
+}
+
+// D_i, then the accumulating kernel per run into dq_acc (zeroed, [B, Tq, Hq, Dh]) and dk_acc,
+// dv_acc (zeroed, [B, Tk, Hkv, Dh]); B, Tq > 0 and everything checked.
+void backward_accumulate(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
+                         const bf16* dout, float* d_row, float* dq_acc, float* dk_acc, float* dv_acc, int B, int Tq,
+                         int Tk, int Hq, int Hkv, int Dh, float scale, int window, const int* run_start, int runs,
+                         cudaStream_t stream) {
+  const std::int64_t rows_q = static_cast<std::int64_t>(B) * Tq * Hq;
+  constexpr int kDotWarps = 8;
+  dot_rows_kernel<<<grid_for(rows_q, kDotWarps), kDotWarps * 32, 0, stream>>>(dout, out, d_row, rows_q, Tq, Hq, Dh);
+  KEEL_CUDA_CHECK_LAUNCH();
+
+  const int W = kernel_window(window, Tk);
+  if (Dh == 64)
+    launch_backward<64>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, Tq, Tk, Hq, Hkv, W, scale, run_start,
+                        runs, stream);
+  else
+    launch_backward<128>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, Tq, Tk, Hq, Hkv, W, scale, run_start,
+                         runs, stream);
+}
+
+constexpr int kWholeSequence[1] = {0};  // the one run of forward()/backward()
+
 }  // namespace
 
 void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T, int Hq, int Hkv, int Dh,
@@ -637,22 +718,27 @@ void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
   check_extents("forward", B, T, Hq, Hkv, Dh);
   check_window("forward", window);
   if (B == 0 || T == 0) return;
-  if (static_cast<std::int64_t>(B) * Hq > 0x7fffffff) fail("attention forward: B * Hq = {} is too large", B * Hq);
-  check_aligned("forward", "q", q);
-  check_aligned("forward", "k", k);
-  check_aligned("forward", "v", v);
-  check_aligned("forward", "out", out);
-  if (lse == nullptr) fail("attention forward: lse is null");
-  const int W = kernel_window(window, T);
-  if (Dh == 64)
-    launch_forward<64>(q, k, v, out, lse, B, T, Hq, Hkv, W, scale, stream);
-  else
-    launch_forward<128>(q, k, v, out, lse, B, T, Hq, Hkv, W, scale, stream);
+  forward_checked("forward", q, k, v, out, lse, B, T, T, Hq, Hkv, Dh, scale, window, kWholeSequence, 1, stream);
+}
+
+void forward_runs(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int Tq, int Tk, int Hq,
+                  int Hkv, int Dh, float scale, int window, const int* run_start, int runs, cudaStream_t stream) {
+  check_extents("forward_runs", B, Tq, Hq, Hkv, Dh);
+  check_window("forward_runs", window);
+  check_runs("forward_runs", Tq, Tk, run_start, runs);
+  if (B == 0 || Tq == 0) return;
+  forward_checked("forward_runs", q, k, v, out, lse, B, Tq, Tk, Hq, Hkv, Dh, scale, window, run_start, runs, stream);
 }
 
 std::size_t backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh) {
   check_extents("backward", B, T, Hq, Hkv, Dh);
-  return workspace_layout(B, T, Hq, Hkv, Dh).total;
+  return workspace_layout(B, T, T, Hq, Hkv, Dh).total;
+}
+
+std::size_t backward_runs_workspace_bytes(int B, int Tq, int Tk, int Hq, int Hkv, int Dh) {
+  check_extents("backward_runs", B, Tq, Hq, Hkv, Dh);
+  if (Tk < 0) fail("attention backward_runs: Tk must be >= 0, got {}", Tk);
+  return workspace_layout(B, Tq, 0, Hq, Hkv, Dh).total;
 }
 
 void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout, bf16* dq,
@@ -666,7 +752,7 @@ void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, cons
   for (int i = 0; i < 9; ++i) check_aligned("backward", names[i], ptrs[i]);
   if (lse == nullptr) fail("attention backward: lse is null");
 
-  const WorkspaceLayout w = workspace_layout(B, T, Hq, Hkv, Dh);
+  const WorkspaceLayout w = workspace_layout(B, T, T, Hq, Hkv, Dh);
   char* base = static_cast<char*>(workspace);
   float* d_row = reinterpret_cast<float*>(base + w.d_row);
   float* dq_acc = reinterpret_cast<float*>(base + w.dq);
@@ -674,22 +760,48 @@ void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, cons
   float* dv_acc = reinterpret_cast<float*>(base + w.dv);
   // The three accumulators are contiguous: one memset clears them.
   KEEL_CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, w.total - w.dq, stream));
+  backward_accumulate(q, k, v, out, lse, dout, d_row, dq_acc, dk_acc, dv_acc, B, T, T, Hq, Hkv, Dh, scale, window,
+                      kWholeSequence, 1, stream);
 
-  const std::int64_t rows_q = static_cast<std::int64_t>(B) * T * Hq;
-  constexpr int kDotWarps = 8;
-  dot_rows_kernel<<<grid_for(rows_q, kDotWarps), kDotWarps * 32, 0, stream>>>(dout, out, d_row, rows_q, T, Hq, Dh);
-  KEEL_CUDA_CHECK_LAUNCH();
-
-  const int W = kernel_window(window, T);
-  if (Dh == 64)
-    launch_backward<64>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, T, Hq, Hkv, W, scale, stream);
-  else
-    launch_backward<128>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, T, Hq, Hkv, W, scale, stream);
-
-  const std::size_t n_q = static_cast<std::size_t>(rows_q) * Dh, n_kv = static_cast<std::size_t>(B) * T * Hkv * Dh;
+  const std::size_t n_q = static_cast<std::size_t>(B) * T * Hq * Dh, n_kv = static_cast<std::size_t>(B) * T * Hkv * Dh;
   launch_to_bf16(dq_acc, dq, n_q, stream);
   launch_to_bf16(dk_acc, dk, n_kv, stream);
   launch_to_bf16(dv_acc, dv, n_kv, stream);
+}
+
+void backward_runs(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout,
+                   bf16* dq, float* dk, float* dv, void* workspace, int B, int Tq, int Tk, int Hq, int Hkv, int Dh,
+                   float scale, int window, const int* run_start, int runs, cudaStream_t stream) {
+  check_extents("backward_runs", B, Tq, Hq, Hkv, Dh);
+  check_window("backward_runs", window);
+  check_runs("backward_runs", Tq, Tk, run_start, runs);
+  if (B == 0 || Tk == 0) return;  // (Tk == 0 leaves Tq == 0 too)
+  // dk, dv are the sums over the queries: all zero when there are none.
+  check_aligned("backward_runs", "dk", dk);
+  check_aligned("backward_runs", "dv", dv);
+  const std::size_t kv_bytes = static_cast<std::size_t>(B) * Tk * Hkv * Dh * sizeof(float);
+  if (Tq == 0) {
+    KEEL_CUDA_CHECK(cudaMemsetAsync(dk, 0, kv_bytes, stream));
+    KEEL_CUDA_CHECK(cudaMemsetAsync(dv, 0, kv_bytes, stream));
+    return;
+  }
+  const char* names[] = {"q", "k", "v", "out", "dout", "dq", "workspace"};
+  const void* ptrs[] = {q, k, v, out, dout, dq, workspace};
+  for (int i = 0; i < 7; ++i) check_aligned("backward_runs", names[i], ptrs[i]);
+  if (lse == nullptr) fail("attention backward_runs: lse is null");
+  if (static_cast<std::int64_t>(B) * Hq > 0x7fffffff) fail("attention backward_runs: B * Hq = {} is too large", B * Hq);
+
+  // dq accumulates in the workspace; dk, dv straight in the caller's fp32 outputs.
+  const WorkspaceLayout w = workspace_layout(B, Tq, 0, Hq, Hkv, Dh);
+  char* base = static_cast<char*>(workspace);
+  float* d_row = reinterpret_cast<float*>(base + w.d_row);
+  float* dq_acc = reinterpret_cast<float*>(base + w.dq);
+  KEEL_CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, w.total - w.dq, stream));
+  KEEL_CUDA_CHECK(cudaMemsetAsync(dk, 0, kv_bytes, stream));
+  KEEL_CUDA_CHECK(cudaMemsetAsync(dv, 0, kv_bytes, stream));
+  backward_accumulate(q, k, v, out, lse, dout, d_row, dq_acc, dk, dv, B, Tq, Tk, Hq, Hkv, Dh, scale, window, run_start,
+                      runs, stream);
+  launch_to_bf16(dq_acc, dq, static_cast<std::size_t>(B) * Tq * Hq * Dh, stream);
 }
 
 }  // namespace keel::ops::cuda::attention

@@ -32,6 +32,14 @@
 // are summed with fp32 atomics into the workspace too, and a last pass converts dq, dk, dv to
 // bf16. Results are therefore deterministic up to fp32 addition order, not bit for bit.
 //
+// Context parallelism (forward_runs/backward_runs): a rank's queries are `runs` runs of L
+// consecutive positions of each sequence over the whole sequence's Tk gathered keys (the rows of
+// ops::attention::forward_at/backward_at). The same kernels take the run's first position and
+// separate query (L, batch stride Tq) and key (Tk) extents: one launch per run, tiles skipped by
+// position exactly as above; dk, dv of all Tk keys are summed over the runs in fp32 and returned
+// in fp32 (a caller sums them over ranks before rounding). forward()/backward() are the one run
+// at 0 with Tq = Tk = T: the same launches as ever.
+//
 // All calls only enqueue work on `stream` (no host synchronization).
 #pragma once
 
@@ -57,5 +65,29 @@ std::size_t backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh);
 void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout, bf16* dq,
               bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv, int Dh, float scale, int window,
               cudaStream_t stream);
+
+// Queries in runs over a longer key sequence (context parallelism: this rank's runs of each
+// sequence, the whole sequence's gathered keys). q, out, dout, dq [B, Tq, Hq, Dh] bf16 hold `runs`
+// runs of L = Tq / runs queries; run s's queries sit at positions run_start[s] .. run_start[s]+L-1
+// (run_start: a HOST array of `runs` entries, 1 <= runs <= 8) of the keys k, v [B, Tk, Hkv, Dh]
+// (run_start[s] + L <= Tk); lse [B, Hq, Tq] fp32. Each query attends causally (and with the
+// window) to keys at positions <= its own: forward_at's rows exactly. With runs = 1,
+// run_start = {0}, Tq == Tk it is forward()/backward().
+// Any L >= 0 (no tile multiple: each run is its own launch, rows past L masked); runs may overlap
+// or come in any order. Tq % runs != 0, runs outside [1, 8], a null run_start, or a run_start[s]
+// < 0 or > Tk - L throws keel::Error before launching, as do forward's extent checks.
+void forward_runs(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int Tq, int Tk, int Hq,
+                  int Hkv, int Dh, float scale, int window, const int* run_start, int runs, cudaStream_t stream);
+
+// Bytes of scratch backward_runs needs (fp32 D_i and dq accumulators for the Tq queries; dk, dv
+// accumulate in the caller's outputs).
+std::size_t backward_runs_workspace_bytes(int B, int Tq, int Tk, int Hq, int Hkv, int Dh);
+
+// dq [B, Tq, Hq, Dh] bf16 OVERWRITTEN; dk, dv [B, Tk, Hkv, Dh] **fp32** OVERWRITTEN: the sums over
+// every run's queries (zero at keys none attends), kept in fp32 so a context-parallel caller can
+// sum them over ranks before rounding. Workspace and checks as backward()/forward_runs().
+void backward_runs(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout,
+                   bf16* dq, float* dk, float* dv, void* workspace, int B, int Tq, int Tk, int Hq, int Hkv, int Dh,
+                   float scale, int window, const int* run_start, int runs, cudaStream_t stream);
 
 }  // namespace keel::ops::cuda::attention

@@ -15,19 +15,39 @@ constexpr int kTargetBlocks = 528;  // ~4 blocks per SM on an H100 (132 SMs)
 // ---------------------------------------------------------------- depthwise
 
 // One block per output row (bi, t) of the B * (T + extra) rows, threads over the channels:
-// the row's indices cost one division per block, not per element.
+// the row's indices cost one division per block, not per element. Input times ts < 0 read the
+// halo (sequence bi's at halo + bi * hstride, row ts + P, P = extra + W - 1) or, without one,
+// zero.
 __global__ void depthwise_forward_kernel(const bf16* __restrict__ x, const float* __restrict__ w,
                                          const float* __restrict__ b, int extra, bf16* __restrict__ y, std::int64_t T,
-                                         std::int64_t C, int W) {
-  const std::int64_t To = T + extra, row = blockIdx.x, bi = row / To, t = row % To - extra;
+                                         std::int64_t C, int W, const bf16* __restrict__ halo, std::int64_t hstride) {
+  const std::int64_t To = T + extra, row = blockIdx.x, bi = row / To, t = row % To - extra, P = extra + W - 1;
   bf16* out = y + row * C;
   for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     float acc = b ? b[c] : 0.f;
     for (int k = 0; k < W; ++k) {
       const std::int64_t ts = t - (W - 1) + k;
-      if (ts >= 0 && ts < T) acc += w[c * W + k] * __bfloat162float(x[(bi * T + ts) * C + c]);
+      const bf16* in = ts >= 0 ? x + (bi * T + ts) * C : halo ? halo + bi * hstride + (ts + P) * C : nullptr;
+      if (in) acc += w[c * W + k] * __bfloat162float(in[c]);
     }
     out[c] = __float2bfloat16(acc);
+  }
+}
+
+// One block per halo row (bi, h) of the B * P rows (input time s = h - P): the halo's gradient,
+// dhalo[bi * hstride + h * C + c] = sum_k w[c, k] dy[row s + (W-1) - k + extra, c] (rows in range).
+__global__ void depthwise_dhalo_kernel(const float* __restrict__ w, int extra, const float* __restrict__ dy,
+                                       float* __restrict__ dhalo, std::int64_t T, std::int64_t C, int W,
+                                       std::int64_t hstride) {
+  const std::int64_t To = T + extra, P = extra + W - 1, row = blockIdx.x, bi = row / P, h = row % P, s = h - P;
+  float* out = dhalo + bi * hstride + h * C;
+  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    float acc = 0.f;
+    for (int k = 0; k < W; ++k) {
+      const std::int64_t j = s + (W - 1) - k + extra;
+      if (j >= 0 && j < To) acc += w[c * W + k] * dy[(bi * To + j) * C + c];
+    }
+    out[c] = acc;
   }
 }
 
@@ -49,10 +69,11 @@ __global__ void depthwise_dx_kernel(const float* __restrict__ w, int extra, cons
 // Thread = channel, blockIdx.y = chunk of the B * To output rows.
 __global__ void depthwise_dw_kernel(const bf16* __restrict__ x, int extra, const float* __restrict__ dy,
                                     float* __restrict__ dw, float* __restrict__ db, std::int64_t B, std::int64_t T,
-                                    std::int64_t C, int W, std::int64_t chunk) {
+                                    std::int64_t C, int W, std::int64_t chunk, const bf16* __restrict__ halo,
+                                    std::int64_t hstride) {
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
-  const std::int64_t To = T + extra, rows = B * To;
+  const std::int64_t To = T + extra, rows = B * To, P = extra + W - 1;
   const std::int64_t begin = static_cast<std::int64_t>(blockIdx.y) * chunk;
   const std::int64_t end = begin + chunk < rows ? begin + chunk : rows;
   float acc[kMaxWidth] = {};
@@ -67,7 +88,8 @@ __global__ void depthwise_dw_kernel(const bf16* __restrict__ x, int extra, const
     for (int k = 0; k < kMaxWidth; ++k) {
       if (k >= W) break;
       const std::int64_t ts = t - (W - 1) + k;
-      if (ts >= 0 && ts < T) acc[k] += g * __bfloat162float(x[(bi * T + ts) * C + c]);
+      const bf16* in = ts >= 0 ? x + (bi * T + ts) * C : halo ? halo + bi * hstride + (ts + P) * C : nullptr;
+      if (in) acc[k] += g * __bfloat162float(in[c]);
     }
   }
   const bool one = gridDim.y == 1;
@@ -148,26 +170,48 @@ void check_common(std::int64_t B, std::int64_t T, std::int64_t C, int W, const c
   if (W < 1 || W > kMaxWidth) fail("causal_conv {}: width {} outside [1, {}]", what, W, kMaxWidth);
 }
 
+// The elements between two sequences' halos: halo_stride, or 0 for packed [B, P, C] halos.
+std::int64_t check_halo_stride(std::int64_t halo_stride, int extra, int W, std::int64_t C, const char* what) {
+  const std::int64_t packed = (std::int64_t(extra) + W - 1) * C;
+  if (halo_stride == 0) return packed;
+  if (halo_stride < packed)
+    fail("causal_conv {}: halo_stride {} is below one halo's (extra + W - 1) * C = {} elements", what, halo_stride,
+         packed);
+  return halo_stride;
+}
+
 }  // namespace
 
 void depthwise_forward(const bf16* x, const float* w, const float* b, int extra, bf16* y, std::int64_t B,
-                       std::int64_t T, std::int64_t C, int W, cudaStream_t stream) {
+                       std::int64_t T, std::int64_t C, int W, cudaStream_t stream, const bf16* halo,
+                       std::int64_t halo_stride) {
   check_common(B, T, C, W, "depthwise_forward");
   if (extra < 0) fail("causal_conv depthwise_forward: extra must be >= 0, got {}", extra);
+  const std::int64_t hstride = check_halo_stride(halo_stride, extra, W, C, "depthwise_forward");
   if (B == 0 || T == 0) return;
   if (B * (T + extra) > 0x7fffffff) fail("causal_conv depthwise_forward: {} rows exceed the grid", B * (T + extra));
-  depthwise_forward_kernel<<<static_cast<unsigned>(B * (T + extra)), kThreads, 0, stream>>>(x, w, b, extra, y, T, C, W);
+  depthwise_forward_kernel<<<static_cast<unsigned>(B * (T + extra)), kThreads, 0, stream>>>(x, w, b, extra, y, T, C, W,
+                                                                                         halo, hstride);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
 void depthwise_backward(const bf16* x, const float* w, int extra, const float* dy, float* dx, float* dw, float* db,
-                        std::int64_t B, std::int64_t T, std::int64_t C, int W, cudaStream_t stream) {
+                        std::int64_t B, std::int64_t T, std::int64_t C, int W, cudaStream_t stream, const bf16* halo,
+                        float* dhalo, std::int64_t halo_stride) {
   check_common(B, T, C, W, "depthwise_backward");
   if (extra < 0) fail("causal_conv depthwise_backward: extra must be >= 0, got {}", extra);
+  const std::int64_t hstride = check_halo_stride(halo_stride, extra, W, C, "depthwise_backward");
   if (B == 0 || T == 0) return;
   if (dx) {
     if (B * T > 0x7fffffff) fail("causal_conv depthwise_backward: {} rows exceed the grid", B * T);
     depthwise_dx_kernel<<<static_cast<unsigned>(B * T), kThreads, 0, stream>>>(w, extra, dy, dx, T, C, W);
+    KEEL_CUDA_CHECK_LAUNCH();
+  }
+  const std::int64_t P = extra + W - 1;
+  if (dhalo && P > 0) {
+    if (B * P > 0x7fffffff) fail("causal_conv depthwise_backward: {} halo rows exceed the grid", B * P);
+    depthwise_dhalo_kernel<<<static_cast<unsigned>(B * P), kThreads, 0, stream>>>(w, extra, dy, dhalo, T, C, W,
+                                                                                 hstride);
     KEEL_CUDA_CHECK_LAUNCH();
   }
   if (dw || db) {
@@ -175,7 +219,7 @@ void depthwise_backward(const bf16* x, const float* w, int extra, const float* d
     // time, so it takes many threads in flight to keep the loads coming (4 x 528 blocks of
     // 128 threads fill an H100's or H200's SMs); the extra atomics are W + 1 per block and channel.
     const ColumnSplit s = column_split(B * (T + extra), C, kColThreads, 4 * kTargetBlocks);
-    depthwise_dw_kernel<<<s.grid, kColThreads, 0, stream>>>(x, extra, dy, dw, db, B, T, C, W, s.chunk);
+    depthwise_dw_kernel<<<s.grid, kColThreads, 0, stream>>>(x, extra, dy, dw, db, B, T, C, W, s.chunk, halo, hstride);
     KEEL_CUDA_CHECK_LAUNCH();
   }
 }

@@ -14,6 +14,13 @@
 // Gradients: dx OVERWRITTEN; dw, db ACCUMULATED (+=); any may be null. Widths W in
 // [1, kMaxWidth]; extra >= 0. B or T == 0 runs nothing. Launches only.
 //
+// Halo (depthwise, optional; the CPU op's): halo [B, P, C] bf16 with P = extra + W - 1 holds
+// the inputs at times -P .. -1 (row h is time h - P) instead of zeros: the tokens before a run of
+// a split sequence (ops/cuda/sequence_split.h). Backward's dhalo (fp32, same layout,
+// OVERWRITTEN) is their gradient, and dw reads the halo. halo_stride: elements from one
+// sequence's halo (and dhalo) to the next; 0 = P * C (packed), larger for halos inside wider
+// rows (CCA's [runs, F] halos). Null halo: zeros, exactly the results without one.
+//
 // The depthwise conv runs on CUDA cores in fp32: one block per row for it and its dx, and for
 // its dw and db threads over channels with row chunks summed by atomicAdd, so dw and db match
 // the CPU op to fp32 rounding, not bit for bit.
@@ -40,10 +47,12 @@ namespace keel::ops::cuda::causal_conv {
 inline constexpr int kMaxWidth = 8;
 
 void depthwise_forward(const bf16* x, const float* w, const float* b, int extra, bf16* y, std::int64_t B,
-                       std::int64_t T, std::int64_t C, int W, cudaStream_t stream);
-// dy [B, T + extra, C] -> dx [B, T, C] (overwritten), dw [C, W] and db [C] (+=).
+                       std::int64_t T, std::int64_t C, int W, cudaStream_t stream, const bf16* halo = nullptr,
+                       std::int64_t halo_stride = 0);
+// dy [B, T + extra, C] -> dx [B, T, C] and dhalo [B, P, C] (overwritten), dw [C, W] and db [C] (+=).
 void depthwise_backward(const bf16* x, const float* w, int extra, const float* dy, float* dx, float* dw, float* db,
-                        std::int64_t B, std::int64_t T, std::int64_t C, int W, cudaStream_t stream);
+                        std::int64_t B, std::int64_t T, std::int64_t C, int W, cudaStream_t stream,
+                        const bf16* halo = nullptr, float* dhalo = nullptr, std::int64_t halo_stride = 0);
 
 // The grouped conv (header comment). wt [W, C, Cg] bf16 from
 // grouped_weights_bf16 (forward makes it; backward reuses it).

@@ -7,6 +7,7 @@
 #include "ops/cuda/attention.h"
 #include "ops/cuda/causal_conv.h"
 #include "ops/cuda/linear.h"
+#include "ops/cuda/sequence_split.h"
 
 namespace keel::ops::cuda::cca {
 
@@ -103,10 +104,13 @@ __global__ void temp_reduce_kernel(const float* __restrict__ tpart, float* __res
 // Per token (one block): the depthwise conv's dx from dc0 (as causal_conv's depthwise_dx_kernel,
 // with To = T + extra rows per sequence of dc0) plus the mixing terms' direct path, written as
 // bf16 for the W_qk GEMMs: dq0[h] += dA_q[h]/2 + dA_k[h/G]/(2G);  dk0[g] += sum_j dA_q[gG+j]/2 +
-// dA_k[g]/2. One pass instead of an fp32 dx written and read back.
+// dA_k[g]/2. One pass instead of an fp32 dx written and read back. With a split, T is a run's
+// L tokens and dtails [runs, F] (not null) adds, in fp32 before the rounding, the next run's
+// gradient of this run's last hh rows (dtails' first hh * C floats).
 __global__ void conv_dx_mix_backward_kernel(const float* __restrict__ dqk, const float* __restrict__ dc0,
                                             const float* __restrict__ w0, bf16* __restrict__ dqk0, std::int64_t T,
-                                            int extra, int W0, int nq, int nkv, int d) {
+                                            int extra, int W0, int nq, int nkv, int d, const float* __restrict__ dtails,
+                                            std::int64_t F, std::int64_t hh) {
   const int G = nq / nkv, dq = nq * d, C = dq + nkv * d;
   const std::int64_t n = blockIdx.x, bi = n / T, s = n % T, To = T + extra;
   const float* ga = dqk + n * C;
@@ -125,6 +129,7 @@ __global__ void conv_dx_mix_backward_kernel(const float* __restrict__ dqk, const
       for (int j = 0; j < G; ++j) sum_q += ga[(g * G + j) * d + i];
       v += 0.5f * sum_q + 0.5f * ga[c];
     }
+    if (dtails && s >= T - hh) v += dtails[bi * F + (s - (T - hh)) * C + c];
     dqk0[n * C + c] = __float2bfloat16(v);
   }
 }
@@ -132,8 +137,11 @@ __global__ void conv_dx_mix_backward_kernel(const float* __restrict__ dqk, const
 // v[n] = [u[n, :half] | u[n-1, half:]] with zeros at t = 0 of each sequence (u [N, 2 half]).
 // v[n] = u[n] outside the shifted columns [lo, hi), u[n-1] inside them (zeros at t = 0): the
 // previous token's projection (Config::shift_begin / shift_end; the whole model's second half).
+// T: tokens per sequence, or per run with a split, whose halo (not null: halos [runs, F], the
+// u row at column offset hoff) stands in for the zeros at a run's first token.
 __global__ void value_shift_kernel(const bf16* __restrict__ u, bf16* __restrict__ v, std::int64_t N, std::int64_t T,
-                                   std::int64_t width, std::int64_t lo, std::int64_t hi) {
+                                   std::int64_t width, std::int64_t lo, std::int64_t hi,
+                                   const bf16* __restrict__ halo, std::int64_t F, std::int64_t hoff) {
   const std::int64_t total = N * width;
   for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
@@ -141,13 +149,16 @@ __global__ void value_shift_kernel(const bf16* __restrict__ u, bf16* __restrict_
     if (col < lo || col >= hi)
       v[e] = u[e];
     else
-      v[e] = n % T == 0 ? __float2bfloat16(0.f) : u[e - width];
+      v[e] = n % T != 0 ? u[e - width] : halo ? halo[(n / T) * F + hoff + (col - lo)] : __float2bfloat16(0.f);
   }
 }
 
-// The transpose: du[n] = dv[n] outside [lo, hi), dv[n+1] inside (zeros at t = T-1).
+// The transpose: du[n] = dv[n] outside [lo, hi), dv[n+1] inside (zeros at t = T-1; with a split,
+// T a run's tokens and dtails not null: the next run's gradient of this run's last u row,
+// dtails [runs, F] at column offset toff).
 __global__ void value_unshift_kernel(const bf16* __restrict__ dv, bf16* __restrict__ du, std::int64_t N,
-                                     std::int64_t T, std::int64_t width, std::int64_t lo, std::int64_t hi) {
+                                     std::int64_t T, std::int64_t width, std::int64_t lo, std::int64_t hi,
+                                     const float* __restrict__ dtails, std::int64_t F, std::int64_t toff) {
   const std::int64_t total = N * width;
   for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
@@ -155,12 +166,43 @@ __global__ void value_unshift_kernel(const bf16* __restrict__ dv, bf16* __restri
     if (col < lo || col >= hi)
       du[e] = dv[e];
     else
-      du[e] = n % T == T - 1 ? __float2bfloat16(0.f) : dv[e + width];
+      du[e] = n % T != T - 1          ? dv[e + width]
+              : dtails ? __float2bfloat16(dtails[(n / T) * F + toff + (col - lo)])
+                       : __float2bfloat16(0.f);
+  }
+}
+
+// Each run's tail, tails [R, F] bf16: its last hh rows of qk0 [N, C], then its last row's shifted
+// columns [lo, lo + F - hh C) of u [N, dk] (runs of L tokens).
+__global__ void pack_tails_kernel(const bf16* __restrict__ qk0, const bf16* __restrict__ u, bf16* __restrict__ tails,
+                                  std::int64_t R, std::int64_t L, std::int64_t C, std::int64_t hh, std::int64_t dk,
+                                  std::int64_t lo, std::int64_t F) {
+  const std::int64_t total = R * F, q = hh * C;
+  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = e / F, j = e % F;
+    tails[e] = j < q ? qk0[(r * L + L - hh) * C + j] : u[(r * L + L - 1) * dk + lo + (j - q)];
+  }
+}
+
+// The halos' value part of the gradient: dhalos[r, q + j] = dv[run r's first token, lo + j]
+// (q = hh C, j < F - q), fp32.
+__global__ void halo_value_grad_kernel(const bf16* __restrict__ dv, float* __restrict__ dhalos, std::int64_t R,
+                                       std::int64_t L, std::int64_t dk, std::int64_t lo, std::int64_t q,
+                                       std::int64_t F) {
+  const std::int64_t width = F - q, total = R * width;
+  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = e / width, j = e % width;
+    dhalos[r * F + q + j] = __bfloat162float(dv[(r * L) * dk + lo + j]);
   }
 }
 
 struct Dims {
-  std::int64_t N, H, d, nq, nkv, C, dq, dk, W0, W1, Tc0;
+  std::int64_t N, H, d, nq, nkv, C, dq, dk, W0, W1;
+  // The runs the convolutions and the value shift see (R = B, L = T without a split), the
+  // depthwise output's rows per run, the halo's qk0 rows and its floats (0 without a split).
+  std::int64_t R, L, Tc0, hh, F;
 };
 
 Dims check(const Config& c, std::int64_t B, std::int64_t T, const rope::DeviceTable& rt) {
@@ -181,8 +223,48 @@ Dims check(const Config& c, std::int64_t B, std::int64_t T, const rope::DeviceTa
   if (rt.head_dim != c.head_dim) fail("cuda cca: rope table head_dim {} != head_dim {}", rt.head_dim, c.head_dim);
   Dims d;
   d.N = B * T, d.H = c.hidden, d.d = c.head_dim, d.nq = c.q_heads, d.nkv = c.kv_heads, d.C = c.qk_channels();
-  d.dq = d.nq * d.d, d.dk = d.nkv * d.d, d.W0 = c.conv0_width, d.W1 = c.conv1_width, d.Tc0 = T + c.conv1_width - 1;
+  d.dq = d.nq * d.d, d.dk = d.nkv * d.d, d.W0 = c.conv0_width, d.W1 = c.conv1_width;
+  d.R = B, d.L = T, d.Tc0 = T + c.conv1_width - 1, d.hh = (c.conv0_width - 1) + (c.conv1_width - 1), d.F = 0;
   return d;
+}
+
+// A split's runs (segments > 0): B * S runs of L = T / S tokens, each at least the halo's hh rows
+// long. segments 0: whole sequences (R = B, L = T, no halo).
+void apply_runs(const Config& c, std::int64_t B, std::int64_t T, int segments, Dims& d) {
+  if (segments < 0) fail("cuda cca: segments must be >= 0, got {}", segments);
+  if (segments == 0) return;
+  if (T % segments)
+    fail("cuda cca: a sequence split into {} runs needs the rank's tokens per sequence ({}) divisible by {}",
+         segments, T, segments);
+  const std::int64_t L = T / segments;
+  if (T > 0 && L < d.hh)
+    fail("cuda cca: runs of {} tokens ({} per sequence in {} runs) are shorter than the conv halo (W0-1)+(W1-1) = {}",
+         L, T, segments, d.hh);
+  d.R = B * segments, d.L = L, d.Tc0 = L + c.conv1_width - 1, d.F = ops::cca::halo_floats(c);
+}
+
+// Dims of a call with `segments` runs per sequence (the checks above, then apply_runs).
+Dims check(const Config& c, std::int64_t B, std::int64_t T, const rope::DeviceTable& rt, int segments) {
+  Dims d = check(c, B, T, rt);
+  apply_runs(c, B, T, segments, d);
+  return d;
+}
+
+// The runs' extents for saved_bytes / carve_saved (which, as before, check no more than the
+// split's: the config is checked by forward).
+Dims layout_dims(const Config& c, std::int64_t B, std::int64_t T, int segments) {
+  Dims d{};
+  d.C = c.qk_channels();
+  d.R = B, d.L = T, d.Tc0 = T + c.conv1_width - 1, d.hh = (c.conv0_width - 1) + (c.conv1_width - 1), d.F = 0;
+  apply_runs(c, B, T, segments, d);
+  return d;
+}
+
+int split_segments(const SequenceSplit* split) {
+  if (!split) return 0;
+  const int S = split->segments();
+  if (S < 1) fail("cuda cca: the sequence split has {} segments (need >= 1)", S);
+  return S;
 }
 
 struct Scratch {
@@ -192,10 +274,12 @@ struct Scratch {
   bf16* dv;     // [N, dk]
   float* dqk;   // [N, C]
   float* tpart; // [N, nkv]
-  float* dc0;   // [B, T + W1 - 1, C]
+  float* dc0;   // [R, L + W1 - 1, C]
   bf16* dqk0b;  // [N, C] conv + mixing path, bf16 for the GEMMs
   void* conv_ws; // the grouped conv backward's
   void* attn_ws;
+  float* dhalos; // [R, F] with a split: the halos' gradient
+  float* dtails; // [R, F] with a split: the tails' gradient (split->halo_backward)
 };
 
 std::size_t scratch_layout(const Config& c, std::int64_t B, std::int64_t T, const Dims& d, void* base, Scratch* s) {
@@ -214,10 +298,12 @@ std::size_t scratch_layout(const Config& c, std::int64_t B, std::int64_t T, cons
   t.dv = reinterpret_cast<bf16*>(take(N * d.dk * 2));
   t.dqk = reinterpret_cast<float*>(take(N * d.C * 4));
   t.tpart = reinterpret_cast<float*>(take(N * d.nkv * 4));
-  t.dc0 = reinterpret_cast<float*>(take(static_cast<std::size_t>(B * d.Tc0 * d.C) * 4));
+  t.dc0 = reinterpret_cast<float*>(take(static_cast<std::size_t>(d.R * d.Tc0 * d.C) * 4));
   t.dqk0b = reinterpret_cast<bf16*>(take(N * d.C * 2));
-  t.conv_ws = take(d.N > 0 ? causal_conv::grouped_backward_gemm_scratch_bytes(B, T, d.C, d.d, int(d.W1)) : 0);
+  t.conv_ws = take(d.N > 0 ? causal_conv::grouped_backward_gemm_scratch_bytes(d.R, d.L, d.C, d.d, int(d.W1)) : 0);
   t.attn_ws = take(d.N > 0 ? attention::backward_workspace_bytes(int(B), int(T), int(d.nq), int(d.nkv), int(d.d)) : 0);
+  t.dhalos = reinterpret_cast<float*>(take(static_cast<std::size_t>(d.R * d.F) * 4));  // F = 0 without a split
+  t.dtails = reinterpret_cast<float*>(take(static_cast<std::size_t>(d.R * d.F) * 4));
   if (s) *s = t;
   (void)c;
   return off;
@@ -225,15 +311,17 @@ std::size_t scratch_layout(const Config& c, std::int64_t B, std::int64_t T, cons
 
 }  // namespace
 
-std::size_t saved_bytes(const Config& c, std::int64_t B, std::int64_t T) {
+std::size_t saved_bytes(const Config& c, std::int64_t B, std::int64_t T, int segments) {
+  const Dims d = layout_dims(c, B, T, segments);
   const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
-  const std::size_t Tc0 = static_cast<std::size_t>(B * (T + c.conv1_width - 1));
+  const std::size_t Tc0 = static_cast<std::size_t>(d.R * d.Tc0);
   return round_up(N * C * 2) + round_up(Tc0 * C * 2) + round_up(N * C * 4) + round_up(N * (c.q_heads + c.kv_heads) * 4) +
          round_up(N * dq * 2) + 2 * round_up(N * dk * 2) + round_up(N * dq * 2) + round_up(B * c.q_heads * T * 4) +
-         round_up(c.conv1_width * C * c.head_dim * 2);
+         round_up(c.conv1_width * C * c.head_dim * 2) + (segments > 0 ? round_up(d.R * d.F * 2) : 0);
 }
 
-Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, void* buffer) {
+Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, void* buffer, int segments) {
+  const Dims d = layout_dims(c, B, T, segments);
   const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
   char* p = static_cast<char*>(buffer);
   auto take = [&p](std::size_t bytes) {
@@ -243,7 +331,7 @@ Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, void* buffer)
   };
   Saved s;
   s.qk0 = reinterpret_cast<bf16*>(take(N * C * 2));
-  s.c0 = reinterpret_cast<bf16*>(take(static_cast<std::size_t>(B * (T + c.conv1_width - 1)) * C * 2));
+  s.c0 = reinterpret_cast<bf16*>(take(static_cast<std::size_t>(d.R * d.Tc0) * C * 2));
   s.qk = reinterpret_cast<float*>(take(N * C * 4));
   s.rnorm = reinterpret_cast<float*>(take(N * (c.q_heads + c.kv_heads) * 4));
   s.q = reinterpret_cast<bf16*>(take(N * dq * 2));
@@ -252,23 +340,43 @@ Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, void* buffer)
   s.att = reinterpret_cast<bf16*>(take(N * dq * 2));
   s.lse = reinterpret_cast<float*>(take(B * c.q_heads * T * 4));
   s.conv1_wt = reinterpret_cast<bf16*>(take(c.conv1_width * C * c.head_dim * 2));
+  if (segments > 0) s.halo = reinterpret_cast<bf16*>(take(static_cast<std::size_t>(d.R * d.F) * 2));
   return s;
 }
 
 void forward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, const bf16* x,
              const std::int32_t* positions, const rope::DeviceTable& rt, const Weights& w, const Saved& s, bf16* y,
-             cudaStream_t stream) {
-  const Dims d = check(c, B, T, rt);
+             cudaStream_t stream, SequenceSplit* split) {
+  const Dims d = check(c, B, T, rt, split_segments(split));
+  if (split && d.F > 0 && !s.halo) fail("cuda cca: a split needs Saved::halo (carve_saved with the split's segments)");
   if (d.N == 0) return;
   const float sqrt_d = static_cast<float>(std::sqrt(double(d.d)));
   const int extra = static_cast<int>(d.W1 - 1);
+  const std::int64_t lo = c.shift_begin(), hc = d.hh * d.C;  // hc: the halo's qk0 floats
 
   // 1. W_qk projection and the two causal convolutions (conv output lands in qk, fp32); the
   //    grouped conv on tensor cores, its weights re-laid out in bf16 (kept for backward).
   linear::forward(gemm, x, w.w_qk, s.qk0, d.N, d.H, d.C, stream);
-  causal_conv::depthwise_forward(s.qk0, w.conv0_w, w.conv0_b, extra, s.c0, B, T, d.C, int(d.W0), stream);
+  if (!split) {
+    causal_conv::depthwise_forward(s.qk0, w.conv0_w, w.conv0_b, extra, s.c0, B, T, d.C, int(d.W0), stream);
+  } else {
+    // With a split: u = x W_v^T into att first (free until step 5; dk <= dq), then each run's
+    // tail (its last hh rows of qk0, its last row's shifted columns of u) packed into qk (free
+    // until the grouped conv; R F bf16 <= N C fp32 since L >= hh), the halo exchange into
+    // s.halo, and the depthwise conv per run reading its halo (rows F apart).
+    linear::forward(gemm, x, w.w_v, s.att, d.N, d.H, d.dk, stream);
+    if (d.F > 0) {
+      bf16* tails = reinterpret_cast<bf16*>(s.qk);
+      pack_tails_kernel<<<elementwise_grid(d.R * d.F, kThreads), kThreads, 0, stream>>>(s.qk0, s.att, tails, d.R, d.L,
+                                                                                       d.C, d.hh, d.dk, lo, d.F);
+      KEEL_CUDA_CHECK_LAUNCH();
+      split->halo(tails, s.halo, d.R, d.F, stream);
+    }
+    causal_conv::depthwise_forward(s.qk0, w.conv0_w, w.conv0_b, extra, s.c0, d.R, d.L, d.C, int(d.W0), stream, s.halo,
+                                   d.F);
+  }
   causal_conv::grouped_weights_bf16(w.conv1_w, s.conv1_wt, d.C, d.d, int(d.W1), stream);
-  causal_conv::grouped_forward_gemm(gemm, s.c0, s.conv1_wt, w.conv1_b, s.qk, B, T, d.C, d.d, int(d.W1), stream);
+  causal_conv::grouped_forward_gemm(gemm, s.c0, s.conv1_wt, w.conv1_b, s.qk, d.R, d.L, d.C, d.d, int(d.W1), stream);
 
   // 2. Mixing terms, L2 normalization, sqrt(d), temperature -> q, k (bf16).
   mix_norm_kernel<<<static_cast<unsigned>(d.N), kTokenThreads, static_cast<std::size_t>(d.C) * sizeof(float), stream>>>(
@@ -279,46 +387,73 @@ void forward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, 
   rope::forward(rt, s.q, positions, d.N, d.nq, stream);
   rope::forward(rt, s.k, positions, d.N, d.nkv, stream);
 
-  // 4. Values: u = x W_v^T into att (free until step 5; dk <= dq), then the shifted copy.
-  linear::forward(gemm, x, w.w_v, s.att, d.N, d.H, d.dk, stream);
-  value_shift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(s.att, s.v, d.N, T, d.dk,
-                                                                                     c.shift_begin(), c.shift_end());
+  // 4. Values: u = x W_v^T into att (free until step 5; dk <= dq; a split's was made in 1), then
+  //    the shifted copy, per run (a split's runs' first tokens read their halo's u row).
+  if (!split) linear::forward(gemm, x, w.w_v, s.att, d.N, d.H, d.dk, stream);
+  value_shift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(
+      s.att, s.v, d.N, d.L, d.dk, lo, c.shift_end(), split ? s.halo : nullptr, d.F, hc);
   KEEL_CUDA_CHECK_LAUNCH();
 
-  // 5. Causal GQA attention (the layer's window) and the output projection.
-  attention::forward(s.q, s.k, s.v, s.att, s.lse, int(B), int(T), int(d.nq), int(d.nkv), int(d.d),
-                     1.f / sqrt_d, c.window, stream);
+  // 5. Causal GQA attention (the layer's window; a split's over its whole sequences) and the
+  //    output projection.
+  if (split)
+    split->forward(s.q, s.k, s.v, s.att, s.lse, int(B), int(T), int(d.nq), int(d.nkv), int(d.d), 1.f / sqrt_d, c.window,
+                   stream);
+  else
+    attention::forward(s.q, s.k, s.v, s.att, s.lse, int(B), int(T), int(d.nq), int(d.nkv), int(d.d),
+                       1.f / sqrt_d, c.window, stream);
   linear::forward(gemm, s.att, w.w_o, y, d.N, d.dq, d.H, stream);
 }
 
-std::size_t backward_scratch_bytes(const Config& c, std::int64_t B, std::int64_t T) {
+std::size_t backward_scratch_bytes(const Config& c, std::int64_t B, std::int64_t T, int segments) {
   rope::DeviceTable rt;
   rt.head_dim = static_cast<int>(c.head_dim);
-  const Dims d = check(c, B, T, rt);
+  const Dims d = check(c, B, T, rt, segments);
   return scratch_layout(c, B, T, d, nullptr, nullptr);
 }
 
 void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, const bf16* x,
               const std::int32_t* positions, const rope::DeviceTable& rt, const Weights& w, const Saved& s,
-              const bf16* dy, bf16* dx, const Grads& g, void* scratch, cudaStream_t stream) {
-  const Dims d = check(c, B, T, rt);
+              const bf16* dy, bf16* dx, const Grads& g, void* scratch, cudaStream_t stream, SequenceSplit* split) {
+  const Dims d = check(c, B, T, rt, split_segments(split));
+  if (split && d.F > 0 && !s.halo) fail("cuda cca: a split needs Saved::halo (carve_saved with the split's segments)");
   if (d.N == 0) return;
+  if (split) {
+    const std::size_t need = split->backward_workspace_bytes(int(B), int(T), int(d.nq), int(d.nkv), int(d.d)),
+                      have = attention::backward_workspace_bytes(int(B), int(T), int(d.nq), int(d.nkv), int(d.d));
+    if (need > have)
+      fail("cuda cca backward: the split's attention workspace ({} bytes) exceeds the scratch's ({} bytes, "
+           "attention::backward_workspace_bytes)", need, have);
+  }
   Scratch k;
   scratch_layout(c, B, T, d, scratch, &k);
   const float sqrt_d = static_cast<float>(std::sqrt(double(d.d)));
   const int extra = static_cast<int>(d.W1 - 1);
+  const std::int64_t lo = c.shift_begin(), hc = d.hh * d.C;
 
   // 5. Output projection and attention.
   linear::backward(gemm, s.att, w.w_o, dy, k.datt, g.w_o, d.N, d.dq, d.H, stream);
-  attention::backward(s.q, s.k, s.v, s.att, s.lse, k.datt, k.dq, k.dk, k.dv, k.attn_ws, int(B), int(T), int(d.nq),
-                      int(d.nkv), int(d.d), 1.f / sqrt_d, c.window, stream);
+  if (split)
+    split->backward(s.q, s.k, s.v, s.att, s.lse, k.datt, k.dq, k.dk, k.dv, k.attn_ws, int(B), int(T), int(d.nq),
+                    int(d.nkv), int(d.d), 1.f / sqrt_d, c.window, stream);
+  else
+    attention::backward(s.q, s.k, s.v, s.att, s.lse, k.datt, k.dq, k.dk, k.dv, k.attn_ws, int(B), int(T), int(d.nq),
+                        int(d.nkv), int(d.d), 1.f / sqrt_d, c.window, stream);
 
   // 4. Values: undo the shift into du (datt's memory, free now). Its GEMMs run last, once the
-  //    W_qk dgrad has overwritten dx, so the W_v dgrad can add into dx (beta = 1).
+  //    W_qk dgrad has overwritten dx, so the W_v dgrad can add into dx (beta = 1). With a split
+  //    a run's first token's shifted dv is its halo's gradient (into dhalos now), and the
+  //    unshift waits for the halo exchange (1.), which brings each run's last token its part.
   bf16* du = k.datt;
-  value_unshift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(k.dv, du, d.N, T, d.dk,
-                                                                                       c.shift_begin(), c.shift_end());
-  KEEL_CUDA_CHECK_LAUNCH();
+  if (!split) {
+    value_unshift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(
+        k.dv, du, d.N, T, d.dk, lo, c.shift_end(), nullptr, 0, 0);
+    KEEL_CUDA_CHECK_LAUNCH();
+  } else if (d.F > hc) {
+    halo_value_grad_kernel<<<elementwise_grid(d.R * (d.F - hc), kThreads), kThreads, 0, stream>>>(
+        k.dv, k.dhalos, d.R, d.L, d.dk, lo, hc, d.F);
+    KEEL_CUDA_CHECK_LAUNCH();
+  }
 
   // 3. RoPE: inverse rotation in place.
   rope::backward(rt, k.dq, positions, d.N, d.nq, stream);
@@ -333,13 +468,29 @@ void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T,
     KEEL_CUDA_CHECK_LAUNCH();
   }
 
-  // 1. Convolutions, the mixing terms' direct path, then W_qk.
-  causal_conv::grouped_backward_gemm(gemm, s.c0, s.conv1_wt, k.dqk, k.dc0, g.conv1_w, g.conv1_b, B, T, d.C, d.d,
+  // 1. Convolutions, the mixing terms' direct path, then W_qk. With a split: the depthwise conv
+  //    per run also gives its halo's gradient (dhalos' qk0 part, rows F apart); ONE
+  //    halo_backward sends dhalos to the runs that gave them, and dtails joins their last hh rows
+  //    of dqk0 (in fp32, before the rounding) and their last row's shifted du columns.
+  causal_conv::grouped_backward_gemm(gemm, s.c0, s.conv1_wt, k.dqk, k.dc0, g.conv1_w, g.conv1_b, d.R, d.L, d.C, d.d,
                                      int(d.W1), k.conv_ws, stream);
-  causal_conv::depthwise_backward(s.qk0, w.conv0_w, extra, k.dc0, nullptr, g.conv0_w, g.conv0_b, B, T, d.C,
-                                  int(d.W0), stream);
+  const float* dtails = nullptr;
+  if (!split) {
+    causal_conv::depthwise_backward(s.qk0, w.conv0_w, extra, k.dc0, nullptr, g.conv0_w, g.conv0_b, B, T, d.C,
+                                    int(d.W0), stream);
+  } else {
+    causal_conv::depthwise_backward(s.qk0, w.conv0_w, extra, k.dc0, nullptr, g.conv0_w, g.conv0_b, d.R, d.L, d.C,
+                                    int(d.W0), stream, s.halo, k.dhalos, d.F);
+    if (d.F > 0) {
+      split->halo_backward(k.dhalos, k.dtails, d.R, d.F, stream);
+      dtails = k.dtails;
+    }
+    value_unshift_kernel<<<elementwise_grid(d.N * d.dk, kThreads), kThreads, 0, stream>>>(
+        k.dv, du, d.N, d.L, d.dk, lo, c.shift_end(), dtails, d.F, hc);
+    KEEL_CUDA_CHECK_LAUNCH();
+  }
   conv_dx_mix_backward_kernel<<<static_cast<unsigned>(d.N), kThreads, 0, stream>>>(
-      k.dqk, k.dc0, w.conv0_w, k.dqk0b, T, extra, int(d.W0), int(d.nq), int(d.nkv), int(d.d));
+      k.dqk, k.dc0, w.conv0_w, k.dqk0b, d.L, extra, int(d.W0), int(d.nq), int(d.nkv), int(d.d), dtails, d.F, d.hh);
   KEEL_CUDA_CHECK_LAUNCH();
   linear::backward(gemm, x, w.w_qk, k.dqk0b, dx, g.w_qk, d.N, d.H, d.C, stream);
 

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "common/error.h"
@@ -285,6 +287,275 @@ TEST(AttentionCudaPerf, Forward4096) {
 TEST(AttentionCudaPerf, SlidingWindow1024Of4096) {
   KEEL_REQUIRE_GPU();
   time_and_spot_check(1024);
+}
+
+// ---- Queries in runs over a longer key sequence (context parallelism): forward_runs and
+// backward_runs against the CPU forward_at/backward_at at the runs' positions. ----
+
+struct RunsShape {
+  int B, Tk, Hq, Hkv, Dh;
+  std::vector<int> run_start;  // the runs' first positions
+  int L;                       // queries per run: Tq = runs * L
+  int window = 0;
+};
+
+std::string name(const RunsShape& s) {
+  std::string starts;
+  for (int p : s.run_start) starts += (starts.empty() ? "" : ",") + std::to_string(p);
+  return "B=" + std::to_string(s.B) + " Tk=" + std::to_string(s.Tk) + " Hq=" + std::to_string(s.Hq) +
+         " Hkv=" + std::to_string(s.Hkv) + " Dh=" + std::to_string(s.Dh) + " L=" + std::to_string(s.L) + " runs={" +
+         starts + "} window=" + std::to_string(s.window);
+}
+
+// As check_shape, with q, dout of [B, Tq, Hq, Dh] at the runs' positions and k, v of Tk keys. dk,
+// dv come back in fp32 and are also exactly zero at the keys no query attends.
+void check_runs(const RunsShape& s, std::uint64_t seed) {
+  SCOPED_TRACE(name(s));
+  const int runs = static_cast<int>(s.run_start.size()), Tq = runs * s.L;
+  const float scale = 1.f / std::sqrt(static_cast<float>(s.Dh));
+  const std::size_t nq = static_cast<std::size_t>(s.B) * Tq * s.Hq * s.Dh;
+  const std::size_t nkv = static_cast<std::size_t>(s.B) * s.Tk * s.Hkv * s.Dh;
+  const std::size_t nl = static_cast<std::size_t>(s.B) * s.Hq * Tq;
+  Inputs in{rounded_bf16(random_vector(nq, seed, -1.7f, 1.7f)), rounded_bf16(random_vector(nkv, seed + 1, -1.7f, 1.7f)),
+            rounded_bf16(random_vector(nkv, seed + 2, -1.7f, 1.7f)), rounded_bf16(random_vector(nq, seed + 3, -1.f, 1.f))};
+  std::vector<std::int32_t> q_pos(Tq);
+  for (int r = 0; r < runs; ++r)
+    for (int i = 0; i < s.L; ++i) q_pos[r * s.L + i] = s.run_start[r] + i;
+
+  // CPU reference forward.
+  std::vector<float> out_ref(nq), lse_ref(nl);
+  const Tensor tq(in.q.data(), {s.B, Tq, s.Hq, s.Dh}), tk(in.k.data(), {s.B, s.Tk, s.Hkv, s.Dh});
+  const Tensor tv(in.v.data(), {s.B, s.Tk, s.Hkv, s.Dh});
+  ops::attention::forward_at(tq, tk, tv, q_pos.data(), scale, Tensor(out_ref.data(), {s.B, Tq, s.Hq, s.Dh}),
+                             Tensor(lse_ref.data(), {s.B, s.Hq, Tq}), s.window);
+
+  // GPU forward; out and lse poisoned so unwritten elements show.
+  auto q = to_device<Bf16>(in.q), k = to_device<Bf16>(in.k), v = to_device<Bf16>(in.v);
+  auto out = to_device<Bf16>(std::vector<float>(nq, 1e4f));
+  auto lse = to_device<float>(std::vector<float>(nl, 1e4f));
+  gpu::forward_runs(q.get(), k.get(), v.get(), out.get(), lse.get(), s.B, Tq, s.Tk, s.Hq, s.Hkv, s.Dh, scale, s.window,
+                    s.run_start.data(), runs, nullptr);
+  KEEL_CUDA_CHECK(cudaGetLastError());
+  EXPECT_TRUE(all_close(to_host(out), out_ref, 2e-2f, 2e-2f, "out"));
+  EXPECT_TRUE(all_close(to_host(lse), lse_ref, 1e-3f, 1e-3f, "lse"));
+
+  // Backward in isolation: both sides get the same bf16 out and the reference lse.
+  const std::vector<float> out_in = rounded_bf16(out_ref);
+  std::vector<float> dq_ref(nq), dk_ref(nkv), dv_ref(nkv);
+  std::vector<float> out_in_copy = out_in, lse_copy = lse_ref;
+  ops::attention::backward_at(tq, tk, tv, q_pos.data(), Tensor(out_in_copy.data(), {s.B, Tq, s.Hq, s.Dh}),
+                              Tensor(lse_copy.data(), {s.B, s.Hq, Tq}), Tensor(in.dout.data(), {s.B, Tq, s.Hq, s.Dh}),
+                              scale, Tensor(dq_ref.data(), {s.B, Tq, s.Hq, s.Dh}),
+                              Tensor(dk_ref.data(), {s.B, s.Tk, s.Hkv, s.Dh}),
+                              Tensor(dv_ref.data(), {s.B, s.Tk, s.Hkv, s.Dh}), s.window);
+
+  auto out_d = to_device<Bf16>(out_in), dout = to_device<Bf16>(in.dout);
+  auto lse_d = to_device<float>(lse_ref);
+  auto dq = to_device<Bf16>(std::vector<float>(nq, 1e4f));
+  auto dk = to_device<float>(std::vector<float>(nkv, 1e4f)), dv = to_device<float>(std::vector<float>(nkv, 1e4f));
+  const std::size_t ws_bytes = gpu::backward_runs_workspace_bytes(s.B, Tq, s.Tk, s.Hq, s.Hkv, s.Dh);
+  DeviceArray<unsigned char> ws(ws_bytes);
+  KEEL_CUDA_CHECK(cudaMemset(ws.get(), 0x7f, ws_bytes));  // garbage: backward must not rely on zeros
+  gpu::backward_runs(q.get(), k.get(), v.get(), out_d.get(), lse_d.get(), dout.get(), dq.get(), dk.get(), dv.get(),
+                     ws.get(), s.B, Tq, s.Tk, s.Hq, s.Hkv, s.Dh, scale, s.window, s.run_start.data(), runs, nullptr);
+  KEEL_CUDA_CHECK(cudaGetLastError());
+
+  const struct {
+    const char* what;
+    std::vector<float> got;
+    const std::vector<float>& want;
+  } grads[] = {{"dq", to_host(dq), dq_ref}, {"dk", to_host(dk), dk_ref}, {"dv", to_host(dv), dv_ref}};
+  for (const auto& g : grads) {
+    const double rel = norm_rel_error(g.got, g.want);
+    EXPECT_LT(rel, 2e-2) << g.what << " norm-relative error";
+    EXPECT_TRUE(all_close(g.got, g.want, 5e-2f, static_cast<float>(0.05 * rms(g.want) + 1e-4), g.what));
+  }
+
+  // Keys no query attends (key j is attended by a query at t when j <= t and, with a window W,
+  // t - j < W): dk, dv exactly 0 there, as forward_at's reference.
+  std::vector<char> seen(s.Tk, 0);
+  for (const std::int32_t t : q_pos)
+    for (int j = static_cast<int>(ops::attention::first_key(t, s.window)); j <= t; ++j) seen[j] = 1;
+  std::size_t unseen = 0, nonzero = 0;
+  const std::size_t row = static_cast<std::size_t>(s.Hkv) * s.Dh;
+  for (int b = 0; b < s.B; ++b)
+    for (int j = 0; j < s.Tk; ++j) {
+      if (seen[j]) continue;
+      ++unseen;
+      const std::size_t at = (static_cast<std::size_t>(b) * s.Tk + j) * row;
+      for (std::size_t c = 0; c < row; ++c) {
+        EXPECT_EQ(dk_ref[at + c], 0.f);
+        nonzero += grads[1].got[at + c] != 0.f || grads[2].got[at + c] != 0.f;
+      }
+    }
+  EXPECT_EQ(nonzero, 0u) << "dk, dv elements not zero at the " << unseen << " keys no query attends";
+}
+
+// Context parallelism over C = 2 ranks with zigzag runs: of 4 chunks of 128 of a 512-token
+// sequence, rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2 (keys 384.. attended by none of
+// its queries). GQA, Dh 64 and 128.
+TEST(AttentionCudaRuns, ZigzagTwoRanks) {
+  KEEL_REQUIRE_GPU();
+  for (const int dh : {64, 128}) {
+    check_runs({2, 512, 4, 2, dh, {0, 384}, 128}, 1100 + dh);
+    check_runs({2, 512, 4, 2, dh, {128, 256}, 128}, 1200 + dh);
+  }
+}
+
+// A C = 3-like rank: chunks 1 and 4 of six chunks of 128 (keys 768.. beyond, 256..639 between
+// the runs).
+TEST(AttentionCudaRuns, ThreeRanksLike) {
+  KEEL_REQUIRE_GPU();
+  for (const int dh : {64, 128}) check_runs({2, 768, 4, 2, dh, {128, 640}, 128}, 1300 + dh);
+}
+
+// A window of 100 crossing run boundaries (a run's first queries see keys of the chunk before,
+// held by another rank), and wholly before the later run's first window.
+TEST(AttentionCudaRuns, SlidingWindowAcrossRuns) {
+  KEEL_REQUIRE_GPU();
+  for (const int dh : {64, 128}) {
+    check_runs({2, 512, 4, 2, dh, {0, 384}, 128, 100}, 1400 + dh);
+    check_runs({2, 512, 4, 2, dh, {128, 256}, 128, 100}, 1500 + dh);
+    check_runs({2, 768, 4, 2, dh, {128, 640}, 128, 100}, 1600 + dh);
+  }
+}
+
+// Runs of lengths that are no multiple of any tile, runs in any order, overlapping runs (their dk,
+// dv summed), one run and eight, MHA and GQA, windows inside a tile and over several.
+TEST(AttentionCudaRuns, OddRunsAnyOrder) {
+  KEEL_REQUIRE_GPU();
+  check_runs({2, 300, 4, 4, 64, {223, 0}, 77}, 1701);
+  check_runs({1, 300, 8, 2, 128, {5, 130, 250}, 50, 37}, 1702);
+  check_runs({2, 200, 4, 2, 64, {10, 40}, 64}, 1703);
+  check_runs({2, 200, 4, 2, 128, {10, 40}, 64, 13}, 1704);
+  check_runs({1, 333, 4, 2, 128, {200}, 133, 129}, 1705);
+  check_runs({1, 400, 4, 2, 64, {0, 390, 17, 200, 64, 129, 300, 333}, 10}, 1706);
+  check_runs({2, 3, 4, 4, 64, {2}, 1}, 1707);
+}
+
+// One run at 0 with Tq == Tk is forward()/backward(): forward bit for bit (no atomics: each
+// block's arithmetic is the same). Backward sums dq and, for GQA, dk/dv with fp32 atomics in no
+// fixed order, so it is bit for bit only where every element gets a single addend (MHA, T <= 128:
+// one key tile) and elsewhere equal up to that order (within a bf16 rounding step). The fp32 dk,
+// dv rounded to bf16 are backward's bf16 dk, dv.
+TEST(AttentionCudaRuns, OneRunEqualsForwardBackward) {
+  KEEL_REQUIRE_GPU();
+  struct Case {
+    Shape s;
+    int window;
+    bool bitwise_backward;
+  };
+  const Case cases[] = {{{2, 128, 4, 4, 64}, 0, true},  {{2, 77, 4, 4, 128}, 0, true},   {{2, 128, 4, 4, 128}, 50, true},
+                        {{2, 200, 8, 2, 128}, 0, false}, {{2, 200, 8, 2, 64}, 65, false}, {{1, 333, 4, 2, 64}, 0, false},
+                        {{1, 333, 4, 4, 128}, 100, false}};
+  std::uint64_t seed = 1800;
+  for (const Case& c : cases) {
+    const Shape& s = c.s;
+    SCOPED_TRACE(name(s) + " window=" + std::to_string(c.window));
+    const float scale = 1.f / std::sqrt(static_cast<float>(s.Dh));
+    const Inputs in = make_inputs(s, seed += 10);
+    const std::size_t nq = in.q.size(), nkv = in.k.size(), nl = static_cast<std::size_t>(s.B) * s.Hq * s.T;
+    auto q = to_device<Bf16>(in.q), k = to_device<Bf16>(in.k), v = to_device<Bf16>(in.v);
+    auto dout = to_device<Bf16>(in.dout);
+    const std::vector<int> run0 = {0};
+
+    auto out1 = to_device<Bf16>(std::vector<float>(nq, 1e4f)), out2 = to_device<Bf16>(std::vector<float>(nq, 1e4f));
+    auto lse1 = to_device<float>(std::vector<float>(nl, 1e4f)), lse2 = to_device<float>(std::vector<float>(nl, 1e4f));
+    gpu::forward(q.get(), k.get(), v.get(), out1.get(), lse1.get(), s.B, s.T, s.Hq, s.Hkv, s.Dh, scale, c.window,
+                 nullptr);
+    gpu::forward_runs(q.get(), k.get(), v.get(), out2.get(), lse2.get(), s.B, s.T, s.T, s.Hq, s.Hkv, s.Dh, scale,
+                      c.window, run0.data(), 1, nullptr);
+    KEEL_CUDA_CHECK(cudaGetLastError());
+    EXPECT_EQ(to_host(out2), to_host(out1)) << "out";
+    EXPECT_EQ(to_host(lse2), to_host(lse1)) << "lse";
+
+    // Both backwards from forward()'s out and lse.
+    auto dq1 = to_device<Bf16>(std::vector<float>(nq, 1e4f)), dq2 = to_device<Bf16>(std::vector<float>(nq, 1e4f));
+    auto dk1 = to_device<Bf16>(std::vector<float>(nkv, 1e4f)), dv1 = to_device<Bf16>(std::vector<float>(nkv, 1e4f));
+    auto dk2 = to_device<float>(std::vector<float>(nkv, 1e4f)), dv2 = to_device<float>(std::vector<float>(nkv, 1e4f));
+    const std::size_t ws1_bytes = gpu::backward_workspace_bytes(s.B, s.T, s.Hq, s.Hkv, s.Dh);
+    const std::size_t ws2_bytes = gpu::backward_runs_workspace_bytes(s.B, s.T, s.T, s.Hq, s.Hkv, s.Dh);
+    DeviceArray<unsigned char> ws1(ws1_bytes), ws2(ws2_bytes);
+    KEEL_CUDA_CHECK(cudaMemset(ws1.get(), 0x7f, ws1_bytes));
+    KEEL_CUDA_CHECK(cudaMemset(ws2.get(), 0x7f, ws2_bytes));
+    gpu::backward(q.get(), k.get(), v.get(), out1.get(), lse1.get(), dout.get(), dq1.get(), dk1.get(), dv1.get(),
+                  ws1.get(), s.B, s.T, s.Hq, s.Hkv, s.Dh, scale, c.window, nullptr);
+    gpu::backward_runs(q.get(), k.get(), v.get(), out1.get(), lse1.get(), dout.get(), dq2.get(), dk2.get(), dv2.get(),
+                       ws2.get(), s.B, s.T, s.T, s.Hq, s.Hkv, s.Dh, scale, c.window, run0.data(), 1, nullptr);
+    KEEL_CUDA_CHECK(cudaGetLastError());
+    const std::vector<float> dk2_bf16 = rounded_bf16(to_host(dk2)), dv2_bf16 = rounded_bf16(to_host(dv2));
+    const struct {
+      const char* what;
+      std::vector<float> got, want;
+    } grads[] = {{"dq", to_host(dq2), to_host(dq1)}, {"dk", dk2_bf16, to_host(dk1)}, {"dv", dv2_bf16, to_host(dv1)}};
+    for (const auto& g : grads) {
+      if (c.bitwise_backward)
+        EXPECT_EQ(g.got, g.want) << g.what;
+      else
+        EXPECT_TRUE(all_close(g.got, g.want, 1e-2f, 1e-4f, g.what));
+    }
+  }
+}
+
+// No queries (Tq = 0): nothing to attend, dk and dv overwritten with zeros.
+TEST(AttentionCudaRuns, NoQueriesZeroDkDv) {
+  KEEL_REQUIRE_GPU();
+  const int B = 2, Tk = 64, Hkv = 2, Dh = 64;
+  const std::size_t nkv = static_cast<std::size_t>(B) * Tk * Hkv * Dh;
+  DeviceArray<Bf16> x(nkv);
+  DeviceArray<float> l(64);
+  DeviceArray<unsigned char> ws(4096);
+  auto dk = to_device<float>(std::vector<float>(nkv, 1e4f)), dv = to_device<float>(std::vector<float>(nkv, 1e4f));
+  const int starts[] = {0, 64};
+  EXPECT_EQ(gpu::backward_runs_workspace_bytes(B, 0, Tk, 4, Hkv, Dh), 0u);
+  gpu::forward_runs(x.get(), x.get(), x.get(), x.get(), l.get(), B, 0, Tk, 4, Hkv, Dh, 0.1f, 0, starts, 2, nullptr);
+  gpu::backward_runs(x.get(), x.get(), x.get(), x.get(), l.get(), x.get(), x.get(), dk.get(), dv.get(), ws.get(), B, 0,
+                     Tk, 4, Hkv, Dh, 0.1f, 0, starts, 2, nullptr);
+  KEEL_CUDA_CHECK(cudaGetLastError());
+  EXPECT_EQ(to_host(dk), std::vector<float>(nkv, 0.f));
+  EXPECT_EQ(to_host(dv), std::vector<float>(nkv, 0.f));
+}
+
+TEST(AttentionCudaRuns, RejectsBadRuns) {
+  KEEL_REQUIRE_GPU();
+  // Big enough for every shape below (B = 1, Tq <= 64, Tk = 64, Hq = Hkv = 2, Dh = 64), so a
+  // check that failed to throw would not write out of bounds; the outputs apart from the inputs
+  // (x: q, k, v, dout; zeros) for the calls that are fine.
+  DeviceArray<Bf16> x(1 << 14), out(1 << 14), dq(1 << 14);
+  DeviceArray<float> l(1 << 14), dk(1 << 14), dv(1 << 14);
+  DeviceArray<unsigned char> ws(1 << 20);
+  auto fwd = [&](int Tq, int Tk, const int* starts, int runs, int Dh = 64, int Hq = 2, int window = 0) {
+    gpu::forward_runs(x.get(), x.get(), x.get(), out.get(), l.get(), 1, Tq, Tk, Hq, 2, Dh, 0.1f, window, starts, runs,
+                      nullptr);
+  };
+  auto bwd = [&](int Tq, int Tk, const int* starts, int runs, int Dh = 64, int Hq = 2, int window = 0) {
+    gpu::backward_runs(x.get(), x.get(), x.get(), out.get(), l.get(), x.get(), dq.get(), dk.get(), dv.get(), ws.get(),
+                       1, Tq, Tk, Hq, 2, Dh, 0.1f, window, starts, runs, nullptr);
+  };
+  const int zero[] = {0, 0, 0, 0, 0, 0, 0, 0, 0}, neg[] = {-1}, late[] = {33}, two[] = {0, 32};
+  for (const auto& call : {std::function<void(int, int, const int*, int, int, int, int)>(fwd),
+                           std::function<void(int, int, const int*, int, int, int, int)>(bwd)}) {
+    EXPECT_THROW(call(32, 64, zero, 0, 64, 2, 0), Error);   // runs < 1
+    EXPECT_THROW(call(36, 64, zero, 9, 64, 2, 0), Error);   // runs > 8
+    EXPECT_THROW(call(32, 64, nullptr, 1, 64, 2, 0), Error);  // no run_start
+    EXPECT_THROW(call(32, 64, neg, 1, 64, 2, 0), Error);    // run_start < 0
+    EXPECT_THROW(call(32, 64, late, 1, 64, 2, 0), Error);   // run_start + L > Tk
+    EXPECT_THROW(call(33, 64, two, 2, 64, 2, 0), Error);    // Tq % runs
+    EXPECT_THROW(call(32, -1, zero, 1, 64, 2, 0), Error);   // Tk < 0
+    EXPECT_THROW(call(32, 64, zero, 1, 96, 2, 0), Error);   // head dim
+    EXPECT_THROW(call(32, 64, zero, 1, 64, 3, 0), Error);   // Hq % Hkv
+    EXPECT_THROW(call(32, 64, zero, 1, 64, 2, -1), Error);  // window
+  }
+  EXPECT_THROW(gpu::backward_runs_workspace_bytes(1, 32, -1, 2, 2, 64), Error);
+  EXPECT_THROW(gpu::backward_runs_workspace_bytes(1, 32, 64, 3, 2, 64), Error);
+  EXPECT_THROW(gpu::backward_runs_workspace_bytes(1, 32, 64, 2, 2, 32), Error);
+  // The edges that are fine: a run ending at the last key, eight runs.
+  const int end[] = {32}, eight[] = {0, 8, 16, 24, 32, 40, 48, 56};
+  EXPECT_NO_THROW(fwd(32, 64, end, 1));
+  EXPECT_NO_THROW(bwd(32, 64, end, 1));
+  EXPECT_NO_THROW(fwd(64, 64, eight, 8));
+  EXPECT_NO_THROW(bwd(64, 64, eight, 8));
+  KEEL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 }  // namespace

@@ -1,0 +1,80 @@
+// Context parallelism on GPUs: the GPU twin of context_parallel.h (read that first: the zigzag
+// partition, what is gathered and what the halos are), over the context group's NCCL
+// communicator. The attention core every block gets from the plan (plan_cuda.h) when the mesh's
+// cp degree is above 1. CUDA builds only.
+//
+//   attention  every rank's k and v (bf16) all-gathered, laid out in sequence order, and this
+//              rank's two runs of queries attend at their positions (attention::forward_runs).
+//              Backward gathers again, computes the whole sequence's dk, dv in fp32
+//              (attention::backward_runs), reduce-scatters them in fp32 to the ranks holding
+//              those keys and rounds them to bf16 once.
+//   halos      one NCCL send-receive with each neighbour (bf16 forward, fp32 backward).
+// Collectives run on the caller's stream, in the order the blocks call them. Buffers: the
+// gathered k and v (bf16 [B, S, Hkv, Dh] each, plus the all-gather's receive buffer of the same
+// size), the fp32 dk, dv of the whole sequence and their reduce-scatter buffers, and the halos'
+// staging: allocated once, for the largest layer.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "blocks/cuda/runners.h"
+#include "parallel/nccl_group.h"
+
+namespace keel::parallel {
+
+class CudaContextParallel final : public blocks::cuda::AttentionCore {
+ public:
+  using bf16 = blocks::cuda::bf16;
+  // group: the context group's NCCL communicator; context: its MPI communicator (host sums);
+  // batch x seq: the micro-batch (seq: whole sequences); kv_dim: this rank's kv heads x head dim
+  // (the widest layer's). Allocates its buffers (this rank's GPU).
+  CudaContextParallel(std::shared_ptr<NcclGroup> group, MPI_Comm context, std::int64_t batch, std::int64_t seq,
+                      std::int64_t kv_dim);
+  ~CudaContextParallel() override;
+  CudaContextParallel(const CudaContextParallel&) = delete;
+  CudaContextParallel& operator=(const CudaContextParallel&) = delete;
+
+  int size() const { return group_->size(); }
+  int rank() const { return group_->rank(); }
+  const std::vector<std::int32_t>& positions() const { return pos_; }  // this rank's rows' positions in a sequence
+  // Sums x[0..n) over the group on the host, in rank order (the same bits on every rank).
+  void sum(double* x, int n) const;
+  std::size_t device_bytes() const { return bytes_; }
+
+  int segments() const override { return 2; }
+  void halo(const bf16* tails, bf16* halos, std::int64_t rows, std::int64_t F, cudaStream_t stream) override;
+  void halo_backward(const float* dhalos, float* dtails, std::int64_t rows, std::int64_t F,
+                     cudaStream_t stream) override;
+  void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T, int Hq, int Hkv,
+               int Dh, float scale, int window, cudaStream_t stream) override;
+  std::size_t backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh) const override;
+  void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout,
+                bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv, int Dh, float scale,
+                int window, cudaStream_t stream) override;
+
+ private:
+  // k, v [B, T, w] of every rank -> k_, v_ [B, S, w] in sequence order.
+  void gather(const bf16* k, const bf16* v, std::int64_t B, std::int64_t T, std::int64_t w, cudaStream_t stream);
+  // The halo exchange of either direction's element type: `first` (rows b*2) go up and
+  // `second` (rows b*2+1) down in forward; reversed in backward.
+  void exchange(const void* in, void* out, std::int64_t rows, std::int64_t F, std::size_t elem, NcclType type,
+                bool backward, cudaStream_t stream);
+
+  std::shared_ptr<NcclGroup> group_;
+  MPI_Comm comm_;
+  std::int64_t batch_, seq_, chunk_, kv_dim_;
+  std::vector<std::int32_t> pos_;
+  int run_start_[2] = {0, 0};
+  std::size_t bytes_ = 0;
+  void* mem_ = nullptr;  // one allocation, carved below
+  bf16 *send_ = nullptr, *recv_ = nullptr, *k_ = nullptr, *v_ = nullptr;  // gather: [2 n], [C 2 n], [B S w] x 2
+  float *dk_ = nullptr, *dv_ = nullptr, *rs_send_ = nullptr, *rs_recv_ = nullptr;  // [B S w] x 2, [C 2 n], [2 n]
+  std::size_t halo_bytes_ = 0;
+  void* halo_ = nullptr;  // halos' staging, grown on demand: 3 x [B, F] of the larger element
+};
+
+}  // namespace keel::parallel
