@@ -220,7 +220,7 @@ const std::vector<std::string> kZayaGpu = joined(kZaya, {"model.cca_q_dim=256", 
 // 8 steps must learn alike, and every parameter (replicated over the context ranks) must hold the
 // same bits on every rank. The linear router's aux loss is off: on GPUs it is each rank's over
 // its own tokens (docs/parallel.md), not the one-GPU micro-batch's.
-void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std::string& tag, int seq = 0) {
+void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std::string& tag, int seq = 0, int ep = 1) {
   if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
   set_cuda_device(world_rank());
   const int C = world_size();
@@ -229,11 +229,11 @@ void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std:
   if (world_rank() == 0) fixtures::make_dataset(dir, "d", 600);
   std::vector<std::string> sets = joined(kGpu, model);
   sets.insert(sets.end(), {"steps=9", "router.log_counts=true", "data.seq_length=" + std::to_string(seq),
-                           "parallel.context=" + std::to_string(C)});
+                           "parallel.context=" + std::to_string(C), "parallel.expert=" + std::to_string(ep)});
   TrainConfig cfg = config(dir, dir / "cp", sets);
-  Trainer t(cfg, cp_mesh(C), true);
+  Trainer t(cfg, cp_mesh(C, 1, ep), true);
   TrainConfig one = cfg;
-  one.parallel_context = 1;
+  one.parallel_context = one.parallel_expert = 1;
   one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
   Trainer single(one, parallel::Mesh(), true);
   const StepStats a = t.run(1).at(0), b = single.run(1).at(0);
@@ -247,6 +247,7 @@ void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std:
     std::printf("  %s: step 9 loss %.4f at context degree %d, %.4f on one GPU\n", tag.c_str(), rest.back().loss, C,
                 single_rest.back().loss);
   EXPECT_NEAR(rest.back().loss, single_rest.back().loss, 0.05 * single_rest.back().loss) << tag;
+  if (ep > 1) return;  // each rank holds other experts
   std::vector<float> mine = t.backend().state().params, root = mine;
   MPI_Bcast(root.data(), static_cast<int>(root.size()), MPI_FLOAT, 0, MPI_COMM_WORLD);
   EXPECT_EQ(mine, root) << tag << ": the parameters differ between context ranks";
@@ -254,6 +255,10 @@ void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std:
 
 TEST(ContextParallel, GpusMatchOneGpu) { expect_gpus_match_one_gpu({}, "cp"); }
 TEST(ContextParallel, GpusZayaMatchOneGpu) { expect_gpus_match_one_gpu(kZayaGpu, "zaya_cp"); }
+// Expert parallelism folded over the context ranks: each GPU holds half of the experts.
+TEST(ContextParallel, GpusZayaWithExpertParallelMatchOneGpu) {
+  expect_gpus_match_one_gpu(kZayaGpu, "zaya_cp_ep", 0, world_size());
+}
 TEST(ContextParallel, GpusZayaSlidingMatchOneGpu) {
   expect_gpus_match_one_gpu(joined(kZayaGpu, {"model.layer_sliding=[false, true]", "model.sliding_window=200"}),
                             "zaya_sliding_cp");
