@@ -50,8 +50,8 @@ class DeviceArena {
     return carver_.template take<T>(count);
   }
   // Ends the sizing pass: allocates what was counted (zero-filled) and starts handing out real
-  // pointers. Out of memory is one keel::UsageError naming the arena and what to lower.
-  void allocate();
+  // pointers. Out of memory is one keel::UsageError naming the arena and `advice` (what to lower).
+  void allocate(const std::string& advice = "lower batch.micro_batch or data.seq_length, or set recompute: full");
   std::size_t capacity() const { return capacity_; }
   std::size_t used() const { return carver_.used(); }
   DeviceCarver& carver() { return carver_; }

@@ -182,7 +182,10 @@ class CudaBackend final : public TrainBackend {
         param_arena_.allocate();
         grad_arena_.allocate();
         state_arena_.allocate();
-        act_arena_.allocate();
+        // what would shrink the activations: the ones not taken yet
+        act_arena_.allocate(fmt::format("lower batch.micro_batch or data.seq_length{}, or split each sequence over "
+                                        "more GPUs (parallel.context)",
+                                        opt_.recompute == Recompute::kFull ? "" : ", set recompute: full"));
       }
     }
     const std::vector<ByteRange> masters =

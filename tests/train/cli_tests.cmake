@@ -136,6 +136,18 @@ set_tests_properties(cli_train_cp_clean PROPERTIES FIXTURES_SETUP train_cp_clean
 set_tests_properties(cli_train_cp2_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_cp_clean" FIXTURES_SETUP train_cp)
 set_tests_properties(cli_train_cp2_inspect cli_train_cp2_resume_on_one PROPERTIES FIXTURES_REQUIRED "train_stories;train_cp")
 set_tests_properties(cli_train_cp2_resume_on_one PROPERTIES DEPENDS cli_train_cp2_inspect)
+# Activations that do not fit one GPU: one line saying what would shrink them, context
+# parallelism included (and recompute: full only where it is not set already).
+keel_cli_test(NAME train_activations_out_of_gpu_memory GPUS "1+" EXIT 1
+  MATCH "out of GPU memory: the activations need .* set recompute: full, or split each sequence over more GPUs \\(parallel\\.context\\)"
+  ARGS train ${tcfg} ${tshort} --set device=cuda --set batch.micro_batch=65536 --set output_dir=train_oom_gpu)
+keel_cli_test(NAME train_activations_out_of_gpu_memory_recompute GPUS "1+" EXIT 1
+  MATCH "lower batch\\.micro_batch or data\\.seq_length, or split each sequence over more GPUs"
+  NOT "set recompute: full"
+  ARGS train ${tcfg} ${tshort} --set device=cuda --set batch.micro_batch=262144 --set recompute=full
+       --set output_dir=train_oom_gpu_full)
+set_tests_properties(cli_train_activations_out_of_gpu_memory cli_train_activations_out_of_gpu_memory_recompute
+                     PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 keel_cli_test(NAME train_cp_sequence_does_not_split NP 2 EXIT 1
   MATCH "tiny\\.yaml: seq_length 65 does not split over context-parallel degree 2 \\(parallel\\.context\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.context=2 --set data.seq_length=65)
