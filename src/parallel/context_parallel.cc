@@ -160,7 +160,7 @@ void ContextParallel::attend_backward(const Tensor& q, const Tensor& k, const Te
   std::memcpy(dv.data(), send_.data() + n, sizeof(float) * static_cast<std::size_t>(n));
 }
 
-void ContextParallel::exchange(const float* send, int to, float* recv, int from, std::int64_t n) const {
+void ContextParallel::sendrecv(const float* send, int to, float* recv, int from, std::int64_t n) const {
   std::fill(recv, recv + n, 0.f);  // stays zero where there is no sender
   PeerWait wait("MPI_Sendrecv (context-parallel halo)");
   mpi_check(MPI_Sendrecv(send, mpi_count(n, "a halo"), MPI_FLOAT, to < 0 ? MPI_PROC_NULL : to, 0, recv,
@@ -171,41 +171,33 @@ void ContextParallel::exchange(const float* send, int to, float* recv, int from,
 
 // Runs: row b * 2 + 0 is chunk r, b * 2 + 1 chunk 2C-1-r. The run before chunk r is chunk r-1,
 // rank r-1's first run; before chunk 2C-1-r, chunk 2C-2-r: rank r+1's second run, or for the
-// last rank its own first run (chunk C-1 precedes chunk C).
-void ContextParallel::halo(const Tensor& tails, const Tensor& halos) {
-  const std::int64_t F = tails.dim(1), B = tails.dim(0) / 2;
-  require_shape(halos, {2 * B, F}, "context parallel halos");
+// last rank its own first run (chunk C-1 precedes chunk C). Forward a first run's tail goes one
+// rank up and a second run's one rank down; backward the halos' gradients go the other way.
+void ContextParallel::exchange(const Tensor& in, const Tensor& out, bool backward) const {
+  const std::int64_t F = in.dim(1), B = in.dim(0) / 2, n = B * F;
+  require_shape(out, {2 * B, F}, backward ? "context parallel dtails" : "context parallel halos");
   const int up = rank_ + 1 < size_ ? rank_ + 1 : -1, down = rank_ - 1;
-  std::vector<float> first(B * F), second(B * F), got(B * F);
-  for (std::int64_t b = 0; b < B; ++b) {
-    std::memcpy(first.data() + b * F, row_ptr(tails, 2 * b, F), sizeof(float) * F);
-    std::memcpy(second.data() + b * F, row_ptr(tails, 2 * b + 1, F), sizeof(float) * F);
-  }
-  exchange(first.data(), up, got.data(), down, B * F);  // first runs' tails go up
-  for (std::int64_t b = 0; b < B; ++b) std::memcpy(row_ptr(halos, 2 * b, F), got.data() + b * F, sizeof(float) * F);
-  exchange(second.data(), down, got.data(), up, B * F);  // second runs' tails go down
-  const std::vector<float>& before_second = up < 0 ? first : got;
-  for (std::int64_t b = 0; b < B; ++b)
-    std::memcpy(row_ptr(halos, 2 * b + 1, F), before_second.data() + b * F, sizeof(float) * F);
+  std::vector<float> first(n), second(n), got(n);
+  const auto rows = [&](const Tensor& t, int run, float* buf, bool into_t) {  // rows b * 2 + run <-> buf
+    for (std::int64_t b = 0; b < B; ++b) {
+      float* row = row_ptr(t, 2 * b + run, F);
+      if (into_t)
+        std::memcpy(row, buf + b * F, sizeof(float) * F);
+      else
+        std::memcpy(buf + b * F, row, sizeof(float) * F);
+    }
+  };
+  rows(in, 0, first.data(), false);
+  rows(in, 1, second.data(), false);
+  sendrecv(first.data(), backward ? down : up, got.data(), backward ? up : down, n);
+  rows(out, 0, (backward && up < 0 ? second : got).data(), true);
+  sendrecv(second.data(), backward ? up : down, got.data(), backward ? down : up, n);
+  rows(out, 1, (!backward && up < 0 ? first : got).data(), true);
 }
 
+void ContextParallel::halo(const Tensor& tails, const Tensor& halos) { exchange(tails, halos, false); }
+
 // The adjoint of halo(): each halo's gradient goes back to the run whose tail it was.
-void ContextParallel::halo_backward(const Tensor& dhalos, const Tensor& dtails) {
-  const std::int64_t F = dhalos.dim(1), B = dhalos.dim(0) / 2;
-  require_shape(dtails, {2 * B, F}, "context parallel dtails");
-  const int up = rank_ + 1 < size_ ? rank_ + 1 : -1, down = rank_ - 1;
-  std::vector<float> first(B * F), second(B * F), got(B * F);
-  for (std::int64_t b = 0; b < B; ++b) {
-    std::memcpy(first.data() + b * F, row_ptr(dhalos, 2 * b, F), sizeof(float) * F);
-    std::memcpy(second.data() + b * F, row_ptr(dhalos, 2 * b + 1, F), sizeof(float) * F);
-  }
-  exchange(first.data(), down, got.data(), up, B * F);  // first runs' halo gradients go down
-  const std::vector<float>& into_first = up < 0 ? second : got;
-  for (std::int64_t b = 0; b < B; ++b)
-    std::memcpy(row_ptr(dtails, 2 * b, F), into_first.data() + b * F, sizeof(float) * F);
-  // second runs' halo gradients go up, except the last rank's, which were its own first run's
-  exchange(second.data(), up, got.data(), down, B * F);
-  for (std::int64_t b = 0; b < B; ++b) std::memcpy(row_ptr(dtails, 2 * b + 1, F), got.data() + b * F, sizeof(float) * F);
-}
+void ContextParallel::halo_backward(const Tensor& dhalos, const Tensor& dtails) { exchange(dhalos, dtails, true); }
 
 }  // namespace keel::parallel

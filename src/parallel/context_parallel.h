@@ -72,7 +72,10 @@ class ContextParallel final : public blocks::AttentionCore, public blocks::Token
   void gather(const Tensor& k, const Tensor& v);
   // The row of a rank's local row (b, t) in the whole sequence's [B, S] rows.
   std::int64_t seq_row(int rank, std::int64_t b, std::int64_t t) const;
-  void exchange(const float* send, int to, float* recv, int from, std::int64_t n) const;
+  // MPI_Sendrecv of n floats (to / from -1: none; recv is zeroed first).
+  void sendrecv(const float* send, int to, float* recv, int from, std::int64_t n) const;
+  // halo() (backward false) and halo_backward() (true): in, out [B * 2, F].
+  void exchange(const Tensor& in, const Tensor& out, bool backward) const;
 
   MPI_Comm comm_;
   int size_ = 1, rank_ = 0;

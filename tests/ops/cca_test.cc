@@ -9,6 +9,7 @@
 #include <cmath>
 #include <vector>
 
+#include "adjacent_runs.h"
 #include "common/error.h"
 #include "gradcheck.h"
 #include "ops/sequence_split.h"
@@ -263,28 +264,7 @@ TEST(OpCca, GradCheckEndToEnd) {
 
 // ---- CCA over a SequenceSplit (ops/sequence_split.h) ----
 
-// A whole sequence held by ONE process as S adjacent runs: run s's halo is run s-1's tail (zeros
-// for s = 0), its backward the adjoint; attention is the base class's whole-sequence attention,
-// right here because the runs are adjacent and complete. So every result must equal the
-// whole-sequence op's.
-class AdjacentRuns : public ops::SequenceSplit {
- public:
-  explicit AdjacentRuns(int S) : S_(S) {}
-  int segments() const override { return S_; }
-  void halo(const Tensor& tails, const Tensor& halos) override {
-    require_shape(halos, {tails.dim(0), tails.dim(1)}, "test halos");
-    for (std::int64_t r = 0; r < tails.dim(0); ++r)
-      for (std::int64_t j = 0; j < tails.dim(1); ++j) halos.row(r)[j] = r % S_ == 0 ? 0.f : tails.row(r - 1)[j];
-  }
-  void halo_backward(const Tensor& dhalos, const Tensor& dtails) override {
-    require_shape(dtails, {dhalos.dim(0), dhalos.dim(1)}, "test dtails");
-    for (std::int64_t r = 0; r < dhalos.dim(0); ++r)
-      for (std::int64_t j = 0; j < dhalos.dim(1); ++j) dtails.row(r)[j] = r % S_ == S_ - 1 ? 0.f : dhalos.row(r + 1)[j];
-  }
-
- private:
-  int S_;
-};
+using test::AdjacentRuns;  // tests/ops/adjacent_runs.h
 
 // Two runs whose halos are always zeros (the base class's halo): what an ignored halo would give.
 class ZeroHalos : public ops::SequenceSplit {

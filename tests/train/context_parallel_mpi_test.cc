@@ -43,20 +43,10 @@ parallel::Mesh cp_mesh(int cp, int tp = 1, int ep = 1) {
   return parallel::Mesh(s, MPI_COMM_WORLD);
 }
 
-const std::vector<std::string> kZaya = {"model.attention=cca",         "model.cca_q_dim=16",
-                                        "model.cca_k_dim=8",           "model.cca_v_dim=8",
-                                        "model.cca_conv_width=2",      "model.cca_group_conv_width=2",
-                                        "model.residual_scaling=true", "model.tied_embeddings=true",
-                                        "model.router_hidden=8",       "model.router_mlp_layers=3",
-                                        "model.top_k=1",               "model.router_skip_expert=true"};
-// Layer 1 of 2 slides over 5 tokens: its window crosses chunk boundaries.
-const std::vector<std::string> kSliding = {"model.layer_sliding=[false, true]", "model.sliding_window=5",
-                                           "model.sliding_rope_base=500", "model.sliding_rope_fraction=0.5"};
-
-std::vector<std::string> joined(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+using fixtures::joined;
+using fixtures::kSliding;
+using fixtures::kZaya;
+using fixtures::kZayaGpu;
 
 TrainConfig config(const fs::path& dir, const fs::path& out, const std::vector<std::string>& extra,
                    const std::string& optimizer_extra = "") {
@@ -212,8 +202,6 @@ bool gpu_per_rank() { return world_size() >= 2 && visible_cuda_devices() >= worl
 const std::vector<std::string> kGpu = {"device=cuda",           "model.hidden=128",      "model.head_dim=64",
                                        "model.ffn_hidden=256",  "model.expert_hidden=128", "model.max_seq_len=1024",
                                        "router.aux_loss_weight=0"};
-const std::vector<std::string> kZayaGpu = joined(kZaya, {"model.cca_q_dim=256", "model.cca_k_dim=128",
-                                                          "model.cca_v_dim=128", "model.router_hidden=64"});
 
 // GPU runs agree with one GPU to bf16 rounding (attention sums its keys in another order, dk and
 // dv are summed over the ranks): the first step's loss and gradient norm, the same routing; then

@@ -48,24 +48,10 @@ parallel::Mesh tp_mesh(int tp, int ep = 1) {
   return parallel::Mesh(s, MPI_COMM_WORLD);
 }
 
-// A ZAYA1-shaped tiny model: CCA (4 query heads of 4, 2 kv heads), the MLP router with the skip
-// class, residual scaling, tied embeddings.
-const std::vector<std::string> kZaya = {"model.attention=cca",       "model.cca_q_dim=16",
-                                        "model.cca_k_dim=8",         "model.cca_v_dim=8",
-                                        "model.cca_conv_width=2",    "model.cca_group_conv_width=2",
-                                        "model.residual_scaling=true", "model.tied_embeddings=true",
-                                        "model.router_hidden=8",     "model.router_mlp_layers=3",
-                                        "model.top_k=1",             "model.router_skip_expert=true"};
-
-// Layer 1 of 2 slides over 5 of the 16 tokens with its own RoPE: the window and the layer's
-// table reach the blocks through the tensor-parallel runners.
-const std::vector<std::string> kSliding = {"model.layer_sliding=[false, true]", "model.sliding_window=5",
-                                           "model.sliding_rope_base=500", "model.sliding_rope_fraction=0.5"};
-
-std::vector<std::string> joined(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+using fixtures::joined;
+using fixtures::kSliding;
+using fixtures::kZaya;
+using fixtures::kZayaGpu;
 
 TrainConfig config(const fs::path& dir, const fs::path& out, int tp, bool sequence,
                    const std::vector<std::string>& extra = {}, const std::string& optimizer_extra = "") {
@@ -291,9 +277,6 @@ bool gpu_per_rank() { return world_size() >= 2 && visible_cuda_devices() >= worl
 // Sizes the CUDA kernels take (head_dim 64), the tests' tiny MoE otherwise.
 const std::vector<std::string> kGpu = {"device=cuda", "model.hidden=128", "model.head_dim=64", "model.ffn_hidden=256",
                                        "model.expert_hidden=128"};
-// ZAYA1-shaped at those sizes: CCA with 4 query heads and 2 kv heads of 64.
-const std::vector<std::string> kZayaGpu = joined(kZaya, {"model.cca_q_dim=256", "model.cca_k_dim=128",
-                                                          "model.cca_v_dim=128", "model.router_hidden=64"});
 
 // GPU runs agree with one GPU only to bf16 rounding (the tensor group sums partial outputs of
 // GEMMs of other shapes, in bf16 for the attention outputs), so the comparison is of the first

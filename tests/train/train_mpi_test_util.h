@@ -35,4 +35,27 @@ inline const std::vector<std::string> kZayaRouterSets = {"model.router_hidden=8"
                                                          "model.top_k=1", "model.router_skip_expert=true",
                                                          "router.init_gain=0"};
 
+// A ZAYA1-shaped tiny model: CCA (4 query heads of 4, 2 kv heads), the MLP router with the skip
+// class, residual scaling, tied embeddings (--set lines over train_config_text's tiny MoE).
+inline const std::vector<std::string> kZaya = {"model.attention=cca",         "model.cca_q_dim=16",
+                                               "model.cca_k_dim=8",           "model.cca_v_dim=8",
+                                               "model.cca_conv_width=2",      "model.cca_group_conv_width=2",
+                                               "model.residual_scaling=true", "model.tied_embeddings=true",
+                                               "model.router_hidden=8",       "model.router_mlp_layers=3",
+                                               "model.top_k=1",               "model.router_skip_expert=true"};
+
+// Layer 1 of 2 slides over 5 tokens with its own RoPE: the window and the layer's table must
+// reach the blocks through a scheme's runners (and cross its rank boundaries).
+inline const std::vector<std::string> kSliding = {"model.layer_sliding=[false, true]", "model.sliding_window=5",
+                                                  "model.sliding_rope_base=500", "model.sliding_rope_fraction=0.5"};
+
+inline std::vector<std::string> joined(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// kZaya at the sizes the CUDA kernels take: CCA with 4 query heads and 2 kv heads of 64.
+inline const std::vector<std::string> kZayaGpu = joined(kZaya, {"model.cca_q_dim=256", "model.cca_k_dim=128",
+                                                                 "model.cca_v_dim=128", "model.router_hidden=64"});
+
 }  // namespace keel::train::fixtures

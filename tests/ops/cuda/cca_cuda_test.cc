@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "../adjacent_runs.h"
 #include "common/error.h"
 #include "cuda_test_util.h"
 #include "ops/cca.h"
@@ -40,38 +41,14 @@ using test::random_vector;
 using test::rounded_bf16;
 using test::to_device;
 using test::to_host;
+using test::download_bf16;
+using test::download_f32;
+using test::download_raw;
+using test::logged_rel_err;
+using test::upload_raw;
 namespace ca = ops::cca;
 namespace kca = ops::cuda::cca;
 
-template <typename T>
-DeviceArray<T> upload_raw(const std::vector<T>& h) {
-  DeviceArray<T> d(h.size());
-  if (!h.empty()) KEEL_CUDA_CHECK(cudaMemcpy(d.get(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
-
-template <typename T>
-std::vector<T> download_raw(const T* d, std::size_t n) {
-  KEEL_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<T> h(n);
-  if (n) KEEL_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
-
-std::vector<float> download_f32(const float* d, std::size_t n) { return download_raw(d, n); }
-std::vector<float> download_bf16(const cuda_bf16* d, std::size_t n) {
-  const auto raw = download_raw(d, n);
-  std::vector<float> h(n);
-  for (std::size_t i = 0; i < n; ++i) h[i] = __bfloat162float(raw[i]);
-  return h;
-}
-
-// rel_err, also printed so the log documents the measured gap.
-double logged_rel_err(const char* what, const std::vector<float>& got, const std::vector<float>& want) {
-  const double e = norm_rel_err(got, want);
-  std::printf("    %-14s norm-relative error %.2e\n", what, e);
-  return e;
-}
 
 // ---------------------------------------------------------------- the splits
 
@@ -142,25 +119,8 @@ class GreedyWorkspace : public AdjacentRunsCuda {
   }
 };
 
-// CPU: the same (CcaSplit's AdjacentRuns, tests/ops/cca_test.cc).
-class AdjacentRuns : public ops::SequenceSplit {
- public:
-  explicit AdjacentRuns(int S) : S_(S) {}
-  int segments() const override { return S_; }
-  void halo(const Tensor& tails, const Tensor& halos) override {
-    require_shape(halos, {tails.dim(0), tails.dim(1)}, "test halos");
-    for (std::int64_t r = 0; r < tails.dim(0); ++r)
-      for (std::int64_t j = 0; j < tails.dim(1); ++j) halos.row(r)[j] = r % S_ == 0 ? 0.f : tails.row(r - 1)[j];
-  }
-  void halo_backward(const Tensor& dhalos, const Tensor& dtails) override {
-    require_shape(dtails, {dhalos.dim(0), dhalos.dim(1)}, "test dtails");
-    for (std::int64_t r = 0; r < dhalos.dim(0); ++r)
-      for (std::int64_t j = 0; j < dhalos.dim(1); ++j) dtails.row(r)[j] = r % S_ == S_ - 1 ? 0.f : dhalos.row(r + 1)[j];
-  }
-
- private:
-  int S_;
-};
+// CPU: the same (tests/ops/adjacent_runs.h).
+using test::AdjacentRuns;
 
 // ---------------------------------------------------------------- one case, CPU and GPU
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
@@ -174,6 +175,37 @@ inline double norm_rel_err(const std::vector<float>& got, const std::vector<floa
     den += static_cast<double>(want[i]) * want[i];
   }
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Raw copies of any element type (no conversion), for ids, positions and the ops' own dtypes.
+template <typename T>
+DeviceArray<T> upload_raw(const std::vector<T>& h) {
+  DeviceArray<T> d(h.size());
+  if (!h.empty()) KEEL_CUDA_CHECK(cudaMemcpy(d.get(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+template <typename T>
+std::vector<T> download_raw(const T* d, std::size_t n) {
+  KEEL_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<T> h(n);
+  if (n) KEEL_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+inline std::vector<float> download_f32(const float* d, std::size_t n) { return download_raw(d, n); }
+inline std::vector<float> download_bf16(const __nv_bfloat16* d, std::size_t n) {
+  const auto raw = download_raw(d, n);
+  std::vector<float> h(n);
+  for (std::size_t i = 0; i < n; ++i) h[i] = __bfloat162float(raw[i]);
+  return h;
+}
+
+// norm_rel_err, also printed so the log documents the measured gap.
+inline double logged_rel_err(const char* what, const std::vector<float>& got, const std::vector<float>& want) {
+  const double e = norm_rel_err(got, want);
+  std::printf("    %-14s norm-relative error %.2e\n", what, e);
+  return e;
 }
 
 }  // namespace keel::test

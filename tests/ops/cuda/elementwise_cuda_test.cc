@@ -30,13 +30,7 @@ using test::random_vector;
 using test::rounded_bf16;
 using test::to_device;
 using test::to_host;
-
-template <typename T>
-DeviceArray<T> upload_raw(const std::vector<T>& h) {
-  DeviceArray<T> d(h.size());
-  if (!h.empty()) KEEL_CUDA_CHECK(cudaMemcpy(d.get(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
+using test::upload_raw;
 
 std::vector<std::uint32_t> random_ids(std::int64_t n, std::int64_t vocab, std::uint64_t seed) {
   std::mt19937_64 rng(seed);

@@ -42,36 +42,12 @@ using test::random_vector;
 using test::rounded_bf16;
 using test::to_device;
 using test::to_host;
+using test::download_bf16;
+using test::download_f32;
+using test::download_raw;
+using test::logged_rel_err;
+using test::upload_raw;
 
-template <typename T>
-DeviceArray<T> upload_raw(const std::vector<T>& h) {
-  DeviceArray<T> d(h.size());
-  if (!h.empty()) KEEL_CUDA_CHECK(cudaMemcpy(d.get(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
-
-template <typename T>
-std::vector<T> download_raw(const T* d, std::size_t n) {
-  KEEL_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<T> h(n);
-  if (n) KEEL_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
-
-std::vector<float> download_f32(const float* d, std::size_t n) { return download_raw(d, n); }
-std::vector<float> download_bf16(const cuda_bf16* d, std::size_t n) {
-  const auto raw = download_raw(d, n);
-  std::vector<float> h(n);
-  for (std::size_t i = 0; i < n; ++i) h[i] = __bfloat162float(raw[i]);
-  return h;
-}
-
-// rel_err, also printed so the log documents the measured bf16 gap.
-double logged_rel_err(const char* what, const std::vector<float>& got, const std::vector<float>& want) {
-  const double e = norm_rel_err(got, want);
-  std::printf("    %-14s norm-relative error %.2e\n", what, e);
-  return e;
-}
 
 // ---------------------------------------------------------------- residual scaling
 
