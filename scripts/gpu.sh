@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp decode ckpt ab
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp linattn decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -218,6 +218,16 @@ for step in "${steps[@]}"; do
         grep -A20 '^== keel context parallelism' "$out/train_cp.log" >>"$summary"
       else
         note "cp: FAILED or timed out before the table (see train_cp.log)"
+      fi ;;
+    linattn)
+      # keel's linear attention kernels against flash-linear-attention's (bench/linear_attention_vs_fla.py;
+      # fla-core and einops from .whl/, carried to the GPU machine; KEEL_LINATTN_ARGS to the script).
+      timeout "${KEEL_LINATTN_TIMEOUT:-600}" python3 bench/linear_attention_vs_fla.py --keel "$build/keel" \
+          ${KEEL_LINATTN_ARGS:-} 2>&1 | tee "$out/linattn_vs_fla.log" | tail -14
+      if grep -q '^== keel linear attention vs' "$out/linattn_vs_fla.log"; then
+        grep -A10 '^== keel linear attention vs' "$out/linattn_vs_fla.log" >>"$summary"
+      else
+        note "linattn: FAILED or timed out before the table (see linattn_vs_fla.log)"
       fi ;;
     train)
       # keel train vs a PyTorch implementation of the same MoE and step (eager and torch.compile).

@@ -28,7 +28,8 @@ ALLOWED = {
     "generate": {"blocks", "ckpt", "common", "data", "device", "mesh", "model", "ops", "optim", "tensor", "train"},
     "eval": {"ckpt", "common", "data", "model", "ops", "train"},
     "size": {"common", "hw", "mesh", "model", "optim", "parallel", "train"},
-    "bench": {"common", "device", "hw", "model"},
+    # bench linattn times an op alone (ops/cuda/linear_attention.h)
+    "bench": {"common", "device", "hw", "model", "ops", "optim", "tensor"},
     # the supervisor drives keel train from outside: it reads train configs and checkpoint roots
     "run": {"ckpt", "common", "device", "train"},
     "cli": {"bench", "ckpt", "common", "data", "eval", "generate", "run", "size", "train"},

@@ -1,6 +1,8 @@
 // The attention block on the CPU (fp32 reference), written once for training (train/model.h)
 // and decoding's prefill (generate/generate.h): mha/gqa (q, k, v projections, RoPE, causal
-// attention, output projection) or ZAYA1's CCA (ops/cca.h, its output projection included). The
+// attention, output projection), ZAYA1's CCA (ops/cca.h, its output projection included), or
+// linear attention (the same projections, no RoPE: the feature map on q and k, causal linear
+// attention, each head's output RMS-normalized, the output projection; ops/linear_attention.h). The
 // per-token decode over a cache is attention_decode.h. The GPU twin is blocks/cuda/attention.h.
 //
 // h (the stage's RMSNorm output) [N, D], N = batch x seq tokens -> y [N, D] OVERWRITTEN. Backward:
@@ -26,8 +28,11 @@ namespace keel::blocks {
 struct AttnSaved {
   Tensor q, k, v, att, lse;  // mha/gqa: [B, T, Hq, Dh], [B, T, Hkv, Dh] x 2, [B, T, Hq, Dh], [B, Hq, T]
   ops::cca::Saved cca;       // CCA
+  // linear: q, k, v (feature-mapped), att (normalized output) as above; rstd [B*T*Hq]; init
+  // [B*segments, Hkv, Dh, Dh] each run's initial state (context parallelism only)
+  Tensor rstd, init;
 };
-void carve(ArenaPlanner& p, const std::string& prefix, const AttnShape& s, bool softmax, bool cca, AttnSaved& a);
+void carve(ArenaPlanner& p, const std::string& prefix, const AttnShape& s, AttnKinds kinds, AttnSaved& a);
 
 // Backward scratch shared by every layer; `tmp` [N, D] is the caller's.
 struct AttnScratch {
@@ -35,7 +40,7 @@ struct AttnScratch {
   Tensor cca;               // cca::backward_scratch_floats
   Tensor tmp;               // [N, D]: one projection's input gradient before it is summed
 };
-void carve(ArenaPlanner& p, const AttnShape& s, bool softmax, bool cca, AttnScratch& sc);
+void carve(ArenaPlanner& p, const AttnShape& s, AttnKinds kinds, AttnScratch& sc);
 
 // Each token's position [N] with the layer's rotary table and attention window (0: full
 // causal; a sliding layer's model::attention_window), and the block's runners.
@@ -47,9 +52,10 @@ struct AttnContext {
   AttentionCore* core = &local_attention();
 };
 
-void attention_forward(const AttnShape& s, const LayerWeights& w, bool cca, const Tensor& h, const AttnContext& c,
-                       const AttnSaved& a, const Tensor& y);
-void attention_backward(const AttnShape& s, const LayerWeights& w, LayerWeights& g, bool cca, const Tensor& h,
+void attention_forward(const AttnShape& s, const LayerWeights& w, model::AttentionKind kind, const Tensor& h,
+                       const AttnContext& c, const AttnSaved& a, const Tensor& y);
+void attention_backward(const AttnShape& s, const LayerWeights& w, LayerWeights& g, model::AttentionKind kind,
+                        const Tensor& h,
                         const AttnContext& c, const AttnSaved& a, const AttnScratch& sc, const Tensor& dy,
                         const Tensor& dh);
 

@@ -9,6 +9,7 @@
 #include "common/parallel_for.h"
 #include "ops/attention.h"
 #include "ops/linear.h"
+#include "ops/linear_attention.h"
 
 namespace keel::blocks {
 namespace {
@@ -173,11 +174,35 @@ void cca_decode(const AttnShape& s, const LayerWeights& w, const Tensor& h, cons
   ops::linear::forward(att.reshaped({B, dq}), p.w_o, Tensor(), y);
 }
 
+// Linear attention of the B new tokens: the state advanced by each token (ops::linear_attention::
+// step), its output normalized per head, the output projection.
+void linear_decode(const AttnShape& s, const LayerWeights& w, const Tensor& h, LayerCache& c, const AttnSaved& a,
+                   const Tensor& y) {
+  namespace la = ops::linear_attention;
+  const std::int64_t B = s.batch, Hq = s.heads, Hkv = s.kv_heads, Dh = s.head_dim, Q = Hq * Dh, KV = Hkv * Dh;
+  const Tensor q = a.q.reshaped({B, Q}), k = a.k.reshaped({B, KV}), v = a.v.reshaped({B, KV});
+  ops::linear::forward(h, w.wq, {}, q);
+  ops::linear::forward(h, w.wk, {}, k);
+  ops::linear::forward(h, w.wv, {}, v);
+  la::feature_forward(s.feature, q, q);
+  la::feature_forward(s.feature, k, k);
+  const Tensor att = a.att.reshaped({B, Q});
+  la::step(s.linear, q, k, v, Tensor(c.state.data(), {B, Hkv, Dh, Dh}), att);
+  const Tensor heads = att.reshaped({B * Hq, Dh});
+  la::norm_forward(heads, s.eps, heads, a.rstd.reshaped({B * Hq}));
+  ops::linear::forward(att, w.wo, {}, y);
+}
+
 }  // namespace
 
-LayerCache make_layer_cache(const AttnShape& s, bool cca, const LayerWeights& w, int capacity) {
+LayerCache make_layer_cache(const AttnShape& s, model::AttentionKind kind, const LayerWeights& w, int capacity) {
   const std::int64_t B = s.batch, kv = std::int64_t(s.kv_heads) * s.head_dim, C = s.cca.qk_channels();
+  const bool cca = kind == model::AttentionKind::kCca;
   LayerCache c;
+  if (kind == model::AttentionKind::kLinear) {
+    c.state.assign(static_cast<std::size_t>(B * kv * s.head_dim), 0.f);
+    return c;
+  }
   c.k.assign(static_cast<std::size_t>(B * capacity * kv), 0.f);
   c.v.assign(c.k.size(), 0.f);
   if (cca) {
@@ -190,10 +215,15 @@ LayerCache make_layer_cache(const AttnShape& s, bool cca, const LayerWeights& w,
   return c;
 }
 
-void fill_cache(const AttnShape& s, const LayerWeights& w, bool cca, const Tensor& h, const AttnSaved& a,
-                int capacity, LayerCache& c) {
+void fill_cache(const AttnShape& s, const LayerWeights& w, model::AttentionKind kind, const Tensor& h,
+                const AttnSaved& a, int capacity, LayerCache& c) {
   const std::int64_t B = s.batch, T = s.seq, D = s.hidden, KV = std::int64_t(s.kv_heads) * s.head_dim;
-  if (!cca) {
+  if (kind == model::AttentionKind::kLinear) {  // the state the prompt leaves (forward's k, v are feature-mapped)
+    ops::linear_attention::local_states(s.linear, B, T, a.k.reshaped({B * T, KV}), a.v.reshaped({B * T, KV}),
+                                        Tensor(c.state.data(), {B, s.kv_heads, s.head_dim, s.head_dim}));
+    return;
+  }
+  if (kind != model::AttentionKind::kCca) {
     const Tensor k = a.k.reshaped({B * T, KV}), v = a.v.reshaped({B * T, KV});
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t t = 0; t < T; ++t) {
@@ -229,10 +259,12 @@ void fill_cache(const AttnShape& s, const LayerWeights& w, bool cca, const Tenso
   }
 }
 
-void attention_decode(const AttnShape& s, const LayerWeights& w, bool cca, const Tensor& h, const std::int32_t* pos,
-                      const ops::rope::Table& rope, int window, int capacity, std::int64_t length, LayerCache& c,
-                      const AttnSaved& a, const Tensor& y) {
-  if (cca)
+void attention_decode(const AttnShape& s, const LayerWeights& w, model::AttentionKind kind, const Tensor& h,
+                      const std::int32_t* pos, const ops::rope::Table& rope, int window, int capacity,
+                      std::int64_t length, LayerCache& c, const AttnSaved& a, const Tensor& y) {
+  if (kind == model::AttentionKind::kLinear)
+    linear_decode(s, w, h, c, a, y);
+  else if (kind == model::AttentionKind::kCca)
     cca_decode(s, w, h, pos, rope, window, capacity, length, c, a, y);
   else
     mha_decode(s, w, h, pos, rope, window, capacity, length, c, a, y);

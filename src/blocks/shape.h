@@ -7,6 +7,7 @@
 
 #include "model/config.h"
 #include "ops/cca.h"
+#include "ops/linear_attention.h"
 
 namespace keel::blocks {
 
@@ -24,6 +25,11 @@ struct AttnShape {
   // rank's slice.
   int kv_head0 = -1;
   ops::cca::Config cca;  // this rank's heads
+  // Linear-attention layers: this rank's heads, the chunk, the decays of its kv heads; the feature
+  // map on q and k; each head's output normalized with eps (ops/linear_attention.h).
+  ops::linear_attention::Config linear;
+  ops::linear_attention::Feature feature = ops::linear_attention::Feature::kIdentity;
+  float eps = 1e-5f;
   // Context parallelism: the runs of consecutive tokens this rank holds per sequence (seq tokens
   // in all; ops/sequence_split.h), whose halos CCA keeps for backward. 0: whole sequences.
   int segments = 0;
@@ -32,6 +38,16 @@ struct AttnShape {
   std::int64_t kv_dim() const { return std::int64_t(kv_heads) * head_dim; }
   float scale() const;  // 1 / sqrt(head_dim)
   static AttnShape of(const model::ModelConfig& cfg, std::int64_t batch, std::int64_t seq, TensorSplit tp = {});
+};
+
+// Which attention kinds a workspace serves (one layer's, or every layer's when layers share it).
+struct AttnKinds {
+  bool softmax = false, cca = false, linear = false;
+  static AttnKinds of(model::AttentionKind k);
+  AttnKinds& operator|=(const AttnKinds& o) {
+    softmax |= o.softmax, cca |= o.cca, linear |= o.linear;
+    return *this;
+  }
 };
 
 // ZAYA1's MoE stage: the MLP router (with EDA) over E experts and the skip class, the experts.

@@ -296,7 +296,7 @@ class CudaDecoder final : public Decoder {
     a.h1 = c.take<bf16>(N * D);
     a.h2 = c.take<bf16>(N * D);
     a.attn_out = c.take<bf16>(N * D);
-    bc::carve(c, attn_shape_, any_softmax_, any_cca_, a.attn);
+    bc::carve(c, attn_shape_, bc::AttnKinds{any_softmax_, any_cca_, /*linear=*/false}, a.attn);
     bc::carve(c, attn_shape_, any_cca_, a.cache);
     bc::carve(c, mlp_shape_, bc::MlpParts{any_dense_, any_moe_}, a.mlp);
     bc::MlpScratchParts mp;

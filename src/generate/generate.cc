@@ -107,7 +107,8 @@ std::int64_t Cache::bytes_per_sequence() const {
   std::int64_t floats = 0;
   for (const auto& l : layers) {
     if (batch > 0 && capacity > 0) floats += static_cast<std::int64_t>(l.k.size() + l.v.size()) / (batch * capacity) * length;
-    if (batch > 0) floats += static_cast<std::int64_t>(l.conv0_in.size() + l.conv1_in.size() + l.prev_v.size()) / batch;
+    if (batch > 0)
+      floats += static_cast<std::int64_t>(l.conv0_in.size() + l.conv1_in.size() + l.prev_v.size() + l.state.size()) / batch;
   }
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
@@ -124,7 +125,7 @@ InferenceModel::InferenceModel(ModelWeights weights) : w_(std::move(weights)), w
   const int classes = cfg.experts + (cfg.router_skip_expert ? 1 : 0);
   int moe = 0;
   for (int l = 0; l < cfg.layers; ++l) {
-    cca_.push_back(model::layer_attention_kind(cfg, l) == model::AttentionKind::kCca ? 1 : 0);
+    kind_.push_back(model::layer_attention_kind(cfg, l));
     moe_index_.push_back(model::is_moe_layer(cfg, l) ? moe++ : -1);
   }
   if (static_cast<int>(w_.router_bias.size()) != moe)
@@ -150,7 +151,7 @@ Cache InferenceModel::make_cache(int batch, int capacity) const {
   c.batch = batch;
   c.capacity = capacity;
   const blocks::AttnShape s = blocks::AttnShape::of(cfg, batch, 1);
-  for (int l = 0; l < cfg.layers; ++l) c.layers.push_back(blocks::make_layer_cache(s, cca_[l] != 0, lp_[l], capacity));
+  for (int l = 0; l < cfg.layers; ++l) c.layers.push_back(blocks::make_layer_cache(s, kind_[l], lp_[l], capacity));
   return c;
 }
 
@@ -158,10 +159,11 @@ void InferenceModel::plan(ArenaPlanner& p, std::int64_t B, std::int64_t T, std::
   const model::ModelConfig& cfg = w_.config;
   const std::int64_t N = B * T, D = cfg.hidden, R = std::max(cfg.router_hidden, 1);
   Work& w = *work_;
-  bool any_moe = false, any_dense = false, any_cca = false, any_softmax = false;
+  bool any_moe = false, any_dense = false;
+  blocks::AttnKinds any_kind;
   for (int l = 0; l < cfg.layers; ++l) {
     (moe_index_[l] >= 0 ? any_moe : any_dense) = true;
-    (cca_[l] ? any_cca : any_softmax) = true;
+    any_kind |= blocks::AttnKinds::of(kind_[l]);
   }
   w.attn = blocks::AttnShape::of(cfg, B, T);
   w.mlp = blocks::MlpShape::of(cfg, N, w_.renormalize_gates);
@@ -171,7 +173,7 @@ void InferenceModel::plan(ArenaPlanner& p, std::int64_t B, std::int64_t T, std::
   w.h1 = p.tensor("h1", {N, D});
   w.attn_out = p.tensor("attn_out", {N, D});
   w.h2 = p.tensor("h2", {N, D});
-  blocks::carve(p, "attn.", w.attn, any_softmax, any_cca, w.attn_saved);
+  blocks::carve(p, "attn.", w.attn, any_kind, w.attn_saved);
   blocks::carve(p, "mlp.", w.mlp, any_dense, any_moe, w.mlp_saved);
   blocks::carve(p, w.mlp, any_dense, any_moe, /*backward=*/false, w.mlp_scratch);
   w.eda[0] = w.eda[1] = Tensor();
@@ -289,8 +291,8 @@ void InferenceModel::prefill(const std::uint32_t* tokens, int T, Cache& cache, s
     ctx.rope = &ropes_.layer(l);
     ctx.window = model::attention_window(cfg, l);
     attn_input(l, w);
-    blocks::attention_forward(w.attn, P, cca_[l] != 0, w.h1, ctx, w.attn_saved, w.attn_out);
-    blocks::fill_cache(w.attn, P, cca_[l] != 0, w.h1, w.attn_saved, cache.capacity, cache.layers[l]);
+    blocks::attention_forward(w.attn, P, kind_[l], w.h1, ctx, w.attn_saved, w.attn_out);
+    blocks::fill_cache(w.attn, P, kind_[l], w.h1, w.attn_saved, cache.capacity, cache.layers[l]);
     mlp_stage(l, w);
   }
   cache.length = T;
@@ -317,7 +319,7 @@ void InferenceModel::decode(const std::uint32_t* tokens, Cache& cache, std::vect
   embed(tokens, B, w.r);
   for (int l = 0; l < cfg.layers; ++l) {
     attn_input(l, w);
-    blocks::attention_decode(w.attn, lp_[l], cca_[l] != 0, w.h1, w.positions.data(), ropes_.layer(l),
+    blocks::attention_decode(w.attn, lp_[l], kind_[l], w.h1, w.positions.data(), ropes_.layer(l),
                              model::attention_window(cfg, l), cache.capacity, cache.length, cache.layers[l],
                              w.attn_saved, w.attn_out);
     mlp_stage(l, w);

@@ -121,7 +121,7 @@ class InferenceModel {
   Tensor embed_, final_norm_, lm_head_;
   blocks::ResScale final_scale_;
   std::vector<int> moe_index_;  // per layer: MoE stage index or -1
-  std::vector<char> cca_;       // per layer: attention is CCA
+  std::vector<model::AttentionKind> kind_;  // per layer
   blocks::RopeTables ropes_;  // each layer's rotary table (sliding layers may have their own)
   std::unique_ptr<Work> work_;
 };

@@ -187,6 +187,11 @@ void validate(const ModelConfig& m) {
                                    m.cca_v_dim));
   }
   if (any_linear) need_positive(m.linear_chunk, "linear_chunk");
+  if (m.linear_feature != "identity" && m.linear_feature != "elu1")
+    throw UsageError(fmt::format("key 'linear_feature': unknown feature map '{}' (choose identity or elu1)",
+                                 m.linear_feature));
+  if (m.linear_decay != "none" && m.linear_decay != "retnet")
+    throw UsageError(fmt::format("key 'linear_decay': unknown decay '{}' (choose none or retnet)", m.linear_decay));
 
   if (m.moe_layer_interval < 1)
     throw UsageError(fmt::format("key 'moe_layer_interval' must be at least 1 (got {})", m.moe_layer_interval));
@@ -269,6 +274,10 @@ YAML::Node model_node(const ModelConfig& m) {
   n["cca_conv_width"] = v(m.cca_conv_width);
   n["cca_group_conv_width"] = v(m.cca_group_conv_width);
   n["linear_chunk"] = v(m.linear_chunk);
+  if (attention_layer_count(m, AttentionKind::kLinear) > 0) {
+    n["linear_feature"] = m.linear_feature;
+    n["linear_decay"] = m.linear_decay;
+  }
   n["qk_norm"] = v(m.qk_norm);
   n["ffn_hidden"] = v(m.ffn_hidden);
   n["experts"] = v(m.experts);
@@ -334,6 +343,8 @@ std::vector<std::pair<std::string, std::string>> model_key_values(const ModelCon
           {"cca_conv_width", v(m.cca_conv_width)},
           {"cca_group_conv_width", v(m.cca_group_conv_width)},
           {"linear_chunk", v(m.linear_chunk)},
+          {"linear_feature", m.linear_feature},
+          {"linear_decay", m.linear_decay},
           {"qk_norm", v(m.qk_norm)},
           {"ffn_hidden", v(m.ffn_hidden)},
           {"experts", v(m.experts)},
@@ -427,6 +438,10 @@ ModelConfig parse_model_config(const YAML::Node& root, const std::string& name, 
       {"cca_conv_width", i32(&m.cca_conv_width)},
       {"cca_group_conv_width", i32(&m.cca_group_conv_width)},
       {"linear_chunk", i32(&m.linear_chunk)},
+      {"linear_feature",
+       [&](const YAML::Node& v, const std::string& k) { m.linear_feature = scalar<std::string>(v, k, "a string"); }},
+      {"linear_decay",
+       [&](const YAML::Node& v, const std::string& k) { m.linear_decay = scalar<std::string>(v, k, "a string"); }},
       {"qk_norm", boolean(&m.qk_norm)},
       {"ffn_hidden", i32(&m.ffn_hidden)},
       {"experts", i32(&m.experts)},

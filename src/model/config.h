@@ -35,6 +35,9 @@ struct ModelConfig {
   // Linear attention (LASP-2 layers): chunk length of the chunked causal form (intra-chunk
   // quadratic term, inter-chunk d x d state per head).
   int linear_chunk = 256;
+  // Its feature map on q and k ("identity" or "elu1": elu(x) + 1) and decay ("none", or
+  // "retnet": a fixed scalar per kv head, gamma_g = 1 - 2^(-5-g)); ops/linear_attention.h.
+  std::string linear_feature = "identity", linear_decay = "none";
   bool qk_norm = false;  // RMSNorm on q and k (OLMoE): 2 vectors of heads*head_dim / kv dims
 
   // MLP. Dense layers: SwiGLU of width ffn_hidden. MoE layers: `experts` SwiGLU experts of

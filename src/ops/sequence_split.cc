@@ -26,6 +26,18 @@ void SequenceSplit::attend_backward(const Tensor& q, const Tensor& k, const Tens
   attention::backward(q, k, v, out, lse, dout, scale, dq, dk, dv, window);
 }
 
+void SequenceSplit::attend_linear(const linear_attention::Config& c, std::int64_t runs, const Tensor& q,
+                                  const Tensor& k, const Tensor& v, const Tensor& init, const Tensor& out) {
+  if (!init.empty()) init.zero();  // whole sequences start from zeros
+  linear_attention::forward(c, runs, q.rows() / runs, q, k, v, init, out);
+}
+
+void SequenceSplit::attend_linear_backward(const linear_attention::Config& c, std::int64_t runs, const Tensor& q,
+                                           const Tensor& k, const Tensor& v, const Tensor& init, const Tensor& dout,
+                                           const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+  linear_attention::backward(c, runs, q.rows() / runs, q, k, v, init, dout, {}, dq, dk, dv, {});
+}
+
 SequenceSplit& whole_sequences() {
   static SequenceSplit s;
   return s;

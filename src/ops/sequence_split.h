@@ -5,13 +5,16 @@
 //   - the causal convolutions and CCA's value shift read the last tokens before each run: the
 //     run's halo, which the split fetches from the rank holding them (zeros where a run starts
 //     its sequence), and
-//   - attention reads the keys and values of the whole sequence.
+//   - attention reads the keys and values of the whole sequence, and
+//   - linear attention starts each run from the memory state the tokens before it leave
+//     (LASP-2: one all-gather of the runs' states).
 // blocks::AttentionCore (blocks/runners.h) is this interface: the plan hands each layer one.
 //
 // Layout: the [N, X] rows of a mixer input are B sequences x segments() runs x L tokens
 // (N = B * segments * L); row (b * segments + s) * L + t is token t of run s of sequence b.
 #pragma once
 
+#include "ops/linear_attention.h"
 #include "tensor/tensor.h"
 
 namespace keel::ops {
@@ -43,6 +46,19 @@ class SequenceSplit {
   virtual void attend_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                                const Tensor& dout, float scale, int window, const Tensor& dq, const Tensor& dk,
                                const Tensor& dv);
+
+  // Causal linear attention (ops/linear_attention.h) of this rank's `runs` = B * segments runs of
+  // L tokens: q, out [runs * L, Hq * d], k, v [runs * L, Hkv * d] (feature-mapped). init
+  // [runs, Hkv, d, d]: forward WRITES each run's initial state there (the decayed sum of the
+  // states of the sequence's earlier tokens) and backward reads it; whole sequences pass it
+  // empty (every run starts from zeros). The result equals the rows of linear_attention::forward
+  // over whole sequences. Backward: dq, dk, dv of this rank's rows OVERWRITTEN, with every path
+  // through later runs' initial states included.
+  virtual void attend_linear(const linear_attention::Config& c, std::int64_t runs, const Tensor& q, const Tensor& k,
+                             const Tensor& v, const Tensor& init, const Tensor& out);
+  virtual void attend_linear_backward(const linear_attention::Config& c, std::int64_t runs, const Tensor& q,
+                                      const Tensor& k, const Tensor& v, const Tensor& init, const Tensor& dout,
+                                      const Tensor& dq, const Tensor& dk, const Tensor& dv);
 };
 
 // The whole-sequence split (stateless; shared).

@@ -14,6 +14,9 @@
 //               then this rank's queries at their global positions over the whole sequence
 //               (ops::attention::forward_at). Backward: the same gather, then dk and dv of the
 //               whole sequence reduce-scattered back to the ranks that hold those keys.
+//   linear      LASP-2 (lasp2.cc): linear attention's runs start from the decayed sum of the
+//               earlier chunks' memory states, one all-gather of d x d states per layer in forward
+//               and one of their gradients in backward.
 //   halos       CCA's convolutions and value shift read the last tokens before each run: run
 //               r's come from rank r - 1's first run, run 2C-1-r's from rank r + 1's second run
 //               (rank C-1: its own first run); one send-receive with each neighbour, mirrored in
@@ -61,6 +64,12 @@ class ContextParallel final : public blocks::AttentionCore, public blocks::Token
   void attend_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                        const Tensor& dout, float scale, int window, const Tensor& dq, const Tensor& dk,
                        const Tensor& dv) override;
+  // LASP-2 (lasp2.cc)
+  void attend_linear(const ops::linear_attention::Config& c, std::int64_t runs, const Tensor& q, const Tensor& k,
+                     const Tensor& v, const Tensor& init, const Tensor& out) override;
+  void attend_linear_backward(const ops::linear_attention::Config& c, std::int64_t runs, const Tensor& q,
+                              const Tensor& k, const Tensor& v, const Tensor& init, const Tensor& dout,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv) override;
   // TokenGroup
   int size() const override { return size_; }
   void sum(std::int64_t* x, int n) override;
@@ -76,12 +85,19 @@ class ContextParallel final : public blocks::AttentionCore, public blocks::Token
   void sendrecv(const float* send, int to, float* recv, int from, std::int64_t n) const;
   // halo() (backward false) and halo_backward() (true): in, out [B * 2, F].
   void exchange(const Tensor& in, const Tensor& out, bool backward) const;
+  // LASP-2: every rank's `mine` (its runs' d x d blocks) into recv_, rank by rank.
+  void gather_states(const Tensor& mine, const char* what);
+  // The gathered blocks of each sequence and kv head in chunk order (reverse: last first):
+  // fn(kv head, chunk's block, this rank's block of `local` when it holds the chunk else nullptr,
+  // first chunk of the walk).
+  template <typename Fn>
+  void walk_chunks(std::int64_t B, std::int64_t hkv, std::int64_t dd, float* local, bool reverse, Fn&& fn) const;
 
   MPI_Comm comm_;
   int size_ = 1, rank_ = 0;
   std::int64_t seq_, chunk_;  // S, S / (2C)
   std::vector<std::int32_t> pos_;
-  std::vector<float> send_, recv_, k_, v_, dk_, dv_;
+  std::vector<float> send_, recv_, k_, v_, dk_, dv_, states_;
 };
 
 }  // namespace keel::parallel

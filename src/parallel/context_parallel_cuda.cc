@@ -56,6 +56,7 @@ CudaContextParallel::CudaContextParallel(std::shared_ptr<NcclGroup> group, MPI_C
 CudaContextParallel::~CudaContextParallel() {
   if (mem_) cudaFree(mem_);
   if (halo_) cudaFree(halo_);
+  if (states_) cudaFree(states_);
 }
 
 void CudaContextParallel::sum(double* x, int n) const { sum_over_context(comm_, x, n); }

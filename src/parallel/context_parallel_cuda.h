@@ -9,6 +9,9 @@
 //              (attention::backward_runs), reduce-scatters them in fp32 to the ranks holding
 //              those keys and rounds them to bf16 once.
 //   halos      one NCCL send-receive with each neighbour (bf16 forward, fp32 backward).
+//   linear     LASP-2 (lasp2_cuda.cc): the runs' fp32 memory states all-gathered, walked in
+//              sequence order to each run's initial state; backward gathers the initial-state
+//              gradients and walks them back.
 // Collectives run on the caller's stream, in the order the blocks call them. Buffers: the
 // gathered k and v (bf16 [B, S, Hkv, Dh] each, plus the all-gather's receive buffer of the same
 // size), the fp32 dk, dv of the whole sequence and their reduce-scatter buffers, and the halos'
@@ -55,6 +58,15 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout,
                 bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv, int Dh, float scale,
                 int window, cudaStream_t stream) override;
+  // LASP-2 (lasp2_cuda.cc)
+  std::size_t linear_workspace_bytes(const ops::linear_attention::Config& c, std::int64_t runs,
+                                     std::int64_t len) const override;
+  void attend_linear(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t len, const bf16* q,
+                     const bf16* k, const bf16* v, float* init, bf16* out, void* workspace,
+                     cudaStream_t stream) override;
+  void attend_linear_backward(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t len,
+                              const bf16* q, const bf16* k, const bf16* v, const float* init, const bf16* dout,
+                              bf16* dq, bf16* dk, bf16* dv, void* workspace, cudaStream_t stream) override;
 
  private:
   // k, v [B, T, w] of every rank -> k_, v_ [B, S, w] in sequence order.
@@ -75,6 +87,11 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   float *dk_ = nullptr, *dv_ = nullptr, *rs_send_ = nullptr, *rs_recv_ = nullptr;  // [B S w] x 2, [C 2 n], [2 n]
   std::size_t halo_bytes_ = 0;
   void* halo_ = nullptr;  // halos' staging, grown on demand: 3 x [B, F] of the larger element
+  // LASP-2: two buffers of `floats` (this rank's states, and the walk's output in backward) and
+  // the all-gather's C x floats, grown on demand.
+  float* state_buffers(std::int64_t floats, cudaStream_t stream);
+  std::size_t state_bytes_ = 0;
+  void* states_ = nullptr;
 };
 
 }  // namespace keel::parallel

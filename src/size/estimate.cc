@@ -279,7 +279,17 @@ MemoryEstimate estimate_memory(const Setup& s) {
       // fp32 gradients and the fp32 reduce-scatter buffer, plus this rank's send buffers.
       const double kv = std::max<double>(1.0, static_cast<double>(m.kv_heads) / l.tp) * m.head_dim;
       const double whole = static_cast<double>(s.micro_batch) * s.seq * kv;
-      e.items.push_back({"context-parallel k/v gathers (one layer)", 24 * whole + 12 * whole / l.cp});
+      const int linear = model::attention_layer_count(m, AttentionKind::kLinear);
+      if (linear < m.layers)
+        e.items.push_back({"context-parallel k/v gathers (one layer)", 24 * whole + 12 * whole / l.cp});
+      if (linear > 0) {
+        // LASP-2 (parallel/lasp2.cc): fp32 d x d states of this rank's 2 runs per sequence and kv
+        // head; every rank's gathered (one layer at a time, plus this rank's own and their
+        // gradients), and each linear layer's runs' initial states kept for backward.
+        const double states = 4.0 * s.micro_batch * 2 * kv * m.head_dim;
+        e.items.push_back({"LASP-2 state gathers (one layer)", (l.cp + 2) * states});
+        e.items.push_back({"LASP-2 initial states (linear layers)", linear / static_cast<double>(l.pp) * states});
+      }
     }
     for (int i = 0; i < 3; ++i) e.activation_bytes_per_token_layer[i] = per_token[i];
     // Expert parallelism is dropless: a GPU saves every routed row its experts receive. With

@@ -56,7 +56,7 @@ CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options,
     : cfg_(cfg), opt_(options), layout_(layout), runners_(std::move(runners)), tp_(tp), cp_(cp), stream_(stream),
       st_(std::make_unique<Stream>()), head_(std::make_unique<Head>()) {
   validate_trainable(cfg_, opt_);
-  // validate_trainable() leaves mha, gqa and cca; the attention kernel (CCA's too) needs:
+  // the attention kernels (CCA's too) need:
   if (cfg_.head_dim != 64 && cfg_.head_dim != 128)
     throw UsageError(fmt::format("model '{}': head_dim {}: the CUDA attention supports 64 and 128", cfg_.name,
                                  cfg_.head_dim));
@@ -74,13 +74,11 @@ CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options,
   for (int l = 0; l < cfg_.layers; ++l) {
     moe_index_of_layer_.push_back(model::is_moe_layer(cfg_, l) ? static_cast<int>(moe_layer_ids_.size()) : -1);
     if (model::is_moe_layer(cfg_, l)) moe_layer_ids_.push_back(l);
-    const bool cca = model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca;
-    any_cca_ |= cca;
-    any_softmax_ |= !cca;
+    any_kind_ |= bc::AttnKinds::of(model::layer_attention_kind(cfg_, l));
   }
   scaled_ = cfg_.residual_scaling;
   // the CUDA CCA's limits (ops/cuda/cca.h), reported here rather than at the first step
-  if (any_cca_ && (cfg_.cca_conv_width > k::causal_conv::kMaxWidth || cfg_.cca_group_conv_width > k::causal_conv::kMaxWidth ||
+  if (any_kind_.cca && (cfg_.cca_conv_width > k::causal_conv::kMaxWidth || cfg_.cca_group_conv_width > k::causal_conv::kMaxWidth ||
                    std::int64_t(cfg_.heads + cfg_.kv_heads) * cfg_.head_dim > 12288))
     throw UsageError(fmt::format("model '{}': the CUDA CCA takes conv widths <= {} and (heads + kv_heads) * "
                                  "head_dim <= 12288 (device: cpu trains it)",
@@ -140,11 +138,11 @@ void CudaModel::carve(DeviceArena& A) {
     LayerActs& a = acts_[static_cast<std::size_t>(i)];
     const bool moe = sets == 1 ? any_moe : moe_index_of_layer_[static_cast<std::size_t>(i)] >= 0;
     const bool dense = sets == 1 ? any_dense : !moe;
-    const bool cca = sets == 1 ? any_cca_ : model::layer_attention_kind(cfg_, i) == model::AttentionKind::kCca;
-    const bool softmax = sets == 1 ? any_softmax_ : !cca;
+    const bc::AttnKinds kinds = sets == 1 ? any_kind_ : bc::AttnKinds::of(model::layer_attention_kind(cfg_, i));
+    const bool cca = kinds.cca;
     a.h1 = c.take<bf16>(L * D);
     a.rstd1 = c.take<float>(L);
-    bc::carve(c, attn_shape_, softmax, cca, a.attn);
+    bc::carve(c, attn_shape_, kinds, a.attn);
     // the attention block's output when it does not add into the stream inside its GEMM
     if (cca || scaled_ || tp_) a.attn_out = c.take<bf16>(L * D);
     a.x_mid = c.take<float>(L * D);
@@ -166,7 +164,7 @@ void CudaModel::carve(DeviceArena& A) {
   bc::carve(c, mlp_shape_, mp, mlp_scratch_);
   mlp_scratch_.dy = st.dres_bf;  // the blocks' bf16 [N, D] scratch is the model's
   mlp_scratch_.dx = st.dh_bf;
-  bc::carve(c, attn_shape_, any_softmax_, any_cca_, *runners_.front().attention, attn_scratch_);
+  bc::carve(c, attn_shape_, any_kind_, *runners_.front().attention, attn_scratch_);
   attn_scratch_.dh = st.dh;
   if (zaya_moe) {
     st.deda[0] = c.take<float>(N * R);
@@ -215,7 +213,8 @@ void CudaModel::bind(const Buffers& b) {
 
 bc::AttnContext CudaModel::attn_context(int l) const {
   const bc::LayerRunners& r = runners_[static_cast<std::size_t>(l)];
-  return {head_->positions, &ropes_->layer(l), model::attention_window(cfg_, l), r.attn_linear, r.attention};
+  return {head_->positions, &ropes_->layer(l), model::attention_window(cfg_, l), r.attn_linear, r.attention,
+          attn_scratch_.linear};
 }
 
 bc::EdaIo CudaModel::eda(int m) const {

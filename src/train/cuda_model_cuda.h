@@ -123,7 +123,8 @@ class CudaModel {
   std::unique_ptr<blocks::cuda::DeviceRopeTables> ropes_;  // each layer's rotary table
   std::int64_t tokens_ = 0, rows_ = 0;
   std::int64_t vocab_begin_ = 0, vocab_local_ = 0;  // this rank's rows of the embedding and LM head
-  bool ce_keep_logits_ = false, scaled_ = false, any_cca_ = false, any_softmax_ = false;
+  bool ce_keep_logits_ = false, scaled_ = false;
+  blocks::AttnKinds any_kind_;  // the attention kinds of the layers
   blocks::cuda::AttnShape attn_shape_;
   blocks::cuda::MlpShape mlp_shape_;
   std::vector<int> moe_layer_ids_, moe_index_of_layer_;

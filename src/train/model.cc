@@ -32,10 +32,6 @@ void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt) 
   for (int l = 0; l < cfg.layers; ++l) {
     const auto k = model::layer_attention_kind(cfg, l);
     any_cca |= k == model::AttentionKind::kCca;
-    if (k == model::AttentionKind::kLinear)
-      throw UsageError(fmt::format("{}: layer {} uses attention 'linear': keel train supports mha, gqa and cca so "
-                                   "far (linear attention comes later)",
-                                   who, l));
   }
   // CCA: the value projection is kv_heads heads of head_dim (current- and previous-token halves).
   if (any_cca && cfg.cca_v_dim != cfg.kv_heads * cfg.head_dim)
@@ -84,9 +80,16 @@ double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batc
   // attention scores and values: 2 GEMMs of Dh per head and attended key (model::attended_keys:
   // the causal half of T, or of a sliding layer's window), x3 (fwd + bwd): 12 * Hq * Dh * keys
   // per token and layer
-  double keys = 0;
-  for (int l = 0; l < cfg.layers; ++l) keys += model::attended_keys(cfg, l, seq_length);
-  const double attn = 3.0 * 2.0 * 2.0 * Hq * Dh * keys * tokens;
+  // Linear-attention layers instead: the d x d state update and readout and the causal
+  // intra-chunk products, Hq * (4 Dh^2 + 2 Dh min(chunk, T)) per token (model/flops.cc), x3.
+  double keys = 0, linear = 0;
+  for (int l = 0; l < cfg.layers; ++l) {
+    if (model::layer_attention_kind(cfg, l) == model::AttentionKind::kLinear)
+      linear += Hq * (4 * Dh * Dh + 2 * Dh * std::min<double>(cfg.linear_chunk, seq_length));
+    else
+      keys += model::attended_keys(cfg, l, seq_length);
+  }
+  const double attn = 3.0 * 2.0 * 2.0 * Hq * Dh * keys * tokens + 3.0 * linear * tokens;
   return 6.0 * active * tokens + attn;
 }
 
@@ -101,7 +104,7 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   if (opt_.precise_loss && (tp_.degree > 1 || cp_ > 1))
     fail("model: precise_loss needs the whole LM head and whole sequences (tensor and context degree 1)");
   for (int l = 0; l < cfg_.layers; ++l) {
-    cca_layer_.push_back(model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca ? 1 : 0);
+    attn_kind_.push_back(model::layer_attention_kind(cfg_, l));
     if (model::is_moe_layer(cfg_, l)) {
       moe_index_of_layer_.push_back(static_cast<int>(moe_layer_ids_.size()));
       moe_layer_ids_.push_back(l);
@@ -154,8 +157,8 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
   const std::int64_t R = std::max(cfg_.router_hidden, 1);
   const bool any_moe = !moe_layer_ids_.empty(), any_dense = moe_layer_ids_.size() < std::size_t(cfg_.layers);
   const bool mlp_router = mlp_shape_.mlp_router, scaled = cfg_.residual_scaling;
-  const bool any_cca = std::count(cca_layer_.begin(), cca_layer_.end(), 1) > 0;
-  const bool any_softmax = std::count(cca_layer_.begin(), cca_layer_.end(), 0) > 0;
+  blocks::AttnKinds any_kind;
+  for (const model::AttentionKind k : attn_kind_) any_kind |= blocks::AttnKinds::of(k);
 
   resid_.clear();
   for (int l = 0; l <= cfg_.layers; ++l) resid_.push_back(p.tensor(fmt::format("resid.{}", l), {L, D}));
@@ -177,11 +180,10 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
     // with recompute none, layer i's set only needs its own attention and MLP kinds
     const bool moe = sets == 1 ? any_moe : moe_index_of_layer_[i] >= 0;
     const bool dense = sets == 1 ? any_dense : !moe;
-    const bool cca = sets == 1 ? any_cca : cca_layer_[i] != 0;
-    const bool softmax = sets == 1 ? any_softmax : cca_layer_[i] == 0;
+    const blocks::AttnKinds kinds = sets == 1 ? any_kind : blocks::AttnKinds::of(attn_kind_[std::size_t(i)]);
     a.h1 = p.tensor(pre + "h1", {L, D});
     a.rstd1 = p.tensor(pre + "rstd1", {L});
-    blocks::carve(p, pre, attn_shape_, softmax, cca, a.attn);
+    blocks::carve(p, pre, attn_shape_, kinds, a.attn);
     a.x_mid = p.tensor(pre + "x_mid", {L, D});
     if (scaled) a.attn_out = p.tensor(pre + "attn_out", {L, D});
     a.h2 = p.tensor(pre + "h2", {L, D});
@@ -189,7 +191,7 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
     blocks::carve(p, pre, mlp_shape_, dense, moe, a.mlp);
   }
   // Backward scratch, shared by all layers.
-  blocks::carve(p, attn_shape_, any_softmax, any_cca, attn_scratch_);
+  blocks::carve(p, attn_shape_, any_kind, attn_scratch_);
   blocks::carve(p, mlp_shape_, any_dense, any_moe, /*backward=*/true, mlp_scratch_);
   if (any_moe && mlp_router) {
     deda_[0] = p.tensor("bwd.deda.0", {N, R});
@@ -326,7 +328,7 @@ void MoeTransformer::layer_forward(int l, LayerActs& a, const Tensor& x_in, cons
   const blocks::LayerWeights& P = w_.layers[static_cast<std::size_t>(l)];
   const float eps = static_cast<float>(cfg_.norm_eps);
   ops::rmsnorm::forward(x_in, P.attn_norm, eps, a.h1, a.rstd1);
-  blocks::attention_forward(attn_shape_, P, cca_layer_[l] != 0, a.h1, attn_context(l), a.attn, a.x_mid);
+  blocks::attention_forward(attn_shape_, P, attn_kind_[std::size_t(l)], a.h1, attn_context(l), a.attn, a.x_mid);
   add_into(a.x_mid, x_in);
   ops::rmsnorm::forward(a.x_mid, P.mlp_norm, eps, a.h2, a.rstd2);
   mlp_forward(l, a, count_load, lp, x_out);
@@ -340,7 +342,7 @@ void MoeTransformer::layer_backward(int l, LayerActs& a, const Tensor& x_in, con
   mlp_backward(l, a, dres, dtmp_);
   ops::rmsnorm::backward(a.x_mid, P.mlp_norm, a.rstd2, dtmp_, dres, G.mlp_norm);  // adds: dres now dL/dx_mid
   // Attention block: x_mid = x_in + attn(n1(x_in)).
-  blocks::attention_backward(attn_shape_, P, G, cca_layer_[l] != 0, a.h1, attn_context(l), a.attn, attn_scratch_, dres,
+  blocks::attention_backward(attn_shape_, P, G, attn_kind_[std::size_t(l)], a.h1, attn_context(l), a.attn, attn_scratch_, dres,
                              dtmp_);
   ops::rmsnorm::backward(x_in, P.attn_norm, a.rstd1, dtmp_, dres, G.attn_norm);  // adds: dres now dL/dx_in
 }
@@ -363,7 +365,7 @@ void MoeTransformer::scaled_layer_forward(int l, LayerActs& a, const Tensor& r_o
   else
     ops::residual_scale::merge_forward(resid_[l], hres_[l], A.r_bias, A.r_scale, A.h_bias, A.h_scale, a.x_mid);
   ops::rmsnorm::forward(a.x_mid, P.attn_norm, eps, a.h1, a.rstd1);
-  blocks::attention_forward(attn_shape_, P, cca_layer_[l] != 0, a.h1, attn_context(l), a.attn, a.attn_out);
+  blocks::attention_forward(attn_shape_, P, attn_kind_[std::size_t(l)], a.h1, attn_context(l), a.attn, a.attn_out);
   ops::residual_scale::merge_forward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, r_out);
   ops::rmsnorm::forward(r_out, P.mlp_norm, eps, a.h2, a.rstd2);
   mlp_forward(l, a, count_load, lp, h_out);
@@ -379,7 +381,7 @@ void MoeTransformer::scaled_layer_backward(int l, LayerActs& a) {
   ops::rmsnorm::backward(resid_[l + 1], P.mlp_norm, a.rstd2, dtmp3_, dres_, G.mlp_norm);  // adds: dres = dL/dr2
   ops::residual_scale::merge_backward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, dres_, dres_,
                                       dtmp3_, dM.r_bias, dM.r_scale, dM.h_bias, dM.h_scale);  // dres = dL/dr1 (so far)
-  blocks::attention_backward(attn_shape_, P, G, cca_layer_[l] != 0, a.h1, attn_context(l), a.attn, attn_scratch_, dtmp3_,
+  blocks::attention_backward(attn_shape_, P, G, attn_kind_[std::size_t(l)], a.h1, attn_context(l), a.attn, attn_scratch_, dtmp3_,
                              dtmp_);                                                  // dtmp = dL/dh1
   ops::rmsnorm::backward(a.x_mid, P.attn_norm, a.rstd1, dtmp_, dres_, G.attn_norm);   // adds: dres = dL/dr1
   if (l == 0)

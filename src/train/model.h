@@ -199,7 +199,7 @@ class MoeTransformer {
   blocks::AttnShape attn_shape_;
   blocks::MlpShape mlp_shape_;
   std::vector<int> moe_layer_ids_, moe_index_of_layer_;
-  std::vector<char> cca_layer_;  // per layer: attention is CCA
+  std::vector<model::AttentionKind> attn_kind_;  // per layer
   std::vector<LayerActs> acts_;  // one per layer (none) or one shared workspace (full)
   std::vector<Tensor> resid_;    // [layers + 1] residual stream (layer inputs, final output)
   std::vector<Tensor> hres_;     // [layers + 1] residual scaling: mixer output into layer l (l >= 1)

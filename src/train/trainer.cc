@@ -439,12 +439,20 @@ static std::string routing_text(const StepStats& s, int classes, bool skip) {
 }
 
 // The start-up line's layout: " x 2 data-parallel ranks x context parallel 2 (zigzag) (ZeRO-1)
-// x tensor parallel 2", the axes above 1 only.
+// x tensor parallel 2", the axes above 1 only (with linear-attention layers the context axis names
+// LASP-2).
 std::string Trainer::parallel_text() const {
   const mesh::Shape& sh = mesh_.shape();
   std::string out;
   if (sh.dp > 1) out += fmt::format(" x {} data-parallel ranks", sh.dp);
-  if (sh.cp > 1) out += fmt::format(" x context parallel {} (zigzag)", sh.cp);
+  if (sh.cp > 1) {
+    const model::ModelConfig& m = cfg_.model;
+    const int linear = model::attention_layer_count(m, model::AttentionKind::kLinear);
+    out += fmt::format(" x context parallel {} (zigzag{})", sh.cp,
+                       linear == 0            ? ""
+                       : linear == m.layers ? "; LASP-2"
+                                              : "; LASP-2H: LASP-2 for the linear layers");
+  }
   if (mesh_.data().size > 1)
     out += fmt::format(" (ZeRO-1{}){}",
                        cfg_.data_parallel.grad_reduce == parallel::GradReduceDtype::kBf16 ? ", gradients reduced in bf16" : "",

@@ -185,6 +185,27 @@ TEST(Generate, Zaya1DecodeMatchesPrefillAndTrainingModel) { check_model(zaya_con
 // Wider convs: states of more than one token (W0 - 1 = 2, W1 - 1 = 3).
 TEST(Generate, CcaWiderConvStates) { check_model(zaya_config(3, 4), 9); }
 
+// Linear attention decodes from its memory state (constant size per sequence): every layer
+// linear with RetNet decay and elu+1 features, chunk 4 < T = 11; and a hybrid of linear and
+// softmax layers with the identity feature map and no decay.
+model::ModelConfig linear_config(std::vector<model::AttentionKind> pattern, const char* feature, const char* decay) {
+  model::ModelConfig m = gqa_config(2);
+  m.name = "gen-linear";
+  m.layer_attention = std::move(pattern);
+  m.linear_chunk = 4;
+  m.linear_feature = feature;
+  m.linear_decay = decay;
+  return m;
+}
+TEST(Generate, LinearDecodeMatchesPrefillAndTrainingModel) {
+  check_model(linear_config({model::AttentionKind::kLinear}, "elu1", "retnet"), 41);
+}
+TEST(Generate, HybridDecodeMatchesPrefillAndTrainingModel) {
+  check_model(linear_config({model::AttentionKind::kLinear, model::AttentionKind::kLinear, model::AttentionKind::kGqa},
+                            "identity", "none"),
+              43);
+}
+
 // Sliding-window layers (window 3 < T = 11, their own RoPE): decode attends to the last 3 cached
 // positions and must give the prefill's logits, and the prefill the training model's.
 TEST(Generate, GqaSlidingDecodeMatchesPrefillAndTrainingModel) {
@@ -245,6 +266,12 @@ TEST(Generate, CacheSizes) {
   // CCA: the same k/v rows plus a fixed state: (W0-1) + (W1-1) rows of C channels and half a value row.
   const std::int64_t C = (4 + 2) * 8;
   EXPECT_EQ(cz.bytes_per_sequence(), std::int64_t(sizeof(float)) * z.layers * (4 * 2 * kv + C + C + kv / 2));
+  // Linear attention: a d x d state per kv head, whatever the length.
+  const model::ModelConfig l = linear_config({model::AttentionKind::kLinear}, "identity", "none");
+  InferenceModel ml(fresh_weights(l, true, 0.02, 1));
+  Cache cl = ml.make_cache(3, 10);
+  ml.prefill(tok.data(), 4, cl, logits, false);
+  EXPECT_EQ(cl.bytes_per_sequence(), std::int64_t(sizeof(float)) * l.layers * 2 * 8 * 8);
   EXPECT_THROW(mg.make_cache(1, 65), UsageError);  // beyond max_seq_len
   Cache full = mg.make_cache(1, 2);
   mg.prefill(tok.data(), 2, full, logits, false);

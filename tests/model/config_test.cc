@@ -85,6 +85,21 @@ TEST(ModelConfig, LayerAttentionPatternRepeats) {
   EXPECT_EQ(layer_attention_kind(m, 4), AttentionKind::kLinear);
 }
 
+TEST(ModelConfig, LinearAttentionKeys) {
+  const ModelConfig d = load_model_config(config_path("lasp2-hybrid-1b.yaml"));
+  EXPECT_EQ(d.linear_feature, "identity");
+  EXPECT_EQ(d.linear_decay, "none");
+  const std::string base = kTinyGqa;
+  const ModelConfig m = load_model_config(
+      write_yaml("lin.yaml", base + "layer_attention: [linear, gqa]\nlinear_feature: elu1\nlinear_decay: retnet\n"));
+  EXPECT_EQ(m.linear_feature, "elu1");
+  EXPECT_EQ(m.linear_decay, "retnet");
+  std::string e = load_error("feat.yaml", base + "linear_feature: relu\n");
+  EXPECT_NE(e.find("key 'linear_feature': unknown feature map 'relu' (choose identity or elu1)"), std::string::npos) << e;
+  e = load_error("decay.yaml", base + "linear_decay: alibi\n");
+  EXPECT_NE(e.find("key 'linear_decay': unknown decay 'alibi' (choose none or retnet)"), std::string::npos) << e;
+}
+
 TEST(ModelConfig, MoeLayerPlacement) {
   ModelConfig m = load_model_config(config_path("mixtral-8x7b.yaml"));
   m.moe_layer_interval = 2;

@@ -8,13 +8,18 @@
 //   - CCA over the split (halos for its convolutions and value shift, gathered keys): y, dx and
 //     the parameter gradients (summed over the ranks) against the whole-sequence op; and
 //     causality across rank boundaries: perturbing the token at the first position of either of
-//     a rank's chunks changes no output at an earlier position, and does change later ones.
+//     a rank's chunks changes no output at an earlier position, and does change later ones;
+//   - LASP-2 (linear attention, gathered memory states): out, dq, dk, dv of this rank's rows
+//     against ops::linear_attention on whole sequences, with and without decay, a chunk that
+//     does and does not divide the runs; and causality at every position of the sequence.
 #include "parallel/context_parallel.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "../mpi_test_util.h"
@@ -22,6 +27,7 @@
 #include "common/error.h"
 #include "ops/attention.h"
 #include "ops/cca.h"
+#include "ops/linear_attention.h"
 
 namespace keel::parallel {
 namespace {
@@ -235,6 +241,93 @@ TEST(ContextParallelCore, CcaIsCausalAcrossRankBoundaries) {
       for (std::int64_t t = 0; t < T; ++t) {
         bool changed = false;
         for (std::int64_t h = 0; h < m.H; ++h) changed |= y0[(b * T + t) * m.H + h] != y1[(b * T + t) * m.H + h];
+        if (changed && (b == 0 || pos[t] < p0)) ++earlier_changed;
+        if (changed && b == 1 && pos[t] >= p0) ++later_changed;
+      }
+    EXPECT_EQ(earlier_changed, 0) << "rank " << r << ": perturbing position " << p0 << " changed an earlier output";
+    MPI_Allreduce(MPI_IN_PLACE, &later_changed, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    EXPECT_EQ(later_changed, S - p0) << "position " << p0 << " reaches every later token";
+  }
+}
+
+// Linear attention over whole sequences (runs = B) and over this rank's zigzag runs (runs = 2B).
+struct Linear {
+  std::int64_t B = 2, S, Hq = 4, Hkv = 2, D = 4;
+  ops::linear_attention::Config c;
+  Linear(std::int64_t seq, int chunk, bool decay) : S(seq) {
+    c.heads = int(Hq), c.kv_heads = int(Hkv), c.head_dim = int(D), c.chunk = chunk;
+    if (decay) c.decay = {0.9f, 0.7f};
+  }
+  // out (and with dout: dq, dk, dv) of the rows q, k, v hold ([B * T, H * D], T tokens each).
+  void run(ContextParallel* cp, std::int64_t T, std::vector<float> q, std::vector<float> k, std::vector<float> v,
+           const std::vector<float>& dout, std::vector<float>& out, std::vector<float>* grads) const {
+    const std::int64_t N = B * T, runs = cp ? 2 * B : B;
+    const Tensor tq(q.data(), {N, Hq * D}), tk(k.data(), {N, Hkv * D}), tv(v.data(), {N, Hkv * D});
+    out.assign(q.size(), 0.f);
+    std::vector<float> init(cp ? std::size_t(runs * Hkv * D * D) : 0);
+    const Tensor tinit = cp ? Tensor(init.data(), {runs, Hkv, D, D}) : Tensor();
+    ops::SequenceSplit& split = cp ? static_cast<ops::SequenceSplit&>(*cp) : ops::whole_sequences();
+    split.attend_linear(c, runs, tq, tk, tv, tinit, Tensor(out.data(), {N, Hq * D}));
+    if (!grads) return;
+    std::vector<float> dq(q.size()), dk(k.size()), dv(v.size()), d = dout;
+    split.attend_linear_backward(c, runs, tq, tk, tv, tinit, Tensor(d.data(), {N, Hq * D}),
+                                 Tensor(dq.data(), {N, Hq * D}), Tensor(dk.data(), {N, Hkv * D}),
+                                 Tensor(dv.data(), {N, Hkv * D}));
+    grads[0] = dq, grads[1] = dk, grads[2] = dv;
+  }
+};
+
+TEST(ContextParallelCore, Lasp2MatchesWholeSequences) {
+  const int C = world_size();
+  const std::int64_t S = 2 * C * 5;
+  ContextParallel cp(MPI_COMM_WORLD, S);
+  const auto& pos = cp.positions();
+  const std::int64_t T = S / C;
+  for (const bool decay : {false, true})
+    for (const int chunk : {2, 5, 64}) {
+      const Linear m(S, chunk, decay);
+      const std::uint32_t seed = 700 + chunk + (decay ? 50 : 0);
+      const auto q = random_vector(m.B * S * m.Hq * m.D, seed, 0.5f), k = random_vector(m.B * S * m.Hkv * m.D, seed + 1, 0.5f),
+                 v = random_vector(m.B * S * m.Hkv * m.D, seed + 2), dout = random_vector(m.B * S * m.Hq * m.D, seed + 3);
+      std::vector<float> out, lout;
+      std::vector<float> g[3], lg[3];
+      m.run(nullptr, S, q, k, v, dout, out, g);
+      m.run(&cp, T, local_rows(q, m.B, S, m.Hq * m.D, pos), local_rows(k, m.B, S, m.Hkv * m.D, pos),
+            local_rows(v, m.B, S, m.Hkv * m.D, pos), local_rows(dout, m.B, S, m.Hq * m.D, pos), lout, lg);
+      const std::string tag = fmt::format("decay {} chunk {}", decay, chunk);
+      EXPECT_LT(max_diff(lout, local_rows(out, m.B, S, m.Hq * m.D, pos)), 1e-5) << tag;
+      EXPECT_LT(max_diff(lg[0], local_rows(g[0], m.B, S, m.Hq * m.D, pos)), 1e-5) << tag;
+      EXPECT_LT(max_diff(lg[1], local_rows(g[1], m.B, S, m.Hkv * m.D, pos)), 1e-5) << tag;
+      EXPECT_LT(max_diff(lg[2], local_rows(g[2], m.B, S, m.Hkv * m.D, pos)), 1e-5) << tag;
+    }
+}
+
+// Perturbing the k and v of any position p (every position: inside chunks, at chunk and rank
+// boundaries, in both zigzag runs) changes no output before p on any rank, and every one from p on.
+TEST(ContextParallelCore, Lasp2IsCausalAtEveryPosition) {
+  const int C = world_size(), r = world_rank();
+  const std::int64_t S = 2 * C * 3;
+  ContextParallel cp(MPI_COMM_WORLD, S);
+  const auto& pos = cp.positions();
+  const std::int64_t T = S / C;
+  const Linear m(S, 2, /*decay=*/true);
+  const auto q = random_vector(m.B * S * m.Hq * m.D, 800, 0.5f), k = random_vector(m.B * S * m.Hkv * m.D, 801, 0.5f),
+             v = random_vector(m.B * S * m.Hkv * m.D, 802);
+  const auto lq = local_rows(q, m.B, S, m.Hq * m.D, pos);
+  std::vector<float> y0;
+  m.run(&cp, T, lq, local_rows(k, m.B, S, m.Hkv * m.D, pos), local_rows(v, m.B, S, m.Hkv * m.D, pos), {}, y0, nullptr);
+  const std::int64_t W = m.Hq * m.D;
+  for (std::int64_t p0 = 0; p0 < S; ++p0) {
+    auto kp = k, vp = v;
+    for (std::int64_t j = 0; j < m.Hkv * m.D; ++j) kp[(1 * S + p0) * m.Hkv * m.D + j] += 0.5f, vp[(1 * S + p0) * m.Hkv * m.D + j] -= 0.5f;
+    std::vector<float> y1;
+    m.run(&cp, T, lq, local_rows(kp, m.B, S, m.Hkv * m.D, pos), local_rows(vp, m.B, S, m.Hkv * m.D, pos), {}, y1,
+          nullptr);
+    int earlier_changed = 0, later_changed = 0;
+    for (std::int64_t b = 0; b < m.B; ++b)
+      for (std::int64_t t = 0; t < T; ++t) {
+        bool changed = false;
+        for (std::int64_t h = 0; h < W; ++h) changed |= y0[(b * T + t) * W + h] != y1[(b * T + t) * W + h];
         if (changed && (b == 0 || pos[t] < p0)) ++earlier_changed;
         if (changed && b == 1 && pos[t] >= p0) ++later_changed;
       }

@@ -136,6 +136,19 @@ set_tests_properties(cli_train_cp_clean PROPERTIES FIXTURES_SETUP train_cp_clean
 set_tests_properties(cli_train_cp2_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_cp_clean" FIXTURES_SETUP train_cp)
 set_tests_properties(cli_train_cp2_inspect cli_train_cp2_resume_on_one PROPERTIES FIXTURES_REQUIRED "train_stories;train_cp")
 set_tests_properties(cli_train_cp2_resume_on_one PROPERTIES DEPENDS cli_train_cp2_inspect)
+# LASP-2H on CPU ranks: a hybrid (linear attention in layers 0-2, decayed, softmax gqa in layer 3)
+# with each sequence over 2 ranks trains, saves, and resumes on one rank with whole sequences.
+set(tlasp --set "model.layer_attention=[linear, linear, linear, gqa]" --set model.linear_chunk=16
+    --set model.linear_decay=retnet)
+keel_cli_test(NAME train_lasp2_cp2_stop NP 2
+  MATCH "on cpu x context parallel 2 \\(zigzag. LASP-2H: LASP-2 for the linear layers\\) \\(ZeRO-1\\), "
+  ARGS train ${tcfg} ${tdp} ${tlasp} --set parallel.context=2 --set output_dir=train_lasp --stop-after 4)
+keel_cli_test(NAME train_lasp2_resume_on_one MATCH "resumed from train_lasp/step_00000004 at step 4"
+  ARGS train ${tcfg} ${tdp} ${tlasp} --set output_dir=train_lasp --set steps=6 --resume train_lasp)
+add_test(NAME cli_train_lasp_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_lasp WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+set_tests_properties(cli_train_lasp_clean PROPERTIES FIXTURES_SETUP train_lasp_clean)
+set_tests_properties(cli_train_lasp2_cp2_stop PROPERTIES FIXTURES_REQUIRED "train_stories;train_lasp_clean" FIXTURES_SETUP train_lasp)
+set_tests_properties(cli_train_lasp2_resume_on_one PROPERTIES FIXTURES_REQUIRED "train_stories;train_lasp")
 # Activations that do not fit one GPU: one line saying what would shrink them, context
 # parallelism included (and recompute: full only where it is not set already).
 keel_cli_test(NAME train_activations_out_of_gpu_memory GPUS "1+" EXIT 1
@@ -157,6 +170,10 @@ keel_cli_test(NAME train_cp2_gpus NP 2 GPUS "2+" MATCH "context parallel 2 \\(zi
   ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.context=2 --set checkpoint.final=false
        --set output_dir=train_cp_gpu)
 set_tests_properties(cli_train_cp2_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+keel_cli_test(NAME train_lasp2_cp2_gpus NP 2 GPUS "2+" MATCH "context parallel 2 \\(zigzag. LASP-2H"
+  ARGS train ${tcfg} ${tshort} ${tlasp} --set device=cuda --set parallel.context=2 --set checkpoint.final=false
+       --set output_dir=train_lasp_gpu)
+set_tests_properties(cli_train_lasp2_cp2_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 keel_cli_test(NAME train_sequence_without_tensor EXIT 1
   MATCH "parallel\\.sequence.*needs parallel\\.tensor above 1"
   ARGS train ${tcfg} ${tdp} --set parallel.sequence=true)
@@ -293,8 +310,9 @@ keel_cli_test(NAME train_missing_config EXIT 1 MATCH "^keel: error: .*nope\\.yam
   ARGS train nope.yaml)
 keel_cli_test(NAME train_missing_dataset EXIT 1 MATCH "^keel: error: .*no_such_prefix"
   ARGS train ${tcfg} --set data.datasets.stories=no_such_prefix)
-keel_cli_test(NAME train_linear_attention_rejected EXIT 1 MATCH "^keel: error: .*attention 'linear': keel train supports mha, gqa and cca"
-  ARGS train ${tcfg} --set model=${PROJECT_SOURCE_DIR}/configs/lasp2-hybrid-1b.yaml --set data.datasets.stories=no_such_prefix)
+keel_cli_test(NAME train_linear_feature_typo EXIT 1
+  MATCH "^keel: error: .*key 'linear_feature': unknown feature map 'relu' \\(choose identity or elu1\\)"
+  ARGS train ${tcfg} --set model.attention=linear --set model.linear_feature=relu)
 
 # ZAYA1 (CCA, MLP router with EDA and the skip class, residual scaling) on the CPU: a few steps
 # of the tiny config (docs/train.md).

@@ -44,6 +44,8 @@ parallel::Mesh cp_mesh(int cp, int tp = 1, int ep = 1) {
 }
 
 using fixtures::joined;
+using fixtures::kHybrid;
+using fixtures::kLinear;
 using fixtures::kSliding;
 using fixtures::kZaya;
 using fixtures::kZayaGpu;
@@ -118,6 +120,27 @@ TEST(ContextParallel, WorldZayaMatchesOneRank) {
 TEST(ContextParallel, WorldZayaSlidingWithMuonMatchesOneRank) {
   expect_matches_single_rank({world_size(), 1, 1, joined(kZaya, kSliding), kMuon, "zaya_sliding_cpN"});
 }
+// LASP-2: linear attention's runs start from the gathered, prefix-summed states of the chunks
+// before them (one all-gather per layer each way); LASP-2H: a hybrid's softmax layers over the
+// same axis gather k and v.
+TEST(ContextParallel, WorldLinearMatchesOneRank) {
+  expect_matches_single_rank({world_size(), 1, 1, kLinear, "", "linear_cpN"});
+}
+TEST(ContextParallel, WorldHybridWithMuonMatchesOneRank) {
+  expect_matches_single_rank({world_size(), 1, 1, kHybrid, kMuon, "hybrid_cpN"});
+}
+TEST(ContextParallel, Cp2TimesDp2LinearMatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, 1, 1, kLinear, "", "linear_cp2dp2"});
+}
+TEST(ContextParallel, Cp2TimesTp2HybridMatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, 2, 1, kHybrid, "", "hybrid_cp2tp2"});
+}
+TEST(ContextParallel, Cp2HybridWithExpertParallelMatchesOneRank) {
+  expect_matches_single_rank({2, 1, 2, kHybrid, "", "hybrid_cp2ep2"});
+}
+
 TEST(ContextParallel, Cp2WithExpertParallelMatchesOneRank) {
   expect_matches_single_rank({2, 1, 2, {}, kMuon, "cp2ep2"});
 }
@@ -243,6 +266,13 @@ void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std:
 
 TEST(ContextParallel, GpusMatchOneGpu) { expect_gpus_match_one_gpu({}, "cp"); }
 TEST(ContextParallel, GpusZayaMatchOneGpu) { expect_gpus_match_one_gpu(kZayaGpu, "zaya_cp"); }
+// LASP-2 on GPUs: all layers linear (decayed, elu+1; chunks of 128 tokens span two of the
+// kernels' 64-token chunks), and the LASP-2H hybrid (a linear and a softmax layer).
+TEST(ContextParallel, GpusLinearMatchOneGpu) {
+  expect_gpus_match_one_gpu({"model.attention=linear", "model.linear_feature=elu1", "model.linear_decay=retnet"},
+                            "linear_cp");
+}
+TEST(ContextParallel, GpusHybridMatchOneGpu) { expect_gpus_match_one_gpu(kHybrid, "hybrid_cp"); }
 // Expert parallelism folded over the context ranks: each GPU holds half of the experts.
 TEST(ContextParallel, GpusZayaWithExpertParallelMatchOneGpu) {
   expect_gpus_match_one_gpu(kZayaGpu, "zaya_cp_ep", 0, world_size());

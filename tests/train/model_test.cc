@@ -19,8 +19,14 @@
 namespace keel::train {
 namespace {
 
-void whole_model_gradcheck(bool tied) {
-  const auto cfg = fixtures::tiny_config(tied);
+void whole_model_gradcheck(bool tied, bool linear = false) {
+  auto cfg = fixtures::tiny_config(tied);
+  if (linear) {  // layer 0 linear attention (decayed, elu+1 features, chunks of 2), layer 1 gqa
+    cfg.layer_attention = {model::AttentionKind::kLinear, model::AttentionKind::kGqa};
+    cfg.linear_chunk = 2;
+    cfg.linear_feature = "elu1";
+    cfg.linear_decay = "retnet";
+  }
   ModelOptions o;
   o.micro_batch = 2;
   o.seq_length = 5;
@@ -37,6 +43,7 @@ void whole_model_gradcheck(bool tied) {
 
 TEST(TrainModel, WholeModelGradCheckUntied) { whole_model_gradcheck(false); }
 TEST(TrainModel, WholeModelGradCheckTied) { whole_model_gradcheck(true); }
+TEST(TrainModel, WholeModelGradCheckLinearHybrid) { whole_model_gradcheck(false, /*linear=*/true); }
 
 TEST(TrainModel, AuxLossesContributeToGradients) {
   const auto cfg = fixtures::tiny_config(false);
@@ -160,12 +167,12 @@ TEST(TrainModel, RejectsUnsupportedConfigs) {
   ModelOptions o;
   o.micro_batch = 1;
   o.seq_length = 4;
-  cfg.attention = model::AttentionKind::kLinear;
+  cfg.qk_norm = true;
   try {
     MoeTransformer m(cfg, o, parallel::Mesh());
-    FAIL() << "linear attention accepted";
+    FAIL() << "qk_norm accepted";
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("supports mha, gqa and cca"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("qk_norm is not supported"), std::string::npos) << e.what();
   }
   mesh::Shape tensor;  // not implemented yet: the one check every backend calls
   tensor.tp = 2;

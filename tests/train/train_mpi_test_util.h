@@ -54,6 +54,13 @@ inline std::vector<std::string> joined(std::vector<std::string> a, const std::ve
   return a;
 }
 
+// Linear attention (LASP-2's layers): every layer linear, decayed (RetNet), elu+1 features, chunks
+// of 2 tokens (each rank's runs span several); and a LASP-2H hybrid, layer 0 linear (identity
+// features, no decay) and layer 1 softmax gqa.
+inline const std::vector<std::string> kLinear = {"model.attention=linear", "model.linear_chunk=2",
+                                                 "model.linear_feature=elu1", "model.linear_decay=retnet"};
+inline const std::vector<std::string> kHybrid = {"model.layer_attention=[linear, gqa]", "model.linear_chunk=4"};
+
 // kZaya at the sizes the CUDA kernels take: CCA with 4 query heads and 2 kv heads of 64.
 inline const std::vector<std::string> kZayaGpu = joined(kZaya, {"model.cca_q_dim=256", "model.cca_k_dim=128",
                                                                  "model.cca_v_dim=128", "model.router_hidden=64"});

@@ -329,9 +329,6 @@ TEST(TrainZaya, RejectsWhatIsStillUnsupported) {
   c = zaya_config(false);
   c.shared_experts = 1;
   expect_error(c, "shared_experts is not supported");
-  c = zaya_config(false);
-  c.attention = model::AttentionKind::kLinear;
-  expect_error(c, "supports mha, gqa and cca");
 }
 
 }  // namespace

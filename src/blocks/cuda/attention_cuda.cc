@@ -1,10 +1,12 @@
 #include "blocks/cuda/attention.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "blocks/weights.h"
 #include "ops/cuda/cast.h"
 #include "ops/cuda/linear.h"
+#include "ops/cuda/linear_attention.h"
 
 namespace keel::blocks::cuda {
 
@@ -22,33 +24,44 @@ k::cca::Config layer_cca(const AttnShape& s, const AttnContext& p) {
 AttentionCore* split(const AttnShape& s, const AttnContext& p) { return s.segments > 0 ? p.core : nullptr; }
 }  // namespace
 
-void carve(DeviceCarver& c, const AttnShape& s, bool softmax, bool cca, AttnSaved& a) {
+// Linear attention's runs: B sequences x segments (1 for whole sequences) of seq / segments tokens.
+static std::int64_t linear_runs(const AttnShape& s) { return s.batch * std::max(s.segments, 1); }
+
+void carve(DeviceCarver& c, const AttnShape& s, AttnKinds kinds, AttnSaved& a) {
   const std::int64_t N = s.tokens(), Q = s.q_dim(), KV = s.kv_dim();
-  if (softmax) {
+  if (kinds.softmax || kinds.linear) {
     a.q = c.take<bf16>(N * Q);
     a.k = c.take<bf16>(N * KV);
     a.v = c.take<bf16>(N * KV);
     a.att = c.take<bf16>(N * Q);
-    a.lse = c.take<float>(s.batch * s.heads * s.seq);
   }
-  if (cca) {
+  if (kinds.softmax) a.lse = c.take<float>(s.batch * s.heads * s.seq);
+  if (kinds.linear) {
+    a.rstd = c.take<float>(N * s.heads);
+    if (s.segments > 0) a.init = c.take<float>(linear_runs(s) * KV * s.head_dim);
+  }
+  if (kinds.cca) {
     std::byte* buf =
         c.take<std::byte>(static_cast<std::int64_t>(k::cca::saved_bytes(s.cca, s.batch, s.seq, s.segments)));
     if (buf) a.cca = k::cca::carve_saved(s.cca, s.batch, s.seq, buf, s.segments);
   }
 }
 
-void carve(DeviceCarver& c, const AttnShape& s, bool softmax, bool cca, const AttentionCore& core, AttnScratch& sc) {
+void carve(DeviceCarver& c, const AttnShape& s, AttnKinds kinds, const AttentionCore& core, AttnScratch& sc) {
   const std::int64_t N = s.tokens(), Q = s.q_dim(), KV = s.kv_dim();
-  if (softmax) {
+  if (kinds.softmax || kinds.linear) {
     sc.datt = c.take<bf16>(N * Q);
     sc.dq = c.take<bf16>(N * Q);
     sc.dk = c.take<bf16>(N * KV);
     sc.dv = c.take<bf16>(N * KV);
+  }
+  if (kinds.softmax)
     sc.attn = c.take<std::byte>(static_cast<std::int64_t>(
         core.backward_workspace_bytes(static_cast<int>(s.batch), static_cast<int>(s.seq), s.heads, s.kv_heads, s.head_dim)));
-  }
-  if (cca)
+  if (kinds.linear)
+    sc.linear = c.take<std::byte>(
+        static_cast<std::int64_t>(core.linear_workspace_bytes(s.linear, linear_runs(s), N / linear_runs(s))));
+  if (kinds.cca)
     sc.cca = c.take<std::byte>(
         static_cast<std::int64_t>(k::cca::backward_scratch_bytes(s.cca, s.batch, s.seq, s.segments)));
 }
@@ -77,10 +90,20 @@ void attention_forward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeigh
   k::linear::forward(gemm, x, w.wq, a.q, N, D, Q, stream);
   k::linear::forward(gemm, x, kv_rows(s, w.wk), a.k, N, D, KV, stream);
   k::linear::forward(gemm, x, kv_rows(s, w.wv), a.v, N, D, KV, stream);
-  k::rope::forward(*p.rope, a.q, p.pos, N, s.heads, stream);
-  k::rope::forward(*p.rope, a.k, p.pos, N, s.kv_heads, stream);
-  p.core->forward(a.q, a.k, a.v, a.att, a.lse, static_cast<int>(s.batch), static_cast<int>(s.seq), s.heads, s.kv_heads,
-                  s.head_dim, s.scale(), p.window, stream);
+  if (w.linear) {
+    namespace la = k::linear_attention;
+    la::feature_forward(s.feature, a.q, a.q, N * Q, stream);
+    la::feature_forward(s.feature, a.k, a.k, N * KV, stream);
+    const std::int64_t runs = linear_runs(s);
+    // forward's workspace is the backward scratch's (layers run one at a time)
+    p.core->attend_linear(s.linear, runs, N / runs, a.q, a.k, a.v, a.init, a.att, p.linear_workspace, stream);
+    la::norm_forward(a.att, N * s.heads, s.head_dim, s.eps, a.att, a.rstd, stream);
+  } else {
+    k::rope::forward(*p.rope, a.q, p.pos, N, s.heads, stream);
+    k::rope::forward(*p.rope, a.k, p.pos, N, s.kv_heads, stream);
+    p.core->forward(a.q, a.k, a.v, a.att, a.lse, static_cast<int>(s.batch), static_cast<int>(s.seq), s.heads,
+                    s.kv_heads, s.head_dim, s.scale(), p.window, stream);
+  }
   if (add_into && p.linear->output_is_whole()) {
     // add_into += att Wo^T: the residual add rides in the GEMM (fp32 C, beta = 1)
     k::GemmDesc d;
@@ -108,10 +131,20 @@ void attention_backward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeig
     return;
   }
   k::linear::backward(gemm, a.att, w.wo, g_out, sc.datt, g.wo, N, Q, D, stream);
-  p.core->backward(a.q, a.k, a.v, a.att, a.lse, sc.datt, sc.dq, sc.dk, sc.dv, sc.attn, static_cast<int>(s.batch),
-                   static_cast<int>(s.seq), s.heads, s.kv_heads, s.head_dim, s.scale(), p.window, stream);
-  k::rope::backward(*p.rope, sc.dq, p.pos, N, s.heads, stream);
-  k::rope::backward(*p.rope, sc.dk, p.pos, N, s.kv_heads, stream);
+  if (w.linear) {
+    namespace la = k::linear_attention;
+    const std::int64_t runs = linear_runs(s);
+    la::norm_backward(a.att, a.rstd, sc.datt, sc.datt, N * s.heads, s.head_dim, stream);
+    p.core->attend_linear_backward(s.linear, runs, N / runs, a.q, a.k, a.v, a.init, sc.datt, sc.dq, sc.dk, sc.dv,
+                                   sc.linear, stream);
+    la::feature_backward(s.feature, a.q, sc.dq, sc.dq, N * Q, stream);
+    la::feature_backward(s.feature, a.k, sc.dk, sc.dk, N * KV, stream);
+  } else {
+    p.core->backward(a.q, a.k, a.v, a.att, a.lse, sc.datt, sc.dq, sc.dk, sc.dv, sc.attn, static_cast<int>(s.batch),
+                     static_cast<int>(s.seq), s.heads, s.kv_heads, s.head_dim, s.scale(), p.window, stream);
+    k::rope::backward(*p.rope, sc.dq, p.pos, N, s.heads, stream);
+    k::rope::backward(*p.rope, sc.dk, p.pos, N, s.kv_heads, stream);
+  }
   k::linear::backward(gemm, x, w.wq, sc.dq, nullptr, g.wq, N, D, Q, stream);
   k::linear::backward(gemm, x, kv_rows(s, w.wk), sc.dk, nullptr, kv_rows(s, g.wk), N, D, KV, stream);
   k::linear::backward(gemm, x, kv_rows(s, w.wv), sc.dv, nullptr, kv_rows(s, g.wv), N, D, KV, stream);

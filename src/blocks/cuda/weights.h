@@ -31,7 +31,8 @@ struct ResScaleGrads {
 };
 
 struct LayerWeights {
-  bool cca = false;  // CCA attention (else mha/gqa)
+  bool cca = false;     // CCA attention (else mha/gqa, or linear)
+  bool linear = false;  // linear attention (ops/cuda/linear_attention.h; wq, wk, wv, wo as mha/gqa)
   int moe = -1;      // MoE stage index, -1 for a dense layer
   const float *attn_norm = nullptr, *mlp_norm = nullptr;
   const bf16 *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;  // mha/gqa

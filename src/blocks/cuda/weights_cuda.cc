@@ -12,6 +12,7 @@ ModelWeights device_weights(const model::ModelConfig& cfg, const optim::ParamLay
   for (int l = 0; l < cfg.layers; ++l) {
     LayerWeights& L = w.layers[static_cast<std::size_t>(l)];
     L.cca = model::layer_attention_kind(cfg, l) == model::AttentionKind::kCca;
+    L.linear = model::layer_attention_kind(cfg, l) == model::AttentionKind::kLinear;
     L.moe = model::is_moe_layer(cfg, l) ? moe++ : -1;
   }
   for (const auto& p : layout.params) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "ops/cuda/common.h"
+#include "ops/linear_attention.h"
 
 namespace keel::ops::cuda {
 
@@ -39,6 +40,21 @@ class SequenceSplit {
   virtual void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                         const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv,
                         int Dh, float scale, int window, cudaStream_t stream);
+
+  // Causal linear attention of this rank's `runs` = B * segments runs (ops/cuda/linear_attention.h's
+  // conventions and dtypes; the CPU twin's contract, ops/sequence_split.h): init fp32
+  // [runs, Hkv, d, d], WRITTEN by forward with each run's initial state and read by backward
+  // (whole sequences: null, every run starts from zeros). Backward: dq, dk, dv OVERWRITTEN with
+  // every path through later runs included. workspace of linear_workspace_bytes.
+  virtual std::size_t linear_workspace_bytes(const linear_attention::Config& c, std::int64_t runs,
+                                             std::int64_t len) const;
+  virtual void attend_linear(const linear_attention::Config& c, std::int64_t runs, std::int64_t len, const bf16* q,
+                             const bf16* k, const bf16* v, float* init, bf16* out, void* workspace,
+                             cudaStream_t stream);
+  virtual void attend_linear_backward(const linear_attention::Config& c, std::int64_t runs, std::int64_t len,
+                                      const bf16* q, const bf16* k, const bf16* v, const float* init,
+                                      const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace,
+                                      cudaStream_t stream);
 };
 
 // The whole-sequence split (stateless; shared).
