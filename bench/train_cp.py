@@ -13,6 +13,10 @@ The target (issue 29): CP=2 at 32K within 5% of DP=2 at 4K in tokens/s per GPU. 
 FLOPs grow with the sequence, so MFU (one formula: keel's model FLOPs, attention included) is
 printed beside tokens/s.
 
+--hybrid: LASP-2H instead: layers 0-2 of every 4 are linear attention (RetNet decay; docs/train.md)
+and layer 3 CCA, so under CP=2 the linear layers run LASP-2 (one all-gather of memory states) and
+the CCA layers the k/v all-gather; MFU counts the linear layers' core as keel does (model.cc).
+
 --longest: the longest sequence (of --lengths) that trains on 1 GPU and on 2 (CP=2), with and
 without full recomputation, and its peak memory (keel's device arenas, rank 0).
 
@@ -56,11 +60,26 @@ def run(a, out, prefix, name, ranks, parallel, seq, micro_batch, accum, recomput
     if err:
         return {"error": f"keel train {err}: {tpb.last_line(log)}", "seq": seq, "gpus": ranks, "recompute": recompute}
     rows = [json.loads(line) for line in open(metrics) if '"loss"' in line]
-    fpt = zaya_vs_torch.flops_per_token(d)
+    fpt = flops_per_token(d, a.hybrid)
     res = tpb.summarize_rows(rows, d["experts"] + 1, warmup, ranks, fpt, accum * micro_batch * seq)
     res.update(memory_gib=max(r.get("memory_mib", 0) for r in rows) / 1024, gpus=ranks, seq=seq, recompute=recompute,
                tokens_per_gpu_s=res["tokens_per_s"] / ranks, wall_s=time.time() - t0)
     return res
+
+
+HYBRID = ["model.layer_attention=[linear, linear, linear, cca]", "model.linear_decay=retnet"]
+
+
+def flops_per_token(d, hybrid):
+    """zaya_vs_torch.flops_per_token, with --hybrid's linear layers (3 of every 4) counted as keel's
+    model_flops_per_micro_batch does: no convs, the core Hq (4 Dh^2 + 2 Dh min(256, seq)) x 3."""
+    f = zaya_vs_torch.flops_per_token(d)
+    if not hybrid:
+        return f
+    Dh, Hq, Hkv, linear = d["head_dim"], d["heads"], d["kv_heads"], d["layers"] * 3 // 4
+    f -= linear * 6 * (Hq + Hkv) * Dh * (d["conv0"] + Dh * d["conv1"])
+    f -= linear * 6 * d["seq"] * Hq * Dh
+    return f + linear * 3 * Hq * (4 * Dh * Dh + 2 * Dh * min(256, d["seq"]))
 
 
 def row(name, r):
@@ -91,7 +110,10 @@ def main():
     ap.add_argument("--mpirun", default="mpirun")
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra keel --set, both configs")
+    ap.add_argument("--hybrid", action="store_true", help="LASP-2H: 3 of every 4 layers linear attention")
     a = ap.parse_args()
+    if a.hybrid:
+        a.sets += HYBRID
     lengths = [int(x) for x in a.lengths.split(",")]
     a.max_seq = max([a.seq, a.short] + lengths)
     os.makedirs(a.out, exist_ok=True)
@@ -118,7 +140,8 @@ def main():
                     if "error" in r:
                         break
     json.dump(results, open(os.path.join(a.out, "train_cp.json"), "w"), indent=1)
-    lines = [f"== keel context parallelism ({'tiny, ' if a.tiny else ''}ZAYA1-shaped, {a.device}); same tokens per GPU "
+    model = "ZAYA1-shaped hybrid, 3 of 4 layers linear (LASP-2H)" if a.hybrid else "ZAYA1-shaped"
+    lines = [f"== keel context parallelism ({'tiny, ' if a.tiny else ''}{model}, {a.device}); same tokens per GPU "
              f"per step ({per_gpu}); {a.steps} timed steps after {a.warmup}",
              f"{'config':26} {'GPUs':>4} {'seq':>7} {'tok/s/GPU':>11} {'MFU':>6} {'GiB/GPU':>8} {'busiest':>8} "
              f"{'(mean)':>6} {'skip':>5}  per-layer busiest/fair"]

@@ -4,9 +4,10 @@
 // with and without an initial state and dlocal, GQA and MHA, head dims 128, 64, 32, 16 (the
 // vectorized tiles), 48 and 5 (element loads into padded tiles), lengths that are not a multiple
 // of the kernels' 64-token chunk, several runs, Config::chunk 1 and larger than the run (the CPU
-// op's chunking; the GPU's is its own), one-token runs, misaligned pointers; a leak check (a
-// later token never changes an earlier output bit); the decode step; the feature map and norm;
-// determinism; the errors.
+// op's chunking; the GPU's is its own), one-token runs, misaligned pointers, runs long enough for
+// the segmented scan (several segments, a short last one, a tail chunk); a leak check (a later
+// token never changes an earlier output bit, across segment boundaries too); the decode step; the
+// feature map and norm; determinism; the errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -233,13 +234,41 @@ TEST(LinearAttentionCuda, LongRunMatchesCpu) {
   check_shape({1, 700, 2, 2, 128, 64, false, false, false}, 410);
 }
 
+// Runs of several scan segments (ops/cuda/linear_attention.h: at these sizes 4 chunks per
+// segment): whole segments, a last segment of one or two chunks, a tail chunk, every head width,
+// GQA, misaligned pointers; backward's dinit still init_gradient's bits (expect_match).
+TEST(LinearAttentionCuda, SegmentedScanMatchesCpu) {
+  KEEL_REQUIRE_GPU();
+  const Shape shapes[] = {
+      {1, 512, 4, 2, 128, 64, true, true, true},    // 2 segments of 4 chunks, GQA 2
+      {2, 640, 2, 2, 64, 64, true, true, true},     // 3 segments, the last of 2 chunks, 2 runs
+      {1, 320, 4, 1, 64, 64, false, true, true},    // a last segment of one chunk, GQA 4, no decay
+      {1, 384, 2, 1, 16, 16, true, true, true},     // d 16
+      {1, 448, 2, 2, 48, 64, true, true, false},    // d 48: element loads
+      {1, 320, 3, 3, 5, 8, true, true, true},       // d 5 (state not a multiple of 4 floats)
+      {1, 1030, 2, 2, 32, 64, true, false, true},   // 5 segments, the last one chunk of 6 tokens
+  };
+  std::uint64_t seed = 1000;
+  for (const Shape& s : shapes) check_shape(s, seed += 10);
+  check_shape({1, 512, 2, 2, 128, 64, true, true, true}, 1100, 1);  // misaligned
+}
+
 // A later token never reaches an earlier output: perturbing token p's k and v leaves every output
 // row before p bit-identical (a diagonal tile left unmasked, or a state that already includes its
 // chunk, would not), and changes row p.
 TEST(LinearAttentionCuda, NoFutureTokenLeaks) {
   KEEL_REQUIRE_GPU();
-  for (const int d : {128, 16}) {
-    const Shape s{1, 160, 4, 2, d, 64, true, true, false};
+  struct Case {
+    int d;
+    std::int64_t len;
+    std::vector<std::int64_t> tokens;
+  };
+  const Case cases[] = {{128, 160, {0, 1, 7, 15, 16, 17, 31, 32, 63, 64, 65, 100, 127, 128, 159}},
+                        {16, 160, {0, 1, 7, 15, 16, 17, 31, 32, 63, 64, 65, 100, 127, 128, 159}},
+                        {64, 320, {0, 63, 64, 191, 192, 255, 256, 257, 300, 319}}};  // the segmented scan
+  for (const Case& cs : cases) {
+    const int d = cs.d;
+    const Shape s{1, cs.len, 4, 2, d, 64, true, true, false};
     SCOPED_TRACE(describe(s));
     const la::Config cfg = config_of(s);
     const Inputs base = make(s, 500);
@@ -248,7 +277,7 @@ TEST(LinearAttentionCuda, NoFutureTokenLeaks) {
                  nullptr);
     const std::vector<float> o0 = g0.host(g0.out);
     const std::int64_t row = std::int64_t(s.hq) * s.d, kw = std::int64_t(s.hkv) * s.d;
-    for (const std::int64_t p : {0, 1, 7, 15, 16, 17, 31, 32, 63, 64, 65, 100, 127, 128, 159}) {
+    for (const std::int64_t p : cs.tokens) {
       Inputs x = base;
       for (std::int64_t j = 0; j < kw; ++j) {
         x.k[p * kw + j] = test::bf16_round(x.k[p * kw + j] + 0.5f);
