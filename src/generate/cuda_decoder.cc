@@ -23,11 +23,7 @@ std::string cuda_decoder_unsupported(const model::ModelConfig& cfg) {
   if (cfg.head_dim != 64 && cfg.head_dim != 128)
     return fmt::format("head_dim {}: the CUDA attention kernels take 64 or 128", cfg.head_dim);
   bool any_cca = false;
-  for (int l = 0; l < cfg.layers; ++l) {
-    any_cca |= model::layer_attention_kind(cfg, l) == model::AttentionKind::kCca;
-    if (model::layer_attention_kind(cfg, l) == model::AttentionKind::kLinear)
-      return fmt::format("layer {} is linear attention, which the CUDA decoder does not run yet", l);
-  }
+  for (int l = 0; l < cfg.layers; ++l) any_cca |= model::layer_attention_kind(cfg, l) == model::AttentionKind::kCca;
   if (any_cca) {
     if (cfg.cca_conv_width > 8 || cfg.cca_group_conv_width > 8)
       return fmt::format("CCA conv widths {} and {}: the CUDA convs take at most 8", cfg.cca_conv_width,

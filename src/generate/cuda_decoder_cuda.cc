@@ -96,9 +96,7 @@ class CudaDecoder final : public Decoder {
       moe += routed ? 1 : 0;
       any_moe_ |= routed;
       any_dense_ |= !routed;
-      const bool cca = model::layer_attention_kind(cfg_, l) == model::AttentionKind::kCca;
-      any_cca_ |= cca;
-      any_softmax_ |= !cca;
+      any_kind_ |= bc::AttnKinds::of(model::layer_attention_kind(cfg_, l));
     }
     classes_ = cfg_.experts + (cfg_.router_skip_expert ? 1 : 0);
     if (static_cast<int>(w.router_bias.size()) != moe)
@@ -146,7 +144,7 @@ class CudaDecoder final : public Decoder {
     auto carve = [&](DeviceCarver& c) {
       caches_.assign(static_cast<std::size_t>(cfg_.layers), bc::LayerCache{});
       for (int l = 0; l < cfg_.layers; ++l)
-        bc::carve(c, s, layer(l).cca, capacity, caches_[static_cast<std::size_t>(l)]);
+        bc::carve(c, s, layer(l), capacity, caches_[static_cast<std::size_t>(l)]);
     };
     DeviceCarver sizing;
     carve(sizing);
@@ -183,6 +181,10 @@ class CudaDecoder final : public Decoder {
     std::int64_t elems = 0;
     const std::int64_t C = blocks::cca_config(cfg_).qk_channels(), kv = std::int64_t(cfg_.kv_heads) * cfg_.head_dim;
     for (const bc::LayerWeights& L : w_.layers) {
+      if (L.linear) {  // the fp32 state: 2 bf16 elements per float
+        elems += 2 * kv * cfg_.head_dim;
+        continue;
+      }
       elems += 2 * kv * length_;
       if (L.cca) elems += (cfg_.cca_conv_width - 1 + cfg_.cca_group_conv_width - 1) * C + kv / 2;
     }
@@ -296,8 +298,8 @@ class CudaDecoder final : public Decoder {
     a.h1 = c.take<bf16>(N * D);
     a.h2 = c.take<bf16>(N * D);
     a.attn_out = c.take<bf16>(N * D);
-    bc::carve(c, attn_shape_, bc::AttnKinds{any_softmax_, any_cca_, /*linear=*/false}, a.attn);
-    bc::carve(c, attn_shape_, any_cca_, a.cache);
+    bc::carve(c, attn_shape_, any_kind_, a.attn);
+    bc::carve(c, attn_shape_, any_kind_, a.cache);
     bc::carve(c, mlp_shape_, bc::MlpParts{any_dense_, any_moe_}, a.mlp);
     bc::MlpScratchParts mp;
     mp.dense = any_dense_;
@@ -344,6 +346,7 @@ class CudaDecoder final : public Decoder {
     k::embedding::forward_bf16_table(a.tokens, N, w_.embed, a.r, V, D, stream_);
     bc::AttnContext ctx;
     ctx.pos = a.positions;
+    ctx.linear_workspace = a.cache.linear_ws;  // linear layers' prefill
     for (int l = 0; l < cfg_.layers; ++l) {
       const bc::LayerWeights& L = layer(l);
       const bc::LayerCache& lc = caches_[static_cast<std::size_t>(l)];
@@ -431,7 +434,8 @@ class CudaDecoder final : public Decoder {
   model::ModelConfig cfg_;
   bool renormalize_ = true;
   std::string gpu_name_;
-  bool any_cca_ = false, any_softmax_ = false, any_moe_ = false, any_dense_ = false, mlp_router_ = false,
+  bc::AttnKinds any_kind_;
+  bool any_moe_ = false, any_dense_ = false, mlp_router_ = false,
        scaled_ = false;
   int classes_ = 0;
   cudaStream_t stream_ = nullptr;

@@ -228,8 +228,13 @@ void check_strict(const model::ModelConfig& cfg, std::uint32_t seed) {
   ASSERT_EQ(last.size(), std::size_t(B * V));
   for (int b = 0; b < B; ++b)
     for (std::int64_t v = 0; v < V; ++v) EXPECT_NEAR(last[b * V + v], full[(b * T + T - 1) * V + v], 2e-3 * scale);
-  // bf16 caches: k/v rows of every layer plus CCA's fixed state, half the CPU's fp32 bytes.
-  EXPECT_EQ(gpu->cache_bytes_per_sequence() * 2, cpu.cache_bytes_per_sequence()) << cfg.name;
+  // bf16 caches: k/v rows of every layer plus CCA's fixed state, half the CPU's fp32 bytes; a
+  // linear layer's state is fp32 on both.
+  std::int64_t state = 0;
+  for (int l = 0; l < cfg.layers; ++l)
+    if (model::layer_attention_kind(cfg, l) == model::AttentionKind::kLinear)
+      state += std::int64_t(sizeof(float)) * cfg.kv_heads * cfg.head_dim * cfg.head_dim;
+  EXPECT_EQ(gpu->cache_bytes_per_sequence() * 2 - state, cpu.cache_bytes_per_sequence()) << cfg.name;
 }
 
 // Spread-out routing: a near-tie may send a token elsewhere on one side, so most rows (not all)
@@ -361,6 +366,21 @@ TEST(GenerateCuda, Zaya1WideConvsMatchCpuAndPrefill) {
 TEST(GenerateCuda, CcaPlainResidualHeadDim128MatchesCpuAndPrefill) {
   KEEL_REQUIRE_GPU_DECODER();
   check_strict(cca_plain_config(), 11);
+}
+// Linear attention: the GPU prefill (the chunk kernels) and decode from the memory state
+// (ops/cuda/linear_attention.h's step) against the CPU reference; all layers linear with RetNet
+// decay and elu+1 features, and a hybrid with a softmax layer.
+TEST(GenerateCuda, LinearMatchesCpuAndPrefill) {
+  KEEL_REQUIRE_GPU_DECODER();
+  model::ModelConfig m = gqa_config(2);
+  m.attention = model::AttentionKind::kLinear;
+  m.linear_feature = "elu1";
+  m.linear_decay = "retnet";
+  check_strict(m, 31);
+  m.layer_attention = {model::AttentionKind::kLinear, model::AttentionKind::kLinear, model::AttentionKind::kGqa};
+  m.linear_feature = "identity";
+  m.linear_decay = "none";
+  check_strict(m, 33);
 }
 // Sliding-window layers (window 3 of T = 11, with their own RoPE): the GPU prefill (flash
 // attention with a window) and decode over the last W cached positions against the CPU

@@ -5,6 +5,7 @@
 #include "ops/cuda/cast.h"
 #include "ops/cuda/decode_attention.h"
 #include "ops/cuda/linear.h"
+#include "ops/cuda/linear_attention.h"
 
 namespace keel::blocks::cuda {
 
@@ -71,11 +72,32 @@ void cca_decode(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, 
   if (add_into) k::add_bf16_to_f32(out, add_into, B * D, stream);
 }
 
+// Linear attention of one new token per sequence: the state advanced by it, the output
+// normalized per head, the output projection (blocks/attention_decode.cc's linear_decode).
+void linear_decode(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, const bf16* h, const LayerCache& lc,
+                   const AttnSaved& a, float* add_into, bf16* out, cudaStream_t stream) {
+  namespace la = k::linear_attention;
+  const std::int64_t B = s.batch, D = s.hidden, Q = s.q_dim(), KV = s.kv_dim();
+  k::linear::forward(gemm, h, w.wq, a.q, B, D, Q, stream);
+  k::linear::forward(gemm, h, w.wk, a.k, B, D, KV, stream);
+  k::linear::forward(gemm, h, w.wv, a.v, B, D, KV, stream);
+  la::feature_forward(s.feature, a.q, a.q, B * Q, stream);
+  la::feature_forward(s.feature, a.k, a.k, B * KV, stream);
+  la::step(s.linear, B, a.q, a.k, a.v, lc.state, a.att, stream);
+  la::norm_forward(a.att, B * s.heads, s.head_dim, s.eps, a.att, a.rstd, stream);
+  out_projection(gemm, s, w.wo, a.att, B, add_into, out, stream);
+}
+
 }  // namespace
 
-void carve(DeviceCarver& c, const AttnShape& s, bool cca, std::int64_t capacity, LayerCache& lc) {
+void carve(DeviceCarver& c, const AttnShape& s, const LayerWeights& w, std::int64_t capacity, LayerCache& lc) {
   const std::int64_t B = s.batch, KV = s.kv_dim(), C = s.cca.qk_channels();
+  const bool cca = w.cca;
   lc = LayerCache{};
+  if (w.linear) {
+    lc.state = c.take<float>(B * KV * s.head_dim);
+    return;
+  }
   lc.k = c.take<bf16>(B * capacity * KV);
   lc.v = c.take<bf16>(B * capacity * KV);
   if (cca) {
@@ -86,6 +108,8 @@ void carve(DeviceCarver& c, const AttnShape& s, bool cca, std::int64_t capacity,
 }
 
 void reset_cache(const AttnShape& s, const LayerWeights& w, const LayerCache& lc, cudaStream_t stream) {
+  if (w.linear)
+    KEEL_CUDA_CHECK(cudaMemsetAsync(lc.state, 0, sizeof(float) * s.batch * s.kv_dim() * s.head_dim, stream));
   if (!w.cca) return;
   const std::int64_t B = s.batch, KV = s.kv_dim(), C = s.cca.qk_channels();
   const std::int64_t W0 = s.cca.conv0_width, W1 = s.cca.conv1_width;
@@ -94,8 +118,11 @@ void reset_cache(const AttnShape& s, const LayerWeights& w, const LayerCache& lc
   KEEL_CUDA_CHECK(cudaMemsetAsync(lc.prev_v, 0, B * KV / 2 * sizeof(bf16), stream));
 }
 
-void carve(DeviceCarver& c, const AttnShape& s, bool cca, CacheScratch& sc) {
-  if (cca) sc.last_x = c.take<bf16>(s.batch * s.hidden);
+void carve(DeviceCarver& c, const AttnShape& s, AttnKinds kinds, CacheScratch& sc) {
+  if (kinds.cca) sc.last_x = c.take<bf16>(s.batch * s.hidden);
+  if (kinds.linear)
+    sc.linear_ws = c.take<std::byte>(
+        static_cast<std::int64_t>(k::linear_attention::workspace_bytes(s.linear, s.batch, s.seq)));
   sc.attn_ws = c.take<std::byte>(static_cast<std::int64_t>(
       k::decode_attention::workspace_bytes(static_cast<int>(s.batch), s.heads, s.head_dim)));
 }
@@ -103,6 +130,10 @@ void carve(DeviceCarver& c, const AttnShape& s, bool cca, CacheScratch& sc) {
 void fill_cache(k::GemmRunner& gemm, const AttnShape& s, const LayerWeights& w, const bf16* h, const AttnSaved& a,
                 std::int64_t capacity, const LayerCache& lc, const CacheScratch& sc, cudaStream_t stream) {
   const std::int64_t B = s.batch, T = s.seq, D = s.hidden, KV = s.kv_dim();
+  if (w.linear) {  // the prompt's state (forward's k, v are feature-mapped)
+    k::linear_attention::local_states(s.linear, B, T, a.k, a.v, lc.state, stream);
+    return;
+  }
   if (!w.cca) {
     copy_rows(lc.k, capacity * KV, a.k, T * KV, T * KV, B, sizeof(bf16), stream);
     copy_rows(lc.v, capacity * KV, a.v, T * KV, T * KV, B, sizeof(bf16), stream);
@@ -123,7 +154,9 @@ void attention_decode(k::GemmRunner& gemm, const AttnShape& s, const LayerWeight
                       const std::int32_t* pos, const k::rope::DeviceTable& rope, int window, std::int64_t capacity,
                       std::int64_t length, const LayerCache& lc, const AttnSaved& a, const CacheScratch& sc,
                       float* add_into, bf16* out, cudaStream_t stream) {
-  if (w.cca)
+  if (w.linear)
+    linear_decode(gemm, s, w, h, lc, a, add_into, out, stream);
+  else if (w.cca)
     cca_decode(gemm, s, w, h, pos, rope, window, capacity, length, lc, a, sc, add_into, out, stream);
   else
     mha_decode(gemm, s, w, h, pos, rope, window, capacity, length, lc, a, sc, add_into, out, stream);

@@ -7,10 +7,13 @@
 #include <limits>
 
 #include "common/error.h"
+#include "ops/cuda/mma_fragments.cuh"
 
 namespace keel::ops::cuda::linear_attention {
 
 namespace {
+
+using namespace mma_frag;  // ops/cuda/mma_fragments.cuh
 
 constexpr std::size_t kAlign = 256;
 constexpr int kStages = 3;  // cp.async stages of the sequential scan
@@ -26,93 +29,19 @@ struct Gammas {
 
 __device__ __forceinline__ float gpow(float lg, int p) { return p == 0 ? 1.f : exp2f(lg * static_cast<float>(p)); }
 
-// ---- Warp-level building blocks (as ops/cuda/attention.cu): shared-memory addresses, cp.async,
-// ldmatrix, bf16 MMA ----
-//
-// Fragment layouts of mma.m16n8k16 (g = lane / 4, c = lane % 4), which the code below relies on:
-//   A 16x16 (row major)  a0: (g, 2c..2c+1)  a1: (g+8, 2c..)  a2: (g, 2c+8..)  a3: (g+8, 2c+8..)
-//   B 16x8  (k x n)      b0: (k 2c..2c+1, n g)               b1: (k 2c+8..2c+9, n g)
-//   C 16x8  (fp32)       c0, c1: (g, 2c..2c+1)               c2, c3: (g+8, 2c..2c+1)
-// Each 32-bit register holds two bf16 values, the lower column (k) in the low half.
+// The warp-level building blocks (smem_addr, cp.async, ldmatrix, mma; their fragment layouts)
+// are ops/cuda/mma_fragments.cuh's.
 
-__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared; bytes == 0 zero-fills the destination (rows past the run's end).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(std::uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
-               : "memory");
-}
-
-// A fragment (rows m0..m0+15, k k0..k0+15) of a tile stored [m][k] with row stride `ld`.
-__device__ __forceinline__ void load_a(std::uint32_t (&a)[4], const bf16* s, int ld, int m0, int k0, int lane) {
-  const int i = lane >> 3, r = lane & 7;
-  ldsm_x4(a, s + (m0 + (i & 1) * 8 + r) * ld + k0 + (i >> 1) * 8);
-}
-// A fragment of the transpose of a tile stored [k][m] (A[m][k] = stored[k][m]).
-__device__ __forceinline__ void load_a_trans(std::uint32_t (&a)[4], const bf16* s, int ld, int m0, int k0, int lane) {
-  const int i = lane >> 3, r = lane & 7;
-  ldsm_x4_trans(a, s + (k0 + (i >> 1) * 8 + r) * ld + m0 + (i & 1) * 8);
-}
-// B fragments of n-tiles n0 and n0+8 (k k0..k0+15) of B[k][n] = stored[n][k]:
-// b = {b0(n0), b1(n0), b0(n0+8), b1(n0+8)}.
-__device__ __forceinline__ void load_b_nk(std::uint32_t (&b)[4], const bf16* s, int ld, int n0, int k0, int lane) {
-  const int i = lane >> 3, r = lane & 7;
-  ldsm_x4(b, s + (n0 + (i >> 1) * 8 + r) * ld + k0 + (i & 1) * 8);
-}
-// The same for B[k][n] = stored[k][n].
-__device__ __forceinline__ void load_b_kn(std::uint32_t (&b)[4], const bf16* s, int ld, int n0, int k0, int lane) {
-  const int i = lane >> 3, r = lane & 7;
-  ldsm_x4_trans(b, s + (k0 + (i & 1) * 8 + r) * ld + n0 + (i >> 1) * 8);
-}
-
-// d += a * b (16x8x16, bf16 in, fp32 accumulate).
-__device__ __forceinline__ void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ std::uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low half: the lower column
-  return *reinterpret_cast<std::uint32_t*>(&v);
-}
-
 // A packed bf16 pair times (w_lo, w_hi), rounded back to bf16.
 __device__ __forceinline__ std::uint32_t scale_pair(std::uint32_t x, float w_lo, float w_hi) {
   const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
   return pack_bf16(f.x * w_lo, f.y * w_hi);
-}
-
-// The A fragment (k-step kk) made of the fp32 accumulators of n-tiles 2kk and 2kk+1: how a
-// score tile computed by one MMA feeds the next MMA without leaving registers.
-__device__ __forceinline__ void acc_to_a(std::uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
-  a[0] = pack_bf16(lo[0], lo[1]);
-  a[1] = pack_bf16(lo[2], lo[3]);
-  a[2] = pack_bf16(hi[0], hi[1]);
-  a[3] = pack_bf16(hi[2], hi[3]);
 }
 
 // A kRows x kCols tile of a row-major bf16 matrix into shared memory (row stride ld):
@@ -190,13 +119,13 @@ __device__ __forceinline__ void store_acc(bf16* g, std::int64_t stride, const fl
 // group's query heads, w_i = gamma^(i+1), reversed (Gk_c, the gradient of the state after chunk c).
 // Tiles of A and B stream through kStages cp.async stages; the decay weights are applied to the
 // A fragments in registers. kExtra: the `extra` tile is held in registers (the one-segment scan;
-// the segmented scan folds it into the segments' initial tiles instead, see scan_states).
+// the segmented scan folds it into the segments' initial tiles instead, see scan_gradients).
 template <int kT, bool kExtra>
 struct Scan {
   static constexpr int kWarps = kT / 16, kThreads = kWarps * 32, kLd = kT + 8, kNt = kT / 8;
   static constexpr int kTile = kChunk * kLd;  // one stage of A or B (elements)
   static constexpr int kSmemBytes = 2 * kStages * kTile * static_cast<int>(sizeof(bf16));
-  // Blocks per SM the registers must allow (shared memory allows as many: 2 x 104 KB at 128).
+  // Blocks per SM the registers must allow (128: two of 104 KB shared memory, 64: four of 54 KB).
   static constexpr int kMinBlocks = kT == 128 ? 2 : kT == 64 ? 4 : 8;
 };
 
@@ -210,6 +139,7 @@ struct ScanArgs {
   float* final_state;        // [R * Hkv, NS, d, d] each segment's end tile, or null
   int Hkv, L, d, NT, seg, NS, pairs;  // seg: chunks per segment, NS: segments per run
   bool reverse, vec;
+  bool f2;                   // init, extra, final_state in 8-byte column pairs (d even, 8-byte aligned)
 };
 
 template <int kT, bool kExtra>
@@ -235,15 +165,29 @@ __global__ void __launch_bounds__(Scan<kT, kExtra>::kThreads, Scan<kT, kExtra>::
   const int ra = a0 + warp * 16 + gq, cb = b0 + 2 * cq;
   const std::int64_t dd = static_cast<std::int64_t>(d) * d, base = task * dd;
   const std::int64_t seg_base = (static_cast<std::int64_t>(task) * p.NS + sg) * dd;
+  // Columns col, col + 1 of row `row` of a d x d fp32 tile t (null: zeros), zeros outside.
+  auto load_pair = [&](const float* t, int row, int col, float& x0, float& x1) {
+    x0 = x1 = 0.f;
+    if (!t || row >= d || col >= d) return;
+    const float* q = t + row * d + col;
+    if (p.f2) {
+      const float2 v = *reinterpret_cast<const float2*>(q);
+      x0 = v.x;
+      x1 = v.y;
+    } else {
+      x0 = q[0];
+      if (col + 1 < d) x1 = q[1];
+    }
+  };
   float acc[C::kNt][4], ex[kExtra ? C::kNt : 1][4];
 #pragma unroll
   for (int nt = 0; nt < C::kNt; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = ra + (e >> 1) * 8, col = cb + nt * 8 + (e & 1);
-      const bool in = row < d && col < d;
-      acc[nt][e] = p.init && in ? p.init[seg_base + row * d + col] : 0.f;
-      if constexpr (kExtra) ex[nt][e] = p.extra && in ? p.extra[base + row * d + col] : 0.f;
+    for (int half = 0; half < 2; ++half) {
+      const int row = ra + 8 * half, col = cb + 8 * nt;
+      load_pair(p.init ? p.init + seg_base : nullptr, row, col, acc[nt][2 * half], acc[nt][2 * half + 1]);
+      if constexpr (kExtra)
+        load_pair(p.extra ? p.extra + base : nullptr, row, col, ex[nt][2 * half], ex[nt][2 * half + 1]);
     }
 
   const std::int64_t row0 = static_cast<std::int64_t>(r) * p.L;
@@ -346,9 +290,16 @@ __global__ void __launch_bounds__(Scan<kT, kExtra>::kThreads, Scan<kT, kExtra>::
 #pragma unroll
     for (int nt = 0; nt < C::kNt; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = ra + (e >> 1) * 8, col = cb + nt * 8 + (e & 1);
-        if (row < d && col < d) p.final_state[seg_base + row * d + col] = acc[nt][e];
+      for (int half = 0; half < 2; ++half) {
+        const int row = ra + 8 * half, col = cb + 8 * nt;
+        if (row >= d || col >= d) continue;
+        float* q = p.final_state + seg_base + row * d + col;
+        if (p.f2) {
+          *reinterpret_cast<float2*>(q) = make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
+        } else {
+          q[0] = acc[nt][2 * half];
+          if (col + 1 < d) q[1] = acc[nt][2 * half + 1];
+        }
       }
   } else if (p.states && nc > 0) {
     store_state(chunk_of((nc - 1) * p.pairs));  // the segment's last chunk: the tile as it stands
@@ -935,22 +886,32 @@ Segments segments_of(const Dims& s) {
   return {seg, (s.NT + seg - 1) / seg};
 }
 
-// The segment buffer [R, Hkv, NS, d, d] fp32 of the segmented scan; 0: the single scan.
+// The segment buffer [R, Hkv, NS, d, d] fp32 of the segmented scan, sized for an upper bound of
+// R * NS that never decreases as R or NT grow (so neither does workspace_bytes, as before: a
+// workspace sized for longer or more runs serves shorter or fewer): R * NS <= R * NT / seg + R,
+// and R * NT / seg <= min(R NT / kSegMin, max(R NT / kSegMax, kSegBlocks / Hkv)) whatever seg
+// segments_of picks. Runs of at most kSegMin chunks are one segment whatever R: no buffer.
 std::size_t segment_bytes(const Dims& s) {
-  const Segments sg = segments_of(s);
-  if (sg.NS < 2) return 0;
-  return round_up(sizeof(float) * static_cast<std::size_t>(s.R) * s.Hkv * sg.NS * s.d * s.d);
+  if (s.NT <= kSegMin) return 0;
+  auto ceil_div = [](std::int64_t a, std::int64_t b) { return (a + b - 1) / b; };
+  const std::int64_t rn = static_cast<std::int64_t>(s.R) * s.NT;
+  const std::int64_t bound =
+      std::min(ceil_div(rn, kSegMin), std::max(ceil_div(rn, kSegMax), ceil_div(kSegBlocks, s.Hkv))) + s.R;
+  return round_up(sizeof(float) * static_cast<std::size_t>(bound) * s.Hkv * s.d * s.d);
 }
 
-// The segment buffer in the workspace, after S_c and Gk_c; null for the single scan.
+// The segment buffer in the workspace, after S_c and Gk_c; null for the single scan (one segment).
 float* segment_buffer(const Dims& s, void* workspace) {
-  if (!segment_bytes(s)) return nullptr;
+  if (segments_of(s).NS < 2) return nullptr;
   return reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + 2 * states_bytes(s));
 }
 
+bool aligned8(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 7u) == 0; }  // null: true
+
 template <int kT, bool kExtra>
-void launch_scan_tiles(const ScanArgs& a, int tasks, const Gammas& gm, cudaStream_t stream) {
+void launch_scan_tiles(ScanArgs a, int tasks, const Gammas& gm, cudaStream_t stream) {
   using C = Scan<kT, kExtra>;
+  a.f2 = a.d % 2 == 0 && aligned8(a.init) && aligned8(a.extra) && aligned8(a.final_state);
   if (C::kSmemBytes > 48 * 1024)
     KEEL_CUDA_CHECK(
         cudaFuncSetAttribute(scan_kernel<kT, kExtra>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));

@@ -21,11 +21,17 @@
 //
 // Chunked form. The kernels use their own chunk of kChunk = 64 tokens whatever Config::chunk
 // says (the result does not depend on the chunk beyond rounding, exactly as the CPU op's):
-//   1. scan: one block per (run, kv head, 32x32 tile of the d x d state; 16x16 for d < 32),
-//      sequential over the run's chunks with cp.async prefetch: S_{c+1} = gamma^n S_c + K~_c^T V_c
-//      on tensor cores (K~ row j = gamma^(n-1-j) k_j, n the chunk's tokens), the fp32 tile in
-//      registers. It stores S_c, the state BEFORE chunk c, in bf16 ([R, Hkv, chunks, d, d] in the
-//      workspace).
+//   1. scan: S_{c+1} = gamma^n S_c + K~_c^T V_c on tensor cores (K~ row j = gamma^(n-1-j) k_j,
+//      n the chunk's tokens), fp32 tiles in registers, A and B tiles through cp.async stages; it
+//      stores S_c, the state BEFORE chunk c, in bf16 ([R, Hkv, chunks, d, d] in the workspace).
+//      Long runs scan in segments of `seg` chunks (4..32, aiming at ~1024 blocks of R * Hkv *
+//      segments), in three launches: (a) every segment's own sum from zeros, in parallel (a block
+//      per segment, run and kv head holding the whole padded state), fp32 to the workspace;
+//      (b) each segment's starting state from those sums, sequential over the segments only
+//      (x_s = x; x = gamma^(len_s) x + M_s; elementwise, in place); (c) every segment again from
+//      its starting state, storing its chunks' S_c. A run that is one segment takes the single
+//      scan: one block per (run, kv head, 32x32 tile of the state; 16x16 for d < 32) walking all
+//      its chunks.
 //   2. output: one block per (run, kv head, chunk), all query heads of the group in turn:
 //        O = diag(gamma^(i+1)) Q S_c + (mask(Q K^T) * gamma^(i-j)) V     (i, j in the chunk)
 //      with the mask exact (j <= i; entries above the diagonal are exact zeros, key tiles wholly
@@ -33,8 +39,11 @@
 // Backward recomputes the S_c (scan 1), then runs scan 1 in reverse over the chunks with
 // A = Q~ (row i = gamma^(i+1) q_i, all query heads of the group) and B = dout: G_c, the gradient
 // of the state AFTER chunk c (G_last = 0, G_{c-1} = gamma^n G_c + sum_h Q~_c^T dO_c, dinit =
-// G_{-1} in fp32; init_gradient is this scan alone), stored with dlocal's path added,
-// Gk_c = G_c + gamma^(L - t1_c) dlocal, in bf16.
+// G_{-1} in fp32), stored with dlocal's path added, Gk_c = G_c + gamma^(L - t1_c) dlocal, in bf16
+// (the segmented scan starts from dlocal at the run's end: the same recurrence). dinit always
+// comes from the single reverse scan without states (init_gradient's code): in the same pass as
+// Gk_c where that is the single scan, a pass of its own (only when dinit is asked for) where the
+// Gk_c are segmented.
 // Then one block per (run, kv head, chunk):
 //   dQ = diag(gamma^(i+1)) dO S_c^T + dP~ K,          dP~ = mask(dO V^T) * gamma^(i-j)
 //   dK = diag(gamma^(n-1-j)) V Gk_c^T + sum_h dP~^T Q,  P~ = mask(Q K^T) * gamma^(i-j)
@@ -45,7 +54,7 @@
 // rounded to bf16 first: the stored states S_c and Gk_c, the masked (d)P~ tiles, and the decayed
 // K~ / Q~ rows of the scans (a decay of 1 leaves k and q exact). Outputs agree with the CPU op
 // (fp32 on the same bf16-rounded inputs) to bf16 rounding: norm-relative ~1e-2, not fp32.
-// dinit and local_states' states come from the fp32 scan registers.
+// dinit and local_states' states come from the fp32 registers of the single scan.
 //
 // Gradients (docs/ops.md): dq, dk, dv, dinit are OVERWRITTEN; dlocal's path is added into dk, dv
 // but does not reach dinit (local_states starts from zeros). Any of init, dlocal, dinit may be
@@ -70,9 +79,11 @@ constexpr int kMaxKvHeads = 64;   // gammas travel to the kernels by value
 constexpr int kMaxHeadDim = 128;  // the widest padded tile
 constexpr int kChunk = 64;        // the kernels' own chunk (tokens)
 
-// Bytes of device scratch forward and backward need (backward's: the bf16 per-chunk states S_c
-// and Gk_c, [R, Hkv, ceil(L / kChunk), d, d] each, 256-byte aligned regions; forward uses the
-// first). Throws on unsupported extents.
+// Bytes of device scratch forward and backward need: the bf16 per-chunk states S_c and Gk_c,
+// [R, Hkv, ceil(L / kChunk), d, d] each, then (runs of more than 4 chunks) room for the segmented
+// scan's fp32 buffer [R, Hkv, segments, d, d] (about 1 / seg of the two states'), 256-byte
+// aligned regions; forward uses the first and the last. Never decreases as runs or len grow.
+// Throws on unsupported extents.
 std::size_t workspace_bytes(const Config& c, std::int64_t runs, std::int64_t len);
 
 // out overwritten with the outputs of R runs of L tokens from init (null: zeros).
@@ -89,12 +100,12 @@ void backward(const Config& c, std::int64_t runs, std::int64_t len, const bf16* 
 // The gradient of each run's initial state through its outputs alone, dinit [R, Hkv, d, d] fp32 =
 // sum_t gamma^(t+1) q_t^T dout_t (summed over the group's query heads), overwritten: backward's
 // dinit bit for bit (the same reverse scan), without the rest of backward (LASP-2 gathers it
-// first). Needs no workspace.
+// first). Needs no workspace (the single scan, sequential over the chunks).
 void init_gradient(const Config& c, std::int64_t runs, std::int64_t len, const bf16* q, const bf16* dout, float* dinit,
                    cudaStream_t stream);
 
 // Each run's own end state from a zero start, M_run = sum_i gamma^(L-1-i) k_i^T v_i, fp32
-// [R, Hkv, d, d], overwritten. Needs no workspace.
+// [R, Hkv, d, d], overwritten. Needs no workspace (the single scan, sequential over the chunks).
 void local_states(const Config& c, std::int64_t runs, std::int64_t len, const bf16* k, const bf16* v, float* states,
                   cudaStream_t stream);
 
