@@ -291,6 +291,17 @@ MemoryEstimate estimate_memory(const Setup& s) {
         e.items.push_back({"LASP-2 initial states (linear layers)", linear / static_cast<double>(l.pp) * states});
       }
     }
+    if (model::attention_layer_count(m, AttentionKind::kLinear) > 0 && l.tsp == 1) {
+      // keel train's CUDA linear attention (ops/cuda/linear_attention.h), one layer's workspace
+      // shared by the layers: the bf16 d x d state before each 64-token chunk and its gradient,
+      // per run (2 per sequence under context parallelism) and kv head, plus the segmented
+      // scan's fp32 buffer (about 1/16 of them at its usual 16 chunks per segment).
+      const double kv_heads = std::max<double>(1.0, static_cast<double>(m.kv_heads) / l.tp);
+      const double runs = static_cast<double>(s.micro_batch) * (l.cp > 1 ? 2 : 1);
+      const double chunks = std::ceil(static_cast<double>(s.seq) / l.cp / (l.cp > 1 ? 2 : 1) / 64.0);
+      const double states = runs * kv_heads * chunks * m.head_dim * m.head_dim;
+      e.items.push_back({"linear-attention chunk states (one layer)", 2 * 2 * states * (1 + 1.0 / 16)});
+    }
     for (int i = 0; i < 3; ++i) e.activation_bytes_per_token_layer[i] = per_token[i];
     // Expert parallelism is dropless: a GPU saves every routed row its experts receive. With
     // balanced routing that is its own tokens' share, already in the activations; at worst (the

@@ -168,6 +168,25 @@ TEST(Memory, DenseByHand) {
   EXPECT_DOUBLE_EQ(item(z3, "activations"), none * 32 * 4096 / 2);
 }
 
+// The LASP-2 hybrid (4 kv heads of 128): the CUDA op's chunk states, and under context
+// parallelism the gathered states and the saved initial states, by hand.
+TEST(Memory, LinearAttentionStatesByHand) {
+  size::Setup one = setup("lasp2-hybrid-1b", "zero=1", 1);
+  one.seq = 65536;
+  const double dd = 128.0 * 128.0;
+  // one run of 1024 chunks x 4 kv heads: S_c and its gradient in bf16, + 1/16
+  EXPECT_DOUBLE_EQ(item(estimate_memory(one), "linear-attention chunk states"), 4.0 * 1024 * 4 * dd * (1 + 1.0 / 16));
+  size::Setup cp = setup("lasp2-hybrid-1b", "cp=2,zero=1", 2);
+  cp.seq = 65536;
+  const MemoryEstimate e = estimate_memory(cp);
+  // 2 runs of 16384 tokens: 256 chunks each
+  EXPECT_DOUBLE_EQ(item(e, "linear-attention chunk states"), 4.0 * 2 * 4 * 256 * dd * (1 + 1.0 / 16));
+  const double states = 4.0 * 2 * 4 * dd;  // fp32, 2 runs x 4 kv heads
+  EXPECT_DOUBLE_EQ(item(e, "LASP-2 state gathers"), (2 + 2) * states);
+  EXPECT_DOUBLE_EQ(item(e, "LASP-2 initial states"), 12 * states);  // 12 linear layers
+  EXPECT_GT(item(e, "context-parallel k/v gathers"), 0);          // the 4 gqa layers
+}
+
 TEST(Memory, LogitsBeyondAnEighthOfTheGpuAreWalkedInChunks) {
   // 16 x 4096 tokens x 128256 x 2 B = 16.8 GB of bf16 logits: more than 80 GiB / 8, so the
   // vocabulary is walked in ce_chunk columns (an fp32 and a bf16 block) as keel train does.
