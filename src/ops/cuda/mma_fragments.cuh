@@ -1,5 +1,5 @@
 // Warp-level building blocks of the tensor-core kernels (ops/cuda/attention.cu,
-// ops/cuda/linear_attention.cu): shared-memory addresses, cp.async, ldmatrix and the bf16 MMA.
+// ops/cuda/linear_attention*.cu): shared-memory addresses, cp.async, ldmatrix and the bf16 MMA.
 // Included only from .cu files.
 //
 // Fragment layouts of mma.m16n8k16 (g = lane / 4, c = lane % 4), which the helpers rely on:
