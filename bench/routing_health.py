@@ -4,8 +4,10 @@
 The model: bench/zaya_vs_torch.py's ZAYA1-shaped model (the first 8 layers of ZAYA1-8B: hidden
 2048, CCA 8/2 heads of 128, MLP router of 256 with EDA, 16 SwiGLU experts of 2048 + the skip
 class, vocabulary 262,272), sequence 4096, 2 sequences = 8,192 tokens per step, bf16 on one GPU,
-AdamW at lr 3e-4 (constant), no aux loss. Data: the shipped corpus (data/corpus/*.jsonl) through
-keel's byte tokenizer: real text, a small corpus read several times over.
+AdamW at lr 3e-4 (constant unless a variant sets schedule.* keys), no aux loss. Data: the
+shipped corpus (data/corpus/*.jsonl) and any --text files (plain text, cut into ~2 KB documents
+at blank lines; e.g. tinyshakespeare, wikitext-2) through keel's byte tokenizer: real text; the
+shipped corpus alone is small and read many times over.
 
 Runs, the same data and seed:
   before:  router.init_gain 0 (every matrix normal(0, 0.02): the router's logits start ~1e-3, so
@@ -15,12 +17,13 @@ Runs, the same data and seed:
            with the same controller;
   after-proportional: the defaults with router.balance proportional, rate 0.1.
 Each run reports, after step --after: the worst per-layer busiest class over its fair share
-(1/17, skip included), the mean skip share, the loss (mean of the last 5 steps) and the loss at
+(1/17, skip included), its mean, the share of steps with a layer above 2x, the mean skip share, the loss (mean of the last 5 steps) and the loss at
 steps 10/25/50, tokens/s and MFU (median over steps 5..end). Table last; JSON to OUT/routing.json.
 """
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -37,26 +40,44 @@ VARIANTS = {
 
 
 def variant_args(v):
-    """A named variant, or RULE:RATE[:GAIN[:LR_SCALE]] (router.balance, router.bias_update_rate,
-    router.init_gain, router.lr_scale)."""
+    """A named variant, or RULE:RATE[:GAIN[:LR_SCALE[:KEY=VALUE...]]] (router.balance,
+    router.bias_update_rate, router.init_gain, router.lr_scale, then any keel train --set, e.g.
+    schedule.warmup_steps=50)."""
     if v in VARIANTS:
         return VARIANTS[v]
     rule, rate, *more = v.split(":")
     args = ["--set", f"router.balance={rule}", "--set", f"router.bias_update_rate={rate}"]
-    for key, value in zip(("init_gain", "lr_scale"), more):
+    for key, value in zip(("init_gain", "lr_scale"), more[:2]):
         args += ["--set", f"router.{key}={value}"]
+    for kv in more[2:]:
+        args += ["--set", kv]
     return args
 
 
-def tokenize(keel, src, out):
+def text_documents(path, size=2000):
+    """A plain-text file as documents of about `size` characters, cut at blank lines."""
+    docs, cur = [], ""
+    for para in re.split(r"\n[ \t]*\n", open(path, encoding="utf-8").read()):
+        cur = f"{cur}\n\n{para}" if cur else para
+        if len(cur) >= size:
+            docs.append(cur)
+            cur = ""
+    return docs + ([cur] if cur else [])
+
+
+def tokenize(keel, src, out, texts):
+    """The shipped corpus plus any --text files, one JSONL, byte-tokenized; returns (prefix, bytes)."""
     prefix = os.path.join(out, "corpus")
     docs = os.path.join(out, "corpus.jsonl")
     with open(docs, "w") as f:
         for name in ("stories.jsonl", "arithmetic.jsonl"):
             f.write(open(os.path.join(src, "data/corpus", name)).read())
+        for t in texts:
+            for d in text_documents(t):
+                f.write(json.dumps({"text": d}) + "\n")
     subprocess.run([keel, "data", "tokenize", docs, "--out", prefix, "--append-eos", "--force"], check=True,
                    stdout=subprocess.DEVNULL)
-    return prefix
+    return prefix, os.path.getsize(prefix + ".bin")
 
 
 def run(keel, d, prefix, out, steps, device, extra):
@@ -82,6 +103,7 @@ def summarize(rows, classes, after):
     return {
         "worst_busiest_over_fair_after": max(busiest(r) for r in late),
         "mean_busiest_over_fair_after": statistics.mean(busiest(r) for r in late),
+        "share_of_steps_over_2x_after": sum(busiest(r) > 2 for r in late) / len(late),
         "per_layer_worst_after": [max(r[k] for r in late) * classes for k in per_layer],
         "mean_skip_share_after": statistics.mean(skip(r) for r in late),
         "ce_at": {s: at.get(s) for s in (1, 10, 25, 50)},
@@ -99,29 +121,32 @@ def main():
     ap.add_argument("--after", type=int, default=50)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="toy dimensions (a CPU check of this script)")
+    ap.add_argument("--text", action="append", default=[],
+                    help="a plain-text file added to the corpus (cut into ~2 KB documents); repeatable")
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help="comma list: before, after, after-proportional, or RULE:RATE[:INIT_GAIN[:LR_SCALE]]")
+                    help="comma list: before, after, after-proportional, or RULE:RATE[:INIT_GAIN[:LR_SCALE[:KEY=VALUE...]]]")
     a = ap.parse_args()
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     d = dict(TINY if a.tiny else ZAYA8)
     os.makedirs(a.out, exist_ok=True)
-    prefix = tokenize(a.keel, src, a.out)
+    prefix, corpus_bytes = tokenize(a.keel, src, a.out, a.text)
     classes = d["experts"] + (1 if d["skip"] else 0)
     results = {}
     for v in a.variants.split(","):
         rows = run(a.keel, d, prefix, os.path.join(a.out, v), a.steps, a.device, variant_args(v))
         results[v] = summarize(rows, classes, a.after)
         print(f"{v}: {json.dumps(results[v])}", flush=True)
-    json.dump({"model": d["name"], "steps": a.steps, "after": a.after, "results": results},
+    json.dump({"model": d["name"], "steps": a.steps, "after": a.after, "texts": a.text, "results": results},
               open(os.path.join(a.out, "routing.json"), "w"), indent=1)
     print(f"\n== routing health: {d['name']}, {a.steps} steps of {d['seq'] * d['micro_batch']} tokens, real text "
-          f"(byte-tokenized data/corpus), {a.device}; after step {a.after}:")
-    print(f"{'variant':20s} {'busiest/fair worst':>18s} {'mean':>6s} {'skip':>6s} {'ce@10':>7s} {'ce@25':>7s} "
+          f"(byte-tokenized data/corpus{''.join(' + ' + os.path.basename(t) for t in a.text)}, "
+          f"{corpus_bytes / 2e6:.2f} M tokens), {a.device}; after step {a.after}:")
+    print(f"{'variant':20s} {'busiest/fair worst':>18s} {'mean':>6s} {'>2x':>5s} {'skip':>6s} {'ce@10':>7s} {'ce@25':>7s} "
           f"{'ce@50':>7s} {'ce end':>7s} {'tok/s':>8s} {'MFU':>6s}")
     for v, r in results.items():
         c = r["ce_at"]
         f = lambda x: f"{x:7.3f}" if x is not None else "      -"
-        print(f"{v:20s} {r['worst_busiest_over_fair_after']:18.2f} {r['mean_busiest_over_fair_after']:6.2f} "
+        print(f"{v:20s} {r['worst_busiest_over_fair_after']:18.2f} {r['mean_busiest_over_fair_after']:6.2f} {r['share_of_steps_over_2x_after']:5.2f} "
               f"{r['mean_skip_share_after']:6.3f} {f(c[10])} {f(c[25])} {f(c[50])} {r['ce_final']:7.3f} "
               f"{r['tokens_per_s']:8.0f} {100 * r['mfu']:5.1f}%")
 

@@ -57,7 +57,10 @@ checkpoint (weights, AdamW moments, selection biases) and must reproduce keel's 
 and, after one step of its own, keel's next checkpoint (with `--muon`: Muon's momentum too, so
 the check covers TorchMuon against keel's fp32 CPU Muon). `--ablations` also times keel on the
 same model with GQA attention (same heads) instead of CCA, and without the skip class, to show
-where keel's time goes.
+where keel's time goes. `--forced-balance` (benchmarking only) routes token n of each step's
+flattened [B*T] tokens to expert n mod E on both sides, never to skip (keel: router.forced_balance,
+docs/train.md; the PyTorch router picks the same classes), gate = p of that class: throughput
+with perfectly balanced experts, as Megatron's forced load balancing.
 """
 import argparse
 import json
@@ -129,7 +132,8 @@ def write_dataset(prefix, rows):
         f.write(np.arange(n + 1, dtype=np.int64).tobytes())
 
 
-def keel_config(d, prefix, out, steps, device, checkpoint_every=0, lr=LR, bias_rate=BIAS_RATE, muon=False):
+def keel_config(d, prefix, out, steps, device, checkpoint_every=0, lr=LR, bias_rate=BIAS_RATE, muon=False,
+                forced=False):
     ckpt = "{final: false}" if checkpoint_every == 0 else f"{{interval: {checkpoint_every}, dir: {out}/ckpt}}"
     return f"""# written by bench/zaya_vs_torch.py: the ZAYA1-shaped model
 device: {device}
@@ -163,7 +167,9 @@ recompute: none
 router:
   aux_loss_weight: 0.0
   z_loss_weight: 0.0
-  bias_update_rate: {bias_rate}
+  balance: sign
+  lr_scale: 1.0
+  bias_update_rate: {bias_rate}{chr(10) + '  forced_balance: true' if forced else ''}
 ce_chunk: 32768
 data:
   datasets: {{train: {prefix}}}
@@ -192,7 +198,7 @@ seed: 1234
 
 
 def run_keel(keel, out, d, steps, warmup, device, rows=None, checkpoint_every=0, lr=LR, bias_rate=BIAS_RATE,
-             timeout=900, muon=False):
+             timeout=900, muon=False, forced=False):
     os.makedirs(out, exist_ok=True)
     shutil.rmtree(os.path.join(out, "run"), ignore_errors=True)  # keel train refuses another run's metrics
     prefix = os.path.join(out, "random")
@@ -203,7 +209,7 @@ def run_keel(keel, out, d, steps, warmup, device, rows=None, checkpoint_every=0,
     write_dataset(prefix, rows)
     path = os.path.join(out, "keel_train.yaml")
     with open(path, "w") as f:
-        f.write(keel_config(d, prefix, out, steps, device, checkpoint_every, lr, bias_rate, muon))
+        f.write(keel_config(d, prefix, out, steps, device, checkpoint_every, lr, bias_rate, muon, forced))
     log = os.path.join(out, "keel_train.log")
     metrics = os.path.join(out, "run", "metrics.jsonl")
     if os.path.exists(metrics):
@@ -239,8 +245,9 @@ def run_keel(keel, out, d, steps, warmup, device, rows=None, checkpoint_every=0,
 # The PyTorch ZAYA1
 # ---------------------------------------------------------------------------------------------
 
-def build_torch_model(d, dev, act_dtype):
+def build_torch_model(d, dev, act_dtype, forced=False):
     """The ZAYA1 model in plain torch; keel_params() maps keel's parameter names onto it.
+    forced: keel's router.forced_balance (token n of the flattened [B*T] -> expert n mod E).
 
     Module tree (the names a tensor-parallel plan addresses, bench/train_tp_torch.py): embed,
     layers[i].{res_attn, attn_norm, cca, res_mlp, mlp_norm, moe.{router, experts}, sel_bias},
@@ -354,7 +361,10 @@ def build_torch_model(d, dev, act_dtype):
             h1 = F.gelu(F.linear(u, self.mlp1_w, self.mlp1_b))
             h2 = F.gelu(F.linear(h1, self.mlp2_w, self.mlp2_b))
             p = F.linear(h2, self.out_w).float().softmax(-1)
-            idx = torch.argmax(p.detach() + bias, -1)                           # biased top-1 choice
+            if forced:  # keel's forced balance: token n -> expert n mod E, never skip
+                idx = torch.arange(x.shape[0], device=x.device) % E
+            else:
+                idx = torch.argmax(p.detach() + bias, -1)                       # biased top-1 choice
             gate = p.gather(1, idx[:, None])[:, 0]                              # unbiased probability
             return a, idx, gate
 
@@ -582,7 +592,7 @@ def update_selection_bias(torch, model, counts, rate=BIAS_RATE):
             layer.sel_bias += rate * torch.sign(c.mean() - c)
 
 
-def run_torch(d, steps, warmup, compiled, dev, muon=False, ddp=False, lr=LR, bias_rate=BIAS_RATE):
+def run_torch(d, steps, warmup, compiled, dev, muon=False, ddp=False, lr=LR, bias_rate=BIAS_RATE, forced=False):
     """One device, or with ddp=True one rank of a torchrun job (torch.distributed initialized, this
     rank's GPU current): DistributedDataParallel (gradient all-reduce in buckets overlapped with
     backward) with ZeroRedundancyOptimizer (ZeRO-1 AdamW), each rank on its own tokens, the
@@ -596,7 +606,7 @@ def run_torch(d, steps, warmup, compiled, dev, muon=False, ddp=False, lr=LR, bia
         raise ValueError("the data-parallel peer runs AdamW only")
     torch.manual_seed(0)
     cuda = dev == "cuda"
-    model = build_torch_model(d, dev, torch.bfloat16 if cuda else torch.float32)
+    model = build_torch_model(d, dev, torch.bfloat16 if cuda else torch.float32, forced)
     opt = Optimizer(torch, model, fused=cuda, lr=lr, muon=muon, compiled=compiled, zero=ddp)
     core, seed = model, 1
     if ddp:
@@ -674,7 +684,7 @@ def read_keel_checkpoint(step_dir):
     return out
 
 
-def parity(keel, out, d, steps=8, muon=False):
+def parity(keel, out, d, steps=8, muon=False, forced=False):
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -689,14 +699,14 @@ def parity(keel, out, d, steps=8, muon=False):
     # few steps and its path (output 0) is checked too.
     rate = 0.25
     res = run_keel(keel, out, d, steps, 0, "cpu", rows=np.tile(pattern, (64, 1)), checkpoint_every=1, lr=lr,
-                   bias_rate=rate, muon=muon)
+                   bias_rate=rate, muon=muon, forced=forced)
     if "error" in res:
         print(res["error"])
         return False
     seq = np.concatenate([pattern, pattern[:1]]).astype(np.int64)
     tokens = torch.tensor(np.tile(seq[:-1], (B, 1)))
     targets = torch.tensor(np.tile(seq[1:], (B, 1)))
-    model = build_torch_model(d, "cpu", torch.float32)
+    model = build_torch_model(d, "cpu", torch.float32, forced)
     names = model.keel_params()
     nparams = sum(p.numel() for p in model.parameters())
     ok = nparams == res.get("params", nparams) == total_params(d)
@@ -767,6 +777,8 @@ def main():
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--muon", action="store_true",
                     help="Muon on the weight matrices, AdamW on the rest, on both sides (ZAYA1's recipe)")
+    ap.add_argument("--forced-balance", action="store_true",
+                    help="benchmarking only: token n -> expert n mod E on both sides (keel: router.forced_balance)")
     ap.add_argument("--ablations", action="store_true",
                     help="also run keel with GQA attention instead of CCA, and without the skip class")
     args = ap.parse_args()
@@ -774,7 +786,7 @@ def main():
     if args.parity:
         if not (args.tiny and args.device == "cpu"):
             sys.exit("--parity needs --tiny --device cpu (keel's fp32 CPU reference)")
-        sys.exit(0 if parity(args.keel, args.out, d, muon=args.muon) else 1)
+        sys.exit(0 if parity(args.keel, args.out, d, muon=args.muon, forced=args.forced_balance) else 1)
     fpt = flops_per_token(d)
     tokens_per_step = d["micro_batch"] * d["seq"]
     print(f"model: {d['layers']} x (CCA + MoE), hidden {d['hidden']}, {d['experts']} experts + skip, vocab "
@@ -792,7 +804,7 @@ def main():
     if not args.skip_keel:
         t0 = time.time()
         results["keel"] = run_keel(args.keel, args.out, d, args.steps + args.warmup, args.warmup, args.device,
-                                   muon=args.muon)
+                                   muon=args.muon, forced=args.forced_balance)
         print(f"keel: {results['keel']} ({time.time() - t0:.0f} s)", flush=True)
         save()
     if args.ablations:  # where keel's time goes: the same model with one ZAYA1 piece swapped out
@@ -801,7 +813,7 @@ def main():
             dv = dict(d, name=d["name"] + "-" + tag, **change)
             t0 = time.time()
             results[label] = run_keel(args.keel, os.path.join(args.out, tag), dv, args.steps + args.warmup, args.warmup,
-                                      args.device, muon=args.muon)
+                                      args.device, muon=args.muon, forced=args.forced_balance)
             results[label]["flops_per_token"] = flops_per_token(dv)
             print(f"{label}: {results[label]} ({time.time() - t0:.0f} s)", flush=True)
             save()
@@ -811,7 +823,8 @@ def main():
                 continue
             t0 = time.time()
             try:
-                results[name] = run_torch(d, args.steps, args.warmup, compiled, args.device, muon=args.muon)
+                results[name] = run_torch(d, args.steps, args.warmup, compiled, args.device, muon=args.muon,
+                                          forced=args.forced_balance)
             except Exception as e:  # report and go on: the table shows what ran
                 results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"{name}: {results[name]} ({time.time() - t0:.0f} s)", flush=True)

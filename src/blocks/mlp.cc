@@ -9,7 +9,8 @@
 
 namespace keel::blocks {
 
-MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize, TensorSplit tp) {
+MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize, TensorSplit tp,
+                      bool forced_balance) {
   MlpShape s;
   s.tokens = tokens;
   s.hidden = cfg.hidden;
@@ -19,6 +20,7 @@ MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool r
   s.top_k = cfg.top_k;
   s.mlp_router = cfg.router_hidden > 0;
   s.renormalize = renormalize;
+  s.forced_balance = forced_balance;
   s.zaya.tokens = tokens;
   s.zaya.hidden = cfg.hidden;
   s.zaya.router_hidden = cfg.router_hidden;
@@ -26,6 +28,7 @@ MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool r
   s.zaya.experts = cfg.experts;
   s.zaya.skip = cfg.router_skip_expert;
   s.zaya.eps = static_cast<float>(cfg.norm_eps);
+  s.zaya.forced_balance = forced_balance;
   return s;
 }
 
@@ -112,7 +115,8 @@ void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, c
   } else {
     ops::linear::forward(x, w.router, {}, a.rlogits);
     ops::router::Losses l =
-        ops::router::forward(a.rlogits, bias, {s.top_k, s.renormalize}, a.probs, a.rlse, a.idx, a.gates, a.counts);
+        ops::router::forward(a.rlogits, bias, {s.top_k, s.renormalize, s.forced_classes()}, a.probs, a.rlse, a.idx,
+                             a.gates, a.counts);
     if (load)
       for (int e = 0; e < s.experts; ++e) load[e] += a.counts[e];
     if (tokens.size() > 1) {  // the micro-batch's counts (backward reads them too)

@@ -56,7 +56,9 @@ struct ZayaShape {
   int experts = 0;  // E (without the skip class)
   bool skip = false;
   float eps = 1e-5f;  // the router's RMSNorm
+  bool forced_balance = false;  // benchmarking only: token n -> expert n mod experts, never skip
   int classes() const { return experts + (skip ? 1 : 0); }
+  int forced_classes() const { return forced_balance ? experts : 0; }  // the router's forced_classes
 };
 
 // The MLP block of N = `tokens` rows: dense, a linear top-k router's MoE, or ZAYA1's stage.
@@ -65,9 +67,14 @@ struct MlpShape {
   int experts = 0, top_k = 1;
   bool mlp_router = false;  // ZAYA1's MLP router (zaya), else the linear top-k router
   bool renormalize = true;  // linear router: gates renormalized over the top_k
+  // Benchmarking only (train::ModelOptions::forced_balance): forced-balance selection, slot j
+  // of token n -> expert (n * top_k + j) mod experts (ops/router.h); the ZAYA1 stage's too.
+  bool forced_balance = false;
   ZayaShape zaya;           // the ZAYA1 stage (mlp_router)
   int classes() const { return mlp_router ? zaya.classes() : experts; }
-  static MlpShape of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize, TensorSplit tp = {});
+  int forced_classes() const { return forced_balance ? experts : 0; }  // the router's forced_classes
+  static MlpShape of(const model::ModelConfig& cfg, std::int64_t tokens, bool renormalize, TensorSplit tp = {},
+                     bool forced_balance = false);
 };
 
 }  // namespace keel::blocks

@@ -28,7 +28,7 @@ void scatter(const Tensor& src, const std::vector<std::int32_t>& rows, const Ten
 
 void moe_forward(const Shape& s, const MoeParams& p, const Tensor& x, const Tensor& prev_state, const Tensor& bias,
                  float eps, MoeActs& a, const MoeScratch& sc, const Tensor& y) {
-  ops::zaya_router::forward(x, prev_state, p.router, bias, eps, a.router);
+  ops::zaya_router::forward(x, prev_state, p.router, bias, eps, a.router, s.forced_classes());
   const std::int64_t n = s.tokens;
   a.kept.clear();
   a.kept_idx.clear();

@@ -15,6 +15,9 @@ Losses forward(const Tensor& logits, const Tensor& bias, const Options& o, const
   const std::int64_t n = logits.dim(0), ne = logits.dim(1);
   const int k = o.top_k;
   if (k < 1 || k > ne) fail("router: top_k {} must be in [1, {}]", k, ne);
+  const int forced = o.forced_classes;
+  if (forced < 0 || forced > ne || (forced > 0 && k > forced))
+    fail("router: forced_classes {} must be 0 or in [top_k {}, {} experts]", forced, k, ne);
   if (!bias.empty()) require_shape(bias, {ne}, "router bias");
   require_shape(probs, {n, ne}, "router probs");
   require_shape(lse, {n}, "router lse");
@@ -34,11 +37,15 @@ Losses forward(const Tensor& logits, const Tensor& bias, const Options& o, const
         p[j] = std::exp(l[j] - lz);
         score[j] = p[j] + (bias.empty() ? 0.f : bias[j]);
       }
-      for (std::int64_t j = 0; j < ne; ++j) order[j] = int(j);
-      // Best first; equal scores keep the lower index first (stable tie-break, CUDA must match).
-      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int c) {
-        return score[a] > score[c] || (score[a] == score[c] && a < c);
-      });
+      if (forced > 0) {  // forced balance: the slot's class, whatever the scores
+        for (int kk = 0; kk < k; ++kk) order[kk] = int((i * k + kk) % forced);
+      } else {
+        for (std::int64_t j = 0; j < ne; ++j) order[j] = int(j);
+        // Best first; equal scores keep the lower index first (stable tie-break, CUDA must match).
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int c) {
+          return score[a] > score[c] || (score[a] == score[c] && a < c);
+        });
+      }
       float norm = 1.f;
       if (o.renormalize) {
         float t = 0.f;

@@ -7,6 +7,11 @@
 //     experts are chosen: it never enters a gate or a gradient.
 //   gates[n, k] = p[e_k] (the unbiased probability), or p[e_k] / sum_k' p[e_k'] with renormalize.
 //   counts[e] = tokens routed to e (summed over the k slots): the bias controller's input.
+// Forced balance (forced_classes F > 0; benchmarking only, as Megatron's forced load balancing):
+//   the selection ignores p and the bias: slot j of token n takes class (n * top_k + j) mod F
+//   (distinct classes per token: top_k <= F <= E is required). Gates, counts, losses and
+//   backward are the normal ones on that selection (gates[n, k] = p[e_k], renormalized or not).
+//   With N * top_k a multiple of F every class < F gets exactly N * top_k / F slots.
 // Losses (returned; the caller weights them and passes the weights back as d_aux, d_z):
 //   aux = E * sum_e f_e * P_e (Switch Transformer), f_e = counts[e] / (N * top_k) (fraction
 //     of routed slots, not differentiable), P_e = mean_n p[n, e]; 1.0 at perfect balance.
@@ -31,6 +36,7 @@ namespace keel::ops::router {
 struct Options {
   int top_k = 1;
   bool renormalize = false;  // gates renormalized over the chosen top_k
+  int forced_classes = 0;    // > 0: forced-balance selection over classes [0, forced_classes)
 };
 
 struct Losses {

@@ -53,7 +53,8 @@ void gelu_inplace(const Tensor& z, const Tensor& h) {
 }
 }  // namespace
 
-void forward(const Tensor& x, const Tensor& prev_state, const Params& p, const Tensor& bias, float eps, Saved& s) {
+void forward(const Tensor& x, const Tensor& prev_state, const Params& p, const Tensor& bias, float eps, Saved& s,
+             int forced_classes) {
   if (x.ndim() != 2) fail("zaya_router: x must be [N, H], got {}", x.shape_string());
   if (p.w_down.ndim() != 2 || p.w3.ndim() != 2) fail("zaya_router: w_down and w3 must be 2-D");
   const std::int64_t n = x.dim(0), d = p.w_down.dim(0), e = p.w3.dim(0);
@@ -79,6 +80,7 @@ void forward(const Tensor& x, const Tensor& prev_state, const Params& p, const T
   router::Options o;
   o.top_k = 1;
   o.renormalize = false;
+  o.forced_classes = forced_classes;
   router::forward(s.logits, bias, o, s.probs, s.lse, s.idx.data(), s.gates, s.counts.data());
 }
 
@@ -183,7 +185,8 @@ State update(const Config& c, const State& s, const std::int64_t* counts) {
   const double bc1 = 1.0 - std::pow(double(c.beta1), double(out.step));
   const double bc2 = 1.0 - std::pow(double(c.beta2), double(out.step));
   for (std::size_t i = 0; i < e; ++i) {
-    const double err = double(counts[i]) / double(total) - target;  // > 0: overloaded
+    const double err = c.target < 0 ? (double(counts[i]) * double(e) - double(total)) / (double(e) * double(total))
+                                     : double(counts[i]) / double(total) - target;  // > 0: overloaded
     double delta = 0;
     switch (c.rule) {
       case Rule::Adam: {
@@ -202,8 +205,8 @@ State update(const Config& c, const State& s, const std::int64_t* counts) {
         break;
     }
     double b = s.bias[i];
-    if (c.rule == Rule::Adam && c.weight_decay != 0.f) b *= 1.0 - double(c.lr) * c.weight_decay;
-    out.bias[i] = static_cast<float>(b - double(c.lr) * delta);
+    if (c.rule == Rule::Adam && c.weight_decay != 0.f) b *= 1.0 - c.lr * c.weight_decay;
+    out.bias[i] = static_cast<float>(b - c.lr * delta);
   }
   return out;
 }

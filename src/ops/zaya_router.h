@@ -58,7 +58,10 @@ std::int64_t saved_floats(std::int64_t n, std::int64_t d, std::int64_t e);
 Saved carve_saved(float* p, std::int64_t n, std::int64_t d, std::int64_t e);
 
 // x [N, H]; prev_state [N, D] or empty (no EDA); bias [E] or empty. Fills s.
-void forward(const Tensor& x, const Tensor& prev_state, const Params& p, const Tensor& bias, float eps, Saved& s);
+// forced_classes > 0: forced-balance selection (benchmarking only; router::Options): token n
+// takes class n mod forced_classes (the experts alone, so no skip, when it is E - 1).
+void forward(const Tensor& x, const Tensor& prev_state, const Params& p, const Tensor& bias, float eps, Saved& s,
+             int forced_classes = 0);
 
 // scratch: backward_scratch_floats(N, D, E) floats.
 std::int64_t backward_scratch_floats(std::int64_t n, std::int64_t d, std::int64_t e);
@@ -103,7 +106,7 @@ enum class Rule { Adam, Sign, Proportional };
 
 struct Config {
   Rule rule = Rule::Adam;
-  float lr = 1e-3f;
+  double lr = 1e-3;
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
   float weight_decay = 0.f;  // decoupled (AdamW): bias *= 1 - lr * wd before the step; Adam only
   float target = -1.f;  // < 0: 1 / E
@@ -119,7 +122,8 @@ struct State {
 State init(int num_classes, bool skip_class);
 
 // One controller step. Pure: returns the next state. With no tokens (sum counts == 0) the
-// state is returned unchanged.
+// state is returned unchanged. With the default target the error f_e - 1/E is computed from
+// integers ((counts_e E - total) / (E total)), so a class exactly at its share has error 0.
 State update(const Config& c, const State& s, const std::int64_t* counts);
 
 }  // namespace keel::ops::bias_controller

@@ -100,6 +100,7 @@ struct TrainState {
     tensor_parallel = s.tensor_parallel, tensor_rank = s.tensor_rank;
   }
   std::vector<std::vector<float>> router_bias;    // one [E] per MoE layer
+  BalanceMemory router_balance;                   // the balancing controller's moments (adam rule)
   std::int64_t adamw_step = 0;
 };
 
@@ -115,6 +116,7 @@ struct CheckpointView {
   StateSlice slice;
   bool on_device = false;
   std::vector<std::vector<float>> router_bias;
+  BalanceMemory router_balance;
   std::int64_t adamw_step = 0;
   std::shared_ptr<const TrainState> keep;
 
@@ -125,6 +127,7 @@ struct CheckpointView {
     v.adam_v = s->adam_v.data();
     v.slice = s->slice();
     v.router_bias = s->router_bias;
+    v.router_balance = s->router_balance;
     v.adamw_step = s->adamw_step;
     v.keep = std::move(s);
     return v;

@@ -118,6 +118,7 @@ class CpuBackend final : public TrainBackend {
     s.adam_v.assign(adam_v_, adam_v_ + k);
     auto& m = const_cast<MoeTransformer&>(model_);
     for (int i = 0; i < moe_layer_count(); ++i) s.router_bias.push_back(m.router_bias(i));
+    s.router_balance = m.balance_memory();
     s.adamw_step = adam_.step_count();
     return s;
   }
@@ -129,6 +130,7 @@ class CpuBackend final : public TrainBackend {
     v.adam_v = adam_v_;
     v.slice = slice_;
     for (int i = 0; i < moe_layer_count(); ++i) v.router_bias.push_back(model_.router_bias(i));
+    v.router_balance = model_.balance_memory();
     v.adamw_step = adam_.step_count();
     return v;
   }
@@ -145,6 +147,7 @@ class CpuBackend final : public TrainBackend {
     for (const MomentSpan& sp : adamw_moment_spans(layout_, slice_))
       std::memcpy(adam_v_ + sp.at, s.adam_v.data() + sp.at, static_cast<std::size_t>(sp.count) * sizeof(float));
     for (int i = 0; i < moe_layer_count(); ++i) model_.router_bias(i) = s.router_bias[i];
+    model_.balance_memory() = s.router_balance;
     adam_.set_step_count(s.adamw_step);
     model_.reset_load();
   }

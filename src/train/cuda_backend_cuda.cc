@@ -304,7 +304,7 @@ class CudaBackend final : public TrainBackend {
   StateSlice state_slice() const override { return slice_; }
   void update_router_bias() override {
     if (opt_.bias_update_rate != 0.0) {
-      update_balancing_bias(load_, opt_.bias_update_rate, opt_.balance_rule, bias_);
+      update_balancing_bias(load_, opt_.bias_update_rate, opt_.balance_rule, bias_, balance_);
       upload_bias();
     }
     reset_load();
@@ -344,6 +344,7 @@ class CudaBackend final : public TrainBackend {
       KEEL_CUDA_CHECK(cudaMemcpy(s.adam_v.data() + sp.at, adam_v_ + sp.at, static_cast<std::size_t>(sp.count) * sizeof(float),
                                  cudaMemcpyDeviceToHost));
     s.router_bias = bias_;
+    s.router_balance = balance_;
     s.adamw_step = optimizer_->step_count();
     return s;
   }
@@ -361,6 +362,7 @@ class CudaBackend final : public TrainBackend {
     v.slice = slice_;
     v.on_device = true;
     v.router_bias = bias_;
+    v.router_balance = balance_;
     v.adamw_step = optimizer_->step_count();
     return v;
   }
@@ -378,6 +380,7 @@ class CudaBackend final : public TrainBackend {
                                       cudaMemcpyHostToDevice, stream_));
     KEEL_CUDA_CHECK(keel::stream_sync(stream_));
     bias_ = s.router_bias;
+    balance_ = s.router_balance;
     upload_bias();
     optimizer_->set_step_count(s.adamw_step);
     reset_load();
@@ -594,6 +597,7 @@ class CudaBackend final : public TrainBackend {
   std::size_t reduce_scratch_bytes_ = 0, muon_ws_bytes_ = 0;
   std::vector<std::vector<std::int64_t>> load_;
   std::vector<std::vector<float>> bias_;
+  BalanceMemory balance_;
   // gradient ranges [begin, end): written by a step's first backward / zeroed by zero_grads()
   std::vector<std::pair<std::int64_t, std::int64_t>> grad_overwrite_, grad_zeroed_;
   // tensor parallelism: split / whole / partial-gradient ranges, and the partial gradients' pack

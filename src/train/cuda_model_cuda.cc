@@ -85,7 +85,7 @@ CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options,
                                  cfg_.name, k::causal_conv::kMaxWidth));
   attn_shape_ = bc::AttnShape::of(cfg_, opt_.micro_batch, local_seq, split);
   if (cp_) attn_shape_.segments = cp_->segments();
-  mlp_shape_ = bc::MlpShape::of(cfg_, tokens_, opt_.renormalize_gates, split);
+  mlp_shape_ = bc::MlpShape::of(cfg_, tokens_, opt_.renormalize_gates, split, opt_.forced_balance);
   // Keep the whole bf16 logits between forward and backward (no recomputed LM head) when they
   // take at most an eighth of the GPU; otherwise walk the vocabulary in ce_chunk chunks.
   ce_keep_logits_ = static_cast<double>(tokens_) * vocab_local_ * 2 <= gpu_memory / 8.0;

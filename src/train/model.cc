@@ -117,7 +117,7 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   rows_ = opt_.sequence_parallel ? n / tp_.degree : n;
   attn_shape_ = blocks::AttnShape::of(cfg_, opt_.micro_batch, local_seq, tp_);
   if (cp_ > 1) attn_shape_.segments = plan_.context()->segments();
-  mlp_shape_ = blocks::MlpShape::of(cfg_, n, opt_.renormalize_gates, tp_);
+  mlp_shape_ = blocks::MlpShape::of(cfg_, n, opt_.renormalize_gates, tp_, opt_.forced_balance);
   const int classes = mlp_shape_.classes();
   load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(classes, 0));
   bias_.assign(moe_layer_ids_.size(), std::vector<float>(classes, 0.f));
@@ -253,26 +253,37 @@ void MoeTransformer::reset_load() {
 }
 
 void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, double rate,
-                           ops::bias_controller::Rule rule, std::vector<std::vector<float>>& bias) {
-  if (rule == ops::bias_controller::Rule::Adam) fail("update_balancing_bias: the Adam rule keeps moments keel train does not save");
-  for (std::size_t m = 0; m < load.size(); ++m) {
-    double total = 0;
-    for (auto c : load[m]) total += static_cast<double>(c);
-    if (total == 0) continue;
-    const double mean = total / static_cast<double>(load[m].size());
-    for (std::size_t e = 0; e < load[m].size(); ++e) {
-      const double d = mean - static_cast<double>(load[m][e]);  // > 0: under its share
-      if (rule == ops::bias_controller::Rule::Sign) {
-        bias[m][e] += static_cast<float>(rate) * (d > 0 ? 1.f : (d < 0 ? -1.f : 0.f));
-      } else {  // proportional: rate * (1/E - f_e)
-        bias[m][e] += static_cast<float>(rate * d / total);
-      }
-    }
+                           ops::bias_controller::Rule rule, std::vector<std::vector<float>>& bias,
+                           BalanceMemory& memory) {
+  if (bias.size() != load.size()) fail("update_balancing_bias: {} bias vectors for {} MoE layers", bias.size(), load.size());
+  const bool adam = rule == ops::bias_controller::Rule::Adam;
+  if (adam && memory.m.size() != load.size()) {  // first use (or a state saved under another rule)
+    memory.m.assign(load.size(), {});
+    memory.v.assign(load.size(), {});
+    for (std::size_t i = 0; i < load.size(); ++i) memory.m[i].assign(load[i].size(), 0.f), memory.v[i].assign(load[i].size(), 0.f);
+    memory.updates = 0;
   }
+  ops::bias_controller::Config c;
+  c.rule = rule;
+  c.lr = rate;
+  bool counted = false;
+  for (std::size_t i = 0; i < load.size(); ++i) {
+    if (bias[i].size() != load[i].size()) fail("update_balancing_bias: MoE layer {} has {} biases for {} classes", i, bias[i].size(), load[i].size());
+    ops::bias_controller::State s;
+    s.bias = bias[i];
+    s.m = adam ? memory.m[i] : std::vector<float>(bias[i].size(), 0.f);
+    s.v = adam ? memory.v[i] : s.m;
+    s.step = memory.updates;
+    ops::bias_controller::State next = ops::bias_controller::update(c, s, load[i].data());
+    counted |= next.step != s.step;
+    bias[i] = std::move(next.bias);
+    if (adam) memory.m[i] = std::move(next.m), memory.v[i] = std::move(next.v);
+  }
+  if (adam && counted) ++memory.updates;  // the others keep no memory
 }
 
 void MoeTransformer::update_router_bias() {
-  if (opt_.bias_update_rate != 0.0) update_balancing_bias(load_, opt_.bias_update_rate, opt_.balance_rule, bias_);
+  if (opt_.bias_update_rate != 0.0) update_balancing_bias(load_, opt_.bias_update_rate, opt_.balance_rule, bias_, balance_);
   reset_load();
 }
 

@@ -58,9 +58,15 @@ struct ModelOptions {
   double aux_loss_weight = 0.01;  // Switch load-balancing loss weight (per MoE layer, summed)
   double z_loss_weight = 0.001;   // router z-loss weight
   bool renormalize_gates = true;  // gates renormalized over the top_k
+  // Benchmarking only (router.forced_balance): every MoE layer routes slot j of token n to
+  // expert (n * top_k + j) mod experts, whatever the router scores (never the skip class), so
+  // the experts get equal loads, as Megatron's forced load balancing. The router never chooses.
+  bool forced_balance = false;
   // Aux-loss-free balancing (over E + 1 classes, skip included, for the MLP router), with f_e
   // the class's share of the step's routed tokens: sign: bias_e -= rate * sign(f_e - 1/classes)
-  // (DeepSeek-V3); proportional: bias_e -= rate * (f_e - 1/classes). 0 = biases fixed.
+  // (DeepSeek-V3); proportional: bias_e -= rate * (f_e - 1/classes); adam: AdamW on the bias
+  // with gradient f_e - 1/classes and lr = rate, betas (0.9, 0.999), eps 1e-8 (ZAYA1's
+  // controller as Primus implements it; its moments are train state). 0 = biases fixed.
   double bias_update_rate = 0.0;
   ops::bias_controller::Rule balance_rule = ops::bias_controller::Rule::Sign;
   // The MLP router's r x r layers and output layer start as normal(0, router_init_gain /
@@ -90,11 +96,21 @@ void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt);
 // 6 x active matmul parameters (LM head included) x tokens + causal attention, fwd + bwd.
 double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batch, int seq_length);
 
+// What the balancing controller remembers besides the biases: the Adam rule's moments, one
+// [classes] vector per MoE layer (empty under sign and proportional, which keep none), and the
+// number of updates so far (Adam's bias correction). Train state: checkpoints carry it.
+struct BalanceMemory {
+  std::vector<std::vector<float>> m, v;
+  std::int64_t updates = 0;
+};
+
 // Aux-loss-free balancing from expert loads (one vector per MoE layer, summed since the last
-// update), by `rule` (ops::bias_controller: sign or proportional; ModelOptions says each).
+// update), by `rule` at `rate` (ops::bias_controller::update for each layer; ModelOptions says
+// each rule). The biases stay where they are kept (`bias`); `memory` is sized on first use.
 // Shared by the CPU and CUDA backends.
 void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, double rate,
-                           ops::bias_controller::Rule rule, std::vector<std::vector<float>>& bias);
+                           ops::bias_controller::Rule rule, std::vector<std::vector<float>>& bias,
+                           BalanceMemory& memory);
 
 class MoeTransformer {
  public:
@@ -149,8 +165,10 @@ class MoeTransformer {
   void set_load(int moe_index, const std::vector<std::int64_t>& counts);
   // Router selection biases, one [classes] vector per MoE layer (state, not parameters).
   std::vector<float>& router_bias(int moe_index) { return bias_[moe_index]; }
-  // Aux-loss-free balancing: bias_e += rate * sign(mean load - load_e) per MoE layer, from
-  // the load counters; then resets them. No-op when the rate is 0.
+  // The balancing controller's memory (Adam's moments; see BalanceMemory).
+  BalanceMemory& balance_memory() { return balance_; }
+  // Aux-loss-free balancing (ModelOptions::balance_rule at bias_update_rate) from the load
+  // counters; then resets them. The biases stay fixed when the rate is 0.
   void update_router_bias();
 
   // FLOPs of one forward+backward of a micro-batch (6 * active matmul params * tokens +
@@ -214,6 +232,7 @@ class MoeTransformer {
   std::vector<std::int32_t> targets_, positions_;
   std::vector<std::vector<std::int64_t>> load_;
   std::vector<std::vector<float>> bias_;
+  BalanceMemory balance_;
   bool have_forward_ = false;
   float cur_scale_ = 1.0f;
 };

@@ -177,6 +177,11 @@ std::vector<ckpt::SaveShard> checkpoint_shards(const CheckpointView& view, const
     if (static_cast<int>(i % static_cast<std::size_t>(ranks)) != rank) continue;
     const ckpt::Shape shape{static_cast<std::int64_t>(view.router_bias[i].size())};
     out.push_back(shard(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), view.router_bias[i].data(), false));
+    const BalanceMemory& mem = view.router_balance;  // the adam rule's moments, when it keeps them
+    if (i < mem.m.size() && i < mem.v.size()) {
+      out.push_back(shard(fmt::format("router/bias_m.{}", i), shape, ckpt::full_box(shape), mem.m[i].data(), false));
+      out.push_back(shard(fmt::format("router/bias_v.{}", i), shape, ckpt::full_box(shape), mem.v[i].data(), false));
+    }
   }
   return out;
 }
@@ -219,6 +224,7 @@ double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, co
   s["format"] = kTrainFormat;
   s["step"] = step;
   s["optimizer_step"] = view.adamw_step;
+  if (!view.router_balance.m.empty()) s["router_balance_updates"] = view.router_balance.updates;
   // The parameters saved without optim/exp_avg_sq (Muon keeps no v): what makes the state whole
   // checkable (keel ckpt verify, the load) rather than a missing v passing for Muon's.
   nlohmann::json muon = nlohmann::json::array();
@@ -362,6 +368,26 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
   for (std::size_t i = 0; i < st.router_bias.size(); ++i) {
     const ckpt::Shape shape{static_cast<std::int64_t>(st.router_bias[i].size())};
     reqs.push_back(request(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), st.router_bias[i].data()));
+  }
+  // The adam controller's moments: all of them or none (a run saved under sign or proportional
+  // has none, and an adam run resumed from it starts them at zero).
+  int moments = 0;
+  for (std::size_t i = 0; i < st.router_bias.size(); ++i)
+    moments += stored.contains(fmt::format("router/bias_m.{}", i)) + stored.contains(fmt::format("router/bias_v.{}", i));
+  if (moments != 0 && (moments != 2 * static_cast<int>(st.router_bias.size()) || !s.contains("router_balance_updates")))
+    fail("checkpoint {}: has {} of the {} router/bias_m.<i> and router/bias_v.<i> tensors (or no router_balance_updates): "
+         "damaged, or copied in part",
+         reader.dir(), moments, 2 * st.router_bias.size());
+  if (moments != 0) {
+    BalanceMemory& mem = st.router_balance;
+    mem.updates = state_count(s, "router_balance_updates", reader.dir());
+    mem.m.assign(st.router_bias.size(), std::vector<float>(classes, 0.f));
+    mem.v = mem.m;
+    for (std::size_t i = 0; i < st.router_bias.size(); ++i) {
+      const ckpt::Shape shape{static_cast<std::int64_t>(classes)};
+      reqs.push_back(request(fmt::format("router/bias_m.{}", i), shape, ckpt::full_box(shape), mem.m[i].data()));
+      reqs.push_back(request(fmt::format("router/bias_v.{}", i), shape, ckpt::full_box(shape), mem.v[i].data()));
+    }
   }
   const ckpt::LoadStats ls = reader.load(reqs);
   out.read_amplification = ls.amplification();

@@ -10,7 +10,9 @@
 //   optim/exp_avg/<param>    AdamW m (Muon's momentum for Muon parameters)
 //   optim/exp_avg_sq/<param> AdamW v (only for AdamW parameters: Muon keeps no v)
 //   router/bias.<i>          the router selection bias of MoE layer i, [E]
-// Non-tensor state (metadata.json "state"): step, optimizer step count, the data sampler's
+//   router/bias_m.<i>, router/bias_v.<i>  the adam balancing rule's moments (only under it)
+// Non-tensor state (metadata.json "state"): step, optimizer step count (and the adam balancing
+// rule's update count, router_balance_updates, when its moments are saved), the data sampler's
 // position, the model name, the effective config text, and "format": "keel.train/3" (/2, which
 // also stored zero v for Muon parameters, loads too).
 //

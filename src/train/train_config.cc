@@ -251,6 +251,16 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   // keel train's router init: fan-in scaled (ModelOptions' 0 keeps init_std for code that builds
   // models directly; router.init_gain: 0 asks for that here).
   mo.router_init_gain = 1.0;
+  // ZAYA1's MLP router: keel train's defaults are the settings measured to keep it balanced on
+  // real text (docs/train.md, "Routing health" in docs/PERFORMANCE.md): proportional control
+  // of the balancing biases at rate 0.1, and the routers at a tenth of the learning rate (at the
+  // full rate the router sharpens faster than any controller follows, and collapses). The
+  // router.* keys, where given, win. The linear router keeps sign control, off, at full lr.
+  if (c.model.router_mlp_layers > 0) {
+    mo.balance_rule = ops::bias_controller::Rule::Proportional;
+    mo.bias_update_rate = 0.1;
+    mo.router_lr_scale = 0.1;
+  }
   if (root["recompute"]) {
     try {
       mo.recompute = parse_recompute(ctx.get<std::string>(root["recompute"], "recompute", "none or full"));
@@ -261,16 +271,17 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   if (const auto r = root["router"]) {
     ctx.only(r, "router",
              {"aux_loss_weight", "z_loss_weight", "bias_update_rate", "balance", "init_gain", "lr_scale", "renormalize",
-              "log_counts"});
+              "log_counts", "forced_balance"});
     if (r["aux_loss_weight"]) mo.aux_loss_weight = ctx.get<double>(r["aux_loss_weight"], "router.aux_loss_weight", "a number");
     if (r["z_loss_weight"]) mo.z_loss_weight = ctx.get<double>(r["z_loss_weight"], "router.z_loss_weight", "a number");
     if (r["bias_update_rate"])
       mo.bias_update_rate = ctx.get<double>(r["bias_update_rate"], "router.bias_update_rate", "a number");
     if (r["balance"]) {
-      const std::string rule = ctx.get<std::string>(r["balance"], "router.balance", "sign or proportional");
+      const std::string rule = ctx.get<std::string>(r["balance"], "router.balance", "sign, proportional or adam");
       if (rule == "sign") mo.balance_rule = ops::bias_controller::Rule::Sign;
       else if (rule == "proportional") mo.balance_rule = ops::bias_controller::Rule::Proportional;
-      else ctx.bad("router.balance", r["balance"], fmt::format("unknown rule '{}' (sign or proportional)", rule));
+      else if (rule == "adam") mo.balance_rule = ops::bias_controller::Rule::Adam;
+      else ctx.bad("router.balance", r["balance"], fmt::format("unknown rule '{}' (sign, proportional or adam)", rule));
     }
     if (r["init_gain"]) {
       mo.router_init_gain = ctx.get<double>(r["init_gain"], "router.init_gain", "a number");
@@ -283,6 +294,8 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
         ctx.bad("router.lr_scale", r["lr_scale"], "must be in [0, 1000] (the routers' lr over the scheduled one)");
     }
     if (r["renormalize"]) mo.renormalize_gates = ctx.get<bool>(r["renormalize"], "router.renormalize", "true or false");
+    if (r["forced_balance"])  // benchmarking only (ModelOptions::forced_balance)
+      mo.forced_balance = ctx.get<bool>(r["forced_balance"], "router.forced_balance", "true or false");
     if (r["log_counts"]) c.log_routing_counts = ctx.get<bool>(r["log_counts"], "router.log_counts", "true or false");
     if (!(mo.aux_loss_weight >= 0) || !(mo.z_loss_weight >= 0) || !(mo.bias_update_rate >= 0))
       ctx.bad("router", r, "weights and bias_update_rate must be >= 0");

@@ -532,12 +532,13 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
   const std::int64_t step_tokens = std::int64_t(cfg_.micro_batch) * cfg_.model_options.seq_length * cfg_.grad_accum;
   if (!quiet_ && step_ == 0)
     std::printf("keel train: model '%s' (%lld parameters, %d layers, %d MoE) on %s%s, %lld steps of %lld tokens, "
-                "recompute %s\n",
+                "recompute %s%s\n",
                 cfg_.model.name.c_str(), static_cast<long long>(backend_->param_count()), cfg_.model.layers,
                 backend_->moe_layer_count(), backend_->device().c_str(),
                 parallel_text().c_str(),
                 static_cast<long long>(cfg_.steps), static_cast<long long>(step_tokens),
-                to_string(cfg_.model_options.recompute));
+                to_string(cfg_.model_options.recompute),
+                cfg_.model_options.forced_balance ? ", routing forced-balance (benchmark only)" : "");
   if (!quiet_ && step_ == 0) std::printf("%s\n", memory_report(*backend_).c_str());
   if (!heartbeat_started_) {  // after start-up (and resume), before the first step
     heartbeat_started_ = true;

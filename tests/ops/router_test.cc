@@ -5,6 +5,7 @@
 #include <cmath>
 #include <random>
 
+#include "common/error.h"
 #include "gradcheck.h"
 
 namespace keel {
@@ -158,6 +159,75 @@ TEST(OpRouter, UniformRouterTiesGoToLowerIndexAndAuxIsOne) {
   }
   EXPECT_NEAR(l.aux, 1.0, 1e-6);  // P uniform: E * sum f_e / E = 1 whatever f is
   EXPECT_NEAR(l.z, std::pow(0.5 + std::log(4.0), 2), 1e-5);
+}
+
+// Forced balance (benchmarking): slot j of token n takes class (n * top_k + j) mod F whatever
+// the scores and the bias; gates are the chosen classes' probabilities; with N * top_k a
+// multiple of F each of the F classes gets exactly N * top_k / F slots, the others none.
+TEST(OpRouter, ForcedBalanceSelectsBySlotAndBalancesExactly) {
+  for (bool renorm : {false, true}) {
+    for (int forced : {6, 4}) {  // all experts, and the first 4 of 6 (as ZAYA1's experts without skip)
+      SCOPED_TRACE(testing::Message() << "forced " << forced << (renorm ? " renormalized" : ""));
+      RouterCase c(12, 6, 2, renorm);
+      c.bias = {0.f, 0.f, 0.f, 0.f, 0.f, 5.f};  // would win every token without forcing
+      c.forward();
+      const auto natural = c.idx;
+      const auto probs0 = c.probs;
+      c.o.forced_classes = forced;
+      const rt::Losses l = c.forward();
+      EXPECT_EQ(c.probs, probs0);  // the probabilities do not depend on the selection
+      EXPECT_NE(c.idx, natural);
+      for (std::int64_t i = 0; i < c.n; ++i) {
+        const float* p = c.probs.data() + i * c.e;
+        const int a = c.idx[i * 2], b = c.idx[i * 2 + 1];
+        EXPECT_EQ(a, (i * 2) % forced) << "token " << i;
+        EXPECT_EQ(b, (i * 2 + 1) % forced) << "token " << i;
+        const float norm = renorm ? p[a] + p[b] : 1.f;
+        EXPECT_FLOAT_EQ(c.gates[i * 2], p[a] / norm) << "token " << i;
+        EXPECT_FLOAT_EQ(c.gates[i * 2 + 1], p[b] / norm) << "token " << i;
+      }
+      for (int j = 0; j < c.e; ++j) EXPECT_EQ(c.counts[j], j < forced ? 12 * 2 / forced : 0) << "expert " << j;
+      // The aux loss is the normal one on the forced counts: E * sum_e (1/F) P_e over e < F.
+      double aux = 0;
+      for (int j = 0; j < forced; ++j) {
+        double pm = 0;
+        for (std::int64_t i = 0; i < c.n; ++i) pm += c.probs[i * c.e + j] / double(c.n);
+        aux += double(c.e) / forced * pm;
+      }
+      EXPECT_NEAR(l.aux, aux, 1e-5);
+    }
+  }
+  // Fewer forced classes than top_k cannot give distinct classes per token; more than E is out of range.
+  for (int forced : {1, 7, -1}) {
+    RouterCase c(4, 6, 2, false);
+    c.o.forced_classes = forced;
+    EXPECT_THROW(c.forward(), Error) << "forced " << forced;
+  }
+}
+
+// Backward under forced selection: the normal gradient of the forced gates, aux and z losses.
+TEST(OpRouter, GradCheckForcedBalance) {
+  for (bool renorm : {false, true}) {
+    RouterCase c(8, 6, 2, renorm);
+    c.o.forced_classes = 5;
+    c.bias = {0.01f, -0.02f, 0.f, 0.03f, 0.f, -0.01f};
+    auto rg = random_vector(c.n * 2, 92);
+    const float d_aux = 0.3f, d_z = 0.2f;
+    auto loss = [&] {
+      rt::Losses l = c.forward();
+      return test::weighted_sum(c.gates.data(), rg) + d_aux * double(l.aux) + d_z * double(l.z);
+    };
+    loss();
+    std::vector<float> dlogits(c.n * c.e);
+    rt::backward(Tensor(c.probs.data(), {c.n, c.e}), Tensor(c.lse.data(), {c.n}), c.idx.data(), Tensor(c.gates.data(), {c.n, 2}),
+                 c.counts.data(), c.o, Tensor(rg.data(), {c.n, 2}), d_aux, d_z, Tensor(dlogits.data(), {c.n, c.e}));
+    const std::string tag = renorm ? " (forced, top-2, renormalized)" : " (forced, top-2)";
+    EXPECT_LT(check_grad("router dlogits" + tag, loss, c.logits.data(), dlogits.data(), c.logits.size()).rel_err, kGradTol);
+    // The bias is ignored entirely: even a large change leaves the loss bit-for-bit unchanged.
+    const double base = loss();
+    c.bias[4] = 3.f;
+    EXPECT_EQ(loss(), base);
+  }
 }
 
 }  // namespace

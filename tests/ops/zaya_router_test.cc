@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "common/error.h"
 #include "gradcheck.h"
 
 namespace keel {
@@ -164,6 +165,31 @@ TEST(OpZayaRouter, BiasChangesSelectionButNotGates) {
   }
   EXPECT_EQ(st.s.counts[2], n);
   EXPECT_NE(idx0, st.s.idx);
+}
+
+// Forced balance (benchmarking) with the skip class on: forced over the E - 1 experts, token n
+// goes to expert n mod (E - 1) whatever the scores and the bias (here strongly favouring skip),
+// so no token skips and every expert gets exactly N / (E - 1) tokens; the gate is p of that class.
+TEST(OpZayaRouter, ForcedBalanceNeverSkipsAndBalancesTheExperts) {
+  const std::int64_t n = 20, h = 8, d = 6, e = 5;  // 4 experts + skip (class 4)
+  const int skip = int(e - 1);
+  Stage st(h, d, e, n, 410);
+  auto P = st.view(st.p);
+  P.gamma = Tensor();
+  auto x = random_vector(n * h, 411);
+  std::vector<float> bias(e, 0.f);
+  bias[skip] = 2.f;  // without forcing every token would skip
+  zr::forward(Tensor(x.data(), {n, h}), Tensor(), P, Tensor(bias.data(), {e}), 1e-5f, st.s);
+  EXPECT_EQ(st.s.counts[static_cast<std::size_t>(skip)], n);
+  const auto probs0 = std::vector<float>(st.s.probs.data(), st.s.probs.data() + n * e);
+  zr::forward(Tensor(x.data(), {n, h}), Tensor(), P, Tensor(bias.data(), {e}), 1e-5f, st.s, skip);
+  EXPECT_EQ(std::vector<float>(st.s.probs.data(), st.s.probs.data() + n * e), probs0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(st.s.idx[i], i % skip) << "token " << i;
+    EXPECT_EQ(st.s.gates[i], probs0[i * e + st.s.idx[i]]) << "token " << i;
+  }
+  EXPECT_EQ(st.s.counts, (std::vector<std::int64_t>{5, 5, 5, 5, 0}));
+  EXPECT_THROW(zr::forward(Tensor(x.data(), {n, h}), Tensor(), P, Tensor(), 1e-5f, st.s, int(e) + 1), Error);
 }
 
 // The skip path writes only the skip rows (class 2 here) and leaves every other row as it was:

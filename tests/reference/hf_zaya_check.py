@@ -435,7 +435,8 @@ def check_train(keel, m, work, tag, seed, steps=5, L=32, micro=4, lr=3e-5, wd=0.
     shutil.rmtree(run_dir, ignore_errors=True)
     tcfg = {
         "device": "cpu", "model": m, "recompute": "none",
-        "router": {"aux_loss_weight": 0.0, "z_loss_weight": 0.0, "bias_update_rate": 0.0, "log_counts": True},
+        "router": {"aux_loss_weight": 0.0, "z_loss_weight": 0.0, "bias_update_rate": 0.0, "lr_scale": 1.0,
+                   "log_counts": True},
         "data": {"datasets": {"train": prefix}, "seq_length": L, "seed": 1, "shuffle": False},
         "optimizer": {"lr": lr, "min_lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": wd,
                       "clip": clip, "muon": {"enabled": False}},

@@ -20,6 +20,11 @@ keel_cli_test(NAME train_memory_report
   MATCH "memory on this rank: [0-9.]+ GiB = parameters [0-9.]+ GiB \\+ gradients [0-9.]+ GiB \\+ optimizer state [0-9.]+ GiB \\+ activations and scratch"
   ARGS train ${tcfg} ${tshort} --set steps=4 --set output_dir=train_memory --set device=cpu)
 set_tests_properties(cli_train_memory_report PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+# router.forced_balance (benchmarking only) is said on the start-up line.
+keel_cli_test(NAME train_forced_balance MATCH "recompute none, routing forced-balance \\(benchmark only\\)"
+  ARGS train ${tcfg} ${tshort} --set steps=4 --set device=cpu --set checkpoint.final=false
+       --set output_dir=train_forced_balance --set router.forced_balance=true)
+set_tests_properties(cli_train_forced_balance PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 # The same line wherever device: auto lands, one rank: the CPU backend's items, or the CUDA
 # backend's (fp32 master weights, bf16 weights, fp32 gradients, ...) on a machine with a GPU.
 keel_cli_test(NAME train_memory_report_auto
@@ -65,7 +70,7 @@ keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must
 add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_memory train_zaya train_stop_iv train_hang train_hang_ck
          train_dp_auto train_dp_auto1 train_dp_bf16 train_memory_auto train_timeout_inf train_tp_gpu train_tp_gpu_muon
          train_inject_exit train_inject_kill train_inject_nan train_inject_nan_dp train_inject_nan_tp train_inject_slow
-         WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+         train_forced_balance WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
 # Data parallel (ZeRO-1) on CPU ranks under mpiexec: 2 ranks train and save; one rank resumes
@@ -329,9 +334,10 @@ add_test(NAME train_tensorboard_reads_keel_events
          COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/train/check_tensorboard.sh $<TARGET_FILE:keel_tests>)
 set_tests_properties(train_tensorboard_reads_keel_events PROPERTIES TIMEOUT 120)
 
-# Routing health on real text (issue 36, part 4): keel train's router init keeps the tiny ZAYA1's
-# MoE layers near balance after step 50 where the old init (router.init_gain 0) collapses onto
-# one class; both runs, 100 CPU steps each (about 45 s).
+# Routing health on real text (issue 36, part 4): keel train's defaults for ZAYA1's router keep
+# every MoE layer of the tiny ZAYA1 under 2x its fair share at every step after step 50, where
+# the previous controller (sign 0.01, full router lr) goes over and the old init (router.init_gain
+# 0) collapses onto one class; three runs, 100 CPU steps each (about 60 s).
 add_test(NAME train_routing_health
          COMMAND python3 ${CMAKE_CURRENT_SOURCE_DIR}/train/check_routing.py $<TARGET_FILE:keel> train_stories train_routing
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})

@@ -205,6 +205,42 @@ void compare_with_cpu(const model::ModelConfig& cfg, Recompute r) {
   EXPECT_EQ(tg.adamw_step, 1);
 }
 
+// router.forced_balance (benchmarking only) on both backends: every MoE layer sends slot j of
+// token n to expert (n * top_k + j) mod E on the GPU as on the CPU, so the loads are exactly
+// N * top_k / E per expert (none on the skip class) on both, with no router sharpening needed;
+// loss and gradients then agree to bf16 rounding.
+TEST(CudaBackend, ForcedBalanceRoutesAsCpu) {
+  if (visible_cuda_devices() == 0) GTEST_SKIP() << "no CUDA device visible";
+  for (const model::ModelConfig& cfg : {small_config(false), zaya_config(true)}) {
+    SCOPED_TRACE(cfg.name);
+    ModelOptions opt = small_options();
+    opt.forced_balance = true;
+    optim::AdamWConfig adamw;
+    auto cpu = make_cpu_backend(cfg, opt, adamw, parallel::Mesh());
+    auto gpu = make_cuda_backend(cfg, opt, adamw, parallel::Mesh());
+    bf16_embedding(*cpu, *gpu);
+    const fixtures::Batch b = fixtures::random_batch(opt.micro_batch * opt.seq_length, cfg.vocab_size, 12, 17);
+    cpu->zero_grads();
+    gpu->zero_grads();
+    const LossParts lc = cpu->forward(b.tokens.data(), b.targets.data());
+    const LossParts lg = gpu->forward(b.tokens.data(), b.targets.data());
+    EXPECT_NEAR(lg.ce, lc.ce, 2e-3 * lc.ce) << "CE loss";
+    cpu->backward(1.0f);
+    gpu->backward(1.0f);
+    const auto gc = cpu->gradients(), gg = gpu->gradients();
+    EXPECT_LT(keel::test::norm_rel_err(gg, gc, 0, static_cast<std::int64_t>(gc.size())), 0.08) << "gradients";
+    const std::int64_t slots = std::int64_t(opt.micro_batch) * opt.seq_length * cfg.top_k;
+    ASSERT_GT(cpu->moe_layer_count(), 0);
+    for (int i = 0; i < cpu->moe_layer_count(); ++i) {
+      const auto lc_i = cpu->load(i), lg_i = gpu->load(i);
+      EXPECT_EQ(lg_i, lc_i) << "layer " << i;
+      ASSERT_EQ(lc_i.size(), static_cast<std::size_t>(cfg.experts + (cfg.router_skip_expert ? 1 : 0)));
+      for (int e = 0; e < cfg.experts; ++e) EXPECT_EQ(lc_i[e], slots / cfg.experts) << "layer " << i << " expert " << e;
+      if (cfg.router_skip_expert) EXPECT_EQ(lc_i.back(), 0) << "skip class, layer " << i;
+    }
+  }
+}
+
 TEST(CudaBackend, MatchesCpuUntied) { compare_with_cpu(small_config(false), Recompute::kNone); }
 TEST(CudaBackend, MatchesCpuTiedWithRecompute) { compare_with_cpu(small_config(true), Recompute::kFull); }
 TEST(CudaBackend, ZayaMatchesCpuWithSkip) { compare_with_cpu(zaya_config(true), Recompute::kNone); }

@@ -46,6 +46,9 @@ inline std::vector<StepStats> expect_resume_bit_exact(TrainConfig cfg, const std
   EXPECT_EQ(x.adam_m, y.adam_m);
   EXPECT_EQ(x.adam_v, y.adam_v);
   EXPECT_EQ(x.router_bias, y.router_bias);
+  EXPECT_EQ(x.router_balance.m, y.router_balance.m);
+  EXPECT_EQ(x.router_balance.v, y.router_balance.v);
+  EXPECT_EQ(x.router_balance.updates, y.router_balance.updates);
   return sa;
 }
 

@@ -67,17 +67,51 @@ TEST(RouterBalance, RulesMoveTheBiasTowardTheFairShare) {
   // 3 classes, 12 tokens: shares 1/2, 1/3, 1/6 against 1/3 each.
   const std::vector<std::vector<std::int64_t>> load = {{6, 4, 2}};
   std::vector<std::vector<float>> sign = {{0.f, 0.f, 0.f}}, prop = sign;
-  update_balancing_bias(load, 0.1, ops::bias_controller::Rule::Sign, sign);
+  BalanceMemory mem;
+  update_balancing_bias(load, 0.1, ops::bias_controller::Rule::Sign, sign, mem);
   EXPECT_FLOAT_EQ(sign[0][0], -0.1f);
   EXPECT_FLOAT_EQ(sign[0][1], 0.f);  // exactly at its share: unchanged
   EXPECT_FLOAT_EQ(sign[0][2], 0.1f);
-  update_balancing_bias(load, 0.6, ops::bias_controller::Rule::Proportional, prop);
+  update_balancing_bias(load, 0.6, ops::bias_controller::Rule::Proportional, prop, mem);
   EXPECT_NEAR(prop[0][0], -0.6 * (0.5 - 1.0 / 3), 1e-7);
   EXPECT_NEAR(prop[0][1], 0.0, 1e-7);
   EXPECT_NEAR(prop[0][2], 0.6 * (1.0 / 3 - 1.0 / 6), 1e-7);
+  EXPECT_TRUE(mem.m.empty());  // sign and proportional keep no moments
   std::vector<std::vector<float>> none = {{0.5f, 0.f, 0.f}};
-  update_balancing_bias({{0, 0, 0}}, 0.1, ops::bias_controller::Rule::Proportional, none);  // no tokens
+  update_balancing_bias({{0, 0, 0}}, 0.1, ops::bias_controller::Rule::Proportional, none, mem);  // no tokens
   EXPECT_EQ(none[0][0], 0.5f);
+}
+
+// ZAYA1's controller (AdamW on the bias, as Primus): keel train's update of every layer is the
+// op's, step after step, with the moments and the update count carried between calls; a layer
+// that saw no tokens keeps its bias. Adam's first step moves each bias by lr against the sign
+// of its error.
+TEST(RouterBalance, AdamRuleIsTheControllerOpWithItsMomentsCarried) {
+  const std::vector<std::vector<std::vector<std::int64_t>>> loads = {
+      {{9, 2, 1, 0}, {3, 3, 3, 3}}, {{7, 3, 1, 1}, {0, 0, 0, 0}}, {{4, 4, 2, 2}, {6, 2, 2, 2}}};
+  std::vector<std::vector<float>> bias = {{0.f, 0.f, 0.f, -1.f}, {0.f, 0.f, 0.f, -1.f}};
+  BalanceMemory mem;
+  std::vector<ops::bias_controller::State> want(2, ops::bias_controller::init(4, true));
+  ops::bias_controller::Config c;
+  c.lr = 0.003;
+  for (std::size_t step = 0; step < loads.size(); ++step) {
+    update_balancing_bias(loads[step], 0.003, ops::bias_controller::Rule::Adam, bias, mem);
+    for (std::size_t l = 0; l < 2; ++l) {
+      want[l].step = static_cast<std::int64_t>(step);  // one count for all layers: keel's updates
+      want[l] = ops::bias_controller::update(c, want[l], loads[step][l].data());
+      EXPECT_EQ(bias[l], want[l].bias) << "step " << step << " layer " << l;
+      if (loads[step][l][0] + loads[step][l][1] > 0) {
+        EXPECT_EQ(mem.m[l], want[l].m);
+        EXPECT_EQ(mem.v[l], want[l].v);
+      }
+    }
+    if (step == 0) {
+      EXPECT_FLOAT_EQ(bias[0][0], -0.003f);  // overloaded: lowered by lr
+      EXPECT_FLOAT_EQ(bias[0][3], -1.f + 0.003f);  // the skip class, unused: raised by lr
+      EXPECT_EQ(bias[1], (std::vector<float>{0.f, 0.f, 0.f, -1.f}));  // exactly balanced
+    }
+    EXPECT_EQ(mem.updates, static_cast<std::int64_t>(step + 1));
+  }
 }
 
 TEST(RouterBalance, LrScaleAppliesToTheRoutersOnly) {
@@ -100,11 +134,13 @@ TEST(RouterBalance, ConfigKeys) {
   EXPECT_EQ(c.model_options.balance_rule, ops::bias_controller::Rule::Proportional);
   EXPECT_DOUBLE_EQ(c.model_options.router_init_gain, 0.5);
   EXPECT_DOUBLE_EQ(c.model_options.router_lr_scale, 0.1);
+  EXPECT_EQ(parse_train_config(text, "t.yaml", {"router.balance=adam"}).model_options.balance_rule,
+            ops::bias_controller::Rule::Adam);
   const TrainConfig d = parse_train_config(text, "t.yaml");
   EXPECT_EQ(d.model_options.balance_rule, ops::bias_controller::Rule::Sign);
   EXPECT_DOUBLE_EQ(d.model_options.router_init_gain, 1.0);  // keel train's fan-in init
   EXPECT_DOUBLE_EQ(d.model_options.router_lr_scale, 1.0);
-  fixtures::expect_usage_error(text, {"router.balance=adam"}, "router.balance");
+  fixtures::expect_usage_error(text, {"router.balance=pid"}, "router.balance");
   fixtures::expect_usage_error(text, {"router.init_gain=-1"}, "router.init_gain");
   fixtures::expect_usage_error(text, {"router.lr_scale=nan"}, "router.lr_scale");
   fixtures::expect_usage_error(text, {"router.balanse=sign"}, "balanse");

@@ -48,11 +48,12 @@ model::ModelConfig tiny(int experts = 4) {
   return m;
 }
 
-ModelOptions options() {
+ModelOptions options(ops::bias_controller::Rule rule = ops::bias_controller::Rule::Sign) {
   ModelOptions o;
   o.micro_batch = 2;
   o.seq_length = 8;
   o.bias_update_rate = 0.01;
+  o.balance_rule = rule;
   return o;
 }
 
@@ -63,8 +64,9 @@ fs::path fresh_dir(const std::string& name) {
 }
 
 // Two steps of training so every buffer (params, m, v, router bias) holds non-trivial values.
-std::unique_ptr<TrainBackend> trained(const model::ModelConfig& cfg) {
-  auto b = make_cpu_backend(cfg, options(), {}, parallel::Mesh());
+std::unique_ptr<TrainBackend> trained(const model::ModelConfig& cfg,
+                                      ops::bias_controller::Rule rule = ops::bias_controller::Rule::Sign) {
+  auto b = make_cpu_backend(cfg, options(rule), {}, parallel::Mesh());
   std::vector<std::uint32_t> tok(16);
   std::vector<std::int32_t> tgt(16);
   for (int i = 0; i < 16; ++i) tok[i] = (i * 7) % cfg.vocab_size, tgt[i] = (i * 5 + 3) % cfg.vocab_size;
@@ -115,6 +117,52 @@ TEST(TrainCheckpoint, SaveCommitsAndLoadRestoresEveryTensorBitForBit) {
   b->zero_grads();
   a->zero_grads();
   EXPECT_EQ(b->forward(tok.data(), tgt.data()).total, a->forward(tok.data(), tgt.data()).total);
+}
+
+// The adam balancing controller's moments and update count are train state: saved, restored,
+// and the restored controller moves the biases exactly as the original. A run saved under
+// another rule has none, and loads with empty moments.
+TEST(TrainCheckpoint, BalanceControllerMomentsRoundTrip) {
+  const fs::path root = fresh_dir("balance");
+  auto a = trained(tiny(), ops::bias_controller::Rule::Adam);
+  const TrainState st = a->state();
+  ASSERT_EQ(st.router_balance.m.size(), st.router_bias.size());
+  EXPECT_EQ(st.router_balance.updates, 2);
+  bool moved = false;
+  for (const auto& m : st.router_balance.m)
+    for (float x : m) moved |= x != 0.f;
+  EXPECT_TRUE(moved);
+  {
+    TrainCheckpointer ck(root.string(), {});
+    ck.save(2, st, a->layout(), nlohmann::json::object());
+    ck.finish();
+  }
+  const LoadedTrainState got = load_train_checkpoint(root.string(), tiny());
+  EXPECT_EQ(got.state.router_balance.m, st.router_balance.m);
+  EXPECT_EQ(got.state.router_balance.v, st.router_balance.v);
+  EXPECT_EQ(got.state.router_balance.updates, 2);
+  auto b = make_cpu_backend(tiny(), options(ops::bias_controller::Rule::Adam), {}, parallel::Mesh());
+  b->set_state(got.state);
+  std::vector<std::uint32_t> tok(16);
+  std::vector<std::int32_t> tgt(16);
+  for (int i = 0; i < 16; ++i) tok[i] = (i * 3) % tiny().vocab_size, tgt[i] = (i * 11 + 1) % tiny().vocab_size;
+  for (auto* x : {a.get(), b.get()}) {
+    x->zero_grads();
+    x->forward(tok.data(), tgt.data());
+    x->update_router_bias();
+  }
+  EXPECT_EQ(a->state().router_bias, b->state().router_bias);
+  EXPECT_EQ(a->state().router_balance.m, b->state().router_balance.m);
+
+  const fs::path sign_root = fresh_dir("balance_sign");
+  {
+    auto c = trained(tiny());
+    EXPECT_TRUE(c->state().router_balance.m.empty());
+    TrainCheckpointer ck(sign_root.string(), {});
+    ck.save(2, c->state(), c->layout(), nlohmann::json::object());
+    ck.finish();
+  }
+  EXPECT_TRUE(load_train_checkpoint(sign_root.string(), tiny()).state.router_balance.m.empty());
 }
 
 TEST(TrainCheckpoint, WrongModelOrFileIsAClearError) {

@@ -238,6 +238,49 @@ TEST(Trainer, RoutingCountsAreLoggedPerLayerWhenAsked) {
                                "key 'router.log_counts' (from --set): must be true or false");
 }
 
+// router.forced_balance (benchmarking only): a bool, off by default; anything else is one error
+// line naming the key.
+TEST(TrainConfig, ForcedBalanceKey) {
+  const std::string text = fixtures::train_config_text("/nonexistent/data", "/tmp/keel-forced-out");
+  EXPECT_FALSE(parse_train_config(text, "t.yaml").model_options.forced_balance);
+  EXPECT_TRUE(parse_train_config(text, "t.yaml", {"router.forced_balance=true"}).model_options.forced_balance);
+  EXPECT_FALSE(parse_train_config(text, "t.yaml", {"router.forced_balance=false"}).model_options.forced_balance);
+  expect_usage_error(text, {"router.forced_balance=2"}, "key 'router.forced_balance' (from --set): must be true or false");
+}
+
+// keel train with router.forced_balance on the tiny MoE (4 experts, top-2) and ZAYA1-tiny (4
+// experts + skip, top-1): every MoE layer's step load is exactly equal over the experts, nothing
+// skips, and the model still trains (the gates carry the router's gradient, the experts learn).
+TEST(Trainer, ForcedBalanceRoutesEquallyAndTrains) {
+  const auto dir = fixtures::temp_dir("train_test", "forced_balance");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  for (const bool zaya : {false, true}) {
+    SCOPED_TRACE(zaya ? "zaya1-tiny" : "tiny MoE");
+    auto c = parse_train_config(fixtures::train_config_text(prefix, dir / (zaya ? "zaya" : "moe")), "t.yaml",
+                                {"steps=8", "log_interval=1", "router.log_counts=true", "router.forced_balance=true"});
+    if (zaya) c.model = model::load_model_config(std::string(KEEL_SOURCE_DIR) + "/configs/zaya1-tiny.yaml");
+    ASSERT_EQ(c.model.router_skip_expert, zaya);
+    const int experts = c.model.experts, classes = experts + (zaya ? 1 : 0);
+    const std::int64_t slots = 2 * 2 * 16 * c.model.top_k;  // micro_batch x grad_accum x seq_length x top_k
+    Trainer t(c, parallel::Mesh(), true);
+    const auto stats = t.run();
+    ASSERT_EQ(stats.size(), 8u);
+    for (const StepStats& s : stats) {
+      SCOPED_TRACE(testing::Message() << "step " << s.step);
+      EXPECT_TRUE(std::isfinite(s.loss));
+      ASSERT_EQ(s.routing_counts.size(), zaya ? 2u : 1u);  // every MoE layer
+      for (const auto& layer : s.routing_counts) {
+        ASSERT_EQ(layer.size(), static_cast<std::size_t>(classes));
+        for (int e = 0; e < experts; ++e) EXPECT_EQ(layer[e], slots / experts) << "expert " << e;
+        if (zaya) EXPECT_EQ(layer[experts], 0) << "skip class";
+      }
+      EXPECT_DOUBLE_EQ(s.busiest_share, 1.0 / experts);
+      EXPECT_EQ(s.skip_share, 0.0);
+    }
+    EXPECT_LT(stats.back().loss, stats.front().loss - 0.1);
+  }
+}
+
 TEST(Trainer, InitFromStartsFreshOptimizerOnTheCheckpointsWeights) {
   const auto dir = fixtures::temp_dir("train_test", "init_from");
   const auto prefix = fixtures::make_dataset(dir, "d");

@@ -106,7 +106,7 @@ void zaya_gradcheck(bool skip) {
     const Batch b = random_batch(o.micro_batch * o.seq_length, static_cast<int>(cfg.vocab_size), seed);
     // Balance the classes on this batch with the bias controller (the bias is not a
     // parameter: the gradients do not depend on how it was reached).
-    for (auto& bias : biases) std::fill(bias.begin(), bias.end(), 0.f);
+    for (auto& bias : biases) bias.assign(static_cast<std::size_t>(cfg.experts + (skip ? 1 : 0)), 0.f);
     for (int i = 0; i < 40; ++i) {
       for (std::size_t m = 0; m < stages; ++m) model.router_bias(static_cast<int>(m)) = biases[m];
       model.reset_load();

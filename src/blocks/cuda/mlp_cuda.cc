@@ -115,7 +115,7 @@ void mlp_forward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, 
   } else {
     const int E = s.experts;
     k::linear::forward_f32(gemm, x, w.router, a.rlogits, N, D, E, stream);
-    k::router::Options ro{s.top_k, s.renormalize};
+    k::router::Options ro{s.top_k, s.renormalize, s.forced_classes()};
     k::router::forward(a.rlogits, bias, N, E, ro, a.probs, a.rlse, a.idx, a.gates, a.counts, a.losses, stream);
     a.plan = k::moe::make_plan(a.idx, N, s.top_k, E, a.plan_ws, stream);  // syncs: host expert offsets
     if (experts)

@@ -33,7 +33,7 @@ using ops::cuda::bf16;
 
 using Shape = ZayaShape;  // blocks/shape.h, shared with the CPU block
 inline ops::cuda::zaya_router::Dims router_dims(const Shape& s) {
-  return {s.tokens, s.hidden, s.router_hidden, s.classes(), s.eps};
+  return {s.tokens, s.hidden, s.router_hidden, s.classes(), s.eps, s.forced_classes()};
 }
 
 struct Weights {

@@ -20,7 +20,7 @@ __device__ inline float warp_max(float v) {
 __device__ inline bool ranks_before(float sa, int ia, float sb, int ib) { return sa > sb || (sa == sb && ia < ib); }
 
 __global__ void forward_kernel(const float* __restrict__ logits, const float* __restrict__ bias, std::int64_t tokens,
-                               int experts, int top_k, bool renormalize, float* __restrict__ probs,
+                               int experts, int top_k, bool renormalize, int forced, float* __restrict__ probs,
                                float* __restrict__ lse, std::int32_t* __restrict__ expert_idx,
                                float* __restrict__ gates, std::int32_t* __restrict__ counts) {
   const int lane = threadIdx.x % 32;
@@ -41,7 +41,11 @@ __global__ void forward_kernel(const float* __restrict__ logits, const float* __
 
   int chosen[kMaxTopK];
   float chosen_p[kMaxTopK];
-  for (int k = 0; k < top_k; ++k) {
+  for (int k = 0; forced > 0 && k < top_k; ++k) {  // forced balance: the slot's class (the CPU rule)
+    chosen[k] = static_cast<int>((row * top_k + k) % forced);
+    chosen_p[k] = expf(l[chosen[k]] - lz);  // p[chosen[k]], recomputed (another lane wrote it)
+  }
+  for (int k = 0; forced == 0 && k < top_k; ++k) {
     // Sentinel index `experts`: any real candidate ranks before it, even at -inf.
     float best_s = -INFINITY, best_p = 0.f;
     int best_i = experts;
@@ -152,6 +156,8 @@ void check_common(std::int64_t tokens, int experts, const Options& o) {
   if (experts < 1) fail("cuda router: need at least one expert, got {}", experts);
   if (o.top_k < 1 || o.top_k > experts || o.top_k > kMaxTopK)
     fail("cuda router: top_k {} must be in [1, {}]", o.top_k, experts < kMaxTopK ? experts : kMaxTopK);
+  if (o.forced_classes < 0 || o.forced_classes > experts || (o.forced_classes > 0 && o.top_k > o.forced_classes))
+    fail("cuda router: forced_classes {} must be 0 or in [top_k {}, {} experts]", o.forced_classes, o.top_k, experts);
   if (tokens * o.top_k > INT32_MAX) fail("cuda router: {} tokens x top_k {} overflow the int32 slot index", tokens, o.top_k);
 }
 
@@ -166,7 +172,7 @@ void forward(const float* logits, const float* bias, std::int64_t tokens, int ex
   if (tokens > 0) {
     if (!logits || !probs || !lse || !expert_idx || !gates) fail("cuda router: a forward pointer is null");
     forward_kernel<<<grid_for(tokens, kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(
-        logits, bias, tokens, experts, o.top_k, o.renormalize, probs, lse, expert_idx, gates, counts);
+        logits, bias, tokens, experts, o.top_k, o.renormalize, o.forced_classes, probs, lse, expert_idx, gates, counts);
     KEEL_CUDA_CHECK_LAUNCH();
   }
   column_means_kernel<<<experts + 1, kReduceThreads, 0, stream>>>(probs, lse, tokens, experts, losses);

@@ -8,6 +8,9 @@
 //     expert index (the CPU rule, so both pick the same experts). The bias only selects.
 //   gates[n, k] = p[e_k], or p[e_k] / sum_k' p[e_k'] with renormalize.
 //   counts[e] = slots routed to e (int32, built with atomics; integer sums, so exact).
+// Forced balance (forced_classes F > 0; benchmarking only): the CPU rule, scores and bias
+//   ignored: slot j of token n takes class (n * top_k + j) mod F (top_k <= F <= E required);
+//   gates, counts, losses and backward as above on that selection.
 // Losses, written to the device (no host sync; read_losses syncs):
 //   losses[0] = aux = E * sum_e f_e P_e, f_e = counts[e] / (N top_k), P_e = mean_n p[n, e]
 //   losses[1] = z   = mean_n lse_n^2
@@ -36,6 +39,7 @@ inline constexpr int kMaxTopK = 16;
 struct Options {
   int top_k = 1;
   bool renormalize = false;  // gates renormalized over the chosen top_k
+  int forced_classes = 0;    // > 0: forced-balance selection over classes [0, forced_classes)
 };
 
 struct Losses {

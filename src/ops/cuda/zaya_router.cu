@@ -187,6 +187,7 @@ void forward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_s
   router::Options o;
   o.top_k = 1;
   o.renormalize = false;
+  o.forced_classes = d.forced_classes;
   if (N == 0) {
     router::forward(nullptr, bias, 0, d.classes, o, nullptr, nullptr, nullptr, nullptr, s.counts, s.losses, stream);
     return;

@@ -41,6 +41,9 @@ struct Dims {
   std::int64_t dim = 0;     // D (router width; 256 in ZAYA1)
   int classes = 0;          // E (experts + the skip class when enabled)
   float eps = 1e-5f;        // RMSNorm epsilon
+  // > 0: forced-balance selection (benchmarking only; router::Options, the CPU op's rule):
+  // token n takes class n mod forced_classes (the experts alone, so no skip, at classes - 1).
+  int forced_classes = 0;
 };
 
 struct Weights {

@@ -169,6 +169,67 @@ TEST(RouterCuda, RejectsBadTopK) {
                Error);
 }
 
+// Forced balance (benchmarking): both twins pick class (n * top_k + j) mod F for slot j of
+// token n whatever the scores and the bias, so indices and counts match exactly; gates,
+// losses and the backward (the normal formulas on that selection) to fp32 rounding.
+TEST(RouterCuda, ForcedBalanceMatchesCpu) {
+  KEEL_REQUIRE_GPU();
+  struct ForcedCase {
+    std::int64_t n;
+    int e, k, forced;
+    bool renormalize;
+  };
+  const ForcedCase cases[] = {{64, 8, 2, 8, true}, {37, 8, 1, 8, false}, {200, 17, 1, 16, false},
+                              {129, 64, 4, 64, true}, {300, 6, 3, 5, true}};
+  std::uint64_t seed = 500;
+  for (const ForcedCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "N " << c.n << " E " << c.e << " k " << c.k << " forced " << c.forced);
+    const std::int64_t n = c.n;
+    const int e = c.e, k = c.k;
+    std::vector<float> bias = random_vector(e, ++seed, -0.5f, 0.5f);
+    std::vector<float> logits = random_vector(n * e, ++seed, -3.f, 3.f);
+    std::vector<float> dgates = random_vector(n * k, ++seed);
+    const float d_aux = 0.37f, d_z = 0.013f;
+    std::vector<float> probs(n * e), lse(n), gates(n * k), dlogits(n * e);
+    std::vector<std::int32_t> idx(n * k);
+    std::vector<std::int64_t> counts(e);
+    cpu_router::Options co{k, c.renormalize, c.forced};
+    const cpu_router::Losses want = cpu_router::forward(
+        Tensor(logits.data(), {n, e}), Tensor(bias.data(), {e}), co, Tensor(probs.data(), {n, e}),
+        Tensor(lse.data(), {n}), idx.data(), Tensor(gates.data(), {n, k}), counts.data());
+    cpu_router::backward(Tensor(probs.data(), {n, e}), Tensor(lse.data(), {n}), idx.data(), Tensor(gates.data(), {n, k}),
+                         counts.data(), co, Tensor(dgates.data(), {n, k}), d_aux, d_z, Tensor(dlogits.data(), {n, e}));
+    for (std::int64_t s = 0; s < n * k; ++s) ASSERT_EQ(idx[s], s % c.forced) << "CPU slot " << s;
+
+    auto d_logits = to_device<float>(logits);
+    auto d_bias = to_device<float>(bias);
+    DeviceArray<float> d_probs(n * e), d_lse(n), d_gates(n * k), d_dlogits(n * e), d_losses(gpu_router::loss_floats(e));
+    DeviceArray<std::int32_t> d_idx(n * k), d_counts(e);
+    auto d_dgates = to_device<float>(dgates);
+    gpu_router::Options go{k, c.renormalize, c.forced};
+    gpu_router::forward(d_logits.get(), d_bias.get(), n, e, go, d_probs.get(), d_lse.get(), d_idx.get(), d_gates.get(),
+                        d_counts.get(), d_losses.get(), nullptr);
+    gpu_router::backward(d_probs.get(), d_lse.get(), d_idx.get(), d_gates.get(), d_counts.get(), n, e, go,
+                         d_dgates.get(), d_aux, d_z, d_dlogits.get(), nullptr);
+    const gpu_router::Losses got = gpu_router::read_losses(d_losses.get(), nullptr);
+    EXPECT_EQ(ints_to_host(d_idx.get(), n * k), idx);
+    const std::vector<std::int32_t> got_counts = ints_to_host(d_counts.get(), e);
+    for (int j = 0; j < e; ++j) EXPECT_EQ(got_counts[j], counts[j]) << "expert " << j;
+    EXPECT_TRUE(all_close(to_host(d_gates), gates, 1e-5f, 1e-7f, "gates"));
+    EXPECT_NEAR(got.aux, want.aux, 1e-5 * std::fabs(want.aux) + 1e-6);
+    EXPECT_NEAR(got.z, want.z, 1e-5 * std::fabs(want.z) + 1e-6);
+    EXPECT_TRUE(all_close(to_host(d_dlogits), dlogits, 1e-4f, 1e-6f, "dlogits"));
+  }
+  // top_k above the forced classes (no distinct classes per token) and more than E are rejected.
+  DeviceArray<float> buf(64);
+  DeviceArray<std::int32_t> ibuf(64);
+  for (int forced : {1, 5, -1})
+    EXPECT_THROW(gpu_router::forward(buf.get(), nullptr, 2, 4, {2, false, forced}, buf.get(), buf.get(), ibuf.get(),
+                                     buf.get(), ibuf.get(), buf.get(), nullptr),
+                 Error)
+        << "forced " << forced;
+}
+
 // Random routing over experts 0..E-2 (distinct per token), so expert E-1 gets no tokens.
 std::vector<std::int32_t> random_routing(std::int64_t n, int e, int k, std::uint64_t seed) {
   std::mt19937_64 rng(seed);

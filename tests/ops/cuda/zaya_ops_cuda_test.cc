@@ -393,6 +393,69 @@ TEST(ZayaRouterCuda, ForwardAndBackwardMatchCpu) {
   }
 }
 
+// Forced balance (benchmarking) with the skip class on: both twins send token n to expert
+// n mod (E - 1) whatever the scores and the bias (set to favour skip), so no token skips and
+// indices and counts match the CPU op exactly; gates are the chosen probabilities.
+TEST(ZayaRouterCuda, ForcedBalanceMatchesCpu) {
+  KEEL_REQUIRE_GPU();
+  namespace zr = ops::zaya_router;
+  namespace kzr = ops::cuda::zaya_router;
+  auto& gemm = ops::cuda::thread_gemm();
+  const std::int64_t N = 80, H = 96, D = 48, E = 17;  // 16 experts + skip
+  const int experts = int(E - 1);
+  const float eps = 1e-5f, sh = 1.f / std::sqrt(float(H)), sd = 1.f / std::sqrt(float(D));
+  // order: w_down b_down gamma w_norm w1 b1 w2 b2 w3 (gamma unused: no EDA)
+  std::vector<std::vector<float>> p = {
+      rounded_bf16(random_vector(D * H, 80, -sh, sh)), random_vector(D, 81, -0.1f, 0.1f),
+      random_vector(D, 82, 0.5f, 1.5f),               random_vector(D, 83, 0.7f, 1.3f),
+      rounded_bf16(random_vector(D * D, 84, -sd, sd)), random_vector(D, 85, -0.2f, 0.2f),
+      rounded_bf16(random_vector(D * D, 86, -sd, sd)), random_vector(D, 87, -0.2f, 0.2f),
+      rounded_bf16(random_vector(E * D, 88, -4 * sd, 4 * sd))};
+  auto x = rounded_bf16(random_vector(N * H, 89));
+  std::vector<float> bias(E, 0.f);
+  bias[E - 1] = 2.f;  // unforced, every token would skip
+  zr::Params q;
+  q.w_down = Tensor(p[0].data(), {D, H});
+  q.b_down = Tensor(p[1].data(), {D});
+  q.w_norm = Tensor(p[3].data(), {D});
+  q.w1 = Tensor(p[4].data(), {D, D});
+  q.b1 = Tensor(p[5].data(), {D});
+  q.w2 = Tensor(p[6].data(), {D, D});
+  q.b2 = Tensor(p[7].data(), {D});
+  q.w3 = Tensor(p[8].data(), {E, D});
+  std::vector<float> saved_buf(zr::saved_floats(N, D, E));
+  zr::Saved cs = zr::carve_saved(saved_buf.data(), N, D, E);
+  zr::forward(Tensor(x.data(), {N, H}), Tensor(), q, Tensor(bias.data(), {E}), eps, cs, experts);
+
+  std::vector<DeviceArray<float>> d_pf;
+  for (auto& v : p) d_pf.push_back(to_device<float>(v));
+  auto d_w_down = to_device<cuda_bf16>(p[0]), d_w1 = to_device<cuda_bf16>(p[4]), d_w2 = to_device<cuda_bf16>(p[6]),
+       d_w3 = to_device<cuda_bf16>(p[8]);
+  kzr::Weights w;
+  w.w_down = d_w_down.get(), w.b_down = d_pf[1].get(), w.w_norm = d_pf[3].get();
+  w.w1 = d_w1.get(), w.b1 = d_pf[5].get(), w.w2 = d_w2.get(), w.b2 = d_pf[7].get(), w.w3 = d_w3.get();
+  kzr::Dims dims;
+  dims.tokens = N, dims.hidden = H, dims.dim = D, dims.classes = int(E), dims.eps = eps, dims.forced_classes = experts;
+  auto d_x = to_device<cuda_bf16>(x);
+  auto d_bias = to_device<float>(bias);
+  DeviceArray<unsigned char> d_saved(kzr::saved_bytes(dims));
+  const kzr::Saved s = kzr::carve_saved(dims, d_saved.get());
+  kzr::forward(gemm, dims, d_x.get(), nullptr, w, d_bias.get(), s, nullptr);
+  const auto probs = download_f32(s.probs, N * E), gates = download_f32(s.gates, N);
+  const auto idx = download_raw(s.idx, N);
+  const auto counts = download_raw(s.counts, E);
+  for (std::int64_t n = 0; n < N; ++n) {
+    EXPECT_EQ(idx[n], cs.idx[n]) << "token " << n;
+    EXPECT_EQ(idx[n], n % experts) << "token " << n;
+    EXPECT_EQ(gates[n], probs[n * E + idx[n]]) << "token " << n;
+  }
+  for (std::int64_t e = 0; e < E; ++e) {
+    EXPECT_EQ(counts[e], cs.counts[e]) << "class " << e;
+    EXPECT_EQ(counts[e], e < experts ? N / experts : 0) << "class " << e;
+  }
+  EXPECT_LT(logged_rel_err("gates", gates, std::vector<float>(cs.gates.data(), cs.gates.data() + N)), 2e-2) << "gates";
+}
+
 // Both twins write the skip rows (y = 0, dx = 0, dgates = 0: a skip token's MoE output is 0) and
 // leave every other row untouched. Both start from the same non-zero values: the skip rows must match the CPU op and
 // the other rows must still hold their starting values exactly.
