@@ -124,7 +124,135 @@ void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std:
     }
   });
 }
+// The block checks: q_pos, k_pos non-null (any values: a key the query cannot see is skipped).
+Dims check_block(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                 const std::int32_t* q_pos, const std::int32_t* k_pos, int window) {
+  if (!q_pos || !k_pos) fail("attention block: q_pos and k_pos must both be given");
+  if (q.ndim() != 4 || k.ndim() != 4) fail("attention: q and k must be [B, T, H, Dh], got {} and {}", q.shape_string(), k.shape_string());
+  if (window < 0) fail("attention: window {} must be >= 0 (0: full causal)", window);
+  Dims s{q.dim(0), q.dim(1), k.dim(1), q.dim(2), k.dim(2), q.dim(3), 0};
+  if (s.hkv <= 0 || s.hq % s.hkv) fail("attention: {} query heads do not split into groups over {} kv heads", s.hq, s.hkv);
+  s.group = s.hq / s.hkv;
+  require_shape(k, {s.b, s.tk, s.hkv, s.d}, "attention k");
+  require_shape(v, {s.b, s.tk, s.hkv, s.d}, "attention v");
+  require_shape(out, {s.b, s.tq, s.hq, s.d}, "attention out");
+  require_shape(lse, {s.b, s.hq, s.tq}, "attention lse");
+  return s;
+}
+
+inline bool sees(std::int32_t qp, std::int32_t kp, int window) { return kp <= qp && kp >= first_key(qp, window); }
 }  // namespace
+
+void forward_block(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos,
+                   const std::int32_t* k_pos, float scale, const Tensor& out, const Tensor& lse, int window) {
+  const Dims s = check_block(q, k, v, out, lse, q_pos, k_pos, window);
+  auto qp = [&](const Tensor& x, std::int64_t b, std::int64_t i, std::int64_t h) { return x.data() + ((b * s.tq + i) * s.hq + h) * s.d; };
+  auto kp = [&](const Tensor& x, std::int64_t b, std::int64_t j, std::int64_t g) { return x.data() + ((b * s.tk + j) * s.hkv + g) * s.d; };
+  parallel_for(s.b * s.hq, 1, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<float> p(static_cast<std::size_t>(s.tk));
+    for (std::int64_t bh = begin; bh < end; ++bh) {
+      const std::int64_t b = bh / s.hq, h = bh % s.hq, g = h / s.group;
+      for (std::int64_t i = 0; i < s.tq; ++i) {
+        const float* qi = qp(q, b, i, h);
+        float m = -std::numeric_limits<float>::infinity();
+        for (std::int64_t j = 0; j < s.tk; ++j)
+          if (sees(q_pos[i], k_pos[j], window)) m = std::max(m, p[j] = scale * dot(qi, kp(k, b, j, g), s.d));
+        float* oi = qp(out, b, i, h);
+        std::fill(oi, oi + s.d, 0.f);
+        float& l = lse.data()[(b * s.hq + h) * s.tq + i];
+        if (m == -std::numeric_limits<float>::infinity()) {  // no key of this block is visible
+          l = m;
+          continue;
+        }
+        float sum = 0.f;
+        for (std::int64_t j = 0; j < s.tk; ++j)
+          if (sees(q_pos[i], k_pos[j], window)) sum += (p[j] = std::exp(p[j] - m));
+        const float inv = 1.f / sum;
+        for (std::int64_t j = 0; j < s.tk; ++j) {
+          if (!sees(q_pos[i], k_pos[j], window)) continue;
+          const float w = p[j] * inv;
+          const float* vj = kp(v, b, j, g);
+          for (std::int64_t c = 0; c < s.d; ++c) oi[c] += w * vj[c];
+        }
+        l = m + std::log(sum);
+      }
+    }
+  });
+}
+
+void merge(const Tensor& block_out, const Tensor& block_lse, const Tensor& out, const Tensor& lse) {
+  if (out.ndim() != 4) fail("attention merge: out must be [B, T, H, Dh], got {}", out.shape_string());
+  const std::int64_t B = out.dim(0), T = out.dim(1), H = out.dim(2), D = out.dim(3);
+  require_shape(block_out, {B, T, H, D}, "attention merge block out");
+  require_shape(lse, {B, H, T}, "attention merge lse");
+  require_shape(block_lse, {B, H, T}, "attention merge block lse");
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  parallel_for(B * H, 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t bh = begin; bh < end; ++bh) {
+      const std::int64_t b = bh / H, h = bh % H;
+      for (std::int64_t t = 0; t < T; ++t) {
+        const float la = lse.data()[bh * T + t], lb = block_lse.data()[bh * T + t];
+        if (lb == kNone) continue;
+        float* o = out.data() + ((b * T + t) * H + h) * D;
+        const float* ob = block_out.data() + ((b * T + t) * H + h) * D;
+        if (la == kNone) {
+          std::copy(ob, ob + D, o);
+          lse.data()[bh * T + t] = lb;
+          continue;
+        }
+        const float m = std::max(la, lb), wa = std::exp(la - m), wb = std::exp(lb - m), sum = wa + wb;
+        const float ca = wa / sum, cb = wb / sum;
+        for (std::int64_t c = 0; c < D; ++c) o[c] = ca * o[c] + cb * ob[c];
+        lse.data()[bh * T + t] = m + std::log(sum);
+      }
+    }
+  });
+}
+
+void backward_block(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos,
+                    const std::int32_t* k_pos, const Tensor& out, const Tensor& lse, const Tensor& dout, float scale,
+                    const Tensor& dq, const Tensor& dk, const Tensor& dv, int window) {
+  const Dims s = check_block(q, k, v, out, lse, q_pos, k_pos, window);
+  require_shape(dout, {s.b, s.tq, s.hq, s.d}, "attention dout");
+  require_shape(dq, {s.b, s.tq, s.hq, s.d}, "attention dq");
+  require_shape(dk, {s.b, s.tk, s.hkv, s.d}, "attention dk");
+  require_shape(dv, {s.b, s.tk, s.hkv, s.d}, "attention dv");
+  auto qp = [&](const Tensor& x, std::int64_t b, std::int64_t i, std::int64_t h) { return x.data() + ((b * s.tq + i) * s.hq + h) * s.d; };
+  auto kp = [&](const Tensor& x, std::int64_t b, std::int64_t j, std::int64_t g) { return x.data() + ((b * s.tk + j) * s.hkv + g) * s.d; };
+  // One task per (sequence, kv head), as backward(): it owns that kv head's dk, dv and the dq
+  // rows of its query heads.
+  parallel_for(s.b * s.hkv, 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t bg = begin; bg < end; ++bg) {
+      const std::int64_t b = bg / s.hkv, g = bg % s.hkv;
+      for (std::int64_t j = 0; j < s.tk; ++j) {
+        std::fill(kp(dk, b, j, g), kp(dk, b, j, g) + s.d, 0.f);
+        std::fill(kp(dv, b, j, g), kp(dv, b, j, g) + s.d, 0.f);
+      }
+      for (std::int64_t h = g * s.group; h < (g + 1) * s.group; ++h)
+        for (std::int64_t i = 0; i < s.tq; ++i) {
+          const float* qi = qp(q, b, i, h);
+          const float* doi = qp(dout, b, i, h);
+          float* dqi = qp(dq, b, i, h);
+          const float di = dot(doi, qp(out, b, i, h), s.d);
+          const float li = lse.data()[(b * s.hq + h) * s.tq + i];
+          for (std::int64_t j = 0; j < s.tk; ++j) {
+            if (!sees(q_pos[i], k_pos[j], window)) continue;
+            const float* kj = kp(k, b, j, g);
+            const float* vj = kp(v, b, j, g);
+            const float pij = std::exp(scale * dot(qi, kj, s.d) - li);
+            const float ds = pij * (dot(doi, vj, s.d) - di) * scale;
+            float* dkj = kp(dk, b, j, g);
+            float* dvj = kp(dv, b, j, g);
+            for (std::int64_t c = 0; c < s.d; ++c) {
+              dqi[c] += ds * kj[c];
+              dkj[c] += ds * qi[c];
+              dvj[c] += pij * doi[c];
+            }
+          }
+        }
+    }
+  });
+}
 
 void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out, const Tensor& lse,
              int window) {

@@ -51,4 +51,22 @@ void backward_at(const Tensor& q, const Tensor& k, const Tensor& v, const std::i
 // The first key query token t attends to: 0, or t - W + 1 with a window W > 0.
 inline std::int64_t first_key(std::int64_t t, int window) { return window > 0 && t >= window ? t - window + 1 : 0; }
 
+// One block of keys at explicit positions (ring context parallelism: one rank's keys at a time).
+// q, out, dout, dq [B, Tq, Hq, Dh] with query row i at q_pos[i]; k, v, dk, dv [B, Tk, Hkv, Dh]
+// with key row j at k_pos[j] (any positions, any order). Query i sees key j iff
+// first_key(q_pos[i], W) <= k_pos[j] <= q_pos[i].
+//   forward_block: this block's out and lse [B, Hq, Tq] (a row that sees no key of the block:
+//     out 0, lse -inf).
+//   merge: folds a block's (out, lse) into a running (out, lse) (log-sum-exp weights); a row of
+//     lse -inf on either side takes the other. After every block of the sequence has been
+//     merged, out and lse are forward's.
+//   backward_block: with the final out and lse, this block's share of the gradients: added into
+//     dq; dk, dv of the block's keys overwritten. Summed over the blocks, backward's.
+void forward_block(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos,
+                   const std::int32_t* k_pos, float scale, const Tensor& out, const Tensor& lse, int window = 0);
+void merge(const Tensor& block_out, const Tensor& block_lse, const Tensor& out, const Tensor& lse);
+void backward_block(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos,
+                    const std::int32_t* k_pos, const Tensor& out, const Tensor& lse, const Tensor& dout, float scale,
+                    const Tensor& dq, const Tensor& dk, const Tensor& dv, int window = 0);
+
 }  // namespace keel::ops::attention

@@ -49,7 +49,8 @@ std::vector<std::int32_t> zigzag_positions(std::int64_t seq, int degree, int ran
   return pos;
 }
 
-ContextParallel::ContextParallel(MPI_Comm context, std::int64_t seq) : comm_(context), seq_(seq) {
+ContextParallel::ContextParallel(MPI_Comm context, std::int64_t seq, bool ring)
+    : comm_(context), seq_(seq), ring_mode_(ring) {
   if (comm_ != MPI_COMM_NULL) {
     mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
     mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
@@ -57,6 +58,8 @@ ContextParallel::ContextParallel(MPI_Comm context, std::int64_t seq) : comm_(con
   check_context_split(seq, size_, 1, "context parallel");
   chunk_ = seq / (2 * size_);
   pos_ = zigzag_positions(seq, size_, rank_);
+  if (ring_mode_)
+    for (int r = 0; r < size_; ++r) ring_pos_.push_back(zigzag_positions(seq, size_, r));
 }
 
 std::int64_t ContextParallel::seq_row(int rank, std::int64_t b, std::int64_t t) const {
@@ -118,6 +121,7 @@ void ContextParallel::gather(const Tensor& k, const Tensor& v) {
 
 void ContextParallel::attend(const Tensor& q, const Tensor& k, const Tensor& v, float scale, int window,
                              const Tensor& out, const Tensor& lse) {
+  if (ring_mode_) return attend_ring(q, k, v, scale, window, out, lse);
   gather(k, v);
   const std::int64_t B = k.dim(0), H = k.dim(2), D = k.dim(3);
   ops::attention::forward_at(q, Tensor(k_.data(), {B, seq_, H, D}), Tensor(v_.data(), {B, seq_, H, D}), pos_.data(),
@@ -127,6 +131,7 @@ void ContextParallel::attend(const Tensor& q, const Tensor& k, const Tensor& v, 
 void ContextParallel::attend_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                       const Tensor& lse, const Tensor& dout, float scale, int window, const Tensor& dq,
                                       const Tensor& dk, const Tensor& dv) {
+  if (ring_mode_) return attend_ring_backward(q, k, v, out, lse, dout, scale, window, dq, dk, dv);
   gather(k, v);  // forward's gathered keys are not kept: one buffer serves every layer
   const std::int64_t B = k.dim(0), T = k.dim(1), H = k.dim(2), D = k.dim(3), w = H * D, n = k.numel();
   dk_.resize(k_.size());

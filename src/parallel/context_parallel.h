@@ -14,6 +14,9 @@
 //               then this rank's queries at their global positions over the whole sequence
 //               (ops::attention::forward_at). Backward: the same gather, then dk and dv of the
 //               whole sequence reduce-scattered back to the ranks that hold those keys.
+//               Or a ring (parallel.context_mode: ring; context_ring.cc): the ranks' blocks of
+//               k and v travel around the group, one at a time, merged by log-sum-exp; two
+//               blocks held at once instead of the whole sequence.
 //   linear      LASP-2 (lasp2.cc): linear attention's runs start from the decayed sum of the
 //               earlier chunks' memory states, one all-gather of d x d states per layer in forward
 //               and one of their gradients in backward.
@@ -51,9 +54,11 @@ void sum_over_context(MPI_Comm context, double* x, int n);
 
 class ContextParallel final : public blocks::AttentionCore, public blocks::TokenGroup {
  public:
-  // context: the mesh's context group (MPI); seq: the whole sequence's tokens.
-  ContextParallel(MPI_Comm context, std::int64_t seq);
+  // context: the mesh's context group (MPI); seq: the whole sequence's tokens; ring: attention
+  // by the ring (else the all-gather).
+  ContextParallel(MPI_Comm context, std::int64_t seq, bool ring = false);
   const std::vector<std::int32_t>& positions() const { return pos_; }
+  bool ring() const { return ring_mode_; }
 
   // AttentionCore
   int segments() const override { return 2; }
@@ -92,12 +97,24 @@ class ContextParallel final : public blocks::AttentionCore, public blocks::Token
   // first chunk of the walk).
   template <typename Fn>
   void walk_chunks(std::int64_t B, std::int64_t hkv, std::int64_t dd, float* local, bool reverse, Fn&& fn) const;
+  // The ring (context_ring.cc): attend / attend_backward in ring mode; one hop (send n floats to
+  // rank + 1, receive n from rank - 1; wait now, or later with ring_wait).
+  void attend_ring(const Tensor& q, const Tensor& k, const Tensor& v, float scale, int window, const Tensor& out,
+                   const Tensor& lse);
+  void attend_ring_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                            const Tensor& dout, float scale, int window, const Tensor& dq, const Tensor& dk,
+                            const Tensor& dv);
+  void ring_hop(float* send, float* recv, std::int64_t n, bool wait_now, MPI_Request* reqs) const;
+  void ring_wait(MPI_Request* reqs) const;
 
   MPI_Comm comm_;
   int size_ = 1, rank_ = 0;
   std::int64_t seq_, chunk_;  // S, S / (2C)
   std::vector<std::int32_t> pos_;
   std::vector<float> send_, recv_, k_, v_, dk_, dv_, states_;
+  bool ring_mode_ = false;
+  std::vector<std::vector<std::int32_t>> ring_pos_;  // every rank's positions (ring mode)
+  std::vector<float> ring_, block_out_, block_lse_, block_dkv_;
 };
 
 }  // namespace keel::parallel

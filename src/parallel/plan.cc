@@ -50,14 +50,15 @@ std::int64_t context_halo(const model::ModelConfig& cfg) {
   return 1;
 }
 
-CpuPlan::CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t batch, std::int64_t seq, bool sequence) {
+CpuPlan::CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t batch, std::int64_t seq, bool sequence,
+                 bool ring) {
   check_plan(cfg, mesh.shape());
   layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::LayerRunners{});
   const Group& context = mesh.group(GroupKind::kContext);
   std::int64_t tokens = batch * seq;
   if (context.size > 1) {
     check_context_split(seq, context.size, context_halo(cfg), "keel train");
-    cp_ = std::make_unique<ContextParallel>(context.comm, seq);
+    cp_ = std::make_unique<ContextParallel>(context.comm, seq, ring);
     for (auto& l : layers_) {
       l.attention = cp_.get();
       l.tokens = cp_.get();

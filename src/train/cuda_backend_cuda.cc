@@ -119,6 +119,9 @@ class CudaBackend final : public TrainBackend {
                                    "not yet compose with data or context parallelism (device: cpu trains it); use one "
                                    "tensor group",
                                    tp, mesh_.data().size));
+    if (opt_.context_ring && mesh_.group(parallel::GroupKind::kContext).size > 1)
+      throw UsageError("parallel.context_mode: ring runs on CPU ranks only so far (device: cpu); on GPUs context "
+                       "parallelism all-gathers k and v (parallel.context_mode: allgather)");
     plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_, opt_.micro_batch, opt_.seq_length, opt_.sequence_parallel);
     model_ = std::make_unique<CudaModel>(cfg_, opt_, layout_, plan_->layers(), plan_->tensor(), plan_->context(),
                                          prop.totalGlobalMem, stream_);

@@ -97,7 +97,7 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
     : cfg_(config),
       opt_(options),
       mesh_(mesh),
-      plan_(cfg_, mesh_, options.micro_batch, options.seq_length, options.sequence_parallel) {
+      plan_(cfg_, mesh_, options.micro_batch, options.seq_length, options.sequence_parallel, options.context_ring) {
   validate_trainable(cfg_, opt_);
   tp_ = {mesh_.group(parallel::GroupKind::kTensor).size, mesh_.group(parallel::GroupKind::kTensor).rank};
   cp_ = mesh_.group(parallel::GroupKind::kContext).size;

@@ -84,6 +84,9 @@ struct ModelOptions {
   // Under tensor parallelism (the mesh's tp > 1): the residual stream, norms and residual scales
   // hold 1/tp of the tokens (Megatron's sequence parallelism; parallel/tensor_parallel.h).
   bool sequence_parallel = false;
+  // Under context parallelism (the mesh's cp > 1): attention by the ring of k, v blocks instead
+  // of their all-gather (parallel.context_mode: ring; parallel/context_parallel.h). CPU only.
+  bool context_ring = false;
 };
 
 struct LossParts {

@@ -381,9 +381,14 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (c.grad_accum < 1) ctx.bad("batch.grad_accum", b["grad_accum"], "must be >= 1");
   }
   if (const auto p = root["parallel"]) {
-    ctx.only(p, "parallel", {"data", "context", "tensor", "sequence", "expert", "grad_reduce", "zero1"});
+    ctx.only(p, "parallel", {"data", "context", "context_mode", "tensor", "sequence", "expert", "grad_reduce", "zero1"});
     if (p["data"]) c.parallel_data = ctx.get<int>(p["data"], "parallel.data", "an integer");
     if (p["context"]) c.parallel_context = ctx.get<int>(p["context"], "parallel.context", "an integer");
+    if (p["context_mode"]) {
+      const auto m = ctx.get<std::string>(p["context_mode"], "parallel.context_mode", "allgather or ring");
+      if (m != "allgather" && m != "ring") ctx.bad("parallel.context_mode", p["context_mode"], "must be allgather or ring");
+      c.model_options.context_ring = m == "ring";
+    }
     if (p["tensor"]) c.parallel_tensor = ctx.get<int>(p["tensor"], "parallel.tensor", "an integer");
     if (p["sequence"])
       c.model_options.sequence_parallel = ctx.get<bool>(p["sequence"], "parallel.sequence", "true or false");

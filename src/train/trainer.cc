@@ -448,7 +448,8 @@ std::string Trainer::parallel_text() const {
   if (sh.cp > 1) {
     const model::ModelConfig& m = cfg_.model;
     const int linear = model::attention_layer_count(m, model::AttentionKind::kLinear);
-    out += fmt::format(" x context parallel {} (zigzag{})", sh.cp,
+    out += fmt::format(" x context parallel {} (zigzag{}{})", sh.cp,
+                       linear < m.layers && cfg_.model_options.context_ring ? ", k/v ring" : "",
                        linear == 0            ? ""
                        : linear == m.layers ? "; LASP-2"
                                               : "; LASP-2H: LASP-2 for the linear layers");

@@ -527,5 +527,100 @@ TEST(AttentionAt, RejectsBadPositionsAndShapes) {
                Error);
 }
 
+// ---- forward_block / merge / backward_block: keys in blocks at explicit positions ----
+
+// A rank's zigzag queries over the whole sequence's keys, the keys cut into `blocks` blocks of
+// scattered positions (key j goes to block (j * 7) % blocks, so a block's positions are neither
+// contiguous nor sorted, and some rows see no key of a block): forward_block on each block,
+// merged, gives forward_at's out and lse; backward_block's dq summed and dk, dv put back at their
+// keys give backward_at's.
+void expect_blocks_match_at(int blocks, int window, std::uint32_t seed) {
+  const std::int64_t B = 2, T = 24, Hq = 4, Hkv = 2, D = 8, L = T / 6;
+  const std::string tag = " (blocks " + std::to_string(blocks) + ", window " + std::to_string(window) + ")";
+  std::vector<std::int32_t> pos;
+  for (int chunk : {0, 4})  // chunk 0: its first query sees key 0 alone, so other blocks are empty for it
+    for (std::int64_t x = 0; x < L; ++x) pos.push_back(static_cast<std::int32_t>(chunk * L + x));
+  AtCase c(B, T, Hq, Hkv, D, pos, seed);
+  c.window = window;
+  c.forward();
+  auto r = random_vector(c.q.size(), seed + 5);
+  std::vector<float> dq0, dk0, dv0;
+  c.backward(r, dq0, dk0, dv0);
+  const std::int64_t tq = c.tq, w = Hkv * D;
+  std::vector<float> out(c.q.size(), 3.f), lse(c.lse.size(), 3.f), dq(c.q.size(), 0.f), dk(c.k.size(), 0.f),
+      dv(c.v.size(), 0.f);
+  const Tensor tout(out.data(), {B, tq, Hq, D}), tlse(lse.data(), {B, Hq, tq}), tdq(dq.data(), {B, tq, Hq, D});
+  bool empty_row = false;
+  for (int pass = 0; pass < 2; ++pass)  // 0: forward and merge; 1: backward with the merged out, lse
+    for (int blk = 0; blk < blocks; ++blk) {
+      std::vector<std::int32_t> kpos;
+      for (std::int64_t j = 0; j < T; ++j)
+        if ((j * 7) % blocks == blk) kpos.push_back(static_cast<std::int32_t>(j));
+      const std::int64_t tk = static_cast<std::int64_t>(kpos.size());
+      std::vector<float> bk(B * tk * w), bv(bk.size());
+      for (std::int64_t bb = 0; bb < B; ++bb)
+        for (std::int64_t j = 0; j < tk; ++j) {
+          std::copy_n(c.k.begin() + (bb * T + kpos[j]) * w, w, bk.begin() + (bb * tk + j) * w);
+          std::copy_n(c.v.begin() + (bb * T + kpos[j]) * w, w, bv.begin() + (bb * tk + j) * w);
+        }
+      const Tensor tk4(bk.data(), {B, tk, Hkv, D}), tv4(bv.data(), {B, tk, Hkv, D});
+      if (pass == 0) {
+        std::vector<float> bo(out.size(), 9.f), bl(lse.size(), 9.f);
+        const Tensor tbo(bo.data(), {B, tq, Hq, D}), tbl(bl.data(), {B, Hq, tq});
+        ops::attention::forward_block(c.tq4(c.q), tk4, tv4, pos.data(), kpos.data(), c.scale, tbo, tbl, window);
+        for (std::int64_t i = 0; i < B * Hq * tq; ++i)
+          if (bl[i] == -std::numeric_limits<float>::infinity()) {
+            empty_row = true;
+            const std::int64_t bb = i / (Hq * tq), h = (i / tq) % Hq, t = i % tq;
+            for (std::int64_t x = 0; x < D; ++x) ASSERT_EQ(bo[((bb * tq + t) * Hq + h) * D + x], 0.f) << tag;
+          }
+        if (blk == 0) {
+          std::copy(bo.begin(), bo.end(), out.begin());  // (tout, tlse view these buffers)
+          std::copy(bl.begin(), bl.end(), lse.begin());
+        } else {
+          ops::attention::merge(tbo, tbl, tout, tlse);
+        }
+      } else {
+        std::vector<float> bdk(bk.size(), 9.f), bdv(bk.size(), 9.f);
+        ops::attention::backward_block(c.tq4(c.q), tk4, tv4, pos.data(), kpos.data(), tout, tlse, c.tq4(r), c.scale,
+                                       tdq, Tensor(bdk.data(), {B, tk, Hkv, D}), Tensor(bdv.data(), {B, tk, Hkv, D}),
+                                       window);
+        for (std::int64_t bb = 0; bb < B; ++bb)
+          for (std::int64_t j = 0; j < tk; ++j) {
+            std::copy_n(bdk.begin() + (bb * tk + j) * w, w, dk.begin() + (bb * T + kpos[j]) * w);
+            std::copy_n(bdv.begin() + (bb * tk + j) * w, w, dv.begin() + (bb * T + kpos[j]) * w);
+          }
+      }
+    }
+  EXPECT_TRUE(empty_row || blocks == 1) << "no row saw an empty block" << tag;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    ASSERT_NEAR(out[i], c.out[i], 1e-6) << "out" << tag;
+    ASSERT_NEAR(dq[i], dq0[i], 1e-5) << "dq" << tag;
+  }
+  for (std::size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], c.lse[i], 1e-6) << "lse" << tag;
+  for (std::size_t i = 0; i < dk.size(); ++i) {
+    ASSERT_NEAR(dk[i], dk0[i], 1e-5) << "dk" << tag;
+    ASSERT_NEAR(dv[i], dv0[i], 1e-5) << "dv" << tag;
+  }
+}
+
+TEST(AttentionBlocks, MergedBlocksMatchForwardAtAndBackwardAt) {
+  for (int blocks : {1, 2, 3, 5})
+    for (int window : {0, 5}) expect_blocks_match_at(blocks, window, 600 + 10 * blocks + window);
+}
+
+TEST(AttentionBlocks, RejectsMissingPositions) {
+  AtCase c(1, 4, 2, 1, 4, {0, 1, 2, 3}, 7);
+  const std::vector<std::int32_t> kpos = {0, 1, 2, 3};
+  EXPECT_THROW(ops::attention::forward_block(c.tq4(c.q), c.tk4(c.k), c.tk4(c.v), c.pos.data(), nullptr, c.scale,
+                                             c.tq4(c.out), c.tlse()),
+               Error);
+  EXPECT_THROW(ops::attention::forward_block(c.tq4(c.q), c.tk4(c.k), c.tk4(c.v), nullptr, kpos.data(), c.scale,
+                                             c.tq4(c.out), c.tlse()),
+               Error);
+  std::vector<float> bad(3);
+  EXPECT_THROW(ops::attention::merge(c.tq4(c.out), Tensor(bad.data(), {1, 1, 3}), c.tq4(c.out), c.tlse()), Error);
+}
+
 }  // namespace
 }  // namespace keel

@@ -1,8 +1,8 @@
 // parallel::ContextParallel on CPU ranks (run at 2, 3 and 4 ranks; the world one context group),
 // on fresh random inputs every rank draws alike: its zigzag rows of the whole-sequence results.
-//   - attention (gathered keys): out, lse, dq of this rank's rows, and dk, dv summed back to the
-//     rank holding the keys, against ops::attention on whole sequences; full causal and a sliding
-//     window that crosses chunk boundaries;
+//   - attention (gathered keys, and the ring): out, lse, dq of this rank's rows, and dk, dv summed
+//     back to the rank holding the keys, against ops::attention on whole sequences; full causal
+//     and a sliding window that crosses chunk boundaries;
 //   - halos: each run receives the tail of the chunk before it in the sequence (zeros at the
 //     start), and halo_backward is its adjoint;
 //   - CCA over the split (halos for its convolutions and value shift, gathered keys): y, dx and
@@ -63,10 +63,11 @@ TEST(ContextParallelCore, ZigzagPositions) {
   EXPECT_NO_THROW(check_context_split(12, 3, 2, "x"));
 }
 
-TEST(ContextParallelCore, AttentionMatchesWholeSequences) {
+void expect_attention_matches_whole_sequences(bool ring) {
   const int C = world_size();
   const std::int64_t B = 2, S = 2 * C * 3, Hq = 4, Hkv = 2, D = 8;
-  ContextParallel cp(MPI_COMM_WORLD, S);
+  ContextParallel cp(MPI_COMM_WORLD, S, ring);
+  ASSERT_EQ(cp.ring(), ring);
   const auto& pos = cp.positions();
   const std::int64_t T = S / C;
   for (int window : {0, 5}) {
@@ -105,6 +106,11 @@ TEST(ContextParallelCore, AttentionMatchesWholeSequences) {
     EXPECT_LT(max_diff(ldv, local_rows(dv, B, S, Hkv * D, pos)), 1e-5) << window;
   }
 }
+
+TEST(ContextParallelCore, AttentionMatchesWholeSequences) { expect_attention_matches_whole_sequences(false); }
+// The ring (parallel.context_mode: ring): every rank's block of k, v visits each rank in turn,
+// merged by log-sum-exp; backward carries each block's dk, dv around and home.
+TEST(ContextParallelCore, RingAttentionMatchesWholeSequences) { expect_attention_matches_whole_sequences(true); }
 
 TEST(ContextParallelCore, HalosAreThePrecedingChunksTailsAndBackwardIsTheAdjoint) {
   const int C = world_size(), r = world_rank();

@@ -6,7 +6,8 @@
 // and z losses and the balancing bias) and on a ZAYA1-shaped tiny model (CCA, whose convolutions
 // and value shift read across chunk and rank boundaries, the MLP router with the skip class,
 // residual scaling), with AdamW and with Muon; plus a sliding-window layer. Checkpoints move
-// between context degrees both ways. A sequence that does not split is one clear error. On GPUs
+// between context degrees both ways. The ring mode matches as well. A sequence that does not
+// split is one clear error. On GPUs
 // (a GPU per rank, the world one context group; skipped otherwise): C = the world against one
 // GPU at bf16 tolerance, on the tiny MoE and the ZAYA1-shaped model.
 #include <gtest/gtest.h>
@@ -119,6 +120,18 @@ TEST(ContextParallel, WorldZayaMatchesOneRank) {
 }
 TEST(ContextParallel, WorldZayaSlidingWithMuonMatchesOneRank) {
   expect_matches_single_rank({world_size(), 1, 1, joined(kZaya, kSliding), kMuon, "zaya_sliding_cpN"});
+}
+// The ring (parallel.context_mode: ring): k, v blocks travel around the group instead of being
+// all-gathered; the tiny MoE, ZAYA1's CCA with a sliding window, and the hybrid's softmax layers.
+TEST(ContextParallel, WorldRingMatchesOneRank) {
+  expect_matches_single_rank({world_size(), 1, 1, {"parallel.context_mode=ring"}, "", "ring_cpN"});
+}
+TEST(ContextParallel, WorldZayaSlidingRingMatchesOneRank) {
+  expect_matches_single_rank(
+      {world_size(), 1, 1, joined(joined(kZaya, kSliding), {"parallel.context_mode=ring"}), "", "zaya_ring_cpN"});
+}
+TEST(ContextParallel, Cp2TimesDp2HybridRingMatchesOneRank) {
+  expect_matches_single_rank({2, 1, 1, joined(kHybrid, {"parallel.context_mode=ring"}), "", "hybrid_ring_cp2dp"});
 }
 // LASP-2: linear attention's runs start from the gathered, prefix-summed states of the chunks
 // before them (one all-gather per layer each way); LASP-2H: a hybrid's softmax layers over the
