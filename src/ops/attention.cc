@@ -41,46 +41,66 @@ inline float dot(const float* a, const float* b, std::int64_t n) {
   return s;
 }
 
-// The one implementation of both entry points; q_pos == nullptr is the identity (Tk = Tq).
-void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos, float scale,
-                  const Tensor& out, const Tensor& lse, int window) {
-  const Dims s = check(q, k, v, out, lse, q_pos, window);
+// The keys query row i reads, ascending: the prefix first_key(p, W)..p of the sequence's keys
+// (forward / forward_at: p = q_pos[i], or i), or a block's keys at explicit positions k_pos (those
+// it sees). fn(j) for each.
+struct Keys {
+  const std::int32_t* q_pos;  // null: row i at position i
+  const std::int32_t* k_pos;  // null: key j at position j (the prefix form)
+  std::int64_t tk;
+  int window;
+  template <typename Fn>
+  void each(std::int64_t i, Fn&& fn) const {
+    const std::int64_t pi = q_pos ? q_pos[i] : i;
+    if (!k_pos) {
+      for (std::int64_t j = first_key(pi, window); j <= pi; ++j) fn(j);
+      return;
+    }
+    for (std::int64_t j = 0; j < tk; ++j)
+      if (k_pos[j] <= pi && k_pos[j] >= first_key(pi, window)) fn(j);
+  }
+};
+
+// The one forward of every entry point. A row that sees no key (a block's only): out 0, lse -inf.
+void forward_impl(const Dims& s, const Keys& keys, const Tensor& q, const Tensor& k, const Tensor& v, float scale,
+                  const Tensor& out, const Tensor& lse) {
   // Element pointers: q/out row (b, i, h) at ((b*Tq + i)*Hq + h)*Dh, k/v at ((b*Tk + j)*Hkv + g)*Dh.
   auto qp = [&](const Tensor& x, std::int64_t b, std::int64_t i, std::int64_t h) { return x.data() + ((b * s.tq + i) * s.hq + h) * s.d; };
   auto kp = [&](const Tensor& x, std::int64_t b, std::int64_t j, std::int64_t g) { return x.data() + ((b * s.tk + j) * s.hkv + g) * s.d; };
   parallel_for(s.b * s.hq, 1, [&](std::int64_t begin, std::int64_t end) {
-    std::vector<float> p(static_cast<std::size_t>(s.tk));
+    std::vector<float> p(static_cast<std::size_t>(s.tk));  // p[j] for keys the row does not read is never read
     for (std::int64_t bh = begin; bh < end; ++bh) {
       const std::int64_t b = bh / s.hq, h = bh % s.hq, g = h / s.group;
       for (std::int64_t i = 0; i < s.tq; ++i) {
         const float* qi = qp(q, b, i, h);
-        const std::int64_t pi = q_pos ? q_pos[i] : i;  // the query's position among the keys
-        const std::int64_t j0 = first_key(pi, window);  // keys j0..pi; p[j] for j < j0 is never read
         float m = -std::numeric_limits<float>::infinity();
-        for (std::int64_t j = j0; j <= pi; ++j) {
-          p[j] = scale * dot(qi, kp(k, b, j, g), s.d);
-          m = std::max(m, p[j]);
-        }
-        float sum = 0.f;
-        for (std::int64_t j = j0; j <= pi; ++j) sum += (p[j] = std::exp(p[j] - m));
+        keys.each(i, [&](std::int64_t j) { m = std::max(m, p[j] = scale * dot(qi, kp(k, b, j, g), s.d)); });
         float* oi = qp(out, b, i, h);
         std::fill(oi, oi + s.d, 0.f);
+        float& l = lse.data()[(b * s.hq + h) * s.tq + i];
+        if (m == -std::numeric_limits<float>::infinity()) {  // no key visible
+          l = m;
+          continue;
+        }
+        float sum = 0.f;
+        keys.each(i, [&](std::int64_t j) { sum += (p[j] = std::exp(p[j] - m)); });
         const float inv = 1.f / sum;
-        for (std::int64_t j = j0; j <= pi; ++j) {
+        keys.each(i, [&](std::int64_t j) {
           const float w = p[j] * inv;
           const float* vj = kp(v, b, j, g);
           for (std::int64_t c = 0; c < s.d; ++c) oi[c] += w * vj[c];
-        }
-        lse.data()[(b * s.hq + h) * s.tq + i] = m + std::log(sum);
+        });
+        l = m + std::log(sum);
       }
     }
   });
 }
 
-void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos, const Tensor& out,
-                   const Tensor& lse, const Tensor& dout, float scale, const Tensor& dq, const Tensor& dk,
-                   const Tensor& dv, int window) {
-  const Dims s = check(q, k, v, out, lse, q_pos, window);
+// The one backward of every entry point: dk, dv overwritten; dq overwritten, or added into
+// (accumulate_dq: a block's share).
+void backward_impl(const Dims& s, const Keys& keys, const Tensor& q, const Tensor& k, const Tensor& v,
+                   const Tensor& out, const Tensor& lse, const Tensor& dout, float scale, const Tensor& dq,
+                   const Tensor& dk, const Tensor& dv, bool accumulate_dq) {
   require_shape(dout, {s.b, s.tq, s.hq, s.d}, "attention dout");
   require_shape(dq, {s.b, s.tq, s.hq, s.d}, "attention dq");
   require_shape(dk, {s.b, s.tk, s.hkv, s.d}, "attention dk");
@@ -102,11 +122,10 @@ void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std:
           const float* qi = qp(q, b, i, h);
           const float* doi = qp(dout, b, i, h);
           float* dqi = qp(dq, b, i, h);
-          std::fill(dqi, dqi + s.d, 0.f);
+          if (!accumulate_dq) std::fill(dqi, dqi + s.d, 0.f);
           const float di = dot(doi, qp(out, b, i, h), s.d);
           const float li = lse.data()[(b * s.hq + h) * s.tq + i];
-          const std::int64_t pi = q_pos ? q_pos[i] : i;
-          for (std::int64_t j = first_key(pi, window); j <= pi; ++j) {
+          keys.each(i, [&](std::int64_t j) {
             const float* kj = kp(k, b, j, g);
             const float* vj = kp(v, b, j, g);
             const float pij = std::exp(scale * dot(qi, kj, s.d) - li);
@@ -118,12 +137,13 @@ void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std:
               dkj[c] += ds * qi[c];
               dvj[c] += pij * doi[c];
             }
-          }
+          });
         }
       }
     }
   });
 }
+
 // The block checks: q_pos, k_pos non-null (any values: a key the query cannot see is skipped).
 Dims check_block(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                  const std::int32_t* q_pos, const std::int32_t* k_pos, int window) {
@@ -139,45 +159,12 @@ Dims check_block(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   require_shape(lse, {s.b, s.hq, s.tq}, "attention lse");
   return s;
 }
-
-inline bool sees(std::int32_t qp, std::int32_t kp, int window) { return kp <= qp && kp >= first_key(qp, window); }
 }  // namespace
 
 void forward_block(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos,
                    const std::int32_t* k_pos, float scale, const Tensor& out, const Tensor& lse, int window) {
   const Dims s = check_block(q, k, v, out, lse, q_pos, k_pos, window);
-  auto qp = [&](const Tensor& x, std::int64_t b, std::int64_t i, std::int64_t h) { return x.data() + ((b * s.tq + i) * s.hq + h) * s.d; };
-  auto kp = [&](const Tensor& x, std::int64_t b, std::int64_t j, std::int64_t g) { return x.data() + ((b * s.tk + j) * s.hkv + g) * s.d; };
-  parallel_for(s.b * s.hq, 1, [&](std::int64_t begin, std::int64_t end) {
-    std::vector<float> p(static_cast<std::size_t>(s.tk));
-    for (std::int64_t bh = begin; bh < end; ++bh) {
-      const std::int64_t b = bh / s.hq, h = bh % s.hq, g = h / s.group;
-      for (std::int64_t i = 0; i < s.tq; ++i) {
-        const float* qi = qp(q, b, i, h);
-        float m = -std::numeric_limits<float>::infinity();
-        for (std::int64_t j = 0; j < s.tk; ++j)
-          if (sees(q_pos[i], k_pos[j], window)) m = std::max(m, p[j] = scale * dot(qi, kp(k, b, j, g), s.d));
-        float* oi = qp(out, b, i, h);
-        std::fill(oi, oi + s.d, 0.f);
-        float& l = lse.data()[(b * s.hq + h) * s.tq + i];
-        if (m == -std::numeric_limits<float>::infinity()) {  // no key of this block is visible
-          l = m;
-          continue;
-        }
-        float sum = 0.f;
-        for (std::int64_t j = 0; j < s.tk; ++j)
-          if (sees(q_pos[i], k_pos[j], window)) sum += (p[j] = std::exp(p[j] - m));
-        const float inv = 1.f / sum;
-        for (std::int64_t j = 0; j < s.tk; ++j) {
-          if (!sees(q_pos[i], k_pos[j], window)) continue;
-          const float w = p[j] * inv;
-          const float* vj = kp(v, b, j, g);
-          for (std::int64_t c = 0; c < s.d; ++c) oi[c] += w * vj[c];
-        }
-        l = m + std::log(sum);
-      }
-    }
-  });
+  forward_impl(s, {q_pos, k_pos, s.tk, window}, q, k, v, scale, out, lse);
 }
 
 void merge(const Tensor& block_out, const Tensor& block_lse, const Tensor& out, const Tensor& lse) {
@@ -213,68 +200,34 @@ void backward_block(const Tensor& q, const Tensor& k, const Tensor& v, const std
                     const std::int32_t* k_pos, const Tensor& out, const Tensor& lse, const Tensor& dout, float scale,
                     const Tensor& dq, const Tensor& dk, const Tensor& dv, int window) {
   const Dims s = check_block(q, k, v, out, lse, q_pos, k_pos, window);
-  require_shape(dout, {s.b, s.tq, s.hq, s.d}, "attention dout");
-  require_shape(dq, {s.b, s.tq, s.hq, s.d}, "attention dq");
-  require_shape(dk, {s.b, s.tk, s.hkv, s.d}, "attention dk");
-  require_shape(dv, {s.b, s.tk, s.hkv, s.d}, "attention dv");
-  auto qp = [&](const Tensor& x, std::int64_t b, std::int64_t i, std::int64_t h) { return x.data() + ((b * s.tq + i) * s.hq + h) * s.d; };
-  auto kp = [&](const Tensor& x, std::int64_t b, std::int64_t j, std::int64_t g) { return x.data() + ((b * s.tk + j) * s.hkv + g) * s.d; };
-  // One task per (sequence, kv head), as backward(): it owns that kv head's dk, dv and the dq
-  // rows of its query heads.
-  parallel_for(s.b * s.hkv, 1, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t bg = begin; bg < end; ++bg) {
-      const std::int64_t b = bg / s.hkv, g = bg % s.hkv;
-      for (std::int64_t j = 0; j < s.tk; ++j) {
-        std::fill(kp(dk, b, j, g), kp(dk, b, j, g) + s.d, 0.f);
-        std::fill(kp(dv, b, j, g), kp(dv, b, j, g) + s.d, 0.f);
-      }
-      for (std::int64_t h = g * s.group; h < (g + 1) * s.group; ++h)
-        for (std::int64_t i = 0; i < s.tq; ++i) {
-          const float* qi = qp(q, b, i, h);
-          const float* doi = qp(dout, b, i, h);
-          float* dqi = qp(dq, b, i, h);
-          const float di = dot(doi, qp(out, b, i, h), s.d);
-          const float li = lse.data()[(b * s.hq + h) * s.tq + i];
-          for (std::int64_t j = 0; j < s.tk; ++j) {
-            if (!sees(q_pos[i], k_pos[j], window)) continue;
-            const float* kj = kp(k, b, j, g);
-            const float* vj = kp(v, b, j, g);
-            const float pij = std::exp(scale * dot(qi, kj, s.d) - li);
-            const float ds = pij * (dot(doi, vj, s.d) - di) * scale;
-            float* dkj = kp(dk, b, j, g);
-            float* dvj = kp(dv, b, j, g);
-            for (std::int64_t c = 0; c < s.d; ++c) {
-              dqi[c] += ds * kj[c];
-              dkj[c] += ds * qi[c];
-              dvj[c] += pij * doi[c];
-            }
-          }
-        }
-    }
-  });
+  backward_impl(s, {q_pos, k_pos, s.tk, window}, q, k, v, out, lse, dout, scale, dq, dk, dv, true);
 }
 
 void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out, const Tensor& lse,
              int window) {
-  forward_impl(q, k, v, nullptr, scale, out, lse, window);
+  const Dims s = check(q, k, v, out, lse, nullptr, window);
+  forward_impl(s, {nullptr, nullptr, s.tk, window}, q, k, v, scale, out, lse);
 }
 
 void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dout,
               float scale, const Tensor& dq, const Tensor& dk, const Tensor& dv, int window) {
-  backward_impl(q, k, v, nullptr, out, lse, dout, scale, dq, dk, dv, window);
+  const Dims s = check(q, k, v, out, lse, nullptr, window);
+  backward_impl(s, {nullptr, nullptr, s.tk, window}, q, k, v, out, lse, dout, scale, dq, dk, dv, false);
 }
 
 void forward_at(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos, float scale,
                 const Tensor& out, const Tensor& lse, int window) {
   if (!q_pos) fail("attention forward_at: q_pos is null (one key position per query row is required)");
-  forward_impl(q, k, v, q_pos, scale, out, lse, window);
+  const Dims s = check(q, k, v, out, lse, q_pos, window);
+  forward_impl(s, {q_pos, nullptr, s.tk, window}, q, k, v, scale, out, lse);
 }
 
 void backward_at(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos, const Tensor& out,
                  const Tensor& lse, const Tensor& dout, float scale, const Tensor& dq, const Tensor& dk,
                  const Tensor& dv, int window) {
   if (!q_pos) fail("attention backward_at: q_pos is null (one key position per query row is required)");
-  backward_impl(q, k, v, q_pos, out, lse, dout, scale, dq, dk, dv, window);
+  const Dims s = check(q, k, v, out, lse, q_pos, window);
+  backward_impl(s, {q_pos, nullptr, s.tk, window}, q, k, v, out, lse, dout, scale, dq, dk, dv, false);
 }
 
 }  // namespace keel::ops::attention
