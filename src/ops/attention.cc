@@ -16,9 +16,11 @@ struct Dims {
 };
 
 // q_pos == nullptr: forward()/backward() (Tk = Tq, query row t at position t); otherwise the _at
-// variants (Tk from k, every q_pos[t] checked to lie in [0, Tk)).
+// variants (Tk from k, every q_pos[t] checked to lie in [0, Tk)); block: the block variants (Tk
+// from k, q_pos and k_pos required, any values).
 Dims check(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-           const std::int32_t* q_pos, int window) {
+           const std::int32_t* q_pos, int window, bool block = false, const std::int32_t* k_pos = nullptr) {
+  if (block && (!q_pos || !k_pos)) fail("attention block: q_pos and k_pos must both be given");
   if (q.ndim() != 4 || k.ndim() != 4) fail("attention: q and k must be [B, T, H, Dh], got {} and {}", q.shape_string(), k.shape_string());
   if (window < 0) fail("attention: window {} must be >= 0 (0: full causal)", window);
   Dims s{q.dim(0), q.dim(1), q_pos ? k.dim(1) : q.dim(1), q.dim(2), k.dim(2), q.dim(3), 0};
@@ -28,7 +30,7 @@ Dims check(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
   require_shape(v, {s.b, s.tk, s.hkv, s.d}, "attention v");
   require_shape(out, {s.b, s.tq, s.hq, s.d}, "attention out");
   require_shape(lse, {s.b, s.hq, s.tq}, "attention lse");
-  if (q_pos)
+  if (q_pos && !block)
     for (std::int64_t t = 0; t < s.tq; ++t)
       if (q_pos[t] < 0 || q_pos[t] >= s.tk)
         fail("attention: q_pos[{}] = {} is outside the {} keys [0, {})", t, q_pos[t], s.tk, s.tk);
@@ -144,26 +146,11 @@ void backward_impl(const Dims& s, const Keys& keys, const Tensor& q, const Tenso
   });
 }
 
-// The block checks: q_pos, k_pos non-null (any values: a key the query cannot see is skipped).
-Dims check_block(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                 const std::int32_t* q_pos, const std::int32_t* k_pos, int window) {
-  if (!q_pos || !k_pos) fail("attention block: q_pos and k_pos must both be given");
-  if (q.ndim() != 4 || k.ndim() != 4) fail("attention: q and k must be [B, T, H, Dh], got {} and {}", q.shape_string(), k.shape_string());
-  if (window < 0) fail("attention: window {} must be >= 0 (0: full causal)", window);
-  Dims s{q.dim(0), q.dim(1), k.dim(1), q.dim(2), k.dim(2), q.dim(3), 0};
-  if (s.hkv <= 0 || s.hq % s.hkv) fail("attention: {} query heads do not split into groups over {} kv heads", s.hq, s.hkv);
-  s.group = s.hq / s.hkv;
-  require_shape(k, {s.b, s.tk, s.hkv, s.d}, "attention k");
-  require_shape(v, {s.b, s.tk, s.hkv, s.d}, "attention v");
-  require_shape(out, {s.b, s.tq, s.hq, s.d}, "attention out");
-  require_shape(lse, {s.b, s.hq, s.tq}, "attention lse");
-  return s;
-}
 }  // namespace
 
 void forward_block(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos,
                    const std::int32_t* k_pos, float scale, const Tensor& out, const Tensor& lse, int window) {
-  const Dims s = check_block(q, k, v, out, lse, q_pos, k_pos, window);
+  const Dims s = check(q, k, v, out, lse, q_pos, window, true, k_pos);
   forward_impl(s, {q_pos, k_pos, s.tk, window}, q, k, v, scale, out, lse);
 }
 
@@ -199,7 +186,7 @@ void merge(const Tensor& block_out, const Tensor& block_lse, const Tensor& out, 
 void backward_block(const Tensor& q, const Tensor& k, const Tensor& v, const std::int32_t* q_pos,
                     const std::int32_t* k_pos, const Tensor& out, const Tensor& lse, const Tensor& dout, float scale,
                     const Tensor& dq, const Tensor& dk, const Tensor& dv, int window) {
-  const Dims s = check_block(q, k, v, out, lse, q_pos, k_pos, window);
+  const Dims s = check(q, k, v, out, lse, q_pos, window, true, k_pos);
   backward_impl(s, {q_pos, k_pos, s.tk, window}, q, k, v, out, lse, dout, scale, dq, dk, dv, true);
 }
 
