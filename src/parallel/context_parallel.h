@@ -16,7 +16,8 @@
 //               whole sequence reduce-scattered back to the ranks that hold those keys.
 //               Or a ring (parallel.context_mode: ring; context_ring.cc): the ranks' blocks of
 //               k and v travel around the group, one at a time, merged by log-sum-exp; two
-//               blocks held at once instead of the whole sequence.
+//               blocks held at once instead of the whole sequence. Linear layers then pass
+//               their states rank to rank (LASP-1) instead of LASP-2's all-gather.
 //   linear      LASP-2 (lasp2.cc): linear attention's runs start from the decayed sum of the
 //               earlier chunks' memory states, one all-gather of d x d states per layer in forward
 //               and one of their gradients in backward.
@@ -106,6 +107,14 @@ class ContextParallel final : public blocks::AttentionCore, public blocks::Token
                             const Tensor& dv);
   void ring_hop(float* send, float* recv, std::int64_t n, bool wait_now, MPI_Request* reqs) const;
   void ring_wait(MPI_Request* reqs) const;
+  // LASP-1 (context_ring.cc): linear attention's states passed rank to rank in sequence order.
+  void attend_linear_ring(const ops::linear_attention::Config& c, std::int64_t runs, const Tensor& q, const Tensor& k,
+                          const Tensor& v, const Tensor& init, const Tensor& out);
+  void attend_linear_ring_backward(const ops::linear_attention::Config& c, std::int64_t runs, const Tensor& q,
+                                   const Tensor& k, const Tensor& v, const Tensor& init, const Tensor& dout,
+                                   const Tensor& dq, const Tensor& dk, const Tensor& dv);
+  void chain_recv(float* msg, std::int64_t n, int from) const;
+  void chain_send(const float* msg, std::int64_t n, int to) const;
 
   MPI_Comm comm_;
   int size_ = 1, rank_ = 0;

@@ -9,10 +9,20 @@
 // forward's final out and lse) and passes the block on; after C hops every block is back home
 // with the whole group's dk, dv. Backward's hops are blocking (the accumulator a rank sends is
 // the one it just added to).
+//
+// Linear attention under the ring mode: LASP-1's point-to-point state passing instead of LASP-2's
+// all-gather. The running d x d state walks the 2C chunks in sequence order, rank to rank:
+// forward, rank r receives the state before chunk r from rank r - 1 (zeros at rank 0), runs its
+// first run from it and passes gamma^L S + M_r on to rank r + 1; the last rank keeps it for its
+// own second run (chunk C), whose successor state goes back down, rank r + 1 to rank r, for the
+// second runs. Backward walks the chunks in reverse with the state gradients (the suffix sums
+// LASP-2 forms from its gathered dS). 2C - 1 sequential hops each way, against LASP-2's one
+// all-gather: the schedule LASP-2 is measured against.
 #include <mpi.h>
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -20,6 +30,7 @@
 #include "common/mpi_session.h"
 #include "common/watchdog.h"
 #include "ops/attention.h"
+#include "ops/linear_attention.h"
 #include "parallel/context_parallel.h"
 
 namespace keel::parallel {
@@ -109,6 +120,98 @@ void ContextParallel::attend_ring_backward(const Tensor& q, const Tensor& k, con
   // `cur` is this rank's own block again, with every rank's share of its dk, dv.
   std::memcpy(dk.data(), cur + 2 * n, sizeof(float) * static_cast<std::size_t>(n));
   std::memcpy(dv.data(), cur + 3 * n, sizeof(float) * static_cast<std::size_t>(n));
+}
+
+namespace {
+namespace la = ops::linear_attention;
+
+// Run `seg`'s d x d blocks of every sequence, [B][Hkv][d x d], between a [2B, Hkv, d, d] tensor and a
+// message buffer.
+void pack(const float* runs, std::int64_t B, std::int64_t per_run, int seg, float* msg) {
+  for (std::int64_t b = 0; b < B; ++b)
+    std::memcpy(msg + b * per_run, runs + (b * 2 + seg) * per_run, sizeof(float) * static_cast<std::size_t>(per_run));
+}
+void unpack(const float* msg, std::int64_t B, std::int64_t per_run, int seg, float* runs) {
+  for (std::int64_t b = 0; b < B; ++b)
+    std::memcpy(runs + (b * 2 + seg) * per_run, msg + b * per_run, sizeof(float) * static_cast<std::size_t>(per_run));
+}
+
+// The state after a run: gamma_g^L S + M per kv head, over every sequence's block: msg [B][Hkv][dd].
+void advance(const la::Config& c, std::int64_t L, std::int64_t B, std::int64_t dd, const float* own, float* msg) {
+  const std::int64_t hkv = c.kv_heads;
+  for (std::int64_t g = 0; g < hkv; ++g) {
+    const float decay = static_cast<float>(std::pow(double(c.gamma(static_cast<int>(g))), double(L)));
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t e = 0; e < dd; ++e) {
+        const std::int64_t i = (b * hkv + g) * dd + e;
+        msg[i] = decay * msg[i] + own[i];
+      }
+  }
+}
+}  // namespace
+
+// One hop of the chain: blocking, from `from` or to `to` (-1: none; a receive from none is zeros).
+void ContextParallel::chain_recv(float* msg, std::int64_t n, int from) const {
+  if (from < 0) {
+    std::fill(msg, msg + n, 0.f);
+    return;
+  }
+  PeerWait wait("MPI_Recv (LASP-1 state ring)");
+  mpi_check(MPI_Recv(msg, ring_count(n), MPI_FLOAT, from, 2, comm_, MPI_STATUS_IGNORE), "MPI_Recv");
+}
+
+void ContextParallel::chain_send(const float* msg, std::int64_t n, int to) const {
+  if (to < 0) return;
+  PeerWait wait("MPI_Send (LASP-1 state ring)");
+  mpi_check(MPI_Send(msg, ring_count(n), MPI_FLOAT, to, 2, comm_), "MPI_Send");
+}
+
+void ContextParallel::attend_linear_ring(const la::Config& c, std::int64_t runs, const Tensor& q, const Tensor& k,
+                                         const Tensor& v, const Tensor& init, const Tensor& out) {
+  const std::int64_t B = runs / 2, dd = std::int64_t(c.head_dim) * c.head_dim, per_run = c.kv_heads * dd, n = B * per_run;
+  states_.resize(static_cast<std::size_t>(runs * per_run + 2 * n));
+  float *M = states_.data(), *own = M + runs * per_run, *msg = own + n;
+  la::local_states(c, runs, chunk_, k, v, Tensor(M, {runs, c.kv_heads, c.head_dim, c.head_dim}));
+  const int last = size_ - 1;
+  // First runs, up the ranks: chunk r starts from the state after chunk r - 1.
+  chain_recv(msg, n, rank_ - 1);
+  unpack(msg, B, per_run, 0, init.data());
+  pack(M, B, per_run, 0, own);
+  advance(c, chunk_, B, dd, own, msg);
+  chain_send(msg, n, rank_ < last ? rank_ + 1 : -1);
+  // Second runs, down the ranks: chunk 2C-1-r starts from the state after chunk 2C-2-r (rank
+  // r + 1's second run; the last rank's own first run, already in msg).
+  if (rank_ < last) chain_recv(msg, n, rank_ + 1);
+  unpack(msg, B, per_run, 1, init.data());
+  pack(M, B, per_run, 1, own);
+  advance(c, chunk_, B, dd, own, msg);
+  chain_send(msg, n, rank_ > 0 ? rank_ - 1 : -1);
+  la::forward(c, runs, chunk_, q, k, v, init, out);
+}
+
+void ContextParallel::attend_linear_ring_backward(const la::Config& c, std::int64_t runs, const Tensor& q,
+                                                  const Tensor& k, const Tensor& v, const Tensor& init,
+                                                  const Tensor& dout, const Tensor& dq, const Tensor& dk,
+                                                  const Tensor& dv) {
+  const std::int64_t B = runs / 2, dd = std::int64_t(c.head_dim) * c.head_dim, per_run = c.kv_heads * dd, n = B * per_run;
+  states_.resize(static_cast<std::size_t>(2 * runs * per_run + 2 * n));
+  float *dS = states_.data(), *dM = dS + runs * per_run, *own = dM + runs * per_run, *msg = own + n;
+  la::init_gradient(c, runs, chunk_, q, dout, Tensor(dS, {runs, c.kv_heads, c.head_dim, c.head_dim}));
+  const int last = size_ - 1;
+  // The chunks in reverse: second runs up the ranks (rank 0's is the sequence's last chunk), then
+  // first runs down. dM of a run = the gradient arriving after it; it passes on gamma^L dM + dS.
+  chain_recv(msg, n, rank_ > 0 ? rank_ - 1 : -1);
+  unpack(msg, B, per_run, 1, dM);
+  pack(dS, B, per_run, 1, own);
+  advance(c, chunk_, B, dd, own, msg);
+  chain_send(msg, n, rank_ < last ? rank_ + 1 : -1);
+  if (rank_ < last) chain_recv(msg, n, rank_ + 1);
+  unpack(msg, B, per_run, 0, dM);
+  pack(dS, B, per_run, 0, own);
+  advance(c, chunk_, B, dd, own, msg);
+  chain_send(msg, n, rank_ > 0 ? rank_ - 1 : -1);
+  la::backward(c, runs, chunk_, q, k, v, init, dout, Tensor(dM, {runs, c.kv_heads, c.head_dim, c.head_dim}), dq, dk,
+               dv, {});
 }
 
 }  // namespace keel::parallel

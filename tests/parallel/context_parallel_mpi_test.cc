@@ -9,7 +9,8 @@
 //     the parameter gradients (summed over the ranks) against the whole-sequence op; and
 //     causality across rank boundaries: perturbing the token at the first position of either of
 //     a rank's chunks changes no output at an earlier position, and does change later ones;
-//   - LASP-2 (linear attention, gathered memory states): out, dq, dk, dv of this rank's rows
+//   - LASP-2 (linear attention, gathered memory states) and LASP-1 (the ring mode's states passed
+//     rank to rank): out, dq, dk, dv of this rank's rows
 //     against ops::linear_attention on whole sequences, with and without decay, a chunk that
 //     does and does not divide the runs; and causality at every position of the sequence.
 #include "parallel/context_parallel.h"
@@ -283,10 +284,10 @@ struct Linear {
   }
 };
 
-TEST(ContextParallelCore, Lasp2MatchesWholeSequences) {
+void expect_linear_matches_whole_sequences(bool ring) {
   const int C = world_size();
   const std::int64_t S = 2 * C * 5;
-  ContextParallel cp(MPI_COMM_WORLD, S);
+  ContextParallel cp(MPI_COMM_WORLD, S, ring);
   const auto& pos = cp.positions();
   const std::int64_t T = S / C;
   for (const bool decay : {false, true})
@@ -307,6 +308,10 @@ TEST(ContextParallelCore, Lasp2MatchesWholeSequences) {
       EXPECT_LT(max_diff(lg[2], local_rows(g[2], m.B, S, m.Hkv * m.D, pos)), 1e-5) << tag;
     }
 }
+
+TEST(ContextParallelCore, Lasp2MatchesWholeSequences) { expect_linear_matches_whole_sequences(false); }
+// The ring mode's linear layers: LASP-1, the states passed rank to rank in sequence order.
+TEST(ContextParallelCore, Lasp1RingMatchesWholeSequences) { expect_linear_matches_whole_sequences(true); }
 
 // Perturbing the k and v of any position p (every position: inside chunks, at chunk and rank
 // boundaries, in both zigzag runs) changes no output before p on any rank, and every one from p on.

@@ -122,13 +122,17 @@ TEST(ContextParallel, WorldZayaSlidingWithMuonMatchesOneRank) {
   expect_matches_single_rank({world_size(), 1, 1, joined(kZaya, kSliding), kMuon, "zaya_sliding_cpN"});
 }
 // The ring (parallel.context_mode: ring): k, v blocks travel around the group instead of being
-// all-gathered; the tiny MoE, ZAYA1's CCA with a sliding window, and the hybrid's softmax layers.
+// all-gathered (and linear layers pass their states rank to rank, LASP-1); the tiny MoE, ZAYA1's
+// CCA with a sliding window, a linear model, and the hybrid.
 TEST(ContextParallel, WorldRingMatchesOneRank) {
   expect_matches_single_rank({world_size(), 1, 1, {"parallel.context_mode=ring"}, "", "ring_cpN"});
 }
 TEST(ContextParallel, WorldZayaSlidingRingMatchesOneRank) {
   expect_matches_single_rank(
       {world_size(), 1, 1, joined(joined(kZaya, kSliding), {"parallel.context_mode=ring"}), "", "zaya_ring_cpN"});
+}
+TEST(ContextParallel, WorldLinearRingMatchesOneRank) {  // LASP-1
+  expect_matches_single_rank({world_size(), 1, 1, joined(kLinear, {"parallel.context_mode=ring"}), "", "linear_ring_cpN"});
 }
 TEST(ContextParallel, Cp2TimesDp2HybridRingMatchesOneRank) {
   expect_matches_single_rank({2, 1, 1, joined(kHybrid, {"parallel.context_mode=ring"}), "", "hybrid_ring_cp2dp"});
