@@ -448,11 +448,11 @@ std::string Trainer::parallel_text() const {
   if (sh.cp > 1) {
     const model::ModelConfig& m = cfg_.model;
     const int linear = model::attention_layer_count(m, model::AttentionKind::kLinear);
-    out += fmt::format(" x context parallel {} (zigzag{}{})", sh.cp,
-                       linear < m.layers && cfg_.model_options.context_ring ? ", k/v ring" : "",
-                       linear == 0            ? ""
-                       : linear == m.layers ? "; LASP-2"
-                                              : "; LASP-2H: LASP-2 for the linear layers");
+    const bool ring = cfg_.model_options.context_ring;  // LASP-1 for the linear layers then
+    const char* lasp = linear == 0 ? ""
+                       : ring      ? (linear == m.layers ? "; LASP-1 ring" : "; LASP-1 for the linear layers")
+                                   : (linear == m.layers ? "; LASP-2" : "; LASP-2H: LASP-2 for the linear layers");
+    out += fmt::format(" x context parallel {} (zigzag{}{})", sh.cp, linear < m.layers && ring ? ", k/v ring" : "", lasp);
   }
   if (mesh_.data().size > 1)
     out += fmt::format(" (ZeRO-1{}){}",
