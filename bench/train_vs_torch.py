@@ -124,8 +124,11 @@ def run_keel(keel, out, d, steps, warmup):
     mem = max(row.get("memory_mib", 0) for row in rows)
     loss = [row["loss"] for row in rows if "loss" in row]
     ce = [row["ce"] for row in rows if "ce" in row]
+    # routing: the worst MoE layer's busiest expert over its fair share 1/E, median over the timed steps
+    worst = [max(row[k] for k in row if k.startswith("routing_busiest_share.")) * d["experts"] for row in rows
+             if row.get("step", 0) > warmup and any(k.startswith("routing_busiest_share.") for k in row)]
     return {"tokens_per_s": statistics.median(tps), "memory_gib": mem / 1024, "ce_first": ce[0], "ce_last": ce[-1],
-            "steps": len(ce)}
+            "steps": len(ce), "busiest_over_fair": statistics.median(worst) if worst else float("nan")}
 
 
 def build_torch_model(d, dev):
@@ -328,17 +331,21 @@ def run_torch(d, steps, warmup, compiled, ddp=False):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, losses, worst = [], [], []
+    core = model.module if ddp else model
     for _ in range(steps):
         t0 = time.perf_counter()
         ce = step()
         losses.append(ce.item())
         times.append(time.perf_counter() - t0)
+        counts = [layer.moe.last_counts for layer in core.layers if layer.moe.last_counts is not None]
+        if counts:  # busiest expert over its fair share, worst layer (as keel's routing_busiest_share)
+            worst.append(max((c.max() / c.float().mean()).item() for c in counts))
     mem = torch.cuda.max_memory_allocated() / 2**30
     del model, opt, fwd
     torch.cuda.empty_cache()
     return {"tokens_per_s": B * T / statistics.median(times), "memory_gib": mem, "ce_first_timed": losses[0],
-            "ce_last": losses[-1]}
+            "ce_last": losses[-1], "busiest_over_fair": statistics.median(worst) if worst else float("nan")}
 
 
 def main():
@@ -372,13 +379,17 @@ def main():
     print(f"\n== keel train vs PyTorch ({torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
           f"{d['layers']} MoE layers, hidden {d['hidden']}, {d['experts']} experts top-{d['top_k']}, vocab {d['vocab']}, "
           f"seq {d['seq']}, {d['micro_batch'] * d['seq']} tokens/step)")
-    print(f"{'':16}{'tokens/s':>10}{'model TFLOP/s':>15}{'MFU':>7}{'peak GiB':>10}")
+    print(f"{'':16}{'tokens/s':>10}{'model TFLOP/s':>15}{'MFU':>7}{'peak GiB':>10}{'busiest/fair':>14}")
     for name, r in results.items():
         if "error" in r:
             print(f"{name:16}  {r['error']}")
             continue
         tf = r["tokens_per_s"] * fpt
-        print(f"{name:16}{r['tokens_per_s']:10.0f}{tf / 1e12:15.1f}{100 * tf / PEAK:6.1f}%{r['memory_gib']:10.1f}")
+        bf = r.get("busiest_over_fair", float("nan"))
+        print(f"{name:16}{r['tokens_per_s']:10.0f}{tf / 1e12:15.1f}{100 * tf / PEAK:6.1f}%{r['memory_gib']:10.1f}"
+              f"{bf:14.2f}{'  NOT a headline: an expert above 2x its share' if bf > 2 else ''}")
+    print(f"(routing: the worst MoE layer's busiest expert over its fair share 1/{d['experts']}, median over the "
+          f"timed steps; random tokens, no skip class)")
     k = results.get("keel", {})
     for name in ("torch eager", "torch.compile"):
         r = results.get(name, {})

@@ -197,6 +197,18 @@ seed: 1234
 """
 
 
+def keel_routing(rows, d, warmup):
+    """The routing of keel's timed steps from its metrics: the median over steps of the worst MoE
+    layer's busiest class over its fair share (1 / classes, skip included), and the mean skip share."""
+    classes = d["experts"] + (1 if d["skip"] else 0)
+    timed = [r for r in rows if r.get("step", 0) > warmup and any(k.startswith("routing_busiest_share.") for k in r)]
+    if not timed:
+        return {}
+    worst = [max(r[k] for k in r if k.startswith("routing_busiest_share.")) * classes for r in timed]
+    skip = [statistics.mean(r[k] for k in r if k.startswith("routing_skip_share.")) for r in timed]
+    return {"busiest_over_fair": statistics.median(worst), "skip_share": statistics.mean(skip)}
+
+
 def run_keel(keel, out, d, steps, warmup, device, rows=None, checkpoint_every=0, lr=LR, bias_rate=BIAS_RATE,
              timeout=900, muon=False, forced=False):
     os.makedirs(out, exist_ok=True)
@@ -230,6 +242,7 @@ def run_keel(keel, out, d, steps, warmup, device, rows=None, checkpoint_every=0,
            "keel_mfu": statistics.median(row["mfu"] for row in rows_ if "mfu" in row and row.get("step", 0) > warmup)
            if tps else 0,
            "ce": ce, "load_max": [row["expert_load_max"] for row in rows_ if "expert_load_max" in row],
+           **keel_routing(rows_, d, warmup),
            "wall_s": time.time() - t0}
     for line in text.splitlines():
         if line.startswith("keel train: model"):
@@ -647,20 +660,23 @@ def run_torch(d, steps, warmup, compiled, dev, muon=False, ddp=False, lr=LR, bia
     warm_s = time.time() - t_start
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, losses, load_max = [], [], []
+    times, losses, load_max, skip = [], [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         ce, counts = step()
         losses.append(ce.item())  # syncs: the step is done
         times.append(time.perf_counter() - t0)
-        load_max.append(max((c.max() / c.float().mean()).item() for c in counts))
+        load_max.append(max((c.max() / c.float().mean()).item() for c in counts))  # busiest / fair, worst layer
+        if d["skip"]:
+            skip.append(statistics.mean((c[-1] / c.sum()).item() for c in counts))
     mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     nparams = sum(p.numel() for p in core.parameters())
     del model, core, opt, fwd
     if cuda:
         torch.cuda.empty_cache()
     return {"tokens_per_s": B * T / statistics.median(times), "memory_gib": mem, "ce": losses,
-            "load_max": load_max, "params": nparams, "warmup_s": warm_s}
+            "load_max": load_max, "params": nparams, "warmup_s": warm_s,
+            "busiest_over_fair": statistics.median(load_max), "skip_share": statistics.mean(skip) if skip else 0.0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -840,7 +856,8 @@ def main():
     print(f"\n== keel train vs PyTorch, ZAYA1-shaped model ({dev_name}, torch {torch_ver}; {d['layers']} x (CCA + "
           f"top-1 MoE of {d['experts']} experts + skip), hidden {d['hidden']}, vocab {d['vocab']}, seq {d['seq']}, "
           f"{tokens_per_step} tokens/step, {optimizer})")
-    print(f"{'':16}{'tokens/s':>10}{'model TFLOP/s':>15}{'MFU':>8}{'peak GiB':>10}{'ce first':>10}{'ce last':>10}")
+    print(f"{'':16}{'tokens/s':>10}{'model TFLOP/s':>15}{'MFU':>8}{'peak GiB':>10}{'ce first':>10}{'ce last':>10}"
+          f"{'busiest/fair':>14}{'skip':>7}")
     # the three compared runs first, then keel's ablations (keel only, each a different model)
     for name in sorted(results, key=lambda n: n.startswith("keel, ")):
         r = results[name]
@@ -849,8 +866,11 @@ def main():
             continue
         tf = r["tokens_per_s"] * r.get("flops_per_token", fpt)
         ce = r.get("ce") or [float("nan")]
+        bf = r.get("busiest_over_fair", float("nan"))
+        flag = "  NOT a headline: a class above 2x its share" if bf > 2 else ""
         print(f"{name:16}{r['tokens_per_s']:10.0f}{tf / 1e12:15.1f}{100 * tf / PEAK:7.2f}%{r['memory_gib']:10.1f}"
-              f"{ce[0]:10.3f}{ce[-1]:10.3f}{'   (ablation)' if name.startswith('keel, ') else ''}")
+              f"{ce[0]:10.3f}{ce[-1]:10.3f}{bf:14.2f}{r.get('skip_share', float('nan')):7.3f}"
+              f"{'   (ablation)' if name.startswith('keel, ') else ''}{flag}")
     k = results.get("keel", {})
     for name in ("torch eager", "torch.compile"):
         r = results.get(name, {})
@@ -859,6 +879,8 @@ def main():
             print(f"keel / {name}: {k['tokens_per_s'] / r['tokens_per_s']:.2f}x tokens/s{mem}")
     if "keel_mfu" in k:
         print(f"(keel's own MFU line: {100 * k['keel_mfu']:.2f}%; same formula and peak)")
+    print(f"(routing: busiest/fair = the worst MoE layer's busiest class over its fair share 1/{d['experts'] + int(d['skip'])}, "
+          f"median over the timed steps; skip = the skip class's share{'; forced balance' if args.forced_balance else ''})")
 
 
 if __name__ == "__main__":
