@@ -60,7 +60,7 @@ def write_dataset(prefix, tokens, seq):
         f.write(np.arange(n + 1, dtype=np.int64).tobytes())
 
 
-def keel_config(d, prefix, output_dir, steps, grad_accum=1):
+def keel_config(d, prefix, output_dir, steps, grad_accum=1, forced=False):
     """The keel train config of the benchmark model (device cuda, random-token dataset at prefix)."""
     return f"""device: cuda
 model:
@@ -80,7 +80,7 @@ model:
   max_seq_len: {d['seq']}
 router:
   aux_loss_weight: {AUX_W}
-  z_loss_weight: {Z_W}
+  z_loss_weight: {Z_W}{chr(10) + '  forced_balance: true' if forced else ''}
 ce_chunk: 32768
 data:
   datasets: {{train: {prefix}}}
@@ -103,14 +103,14 @@ mfu_peak_flops: {PEAK}
 """
 
 
-def run_keel(keel, out, d, steps, warmup):
+def run_keel(keel, out, d, steps, warmup, forced=False):
     os.makedirs(out, exist_ok=True)
     shutil.rmtree(os.path.join(out, "run"), ignore_errors=True)  # keel train refuses another run's metrics
     rng = np.random.default_rng(0)
     prefix = os.path.join(out, "random")
     nrows = d["micro_batch"] * (steps + 4)
     write_dataset(prefix, rng.integers(0, d["vocab"], size=nrows * (d["seq"] + 1), dtype=np.uint64), d["seq"])
-    cfg = keel_config(d, prefix, os.path.join(out, "run"), steps)
+    cfg = keel_config(d, prefix, os.path.join(out, "run"), steps, forced=forced)
     path = os.path.join(out, "bench_train.yaml")
     open(path, "w").write(cfg)
     log = os.path.join(out, "keel_train.log")
@@ -131,7 +131,7 @@ def run_keel(keel, out, d, steps, warmup):
             "steps": len(ce), "busiest_over_fair": statistics.median(worst) if worst else float("nan")}
 
 
-def build_torch_model(d, dev):
+def build_torch_model(d, dev, forced=False):
     """The benchmark MoE in plain torch, with keel's initialization (from torch's global RNG: seed it first).
 
     Module tree (the names a tensor-parallel plan addresses, bench/train_tp_torch.py): embed,
@@ -222,7 +222,11 @@ def build_torch_model(d, dev):
             h = x.view(B * S, D)
             logits = self.router(h).float()
             probs = logits.softmax(-1)
-            gate, sel = probs.max(-1)
+            if forced:  # keel's router.forced_balance: token n -> expert n mod E, gate = its probability
+                sel = torch.arange(B * S, device=h.device) % E
+                gate = probs.gather(1, sel[:, None]).squeeze(1)
+            else:
+                gate, sel = probs.max(-1)
             counts = torch.bincount(sel, minlength=E)
             aux = E * ((counts.float() / (B * S)) * probs.mean(0)).sum()
             z = torch.logsumexp(logits, -1).pow(2).mean()
@@ -292,7 +296,7 @@ def build_torch_model(d, dev):
     return model
 
 
-def run_torch(d, steps, warmup, compiled, ddp=False):
+def run_torch(d, steps, warmup, compiled, ddp=False, forced=False):
     """One GPU, or with ddp=True one rank of a torchrun job (torch.distributed initialized):
     DistributedDataParallel (gradient all-reduce in buckets overlapped with backward) and
     ZeroRedundancyOptimizer (ZeRO-1: AdamW states sharded over the ranks)."""
@@ -301,7 +305,7 @@ def run_torch(d, steps, warmup, compiled, ddp=False):
     torch.manual_seed(0)  # the same initialization on every rank
     dev = torch.device("cuda", torch.cuda.current_device())
     V, T, B = d["vocab"], d["seq"], d["micro_batch"]
-    model = build_torch_model(d, dev)
+    model = build_torch_model(d, dev, forced)
     if ddp:
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -356,12 +360,14 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--forced-balance", action="store_true",
+                    help="benchmarking only: token n -> expert n mod E on both sides (keel: router.forced_balance)")
     args = ap.parse_args()
     d = dict(DIMS)
     fpt = flops_per_token(d)
     results = {}
     t0 = time.time()
-    results["keel"] = run_keel(args.keel, args.out, d, args.steps + args.warmup, args.warmup)
+    results["keel"] = run_keel(args.keel, args.out, d, args.steps + args.warmup, args.warmup, args.forced_balance)
     print(f"keel: {results['keel']} ({time.time() - t0:.0f} s)", flush=True)
     if not args.skip_torch:
         for name, compiled in (("torch eager", False), ("torch.compile", True)):
@@ -369,7 +375,7 @@ def main():
                 continue
             t0 = time.time()
             try:
-                results[name] = run_torch(d, args.steps, args.warmup, compiled)
+                results[name] = run_torch(d, args.steps, args.warmup, compiled, forced=args.forced_balance)
             except Exception as e:  # report and go on: the table shows what ran
                 results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"{name}: {results[name]} ({time.time() - t0:.0f} s)", flush=True)
@@ -389,7 +395,7 @@ def main():
         print(f"{name:16}{r['tokens_per_s']:10.0f}{tf / 1e12:15.1f}{100 * tf / PEAK:6.1f}%{r['memory_gib']:10.1f}"
               f"{bf:14.2f}{'  NOT a headline: an expert above 2x its share' if bf > 2 else ''}")
     print(f"(routing: the worst MoE layer's busiest expert over its fair share 1/{d['experts']}, median over the "
-          f"timed steps; random tokens, no skip class)")
+          f"timed steps; random tokens, no skip class{'; forced balance' if args.forced_balance else ''})")
     k = results.get("keel", {})
     for name in ("torch eager", "torch.compile"):
         r = results.get(name, {})
