@@ -7,8 +7,8 @@
 // computes on the current one. Backward: the blocks travel again with their dk, dv
 // accumulators; each rank adds its queries' share (ops::attention::backward_block, with the
 // forward's final out and lse) and passes the block on; after C hops every block is back home
-// with the whole group's dk, dv. Backward's hops are blocking (the accumulator a rank sends is
-// the one it just added to).
+// with the whole group's dk, dv. In backward the k, v part of each hop runs while the block is
+// computed; the dk, dv part goes once this rank has added its share.
 //
 // Linear attention under the ring mode: LASP-1's point-to-point state passing instead of LASP-2's
 // all-gather. The running d x d state walks the 2C chunks in sequence order, rank to rank:
@@ -105,16 +105,15 @@ void ContextParallel::attend_ring_backward(const Tensor& q, const Tensor& k, con
   std::fill(dq.data(), dq.data() + dq.numel(), 0.f);
   for (int s = 0; s < size_; ++s) {
     const int src = (rank_ - s + size_) % size_;
+    const bool more = s + 1 < size_;  // k, v move on while this block is computed; the last hop carries only dk, dv
+    MPI_Request kv[2], acc[2];
+    if (more) ring_hop(cur, next, 2 * n, false, kv);
     ops::attention::backward_block(q, Tensor(cur, {B, T, H, D}), Tensor(cur + n, {B, T, H, D}), pos_.data(),
                                    ring_pos_[src].data(), out, lse, dout, scale, dq, bdk, bdv, window);
     for (std::int64_t i = 0; i < 2 * n; ++i) cur[2 * n + i] += block_dkv_[static_cast<std::size_t>(i)];
     if (size_ == 1) break;
-    MPI_Request reqs[2];
-    if (s + 1 < size_) {
-      ring_hop(cur, next, 4 * n, true, reqs);
-    } else {  // the last hop carries only the accumulators home
-      ring_hop(cur + 2 * n, next + 2 * n, 2 * n, true, reqs);
-    }
+    ring_hop(cur + 2 * n, next + 2 * n, 2 * n, true, acc);  // the accumulators just added to
+    if (more) ring_wait(kv);
     std::swap(cur, next);
   }
   // `cur` is this rank's own block again, with every rank's share of its dk, dv.
