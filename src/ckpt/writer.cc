@@ -107,6 +107,7 @@ double Saver::save(std::int64_t step, const std::vector<SaveShard>& shards, cons
   fs::create_directories(dir, ec);
   if (ec) fail("cannot create {}: {}", dir, ec.message());
   step_ = step;
+  enospc_ = opt_.fail_with_enospc || (opt_.fail_with_enospc_at && opt_.fail_with_enospc_at(step));
   dir_ = dir;
   layout_ = layout;
   report_ = nlohmann::json::object();
@@ -199,7 +200,7 @@ void Saver::write_bucket(Bucket& k) {
       std::uint64_t pos = 0;
       while (pos < k.used) {
         const std::uint64_t n = std::min(opt_.chunk_bytes, k.used - pos);
-        if (opt_.fail_with_enospc) {
+        if (enospc_) {
           errno = ENOSPC;
           fail("cannot write {}: {}", k.path, std::strerror(errno));
         }

@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,6 +57,8 @@ struct SaveOptions {
   // of its data fails as on a full disk.
   std::int64_t die_after_bytes = -1;
   bool fail_with_enospc = false;
+  // The same per save: asked once by save() with its step (keel train --inject diskfull@S).
+  std::function<bool(std::int64_t step)> fail_with_enospc_at;
 };
 
 struct SaveStats {
@@ -104,6 +107,7 @@ class Saver {
   std::atomic<int> pending_{0};
   std::atomic<std::int64_t> written_{0};
   bool in_flight_ = false;
+  bool enospc_ = false;  // this save's writes fail as on a full disk (fault injection)
   std::int64_t step_ = 0;
   std::string dir_, layout_;
   double stall_s_ = 0;

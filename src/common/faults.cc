@@ -5,6 +5,8 @@
 
 #include <charconv>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <thread>
 
@@ -51,7 +53,9 @@ Fault parse_one(const std::string& word, const std::string& flag) {
   else if (kind == "hang") f.kind = Fault::Kind::kHang;
   else if (kind == "slow") f.kind = Fault::Kind::kSlow;
   else if (kind == "nan") f.kind = Fault::Kind::kNan;
-  else throw bad(fmt::format("unknown fault '{}' (kill, exit, hang, slow, nan)", kind));
+  else if (kind == "spike") f.kind = Fault::Kind::kSpike;
+  else if (kind == "diskfull") f.kind = Fault::Kind::kDiskFull;
+  else throw bad(fmt::format("unknown fault '{}' (kill, exit, hang, slow, nan, spike, diskfull)", kind));
   const bool slow = f.kind == Fault::Kind::kSlow;
   const std::vector<std::string> fields = split(word.substr(at + 1), ':');
 
@@ -96,6 +100,13 @@ Fault parse_one(const std::string& word, const std::string& flag) {
         if (!parse_int(x, v) || v > 86'400'000) throw bad(fmt::format("'{}' is not milliseconds (0-86400000)", x));
         f.sleep_ms = v;
         break;
+      case Fault::Kind::kSpike: {
+        char* end = nullptr;
+        f.factor = std::strtod(x.c_str(), &end);
+        if (end != x.c_str() + x.size() || !(x[0] >= '0' && x[0] <= '9') || !(f.factor > 0) || !std::isfinite(f.factor))
+          throw bad(fmt::format("'{}' is not a loss factor (a number > 0)", x));
+        break;
+      }
       default:
         throw bad(fmt::format("{} takes no argument ('{}'; a rank is written r{})", kind, x, x));
     }
@@ -146,6 +157,18 @@ void FaultPlan::before_step(std::int64_t step, int rank) const {
 bool FaultPlan::nan_at(std::int64_t step, int rank) const {
   for (const Fault& f : faults)
     if (f.kind == Fault::Kind::kNan && f.rank == rank && step >= f.first_step && step <= f.last_step) return true;
+  return false;
+}
+
+double FaultPlan::loss_factor_at(std::int64_t step, int rank) const {
+  for (const Fault& f : faults)
+    if (f.kind == Fault::Kind::kSpike && f.rank == rank && step >= f.first_step && step <= f.last_step) return f.factor;
+  return 1.0;
+}
+
+bool FaultPlan::disk_full_at(std::int64_t step, int rank) const {
+  for (const Fault& f : faults)
+    if (f.kind == Fault::Kind::kDiskFull && f.rank == rank && step >= f.first_step && step <= f.last_step) return true;
   return false;
 }
 

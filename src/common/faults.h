@@ -1,6 +1,7 @@
 // Fault injection for tests and for the supervisor's drills (`keel train --inject SPEC`): a
-// rank dies, exits, hangs, slows down or reports a NaN loss at a chosen step, as a crashed
-// process, a wedged GPU, a straggler or a diverged run would.
+// rank dies, exits, hangs, slows down, reports a NaN or spiking loss, or finds the disk full at
+// a chosen step, as a crashed process, a wedged GPU, a straggler, a diverged run or a full
+// file system would.
 //
 // A spec is a comma-separated list of KIND@STEP[:rRANK][:ARG] (steps 1-based, ranks world ranks,
 // default 0):
@@ -9,6 +10,10 @@
 //   hang@S[:rR]            ... stops making progress (hang_forever, common/watchdog.h)
 //   slow@S[-E][:rR][:MS]   at the start of each step S..E (E = S by default) sleeps MS ms (default 500)
 //   nan@S[:rR]             the loss of step S on rank R is NaN (the trainer asks nan_at)
+//   spike@S[:rR][:FACTOR]  the loss of step S on rank R is multiplied by FACTOR (> 0, default 100)
+//                          before the reduction over ranks (the trainer asks loss_factor_at)
+//   diskfull@S[:rR]        rank R's write of the checkpoint of step S fails as with ENOSPC
+//                          (nothing when step S saves no checkpoint; the trainer asks disk_full_at)
 // Each fault that fires prints one line "keel: fault injection: ..." to stderr first.
 #pragma once
 
@@ -19,12 +24,13 @@
 namespace keel {
 
 struct Fault {
-  enum class Kind { kKill, kExit, kHang, kSlow, kNan };
+  enum class Kind { kKill, kExit, kHang, kSlow, kNan, kSpike, kDiskFull };
   Kind kind = Kind::kKill;
   std::int64_t first_step = 1, last_step = 1;  // the steps it fires at, inclusive (a range for slow only)
   int rank = 0;                                // world rank
   int exit_code = 3;                           // exit
   std::int64_t sleep_ms = 500;                 // slow
+  double factor = 100;                         // spike
   std::string spec;                            // the word it was parsed from ("kill@3:r1"), for messages
 };
 
@@ -39,10 +45,15 @@ struct FaultPlan {
   void before_step(std::int64_t step, int rank) const;
   // Whether the loss of step `step` on world rank `rank` is to be NaN.
   bool nan_at(std::int64_t step, int rank) const;
+  // What the loss of step `step` on world rank `rank` is to be multiplied by (1: no spike).
+  double loss_factor_at(std::int64_t step, int rank) const;
+  // Whether world rank `rank`'s write of the checkpoint of step `step` is to fail as on a full disk.
+  bool disk_full_at(std::int64_t step, int rank) const;
 };
 
 // Parses a spec (above). A malformed word is a keel::UsageError of one line naming it:
-// "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan)" (`flag` names the source).
+// "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull)" (`flag`
+// names the source).
 FaultPlan parse_faults(const std::string& spec, const std::string& flag = "--inject");
 
 }  // namespace keel

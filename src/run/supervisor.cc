@@ -177,13 +177,14 @@ Child spawn(const std::vector<std::string>& argv) {
 }
 
 struct Fault {
-  std::string kind;  // dead, hang, nan, exit
+  std::string kind;  // dead, hang, nan, loss_spike, disk_full, exit
   int rank = -1, pid = 0;
   std::string host;
   std::int64_t step = 0;  // the last step every rank finished
   double detect_seconds = 0;
   std::string detail;
-  std::int64_t skip_step = 0;  // nan: the step whose data is skipped on restart
+  std::int64_t skip_step = 0;  // nan, loss_spike: the step whose data is skipped on restart
+  nlohmann::json numbers = nlohmann::json::object();  // loss_spike: loss, mean, std (into the event)
 };
 
 }  // namespace
@@ -391,20 +392,33 @@ int run(const Options& o) {
                                                   : fmt::format("exited with {}", WEXITSTATUS(status)),
                               log_path));
     }
-    // keel train's own verdict on a non-finite loss, from its last lines (its ranks exit after
-    // it, which the pid check may have seen first)
+    // keel train's own verdict on a non-finite loss or a loss spike, from its last lines (its
+    // ranks exit after it, which the pid check may have seen first)
     {
       std::smatch m;
       const std::regex nonfinite("step ([0-9]+): (loss|gradient norm) is");
+      const std::regex spike("step ([0-9]+): loss (\\S+) is a spike \\(> mean (\\S+) \\+ \\S+ x std (\\S+) ");
+      for (auto it = tail.rbegin(); it != tail.rend(); ++it) {
+        const bool is_spike = std::regex_search(*it, m, spike);
+        if (!is_spike && !std::regex_search(*it, m, nonfinite)) continue;
+        Fault f = fault.value_or(Fault{});
+        f.kind = is_spike ? "loss_spike" : "nan", f.skip_step = std::stoll(m[1]), f.detail = *it;
+        if (is_spike) f.numbers = {{"loss", std::stod(m[2])}, {"mean", std::stod(m[3])}, {"std", std::stod(m[4])}};
+        if (!fault) f.step = reached, f.detect_seconds = o.poll;
+        fault = f;
+        break;
+      }
+    }
+    // a checkpoint write that found the disk full: keel train's error line names ENOSPC's text
+    if (!fault || fault->kind == "dead")
       for (auto it = tail.rbegin(); it != tail.rend(); ++it)
-        if (std::regex_search(*it, m, nonfinite)) {
+        if (it->find("keel: error:") != std::string::npos && it->find("No space left on device") != std::string::npos) {
           Fault f = fault.value_or(Fault{});
-          f.kind = "nan", f.skip_step = std::stoll(m[1]), f.detail = *it;
+          f.kind = "disk_full", f.detail = *it;
           if (!fault) f.step = reached, f.detect_seconds = o.poll;
           fault = f;
           break;
         }
-    }
     if (!fault) {
       Fault f;
       f.step = reached;
@@ -440,13 +454,15 @@ int run(const Options& o) {
     ++restarts;
     survived[fault->kind]++;
     const std::int64_t next = latest_step(ckpt_root);
-    if (fault->kind == "nan" && fault->skip_step > 0) skips.push_back(fault->skip_step);
+    if ((fault->kind == "nan" || fault->kind == "loss_spike") && fault->skip_step > 0) skips.push_back(fault->skip_step);
     const std::int64_t lost = std::max<std::int64_t>(0, reached - next);
     useful += median(step_times) * static_cast<double>(std::max<std::int64_t>(0, std::min(reached, next) - resume));
-    events.write({{"event", "fault"}, {"attempt", attempt}, {"kind", fault->kind}, {"rank", fault->rank},
-                  {"host", fault->host}, {"pid", fault->pid}, {"step", fault->step}, {"reached", reached},
-                  {"detect_seconds", fault->detect_seconds}, {"attempt_seconds", attempt_seconds},
-                  {"detail", fault->detail}, {"skip_step", fault->skip_step}});
+    nlohmann::json fault_event = {{"event", "fault"}, {"attempt", attempt}, {"kind", fault->kind}, {"rank", fault->rank},
+                                  {"host", fault->host}, {"pid", fault->pid}, {"step", fault->step}, {"reached", reached},
+                                  {"detect_seconds", fault->detect_seconds}, {"attempt_seconds", attempt_seconds},
+                                  {"detail", fault->detail}, {"skip_step", fault->skip_step}};
+    fault_event.update(fault->numbers);
+    events.write(fault_event);
     std::printf("keel run: fault (%s%s) at step %lld: %s; detected in %.2f s\n", fault->kind.c_str(),
                 fault->rank >= 0 ? fmt::format(", rank {} on {} pid {}", fault->rank, fault->host, fault->pid).c_str() : "",
                 static_cast<long long>(reached), fault->detail.c_str(), fault->detect_seconds);

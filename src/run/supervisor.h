@@ -12,6 +12,10 @@
 //               before the first step); the job's processes are then killed;
 //   NaN / inf   keel train stops with "step S: loss is nan" (or a non-finite gradient norm):
 //               the restart resumes from the last checkpoint and skips step S's data;
+//   loss spike  keel train stops with "step S: loss X is a spike (...)" (fault.loss_spike_*):
+//               handled as a NaN;
+//   disk full   keel train exits with an error naming "No space left on device" (a checkpoint
+//               write failed; nothing was committed): restarted from the previous checkpoint;
 //   early exit  keel train exited 0 before its last step without being asked to stop.
 // Restart: from `latest` of the run's checkpoint root (committed atomically by keel train: a
 // torn save is never `latest`) once it verifies (ckpt::verify_checkpoint; a newer one that does

@@ -198,6 +198,7 @@ TrainCheckpointer::TrainCheckpointer(std::string root, const TrainCheckpointOpti
   o.keep_last = options.keep_last;
   o.keep_every = options.keep_every;
   o.threads = options.threads;
+  o.fail_with_enospc_at = options.fail_with_enospc_at;
   saver_ = std::make_unique<ckpt::Saver>(*comm_, root_, o);
 }
 
@@ -235,7 +236,19 @@ double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, co
   return saver_->save(step, shards(view, layout), s, nlohmann::json::object(), name);
 }
 
-std::optional<ckpt::SaveStats> TrainCheckpointer::finish() { return saver_->wait(); }
+std::optional<ckpt::SaveStats> TrainCheckpointer::finish() {
+  try {
+    return saver_->wait();
+  } catch (const Error& e) {
+    std::string latest;
+    try {
+      latest = ckpt::latest_dir(root_);
+    } catch (const Error&) {
+    }
+    throw Error(fmt::format("checkpoint.dir {}: {}; `latest` is {}", root_, e.what(),
+                            latest.empty() ? "none" : std::filesystem::path(latest).filename().string()));
+  }
+}
 
 namespace {
 

@@ -32,6 +32,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -52,6 +53,7 @@ struct TrainCheckpointOptions {
   int keep_every = 0;  // also every step divisible by M
   int threads = 2;     // writer threads (data files per rank)
   int context_parallel = 1;  // the run's cp degree: named in the saved layout (it splits no tensor)
+  std::function<bool(std::int64_t step)> fail_with_enospc_at;  // fault injection (ckpt::SaveOptions)
 };
 
 // The mesh a slice stands for (only the degrees of the axes that split parameters matter: ep
@@ -105,7 +107,8 @@ class TrainCheckpointer {
   // Allocates the staging buffers the saves of `view` will use (pinned for device memory), so
   // no save pays for the allocation. No communication.
   void reserve(const CheckpointView& view, const optim::ParamLayout& layout);
-  // Completes the save in flight, if any (commit, `latest`, retention).
+  // Completes the save in flight, if any (commit, `latest`, retention). A failed save is an
+  // error naming the root and the step `latest` still names (nothing of that save is committed).
   std::optional<ckpt::SaveStats> finish();
   bool in_flight() const { return saver_->in_flight(); }
   // This rank's background writes of the save in flight are done (no communication).

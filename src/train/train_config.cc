@@ -225,7 +225,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   c.path = what;
   ctx.only(root, "", {"model", "recompute", "router", "ce_chunk", "data", "eval", "optimizer", "schedule", "batch",
                       "steps", "log_interval", "output_dir", "checkpoint", "tensorboard", "mfu_peak_flops", "seed",
-                      "device", "parallel", "kernels", "init_from"});
+                      "device", "parallel", "kernels", "init_from", "fault"});
   auto need = [&](const char* key) {
     if (!root[key]) throw UsageError(fmt::format("{}: missing key '{}'", what, key));
     return root[key];
@@ -430,6 +430,16 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (k["dir"]) c.checkpoint_dir = ctx.get<std::string>(k["dir"], "checkpoint.dir", "a directory");
     if (k["interval"]) c.checkpoint_interval = ctx.get<std::int64_t>(k["interval"], "checkpoint.interval", "an integer");
     if (c.checkpoint_interval < 0) ctx.bad("checkpoint.interval", k["interval"], "must be >= 0");
+  }
+  if (const auto f = root["fault"]) {
+    ctx.only(f, "fault", {"loss_spike_sigma", "loss_spike_window"});
+    if (f["loss_spike_sigma"])
+      c.loss_spike_sigma = ctx.get<double>(f["loss_spike_sigma"], "fault.loss_spike_sigma", "a number");
+    if (!(c.loss_spike_sigma >= 0) || !std::isfinite(c.loss_spike_sigma))
+      ctx.bad("fault.loss_spike_sigma", f["loss_spike_sigma"], "must be >= 0 (0: off)");
+    if (f["loss_spike_window"])
+      c.loss_spike_window = ctx.get<int>(f["loss_spike_window"], "fault.loss_spike_window", "an integer");
+    if (c.loss_spike_window < 5) ctx.bad("fault.loss_spike_window", f["loss_spike_window"], "must be >= 5 (steps)");
   }
   if (root["tensorboard"]) c.tensorboard = ctx.get<bool>(root["tensorboard"], "tensorboard", "true or false");
   if (root["mfu_peak_flops"]) {

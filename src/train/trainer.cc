@@ -128,7 +128,7 @@ void apply_kernel_options(const KernelOptions& k) {
 }  // namespace
 
 Trainer::Trainer(TrainConfig config, const parallel::Mesh& mesh, bool quiet)
-    : cfg_(std::move(config)), mesh_(mesh), quiet_(quiet) {
+    : cfg_(std::move(config)), mesh_(mesh), quiet_(quiet), loss_guard_(cfg_.loss_spike_sigma, cfg_.loss_spike_window) {
   // The micro-batches split over the dp ranks; the cp ranks of each share theirs (each runs its
   // part of every sequence), so the batch's rank is the dp coordinate, not the data group's.
   const int dp = mesh_.shape().dp;
@@ -317,22 +317,27 @@ StepStats Trainer::train_step() {
   // Every micro-batch's loss is a mean over its tokens; the step's is the mean over the
   // grad_accum micro-batches of all ranks (gradients are summed over ranks by the optimizer).
   const float scale = 1.0f / static_cast<float>(cfg_.grad_accum);
-  // Fault injection (nan@S:rR): the first micro-batch's loss parts are NaN on rank R and the
-  // other ranks of its tensor group (tp consecutive world ranks, whose losses are one), after
-  // its backward: every rank runs the same collectives, and the check below stops them all.
+  // Fault injection (nan@S:rR, spike@S:rR:F): the first micro-batch's loss parts are NaN (times
+  // F) on rank R and the other ranks of its tensor group (tp consecutive world ranks, whose
+  // losses are one), after its backward: every rank runs the same collectives, and the checks
+  // below stop them all.
   bool nan_injected = false;
+  double spike = 1;
   if (!faults_.empty()) {
     const int first = mesh_.rank() - mesh_.coord().tp;
-    for (int r = first; r < first + mesh_.shape().tp; ++r)
-      if (faults_.nan_at(s.step, r)) {
-        nan_injected = true;
-        if (r == mesh_.rank()) {
-          std::fflush(stdout);
-          std::fprintf(stderr, "keel: fault injection: rank %d's loss is NaN at step %lld\n", r,
-                       static_cast<long long>(s.step));
-          std::fflush(stderr);
-        }
+    for (int r = first; r < first + mesh_.shape().tp; ++r) {
+      const bool nan = faults_.nan_at(s.step, r);
+      const double f = faults_.loss_factor_at(s.step, r);
+      if (!nan && f == 1) continue;
+      nan_injected = nan_injected || nan;
+      if (f != 1) spike = f;
+      if (r == mesh_.rank()) {
+        std::fflush(stdout);
+        std::fprintf(stderr, "keel: fault injection: rank %d's loss is %s at step %lld\n", r,
+                     nan ? "NaN" : fmt::format("multiplied by {:g}", f).c_str(), static_cast<long long>(s.step));
+        std::fflush(stderr);
       }
+    }
   }
   for (int a = 0; a < local_accum_; ++a) {
     const auto rows = loader_->next_batch();
@@ -355,6 +360,7 @@ StepStats Trainer::train_step() {
     }
     m.backward(scale);
     if (a == 0 && nan_injected) lp.total = lp.ce = lp.aux = lp.z = std::nan("");
+    if (a == 0) lp.total *= spike, lp.ce *= spike, lp.aux *= spike, lp.z *= spike;
     s.loss += lp.total * scale;
     s.ce += lp.ce * scale;
     s.aux += lp.aux * scale;
@@ -369,6 +375,7 @@ StepStats Trainer::train_step() {
   if (!std::isfinite(s.loss))
     throw NonFiniteStep(fmt::format("step {}: loss is {} (ce {}, aux {}, z {}): stopping", s.step, num(s.loss), num(s.ce),
                             num(s.aux), num(s.z)));
+  if (loss_guard_.is_spike(s.loss)) throw NonFiniteStep(loss_guard_.spike_message(s.step, s.loss));
   s.lr = optim::lr_at(cfg_.schedule, step_);
   StepResult r;
   try {
@@ -416,6 +423,7 @@ StepStats Trainer::train_step() {
     }
   }
   m.update_router_bias();
+  loss_guard_.record(s.loss);
   ++step_;
   return s;
 }
@@ -693,6 +701,13 @@ void Trainer::make_checkpointer() {
   o.keep_last = cfg_.checkpoint_keep_last;
   o.keep_every = cfg_.checkpoint_keep_every;
   o.context_parallel = mesh_.shape().cp;
+  o.fail_with_enospc_at = [this](std::int64_t step) {  // fault injection: diskfull@S:rR
+    const bool full = faults_.disk_full_at(step, mesh_.rank());
+    if (full)
+      std::fprintf(stderr, "keel: fault injection: rank %d finds the disk full saving step %lld\n", mesh_.rank(),
+                   static_cast<long long>(step));
+    return full;
+  };
   ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o, mesh_.world());
   // the staging buffers now, not in the first save's stall (pinned gigabytes take seconds)
   ckpt_->reserve(backend_->checkpoint_view(), backend_->layout());
@@ -719,6 +734,7 @@ void Trainer::save_checkpoint() {
   extra["data_parallel"] = mesh_.shape().dp;
   extra["context_parallel"] = mesh_.shape().cp;
   extra["expert_parallel"] = mesh_.expert().size;
+  if (loss_guard_.enabled()) extra["loss_window"] = loss_guard_.window();  // restored by resume()
   const double staging = ckpt_->save(step_, view, backend_->layout(), extra);
   saved_step_ = step_;
   const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -879,6 +895,13 @@ void Trainer::resume(const std::string& path_in) {
     throw Error(fmt::format("checkpoint {}: state 'sampler' is damaged (a member is missing or of the wrong type; "
                             "expected the data sampler's position as keel train saves it)",
                             metadata));
+  }
+  if (loss_guard_.enabled() && got.extra.contains("loss_window")) {  // else the guard waits W steps again
+    const nlohmann::json& w = got.extra["loss_window"];
+    if (!w.is_array() || !std::all_of(w.begin(), w.end(), [](const nlohmann::json& x) { return x.is_number(); }))
+      throw Error(fmt::format("checkpoint {}: state 'loss_window' is {} (expected the loss-spike guard's window, an "
+                              "array of losses): the metadata is damaged", metadata, w.dump()));
+    loss_guard_.restore(w.get<std::vector<double>>());
   }
   step_ = got.step;
   resumed_ = true;

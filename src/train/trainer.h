@@ -18,6 +18,7 @@
 #include "common/watchdog.h"
 #include "data/blend.h"
 #include "train/backend.h"
+#include "train/loss_guard.h"
 #include "train/metrics_log.h"
 #include "train/model.h"
 #include "train/train_checkpoint.h"
@@ -25,9 +26,9 @@
 
 namespace keel::train {
 
-// A step whose loss or gradient norm is not finite (the same verdict on every rank): the run
-// stops; nothing was updated, and the trainer saves the state before that step when it saves
-// checkpoints.
+// A step whose loss or gradient norm is not finite, or whose loss is a spike (fault.loss_spike_*,
+// train/loss_guard.h; the same verdict on every rank): the run stops; nothing was updated, and
+// the trainer saves the state before that step when it saves checkpoints.
 class NonFiniteStep : public keel::Error {
  public:
   using keel::Error::Error;
@@ -95,9 +96,10 @@ class Trainer {
   // collective) exits with one line naming the step (common/watchdog.h). Not owned.
   void watch_progress(Watchdog* dog, double seconds) { dog_ = dog, dog_seconds_ = seconds; }
   // Fault injection (common/faults.h, keel train --inject): run() asks the plan at the start of
-  // every step, before any of its work (kill, exit, hang, slow on this world rank), and
-  // train_step() whether the step's loss is to be NaN (then on every rank of this rank's tensor
-  // group, so that the ranks stop alike through the non-finite-loss check).
+  // every step, before any of its work (kill, exit, hang, slow on this world rank),
+  // train_step() whether the step's loss is to be NaN or spike (then on every rank of this rank's
+  // tensor group, so that the ranks stop alike through the non-finite-loss or spike check), and
+  // the checkpointer whether this rank's write of a step's checkpoint is to fail (diskfull).
   void set_faults(FaultPlan plan) { faults_ = std::move(plan); }
   // keel train --heartbeat DIR: every rank writes DIR/rank-<world rank>.json (through a .tmp
   // file and a rename) after start-up (phase "start"), after every step (phase "step", after
@@ -168,6 +170,7 @@ class Trainer {
   double dog_seconds_ = 0;
   FaultPlan faults_;
   std::vector<std::int64_t> skip_steps_;
+  LossGuard loss_guard_;  // fault.loss_spike_*; its window is saved with every checkpoint while on
   std::string heartbeat_dir_;
   bool heartbeat_started_ = false;  // the "start" heartbeat is written
   bool heartbeat_warned_ = false;

@@ -72,6 +72,30 @@ TEST(Faults, NanAtMatchesItsStepAndRankOnly) {
   EXPECT_TRUE(FaultPlan().empty());
 }
 
+TEST(Faults, SpikeAndDiskFullMatchTheirStepAndRankOnly) {
+  const FaultPlan p = parse_faults("spike@4:r1,spike@6:2.5,diskfull@8:r1,nan@4:r0,diskfull@9");
+  ASSERT_EQ(p.faults.size(), 5u);
+  EXPECT_EQ(p.faults[0].kind, Fault::Kind::kSpike);
+  EXPECT_EQ(p.faults[0].factor, 100);  // the default
+  EXPECT_EQ(p.faults[1].factor, 2.5);
+  EXPECT_EQ(p.faults[1].rank, 0);
+  EXPECT_EQ(p.faults[2].kind, Fault::Kind::kDiskFull);
+  EXPECT_EQ(p.loss_factor_at(4, 1), 100);
+  EXPECT_EQ(p.loss_factor_at(4, 0), 1);  // nan@4:r0 is no spike
+  EXPECT_EQ(p.loss_factor_at(5, 1), 1);
+  EXPECT_EQ(p.loss_factor_at(6, 0), 2.5);
+  EXPECT_TRUE(p.disk_full_at(8, 1));
+  EXPECT_FALSE(p.disk_full_at(8, 0));
+  EXPECT_FALSE(p.disk_full_at(7, 1));
+  EXPECT_TRUE(p.disk_full_at(9, 0));
+  EXPECT_FALSE(p.nan_at(8, 1));  // a disk full is no NaN
+  EXPECT_FALSE(p.disk_full_at(4, 1));  // nor a spike a disk full
+  EXPECT_EQ(FaultPlan().loss_factor_at(4, 1), 1);
+  // firing is the trainer's: before_step does nothing for them
+  p.before_step(4, 1);
+  p.before_step(8, 1);
+}
+
 TEST(Faults, UnionKeepsEveryFault) {
   FaultPlan p = parse_faults("nan@2");
   p.add(parse_faults("nan@5:r1,slow@1"));
@@ -106,8 +130,8 @@ TEST(Faults, KillAndExitEndTheProcess) {
 }
 
 TEST(Faults, MalformedSpecsAreOneLineNamingTheWord) {
-  EXPECT_EQ(error_of("kil@3"), "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan)");
-  EXPECT_EQ(error_of("kill@3,kil@4"), "--inject kil@4: unknown fault 'kil' (kill, exit, hang, slow, nan)");
+  EXPECT_EQ(error_of("kil@3"), "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull)");
+  EXPECT_EQ(error_of("kill@3,kil@4"), "--inject kil@4: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull)");
   EXPECT_EQ(error_of("kill"), "--inject kill: expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1");
   EXPECT_EQ(error_of(""), "--inject '': an empty fault (expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1)");
   EXPECT_EQ(error_of("kill@3,"), "--inject '': an empty fault (expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1)");
@@ -128,6 +152,13 @@ TEST(Faults, MalformedSpecsAreOneLineNamingTheWord) {
   EXPECT_EQ(error_of("exit@3:-1"), "--inject exit@3:-1: '-1' is not an exit code (0-255)");
   EXPECT_EQ(error_of("exit@3:1:2"), "--inject exit@3:1:2: more than one argument");
   EXPECT_EQ(error_of("slow@3:fast"), "--inject slow@3:fast: 'fast' is not milliseconds (0-86400000)");
+  EXPECT_EQ(error_of("spike@3:0"), "--inject spike@3:0: '0' is not a loss factor (a number > 0)");
+  EXPECT_EQ(error_of("spike@3:x"), "--inject spike@3:x: 'x' is not a loss factor (a number > 0)");
+  EXPECT_EQ(error_of("spike@3:-2"), "--inject spike@3:-2: '-2' is not a loss factor (a number > 0)");
+  EXPECT_EQ(error_of("spike@3:1e999"), "--inject spike@3:1e999: '1e999' is not a loss factor (a number > 0)");
+  EXPECT_EQ(error_of("spike@3:5x"), "--inject spike@3:5x: '5x' is not a loss factor (a number > 0)");
+  EXPECT_EQ(error_of("diskfull@3:2"), "--inject diskfull@3:2: diskfull takes no argument ('2'; a rank is written r2)");
+  EXPECT_EQ(error_of("spike@3-5"), "--inject spike@3-5: a step range is for slow only (spike fires at one step)");
   EXPECT_EQ(error_of("kill@3-5"), "--inject kill@3-5: a step range is for slow only (kill fires at one step)");
   EXPECT_EQ(error_of("slow@5-3"), "--inject slow@5-3: the range 5-3 ends before it starts");
   EXPECT_EQ(error_of("slow@0-3"), "--inject slow@0-3: step 0: steps count from 1");
@@ -138,7 +169,7 @@ TEST(Faults, MalformedSpecsAreOneLineNamingTheWord) {
     parse_faults("oops@1", "keel run --inject");
     FAIL() << "no error";
   } catch (const UsageError& e) {
-    EXPECT_EQ(std::string(e.what()), "keel run --inject oops@1: unknown fault 'oops' (kill, exit, hang, slow, nan)");
+    EXPECT_EQ(std::string(e.what()), "keel run --inject oops@1: unknown fault 'oops' (kill, exit, hang, slow, nan, spike, diskfull)");
   }
 }
 

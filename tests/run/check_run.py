@@ -12,6 +12,11 @@ step. First an uninterrupted `keel train` under mpirun (the reference); then kee
   nan    step 11's loss is NaN: keel train saves step 10 and stops, keel run resumes from step 10
          skipping step 11's data: one step lost, steps 1-10 bit for bit, then it trains on (finite
          losses to step 16, which differ from the reference's: other data);
+  spike  the same for a loss spike (rank 1's loss of step 11 x 100, the guard at 6 sigma over 5
+         steps): a loss_spike fault with its loss, mean and std, the window saved with step 10;
+  disk full  rank 1's write of the checkpoint of step 8 fails with ENOSPC: keel train exits with
+         one error line naming checkpoint.dir, "No space left on device" and `latest` (step 4,
+         intact), keel run records disk_full and resumes from step 4, losses bit for bit;
   give up  a kill with --max-restarts 0: one error line, non-zero exit;
   corrupt  a run gives up after its checkpoint of step 8, whose data is then truncated: keel run
            again moves step 8 aside, resumes from step 4, losses bit for bit;
@@ -21,6 +26,7 @@ Usage: check_run.py KEEL CONFIG STORIES_PREFIX WORKDIR
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -124,6 +130,38 @@ restart = [e for e in ev if e["event"] == "restart"]
 check(len(faults) == 1 and faults[0]["kind"] == "nan" and faults[0]["skip_step"] == 11, f"nan: one NaN fault at step 11 ({faults})")
 check(restart and restart[0]["resume_step"] == 10 and restart[0]["steps_lost"] == 0,
       f"nan: resumed from step 10, nothing but the NaN step lost ({restart})")
+
+# loss spike: like the NaN
+out, _ = keel_run("spike", "--set", "fault.loss_spike_sigma=6", "--set", "fault.loss_spike_window=5",
+                  "--inject", "spike@11:r1")
+got, ev = losses(out), events(out)
+check(all(got.get(s) == ref[s] for s in range(1, 11)), "spike: steps 1-10 equal the uninterrupted run's")
+check(len(got) == STEPS and all(v == v and abs(v) < 2 * ref[1] for v in got.values()), "spike: 16 steps, no spike logged")
+check(got.get(11) != ref[11], "spike: step 11 trained on other data (the spike step's was skipped)")
+faults = [e for e in ev if e["event"] == "fault"]
+restart = [e for e in ev if e["event"] == "restart"]
+check(len(faults) == 1 and faults[0]["kind"] == "loss_spike" and faults[0]["skip_step"] == 11
+      and faults[0]["loss"] > faults[0]["mean"] + 6 * faults[0]["std"] > 0, f"spike: one loss_spike fault at step 11 ({faults})")
+check(restart and restart[0]["resume_step"] == 10 and restart[0]["steps_lost"] == 0 and restart[0]["skips"] == [11],
+      f"spike: resumed from step 10 skipping step 11, nothing else lost ({restart})")
+with open(os.path.join(out, "step_00000010", "metadata.json")) as f:
+    window = json.load(f)["state"].get("loss_window")
+check(window == [ref[s] for s in range(6, 11)], f"spike: the checkpoint of step 10 holds the guard's window, steps 6-10 ({window})")
+
+# disk full at the checkpoint of step 8 on rank 1
+out, _ = keel_run("diskfull", "--inject", "diskfull@8:r1")
+got, ev = losses(out), events(out)
+check(got == ref, "diskfull: every step's loss equals the uninterrupted run's bit for bit")
+faults = [e for e in ev if e["event"] == "fault"]
+restart = [e for e in ev if e["event"] == "restart"]
+check(len(faults) == 1 and faults[0]["kind"] == "disk_full", f"diskfull: one disk_full fault ({faults})")
+check(restart and restart[0]["resume_step"] == 4 and not any(e["event"] == "corrupt_checkpoint" for e in ev),
+      f"diskfull: resumed from step 4, which verified ({restart})")
+with open(os.path.join(out, "run_attempt_1.log")) as f:
+    errors = [l for l in f if l.startswith("keel: error:")]
+want = re.compile(r"keel: error: (\[rank \d\] )?checkpoint\.dir \S+diskfull: save of step 8 failed on 1 rank\(s\), "
+                  r"nothing committed, .*: No space left on device; `latest` is step_00000004$")
+check(errors and all(want.match(l.rstrip("\n")) for l in errors), f"diskfull: keel train's error line ({errors})")
 
 # give up
 out, r = keel_run("give_up", "--inject", "kill@3:r1", "--max-restarts", "0", expect=1)

@@ -1,5 +1,6 @@
 # `keel run`, the supervisor: bad flags are one line; the fault drills on 2 CPU ranks
-# (tests/run/check_run.py: kill, hang, NaN, give up, SIGTERM; about a minute).
+# (tests/run/check_run.py: kill, hang, NaN, loss spike, disk full, give up, corrupt checkpoint,
+# SIGTERM; about 30 s).
 set(rcfg ${PROJECT_SOURCE_DIR}/configs/train/tiny.yaml)
 keel_cli_test(NAME run_bad_max_restarts EXIT 1 MATCH "--max-restarts -1: must be >= 0"
   ARGS run ${rcfg} --max-restarts -1)
@@ -11,6 +12,33 @@ keel_cli_test(NAME run_bad_inject EXIT 1 MATCH "--inject kil@3: unknown fault 'k
   ARGS run ${rcfg} --inject kil@3)
 keel_cli_test(NAME run_inside_a_launcher_is_refused NP 2 EXIT 1
   MATCH "keel run is the supervisor, not a rank" ARGS run ${rcfg})
+keel_cli_test(NAME run_bad_inject_spike EXIT 1 MATCH "--inject spike@3:0: '0' is not a loss factor \\(a number > 0\\)"
+  ARGS run ${rcfg} --inject spike@3:0)
+keel_cli_test(NAME run_bad_spike_window EXIT 1
+  MATCH "^keel: error: .*tiny\\.yaml: key 'fault\\.loss_spike_window' \\(from --set\\): must be >= 5 \\(steps\\)$"
+  ARGS run ${rcfg} --set fault.loss_spike_window=4)
+# What keel run reads from keel train, on its own: the loss-spike guard's line (one rank, and
+# two tensor-parallel ranks that stop alike, neither hanging), and a checkpoint write that finds
+# the disk full (one line naming checkpoint.dir, ENOSPC and the `latest` that stays).
+set(rshort --set data.datasets.stories=train_stories --set steps=12 --set log_interval=1 --set schedule.warmup_steps=4
+    --set data.seq_length=64 --set batch.micro_batch=4 --set eval.prefix=train_stories_heldout --set eval.interval=0
+    --set device=cpu --set checkpoint.final=false)
+set(rspike --set fault.loss_spike_sigma=6 --set fault.loss_spike_window=5)
+keel_cli_test(NAME run_train_loss_spike EXIT nonzero
+  MATCH "^keel: error: step 8: loss [0-9.e+]+ is a spike \\(> mean [0-9.]+ \\+ 6 x std [0-9.e-]+ over the last 5 steps\\)$"
+  NOT "^step +8/"
+  ARGS train ${rcfg} ${rshort} ${rspike} --set output_dir=run_cli/spike --inject spike@8)
+keel_cli_test(NAME run_train_loss_spike_tp NP 2 EXIT nonzero MATCH "step 8: loss [0-9.e+]+ is a spike"
+  NOT "did not finish within"
+  ARGS train ${rcfg} ${rshort} ${rspike} --set parallel.tensor=2 --set output_dir=run_cli/spike_tp --timeout 60
+       --inject spike@8:r1)
+keel_cli_test(NAME run_train_disk_full EXIT 1
+  MATCH "^keel: error: checkpoint\\.dir run_cli/diskfull: save of step 4 failed on 1 rank\\(s\\), nothing committed, the previous checkpoint stays: rank 0: cannot write run_cli/diskfull/step_00000004/data_r00000_b0\\.bin: No space left on device; `latest` is step_00000002$"
+  ARGS train ${rcfg} ${rshort} --set checkpoint.interval=2 --set output_dir=run_cli/diskfull --inject diskfull@4)
+add_test(NAME run_cli_clean COMMAND ${CMAKE_COMMAND} -E rm -rf run_cli)
+set_tests_properties(run_cli_clean PROPERTIES FIXTURES_SETUP run_cli_clean)
+set_tests_properties(cli_run_train_loss_spike cli_run_train_loss_spike_tp cli_run_train_disk_full
+                     PROPERTIES FIXTURES_REQUIRED "train_stories;run_cli_clean")
 add_test(NAME run_fault_drills
          COMMAND python3 ${CMAKE_CURRENT_SOURCE_DIR}/run/check_run.py $<TARGET_FILE:keel> ${rcfg} train_stories run_drills)
 set_tests_properties(run_fault_drills PROPERTIES FIXTURES_REQUIRED train_stories TIMEOUT 600 PROCESSORS 2
