@@ -23,7 +23,10 @@ void add_command(CLI::App& app) {
   cmd->add_option("--ranks", *ranks, "Processes on this node (default: one per visible GPU, else 1)");
   cmd->add_option("--launcher", o->launcher, "How several ranks start (mpirun)")->capture_default_str();
   cmd->add_option("--hosts", o->hosts, "mpirun --hostfile for a multi-node job");
-  cmd->add_option("--max-restarts", o->max_restarts, "Faults to survive before giving up")->capture_default_str();
+  cmd->add_option("--max-restarts", o->max_restarts,
+                  "Faults in a row to survive before giving up (an attempt that commits a newer checkpoint starts "
+                  "the count again)")
+      ->capture_default_str();
   cmd->add_option("--hang-factor", o->hang_factor,
                   "A rank is hung when its heartbeat is older than this many median step times")
       ->capture_default_str();
@@ -31,7 +34,7 @@ void add_command(CLI::App& app) {
   cmd->add_option("--start-deadline", o->start_deadline,
                   "Seconds from launch to every rank's first heartbeat (start-up, resume) before it is a hang")
       ->capture_default_str();
-  cmd->add_option("--backoff", o->backoff, "Seconds before the first restart; doubles per restart")->capture_default_str();
+  cmd->add_option("--backoff", o->backoff, "Seconds before the first restart; doubles per restart in a row (reset by progress)")->capture_default_str();
   cmd->add_option("--backoff-max", o->backoff_max, "The back-off's ceiling, seconds")->capture_default_str();
   cmd->add_option("--grace", o->grace, "Seconds a stop signal gives the job to save and exit")->capture_default_str();
   cmd->add_option("--events", o->events, "Event log (JSONL; default: <output_dir>/run_events.jsonl)");

@@ -211,6 +211,7 @@ int run(const Options& o) {
   std::map<std::string, int> survived;
   double useful = 0;  // seconds of the steps kept
   int restarts = 0;
+  int in_a_row = 0;  // restarts since an attempt last committed a newer checkpoint (--max-restarts, the back-off)
   std::string last_startup_error;  // the previous attempt's error before its first step
   events.write({{"event", "start"}, {"config", o.config}, {"ranks", o.ranks}, {"steps", cfg.steps}});
   for (int attempt = 1;; ++attempt) {
@@ -454,6 +455,7 @@ int run(const Options& o) {
     ++restarts;
     survived[fault->kind]++;
     const std::int64_t next = latest_step(ckpt_root);
+    in_a_row = next > resume ? 1 : in_a_row + 1;  // progress (a newer checkpoint) starts the count again
     if ((fault->kind == "nan" || fault->kind == "loss_spike") && fault->skip_step > 0) skips.push_back(fault->skip_step);
     const std::int64_t lost = std::max<std::int64_t>(0, reached - next);
     useful += median(step_times) * static_cast<double>(std::max<std::int64_t>(0, std::min(reached, next) - resume));
@@ -466,14 +468,14 @@ int run(const Options& o) {
     std::printf("keel run: fault (%s%s) at step %lld: %s; detected in %.2f s\n", fault->kind.c_str(),
                 fault->rank >= 0 ? fmt::format(", rank {} on {} pid {}", fault->rank, fault->host, fault->pid).c_str() : "",
                 static_cast<long long>(reached), fault->detail.c_str(), fault->detect_seconds);
-    if (restarts > o.max_restarts) {
+    if (in_a_row > o.max_restarts) {
       events.write({{"event", "give_up"}, {"restarts", restarts - 1}, {"last_fault", fault->kind}});
-      throw Error(fmt::format("run: gave up after {} restarts (--max-restarts {}); the last fault: {} at step {} ({}); "
-                              "the events are in {}",
-                              restarts - 1, o.max_restarts, fault->kind, reached, fault->detail,
+      throw Error(fmt::format("run: gave up after {} restarts without progress (--max-restarts {}; {} in all); the "
+                              "last fault: {} at step {} ({}); the events are in {}",
+                              in_a_row - 1, o.max_restarts, restarts - 1, fault->kind, reached, fault->detail,
                               o.events.empty() ? (out_dir / "run_events.jsonl").string() : o.events));
     }
-    const double wait = std::min(o.backoff_max, o.backoff * std::pow(2.0, restarts - 1));
+    const double wait = std::min(o.backoff_max, o.backoff * std::pow(2.0, in_a_row - 1));
     events.write({{"event", "restart"}, {"attempt", attempt + 1}, {"resume_step", next}, {"steps_lost", lost},
                   {"backoff_seconds", wait}, {"skips", skips}});
     std::printf("keel run: restarting from step %lld (%lld step%s lost) in %.1f s\n", static_cast<long long>(next),

@@ -17,7 +17,8 @@ step. First an uninterrupted `keel train` under mpirun (the reference); then kee
   disk full  rank 1's write of the checkpoint of step 8 fails with ENOSPC: keel train exits with
          one error line naming checkpoint.dir, "No space left on device" and `latest` (step 4,
          intact), keel run records disk_full and resumes from step 4, losses bit for bit;
-  give up  a kill with --max-restarts 0: one error line, non-zero exit;
+  give up  a kill with --max-restarts 0: one error line, non-zero exit; two kills with a newer
+           checkpoint between them survive --max-restarts 1 (it counts restarts in a row);
   corrupt  a run gives up after its checkpoint of step 8, whose data is then truncated: keel run
            again moves step 8 aside, resumes from step 4, losses bit for bit;
   stop   SIGTERM to keel run mid-run: the job saves and keel run exits 0;
@@ -165,7 +166,15 @@ check(errors and all(want.match(l.rstrip("\n")) for l in errors), f"diskfull: ke
 
 # give up
 out, r = keel_run("give_up", "--inject", "kill@3:r1", "--max-restarts", "0", expect=1)
-check("keel: error: run: gave up after 0 restarts" in r.stderr, "give up: one error line")
+check("keel: error: run: gave up after 0 restarts without progress" in r.stderr, "give up: one error line")
+
+# --max-restarts counts restarts in a row: two faults with a newer checkpoint committed between
+# them are survived at --max-restarts 1
+out, r = keel_run("progress", "--inject", "kill@7:r1", "--inject", "kill@15:r0", "--max-restarts", "1")
+ev = events(out)
+check([e["kind"] for e in ev if e["event"] == "fault"] == ["dead", "dead"] and not any(e["event"] == "give_up" for e in ev),
+      "progress: two faults survived at --max-restarts 1 (progress between them)")
+check(losses(out) == ref, "progress: every step's loss equals the uninterrupted run's bit for bit")
 
 # a newest checkpoint damaged after its commit: the give-up run above left steps 0-2 only, so a
 # run that gives up after checkpoints 4 and 8, then step_8's data truncated, then keel run again
