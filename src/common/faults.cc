@@ -154,22 +154,24 @@ void FaultPlan::before_step(std::int64_t step, int rank) const {
   }
 }
 
-bool FaultPlan::nan_at(std::int64_t step, int rank) const {
+namespace {
+// The fault of `kind` due on world rank `rank` at step `step`, or null.
+const Fault* due_at(const std::vector<Fault>& faults, Fault::Kind kind, std::int64_t step, int rank) {
   for (const Fault& f : faults)
-    if (f.kind == Fault::Kind::kNan && f.rank == rank && step >= f.first_step && step <= f.last_step) return true;
-  return false;
+    if (f.kind == kind && f.rank == rank && step >= f.first_step && step <= f.last_step) return &f;
+  return nullptr;
 }
+}  // namespace
+
+bool FaultPlan::nan_at(std::int64_t step, int rank) const { return due_at(faults, Fault::Kind::kNan, step, rank); }
 
 double FaultPlan::loss_factor_at(std::int64_t step, int rank) const {
-  for (const Fault& f : faults)
-    if (f.kind == Fault::Kind::kSpike && f.rank == rank && step >= f.first_step && step <= f.last_step) return f.factor;
-  return 1.0;
+  const Fault* f = due_at(faults, Fault::Kind::kSpike, step, rank);
+  return f ? f->factor : 1.0;
 }
 
 bool FaultPlan::disk_full_at(std::int64_t step, int rank) const {
-  for (const Fault& f : faults)
-    if (f.kind == Fault::Kind::kDiskFull && f.rank == rank && step >= f.first_step && step <= f.last_step) return true;
-  return false;
+  return due_at(faults, Fault::Kind::kDiskFull, step, rank);
 }
 
 }  // namespace keel
