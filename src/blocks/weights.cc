@@ -82,6 +82,50 @@ bool bf16_only(Slot s) {
   }
 }
 
+Tensor* layer_slot(LayerWeights& L, Slot s) {
+  switch (s) {
+    case Slot::kAttnHScale: return &L.attn_scale.h_scale;
+    case Slot::kAttnHBias: return &L.attn_scale.h_bias;
+    case Slot::kAttnRScale: return &L.attn_scale.r_scale;
+    case Slot::kAttnRBias: return &L.attn_scale.r_bias;
+    case Slot::kAttnNorm: return &L.attn_norm;
+    case Slot::kWq: return &L.wq;
+    case Slot::kWk: return &L.wk;
+    case Slot::kWv: return &L.wv;
+    case Slot::kWo: return &L.wo;
+    case Slot::kCcaWqk: return &L.cca.w_qk;
+    case Slot::kCcaWv: return &L.cca.w_v;
+    case Slot::kCcaConv0W: return &L.cca.conv0_w;
+    case Slot::kCcaConv0B: return &L.cca.conv0_b;
+    case Slot::kCcaConv1W: return &L.cca.conv1_w;
+    case Slot::kCcaConv1B: return &L.cca.conv1_b;
+    case Slot::kCcaTemp: return &L.cca.temp;
+    case Slot::kCcaWo: return &L.cca.w_o;
+    case Slot::kMlpHScale: return &L.mlp_scale.h_scale;
+    case Slot::kMlpHBias: return &L.mlp_scale.h_bias;
+    case Slot::kMlpRScale: return &L.mlp_scale.r_scale;
+    case Slot::kMlpRBias: return &L.mlp_scale.r_bias;
+    case Slot::kMlpNorm: return &L.mlp_norm;
+    case Slot::kGate: return &L.w_gate;
+    case Slot::kUp: return &L.w_up;
+    case Slot::kDown: return &L.w_down;
+    case Slot::kRouter: return &L.router;
+    case Slot::kZrDownW: return &L.zrouter.w_down;
+    case Slot::kZrDownB: return &L.zrouter.b_down;
+    case Slot::kZrEda: return &L.zrouter.gamma;
+    case Slot::kZrNorm: return &L.zrouter.w_norm;
+    case Slot::kZrW1: return &L.zrouter.w1;
+    case Slot::kZrB1: return &L.zrouter.b1;
+    case Slot::kZrW2: return &L.zrouter.w2;
+    case Slot::kZrB2: return &L.zrouter.b2;
+    case Slot::kZrOut: return &L.zrouter.w3;
+    case Slot::kExpertGate: return &L.experts.w_gate;
+    case Slot::kExpertUp: return &L.experts.w_up;
+    case Slot::kExpertDown: return &L.experts.w_down;
+    default: return nullptr;
+  }
+}
+
 WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* base) {
   WeightViews w;
   w.layers.assign(static_cast<std::size_t>(cfg.layers), LayerWeights{});
@@ -98,44 +142,9 @@ WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout&
       case Slot::kFinalHBias: w.final_scale.h_bias = t; break;
       case Slot::kFinalRScale: w.final_scale.r_scale = t; break;
       case Slot::kFinalRBias: w.final_scale.r_bias = t; break;
-      case Slot::kAttnHScale: L.attn_scale.h_scale = t; break;
-      case Slot::kAttnHBias: L.attn_scale.h_bias = t; break;
-      case Slot::kAttnRScale: L.attn_scale.r_scale = t; break;
-      case Slot::kAttnRBias: L.attn_scale.r_bias = t; break;
-      case Slot::kAttnNorm: L.attn_norm = t; break;
-      case Slot::kWq: L.wq = t; break;
-      case Slot::kWk: L.wk = t; break;
-      case Slot::kWv: L.wv = t; break;
-      case Slot::kWo: L.wo = t; break;
-      case Slot::kCcaWqk: L.cca.w_qk = t; break;
-      case Slot::kCcaWv: L.cca.w_v = t; break;
-      case Slot::kCcaConv0W: L.cca.conv0_w = t; break;
-      case Slot::kCcaConv0B: L.cca.conv0_b = t; break;
-      case Slot::kCcaConv1W: L.cca.conv1_w = t; break;
-      case Slot::kCcaConv1B: L.cca.conv1_b = t; break;
-      case Slot::kCcaTemp: L.cca.temp = t; break;
-      case Slot::kCcaWo: L.cca.w_o = t; break;
-      case Slot::kMlpHScale: L.mlp_scale.h_scale = t; break;
-      case Slot::kMlpHBias: L.mlp_scale.h_bias = t; break;
-      case Slot::kMlpRScale: L.mlp_scale.r_scale = t; break;
-      case Slot::kMlpRBias: L.mlp_scale.r_bias = t; break;
-      case Slot::kMlpNorm: L.mlp_norm = t; break;
-      case Slot::kGate: L.w_gate = t; break;
-      case Slot::kUp: L.w_up = t; break;
-      case Slot::kDown: L.w_down = t; break;
-      case Slot::kRouter: L.router = t, L.moe = true; break;
-      case Slot::kZrDownW: L.zrouter.w_down = t; break;
-      case Slot::kZrDownB: L.zrouter.b_down = t; break;
-      case Slot::kZrEda: L.zrouter.gamma = t; break;
-      case Slot::kZrNorm: L.zrouter.w_norm = t; break;
-      case Slot::kZrW1: L.zrouter.w1 = t; break;
-      case Slot::kZrB1: L.zrouter.b1 = t; break;
-      case Slot::kZrW2: L.zrouter.w2 = t; break;
-      case Slot::kZrB2: L.zrouter.b2 = t; break;
-      case Slot::kZrOut: L.zrouter.w3 = t; break;
-      case Slot::kExpertGate: L.experts.w_gate = t, L.moe = true; break;
-      case Slot::kExpertUp: L.experts.w_up = t; break;
-      case Slot::kExpertDown: L.experts.w_down = t; break;
+      default:
+        *layer_slot(L, r.slot) = t;
+        L.moe = L.moe || r.slot == Slot::kRouter || r.slot == Slot::kExpertGate;
     }
   }
   if (cfg.tied_embeddings) w.lm_head = w.embed;

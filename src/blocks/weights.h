@@ -68,6 +68,10 @@ bool bf16_only(Slot s);
 // The tensor of parameter `p` in a flat buffer laid out by its layout (base + p.offset, p.shape).
 Tensor param_view(float* base, const optim::ParamInfo& p);
 
+// The view of a layer's parameter `s` in L (null for the model-level slots): map_weights fills
+// it, and TSP (parallel/tsp.h) points it at another rank's shard.
+Tensor* layer_slot(LayerWeights& L, Slot s);
+
 // Throws keel::Error naming a parameter of the layout it has no role for.
 WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* base);
 

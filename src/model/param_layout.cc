@@ -158,9 +158,24 @@ std::vector<optim::ParamSpec> param_specs(const ModelConfig& cfg) {
   return std::move(s.list);
 }
 
-bool kv_replicated(const ModelConfig& cfg, const mesh::Shape& mesh) { return mesh.tp > cfg.kv_heads; }
+mesh::Shape weight_shape(const mesh::Shape& s) {
+  mesh::Shape w = s;
+  w.tp = s.tp * s.tsp;
+  w.tsp = 1;
+  return w;
+}
 
-optim::ParamLayout param_layout(const ModelConfig& cfg, const mesh::Shape& mesh) {
+mesh::Coord weight_coord(const mesh::Shape& s, const mesh::Coord& at) {
+  mesh::Coord w = at;
+  w.tp = at.tsp * s.tp + at.tp;
+  w.tsp = 0;
+  return w;
+}
+
+bool kv_replicated(const ModelConfig& cfg, const mesh::Shape& mesh) { return mesh.tp * mesh.tsp > cfg.kv_heads; }
+
+optim::ParamLayout param_layout(const ModelConfig& cfg, const mesh::Shape& given) {
+  const mesh::Shape mesh = weight_shape(given);
   if (mesh.ep > 1 && (cfg.experts < 1 || cfg.experts % mesh.ep != 0))
     throw UsageError(fmt::format("model '{}': {} experts do not split over expert-parallel degree {}", cfg.name,
                                  cfg.experts, mesh.ep));
@@ -286,7 +301,9 @@ int param_stage(const std::string& name, int layers) {
 }
 
 void init_parameters(const ModelConfig& cfg, const optim::ParamLayout& layout, double init_std, std::uint64_t seed,
-                     float* params, const mesh::Shape& mesh, const mesh::Coord& at, double router_init_gain) {
+                     float* params, const mesh::Shape& given, const mesh::Coord& given_at, double router_init_gain) {
+  const mesh::Shape mesh = weight_shape(given);
+  const mesh::Coord at = weight_coord(given, given_at);
   const double out_scale = 1.0 / std::sqrt(2.0 * cfg.layers);
   std::memset(params, 0, static_cast<std::size_t>(layout.total_floats) * sizeof(float));
   // One splitmix64 stream over the matrices in the order of the whole model's parameters

@@ -38,6 +38,13 @@ namespace keel::model {
 // placement. Throws keel::UsageError for a dense layer without ffn_hidden.
 std::vector<optim::ParamSpec> param_specs(const ModelConfig& cfg);
 
+// The mesh the weights lie over. TSP (parallel/tsp.h) slices every matrix as tensor parallelism
+// does, over its own axis, so the tsp degree folds into the tensor degree (tp * tsp, the tsp
+// coordinate outer): a TSP rank holds a TP rank's blocks, and its checkpoints resume as TP, DP or
+// TSP of another degree. param_layout and init_parameters take the run's mesh and fold it.
+mesh::Shape weight_shape(const mesh::Shape& s);
+mesh::Coord weight_coord(const mesh::Shape& s, const mesh::Coord& at);
+
 // The flat buffer one rank holds under `mesh` (only the degrees of axes that split parameters
 // matter): each parameter's block at this rank (placement.local_shape), in model order, except
 // that parameters split over the expert axis come after every other one when ep > 1 (their
@@ -46,7 +53,7 @@ std::vector<optim::ParamSpec> param_specs(const ModelConfig& cfg);
 // Muon with the same offsets). Throws keel::UsageError when a split does not divide its
 // dimension (experts over ep).
 optim::ParamLayout param_layout(const ModelConfig& cfg, const mesh::Shape& mesh = {});
-// Whether the tensor ranks of `mesh` outnumber the kv heads, so that every tensor rank holds the
+// Whether the tensor (and tsp) ranks of `mesh` outnumber the kv heads, so that every tensor rank holds the
 // whole k and v projections (mha / gqa) instead of a slice.
 bool kv_replicated(const ModelConfig& cfg, const mesh::Shape& mesh);
 // The layout of one expert-parallel rank: param_layout with mesh ep = expert_parallel.

@@ -9,19 +9,22 @@
 namespace keel::parallel {
 
 void check_plan(const model::ModelConfig& model, const mesh::Shape& shape, const std::string& what) {
-  for (mesh::Axis a : {mesh::Axis::kTsp, mesh::Axis::kPipeline})
-    if (shape.degree(a) > 1)
-      throw UsageError(fmt::format(
-          "{}: {} parallelism ({}={}) is not implemented yet (data, context, tensor and expert parallelism are)", what,
-          mesh::axis_title(a), mesh::axis_name(a), shape.degree(a)));
+  if (shape.pp > 1)
+    throw UsageError(fmt::format(
+        "{}: pipeline parallelism (pp={}) is not implemented yet (data, context, tensor, tsp and expert parallelism are)",
+        what, shape.pp));
+  if (shape.tsp > 1 && (shape.tp > 1 || shape.cp > 1))
+    throw UsageError(fmt::format("{}: parallel.tsp ({}) with parallel.{} ({}): TSP already splits the weights and the "
+                                 "tokens over its axis; combine it with data and expert parallelism only",
+                                 what, shape.tsp, shape.tp > 1 ? "tensor" : "context", shape.tp > 1 ? shape.tp : shape.cp));
   if (shape.ep > 1 && (model.experts < 1 || model.experts % shape.ep != 0))
     throw UsageError(fmt::format("{}: model '{}': {} experts do not split over expert-parallel degree {}", what,
                                  model.name, model.experts, shape.ep));
-  const int T = shape.tp;
+  const int T = shape.tp * shape.tsp;  // TSP slices the weights as tensor parallelism does
   if (T == 1) return;
   const auto refuse = [&](const std::string& why) {
-    throw UsageError(fmt::format("{}: model '{}' does not split over tensor-parallel degree {} (parallel.tensor): {}",
-                                 what, model.name, T, why));
+    throw UsageError(fmt::format("{}: model '{}' does not split over {} degree {} (parallel.{}): {}", what, model.name,
+                                 shape.tsp > 1 ? "tsp" : "tensor-parallel", T, shape.tsp > 1 ? "tsp" : "tensor", why));
   };
   if (model.heads % T != 0) refuse(fmt::format("{} attention heads do not divide by {}", model.heads, T));
   if (model.vocab_size % T != 0)
@@ -54,8 +57,16 @@ CpuPlan::CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t b
                  bool ring) {
   check_plan(cfg, mesh.shape());
   layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::LayerRunners{});
-  const Group& context = mesh.group(GroupKind::kContext);
+  // The tokens split over the context group, or under TSP over the tsp group (which then also
+  // slices the weights: tsp_).
+  const Group& tsp = mesh.group(GroupKind::kTsp);
+  const Group& context = tsp.size > 1 ? tsp : mesh.group(GroupKind::kContext);
   std::int64_t tokens = batch * seq;
+  if (tsp.size > 1) {
+    if (sequence) throw UsageError("parallel.sequence is tensor parallelism's; TSP (parallel.tsp) splits the tokens already");
+    if (ring) throw UsageError("parallel.context_mode: ring is context parallelism's; TSP gathers the k and v of each head shard");
+    tsp_ = std::make_unique<TspShards>(tsp.comm);
+  }
   if (context.size > 1) {
     check_context_split(seq, context.size, context_halo(cfg), "keel train");
     cp_ = std::make_unique<ContextParallel>(context.comm, seq, ring);
@@ -71,11 +82,23 @@ CpuPlan::CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t b
   } else if (sequence) {
     throw UsageError("parallel.sequence needs parallel.tensor above 1 (it splits the tokens over the tensor group)");
   }
+  // Expert parallelism: a runner per MoE layer (under TSP per layer and weight shard: each keeps
+  // its forward for its backward).
+  const int shards = tsp.size;
+  ep_layers_.clear();
+  ep_layers_.resize(static_cast<std::size_t>(cfg.layers) * shards);
   for (int l = 0; l < cfg.layers; ++l) {
     if (mesh.expert().size == 1 || !model::is_moe_layer(cfg, l)) continue;
-    ep_layers_.push_back(std::make_unique<ExpertParallelMoe>(mesh.expert().comm, cfg.experts));
-    layers_[static_cast<std::size_t>(l)].experts = ep_layers_.back().get();
+    for (int r = 0; r < shards; ++r)
+      ep_layers_[static_cast<std::size_t>(l) * shards + r] =
+          std::make_unique<ExpertParallelMoe>(mesh.expert().comm, cfg.experts);
+    layers_[static_cast<std::size_t>(l)].experts = ep_layers_[static_cast<std::size_t>(l) * shards].get();
   }
+}
+
+ops::moe::ExpertRunner* CpuPlan::experts(int layer, int shard) const {
+  const std::size_t shards = tsp_ ? static_cast<std::size_t>(tsp_->size()) : 1;
+  return ep_layers_.at(static_cast<std::size_t>(layer) * shards + static_cast<std::size_t>(shard)).get();
 }
 
 }  // namespace keel::parallel

@@ -14,14 +14,15 @@
 #include "parallel/expert_parallel.h"
 #include "parallel/mesh.h"
 #include "parallel/tensor_parallel.h"
+#include "parallel/tsp.h"
 
 namespace keel::parallel {
 
 // Throws keel::UsageError, one line prefixed by `what`, when `model` cannot run on a mesh of
-// `shape`: an axis keel train does not implement yet (tsp, pp above 1), expert parallelism
-// that does not divide the experts (or a model without experts), or a tensor degree that does not
-// divide the heads, the FFN widths or the vocabulary (nor the kv heads, nor is a multiple of
-// them; CCA: must divide them). Every backend calls
+// `shape`: an axis keel train does not implement yet (pp above 1), tsp beside tp or cp, expert parallelism
+// that does not divide the experts (or a model without experts), or a tensor (or tsp) degree that
+// does not divide the heads, the FFN widths or the vocabulary (nor the kv heads, nor is a
+// multiple of them; CCA: must divide them). Every backend calls
 // it first; the mesh shape itself is checked by mesh::validate (parallel::Mesh).
 void check_plan(const model::ModelConfig& model, const mesh::Shape& shape, const std::string& what = "keel train");
 
@@ -33,6 +34,8 @@ std::int64_t context_halo(const model::ModelConfig& cfg);
 // degree 1 every runner is the local op; context parallelism gives every layer the
 // ContextParallel attention core and token group, tensor parallelism the TensorParallelLinear
 // boundary, expert parallelism each MoE layer an ExpertParallelMoe over the mesh's expert group.
+// TSP (tsp.h) gives every layer the ContextParallel core over the tsp group and the weight
+// shards (tsp()), through which the model runs each sub-block once per shard.
 // The GPU twin is plan_cuda.h.
 class CpuPlan {
  public:
@@ -44,13 +47,20 @@ class CpuPlan {
   const std::vector<blocks::LayerRunners>& layers() const { return layers_; }
   // The tensor-parallel boundary, null at tensor degree 1.
   TensorParallelLinear* tensor() const { return tp_.get(); }
-  // The context-parallel core, null at context degree 1.
+  // The context-parallel core (over the context group, or the tsp group under TSP), null when
+  // every rank holds whole sequences.
   ContextParallel* context() const { return cp_.get(); }
+  // TSP's weight shards, null at tsp degree 1.
+  TspShards* tsp() const { return tsp_.get(); }
+  // Layer `layer`'s expert runner for weight shard `shard` (TSP; otherwise shard 0): null where
+  // the experts run here.
+  ops::moe::ExpertRunner* experts(int layer, int shard) const;
 
  private:
   std::unique_ptr<ContextParallel> cp_;
   std::unique_ptr<TensorParallelLinear> tp_;
-  std::vector<std::unique_ptr<ExpertParallelMoe>> ep_layers_;  // per MoE layer
+  std::unique_ptr<TspShards> tsp_;
+  std::vector<std::unique_ptr<ExpertParallelMoe>> ep_layers_;  // [layer * shards + shard]
   std::vector<blocks::LayerRunners> layers_;
 };
 

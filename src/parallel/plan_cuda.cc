@@ -11,6 +11,10 @@ namespace keel::parallel {
 
 CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t batch, std::int64_t seq, bool sequence) {
   check_plan(cfg, mesh.shape());
+  if (mesh.shape().tsp > 1)
+    throw UsageError(fmt::format("keel train: parallel.tsp ({}) runs on CPU ranks only so far (device: cpu); on GPUs use "
+                                 "parallel.tensor with parallel.sequence, or parallel.context",
+                                 mesh.shape().tsp));
   layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::cuda::LayerRunners{});
   const Group& context = mesh.group(GroupKind::kContext);
   std::int64_t tokens = batch * seq;

@@ -26,22 +26,25 @@
 namespace keel::train {
 namespace {
 
-// The run's mesh: world = parallel.data x parallel.context x parallel.tensor (parallel.data 0:
-// the world over the other two), tensor groups of consecutive ranks, then context groups;
+// The run's mesh: world = parallel.data x parallel.context x parallel.tsp x parallel.tensor
+// (parallel.data 0: the world over the others), tensor groups of consecutive ranks, then tsp
+// groups, then context groups;
 // expert parallelism is folded into the data x context ranks (parallel.expert consecutive ones
 // hold all experts). Resolves `device: auto` to cuda or cpu alike on every rank. With several ranks on
 // GPUs, each rank takes its node-local rank's GPU or the one its launcher bound it to
 // (device/rank_gpu.h). Checked before any GPU work, alike on every rank.
 parallel::Mesh make_mesh(TrainConfig& cfg, const MpiSession& mpi) {
-  const int tensor = cfg.parallel_tensor, context = cfg.parallel_context;
+  const int tensor = cfg.parallel_tensor * cfg.parallel_tsp, context = cfg.parallel_context;
+  const std::string model_axes = cfg.parallel_tsp > 1 ? fmt::format("parallel.tsp ({})", cfg.parallel_tsp)
+                                                      : fmt::format("parallel.tensor ({})", cfg.parallel_tensor);
   if (cfg.parallel_data == 0 && mpi.size() % (tensor * context) != 0)
-    throw UsageError(fmt::format("{}: parallel.context ({}) x parallel.tensor ({}) must divide the number of ranks ({})",
-                                 cfg.path, context, tensor, mpi.size()));
+    throw UsageError(fmt::format("{}: parallel.context ({}) x {} must divide the number of ranks ({})", cfg.path, context,
+                                 model_axes, mpi.size()));
   const int data = cfg.parallel_data == 0 ? mpi.size() / (tensor * context) : cfg.parallel_data;
   if (static_cast<long>(data) * context * tensor != mpi.size())
-    throw UsageError(fmt::format("{}: parallel.data ({}) x parallel.context ({}) x parallel.tensor ({}) must equal the "
-                                 "number of ranks ({}); set parallel.data: 0 to use every rank",
-                                 cfg.path, data, context, tensor, mpi.size()));
+    throw UsageError(fmt::format("{}: parallel.data ({}) x parallel.context ({}) x {} must equal the number of ranks "
+                                 "({}); set parallel.data: 0 to use every rank",
+                                 cfg.path, data, context, model_axes, mpi.size()));
   if ((data * context) % cfg.parallel_expert != 0 || cfg.model.experts % cfg.parallel_expert != 0)
     throw UsageError(fmt::format("{}: parallel.expert ({}) must divide the data x context ranks ({}) and the experts ({})",
                                  cfg.path, cfg.parallel_expert, data * context, cfg.model.experts));
@@ -68,11 +71,13 @@ parallel::Mesh make_mesh(TrainConfig& cfg, const MpiSession& mpi) {
     if (cuda && most == 0) throw UsageError("device: cuda: no CUDA device is visible");
     if (cuda) bind_rank_gpu();  // the node-local rank's GPU, or the one a launcher bound it to
   }
-  parallel::check_context_split(static_cast<std::int64_t>(cfg.data.seq_length), context, parallel::context_halo(cfg.model), cfg.path);
+  parallel::check_context_split(static_cast<std::int64_t>(cfg.data.seq_length), context * cfg.parallel_tsp,
+                                parallel::context_halo(cfg.model), cfg.path);
   mesh::Shape shape;
   shape.dp = data;
   shape.cp = context;
-  shape.tp = tensor;
+  shape.tp = cfg.parallel_tensor;
+  shape.tsp = cfg.parallel_tsp;
   shape.ep = cfg.parallel_expert;
   shape.zero = data * context > 1 ? 1 : 0;
   return parallel::Mesh(shape, mpi.size() > 1 ? MPI_COMM_WORLD : MPI_COMM_NULL, cfg.path + ": parallel");

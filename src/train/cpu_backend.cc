@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "device/cuda_devices.h"
 #include "hw/hardware.h"
+#include "model/param_layout.h"
 #include "optim/clip.h"
 #include "parallel/data_parallel_comm.h"
 #include "parallel/tensor_parallel.h"
@@ -30,8 +31,11 @@ class CpuBackend final : public TrainBackend {
       : model_(cfg, options, mesh),
         adam_(optimizer.adamw),
         muon_(optimizer.muon.config),
-        tp_(mesh.group(parallel::GroupKind::kTensor).comm),
-        sequence_(options.sequence_parallel) {
+        // TSP's gradients reduce as tensor parallelism's with sequence parallelism do: its weight
+        // blocks are a tensor rank's, its tokens split over the same group (parallel/tsp.h)
+        tp_(mesh.group(mesh.group(parallel::GroupKind::kTsp).size > 1 ? parallel::GroupKind::kTsp
+                                                                      : parallel::GroupKind::kTensor).comm),
+        sequence_(options.sequence_parallel || mesh.group(parallel::GroupKind::kTsp).size > 1) {
     validate(optimizer.muon);
     // The model's layout names every parameter for AdamW; with Muon on, the same offsets with
     // the matrices regrouped (the model itself only reads offsets).
@@ -65,10 +69,13 @@ class CpuBackend final : public TrainBackend {
   double flops_per_micro_batch() const override { return model_.flops_per_micro_batch(); }
   std::vector<MemoryItem> memory_breakdown() const override {
     auto& m = const_cast<MoeTransformer&>(model_);
-    return {{"parameters", m.param_arena().capacity()},
-            {"gradients", m.grad_arena().capacity()},
-            {"optimizer state", opt_arena_->capacity()},
-            {"activations and scratch", m.act_arena().capacity()}};
+    std::vector<MemoryItem> items = {{"parameters", m.param_arena().capacity()},
+                                     {"gradients", m.grad_arena().capacity()},
+                                     {"optimizer state", opt_arena_->capacity()},
+                                     {"activations and scratch", m.act_arena().capacity()}};
+    if (const parallel::TspShards* t = m.tsp())  // two shards in flight, two gradient shards and their sum
+      items.push_back({"tsp shards", static_cast<std::size_t>(5 * t->largest_shard()) * sizeof(float)});
+    return items;
   }
 
   void zero_grads() override { model_.zero_grads(); }
@@ -297,10 +304,9 @@ StateShards plan_state_shards(const optim::ParamLayout& layout, const mesh::Shap
     if (expert.size > 1 && p.placement.splits(mesh::Axis::kExpert)) s.replicated_end = std::min(s.replicated_end, p.offset);
   s.slice.expert_parallel = expert.size;
   s.slice.expert_rank = expert.rank;
-  s.slice.tensor_parallel = shape.tp;
-  s.slice.tensor_rank = at.tp;
-  s.slice.tensor_parallel = shape.tp;
-  s.slice.tensor_rank = at.tp;
+  // the weight blocks' split: tensor parallelism's, or TSP's (model::weight_shape)
+  s.slice.tensor_parallel = model::weight_shape(shape).tp;
+  s.slice.tensor_rank = model::weight_coord(shape, at).tp;
   s.slice.shard_end = total;
   if (data.size > 1) {
     s.replicated = parallel::plan_zero1_region(layout, 0, s.replicated_end, data.size);

@@ -100,9 +100,13 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
       plan_(cfg_, mesh_, options.micro_batch, options.seq_length, options.sequence_parallel, options.context_ring) {
   validate_trainable(cfg_, opt_);
   tp_ = {mesh_.group(parallel::GroupKind::kTensor).size, mesh_.group(parallel::GroupKind::kTensor).rank};
-  cp_ = mesh_.group(parallel::GroupKind::kContext).size;
-  if (opt_.precise_loss && (tp_.degree > 1 || cp_ > 1))
-    fail("model: precise_loss needs the whole LM head and whole sequences (tensor and context degree 1)");
+  const parallel::Group& tsp = mesh_.group(parallel::GroupKind::kTsp);
+  const parallel::Group& seq_group = tsp.size > 1 ? tsp : mesh_.group(parallel::GroupKind::kContext);
+  shards_ = tsp.size;
+  cp_ = seq_group.size;
+  vocab_ = shards_ > 1 ? blocks::TensorSplit{tsp.size, tsp.rank} : tp_;
+  if (opt_.precise_loss && (vocab_.degree > 1 || cp_ > 1))
+    fail("model: precise_loss needs the whole LM head and whole sequences (tensor, tsp and context degree 1)");
   for (int l = 0; l < cfg_.layers; ++l) {
     attn_kind_.push_back(model::layer_attention_kind(cfg_, l));
     if (model::is_moe_layer(cfg_, l)) {
@@ -115,9 +119,16 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   // n: this rank's tokens of the micro-batch (all of them, or 1/cp of each sequence)
   const std::int64_t local_seq = opt_.seq_length / cp_, n = std::int64_t(opt_.micro_batch) * local_seq;
   rows_ = opt_.sequence_parallel ? n / tp_.degree : n;
-  attn_shape_ = blocks::AttnShape::of(cfg_, opt_.micro_batch, local_seq, tp_);
-  if (cp_ > 1) attn_shape_.segments = plan_.context()->segments();
-  mlp_shape_ = blocks::MlpShape::of(cfg_, n, opt_.renormalize_gates, tp_, opt_.forced_balance);
+  // Each weight shard's block shapes: this rank's slices, or under TSP shard r's (its heads and
+  // columns; CCA's value shift and the kv heads a shard reads depend on r).
+  for (int r = 0; r < shards_; ++r) {
+    const blocks::TensorSplit split = shards_ > 1 ? blocks::TensorSplit{shards_, r} : tp_;
+    attn_shards_.push_back(blocks::AttnShape::of(cfg_, opt_.micro_batch, local_seq, split));
+    if (cp_ > 1) attn_shards_.back().segments = plan_.context()->segments();
+    mlp_shards_.push_back(blocks::MlpShape::of(cfg_, n, opt_.renormalize_gates, split, opt_.forced_balance));
+  }
+  attn_shape_ = attn_shards_[0];
+  mlp_shape_ = mlp_shards_[0];
   const int classes = mlp_shape_.classes();
   load_.assign(moe_layer_ids_.size(), std::vector<std::int64_t>(classes, 0));
   bias_.assign(moe_layer_ids_.size(), std::vector<float>(classes, 0.f));
@@ -129,10 +140,17 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   ArenaPlanner real(act_arena_.get());
   plan_acts(real);
   // each row's position in its sequence (context parallelism: this rank's zigzag chunks)
-  const std::vector<std::int32_t> seq_pos =
-      parallel::zigzag_positions(opt_.seq_length, cp_, mesh_.group(parallel::GroupKind::kContext).rank);
+  const std::vector<std::int32_t> seq_pos = parallel::zigzag_positions(opt_.seq_length, cp_, seq_group.rank);
   positions_.resize(n);
   for (std::int64_t i = 0; i < n; ++i) positions_[i] = seq_pos[static_cast<std::size_t>(i % local_seq)];
+  if (shards_ > 1) {  // every rank's rows of the micro-batch, rank by rank
+    for (int q = 0; q < shards_; ++q) {
+      const std::vector<std::int32_t> pos = parallel::zigzag_positions(opt_.seq_length, cp_, q);
+      for (std::int64_t i = 0; i < n; ++i)
+        group_rows_.push_back(i / local_seq * opt_.seq_length + pos[static_cast<std::size_t>(i % local_seq)]);
+    }
+    plan_.tsp()->bind(layout_, w_, g_);
+  }
   init_parameters();
 }
 
@@ -153,7 +171,8 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
   // N: the tokens a block reads; L: the rows of the residual stream, norms and residual scales
   // this rank holds (N / tp under sequence parallelism); Vl: its vocabulary rows.
   const std::int64_t B = opt_.micro_batch, N = B * (opt_.seq_length / cp_), L = rows_, D = cfg_.hidden;
-  const std::int64_t Vl = cfg_.vocab_size / tp_.degree;
+  const std::int64_t Vl = cfg_.vocab_size / vocab_.degree;
+  const std::int64_t H = shards_ > 1 ? N * shards_ : N;  // the head's rows: TSP's whole group
   const std::int64_t R = std::max(cfg_.router_hidden, 1);
   const bool any_moe = !moe_layer_ids_.empty(), any_dense = moe_layer_ids_.size() < std::size_t(cfg_.layers);
   const bool mlp_router = mlp_shape_.mlp_router, scaled = cfg_.residual_scaling;
@@ -183,20 +202,35 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
     const blocks::AttnKinds kinds = sets == 1 ? any_kind : blocks::AttnKinds::of(attn_kind_[std::size_t(i)]);
     a.h1 = p.tensor(pre + "h1", {L, D});
     a.rstd1 = p.tensor(pre + "rstd1", {L});
-    blocks::carve(p, pre, attn_shape_, kinds, a.attn);
+    a.attn.assign(static_cast<std::size_t>(shards_), {});
+    a.mlp.assign(static_cast<std::size_t>(shards_), {});
+    for (int r = 0; r < shards_; ++r) {
+      const std::string at = shards_ > 1 ? fmt::format("{}shard.{}.", pre, r) : pre;
+      blocks::carve(p, at, attn_shards_[std::size_t(r)], kinds, a.attn[std::size_t(r)]);
+    }
     a.x_mid = p.tensor(pre + "x_mid", {L, D});
     if (scaled) a.attn_out = p.tensor(pre + "attn_out", {L, D});
     a.h2 = p.tensor(pre + "h2", {L, D});
     a.rstd2 = p.tensor(pre + "rstd2", {L});
-    blocks::carve(p, pre, mlp_shape_, dense, moe, a.mlp);
+    for (int r = 0; r < shards_; ++r) {
+      const std::string at = shards_ > 1 ? fmt::format("{}shard.{}.", pre, r) : pre;
+      blocks::carve(p, at, mlp_shards_[std::size_t(r)], dense, moe, a.mlp[std::size_t(r)]);
+    }
   }
   // Backward scratch, shared by all layers.
-  blocks::carve(p, attn_shape_, any_kind, attn_scratch_);
+  // (TSP: the shard needing the most; CCA's halos depend on the value heads a shard holds)
+  std::size_t widest = 0;
+  const auto cca_need = [&](const blocks::AttnShape& sh) {
+    return any_kind.cca ? ops::cca::backward_scratch_floats(sh.cca, sh.batch, sh.seq, sh.segments) : 0;
+  };
+  for (std::size_t r = 1; r < attn_shards_.size(); ++r)
+    if (cca_need(attn_shards_[r]) > cca_need(attn_shards_[widest])) widest = r;
+  blocks::carve(p, attn_shards_[widest], any_kind, attn_scratch_);
   blocks::carve(p, mlp_shape_, any_dense, any_moe, /*backward=*/true, mlp_scratch_);
-  if (any_moe && mlp_router) {
-    deda_[0] = p.tensor("bwd.deda.0", {N, R});
-    deda_[1] = p.tensor("bwd.deda.1", {N, R});
-  }
+  deda_.assign(static_cast<std::size_t>(shards_), {});
+  if (any_moe && mlp_router)
+    for (int r = 0; r < shards_; ++r)
+      for (int i = 0; i < 2; ++i) deda_[std::size_t(r)][std::size_t(i)] = p.tensor(fmt::format("bwd.deda.{}.{}", r, i), {N, R});
   dres_ = p.tensor("bwd.dres", {L, D});
   dtmp_ = p.tensor("bwd.dtmp", {L, D});
   dtmp2_ = p.tensor("bwd.dtmp2", {N, D});  // the blocks' [N, D] scratch
@@ -208,13 +242,13 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
   }
   final_h_ = p.tensor("final_h", {L, D});
   final_rstd_ = p.tensor("final_rstd", {L});
-  if (tp_.degree > 1) {  // the vocabulary-parallel embedding and head: every token's rows
-    whole_a_ = p.tensor("tp.whole_a", {N, D});
-    whole_b_ = p.tensor("tp.whole_b", {N, D});
+  if (vocab_.degree > 1) {  // the vocabulary-parallel embedding and head: every token's rows
+    whole_a_ = p.tensor("vocab.whole_a", {H, D});
+    whole_b_ = p.tensor("vocab.whole_b", {H, D});
   }
-  ce_lse_ = p.tensor("ce_lse", {N});
+  ce_lse_ = p.tensor("ce_lse", {H});
   const std::int64_t chunk = std::min<std::int64_t>(opt_.ce_chunk, Vl);
-  ce_scratch_ = p.tensor("ce_scratch", {ops::cross_entropy::scratch_floats(N, chunk)});
+  ce_scratch_ = p.tensor("ce_scratch", {ops::cross_entropy::scratch_floats(H, chunk)});
 }
 
 std::int64_t MoeTransformer::param_count() const {  // the whole model's, whatever this rank holds
@@ -301,35 +335,75 @@ blocks::EdaIo MoeTransformer::eda(int m) const {
 
 void MoeTransformer::mlp_forward(int l, LayerActs& a, bool count_load, LossParts& lp, const Tensor& y) {
   const int m = moe_index_of_layer_[static_cast<std::size_t>(l)];
-  const blocks::LayerRunners& r = plan_.layers()[static_cast<std::size_t>(l)];
+  const blocks::LayerRunners& runners = plan_.layers()[static_cast<std::size_t>(l)];
   const Tensor bias = m >= 0 ? Tensor(bias_[static_cast<std::size_t>(m)].data(), {mlp_shape_.classes()}) : Tensor();
-  blocks::RouterLosses losses;
-  blocks::mlp_forward(mlp_shape_, w_.layers[static_cast<std::size_t>(l)], bias, a.h2, eda(m), a.mlp, mlp_scratch_, y,
-                      *r.mlp_linear, r.experts, count_load && m >= 0 ? load_[static_cast<std::size_t>(m)].data() : nullptr,
-                      &losses, *r.tokens);
-  lp.aux += losses.aux;
-  lp.z += losses.z;
+  // Under TSP every shard's pass routes the same tokens alike: the first one counts the load
+  // and the router losses.
+  const auto run = [&](int r, const blocks::LayerWeights& w, blocks::LinearRunner& linear) {
+    blocks::RouterLosses losses;
+    std::int64_t* load = r == 0 && count_load && m >= 0 ? load_[static_cast<std::size_t>(m)].data() : nullptr;
+    blocks::mlp_forward(mlp_shards_[std::size_t(r)], w, bias, a.h2, eda(m), a.mlp[std::size_t(r)], mlp_scratch_, y,
+                        linear, plan_.experts(l, r), load, &losses, *runners.tokens);
+    if (r == 0) lp.aux += losses.aux, lp.z += losses.z;
+  };
+  if (shards_ == 1) return run(0, w_.layers[static_cast<std::size_t>(l)], *runners.mlp_linear);
+  plan_.tsp()->forward(l, parallel::TspShards::Part::kMlp, run);
 }
 
 // dy: dL/dy; dh (overwritten): dL/d a.h2.
 void MoeTransformer::mlp_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh) {
   const int m = moe_index_of_layer_[static_cast<std::size_t>(l)];
-  const blocks::LayerRunners& r = plan_.layers()[static_cast<std::size_t>(l)];
-  // The router losses' gradients are whole on every tensor rank, the rest of the router's
-  // partial: the first rank adds them (reduce_partial_gradients sums the router's gradients).
-  // Under context parallelism the micro-batch's router losses are the mean of the ranks'.
-  const float own = tp_.rank == 0 ? 1.f / static_cast<float>(cp_) : 0.f;
-  // EDA chain: stage m + 1 left dL/d state_m in deda_[(m + 1) % 2]; this stage writes
-  // dL/d state_{m-1} into the other buffer.
-  blocks::EdaGrads deda;
-  if (m >= 0 && mlp_shape_.mlp_router) {
-    const int nmoe = static_cast<int>(moe_layer_ids_.size());
-    if (m + 1 < nmoe) deda.dstate_next = deda_[(m + 1) % 2];
-    if (m > 0) deda.dprev = deda_[m % 2];
-  }
-  blocks::mlp_backward(mlp_shape_, w_.layers[static_cast<std::size_t>(l)], g_.layers[static_cast<std::size_t>(l)], a.h2,
-                       eda(m), deda, a.mlp, mlp_scratch_, dy, dh, static_cast<float>(opt_.aux_loss_weight * cur_scale_ * own),
-                       static_cast<float>(opt_.z_loss_weight * cur_scale_ * own), *r.mlp_linear, r.experts, *r.tokens);
+  const blocks::LayerRunners& runners = plan_.layers()[static_cast<std::size_t>(l)];
+  const auto run = [&](int r, const blocks::LayerWeights& w, blocks::LayerWeights& g, blocks::LinearRunner& linear) {
+    // The router losses' gradients are whole on every tensor rank (and in every TSP shard's
+    // pass), the rest of the router's partial: the first rank (shard) adds them
+    // (reduce_partial_gradients sums the router's gradients). Under context parallelism and
+    // TSP the micro-batch's router losses are the mean of the ranks'.
+    const bool first = shards_ > 1 ? r == 0 : tp_.rank == 0;
+    const float own = first ? 1.f / static_cast<float>(cp_) : 0.f;
+    // EDA chain: stage m + 1 left dL/d state_m in deda_[(m + 1) % 2]; this stage writes
+    // dL/d state_{m-1} into the other buffer (each shard's share in its own pair).
+    blocks::EdaGrads deda;
+    if (m >= 0 && mlp_shape_.mlp_router) {
+      const auto& pair = deda_[std::size_t(r)];
+      const int nmoe = static_cast<int>(moe_layer_ids_.size());
+      if (m + 1 < nmoe) deda.dstate_next = pair[(m + 1) % 2];
+      if (m > 0) deda.dprev = pair[m % 2];
+    }
+    blocks::mlp_backward(mlp_shards_[std::size_t(r)], w, g, a.h2, eda(m), deda, a.mlp[std::size_t(r)], mlp_scratch_, dy,
+                         dh, static_cast<float>(opt_.aux_loss_weight * cur_scale_ * own),
+                         static_cast<float>(opt_.z_loss_weight * cur_scale_ * own), linear, plan_.experts(l, r),
+                         *runners.tokens);
+  };
+  if (shards_ == 1)
+    return run(0, w_.layers[static_cast<std::size_t>(l)], g_.layers[static_cast<std::size_t>(l)], *runners.mlp_linear);
+  plan_.tsp()->backward(l, parallel::TspShards::Part::kMlp, run);
+}
+
+void MoeTransformer::attention_forward(int l, LayerActs& a, const Tensor& h, const Tensor& y) {
+  const model::AttentionKind kind = attn_kind_[std::size_t(l)];
+  blocks::AttnContext c = attn_context(l);
+  if (shards_ == 1)
+    return blocks::attention_forward(attn_shape_, w_.layers[static_cast<std::size_t>(l)], kind, h, c, a.attn[0], y);
+  plan_.tsp()->forward(l, parallel::TspShards::Part::kAttention,
+                       [&](int r, const blocks::LayerWeights& w, blocks::LinearRunner& boundary) {
+                         c.linear = &boundary;
+                         blocks::attention_forward(attn_shards_[std::size_t(r)], w, kind, h, c, a.attn[std::size_t(r)], y);
+                       });
+}
+
+void MoeTransformer::attention_backward(int l, LayerActs& a, const Tensor& h, const Tensor& dy, const Tensor& dh) {
+  const model::AttentionKind kind = attn_kind_[std::size_t(l)];
+  blocks::AttnContext c = attn_context(l);
+  if (shards_ == 1)
+    return blocks::attention_backward(attn_shape_, w_.layers[static_cast<std::size_t>(l)],
+                                      g_.layers[static_cast<std::size_t>(l)], kind, h, c, a.attn[0], attn_scratch_, dy, dh);
+  plan_.tsp()->backward(l, parallel::TspShards::Part::kAttention,
+                        [&](int r, const blocks::LayerWeights& w, blocks::LayerWeights& g, blocks::LinearRunner& boundary) {
+                          c.linear = &boundary;
+                          blocks::attention_backward(attn_shards_[std::size_t(r)], w, g, kind, h, c,
+                                                     a.attn[std::size_t(r)], attn_scratch_, dy, dh);
+                        });
 }
 
 // ---- plain pre-norm layer: x_mid = x + attn(n1(x)); y = x_mid + mlp(n2(x_mid)) ----
@@ -339,7 +413,7 @@ void MoeTransformer::layer_forward(int l, LayerActs& a, const Tensor& x_in, cons
   const blocks::LayerWeights& P = w_.layers[static_cast<std::size_t>(l)];
   const float eps = static_cast<float>(cfg_.norm_eps);
   ops::rmsnorm::forward(x_in, P.attn_norm, eps, a.h1, a.rstd1);
-  blocks::attention_forward(attn_shape_, P, attn_kind_[std::size_t(l)], a.h1, attn_context(l), a.attn, a.x_mid);
+  attention_forward(l, a, a.h1, a.x_mid);
   add_into(a.x_mid, x_in);
   ops::rmsnorm::forward(a.x_mid, P.mlp_norm, eps, a.h2, a.rstd2);
   mlp_forward(l, a, count_load, lp, x_out);
@@ -353,8 +427,7 @@ void MoeTransformer::layer_backward(int l, LayerActs& a, const Tensor& x_in, con
   mlp_backward(l, a, dres, dtmp_);
   ops::rmsnorm::backward(a.x_mid, P.mlp_norm, a.rstd2, dtmp_, dres, G.mlp_norm);  // adds: dres now dL/dx_mid
   // Attention block: x_mid = x_in + attn(n1(x_in)).
-  blocks::attention_backward(attn_shape_, P, G, attn_kind_[std::size_t(l)], a.h1, attn_context(l), a.attn, attn_scratch_, dres,
-                             dtmp_);
+  attention_backward(l, a, a.h1, dres, dtmp_);
   ops::rmsnorm::backward(x_in, P.attn_norm, a.rstd1, dtmp_, dres, G.attn_norm);  // adds: dres now dL/dx_in
 }
 
@@ -376,7 +449,7 @@ void MoeTransformer::scaled_layer_forward(int l, LayerActs& a, const Tensor& r_o
   else
     ops::residual_scale::merge_forward(resid_[l], hres_[l], A.r_bias, A.r_scale, A.h_bias, A.h_scale, a.x_mid);
   ops::rmsnorm::forward(a.x_mid, P.attn_norm, eps, a.h1, a.rstd1);
-  blocks::attention_forward(attn_shape_, P, attn_kind_[std::size_t(l)], a.h1, attn_context(l), a.attn, a.attn_out);
+  attention_forward(l, a, a.h1, a.attn_out);
   ops::residual_scale::merge_forward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, r_out);
   ops::rmsnorm::forward(r_out, P.mlp_norm, eps, a.h2, a.rstd2);
   mlp_forward(l, a, count_load, lp, h_out);
@@ -392,8 +465,7 @@ void MoeTransformer::scaled_layer_backward(int l, LayerActs& a) {
   ops::rmsnorm::backward(resid_[l + 1], P.mlp_norm, a.rstd2, dtmp3_, dres_, G.mlp_norm);  // adds: dres = dL/dr2
   ops::residual_scale::merge_backward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, dres_, dres_,
                                       dtmp3_, dM.r_bias, dM.r_scale, dM.h_bias, dM.h_scale);  // dres = dL/dr1 (so far)
-  blocks::attention_backward(attn_shape_, P, G, attn_kind_[std::size_t(l)], a.h1, attn_context(l), a.attn, attn_scratch_, dtmp3_,
-                             dtmp_);                                                  // dtmp = dL/dh1
+  attention_backward(l, a, a.h1, dtmp3_, dtmp_);                                       // dtmp = dL/dh1
   ops::rmsnorm::backward(a.x_mid, P.attn_norm, a.rstd1, dtmp_, dres_, G.attn_norm);   // adds: dres = dL/dr1
   if (l == 0)
     ops::residual_scale::backward(resid_[0], A.h_bias, A.h_scale, dres_, dres_, dA.h_bias, dA.h_scale);
@@ -411,6 +483,16 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
     tokens_[static_cast<std::size_t>(i)] = tokens[at];
     targets_[static_cast<std::size_t>(i)] = targets[at];
   }
+  group_tokens_.resize(group_rows_.size());
+  group_targets_.resize(group_rows_.size());
+  for (std::size_t j = 0; j < group_rows_.size(); ++j) {
+    group_tokens_[j] = tokens[group_rows_[j]];
+    group_targets_[j] = targets[group_rows_[j]];
+  }
+  // Under TSP the routers see this rank's tokens only: the micro-batch's loads are the group's
+  // sums (data parallelism sums them further, as for every scheme).
+  std::vector<std::vector<std::int64_t>> load_before;
+  if (shards_ > 1) load_before = load_;
   LossParts lp;
   embed_forward();
   const bool scaled = cfg_.residual_scaling;
@@ -421,6 +503,13 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
     else
       layer_forward(l, a, resid_[l], resid_[l + 1], /*count_load=*/true, lp);
   }
+  if (shards_ > 1)
+    for (std::size_t m = 0; m < load_.size(); ++m) {
+      std::vector<std::int64_t> delta(load_[m].size());
+      for (std::size_t e = 0; e < delta.size(); ++e) delta[e] = load_[m][e] - load_before[m][e];
+      plan_.context()->sum(delta.data(), static_cast<int>(delta.size()));
+      for (std::size_t e = 0; e < delta.size(); ++e) load_[m][e] = load_before[m][e] + delta[e];
+    }
   Tensor final_in = resid_[cfg_.layers];
   if (scaled) {
     const blocks::ResScale& F = w_.final_scale;
@@ -454,7 +543,14 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
     lp.ce = valid > 0 ? sum / static_cast<double>(valid) : 0.0;
   }
   ce_share_ = 1.0;
-  if (cp_ > 1) {
+  if (shards_ > 1) {
+    // TSP: the vocabulary-parallel head took the cross-entropy over every token of the group;
+    // the router losses are the means over the ranks.
+    double parts[2] = {lp.aux, lp.z};
+    plan_.context()->sum(parts, 2);
+    lp.aux = parts[0] / cp_;
+    lp.z = parts[1] / cp_;
+  } else if (cp_ > 1) {
     // The micro-batch's losses on every rank of the context group: the cross-entropy over all
     // of its valid targets, the router losses' means over the ranks (aux: router::aux_loss).
     const std::int32_t ignore = ops::cross_entropy::Options{}.ignore_index;
@@ -473,8 +569,9 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
 
 void MoeTransformer::token_logprobs(int top_k, float* logprob, std::int32_t* top_ids, float* top_logprob) const {
   if (!have_forward_) fail("model: token_logprobs before a forward");
-  if (tp_.degree != 1 || cp_ != 1)
-    fail("model: per-token log-probabilities need the whole LM head and whole sequences (tensor and context degree 1)");
+  if (vocab_.degree != 1 || cp_ != 1)
+    fail("model: per-token log-probabilities need the whole LM head and whole sequences (tensor, tsp and context "
+         "degree 1)");
   const std::int64_t V = cfg_.vocab_size, D = cfg_.hidden, N = static_cast<std::int64_t>(targets_.size());
   if (top_k < 0 || top_k > V) fail("model: top_k {} outside [0, vocab {}]", top_k, V);
   const auto logit = [&](std::int64_t i, std::int64_t v) {
@@ -540,18 +637,26 @@ void MoeTransformer::backward(float loss_scale) {
   have_forward_ = false;
 }
 
-// ---- the embedding and the LM head: whole at tensor degree 1, else vocabulary-parallel ----
+// ---- the embedding and the LM head: whole, or vocabulary-parallel over the tensor group (TSP:
+// the tsp group, on all of its tokens) ----
+
+const parallel::TensorGroup* MoeTransformer::vocab_group() const {
+  if (shards_ > 1) return &plan_.tsp()->group();
+  return tp_.degree > 1 ? &plan_.tensor()->group() : nullptr;
+}
 
 void MoeTransformer::embed_forward() {
   const std::int64_t N = static_cast<std::int64_t>(tokens_.size());
-  if (tp_.degree == 1) return ops::embedding::forward(tokens_.data(), N, w_.embed, resid_[0]);
+  const parallel::TensorGroup* group = vocab_group();
+  if (!group) return ops::embedding::forward(tokens_.data(), N, w_.embed, resid_[0]);
   // Every token's row from the rank holding it, zeros elsewhere, summed over the group.
-  parallel::vocab_embedding_forward(tokens_.data(), N, w_.embed, vocab_begin(), cfg_.vocab_size, whole_a_);
-  const parallel::TensorParallelLinear& tp = *plan_.tensor();
-  if (opt_.sequence_parallel) {
-    tp.group().reduce_scatter(whole_a_.data(), resid_[0].data(), resid_[0].numel());
+  const bool tsp = shards_ > 1;
+  parallel::vocab_embedding_forward(tsp ? group_tokens_.data() : tokens_.data(), whole_a_.dim(0), w_.embed,
+                                    vocab_begin(), cfg_.vocab_size, whole_a_);
+  if (vocab_rows_split()) {
+    group->reduce_scatter(whole_a_.data(), resid_[0].data(), resid_[0].numel());
   } else {
-    tp.group().all_reduce(whole_a_.data(), whole_a_.numel());
+    group->all_reduce(whole_a_.data(), whole_a_.numel());
     std::memcpy(resid_[0].data(), whole_a_.data(), sizeof(float) * static_cast<std::size_t>(whole_a_.numel()));
   }
 }
@@ -559,49 +664,53 @@ void MoeTransformer::embed_forward() {
 // dres_: dL/d the embedding output (this rank's rows).
 void MoeTransformer::embed_backward() {
   const std::int64_t N = static_cast<std::int64_t>(tokens_.size());
-  if (tp_.degree == 1) return ops::embedding::backward(tokens_.data(), N, dres_, g_.embed);
+  const parallel::TensorGroup* group = vocab_group();
+  if (!group) return ops::embedding::backward(tokens_.data(), N, dres_, g_.embed);
   Tensor d = dres_;
-  if (opt_.sequence_parallel) {
-    plan_.tensor()->group().all_gather(dres_.data(), whole_b_.data(), dres_.numel());
+  if (vocab_rows_split()) {
+    group->all_gather(dres_.data(), whole_b_.data(), dres_.numel());
     d = whole_b_;
   }
-  parallel::vocab_embedding_backward(tokens_.data(), N, d, vocab_begin(), cfg_.vocab_size, g_.embed);
+  parallel::vocab_embedding_backward(shards_ > 1 ? group_tokens_.data() : tokens_.data(), d.dim(0), d, vocab_begin(),
+                                     cfg_.vocab_size, g_.embed);
 }
 
 float MoeTransformer::head_forward() {
   ops::cross_entropy::Options co;
-  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / tp_.degree);
-  if (tp_.degree == 1) return ops::cross_entropy::forward(final_h_, w_.lm_head, targets_.data(), co, ce_lse_, ce_scratch_);
-  const parallel::TensorParallelLinear& tp = *plan_.tensor();
+  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  const parallel::TensorGroup* group = vocab_group();
+  if (!group) return ops::cross_entropy::forward(final_h_, w_.lm_head, targets_.data(), co, ce_lse_, ce_scratch_);
   Tensor h = final_h_;
-  if (opt_.sequence_parallel) {  // every token's final hidden state: the head splits the vocabulary
-    tp.group().all_gather(final_h_.data(), whole_a_.data(), final_h_.numel());
+  if (vocab_rows_split()) {  // every token's final hidden state: the head splits the vocabulary
+    group->all_gather(final_h_.data(), whole_a_.data(), final_h_.numel());
     h = whole_a_;
   }
-  return parallel::vocab_ce_forward(h, w_.lm_head, vocab_begin(), cfg_.vocab_size, targets_.data(), co, ce_lse_,
-                                    ce_scratch_, mesh_.group(parallel::GroupKind::kTensor).comm);
+  return parallel::vocab_ce_forward(h, w_.lm_head, vocab_begin(), cfg_.vocab_size,
+                                    shards_ > 1 ? group_targets_.data() : targets_.data(), co, ce_lse_, ce_scratch_,
+                                    group->comm());
 }
 
 // dtmp_ (overwritten): dL/d final_h_ (this rank's rows).
 void MoeTransformer::head_backward(float loss_scale) {
   ops::cross_entropy::Options co;
-  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / tp_.degree);
-  if (tp_.degree == 1)
+  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  const parallel::TensorGroup* group = vocab_group();
+  if (!group)
     return ops::cross_entropy::backward(final_h_, w_.lm_head, targets_.data(), ce_lse_, loss_scale, co, ce_scratch_,
                                         dtmp_, g_.lm_head);
-  const parallel::TensorParallelLinear& tp = *plan_.tensor();
-  const Tensor h = opt_.sequence_parallel ? whole_a_ : final_h_;  // gathered by head_forward
-  parallel::vocab_ce_backward(h, w_.lm_head, vocab_begin(), cfg_.vocab_size, targets_.data(), ce_lse_, loss_scale, co,
+  const Tensor h = vocab_rows_split() ? whole_a_ : final_h_;  // gathered by head_forward
+  parallel::vocab_ce_backward(h, w_.lm_head, vocab_begin(), cfg_.vocab_size,
+                              shards_ > 1 ? group_targets_.data() : targets_.data(), ce_lse_, loss_scale, co,
                               ce_scratch_, whole_b_, g_.lm_head);
-  if (opt_.sequence_parallel) {
-    tp.group().reduce_scatter(whole_b_.data(), dtmp_.data(), dtmp_.numel());
+  if (vocab_rows_split()) {
+    group->reduce_scatter(whole_b_.data(), dtmp_.data(), dtmp_.numel());
   } else {
-    tp.group().all_reduce(whole_b_.data(), whole_b_.numel());
+    group->all_reduce(whole_b_.data(), whole_b_.numel());
     std::memcpy(dtmp_.data(), whole_b_.data(), sizeof(float) * static_cast<std::size_t>(whole_b_.numel()));
   }
 }
 
-std::int64_t MoeTransformer::vocab_begin() const { return cfg_.vocab_size / tp_.degree * tp_.rank; }
+std::int64_t MoeTransformer::vocab_begin() const { return cfg_.vocab_size / vocab_.degree * vocab_.rank; }
 
 double MoeTransformer::flops_per_micro_batch() const {
   return model_flops_per_micro_batch(cfg_, opt_.micro_batch, opt_.seq_length);

@@ -25,6 +25,7 @@
 // keel::UsageError.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -174,6 +175,9 @@ class MoeTransformer {
   // counters; then resets them. The biases stay fixed when the rate is 0.
   void update_router_bias();
 
+  // TSP's weight shards (parallel/tsp.h), null at tsp degree 1.
+  const parallel::TspShards* tsp() const { return plan_.tsp(); }
+
   // FLOPs of one forward+backward of a micro-batch (6 * active matmul params * tokens +
   // attention), for MFU.
   double flops_per_micro_batch() const;
@@ -182,14 +186,18 @@ class MoeTransformer {
   struct LayerActs {
     Tensor h1, rstd1, x_mid, h2, rstd2;
     Tensor attn_out;  // residual scaling: the attention stage output
-    blocks::AttnSaved attn;
-    blocks::MlpSaved mlp;
+    std::vector<blocks::AttnSaved> attn;  // one per weight shard (TSP; else one)
+    std::vector<blocks::MlpSaved> mlp;
   };
   void allocate_params();
   void plan_acts(ArenaPlanner& p);
   LayerActs& acts_for(int l) { return acts_[opt_.recompute == Recompute::kFull ? 0 : static_cast<std::size_t>(l)]; }
   blocks::AttnContext attn_context(int l) const;
   blocks::EdaIo eda(int m) const;
+  // The attention sub-block: y = attn(h); backward dh (overwritten) from dy. Once, or under TSP
+  // once per weight shard (parallel/tsp.h).
+  void attention_forward(int l, LayerActs& a, const Tensor& h, const Tensor& y);
+  void attention_backward(int l, LayerActs& a, const Tensor& h, const Tensor& dy, const Tensor& dh);
   void mlp_forward(int l, LayerActs& a, bool count_load, LossParts& lp, const Tensor& y);
   void mlp_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh);
   void layer_forward(int l, LayerActs& a, const Tensor& x_in, const Tensor& x_out, bool count_load, LossParts& lp);
@@ -202,13 +210,19 @@ class MoeTransformer {
   float head_forward();
   void head_backward(float loss_scale);
   std::int64_t vocab_begin() const;  // the first vocabulary row this rank holds
+  // The group the embedding and the head split the vocabulary over (tensor or tsp), null when
+  // whole; and whether its ranks hold different rows of the residual stream (sequence or TSP).
+  const parallel::TensorGroup* vocab_group() const;
+  bool vocab_rows_split() const { return opt_.sequence_parallel || shards_ > 1; }
 
   model::ModelConfig cfg_;
   ModelOptions opt_;
   parallel::Mesh mesh_;
   parallel::CpuPlan plan_;  // each layer's runners
   blocks::TensorSplit tp_;  // this rank in its tensor group
-  int cp_ = 1;              // context-parallel degree: this rank holds 1/cp_ of each sequence
+  blocks::TensorSplit vocab_;  // this rank's split of the vocabulary (tensor, or tsp under TSP)
+  int shards_ = 1;          // weight shards each sub-block runs over: the tsp degree (parallel/tsp.h)
+  int cp_ = 1;              // the ranks sharing each sequence (context or tsp degree): this rank holds 1/cp_ of it
   double ce_share_ = 1.0;   // this rank's share of the micro-batch's valid targets (its CE gradient weight)
   std::int64_t rows_ = 0;   // rows of the residual stream on this rank (N, or N / tp with sequence parallelism)
   optim::ParamLayout layout_;
@@ -217,22 +231,31 @@ class MoeTransformer {
   float* grads_ = nullptr;
   blocks::RopeTables ropes_;  // each layer's rotary table (sliding layers may have their own)
   blocks::WeightViews w_, g_;  // the parameters and the gradients, by role
-  blocks::AttnShape attn_shape_;
+  blocks::AttnShape attn_shape_;  // this rank's (TSP: weight shard 0's)
   blocks::MlpShape mlp_shape_;
+  std::vector<blocks::AttnShape> attn_shards_;  // per weight shard (TSP; else [attn_shape_])
+  std::vector<blocks::MlpShape> mlp_shards_;
   std::vector<int> moe_layer_ids_, moe_index_of_layer_;
   std::vector<model::AttentionKind> attn_kind_;  // per layer
   std::vector<LayerActs> acts_;  // one per layer (none) or one shared workspace (full)
   std::vector<Tensor> resid_;    // [layers + 1] residual stream (layer inputs, final output)
   std::vector<Tensor> hres_;     // [layers + 1] residual scaling: mixer output into layer l (l >= 1)
   std::vector<Tensor> eda_state_;  // per MoE stage: the MLP router's EDA state [N, router_hidden]
-  Tensor deda_[2];                 // dL/d EDA state, alternating between consecutive MoE stages
+  // dL/d EDA state, alternating between consecutive MoE stages; one pair per weight shard (each
+  // shard's backward carries its share of the chain)
+  std::vector<std::array<Tensor, 2>> deda_;
   Tensor final_r_, final_h_, final_rstd_, ce_lse_, ce_scratch_;
-  Tensor whole_a_, whole_b_;  // tensor parallelism: [N, D] rows of every token (embedding, head)
+  Tensor whole_a_, whole_b_;  // tensor parallelism or TSP: rows of every token of the group (embedding, head)
   Tensor dres_, dtmp_, dtmp2_, dtmp3_, dhres_;
   blocks::AttnScratch attn_scratch_;
   blocks::MlpScratch mlp_scratch_;
   std::vector<std::uint32_t> tokens_;
   std::vector<std::int32_t> targets_, positions_;
+  // TSP: the group's tokens in rank order (each rank's rows), as indices into the micro-batch,
+  // and their ids and targets: the vocabulary-parallel embedding and head read them all.
+  std::vector<std::int64_t> group_rows_;
+  std::vector<std::uint32_t> group_tokens_;
+  std::vector<std::int32_t> group_targets_;
   std::vector<std::vector<std::int64_t>> load_;
   std::vector<std::vector<float>> bias_;
   BalanceMemory balance_;

@@ -381,7 +381,8 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (c.grad_accum < 1) ctx.bad("batch.grad_accum", b["grad_accum"], "must be >= 1");
   }
   if (const auto p = root["parallel"]) {
-    ctx.only(p, "parallel", {"data", "context", "context_mode", "tensor", "sequence", "expert", "grad_reduce", "zero1"});
+    ctx.only(p, "parallel",
+             {"data", "context", "context_mode", "tensor", "sequence", "tsp", "expert", "grad_reduce", "zero1"});
     if (p["data"]) c.parallel_data = ctx.get<int>(p["data"], "parallel.data", "an integer");
     if (p["context"]) c.parallel_context = ctx.get<int>(p["context"], "parallel.context", "an integer");
     if (p["context_mode"]) {
@@ -392,6 +393,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (p["tensor"]) c.parallel_tensor = ctx.get<int>(p["tensor"], "parallel.tensor", "an integer");
     if (p["sequence"])
       c.model_options.sequence_parallel = ctx.get<bool>(p["sequence"], "parallel.sequence", "true or false");
+    if (p["tsp"]) c.parallel_tsp = ctx.get<int>(p["tsp"], "parallel.tsp", "an integer");
     if (p["expert"]) c.parallel_expert = ctx.get<int>(p["expert"], "parallel.expert", "an integer");
     if (p["grad_reduce"]) {
       const auto v = ctx.get<std::string>(p["grad_reduce"], "parallel.grad_reduce", "fp32 or bf16");
@@ -403,6 +405,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (c.parallel_expert < 1) ctx.bad("parallel.expert", p["expert"], "must be >= 1");
     if (c.parallel_tensor < 1) ctx.bad("parallel.tensor", p["tensor"], "must be >= 1");
     if (c.parallel_context < 1) ctx.bad("parallel.context", p["context"], "must be >= 1");
+    if (c.parallel_tsp < 1) ctx.bad("parallel.tsp", p["tsp"], "must be >= 1");
     if (c.model_options.sequence_parallel && c.parallel_tensor < 2)
       ctx.bad("parallel.sequence", p["sequence"], "needs parallel.tensor above 1 (it splits the tokens over the tensor group)");
   }

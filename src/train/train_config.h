@@ -47,6 +47,8 @@ struct TrainConfig {
                                     // is model_options.sequence_parallel)
   int parallel_context = 1;         // `parallel.context`: context-parallel degree (each sequence's tokens
                                     // split over it: parallel/context_parallel.h)
+  int parallel_tsp = 1;             // `parallel.tsp`: TSP degree (weights and tokens split over one axis:
+                                    // parallel/tsp.h)
   int parallel_expert = 1;          // `parallel.expert`: expert-parallel degree, dividing the data-parallel
                                     // ranks and the experts
   // `parallel.grad_reduce` (fp32 or bf16: parallel/data_parallel_comm.h) and `parallel.zero1.*`

@@ -254,8 +254,9 @@ StepStats Trainer::train_step() {
   bool nan_injected = false;
   double spike = 1;
   if (!faults_.empty()) {
-    const int first = mesh_.rank() - mesh_.coord().tp;
-    for (int r = first; r < first + mesh_.shape().tp; ++r) {
+    // (TSP: its group, consecutive ranks that share the loss likewise)
+    const int first = mesh_.rank() - model::weight_coord(mesh_.shape(), mesh_.coord()).tp;
+    for (int r = first; r < first + model::weight_shape(mesh_.shape()).tp; ++r) {
       const bool nan = faults_.nan_at(s.step, r);
       const double f = faults_.loss_factor_at(s.step, r);
       if (!nan && f == 1) continue;
@@ -398,6 +399,11 @@ std::string Trainer::parallel_text() const {
                        mesh_.expert().size > 1 ? fmt::format(", expert parallel {}", mesh_.expert().size) : "");
   if (sh.tp > 1)
     out += fmt::format(" x tensor parallel {}{}", sh.tp, cfg_.model_options.sequence_parallel ? " (sequence parallel)" : "");
+  if (sh.tsp > 1) {
+    const int linear = model::attention_layer_count(cfg_.model, model::AttentionKind::kLinear);
+    out += fmt::format(" x TSP {} (weight shards broadcast per sub-block, tokens zigzag{})", sh.tsp,
+                       linear > 0 ? ", LASP-2 for the linear layers" : "");
+  }
   return out;
 }
 
@@ -705,7 +711,9 @@ void Trainer::finish_checkpoint() {
 void Trainer::init_from_weights(const std::string& path) {
   LoadedWeights got;
   try {
-    got = load_model_weights(path, cfg_.model, mesh_.expert().size, mesh_.expert().rank, mesh_.shape().tp, mesh_.coord().tp);
+    // TSP holds tensor-parallel blocks (model::weight_shape)
+    got = load_model_weights(path, cfg_.model, mesh_.expert().size, mesh_.expert().rank,
+                             model::weight_shape(mesh_.shape()).tp, model::weight_coord(mesh_.shape(), mesh_.coord()).tp);
   } catch (const Error& e) {
     throw Error(fmt::format("init_from {}: {}", path, e.what()));
   }

@@ -36,13 +36,31 @@ TEST(ParallelPlan, DataAndExpertParallelismPass) {
   EXPECT_EQ(error_of(moe(0), s), "");
 }
 
-TEST(ParallelPlan, EachUnimplementedAxisIsOneError) {
-  for (const mesh::Axis a : {mesh::Axis::kTsp, mesh::Axis::kPipeline}) {
+TEST(ParallelPlan, PipelineIsOneError) {
+  mesh::Shape s;
+  s.pp = 2;
+  const std::string e = error_of(moe(4), s);
+  EXPECT_NE(e.find("t.yaml: pipeline parallelism (pp=2) is not implemented yet"), std::string::npos) << e;
+}
+
+// TSP slices the weights as tensor parallelism does: the same degrees split, the same refuse
+// (naming parallel.tsp), and it does not combine with tp or cp.
+TEST(ParallelPlan, TspDegreesSplitAsTensorDegrees) {
+  for (int d : {2, 4}) {
     mesh::Shape s;
-    s.set(a, 2);
+    s.tsp = d;
+    EXPECT_EQ(error_of(moe(4), s), "") << d;
+  }
+  mesh::Shape three;
+  three.tsp = 3;
+  EXPECT_NE(error_of(moe(4), three).find("does not split over tsp degree 3 (parallel.tsp)"), std::string::npos)
+      << error_of(moe(4), three);
+  for (const mesh::Axis other : {mesh::Axis::kTensor, mesh::Axis::kContext}) {
+    mesh::Shape s;
+    s.tsp = 2;
+    s.set(other, 2);
     const std::string e = error_of(moe(4), s);
-    EXPECT_NE(e.find(std::string("t.yaml: ") + mesh::axis_title(a) + " parallelism (" + mesh::axis_name(a) + "=2) is "
-                     "not implemented yet"),
+    EXPECT_NE(e.find(std::string("parallel.tsp (2) with parallel.") + mesh::axis_title(other) + " (2)"),
               std::string::npos)
         << e;
   }

@@ -1,0 +1,122 @@
+// TSP on CPU ranks (MPI): tensor and sequence parallelism folded onto one axis of D ranks
+// (../shared/reference/parallelism.md §1). Rank s of the tsp group holds 1/D of every weight
+// matrix (the blocks a tensor-parallel rank s would hold: model::weight_shape) AND 1/D of each
+// sequence's tokens (context parallelism's zigzag chunks, context_parallel.h), so weight memory
+// and activation memory both divide by D on the same ranks.
+//
+// Per sub-block (a layer's attention, or its MLP / experts), forward visits the D weight shards
+// in order r = 0 .. D-1 on every rank: shard r (rank r's slices of the sub-block's matrices) is
+// broadcast from rank r, the next one's broadcast posted before the current one is computed
+// (two shard buffers in flight at most); every rank runs the tensor-parallel block of shard r on
+// its own tokens (attention: shard r's heads, their k and v all-gathered over the sequence by
+// the context-parallel core, causal attention; MLP and experts: shard r's columns), and the
+// row-parallel projection's output, a partial sum, is added into the block output
+// (TspAccumulator). No all-reduce of activations. Backward visits the shards again: each is
+// broadcast again, the block's backward for it gives this rank's tokens' share of shard r's
+// gradients, summed onto rank r (MPI_Ireduce, overlapped with the next shard), and of the input
+// gradient, accumulated locally.
+//
+// Parameters the tensor axis does not split (norms, residual scales, routers, kv projections
+// replicated over more ranks than kv heads) are read and accumulated in place; their gradients
+// are partial (this rank's tokens, shard by shard) and sum over the group once per step, as
+// sequence parallelism's do (tensor_parallel.h: reduce_partial_gradients). The embedding and
+// the LM head are vocabulary-parallel over the group (vocab_parallel.h) on the group's tokens.
+// Experts are sliced like the dense MLP (expert tensor parallelism over the tsp axis); with
+// expert parallelism (folded over the data ranks, as always) each shard's experts run where EP
+// places them.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "blocks/runners.h"
+#include "blocks/weights.h"
+#include "model/config.h"
+#include "optim/param_groups.h"
+#include "parallel/tensor_parallel.h"
+#include "tensor/tensor.h"
+
+namespace keel::parallel {
+
+// The tensor-parallel boundary of one shard's pass through a block: the row-parallel
+// projection's partial output is added into the block output (the first shard writes it), and
+// in backward the input gradient likewise.
+class TspAccumulator final : public blocks::LinearRunner {
+ public:
+  // first: the first shard of this pass (it writes; the others add).
+  void begin(bool first) { first_ = first; }
+  Tensor out(const Tensor& y) override;
+  void exit(const Tensor& partial, const Tensor& y) override;
+  Tensor dx_out(const Tensor& dx) override;
+  void enter_backward(const Tensor& partial, const Tensor& dx) override;
+
+ private:
+  static Tensor like(std::vector<float>& buf, const Tensor& t);
+  bool first_ = true;
+  std::vector<float> out_, dx_;
+};
+
+class TspShards {
+ public:
+  enum class Part { kAttention, kMlp };
+
+  // tsp: the mesh's tsp group (its communicator is duplicated for the shard traffic).
+  explicit TspShards(MPI_Comm tsp);
+  ~TspShards();
+  TspShards(const TspShards&) = delete;
+  TspShards& operator=(const TspShards&) = delete;
+
+  int size() const { return group_.size(); }
+  int rank() const { return group_.rank(); }
+  // Collectives over the group (the vocabulary-parallel embedding and head, the gradient sums).
+  const TensorGroup& group() const { return group_; }
+
+  // The model's parameters and gradients: its layout (model::param_layout of the run's mesh), the
+  // flat buffers and their views by role. Once, before forward.
+  void bind(const optim::ParamLayout& layout, const blocks::WeightViews& params, const blocks::WeightViews& grads);
+
+  // fn(shard, that shard's weights of the layer (its part sliced, the rest this rank's), the
+  // accumulating boundary): once per shard, every rank of the group together.
+  using Forward = std::function<void(int shard, const blocks::LayerWeights& w, blocks::LinearRunner& boundary)>;
+  void forward(int layer, Part part, const Forward& fn);
+  // fn(shard, weights, where its gradients go (the sliced ones: this shard's buffer, summed onto
+  // the shard's rank afterwards; the rest: this rank's gradients), boundary).
+  using Backward = std::function<void(int shard, const blocks::LayerWeights& w, blocks::LayerWeights& g,
+                                      blocks::LinearRunner& boundary)>;
+  void backward(int layer, Part part, const Backward& fn);
+
+  // The floats of the largest sub-block shard: the shard buffers hold two of them, the
+  // gradient buffers three (two in flight, the sum received).
+  std::int64_t largest_shard() const { return largest_; }
+
+ private:
+  struct Slice {
+    blocks::Slot slot;
+    std::int64_t numel = 0;
+    std::int64_t at = 0;  // in a shard buffer
+    std::vector<std::int64_t> shape;
+  };
+  struct Unit {  // one sub-block's sliced parameters
+    std::vector<Slice> slices;
+    std::int64_t floats = 0;
+  };
+  const Unit& unit(int layer, Part part) const;
+  // Posts the broadcast of shard r of layer's unit u into buf (rank r packs its slices first).
+  void post(int layer, const Unit& u, int r, float* buf, MPI_Request* req);
+  // The layer's weights (base w_) or gradients (g_) with u's slices pointed into buf (null:
+  // this rank's own).
+  blocks::LayerWeights view(const blocks::WeightViews& base, int layer, const Unit& u, float* buf) const;
+
+  TensorGroup group_;
+  MPI_Comm comm_ = MPI_COMM_NULL;  // the duplicate the shards travel on
+  blocks::WeightViews w_, g_;
+  std::vector<Unit> units_;  // [layer * 2 + part]
+  std::int64_t largest_ = 0;
+  std::vector<float> shard_[2], grad_[2], sum_;
+  TspAccumulator acc_;
+};
+
+}  // namespace keel::parallel

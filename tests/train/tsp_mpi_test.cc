@@ -1,0 +1,197 @@
+// keel train with TSP (parallel.tsp: tensor and sequence parallelism folded onto one axis) on
+// CPU ranks under MPI (run at 2, 3 and 4 ranks): each rank holds 1/D of every weight matrix and
+// 1/D of each sequence's tokens; 20 steps match the one-rank run of the same global batch within
+// 1e-5 relative per step, alone (D = the world: 2, 3, or 4 with the kv heads replicated), with
+// data parallelism + ZeRO-1 (D=2 x DP=2), with expert parallelism (folded over the data ranks),
+// with Muon, on the tiny MoE, the ZAYA1-shaped tiny model (CCA, MLP router with the skip class,
+// residual scaling), a sliding-window layer and the LASP-2H hybrid. Checkpoints move between TSP
+// and one rank and TP. Bad combinations are one clear error.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "../mpi_test_util.h"
+#include "common/error.h"
+#include "train/trainer.h"
+#include "train_mpi_test_util.h"
+#include "train_test_util.h"
+
+namespace keel::train {
+namespace {
+
+namespace fs = std::filesystem;
+using keel::test::world_rank;
+using keel::test::world_size;
+
+fs::path shared_dir(const std::string& name) { return keel::test::shared_temp_dir("tsp_mpi", name); }
+
+parallel::Mesh tsp_mesh(int tsp, int ep = 1, int tp = 1) {
+  mesh::Shape s;
+  s.tsp = tsp;
+  s.tp = tp;
+  s.dp = world_size() / (tsp * tp);
+  s.ep = ep;
+  s.zero = s.dp > 1 ? 1 : 0;
+  return parallel::Mesh(s, MPI_COMM_WORLD);
+}
+
+using fixtures::joined;
+using fixtures::kHybrid;
+using fixtures::kSliding;
+using fixtures::kZaya;
+
+// The tiny MoE with widths D = 3 divides: 6 heads of 4 (3 kv heads) over a hidden of 24.
+std::vector<std::string> widths_for(int d) {
+  if (d != 3) return {};
+  return {"model.hidden=24", "model.heads=6", "model.kv_heads=3", "model.ffn_hidden=24", "model.expert_hidden=12"};
+}
+
+TrainConfig config(const fs::path& dir, const fs::path& out, const std::vector<std::string>& extra,
+                   const std::string& optimizer_extra = "") {
+  if (world_rank() == 0 && !fs::exists(dir / "d.idx")) fixtures::make_dataset(dir, "d");
+  MPI_Barrier(MPI_COMM_WORLD);
+  // 24 tokens: 2D chunks for D = 2, 3 and 4 (CCA reads 2 tokens before each chunk)
+  std::vector<std::string> sets = {"steps=20", "checkpoint.final=false", "data.seq_length=24"};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return parse_train_config(fixtures::train_config_text((dir / "d").string(), out, optimizer_extra), "tsp.yaml", sets);
+}
+
+struct Case {
+  int tsp = 2, ep = 1;
+  std::vector<std::string> sets;
+  std::string optimizer;
+  std::string tag;
+};
+
+void expect_matches_single_rank(const Case& c) {
+  if (world_size() % c.tsp != 0) GTEST_SKIP() << "tsp " << c.tsp << " does not divide " << world_size();
+  const int dp = world_size() / c.tsp;
+  if (dp % c.ep != 0) GTEST_SKIP() << "ep does not divide dp";
+  const fs::path dir = shared_dir(c.tag);
+  std::vector<std::string> sets = joined(widths_for(c.tsp), c.sets);
+  sets.push_back("parallel.tsp=" + std::to_string(c.tsp));
+  if (c.ep > 1) sets.push_back("parallel.expert=" + std::to_string(c.ep));
+  if (dp > 1) sets.insert(sets.end(), {"batch.micro_batch=1", "batch.grad_accum=" + std::to_string(4 * dp)});
+  TrainConfig cfg = config(dir, dir / "tsp", sets, c.optimizer);
+  Trainer t(cfg, tsp_mesh(c.tsp, c.ep), true);
+  TrainConfig one = cfg;
+  one.parallel_tsp = one.parallel_expert = 1;
+  one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
+  Trainer single(one, parallel::Mesh(), true);
+  const auto got = t.run();
+  const auto want = single.run();
+  ASSERT_EQ(got.size(), want.size());
+  ASSERT_EQ(got.size(), 20u);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i].loss, want[i].loss, 1e-5 * std::fabs(want[i].loss)) << c.tag << " step " << i + 1;
+    EXPECT_NEAR(got[i].aux, want[i].aux, 1e-5 * std::fabs(want[i].aux) + 1e-9) << c.tag << " step " << i + 1;
+    EXPECT_NEAR(got[i].grad_norm, want[i].grad_norm, 1e-4 * want[i].grad_norm) << c.tag << " step " << i + 1;
+    // the routing of the whole batch, summed over the ranks' tokens
+    EXPECT_EQ(got[i].layer_busiest, want[i].layer_busiest) << c.tag << " step " << i + 1;
+  }
+}
+
+const std::string& kMuon = fixtures::kMuonOptimizer;
+
+TEST(Tsp, WorldMatchesOneRank) { expect_matches_single_rank({world_size(), 1, {}, "", "tspN"}); }
+TEST(Tsp, WorldWithMuonMatchesOneRank) { expect_matches_single_rank({world_size(), 1, {}, kMuon, "tspN_muon"}); }
+TEST(Tsp, WorldSlidingMatchesOneRank) { expect_matches_single_rank({world_size(), 1, kSliding, "", "tspN_sliding"}); }
+// CCA needs the degree to divide its 2 kv heads: D = 2 (x DP 2 at 4 ranks)
+TEST(Tsp, Tsp2ZayaMatchesOneRank) { expect_matches_single_rank({2, 1, kZaya, "", "zaya_tsp2"}); }
+TEST(Tsp, Tsp2ZayaSlidingWithMuonMatchesOneRank) {
+  expect_matches_single_rank({2, 1, joined(kZaya, kSliding), kMuon, "zaya_sliding_tsp2"});
+}
+TEST(Tsp, Tsp2HybridMatchesOneRank) {  // LASP-2 for the linear layer on the same axis
+  expect_matches_single_rank({2, 1, kHybrid, "", "hybrid_tsp2"});
+}
+TEST(Tsp, Tsp2TimesDp2WithExpertParallelMatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, 2, {}, "", "tsp2_ep2"});
+}
+TEST(Tsp, Tsp2TimesDp2ZayaWithExpertParallelMatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, 2, kZaya, "", "zaya_tsp2_ep2"});
+}
+
+// tsp beside tp or cp, a model whose heads do not split, ring mode and sequence parallelism:
+// each one clear error naming what to change.
+TEST(Tsp, BadCombinationsAreOneClearError) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  const fs::path dir = shared_dir("bad");
+  struct Bad {
+    mesh::Shape shape;
+    std::vector<std::string> sets;
+    std::string word;
+  };
+  mesh::Shape tsp_tp, tsp_cp, tsp2;
+  tsp_tp.tsp = tsp_tp.tp = 2;
+  tsp_cp.tsp = tsp_cp.cp = 2;
+  tsp2.tsp = 2, tsp2.dp = 2, tsp2.zero = 1;
+  mesh::Shape tsp4;
+  tsp4.tsp = 4;
+  for (const Bad& b : std::vector<Bad>{
+           {tsp_tp, {"parallel.tensor=2", "parallel.tsp=2"}, "parallel.tsp (2) with parallel.tensor (2)"},
+           {tsp_cp, {"parallel.context=2", "parallel.tsp=2"}, "parallel.tsp (2) with parallel.context (2)"},
+           {tsp2, {"parallel.tsp=2", "parallel.context_mode=ring"}, "ring is context parallelism's"},
+           {tsp4, joined(kZaya, {"parallel.tsp=4"}), "CCA needs the degree to divide its 2 kv heads"},
+           {tsp4, joined(widths_for(3), {"parallel.tsp=4"}),
+            "does not split over tsp degree 4 (parallel.tsp)"}}) {
+    TrainConfig cfg = config(dir, dir / "bad", b.sets);
+    try {
+      Trainer t(cfg, parallel::Mesh(b.shape, MPI_COMM_WORLD), true);
+      ADD_FAILURE() << "accepted " << b.word;
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(b.word), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Trains to step 3 and saves under `save` (tsp=2, tp=2, or one rank alone: 0), resumes under
+// `resume` and finishes: steps 4..6 match the uninterrupted run. A TSP rank's blocks are a
+// tensor rank's, so its checkpoints resume at any degree of either.
+enum class Layout { kOne, kTsp2, kTp2 };
+void expect_resume(Layout save, Layout resume, const std::string& tag) {
+  if (world_size() % 2) GTEST_SKIP();
+  const fs::path dir = shared_dir(tag);
+  const auto mesh_of = [&](Layout l) {
+    return l == Layout::kOne ? parallel::Mesh() : l == Layout::kTsp2 ? tsp_mesh(2) : tsp_mesh(1, 1, 2);
+  };
+  const auto out = [&](const std::string& name, Layout l) {
+    return l != Layout::kOne ? dir / name : dir / (name + std::to_string(world_rank()));
+  };
+  const auto cfg_of = [&](const std::string& name, Layout l, const std::vector<std::string>& sets) {
+    std::vector<std::string> s = joined(kZaya, sets);
+    s.insert(s.end(), {"steps=6", "batch.micro_batch=1", "batch.grad_accum=4"});
+    if (l == Layout::kTsp2) s.push_back("parallel.tsp=2");
+    if (l == Layout::kTp2) s.insert(s.end(), {"parallel.tensor=2", "parallel.sequence=true"});
+    if (l != Layout::kOne) s.push_back("parallel.data=" + std::to_string(world_size() / 2));
+    return config(dir, out(name, l), s, kMuon);
+  };
+  Trainer full(cfg_of("full", resume, {}), mesh_of(resume), true);
+  const auto expect = full.run();
+  TrainConfig first_cfg = cfg_of("first", save, {"checkpoint.interval=3"});
+  {
+    Trainer first(first_cfg, mesh_of(save), true);
+    first.run(3);
+    first.finish_checkpoint();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  Trainer second(cfg_of("second", resume, {}), mesh_of(resume), true);
+  second.resume(first_cfg.checkpoint_dir);
+  ASSERT_EQ(second.step(), 3);
+  const auto got = second.run();
+  ASSERT_EQ(got.size(), 3u);
+  for (std::size_t i = 0; i < got.size(); ++i)
+    EXPECT_NEAR(got[i].loss, expect[i + 3].loss, 1e-5 * std::fabs(expect[i + 3].loss)) << tag << " step " << i + 4;
+}
+
+TEST(Tsp, CheckpointAtTsp2ResumesOnOneRank) { expect_resume(Layout::kTsp2, Layout::kOne, "resume_tsp2_1"); }
+TEST(Tsp, CheckpointAtTsp2ResumesAtTp2) { expect_resume(Layout::kTsp2, Layout::kTp2, "resume_tsp2_tp2"); }
+TEST(Tsp, CheckpointOfOneRankResumesAtTsp2) { expect_resume(Layout::kOne, Layout::kTsp2, "resume_1_tsp2"); }
+
+}  // namespace
+}  // namespace keel::train
