@@ -63,24 +63,35 @@ TspShards::~TspShards() {
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
+Tensor* TspShards::slot_tensor(blocks::WeightViews& v, int layer, blocks::Slot slot) {
+  if (slot == blocks::Slot::kEmbed) return &v.embed;
+  if (slot == blocks::Slot::kLmHead) return &v.lm_head;
+  return blocks::layer_slot(v.layers[static_cast<std::size_t>(layer)], slot);
+}
+
 void TspShards::bind(const optim::ParamLayout& layout, const blocks::WeightViews& params,
                      const blocks::WeightViews& grads) {
   w_ = params;
   g_ = grads;
-  units_.assign(w_.layers.size() * 2, Unit{});
+  units_.assign(w_.layers.size() * 2 + 2, Unit{});
   largest_ = 0;
   for (const auto& p : layout.params) {
     if (!p.placement.splits(mesh::Axis::kTensor)) continue;  // replicated: read in place
     const blocks::ParamRole role = blocks::role_of(p.name);
-    if (role.layer < 0) continue;  // the embedding and the head: vocabulary-parallel
-    const bool attn = attention_slot(role.slot);
-    if (!attn && !mlp_slot(role.slot)) fail("tsp: parameter '{}' is split but belongs to no sub-block", p.name);
-    Unit& u = units_[static_cast<std::size_t>(role.layer) * 2 + (attn ? 0 : 1)];
-    u.slices.push_back({role.slot, p.numel, u.floats, p.shape});
-    u.floats += p.numel;
-    largest_ = std::max(largest_, u.floats);
+    Unit* u = nullptr;
+    if (role.slot == blocks::Slot::kEmbed)
+      u = &units_[w_.layers.size() * 2];
+    else if (role.slot == blocks::Slot::kLmHead)
+      u = &units_[w_.layers.size() * 2 + 1];
+    else if (role.layer >= 0 && (attention_slot(role.slot) || mlp_slot(role.slot)))
+      u = &units_[static_cast<std::size_t>(role.layer) * 2 + (attention_slot(role.slot) ? 0 : 1)];
+    else
+      fail("tsp: parameter '{}' is split but belongs to no sub-block", p.name);
+    u->slices.push_back({role.slot, p.numel, u->floats, p.shape});
+    u->floats += p.numel;
+    largest_ = std::max(largest_, u->floats);
   }
-  if (largest_ > INT_MAX) fail("tsp: a sub-block shard of {} floats is beyond one MPI message", largest_);
+  if (largest_ > INT_MAX) fail("tsp: a shard of {} floats is beyond one MPI message", largest_);
   for (int i = 0; i < 2; ++i) {
     shard_[i].assign(static_cast<std::size_t>(largest_), 0.f);
     grad_[i].assign(static_cast<std::size_t>(largest_), 0.f);
@@ -89,73 +100,155 @@ void TspShards::bind(const optim::ParamLayout& layout, const blocks::WeightViews
 }
 
 const TspShards::Unit& TspShards::unit(int layer, Part part) const {
-  return units_.at(static_cast<std::size_t>(layer) * 2 + (part == Part::kAttention ? 0 : 1));
+  const std::size_t L = w_.layers.size();
+  switch (part) {
+    case Part::kAttention: return units_.at(static_cast<std::size_t>(layer) * 2);
+    case Part::kMlp: return units_.at(static_cast<std::size_t>(layer) * 2 + 1);
+    case Part::kEmbedding: return units_.at(L * 2);
+    default: return units_.at(L * 2 + 1);
+  }
 }
 
 void TspShards::post(int layer, const Unit& u, int r, float* buf, MPI_Request* req) {
   *req = MPI_REQUEST_NULL;
   if (u.floats == 0) return;
-  if (r == rank()) {  // the root packs its slices
-    blocks::LayerWeights& own = w_.layers[static_cast<std::size_t>(layer)];
+  if (r == rank())  // the root packs its slices
     for (const Slice& s : u.slices)
-      std::memcpy(buf + s.at, blocks::layer_slot(own, s.slot)->data(), sizeof(float) * static_cast<std::size_t>(s.numel));
-  }
+      std::memcpy(buf + s.at, slot_tensor(w_, layer, s.slot)->data(), sizeof(float) * static_cast<std::size_t>(s.numel));
   mpi_check(MPI_Ibcast(buf, static_cast<int>(u.floats), MPI_FLOAT, r, comm_, req), "MPI_Ibcast");
 }
 
-blocks::LayerWeights TspShards::view(const blocks::WeightViews& base, int layer, const Unit& u, float* buf) const {
-  blocks::LayerWeights L = base.layers[static_cast<std::size_t>(layer)];
-  if (!buf) return L;
+blocks::WeightViews TspShards::view(const blocks::WeightViews& base, int layer, const Unit& u, float* buf) const {
+  // (a copy of the layer's views, the model-level ones, and the slices pointed into buf)
+  blocks::WeightViews v;
+  v.embed = base.embed, v.lm_head = base.lm_head, v.final_norm = base.final_norm, v.final_scale = base.final_scale;
+  if (layer >= 0) v.layers.push_back(base.layers[static_cast<std::size_t>(layer)]);
+  if (!buf) return v;
   for (const Slice& s : u.slices) {
-    Tensor* t = blocks::layer_slot(L, s.slot);
+    Tensor* t = slot_tensor(v, 0, s.slot);
     const auto& d = s.shape;
     float* at = buf + s.at;
     *t = d.size() == 1 ? Tensor(at, {d[0]}) : d.size() == 2 ? Tensor(at, {d[0], d[1]}) : Tensor(at, {d[0], d[1], d[2]});
   }
-  return L;
+  return v;
 }
 
-void TspShards::forward(int layer, Part part, const Forward& fn) {
-  const Unit& u = unit(layer, part);
-  MPI_Request req = MPI_REQUEST_NULL;
-  post(layer, u, 0, shard_[0].data(), &req);
-  for (int r = 0; r < size(); ++r) {
-    wait(&req);
-    float* buf = shard_[r % 2].data();
-    if (r + 1 < size()) post(layer, u, r + 1, shard_[(r + 1) % 2].data(), &req);  // prefetch the next shard
-    const blocks::LayerWeights w = view(w_, layer, u, r == rank() ? nullptr : buf);
-    acc_.begin(r == 0);
-    fn(r, w, acc_);
-  }
-}
-
-void TspShards::backward(int layer, Part part, const Backward& fn) {
-  const Unit& u = unit(layer, part);
+template <typename Compute>
+void TspShards::sweep(int layer, const Unit& u, bool backward, Compute&& compute) {
   MPI_Request req = MPI_REQUEST_NULL, reduce[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   post(layer, u, 0, shard_[0].data(), &req);
   for (int r = 0; r < size(); ++r) {
     wait(&req);
     float* buf = shard_[r % 2].data();
-    if (r + 1 < size()) post(layer, u, r + 1, shard_[(r + 1) % 2].data(), &req);
+    if (r + 1 < size()) post(layer, u, r + 1, shard_[(r + 1) % 2].data(), &req);  // prefetch the next shard
+    const blocks::WeightViews w = view(w_, layer, u, r == rank() ? nullptr : buf);
+    acc_.begin(r == 0);
+    if (!backward) {
+      compute(r, w, nullptr);
+      continue;
+    }
     float* gbuf = grad_[r % 2].data();
     wait(&reduce[r % 2]);  // the shard before last's sum has left this buffer
     std::fill(gbuf, gbuf + u.floats, 0.f);
-    const blocks::LayerWeights w = view(w_, layer, u, r == rank() ? nullptr : buf);
-    blocks::LayerWeights g = view(g_, layer, u, gbuf);
-    acc_.begin(r == 0);
-    fn(r, w, g, acc_);
+    blocks::WeightViews g = view(g_, layer, u, gbuf);
+    compute(r, w, &g);
     if (u.floats > 0)  // every rank's share of shard r's gradients, summed on rank r
       mpi_check(MPI_Ireduce(gbuf, r == rank() ? sum_.data() : nullptr, static_cast<int>(u.floats), MPI_FLOAT, MPI_SUM, r,
                             comm_, &reduce[r % 2]),
                 "MPI_Ireduce");
   }
+  if (!backward) return;
   wait(&reduce[0]);
   wait(&reduce[1]);
-  blocks::LayerWeights& own = g_.layers[static_cast<std::size_t>(layer)];
   for (const Slice& s : u.slices) {  // accumulated, as every block's gradients are
-    float* d = blocks::layer_slot(own, s.slot)->data();
+    float* d = slot_tensor(g_, layer, s.slot)->data();
     for (std::int64_t i = 0; i < s.numel; ++i) d[i] += sum_[static_cast<std::size_t>(s.at + i)];
   }
+}
+
+template <typename Compute>
+void TspShards::ring(int layer, const Unit& u, bool backward, Compute&& compute) {
+  const int D = size(), s = rank(), next = (s + 1) % D, prev = (s + D - 1) % D;
+  const int n = static_cast<int>(u.floats);
+  constexpr int kWeights = 1, kGrads = 2;
+  if (n > 0)  // this rank's shard travels first
+    for (const Slice& sl : u.slices)
+      std::memcpy(shard_[0].data() + sl.at, slot_tensor(w_, layer, sl.slot)->data(),
+                  sizeof(float) * static_cast<std::size_t>(sl.numel));
+  MPI_Request wreq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL}, gsend[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  MPI_Request grecv = MPI_REQUEST_NULL;
+  for (int k = 0; k < D; ++k) {
+    const int j = (s - k + D) % D;  // the shard this rank holds at step k
+    float* buf = shard_[k % 2].data();
+    if (k + 1 < D && n > 0) {  // pass it on while computing with it; the next one arrives from prev
+      mpi_check(MPI_Isend(buf, n, MPI_FLOAT, next, kWeights, comm_, &wreq[0]), "MPI_Isend");
+      mpi_check(MPI_Irecv(shard_[(k + 1) % 2].data(), n, MPI_FLOAT, prev, kWeights, comm_, &wreq[1]), "MPI_Irecv");
+    }
+    const blocks::WeightViews w = view(w_, layer, u, k == 0 ? nullptr : buf);
+    acc_.begin(k == 0);
+    if (!backward) {
+      compute(j, w, nullptr);
+    } else {
+      // Shard j's gradients ride the ring behind its weights: the ranks that held it before
+      // this one summed theirs into the message from prev; this rank adds its share and passes
+      // the sum on, the last holder to j's rank itself.
+      if (k > 0 && n > 0) mpi_check(MPI_Irecv(sum_.data(), n, MPI_FLOAT, prev, kGrads, comm_, &grecv), "MPI_Irecv");
+      float* gbuf = grad_[k % 2].data();
+      wait(&gsend[k % 2]);
+      std::fill(gbuf, gbuf + n, 0.f);
+      blocks::WeightViews g = view(g_, layer, u, gbuf);
+      compute(j, w, &g);
+      if (n > 0) {
+        if (k > 0) {
+          wait(&grecv);
+          for (int i = 0; i < n; ++i) gbuf[i] += sum_[static_cast<std::size_t>(i)];
+        }
+        mpi_check(MPI_Isend(gbuf, n, MPI_FLOAT, next, kGrads, comm_, &gsend[k % 2]), "MPI_Isend");
+      }
+    }
+    wait(&wreq[0]);
+    wait(&wreq[1]);
+  }
+  if (!backward || n == 0) return;
+  // This rank's own shard, summed over every rank, comes back from prev.
+  mpi_check(MPI_Recv(sum_.data(), n, MPI_FLOAT, prev, kGrads, comm_, MPI_STATUS_IGNORE), "MPI_Recv");
+  wait(&gsend[0]);
+  wait(&gsend[1]);
+  for (const Slice& sl : u.slices) {  // accumulated, as every block's gradients are
+    float* d = slot_tensor(g_, layer, sl.slot)->data();
+    for (std::int64_t i = 0; i < sl.numel; ++i) d[i] += sum_[static_cast<std::size_t>(sl.at + i)];
+  }
+}
+
+void TspShards::forward(int layer, Part part, const Forward& fn) {
+  const auto compute = [&](int r, const blocks::WeightViews& w, blocks::WeightViews*) { fn(r, w.layers[0], acc_); };
+  if (part == Part::kMlp) return ring(layer, unit(layer, part), false, compute);
+  sweep(layer, unit(layer, part), false, compute);
+}
+
+void TspShards::backward(int layer, Part part, const Backward& fn) {
+  const auto compute = [&](int r, const blocks::WeightViews& w, blocks::WeightViews* g) {
+    fn(r, w.layers[0], g->layers[0], acc_);
+  };
+  if (part == Part::kMlp) return ring(layer, unit(layer, part), true, compute);
+  sweep(layer, unit(layer, part), true, compute);
+}
+
+// A tied head has no parameter of its own: its shards are the embedding's.
+bool TspShards::own_head() const { return !units_.empty() && units_.back().floats > 0; }
+
+void TspShards::forward(Part table, const TableForward& fn) {
+  const bool head = table == Part::kHead && own_head();
+  sweep(-1, unit(-1, head ? Part::kHead : Part::kEmbedding), false,
+        [&](int r, const blocks::WeightViews& w, blocks::WeightViews*) { fn(r, head ? w.lm_head : w.embed); });
+}
+
+void TspShards::backward(Part table, const TableBackward& fn) {
+  const bool head = table == Part::kHead && own_head();
+  sweep(-1, unit(-1, head ? Part::kHead : Part::kEmbedding), true,
+        [&](int r, const blocks::WeightViews& w, blocks::WeightViews* g) {
+          fn(r, head ? w.lm_head : w.embed, head ? g->lm_head : g->embed);
+        });
 }
 
 }  // namespace keel::parallel

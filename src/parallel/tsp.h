@@ -5,22 +5,28 @@
 // and activation memory both divide by D on the same ranks.
 //
 // Per sub-block (a layer's attention, or its MLP / experts), forward visits the D weight shards
-// in order r = 0 .. D-1 on every rank: shard r (rank r's slices of the sub-block's matrices) is
-// broadcast from rank r, the next one's broadcast posted before the current one is computed
-// (two shard buffers in flight at most); every rank runs the tensor-parallel block of shard r on
-// its own tokens (attention: shard r's heads, their k and v all-gathered over the sequence by
-// the context-parallel core, causal attention; MLP and experts: shard r's columns), and the
-// row-parallel projection's output, a partial sum, is added into the block output
-// (TspAccumulator). No all-reduce of activations. Backward visits the shards again: each is
-// broadcast again, the block's backward for it gives this rank's tokens' share of shard r's
-// gradients, summed onto rank r (MPI_Ireduce, overlapped with the next shard), and of the input
-// gradient, accumulated locally.
+// and runs the tensor-parallel block of each on this rank's tokens (attention: shard r's heads,
+// their k and v all-gathered over the sequence by the context-parallel core, causal attention;
+// MLP and experts: shard r's columns); the row-parallel projection's output, a partial sum, is
+// added into the block output (TspAccumulator). No all-reduce of activations.
+//   attention   in order r = 0 .. D-1 on every rank (the k/v all-gather needs every rank on the
+//               same heads): shard r is broadcast from rank r, the next one's broadcast posted
+//               before the current one is computed. Backward: broadcast again; this rank's
+//               tokens' share of shard r's gradients summed onto rank r (MPI_Ireduce,
+//               overlapped with the next shard).
+//   MLP         a ring: rank s starts with its own shard and at step k holds shard (s - k) mod D,
+//               sending it to rank s + 1 while computing with it. Backward: the weights go
+//               round again, each shard's gradients following them, summed on the way, and
+//               handed to the shard's rank by the last holder.
+// Either way at most two shards are in flight beyond the rank's own.
 //
 // Parameters the tensor axis does not split (norms, residual scales, routers, kv projections
 // replicated over more ranks than kv heads) are read and accumulated in place; their gradients
 // are partial (this rank's tokens, shard by shard) and sum over the group once per step, as
 // sequence parallelism's do (tensor_parallel.h: reduce_partial_gradients). The embedding and
-// the LM head are vocabulary-parallel over the group (vocab_parallel.h) on the group's tokens.
+// the LM head are visited the same way, their rows split by vocabulary: each rank looks up its
+// tokens in each shard's rows, and the head's log-sum-exp runs over the shards' logits of this
+// rank's tokens (no hidden state is gathered).
 // Experts are sliced like the dense MLP (expert tensor parallelism over the tsp axis); with
 // expert parallelism (folded over the data ranks, as always) each shard's experts run where EP
 // places them.
@@ -61,7 +67,8 @@ class TspAccumulator final : public blocks::LinearRunner {
 
 class TspShards {
  public:
-  enum class Part { kAttention, kMlp };
+  // A layer's sub-blocks, and the model's two vocabulary tables.
+  enum class Part { kAttention, kMlp, kEmbedding, kHead };
 
   // tsp: the mesh's tsp group (its communicator is duplicated for the shard traffic).
   explicit TspShards(MPI_Comm tsp);
@@ -87,6 +94,13 @@ class TspShards {
   using Backward = std::function<void(int shard, const blocks::LayerWeights& w, blocks::LayerWeights& g,
                                       blocks::LinearRunner& boundary)>;
   void backward(int layer, Part part, const Backward& fn);
+  // The same over a vocabulary table (kEmbedding, kHead: the embedding's or the untied head's
+  // rows [shard V/D, (shard + 1) V/D); tied, the head's shards are the embedding's):
+  // fn(shard, its rows) and in backward fn(shard, rows, their gradient buffer).
+  using TableForward = std::function<void(int shard, const Tensor& table)>;
+  using TableBackward = std::function<void(int shard, const Tensor& table, const Tensor& grad)>;
+  void forward(Part table, const TableForward& fn);
+  void backward(Part table, const TableBackward& fn);
 
   // The floats of the largest sub-block shard: the shard buffers hold two of them, the
   // gradient buffers three (two in flight, the sum received).
@@ -99,21 +113,32 @@ class TspShards {
     std::int64_t at = 0;  // in a shard buffer
     std::vector<std::int64_t> shape;
   };
-  struct Unit {  // one sub-block's sliced parameters
+  struct Unit {  // one sub-block's sliced parameters (or a vocabulary table)
     std::vector<Slice> slices;
     std::int64_t floats = 0;
   };
   const Unit& unit(int layer, Part part) const;
+  static Tensor* slot_tensor(blocks::WeightViews& v, int layer, blocks::Slot slot);
+  bool own_head() const;
   // Posts the broadcast of shard r of layer's unit u into buf (rank r packs its slices first).
   void post(int layer, const Unit& u, int r, float* buf, MPI_Request* req);
-  // The layer's weights (base w_) or gradients (g_) with u's slices pointed into buf (null:
-  // this rank's own).
-  blocks::LayerWeights view(const blocks::WeightViews& base, int layer, const Unit& u, float* buf) const;
+  // The layer's weights (base w_) or gradients (g_) as layers[0] (layer -1: none) and the
+  // tables, with u's slices pointed into buf (null: this rank's own).
+  blocks::WeightViews view(const blocks::WeightViews& base, int layer, const Unit& u, float* buf) const;
+  // Visits the shards in order: broadcast (prefetching the next), compute(shard, weights,
+  // gradients or null in forward), and in backward the shard's gradients summed on its rank.
+  template <typename Compute>
+  void sweep(int layer, const Unit& u, bool backward, Compute&& compute);
+  // The MLP's (and experts') schedule: rank s holds shard (s - k) mod D at step k, passing it to
+  // rank s + 1 while computing with it (double-buffered); in backward each shard's gradients
+  // follow its weights round the ring, summed on the way, and end at its rank.
+  template <typename Compute>
+  void ring(int layer, const Unit& u, bool backward, Compute&& compute);
 
   TensorGroup group_;
   MPI_Comm comm_ = MPI_COMM_NULL;  // the duplicate the shards travel on
   blocks::WeightViews w_, g_;
-  std::vector<Unit> units_;  // [layer * 2 + part]
+  std::vector<Unit> units_;  // [layer * 2 + part], then the embedding and the head
   std::int64_t largest_ = 0;
   std::vector<float> shard_[2], grad_[2], sum_;
   TspAccumulator acc_;

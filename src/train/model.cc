@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string_view>
 
 #include "common/error.h"
@@ -143,14 +144,7 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   const std::vector<std::int32_t> seq_pos = parallel::zigzag_positions(opt_.seq_length, cp_, seq_group.rank);
   positions_.resize(n);
   for (std::int64_t i = 0; i < n; ++i) positions_[i] = seq_pos[static_cast<std::size_t>(i % local_seq)];
-  if (shards_ > 1) {  // every rank's rows of the micro-batch, rank by rank
-    for (int q = 0; q < shards_; ++q) {
-      const std::vector<std::int32_t> pos = parallel::zigzag_positions(opt_.seq_length, cp_, q);
-      for (std::int64_t i = 0; i < n; ++i)
-        group_rows_.push_back(i / local_seq * opt_.seq_length + pos[static_cast<std::size_t>(i % local_seq)]);
-    }
-    plan_.tsp()->bind(layout_, w_, g_);
-  }
+  if (shards_ > 1) plan_.tsp()->bind(layout_, w_, g_);
   init_parameters();
 }
 
@@ -172,7 +166,6 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
   // this rank holds (N / tp under sequence parallelism); Vl: its vocabulary rows.
   const std::int64_t B = opt_.micro_batch, N = B * (opt_.seq_length / cp_), L = rows_, D = cfg_.hidden;
   const std::int64_t Vl = cfg_.vocab_size / vocab_.degree;
-  const std::int64_t H = shards_ > 1 ? N * shards_ : N;  // the head's rows: TSP's whole group
   const std::int64_t R = std::max(cfg_.router_hidden, 1);
   const bool any_moe = !moe_layer_ids_.empty(), any_dense = moe_layer_ids_.size() < std::size_t(cfg_.layers);
   const bool mlp_router = mlp_shape_.mlp_router, scaled = cfg_.residual_scaling;
@@ -242,13 +235,13 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
   }
   final_h_ = p.tensor("final_h", {L, D});
   final_rstd_ = p.tensor("final_rstd", {L});
-  if (vocab_.degree > 1) {  // the vocabulary-parallel embedding and head: every token's rows
-    whole_a_ = p.tensor("vocab.whole_a", {H, D});
-    whole_b_ = p.tensor("vocab.whole_b", {H, D});
+  if (tp_.degree > 1) {  // the vocabulary-parallel embedding and head: every token's rows
+    whole_a_ = p.tensor("tp.whole_a", {N, D});
+    whole_b_ = p.tensor("tp.whole_b", {N, D});
   }
-  ce_lse_ = p.tensor("ce_lse", {H});
+  ce_lse_ = p.tensor("ce_lse", {N});
   const std::int64_t chunk = std::min<std::int64_t>(opt_.ce_chunk, Vl);
-  ce_scratch_ = p.tensor("ce_scratch", {ops::cross_entropy::scratch_floats(H, chunk)});
+  ce_scratch_ = p.tensor("ce_scratch", {ops::cross_entropy::scratch_floats(N, chunk)});
 }
 
 std::int64_t MoeTransformer::param_count() const {  // the whole model's, whatever this rank holds
@@ -483,12 +476,6 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
     tokens_[static_cast<std::size_t>(i)] = tokens[at];
     targets_[static_cast<std::size_t>(i)] = targets[at];
   }
-  group_tokens_.resize(group_rows_.size());
-  group_targets_.resize(group_rows_.size());
-  for (std::size_t j = 0; j < group_rows_.size(); ++j) {
-    group_tokens_[j] = tokens[group_rows_[j]];
-    group_targets_[j] = targets[group_rows_[j]];
-  }
   // Under TSP the routers see this rank's tokens only: the micro-batch's loads are the group's
   // sums (data parallelism sums them further, as for every scheme).
   std::vector<std::vector<std::int64_t>> load_before;
@@ -543,14 +530,7 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
     lp.ce = valid > 0 ? sum / static_cast<double>(valid) : 0.0;
   }
   ce_share_ = 1.0;
-  if (shards_ > 1) {
-    // TSP: the vocabulary-parallel head took the cross-entropy over every token of the group;
-    // the router losses are the means over the ranks.
-    double parts[2] = {lp.aux, lp.z};
-    plan_.context()->sum(parts, 2);
-    lp.aux = parts[0] / cp_;
-    lp.z = parts[1] / cp_;
-  } else if (cp_ > 1) {
+  if (cp_ > 1) {
     // The micro-batch's losses on every rank of the context group: the cross-entropy over all
     // of its valid targets, the router losses' means over the ranks (aux: router::aux_loss).
     const std::int32_t ignore = ops::cross_entropy::Options{}.ignore_index;
@@ -637,23 +617,29 @@ void MoeTransformer::backward(float loss_scale) {
   have_forward_ = false;
 }
 
-// ---- the embedding and the LM head: whole, or vocabulary-parallel over the tensor group (TSP:
-// the tsp group, on all of its tokens) ----
+// ---- the embedding and the LM head: whole, vocabulary-parallel over the tensor group, or
+// under TSP visited shard by shard (each rank's rows of the table broadcast in turn) ----
 
 const parallel::TensorGroup* MoeTransformer::vocab_group() const {
-  if (shards_ > 1) return &plan_.tsp()->group();
   return tp_.degree > 1 ? &plan_.tensor()->group() : nullptr;
 }
 
 void MoeTransformer::embed_forward() {
   const std::int64_t N = static_cast<std::int64_t>(tokens_.size());
+  if (shards_ > 1) {  // each shard's rows of this rank's tokens (zeros elsewhere), summed here
+    const std::int64_t V = cfg_.vocab_size, rows = V / shards_;
+    plan_.tsp()->forward(parallel::TspShards::Part::kEmbedding, [&](int r, const Tensor& table) {
+      const Tensor out = r == 0 ? resid_[0] : dtmp_;
+      parallel::vocab_embedding_forward(tokens_.data(), N, table, rows * r, V, out);
+      if (r > 0) add_into(resid_[0], dtmp_);
+    });
+    return;
+  }
   const parallel::TensorGroup* group = vocab_group();
   if (!group) return ops::embedding::forward(tokens_.data(), N, w_.embed, resid_[0]);
   // Every token's row from the rank holding it, zeros elsewhere, summed over the group.
-  const bool tsp = shards_ > 1;
-  parallel::vocab_embedding_forward(tsp ? group_tokens_.data() : tokens_.data(), whole_a_.dim(0), w_.embed,
-                                    vocab_begin(), cfg_.vocab_size, whole_a_);
-  if (vocab_rows_split()) {
+  parallel::vocab_embedding_forward(tokens_.data(), N, w_.embed, vocab_begin(), cfg_.vocab_size, whole_a_);
+  if (opt_.sequence_parallel) {
     group->reduce_scatter(whole_a_.data(), resid_[0].data(), resid_[0].numel());
   } else {
     group->all_reduce(whole_a_.data(), whole_a_.numel());
@@ -664,45 +650,82 @@ void MoeTransformer::embed_forward() {
 // dres_: dL/d the embedding output (this rank's rows).
 void MoeTransformer::embed_backward() {
   const std::int64_t N = static_cast<std::int64_t>(tokens_.size());
+  if (shards_ > 1) {  // each shard's rows get this rank's tokens' gradients, summed on their rank
+    const std::int64_t V = cfg_.vocab_size, rows = V / shards_;
+    plan_.tsp()->backward(parallel::TspShards::Part::kEmbedding, [&](int r, const Tensor&, const Tensor& grad) {
+      parallel::vocab_embedding_backward(tokens_.data(), N, dres_, rows * r, V, grad);
+    });
+    return;
+  }
   const parallel::TensorGroup* group = vocab_group();
   if (!group) return ops::embedding::backward(tokens_.data(), N, dres_, g_.embed);
   Tensor d = dres_;
-  if (vocab_rows_split()) {
+  if (opt_.sequence_parallel) {
     group->all_gather(dres_.data(), whole_b_.data(), dres_.numel());
     d = whole_b_;
   }
-  parallel::vocab_embedding_backward(shards_ > 1 ? group_tokens_.data() : tokens_.data(), d.dim(0), d, vocab_begin(),
-                                     cfg_.vocab_size, g_.embed);
+  parallel::vocab_embedding_backward(tokens_.data(), N, d, vocab_begin(), cfg_.vocab_size, g_.embed);
 }
 
 float MoeTransformer::head_forward() {
   ops::cross_entropy::Options co;
   co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  if (shards_ > 1) {
+    // This rank's tokens against each shard's rows of the head: the running max and sum of
+    // every row carry over the shards (slice_lse), as over one table's chunks.
+    const std::int64_t N = final_h_.dim(0), V = cfg_.vocab_size, rows = V / shards_;
+    std::vector<float> m(static_cast<std::size_t>(N), -std::numeric_limits<float>::infinity());
+    std::vector<double> sum(static_cast<std::size_t>(N), 0.0), target(static_cast<std::size_t>(N), 0.0);
+    plan_.tsp()->forward(parallel::TspShards::Part::kHead, [&](int r, const Tensor& table) {
+      ops::cross_entropy::slice_lse(final_h_, table, targets_.data(), co, {rows * r, V}, ce_scratch_, m.data(),
+                                    sum.data(), target.data());
+    });
+    double total = 0;
+    std::int64_t valid = 0;
+    for (std::int64_t i = 0; i < N; ++i) {
+      if (targets_[static_cast<std::size_t>(i)] == co.ignore_index) {
+        ce_lse_[i] = 0.f;
+        continue;
+      }
+      ce_lse_[i] = static_cast<float>(m[static_cast<std::size_t>(i)] + std::log(sum[static_cast<std::size_t>(i)]));
+      total += double(ce_lse_[i]) - target[static_cast<std::size_t>(i)];
+      ++valid;
+    }
+    return valid > 0 ? static_cast<float>(total / double(valid)) : 0.f;  // this rank's mean: forward() takes the group's
+  }
   const parallel::TensorGroup* group = vocab_group();
   if (!group) return ops::cross_entropy::forward(final_h_, w_.lm_head, targets_.data(), co, ce_lse_, ce_scratch_);
   Tensor h = final_h_;
-  if (vocab_rows_split()) {  // every token's final hidden state: the head splits the vocabulary
+  if (opt_.sequence_parallel) {  // every token's final hidden state: the head splits the vocabulary
     group->all_gather(final_h_.data(), whole_a_.data(), final_h_.numel());
     h = whole_a_;
   }
-  return parallel::vocab_ce_forward(h, w_.lm_head, vocab_begin(), cfg_.vocab_size,
-                                    shards_ > 1 ? group_targets_.data() : targets_.data(), co, ce_lse_, ce_scratch_,
-                                    group->comm());
+  return parallel::vocab_ce_forward(h, w_.lm_head, vocab_begin(), cfg_.vocab_size, targets_.data(), co, ce_lse_,
+                                    ce_scratch_, group->comm());
 }
 
 // dtmp_ (overwritten): dL/d final_h_ (this rank's rows).
 void MoeTransformer::head_backward(float loss_scale) {
   ops::cross_entropy::Options co;
   co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  if (shards_ > 1) {  // each shard's share of dL/d final_h_ added here, its rows' gradients summed on their rank
+    const std::int64_t V = cfg_.vocab_size, rows = V / shards_;
+    plan_.tsp()->backward(parallel::TspShards::Part::kHead, [&](int r, const Tensor& table, const Tensor& grad) {
+      const Tensor dh = r == 0 ? dtmp_ : dtmp2_;
+      ops::cross_entropy::backward(final_h_, table, targets_.data(), ce_lse_, loss_scale, co, ce_scratch_, dh, grad,
+                                   {rows * r, V});
+      if (r > 0) add_into(dtmp_, dtmp2_);
+    });
+    return;
+  }
   const parallel::TensorGroup* group = vocab_group();
   if (!group)
     return ops::cross_entropy::backward(final_h_, w_.lm_head, targets_.data(), ce_lse_, loss_scale, co, ce_scratch_,
                                         dtmp_, g_.lm_head);
-  const Tensor h = vocab_rows_split() ? whole_a_ : final_h_;  // gathered by head_forward
-  parallel::vocab_ce_backward(h, w_.lm_head, vocab_begin(), cfg_.vocab_size,
-                              shards_ > 1 ? group_targets_.data() : targets_.data(), ce_lse_, loss_scale, co,
+  const Tensor h = opt_.sequence_parallel ? whole_a_ : final_h_;  // gathered by head_forward
+  parallel::vocab_ce_backward(h, w_.lm_head, vocab_begin(), cfg_.vocab_size, targets_.data(), ce_lse_, loss_scale, co,
                               ce_scratch_, whole_b_, g_.lm_head);
-  if (vocab_rows_split()) {
+  if (opt_.sequence_parallel) {
     group->reduce_scatter(whole_b_.data(), dtmp_.data(), dtmp_.numel());
   } else {
     group->all_reduce(whole_b_.data(), whole_b_.numel());

@@ -210,10 +210,9 @@ class MoeTransformer {
   float head_forward();
   void head_backward(float loss_scale);
   std::int64_t vocab_begin() const;  // the first vocabulary row this rank holds
-  // The group the embedding and the head split the vocabulary over (tensor or tsp), null when
-  // whole; and whether its ranks hold different rows of the residual stream (sequence or TSP).
+  // The tensor group the embedding and the head split the vocabulary over, null when whole or
+  // under TSP (whose tables are visited shard by shard).
   const parallel::TensorGroup* vocab_group() const;
-  bool vocab_rows_split() const { return opt_.sequence_parallel || shards_ > 1; }
 
   model::ModelConfig cfg_;
   ModelOptions opt_;
@@ -245,17 +244,12 @@ class MoeTransformer {
   // shard's backward carries its share of the chain)
   std::vector<std::array<Tensor, 2>> deda_;
   Tensor final_r_, final_h_, final_rstd_, ce_lse_, ce_scratch_;
-  Tensor whole_a_, whole_b_;  // tensor parallelism or TSP: rows of every token of the group (embedding, head)
+  Tensor whole_a_, whole_b_;  // tensor parallelism: [N, D] rows of every token (embedding, head)
   Tensor dres_, dtmp_, dtmp2_, dtmp3_, dhres_;
   blocks::AttnScratch attn_scratch_;
   blocks::MlpScratch mlp_scratch_;
   std::vector<std::uint32_t> tokens_;
   std::vector<std::int32_t> targets_, positions_;
-  // TSP: the group's tokens in rank order (each rank's rows), as indices into the micro-batch,
-  // and their ids and targets: the vocabulary-parallel embedding and head read them all.
-  std::vector<std::int64_t> group_rows_;
-  std::vector<std::uint32_t> group_tokens_;
-  std::vector<std::int32_t> group_targets_;
   std::vector<std::vector<std::int64_t>> load_;
   std::vector<std::vector<float>> bias_;
   BalanceMemory balance_;

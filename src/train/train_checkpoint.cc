@@ -126,7 +126,7 @@ std::vector<ckpt::Box> block_boxes(const optim::ParamInfo& p, const StateSlice& 
   return block_boxes(p, model::block_pieces(p, slice_mesh(slice), slice_coord(slice)), lo, hi);
 }
 
-std::string checkpoint_layout_name(int ranks, const StateSlice& s, int context_parallel) {
+std::string checkpoint_layout_name(int ranks, const StateSlice& s, int context_parallel, int tsp) {
   const int group = s.tensor_parallel * context_parallel;
   if (s.tensor_parallel < 1 || context_parallel < 1 || ranks < 1 || ranks % group != 0)
     fail("checkpoint: {} saving ranks are not whole tensor x context groups of {} (with tensor or context parallelism "
@@ -135,7 +135,10 @@ std::string checkpoint_layout_name(int ranks, const StateSlice& s, int context_p
   mesh::Shape m;
   m.dp = ranks / group;
   m.cp = context_parallel;
-  m.tp = s.tensor_parallel;
+  if (tsp < 1 || s.tensor_parallel % tsp != 0)
+    fail("checkpoint: tsp degree {} does not divide the blocks' tensor degree {}", tsp, s.tensor_parallel);
+  m.tsp = tsp;  // TSP's blocks are those of tensor degree tp * tsp
+  m.tp = s.tensor_parallel / tsp;
   m.ep = s.expert_parallel;
   m.zero = m.dp * m.cp > 1 ? 1 : 0;
   return m.str();
@@ -192,7 +195,7 @@ TrainCheckpointer::TrainCheckpointer(std::string root, const TrainCheckpointOpti
 
 TrainCheckpointer::TrainCheckpointer(std::string root, const TrainCheckpointOptions& options,
                                      std::unique_ptr<ckpt::Comm> comm)
-    : root_(std::move(root)), comm_(std::move(comm)), context_parallel_(options.context_parallel) {
+    : root_(std::move(root)), comm_(std::move(comm)), context_parallel_(options.context_parallel), tsp_(options.tsp) {
   if (!comm_) fail("checkpoint {}: no communicator", root_);
   ckpt::SaveOptions o;
   o.keep_last = options.keep_last;
@@ -232,7 +235,7 @@ double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, co
   for (const auto& p : layout.params)
     if (p.optimizer != optim::OptimizerKind::kAdamW) muon.push_back(p.name);
   s["muon_params"] = std::move(muon);
-  const std::string name = checkpoint_layout_name(comm_->size(), view.slice, context_parallel_);
+  const std::string name = checkpoint_layout_name(comm_->size(), view.slice, context_parallel_, tsp_);
   return saver_->save(step, shards(view, layout), s, nlohmann::json::object(), name);
 }
 

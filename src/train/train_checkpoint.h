@@ -53,6 +53,7 @@ struct TrainCheckpointOptions {
   int keep_every = 0;  // also every step divisible by M
   int threads = 2;     // writer threads (data files per rank)
   int context_parallel = 1;  // the run's cp degree: named in the saved layout (it splits no tensor)
+  int tsp = 1;               // the run's tsp degree: its blocks are the tensor degree's (model::weight_shape)
   std::function<bool(std::int64_t step)> fail_with_enospc_at;  // fault injection (ckpt::SaveOptions)
 };
 
@@ -84,7 +85,7 @@ std::vector<ckpt::SaveShard> checkpoint_shards(const CheckpointView& view, const
 // (mesh/shape.h): "dp=4,ep=2,zero=1", "dp=2,tp=2,zero=1", "dp=1,cp=2,zero=1" (dp = ranks / (tp
 // x cp); ep folded into the data ranks; zero=1 when dp x cp > 1). keel::Error when tp x cp does
 // not divide ranks.
-std::string checkpoint_layout_name(int ranks, const StateSlice& s, int context_parallel = 1);
+std::string checkpoint_layout_name(int ranks, const StateSlice& s, int context_parallel = 1, int tsp = 1);
 
 class TrainCheckpointer {
  public:
@@ -120,7 +121,7 @@ class TrainCheckpointer {
 
   std::string root_;
   std::unique_ptr<ckpt::Comm> comm_;
-  int context_parallel_ = 1;
+  int context_parallel_ = 1, tsp_ = 1;
   std::unique_ptr<ckpt::Saver> saver_;
 };
 

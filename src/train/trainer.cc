@@ -401,7 +401,7 @@ std::string Trainer::parallel_text() const {
     out += fmt::format(" x tensor parallel {}{}", sh.tp, cfg_.model_options.sequence_parallel ? " (sequence parallel)" : "");
   if (sh.tsp > 1) {
     const int linear = model::attention_layer_count(cfg_.model, model::AttentionKind::kLinear);
-    out += fmt::format(" x TSP {} (weight shards broadcast per sub-block, tokens zigzag{})", sh.tsp,
+    out += fmt::format(" x TSP {} (attention shards broadcast, MLP shards ringed, tokens zigzag{})", sh.tsp,
                        linear > 0 ? ", LASP-2 for the linear layers" : "");
   }
   return out;
@@ -637,6 +637,7 @@ void Trainer::make_checkpointer() {
   o.keep_last = cfg_.checkpoint_keep_last;
   o.keep_every = cfg_.checkpoint_keep_every;
   o.context_parallel = mesh_.shape().cp;
+  o.tsp = mesh_.shape().tsp;
   o.fail_with_enospc_at = [this](std::int64_t step) {  // fault injection: diskfull@S:rR
     const bool full = faults_.disk_full_at(step, mesh_.rank());
     if (full)

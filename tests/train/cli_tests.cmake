@@ -180,7 +180,7 @@ keel_cli_test(NAME train_cp_mode_typo EXIT 1 MATCH "parallel\\.context_mode.*mus
   ARGS train ${tcfg} ${tdp} --set parallel.context_mode=rnig)
 # TSP (parallel.tsp) on 2 CPU ranks trains and says so; a bad degree is one line; on GPUs
 # (skipped elsewhere) it is refused with one line.
-keel_cli_test(NAME train_tsp2 NP 2 MATCH "x TSP 2 \\(weight shards broadcast per sub-block, tokens zigzag\\)"
+keel_cli_test(NAME train_tsp2 NP 2 MATCH "x TSP 2 \\(attention shards broadcast, MLP shards ringed, tokens zigzag\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.tsp=2 --set checkpoint.final=false --set output_dir=train_tsp2)
 keel_cli_test(NAME train_tsp_bad_degree EXIT 1 MATCH "parallel\\.tsp.*must be >= 1"
   ARGS train ${tcfg} ${tdp} --set parallel.tsp=0)

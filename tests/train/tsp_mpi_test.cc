@@ -11,6 +11,8 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -180,6 +182,16 @@ void expect_resume(Layout save, Layout resume, const std::string& tag) {
     first.finish_checkpoint();
   }
   MPI_Barrier(MPI_COMM_WORLD);
+  if (save == Layout::kTsp2) {  // the saved layout names the axis
+    bool named = false;
+    for (const auto& e : fs::recursive_directory_iterator(first_cfg.checkpoint_dir))
+      if (e.path().filename() == "metadata.json") {
+        std::ifstream in(e.path());
+        const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        named = named || text.find("tsp=2") != std::string::npos;
+      }
+    EXPECT_TRUE(named) << "no metadata.json under " << first_cfg.checkpoint_dir << " names tsp=2";
+  }
   Trainer second(cfg_of("second", resume, {}), mesh_of(resume), true);
   second.resume(first_cfg.checkpoint_dir);
   ASSERT_EQ(second.step(), 3);
