@@ -253,13 +253,14 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   mo.router_init_gain = 1.0;
   // ZAYA1's MLP router: keel train's defaults are the settings measured to keep it balanced on
   // real text (docs/train.md, "Routing health" in docs/PERFORMANCE.md): proportional control
-  // of the balancing biases at rate 0.1, and the routers at a tenth of the learning rate (at the
-  // full rate the router sharpens faster than any controller follows, and collapses). The
-  // router.* keys, where given, win. The linear router keeps sign control, off, at full lr.
+  // of the balancing biases at rate 0.05, and the routers at a fiftieth of the learning rate (at
+  // the full rate the router sharpens faster than any controller follows, and collapses; at a
+  // tenth it still drifts above 3x on a corpus it does not memorize). The router.* keys, where
+  // given, win. The linear router keeps sign control, off, at full lr.
   if (c.model.router_mlp_layers > 0) {
     mo.balance_rule = ops::bias_controller::Rule::Proportional;
-    mo.bias_update_rate = 0.1;
-    mo.router_lr_scale = 0.1;
+    mo.bias_update_rate = 0.05;
+    mo.router_lr_scale = 0.02;
   }
   if (root["recompute"]) {
     try {

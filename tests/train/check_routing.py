@@ -4,7 +4,7 @@
 Trains the tiny ZAYA1 (configs/train/zaya1-tiny.yaml: 4 experts + the skip class) on the story
 corpus three times and reads the per-layer routing shares from metrics.jsonl:
   1. keel train's defaults for ZAYA1's MLP router (fan-in router init, proportional control of
-     the balancing biases at 0.1, the router at a tenth of the lr; the config states them): at
+     the balancing biases at 0.05, the router at a fiftieth of the lr; the config states them): at
      every step after step 50 every MoE layer's busiest class is under 2x its fair share (1/5),
      the skip class is in use (the controller raises it from its -1 start), and the final loss
      is below the other two runs';

@@ -140,6 +140,19 @@ TEST(RouterBalance, ConfigKeys) {
   EXPECT_EQ(d.model_options.balance_rule, ops::bias_controller::Rule::Sign);
   EXPECT_DOUBLE_EQ(d.model_options.router_init_gain, 1.0);  // keel train's fan-in init
   EXPECT_DOUBLE_EQ(d.model_options.router_lr_scale, 1.0);
+  // ZAYA1's MLP router without router.* keys: the defaults measured to keep it balanced
+  // (docs/PERFORMANCE.md, "Routing health, third pass"); a key given wins.
+  const std::vector<std::string> mlp = {"model.router_hidden=8", "model.router_mlp_layers=3", "model.top_k=1"};
+  const TrainConfig z = parse_train_config(text, "t.yaml", mlp);
+  EXPECT_EQ(z.model_options.balance_rule, ops::bias_controller::Rule::Proportional);
+  EXPECT_DOUBLE_EQ(z.model_options.bias_update_rate, 0.01);  // the fixture's router.bias_update_rate
+  EXPECT_DOUBLE_EQ(z.model_options.router_lr_scale, 0.02);
+  std::string bare = text;  // without it: the default rate
+  bare.replace(bare.find("  bias_update_rate: 0.01\n"), std::string("  bias_update_rate: 0.01\n").size(), "");
+  EXPECT_DOUBLE_EQ(parse_train_config(bare, "t.yaml", mlp).model_options.bias_update_rate, 0.05);
+  std::vector<std::string> given = mlp;
+  given.push_back("router.lr_scale=0.5");
+  EXPECT_DOUBLE_EQ(parse_train_config(text, "t.yaml", given).model_options.router_lr_scale, 0.5);
   fixtures::expect_usage_error(text, {"router.balance=pid"}, "router.balance");
   fixtures::expect_usage_error(text, {"router.init_gain=-1"}, "router.init_gain");
   fixtures::expect_usage_error(text, {"router.lr_scale=nan"}, "router.lr_scale");
