@@ -19,6 +19,7 @@ namespace {
 // (steady_clock nanoseconds). Written by the main thread, read by the watchdog's.
 std::atomic<const char*> g_wait_what{nullptr};
 std::atomic<std::int64_t> g_wait_since{0};
+std::atomic<std::int64_t> g_waited_ns{0};  // the outermost scopes' time, summed
 
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -34,9 +35,13 @@ PeerWait::PeerWait(const char* what) noexcept
 }
 
 PeerWait::~PeerWait() {
+  if (!prev_what_)  // the outermost scope: its whole time (nested ones lie inside it)
+    g_waited_ns.fetch_add(now_ns() - g_wait_since.load(std::memory_order_relaxed), std::memory_order_relaxed);
   g_wait_since.store(prev_since_, std::memory_order_relaxed);
   g_wait_what.store(prev_what_, std::memory_order_release);
 }
+
+double peer_wait_seconds() { return static_cast<double>(g_waited_ns.load(std::memory_order_relaxed)) * 1e-9; }
 
 void check_timeout_flag(double seconds) {
   if (!(seconds >= 0))

@@ -80,6 +80,12 @@ class PeerWait {
   std::int64_t prev_since_;
 };
 
+// The time this process has spent inside PeerWait scopes so far (seconds; nested scopes counted
+// once): keel train reports each step's share in its heartbeat, so that keel run can tell a rank
+// that is slow from the ranks that wait for it (a straggler). On GPUs the syncs count as waits,
+// the rank's own kernels included: there it sees host-side slowness only.
+double peer_wait_seconds();
+
 // Fault injection (tests' --inject-hang flags): blocks this thread forever outside any PeerWait,
 // as a wedged process would, so the watchdogs of this rank and its peers must catch it.
 [[noreturn]] void hang_forever();

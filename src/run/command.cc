@@ -34,6 +34,12 @@ void add_command(CLI::App& app) {
   cmd->add_option("--start-deadline", o->start_deadline,
                   "Seconds from launch to every rank's first heartbeat (start-up, resume) before it is a hang")
       ->capture_default_str();
+  cmd->add_option("--straggler-factor", o->straggler.factor,
+                  "A rank whose own work per step (its step time less its waits on the others) stays above this "
+                  "many times the other ranks' is reported as a straggler (0: off)")
+      ->capture_default_str();
+  cmd->add_option("--straggler-steps", o->straggler.steps, "Steps in a row above that bar before it is reported")
+      ->capture_default_str();
   cmd->add_option("--backoff", o->backoff, "Seconds before the first restart; doubles per restart in a row (reset by progress)")->capture_default_str();
   cmd->add_option("--backoff-max", o->backoff_max, "The back-off's ceiling, seconds")->capture_default_str();
   cmd->add_option("--grace", o->grace, "Seconds a stop signal gives the job to save and exit")->capture_default_str();
@@ -56,6 +62,10 @@ void add_command(CLI::App& app) {
                                   std::pair{o->backoff_max, "--backoff-max"}, std::pair{o->grace, "--grace"}})
       if (!(std::isfinite(v) && v >= 0)) throw UsageError(fmt::format("{} {}: must be a number >= 0", name, v));
     if (o->hang_factor < 1) throw UsageError(fmt::format("--hang-factor {}: must be >= 1", o->hang_factor));
+    if (!(std::isfinite(o->straggler.factor) && (o->straggler.factor == 0 || o->straggler.factor > 1)))
+      throw UsageError(fmt::format("--straggler-factor {}: must be above 1 (or 0: off)", o->straggler.factor));
+    if (o->straggler.steps < 1)
+      throw UsageError(fmt::format("--straggler-steps {}: must be >= 1", o->straggler.steps));
     set_exit_code(run(*o));
   });
 }

@@ -56,7 +56,7 @@ std::string self_exe() {
 struct Beat {
   int rank = -1, pid = 0, world = 0;
   std::int64_t step = 0;
-  double time = 0, step_seconds = 0;
+  double time = 0, step_seconds = 0, wait_seconds = 0;
   std::string phase, host;
 };
 
@@ -73,6 +73,7 @@ std::map<int, Beat> read_beats(const fs::path& dir) {
     b.rank = j.value("rank", -1), b.pid = j.value("pid", 0), b.world = j.value("world", 0);
     b.step = j.value("step", std::int64_t{0});
     b.time = j.value("time", 0.0), b.step_seconds = j.value("step_seconds", 0.0);
+    b.wait_seconds = j.value("wait_seconds", 0.0);
     b.phase = j.value("phase", std::string()), b.host = j.value("host", std::string());
     if (b.rank >= 0) out[b.rank] = b;
   }
@@ -273,6 +274,7 @@ int run(const Options& o) {
     std::vector<double> step_times;
     std::int64_t seen_step = resume;
     std::map<int, Beat> beats;
+    StragglerWatch stragglers(o.straggler);
     while (!exited) {
       std::this_thread::sleep_for(std::chrono::duration<double>(o.poll));
       drain();
@@ -303,6 +305,18 @@ int run(const Options& o) {
           seen_step = b.step;
           step_times.push_back(b.step_seconds);
         }
+      // a straggler: reported, and the job goes on
+      for (const auto& [r, b] : beats) {
+        if (b.phase != "step") continue;
+        const auto x = stragglers.add(r, b.step, b.step_seconds, b.wait_seconds, b.world);
+        if (!x) continue;
+        std::printf("keel run: rank %d (host %s, pid %d) is a straggler: %.3f s of its own work per step against %.3f s "
+                    "for the other ranks, %d steps in a row to step %lld\n",
+                    r, b.host.c_str(), b.pid, x->busy, x->others, o.straggler.steps, static_cast<long long>(x->step));
+        std::fflush(stdout);
+        events.write({{"event", "straggler"}, {"rank", r}, {"host", b.host}, {"pid", b.pid}, {"step", x->step},
+                      {"busy_seconds", x->busy}, {"others_busy_seconds", x->others}});
+      }
       // a rank whose process is gone (same host: its pid)
       for (const auto& [r, b] : beats)
         if (b.pid > 0 && b.phase != "done" && b.host == host_name() && kill(b.pid, 0) != 0 && errno == ESRCH) {

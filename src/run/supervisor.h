@@ -17,6 +17,11 @@
 //   disk full   keel train exits with an error naming "No space left on device" (a checkpoint
 //               write failed; nothing was committed): restarted from the previous checkpoint;
 //   early exit  keel train exited 0 before its last step without being asked to stop.
+// Reported, not a fault (the job goes on):
+//   straggler   a rank whose own work per step (its step time less the time it waited on the
+//               others, from its heartbeat) stays well above the other ranks' (run/straggler.h):
+//               one line naming its rank, host and pid, and a "straggler" event. Not yet:
+//               excluding it from the next attempt.
 // Restart: from `latest` of the run's checkpoint root (committed atomically by keel train: a
 // torn save is never `latest`) once it verifies (ckpt::verify_checkpoint; a newer one that does
 // not, its files damaged since, is moved aside and `latest` points at the one before), after a
@@ -25,13 +30,15 @@
 // next step boundary and exits 0; the supervisor waits up to `grace` seconds.
 //
 // Events (one JSON object per line, events file): start, fault (kind, rank, host, pid, step,
-// detect_seconds), restart (resume step, steps lost, back-off), done / give_up, and a summary:
+// detect_seconds), straggler (rank, host, pid, step, busy and others' busy seconds), restart (resume step, steps lost, back-off), done / give_up, and a summary:
 // faults survived by kind and the effective training time ratio (the time of the steps kept
 // over the wall time).
 #pragma once
 
 #include <string>
 #include <vector>
+
+#include "run/straggler.h"
 
 namespace keel::run {
 
@@ -43,6 +50,7 @@ struct Options {
   std::string hosts;                  // mpirun --hostfile (empty: this node)
   int max_restarts = 10;
   double hang_factor = 3.0, min_deadline = 10.0, start_deadline = 300.0;
+  StragglerOptions straggler;         // --straggler-factor, --straggler-steps (run/straggler.h)
   double backoff = 1.0, backoff_max = 30.0;
   double grace = 120.0;               // after a stop signal
   double poll = 0.1;                  // seconds between checks

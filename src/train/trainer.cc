@@ -499,6 +499,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
     }
     progress(fmt::format("step {}", step_ + 1));
     const auto step_start = clock::now();
+    const double waited_before = peer_wait_seconds();
     faults_.before_step(step_ + 1, mesh_.rank());  // fault injection: kill, exit, hang, slow
     if (std::find(skip_steps_.begin(), skip_steps_.end(), step_ + 1) != skip_steps_.end()) {
       // --skip-step: this step's micro-batches, drawn as train_step() would and dropped
@@ -542,7 +543,8 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
     } else {
       commit_when_written();
     }
-    heartbeat("step", std::chrono::duration<double>(clock::now() - step_start).count());
+    heartbeat("step", std::chrono::duration<double>(clock::now() - step_start).count(),
+              peer_wait_seconds() - waited_before);
     std::fflush(stdout);
   }
   // Stopped before the schedule's end (--stop-after, or a signal in a run that saves
@@ -558,7 +560,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
   return out;
 }
 
-void Trainer::heartbeat(const char* phase, double step_seconds) {
+void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seconds) {
   if (heartbeat_dir_.empty()) return;
   namespace fs = std::filesystem;
   last_step_seconds_ = step_seconds;
@@ -567,6 +569,7 @@ void Trainer::heartbeat(const char* phase, double step_seconds) {
   j["step"] = step_;
   j["time"] = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   j["step_seconds"] = step_seconds;
+  j["wait_seconds"] = wait_seconds;  // of it, blocked on other ranks (PeerWait)
   j["phase"] = phase;
   if (heartbeat_host_.empty()) heartbeat_host_ = host_name();
   j["host"] = heartbeat_host_;

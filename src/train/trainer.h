@@ -142,7 +142,7 @@ class Trainer {
   // The stop request of any rank, the same on every rank (collective over the world).
   int poll_stop();
   // Writes this rank's heartbeat file, if any (heartbeat_to()).
-  void heartbeat(const char* phase, double step_seconds);
+  void heartbeat(const char* phase, double step_seconds, double wait_seconds = 0);
 
   TrainConfig cfg_;
   parallel::Mesh mesh_;

@@ -21,6 +21,8 @@ step. First an uninterrupted `keel train` under mpirun (the reference); then kee
            checkpoint between them survive --max-restarts 1 (it counts restarts in a row);
   corrupt  a run gives up after its checkpoint of step 8, whose data is then truncated: keel run
            again moves step 8 aside, resumes from step 4, losses bit for bit;
+  straggler  rank 1 sleeps 200 ms per step: keel run names it once (line and event), no fault,
+         losses bit for bit; the fault-free runs name no straggler;
   stop   SIGTERM to keel run mid-run: the job saves and keel run exits 0;
 and every run's events file (run_events.jsonl) records what happened.
 Usage: check_run.py KEEL CONFIG STORIES_PREFIX WORKDIR
@@ -196,6 +198,20 @@ check(len(bad) == 1 and bad[0]["step"] == 8 and bad[0]["latest"] == "step_000000
       f"corrupt: step 8 moved aside, `latest` back to step 4 ({bad})")
 check(os.path.isdir(os.path.join(out, "corrupt_step_00000008")), "corrupt: the damaged checkpoint is kept aside")
 check(losses(out) == ref, "corrupt: every step's loss equals the uninterrupted run's bit for bit")
+
+# straggler: rank 1 sleeps 200 ms at the start of every step from step 2 on, rank 0 waits for it
+# in the collectives: keel run names rank 1 once (a line, an event) and the job goes on, every
+# loss bit for bit (a slow rank changes no number); the drills above, with no slow rank, name none
+out, r = keel_run("straggler", "--inject", "slow@2-16:r1:200", "--straggler-steps", "3")
+st = [e for e in events(out) if e["event"] == "straggler"]
+check(len(st) == 1 and st[0]["rank"] == 1 and st[0]["busy_seconds"] > 0.15 and
+      st[0]["others_busy_seconds"] < st[0]["busy_seconds"] / 1.5, f"straggler: rank 1 named once ({st})")
+check(re.search(r"^keel run: rank 1 \(host .+, pid \d+\) is a straggler: ", r.stdout, re.M) is not None,
+      "straggler: one line naming rank 1, its host and pid")
+check(losses(out) == ref and not any(e["event"] == "fault" for e in events(out)),
+      "straggler: no fault, every step's loss equals the uninterrupted run's bit for bit")
+quiet = [n for n in ("kill", "nan", "spike", "progress") if any(e["event"] == "straggler" for e in events(os.path.join(WORK, n)))]
+check(not quiet, f"straggler: no straggler named in runs without a slow rank ({quiet})")
 
 # SIGTERM
 out = os.path.join(WORK, "stop")

@@ -1,11 +1,13 @@
 # `keel run`, the supervisor: bad flags are one line; the fault drills on 2 CPU ranks
 # (tests/run/check_run.py: kill, hang, NaN, loss spike, disk full, give up, corrupt checkpoint,
-# SIGTERM; about 30 s).
+# straggler, SIGTERM; about 35 s).
 set(rcfg ${PROJECT_SOURCE_DIR}/configs/train/tiny.yaml)
 keel_cli_test(NAME run_bad_max_restarts EXIT 1 MATCH "--max-restarts -1: must be >= 0"
   ARGS run ${rcfg} --max-restarts -1)
 keel_cli_test(NAME run_bad_hang_factor EXIT 1 MATCH "--hang-factor 0.5: must be >= 1"
   ARGS run ${rcfg} --hang-factor 0.5)
+keel_cli_test(NAME run_bad_straggler_factor EXIT 1 MATCH "--straggler-factor 1: must be above 1 \\(or 0: off\\)"
+  ARGS run ${rcfg} --straggler-factor 1)
 keel_cli_test(NAME run_bad_launcher EXIT 1 MATCH "--launcher srun: keel run launches with mpirun"
   ARGS run ${rcfg} --launcher srun)
 keel_cli_test(NAME run_bad_inject EXIT 1 MATCH "--inject kil@3: unknown fault 'kil'"
