@@ -63,6 +63,23 @@ TspShards::~TspShards() {
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
+int tsp_unit(const optim::ParamInfo& p, int layers) {
+  if (!p.placement.splits(mesh::Axis::kTensor)) return -1;
+  const blocks::ParamRole role = blocks::role_of(p.name);
+  if (role.slot == blocks::Slot::kEmbed) return 2 * layers;
+  if (role.slot == blocks::Slot::kLmHead) return 2 * layers + 1;
+  if (role.layer >= 0 && role.layer < layers && (attention_slot(role.slot) || mlp_slot(role.slot)))
+    return 2 * role.layer + (attention_slot(role.slot) ? 0 : 1);
+  fail("tsp: parameter '{}' is split but belongs to no sub-block", p.name);
+}
+
+std::int64_t tsp_largest_shard(const optim::ParamLayout& layout, int layers) {
+  std::vector<std::int64_t> floats(static_cast<std::size_t>(layers) * 2 + 2, 0);
+  for (const auto& p : layout.params)
+    if (const int i = tsp_unit(p, layers); i >= 0) floats[static_cast<std::size_t>(i)] += p.numel;
+  return *std::max_element(floats.begin(), floats.end());
+}
+
 Tensor* TspShards::slot_tensor(blocks::WeightViews& v, int layer, blocks::Slot slot) {
   if (slot == blocks::Slot::kEmbed) return &v.embed;
   if (slot == blocks::Slot::kLmHead) return &v.lm_head;
@@ -73,24 +90,16 @@ void TspShards::bind(const optim::ParamLayout& layout, const blocks::WeightViews
                      const blocks::WeightViews& grads) {
   w_ = params;
   g_ = grads;
-  units_.assign(w_.layers.size() * 2 + 2, Unit{});
-  largest_ = 0;
+  const int layers = static_cast<int>(w_.layers.size());
+  units_.assign(static_cast<std::size_t>(layers) * 2 + 2, Unit{});
   for (const auto& p : layout.params) {
-    if (!p.placement.splits(mesh::Axis::kTensor)) continue;  // replicated: read in place
-    const blocks::ParamRole role = blocks::role_of(p.name);
-    Unit* u = nullptr;
-    if (role.slot == blocks::Slot::kEmbed)
-      u = &units_[w_.layers.size() * 2];
-    else if (role.slot == blocks::Slot::kLmHead)
-      u = &units_[w_.layers.size() * 2 + 1];
-    else if (role.layer >= 0 && (attention_slot(role.slot) || mlp_slot(role.slot)))
-      u = &units_[static_cast<std::size_t>(role.layer) * 2 + (attention_slot(role.slot) ? 0 : 1)];
-    else
-      fail("tsp: parameter '{}' is split but belongs to no sub-block", p.name);
-    u->slices.push_back({role.slot, p.numel, u->floats, p.shape});
-    u->floats += p.numel;
-    largest_ = std::max(largest_, u->floats);
+    const int i = tsp_unit(p, layers);
+    if (i < 0) continue;  // replicated: read in place
+    Unit& u = units_[static_cast<std::size_t>(i)];
+    u.slices.push_back({blocks::role_of(p.name).slot, p.numel, u.floats, p.shape});
+    u.floats += p.numel;
   }
+  largest_ = tsp_largest_shard(layout, layers);
   if (largest_ > INT_MAX) fail("tsp: a shard of {} floats is beyond one MPI message", largest_);
   for (int i = 0; i < 2; ++i) {
     shard_[i].assign(static_cast<std::size_t>(largest_), 0.f);

@@ -47,6 +47,14 @@
 
 namespace keel::parallel {
 
+// The unit a split parameter's shard travels with, among a model's 2 * layers + 2 (layer l's
+// attention 2l, its MLP or experts 2l + 1, the embedding, the untied head); -1 for a parameter
+// TSP reads in place (not split). keel::Error for a split one of no unit.
+int tsp_unit(const optim::ParamInfo& p, int layers);
+// The floats of the largest unit's shard in a rank's layout: what each shard buffer holds
+// (`keel size` counts them too).
+std::int64_t tsp_largest_shard(const optim::ParamLayout& layout, int layers);
+
 // The tensor-parallel boundary of one shard's pass through a block: the row-parallel
 // projection's partial output is added into the block output (the first shard writes it), and
 // in backward the input gradient likewise.

@@ -6,7 +6,9 @@
 
 #include "common/error.h"
 #include "common/units.h"
+#include "model/param_layout.h"
 #include "optim/muon.h"
+#include "parallel/tsp.h"
 #include "size/keel_train_shards.h"
 
 namespace keel::size {
@@ -290,6 +292,24 @@ MemoryEstimate estimate_memory(const Setup& s) {
         e.items.push_back({"LASP-2 state gathers (one layer)", (l.cp + 2) * states});
         e.items.push_back({"LASP-2 initial states (linear layers)", linear / static_cast<double>(l.pp) * states});
       }
+    }
+    if (l.tsp > 1) {
+      // TSP (parallel/tsp.h): the weight shards in flight (two, in bf16 as the GEMMs read them)
+      // and the gradient shards (two in flight and the sum received, fp32), each the size of the
+      // model's largest sub-block or table shard; and one layer's k and v of one shard's heads
+      // over the whole sequence, gathered as context parallelism's are.
+      mesh::Shape shape;
+      shape.tsp = l.tsp, shape.tp = l.tp, shape.ep = l.ep, shape.dp = l.dp, shape.cp = l.cp;
+      try {
+        const double largest =
+            static_cast<double>(parallel::tsp_largest_shard(model::param_layout(m, shape), m.layers));
+        e.items.push_back({"TSP shards (2 weight, 3 gradient)", (2 * 2 + 3 * 4) * largest});
+      } catch (const UsageError&) {  // a width the degree does not divide: no shard to size
+      }
+      const double kv = std::max<double>(1.0, static_cast<double>(m.kv_heads) / (l.tp * l.tsp)) * m.head_dim;
+      const double whole = static_cast<double>(s.micro_batch) * s.seq * kv;
+      if (model::attention_layer_count(m, AttentionKind::kLinear) < m.layers)
+        e.items.push_back({"TSP k/v gathers (one layer, one shard's heads)", 24 * whole + 12 * whole / l.tsp});
     }
     if (model::attention_layer_count(m, AttentionKind::kLinear) > 0 && l.tsp == 1) {
       // keel train's CUDA linear attention (ops/cuda/linear_attention.h), one layer's workspace

@@ -168,6 +168,23 @@ TEST(Memory, DenseByHand) {
   EXPECT_DOUBLE_EQ(item(z3, "activations"), none * 32 * 4096 / 2);
 }
 
+// TSP (parallel/tsp.h) on Llama-3-8B at tsp=2: the shard buffers, sized by the largest unit
+// (here the embedding's half: 128256 x 4096 / 2), two in bf16 and three gradient ones in fp32;
+// one layer's k and v of one shard's 4 kv heads over the whole sequence, gathered.
+TEST(Memory, TspShardsAndGathersByHand) {
+  keel::size::Setup s = setup("llama3-8b", "tsp=2", 2);
+  s.seq = 32768;
+  const MemoryEstimate e = estimate_memory(s);
+  EXPECT_DOUBLE_EQ(item(e, "TSP shards"), (2 * 2 + 3 * 4) * 128256.0 * 4096 / 2);
+  const double whole = 32768.0 * 4 * 128;
+  EXPECT_DOUBLE_EQ(item(e, "TSP k/v gathers"), 24 * whole + 12 * whole / 2);
+  // no such items without TSP
+  s = setup("llama3-8b", "tp=2", 2);
+  s.seq = 32768;
+  const MemoryEstimate t = estimate_memory(s);
+  for (const auto& it : t.items) EXPECT_EQ(it.name.find("TSP"), std::string::npos) << it.name;
+}
+
 // The LASP-2 hybrid (4 kv heads of 128): the CUDA op's chunk states, and under context
 // parallelism the gathered states and the saved initial states, by hand.
 TEST(Memory, LinearAttentionStatesByHand) {
