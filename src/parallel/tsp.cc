@@ -73,17 +73,34 @@ int tsp_unit(const optim::ParamInfo& p, int layers) {
   fail("tsp: parameter '{}' is split but belongs to no sub-block", p.name);
 }
 
-std::int64_t tsp_largest_shard(const optim::ParamLayout& layout, int layers) {
+std::int64_t tsp_table_piece_rows(const optim::ParamLayout& layout, int layers) {
   std::vector<std::int64_t> floats(static_cast<std::size_t>(layers) * 2 + 2, 0);
-  for (const auto& p : layout.params)
-    if (const int i = tsp_unit(p, layers); i >= 0) floats[static_cast<std::size_t>(i)] += p.numel;
-  return *std::max_element(floats.begin(), floats.end());
+  std::int64_t width = 1, rows = 0;
+  for (const auto& p : layout.params) {
+    const int i = tsp_unit(p, layers);
+    if (i < 0) continue;
+    floats[static_cast<std::size_t>(i)] += p.numel;
+    if (i >= 2 * layers) width = p.shape.back(), rows = std::max(rows, p.shape.front());
+  }
+  const std::int64_t layer_most =
+      layers > 0 ? *std::max_element(floats.begin(), floats.begin() + 2 * static_cast<std::ptrdiff_t>(layers)) : 0;
+  // pieces no larger than a layer's shard, and at least 64 rows (a table of a model with tiny
+  // layers goes in few messages)
+  return std::min(rows, std::max<std::int64_t>(64, layer_most / std::max<std::int64_t>(width, 1)));
 }
 
-Tensor* TspShards::slot_tensor(blocks::WeightViews& v, int layer, blocks::Slot slot) {
-  if (slot == blocks::Slot::kEmbed) return &v.embed;
-  if (slot == blocks::Slot::kLmHead) return &v.lm_head;
-  return blocks::layer_slot(v.layers[static_cast<std::size_t>(layer)], slot);
+std::int64_t tsp_largest_shard(const optim::ParamLayout& layout, int layers) {
+  std::int64_t most = 0, width = 0;
+  std::vector<std::int64_t> floats(static_cast<std::size_t>(layers) * 2, 0);
+  for (const auto& p : layout.params) {
+    const int i = tsp_unit(p, layers);
+    if (i < 0) continue;
+    if (i < 2 * layers)
+      most = std::max(most, floats[static_cast<std::size_t>(i)] += p.numel);
+    else
+      width = p.shape.back();
+  }
+  return std::max(most, tsp_table_piece_rows(layout, layers) * width);
 }
 
 void TspShards::bind(const optim::ParamLayout& layout, const blocks::WeightViews& params,
@@ -100,6 +117,7 @@ void TspShards::bind(const optim::ParamLayout& layout, const blocks::WeightViews
     u.floats += p.numel;
   }
   largest_ = tsp_largest_shard(layout, layers);
+  piece_rows_ = tsp_table_piece_rows(layout, layers);
   if (largest_ > INT_MAX) fail("tsp: a shard of {} floats is beyond one MPI message", largest_);
   for (int i = 0; i < 2; ++i) {
     shard_[i].assign(static_cast<std::size_t>(largest_), 0.f);
@@ -109,13 +127,8 @@ void TspShards::bind(const optim::ParamLayout& layout, const blocks::WeightViews
 }
 
 const TspShards::Unit& TspShards::unit(int layer, Part part) const {
-  const std::size_t L = w_.layers.size();
-  switch (part) {
-    case Part::kAttention: return units_.at(static_cast<std::size_t>(layer) * 2);
-    case Part::kMlp: return units_.at(static_cast<std::size_t>(layer) * 2 + 1);
-    case Part::kEmbedding: return units_.at(L * 2);
-    default: return units_.at(L * 2 + 1);
-  }
+  if (part != Part::kAttention && part != Part::kMlp) fail("tsp: the vocabulary tables are visited by table_sweep");
+  return units_.at(static_cast<std::size_t>(layer) * 2 + (part == Part::kAttention ? 0 : 1));
 }
 
 void TspShards::post(int layer, const Unit& u, int r, float* buf, MPI_Request* req) {
@@ -123,18 +136,16 @@ void TspShards::post(int layer, const Unit& u, int r, float* buf, MPI_Request* r
   if (u.floats == 0) return;
   if (r == rank())  // the root packs its slices
     for (const Slice& s : u.slices)
-      std::memcpy(buf + s.at, slot_tensor(w_, layer, s.slot)->data(), sizeof(float) * static_cast<std::size_t>(s.numel));
+      std::memcpy(buf + s.at, blocks::layer_slot(w_.layers[static_cast<std::size_t>(layer)], s.slot)->data(),
+                  sizeof(float) * static_cast<std::size_t>(s.numel));
   mpi_check(MPI_Ibcast(buf, static_cast<int>(u.floats), MPI_FLOAT, r, comm_, req), "MPI_Ibcast");
 }
 
-blocks::WeightViews TspShards::view(const blocks::WeightViews& base, int layer, const Unit& u, float* buf) const {
-  // (a copy of the layer's views, the model-level ones, and the slices pointed into buf)
-  blocks::WeightViews v;
-  v.embed = base.embed, v.lm_head = base.lm_head, v.final_norm = base.final_norm, v.final_scale = base.final_scale;
-  if (layer >= 0) v.layers.push_back(base.layers[static_cast<std::size_t>(layer)]);
+blocks::LayerWeights TspShards::view(const blocks::WeightViews& base, int layer, const Unit& u, float* buf) const {
+  blocks::LayerWeights v = base.layers[static_cast<std::size_t>(layer)];
   if (!buf) return v;
   for (const Slice& s : u.slices) {
-    Tensor* t = slot_tensor(v, 0, s.slot);
+    Tensor* t = blocks::layer_slot(v, s.slot);
     const auto& d = s.shape;
     float* at = buf + s.at;
     *t = d.size() == 1 ? Tensor(at, {d[0]}) : d.size() == 2 ? Tensor(at, {d[0], d[1]}) : Tensor(at, {d[0], d[1], d[2]});
@@ -150,7 +161,7 @@ void TspShards::sweep(int layer, const Unit& u, bool backward, Compute&& compute
     wait(&req);
     float* buf = shard_[r % 2].data();
     if (r + 1 < size()) post(layer, u, r + 1, shard_[(r + 1) % 2].data(), &req);  // prefetch the next shard
-    const blocks::WeightViews w = view(w_, layer, u, r == rank() ? nullptr : buf);
+    const blocks::LayerWeights w = view(w_, layer, u, r == rank() ? nullptr : buf);
     acc_.begin(r == 0);
     if (!backward) {
       compute(r, w, nullptr);
@@ -159,7 +170,7 @@ void TspShards::sweep(int layer, const Unit& u, bool backward, Compute&& compute
     float* gbuf = grad_[r % 2].data();
     wait(&reduce[r % 2]);  // the shard before last's sum has left this buffer
     std::fill(gbuf, gbuf + u.floats, 0.f);
-    blocks::WeightViews g = view(g_, layer, u, gbuf);
+    blocks::LayerWeights g = view(g_, layer, u, gbuf);
     compute(r, w, &g);
     if (u.floats > 0)  // every rank's share of shard r's gradients, summed on rank r
       mpi_check(MPI_Ireduce(gbuf, r == rank() ? sum_.data() : nullptr, static_cast<int>(u.floats), MPI_FLOAT, MPI_SUM, r,
@@ -170,7 +181,7 @@ void TspShards::sweep(int layer, const Unit& u, bool backward, Compute&& compute
   wait(&reduce[0]);
   wait(&reduce[1]);
   for (const Slice& s : u.slices) {  // accumulated, as every block's gradients are
-    float* d = slot_tensor(g_, layer, s.slot)->data();
+    float* d = blocks::layer_slot(g_.layers[static_cast<std::size_t>(layer)], s.slot)->data();
     for (std::int64_t i = 0; i < s.numel; ++i) d[i] += sum_[static_cast<std::size_t>(s.at + i)];
   }
 }
@@ -182,7 +193,7 @@ void TspShards::ring(int layer, const Unit& u, bool backward, Compute&& compute)
   constexpr int kWeights = 1, kGrads = 2;
   if (n > 0)  // this rank's shard travels first
     for (const Slice& sl : u.slices)
-      std::memcpy(shard_[0].data() + sl.at, slot_tensor(w_, layer, sl.slot)->data(),
+      std::memcpy(shard_[0].data() + sl.at, blocks::layer_slot(w_.layers[static_cast<std::size_t>(layer)], sl.slot)->data(),
                   sizeof(float) * static_cast<std::size_t>(sl.numel));
   MPI_Request wreq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL}, gsend[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   MPI_Request grecv = MPI_REQUEST_NULL;
@@ -193,7 +204,7 @@ void TspShards::ring(int layer, const Unit& u, bool backward, Compute&& compute)
       mpi_check(MPI_Isend(buf, n, MPI_FLOAT, next, kWeights, comm_, &wreq[0]), "MPI_Isend");
       mpi_check(MPI_Irecv(shard_[(k + 1) % 2].data(), n, MPI_FLOAT, prev, kWeights, comm_, &wreq[1]), "MPI_Irecv");
     }
-    const blocks::WeightViews w = view(w_, layer, u, k == 0 ? nullptr : buf);
+    const blocks::LayerWeights w = view(w_, layer, u, k == 0 ? nullptr : buf);
     acc_.begin(k == 0);
     if (!backward) {
       compute(j, w, nullptr);
@@ -205,7 +216,7 @@ void TspShards::ring(int layer, const Unit& u, bool backward, Compute&& compute)
       float* gbuf = grad_[k % 2].data();
       wait(&gsend[k % 2]);
       std::fill(gbuf, gbuf + n, 0.f);
-      blocks::WeightViews g = view(g_, layer, u, gbuf);
+      blocks::LayerWeights g = view(g_, layer, u, gbuf);
       compute(j, w, &g);
       if (n > 0) {
         if (k > 0) {
@@ -224,21 +235,19 @@ void TspShards::ring(int layer, const Unit& u, bool backward, Compute&& compute)
   wait(&gsend[0]);
   wait(&gsend[1]);
   for (const Slice& sl : u.slices) {  // accumulated, as every block's gradients are
-    float* d = slot_tensor(g_, layer, sl.slot)->data();
+    float* d = blocks::layer_slot(g_.layers[static_cast<std::size_t>(layer)], sl.slot)->data();
     for (std::int64_t i = 0; i < sl.numel; ++i) d[i] += sum_[static_cast<std::size_t>(sl.at + i)];
   }
 }
 
 void TspShards::forward(int layer, Part part, const Forward& fn) {
-  const auto compute = [&](int r, const blocks::WeightViews& w, blocks::WeightViews*) { fn(r, w.layers[0], acc_); };
+  const auto compute = [&](int r, const blocks::LayerWeights& w, blocks::LayerWeights*) { fn(r, w, acc_); };
   if (part == Part::kMlp) return ring(layer, unit(layer, part), false, compute);
   sweep(layer, unit(layer, part), false, compute);
 }
 
 void TspShards::backward(int layer, Part part, const Backward& fn) {
-  const auto compute = [&](int r, const blocks::WeightViews& w, blocks::WeightViews* g) {
-    fn(r, w.layers[0], g->layers[0], acc_);
-  };
+  const auto compute = [&](int r, const blocks::LayerWeights& w, blocks::LayerWeights* g) { fn(r, w, *g, acc_); };
   if (part == Part::kMlp) return ring(layer, unit(layer, part), true, compute);
   sweep(layer, unit(layer, part), true, compute);
 }
@@ -246,18 +255,71 @@ void TspShards::backward(int layer, Part part, const Backward& fn) {
 // A tied head has no parameter of its own: its shards are the embedding's.
 bool TspShards::own_head() const { return !units_.empty() && units_.back().floats > 0; }
 
-void TspShards::forward(Part table, const TableForward& fn) {
+// Every shard's rows in pieces of at most piece_rows_ (contiguous in the owner's table: it
+// broadcasts from the table itself), the next piece's broadcast posted before the current one
+// is computed; in backward each piece's gradients summed onto its owner and added to its rows.
+void TspShards::table_sweep(Part table, bool backward, const TableBackward& fn) {
   const bool head = table == Part::kHead && own_head();
-  sweep(-1, unit(-1, head ? Part::kHead : Part::kEmbedding), false,
-        [&](int r, const blocks::WeightViews& w, blocks::WeightViews*) { fn(r, head ? w.lm_head : w.embed); });
+  const Tensor own = head ? w_.lm_head : w_.embed, own_grad = head ? g_.lm_head : g_.embed;
+  const std::int64_t rows = own.dim(0), width = own.dim(1), piece = std::max<std::int64_t>(1, piece_rows_);
+  struct Item {
+    int shard;
+    std::int64_t first, rows;  // in the shard's rows
+  };
+  std::vector<Item> items;
+  for (int r = 0; r < size(); ++r)
+    for (std::int64_t c = 0; c < rows; c += piece) items.push_back({r, c, std::min(piece, rows - c)});
+  const auto post = [&](std::size_t i, MPI_Request* req) {
+    const Item& it = items[i];
+    float* buf = it.shard == rank() ? own.row(it.first) : shard_[i % 2].data();
+    mpi_check(MPI_Ibcast(buf, static_cast<int>(it.rows * width), MPI_FLOAT, it.shard, comm_, req), "MPI_Ibcast");
+  };
+  MPI_Request req = MPI_REQUEST_NULL, reduce[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  // A piece this rank owns is summed into sum_ (one at a time): added to its gradient rows once
+  // that reduction is done, before the next such piece's is posted.
+  int owned_slot = -1;
+  std::int64_t owned_first = 0, owned_rows = 0;
+  const auto add_owned = [&] {
+    if (owned_slot < 0) return;
+    wait(&reduce[owned_slot]);
+    float* d = own_grad.row(owned_first);
+    for (std::int64_t j = 0; j < owned_rows * width; ++j) d[j] += sum_[static_cast<std::size_t>(j)];  // accumulated
+    owned_slot = -1;
+  };
+  post(0, &req);
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    wait(&req);
+    const Item& it = items[i];
+    if (i + 1 < items.size()) post(i + 1, &req);
+    const float* at = it.shard == rank() ? own.row(it.first) : shard_[i % 2].data();
+    const Tensor w(const_cast<float*>(at), {it.rows, width});
+    const std::int64_t first = rows * it.shard + it.first;  // the vocabulary id of its first row
+    if (!backward) {
+      fn(it.shard, first, w, Tensor());
+      continue;
+    }
+    const int slot = static_cast<int>(i % 2);
+    if (owned_slot == slot) add_owned();
+    wait(&reduce[slot]);  // the piece before last's sum has left this buffer
+    float* gbuf = grad_[slot].data();
+    std::fill(gbuf, gbuf + it.rows * width, 0.f);
+    fn(it.shard, first, w, Tensor(gbuf, {it.rows, width}));
+    if (it.shard == rank()) add_owned();  // sum_ is free again
+    mpi_check(MPI_Ireduce(gbuf, it.shard == rank() ? sum_.data() : nullptr, static_cast<int>(it.rows * width), MPI_FLOAT,
+                          MPI_SUM, it.shard, comm_, &reduce[slot]),
+              "MPI_Ireduce");
+    if (it.shard == rank()) owned_slot = slot, owned_first = it.first, owned_rows = it.rows;
+  }
+  if (!backward) return;
+  add_owned();
+  wait(&reduce[0]);
+  wait(&reduce[1]);
 }
 
-void TspShards::backward(Part table, const TableBackward& fn) {
-  const bool head = table == Part::kHead && own_head();
-  sweep(-1, unit(-1, head ? Part::kHead : Part::kEmbedding), true,
-        [&](int r, const blocks::WeightViews& w, blocks::WeightViews* g) {
-          fn(r, head ? w.lm_head : w.embed, head ? g->lm_head : g->embed);
-        });
+void TspShards::forward(Part table, const TableForward& fn) {
+  table_sweep(table, false, [&](int r, std::int64_t first, const Tensor& w, const Tensor&) { fn(r, first, w); });
 }
+
+void TspShards::backward(Part table, const TableBackward& fn) { table_sweep(table, true, fn); }
 
 }  // namespace keel::parallel

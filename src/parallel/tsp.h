@@ -51,8 +51,11 @@ namespace keel::parallel {
 // attention 2l, its MLP or experts 2l + 1, the embedding, the untied head); -1 for a parameter
 // TSP reads in place (not split). keel::Error for a split one of no unit.
 int tsp_unit(const optim::ParamInfo& p, int layers);
-// The floats of the largest unit's shard in a rank's layout: what each shard buffer holds
-// (`keel size` counts them too).
+// The rows of a vocabulary table's shard that travel together: as many as fit in the largest
+// layer unit's shard (at least 64, at most the shard's rows).
+std::int64_t tsp_table_piece_rows(const optim::ParamLayout& layout, int layers);
+// The floats of the largest shard piece in a rank's layout (a layer unit's shard, or a table
+// piece): what each shard buffer holds (`keel size` counts them too).
 std::int64_t tsp_largest_shard(const optim::ParamLayout& layout, int layers);
 
 // The tensor-parallel boundary of one shard's pass through a block: the row-parallel
@@ -103,10 +106,13 @@ class TspShards {
                                       blocks::LinearRunner& boundary)>;
   void backward(int layer, Part part, const Backward& fn);
   // The same over a vocabulary table (kEmbedding, kHead: the embedding's or the untied head's
-  // rows [shard V/D, (shard + 1) V/D); tied, the head's shards are the embedding's):
-  // fn(shard, its rows) and in backward fn(shard, rows, their gradient buffer).
-  using TableForward = std::function<void(int shard, const Tensor& table)>;
-  using TableBackward = std::function<void(int shard, const Tensor& table, const Tensor& grad)>;
+  // rows [shard V/D, (shard + 1) V/D); tied, the head's shards are the embedding's), each
+  // shard's rows in pieces no larger than a layer's shard (tsp_table_piece_rows):
+  // fn(shard, the vocabulary id of the piece's first row, its rows) and in backward fn(...,
+  // their gradient buffer, summed onto the shard's rank afterwards).
+  using TableForward = std::function<void(int shard, std::int64_t first, const Tensor& rows)>;
+  using TableBackward =
+      std::function<void(int shard, std::int64_t first, const Tensor& rows, const Tensor& grad)>;
   void forward(Part table, const TableForward& fn);
   void backward(Part table, const TableBackward& fn);
 
@@ -125,14 +131,14 @@ class TspShards {
     std::vector<Slice> slices;
     std::int64_t floats = 0;
   };
-  const Unit& unit(int layer, Part part) const;
-  static Tensor* slot_tensor(blocks::WeightViews& v, int layer, blocks::Slot slot);
+  const Unit& unit(int layer, Part part) const;  // kAttention or kMlp
   bool own_head() const;
+  void table_sweep(Part table, bool backward, const TableBackward& fn);
   // Posts the broadcast of shard r of layer's unit u into buf (rank r packs its slices first).
   void post(int layer, const Unit& u, int r, float* buf, MPI_Request* req);
-  // The layer's weights (base w_) or gradients (g_) as layers[0] (layer -1: none) and the
-  // tables, with u's slices pointed into buf (null: this rank's own).
-  blocks::WeightViews view(const blocks::WeightViews& base, int layer, const Unit& u, float* buf) const;
+  // The layer's weights (base w_) or gradients (g_) with u's slices pointed into buf (null:
+  // this rank's own).
+  blocks::LayerWeights view(const blocks::WeightViews& base, int layer, const Unit& u, float* buf) const;
   // Visits the shards in order: broadcast (prefetching the next), compute(shard, weights,
   // gradients or null in forward), and in backward the shard's gradients summed on its rank.
   template <typename Compute>
@@ -147,7 +153,7 @@ class TspShards {
   MPI_Comm comm_ = MPI_COMM_NULL;  // the duplicate the shards travel on
   blocks::WeightViews w_, g_;
   std::vector<Unit> units_;  // [layer * 2 + part], then the embedding and the head
-  std::int64_t largest_ = 0;
+  std::int64_t largest_ = 0, piece_rows_ = 0;
   std::vector<float> shard_[2], grad_[2], sum_;
   TspAccumulator acc_;
 };

@@ -626,12 +626,13 @@ const parallel::TensorGroup* MoeTransformer::vocab_group() const {
 
 void MoeTransformer::embed_forward() {
   const std::int64_t N = static_cast<std::int64_t>(tokens_.size());
-  if (shards_ > 1) {  // each shard's rows of this rank's tokens (zeros elsewhere), summed here
-    const std::int64_t V = cfg_.vocab_size, rows = V / shards_;
-    plan_.tsp()->forward(parallel::TspShards::Part::kEmbedding, [&](int r, const Tensor& table) {
-      const Tensor out = r == 0 ? resid_[0] : dtmp_;
-      parallel::vocab_embedding_forward(tokens_.data(), N, table, rows * r, V, out);
-      if (r > 0) add_into(resid_[0], dtmp_);
+  if (shards_ > 1) {  // each piece's rows of this rank's tokens (zeros elsewhere), summed here
+    bool first_piece = true;
+    plan_.tsp()->forward(parallel::TspShards::Part::kEmbedding, [&](int, std::int64_t first, const Tensor& rows) {
+      const Tensor out = first_piece ? resid_[0] : dtmp_;
+      parallel::vocab_embedding_forward(tokens_.data(), N, rows, first, cfg_.vocab_size, out);
+      if (!first_piece) add_into(resid_[0], dtmp_);
+      first_piece = false;
     });
     return;
   }
@@ -650,11 +651,11 @@ void MoeTransformer::embed_forward() {
 // dres_: dL/d the embedding output (this rank's rows).
 void MoeTransformer::embed_backward() {
   const std::int64_t N = static_cast<std::int64_t>(tokens_.size());
-  if (shards_ > 1) {  // each shard's rows get this rank's tokens' gradients, summed on their rank
-    const std::int64_t V = cfg_.vocab_size, rows = V / shards_;
-    plan_.tsp()->backward(parallel::TspShards::Part::kEmbedding, [&](int r, const Tensor&, const Tensor& grad) {
-      parallel::vocab_embedding_backward(tokens_.data(), N, dres_, rows * r, V, grad);
-    });
+  if (shards_ > 1) {  // each piece's rows get this rank's tokens' gradients, summed on their rank
+    plan_.tsp()->backward(parallel::TspShards::Part::kEmbedding,
+                          [&](int, std::int64_t first, const Tensor&, const Tensor& grad) {
+                            parallel::vocab_embedding_backward(tokens_.data(), N, dres_, first, cfg_.vocab_size, grad);
+                          });
     return;
   }
   const parallel::TensorGroup* group = vocab_group();
@@ -673,11 +674,11 @@ float MoeTransformer::head_forward() {
   if (shards_ > 1) {
     // This rank's tokens against each shard's rows of the head: the running max and sum of
     // every row carry over the shards (slice_lse), as over one table's chunks.
-    const std::int64_t N = final_h_.dim(0), V = cfg_.vocab_size, rows = V / shards_;
+    const std::int64_t N = final_h_.dim(0);
     std::vector<float> m(static_cast<std::size_t>(N), -std::numeric_limits<float>::infinity());
     std::vector<double> sum(static_cast<std::size_t>(N), 0.0), target(static_cast<std::size_t>(N), 0.0);
-    plan_.tsp()->forward(parallel::TspShards::Part::kHead, [&](int r, const Tensor& table) {
-      ops::cross_entropy::slice_lse(final_h_, table, targets_.data(), co, {rows * r, V}, ce_scratch_, m.data(),
+    plan_.tsp()->forward(parallel::TspShards::Part::kHead, [&](int, std::int64_t first, const Tensor& rows) {
+      ops::cross_entropy::slice_lse(final_h_, rows, targets_.data(), co, {first, cfg_.vocab_size}, ce_scratch_, m.data(),
                                     sum.data(), target.data());
     });
     double total = 0;
@@ -708,14 +709,16 @@ float MoeTransformer::head_forward() {
 void MoeTransformer::head_backward(float loss_scale) {
   ops::cross_entropy::Options co;
   co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
-  if (shards_ > 1) {  // each shard's share of dL/d final_h_ added here, its rows' gradients summed on their rank
-    const std::int64_t V = cfg_.vocab_size, rows = V / shards_;
-    plan_.tsp()->backward(parallel::TspShards::Part::kHead, [&](int r, const Tensor& table, const Tensor& grad) {
-      const Tensor dh = r == 0 ? dtmp_ : dtmp2_;
-      ops::cross_entropy::backward(final_h_, table, targets_.data(), ce_lse_, loss_scale, co, ce_scratch_, dh, grad,
-                                   {rows * r, V});
-      if (r > 0) add_into(dtmp_, dtmp2_);
-    });
+  if (shards_ > 1) {  // each piece's share of dL/d final_h_ added here, its rows' gradients summed on their rank
+    bool first_piece = true;
+    plan_.tsp()->backward(parallel::TspShards::Part::kHead,
+                          [&](int, std::int64_t first, const Tensor& rows, const Tensor& grad) {
+                            const Tensor dh = first_piece ? dtmp_ : dtmp2_;
+                            ops::cross_entropy::backward(final_h_, rows, targets_.data(), ce_lse_, loss_scale, co,
+                                                         ce_scratch_, dh, grad, {first, cfg_.vocab_size});
+                            if (!first_piece) add_into(dtmp_, dtmp2_);
+                            first_piece = false;
+                          });
     return;
   }
   const parallel::TensorGroup* group = vocab_group();

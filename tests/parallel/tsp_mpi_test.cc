@@ -28,13 +28,16 @@ using keel::test::world_size;
 
 constexpr int kBatch = 2, kSeq = 24;  // 24 tokens: 2D chunks for D = 2, 3 and 4
 
-// The model and options: the tiny MoE (widths D divides; untied head), or ZAYA1's tiny shape.
-std::pair<model::ModelConfig, ModelOptions> setup(int d, bool zaya) {
+// The model and options: the tiny MoE (widths D divides; untied head), or ZAYA1's tiny shape;
+// vocab: a vocabulary large enough that each shard of the tables travels in several pieces
+// (TspShards: pieces no larger than a layer's shard), or 0 for the fixture's 24.
+std::pair<model::ModelConfig, ModelOptions> setup(int d, bool zaya, int vocab = 0) {
   std::vector<std::string> sets = {"data.seq_length=24", "model.tied_embeddings=false"};
   if (d == 3)
     sets.insert(sets.end(), {"model.hidden=24", "model.heads=6", "model.kv_heads=3", "model.ffn_hidden=24",
                              "model.expert_hidden=12"});
   if (zaya) sets = fixtures::joined(fixtures::kZaya, {"data.seq_length=24"});
+  if (vocab > 0) sets.push_back("model.vocab_size=" + std::to_string(vocab));
   const TrainConfig c =
       parse_train_config(fixtures::train_config_text("/nonexistent/d", "/tmp/keel-tsp-model"), "t.yaml", sets);
   ModelOptions o = c.model_options;
@@ -50,10 +53,10 @@ parallel::Mesh tsp_mesh(int d) {
   return parallel::Mesh(s, MPI_COMM_WORLD);
 }
 
-void expect_gradients_match(bool zaya) {
+void expect_gradients_match(bool zaya, int vocab = 0) {
   const int d = zaya ? 2 : world_size();
   if (world_size() % d != 0) GTEST_SKIP();
-  const auto [cfg, o] = setup(d, zaya);
+  const auto [cfg, o] = setup(d, zaya, vocab);
   const parallel::Mesh mesh = tsp_mesh(d);
   MoeTransformer one(cfg, o), tsp(cfg, o, mesh);
   const fixtures::Batch b = fixtures::random_batch(kBatch * kSeq, static_cast<int>(cfg.vocab_size), 11, 7);
@@ -102,6 +105,10 @@ void expect_gradients_match(bool zaya) {
 
 TEST(TspModel, GradientsPerParameterMatchOneRank) { expect_gradients_match(false); }
 TEST(TspModel, ZayaGradientsPerParameterMatchOneRank) { expect_gradients_match(true); }
+// 4,104 rows (divisible by 2, 3 and 4): each shard of the embedding and of the untied head (tiny
+// MoE), or of the tied table (ZAYA1), travels in pieces of 64-96 rows
+TEST(TspModel, TablesInPiecesMatchOneRank) { expect_gradients_match(false, 4104); }
+TEST(TspModel, ZayaTiedTableInPiecesMatchesOneRank) { expect_gradients_match(true, 4104); }
 
 // The loss over positions before p (targets at p and later ignored) must not move when token p
 // changes, at every p: chunk and rank boundaries included; changing token p - 1 must move it.

@@ -168,14 +168,15 @@ TEST(Memory, DenseByHand) {
   EXPECT_DOUBLE_EQ(item(z3, "activations"), none * 32 * 4096 / 2);
 }
 
-// TSP (parallel/tsp.h) on Llama-3-8B at tsp=2: the shard buffers, sized by the largest unit
-// (here the embedding's half: 128256 x 4096 / 2), two in bf16 and three gradient ones in fp32;
-// one layer's k and v of one shard's 4 kv heads over the whole sequence, gathered.
+// TSP (parallel/tsp.h) on Llama-3-8B at tsp=2: the shard buffers, sized by the largest piece (a
+// layer's MLP half, 3 x 4096 x 14336 / 2; the tables travel in pieces no larger), two in bf16
+// and three gradient ones in fp32; one layer's k and v of one shard's 4 kv heads over the whole
+// sequence, gathered.
 TEST(Memory, TspShardsAndGathersByHand) {
   keel::size::Setup s = setup("llama3-8b", "tsp=2", 2);
   s.seq = 32768;
   const MemoryEstimate e = estimate_memory(s);
-  EXPECT_DOUBLE_EQ(item(e, "TSP shards"), (2 * 2 + 3 * 4) * 128256.0 * 4096 / 2);
+  EXPECT_DOUBLE_EQ(item(e, "TSP shards"), (2 * 2 + 3 * 4) * 3.0 * 4096 * 14336 / 2);
   const double whole = 32768.0 * 4 * 128;
   EXPECT_DOUBLE_EQ(item(e, "TSP k/v gathers"), 24 * whole + 12 * whole / 2);
   // no such items without TSP
