@@ -24,6 +24,7 @@
 #include "train/trainer.h"
 #include "train_mpi_test_util.h"
 #include "train_test_util.h"
+#include "world_run_util.h"
 
 namespace keel::train {
 namespace {
@@ -53,12 +54,7 @@ using fixtures::kZayaGpu;
 
 TrainConfig config(const fs::path& dir, const fs::path& out, const std::vector<std::string>& extra,
                    const std::string& optimizer_extra = "") {
-  if (world_rank() == 0 && !fs::exists(dir / "d.idx")) fixtures::make_dataset(dir, "d");
-  MPI_Barrier(MPI_COMM_WORLD);
-  // 24 tokens: 2C chunks for C = 2, 3 and 4 (CCA reads 2 tokens before each chunk)
-  std::vector<std::string> sets = {"steps=20", "checkpoint.final=false", "data.seq_length=24"};
-  sets.insert(sets.end(), extra.begin(), extra.end());
-  return parse_train_config(fixtures::train_config_text((dir / "d").string(), out, optimizer_extra), "cp.yaml", sets);
+  return fixtures::world_config(dir, out, extra, optimizer_extra, "cp.yaml");
 }
 
 struct Case {
@@ -88,17 +84,9 @@ void expect_matches_single_rank(const Case& c) {
   one.model_options.sequence_parallel = false;
   one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
   Trainer single(one, parallel::Mesh(), true);
-  const auto got = t.run();
+  const auto got = t.run();  // collective: before the one-rank run, on every rank
   const auto want = single.run();
-  ASSERT_EQ(got.size(), want.size());
-  ASSERT_EQ(got.size(), 20u);
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    EXPECT_NEAR(got[i].loss, want[i].loss, 1e-5 * std::fabs(want[i].loss)) << c.tag << " step " << i + 1;
-    EXPECT_NEAR(got[i].aux, want[i].aux, 1e-5 * std::fabs(want[i].aux) + 1e-9) << c.tag << " step " << i + 1;
-    EXPECT_NEAR(got[i].grad_norm, want[i].grad_norm, 1e-4 * want[i].grad_norm) << c.tag << " step " << i + 1;
-    // the routing of the whole batch, summed over the ranks' tokens
-    EXPECT_EQ(got[i].layer_busiest, want[i].layer_busiest) << c.tag << " step " << i + 1;
-  }
+  fixtures::expect_same_steps(got, want, c.tag);
   if (c.tp == 1 && c.ep == 1) {  // every rank holds the whole model
     const auto& a = t.backend().state().params;
     const auto& b = single.backend().state().params;
