@@ -80,9 +80,14 @@ float forward(const Tensor& hidden, const Tensor& w, const std::int32_t* targets
   std::vector<float> m(s.n, -std::numeric_limits<float>::infinity());
   std::vector<double> sum(s.n, 0.0), target_logit(s.n, 0.0);
   slice_lse(hidden, w, targets, o, {}, scratch, m.data(), sum.data(), target_logit.data());
+  return finish_lse(targets, s.n, o, m.data(), sum.data(), target_logit.data(), lse);
+}
+
+float finish_lse(const std::int32_t* targets, std::int64_t n, const Options& o, const float* m, const double* sum,
+                 const double* target_logit, const Tensor& lse) {
   double total = 0;
   std::int64_t valid = 0;
-  for (std::int64_t i = 0; i < s.n; ++i) {
+  for (std::int64_t i = 0; i < n; ++i) {
     if (targets[i] == o.ignore_index) {
       lse[i] = 0.f;
       continue;

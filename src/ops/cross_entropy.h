@@ -50,6 +50,13 @@ struct Slice {
 void slice_lse(const Tensor& hidden, const Tensor& w, const std::int32_t* targets, const Options& o, const Slice& slice,
                const Tensor& scratch, float* m, double* sum, double* target_logit);
 
+// The second half of forward: each valid row's lse = m + log(sum) from slice_lse's running max
+// and sum (over every slice of the vocabulary: several calls, or their combination over ranks)
+// into lse (0 for ignored rows), and the mean loss lse - target_logit over the valid rows (0
+// when none).
+float finish_lse(const std::int32_t* targets, std::int64_t n, const Options& o, const float* m, const double* sum,
+                 const double* target_logit, const Tensor& lse);
+
 // dloss: upstream gradient of the mean loss (1 for the plain loss). Over a slice, lse is the
 // whole vocabulary's and dhidden this slice's share of the gradient (the caller sums the slices').
 void backward(const Tensor& hidden, const Tensor& w, const std::int32_t* targets, const Tensor& lse, float dloss,

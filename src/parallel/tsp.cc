@@ -73,34 +73,25 @@ int tsp_unit(const optim::ParamInfo& p, int layers) {
   fail("tsp: parameter '{}' is split but belongs to no sub-block", p.name);
 }
 
-std::int64_t tsp_table_piece_rows(const optim::ParamLayout& layout, int layers) {
-  std::vector<std::int64_t> floats(static_cast<std::size_t>(layers) * 2 + 2, 0);
-  std::int64_t width = 1, rows = 0;
-  for (const auto& p : layout.params) {
-    const int i = tsp_unit(p, layers);
-    if (i < 0) continue;
-    floats[static_cast<std::size_t>(i)] += p.numel;
-    if (i >= 2 * layers) width = p.shape.back(), rows = std::max(rows, p.shape.front());
-  }
-  const std::int64_t layer_most =
-      layers > 0 ? *std::max_element(floats.begin(), floats.begin() + 2 * static_cast<std::ptrdiff_t>(layers)) : 0;
-  // pieces no larger than a layer's shard, and at least 64 rows (a table of a model with tiny
-  // layers goes in few messages)
-  return std::min(rows, std::max<std::int64_t>(64, layer_most / std::max<std::int64_t>(width, 1)));
-}
-
-std::int64_t tsp_largest_shard(const optim::ParamLayout& layout, int layers) {
-  std::int64_t most = 0, width = 0;
+TspSizes tsp_sizes(const optim::ParamLayout& layout, int layers) {
   std::vector<std::int64_t> floats(static_cast<std::size_t>(layers) * 2, 0);
+  std::int64_t layer_most = 0, width = 1, rows = 0;
+  TspSizes z;
   for (const auto& p : layout.params) {
     const int i = tsp_unit(p, layers);
     if (i < 0) continue;
-    if (i < 2 * layers)
-      most = std::max(most, floats[static_cast<std::size_t>(i)] += p.numel);
-    else
-      width = p.shape.back();
+    if (i < 2 * layers) {
+      layer_most = std::max(layer_most, floats[static_cast<std::size_t>(i)] += p.numel);
+    } else {
+      width = p.shape.back(), rows = std::max(rows, p.shape.front());
+      z.own_head = z.own_head || i == 2 * layers + 1;
+    }
   }
-  return std::max(most, tsp_table_piece_rows(layout, layers) * width);
+  // table pieces no larger than a layer's shard, and at least 64 rows (a table of a model with
+  // tiny layers goes in few messages)
+  z.piece_rows = std::min(rows, std::max<std::int64_t>(64, layer_most / std::max<std::int64_t>(width, 1)));
+  z.largest = std::max(layer_most, z.piece_rows * width);
+  return z;
 }
 
 void TspShards::bind(const optim::ParamLayout& layout, const blocks::WeightViews& params,
@@ -108,22 +99,22 @@ void TspShards::bind(const optim::ParamLayout& layout, const blocks::WeightViews
   w_ = params;
   g_ = grads;
   const int layers = static_cast<int>(w_.layers.size());
-  units_.assign(static_cast<std::size_t>(layers) * 2 + 2, Unit{});
+  units_.assign(static_cast<std::size_t>(layers) * 2, Unit{});
   for (const auto& p : layout.params) {
     const int i = tsp_unit(p, layers);
-    if (i < 0) continue;  // replicated: read in place
+    if (i < 0 || i >= 2 * layers) continue;  // replicated: read in place; the tables: table_sweep
     Unit& u = units_[static_cast<std::size_t>(i)];
     u.slices.push_back({blocks::role_of(p.name).slot, p.numel, u.floats, p.shape});
     u.floats += p.numel;
   }
-  largest_ = tsp_largest_shard(layout, layers);
-  piece_rows_ = tsp_table_piece_rows(layout, layers);
-  if (largest_ > INT_MAX) fail("tsp: a shard of {} floats is beyond one MPI message", largest_);
+  sizes_ = tsp_sizes(layout, layers);
+  const std::int64_t largest = sizes_.largest;
+  if (largest > INT_MAX) fail("tsp: a shard of {} floats is beyond one MPI message", largest);
   for (int i = 0; i < 2; ++i) {
-    shard_[i].assign(static_cast<std::size_t>(largest_), 0.f);
-    grad_[i].assign(static_cast<std::size_t>(largest_), 0.f);
+    shard_[i].assign(static_cast<std::size_t>(largest), 0.f);
+    grad_[i].assign(static_cast<std::size_t>(largest), 0.f);
   }
-  sum_.assign(static_cast<std::size_t>(largest_), 0.f);
+  sum_.assign(static_cast<std::size_t>(largest), 0.f);
 }
 
 const TspShards::Unit& TspShards::unit(int layer, Part part) const {
@@ -180,10 +171,7 @@ void TspShards::sweep(int layer, const Unit& u, bool backward, Compute&& compute
   if (!backward) return;
   wait(&reduce[0]);
   wait(&reduce[1]);
-  for (const Slice& s : u.slices) {  // accumulated, as every block's gradients are
-    float* d = blocks::layer_slot(g_.layers[static_cast<std::size_t>(layer)], s.slot)->data();
-    for (std::int64_t i = 0; i < s.numel; ++i) d[i] += sum_[static_cast<std::size_t>(s.at + i)];
-  }
+  add_sum(layer, u);
 }
 
 template <typename Compute>
@@ -234,9 +222,13 @@ void TspShards::ring(int layer, const Unit& u, bool backward, Compute&& compute)
   mpi_check(MPI_Recv(sum_.data(), n, MPI_FLOAT, prev, kGrads, comm_, MPI_STATUS_IGNORE), "MPI_Recv");
   wait(&gsend[0]);
   wait(&gsend[1]);
-  for (const Slice& sl : u.slices) {  // accumulated, as every block's gradients are
-    float* d = blocks::layer_slot(g_.layers[static_cast<std::size_t>(layer)], sl.slot)->data();
-    for (std::int64_t i = 0; i < sl.numel; ++i) d[i] += sum_[static_cast<std::size_t>(sl.at + i)];
+  add_sum(layer, u);
+}
+
+void TspShards::add_sum(int layer, const Unit& u) {
+  for (const Slice& s : u.slices) {  // accumulated, as every block's gradients are
+    float* d = blocks::layer_slot(g_.layers[static_cast<std::size_t>(layer)], s.slot)->data();
+    for (std::int64_t i = 0; i < s.numel; ++i) d[i] += sum_[static_cast<std::size_t>(s.at + i)];
   }
 }
 
@@ -252,16 +244,14 @@ void TspShards::backward(int layer, Part part, const Backward& fn) {
   sweep(layer, unit(layer, part), true, compute);
 }
 
-// A tied head has no parameter of its own: its shards are the embedding's.
-bool TspShards::own_head() const { return !units_.empty() && units_.back().floats > 0; }
-
-// Every shard's rows in pieces of at most piece_rows_ (contiguous in the owner's table: it
+// Every shard's rows in pieces of at most sizes_.piece_rows (contiguous in the owner's table: it
 // broadcasts from the table itself), the next piece's broadcast posted before the current one
 // is computed; in backward each piece's gradients summed onto its owner and added to its rows.
 void TspShards::table_sweep(Part table, bool backward, const TableBackward& fn) {
-  const bool head = table == Part::kHead && own_head();
+  // a tied head has no parameter of its own: its shards are the embedding's
+  const bool head = table == Part::kHead && sizes_.own_head;
   const Tensor own = head ? w_.lm_head : w_.embed, own_grad = head ? g_.lm_head : g_.embed;
-  const std::int64_t rows = own.dim(0), width = own.dim(1), piece = std::max<std::int64_t>(1, piece_rows_);
+  const std::int64_t rows = own.dim(0), width = own.dim(1), piece = std::max<std::int64_t>(1, sizes_.piece_rows);
   struct Item {
     int shard;
     std::int64_t first, rows;  // in the shard's rows

@@ -51,12 +51,15 @@ namespace keel::parallel {
 // attention 2l, its MLP or experts 2l + 1, the embedding, the untied head); -1 for a parameter
 // TSP reads in place (not split). keel::Error for a split one of no unit.
 int tsp_unit(const optim::ParamInfo& p, int layers);
-// The rows of a vocabulary table's shard that travel together: as many as fit in the largest
-// layer unit's shard (at least 64, at most the shard's rows).
-std::int64_t tsp_table_piece_rows(const optim::ParamLayout& layout, int layers);
-// The floats of the largest shard piece in a rank's layout (a layer unit's shard, or a table
-// piece): what each shard buffer holds (`keel size` counts them too).
-std::int64_t tsp_largest_shard(const optim::ParamLayout& layout, int layers);
+// From a rank's layout: the rows of a vocabulary table's shard that travel together (as many as
+// fit in the largest layer unit's shard, at least 64, at most the shard's rows); the floats of
+// the largest piece that travels (a layer unit's shard, or a table piece): what each shard
+// buffer holds (`keel size` counts them too); whether the head has rows of its own (untied).
+struct TspSizes {
+  std::int64_t piece_rows = 0, largest = 0;
+  bool own_head = false;
+};
+TspSizes tsp_sizes(const optim::ParamLayout& layout, int layers);
 
 // The tensor-parallel boundary of one shard's pass through a block: the row-parallel
 // projection's partial output is added into the block output (the first shard writes it), and
@@ -118,7 +121,7 @@ class TspShards {
 
   // The floats of the largest sub-block shard: the shard buffers hold two of them, the
   // gradient buffers three (two in flight, the sum received).
-  std::int64_t largest_shard() const { return largest_; }
+  std::int64_t largest_shard() const { return sizes_.largest; }
 
  private:
   struct Slice {
@@ -132,7 +135,8 @@ class TspShards {
     std::int64_t floats = 0;
   };
   const Unit& unit(int layer, Part part) const;  // kAttention or kMlp
-  bool own_head() const;
+  // Adds sum_ (u's gradients summed over the group) into this rank's gradients of u.
+  void add_sum(int layer, const Unit& u);
   void table_sweep(Part table, bool backward, const TableBackward& fn);
   // Posts the broadcast of shard r of layer's unit u into buf (rank r packs its slices first).
   void post(int layer, const Unit& u, int r, float* buf, MPI_Request* req);
@@ -152,8 +156,8 @@ class TspShards {
   TensorGroup group_;
   MPI_Comm comm_ = MPI_COMM_NULL;  // the duplicate the shards travel on
   blocks::WeightViews w_, g_;
-  std::vector<Unit> units_;  // [layer * 2 + part], then the embedding and the head
-  std::int64_t largest_ = 0, piece_rows_ = 0;
+  std::vector<Unit> units_;  // [layer * 2 + part]
+  TspSizes sizes_;
   std::vector<float> shard_[2], grad_[2], sum_;
   TspAccumulator acc_;
 };

@@ -104,16 +104,7 @@ float vocab_ce_forward(const Tensor& hidden, const Tensor& w_local, std::int64_t
   }
   if (sums.back() != double(vocab))
     fail("vocab parallel cross_entropy: the group's slices hold {} rows, the vocabulary has {}", std::int64_t(sums.back()), vocab);
-  double total = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    if (targets[i] == o.ignore_index) {
-      lse[i] = 0.f;
-      continue;
-    }
-    lse[i] = static_cast<float>(gm[i] + std::log(sum[i]));
-    total += double(lse[i]) - target_logit[i];
-  }
-  return static_cast<float>(total / double(valid));
+  return ops::cross_entropy::finish_lse(targets, n, o, gm.data(), sum, target_logit, lse);
 }
 
 void vocab_ce_backward(const Tensor& hidden, const Tensor& w_local, std::int64_t vocab_begin, std::int64_t vocab,

@@ -302,7 +302,7 @@ MemoryEstimate estimate_memory(const Setup& s) {
       shape.tsp = l.tsp, shape.tp = l.tp, shape.ep = l.ep, shape.dp = l.dp, shape.cp = l.cp;
       try {
         const double largest =
-            static_cast<double>(parallel::tsp_largest_shard(model::param_layout(m, shape), m.layers));
+            static_cast<double>(parallel::tsp_sizes(model::param_layout(m, shape), m.layers).largest);
         e.items.push_back({"TSP shards (2 weight, 3 gradient)", (2 * 2 + 3 * 4) * largest});
       } catch (const UsageError&) {  // a width the degree does not divide: no shard to size
       }

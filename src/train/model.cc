@@ -681,18 +681,8 @@ float MoeTransformer::head_forward() {
       ops::cross_entropy::slice_lse(final_h_, rows, targets_.data(), co, {first, cfg_.vocab_size}, ce_scratch_, m.data(),
                                     sum.data(), target.data());
     });
-    double total = 0;
-    std::int64_t valid = 0;
-    for (std::int64_t i = 0; i < N; ++i) {
-      if (targets_[static_cast<std::size_t>(i)] == co.ignore_index) {
-        ce_lse_[i] = 0.f;
-        continue;
-      }
-      ce_lse_[i] = static_cast<float>(m[static_cast<std::size_t>(i)] + std::log(sum[static_cast<std::size_t>(i)]));
-      total += double(ce_lse_[i]) - target[static_cast<std::size_t>(i)];
-      ++valid;
-    }
-    return valid > 0 ? static_cast<float>(total / double(valid)) : 0.f;  // this rank's mean: forward() takes the group's
+    // this rank's mean: forward() takes the group's
+    return ops::cross_entropy::finish_lse(targets_.data(), N, co, m.data(), sum.data(), target.data(), ce_lse_);
   }
   const parallel::TensorGroup* group = vocab_group();
   if (!group) return ops::cross_entropy::forward(final_h_, w_.lm_head, targets_.data(), co, ce_lse_, ce_scratch_);
