@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <string>
 
+#include "device/cuda_devices.h"
+
 namespace keel::test {
 
 inline int world_rank() {
@@ -20,6 +22,14 @@ inline int world_size() {
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   return n;
 }
+
+// Whether every rank of the world (2 or more) has a GPU: one each, or in the KEEL_NCCL_OVER_MPI
+// test mode (device/cuda_devices.h) one shared by all. use_rank_gpu() makes it current.
+inline bool gpu_per_rank() {
+  const int n = world_size(), visible = visible_cuda_devices();
+  return n >= 2 && (visible >= n || (visible >= 1 && nccl_over_mpi()));
+}
+inline void use_rank_gpu() { set_cuda_device(world_rank() % visible_cuda_devices()); }
 
 // An empty directory every rank of the world sees: <tmp>/keel_<tag>_np<ranks>_<name>_<pid of
 // rank 0>, made by rank 0 and named to the others. Collective.

@@ -1,5 +1,8 @@
 #include "device/cuda_devices.h"
 
+#include <cstdlib>
+#include <string>
+
 #include "common/error.h"
 
 #if defined(KEEL_HAVE_CUDA)
@@ -28,6 +31,11 @@ void set_cuda_device(int device) {
 #else
   fail("cudaSetDevice({}): this keel was built without CUDA", device);
 #endif
+}
+
+bool nccl_over_mpi() {
+  const char* v = std::getenv("KEEL_NCCL_OVER_MPI");
+  return v && *v && std::string(v) != "0";
 }
 
 }  // namespace keel

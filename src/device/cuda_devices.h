@@ -9,5 +9,9 @@ int visible_cuda_devices();
 // Makes `device` (0-based, < visible_cuda_devices()) current for this thread; throws
 // keel::Error when it cannot (or in a CPU-only build).
 void set_cuda_device(int device);
+// Whether KEEL_NCCL_OVER_MPI is set (and not 0): a test mode in which several ranks of a host
+// share one GPU and the GPU collectives are staged through host memory and MPI
+// (parallel/nccl_group.h). Slow: never for training.
+bool nccl_over_mpi();
 
 }  // namespace keel

@@ -91,7 +91,7 @@ int bind_rank_gpu() {
   std::vector<std::string> uuids;
   for (int r = 0; r < local_size; ++r) uuids.emplace_back(all.data() + 32 * r, 32);
   const auto [a, b] = first_shared_gpu(uuids);
-  if (a >= 0)
+  if (a >= 0 && !nccl_over_mpi())
     throw UsageError(fmt::format("node-local ranks {} and {} on host {} would drive the same GPU (UUID {}...): "
                                  "launch one rank per GPU",
                                  a, b, host, uuids[static_cast<std::size_t>(a)].substr(0, 8)));

@@ -21,7 +21,8 @@ int rank_gpu_index(int local_rank, int local_size, int visible, const std::strin
 std::pair<int, int> first_shared_gpu(const std::vector<std::string>& uuids);
 
 // Under MPI with more than one rank: makes this rank's GPU (rank_gpu_index over the ranks of
-// its node) current and checks that no two ranks of the node drive the same physical GPU.
+// its node) current and checks that no two ranks of the node drive the same physical GPU
+// (except in the KEEL_NCCL_OVER_MPI test mode: cuda_devices.h).
 // Collective over MPI_COMM_WORLD; every rank of a node fails alike (UsageError). Returns the
 // device index. Needs a CUDA build with a visible GPU.
 int bind_rank_gpu();

@@ -43,6 +43,10 @@ class NcclGroup {
 // Every rank of `comm` calls this together, with its CUDA device set (MPI_COMM_NULL: this
 // process alone). Throws keel::Error in a build without CUDA. parallel::Mesh makes and owns the
 // communicators of a training run's groups.
+// With KEEL_NCCL_OVER_MPI set (not 0), the group's operations are staged through host memory and
+// run by MPI instead: a test mode in which several ranks share one GPU (NCCL refuses that), so
+// the multi-rank GPU code runs where fewer GPUs than ranks are at hand. Slow and synchronous:
+// never for training (keel::nccl_over_mpi, device/cuda_devices.h).
 std::unique_ptr<NcclGroup> make_nccl_group(MPI_Comm comm);
 
 }  // namespace keel::parallel

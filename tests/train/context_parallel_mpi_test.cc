@@ -224,7 +224,7 @@ TEST(ContextParallel, CheckpointOfOneRankResumesAtCp2) { expect_resume(0, 2, "re
 
 // ---- on GPUs: one rank per GPU, the world one context group ----
 
-bool gpu_per_rank() { return world_size() >= 2 && visible_cuda_devices() >= world_size(); }
+using keel::test::gpu_per_rank;
 
 // Sizes the CUDA kernels take (head_dim 64; chunks of 128 tokens: 2C chunks of 512 / (2C)).
 const std::vector<std::string> kGpu = {"device=cuda",           "model.hidden=128",      "model.head_dim=64",
@@ -238,7 +238,7 @@ const std::vector<std::string> kGpu = {"device=cuda",           "model.hidden=12
 // its own tokens (docs/parallel.md), not the one-GPU micro-batch's.
 void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std::string& tag, int seq = 0, int ep = 1) {
   if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
-  set_cuda_device(world_rank());
+  keel::test::use_rank_gpu();
   const int C = world_size();
   if (seq == 0) seq = 2 * C * 128;
   const fs::path dir = shared_dir("gpu_" + tag);

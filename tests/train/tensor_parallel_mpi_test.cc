@@ -26,6 +26,7 @@
 #include "device/cuda_devices.h"
 #include "model/param_layout.h"
 #include "train/trainer.h"
+#include "group_compare_util.h"
 #include "train_mpi_test_util.h"
 #include "train_test_util.h"
 
@@ -52,6 +53,8 @@ using fixtures::joined;
 using fixtures::kSliding;
 using fixtures::kZaya;
 using fixtures::kZayaGpu;
+using fixtures::for_each_element;
+using fixtures::max_rel_diff;
 
 TrainConfig config(const fs::path& dir, const fs::path& out, int tp, bool sequence,
                    const std::vector<std::string>& extra = {}, const std::string& optimizer_extra = "") {
@@ -61,54 +64,6 @@ TrainConfig config(const fs::path& dir, const fs::path& out, int tp, bool sequen
   if (sequence) sets.push_back("parallel.sequence=true");
   sets.insert(sets.end(), extra.begin(), extra.end());
   return parse_train_config(fixtures::train_config_text((dir / "d").string(), out, optimizer_extra), "tp.yaml", sets);
-}
-
-// For every element of every parameter block this rank holds: f(local value, the same element of
-// the whole model's `whole` buffer) — the blocks mapped through model::block_pieces.
-template <typename F>
-void for_each_element(const optim::ParamLayout& local, const std::vector<float>& values, const parallel::Mesh& mesh,
-                      const optim::ParamLayout& whole_layout, const std::vector<float>& whole, F&& f) {
-  std::map<std::string, const optim::ParamInfo*> by_name;
-  for (const auto& p : whole_layout.params) by_name[p.name] = &p;
-  for (const auto& p : local.params) {
-    const optim::ParamInfo& w = *by_name.at(p.name);
-    const std::size_t nd = p.shape.size();
-    for (const model::BlockPiece& piece : model::block_pieces(p, mesh.shape(), mesh.coord())) {
-      std::vector<std::int64_t> idx(nd, 0);  // index inside the piece
-      const std::int64_t count = [&] {
-        std::int64_t c = 1;
-        for (auto e : piece.extent) c *= e;
-        return c;
-      }();
-      for (std::int64_t k = 0; k < count; ++k) {
-        std::int64_t rem = k, local_flat = 0, global_flat = 0, lstride = 1, gstride = 1;
-        for (std::size_t d = nd; d-- > 0;) {
-          idx[d] = rem % piece.extent[d];
-          rem /= piece.extent[d];
-        }
-        for (std::size_t d = nd; d-- > 0;) {
-          const std::int64_t li = d == 0 ? piece.local_row + idx[0] : idx[d];
-          local_flat += li * lstride;
-          global_flat += (piece.offset[d] + idx[d]) * gstride;
-          lstride *= p.shape[d];
-          gstride *= p.global_shape[d];
-        }
-        f(p.name, values[static_cast<std::size_t>(p.offset + local_flat)],
-          whole[static_cast<std::size_t>(w.offset + global_flat)]);
-      }
-    }
-  }
-}
-
-// The largest difference relative to the largest value over this rank's blocks.
-double max_rel_diff(const optim::ParamLayout& local, const std::vector<float>& values, const parallel::Mesh& mesh,
-                    const optim::ParamLayout& whole_layout, const std::vector<float>& whole) {
-  double num = 0, den = 0;
-  for_each_element(local, values, mesh, whole_layout, whole, [&](const std::string&, float a, float b) {
-    num = std::max(num, std::fabs(double(a) - b));
-    den = std::max(den, std::fabs(double(b)));
-  });
-  return den > 0 ? num / den : num;
 }
 
 struct Case {
@@ -272,81 +227,27 @@ TEST(TensorParallel, CheckpointAtTp2ResumesAtTp4) {
 
 // ---- on GPUs: one rank per GPU, the world one tensor group ----
 
-bool gpu_per_rank() { return world_size() >= 2 && visible_cuda_devices() >= world_size(); }
+using keel::test::gpu_per_rank;
 
 // Sizes the CUDA kernels take (head_dim 64), the tests' tiny MoE otherwise.
 const std::vector<std::string> kGpu = {"device=cuda", "model.hidden=128", "model.head_dim=64", "model.ffn_hidden=256",
                                        "model.expert_hidden=128"};
 
-// GPU runs agree with one GPU only to bf16 rounding (the tensor group sums partial outputs of
-// GEMMs of other shapes, in bf16 for the attention outputs), so the comparison is of the first
-// step, as for data parallelism (data_parallel_mpi_test.cc): loss, gradient norm and every
-// gradient block (norm-relative per parameter); then 8 steps must learn, and every parameter not
-// split over the group must hold the same bits on every rank. The gradient comparison needs the
-// same routing on both sides: a rounding difference that moves one token of this 32-token batch
-// to another expert changes that expert's gradient by several percent, so the test asserts the
-// step's routing counts are equal (`seed` picks a batch without such a near-tie; should a change
-// of rounding create one, that assertion, not a gradient, fails).
-// CCA's temperature gradient is a sum of large terms that cancel (it can be near 0): its error
-// is measured against the whole gradient's norm instead of its own size.
+// The first step against one GPU at bf16 tolerance, then training (group_compare_util.h).
 void expect_gpus_match_one_gpu(bool sequence, const std::vector<std::string>& model, const std::string& tag,
                                const std::string& optimizer = "", int seed = 1) {
   if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
-  set_cuda_device(world_rank());
+  keel::test::use_rank_gpu();
   const int tp = world_size();
   const fs::path dir = shared_dir("gpu_" + tag);
   std::vector<std::string> sets = joined(kGpu, model);
   sets.insert(sets.end(), {"steps=9", "router.log_counts=true", "seed=" + std::to_string(seed)});
-  TrainConfig cfg = config(dir, dir / "tp", tp, sequence, sets, optimizer);
-  const parallel::Mesh mesh = tp_mesh(tp);
-  Trainer t(cfg, mesh, true);
+  const TrainConfig cfg = config(dir, dir / "tp", tp, sequence, sets, optimizer);
   TrainConfig one = cfg;
   one.parallel_tensor = 1;
   one.model_options.sequence_parallel = false;
   one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
-  Trainer single(one, parallel::Mesh(), true);
-  ASSERT_LT(max_rel_diff(t.backend().layout(), t.backend().state().params, mesh, single.backend().layout(),
-                         single.backend().state().params),
-            1e-7)
-      << tag << ": the same initialization";
-  const StepStats a = t.run(1).at(0), b = single.run(1).at(0);
-  EXPECT_NEAR(a.loss, b.loss, 2e-3 * std::fabs(b.loss)) << tag;
-  EXPECT_NEAR(a.grad_norm, b.grad_norm, 2e-2 * b.grad_norm) << tag;
-  EXPECT_EQ(a.routing_counts, b.routing_counts) << tag << ": step 1 routed differently (a near-tie; see above)";
-  std::map<std::string, std::pair<double, double>> err;  // per parameter: sum of squared differences, of squares
-  for_each_element(t.backend().layout(), t.backend().gradients(), mesh, single.backend().layout(),
-                   single.backend().gradients(), [&](const std::string& name, float g, float w) {
-                     auto& e = err[name];
-                     e.first += (double(g) - w) * (double(g) - w);
-                     e.second += double(w) * w;
-                   });
-  for (const auto& [name, e] : err) {
-    if (name.ends_with("cca.temp")) {
-      EXPECT_LT(std::sqrt(e.first), 1e-2 * b.grad_norm) << tag << ": gradient of " << name;
-      continue;
-    }
-    const double rel = e.second > 0 ? std::sqrt(e.first / e.second) : std::sqrt(e.first);
-    EXPECT_LT(rel, 5e-2) << tag << ": gradient of " << name;
-  }
-  // Muon's first updates are not compared here: Newton-Schulz lifts the small singular values of
-  // a low-rank gradient (32 tokens) to order 1, rounding noise included, so the two runs' updates
-  // differ by tens of percent for gradients that agree to 1e-2. The tensor-parallel Muon step
-  // itself is compared with the whole-matrix step on the same gradients in
-  // tests/parallel/tensor_parallel_muon_cuda_mpi_test.cc; here it must train.
-  const auto rest = t.run(), single_rest = single.run();
-  ASSERT_EQ(rest.size(), 8u);
-  EXPECT_LT(rest.back().loss, 0.7 * a.loss) << tag << ": learns";
-  if (world_rank() == 0)
-    std::printf("  %s: step 9 loss %.4f at tensor degree %d, %.4f on one GPU\n", tag.c_str(), rest.back().loss, tp,
-                single_rest.back().loss);
-  EXPECT_NEAR(rest.back().loss, single_rest.back().loss, 0.1 * single_rest.back().loss) << tag;
-  const auto params = t.backend().state().params;
-  for (const auto& p : t.backend().layout().params) {
-    if (p.placement.splits(mesh::Axis::kTensor)) continue;
-    std::vector<float> mine(params.begin() + p.offset, params.begin() + p.offset + p.numel), root = mine;
-    MPI_Bcast(root.data(), static_cast<int>(root.size()), MPI_FLOAT, 0, MPI_COMM_WORLD);
-    EXPECT_EQ(mine, root) << tag << ": replicated " << p.name << " differs between tensor ranks";
-  }
+  fixtures::expect_gpu_group_matches_one_gpu(cfg, tp_mesh(tp), one, tag);
 }
 
 TEST(TensorParallel, GpusMatchOneGpu) { expect_gpus_match_one_gpu(false, {}, "tp"); }
@@ -363,7 +264,7 @@ TEST(TensorParallel, GpusZayaWithSequenceParallelMatchOneGpu) {
 // resumed parameters equal the saved ones element for element (through model::block_pieces).
 TEST(TensorParallel, GpuCheckpointsMoveBetweenOneGpuAndTheTensorGroup) {
   if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
-  set_cuda_device(world_rank());
+  keel::test::use_rank_gpu();
   const int tp = world_size();
   const fs::path dir = shared_dir("gpu_ckpt");
   for (const bool from_group : {true, false}) {
