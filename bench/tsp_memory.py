@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Per-rank memory of keel train's two-rank layouts on CPU ranks: TSP=2 against TP=2, TP=2+SP,
-CP=2 and DP=2, as sequences grow (issue 30's comparison, the memory half, on the CPU).
+"""Per-rank memory of keel train's two-rank layouts: TSP=2 against TP=2, TP=2+SP, CP=2 and DP=2,
+as sequences grow (issue 30's comparison, the memory half), on CPU ranks or on GPUs.
 
-Model: a dense decoder of the TSP paper's 7B proportions scaled to a CPU (hidden --hidden,
-heads of 128, FFN x4, --layers layers, vocabulary 32,000), one sequence per micro-batch, AdamW.
-For each layout and sequence length it starts `mpirun -np 2 keel train` (device: cpu) on random
-tokens, reads rank 0's start-up memory line (keel's arenas: parameters, gradients, optimizer
-state, activations and scratch, TSP's shard buffers; sized before the first step) and stops the
-run: no step is timed, so nothing here is a throughput figure. Writes OUT/tsp_memory.json and
+Model: a dense decoder of the TSP paper's 7B proportions (hidden --hidden, heads of 128, FFN x4,
+--layers layers, vocabulary 32,000; on CPU ranks the hidden is scaled down), one sequence per
+micro-batch, AdamW. For each layout and sequence length it starts `mpirun -np 2 keel train`
+(--device cpu or cuda) on random tokens, reads rank 0's start-up memory line (keel's own
+allocations, sized before the first step) and stops the run: no step is timed, so nothing here is
+a throughput figure. With --size it also prints `keel size`'s prediction for the same layout.
+On a machine with one GPU, KEEL_NCCL_OVER_MPI=1 lets both ranks share it (the collectives go
+through MPI; both ranks' memory must then fit on the one GPU). Writes OUT/tsp_memory.json and
 prints the table last.
 """
 import argparse
@@ -32,9 +34,23 @@ LAYOUTS = {
 }
 
 
+def model_text(a, seq):
+    return f"""name: dense-7b-shape
+vocab_size: 32000
+hidden: {a.hidden}
+layers: {a.layers}
+attention: mha
+heads: {a.hidden // 128}
+kv_heads: {a.hidden // 128}
+head_dim: 128
+ffn_hidden: {4 * a.hidden}
+max_seq_len: {seq}
+"""
+
+
 def config(a, prefix, out, seq, layout):
     accum = 2 if layout == "DP=2" else 1
-    return f"""device: cpu
+    return f"""device: {a.device}
 model:
   name: dense-7b-shape
   vocab_size: 32000
@@ -73,7 +89,11 @@ def measure(a, prefix, seq, layout):
     cfg = os.path.join(run_dir, "train.yaml")
     open(cfg, "w").write(config(a, prefix, os.path.join(run_dir, "run"), seq, layout))
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    p = subprocess.Popen([a.mpirun, "--oversubscribe", "--bind-to", "none", "-n", "2", a.keel, "train", cfg],
+    cmd = [a.mpirun, "--oversubscribe", "--bind-to", "none", "-n", "2"]
+    for k in os.environ:
+        if k.startswith("KEEL_") or k.startswith("NCCL_"):
+            cmd += ["-x", k]
+    p = subprocess.Popen(cmd + [a.keel, "train", cfg],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     line, seen = None, []
     for out in p.stdout:
@@ -84,14 +104,34 @@ def measure(a, prefix, seq, layout):
     p.kill()
     p.wait()
     if not line:
-        return {"error": "".join(seen[-5:]).strip()}
+        errors = [x for x in seen if "error" in x]
+        return {"error": (errors[0] if errors else "".join(seen[-5:])).strip()}
     total, parts = line.split(" = ", 1)
     row = {"total_gib": gib(total.split(": ")[1])}
     for part in parts.split(" + "):
         m = re.match(r"(.+) ([0-9.]+ GiB)$", part)
         if m:
             row[m.group(1)] = gib(m.group(2))
+    if a.size:
+        row["keel size"] = predicted(a, run_dir, seq, layout)
     return row
+
+
+SIZE_LAYOUT = {"TSP=2": "tsp=2", "TP=2": "tp=2", "TP=2+SP": "tp=2", "CP=2": "cp=2", "DP=2": "zero=1"}
+
+
+def predicted(a, run_dir, seq, layout):
+    """keel size's per-GPU total for the same model and layout (GiB), or None."""
+    model = os.path.join(run_dir, "model.yaml")
+    open(model, "w").write(model_text(a, seq))
+    js = os.path.join(run_dir, "size.json")
+    r = subprocess.run([a.keel, "size", model, "--layout", SIZE_LAYOUT[layout], "--gpus", "2", "--seq", str(seq),
+                        "--hardware", "h200", "--json", js], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    mem = json.load(open(js)).get("memory", {})
+    total = mem.get("total_bytes")
+    return round(total / 2**30, 2) if total else None
 
 
 def main():
@@ -103,6 +143,8 @@ def main():
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--mpirun", default="mpirun")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--size", action="store_true", help="also print keel size's prediction (GPU layouts)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -116,20 +158,36 @@ def main():
             results[f"{layout} {seq}"] = r = measure(a, prefix, seq, layout)
             print(f"{layout:8s} {seq:6d}: {r}", flush=True)
     json.dump(results, open(os.path.join(a.out, "tsp_memory.json"), "w"), indent=1)
-    print(f"\n== keel train per-rank memory on 2 CPU ranks (GiB, rank 0's arenas, fp32): dense h={a.hidden}, "
+    where = "2 CPU ranks (GiB, rank 0's arenas, fp32)" if a.device == "cpu" else \
+        "2 GPU ranks (GiB, rank 0's allocations: bf16 GEMM operands, fp32 masters/grads/optimizer)"
+    print(f"\n== keel train per-rank memory on {where}: dense h={a.hidden}, "
           f"{a.layers} layers, FFN x4, vocab 32000, one sequence per micro-batch")
-    print(f"{'layout':8s} " + " ".join(f"{s:>8d}" for s in lengths) + "   (at the longest: params / grads / optim / acts / shards)")
+    if a.device == "cpu":
+        groups = {"params": ["parameters"], "grads": ["gradients"], "optim": ["optimizer state"],
+                  "acts": ["activations and scratch"], "shards": ["tsp shards"]}
+    else:
+        groups = {"weights": ["fp32 master weights", "bf16 weights"], "grads": ["fp32 gradients"],
+                  "optim": ["optimizer m (Muon momentum)", "AdamW v"],
+                  "acts": ["saved activations", "backward scratch", "cross-entropy (kept logits)"],
+                  "comm": ["sequence-parallel gathers", "context-parallel k/v gathers", "tsp shards",
+                           "expert-parallel exchange", "bf16 gradient-reduce scratch"]}
+    print(f"{'layout':8s} " + " ".join(f"{s:>8d}" for s in lengths) +
+          f"   (at the longest: {' / '.join(groups)})" + ("   keel size at each length" if a.size else ""))
     for layout in layouts:
-        cells, last = [], {}
+        cells, last, sizes = [], {}, []
         for seq in lengths:
             r = results[f"{layout} {seq}"]
             cells.append(f"{r['total_gib']:8.2f}" if "total_gib" in r else f"{'error':>8s}")
-            last = r
-        detail = " / ".join(f"{last.get(k, 0):.2f}" for k in
-                            ("parameters", "gradients", "optimizer state", "activations and scratch", "tsp shards"))
-        print(f"{layout:8s} " + " ".join(cells) + "   " + detail)
+            sizes.append(f"{r['keel size']:.2f}" if r.get("keel size") else "-")
+            if "total_gib" in r:
+                last = r
+        detail = " / ".join(f"{sum(last.get(k, 0) for k in keys):.2f}" for keys in groups.values())
+        print(f"{layout:8s} " + " ".join(cells) + "   " + detail + ("   " + " ".join(sizes) if a.size else ""))
     lowest = {seq: min((results[f"{l} {seq}"].get("total_gib", 1e9), l) for l in layouts)[1] for seq in lengths}
     print("lowest: " + ", ".join(f"{seq}: {l}" for seq, l in lowest.items()))
+    for k, r in results.items():
+        if "error" in r:
+            print(f"{k}: {r['error'][:200]}")
 
 
 if __name__ == "__main__":

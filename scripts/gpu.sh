@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp linattn decode ckpt ab
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp tsp linattn decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -22,8 +22,11 @@ note() { echo "$*" | tee -a "$summary"; }
 mpi_gtest() {
   local name=$1 n=$2 filter=$3 limit=$4 keep=$5 log="$out/${1}_test_$2.log"
   if timeout "$limit" mpirun --allow-run-as-root -n "$n" --bind-to none -x NCCL_NVLS_ENABLE=0 \
+      ${KEEL_NCCL_OVER_MPI:+-x KEEL_NCCL_OVER_MPI} \
       "$build/tests/keel_mpi_tests" --gtest_filter="$filter" >"$log" 2>&1; then
-    note "$name tests on $n GPUs: $(grep -c '  OK ' "$log") passed"
+    local on="$n GPUs"
+    [ -n "${KEEL_NCCL_OVER_MPI:-}" ] && on="$n ranks sharing one GPU"
+    note "$name tests on $on: $(grep -c '  OK ' "$log") passed"
     grep -E "$keep" "$log" >>"$summary"
   else
     tail -40 "$log"; note "$name tests on $n GPUs: FAILED (see $(basename "$log"))"
@@ -219,6 +222,24 @@ for step in "${steps[@]}"; do
       else
         note "cp: FAILED or timed out before the table (see train_cp.log)"
       fi ;;
+    tsp)
+      # TSP on GPUs: the tests against one GPU (KEEL_TSP_TESTS=0 skips), then bench/tsp_memory.py
+      # (KEEL_TSP_ARGS): per-rank memory of TSP=2, TP=2, TP=2+SP, CP=2 and DP=2 at the 7B widths,
+      # beside keel size's prediction. With one GPU both ranks share it (KEEL_NCCL_OVER_MPI:
+      # collectives through MPI; memory only, nothing timed).
+      [ "$gpus" -lt 1 ] && { note "tsp: skipped (no GPU)"; continue; }
+      [ "$gpus" -lt 2 ] && export KEEL_NCCL_OVER_MPI=1
+      [ "${KEEL_TSP_TESTS:-1}" = 0 ] || mpi_gtest tsp 2 'Tsp.Gpu*' "${KEEL_TSP_TEST_TIMEOUT:-300}" '^  [a-z0-9_]+: last step'
+      [ "${KEEL_TSP_BENCH:-1}" = 0 ] && { unset KEEL_NCCL_OVER_MPI; continue; }
+      timeout "${KEEL_TSP_TIMEOUT:-600}" python3 bench/tsp_memory.py --keel "$build/keel" --out "$out/tsp" \
+          --device cuda --size --hidden 4096 --lengths 16384,32768,65536,131072 ${KEEL_TSP_ARGS:-} 2>&1 \
+          | tee "$out/tsp_memory.log" | tail -20
+      if grep -q '^== keel train per-rank memory' "$out/tsp_memory.log"; then
+        grep -A12 '^== keel train per-rank memory' "$out/tsp_memory.log" >>"$summary"
+      else
+        note "tsp: FAILED or timed out before the table (see tsp_memory.log)"
+      fi
+      unset KEEL_NCCL_OVER_MPI ;;
     linattn)
       # keel's linear attention kernels against flash-linear-attention's (bench/linear_attention_vs_fla.py;
       # fla-core and einops from .whl/, carried to the GPU machine; KEEL_LINATTN_ARGS to the script).

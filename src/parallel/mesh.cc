@@ -34,11 +34,13 @@ struct Mesh::State {
   std::vector<MPI_Comm> owned;  // sub-communicators this mesh split off (freed with it)
   std::mutex nccl_mu;           // abort_all() may run on the watchdog's thread
   std::array<std::shared_ptr<NcclGroup>, kGroupKinds> nccl{};
+  std::array<std::shared_ptr<NcclGroup>, kGroupKinds> side{};  // nccl_side()
 
   ~State() {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;
+    for (auto& n : side) n.reset();
     for (auto& n : nccl) n.reset();  // NCCL communicators before the MPI ones they were built over
     for (MPI_Comm& c : owned) MPI_Comm_free(&c);
   }
@@ -141,22 +143,33 @@ int Mesh::size() const { return s_->size; }
 MPI_Comm Mesh::world() const { return s_->world; }
 const Group& Mesh::group(GroupKind g) const { return s_->groups[static_cast<std::size_t>(g)]; }
 
-std::shared_ptr<NcclGroup> Mesh::nccl(GroupKind g) {
-  const auto k = static_cast<std::size_t>(g);
+namespace {
+std::shared_ptr<NcclGroup> made_once(std::mutex& mu, std::shared_ptr<NcclGroup>& slot, MPI_Comm comm) {
   {
-    std::lock_guard<std::mutex> lock(s_->nccl_mu);
-    if (s_->nccl[k]) return s_->nccl[k];
+    std::lock_guard<std::mutex> lock(mu);
+    if (slot) return slot;
   }
   // Collective over the group: made outside the lock (abort_all() must not wait for it).
-  std::shared_ptr<NcclGroup> made = make_nccl_group(group(g).comm);
-  std::lock_guard<std::mutex> lock(s_->nccl_mu);
-  s_->nccl[k] = std::move(made);
-  return s_->nccl[k];
+  std::shared_ptr<NcclGroup> made = make_nccl_group(comm);
+  std::lock_guard<std::mutex> lock(mu);
+  slot = std::move(made);
+  return slot;
+}
+}  // namespace
+
+std::shared_ptr<NcclGroup> Mesh::nccl(GroupKind g) {
+  return made_once(s_->nccl_mu, s_->nccl[static_cast<std::size_t>(g)], group(g).comm);
+}
+
+std::shared_ptr<NcclGroup> Mesh::nccl_side(GroupKind g) {
+  return made_once(s_->nccl_mu, s_->side[static_cast<std::size_t>(g)], group(g).comm);
 }
 
 void Mesh::abort_all() {
   std::lock_guard<std::mutex> lock(s_->nccl_mu);
   for (auto& n : s_->nccl)
+    if (n) n->abort();
+  for (auto& n : s_->side)
     if (n) n->abort();
 }
 

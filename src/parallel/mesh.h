@@ -57,7 +57,10 @@ class Mesh {
   // group calls this together, with its CUDA device set. Throws keel::Error in a build without
   // CUDA. Lives as long as the mesh.
   std::shared_ptr<NcclGroup> nccl(GroupKind g);
-  // Aborts every NCCL communicator made so far, so that kernels waiting in one of their
+  // A second communicator over group g, for traffic on a side stream beside nccl(g)'s (two
+  // streams must not share one communicator): TSP's weight shards. Made like nccl(g).
+  std::shared_ptr<NcclGroup> nccl_side(GroupKind g);
+  // Aborts every NCCL communicator made so far (side ones too), so that kernels waiting in one of their
   // collectives return (a peer died or hangs): the watchdog calls it before it ends the process.
   // Safe from another thread; the communicators are unusable afterwards.
   void abort_all();

@@ -11,14 +11,21 @@ namespace keel::parallel {
 
 CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t batch, std::int64_t seq, bool sequence) {
   check_plan(cfg, mesh.shape());
-  if (mesh.shape().tsp > 1)
-    throw UsageError(fmt::format("keel train: parallel.tsp ({}) runs on CPU ranks only so far (device: cpu); on GPUs use "
-                                 "parallel.tensor with parallel.sequence, or parallel.context",
-                                 mesh.shape().tsp));
   layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::cuda::LayerRunners{});
   const Group& context = mesh.group(GroupKind::kContext);
+  const Group& tsp = mesh.group(GroupKind::kTsp);
   std::int64_t tokens = batch * seq;
-  if (context.size > 1) {
+  if (tsp.size > 1) {
+    if (sequence) throw UsageError("parallel.sequence is tensor parallelism's; TSP (parallel.tsp) splits the tokens already");
+    check_context_split(seq, tsp.size, context_halo(cfg), "keel train");
+    // every shard's attention has this shape's kv width (shard r's heads instead of this rank's)
+    const blocks::AttnShape s = blocks::AttnShape::of(cfg, batch, seq / tsp.size, {tsp.size, tsp.rank});
+    cp_ = std::make_unique<CudaContextParallel>(mesh.nccl(GroupKind::kTsp), tsp.comm, batch, seq, s.kv_dim());
+    for (auto& l : layers_) l.attention = cp_.get();
+    tokens /= tsp.size;
+    tsp_ = std::make_unique<CudaTspShards>(mesh.nccl_side(GroupKind::kTsp), tokens, cfg.hidden);
+    tsp_sums_ = std::make_unique<CudaTensorParallelLinear>(mesh.nccl(GroupKind::kTsp), tokens, cfg.hidden, false);
+  } else if (context.size > 1) {
     check_context_split(seq, context.size, context_halo(cfg), "keel train");
     const int T = mesh.group(GroupKind::kTensor).size;
     const blocks::AttnShape s = blocks::AttnShape::of(cfg, batch, seq / context.size, {T, mesh.coord().tp});
@@ -42,6 +49,7 @@ CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t batch
 std::size_t CudaPlan::device_bytes() const {
   std::size_t b = ep_group_ ? ep_group_->device_bytes() : 0;
   if (tp_) b += tp_->device_bytes();
+  if (tsp_) b += tsp_->shard_bytes();
   if (cp_) b += cp_->device_bytes();
   for (const auto& l : ep_layers_) b += l->device_bytes();
   return b;

@@ -167,7 +167,8 @@ MemoryItem logits_item(const ModelConfig& m, const Setup& s, double tokens_local
   const double kept = tokens_local * vocab_local * kBf16;
   const double accumulator = tokens_local * m.hidden * kFp32;
   const double gpu_bytes = s.hardware.profile.hbm_gib * 1024.0 * 1024 * 1024;
-  if (gpu_bytes <= 0 || kept <= gpu_bytes / 8)
+  // TSP's head visits its pieces one after another: it keeps no logits (tsp_cuda.h)
+  if (l.tsp == 1 && (gpu_bytes <= 0 || kept <= gpu_bytes / 8))
     return {"logits (bf16, kept for backward)", kept + accumulator};
   const double chunk = std::min(static_cast<double>(s.ce_chunk), vocab_local);
   return {fmt::format("logits (chunks of {} columns)", static_cast<std::int64_t>(chunk)),
@@ -274,6 +275,34 @@ MemoryEstimate estimate_memory(const Setup& s) {
     e.activations_selective = acts(Recompute::kSelective);
     e.activations_full = acts(Recompute::kFull);
     e.items.push_back({fmt::format("activations ({} recompute)", model::recompute_name(s.recompute)), acts(s.recompute)});
+    {
+      // keel train's CUDA model (train/cuda_model_cuda.cc) keeps the residual stream in fp32:
+      // every layer's input (the activations count it in bf16; under full recompute as the
+      // layer input) and the last layer's output.
+      const double h = m.hidden;
+      const double per_layer = s.recompute == Recompute::kFull ? (kFp32 - kBf16) * h : kFp32 * h;
+      e.items.push_back({"fp32 residual stream (keel train)", act_tokens * (per_layer * per_stage + kFp32 * h)});
+      // Its backward scratch, shared by the layers (one at a time): the residual stream's
+      // gradients (fp32 and bf16, twice), the final norm's output; the attention's (the output,
+      // q, k and v gradients in bf16, an fp32 q accumulator) and the MLP's (dense: the bf16
+      // gate, up and activation gradients; routed: routed_row_backward_scratch_bytes per row)
+      // over the rows a block reads (every token of this rank's sequences under TP).
+      const double shard = static_cast<double>(l.tp) * l.tsp;
+      const double q = static_cast<double>(m.heads) * m.head_dim / shard;
+      const double kv = std::max<double>(1.0, static_cast<double>(m.kv_heads) / shard) * m.head_dim;
+      double mlp = 0;
+      if (moe_layers < m.layers) mlp += 3 * kBf16 * m.ffn_hidden / shard;
+      if (moe_layers > 0) {
+        const double eh = static_cast<double>(m.expert_hidden) / shard;
+        mlp += m.top_k * ((kBf16 + kFp32) * h + (kFp32 + 2 * kBf16) * eh);
+      }
+      const double scratch = act_tokens * (2 * (kFp32 + kBf16) * h + kBf16 * h) +
+                             tokens_local * (kBf16 * h + kBf16 * (2 * q + 2 * kv) + kFp32 * q + mlp);
+      e.items.push_back({"backward scratch (keel train)", scratch});
+      // tensor parallelism's sequence-parallel gathers (tensor_parallel_cuda.h): three bf16 and
+      // two fp32 [tokens, hidden] buffers
+      if (l.tp > 1) e.items.push_back({"sequence-parallel gathers (keel train)", 14 * tokens_local * h});
+    }
     if (st.last) e.items.push_back(logits_item(m, s, tokens_local));
     if (l.cp > 1 && l.tsp == 1) {
       // keel train's context-parallel core (parallel/context_parallel_cuda.h): one layer's k and v
@@ -294,18 +323,20 @@ MemoryEstimate estimate_memory(const Setup& s) {
       }
     }
     if (l.tsp > 1) {
-      // TSP (parallel/tsp.h): the weight shards in flight (two, in bf16 as the GEMMs read them)
-      // and the gradient shards (two in flight and the sum received, fp32), each the size of the
-      // model's largest sub-block or table shard; and one layer's k and v of one shard's heads
-      // over the whole sequence, gathered as context parallelism's are.
+      // keel train's GPU TSP (parallel/tsp_cuda.h): two weight shards (bf16, as the GEMMs read
+      // them) and two fp32 gradient shards, each the size of the model's largest sub-block or
+      // table piece; the partial outputs of the shards after the first (bf16 and fp32, this
+      // rank's tokens); and one layer's k and v of one shard's heads over the whole sequence,
+      // gathered as context parallelism's are.
       mesh::Shape shape;
       shape.tsp = l.tsp, shape.tp = l.tp, shape.ep = l.ep, shape.dp = l.dp, shape.cp = l.cp;
       try {
         const double largest =
             static_cast<double>(parallel::tsp_sizes(model::param_layout(m, shape), m.layers).largest);
-        e.items.push_back({"TSP shards (2 weight, 3 gradient)", (2 * 2 + 3 * 4) * largest});
+        e.items.push_back({"TSP shards (2 weight, 2 gradient)", (2 * 2 + 2 * 4) * largest});
       } catch (const UsageError&) {  // a width the degree does not divide: no shard to size
       }
+      e.items.push_back({"TSP partial outputs", (kBf16 + kFp32) * tokens_local * m.hidden});
       const double kv = std::max<double>(1.0, static_cast<double>(m.kv_heads) / (l.tp * l.tsp)) * m.head_dim;
       const double whole = static_cast<double>(s.micro_batch) * s.seq * kv;
       if (model::attention_layer_count(m, AttentionKind::kLinear) < m.layers)

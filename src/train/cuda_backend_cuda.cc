@@ -113,23 +113,31 @@ class CudaBackend final : public TrainBackend {
     if (mesh_.expert().size > 1 && !stages)
       throw UsageError("keel train (cuda): expert parallelism needs the overlapped ZeRO-1 step (parallel.zero1.overlap: "
                        "false and layouts whose stages are not in offset order are not supported)");
-    const int tp = mesh_.group(parallel::GroupKind::kTensor).size;
+    const int tp = mesh_.group(parallel::GroupKind::kTensor).size, tsp = mesh_.group(parallel::GroupKind::kTsp).size;
     if (tp > 1 && mesh_.data().size > 1)
       throw UsageError(fmt::format("parallel.tensor {} with {} data x context ranks: on GPUs tensor parallelism does "
                                    "not yet compose with data or context parallelism (device: cpu trains it); use one "
                                    "tensor group",
                                    tp, mesh_.data().size));
+    if (tsp > 1 && mesh_.data().size > 1)
+      throw UsageError(fmt::format("parallel.tsp {} with {} data ranks: on GPUs TSP does not yet compose with data "
+                                   "(or expert) parallelism (device: cpu trains it); use one tsp group",
+                                   tsp, mesh_.data().size));
     if (opt_.context_ring && mesh_.group(parallel::GroupKind::kContext).size > 1)
       throw UsageError("parallel.context_mode: ring runs on CPU ranks only so far (device: cpu); on GPUs context "
                        "parallelism all-gathers k and v (parallel.context_mode: allgather)");
+    if (opt_.context_ring && tsp > 1)
+      throw UsageError("parallel.context_mode: ring is context parallelism's; TSP gathers the k and v of each head shard");
     plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_, opt_.micro_batch, opt_.seq_length, opt_.sequence_parallel);
     model_ = std::make_unique<CudaModel>(cfg_, opt_, layout_, plan_->layers(), plan_->tensor(), plan_->context(),
-                                         prop.totalGlobalMem, stream_);
-    if (plan_->tensor()) plan_tensor_ranges();
+                                         prop.totalGlobalMem, stream_, plan_->tsp());
+    // TSP's step is tensor parallelism's over the tsp group (its gradients partial as under
+    // sequence parallelism)
+    if (plan_->weight_group()) plan_tensor_ranges();
     optimizer_ = std::make_unique<CudaOptimizer>(optimizer, layout_, slice_);
-    if (tp > 1 && optimizer.muon.enabled) {  // Muon's split matrices gather to their owners
-      tp_muon_ = std::make_unique<parallel::CudaTensorParallelMuon>(optimizer.muon.config, layout_,
-                                                                    mesh_.nccl(parallel::GroupKind::kTensor));
+    if ((tp > 1 || tsp > 1) && optimizer.muon.enabled) {  // Muon's split matrices gather to their owners
+      tp_muon_ = std::make_unique<parallel::CudaTensorParallelMuon>(
+          optimizer.muon.config, layout_, mesh_.nccl(tsp > 1 ? parallel::GroupKind::kTsp : parallel::GroupKind::kTensor));
       std::vector<bool> elsewhere(layout_.params.size());
       for (std::size_t i = 0; i < elsewhere.size(); ++i) elsewhere[i] = tp_muon_->owns(i);
       optimizer_->set_muon_elsewhere(std::move(elsewhere));
@@ -245,9 +253,11 @@ class CudaBackend final : public TrainBackend {
             {"saved activations", saved},
             {"backward scratch", acts - saved - ce},
             {"cross-entropy (kept logits)", ce},
-            {"expert-parallel exchange", plan_->device_bytes() - plan_->tensor_bytes() - plan_->context_bytes()},
+            {"expert-parallel exchange",
+             plan_->device_bytes() - plan_->tensor_bytes() - plan_->context_bytes() - plan_->tsp_bytes()},
             {"sequence-parallel gathers", plan_->tensor_bytes()},
-            {"context-parallel k/v gathers", plan_->context_bytes()}};
+            {"context-parallel k/v gathers", plan_->context_bytes()},
+            {"tsp shards", plan_->tsp_bytes()}};
   }
 
   void zero_grads() override {
@@ -290,7 +300,7 @@ class CudaBackend final : public TrainBackend {
     std::pair<double, float> r;
     if (schedule_) r = schedule_->step(*optimizer_, max_norm, model_->gemm());
     else if (dp_) r = zero1_step(max_norm);
-    else if (plan_->tensor()) r = tensor_parallel_step(max_norm);
+    else if (plan_->weight_group()) r = tensor_parallel_step(max_norm);
     else r = optimizer_->step_all(max_norm, model_->gemm(), stream_);
     return {r.first, static_cast<double>(r.second)};
   }
@@ -432,12 +442,12 @@ class CudaBackend final : public TrainBackend {
     return {norm, coef};
   }
 
-  // Tensor parallelism (one tensor group, no data parallelism): the replicated parameters'
+  // Tensor parallelism (one tensor group, or TSP's tsp group; no data parallelism): the replicated parameters'
   // partial gradients summed over the group (parallel::tp_partial_gradient), the norm over every
   // rank's blocks (split parameters summed over the group, replicated ones counted once: they
   // are the same on every rank), then AdamW on this rank's blocks.
   std::pair<double, float> tensor_parallel_step(double max_norm) {
-    parallel::CudaTensorParallelLinear& tp = *plan_->tensor();
+    parallel::CudaTensorParallelLinear& tp = *plan_->weight_group();
     if (partial_floats_ > 0) {
       float* pack = static_cast<float*>(tp_pack_.ensure(static_cast<std::size_t>(partial_floats_) * sizeof(float), stream_,
                                                         "partial-gradient pack"));
@@ -488,7 +498,8 @@ class CudaBackend final : public TrainBackend {
         add(split_ranges_, b, e);
       } else {
         add(whole_ranges_, b, e);
-        if (parallel::tp_partial_gradient(*p, opt_.sequence_parallel)) add(partial_ranges_, b, e), partial_floats_ += e - b;
+        if (parallel::tp_partial_gradient(*p, opt_.sequence_parallel || plan_->tsp()))
+          add(partial_ranges_, b, e), partial_floats_ += e - b;
       }
     }
   }

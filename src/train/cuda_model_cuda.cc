@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 
 #include "blocks/cuda/kernels.h"
 #include "common/error.h"
@@ -12,6 +13,7 @@
 #include "ops/cuda/embedding.h"
 #include "ops/cuda/residual_scale.h"
 #include "ops/cuda/rmsnorm.h"
+#include "parallel/tsp.h"
 
 namespace keel::train {
 
@@ -26,6 +28,11 @@ struct CudaModel::LayerActs {
   bf16* attn_out = nullptr;  // the attention block's output [N, D] (CCA, or residual scaling)
   bc::AttnSaved attn;
   bc::MlpSaved mlp;
+  // TSP: the saved tensors of weight shards 1 .. D-1 (shard 0's are attn and mlp)
+  std::vector<bc::AttnSaved> attn_more;
+  std::vector<bc::MlpSaved> mlp_more;
+  bc::AttnSaved& attn_of(int r) { return r == 0 ? attn : attn_more[static_cast<std::size_t>(r - 1)]; }
+  bc::MlpSaved& mlp_of(int r) { return r == 0 ? mlp : mlp_more[static_cast<std::size_t>(r - 1)]; }
 };
 
 // The residual stream(s) and their gradients.
@@ -33,7 +40,9 @@ struct CudaModel::Stream {
   std::vector<float*> resid;      // [layers + 1] layer inputs and the final output, fp32 [N, D]
   std::vector<float*> hres;       // residual scaling: [layers + 1] the mixer output entering layer l
   std::vector<float*> eda_state;  // per MoE stage: the MLP router's EDA state [N, R]
-  float* deda[2] = {nullptr, nullptr};  // dL/d EDA state, alternating between consecutive stages
+  // dL/d EDA state, alternating between consecutive stages; one pair per TSP shard (each shard's
+  // pass carries its share of the chain)
+  std::vector<std::array<float*, 2>> deda;
   float* spare = nullptr;               // full recompute: where a recomputed residual output goes
   float *final_r = nullptr, *dres = nullptr, *dhres = nullptr, *dh = nullptr;
   bf16 *dres_bf = nullptr, *dh_bf = nullptr;
@@ -52,9 +61,10 @@ struct CudaModel::Head {
 
 CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options, const optim::ParamLayout& layout,
                      std::vector<bc::LayerRunners> runners, parallel::CudaTensorParallelLinear* tp,
-                     parallel::CudaContextParallel* cp, std::size_t gpu_memory, cudaStream_t stream)
-    : cfg_(cfg), opt_(options), layout_(layout), runners_(std::move(runners)), tp_(tp), cp_(cp), stream_(stream),
-      st_(std::make_unique<Stream>()), head_(std::make_unique<Head>()) {
+                     parallel::CudaContextParallel* cp, std::size_t gpu_memory, cudaStream_t stream,
+                     parallel::CudaTspShards* tsp)
+    : cfg_(cfg), opt_(options), layout_(layout), runners_(std::move(runners)), tp_(tp), cp_(cp), tsp_(tsp),
+      stream_(stream), st_(std::make_unique<Stream>()), head_(std::make_unique<Head>()) {
   validate_trainable(cfg_, opt_);
   // the attention kernels (CCA's too) need:
   if (cfg_.head_dim != 64 && cfg_.head_dim != 128)
@@ -62,13 +72,22 @@ CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options,
                                  cfg_.head_dim));
   if (static_cast<int>(runners_.size()) != cfg_.layers)
     fail("cuda model: {} layers' runners for {} layers", runners_.size(), cfg_.layers);
-  const int C = cp_ ? cp_->size() : 1;  // context parallelism: this rank's 1/C of each sequence
+  if (tsp_ && (tp_ || !cp_ || cp_->size() != tsp_->size()))
+    fail("cuda model: TSP needs the context core over the tsp group and no tensor group");
+  const int C = cp_ ? cp_->size() : 1;  // context parallelism (TSP): this rank's 1/C of each sequence
   const std::int64_t local_seq = opt_.seq_length / C;
   tokens_ = static_cast<std::int64_t>(opt_.micro_batch) * local_seq;
-  const blocks::TensorSplit split{tp_ ? tp_->size() : 1, tp_ ? tp_->rank() : 0};
+  // TSP slices the weights as tensor parallelism does, over the tsp group
+  const blocks::TensorSplit split = tsp_ ? blocks::TensorSplit{tsp_->size(), tsp_->rank()}
+                                         : blocks::TensorSplit{tp_ ? tp_->size() : 1, tp_ ? tp_->rank() : 0};
+  shards_ = tsp_ ? tsp_->size() : 1;
   rows_ = tp_ ? tp_->rows(tokens_) : tokens_;
   vocab_local_ = cfg_.vocab_size / split.degree;
   vocab_begin_ = vocab_local_ * split.rank;
+  if (tsp_) {  // the head's statistics come piece by piece: every shard's rows in pieces (tsp_sizes)
+    const std::int64_t piece = std::max<std::int64_t>(parallel::tsp_sizes(layout_, cfg_.layers).piece_rows, 1);
+    head_pieces_ = static_cast<int>((vocab_local_ + piece - 1) / piece) * shards_;
+  }
   if (tp_ && opt_.sequence_parallel != tp_->sequence())
     fail("cuda model: sequence parallelism {} in the options, {} in the runner", opt_.sequence_parallel, tp_->sequence());
   for (int l = 0; l < cfg_.layers; ++l) {
@@ -85,10 +104,15 @@ CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options,
                                  cfg_.name, k::causal_conv::kMaxWidth));
   attn_shape_ = bc::AttnShape::of(cfg_, opt_.micro_batch, local_seq, split);
   if (cp_) attn_shape_.segments = cp_->segments();
+  for (int r = 0; r < shards_; ++r) {
+    shard_shapes_.push_back(bc::AttnShape::of(cfg_, opt_.micro_batch, local_seq, {shards_, r}));
+    shard_shapes_.back().segments = attn_shape_.segments;
+  }
   mlp_shape_ = bc::MlpShape::of(cfg_, tokens_, opt_.renormalize_gates, split, opt_.forced_balance);
   // Keep the whole bf16 logits between forward and backward (no recomputed LM head) when they
   // take at most an eighth of the GPU; otherwise walk the vocabulary in ce_chunk chunks.
-  ce_keep_logits_ = static_cast<double>(tokens_) * vocab_local_ * 2 <= gpu_memory / 8.0;
+  // (TSP: never; the head's pieces pass one after another through the same scratch)
+  ce_keep_logits_ = !tsp_ && static_cast<double>(tokens_) * vocab_local_ * 2 <= gpu_memory / 8.0;
   gemm_ = std::make_unique<k::GemmRunner>();
   layer_counts_.assign(moe_layer_ids_.size(), std::vector<std::int32_t>(static_cast<std::size_t>(classes()), 0));
   host_losses_.assign(moe_layer_ids_.size(), k::router::Losses{});
@@ -143,12 +167,16 @@ void CudaModel::carve(DeviceArena& A) {
     a.h1 = c.take<bf16>(L * D);
     a.rstd1 = c.take<float>(L);
     bc::carve(c, attn_shape_, kinds, a.attn);
+    a.attn_more.assign(static_cast<std::size_t>(shards_ - 1), bc::AttnSaved{});
+    for (int r = 1; r < shards_; ++r) bc::carve(c, shard_shapes_[static_cast<std::size_t>(r)], kinds, a.attn_of(r));
     // the attention block's output when it does not add into the stream inside its GEMM
     if (cca || scaled_ || tp_) a.attn_out = c.take<bf16>(L * D);
     a.x_mid = c.take<float>(L * D);
     a.h2 = c.take<bf16>(L * D);
     a.rstd2 = c.take<float>(L);
     bc::carve(c, mlp_shape_, bc::MlpParts{dense, moe, expert_rows}, a.mlp);
+    a.mlp_more.assign(static_cast<std::size_t>(shards_ - 1), bc::MlpSaved{});
+    for (int r = 1; r < shards_; ++r) bc::carve(c, mlp_shape_, bc::MlpParts{dense, moe, expert_rows}, a.mlp_of(r));
   }
   saved_bytes_ = c.used() - start;
   // shared backward scratch
@@ -159,17 +187,16 @@ void CudaModel::carve(DeviceArena& A) {
   bool dense_split = false;
   for (const auto& r : runners_) dense_split = dense_split || !r.mlp_linear->output_is_whole();
   bc::MlpScratchParts mp;
-  mp.dense = any_dense, mp.routed = any_moe, mp.backward = true, mp.residual_out = !scaled_;
+  // TSP: the routed passes after the first add into the block output through moe_out
+  mp.dense = any_dense, mp.routed = any_moe, mp.backward = true, mp.residual_out = !scaled_ || tsp_;
   mp.dense_split = dense_split, mp.expert_rows = expert_rows;
   bc::carve(c, mlp_shape_, mp, mlp_scratch_);
   mlp_scratch_.dy = st.dres_bf;  // the blocks' bf16 [N, D] scratch is the model's
   mlp_scratch_.dx = st.dh_bf;
   bc::carve(c, attn_shape_, any_kind_, *runners_.front().attention, attn_scratch_);
   attn_scratch_.dh = st.dh;
-  if (zaya_moe) {
-    st.deda[0] = c.take<float>(N * R);
-    st.deda[1] = c.take<float>(N * R);
-  }
+  st.deda.assign(zaya_moe ? static_cast<std::size_t>(shards_) : 0, {nullptr, nullptr});
+  for (auto& pair : st.deda) pair = {c.take<float>(N * R), c.take<float>(N * R)};
   if (scaled_) {
     st.dhres = c.take<float>(L * D);
     st.final_r = c.take<float>(L * D);
@@ -183,6 +210,7 @@ void CudaModel::carve(DeviceArena& A) {
   h.scratch = c.take<std::byte>(
       static_cast<std::int64_t>(k::cross_entropy::scratch_bytes(N, D, vocab_local_, ce_options())));
   if (tp_) h.parts = c.take<float>(2 * N * tp_->size());
+  if (tsp_) h.parts = c.take<float>(2 * N * head_pieces_);  // [lse | target logit] per piece
   ce_bytes_ = c.used() - before_ce;
   h.tokens = c.take<std::uint32_t>(N);
   h.targets = c.take<std::int32_t>(N);
@@ -195,6 +223,7 @@ void CudaModel::bind(const Buffers& b) {
   w_ = bc::device_weights(cfg_, layout_, f32, b16);
   g_ = bc::device_grads(cfg_, layout_, b.grads);
   bias_ = b.bias;
+  if (tsp_) tsp_->bind(cfg_, layout_, b.params, b.params_bf16, b.grads);
   ropes_ = std::make_unique<bc::DeviceRopeTables>(
       blocks::make_rope_tables(cfg_, std::max(opt_.seq_length, cfg_.max_seq_len)));
   // each row's position in its sequence (context parallelism: this rank's zigzag chunks)
@@ -270,6 +299,15 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
   const k::cross_entropy::Result r = k::cross_entropy::read_result(h.result, stream_);
   lp.ce = r.loss;
   const int classes = this->classes();
+  if (tsp_ && !layer_counts_.empty()) {
+    // the routers saw this rank's tokens: the micro-batch's loads are the group's sums
+    std::vector<double> counts;
+    for (const auto& c : layer_counts_) counts.insert(counts.end(), c.begin(), c.end());
+    cp_->sum(counts.data(), static_cast<int>(counts.size()));
+    std::size_t at = 0;
+    for (auto& c : layer_counts_)
+      for (auto& x : c) x = static_cast<std::int32_t>(counts[at++]);
+  }
   for (std::size_t m = 0; m < moe_layer_ids_.size(); ++m) {
     LayerActs& a = acts_for(moe_layer_ids_[m]);
     if (mlp_shape_.mlp_router) {
@@ -302,15 +340,26 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
 }
 
 // ---- the embedding and the LM head: whole at tensor degree 1, else vocabulary-parallel ----
+// (over the tensor group; under TSP every shard's rows visit this rank in pieces: tsp_cuda.h)
 
 // resid[0] = the token rows of the table. The lookup reads the bf16 working copy, as the GEMMs
 // do (bf16 mixed precision): under data parallelism the table then travels in bf16, half the
 // bytes the forward waits for. Tensor parallelism: each rank looks up the tokens in its
 // vocabulary rows (zeros elsewhere) and the partials are summed over the group (into this
-// rank's rows under sequence parallelism).
+// rank's rows under sequence parallelism). TSP: this rank's tokens in each piece, summed here.
 void CudaModel::embedding_forward() {
   const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
   float* resid0 = st_->resid[0];
+  if (tsp_) {
+    bool first = true;
+    return tsp_->forward(parallel::CudaTspShards::Part::kEmbedding, stream_,
+                         [&](int, std::int64_t begin, std::int64_t rows, const bf16* w, float*) {
+                           float* out = first ? resid0 : tsp_->scratch_f32();
+                           k::embedding::forward_bf16_table_slice(head_->tokens, N, w, out, begin, rows, V, D, stream_);
+                           if (!first) bc::add_f32(resid0, out, resid0, N * D, stream_);
+                           first = false;
+                         });
+  }
   if (!tp_) return k::embedding::forward_bf16_table(head_->tokens, N, w_.embed, resid0, V, D, stream_);
   float* partial = tp_->out(resid0, N, D);
   k::embedding::forward_bf16_table_slice(head_->tokens, N, w_.embed, partial, vocab_begin_, vocab_local_, V, D, stream_);
@@ -318,9 +367,15 @@ void CudaModel::embedding_forward() {
 }
 
 // st.dres = dL/d resid[0] (this rank's rows) into the table's gradient (this rank's vocabulary
-// rows under tensor parallelism, from every token's row).
+// rows under tensor parallelism, from every token's row; under TSP each piece's, summed on the
+// piece's rank).
 void CudaModel::embedding_backward() {
   const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  if (tsp_)
+    return tsp_->backward(parallel::CudaTspShards::Part::kEmbedding, stream_,
+                          [&](int, std::int64_t begin, std::int64_t rows, const bf16*, float* g) {
+                            k::embedding::backward_slice(head_->tokens, N, st_->dres, g, begin, rows, V, D, stream_);
+                          });
   if (!tp_) return k::embedding::backward(head_->tokens, N, st_->dres, g_.embed, V, D, stream_);
   const float* d = tp_->exit_backward(static_cast<const float*>(st_->dres), N, D, stream_);
   k::embedding::backward_slice(head_->tokens, N, d, g_.embed, vocab_begin_, vocab_local_, V, D, stream_);
@@ -329,14 +384,26 @@ void CudaModel::embedding_backward() {
 // The final hidden states (every token's: gathered under sequence parallelism) through the LM
 // head into the loss: the whole vocabulary, or this rank's slice, whose partial statistics are
 // all-gathered over the group and combined, the same on every rank; never the whole logits.
+// TSP: this rank's tokens against every piece of the vocabulary, the pieces' statistics
+// combined here.
 void CudaModel::head_forward() {
   const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
   Head& h = *head_;
+  const std::int64_t part = 2 * N;  // [lse_r | target logit_r] per rank (piece)
+  if (tsp_) {
+    int piece = 0;
+    tsp_->forward(parallel::CudaTspShards::Part::kHead, stream_,
+                  [&](int, std::int64_t begin, std::int64_t rows, const bf16* w, float*) {
+                    if (piece >= head_pieces_) fail("cuda model: more head pieces than {}", head_pieces_);
+                    k::cross_entropy::slice_forward(h.final_h, w, h.targets, N, D, {begin, rows, V}, ce_options(),
+                                                    h.parts + part * piece++, h.scratch, stream_);
+                  });
+    return k::cross_entropy::combine(h.parts, piece, h.targets, N, V, ce_options(), h.lse, h.result, stream_);
+  }
   if (!tp_)
     return k::cross_entropy::forward(h.final_h, w_.lm_head, h.targets, N, D, V, ce_options(), h.lse, h.result,
                                      h.scratch, stream_);
   const bf16* hidden = tp_->enter(h.final_h, N, D, stream_);
-  const std::int64_t part = 2 * N;  // [lse_r | target logit_r] per rank
   float* mine = h.parts + part * tp_->rank();
   k::cross_entropy::slice_forward(hidden, w_.lm_head, h.targets, N, D, vocab_slice(), ce_options(), mine, h.scratch,
                                   stream_);
@@ -351,6 +418,18 @@ void CudaModel::head_backward(float loss_scale, bool grads_fresh) {
   Head& h = *head_;
   k::cross_entropy::Options ce = ce_options();
   ce.overwrite_dw = grads_fresh;  // the LM head's gradient is written first (a tied table's scatter-add follows)
+  if (tsp_) {
+    bool first = true;
+    tsp_->backward(parallel::CudaTspShards::Part::kHead, stream_,
+                   [&](int, std::int64_t begin, std::int64_t rows, const bf16* w, float* g) {
+                     float* share = first ? st.dh : tsp_->scratch_f32();
+                     k::cross_entropy::slice_backward(h.final_h, w, h.targets, h.lse, loss_scale, N, D, {begin, rows, V},
+                                                      ce, h.scratch, share, g, stream_);
+                     if (!first) bc::add_f32(st.dh, share, st.dh, N * D, stream_);
+                     first = false;
+                   });
+    return k::f32_to_bf16(st.dh, st.dh_bf, N * D, stream_);
+  }
   if (!tp_)
     return k::cross_entropy::backward(h.final_h, w_.lm_head, h.targets, h.lse, loss_scale, N, D, V, ce, h.scratch,
                                       st.dh_bf, g_.lm_head, stream_);
@@ -364,12 +443,21 @@ void CudaModel::head_backward(float loss_scale, bool grads_fresh) {
 
 // A routed or dense MLP block: y = residual + mlp(a.h2) (residual null: y = mlp(a.h2)).
 // Records the layer's loads when count_load.
+// Under TSP once per weight shard: the first pass writes y (= residual + its partial), the
+// later ones pass y as their residual (their partials add in); every pass routes the same
+// tokens alike, and the first one's loads and losses are the layer's.
 void CudaModel::mlp_forward(int l, LayerActs& a, const float* residual, float* y, bool count_load) {
   const int m = moe_index_of_layer_[static_cast<std::size_t>(l)];
   const bc::LayerRunners& r = runners_[static_cast<std::size_t>(l)];
   const float* bias = m >= 0 ? bias_ + std::int64_t(m) * classes() : nullptr;
-  bc::mlp_forward(*gemm_, mlp_shape_, w_.layers[static_cast<std::size_t>(l)], bias, a.h2, eda(std::max(m, 0)), residual, y,
-                  a.mlp, mlp_scratch_, *r.mlp_linear, r.experts, stream_);
+  if (tsp_)
+    tsp_->forward(l, parallel::CudaTspShards::Part::kMlp, stream_, [&](int shard, const bc::LayerWeights& w) {
+      bc::mlp_forward(*gemm_, mlp_shape_, w, bias, a.h2, eda(std::max(m, 0)), shard == 0 ? residual : y, y,
+                      a.mlp_of(shard), mlp_scratch_, tsp_->boundary(shard), r.experts, stream_);
+    });
+  else
+    bc::mlp_forward(*gemm_, mlp_shape_, w_.layers[static_cast<std::size_t>(l)], bias, a.h2, eda(std::max(m, 0)),
+                    residual, y, a.mlp, mlp_scratch_, *r.mlp_linear, r.experts, stream_);
   if (m < 0 || !count_load) return;
   bc::mlp_loads(mlp_shape_, a.mlp, layer_counts_[static_cast<std::size_t>(m)].data());
   if (!mlp_shape_.mlp_router && opt_.recompute == Recompute::kFull)
@@ -385,7 +473,7 @@ void CudaModel::layer_forward(int l, LayerActs& a, const float* x_in, float* x_o
   hooks.before_stage(1 + 2 * l);
   k::rmsnorm::forward(x_in, W.attn_norm, eps, a.h1, a.rstd1, N, D, stream_);
   KEEL_CUDA_CHECK(cudaMemcpyAsync(a.x_mid, x_in, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-  bc::attention_forward(*gemm_, attn_shape_, W, a.h1, attn_context(l), a.attn, a.x_mid, a.attn_out, stream_);
+  attention_forward(l, a, a.x_mid, a.attn_out);
   hooks.before_stage(2 + 2 * l);
   k::rmsnorm::forward(a.x_mid, W.mlp_norm, eps, a.h2, a.rstd2, N, D, stream_);
   mlp_forward(l, a, a.x_mid, x_out, count_load);
@@ -409,7 +497,7 @@ void CudaModel::scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h
     k::residual_scale::merge_forward(st.resid[static_cast<std::size_t>(l)], st.hres[static_cast<std::size_t>(l)], A.r_bias,
                                      A.r_scale, A.h_bias, A.h_scale, a.x_mid, N, D, stream_);
   k::rmsnorm::forward(a.x_mid, W.attn_norm, eps, a.h1, a.rstd1, N, D, stream_);
-  bc::attention_forward(*gemm_, attn_shape_, W, a.h1, attn_context(l), a.attn, nullptr, a.attn_out, stream_);
+  attention_forward(l, a, nullptr, a.attn_out);
   hooks.before_stage(2 + 2 * l);
   k::residual_scale::merge_forward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, r_out, N, D, stream_);
   k::rmsnorm::forward(r_out, W.mlp_norm, eps, a.h2, a.rstd2, N, D, stream_);
@@ -461,24 +549,69 @@ void CudaModel::backward(float loss_scale, bool grads_fresh, parallel::StageHook
 void CudaModel::mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fresh) {
   const int m = moe_index_of_layer_[static_cast<std::size_t>(l)];
   const bc::LayerRunners& r = runners_[static_cast<std::size_t>(l)];
-  bc::LayerGrads g = g_.layers[static_cast<std::size_t>(l)];
-  g.experts.overwrite = grads_fresh;
-  // The router losses' gradient terms are whole on every tensor rank, the rest of the router's
-  // gradient a partial sum (summed over the group with the other partial gradients): tensor
-  // rank 0 adds them, once.
-  // Context parallelism: the micro-batch's router losses are the mean of the ranks'.
-  const double own = (tp_ && tp_->rank() != 0 ? 0.0 : 1.0) / (cp_ ? cp_->size() : 1);
-  // EDA chain: stage m + 1 left dL/d state_m in deda[(m + 1) % 2]; this stage writes dL/d
-  // state_{m-1} into the other buffer.
-  bc::EdaGrads deda;
-  if (m >= 0 && mlp_shape_.mlp_router) {
-    const int nmoe = static_cast<int>(moe_layer_ids_.size());
-    deda.dstate_next = m + 1 < nmoe ? st_->deda[(m + 1) % 2] : nullptr;
-    deda.dprev = m > 0 ? st_->deda[m % 2] : nullptr;
-  }
-  bc::mlp_backward(*gemm_, mlp_shape_, w_.layers[static_cast<std::size_t>(l)], g, a.h2, eda(std::max(m, 0)), deda, a.mlp,
-                   mlp_scratch_, dy, st_->dh, static_cast<float>(own * opt_.aux_loss_weight * cur_scale_),
-                   static_cast<float>(own * opt_.z_loss_weight * cur_scale_), *r.mlp_linear, r.experts, stream_);
+  // shard: the weight shard's pass (0 but under TSP); own_grads: g is this rank's gradients
+  const auto run = [&](int shard, const bc::LayerWeights& w, bc::LayerGrads g, bool own_grads,
+                       bc::LinearRunner& linear) {
+    // this rank's expert gradients are written by the step's first backward; a TSP shard buffer
+    // is fresh for every pass
+    g.experts.overwrite = own_grads ? grads_fresh : true;
+    // The router losses' gradient terms are whole on every tensor rank (and in every TSP
+    // shard's pass), the rest of the router's gradient a partial sum (summed over the group
+    // with the other partial gradients): the first tensor rank (shard) adds them, once.
+    // Context parallelism and TSP: the micro-batch's router losses are the mean of the ranks'.
+    const bool first = tsp_ ? shard == 0 : !(tp_ && tp_->rank() != 0);
+    const double own = (first ? 1.0 : 0.0) / (cp_ ? cp_->size() : 1);
+    // EDA chain: stage m + 1 left dL/d state_m in deda[(m + 1) % 2]; this stage writes dL/d
+    // state_{m-1} into the other buffer (each shard's share in its own pair).
+    bc::EdaGrads deda;
+    if (m >= 0 && mlp_shape_.mlp_router) {
+      const auto& pair = st_->deda[static_cast<std::size_t>(shard)];
+      const int nmoe = static_cast<int>(moe_layer_ids_.size());
+      deda.dstate_next = m + 1 < nmoe ? pair[(m + 1) % 2] : nullptr;
+      deda.dprev = m > 0 ? pair[m % 2] : nullptr;
+    }
+    bc::mlp_backward(*gemm_, mlp_shape_, w, g, a.h2, eda(std::max(m, 0)), deda, a.mlp_of(shard), mlp_scratch_, dy,
+                     st_->dh, static_cast<float>(own * opt_.aux_loss_weight * cur_scale_),
+                     static_cast<float>(own * opt_.z_loss_weight * cur_scale_), linear, r.experts, stream_);
+  };
+  if (!tsp_)
+    return run(0, w_.layers[static_cast<std::size_t>(l)], g_.layers[static_cast<std::size_t>(l)], true, *r.mlp_linear);
+  tsp_->backward(l, parallel::CudaTspShards::Part::kMlp, stream_,
+                 [&](int shard, const bc::LayerWeights& w, const bc::LayerGrads& g) {
+                   run(shard, w, g, shard == tsp_->rank(), tsp_->boundary(shard));
+                 });
+}
+
+// Under TSP once per weight shard: shard r's heads over this rank's tokens, their k and v
+// gathered over the group by the context core; the first pass writes out, the later ones add
+// (in bf16, as the tensor group sums its partials), and CCA's output joins add_into after the
+// last (the others' add rides in the output GEMM, fp32, pass by pass).
+void CudaModel::attention_forward(int l, LayerActs& a, float* add_into, bf16* out) {
+  const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
+  bc::AttnContext ctx = attn_context(l);
+  if (!tsp_) return bc::attention_forward(*gemm_, attn_shape_, W, a.h1, ctx, a.attn, add_into, out, stream_);
+  float* fused = W.cca ? nullptr : add_into;
+  tsp_->forward(l, parallel::CudaTspShards::Part::kAttention, stream_, [&](int shard, const bc::LayerWeights& w) {
+    ctx.linear = &tsp_->boundary(shard);
+    bc::attention_forward(*gemm_, shard_shapes_[static_cast<std::size_t>(shard)], w, a.h1, ctx, a.attn_of(shard), fused,
+                          out, stream_);
+  });
+  if (add_into && !fused) k::add_bf16_to_f32(out, add_into, rows_ * cfg_.hidden, stream_);
+}
+
+void CudaModel::attention_backward(int l, LayerActs& a) {
+  bc::AttnContext ctx = attn_context(l);
+  Stream& st = *st_;
+  if (!tsp_)
+    return bc::attention_backward(*gemm_, attn_shape_, w_.layers[static_cast<std::size_t>(l)],
+                                  g_.layers[static_cast<std::size_t>(l)], a.h1, ctx, a.attn, attn_scratch_, st.dres_bf,
+                                  st.dh_bf, stream_);
+  tsp_->backward(l, parallel::CudaTspShards::Part::kAttention, stream_,
+                 [&](int shard, const bc::LayerWeights& w, const bc::LayerGrads& g) {
+                   ctx.linear = &tsp_->boundary(shard);
+                   bc::attention_backward(*gemm_, shard_shapes_[static_cast<std::size_t>(shard)], w, g, a.h1, ctx,
+                                          a.attn_of(shard), attn_scratch_, st.dres_bf, st.dh_bf, stream_);
+                 });
 }
 
 // dres holds dL/d(layer output) on entry and dL/d(layer input) on return.
@@ -494,8 +627,7 @@ void CudaModel::layer_backward(int l, LayerActs& a, const float* x_in, bool grad
   hooks.grads_final(2 + 2 * l);
   // Attention block: x_mid = x_in + attn(n1(x_in)); dres is now dL/dx_mid.
   k::f32_to_bf16(st.dres, st.dres_bf, N * D, stream_);
-  bc::attention_backward(*gemm_, attn_shape_, W, G, a.h1, attn_context(l), a.attn, attn_scratch_, st.dres_bf, st.dh_bf,
-                         stream_);
+  attention_backward(l, a);
   k::rmsnorm::backward(x_in, W.attn_norm, a.rstd1, st.dh_bf, st.dres, G.attn_norm, N, D, stream_);
   hooks.grads_final(1 + 2 * l);
 }
@@ -517,8 +649,7 @@ void CudaModel::scaled_layer_backward(int l, LayerActs& a, bool grads_fresh, par
   k::residual_scale::merge_backward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, st.dres, st.dres,
                                     st.dres_bf, dM.r_bias, dM.r_scale, dM.h_bias, dM.h_scale, N, D, stream_);
   hooks.grads_final(2 + 2 * l);
-  bc::attention_backward(*gemm_, attn_shape_, W, G, a.h1, attn_context(l), a.attn, attn_scratch_, st.dres_bf, st.dh_bf,
-                         stream_);
+  attention_backward(l, a);
   k::rmsnorm::backward(a.x_mid, W.attn_norm, a.rstd1, st.dh_bf, st.dres, G.attn_norm, N, D, stream_);
   if (l == 0)
     k::residual_scale::backward(st.resid[0], A.h_bias, A.h_scale, st.dres, st.dres, dA.h_bias, dA.h_scale, N, D, stream_);

@@ -31,6 +31,7 @@
 #include "parallel/context_parallel_cuda.h"
 #include "parallel/stage_hooks.h"
 #include "parallel/tensor_parallel_cuda.h"
+#include "parallel/tsp_cuda.h"
 #include "train/model.h"
 
 namespace keel::train {
@@ -52,11 +53,14 @@ class CudaModel {
   // boundary (null at tensor degree 1), which the embedding and the LM head use too (vocabulary
   // parallel); cp: the plan's context-parallel core (null at context degree 1): this rank runs
   // its zigzag chunks of each sequence and the losses are reduced over the context group.
-  // gpu_memory: the device's bytes, which decide whether the bf16 logits are kept between
-  // forward and backward.
+  // tsp: the plan's TSP shards (null at tsp degree 1; cp is then the core over the tsp group):
+  // each layer's attention and MLP run once per weight shard, the tables' rows visit in pieces.
+  // gpu_memory: the device's bytes, which decide whether the bf16 logits are
+  // kept between forward and backward.
   CudaModel(const model::ModelConfig& cfg, const ModelOptions& options, const optim::ParamLayout& layout,
             std::vector<blocks::cuda::LayerRunners> runners, parallel::CudaTensorParallelLinear* tp,
-            parallel::CudaContextParallel* cp, std::size_t gpu_memory, cudaStream_t stream);
+            parallel::CudaContextParallel* cp, std::size_t gpu_memory, cudaStream_t stream,
+            parallel::CudaTspShards* tsp = nullptr);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -78,7 +82,7 @@ class CudaModel {
   // blocks a step's first backward writes (grads_fresh: the expert stacks and the LM head).
   void backward(float loss_scale, bool grads_fresh, parallel::StageHooks& hooks);
 
-  std::int64_t tokens() const { return tokens_; }
+  std::int64_t tokens() const { return tokens_; }  // the rows a block reads (this rank's tokens)
   std::int64_t rows() const { return rows_; }  // the residual stream's rows here (tokens / T under sequence parallelism)
   int moe_layer_count() const { return static_cast<int>(moe_layer_ids_.size()); }
   int classes() const { return mlp_shape_.classes(); }
@@ -106,6 +110,10 @@ class CudaModel {
   void head_backward(float loss_scale, bool grads_fresh);
   void mlp_forward(int l, LayerActs& a, const float* residual, float* y, bool count_load);
   void mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fresh);
+  // The attention block of layer l: out (and add_into, when given, += out) from a.h1; backward
+  // from st.dres_bf into st.dh_bf. Under TSP once per weight shard.
+  void attention_forward(int l, LayerActs& a, float* add_into, bf16* out);
+  void attention_backward(int l, LayerActs& a);
   void layer_backward(int l, LayerActs& a, const float* x_in, bool grads_fresh, parallel::StageHooks& hooks);
   void scaled_layer_backward(int l, LayerActs& a, bool grads_fresh, parallel::StageHooks& hooks);
 
@@ -115,6 +123,10 @@ class CudaModel {
   std::vector<blocks::cuda::LayerRunners> runners_;
   parallel::CudaTensorParallelLinear* tp_ = nullptr;
   parallel::CudaContextParallel* cp_ = nullptr;
+  parallel::CudaTspShards* tsp_ = nullptr;
+  int shards_ = 1;       // the weight shards each sub-block runs over (tsp degree)
+  int head_pieces_ = 0;  // TSP: the LM head's pieces (every shard's)
+  std::vector<blocks::cuda::AttnShape> shard_shapes_;  // TSP: shard r's heads
   double ce_share_ = 1.0;  // context parallelism: this rank's share of the micro-batch's valid targets
   std::vector<std::uint32_t> host_tokens_;  // context parallelism: this rank's rows of the micro-batch
   std::vector<std::int32_t> host_targets_;

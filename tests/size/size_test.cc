@@ -168,17 +168,28 @@ TEST(Memory, DenseByHand) {
   EXPECT_DOUBLE_EQ(item(z3, "activations"), none * 32 * 4096 / 2);
 }
 
-// TSP (parallel/tsp.h) on Llama-3-8B at tsp=2: the shard buffers, sized by the largest piece (a
-// layer's MLP half, 3 x 4096 x 14336 / 2; the tables travel in pieces no larger), two in bf16
-// and three gradient ones in fp32; one layer's k and v of one shard's 4 kv heads over the whole
-// sequence, gathered.
+// TSP (keel train's GPU twin, parallel/tsp_cuda.h) on Llama-3-8B at tsp=2: the shard buffers,
+// sized by the largest piece (a layer's MLP half, 3 x 4096 x 14336 / 2; the tables travel in
+// pieces no larger), two in bf16 and two gradient ones in fp32; the later shards' partial
+// outputs (bf16 + fp32, this rank's 16384 tokens); one layer's k and v of one shard's 4 kv
+// heads over the whole sequence, gathered; the head's logits in chunks (its pieces pass one
+// after another: none kept).
 TEST(Memory, TspShardsAndGathersByHand) {
   keel::size::Setup s = setup("llama3-8b", "tsp=2", 2);
   s.seq = 32768;
   const MemoryEstimate e = estimate_memory(s);
-  EXPECT_DOUBLE_EQ(item(e, "TSP shards"), (2 * 2 + 3 * 4) * 3.0 * 4096 * 14336 / 2);
+  EXPECT_DOUBLE_EQ(item(e, "TSP shards"), (2 * 2 + 2 * 4) * 3.0 * 4096 * 14336 / 2);
+  EXPECT_DOUBLE_EQ(item(e, "TSP partial outputs"), 6.0 * 16384 * 4096);
   const double whole = 32768.0 * 4 * 128;
   EXPECT_DOUBLE_EQ(item(e, "TSP k/v gathers"), 24 * whole + 12 * whole / 2);
+  EXPECT_DOUBLE_EQ(item(e, "logits (chunks of 8192"), 16384.0 * 8192 * 6 + 16384.0 * 4096 * 4);
+  // keel train's fp32 residual stream (32 layers' inputs and the output) and its backward
+  // scratch: the stream's gradients and the final norm's output (14 B x hidden per row), the
+  // attention's (bf16 output, q, k, v gradients and the fp32 q accumulator, shard 1 of 2: 16
+  // query heads, 4 kv heads) and the dense MLP's (three bf16 [tokens, 14336 / 2]).
+  EXPECT_DOUBLE_EQ(item(e, "fp32 residual stream"), 16384.0 * 4 * 4096 * 33);
+  EXPECT_DOUBLE_EQ(item(e, "backward scratch"),
+                   16384.0 * (14 * 4096) + 16384.0 * (2 * 4096 + 2 * (2 * 2048 + 2 * 512) + 4 * 2048 + 6 * 7168));
   // no such items without TSP
   s = setup("llama3-8b", "tp=2", 2);
   s.seq = 32768;

@@ -16,6 +16,12 @@ __global__ void add_f32_kernel(const float* __restrict__ a, const float* __restr
     out[i] = a[i] + b[i];
 }
 
+__global__ void add_bf16_kernel(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* out, std::int64_t n) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = __float2bfloat16(__bfloat162float(a[i]) + __bfloat162float(b[i]));
+}
+
 // One block walks the tokens in chunks of blockDim.x: a ballot gives each kept token its rank in
 // its warp, warp 0 scans the warp totals, and `base` carries the running count between chunks,
 // so the packed order is the token order (as the CPU's compaction in zaya_layers.cc).
@@ -96,6 +102,12 @@ __global__ void unpack_moe_dx_kernel(const bf16* __restrict__ dxk, const std::in
 void add_f32(const float* a, const float* b, float* out, std::int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
   add_f32_kernel<<<capped_grid(n), kThreads, 0, stream>>>(a, b, out, n);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+void add_bf16(const bf16* a, const bf16* b, bf16* out, std::int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  add_bf16_kernel<<<capped_grid(n), kThreads, 0, stream>>>(a, b, out, n);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 

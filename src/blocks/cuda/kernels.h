@@ -1,4 +1,4 @@
-// Small kernels the GPU blocks need between ops (CUDA only): an elementwise add, and the row
+// Small kernels the GPU blocks need between ops (CUDA only): elementwise adds, and the row
 // packing around the dropless experts for ZAYA1's MLP router, whose skip class must not reach
 // ops/cuda/moe.h (make_plan accepts expert indices in [0, E) only).
 #pragma once
@@ -13,6 +13,8 @@ using ops::cuda::bf16;
 
 // out = a + b (fp32, n elements; out may alias a or b).
 void add_f32(const float* a, const float* b, float* out, std::int64_t n, cudaStream_t stream);
+// out = bf16(float(a) + float(b)) (n elements; out may alias a or b).
+void add_bf16(const bf16* a, const bf16* b, bf16* out, std::int64_t n, cudaStream_t stream);
 
 // Packs the tokens routed to an expert (idx[n] < experts; every other class is the skip class):
 // kept[0, nk) their rows in increasing order, kept_idx[0, nk) their expert, pos[n] the packed row

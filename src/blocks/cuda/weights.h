@@ -73,7 +73,10 @@ using F32At = std::function<const float*(const optim::ParamInfo&)>;
 using Bf16At = std::function<const bf16*(const optim::ParamInfo&)>;
 ModelWeights device_weights(const model::ModelConfig& cfg, const optim::ParamLayout& layout, const F32At& f32,
                             const Bf16At& b16);
-// The gradients of every parameter at its offset in `grads` (the layout's flat buffer).
+// The gradients of every parameter at its offset in `grads` (the layout's flat buffer), or
+// wherever `at` puts each (TSP's shard buffers: parallel/tsp_cuda.h).
 ModelGrads device_grads(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* grads);
+using GradAt = std::function<float*(const optim::ParamInfo&)>;
+ModelGrads device_grads(const model::ModelConfig& cfg, const optim::ParamLayout& layout, const GradAt& at);
 
 }  // namespace keel::blocks::cuda

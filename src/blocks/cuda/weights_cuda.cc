@@ -72,13 +72,17 @@ ModelWeights device_weights(const model::ModelConfig& cfg, const optim::ParamLay
 }
 
 ModelGrads device_grads(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* grads) {
+  return device_grads(cfg, layout, [grads](const optim::ParamInfo& p) { return grads + p.offset; });
+}
+
+ModelGrads device_grads(const model::ModelConfig& cfg, const optim::ParamLayout& layout, const GradAt& grad_at) {
   ModelGrads g;
   g.layers.assign(static_cast<std::size_t>(cfg.layers), LayerGrads{});
   for (const auto& p : layout.params) {
     const ParamRole r = role_of(p.name);
     if (r.layer >= cfg.layers) fail("model: parameter '{}' of a layer the model does not have", p.name);
     LayerGrads& L = g.layers[static_cast<std::size_t>(std::max(r.layer, 0))];
-    float* at = grads + p.offset;
+    float* at = grad_at(p);
     switch (r.slot) {
       case Slot::kEmbed: g.embed = at; break;
       case Slot::kFinalNorm: g.final_norm = at; break;
