@@ -50,19 +50,10 @@ max_seq_len: {seq}
 
 def config(a, prefix, out, seq, layout):
     accum = 2 if layout == "DP=2" else 1
+    model = "".join("  " + line + "\n" for line in model_text(a, seq).splitlines())
     return f"""device: {a.device}
 model:
-  name: dense-7b-shape
-  vocab_size: 32000
-  hidden: {a.hidden}
-  layers: {a.layers}
-  attention: mha
-  heads: {a.hidden // 128}
-  kv_heads: {a.hidden // 128}
-  head_dim: 128
-  ffn_hidden: {4 * a.hidden}
-  max_seq_len: {seq}
-data:
+{model}data:
   datasets: {{train: {prefix}}}
   seq_length: {seq}
 parallel:

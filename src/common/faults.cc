@@ -55,7 +55,8 @@ Fault parse_one(const std::string& word, const std::string& flag) {
   else if (kind == "nan") f.kind = Fault::Kind::kNan;
   else if (kind == "spike") f.kind = Fault::Kind::kSpike;
   else if (kind == "diskfull") f.kind = Fault::Kind::kDiskFull;
-  else throw bad(fmt::format("unknown fault '{}' (kill, exit, hang, slow, nan, spike, diskfull)", kind));
+  else if (kind == "health") f.kind = Fault::Kind::kHealth;
+  else throw bad(fmt::format("unknown fault '{}' (kill, exit, hang, slow, nan, spike, diskfull, health)", kind));
   const bool slow = f.kind == Fault::Kind::kSlow;
   const std::vector<std::string> fields = split(word.substr(at + 1), ':');
 

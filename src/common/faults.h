@@ -14,6 +14,9 @@
 //                          before the reduction over ranks (the trainer asks loss_factor_at)
 //   diskfull@S[:rR]        rank R's write of the checkpoint of step S fails as with ENOSPC
 //                          (nothing when step S saves no checkpoint; the trainer asks disk_full_at)
+//   health@A[:rR]          keel run's pre-flight health check before attempt A finds rank R's
+//                          GEMM and memory figures at a tenth of what it measured (a failing
+//                          GPU; keel run's gate, run/preflight.h: keel train ignores it)
 // Each fault that fires prints one line "keel: fault injection: ..." to stderr first.
 #pragma once
 
@@ -24,9 +27,10 @@
 namespace keel {
 
 struct Fault {
-  enum class Kind { kKill, kExit, kHang, kSlow, kNan, kSpike, kDiskFull };
+  enum class Kind { kKill, kExit, kHang, kSlow, kNan, kSpike, kDiskFull, kHealth };
   Kind kind = Kind::kKill;
-  std::int64_t first_step = 1, last_step = 1;  // the steps it fires at, inclusive (a range for slow only)
+  std::int64_t first_step = 1, last_step = 1;  // the steps it fires at, inclusive (a range for slow only;
+                                               // health: the attempt)
   int rank = 0;                                // world rank
   int exit_code = 3;                           // exit
   std::int64_t sleep_ms = 500;                 // slow
@@ -52,7 +56,7 @@ struct FaultPlan {
 };
 
 // Parses a spec (above). A malformed word is a keel::UsageError of one line naming it:
-// "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull)" (`flag`
+// "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health)" (`flag`
 // names the source).
 FaultPlan parse_faults(const std::string& spec, const std::string& flag = "--inject");
 

@@ -47,7 +47,18 @@ void add_command(CLI::App& app) {
   cmd->add_option("--inject", o->inject,
                   "Fault injection (tests, soak runs): keel train --inject specs, e.g. kill@5:r1 (repeatable)");
   cmd->add_option("--train-arg", o->train_args, "One more keel train flag or value, passed as is (repeatable)");
-  cmd->callback([o, ranks] {
+  cmd->add_flag("--preflight", o->preflight.enabled,
+                "Before each attempt, a short GEMM, memory-bandwidth and all-reduce benchmark on every rank; a rank "
+                "below the others' median or a floor stops the job, named");
+  cmd->add_option("--preflight-fraction", o->preflight.fraction,
+                  "A rank fails the pre-flight below this fraction of the ranks' median (GEMM, memory)")
+      ->capture_default_str();
+  auto floors = std::make_shared<std::string>();
+  cmd->add_option("--preflight-floor", *floors, "Pre-flight floors: gemm=TFLOPS,mem=GBPS,comm=GBPS (any of them)");
+  cmd->callback([o, ranks, floors] {
+    if (!floors->empty()) parse_preflight_floors(*floors, o->preflight);
+    if (!(std::isfinite(o->preflight.fraction) && o->preflight.fraction > 0 && o->preflight.fraction <= 1))
+      throw UsageError(fmt::format("--preflight-fraction {}: must be in (0, 1]", o->preflight.fraction));
     if (launcher_size() > 1)
       throw UsageError("run: keel run is the supervisor, not a rank: start it once, not under mpirun or srun");
     o->ranks = *ranks > 0 ? *ranks : std::max(1, visible_cuda_devices());

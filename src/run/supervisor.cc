@@ -30,6 +30,7 @@
 #include "common/error.h"
 #include "common/faults.h"
 #include "common/host.h"
+#include "device/cuda_devices.h"
 #include "train/train_config.h"
 
 namespace keel::run {
@@ -206,9 +207,10 @@ int run(const Options& o) {
   std::vector<std::int64_t> skips;
   // the injected faults, one by one (common/faults.h parses them here as keel train does: a bad
   // spec is one line before any launch)
-  std::vector<keel::Fault> pending;
+  std::vector<keel::Fault> pending, health;  // keel train's; keel run's own pre-flight ones
   for (const auto& spec : o.inject)
-    for (const keel::Fault& f : parse_faults(spec).faults) pending.push_back(f);
+    for (const keel::Fault& f : parse_faults(spec).faults) (f.kind == keel::Fault::Kind::kHealth ? health : pending).push_back(f);
+  const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && visible_cuda_devices() > 0);
   std::map<std::string, int> survived;
   double useful = 0;  // seconds of the steps kept
   int restarts = 0;
@@ -224,6 +226,27 @@ int run(const Options& o) {
     if (o.ranks > 1) {
       argv = {o.launcher, "-np", std::to_string(o.ranks), "--oversubscribe", "--bind-to", "none"};
       if (!o.hosts.empty()) argv.insert(argv.end(), {"--hostfile", o.hosts});
+    }
+    if (o.preflight.enabled) {
+      std::vector<int> injected;
+      for (const auto& f : health)
+        if (f.first_step == attempt) injected.push_back(f.rank);
+      const Preflight p = run_preflight(exe, argv, o.ranks, (out_dir / "preflight" / fmt::format("attempt_{}", attempt)).string(),
+                                        cuda, injected, o.preflight);
+      events.write(preflight_event(p, attempt));
+      std::printf("keel run: pre-flight: %d rank%s, GEMM median %.3g TFLOP/s, memory median %.3g GB/s%s (%.1f s)\n",
+                  o.ranks, o.ranks == 1 ? "" : "s", p.gemm_median, p.mem_median,
+                  o.ranks > 1 ? fmt::format(", all-reduce {:.3g} GB/s", p.comm_busbw).c_str() : "", p.seconds);
+      for (const auto& f : p.failures) std::printf("keel run: pre-flight: FAILED %s\n", f.c_str());
+      std::fflush(stdout);
+      if (!p.failures.empty()) {
+        events.write({{"event", "give_up"}, {"restarts", restarts}, {"last_fault", "preflight"}, {"detail", p.failures.front()}});
+        throw Error(fmt::format("run: the pre-flight health gate failed before attempt {}: {}{}; keel run cannot yet "
+                                "exclude it (a smaller world): take it out of the job and run again (nothing was "
+                                "lost: the checkpoints stay)",
+                                attempt, p.failures.front(),
+                                p.failures.size() > 1 ? fmt::format(" (and {} more)", p.failures.size() - 1) : ""));
+      }
     }
     argv.insert(argv.end(), {exe, "train", o.config, "--heartbeat", beats_dir.string()});
     for (const auto& s : o.sets) argv.insert(argv.end(), {"--set", s});

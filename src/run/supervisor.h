@@ -17,6 +17,9 @@
 //   disk full   keel train exits with an error naming "No space left on device" (a checkpoint
 //               write failed; nothing was committed): restarted from the previous checkpoint;
 //   early exit  keel train exited 0 before its last step without being asked to stop.
+// Before each attempt, with --preflight: keel's microbenchmarks on every rank (run/preflight.h);
+// a rank that fails the gate is named and the job stops before the attempt (excluding it, a
+// smaller world, is not built).
 // Reported, not a fault (the job goes on):
 //   straggler   a rank whose own work per step (its step time less the time it waited on the
 //               others, from its heartbeat) stays well above the other ranks' (run/straggler.h):
@@ -38,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "run/preflight.h"
 #include "run/straggler.h"
 
 namespace keel::run {
@@ -51,6 +55,7 @@ struct Options {
   int max_restarts = 10;
   double hang_factor = 3.0, min_deadline = 10.0, start_deadline = 300.0;
   StragglerOptions straggler;         // --straggler-factor, --straggler-steps (run/straggler.h)
+  PreflightOptions preflight;         // --preflight, --preflight-fraction, --preflight-floor (run/preflight.h)
   double backoff = 1.0, backoff_max = 30.0;
   double grace = 120.0;               // after a stop signal
   double poll = 0.1;                  // seconds between checks

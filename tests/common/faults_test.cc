@@ -41,6 +41,19 @@ TEST(Faults, ParsesEveryKindWithItsDefaults) {
   EXPECT_EQ(p.faults[4].first_step, 7);
 }
 
+// keel run's pre-flight fault: the attempt in the step field, ignored by keel train's hooks.
+TEST(Faults, HealthIsKeelRunsAndNoStepHookFires) {
+  const FaultPlan p = parse_faults("health@2:r1");
+  ASSERT_EQ(p.faults.size(), 1u);
+  EXPECT_EQ(p.faults[0].kind, Fault::Kind::kHealth);
+  EXPECT_EQ(p.faults[0].first_step, 2);
+  EXPECT_EQ(p.faults[0].rank, 1);
+  p.before_step(2, 1);  // returns: nothing fires in keel train
+  EXPECT_FALSE(p.nan_at(2, 1));
+  EXPECT_FALSE(p.disk_full_at(2, 1));
+  EXPECT_DOUBLE_EQ(p.loss_factor_at(2, 1), 1.0);
+}
+
 TEST(Faults, ParsesRanksArgumentsAndRanges) {
   const FaultPlan p = parse_faults("exit@2:r1:42, slow@3-9:r2:150,kill@10:r3,slow@4:25,exit@8:0,hang@1:r0");
   ASSERT_EQ(p.faults.size(), 6u);
@@ -130,8 +143,8 @@ TEST(Faults, KillAndExitEndTheProcess) {
 }
 
 TEST(Faults, MalformedSpecsAreOneLineNamingTheWord) {
-  EXPECT_EQ(error_of("kil@3"), "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull)");
-  EXPECT_EQ(error_of("kill@3,kil@4"), "--inject kil@4: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull)");
+  EXPECT_EQ(error_of("kil@3"), "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health)");
+  EXPECT_EQ(error_of("kill@3,kil@4"), "--inject kil@4: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health)");
   EXPECT_EQ(error_of("kill"), "--inject kill: expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1");
   EXPECT_EQ(error_of(""), "--inject '': an empty fault (expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1)");
   EXPECT_EQ(error_of("kill@3,"), "--inject '': an empty fault (expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1)");
@@ -169,7 +182,7 @@ TEST(Faults, MalformedSpecsAreOneLineNamingTheWord) {
     parse_faults("oops@1", "keel run --inject");
     FAIL() << "no error";
   } catch (const UsageError& e) {
-    EXPECT_EQ(std::string(e.what()), "keel run --inject oops@1: unknown fault 'oops' (kill, exit, hang, slow, nan, spike, diskfull)");
+    EXPECT_EQ(std::string(e.what()), "keel run --inject oops@1: unknown fault 'oops' (kill, exit, hang, slow, nan, spike, diskfull, health)");
   }
 }
 

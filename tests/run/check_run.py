@@ -23,6 +23,10 @@ step. First an uninterrupted `keel train` under mpirun (the reference); then kee
            again moves step 8 aside, resumes from step 4, losses bit for bit;
   straggler  rank 1 sleeps 200 ms per step: keel run names it once (line and event), no fault,
          losses bit for bit; the fault-free runs name no straggler;
+  preflight  with --preflight, keel run's health gate (GEMM, memory bandwidth, all-reduce on
+         both ranks) passes and the job trains as the reference, bit for bit; with rank 1's check
+         failing by injection (health@1:r1), keel run stops before the attempt with one error
+         line naming rank 1 and its host, exit non-zero, no training started;
   stop   SIGTERM to keel run mid-run: the job saves and keel run exits 0;
 and every run's events file (run_events.jsonl) records what happened.
 Usage: check_run.py KEEL CONFIG STORIES_PREFIX WORKDIR
@@ -212,6 +216,21 @@ check(losses(out) == ref and not any(e["event"] == "fault" for e in events(out))
       "straggler: no fault, every step's loss equals the uninterrupted run's bit for bit")
 quiet = [n for n in ("kill", "nan", "spike", "progress") if any(e["event"] == "straggler" for e in events(os.path.join(WORK, n)))]
 check(not quiet, f"straggler: no straggler named in runs without a slow rank ({quiet})")
+
+# pre-flight: the gate passes on healthy ranks (and the run is the reference's), and a failing
+# check on rank 1 (injected: its figures cut to a tenth) stops the job before its attempt
+out, r = keel_run("preflight", "--preflight")
+pf = [e for e in events(out) if e["event"] == "preflight"]
+check(len(pf) == 1 and pf[0]["ok"] and len(pf[0]["ranks"]) == 2 and all(x["gemm_tflops"] > 0 and x["mem_gbps"] > 0
+      for x in pf[0]["ranks"]) and pf[0]["comm_busbw_gbps"] > 0, f"preflight: one passing gate with every figure ({pf})")
+check(losses(out) == ref, "preflight: the job then trains as the reference, bit for bit")
+out, r = keel_run("preflight_fail", "--preflight", "--inject", "health@1:r1", expect=1)
+pf = [e for e in events(out) if e["event"] == "preflight"]
+errors = [line for line in r.stderr.splitlines() if line.startswith("keel: error:")]
+check(len(pf) == 1 and not pf[0]["ok"] and pf[0]["ranks"][1]["injected"], f"preflight_fail: the gate fails ({pf})")
+check(len(errors) == 1 and re.search(r"pre-flight health gate failed before attempt 1: rank 1 \(host .+\): GEMM", errors[0])
+      is not None, f"preflight_fail: one error line naming rank 1 and its host ({errors})")
+check(not os.path.exists(os.path.join(out, "metrics.jsonl")), "preflight_fail: no training started")
 
 # SIGTERM
 out = os.path.join(WORK, "stop")

@@ -1,6 +1,6 @@
 # `keel run`, the supervisor: bad flags are one line; the fault drills on 2 CPU ranks
 # (tests/run/check_run.py: kill, hang, NaN, loss spike, disk full, give up, corrupt checkpoint,
-# straggler, SIGTERM; about 35 s).
+# straggler, the pre-flight gate passing and failing, SIGTERM; about 70 s).
 set(rcfg ${PROJECT_SOURCE_DIR}/configs/train/tiny.yaml)
 keel_cli_test(NAME run_bad_max_restarts EXIT 1 MATCH "--max-restarts -1: must be >= 0"
   ARGS run ${rcfg} --max-restarts -1)
@@ -16,6 +16,11 @@ keel_cli_test(NAME run_inside_a_launcher_is_refused NP 2 EXIT 1
   MATCH "keel run is the supervisor, not a rank" ARGS run ${rcfg})
 keel_cli_test(NAME run_bad_inject_spike EXIT 1 MATCH "--inject spike@3:0: '0' is not a loss factor \\(a number > 0\\)"
   ARGS run ${rcfg} --inject spike@3:0)
+keel_cli_test(NAME run_bad_preflight_floor EXIT 1
+  MATCH "^keel: error: --preflight-floor gemm=fast: 'fast' is not a number >= 0$"
+  ARGS run ${rcfg} --preflight --preflight-floor gemm=fast)
+keel_cli_test(NAME run_bad_preflight_fraction EXIT 1 MATCH "^keel: error: --preflight-fraction 1.5: must be in \\(0, 1.$"
+  ARGS run ${rcfg} --preflight --preflight-fraction 1.5)
 keel_cli_test(NAME run_bad_spike_window EXIT 1
   MATCH "^keel: error: .*tiny\\.yaml: key 'fault\\.loss_spike_window' \\(from --set\\): must be >= 5 \\(steps\\)$"
   ARGS run ${rcfg} --set fault.loss_spike_window=4)

@@ -1,0 +1,212 @@
+#include "run/preflight.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "common/error.h"
+
+namespace keel::run {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+double median_of(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The last lines of a file, for an error message.
+std::string tail_of(const std::string& path, int lines) {
+  std::ifstream f(path);
+  std::vector<std::string> all;
+  for (std::string l; std::getline(f, l);) all.push_back(l);
+  std::string out;
+  for (std::size_t i = all.size() > static_cast<std::size_t>(lines) ? all.size() - lines : 0; i < all.size(); ++i)
+    out += (out.empty() ? "" : " | ") + all[i];
+  return out;
+}
+
+// Runs argv with stdout and stderr into `log`, waiting up to `limit` seconds (then kills its
+// process group). Throws keel::Error naming `what` when it does not exit 0.
+void run_logged(const std::vector<std::string>& argv, const std::string& log, double limit, const std::string& what) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) fail("run: pre-flight: cannot write {}: {}", log, std::strerror(errno));
+  const pid_t pid = fork();
+  if (pid < 0) fail("run: fork: {}", std::strerror(errno));
+  if (pid == 0) {
+    setpgid(0, 0);
+    dup2(fd, 1), dup2(fd, 2);
+    close(fd);
+    execvp(args[0], args.data());
+    std::fprintf(stderr, "cannot start %s: %s\n", args[0], std::strerror(errno));
+    _exit(127);
+  }
+  close(fd);
+  setpgid(pid, pid);
+  const auto t0 = std::chrono::steady_clock::now();
+  int status = 0;
+  for (;;) {
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > limit) {
+      kill(-pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      fail("run: pre-flight: {} did not finish in {:.0f} s (log: {})", what, limit, log);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    fail("run: pre-flight: {} failed ({}): {}", what,
+         WIFEXITED(status) ? fmt::format("exit {}", WEXITSTATUS(status)) : "killed", tail_of(log, 3));
+}
+
+// Single quotes for sh.
+std::string quoted(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) fail("run: pre-flight: no result {}", path);
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    fail("run: pre-flight: {} is not JSON: {}", path, e.what());
+  }
+}
+
+}  // namespace
+
+void parse_preflight_floors(const std::string& text, PreflightOptions& o) {
+  std::stringstream ss(text);
+  for (std::string word; std::getline(ss, word, ',');) {
+    const std::size_t eq = word.find('=');
+    const std::string key = eq == std::string::npos ? word : word.substr(0, eq);
+    double* at = key == "gemm" ? &o.gemm_floor : key == "mem" ? &o.mem_floor : key == "comm" ? &o.comm_floor : nullptr;
+    if (!at || eq == std::string::npos)
+      throw UsageError(fmt::format("--preflight-floor {}: expected gemm=TFLOPS, mem=GBPS or comm=GBPS", word));
+    char* end = nullptr;
+    const std::string v = word.substr(eq + 1);
+    *at = std::strtod(v.c_str(), &end);
+    if (v.empty() || end != v.c_str() + v.size() || !(*at >= 0) || !std::isfinite(*at))
+      throw UsageError(fmt::format("--preflight-floor {}: '{}' is not a number >= 0", word, v));
+  }
+}
+
+void judge(Preflight& p, const PreflightOptions& o) {
+  std::vector<double> g, m;
+  for (const auto& r : p.ranks) g.push_back(r.gemm_tflops), m.push_back(r.mem_gbps);
+  p.gemm_median = median_of(g);
+  p.mem_median = median_of(m);
+  p.failures.clear();
+  for (const auto& r : p.ranks) {
+    const std::string who = fmt::format("rank {} (host {}, device {}{})", r.rank, r.host, r.device,
+                                        r.injected ? ", injected" : "");
+    auto check = [&](const char* what, double v, double median, double floor, const char* unit) {
+      if (p.ranks.size() > 1 && v < o.fraction * median)
+        p.failures.push_back(fmt::format("{}: {} {:.3g} {}, below {} x the ranks' median {:.3g}", who, what, v, unit,
+                                         o.fraction, median));
+      else if (floor > 0 && v < floor)
+        p.failures.push_back(fmt::format("{}: {} {:.3g} {}, below the floor {:.3g}", who, what, v, unit, floor));
+    };
+    check("GEMM", r.gemm_tflops, p.gemm_median, o.gemm_floor, "TFLOP/s");
+    check("memory bandwidth", r.mem_gbps, p.mem_median, o.mem_floor, "GB/s");
+  }
+  if (p.ranks.size() > 1 && o.comm_floor > 0 && p.comm_busbw < o.comm_floor)
+    p.failures.push_back(fmt::format("the ranks' all-reduce: bus bandwidth {:.3g} GB/s, below the floor {:.3g}",
+                                     p.comm_busbw, o.comm_floor));
+}
+
+Preflight run_preflight(const std::string& exe, const std::vector<std::string>& launch, int ranks,
+                        const std::string& dir, bool cuda, const std::vector<int>& injected,
+                        const PreflightOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  fs::create_directories(dir, ec);
+  if (ec) fail("run: pre-flight: cannot create {}: {}", dir, ec.message());
+  // Each rank: its host, then the two benchmarks on its own device (the launcher's rank
+  // variables name the result files and the GPU).
+  const std::string rank_var = "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-${SLURM_PROCID:-0}}}";
+  const std::string local_var = "${OMPI_COMM_WORLD_LOCAL_RANK:-${SLURM_LOCALID:-0}}";
+  const std::string gemm = cuda ? "--backend cuda --dtype bf16 --shapes 8192x8192x8192 --no-tune"
+                                : "--backend cpu --shapes 1024x1024x1024";
+  const std::string mem = cuda ? "--min 1G --max 1G" : "--min 64M --max 64M";
+  const std::string d = quoted(dir), k = quoted(exe);
+  const std::string script = fmt::format(
+      "r={0}; hostname > {1}/host.$r && "
+      "{2} bench gemm {3} --device {4} -w 2 --iters 5 --no-check -q --json {1}/gemm.$r.json && "
+      "{2} bench mem --op triad {5} --device {4} -n 5 -q --json {1}/mem.$r.json",
+      rank_var, d, k, gemm, cuda ? local_var : "0", mem);
+  std::vector<std::string> argv = launch;
+  argv.insert(argv.end(), {"sh", "-c", script});
+  run_logged(argv, (fs::path(dir) / "ranks.log").string(), 300, "the GEMM and memory benchmarks");
+  Preflight p;
+  for (int r = 0; r < ranks; ++r) {
+    RankHealth h;
+    h.rank = r;
+    std::ifstream hf(fs::path(dir) / fmt::format("host.{}", r));
+    std::getline(hf, h.host);
+    const nlohmann::json g = read_json((fs::path(dir) / fmt::format("gemm.{}.json", r)).string());
+    const nlohmann::json m = read_json((fs::path(dir) / fmt::format("mem.{}.json", r)).string());
+    try {
+      h.gemm_tflops = g.at("results").at(0).at("tflops").get<double>();
+      h.mem_gbps = m.at("results").at(0).at("gbps").get<double>();
+      if (g.contains("devices") && !g["devices"].empty()) h.device = g["devices"][0].value("name", "");
+    } catch (const std::exception& e) {
+      fail("run: pre-flight: rank {}'s results lack a figure: {}", r, e.what());
+    }
+    h.injected = std::find(injected.begin(), injected.end(), r) != injected.end();
+    if (h.injected) h.gemm_tflops *= 0.1, h.mem_gbps *= 0.1;
+    p.ranks.push_back(h);
+  }
+  if (ranks > 1) {
+    std::vector<std::string> c = launch;
+    c.insert(c.end(), {exe, "bench", "comm", "--op", "all_reduce", "-b", "16M", "-e", "16M", "-w", "2", "-n", "5",
+                       "--json", (fs::path(dir) / "comm.json").string()});
+    run_logged(c, (fs::path(dir) / "comm.log").string(), 300, "the all-reduce benchmark");
+    const nlohmann::json j = read_json((fs::path(dir) / "comm.json").string());
+    try {
+      p.comm_busbw = j.at("results").at(0).at("out_of_place").at("busbw_gbps").get<double>();
+    } catch (const std::exception& e) {
+      fail("run: pre-flight: the all-reduce result lacks its bus bandwidth: {}", e.what());
+    }
+  }
+  judge(p, o);
+  p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return p;
+}
+
+nlohmann::json preflight_event(const Preflight& p, int attempt) {
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const auto& r : p.ranks)
+    ranks.push_back({{"rank", r.rank}, {"host", r.host}, {"device", r.device}, {"gemm_tflops", r.gemm_tflops},
+                     {"mem_gbps", r.mem_gbps}, {"injected", r.injected}});
+  return {{"event", "preflight"}, {"attempt", attempt}, {"ok", p.failures.empty()}, {"ranks", ranks},
+          {"comm_busbw_gbps", p.comm_busbw}, {"gemm_median", p.gemm_median}, {"mem_median", p.mem_median},
+          {"failures", p.failures}, {"seconds", p.seconds}};
+}
+
+}  // namespace keel::run

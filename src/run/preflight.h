@@ -1,0 +1,59 @@
+// keel run's pre-flight health gate (docs/fault_tolerance.md, "Pre-flight"): before an attempt,
+// keel's own microbenchmarks, briefly, on every rank the job is about to use, under the job's
+// launcher and rank count:
+//   gemm  keel bench gemm, one shape (bf16 8192^3 on GPUs, fp32 1024^3 on CPU ranks): TFLOP/s
+//   mem   keel bench mem, triad on one array (1 GiB on GPUs, 64 MiB on CPU ranks): GB/s
+//   comm  with several ranks, keel bench comm: all-reduce bus bandwidth of the world (one size)
+// Each rank writes its figures (and its host) under the attempt's pre-flight directory. A rank
+// whose GEMM or memory figure is below `fraction` x the ranks' median, or any figure below its
+// floor, fails the gate and is named with its host and device. Excluding it (a smaller world)
+// is not built: the gate stops the job before its attempt, nothing of it lost.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+namespace keel::run {
+
+struct PreflightOptions {
+  bool enabled = false;
+  double fraction = 0.7;  // of the ranks' median (gemm, mem)
+  double gemm_floor = 0, mem_floor = 0, comm_floor = 0;  // TFLOP/s, GB/s, GB/s (0: none)
+};
+
+// Parses --preflight-floor "gemm=TFLOPS,mem=GBPS,comm=GBPS" (any subset) into o; keel::UsageError
+// naming the word otherwise.
+void parse_preflight_floors(const std::string& text, PreflightOptions& o);
+
+struct RankHealth {
+  int rank = 0;
+  std::string host, device;
+  double gemm_tflops = 0, mem_gbps = 0;
+  bool injected = false;  // a failing check injected (health@A:rR): its figures cut to a tenth
+};
+
+struct Preflight {
+  std::vector<RankHealth> ranks;
+  double comm_busbw = 0;  // GB/s, 0 with one rank
+  double gemm_median = 0, mem_median = 0;
+  std::vector<std::string> failures;  // one line each ("rank 1 (host h, device d): gemm ...")
+  double seconds = 0;
+};
+
+// The verdict on the figures: fills the medians and failures (pure; no process runs).
+void judge(Preflight& p, const PreflightOptions& o);
+
+// Runs the benchmarks: `exe` is keel itself, `launch` the argv that starts `ranks` processes
+// before a command (empty for one), `dir` the directory for their output, `cuda` whether the job
+// trains on GPUs; `injected` the ranks whose checks fail by injection. Throws keel::Error when a
+// benchmark does not run (its last output lines in the message).
+Preflight run_preflight(const std::string& exe, const std::vector<std::string>& launch, int ranks,
+                        const std::string& dir, bool cuda, const std::vector<int>& injected,
+                        const PreflightOptions& o);
+
+// The event logged for it.
+nlohmann::json preflight_event(const Preflight& p, int attempt);
+
+}  // namespace keel::run
