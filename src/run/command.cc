@@ -53,6 +53,8 @@ void add_command(CLI::App& app) {
   cmd->add_option("--preflight-fraction", o->preflight.fraction,
                   "A rank fails the pre-flight below this fraction of the ranks' median (GEMM, memory)")
       ->capture_default_str();
+  cmd->add_flag("!--no-exclude", o->exclude,
+                "With --preflight: stop the job when a rank fails the gate instead of taking its device out");
   auto floors = std::make_shared<std::string>();
   cmd->add_option("--preflight-floor", *floors, "Pre-flight floors: gemm=TFLOPS,mem=GBPS,comm=GBPS (any of them)");
   cmd->callback([o, ranks, floors] {

@@ -121,7 +121,10 @@ void judge(Preflight& p, const PreflightOptions& o) {
   p.gemm_median = median_of(g);
   p.mem_median = median_of(m);
   p.failures.clear();
+  p.failed_ranks.clear();
+  p.comm_failed = false;
   for (const auto& r : p.ranks) {
+    const std::size_t before = p.failures.size();
     const std::string who = fmt::format("rank {} (host {}, device {}{})", r.rank, r.host, r.device,
                                         r.injected ? ", injected" : "");
     auto check = [&](const char* what, double v, double median, double floor, const char* unit) {
@@ -133,8 +136,10 @@ void judge(Preflight& p, const PreflightOptions& o) {
     };
     check("GEMM", r.gemm_tflops, p.gemm_median, o.gemm_floor, "TFLOP/s");
     check("memory bandwidth", r.mem_gbps, p.mem_median, o.mem_floor, "GB/s");
+    if (p.failures.size() > before) p.failed_ranks.push_back(r.rank);
   }
-  if (p.ranks.size() > 1 && o.comm_floor > 0 && p.comm_busbw < o.comm_floor)
+  p.comm_failed = p.ranks.size() > 1 && o.comm_floor > 0 && p.comm_busbw < o.comm_floor;
+  if (p.comm_failed)
     p.failures.push_back(fmt::format("the ranks' all-reduce: bus bandwidth {:.3g} GB/s, below the floor {:.3g}",
                                      p.comm_busbw, o.comm_floor));
 }
@@ -207,6 +212,39 @@ nlohmann::json preflight_event(const Preflight& p, int attempt) {
   return {{"event", "preflight"}, {"attempt", attempt}, {"ok", p.failures.empty()}, {"ranks", ranks},
           {"comm_busbw_gbps", p.comm_busbw}, {"gemm_median", p.gemm_median}, {"mem_median", p.mem_median},
           {"failures", p.failures}, {"seconds", p.seconds}};
+}
+
+std::vector<Excluded> load_excluded(const std::string& path) {
+  std::vector<Excluded> out;
+  if (!fs::exists(path)) return out;
+  try {
+    std::ifstream f(path);
+    const nlohmann::json j = nlohmann::json::parse(f);
+    for (const auto& e : j.at("excluded"))
+      out.push_back({e.at("host").get<std::string>(), e.at("gpu").get<std::string>(), e.value("device", ""),
+                     e.value("reason", ""), e.value("attempt", 0)});
+  } catch (const std::exception& e) {
+    fail("run: the bad list {} is not one (JSON with an 'excluded' list of host, gpu): {}; move it aside to start "
+         "with every device",
+         path, e.what());
+  }
+  return out;
+}
+
+void save_excluded(const std::string& path, const std::vector<Excluded>& list) {
+  nlohmann::json j = {{"excluded", nlohmann::json::array()}};
+  for (const auto& e : list)
+    j["excluded"].push_back(
+        {{"host", e.host}, {"gpu", e.gpu}, {"device", e.device}, {"reason", e.reason}, {"attempt", e.attempt}});
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << j.dump(1) << "\n";
+    if (!f) fail("run: cannot write the bad list {}", tmp);
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) fail("run: cannot write the bad list {}: {}", path, ec.message());
 }
 
 }  // namespace keel::run

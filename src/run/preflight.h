@@ -6,8 +6,9 @@
 //   comm  with several ranks, keel bench comm: all-reduce bus bandwidth of the world (one size)
 // Each rank writes its figures (and its host) under the attempt's pre-flight directory. A rank
 // whose GEMM or memory figure is below `fraction` x the ranks' median, or any figure below its
-// floor, fails the gate and is named with its host and device. Excluding it (a smaller world)
-// is not built: the gate stops the job before its attempt, nothing of it lost.
+// floor, fails the gate and is named with its host and device; keel run then takes its device out
+// of the job (run/supervisor.h: the next attempt runs on the others, the global batch kept) or,
+// with --no-exclude, stops before the attempt, nothing of the job lost.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -39,6 +40,8 @@ struct Preflight {
   double comm_busbw = 0;  // GB/s, 0 with one rank
   double gemm_median = 0, mem_median = 0;
   std::vector<std::string> failures;  // one line each ("rank 1 (host h, device d): gemm ...")
+  std::vector<int> failed_ranks;      // the ranks of those lines (once each)
+  bool comm_failed = false;           // the all-reduce below its floor (no one rank to blame)
   double seconds = 0;
 };
 
@@ -55,5 +58,17 @@ Preflight run_preflight(const std::string& exe, const std::vector<std::string>& 
 
 // The event logged for it.
 nlohmann::json preflight_event(const Preflight& p, int attempt);
+
+// A device taken out of the job, kept across keel run invocations in the bad list
+// (<output_dir>/run_excluded.json): its host, its id among the host's GPUs as keel run saw them
+// (CUDA_VISIBLE_DEVICES's, else the index; empty for a CPU rank: one rank fewer on the host),
+// what it was, why, and when.
+struct Excluded {
+  std::string host, gpu, device, reason;
+  int attempt = 0;
+};
+// The list (empty when the file does not exist); keel::Error naming the file when it is not one.
+std::vector<Excluded> load_excluded(const std::string& path);
+void save_excluded(const std::string& path, const std::vector<Excluded>& list);
 
 }  // namespace keel::run

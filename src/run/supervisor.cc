@@ -23,6 +23,7 @@
 #include <map>
 #include <optional>
 #include <regex>
+#include <sstream>
 #include <thread>
 
 #include "ckpt/store.h"
@@ -216,40 +217,130 @@ int run(const Options& o) {
   int restarts = 0;
   int in_a_row = 0;  // restarts since an attempt last committed a newer checkpoint (--max-restarts, the back-off)
   std::string last_startup_error;  // the previous attempt's error before its first step
-  events.write({{"event", "start"}, {"config", o.config}, {"ranks", o.ranks}, {"steps", cfg.steps}});
+  // The devices taken out of the job: the bad list of earlier invocations, and this one's.
+  const std::string bad_list = (out_dir / "run_excluded.json").string();
+  std::vector<Excluded> excluded = load_excluded(bad_list);
+  const std::string this_host = host_name();
+  std::vector<std::string> gpu_ids;  // this node's GPUs as keel run found them
+  if (cuda) {
+    const char* env = std::getenv("CUDA_VISIBLE_DEVICES");
+    if (env && *env) {
+      std::stringstream ss(env);
+      for (std::string id; std::getline(ss, id, ',');) gpu_ids.push_back(id);
+    } else {
+      for (int i = 0; i < visible_cuda_devices(); ++i) gpu_ids.push_back(std::to_string(i));
+    }
+  }
+  // Applies the bad list: the ranks left, CUDA_VISIBLE_DEVICES without the excluded GPUs, and
+  // the layout's data degree for them (empty when it divides as configured). Throws when the
+  // job cannot run on what is left.
+  int ranks = o.ranks;
+  std::vector<std::string> ids = gpu_ids;  // the GPUs the job's ranks use, in rank order
+  std::vector<std::string> shrink_sets;
+  const auto apply_excluded = [&] {
+    int gone = 0;
+    ids = gpu_ids;
+    for (const auto& e : excluded) {
+      if (e.host != this_host) continue;
+      if (!e.gpu.empty()) {
+        const auto it = std::find(ids.begin(), ids.end(), e.gpu);
+        if (it == ids.end()) continue;
+        ids.erase(it);
+      }
+      ++gone;
+    }
+    if (gone == 0) return;
+    if (!o.hosts.empty())
+      throw Error(fmt::format("run: {} device(s) of host {} are on the bad list {}; keel run excludes devices on one "
+                              "node only: run without --hosts, or take them out of the host file",
+                              gone, this_host, bad_list));
+    ranks = o.ranks - gone;
+    if (cuda) ranks = std::min(ranks, static_cast<int>(ids.size()));
+    const int model = std::max(1, cfg.parallel_tensor) * std::max(1, cfg.parallel_context) * std::max(1, cfg.parallel_tsp);
+    const int dp = ranks / model;
+    std::string why;
+    if (ranks < 1) why = "no rank is left";
+    else if (ranks % model != 0) why = fmt::format("{} ranks do not hold tensor x context x tsp = {}", ranks, model);
+    else if (cfg.grad_accum % dp != 0)
+      why = fmt::format("batch.grad_accum ({}) does not split over {} data ranks (the global batch is kept)",
+                        cfg.grad_accum, dp);
+    else if (dp % std::max(1, cfg.parallel_expert) != 0)
+      why = fmt::format("parallel.expert ({}) does not divide {} data ranks", cfg.parallel_expert, dp);
+    if (!why.empty())
+      throw Error(fmt::format("run: without the {} excluded device(s) (bad list {}) the job cannot run: {}; move "
+                              "the bad list aside or change the layout",
+                              gone, bad_list, why));
+    shrink_sets = {"parallel.data=" + std::to_string(dp)};
+    if (cuda) {
+      std::string list;
+      for (const auto& id : ids) list += (list.empty() ? "" : ",") + id;
+      setenv("CUDA_VISIBLE_DEVICES", list.c_str(), 1);
+    }
+  };
+  apply_excluded();
+  if (ranks != o.ranks)
+    std::printf("keel run: %d device(s) on the bad list %s: the job runs on %d rank%s\n", o.ranks - ranks,
+                bad_list.c_str(), ranks, ranks == 1 ? "" : "s");
+  events.write({{"event", "start"}, {"config", o.config}, {"ranks", ranks}, {"steps", cfg.steps}});
   for (int attempt = 1;; ++attempt) {
     const std::int64_t resume = usable_latest(ckpt_root, events);
     std::error_code ec;
     fs::remove_all(beats_dir, ec);
     fs::create_directories(beats_dir, ec);
     std::vector<std::string> argv;
-    if (o.ranks > 1) {
-      argv = {o.launcher, "-np", std::to_string(o.ranks), "--oversubscribe", "--bind-to", "none"};
+    if (ranks > 1) {
+      argv = {o.launcher, "-np", std::to_string(ranks), "--oversubscribe", "--bind-to", "none"};
       if (!o.hosts.empty()) argv.insert(argv.end(), {"--hostfile", o.hosts});
     }
     if (o.preflight.enabled) {
       std::vector<int> injected;
       for (const auto& f : health)
         if (f.first_step == attempt) injected.push_back(f.rank);
-      const Preflight p = run_preflight(exe, argv, o.ranks, (out_dir / "preflight" / fmt::format("attempt_{}", attempt)).string(),
+      const Preflight p = run_preflight(exe, argv, ranks, (out_dir / "preflight" / fmt::format("attempt_{}", attempt)).string(),
                                         cuda, injected, o.preflight);
       events.write(preflight_event(p, attempt));
       std::printf("keel run: pre-flight: %d rank%s, GEMM median %.3g TFLOP/s, memory median %.3g GB/s%s (%.1f s)\n",
-                  o.ranks, o.ranks == 1 ? "" : "s", p.gemm_median, p.mem_median,
-                  o.ranks > 1 ? fmt::format(", all-reduce {:.3g} GB/s", p.comm_busbw).c_str() : "", p.seconds);
+                  ranks, ranks == 1 ? "" : "s", p.gemm_median, p.mem_median,
+                  ranks > 1 ? fmt::format(", all-reduce {:.3g} GB/s", p.comm_busbw).c_str() : "", p.seconds);
       for (const auto& f : p.failures) std::printf("keel run: pre-flight: FAILED %s\n", f.c_str());
       std::fflush(stdout);
       if (!p.failures.empty()) {
-        events.write({{"event", "give_up"}, {"restarts", restarts}, {"last_fault", "preflight"}, {"detail", p.failures.front()}});
-        throw Error(fmt::format("run: the pre-flight health gate failed before attempt {}: {}{}; keel run cannot yet "
-                                "exclude it (a smaller world): take it out of the job and run again (nothing was "
-                                "lost: the checkpoints stay)",
-                                attempt, p.failures.front(),
-                                p.failures.size() > 1 ? fmt::format(" (and {} more)", p.failures.size() - 1) : ""));
+        // the ranks' devices out of the job, on the bad list; or a stop (nothing lost)
+        const bool shrink = o.exclude && !p.failed_ranks.empty() && !p.comm_failed && o.hosts.empty();
+        if (!shrink) {
+          events.write({{"event", "give_up"}, {"restarts", restarts}, {"last_fault", "preflight"}, {"detail", p.failures.front()}});
+          throw Error(fmt::format("run: the pre-flight health gate failed before attempt {}: {}{}; {} (nothing was "
+                                  "lost: the checkpoints stay)",
+                                  attempt, p.failures.front(),
+                                  p.failures.size() > 1 ? fmt::format(" (and {} more)", p.failures.size() - 1) : "",
+                                  !o.exclude        ? "--no-exclude: stopping"
+                                  : o.hosts.empty() ? "not a rank's device: stopping"
+                                                    : "keel run excludes devices on one node only: stopping"));
+        }
+        for (int r : p.failed_ranks) {
+          const RankHealth& h = p.ranks[static_cast<std::size_t>(r)];
+          Excluded e{h.host, cuda && r < static_cast<int>(ids.size()) ? ids[static_cast<std::size_t>(r)] : "", h.device,
+                     "", attempt};
+          for (const auto& f : p.failures)
+            if (f.rfind(fmt::format("rank {} ", r), 0) == 0) e.reason += (e.reason.empty() ? "" : "; ") + f;
+          excluded.push_back(e);
+          events.write({{"event", "exclude"}, {"attempt", attempt}, {"rank", r}, {"host", e.host}, {"gpu", e.gpu},
+                        {"device", e.device}, {"reason", e.reason}});
+          std::printf("keel run: excluding rank %d's device (host %s%s): it failed the pre-flight gate\n", r,
+                      e.host.c_str(), e.gpu.empty() ? "" : fmt::format(", GPU {}", e.gpu).c_str());
+        }
+        save_excluded(bad_list, excluded);
+        apply_excluded();
+        std::printf("keel run: the job goes on with %d rank%s (parallel.data %s, the global batch kept); the bad "
+                    "list is %s\n",
+                    ranks, ranks == 1 ? "" : "s", shrink_sets.front().substr(14).c_str(), bad_list.c_str());
+        std::fflush(stdout);
+        continue;
       }
     }
     argv.insert(argv.end(), {exe, "train", o.config, "--heartbeat", beats_dir.string()});
     for (const auto& s : o.sets) argv.insert(argv.end(), {"--set", s});
+    for (const auto& s : shrink_sets) argv.insert(argv.end(), {"--set", s});
     if (resume > 0) argv.insert(argv.end(), {"--resume", ckpt_root});
     for (std::int64_t s : skips) argv.insert(argv.end(), {"--skip-step", std::to_string(s)});
     for (const auto& f : pending) argv.insert(argv.end(), {"--inject", f.spec});
@@ -362,7 +453,7 @@ int run(const Options& o) {
         if (since_start > o.start_deadline) {
           Fault f;
           f.kind = "hang", f.step = resume, f.detect_seconds = since_start;
-          f.detail = fmt::format("{} of {} ranks started within {} s", beats.size(), std::max(world, o.ranks),
+          f.detail = fmt::format("{} of {} ranks started within {} s", beats.size(), std::max(world, ranks),
                                  o.start_deadline);
           fault = f;
           kill_job(beats);

@@ -17,9 +17,13 @@
 //   disk full   keel train exits with an error naming "No space left on device" (a checkpoint
 //               write failed; nothing was committed): restarted from the previous checkpoint;
 //   early exit  keel train exited 0 before its last step without being asked to stop.
-// Before each attempt, with --preflight: keel's microbenchmarks on every rank (run/preflight.h);
-// a rank that fails the gate is named and the job stops before the attempt (excluding it, a
-// smaller world, is not built).
+// Before each attempt, with --preflight: keel's microbenchmarks on every rank (run/preflight.h).
+// A rank that fails the gate is named and its device taken out of the job: the next attempt runs
+// one rank fewer on this node (GPUs: CUDA_VISIBLE_DEVICES without it), the global batch kept
+// (batch.grad_accum over the data ranks left; the checkpoint reshards), when the layout still
+// divides; the device goes on the bad list (<output_dir>/run_excluded.json), which later keel
+// run invocations on the run apply from their start. With --no-exclude, or when the job cannot
+// shrink, the job stops before the attempt, nothing lost. One node only (--hosts: it stops).
 // Reported, not a fault (the job goes on):
 //   straggler   a rank whose own work per step (its step time less the time it waited on the
 //               others, from its heartbeat) stays well above the other ranks' (run/straggler.h):
@@ -56,6 +60,7 @@ struct Options {
   double hang_factor = 3.0, min_deadline = 10.0, start_deadline = 300.0;
   StragglerOptions straggler;         // --straggler-factor, --straggler-steps (run/straggler.h)
   PreflightOptions preflight;         // --preflight, --preflight-fraction, --preflight-floor (run/preflight.h)
+  bool exclude = true;                // a device failing the pre-flight is taken out (--no-exclude: stop)
   double backoff = 1.0, backoff_max = 30.0;
   double grace = 120.0;               // after a stop signal
   double poll = 0.1;                  // seconds between checks

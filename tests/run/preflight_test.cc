@@ -35,6 +35,8 @@ TEST(Preflight, ARankBelowTheMedianFractionIsNamed) {
       << p.failures[0];
   EXPECT_NE(p.failures[1].find("rank 3 (host node1, device H200): memory bandwidth 1e+03 GB/s"), std::string::npos)
       << p.failures[1];
+  EXPECT_EQ(p.failed_ranks, (std::vector<int>{2, 3}));
+  EXPECT_FALSE(p.comm_failed);
   // healthy ranks pass; one rank alone has no median to fall below
   Preflight ok = figures({{700, 4000}, {650, 3900}});
   judge(ok, o);
@@ -59,6 +61,8 @@ TEST(Preflight, FloorsApplyToEveryRankAndTheAllReduce) {
       << p.failures[0];
   EXPECT_NE(p.failures[1].find("all-reduce: bus bandwidth 120 GB/s, below the floor 300"), std::string::npos)
       << p.failures[1];
+  EXPECT_EQ(p.failed_ranks, (std::vector<int>{1}));
+  EXPECT_TRUE(p.comm_failed);
 }
 
 TEST(Preflight, BadFloorsAreOneLine) {
