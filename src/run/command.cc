@@ -55,6 +55,9 @@ void add_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("!--no-exclude", o->exclude,
                 "With --preflight: stop the job when a rank fails the gate instead of taking its device out");
+  cmd->add_flag("--exclude-stragglers", o->exclude_stragglers,
+                "Take a straggler's device out of the job: it saves, stops, and resumes on the other ranks (the "
+                "global batch kept; the device on the bad list)");
   auto floors = std::make_shared<std::string>();
   cmd->add_option("--preflight-floor", *floors, "Pre-flight floors: gemm=TFLOPS,mem=GBPS,comm=GBPS (any of them)");
   cmd->callback([o, ranks, floors] {

@@ -236,6 +236,21 @@ int run(const Options& o) {
   // job cannot run on what is left.
   int ranks = o.ranks;
   std::vector<std::string> ids = gpu_ids;  // the GPUs the job's ranks use, in rank order
+  // Why the job cannot run on n ranks of this node (empty: it can): the model axes must divide
+  // them, and the global batch (batch.grad_accum) the data ranks left.
+  const int model_ranks =
+      std::max(1, cfg.parallel_tensor) * std::max(1, cfg.parallel_context) * std::max(1, cfg.parallel_tsp);
+  const auto cannot_run_on = [&](int n) -> std::string {
+    const int dp = n / model_ranks;
+    if (n < 1) return "no rank is left";
+    if (n % model_ranks != 0) return fmt::format("{} ranks do not hold tensor x context x tsp = {}", n, model_ranks);
+    if (cfg.grad_accum % dp != 0)
+      return fmt::format("batch.grad_accum ({}) does not split over {} data ranks (the global batch is kept)",
+                         cfg.grad_accum, dp);
+    if (dp % std::max(1, cfg.parallel_expert) != 0)
+      return fmt::format("parallel.expert ({}) does not divide {} data ranks", cfg.parallel_expert, dp);
+    return "";
+  };
   std::vector<std::string> shrink_sets;
   const auto apply_excluded = [&] {
     int gone = 0;
@@ -256,16 +271,8 @@ int run(const Options& o) {
                               gone, this_host, bad_list));
     ranks = o.ranks - gone;
     if (cuda) ranks = std::min(ranks, static_cast<int>(ids.size()));
-    const int model = std::max(1, cfg.parallel_tensor) * std::max(1, cfg.parallel_context) * std::max(1, cfg.parallel_tsp);
-    const int dp = ranks / model;
-    std::string why;
-    if (ranks < 1) why = "no rank is left";
-    else if (ranks % model != 0) why = fmt::format("{} ranks do not hold tensor x context x tsp = {}", ranks, model);
-    else if (cfg.grad_accum % dp != 0)
-      why = fmt::format("batch.grad_accum ({}) does not split over {} data ranks (the global batch is kept)",
-                        cfg.grad_accum, dp);
-    else if (dp % std::max(1, cfg.parallel_expert) != 0)
-      why = fmt::format("parallel.expert ({}) does not divide {} data ranks", cfg.parallel_expert, dp);
+    const int dp = ranks / model_ranks;
+    const std::string why = cannot_run_on(ranks);
     if (!why.empty())
       throw Error(fmt::format("run: without the {} excluded device(s) (bad list {}) the job cannot run: {}; move "
                               "the bad list aside or change the layout",
@@ -343,7 +350,8 @@ int run(const Options& o) {
     for (const auto& s : shrink_sets) argv.insert(argv.end(), {"--set", s});
     if (resume > 0) argv.insert(argv.end(), {"--resume", ckpt_root});
     for (std::int64_t s : skips) argv.insert(argv.end(), {"--skip-step", std::to_string(s)});
-    for (const auto& f : pending) argv.insert(argv.end(), {"--inject", f.spec});
+    for (const auto& f : pending)  // (not those of a rank taken out: the ranks left are fewer)
+      if (f.rank < ranks) argv.insert(argv.end(), {"--inject", f.spec});
     argv.insert(argv.end(), o.train_args.begin(), o.train_args.end());
     std::printf("keel run: attempt %d%s\n", attempt,
                 resume > 0 ? fmt::format(", resuming from step {}", resume).c_str() : ", from the start");
@@ -384,6 +392,8 @@ int run(const Options& o) {
     std::optional<Fault> fault;
     int status = 0;
     bool exited = false, stopping = false;
+    std::optional<Excluded> straggler_out;  // --exclude-stragglers: the device leaving after this attempt
+    int straggler_rank = -1;
     Clock::time_point stop_at{};
     std::vector<double> step_times;
     std::int64_t seen_step = resume;
@@ -430,6 +440,28 @@ int run(const Options& o) {
         std::fflush(stdout);
         events.write({{"event", "straggler"}, {"rank", r}, {"host", b.host}, {"pid", b.pid}, {"step", x->step},
                       {"busy_seconds", x->busy}, {"others_busy_seconds", x->others}});
+        // --exclude-stragglers: its device out of the job, which saves at its next step and
+        // resumes on the others (when it can run on them)
+        if (o.exclude_stragglers && !stopping && o.hosts.empty() && b.host == this_host) {
+          const std::string why = cannot_run_on(ranks - 1);
+          if (!why.empty()) {
+            std::printf("keel run: the straggler stays: without it %s\n", why.c_str());
+            continue;
+          }
+          straggler_out = Excluded{b.host, cuda && r < static_cast<int>(ids.size()) ? ids[static_cast<std::size_t>(r)] : "",
+                                   "", fmt::format("rank {} straggled: {:.3f} s of its own work per step against {:.3f} s",
+                                                   r, x->busy, x->others),
+                                   attempt};
+          straggler_rank = r;
+          stopping = true, stop_at = Clock::now();
+          std::printf("keel run: taking rank %d's device out: the job saves at its next step and resumes without it\n", r);
+          std::fflush(stdout);
+          bool told = false;
+          for (const auto& [q, qb] : beats)
+            if (qb.pid > 0 && qb.host == host_name()) told |= kill(qb.pid, SIGTERM) == 0;
+          if (!told) kill(-child.pid, SIGTERM);
+          break;
+        }
       }
       // a rank whose process is gone (same host: its pid)
       for (const auto& [r, b] : beats)
@@ -505,6 +537,22 @@ int run(const Options& o) {
                   static_cast<long long>(cfg.steps), wall, attempt, attempt == 1 ? "" : "s", total,
                   total ? fmt::format(" ({})", by_kind.dump()).c_str() : "", 100 * ratio, useful);
       return 0;
+    }
+    // a straggler's device out (the job saved at its stop): on to the next attempt without it
+    if (straggler_out && g_stop.load() == 0) {
+      excluded.push_back(*straggler_out);
+      save_excluded(bad_list, excluded);
+      events.write({{"event", "exclude"}, {"attempt", attempt}, {"rank", straggler_rank}, {"host", straggler_out->host},
+                    {"gpu", straggler_out->gpu}, {"reason", straggler_out->reason}, {"step", reached},
+                    {"saved", done}});  // every rank's "done" heartbeat: written after its stop's save
+      useful += median(step_times) * static_cast<double>(std::max<std::int64_t>(0, std::min(reached, latest_step(ckpt_root)) - resume));
+      apply_excluded();
+      std::printf("keel run: rank %d's device is out (the bad list is %s): the job resumes on %d rank%s from step "
+                  "%lld\n",
+                  straggler_rank, bad_list.c_str(), ranks, ranks == 1 ? "" : "s",
+                  static_cast<long long>(latest_step(ckpt_root)));
+      std::fflush(stdout);
+      continue;
     }
     // keel train stopped by a signal saves, writes its "done" heartbeat and exits 128 + signal
     if (!fault && stopping && (clean || done)) {

@@ -24,6 +24,8 @@
 // divides; the device goes on the bad list (<output_dir>/run_excluded.json), which later keel
 // run invocations on the run apply from their start. With --no-exclude, or when the job cannot
 // shrink, the job stops before the attempt, nothing lost. One node only (--hosts: it stops).
+// With --exclude-stragglers a straggler's device is taken out the same way: the job saves at its
+// next step, stops, and the next attempt resumes on the other ranks (not a fault: no back-off).
 // Reported, not a fault (the job goes on):
 //   straggler   a rank whose own work per step (its step time less the time it waited on the
 //               others, from its heartbeat) stays well above the other ranks' (run/straggler.h):
@@ -61,6 +63,7 @@ struct Options {
   StragglerOptions straggler;         // --straggler-factor, --straggler-steps (run/straggler.h)
   PreflightOptions preflight;         // --preflight, --preflight-fraction, --preflight-floor (run/preflight.h)
   bool exclude = true;                // a device failing the pre-flight is taken out (--no-exclude: stop)
+  bool exclude_stragglers = false;    // --exclude-stragglers: a straggler's device is taken out too
   double backoff = 1.0, backoff_max = 30.0;
   double grace = 120.0;               // after a stop signal
   double poll = 0.1;                  // seconds between checks

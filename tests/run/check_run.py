@@ -22,7 +22,8 @@ step. First an uninterrupted `keel train` under mpirun (the reference); then kee
   corrupt  a run gives up after its checkpoint of step 8, whose data is then truncated: keel run
            again moves step 8 aside, resumes from step 4, losses bit for bit;
   straggler  rank 1 sleeps 200 ms per step: keel run names it once (line and event), no fault,
-         losses bit for bit; the fault-free runs name no straggler;
+         losses bit for bit; the fault-free runs name no straggler; with --exclude-stragglers its
+         device is taken out: the job saves, stops and resumes on one rank, no fault;
   preflight  with --preflight, keel run's health gate (GEMM, memory bandwidth, all-reduce on
          both ranks) passes and the job trains as the reference, bit for bit; with rank 1's check
          failing by injection (health@1:r1), keel run takes rank 1's device out and trains on one
@@ -226,6 +227,22 @@ check(re.search(r"^keel run: rank 1 \(host .+, pid \d+\) is a straggler: ", r.st
       "straggler: one line naming rank 1, its host and pid")
 check(losses(out) == ref and not any(e["event"] == "fault" for e in events(out)),
       "straggler: no fault, every step's loss equals the uninterrupted run's bit for bit")
+# --exclude-stragglers: a straggler's device (rank 1 sleeping 500 ms per step) is taken out: the job saves at its next step,
+# stops, and resumes on one rank (the global batch kept), not a fault; the steps before the stop
+# are the reference's bit for bit, the later ones within 1e-2 (one rank groups the micro-batches
+# otherwise)
+out, r = keel_run("straggler_exclude", "--inject", "slow@2-16:r1:500", "--straggler-steps", "3", "--exclude-stragglers")
+ev = events(out)
+ex = [e for e in ev if e["event"] == "exclude"]
+check(len(ex) == 1 and ex[0]["rank"] == 1 and "straggled" in ex[0]["reason"] and ex[0]["saved"],
+      f"straggler_exclude: rank 1's device out after a save ({ex})")
+check(not any(e["event"] == "fault" for e in ev) and re.search(r"^keel run: rank 1's device is out .*: the job resumes on 1 "
+      r"rank from step \d+$", r.stdout, re.M) is not None, "straggler_exclude: no fault; the job resumes on 1 rank")
+got, want = ces(out), ces(ref_out)
+stop = ex[0]["step"] if ex else 0
+check(sorted(got) == sorted(want) and all(got[k] == want[k] for k in want if k <= stop) and
+      all(abs(got[k] - want[k]) <= 1e-2 * want[k] for k in want),
+      f"straggler_exclude: steps 1-{stop} bit for bit, every step within 1e-2 of the reference")
 quiet = [n for n in ("kill", "nan", "spike", "progress") if any(e["event"] == "straggler" for e in events(os.path.join(WORK, n)))]
 check(not quiet, f"straggler: no straggler named in runs without a slow rank ({quiet})")
 

@@ -1,6 +1,7 @@
 # `keel run`, the supervisor: bad flags are one line; the fault drills on 2 CPU ranks
 # (tests/run/check_run.py: kill, hang, NaN, loss spike, disk full, give up, corrupt checkpoint,
-# straggler, the pre-flight gate passing and failing, SIGTERM; about 70 s).
+# straggler (reported, and excluded), the pre-flight gate passing, excluding and stopping, SIGTERM;
+# about 80 s).
 set(rcfg ${PROJECT_SOURCE_DIR}/configs/train/tiny.yaml)
 keel_cli_test(NAME run_bad_max_restarts EXIT 1 MATCH "--max-restarts -1: must be >= 0"
   ARGS run ${rcfg} --max-restarts -1)
