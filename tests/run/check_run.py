@@ -66,24 +66,23 @@ def sets(out):
     return args
 
 
-def losses(out):
-    """step -> loss; a resumed run's rows replace the lost attempt's."""
+def column(out, key):
+    """step -> the metrics' `key`; a resumed run's rows replace the lost attempt's."""
     rows = {}
     for line in open(os.path.join(out, "metrics.jsonl")):
         r = json.loads(line)
-        if "loss" in r and "step" in r:
-            rows[r["step"]] = r["loss"]
+        if key in r and "step" in r:
+            rows[r["step"]] = r[key]
     return rows
+
+
+def losses(out):
+    return column(out, "loss")
 
 
 def ces(out):
-    """step -> cross-entropy (the loss without the router's terms)."""
-    rows = {}
-    for line in open(os.path.join(out, "metrics.jsonl")):
-        r = json.loads(line)
-        if "ce" in r and "step" in r:
-            rows[r["step"]] = r["ce"]
-    return rows
+    """the cross-entropy (the loss without the router's terms)"""
+    return column(out, "ce")
 
 
 def events(out):
