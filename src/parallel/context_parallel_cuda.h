@@ -46,7 +46,11 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   const std::vector<std::int32_t>& positions() const { return pos_; }  // this rank's rows' positions in a sequence
   // Sums x[0..n) over the group on the host, in rank order (the same bits on every rank).
   void sum(double* x, int n) const;
-  std::size_t device_bytes() const { return bytes_; }
+  std::size_t device_bytes() const { return bytes_; }  // the k/v gathers and halos (not LASP-2's states)
+  // LASP-2's state buffers for `floats` states per rank (grown on demand otherwise; nothing may be
+  // queued on them), and their bytes.
+  void reserve_states(std::int64_t floats);
+  std::size_t state_bytes() const { return state_bytes_; }
 
   int segments() const override { return 2; }
   void halo(const bf16* tails, bf16* halos, std::int64_t rows, std::int64_t F, cudaStream_t stream) override;

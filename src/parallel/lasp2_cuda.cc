@@ -39,6 +39,17 @@ float* CudaContextParallel::state_buffers(std::int64_t floats, cudaStream_t stre
   return static_cast<float*>(states_);
 }
 
+void CudaContextParallel::reserve_states(std::int64_t floats) {
+  const std::size_t bytes = sizeof(float) * static_cast<std::size_t>(floats * (2 + size()));
+  if (bytes <= state_bytes_) return;
+  if (states_) cudaFree(states_);
+  states_ = nullptr;
+  state_bytes_ = 0;
+  if (cudaMalloc(&states_, bytes) != cudaSuccess)
+    throw_out_of_gpu_memory("out of GPU memory: LASP-2's gathered memory states", bytes, "lower batch.micro_batch");
+  state_bytes_ = bytes;
+}
+
 std::size_t CudaContextParallel::linear_workspace_bytes(const la::Config& c, std::int64_t runs,
                                                         std::int64_t len) const {
   return la::workspace_bytes(c, runs, len);

@@ -25,6 +25,7 @@ CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t batch
     tokens /= tsp.size;
     tsp_ = std::make_unique<CudaTspShards>(mesh.nccl_side(GroupKind::kTsp), tokens, cfg.hidden);
     tsp_sums_ = std::make_unique<CudaTensorParallelLinear>(mesh.nccl(GroupKind::kTsp), tokens, cfg.hidden, false);
+    reserve_lasp2(cfg, s, batch);
   } else if (context.size > 1) {
     check_context_split(seq, context.size, context_halo(cfg), "keel train");
     const int T = mesh.group(GroupKind::kTensor).size;
@@ -32,6 +33,7 @@ CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t batch
     cp_ = std::make_unique<CudaContextParallel>(mesh.nccl(GroupKind::kContext), context.comm, batch, seq, s.kv_dim());
     for (auto& l : layers_) l.attention = cp_.get();
     tokens /= context.size;
+    reserve_lasp2(cfg, s, batch);
   }
   if (mesh.group(GroupKind::kTensor).size > 1) {
     tp_ = std::make_unique<CudaTensorParallelLinear>(mesh.nccl(GroupKind::kTensor), tokens, cfg.hidden, sequence);
@@ -46,11 +48,18 @@ CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t batch
   }
 }
 
+// LASP-2's state buffers (lasp2_cuda.cc) at their size from the start, so the start-up memory
+// line holds them: two runs per sequence, this rank's kv heads, d x d fp32 each.
+void CudaPlan::reserve_lasp2(const model::ModelConfig& cfg, const blocks::AttnShape& s, std::int64_t batch) {
+  if (model::attention_layer_count(cfg, model::AttentionKind::kLinear) == 0) return;
+  cp_->reserve_states(2 * batch * s.kv_heads * std::int64_t(s.head_dim) * s.head_dim);
+}
+
 std::size_t CudaPlan::device_bytes() const {
   std::size_t b = ep_group_ ? ep_group_->device_bytes() : 0;
   if (tp_) b += tp_->device_bytes();
   if (tsp_) b += tsp_->shard_bytes();
-  if (cp_) b += cp_->device_bytes();
+  if (cp_) b += cp_->device_bytes() + cp_->state_bytes();
   for (const auto& l : ep_layers_) b += l->device_bytes();
   return b;
 }

@@ -8,6 +8,7 @@
 
 #include "blocks/cuda/runners.h"
 #include "model/config.h"
+#include "blocks/shape.h"
 #include "parallel/context_parallel_cuda.h"
 #include "parallel/expert_parallel_cuda.h"
 #include "parallel/mesh.h"
@@ -36,6 +37,7 @@ class CudaPlan {
   std::size_t tensor_bytes() const { return tp_ ? tp_->device_bytes() : 0; }
   std::size_t tsp_bytes() const { return tsp_ ? tsp_->shard_bytes() : 0; }
   std::size_t context_bytes() const { return cp_ ? cp_->device_bytes() : 0; }
+  std::size_t lasp2_bytes() const { return cp_ ? cp_->state_bytes() : 0; }  // LASP-2's state gathers
   // The tensor-parallel boundary, null at tensor degree 1.
   CudaTensorParallelLinear* tensor() const { return tp_.get(); }
   // The context-parallel core, null at context degree 1 (and tsp degree 1).
@@ -48,6 +50,8 @@ class CudaPlan {
   CudaTensorParallelLinear* weight_group() const { return tp_ ? tp_.get() : tsp_sums_.get(); }
 
  private:
+  void reserve_lasp2(const model::ModelConfig& cfg, const blocks::AttnShape& s, std::int64_t batch);
+
   std::unique_ptr<CudaContextParallel> cp_;
   std::unique_ptr<CudaTensorParallelLinear> tp_;
   std::unique_ptr<CudaTspShards> tsp_;

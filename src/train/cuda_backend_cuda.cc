@@ -254,9 +254,11 @@ class CudaBackend final : public TrainBackend {
             {"backward scratch", acts - saved - ce},
             {"cross-entropy (kept logits)", ce},
             {"expert-parallel exchange",
-             plan_->device_bytes() - plan_->tensor_bytes() - plan_->context_bytes() - plan_->tsp_bytes()},
+             plan_->device_bytes() - plan_->tensor_bytes() - plan_->context_bytes() - plan_->tsp_bytes() -
+                 plan_->lasp2_bytes()},
             {"sequence-parallel gathers", plan_->tensor_bytes()},
             {"context-parallel k/v gathers", plan_->context_bytes()},
+            {"LASP-2 state gathers", plan_->lasp2_bytes()},
             {"tsp shards", plan_->tsp_bytes()}};
   }
 
