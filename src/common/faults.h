@@ -15,7 +15,7 @@
 //   diskfull@S[:rR]        rank R's write of the checkpoint of step S fails as with ENOSPC
 //                          (nothing when step S saves no checkpoint; the trainer asks disk_full_at)
 //   health@A[:rR]          keel run's pre-flight health check before attempt A finds rank R's
-//                          GEMM and memory figures at a tenth of what it measured (a failing
+//                          GEMM and memory figures at a hundredth of what it measured (a failing
 //                          GPU; keel run's gate, run/preflight.h: keel train ignores it)
 // Each fault that fires prints one line "keel: fault injection: ..." to stderr first.
 #pragma once

@@ -51,7 +51,7 @@ void add_command(CLI::App& app) {
                 "Before each attempt, a short GEMM, memory-bandwidth and all-reduce benchmark on every rank; a rank "
                 "below the others' median or a floor stops the job, named");
   cmd->add_option("--preflight-fraction", o->preflight.fraction,
-                  "A rank fails the pre-flight below this fraction of the ranks' median (GEMM, memory)")
+                  "A rank fails the pre-flight below this fraction of the other ranks' median (GEMM, memory)")
       ->capture_default_str();
   cmd->add_flag("!--no-exclude", o->exclude,
                 "With --preflight: stop the job when a rank fails the gate instead of taking its device out");

@@ -123,19 +123,28 @@ void judge(Preflight& p, const PreflightOptions& o) {
   p.failures.clear();
   p.failed_ranks.clear();
   p.comm_failed = false;
-  for (const auto& r : p.ranks) {
+  // Each rank against the median of the OTHER ranks: a slow rank does not drag the bar down with
+  // it (with two ranks the median of both would sit halfway to the slow one).
+  auto others = [&](std::size_t self, double RankHealth::*field) {
+    std::vector<double> v;
+    for (std::size_t i = 0; i < p.ranks.size(); ++i)
+      if (i != self) v.push_back(p.ranks[i].*field);
+    return median_of(v);
+  };
+  for (std::size_t i = 0; i < p.ranks.size(); ++i) {
+    const RankHealth& r = p.ranks[i];
     const std::size_t before = p.failures.size();
     const std::string who = fmt::format("rank {} (host {}, device {}{})", r.rank, r.host, r.device,
                                         r.injected ? ", injected" : "");
     auto check = [&](const char* what, double v, double median, double floor, const char* unit) {
       if (p.ranks.size() > 1 && v < o.fraction * median)
-        p.failures.push_back(fmt::format("{}: {} {:.3g} {}, below {} x the ranks' median {:.3g}", who, what, v, unit,
-                                         o.fraction, median));
+        p.failures.push_back(fmt::format("{}: {} {:.3g} {}, below {} x the other ranks' median {:.3g}", who, what, v,
+                                         unit, o.fraction, median));
       else if (floor > 0 && v < floor)
         p.failures.push_back(fmt::format("{}: {} {:.3g} {}, below the floor {:.3g}", who, what, v, unit, floor));
     };
-    check("GEMM", r.gemm_tflops, p.gemm_median, o.gemm_floor, "TFLOP/s");
-    check("memory bandwidth", r.mem_gbps, p.mem_median, o.mem_floor, "GB/s");
+    check("GEMM", r.gemm_tflops, others(i, &RankHealth::gemm_tflops), o.gemm_floor, "TFLOP/s");
+    check("memory bandwidth", r.mem_gbps, others(i, &RankHealth::mem_gbps), o.mem_floor, "GB/s");
     if (p.failures.size() > before) p.failed_ranks.push_back(r.rank);
   }
   p.comm_failed = p.ranks.size() > 1 && o.comm_floor > 0 && p.comm_busbw < o.comm_floor;
@@ -184,7 +193,7 @@ Preflight run_preflight(const std::string& exe, const std::vector<std::string>& 
       fail("run: pre-flight: rank {}'s results lack a figure: {}", r, e.what());
     }
     h.injected = std::find(injected.begin(), injected.end(), r) != injected.end();
-    if (h.injected) h.gemm_tflops *= 0.1, h.mem_gbps *= 0.1;
+    if (h.injected) h.gemm_tflops *= 0.01, h.mem_gbps *= 0.01;
     p.ranks.push_back(h);
   }
   if (ranks > 1) {

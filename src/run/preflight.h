@@ -5,7 +5,7 @@
 //   mem   keel bench mem, triad on one array (1 GiB on GPUs, 64 MiB on CPU ranks): GB/s
 //   comm  with several ranks, keel bench comm: all-reduce bus bandwidth of the world (one size)
 // Each rank writes its figures (and its host) under the attempt's pre-flight directory. A rank
-// whose GEMM or memory figure is below `fraction` x the ranks' median, or any figure below its
+// whose GEMM or memory figure is below `fraction` x the other ranks' median, or any figure below its
 // floor, fails the gate and is named with its host and device; keel run then takes its device out
 // of the job (run/supervisor.h: the next attempt runs on the others, the global batch kept) or,
 // with --no-exclude, stops before the attempt, nothing of the job lost.
@@ -20,7 +20,7 @@ namespace keel::run {
 
 struct PreflightOptions {
   bool enabled = false;
-  double fraction = 0.7;  // of the ranks' median (gemm, mem)
+  double fraction = 0.7;  // of the other ranks' median (gemm, mem)
   double gemm_floor = 0, mem_floor = 0, comm_floor = 0;  // TFLOP/s, GB/s, GB/s (0: none)
 };
 
@@ -32,7 +32,7 @@ struct RankHealth {
   int rank = 0;
   std::string host, device;
   double gemm_tflops = 0, mem_gbps = 0;
-  bool injected = false;  // a failing check injected (health@A:rR): its figures cut to a tenth
+  bool injected = false;  // a failing check injected (health@A:rR): its figures cut to a hundredth
 };
 
 struct Preflight {

@@ -246,7 +246,7 @@ quiet = [n for n in ("kill", "nan", "spike", "progress") if any(e["event"] == "s
 check(not quiet, f"straggler: no straggler named in runs without a slow rank ({quiet})")
 
 # pre-flight: the gate passes on healthy ranks (and the run is the reference's), and a failing
-# check on rank 1 (injected: its figures cut to a tenth) stops the job before its attempt
+# check on rank 1 (injected: its figures cut to a hundredth) stops the job before its attempt
 # (2 CPU ranks share this machine's cores and memory: their figures differ by up to 2x run to
 # run, so the drills' fraction is 0.2; the injected rank's tenth falls below it either way)
 out, r = keel_run("preflight", "--preflight", "--preflight-fraction", "0.2")

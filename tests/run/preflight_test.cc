@@ -28,9 +28,11 @@ TEST(Preflight, ARankBelowTheMedianFractionIsNamed) {
   Preflight p = figures({{700, 4000}, {690, 3950}, {300, 4010}, {710, 1000}});
   PreflightOptions o;
   judge(p, o);
-  EXPECT_DOUBLE_EQ(p.gemm_median, 695);
+  EXPECT_DOUBLE_EQ(p.gemm_median, 695);  // of every rank (reported)
   ASSERT_EQ(p.failures.size(), 2u);
-  EXPECT_NE(p.failures[0].find("rank 2 (host node1, device H200): GEMM 300 TFLOP/s, below 0.7 x the ranks' median 695"),
+  // each rank against the others' median: rank 2's is that of 700, 690 and 710
+  EXPECT_NE(p.failures[0].find("rank 2 (host node1, device H200): GEMM 300 TFLOP/s, below 0.7 x the other ranks' "
+                               "median 700"),
             std::string::npos)
       << p.failures[0];
   EXPECT_NE(p.failures[1].find("rank 3 (host node1, device H200): memory bandwidth 1e+03 GB/s"), std::string::npos)
@@ -44,6 +46,13 @@ TEST(Preflight, ARankBelowTheMedianFractionIsNamed) {
   Preflight one = figures({{1, 1}});
   judge(one, o);
   EXPECT_TRUE(one.failures.empty());
+  // two ranks: the slow one against the other's figure, not a median it drags down with it
+  Preflight two = figures({{100, 4000}, {12, 4000}});
+  judge(two, o);
+  ASSERT_EQ(two.failures.size(), 1u);
+  EXPECT_NE(two.failures[0].find("rank 1 (host node0, device H200): GEMM 12 TFLOP/s, below 0.7 x the other ranks' median 100"),
+            std::string::npos)
+      << two.failures[0];
 }
 
 TEST(Preflight, FloorsApplyToEveryRankAndTheAllReduce) {
