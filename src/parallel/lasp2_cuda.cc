@@ -24,21 +24,7 @@ lasp2::Decays decays_over(const la::Config& c, std::int64_t len) {
 }
 }  // namespace
 
-float* CudaContextParallel::state_buffers(std::int64_t floats, cudaStream_t stream) {
-  // [own states | the other state buffer | C x own (the all-gather's)]
-  const std::size_t bytes = sizeof(float) * static_cast<std::size_t>(floats * (2 + size()));
-  if (bytes > state_bytes_) {
-    KEEL_CUDA_CHECK(keel::stream_sync(stream));  // work queued may still read the old buffers
-    if (states_) cudaFree(states_);
-    states_ = nullptr;
-    state_bytes_ = 0;
-    if (cudaMalloc(&states_, bytes) != cudaSuccess)
-      throw_out_of_gpu_memory("out of GPU memory: LASP-2's gathered memory states", bytes, "lower batch.micro_batch");
-    state_bytes_ = bytes;
-  }
-  return static_cast<float*>(states_);
-}
-
+// [own states | the other state buffer | C x own (the all-gather's)], `floats` each.
 void CudaContextParallel::reserve_states(std::int64_t floats) {
   const std::size_t bytes = sizeof(float) * static_cast<std::size_t>(floats * (2 + size()));
   if (bytes <= state_bytes_) return;
@@ -48,6 +34,14 @@ void CudaContextParallel::reserve_states(std::int64_t floats) {
   if (cudaMalloc(&states_, bytes) != cudaSuccess)
     throw_out_of_gpu_memory("out of GPU memory: LASP-2's gathered memory states", bytes, "lower batch.micro_batch");
   state_bytes_ = bytes;
+}
+
+float* CudaContextParallel::state_buffers(std::int64_t floats, cudaStream_t stream) {
+  if (sizeof(float) * static_cast<std::size_t>(floats * (2 + size())) > state_bytes_) {
+    KEEL_CUDA_CHECK(keel::stream_sync(stream));  // work queued may still read the old buffers
+    reserve_states(floats);
+  }
+  return static_cast<float*>(states_);
 }
 
 std::size_t CudaContextParallel::linear_workspace_bytes(const la::Config& c, std::int64_t runs,

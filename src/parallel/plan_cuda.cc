@@ -55,11 +55,8 @@ void CudaPlan::reserve_lasp2(const model::ModelConfig& cfg, const blocks::AttnSh
   cp_->reserve_states(2 * batch * s.kv_heads * std::int64_t(s.head_dim) * s.head_dim);
 }
 
-std::size_t CudaPlan::device_bytes() const {
+std::size_t CudaPlan::expert_bytes() const {
   std::size_t b = ep_group_ ? ep_group_->device_bytes() : 0;
-  if (tp_) b += tp_->device_bytes();
-  if (tsp_) b += tsp_->shard_bytes();
-  if (cp_) b += cp_->device_bytes() + cp_->state_bytes();
   for (const auto& l : ep_layers_) b += l->device_bytes();
   return b;
 }

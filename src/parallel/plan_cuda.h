@@ -30,10 +30,10 @@ class CudaPlan {
   CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t batch = 0, std::int64_t seq = 0,
            bool sequence = false);
   const std::vector<blocks::cuda::LayerRunners>& layers() const { return layers_; }
-  // GPU memory the runners hold of their own: the expert exchange's buffers, the
-  // sequence-parallel gathers' (tensor_bytes), the context-parallel gathers' (context_bytes)
-  // and TSP's shard buffers (tsp_bytes).
-  std::size_t device_bytes() const;
+  // GPU memory the runners hold of their own: the expert exchange's buffers (expert_bytes), the
+  // sequence-parallel gathers' (tensor_bytes), TSP's shard buffers (tsp_bytes), the
+  // context-parallel gathers' (context_bytes) and LASP-2's state gathers (lasp2_bytes).
+  std::size_t expert_bytes() const;
   std::size_t tensor_bytes() const { return tp_ ? tp_->device_bytes() : 0; }
   std::size_t tsp_bytes() const { return tsp_ ? tsp_->shard_bytes() : 0; }
   std::size_t context_bytes() const { return cp_ ? cp_->device_bytes() : 0; }

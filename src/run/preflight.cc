@@ -18,19 +18,14 @@
 #include <thread>
 
 #include "common/error.h"
+#include "run/child.h"
+#include "run/straggler.h"
 
 namespace keel::run {
 
 namespace {
 
 namespace fs = std::filesystem;
-
-double median_of(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // The last lines of a file, for an error message.
 std::string tail_of(const std::string& path, int lines) {
@@ -46,23 +41,10 @@ std::string tail_of(const std::string& path, int lines) {
 // Runs argv with stdout and stderr into `log`, waiting up to `limit` seconds (then kills its
 // process group). Throws keel::Error naming `what` when it does not exit 0.
 void run_logged(const std::vector<std::string>& argv, const std::string& log, double limit, const std::string& what) {
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
   const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) fail("run: pre-flight: cannot write {}: {}", log, std::strerror(errno));
-  const pid_t pid = fork();
-  if (pid < 0) fail("run: fork: {}", std::strerror(errno));
-  if (pid == 0) {
-    setpgid(0, 0);
-    dup2(fd, 1), dup2(fd, 2);
-    close(fd);
-    execvp(args[0], args.data());
-    std::fprintf(stderr, "cannot start %s: %s\n", args[0], std::strerror(errno));
-    _exit(127);
-  }
+  const pid_t pid = fork_exec(argv, fd);
   close(fd);
-  setpgid(pid, pid);
   const auto t0 = std::chrono::steady_clock::now();
   int status = 0;
   for (;;) {

@@ -4,15 +4,13 @@
 #include <vector>
 
 namespace keel::run {
-namespace {
 
 double median_of(std::vector<double> v) {
+  if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
-
-}  // namespace
 
 std::optional<Straggler> StragglerWatch::add(int rank, std::int64_t step, double step_seconds, double wait_seconds,
                                              int world) {

@@ -14,8 +14,13 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <vector>
 
 namespace keel::run {
+
+// The median of v (the mean of the middle two for an even count; 0 for none): the statistic
+// keel run's verdicts take over ranks and steps (stragglers, the hang deadline, the pre-flight).
+double median_of(std::vector<double> v);
 
 struct StragglerOptions {
   double factor = 1.5;    // 0: off

@@ -32,6 +32,7 @@
 #include "common/faults.h"
 #include "common/host.h"
 #include "device/cuda_devices.h"
+#include "run/child.h"
 #include "train/train_config.h"
 
 namespace keel::run {
@@ -126,13 +127,6 @@ std::int64_t usable_latest(const std::string& root, Log& events) {
   }
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 class EventLog {
  public:
   explicit EventLog(const std::string& path) : path_(path) {
@@ -159,21 +153,7 @@ struct Child {
 Child spawn(const std::vector<std::string>& argv) {
   int fds[2];
   if (pipe(fds) != 0) fail("run: pipe: {}", std::strerror(errno));
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid < 0) fail("run: fork: {}", std::strerror(errno));
-  if (pid == 0) {
-    setpgid(0, 0);
-    signal(SIGINT, SIG_DFL), signal(SIGTERM, SIG_DFL);
-    dup2(fds[1], 1), dup2(fds[1], 2);
-    close(fds[0]), close(fds[1]);
-    execvp(args[0], args.data());
-    std::fprintf(stderr, "keel: error: run: cannot start %s: %s\n", args[0], std::strerror(errno));
-    _exit(127);
-  }
-  setpgid(pid, pid);
+  const pid_t pid = fork_exec(argv, fds[1], fds[0]);
   close(fds[1]);
   fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
   return {pid, fds[0]};
@@ -494,7 +474,7 @@ int run(const Options& o) {
         continue;
       }
       const double deadline = step_times.empty() ? o.start_deadline
-                                                 : std::max(o.min_deadline, o.hang_factor * median(step_times));
+                                                 : std::max(o.min_deadline, o.hang_factor * median_of(step_times));
       const Beat* oldest = nullptr;
       for (const auto& [r, b] : beats)
         if (b.phase != "done" && (!oldest || b.time < oldest->time)) oldest = &b;
@@ -503,7 +483,7 @@ int run(const Options& o) {
         f.kind = "hang", f.rank = oldest->rank, f.pid = oldest->pid, f.host = oldest->host, f.step = oldest->step;
         f.detect_seconds = now - oldest->time;
         f.detail = fmt::format("no heartbeat for {:.1f} s (deadline {:.1f} s: {} x the median step {:.3f} s, at least {} s)",
-                               f.detect_seconds, deadline, o.hang_factor, median(step_times), o.min_deadline);
+                               f.detect_seconds, deadline, o.hang_factor, median_of(step_times), o.min_deadline);
         fault = f;
         kill_job(beats);
         break;
@@ -523,7 +503,7 @@ int run(const Options& o) {
     const double attempt_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
     const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
     if (!fault && clean && done && reached >= cfg.steps) {
-      useful += median(step_times) * static_cast<double>(reached - resume);
+      useful += median_of(step_times) * static_cast<double>(reached - resume);
       const double wall = std::chrono::duration<double>(Clock::now() - wall0).count();
       int total = 0;
       nlohmann::json by_kind = nlohmann::json::object();
@@ -545,7 +525,7 @@ int run(const Options& o) {
       events.write({{"event", "exclude"}, {"attempt", attempt}, {"rank", straggler_rank}, {"host", straggler_out->host},
                     {"gpu", straggler_out->gpu}, {"reason", straggler_out->reason}, {"step", reached},
                     {"saved", done}});  // every rank's "done" heartbeat: written after its stop's save
-      useful += median(step_times) * static_cast<double>(std::max<std::int64_t>(0, std::min(reached, latest_step(ckpt_root)) - resume));
+      useful += median_of(step_times) * static_cast<double>(std::max<std::int64_t>(0, std::min(reached, latest_step(ckpt_root)) - resume));
       apply_excluded();
       std::printf("keel run: rank %d's device is out (the bad list is %s): the job resumes on %d rank%s from step "
                   "%lld\n",
@@ -634,7 +614,7 @@ int run(const Options& o) {
     in_a_row = next > resume ? 1 : in_a_row + 1;  // progress (a newer checkpoint) starts the count again
     if ((fault->kind == "nan" || fault->kind == "loss_spike") && fault->skip_step > 0) skips.push_back(fault->skip_step);
     const std::int64_t lost = std::max<std::int64_t>(0, reached - next);
-    useful += median(step_times) * static_cast<double>(std::max<std::int64_t>(0, std::min(reached, next) - resume));
+    useful += median_of(step_times) * static_cast<double>(std::max<std::int64_t>(0, std::min(reached, next) - resume));
     nlohmann::json fault_event = {{"event", "fault"}, {"attempt", attempt}, {"kind", fault->kind}, {"rank", fault->rank},
                                   {"host", fault->host}, {"pid", fault->pid}, {"step", fault->step}, {"reached", reached},
                                   {"detect_seconds", fault->detect_seconds}, {"attempt_seconds", attempt_seconds},

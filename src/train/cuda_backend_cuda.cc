@@ -253,9 +253,7 @@ class CudaBackend final : public TrainBackend {
             {"saved activations", saved},
             {"backward scratch", acts - saved - ce},
             {"cross-entropy (kept logits)", ce},
-            {"expert-parallel exchange",
-             plan_->device_bytes() - plan_->tensor_bytes() - plan_->context_bytes() - plan_->tsp_bytes() -
-                 plan_->lasp2_bytes()},
+            {"expert-parallel exchange", plan_->expert_bytes()},
             {"sequence-parallel gathers", plan_->tensor_bytes()},
             {"context-parallel k/v gathers", plan_->context_bytes()},
             {"LASP-2 state gathers", plan_->lasp2_bytes()},
