@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "common/error.h"
 #include "device/cuda_check.h"
 #include "parallel/tensor_parallel_muon.h"
@@ -10,11 +12,12 @@ namespace keel::parallel {
 
 namespace km = ops::cuda::muon;
 
-// One tensor-split Muon parameter: `matrices` blocks of rows x cols here (this rank's), whole
-// matrices of R x C.
+// The matrices of one tensor-split Muon parameter inside the range: `matrices` blocks of rows x
+// cols here (this rank's) from flat offset `offset` on, whole matrices of R x C.
 struct CudaTensorParallelMuon::Tensor {
   const optim::ParamInfo* p = nullptr;
-  std::int64_t matrices = 1, rows = 0, cols = 0, R = 0, C = 0;
+  std::int64_t offset = 0, matrices = 1, rows = 0, cols = 0, R = 0, C = 0;
+  std::int64_t numel() const { return matrices * block(); }
   TpMuonSplit split;
   std::int64_t block() const { return rows * cols; }
   std::int64_t whole() const { return R * C; }
@@ -26,14 +29,15 @@ constexpr const char* kOomAdvice = "train on more GPUs or a smaller model";
 }  // namespace
 
 CudaTensorParallelMuon::CudaTensorParallelMuon(const optim::MuonConfig& c, const optim::ParamLayout& layout,
-                                               std::shared_ptr<NcclGroup> group)
-    : c_(c), owner_c_(c), layout_(layout), group_(std::move(group)), local_(kOomHead, kOomAdvice, 0.25),
+                                               std::shared_ptr<NcclGroup> group, std::int64_t begin, std::int64_t end)
+    : c_(c), owner_c_(c), layout_(layout), group_(std::move(group)), begin_(begin), local_(kOomHead, kOomAdvice, 0.25),
       owned_(kOomHead, kOomAdvice, 0.25), workspace_(kOomHead, kOomAdvice, 0.25) {
   optim::validate(c_);
   owner_c_.momentum = 0.0;
   owner_c_.nesterov = false;
   if (!group_) fail("tensor-parallel muon (cuda): no tensor group");
   const int T = group_->size();
+  if (end < 0) end = layout_.total_floats;
   split_.assign(layout_.params.size(), false);
   std::vector<const Tensor*> batch;
   std::int64_t batch_floats = 0;
@@ -43,10 +47,15 @@ CudaTensorParallelMuon::CudaTensorParallelMuon(const optim::MuonConfig& c, const
     const TpMuonSplit sp = tp_muon_split(p, T);
     if (!sp.split) continue;
     split_[i] = true;
+    const std::int64_t lo = std::max(p.offset, begin), hi = std::min(p.offset + p.numel, end);
+    if (lo >= hi) continue;
     auto t = std::make_unique<Tensor>();
     t->p = &p;
     t->rows = p.rows(), t->cols = p.cols();
-    t->matrices = p.numel / (t->rows * t->cols);
+    if ((lo - p.offset) % t->block() != 0 || (hi - lo) % t->block() != 0)
+      fail("tensor-parallel muon: the range [{}, {}) cuts a matrix of '{}'", begin, end, p.name);
+    t->offset = lo;
+    t->matrices = (hi - lo) / t->block();
     t->split = sp;
     t->R = sp.split_dim == kTpSplitRows ? t->rows * T : t->rows;
     t->C = sp.split_dim == kTpSplitCols ? t->cols * T : t->cols;
@@ -57,13 +66,13 @@ CudaTensorParallelMuon::CudaTensorParallelMuon(const optim::MuonConfig& c, const
     }
     if (!sp.row_parts.empty() && parts != t->R)
       fail("tensor-parallel muon: '{}' row parts add up to {}, not its {} rows", p.name, parts, t->R);
-    if (!batch.empty() && batch_floats + p.numel > kBatchFloats) {
+    if (!batch.empty() && batch_floats + t->numel() > kBatchFloats) {
       batches_.push_back(batch);
       batch.clear();
       batch_floats = 0;
     }
     batch.push_back(t.get());
-    batch_floats += p.numel;
+    batch_floats += t->numel();
     tensors_.push_back(std::move(t));
   }
   if (!batch.empty()) batches_.push_back(batch);
@@ -96,7 +105,7 @@ void CudaTensorParallelMuon::step_batch(const std::vector<const Tensor*>& batch,
   std::size_t job = 0;
   for (std::size_t i = 0; i < batch.size(); ++i) {
     local_at[i] = local_total;
-    local_total += batch[i]->p->numel;
+    local_total += batch[i]->numel();
     owned_at[i] = owned_total;
     for (std::int64_t e = 0; e < batch[i]->matrices; ++e)
       if (owners[job++] == me) ++owned_count[i], owned_total += batch[i]->whole();
@@ -111,9 +120,9 @@ void CudaTensorParallelMuon::step_batch(const std::vector<const Tensor*>& batch,
 
   // 1. momentum and U on this rank's blocks
   for (std::size_t i = 0; i < batch.size(); ++i) {
-    const optim::ParamInfo& p = *batch[i]->p;
-    km::block_momentum(grads + p.offset, momentum + p.offset, local + local_at[i], p.numel, c_, 1.0f, device_grad_scale,
-                       stream);
+    const Tensor& t = *batch[i];
+    km::block_momentum(grads + t.offset, momentum + (t.offset - begin_), local + local_at[i], t.numel(), c_, 1.0f,
+                       device_grad_scale, stream);
   }
   // The blocks of one whole matrix (tensor i, its j-th owned) in staging: rank r's at r x block.
   auto stage_of = [&](std::size_t i, std::int64_t j) { return stage + owned_at[i] + j * batch[i]->whole(); };
@@ -199,9 +208,9 @@ void CudaTensorParallelMuon::step_batch(const std::vector<const Tensor*>& batch,
   });
   group_->group_end();
   for (std::size_t i = 0; i < batch.size(); ++i) {
-    const optim::ParamInfo& p = *batch[i]->p;
-    km::block_update(params + p.offset, params_bf16 ? params_bf16 + p.offset : nullptr, local + local_at[i], p.numel, c_,
-                     lr * p.lr_scale, p.weight_decay, 1.0f, device_grad_scale, stream);
+    const Tensor& t = *batch[i];
+    km::block_update(params + t.offset, params_bf16 ? params_bf16 + t.offset : nullptr, local + local_at[i], t.numel(),
+                     c_, lr * t.p->lr_scale, t.p->weight_decay, 1.0f, device_grad_scale, stream);
   }
 }
 

@@ -104,25 +104,31 @@ class CudaBackend final : public TrainBackend {
     // group, the expert region over the expert-data group).
     shards_ = plan_state_shards(layout_, mesh_);
     slice_ = shards_.slice;
+    const int tp = mesh_.group(parallel::GroupKind::kTensor).size, tsp = mesh_.group(parallel::GroupKind::kTsp).size;
+    const parallel::GroupKind weight_kind = tsp > 1 ? parallel::GroupKind::kTsp : parallel::GroupKind::kTensor;
+    const bool weight_split = tp > 1 || tsp > 1;
+    if (weight_split && mesh_.shape().cp > 1)
+      throw UsageError(fmt::format("parallel.tensor {} with parallel.context {}: on GPUs tensor parallelism does not "
+                                   "yet compose with context parallelism (device: cpu trains it)",
+                                   tp, mesh_.shape().cp));
+    if (weight_split && mesh_.expert().size > 1)
+      throw UsageError(fmt::format("parallel.{} {} with parallel.expert {}: on GPUs {} does not yet compose with expert "
+                                   "parallelism (device: cpu trains it)",
+                                   tsp > 1 ? "tsp" : "tensor", std::max(tp, tsp), mesh_.expert().size,
+                                   tsp > 1 ? "TSP" : "tensor parallelism"));
+    if (weight_split && mesh_.data().size > 1) check_shards_alike(weight_kind);
     std::optional<std::vector<std::int64_t>> stages;
-    if (mesh_.data().size > 1 && dp.zero1.enabled)
+    // Tensor parallelism (or TSP) with data parallelism: the classic ZeRO-1 step (the overlapped
+    // one reduces buckets during backward, before the tensor group's partial gradients are summed)
+    if (mesh_.data().size > 1 && dp.zero1.enabled && !weight_split)
       stages = parallel::Zero1OverlapSchedule::stages_of(layout_, cfg_.layers, shards_.replicated_end);
-    if (mesh_.data().size > 1 && dp.zero1.enabled && !stages && mesh_.data().rank == 0)
-      std::fprintf(stderr, "keel: data parallel: this layout's stages are not in offset order; the ZeRO-1 step "
-                           "will not overlap communication\n");
+    if (mesh_.data().size > 1 && dp.zero1.enabled && !stages && mesh_.data().rank == 0 && mesh_.rank() == 0)
+      std::fprintf(stderr, "keel: data parallel: %s; the ZeRO-1 step will not overlap communication\n",
+                   weight_split ? "tensor parallelism (or TSP) on GPUs takes the classic step"
+                                : "this layout's stages are not in offset order");
     if (mesh_.expert().size > 1 && !stages)
       throw UsageError("keel train (cuda): expert parallelism needs the overlapped ZeRO-1 step (parallel.zero1.overlap: "
                        "false and layouts whose stages are not in offset order are not supported)");
-    const int tp = mesh_.group(parallel::GroupKind::kTensor).size, tsp = mesh_.group(parallel::GroupKind::kTsp).size;
-    if (tp > 1 && mesh_.data().size > 1)
-      throw UsageError(fmt::format("parallel.tensor {} with {} data x context ranks: on GPUs tensor parallelism does "
-                                   "not yet compose with data or context parallelism (device: cpu trains it); use one "
-                                   "tensor group",
-                                   tp, mesh_.data().size));
-    if (tsp > 1 && mesh_.data().size > 1)
-      throw UsageError(fmt::format("parallel.tsp {} with {} data ranks: on GPUs TSP does not yet compose with data "
-                                   "(or expert) parallelism (device: cpu trains it); use one tsp group",
-                                   tsp, mesh_.data().size));
     if (opt_.context_ring && mesh_.group(parallel::GroupKind::kContext).size > 1)
       throw UsageError("parallel.context_mode: ring runs on CPU ranks only so far (device: cpu); on GPUs context "
                        "parallelism all-gathers k and v (parallel.context_mode: allgather)");
@@ -136,8 +142,10 @@ class CudaBackend final : public TrainBackend {
     if (plan_->weight_group()) plan_tensor_ranges();
     optimizer_ = std::make_unique<CudaOptimizer>(optimizer, layout_, slice_);
     if ((tp > 1 || tsp > 1) && optimizer.muon.enabled) {  // Muon's split matrices gather to their owners
-      tp_muon_ = std::make_unique<parallel::CudaTensorParallelMuon>(
-          optimizer.muon.config, layout_, mesh_.nccl(tsp > 1 ? parallel::GroupKind::kTsp : parallel::GroupKind::kTensor));
+      // ZeRO-1 over the data axis: the matrices of this rank's shard (its momentum's range)
+      tp_muon_ = std::make_unique<parallel::CudaTensorParallelMuon>(optimizer.muon.config, layout_,
+                                                                    mesh_.nccl(weight_kind), slice_.shard_begin,
+                                                                    slice_.shard_end);
       std::vector<bool> elsewhere(layout_.params.size());
       for (std::size_t i = 0; i < elsewhere.size(); ++i) elsewhere[i] = tp_muon_->owns(i);
       optimizer_->set_muon_elsewhere(std::move(elsewhere));
@@ -299,6 +307,7 @@ class CudaBackend final : public TrainBackend {
     optimizer_->set_lr(lr);
     std::pair<double, float> r;
     if (schedule_) r = schedule_->step(*optimizer_, max_norm, model_->gemm());
+    else if (dp_ && plan_->weight_group()) r = tensor_zero1_step(max_norm);
     else if (dp_) r = zero1_step(max_norm);
     else if (plan_->weight_group()) r = tensor_parallel_step(max_norm);
     else r = optimizer_->step_all(max_norm, model_->gemm(), stream_);
@@ -448,6 +457,27 @@ class CudaBackend final : public TrainBackend {
   // are the same on every rank), then AdamW on this rank's blocks.
   std::pair<double, float> tensor_parallel_step(double max_norm) {
     parallel::CudaTensorParallelLinear& tp = *plan_->weight_group();
+    sum_partial_gradients(tp);
+    bool first = true;
+    for (const auto& [b, e] : split_ranges_) optimizer_->sum_squares(b, e, /*accumulate=*/!first, stream_), first = false;
+    if (first) optimizer_->sum_squares(0, 0, /*accumulate=*/false, stream_), first = false;
+    tp.group().all_reduce_sum(optimizer_->sum_squares_buffer(), 1, parallel::NcclType::kFloat64, stream_);
+    for (const auto& [b, e] : whole_ranges_) optimizer_->sum_squares(b, e, /*accumulate=*/true, stream_);
+    optimizer_->clip(max_norm, stream_);
+    const auto [norm, coef] = optimizer_->read_norm(stream_);
+    CudaOptimizer::require_finite(norm);
+    optimizer_->begin_updates();
+    optimizer_->update(0, layout_.total_floats, model_->gemm(), stream_);
+    if (tp_muon_)
+      tp_muon_->step(params_, grads_, adam_m_, params_bf16_, optimizer_->lr(), optimizer_->clip_coefficient(),
+                     model_->gemm(), stream_);
+    optimizer_->end_updates();
+    return {norm, coef};
+  }
+
+  // The replicated parameters' partial gradients (tensor parallelism's with sequence
+  // parallelism, TSP's) summed over the group, packed into one all-reduce.
+  void sum_partial_gradients(parallel::CudaTensorParallelLinear& tp) {
     if (partial_floats_ > 0) {
       float* pack = static_cast<float*>(tp_pack_.ensure(static_cast<std::size_t>(partial_floats_) * sizeof(float), stream_,
                                                         "partial-gradient pack"));
@@ -465,21 +495,58 @@ class CudaBackend final : public TrainBackend {
         at += e - b;
       }
     }
-    bool first = true;
-    for (const auto& [b, e] : split_ranges_) optimizer_->sum_squares(b, e, /*accumulate=*/!first, stream_), first = false;
-    if (first) optimizer_->sum_squares(0, 0, /*accumulate=*/false, stream_), first = false;
+  }
+
+  // Tensor parallelism (or TSP) with data parallelism: ZeRO-1 over the data axis, as the CPU
+  // backend's step (cpu_backend.cc). The partial gradients summed over the tensor group; the
+  // gradients reduce-scattered over the data group (the shard bounds are alike on the tensor
+  // ranks: check_shards_alike); the norm in two parts, this shard's blocks of the split
+  // parameters (summed over the data and the tensor group) and of the others (over the data group
+  // only: they are the same on every tensor rank); AdamW on the shard, Muon's split matrices
+  // gathered over the tensor group to their owners (CudaTensorParallelMuon over the shard's
+  // range), the rest whole; the fp32 parameters all-gathered over the data group.
+  std::pair<double, float> tensor_zero1_step(double max_norm) {
+    parallel::CudaTensorParallelLinear& tp = *plan_->weight_group();
+    sum_partial_gradients(tp);
+    dp_->reduce_scatter_sum(grads_, shards_.replicated.bounds);
+    const std::int64_t b = slice_.shard_begin, e = slice_.shard_end;
+    const auto sum_in = [&](int part, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
+      bool first = true;
+      for (const auto& [rb, re] : ranges) {
+        const std::int64_t lo = std::max(rb, b), hi = std::min(re, e);
+        if (lo < hi) optimizer_->sum_squares_part(part, lo, hi, /*accumulate=*/!first, stream_), first = false;
+      }
+      if (first) optimizer_->sum_squares_part(part, 0, 0, /*accumulate=*/false, stream_);
+    };
+    sum_in(0, split_ranges_);
+    sum_in(1, whole_ranges_);
+    dp_->all_reduce_sum(optimizer_->sum_squares_buffer(), 2);
     tp.group().all_reduce_sum(optimizer_->sum_squares_buffer(), 1, parallel::NcclType::kFloat64, stream_);
-    for (const auto& [b, e] : whole_ranges_) optimizer_->sum_squares(b, e, /*accumulate=*/true, stream_);
-    optimizer_->clip(max_norm, stream_);
+    optimizer_->clip_parts(max_norm, stream_);
     const auto [norm, coef] = optimizer_->read_norm(stream_);
     CudaOptimizer::require_finite(norm);
     optimizer_->begin_updates();
-    optimizer_->update(0, layout_.total_floats, model_->gemm(), stream_);
+    optimizer_->update(b, e, model_->gemm(), stream_);
     if (tp_muon_)
       tp_muon_->step(params_, grads_, adam_m_, params_bf16_, optimizer_->lr(), optimizer_->clip_coefficient(),
                      model_->gemm(), stream_);
     optimizer_->end_updates();
+    dp_->all_gather(params_, shards_.replicated.bounds);
+    k::f32_to_bf16(params_, params_bf16_, layout_.total_floats, stream_);
     return {norm, coef};
+  }
+
+  // The tensor ranks of a data rank step the same shard (the Muon matrices of CudaTensorParallelMuon
+  // are exchanged within it): their layouts, and so their ZeRO-1 cuts, must be alike.
+  void check_shards_alike(parallel::GroupKind weight_kind) const {
+    const parallel::Group& g = mesh_.group(weight_kind);
+    std::int64_t mine[4] = {slice_.shard_begin, -slice_.shard_begin, slice_.shard_end, -slice_.shard_end}, most[4];
+    MPI_Allreduce(mine, most, 4, MPI_INT64_T, MPI_MAX, g.comm);
+    if (most[0] != -most[1] || most[2] != -most[3])
+      throw UsageError(fmt::format("parallel.{} {} with {} data ranks: the tensor ranks' ZeRO-1 shards differ (their "
+                                   "blocks are not the same size); choose widths that the {} degree divides",
+                                   weight_kind == parallel::GroupKind::kTsp ? "tsp" : "tensor", g.size,
+                                   mesh_.data().size, weight_kind == parallel::GroupKind::kTsp ? "tsp" : "tensor"));
   }
 
   // The flat ranges [begin, end) of the tensor-parallel step: the parameters split over the

@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "common/error.h"
 #include "device/cuda_check.h"
 #include "ops/cuda/grad_norm.h"
 #include "optim/clip.h"
@@ -18,7 +19,7 @@ CudaOptimizer::CudaOptimizer(const OptimizerConfig& config, const optim::ParamLa
 
 void CudaOptimizer::carve(DeviceCarver& c) {
   norm_ws_ = c.take<double>(k::grad_norm::kWorkspaceDoubles);
-  sum_sq_ = c.take<double>(1);
+  sum_sq_ = c.take<double>(2);  // sum_squares_part's two parts
   norm_ = c.take<double>(1);
   coef_ = c.take<float>(1);
 }
@@ -50,11 +51,21 @@ std::pair<double, float> CudaOptimizer::step_all(double max_norm, k::GemmRunner&
 }
 
 void CudaOptimizer::sum_squares(std::int64_t begin, std::int64_t end, bool accumulate, cudaStream_t stream) {
-  k::grad_norm::sum_squares(buf_.grads + begin, end - begin, norm_ws_, sum_sq_, accumulate, stream);
+  sum_squares_part(0, begin, end, accumulate, stream);
+}
+
+void CudaOptimizer::sum_squares_part(int part, std::int64_t begin, std::int64_t end, bool accumulate,
+                                     cudaStream_t stream) {
+  if (part < 0 || part > 1) fail("cuda optimizer: sum-of-squares part {} (0 or 1)", part);
+  k::grad_norm::sum_squares(buf_.grads + begin, end - begin, norm_ws_, sum_sq_ + part, accumulate, stream);
 }
 
 void CudaOptimizer::clip(double max_norm, cudaStream_t stream) {
   k::grad_norm::clip_coefficient(sum_sq_, max_norm, coef_, norm_, stream);
+}
+
+void CudaOptimizer::clip_parts(double max_norm, cudaStream_t stream) {
+  k::grad_norm::clip_coefficient(sum_sq_, max_norm, coef_, norm_, stream, /*parts=*/2);
 }
 
 std::pair<double, float> CudaOptimizer::read_norm(cudaStream_t stream) {

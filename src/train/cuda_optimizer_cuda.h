@@ -53,6 +53,13 @@ class CudaOptimizer final : public parallel::ShardOptimizer {
   double lr() const { return lr_; }
   void set_step_count(std::int64_t t) { adam_.set_step_count(t); }
 
+  // The sum of squares in two parts (sum_squares_buffer()[0] and [1]), to be reduced over
+  // different groups (tensor parallelism with data parallelism: the blocks split over the tensor
+  // axis are summed over both, the replicated parameters over the data axis only), then
+  // clip_parts() adds them.
+  void sum_squares_part(int part, std::int64_t begin, std::int64_t end, bool accumulate, cudaStream_t stream);
+  void clip_parts(double max_norm, cudaStream_t stream);
+
   // parallel::ShardOptimizer
   void sum_squares(std::int64_t begin, std::int64_t end, bool accumulate, cudaStream_t stream) override;
   double* sum_squares_buffer() override { return sum_sq_; }

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -20,7 +21,8 @@
 namespace keel::train::fixtures {
 
 // For every element of every parameter block this rank holds: f(name, local value, the same
-// element of the whole model's `whole` buffer) — the blocks mapped through model::block_pieces.
+// element of the whole model's `whole` buffer[, its flat offset in `values`]) — the blocks
+// mapped through model::block_pieces.
 template <typename F>
 void for_each_element(const optim::ParamLayout& local, const std::vector<float>& values, const parallel::Mesh& mesh,
                       const optim::ParamLayout& whole_layout, const std::vector<float>& whole, F&& f) {
@@ -48,8 +50,12 @@ void for_each_element(const optim::ParamLayout& local, const std::vector<float>&
           lstride *= p.shape[d];
           gstride *= p.global_shape[d];
         }
-        f(p.name, values[static_cast<std::size_t>(p.offset + local_flat)],
-          whole[static_cast<std::size_t>(w.offset + global_flat)]);
+        const std::int64_t at = p.offset + local_flat;
+        const float a = values[static_cast<std::size_t>(at)], b = whole[static_cast<std::size_t>(w.offset + global_flat)];
+        if constexpr (std::is_invocable_v<F&, const std::string&, float, float, std::int64_t>)
+          f(p.name, a, b, at);
+        else
+          f(p.name, a, b);
       }
     }
   }
@@ -81,6 +87,8 @@ inline double max_rel_diff(const optim::ParamLayout& local, const std::vector<fl
 // token weighs little: `moved` is the share of routing slots allowed to differ there.
 // `learns`: the last loss must be below this fraction of the first. CCA's temperature gradient is a sum of large terms that
 // cancel (it can be near 0): its error is measured against the whole gradient's norm instead.
+// With data parallelism (ZeRO-1 reduce-scatters the gradients in place) the gradient blocks are
+// compared inside this rank's optimizer shard, where they are whole.
 // Muon's updates are not compared: Newton-Schulz lifts the small singular values of a low-rank
 // gradient (32 tokens) to order 1, rounding noise included (the split Muon step is compared
 // with the whole-matrix step in tests/parallel/tensor_parallel_muon_cuda_mpi_test.cc).
@@ -109,12 +117,17 @@ inline void expect_gpu_group_matches_one_gpu(const TrainConfig& group, const par
     }
   }
   std::map<std::string, std::pair<double, double>> err;  // per parameter: sum of squared differences, of squares
+  const auto [shard_begin, shard_end] = t.backend().optimizer_shard();
+  std::int64_t compared = 0;
   for_each_element(t.backend().layout(), t.backend().gradients(), mesh, single.backend().layout(),
-                   single.backend().gradients(), [&](const std::string& name, float g, float w) {
+                   single.backend().gradients(), [&](const std::string& name, float g, float w, std::int64_t at) {
+                     if (mesh.data().size > 1 && (at < shard_begin || at >= shard_end)) return;
+                     ++compared;
                      auto& e = err[name];
                      e.first += (double(g) - w) * (double(g) - w);
                      e.second += double(w) * w;
                    });
+  if (shard_end > shard_begin) EXPECT_GT(compared, 0) << tag << ": no gradient compared";
   for (const auto& [name, e] : err) {
     if (name.ends_with("cca.temp")) {
       EXPECT_LT(std::sqrt(e.first), 1e-2 * b.grad_norm) << tag << ": gradient of " << name;

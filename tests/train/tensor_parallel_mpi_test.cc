@@ -234,14 +234,19 @@ const std::vector<std::string> kGpu = {"device=cuda", "model.hidden=128", "model
                                        "model.expert_hidden=128"};
 
 // The first step against one GPU at bf16 tolerance, then training (group_compare_util.h).
+// tp: the tensor degree (0: the world), data parallel over the rest.
 void expect_gpus_match_one_gpu(bool sequence, const std::vector<std::string>& model, const std::string& tag,
-                               const std::string& optimizer = "", int seed = 1) {
+                               const std::string& optimizer = "", int seed = 1, int tp = 0) {
   if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
+  if (tp == 0) tp = world_size();
+  if (tp == world_size() && tag.find("_dp") != std::string::npos) GTEST_SKIP() << "needs 2 data ranks (4 ranks or more)";
   keel::test::use_rank_gpu();
-  const int tp = world_size();
   const fs::path dir = shared_dir("gpu_" + tag);
   std::vector<std::string> sets = joined(kGpu, model);
   sets.insert(sets.end(), {"steps=9", "router.log_counts=true", "seed=" + std::to_string(seed)});
+  // With data parallelism, micro-batches of one sequence: the data ranks take interleaved
+  // sequences, and the linear router's aux loss (per micro-batch) would otherwise differ.
+  if (tp < world_size()) sets.insert(sets.end(), {"batch.micro_batch=1", "batch.grad_accum=4"});
   const TrainConfig cfg = config(dir, dir / "tp", tp, sequence, sets, optimizer);
   TrainConfig one = cfg;
   one.parallel_tensor = 1;
@@ -257,6 +262,14 @@ TEST(TensorParallel, GpusWithMuonMatchOneGpu) { expect_gpus_match_one_gpu(true, 
 TEST(TensorParallel, GpusZayaWithMuonMatchOneGpu) { expect_gpus_match_one_gpu(false, kZayaGpu, "zaya_tp_muon", kMuon); }
 TEST(TensorParallel, GpusZayaWithSequenceParallelMatchOneGpu) {
   expect_gpus_match_one_gpu(true, joined(kZayaGpu, kSliding), "zaya_sliding_tp_sp");
+}
+// TP=2 with data parallelism over the other ranks (ZeRO-1, the classic step): 4 ranks or more.
+int tp2_with_data() { return world_size() >= 4 && world_size() % 2 == 0 ? 2 : world_size(); }
+TEST(TensorParallel, GpusWithDataParallelMatchOneGpu) {
+  expect_gpus_match_one_gpu(true, {}, "tp_sp_dp", "", 1, tp2_with_data());
+}
+TEST(TensorParallel, GpusZayaWithDataParallelAndMuonMatchOneGpu) {
+  expect_gpus_match_one_gpu(false, kZayaGpu, "zaya_tp_dp_muon", kMuon, 1, tp2_with_data());
 }
 
 // A checkpoint saved on GPUs at one layout is read back exactly at the other: the tensor group

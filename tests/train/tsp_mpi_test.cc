@@ -210,23 +210,27 @@ const std::vector<std::string> kGpu = {"device=cuda",           "model.hidden=12
                                        "model.ffn_hidden=256",  "model.expert_hidden=128", "model.max_seq_len=1024",
                                        "router.aux_loss_weight=0", "router.log_counts=true"};
 
+// d: the tsp degree (0: the world); sequences of 2 chunks of 128 tokens per rank of the group.
 TrainConfig gpu_config(const fs::path& dir, const std::string& name, const std::vector<std::string>& model,
-                       const std::vector<std::string>& more, const std::string& optimizer = "") {
+                       const std::vector<std::string>& more, const std::string& optimizer = "", int d = 0) {
   if (world_rank() == 0 && !fs::exists(dir / "d.idx")) fixtures::make_dataset(dir, "d", 600);
   std::vector<std::string> sets = joined(kGpu, model);
-  sets.push_back("data.seq_length=" + std::to_string(2 * world_size() * 128));
+  sets.push_back("data.seq_length=" + std::to_string(2 * (d > 0 ? d : world_size()) * 128));
   sets.insert(sets.end(), more.begin(), more.end());
   return config(dir, dir / name, sets, optimizer);
 }
 
 // The first step against one GPU at bf16 tolerance, then training (group_compare_util.h).
+// D: the tsp degree (0: the world), data parallel over the rest.
 void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std::string& tag,
-                               const std::string& optimizer = "") {
+                               const std::string& optimizer = "", int D = 0) {
   if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
+  if (D == 0) D = world_size();
+  if (D == world_size() && tag.find("_dp") != std::string::npos) GTEST_SKIP() << "needs 2 data ranks (4 ranks or more)";
   keel::test::use_rank_gpu();
-  const int D = world_size();
   const fs::path dir = shared_dir("gpu_" + tag);
-  const TrainConfig cfg = gpu_config(dir, "tsp", model, {"steps=9", "parallel.tsp=" + std::to_string(D)}, optimizer);
+  const TrainConfig cfg =
+      gpu_config(dir, "tsp", model, {"steps=9", "parallel.tsp=" + std::to_string(D)}, optimizer, D);
   TrainConfig one = cfg;
   one.parallel_tsp = 1;
   one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
@@ -239,6 +243,12 @@ TEST(Tsp, GpusMatchOneGpu) { expect_gpus_match_one_gpu({}, "tsp"); }
 TEST(Tsp, GpusZayaMatchOneGpu) { expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp"); }
 TEST(Tsp, GpusZayaWithMuonMatchOneGpu) { expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp_muon", kMuon); }
 TEST(Tsp, GpusHybridMatchOneGpu) { expect_gpus_match_one_gpu(kHybrid, "hybrid_tsp"); }
+// TSP=2 with data parallelism over the other ranks (ZeRO-1, the classic step): 4 ranks or more.
+int tsp2_with_data() { return world_size() >= 4 && world_size() % 2 == 0 ? 2 : world_size(); }
+TEST(Tsp, GpusZayaWithDataParallelMatchOneGpu) { expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp_dp", "", tsp2_with_data()); }
+TEST(Tsp, GpusZayaWithDataParallelAndMuonMatchOneGpu) {
+  expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp_dp_muon", kMuon, tsp2_with_data());
+}
 
 // A checkpoint the tsp group saves at step 2 reads back exactly on one GPU and at TP=2 (with
 // sequence parallelism): the same elements through model::block_pieces; both then train on.

@@ -41,8 +41,10 @@ __global__ void final_kernel(const double* __restrict__ partials, int count, dou
   if (threadIdx.x == 0) *sum_sq = accumulate ? *sum_sq + total : total;
 }
 
-__global__ void coefficient_kernel(const double* sum_sq, double max_norm, float* coef, double* norm_out) {
-  const double norm = sqrt(*sum_sq);
+__global__ void coefficient_kernel(const double* sum_sq, int parts, double max_norm, float* coef, double* norm_out) {
+  double total = 0;
+  for (int i = 0; i < parts; ++i) total += sum_sq[i];
+  const double norm = sqrt(total);
   if (norm_out) *norm_out = norm;
   if (!isfinite(norm)) {
     *coef = __int_as_float(0x7fc00000);  // NaN: "do not apply"
@@ -94,9 +96,10 @@ void sum_squares(const float* g, std::int64_t n, double* workspace, double* sum_
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
-void clip_coefficient(const double* sum_sq, double max_norm, float* coef, double* norm, cudaStream_t stream) {
+void clip_coefficient(const double* sum_sq, double max_norm, float* coef, double* norm, cudaStream_t stream, int parts) {
   if (std::isnan(max_norm)) fail("grad_norm: max_norm is NaN");
-  coefficient_kernel<<<1, 1, 0, stream>>>(sum_sq, max_norm, coef, norm);
+  if (parts < 1) fail("grad_norm: {} parts of the sum of squares", parts);
+  coefficient_kernel<<<1, 1, 0, stream>>>(sum_sq, parts, max_norm, coef, norm);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 

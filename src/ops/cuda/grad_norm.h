@@ -34,8 +34,10 @@ void sum_squares(const float* g, std::int64_t n, double* workspace, double* sum_
 
 // From the (all-reduced) sum of squares: *norm = sqrt(*sum_sq) (norm may be null) and
 // *coef = float(min(1, max_norm / (norm + 1e-6))), 1 when max_norm <= 0, NaN when the norm is
-// not finite. One thread; device pointers.
-void clip_coefficient(const double* sum_sq, double max_norm, float* coef, double* norm, cudaStream_t stream);
+// not finite. One thread; device pointers. parts > 1: the sum is sum_sq[0] + ... +
+// sum_sq[parts - 1] (partial sums reduced over different groups).
+void clip_coefficient(const double* sum_sq, double max_norm, float* coef, double* norm, cudaStream_t stream,
+                      int parts = 1);
 
 // g[i] *= *device_scale for i in [0, n); left untouched when the scale is not finite.
 void scale_inplace(float* g, std::int64_t n, const float* device_scale, cudaStream_t stream);

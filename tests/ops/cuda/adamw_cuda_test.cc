@@ -267,5 +267,27 @@ TEST(GradNormCuda, NonFiniteNormIsNeverApplied) {
   for (std::int64_t i = 0; i < n; ++i) ASSERT_EQ(std::memcmp(&after[i], &g[i], sizeof(float)), 0) << "element " << i;
 }
 
+
+// The norm of two partial sums of squares (reduced over different groups under tensor x data
+// parallelism): sqrt of their sum, against the CPU reference over both buffers.
+TEST(GradNormCuda, TwoPartsAddUp) {
+  KEEL_REQUIRE_GPU();
+  const auto a = randn(3001, 41, 1.f), b = randn(517, 42, 2.f);
+  auto d_a = to_device<float>(a), d_b = to_device<float>(b);
+  DeviceArray<double> ws(ops::cuda::grad_norm::kWorkspaceDoubles), d_sum(2), d_norm(1);
+  DeviceArray<float> d_coef(1);
+  ops::cuda::grad_norm::sum_squares(d_a.get(), 3001, ws.get(), d_sum.get(), false, nullptr);
+  ops::cuda::grad_norm::sum_squares(d_b.get(), 517, ws.get(), d_sum.get() + 1, false, nullptr);
+  ops::cuda::grad_norm::clip_coefficient(d_sum.get(), 1.0, d_coef.get(), d_norm.get(), nullptr, 2);
+  double norm = 0;
+  KEEL_CUDA_CHECK(cudaMemcpy(&norm, d_norm.get(), sizeof(double), cudaMemcpyDeviceToHost));
+  const double want = std::sqrt(optim::sum_squares(a.data(), 3001) + optim::sum_squares(b.data(), 517));
+  EXPECT_NEAR(norm, want, 1e-12 * want);
+  EXPECT_NEAR(to_host(d_coef)[0], 1.0 / (want + 1e-6), 1e-6 / want);
+  ops::cuda::grad_norm::clip_coefficient(d_sum.get(), 1.0, d_coef.get(), d_norm.get(), nullptr);  // one part
+  KEEL_CUDA_CHECK(cudaMemcpy(&norm, d_norm.get(), sizeof(double), cudaMemcpyDeviceToHost));
+  EXPECT_NEAR(norm, std::sqrt(optim::sum_squares(a.data(), 3001)), 1e-12 * want);
+}
+
 }  // namespace
 }  // namespace keel
