@@ -29,13 +29,14 @@ class DataParallelComm {
   virtual ~DataParallelComm() = default;
   virtual int size() const = 0;
   virtual int rank() const = 0;
-  // Floats the flat buffers handed to reduce_scatter_sum() and all_gather() must hold (at
-  // least the total; NCCL's equal-chunk collectives want a multiple of the group size).
+  // Floats the flat buffers handed to reduce_scatter_sum() and all_gather() must hold for a
+  // region of `total` floats (at least the total; NCCL's equal-chunk collectives want a multiple
+  // of the group size): a region [b, e) needs b + buffer_floats(e - b).
   virtual std::int64_t buffer_floats(std::int64_t total) const { return total; }
-  // `buf` is the whole flat buffer on every rank; `bounds` (size() + 1 offsets) the shards.
-  // Afterwards this rank's shard [bounds[rank], bounds[rank + 1]) holds the element-wise sum
-  // over the group, in the precision the comm was made with (GradReduceDtype); the rest of buf
-  // is unspecified.
+  // `buf` is the whole flat buffer on every rank; `bounds` (size() + 1 offsets) the shards of
+  // the region [bounds.front(), bounds.back()). Afterwards this rank's shard [bounds[rank],
+  // bounds[rank + 1]) holds the element-wise sum over the group, in the precision the comm was
+  // made with (GradReduceDtype); the rest of the region is unspecified, buf outside it as it was.
   virtual void reduce_scatter_sum(float* buf, const std::vector<std::int64_t>& bounds) = 0;
   // Afterwards every shard of buf holds its owner's values, on every rank.
   virtual void all_gather(float* buf, const std::vector<std::int64_t>& bounds) = 0;

@@ -9,7 +9,10 @@
 //   all_gather: each owner first sends its updated floats that lie in another rank's chunk to
 //     that chunk's holder, then in-place ncclAllGather.
 // With bf16 gradient reduction the reduce-scatter runs in place on a bf16 copy of the buffer and
-// the chunk is widened back into buf before the (fp32) exchange.
+// the chunk is widened back into buf before the (fp32) exchange. The bounds may describe a
+// region of the buffer (expert parallelism's expert region, after the replicated one): the
+// chunks then start at bounds.front(), and the padding past the region's end, which may hold
+// another region's floats, is kept as it was.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -37,25 +40,31 @@ class NcclDataParallelComm final : public DataParallelComm {
   std::int64_t buffer_floats(std::int64_t total) const override { return chunk(total) * size_; }
 
   void reduce_scatter_sum(float* buf, const std::vector<std::int64_t>& bounds) override {
-    const std::int64_t s = chunk_of(bounds);
-    // in place: the whole buffer in, this rank's chunk out at its own offset
+    const Region r = region_of(buf, bounds);
+    const std::int64_t s = r.chunk;
+    float* b = r.base;
+    keep_tail(r);
+    // in place: the whole region in, this rank's chunk out at its own offset
     if (bf16_) {
-      auto* b = static_cast<ops::cuda::bf16*>(
+      auto* h = static_cast<ops::cuda::bf16*>(
           scratch_.ensure(static_cast<std::size_t>(s * size_) * sizeof(ops::cuda::bf16), stream_, "bf16 gradients"));
-      ops::cuda::f32_to_bf16(buf, b, s * size_, stream_);
-      g_->reduce_scatter_sum(b, b + rank_ * s, s, NcclType::kBfloat16, stream_);
-      ops::cuda::bf16_to_f32(b + rank_ * s, buf + rank_ * s, s, stream_);
+      ops::cuda::f32_to_bf16(b, h, s * size_, stream_);
+      g_->reduce_scatter_sum(h, h + rank_ * s, s, NcclType::kBfloat16, stream_);
+      ops::cuda::bf16_to_f32(h + rank_ * s, b + rank_ * s, s, stream_);
     } else {
-      g_->reduce_scatter_sum(buf, buf + rank_ * s, s, NcclType::kFloat32, stream_);
+      g_->reduce_scatter_sum(b, b + rank_ * s, s, NcclType::kFloat32, stream_);
     }
     // holder (chunk) -> owner (shard)
-    exchange(buf, bounds, s, /*to_owner=*/true);
+    exchange(b, r.bounds, s, /*to_owner=*/true);
+    restore_tail(r);
   }
 
   void all_gather(float* buf, const std::vector<std::int64_t>& bounds) override {
-    const std::int64_t s = chunk_of(bounds);
-    exchange(buf, bounds, s, /*to_owner=*/false);
-    g_->all_gather(buf + rank_ * s, buf, s, NcclType::kFloat32, stream_);
+    const Region r = region_of(buf, bounds);
+    keep_tail(r);
+    exchange(r.base, r.bounds, r.chunk, /*to_owner=*/false);
+    g_->all_gather(r.base + rank_ * r.chunk, r.base, r.chunk, NcclType::kFloat32, stream_);
+    restore_tail(r);
   }
 
   void all_reduce_sum(double* x, int n) override {
@@ -69,10 +78,36 @@ class NcclDataParallelComm final : public DataParallelComm {
     const std::int64_t s = (total + size_ - 1) / size_;
     return (s + kZero1AlignFloats - 1) / kZero1AlignFloats * kZero1AlignFloats;
   }
-  std::int64_t chunk_of(const std::vector<std::int64_t>& bounds) const {
-    if (static_cast<int>(bounds.size()) != size_ + 1 || bounds.front() != 0)
+  // A region [bounds.front(), bounds.back()) of the buffer: its start, its shard bounds relative
+  // to it, its chunk, and its padded tail [len, chunk x ranks) (relative), which the equal-chunk
+  // collectives write and keep_tail / restore_tail preserve: a tail may be another region's
+  // floats (expert parallelism: the replicated region is followed by the expert region).
+  struct Region {
+    float* base = nullptr;
+    std::vector<std::int64_t> bounds;
+    std::int64_t chunk = 0, len = 0, padded = 0;
+  };
+  Region region_of(float* buf, const std::vector<std::int64_t>& bounds) const {
+    if (static_cast<int>(bounds.size()) != size_ + 1 || bounds.front() < 0 || bounds.back() < bounds.front())
       fail("data parallel: {} shard bounds for a group of {} ranks", bounds.size(), size_);
-    return chunk(bounds.back());
+    Region r;
+    r.base = buf + bounds.front();
+    for (std::int64_t b : bounds) r.bounds.push_back(b - bounds.front());
+    r.len = r.bounds.back();
+    r.chunk = chunk(r.len);
+    r.padded = r.chunk * size_;
+    return r;
+  }
+  void keep_tail(const Region& r) {
+    if (r.padded == r.len) return;
+    auto* t = static_cast<float*>(tail_.ensure(static_cast<std::size_t>(r.padded - r.len) * sizeof(float), stream_, "tail"));
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(t, r.base + r.len, static_cast<std::size_t>(r.padded - r.len) * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, stream_));
+  }
+  void restore_tail(const Region& r) {
+    if (r.padded == r.len) return;
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(r.base + r.len, tail_.get(), static_cast<std::size_t>(r.padded - r.len) * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, stream_));
   }
 
   // The floats of shard `owner` inside chunk `holder`: [lo, hi).
@@ -104,6 +139,7 @@ class NcclDataParallelComm final : public DataParallelComm {
   cudaStream_t stream_;
   bool bf16_ = false;
   GrowingDeviceBuffer scratch_{"out of GPU memory: the ", "train on more GPUs, a smaller model or parallel.grad_reduce: fp32"};
+  GrowingDeviceBuffer tail_{"out of GPU memory: the data-parallel region's ", "train on more GPUs or a smaller model"};
   std::shared_ptr<NcclGroup> g_;
   int size_ = 1, rank_ = 0;
 };

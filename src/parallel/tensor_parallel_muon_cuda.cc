@@ -16,7 +16,7 @@ namespace km = ops::cuda::muon;
 // cols here (this rank's) from flat offset `offset` on, whole matrices of R x C.
 struct CudaTensorParallelMuon::Tensor {
   const optim::ParamInfo* p = nullptr;
-  std::int64_t offset = 0, matrices = 1, rows = 0, cols = 0, R = 0, C = 0;
+  std::int64_t offset = 0, moment = 0, matrices = 1, rows = 0, cols = 0, R = 0, C = 0;  // moment: momentum index of offset
   std::int64_t numel() const { return matrices * block(); }
   TpMuonSplit split;
   std::int64_t block() const { return rows * cols; }
@@ -29,15 +29,15 @@ constexpr const char* kOomAdvice = "train on more GPUs or a smaller model";
 }  // namespace
 
 CudaTensorParallelMuon::CudaTensorParallelMuon(const optim::MuonConfig& c, const optim::ParamLayout& layout,
-                                               std::shared_ptr<NcclGroup> group, std::int64_t begin, std::int64_t end)
-    : c_(c), owner_c_(c), layout_(layout), group_(std::move(group)), begin_(begin), local_(kOomHead, kOomAdvice, 0.25),
+                                               std::shared_ptr<NcclGroup> group, std::vector<Range> ranges)
+    : c_(c), owner_c_(c), layout_(layout), group_(std::move(group)), local_(kOomHead, kOomAdvice, 0.25),
       owned_(kOomHead, kOomAdvice, 0.25), workspace_(kOomHead, kOomAdvice, 0.25) {
   optim::validate(c_);
   owner_c_.momentum = 0.0;
   owner_c_.nesterov = false;
   if (!group_) fail("tensor-parallel muon (cuda): no tensor group");
   const int T = group_->size();
-  if (end < 0) end = layout_.total_floats;
+  if (ranges.empty()) ranges.push_back({0, layout_.total_floats, 0});
   split_.assign(layout_.params.size(), false);
   std::vector<const Tensor*> batch;
   std::int64_t batch_floats = 0;
@@ -47,33 +47,36 @@ CudaTensorParallelMuon::CudaTensorParallelMuon(const optim::MuonConfig& c, const
     const TpMuonSplit sp = tp_muon_split(p, T);
     if (!sp.split) continue;
     split_[i] = true;
-    const std::int64_t lo = std::max(p.offset, begin), hi = std::min(p.offset + p.numel, end);
-    if (lo >= hi) continue;
-    auto t = std::make_unique<Tensor>();
-    t->p = &p;
-    t->rows = p.rows(), t->cols = p.cols();
-    if ((lo - p.offset) % t->block() != 0 || (hi - lo) % t->block() != 0)
-      fail("tensor-parallel muon: the range [{}, {}) cuts a matrix of '{}'", begin, end, p.name);
-    t->offset = lo;
-    t->matrices = (hi - lo) / t->block();
-    t->split = sp;
-    t->R = sp.split_dim == kTpSplitRows ? t->rows * T : t->rows;
-    t->C = sp.split_dim == kTpSplitCols ? t->cols * T : t->cols;
-    std::int64_t parts = 0;
-    for (std::int64_t r : sp.row_parts) {
-      if (r % T != 0) fail("tensor-parallel muon: '{}' has a row part of {} rows, not split over {} ranks", p.name, r, T);
-      parts += r;
+    for (const Range& range : ranges) {
+      const std::int64_t lo = std::max(p.offset, range.begin), hi = std::min(p.offset + p.numel, range.end);
+      if (lo >= hi) continue;
+      auto t = std::make_unique<Tensor>();
+      t->p = &p;
+      t->rows = p.rows(), t->cols = p.cols();
+      if ((lo - p.offset) % t->block() != 0 || (hi - lo) % t->block() != 0)
+        fail("tensor-parallel muon: the range [{}, {}) cuts a matrix of '{}'", range.begin, range.end, p.name);
+      t->offset = lo;
+      t->moment = range.at + (lo - range.begin);
+      t->matrices = (hi - lo) / t->block();
+      t->split = sp;
+      t->R = sp.split_dim == kTpSplitRows ? t->rows * T : t->rows;
+      t->C = sp.split_dim == kTpSplitCols ? t->cols * T : t->cols;
+      std::int64_t parts = 0;
+      for (std::int64_t r : sp.row_parts) {
+        if (r % T != 0) fail("tensor-parallel muon: '{}' has a row part of {} rows, not split over {} ranks", p.name, r, T);
+        parts += r;
+      }
+      if (!sp.row_parts.empty() && parts != t->R)
+        fail("tensor-parallel muon: '{}' row parts add up to {}, not its {} rows", p.name, parts, t->R);
+      if (!batch.empty() && batch_floats + t->numel() > kBatchFloats) {
+        batches_.push_back(batch);
+        batch.clear();
+        batch_floats = 0;
+      }
+      batch.push_back(t.get());
+      batch_floats += t->numel();
+      tensors_.push_back(std::move(t));
     }
-    if (!sp.row_parts.empty() && parts != t->R)
-      fail("tensor-parallel muon: '{}' row parts add up to {}, not its {} rows", p.name, parts, t->R);
-    if (!batch.empty() && batch_floats + t->numel() > kBatchFloats) {
-      batches_.push_back(batch);
-      batch.clear();
-      batch_floats = 0;
-    }
-    batch.push_back(t.get());
-    batch_floats += t->numel();
-    tensors_.push_back(std::move(t));
   }
   if (!batch.empty()) batches_.push_back(batch);
 }
@@ -121,7 +124,7 @@ void CudaTensorParallelMuon::step_batch(const std::vector<const Tensor*>& batch,
   // 1. momentum and U on this rank's blocks
   for (std::size_t i = 0; i < batch.size(); ++i) {
     const Tensor& t = *batch[i];
-    km::block_momentum(grads + t.offset, momentum + (t.offset - begin_), local + local_at[i], t.numel(), c_, 1.0f,
+    km::block_momentum(grads + t.offset, momentum + t.moment, local + local_at[i], t.numel(), c_, 1.0f,
                        device_grad_scale, stream);
   }
   // The blocks of one whole matrix (tensor i, its j-th owned) in staging: rank r's at r x block.

@@ -39,19 +39,23 @@ class CudaTensorParallelMuon {
   using bf16 = ops::cuda::bf16;
   static constexpr std::int64_t kBatchFloats = std::int64_t(64) << 20;  // this rank's floats per batch
 
-  // layout: this rank's; group: the tensor group. [begin, end): the flat range whose matrices
-  // are stepped (ZeRO-1: the rank's shard over the data axis, whose cuts never split a Muon
-  // matrix; the same range on every rank of the group, as their layouts are alike); end < 0: the
-  // whole layout.
+  // A flat range [begin, end) whose matrices are stepped, its momentum at momentum[at] on.
+  struct Range {
+    std::int64_t begin = 0, end = 0, at = 0;
+  };
+  // layout: this rank's; group: the tensor group. ranges: the flat ranges whose matrices are
+  // stepped (ZeRO-1: the rank's shard over the data axis and, with expert parallelism, its
+  // expert shard; ZeRO-1's cuts never split a Muon matrix; the same ranges on every rank of the
+  // group, as their layouts are alike); empty: the whole layout, momentum at the same offsets.
   CudaTensorParallelMuon(const optim::MuonConfig& c, const optim::ParamLayout& layout, std::shared_ptr<NcclGroup> group,
-                         std::int64_t begin = 0, std::int64_t end = -1);
+                         std::vector<Range> ranges = {});
   ~CudaTensorParallelMuon();
   // Whether parameter `index` of the layout is stepped here (split over the tensor axis, Muon;
   // the optimizer leaves all its matrices to this, including those outside the range).
   bool owns(std::size_t index) const { return split_[index]; }
-  // One step of every tensor-split Muon matrix in the range: params, grads, params_bf16 are this
-  // rank's flat buffers at the layout's offsets, momentum the range's (flat offset begin at
-  // momentum[0]). lr: the scheduled
+  // One step of every tensor-split Muon matrix in the ranges: params, grads, params_bf16 are
+  // this rank's flat buffers at the layout's offsets, momentum the ranges' (Range::at). lr: the
+  // scheduled
   // rate (times each parameter's lr_scale here); device_grad_scale: the clip coefficient.
   // Collective over the group, on `stream`.
   void step(float* params, const float* grads, float* momentum, bf16* params_bf16, double lr,
@@ -66,7 +70,6 @@ class CudaTensorParallelMuon {
   optim::MuonConfig c_, owner_c_;  // owner_c_: momentum 0, no Nesterov (M = U)
   const optim::ParamLayout& layout_;
   std::shared_ptr<NcclGroup> group_;
-  std::int64_t begin_ = 0;  // the range's start (momentum[0])
   std::vector<bool> split_;
   std::vector<std::vector<const Tensor*>> batches_;
   std::vector<std::unique_ptr<Tensor>> tensors_;

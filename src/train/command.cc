@@ -57,11 +57,6 @@ parallel::Mesh make_mesh(TrainConfig& cfg, const MpiSession& mpi) {
     mpi_check(MPI_Allreduce(&sees, &most, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");
   }
   const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && most > 0);
-  // GPU expert parallelism runs inside the overlapped ZeRO-1 step (docs/parallel.md)
-  if (cfg.parallel_expert > 1 && cuda && !cfg.data_parallel.zero1.enabled)
-    throw UsageError(fmt::format("{}: parallel.expert ({}) on GPUs needs the overlapped ZeRO-1 step: set "
-                                 "parallel.zero1.overlap: true (or train on device: cpu)",
-                                 cfg.path, cfg.parallel_expert));
   cfg.device = cuda ? "cuda" : "cpu";  // the Trainer follows this choice, made alike on every rank
   if (mpi.size() > 1 && cfg.device != "cpu") {
     if (fewest != most)

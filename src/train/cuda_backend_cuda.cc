@@ -111,11 +111,11 @@ class CudaBackend final : public TrainBackend {
       throw UsageError(fmt::format("parallel.tensor {} with parallel.context {}: on GPUs tensor parallelism does not "
                                    "yet compose with context parallelism (device: cpu trains it)",
                                    tp, mesh_.shape().cp));
-    if (weight_split && mesh_.expert().size > 1)
-      throw UsageError(fmt::format("parallel.{} {} with parallel.expert {}: on GPUs {} does not yet compose with expert "
-                                   "parallelism (device: cpu trains it)",
-                                   tsp > 1 ? "tsp" : "tensor", std::max(tp, tsp), mesh_.expert().size,
-                                   tsp > 1 ? "TSP" : "tensor parallelism"));
+    if (tsp > 1 && mesh_.expert().size > 1)
+      throw UsageError(fmt::format("parallel.tsp {} with parallel.expert {}: on GPUs TSP does not yet compose with expert "
+                                   "parallelism (each weight shard's pass would need its own expert runner; device: cpu "
+                                   "trains it)",
+                                   tsp, mesh_.expert().size));
     if (weight_split && mesh_.data().size > 1) check_shards_alike(weight_kind);
     std::optional<std::vector<std::int64_t>> stages;
     // Tensor parallelism (or TSP) with data parallelism: the classic ZeRO-1 step (the overlapped
@@ -126,9 +126,6 @@ class CudaBackend final : public TrainBackend {
       std::fprintf(stderr, "keel: data parallel: %s; the ZeRO-1 step will not overlap communication\n",
                    weight_split ? "tensor parallelism (or TSP) on GPUs takes the classic step"
                                 : "this layout's stages are not in offset order");
-    if (mesh_.expert().size > 1 && !stages)
-      throw UsageError("keel train (cuda): expert parallelism needs the overlapped ZeRO-1 step (parallel.zero1.overlap: "
-                       "false and layouts whose stages are not in offset order are not supported)");
     if (opt_.context_ring && mesh_.group(parallel::GroupKind::kContext).size > 1)
       throw UsageError("parallel.context_mode: ring runs on CPU ranks only so far (device: cpu); on GPUs context "
                        "parallelism all-gathers k and v (parallel.context_mode: allgather)");
@@ -142,10 +139,11 @@ class CudaBackend final : public TrainBackend {
     if (plan_->weight_group()) plan_tensor_ranges();
     optimizer_ = std::make_unique<CudaOptimizer>(optimizer, layout_, slice_);
     if ((tp > 1 || tsp > 1) && optimizer.muon.enabled) {  // Muon's split matrices gather to their owners
-      // ZeRO-1 over the data axis: the matrices of this rank's shard (its momentum's range)
+      // ZeRO-1 over the data axis: the matrices of this rank's shards (its moments' ranges)
+      std::vector<parallel::CudaTensorParallelMuon::Range> ranges;
+      for (const MomentRange& r : moment_ranges(slice_)) ranges.push_back({r.begin, r.end, r.at});
       tp_muon_ = std::make_unique<parallel::CudaTensorParallelMuon>(optimizer.muon.config, layout_,
-                                                                    mesh_.nccl(weight_kind), slice_.shard_begin,
-                                                                    slice_.shard_end);
+                                                                    mesh_.nccl(weight_kind), std::move(ranges));
       std::vector<bool> elsewhere(layout_.params.size());
       for (std::size_t i = 0; i < elsewhere.size(); ++i) elsewhere[i] = tp_muon_->owns(i);
       optimizer_->set_muon_elsewhere(std::move(elsewhere));
@@ -170,6 +168,10 @@ class CudaBackend final : public TrainBackend {
       schedule_ = std::make_unique<parallel::Zero1OverlapSchedule>(mesh_, su, stream_, prof_.get());
     } else if (mesh_.data().size > 1) {
       dp_ = parallel::make_nccl_data_parallel_comm(mesh_.nccl(parallel::GroupKind::kData), stream_, dp.grad_reduce);
+      // expert parallelism: the expert region's shards over the expert-data group
+      if (shards_.replicated_end < layout_.total_floats && mesh_.expert_data().size > 1)
+        expert_dp_ = parallel::make_nccl_data_parallel_comm(mesh_.nccl(parallel::GroupKind::kExpertData), stream_,
+                                                            dp.grad_reduce);
     }
     bias_ = model::initial_router_biases(cfg_);  // as the CPU model
     load_.assign(static_cast<std::size_t>(model_->moe_layer_count()),
@@ -178,8 +180,11 @@ class CudaBackend final : public TrainBackend {
 
     // parameters, gradients, states: the flat layout of the CPU model, so checkpoints move freely
     const std::int64_t n = layout_.total_floats;
-    // the classic step's collectives may need a padded tail (equal NCCL chunks)
-    const std::int64_t n_comm = dp_ ? dp_->buffer_floats(n) : n;
+    // the classic step's collectives may need a padded tail (equal NCCL chunks) past each region
+    std::int64_t n_comm = n;
+    if (dp_) n_comm = std::max(n_comm, dp_->buffer_floats(shards_.replicated_end));
+    if (expert_dp_)
+      n_comm = std::max(n_comm, shards_.replicated_end + expert_dp_->buffer_floats(n - shards_.replicated_end));
     const std::int64_t n_shard = std::max<std::int64_t>(1, slice_.moments());
     const std::int64_t reduce_scratch = schedule_ ? schedule_->reduce_scratch_floats() : 0;
     bf16* grads_bf16 = nullptr;
@@ -432,9 +437,11 @@ class CudaBackend final : public TrainBackend {
   // copy.
   std::pair<double, float> zero1_step(double max_norm) {
     const std::int64_t b = slice_.shard_begin, e = slice_.shard_end;
-    dp_->reduce_scatter_sum(grads_, shards_.replicated.bounds);
+    reduce_scatter_gradients();
     if (prof_) prof_->mark(Zero1Profile::kJoined, stream_);
     optimizer_->sum_squares(b, e, /*accumulate=*/false, stream_);
+    // expert parallelism: each expert element lies in one rank's expert shard of the data group
+    optimizer_->sum_squares(slice_.expert_begin, slice_.expert_end, /*accumulate=*/true, stream_);
     dp_->all_reduce_sum(optimizer_->sum_squares_buffer(), 1);
     optimizer_->clip(max_norm, stream_);
     if (prof_) prof_->mark(Zero1Profile::kNormed, stream_);
@@ -442,11 +449,10 @@ class CudaBackend final : public TrainBackend {
     if (prof_) prof_->report(mesh_.data().rank, mesh_.data().size);
     CudaOptimizer::require_finite(norm);
     optimizer_->begin_updates();
-    optimizer_->update(b, e, model_->gemm(), stream_);
+    update_shards();
     optimizer_->end_updates();
     if (prof_) prof_->mark(Zero1Profile::kBc0, stream_);
-    dp_->all_gather(params_, shards_.replicated.bounds);
-    k::f32_to_bf16(params_, params_bf16_, layout_.total_floats, stream_);
+    all_gather_parameters();
     if (prof_) prof_->mark(Zero1Profile::kBcEnd, stream_), prof_->mark(Zero1Profile::kOptEnd, stream_);
     return {norm, coef};
   }
@@ -497,6 +503,24 @@ class CudaBackend final : public TrainBackend {
     }
   }
 
+  // The classic step's collectives: the replicated region over the data group and, with expert
+  // parallelism, the expert region over the expert-data group (a region of one rank stays).
+  void reduce_scatter_gradients() {
+    dp_->reduce_scatter_sum(grads_, shards_.replicated.bounds);
+    if (expert_dp_) expert_dp_->reduce_scatter_sum(grads_, shards_.experts.bounds);
+  }
+  void all_gather_parameters() {
+    dp_->all_gather(params_, shards_.replicated.bounds);
+    if (expert_dp_) expert_dp_->all_gather(params_, shards_.experts.bounds);
+    k::f32_to_bf16(params_, params_bf16_, layout_.total_floats, stream_);
+  }
+  // AdamW and Muon's whole matrices on this rank's shards (moment_ranges: the replicated
+  // region's, the expert region's)
+  void update_shards() {
+    for (const MomentRange& r : moment_ranges(slice_))
+      if (r.end > r.begin) optimizer_->update(r.begin, r.end, model_->gemm(), stream_);
+  }
+
   // Tensor parallelism (or TSP) with data parallelism: ZeRO-1 over the data axis, as the CPU
   // backend's step (cpu_backend.cc). The partial gradients summed over the tensor group; the
   // gradients reduce-scattered over the data group (the shard bounds are alike on the tensor
@@ -508,14 +532,15 @@ class CudaBackend final : public TrainBackend {
   std::pair<double, float> tensor_zero1_step(double max_norm) {
     parallel::CudaTensorParallelLinear& tp = *plan_->weight_group();
     sum_partial_gradients(tp);
-    dp_->reduce_scatter_sum(grads_, shards_.replicated.bounds);
-    const std::int64_t b = slice_.shard_begin, e = slice_.shard_end;
+    reduce_scatter_gradients();
+    const std::vector<MomentRange> shards = moment_ranges(slice_);
     const auto sum_in = [&](int part, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
       bool first = true;
-      for (const auto& [rb, re] : ranges) {
-        const std::int64_t lo = std::max(rb, b), hi = std::min(re, e);
-        if (lo < hi) optimizer_->sum_squares_part(part, lo, hi, /*accumulate=*/!first, stream_), first = false;
-      }
+      for (const MomentRange& sh : shards)
+        for (const auto& [rb, re] : ranges) {
+          const std::int64_t lo = std::max(rb, sh.begin), hi = std::min(re, sh.end);
+          if (lo < hi) optimizer_->sum_squares_part(part, lo, hi, /*accumulate=*/!first, stream_), first = false;
+        }
       if (first) optimizer_->sum_squares_part(part, 0, 0, /*accumulate=*/false, stream_);
     };
     sum_in(0, split_ranges_);
@@ -526,13 +551,12 @@ class CudaBackend final : public TrainBackend {
     const auto [norm, coef] = optimizer_->read_norm(stream_);
     CudaOptimizer::require_finite(norm);
     optimizer_->begin_updates();
-    optimizer_->update(b, e, model_->gemm(), stream_);
+    update_shards();
     if (tp_muon_)
       tp_muon_->step(params_, grads_, adam_m_, params_bf16_, optimizer_->lr(), optimizer_->clip_coefficient(),
                      model_->gemm(), stream_);
     optimizer_->end_updates();
-    dp_->all_gather(params_, shards_.replicated.bounds);
-    k::f32_to_bf16(params_, params_bf16_, layout_.total_floats, stream_);
+    all_gather_parameters();
     return {norm, coef};
   }
 
@@ -667,6 +691,7 @@ class CudaBackend final : public TrainBackend {
   std::unique_ptr<ProfileHooks> profile_hooks_;                // its marks in the classic step
   std::unique_ptr<parallel::Zero1OverlapSchedule> schedule_;   // the overlapped ZeRO-1 step
   std::unique_ptr<parallel::DataParallelComm> dp_;             // the classic ZeRO-1 step
+  std::unique_ptr<parallel::DataParallelComm> expert_dp_;      // its expert region (expert parallelism)
   DeviceArena param_arena_, grad_arena_, state_arena_, act_arena_;
   std::unique_ptr<SparseDeviceBuffer> masters_;        // the fp32 masters (params_)
   std::unique_ptr<SparseDeviceBuffer> adam_v_buffer_;  // adam_v_: adamw_moment_spans() backed

@@ -84,9 +84,8 @@ TrainRun train(const fs::path& dir, const std::string& tag, const std::string& o
 }
 
 TEST(DataParallel, GpuOverlappedStepMatchesClassicStep) {
-  const int gpus = visible_cuda_devices();
-  if (world_size() < 2 || gpus < world_size()) GTEST_SKIP() << "needs 2+ ranks and a GPU per rank (" << gpus << " visible)";
-  set_cuda_device(world_rank());
+  if (!keel::test::gpu_per_rank()) GTEST_SKIP() << "needs 2+ ranks and a GPU per rank (" << visible_cuda_devices() << " visible)";
+  keel::test::use_rank_gpu();
   const fs::path dir = shared_dir("gpu");
   const std::vector<std::pair<std::string, Env>> variants = {
       {"overlap", {}},
@@ -130,6 +129,40 @@ TEST(DataParallel, GpuOverlappedStepMatchesClassicStep) {
   }
 }
 
+// Expert parallelism in the classic step (parallel.zero1.overlap: false): the replicated region
+// reduce-scattered over the data group, the expert region over the expert-data group (4+ ranks
+// with ep = half the ranks; at 2 ranks ep = 2 and each rank's experts need no exchange), each
+// region's padded NCCL chunks keeping the floats past its end. Against the overlapped step with
+// the same expert parallelism: the first step's loss, norm and update as above, then 4 steps.
+TEST(DataParallel, GpuClassicStepWithExpertParallelMatchesOverlapped) {
+  if (!keel::test::gpu_per_rank()) GTEST_SKIP() << "needs 2+ ranks and a GPU per rank";
+  keel::test::use_rank_gpu();
+  const int ep = world_size() >= 4 && world_size() % 2 == 0 ? world_size() / 2 : world_size();
+  if (4 % ep != 0) GTEST_SKIP() << "ep " << ep << " does not divide the tiny MoE's 4 experts";
+  const fs::path dir = shared_dir("gpu_ep_classic");
+  for (const std::string& opt : {std::string(), fixtures::kMuonOptimizer}) {
+    const std::string o = opt.empty() ? "adamw" : "muon";
+    const TrainRun classic = train(dir, "classic_ep_" + o, opt, {"parallel.zero1.overlap=false"}, {}, ep);
+    const TrainRun overlap = train(dir, "overlap_ep_" + o, opt, {}, {}, ep);
+    ASSERT_EQ(classic.stats.size(), 4u);
+    ASSERT_EQ(overlap.stats.size(), 4u);
+    EXPECT_TRUE(classic.p0 == overlap.p0) << o << ": the same initialization";
+    EXPECT_NEAR(classic.stats[0].loss, overlap.stats[0].loss, 1e-5 * std::fabs(overlap.stats[0].loss)) << o;
+    EXPECT_NEAR(classic.stats[0].grad_norm, overlap.stats[0].grad_norm, 1e-4 * overlap.stats[0].grad_norm) << o;
+    const double d1 = fixtures::norm_rel_diff(classic.p1, overlap.p1, overlap.p0);
+    EXPECT_LT(d1, 1e-3) << o << ": first update";
+    for (std::size_t i = 1; i < 4; ++i)
+      EXPECT_NEAR(classic.stats[i].loss, overlap.stats[i].loss, 1e-2 * std::fabs(overlap.stats[i].loss))
+          << o << " step " << i + 1;
+    const double d4 = fixtures::norm_rel_diff(classic.p4, overlap.p4, overlap.p0);
+    EXPECT_LT(d4, 1.5e-1) << o << ": after 4 steps";
+    if (world_rank() == 0)
+      std::printf("  classic step with ep %d, %s, %d GPUs: step 1 update differs by %.2e of its size, after 4 steps "
+                  "%.2e; loss %.6f vs %.6f (overlapped)\n",
+                  ep, o.c_str(), world_size(), d1, d4, classic.stats.back().loss, overlap.stats.back().loss);
+  }
+}
+
 // parallel.grad_reduce: bf16 on GPUs. The overlapped step rounds each stage's gradients into a
 // bf16 scratch, reduces them there (ncclReduce per bucket) and widens the owner's part back; the
 // classic step reduce-scatters a bf16 copy of the whole buffer. At 2 ranks both add two bf16
@@ -142,9 +175,8 @@ TEST(DataParallel, GpuOverlappedStepMatchesClassicStep) {
 // losses and gradient norms compare (as in the expert-parallel tests). Every variant stays
 // within bf16 precision of the fp32 step without being it.
 TEST(DataParallel, GpuBf16GradientReduceMatchesClassicStep) {
-  const int gpus = visible_cuda_devices();
-  if (world_size() < 2 || gpus < world_size()) GTEST_SKIP() << "needs 2+ ranks and a GPU per rank (" << gpus << " visible)";
-  set_cuda_device(world_rank());
+  if (!keel::test::gpu_per_rank()) GTEST_SKIP() << "needs 2+ ranks and a GPU per rank (" << visible_cuda_devices() << " visible)";
+  keel::test::use_rank_gpu();
   const fs::path dir = shared_dir("gpu_bf16_reduce");
   const std::vector<std::string> bf16 = {"parallel.grad_reduce=bf16"};
   const bool two = world_size() == 2;
@@ -199,9 +231,8 @@ TEST(DataParallel, GpuBf16GradientReduceMatchesClassicStep) {
 // fp32 masters) that the 2 MiB granules of the small fp32 parameters do not hide the saving.
 // Training is the same computation either way; state() gathers the masters from their owners.
 TEST(DataParallel, GpuShardedMastersKeepLessAndTrainAlike) {
-  const int gpus = visible_cuda_devices();
-  if (world_size() < 2 || gpus < world_size()) GTEST_SKIP() << "needs 2+ ranks and a GPU per rank (" << gpus << " visible)";
-  set_cuda_device(world_rank());
+  if (!keel::test::gpu_per_rank()) GTEST_SKIP() << "needs 2+ ranks and a GPU per rank (" << visible_cuda_devices() << " visible)";
+  keel::test::use_rank_gpu();
   const fs::path dir = shared_dir("gpu_masters");
   const std::vector<std::string> wide = {"model.hidden=512", "model.ffn_hidden=2048", "model.expert_hidden=2048",
                                          "model.experts=8", "steps=4"};

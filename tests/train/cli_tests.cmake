@@ -226,9 +226,13 @@ keel_cli_test(NAME train_tsp2_dp2_gpus NP 4 GPUS "4+" MATCH "2 data-parallel ran
        --set checkpoint.final=false --set output_dir=train_tsp_dp_gpu)
 set_tests_properties(cli_train_tp2_dp2_gpus cli_train_tsp2_dp2_gpus PROPERTIES
   FIXTURES_REQUIRED "train_stories;train_outputs_clean")
-keel_cli_test(NAME train_ep_on_gpus_needs_the_overlapped_step NP 2 EXIT 1
-  MATCH "parallel\\.expert \\(2\\) on GPUs needs the overlapped ZeRO-1 step: set parallel\\.zero1\\.overlap: true"
-  ARGS train ${tcfg} ${tdp} --set device=cuda --set parallel.expert=2 --set parallel.zero1.overlap=false)
+# Expert parallelism in the classic ZeRO-1 step on 2 GPUs (skipped elsewhere): the expert region
+# reduce-scattered over the expert-data group (here one rank: each GPU holds its experts whole).
+keel_cli_test(NAME train_ep_classic_step_gpus NP 2 GPUS "2+" MATCH "done: steps 0 -> 16"
+  NOT "overlapped ZeRO-1 step"
+  ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.expert=2 --set parallel.zero1.overlap=false
+       --set batch.grad_accum=2 --set checkpoint.final=false --set output_dir=train_ep_classic_gpu)
+set_tests_properties(cli_train_ep_classic_step_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 keel_cli_test(NAME train_dp_degree_mismatch NP 2 EXIT 1
   MATCH "parallel\\.data \\(3\\) x parallel\\.context \\(1\\) x parallel\\.tensor \\(1\\) must equal the number of ranks \\(2\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.data=3)

@@ -226,9 +226,8 @@ TEST(DataParallel, BatchThatDoesNotSplitIsRefusedOnEveryRank) {
 // the same update (relative to the update's size). Then 8 steps must learn on both, and every
 // rank must hold the same parameters.
 TEST(DataParallel, GpusMatchOneGpu) {
-  const int gpus = visible_cuda_devices();
-  if (gpus < world_size()) GTEST_SKIP() << "needs a GPU per rank (" << gpus << " visible)";
-  set_cuda_device(world_rank());
+  if (!keel::test::gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
+  keel::test::use_rank_gpu();
   const fs::path dir = shared_dir("gpu");
   const std::vector<std::string> gpu = {"device=cuda", "model.hidden=128", "model.head_dim=64", "model.ffn_hidden=256",
                                         "model.expert_hidden=128", "checkpoint.final=false"};

@@ -88,7 +88,8 @@ inline double max_rel_diff(const optim::ParamLayout& local, const std::vector<fl
 // `learns`: the last loss must be below this fraction of the first. CCA's temperature gradient is a sum of large terms that
 // cancel (it can be near 0): its error is measured against the whole gradient's norm instead.
 // With data parallelism (ZeRO-1 reduce-scatters the gradients in place) the gradient blocks are
-// compared inside this rank's optimizer shard, where they are whole.
+// compared inside this rank's optimizer shards (with expert parallelism also its expert shard),
+// where they are whole.
 // Muon's updates are not compared: Newton-Schulz lifts the small singular values of a low-rank
 // gradient (32 tokens) to order 1, rounding noise included (the split Muon step is compared
 // with the whole-matrix step in tests/parallel/tensor_parallel_muon_cuda_mpi_test.cc).
@@ -117,17 +118,23 @@ inline void expect_gpu_group_matches_one_gpu(const TrainConfig& group, const par
     }
   }
   std::map<std::string, std::pair<double, double>> err;  // per parameter: sum of squared differences, of squares
-  const auto [shard_begin, shard_end] = t.backend().optimizer_shard();
-  std::int64_t compared = 0;
+  const std::vector<MomentRange> shards = moment_ranges(t.backend().state_slice());  // + the expert shard
+  const auto in_shards = [&](std::int64_t at) {
+    for (const MomentRange& r : shards)
+      if (at >= r.begin && at < r.end) return true;
+    return false;
+  };
+  std::int64_t compared = 0, shard_floats = 0;
+  for (const MomentRange& r : shards) shard_floats += r.end - r.begin;
   for_each_element(t.backend().layout(), t.backend().gradients(), mesh, single.backend().layout(),
                    single.backend().gradients(), [&](const std::string& name, float g, float w, std::int64_t at) {
-                     if (mesh.data().size > 1 && (at < shard_begin || at >= shard_end)) return;
+                     if (mesh.data().size > 1 && !in_shards(at)) return;
                      ++compared;
                      auto& e = err[name];
                      e.first += (double(g) - w) * (double(g) - w);
                      e.second += double(w) * w;
                    });
-  if (shard_end > shard_begin) EXPECT_GT(compared, 0) << tag << ": no gradient compared";
+  if (shard_floats > 0) EXPECT_GT(compared, 0) << tag << ": no gradient compared";
   for (const auto& [name, e] : err) {
     if (name.ends_with("cca.temp")) {
       EXPECT_LT(std::sqrt(e.first), 1e-2 * b.grad_norm) << tag << ": gradient of " << name;

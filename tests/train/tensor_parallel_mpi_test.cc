@@ -234,9 +234,9 @@ const std::vector<std::string> kGpu = {"device=cuda", "model.hidden=128", "model
                                        "model.expert_hidden=128"};
 
 // The first step against one GPU at bf16 tolerance, then training (group_compare_util.h).
-// tp: the tensor degree (0: the world), data parallel over the rest.
+// tp: the tensor degree (0: the world), data parallel over the rest, expert parallel ep.
 void expect_gpus_match_one_gpu(bool sequence, const std::vector<std::string>& model, const std::string& tag,
-                               const std::string& optimizer = "", int seed = 1, int tp = 0) {
+                               const std::string& optimizer = "", int seed = 1, int tp = 0, int ep = 1) {
   if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
   if (tp == 0) tp = world_size();
   if (tp == world_size() && tag.find("_dp") != std::string::npos) GTEST_SKIP() << "needs 2 data ranks (4 ranks or more)";
@@ -247,12 +247,14 @@ void expect_gpus_match_one_gpu(bool sequence, const std::vector<std::string>& mo
   // With data parallelism, micro-batches of one sequence: the data ranks take interleaved
   // sequences, and the linear router's aux loss (per micro-batch) would otherwise differ.
   if (tp < world_size()) sets.insert(sets.end(), {"batch.micro_batch=1", "batch.grad_accum=4"});
+  if (ep > 1) sets.push_back("parallel.expert=" + std::to_string(ep));
   const TrainConfig cfg = config(dir, dir / "tp", tp, sequence, sets, optimizer);
   TrainConfig one = cfg;
   one.parallel_tensor = 1;
+  one.parallel_expert = 1;
   one.model_options.sequence_parallel = false;
   one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
-  fixtures::expect_gpu_group_matches_one_gpu(cfg, tp_mesh(tp), one, tag);
+  fixtures::expect_gpu_group_matches_one_gpu(cfg, tp_mesh(tp, ep), one, tag);
 }
 
 TEST(TensorParallel, GpusMatchOneGpu) { expect_gpus_match_one_gpu(false, {}, "tp"); }
@@ -270,6 +272,13 @@ TEST(TensorParallel, GpusWithDataParallelMatchOneGpu) {
 }
 TEST(TensorParallel, GpusZayaWithDataParallelAndMuonMatchOneGpu) {
   expect_gpus_match_one_gpu(false, kZayaGpu, "zaya_tp_dp_muon", kMuon, 1, tp2_with_data());
+}
+// ... and expert parallelism over the 2 data ranks (each holds half the experts, tensor-sliced).
+TEST(TensorParallel, GpusWithExpertParallelMatchOneGpu) {
+  expect_gpus_match_one_gpu(true, {}, "tp_sp_dp_ep", "", 1, tp2_with_data(), 2);
+}
+TEST(TensorParallel, GpusZayaWithExpertParallelAndMuonMatchOneGpu) {
+  expect_gpus_match_one_gpu(false, kZayaGpu, "zaya_tp_dp_ep_muon", kMuon, 1, tp2_with_data(), 2);
 }
 
 // A checkpoint saved on GPUs at one layout is read back exactly at the other: the tensor group

@@ -221,22 +221,24 @@ TrainConfig gpu_config(const fs::path& dir, const std::string& name, const std::
 }
 
 // The first step against one GPU at bf16 tolerance, then training (group_compare_util.h).
-// D: the tsp degree (0: the world), data parallel over the rest.
+// D: the tsp degree (0: the world), data parallel over the rest, expert parallel ep.
 void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std::string& tag,
-                               const std::string& optimizer = "", int D = 0) {
+                               const std::string& optimizer = "", int D = 0, int ep = 1) {
   if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
   if (D == 0) D = world_size();
   if (D == world_size() && tag.find("_dp") != std::string::npos) GTEST_SKIP() << "needs 2 data ranks (4 ranks or more)";
   keel::test::use_rank_gpu();
   const fs::path dir = shared_dir("gpu_" + tag);
-  const TrainConfig cfg =
-      gpu_config(dir, "tsp", model, {"steps=9", "parallel.tsp=" + std::to_string(D)}, optimizer, D);
+  const TrainConfig cfg = gpu_config(
+      dir, "tsp", model, {"steps=9", "parallel.tsp=" + std::to_string(D), "parallel.expert=" + std::to_string(ep)},
+      optimizer, D);
   TrainConfig one = cfg;
   one.parallel_tsp = 1;
+  one.parallel_expert = 1;
   one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
   // 2048 tokens a step: up to 1% of the routing slots may fall the other way of a near-tie
   // (rounding), and 9 steps at these sizes lower the tiny MoE's loss by less than 30%.
-  fixtures::expect_gpu_group_matches_one_gpu(cfg, tsp_mesh(D), one, tag, 0.01, 0.95);
+  fixtures::expect_gpu_group_matches_one_gpu(cfg, tsp_mesh(D, ep), one, tag, 0.01, 0.95);
 }
 
 TEST(Tsp, GpusMatchOneGpu) { expect_gpus_match_one_gpu({}, "tsp"); }
