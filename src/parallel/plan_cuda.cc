@@ -41,10 +41,15 @@ CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t batch
   }
   if (mesh.expert().size > 1)
     ep_group_ = std::make_shared<CudaExpertParallelGroup>(mesh.expert().comm, mesh.nccl(GroupKind::kExpert), cfg.experts);
+  // one runner per MoE layer, or under TSP per layer and weight shard (each pass keeps its rows)
   for (int l = 0; l < cfg.layers; ++l) {
     if (!ep_group_ || !model::is_moe_layer(cfg, l)) continue;
-    ep_layers_.push_back(std::make_unique<CudaExpertParallelMoe>(ep_group_));
-    layers_[static_cast<std::size_t>(l)].experts = ep_layers_.back().get();
+    blocks::cuda::LayerRunners& r = layers_[static_cast<std::size_t>(l)];
+    for (int shard = 0; shard < tsp.size; ++shard) {
+      ep_layers_.push_back(std::make_unique<CudaExpertParallelMoe>(ep_group_));
+      if (tsp.size > 1) r.shard_experts.push_back(ep_layers_.back().get());
+    }
+    r.experts = ep_layers_[ep_layers_.size() - static_cast<std::size_t>(tsp.size)].get();
   }
 }
 

@@ -57,7 +57,7 @@ class CudaPlan {
   std::unique_ptr<CudaTspShards> tsp_;
   std::unique_ptr<CudaTensorParallelLinear> tsp_sums_;
   std::shared_ptr<CudaExpertParallelGroup> ep_group_;
-  std::vector<std::unique_ptr<CudaExpertParallelMoe>> ep_layers_;  // per MoE layer
+  std::vector<std::unique_ptr<CudaExpertParallelMoe>> ep_layers_;  // per MoE layer (and TSP weight shard)
   std::vector<blocks::cuda::LayerRunners> layers_;
 };
 

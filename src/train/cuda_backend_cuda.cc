@@ -111,11 +111,6 @@ class CudaBackend final : public TrainBackend {
       throw UsageError(fmt::format("parallel.tensor {} with parallel.context {}: on GPUs tensor parallelism does not "
                                    "yet compose with context parallelism (device: cpu trains it)",
                                    tp, mesh_.shape().cp));
-    if (tsp > 1 && mesh_.expert().size > 1)
-      throw UsageError(fmt::format("parallel.tsp {} with parallel.expert {}: on GPUs TSP does not yet compose with expert "
-                                   "parallelism (each weight shard's pass would need its own expert runner; device: cpu "
-                                   "trains it)",
-                                   tsp, mesh_.expert().size));
     if (weight_split && mesh_.data().size > 1) check_shards_alike(weight_kind);
     std::optional<std::vector<std::int64_t>> stages;
     // Tensor parallelism (or TSP) with data parallelism: the classic ZeRO-1 step (the overlapped

@@ -453,7 +453,7 @@ void CudaModel::mlp_forward(int l, LayerActs& a, const float* residual, float* y
   if (tsp_)
     tsp_->forward(l, parallel::CudaTspShards::Part::kMlp, stream_, [&](int shard, const bc::LayerWeights& w) {
       bc::mlp_forward(*gemm_, mlp_shape_, w, bias, a.h2, eda(std::max(m, 0)), shard == 0 ? residual : y, y,
-                      a.mlp_of(shard), mlp_scratch_, tsp_->boundary(shard), r.experts, stream_);
+                      a.mlp_of(shard), mlp_scratch_, tsp_->boundary(shard), r.experts_of(shard), stream_);
     });
   else
     bc::mlp_forward(*gemm_, mlp_shape_, w_.layers[static_cast<std::size_t>(l)], bias, a.h2, eda(std::max(m, 0)),
@@ -572,7 +572,7 @@ void CudaModel::mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fr
     }
     bc::mlp_backward(*gemm_, mlp_shape_, w, g, a.h2, eda(std::max(m, 0)), deda, a.mlp_of(shard), mlp_scratch_, dy,
                      st_->dh, static_cast<float>(own * opt_.aux_loss_weight * cur_scale_),
-                     static_cast<float>(own * opt_.z_loss_weight * cur_scale_), linear, r.experts, stream_);
+                     static_cast<float>(own * opt_.z_loss_weight * cur_scale_), linear, r.experts_of(shard), stream_);
   };
   if (!tsp_)
     return run(0, w_.layers[static_cast<std::size_t>(l)], g_.layers[static_cast<std::size_t>(l)], true, *r.mlp_linear);

@@ -232,7 +232,8 @@ const std::vector<std::string> kGpu = {"device=cuda",           "model.hidden=12
                                        "router.aux_loss_weight=0"};
 
 // GPU runs agree with one GPU to bf16 rounding (attention sums its keys in another order, dk and
-// dv are summed over the ranks): the first step's loss and gradient norm, the same routing; then
+// dv are summed over the ranks): the first step's loss and gradient norm, the same routing (to
+// near-ties); then
 // 8 steps must learn alike, and every parameter (replicated over the context ranks) must hold the
 // same bits on every rank. The linear router's aux loss is off: on GPUs it is each rank's over
 // its own tokens (docs/parallel.md), not the one-GPU micro-batch's.
@@ -255,7 +256,16 @@ void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std:
   const StepStats a = t.run(1).at(0), b = single.run(1).at(0);
   EXPECT_NEAR(a.loss, b.loss, 2e-3 * std::fabs(b.loss)) << tag;
   EXPECT_NEAR(a.grad_norm, b.grad_norm, 2e-2 * b.grad_norm) << tag;
-  EXPECT_EQ(a.routing_counts, b.routing_counts) << tag << ": step 1 routed differently";
+  // the same routing, but for near-ties (rounding): at most 0.1% of the slots elsewhere (at 4
+  // ranks of 1,024-token sequences one of 8,192 slots moved)
+  ASSERT_EQ(a.routing_counts.size(), b.routing_counts.size()) << tag;
+  for (std::size_t m = 0; m < a.routing_counts.size(); ++m) {
+    double diff = 0, total = 0;
+    ASSERT_EQ(a.routing_counts[m].size(), b.routing_counts[m].size()) << tag;
+    for (std::size_t e = 0; e < a.routing_counts[m].size(); ++e)
+      diff += std::fabs(double(a.routing_counts[m][e]) - b.routing_counts[m][e]), total += b.routing_counts[m][e];
+    EXPECT_LE(diff / 2, 1e-3 * total) << tag << ": step 1, MoE layer " << m << " routed differently";
+  }
   const auto rest = t.run(), single_rest = single.run();
   ASSERT_EQ(rest.size(), 8u);
   EXPECT_LT(rest.back().loss, 0.95 * a.loss) << tag << ": learns";

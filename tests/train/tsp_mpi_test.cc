@@ -227,6 +227,7 @@ void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std:
   if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
   if (D == 0) D = world_size();
   if (D == world_size() && tag.find("_dp") != std::string::npos) GTEST_SKIP() << "needs 2 data ranks (4 ranks or more)";
+  if (tag.starts_with("zaya") && 2 % D != 0) GTEST_SKIP() << "CCA's 2 kv heads do not split over " << D << " ranks";
   keel::test::use_rank_gpu();
   const fs::path dir = shared_dir("gpu_" + tag);
   const TrainConfig cfg = gpu_config(
@@ -250,6 +251,11 @@ int tsp2_with_data() { return world_size() >= 4 && world_size() % 2 == 0 ? 2 : w
 TEST(Tsp, GpusZayaWithDataParallelMatchOneGpu) { expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp_dp", "", tsp2_with_data()); }
 TEST(Tsp, GpusZayaWithDataParallelAndMuonMatchOneGpu) {
   expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp_dp_muon", kMuon, tsp2_with_data());
+}
+// ... and expert parallelism over the 2 data ranks (an expert runner per layer and weight shard).
+TEST(Tsp, GpusWithExpertParallelMatchOneGpu) { expect_gpus_match_one_gpu({}, "tsp_dp_ep", "", tsp2_with_data(), 2); }
+TEST(Tsp, GpusZayaWithExpertParallelAndMuonMatchOneGpu) {
+  expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp_dp_ep_muon", kMuon, tsp2_with_data(), 2);
 }
 
 // A checkpoint the tsp group saves at step 2 reads back exactly on one GPU and at TP=2 (with

@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "ops/cuda/common.h"
 #include "ops/cuda/moe.h"
@@ -81,6 +82,12 @@ struct LayerRunners {
   LinearRunner* mlp_linear = &local_linear();
   AttentionCore* attention = &local_attention();
   ops::cuda::moe::ExpertRunner* experts = nullptr;
+  // TSP with expert parallelism: weight shard r's pass runs its experts on shard_experts[r] (a
+  // runner keeps its pass's rows for backward); empty otherwise.
+  std::vector<ops::cuda::moe::ExpertRunner*> shard_experts;
+  ops::cuda::moe::ExpertRunner* experts_of(int shard) const {
+    return shard_experts.empty() ? experts : shard_experts.at(static_cast<std::size_t>(shard));
+  }
 };
 
 }  // namespace keel::blocks::cuda
