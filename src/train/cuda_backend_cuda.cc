@@ -107,10 +107,6 @@ class CudaBackend final : public TrainBackend {
     const int tp = mesh_.group(parallel::GroupKind::kTensor).size, tsp = mesh_.group(parallel::GroupKind::kTsp).size;
     const parallel::GroupKind weight_kind = tsp > 1 ? parallel::GroupKind::kTsp : parallel::GroupKind::kTensor;
     const bool weight_split = tp > 1 || tsp > 1;
-    if (weight_split && mesh_.shape().cp > 1)
-      throw UsageError(fmt::format("parallel.tensor {} with parallel.context {}: on GPUs tensor parallelism does not "
-                                   "yet compose with context parallelism (device: cpu trains it)",
-                                   tp, mesh_.shape().cp));
     if (weight_split && mesh_.data().size > 1) check_shards_alike(weight_kind);
     std::optional<std::vector<std::int64_t>> stages;
     // Tensor parallelism (or TSP) with data parallelism: the classic ZeRO-1 step (the overlapped

@@ -215,8 +215,8 @@ keel_cli_test(NAME train_tp2_gpus_muon NP 2 GPUS "2+" MATCH "tensor parallel 2"
   ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.tensor=2 --set optimizer.muon.enabled=true
        --set checkpoint.final=false --set output_dir=train_tp_gpu_muon)
 set_tests_properties(cli_train_tp2_gpus_muon PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
-# Tensor parallelism and TSP with data parallelism on 4 GPUs (skipped elsewhere): ZeRO-1's
-# classic step over the data axis, and they say so.
+# Tensor parallelism and TSP with data parallelism, and tensor with context parallelism, on 4
+# GPUs (skipped elsewhere): ZeRO-1's classic step over the data axis, and they say so.
 keel_cli_test(NAME train_tp2_dp2_gpus NP 4 GPUS "4+" MATCH "2 data-parallel ranks.*tensor parallel 2 \\(sequence parallel\\)"
   ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.tensor=2 --set parallel.sequence=true
        --set optimizer.muon.enabled=true --set batch.grad_accum=2 --set checkpoint.final=false
@@ -224,7 +224,10 @@ keel_cli_test(NAME train_tp2_dp2_gpus NP 4 GPUS "4+" MATCH "2 data-parallel rank
 keel_cli_test(NAME train_tsp2_dp2_gpus NP 4 GPUS "4+" MATCH "2 data-parallel ranks.*TSP 2"
   ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.tsp=2 --set batch.grad_accum=2
        --set checkpoint.final=false --set output_dir=train_tsp_dp_gpu)
-set_tests_properties(cli_train_tp2_dp2_gpus cli_train_tsp2_dp2_gpus PROPERTIES
+keel_cli_test(NAME train_cp2_tp2_gpus NP 4 GPUS "4+" MATCH "context parallel 2 \\(zigzag\\).*tensor parallel 2"
+  ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.context=2 --set parallel.tensor=2
+       --set parallel.sequence=true --set checkpoint.final=false --set output_dir=train_cp_tp_gpu)
+set_tests_properties(cli_train_tp2_dp2_gpus cli_train_tsp2_dp2_gpus cli_train_cp2_tp2_gpus PROPERTIES
   FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 # Expert parallelism in the classic ZeRO-1 step on 2 GPUs (skipped elsewhere): the expert region
 # reduce-scattered over the expert-data group (here one rank: each GPU holds its experts whole).
