@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 
 namespace keel {
@@ -16,6 +17,7 @@ std::uint64_t pages_bytes(int name) {
 }  // namespace
 
 std::string host_name() {
+  if (const char* slurm = std::getenv("SLURMD_NODENAME"); slurm && *slurm) return slurm;
   char name[256] = {};
   if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "localhost";
   return name;

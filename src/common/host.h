@@ -7,7 +7,8 @@
 
 namespace keel {
 
-// This machine's host name (gethostname), or "localhost" when it has none.
+// This machine's name: under Slurm the node's name as the scheduler knows it (SLURMD_NODENAME,
+// what srun --exclude takes), else its host name (gethostname), or "localhost" when it has none.
 std::string host_name();
 
 // /proc/cpuinfo's "model name", or "cpu" when there is none.

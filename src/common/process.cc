@@ -34,6 +34,12 @@ int launcher_size() {
   return 1;
 }
 
+bool launched_as_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"})
+    if (env_int(name, -1) > 1) return true;
+  return false;
+}
+
 void report_error(const std::string& message) {
   if (launcher_size() > 1)
     std::fprintf(stderr, "keel: error: [rank %d] %s\n", launcher_rank(), message.c_str());

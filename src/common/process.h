@@ -11,6 +11,10 @@ namespace keel {
 int launcher_rank();
 // The world size the launcher set; 1 without a launcher.
 int launcher_size();
+// Whether this process is one rank of several that a launcher started (mpirun's or PMI's size,
+// or srun's step: SLURM_STEP_NUM_TASKS above 1). A Slurm batch script's SLURM_NTASKS alone
+// does not make one: keel run runs there, once, and launches the ranks with srun.
+bool launched_as_rank();
 
 // Prints "keel: error: <message>" on stderr. Under a launcher with several ranks, the rank
 // is named so a failing rank can be found among many.

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 
 #include "common/error.h"
@@ -20,9 +21,15 @@ void add_command(CLI::App& app) {
              "it from its newest checkpoint until every step is done");
   cmd->add_option("config", o->config, "Training config (YAML), as keel train takes it")->required();
   cmd->add_option("--set", o->sets, "Override a config key (repeatable), as keel train's --set");
-  cmd->add_option("--ranks", *ranks, "Processes on this node (default: one per visible GPU, else 1)");
-  cmd->add_option("--launcher", o->launcher, "How several ranks start (mpirun)")->capture_default_str();
-  cmd->add_option("--hosts", o->hosts, "mpirun --hostfile for a multi-node job");
+  cmd->add_option("--ranks", *ranks,
+                  "Processes (default: one per visible GPU, else 1; under --launcher srun the allocation's "
+                  "SLURM_NTASKS)");
+  cmd->add_option("--launcher", o->launcher,
+                  "How the ranks start: mpirun, or srun inside a Slurm allocation (a failing node is left out with "
+                  "--exclude)")
+      ->capture_default_str();
+  cmd->add_option("--hosts", o->hosts,
+                  "mpirun --hostfile for a job on several nodes (a failing node is left out of the next attempt's copy)");
   cmd->add_option("--max-restarts", o->max_restarts,
                   "Faults in a row to survive before giving up (an attempt that commits a newer checkpoint starts "
                   "the count again)")
@@ -64,14 +71,18 @@ void add_command(CLI::App& app) {
     if (!floors->empty()) parse_preflight_floors(*floors, o->preflight);
     if (!(std::isfinite(o->preflight.fraction) && o->preflight.fraction > 0 && o->preflight.fraction <= 1))
       throw UsageError(fmt::format("--preflight-fraction {}: must be in (0, 1]", o->preflight.fraction));
-    if (launcher_size() > 1)
+    if (launched_as_rank())
       throw UsageError("run: keel run is the supervisor, not a rank: start it once, not under mpirun or srun");
-    o->ranks = *ranks > 0 ? *ranks : std::max(1, visible_cuda_devices());
     if (*ranks < 0) throw UsageError(fmt::format("--ranks {}: must be >= 1", *ranks));
-    if (o->launcher != "mpirun")
-      throw UsageError(fmt::format("--launcher {}: keel run launches with mpirun (srun: run keel run inside the "
-                                   "allocation with --launcher mpirun)",
-                                   o->launcher));
+    if (o->launcher != "mpirun" && o->launcher != "srun")
+      throw UsageError(fmt::format("--launcher {}: must be mpirun or srun", o->launcher));
+    if (o->launcher == "srun" && !o->hosts.empty())
+      throw UsageError(fmt::format("--hosts {}: srun runs on the Slurm allocation's nodes; --hosts is mpirun's",
+                                   o->hosts));
+    const char* ntasks = std::getenv("SLURM_NTASKS");
+    if (*ranks > 0) o->ranks = *ranks;
+    else if (o->launcher == "srun" && ntasks && std::atoi(ntasks) > 0) o->ranks = std::atoi(ntasks);
+    else o->ranks = std::max(1, visible_cuda_devices());
     if (o->max_restarts < 0) throw UsageError(fmt::format("--max-restarts {}: must be >= 0", o->max_restarts));
     for (const auto& [v, name] : {std::pair{o->hang_factor, "--hang-factor"}, std::pair{o->min_deadline, "--min-deadline"},
                                   std::pair{o->start_deadline, "--start-deadline"}, std::pair{o->backoff, "--backoff"},

@@ -152,7 +152,7 @@ Preflight run_preflight(const std::string& exe, const std::vector<std::string>& 
   const std::string mem = cuda ? "--min 1G --max 1G" : "--min 64M --max 64M";
   const std::string d = quoted(dir), k = quoted(exe);
   const std::string script = fmt::format(
-      "r={0}; hostname > {1}/host.$r && "
+      "r={0}; echo \"${{SLURMD_NODENAME:-$(hostname)}}\" > {1}/host.$r && "
       "{2} bench gemm {3} --device {4} -w 2 --iters 5 --no-check -q --json {1}/gemm.$r.json && "
       "{2} bench mem --op triad {5} --device {4} -n 5 -q --json {1}/mem.$r.json",
       rank_var, d, k, gemm, cuda ? local_var : "0", mem);
@@ -213,7 +213,7 @@ std::vector<Excluded> load_excluded(const std::string& path) {
     const nlohmann::json j = nlohmann::json::parse(f);
     for (const auto& e : j.at("excluded"))
       out.push_back({e.at("host").get<std::string>(), e.at("gpu").get<std::string>(), e.value("device", ""),
-                     e.value("reason", ""), e.value("attempt", 0)});
+                     e.value("reason", ""), e.value("attempt", 0), e.value("ranks", 0)});
   } catch (const std::exception& e) {
     fail("run: the bad list {} is not one (JSON with an 'excluded' list of host, gpu): {}; move it aside to start "
          "with every device",
@@ -226,7 +226,8 @@ void save_excluded(const std::string& path, const std::vector<Excluded>& list) {
   nlohmann::json j = {{"excluded", nlohmann::json::array()}};
   for (const auto& e : list)
     j["excluded"].push_back(
-        {{"host", e.host}, {"gpu", e.gpu}, {"device", e.device}, {"reason", e.reason}, {"attempt", e.attempt}});
+        {{"host", e.host}, {"gpu", e.gpu}, {"device", e.device}, {"reason", e.reason}, {"attempt", e.attempt},
+         {"ranks", e.ranks}});
   const std::string tmp = path + ".tmp";
   {
     std::ofstream f(tmp);

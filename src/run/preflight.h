@@ -66,6 +66,7 @@ nlohmann::json preflight_event(const Preflight& p, int attempt);
 struct Excluded {
   std::string host, gpu, device, reason;
   int attempt = 0;
+  int ranks = 0;  // a job on several nodes takes the whole node out (gpu empty): the ranks it ran
 };
 // The list (empty when the file does not exist); keel::Error naming the file when it is not one.
 std::vector<Excluded> load_excluded(const std::string& path);

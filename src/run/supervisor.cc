@@ -33,6 +33,7 @@
 #include "common/host.h"
 #include "device/cuda_devices.h"
 #include "run/child.h"
+#include "run/nodes.h"
 #include "train/train_config.h"
 
 namespace keel::run {
@@ -232,7 +233,39 @@ int run(const Options& o) {
     return "";
   };
   std::vector<std::string> shrink_sets;
+  // Several nodes (--hosts, srun): a failing device takes its node out; the launch leaves the
+  // excluded nodes out (nodes.h).
+  const bool multi_node = !o.hosts.empty() || o.launcher == "srun";
+  if (!o.hosts.empty()) read_hostfile(o.hosts);  // one line now when it cannot be read
+  std::vector<std::string> nodes_out;  // excluded nodes, in order
+  std::string hostfile = o.hosts;      // the next attempt's (without them)
   const auto apply_excluded = [&] {
+    if (multi_node) {
+      int gone_ranks = 0;
+      nodes_out.clear();
+      for (const auto& e : excluded) {
+        if (std::find(nodes_out.begin(), nodes_out.end(), e.host) != nodes_out.end()) continue;
+        if (e.ranks <= 0)
+          throw Error(fmt::format("run: the bad list {} names a device of host {} (from a job on one node); a job on "
+                                  "several nodes takes whole nodes out: move the bad list aside",
+                                  bad_list, e.host));
+        nodes_out.push_back(e.host);
+        gone_ranks += e.ranks;
+      }
+      if (nodes_out.empty()) return;
+      ranks = o.ranks - gone_ranks;
+      const std::string why = cannot_run_on(ranks);
+      if (!why.empty())
+        throw Error(fmt::format("run: without the {} excluded node(s) (bad list {}) the job cannot run: {}; move the "
+                                "bad list aside or change the layout",
+                                nodes_out.size(), bad_list, why));
+      shrink_sets = {"parallel.data=" + std::to_string(ranks / model_ranks)};
+      if (!o.hosts.empty()) {
+        hostfile = (out_dir / "run_hostfile").string();
+        write_hostfile_without(o.hosts, nodes_out, hostfile);
+      }
+      return;
+    }
     int gone = 0;
     ids = gpu_ids;
     for (const auto& e : excluded) {
@@ -245,10 +278,6 @@ int run(const Options& o) {
       ++gone;
     }
     if (gone == 0) return;
-    if (!o.hosts.empty())
-      throw Error(fmt::format("run: {} device(s) of host {} are on the bad list {}; keel run excludes devices on one "
-                              "node only: run without --hosts, or take them out of the host file",
-                              gone, this_host, bad_list));
     ranks = o.ranks - gone;
     if (cuda) ranks = std::min(ranks, static_cast<int>(ids.size()));
     const int dp = ranks / model_ranks;
@@ -265,7 +294,10 @@ int run(const Options& o) {
     }
   };
   apply_excluded();
-  if (ranks != o.ranks)
+  if (ranks != o.ranks && multi_node)
+    std::printf("keel run: %zu node(s) on the bad list %s: the job runs on %d rank%s\n", nodes_out.size(),
+                bad_list.c_str(), ranks, ranks == 1 ? "" : "s");
+  else if (ranks != o.ranks)
     std::printf("keel run: %d device(s) on the bad list %s: the job runs on %d rank%s\n", o.ranks - ranks,
                 bad_list.c_str(), ranks, ranks == 1 ? "" : "s");
   events.write({{"event", "start"}, {"config", o.config}, {"ranks", ranks}, {"steps", cfg.steps}});
@@ -274,11 +306,7 @@ int run(const Options& o) {
     std::error_code ec;
     fs::remove_all(beats_dir, ec);
     fs::create_directories(beats_dir, ec);
-    std::vector<std::string> argv;
-    if (ranks > 1) {
-      argv = {o.launcher, "-np", std::to_string(ranks), "--oversubscribe", "--bind-to", "none"};
-      if (!o.hosts.empty()) argv.insert(argv.end(), {"--hostfile", o.hosts});
-    }
+    std::vector<std::string> argv = launch_args(o.launcher, ranks, hostfile, nodes_out);
     if (o.preflight.enabled) {
       std::vector<int> injected;
       for (const auto& f : health)
@@ -293,28 +321,36 @@ int run(const Options& o) {
       std::fflush(stdout);
       if (!p.failures.empty()) {
         // the ranks' devices out of the job, on the bad list; or a stop (nothing lost)
-        const bool shrink = o.exclude && !p.failed_ranks.empty() && !p.comm_failed && o.hosts.empty();
+        const bool shrink = o.exclude && !p.failed_ranks.empty() && !p.comm_failed;
         if (!shrink) {
           events.write({{"event", "give_up"}, {"restarts", restarts}, {"last_fault", "preflight"}, {"detail", p.failures.front()}});
           throw Error(fmt::format("run: the pre-flight health gate failed before attempt {}: {}{}; {} (nothing was "
                                   "lost: the checkpoints stay)",
                                   attempt, p.failures.front(),
                                   p.failures.size() > 1 ? fmt::format(" (and {} more)", p.failures.size() - 1) : "",
-                                  !o.exclude        ? "--no-exclude: stopping"
-                                  : o.hosts.empty() ? "not a rank's device: stopping"
-                                                    : "keel run excludes devices on one node only: stopping"));
+                                  !o.exclude ? "--no-exclude: stopping" : "not a rank's device: stopping"));
         }
+        std::map<std::string, int> on_host;  // ranks per node, as the gate found them
+        for (const RankHealth& h : p.ranks) ++on_host[h.host];
         for (int r : p.failed_ranks) {
           const RankHealth& h = p.ranks[static_cast<std::size_t>(r)];
-          Excluded e{h.host, cuda && r < static_cast<int>(ids.size()) ? ids[static_cast<std::size_t>(r)] : "", h.device,
-                     "", attempt};
+          if (multi_node && std::any_of(excluded.begin(), excluded.end(),
+                                        [&](const Excluded& x) { return x.host == h.host && x.attempt == attempt; }))
+            continue;  // its node is out already
+          Excluded e{h.host,
+                     !multi_node && cuda && r < static_cast<int>(ids.size()) ? ids[static_cast<std::size_t>(r)] : "",
+                     h.device, "", attempt, multi_node ? on_host[h.host] : 0};
           for (const auto& f : p.failures)
             if (f.rfind(fmt::format("rank {} ", r), 0) == 0) e.reason += (e.reason.empty() ? "" : "; ") + f;
           excluded.push_back(e);
           events.write({{"event", "exclude"}, {"attempt", attempt}, {"rank", r}, {"host", e.host}, {"gpu", e.gpu},
-                        {"device", e.device}, {"reason", e.reason}});
-          std::printf("keel run: excluding rank %d's device (host %s%s): it failed the pre-flight gate\n", r,
-                      e.host.c_str(), e.gpu.empty() ? "" : fmt::format(", GPU {}", e.gpu).c_str());
+                        {"device", e.device}, {"reason", e.reason}, {"node_ranks", e.ranks}});
+          if (multi_node)
+            std::printf("keel run: excluding node %s (%d rank%s): rank %d failed the pre-flight gate\n", e.host.c_str(),
+                        e.ranks, e.ranks == 1 ? "" : "s", r);
+          else
+            std::printf("keel run: excluding rank %d's device (host %s%s): it failed the pre-flight gate\n", r,
+                        e.host.c_str(), e.gpu.empty() ? "" : fmt::format(", GPU {}", e.gpu).c_str());
         }
         save_excluded(bad_list, excluded);
         apply_excluded();
@@ -422,19 +458,24 @@ int run(const Options& o) {
                       {"busy_seconds", x->busy}, {"others_busy_seconds", x->others}});
         // --exclude-stragglers: its device out of the job, which saves at its next step and
         // resumes on the others (when it can run on them)
-        if (o.exclude_stragglers && !stopping && o.hosts.empty() && b.host == this_host) {
-          const std::string why = cannot_run_on(ranks - 1);
+        if (o.exclude_stragglers && !stopping && (multi_node || b.host == this_host)) {
+          int node_ranks = 0;  // several nodes: its node's ranks leave with it
+          if (multi_node)
+            for (const auto& [q, qb] : beats) node_ranks += qb.host == b.host ? 1 : 0;
+          const std::string why = cannot_run_on(ranks - (multi_node ? node_ranks : 1));
           if (!why.empty()) {
             std::printf("keel run: the straggler stays: without it %s\n", why.c_str());
             continue;
           }
-          straggler_out = Excluded{b.host, cuda && r < static_cast<int>(ids.size()) ? ids[static_cast<std::size_t>(r)] : "",
+          straggler_out = Excluded{b.host,
+                                   !multi_node && cuda && r < static_cast<int>(ids.size()) ? ids[static_cast<std::size_t>(r)] : "",
                                    "", fmt::format("rank {} straggled: {:.3f} s of its own work per step against {:.3f} s",
                                                    r, x->busy, x->others),
-                                   attempt};
+                                   attempt, multi_node ? node_ranks : 0};
           straggler_rank = r;
           stopping = true, stop_at = Clock::now();
-          std::printf("keel run: taking rank %d's device out: the job saves at its next step and resumes without it\n", r);
+          std::printf("keel run: taking rank %d's %s out: the job saves at its next step and resumes without it\n", r,
+                      multi_node ? fmt::format("node ({})", b.host).c_str() : "device");
           std::fflush(stdout);
           bool told = false;
           for (const auto& [q, qb] : beats)
@@ -523,13 +564,14 @@ int run(const Options& o) {
       excluded.push_back(*straggler_out);
       save_excluded(bad_list, excluded);
       events.write({{"event", "exclude"}, {"attempt", attempt}, {"rank", straggler_rank}, {"host", straggler_out->host},
-                    {"gpu", straggler_out->gpu}, {"reason", straggler_out->reason}, {"step", reached},
+                    {"gpu", straggler_out->gpu}, {"reason", straggler_out->reason}, {"node_ranks", straggler_out->ranks},
+                    {"step", reached},
                     {"saved", done}});  // every rank's "done" heartbeat: written after its stop's save
       useful += median_of(step_times) * static_cast<double>(std::max<std::int64_t>(0, std::min(reached, latest_step(ckpt_root)) - resume));
       apply_excluded();
-      std::printf("keel run: rank %d's device is out (the bad list is %s): the job resumes on %d rank%s from step "
+      std::printf("keel run: rank %d's %s is out (the bad list is %s): the job resumes on %d rank%s from step "
                   "%lld\n",
-                  straggler_rank, bad_list.c_str(), ranks, ranks == 1 ? "" : "s",
+                  straggler_rank, multi_node ? "node" : "device", bad_list.c_str(), ranks, ranks == 1 ? "" : "s",
                   static_cast<long long>(latest_step(ckpt_root)));
       std::fflush(stdout);
       continue;

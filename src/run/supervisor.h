@@ -23,7 +23,9 @@
 // (batch.grad_accum over the data ranks left; the checkpoint reshards), when the layout still
 // divides; the device goes on the bad list (<output_dir>/run_excluded.json), which later keel
 // run invocations on the run apply from their start. With --no-exclude, or when the job cannot
-// shrink, the job stops before the attempt, nothing lost. One node only (--hosts: it stops).
+// shrink, the job stops before the attempt, nothing lost. On several nodes (--hosts, --launcher
+// srun) the failing device's whole node leaves (run/nodes.h): mpirun's host file without it,
+// srun --exclude.
 // With --exclude-stragglers a straggler's device is taken out the same way: the job saves at its
 // next step, stops, and the next attempt resumes on the other ranks (not a fault: no back-off).
 // Reported, not a fault (the job goes on):
@@ -56,7 +58,7 @@ struct Options {
   std::string config;                 // the keel train config
   std::vector<std::string> sets;      // --set overrides for every attempt
   int ranks = 1;                      // processes (one per GPU, or CPU ranks)
-  std::string launcher = "mpirun";    // how ranks > 1 start: mpirun
+  std::string launcher = "mpirun";    // how the ranks start: mpirun (ranks > 1), or srun (always)
   std::string hosts;                  // mpirun --hostfile (empty: this node)
   int max_restarts = 10;
   double hang_factor = 3.0, min_deadline = 10.0, start_deadline = 300.0;

@@ -216,8 +216,10 @@ TEST(Generate, Zaya1SlidingDecodeMatchesPrefillAndTrainingModel) {
 }
 
 // The window is live end to end: with the model's own RoPE in the sliding layers, positions
-// before the window fills (t < W) give the full-attention model's logits bit for bit, later
-// positions differ; decode over the window agrees with both.
+// before the window fills (t < W) give the full-attention model's logits to float rounding,
+// later positions differ; decode over the window agrees with both. Not bit for bit: where later
+// positions route to other experts, each expert's GEMM runs on other rows, and OpenBLAS's kernels
+// for some CPUs (AVX-512 on AMD EPYC) round a row differently with the row count (7e-7 seen).
 TEST(Generate, SlidingWindowChangesOnlyPositionsPastTheWindow) {
   const int B = 2, T = 9, W = 4;
   for (const model::ModelConfig& full_cfg : {gqa_config(2), zaya_config(2, 2)}) {
@@ -234,6 +236,8 @@ TEST(Generate, SlidingWindowChangesOnlyPositionsPastTheWindow) {
     Cache cf = full.make_cache(B, T), cs = sliding.make_cache(B, T);
     full.prefill(tokens.data(), T, cf, zf, /*all_positions=*/true);
     sliding.prefill(tokens.data(), T, cs, zs, /*all_positions=*/true);
+    const double rounding = 1e-6 * max_abs(zf);
+    ASSERT_LT(rounding, 2e-5) << cfg.name << ": rounding must stay far below a window's effect";
     for (int b = 0; b < B; ++b)
       for (int t = 0; t < T; ++t) {
         double diff = 0;
@@ -242,7 +246,7 @@ TEST(Generate, SlidingWindowChangesOnlyPositionsPastTheWindow) {
           diff = std::max(diff, double(std::fabs(zs[i] - zf[i])));
         }
         if (t < W)
-          EXPECT_EQ(diff, 0.0) << cfg.name << " position " << t << " sees no more than its window";
+          EXPECT_LE(diff, rounding) << cfg.name << " position " << t << " sees no more than its window";
         else
           EXPECT_GT(diff, 1e-4) << cfg.name << " position " << t << ": the window was ignored";
       }

@@ -89,12 +89,12 @@ def events(out):
     return [json.loads(l) for l in open(os.path.join(out, "run_events.jsonl"))]
 
 
-def keel_run(name, *extra, expect=0):
+def keel_run(name, *extra, expect=0, env=None):
     out = os.path.join(WORK, name)
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.time()
     r = subprocess.run([KEEL, "run", CONFIG, "--ranks", "2", "--backoff", "0", *sets(out), *extra],
-                       capture_output=True, text=True, env=ENV, timeout=300)
+                       capture_output=True, text=True, env=env or ENV, timeout=300)
     print(f"-- keel run {name}: exit {r.returncode} in {time.time() - t0:.1f} s")
     for line in r.stdout.splitlines():
         if line.startswith("keel run:") or "fault injection" in line:
@@ -287,6 +287,48 @@ check(len(pf) == 1 and not pf[0]["ok"] and pf[0]["ranks"][1]["injected"], f"pref
 check(len(errors) == 1 and re.search(r"pre-flight health gate failed before attempt 1: rank 1 \(host .+\): GEMM", errors[0])
       is not None, f"preflight_fail: one error line naming rank 1 and its host ({errors})")
 check(not os.path.exists(os.path.join(out, "metrics.jsonl")), "preflight_fail: no training started")
+
+# several nodes under Slurm, through a stand-in srun (tests/run/fake_srun.sh: the tasks run
+# under mpiexec here, each told its node's name, n1 and n2, as slurmd does): the gate passes and
+# the job trains as the reference; rank 1's check failing (on n2) takes node n2 out, and the
+# next attempt runs `srun --ntasks=1 --exclude=n2`, the global batch kept; the bad list holds the
+# node and its rank count, and a later keel run leaves n2 out from its start
+fake_bin = os.path.join(WORK, "fake_slurm_bin")
+os.makedirs(fake_bin, exist_ok=True)
+srun = os.path.join(fake_bin, "srun")
+if not os.path.exists(srun):
+    os.symlink(os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_srun.sh"), srun)
+slurm_log = os.path.join(WORK, "fake_srun.log")
+SLURM_ENV = dict(ENV, PATH=fake_bin + os.pathsep + ENV["PATH"], FAKE_SLURM_NODES="n1 n2", FAKE_SLURM_LOG=slurm_log)
+open(slurm_log, "w").close()
+out, r = keel_run("slurm", "--launcher", "srun", "--preflight", "--preflight-fraction", "0.2", env=SLURM_ENV)
+pf = [e for e in events(out) if e["event"] == "preflight"]
+check(len(pf) == 1 and pf[0]["ok"] and [x["host"] for x in pf[0]["ranks"]] == ["n1", "n2"],
+      f"slurm: the gate passes on both nodes, each rank named by its node ({pf})")
+check(losses(out) == ref, "slurm: the job trains as the reference, bit for bit")
+open(slurm_log, "w").close()
+out, r = keel_run("slurm_exclude", "--launcher", "srun", "--preflight", "--preflight-fraction", "0.2", "--inject",
+                  "health@1:r1", env=SLURM_ENV)
+ex = [e for e in events(out) if e["event"] == "exclude"]
+check(len(ex) == 1 and ex[0]["host"] == "n2" and ex[0]["node_ranks"] == 1 and ex[0]["gpu"] == "",
+      f"slurm_exclude: node n2 out, with its one rank ({ex})")
+check(re.search(r"^keel run: excluding node n2 \(1 rank\): rank 1 failed the pre-flight gate$", r.stdout, re.M)
+      is not None, "slurm_exclude: one line names the node")
+calls = open(slurm_log).read().splitlines()
+check(calls and calls[0] == "ntasks=2 exclude=" and calls[-1] == "ntasks=1 exclude=n2",
+      f"slurm_exclude: the gate on 2 tasks, then srun --ntasks=1 --exclude=n2 ({calls})")
+got, want = ces(out), ces(ref_out)
+check(sorted(got) == sorted(want) and abs(got[1] - want[1]) <= 1e-5 * want[1],
+      "slurm_exclude: trains every step on the node left, the global batch kept (step 1's cross-entropy)")
+bad = json.load(open(os.path.join(out, "run_excluded.json")))["excluded"]
+check(len(bad) == 1 and bad[0]["host"] == "n2" and bad[0]["ranks"] == 1, f"slurm_exclude: the bad list holds n2 ({bad})")
+open(slurm_log, "w").close()
+r = subprocess.run([KEEL, "run", CONFIG, "--ranks", "2", "--backoff", "0", *sets(out), "--set", "steps=18",
+                    "--launcher", "srun"], capture_output=True, text=True, env=SLURM_ENV, timeout=300)
+calls = open(slurm_log).read().splitlines()
+check(r.returncode == 0 and re.search(r"^keel run: 1 node\(s\) on the bad list .*: the job runs on 1 rank$", r.stdout,
+                                      re.M) is not None and calls == ["ntasks=1 exclude=n2"] and len(losses(out)) == 18,
+      f"slurm_exclude: a later keel run leaves n2 out from its start ({r.returncode}, {calls}, {r.stdout[-500:]})")
 
 # SIGTERM
 out = os.path.join(WORK, "stop")

@@ -9,8 +9,13 @@ keel_cli_test(NAME run_bad_hang_factor EXIT 1 MATCH "--hang-factor 0.5: must be 
   ARGS run ${rcfg} --hang-factor 0.5)
 keel_cli_test(NAME run_bad_straggler_factor EXIT 1 MATCH "--straggler-factor 1: must be above 1 \\(or 0: off\\)"
   ARGS run ${rcfg} --straggler-factor 1)
-keel_cli_test(NAME run_bad_launcher EXIT 1 MATCH "--launcher srun: keel run launches with mpirun"
-  ARGS run ${rcfg} --launcher srun)
+keel_cli_test(NAME run_bad_launcher EXIT 1 MATCH "^keel: error: --launcher slurm: must be mpirun or srun$"
+  ARGS run ${rcfg} --launcher slurm)
+keel_cli_test(NAME run_srun_takes_no_hosts EXIT 1
+  MATCH "^keel: error: --hosts hosts.txt: srun runs on the Slurm allocation's nodes; --hosts is mpirun's$"
+  ARGS run ${rcfg} --launcher srun --hosts hosts.txt)
+keel_cli_test(NAME run_bad_hosts_file EXIT 1 MATCH "^keel: error: run: --hosts no_such_hosts.txt: cannot read the host file$"
+  ARGS run ${rcfg} --set device=cpu --hosts no_such_hosts.txt)
 keel_cli_test(NAME run_bad_inject EXIT 1 MATCH "--inject kil@3: unknown fault 'kil'"
   ARGS run ${rcfg} --inject kil@3)
 keel_cli_test(NAME run_inside_a_launcher_is_refused NP 2 EXIT 1
