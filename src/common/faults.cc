@@ -56,8 +56,9 @@ Fault parse_one(const std::string& word, const std::string& flag) {
   else if (kind == "spike") f.kind = Fault::Kind::kSpike;
   else if (kind == "diskfull") f.kind = Fault::Kind::kDiskFull;
   else if (kind == "health") f.kind = Fault::Kind::kHealth;
-  else throw bad(fmt::format("unknown fault '{}' (kill, exit, hang, slow, nan, spike, diskfull, health)", kind));
-  const bool slow = f.kind == Fault::Kind::kSlow;
+  else if (kind == "slowgpu") f.kind = Fault::Kind::kSlowGpu;
+  else throw bad(fmt::format("unknown fault '{}' (kill, exit, hang, slow, nan, spike, diskfull, health, slowgpu)", kind));
+  const bool slow = f.kind == Fault::Kind::kSlow || f.kind == Fault::Kind::kSlowGpu;
   const std::vector<std::string> fields = split(word.substr(at + 1), ':');
 
   auto step = [&](const std::string& s) {
@@ -68,7 +69,7 @@ Fault parse_one(const std::string& word, const std::string& flag) {
   };
   const std::string& steps = fields[0];
   if (const std::size_t dash = steps.find('-'); dash != std::string::npos && dash > 0) {
-    if (!slow) throw bad(fmt::format("a step range is for slow only ({} fires at one step)", kind));
+    if (!slow) throw bad(fmt::format("a step range is for slow and slowgpu only ({} fires at one step)", kind));
     f.first_step = step(steps.substr(0, dash));
     f.last_step = step(steps.substr(dash + 1));
     if (f.last_step < f.first_step)
@@ -101,6 +102,10 @@ Fault parse_one(const std::string& word, const std::string& flag) {
         if (!parse_int(x, v) || v > 86'400'000) throw bad(fmt::format("'{}' is not milliseconds (0-86400000)", x));
         f.sleep_ms = v;
         break;
+      case Fault::Kind::kSlowGpu:
+        if (!parse_int(x, v) || v < 2 || v > 1000) throw bad(fmt::format("'{}' is not a slowdown factor (2-1000)", x));
+        f.repeats = static_cast<int>(v);
+        break;
       case Fault::Kind::kSpike: {
         char* end = nullptr;
         f.factor = std::strtod(x.c_str(), &end);
@@ -131,6 +136,10 @@ void FaultPlan::before_step(std::int64_t step, int rank) const {
                  static_cast<long long>(step));
     std::fflush(stderr);
   };
+  for (const Fault& f : faults)
+    if (f.kind == Fault::Kind::kSlowGpu && due(f) && step == f.first_step)
+      say(fmt::format("runs its device canary's GEMM {} times (a GPU {} times slower) to step {}", f.repeats, f.repeats,
+                      f.last_step));
   for (const Fault& f : faults)
     if (f.kind == Fault::Kind::kSlow && due(f)) {
       say(fmt::format("sleeps {} ms", f.sleep_ms));
@@ -169,6 +178,11 @@ bool FaultPlan::nan_at(std::int64_t step, int rank) const { return due_at(faults
 double FaultPlan::loss_factor_at(std::int64_t step, int rank) const {
   const Fault* f = due_at(faults, Fault::Kind::kSpike, step, rank);
   return f ? f->factor : 1.0;
+}
+
+int FaultPlan::canary_repeats_at(std::int64_t step, int rank) const {
+  const Fault* f = due_at(faults, Fault::Kind::kSlowGpu, step, rank);
+  return f ? f->repeats : 1;
 }
 
 bool FaultPlan::disk_full_at(std::int64_t step, int rank) const {

@@ -14,6 +14,9 @@
 //                          before the reduction over ranks (the trainer asks loss_factor_at)
 //   diskfull@S[:rR]        rank R's write of the checkpoint of step S fails as with ENOSPC
 //                          (nothing when step S saves no checkpoint; the trainer asks disk_full_at)
+//   slowgpu@S[-E][:rR][:F] at steps S..E rank R's device canary (keel run's GPU straggler check:
+//                          TrainBackend::device_canary_seconds) runs its GEMM F times (default 4),
+//                          as a throttled GPU would take F times as long (GPUs only)
 //   health@A[:rR]          keel run's pre-flight health check before attempt A finds rank R's
 //                          GEMM and memory figures at a hundredth of what it measured (a failing
 //                          GPU; keel run's gate, run/preflight.h: keel train ignores it)
@@ -27,7 +30,7 @@
 namespace keel {
 
 struct Fault {
-  enum class Kind { kKill, kExit, kHang, kSlow, kNan, kSpike, kDiskFull, kHealth };
+  enum class Kind { kKill, kExit, kHang, kSlow, kNan, kSpike, kDiskFull, kHealth, kSlowGpu };
   Kind kind = Kind::kKill;
   std::int64_t first_step = 1, last_step = 1;  // the steps it fires at, inclusive (a range for slow only;
                                                // health: the attempt)
@@ -35,6 +38,7 @@ struct Fault {
   int exit_code = 3;                           // exit
   std::int64_t sleep_ms = 500;                 // slow
   double factor = 100;                         // spike
+  int repeats = 4;                             // slowgpu
   std::string spec;                            // the word it was parsed from ("kill@3:r1"), for messages
 };
 
@@ -53,10 +57,12 @@ struct FaultPlan {
   double loss_factor_at(std::int64_t step, int rank) const;
   // Whether world rank `rank`'s write of the checkpoint of step `step` is to fail as on a full disk.
   bool disk_full_at(std::int64_t step, int rank) const;
+  // How many times world rank `rank`'s device canary runs its GEMM at step `step` (1: no fault).
+  int canary_repeats_at(std::int64_t step, int rank) const;
 };
 
 // Parses a spec (above). A malformed word is a keel::UsageError of one line naming it:
-// "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health)" (`flag`
+// "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health, slowgpu)" (`flag`
 // names the source).
 FaultPlan parse_faults(const std::string& spec, const std::string& flag = "--inject");
 

@@ -61,6 +61,7 @@ struct Beat {
   int rank = -1, pid = 0, world = 0;
   std::int64_t step = 0;
   double time = 0, step_seconds = 0, wait_seconds = 0;
+  double device_seconds = 0;  // the device canary's time (GPUs; 0: none)
   std::string phase, host;
 };
 
@@ -78,6 +79,7 @@ std::map<int, Beat> read_beats(const fs::path& dir) {
     b.step = j.value("step", std::int64_t{0});
     b.time = j.value("time", 0.0), b.step_seconds = j.value("step_seconds", 0.0);
     b.wait_seconds = j.value("wait_seconds", 0.0);
+    b.device_seconds = j.value("device_seconds", 0.0);
     b.phase = j.value("phase", std::string()), b.host = j.value("host", std::string());
     if (b.rank >= 0) out[b.rank] = b;
   }
@@ -415,6 +417,9 @@ int run(const Options& o) {
     std::int64_t seen_step = resume;
     std::map<int, Beat> beats;
     StragglerWatch stragglers(o.straggler);
+    StragglerOptions device_options = o.straggler;
+    device_options.min_gap = 0;  // the canary takes tens of microseconds: the factor alone
+    StragglerWatch device_stragglers(device_options);
     while (!exited) {
       std::this_thread::sleep_for(std::chrono::duration<double>(o.poll));
       drain();
@@ -445,43 +450,56 @@ int run(const Options& o) {
           seen_step = b.step;
           step_times.push_back(b.step_seconds);
         }
-      // a straggler: reported, and the job goes on
+      // a straggler: reported, and the job goes on; with --exclude-stragglers its device (or
+      // node) out of the job, which saves at its next step and resumes on the others (when it
+      // can run on them). Two watches: the rank's own work per step (host-side slowness) and, on
+      // GPUs, its device canary (a GPU's own slowness, which the step times cannot show).
+      const auto straggled = [&](int r, const Beat& b, const std::string& kind, const std::string& what) {
+        std::printf("keel run: rank %d (host %s, pid %d) is a %sstraggler: %s, %d steps in a row\n", r, b.host.c_str(),
+                    b.pid, kind == "device" ? "GPU " : "", what.c_str(), o.straggler.steps);
+        std::fflush(stdout);
+        if (!o.exclude_stragglers || stopping || !(multi_node || b.host == this_host)) return false;
+        int node_ranks = 0;  // several nodes: its node's ranks leave with it
+        if (multi_node)
+          for (const auto& [q, qb] : beats) node_ranks += qb.host == b.host ? 1 : 0;
+        const std::string why = cannot_run_on(ranks - (multi_node ? node_ranks : 1));
+        if (!why.empty()) {
+          std::printf("keel run: the straggler stays: without it %s\n", why.c_str());
+          return false;
+        }
+        straggler_out = Excluded{b.host,
+                                 !multi_node && cuda && r < static_cast<int>(ids.size()) ? ids[static_cast<std::size_t>(r)] : "",
+                                 "", fmt::format("rank {} straggled: {}", r, what), attempt, multi_node ? node_ranks : 0};
+        straggler_rank = r;
+        stopping = true, stop_at = Clock::now();
+        std::printf("keel run: taking rank %d's %s out: the job saves at its next step and resumes without it\n", r,
+                    multi_node ? fmt::format("node ({})", b.host).c_str() : "device");
+        std::fflush(stdout);
+        bool told = false;
+        for (const auto& [q, qb] : beats)
+          if (qb.pid > 0 && qb.host == host_name()) told |= kill(qb.pid, SIGTERM) == 0;
+        if (!told) kill(-child.pid, SIGTERM);
+        return true;
+      };
       for (const auto& [r, b] : beats) {
         if (b.phase != "step") continue;
-        const auto x = stragglers.add(r, b.step, b.step_seconds, b.wait_seconds, b.world);
-        if (!x) continue;
-        std::printf("keel run: rank %d (host %s, pid %d) is a straggler: %.3f s of its own work per step against %.3f s "
-                    "for the other ranks, %d steps in a row to step %lld\n",
-                    r, b.host.c_str(), b.pid, x->busy, x->others, o.straggler.steps, static_cast<long long>(x->step));
-        std::fflush(stdout);
-        events.write({{"event", "straggler"}, {"rank", r}, {"host", b.host}, {"pid", b.pid}, {"step", x->step},
-                      {"busy_seconds", x->busy}, {"others_busy_seconds", x->others}});
-        // --exclude-stragglers: its device out of the job, which saves at its next step and
-        // resumes on the others (when it can run on them)
-        if (o.exclude_stragglers && !stopping && (multi_node || b.host == this_host)) {
-          int node_ranks = 0;  // several nodes: its node's ranks leave with it
-          if (multi_node)
-            for (const auto& [q, qb] : beats) node_ranks += qb.host == b.host ? 1 : 0;
-          const std::string why = cannot_run_on(ranks - (multi_node ? node_ranks : 1));
-          if (!why.empty()) {
-            std::printf("keel run: the straggler stays: without it %s\n", why.c_str());
-            continue;
-          }
-          straggler_out = Excluded{b.host,
-                                   !multi_node && cuda && r < static_cast<int>(ids.size()) ? ids[static_cast<std::size_t>(r)] : "",
-                                   "", fmt::format("rank {} straggled: {:.3f} s of its own work per step against {:.3f} s",
-                                                   r, x->busy, x->others),
-                                   attempt, multi_node ? node_ranks : 0};
-          straggler_rank = r;
-          stopping = true, stop_at = Clock::now();
-          std::printf("keel run: taking rank %d's %s out: the job saves at its next step and resumes without it\n", r,
-                      multi_node ? fmt::format("node ({})", b.host).c_str() : "device");
-          std::fflush(stdout);
-          bool told = false;
-          for (const auto& [q, qb] : beats)
-            if (qb.pid > 0 && qb.host == host_name()) told |= kill(qb.pid, SIGTERM) == 0;
-          if (!told) kill(-child.pid, SIGTERM);
-          break;
+        if (const auto x = stragglers.add(r, b.step, b.step_seconds, b.wait_seconds, b.world)) {
+          events.write({{"event", "straggler"}, {"kind", "host"}, {"rank", r}, {"host", b.host}, {"pid", b.pid},
+                        {"step", x->step}, {"busy_seconds", x->busy}, {"others_busy_seconds", x->others}});
+          if (straggled(r, b, "host",
+                        fmt::format("{:.3f} s of its own work per step against {:.3f} s for the other ranks, to step {}",
+                                    x->busy, x->others, x->step)))
+            break;
+        }
+        if (b.device_seconds <= 0) continue;
+        if (const auto x = device_stragglers.add(r, b.step, b.device_seconds, 0.0, b.world)) {
+          events.write({{"event", "straggler"}, {"kind", "device"}, {"rank", r}, {"host", b.host}, {"pid", b.pid},
+                        {"step", x->step}, {"device_seconds", x->busy}, {"others_device_seconds", x->others}});
+          if (straggled(r, b, "device",
+                        fmt::format("its device takes {:.3f} ms for the canary GEMM against {:.3f} ms on the other "
+                                    "ranks' devices, to step {}",
+                                    1e3 * x->busy, 1e3 * x->others, x->step)))
+            break;
         }
       }
       // a rank whose process is gone (same host: its pid)

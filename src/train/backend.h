@@ -155,6 +155,16 @@ class TrainBackend {
     std::size_t bytes = 0;
   };
   virtual std::vector<MemoryItem> memory_breakdown() const = 0;
+  // Seconds this rank's device takes for a fixed piece of work, timed on the device after the
+  // step's work (keel run's GPU straggler check: a GPU whose own speed drops shows here, where
+  // the step time cannot show it, every rank waiting for the slowest in the collectives). The
+  // CUDA backend enqueues a bf16 GEMM between CUDA events, `repeats` times (fault injection: a
+  // throttled GPU), and returns the previous call's time (0 at the first: the host never waits
+  // for it); 0 where there is no such device (the CPU). repeats 0: only takes its buffers.
+  virtual double device_canary_seconds(int repeats) {
+    (void)repeats;
+    return 0;
+  }
   std::size_t memory_bytes() const {
     std::size_t sum = 0;
     for (const auto& it : memory_breakdown()) sum += it.bytes;

@@ -545,8 +545,12 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
     } else {
       commit_when_written();
     }
-    heartbeat("step", std::chrono::duration<double>(clock::now() - step_start).count(),
-              peer_wait_seconds() - waited_before);
+    const double step_seconds = std::chrono::duration<double>(clock::now() - step_start).count();
+    const double waited = peer_wait_seconds() - waited_before;
+    // keel run's GPU straggler check: the device's own speed, timed after the step (heartbeats only)
+    const double device = heartbeat_dir_.empty() ? 0.0
+                                                 : backend_->device_canary_seconds(faults_.canary_repeats_at(step_, mesh_.rank()));
+    heartbeat("step", step_seconds, waited, device);
     std::fflush(stdout);
   }
   // Stopped before the schedule's end (--stop-after, or a signal in a run that saves
@@ -562,7 +566,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
   return out;
 }
 
-void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seconds) {
+void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seconds, double device_seconds) {
   if (heartbeat_dir_.empty()) return;
   namespace fs = std::filesystem;
   last_step_seconds_ = step_seconds;
@@ -572,6 +576,7 @@ void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seco
   j["time"] = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   j["step_seconds"] = step_seconds;
   j["wait_seconds"] = wait_seconds;  // of it, blocked on other ranks (PeerWait)
+  j["device_seconds"] = device_seconds;  // the device canary (0: none)
   j["phase"] = phase;
   if (heartbeat_host_.empty()) heartbeat_host_ = host_name();
   j["host"] = heartbeat_host_;

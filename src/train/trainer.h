@@ -106,7 +106,12 @@ class Trainer {
   // that step's checkpoint save) and at run()'s end (phase "done"): {"rank", "step", "time"
   // (unix seconds), "step_seconds", "phase", "host", "pid", "world"}. DIR is created when
   // missing; a failed write is one warning line, never an error.
-  void heartbeat_to(std::string dir) { heartbeat_dir_ = std::move(dir); }
+  // On GPUs the device canary's buffers are taken here (TrainBackend::device_canary_seconds), so
+  // the start-up memory line holds them.
+  void heartbeat_to(std::string dir) {
+    heartbeat_dir_ = std::move(dir);
+    backend_->device_canary_seconds(0);
+  }
   // keel train --skip-step S: just before step S runs, the loader skips one step's micro-batches
   // (the data of step S), and step S trains on the data that follows. Steps this run does not
   // execute (at or before the step it resumed from) skip nothing.
@@ -142,7 +147,7 @@ class Trainer {
   // The stop request of any rank, the same on every rank (collective over the world).
   int poll_stop();
   // Writes this rank's heartbeat file, if any (heartbeat_to()).
-  void heartbeat(const char* phase, double step_seconds, double wait_seconds = 0);
+  void heartbeat(const char* phase, double step_seconds, double wait_seconds = 0, double device_seconds = 0);
 
   TrainConfig cfg_;
   parallel::Mesh mesh_;

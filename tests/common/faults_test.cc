@@ -109,6 +109,18 @@ TEST(Faults, SpikeAndDiskFullMatchTheirStepAndRankOnly) {
   p.before_step(8, 1);
 }
 
+// slowgpu: the device canary's repeats over the range, on its rank only (the GPU straggler drill).
+TEST(Faults, SlowGpuRepeatsTheCanaryOverItsRangeOnItsRankOnly) {
+  const FaultPlan p = parse_faults("slowgpu@3-5:r1,slowgpu@7:r0:10");
+  EXPECT_EQ(p.canary_repeats_at(2, 1), 1);
+  EXPECT_EQ(p.canary_repeats_at(3, 1), 4);
+  EXPECT_EQ(p.canary_repeats_at(5, 1), 4);
+  EXPECT_EQ(p.canary_repeats_at(6, 1), 1);
+  EXPECT_EQ(p.canary_repeats_at(4, 0), 1);
+  EXPECT_EQ(p.canary_repeats_at(7, 0), 10);
+  p.before_step(4, 1);  // no step hook fires for it
+}
+
 TEST(Faults, UnionKeepsEveryFault) {
   FaultPlan p = parse_faults("nan@2");
   p.add(parse_faults("nan@5:r1,slow@1"));
@@ -143,8 +155,8 @@ TEST(Faults, KillAndExitEndTheProcess) {
 }
 
 TEST(Faults, MalformedSpecsAreOneLineNamingTheWord) {
-  EXPECT_EQ(error_of("kil@3"), "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health)");
-  EXPECT_EQ(error_of("kill@3,kil@4"), "--inject kil@4: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health)");
+  EXPECT_EQ(error_of("kil@3"), "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health, slowgpu)");
+  EXPECT_EQ(error_of("kill@3,kil@4"), "--inject kil@4: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health, slowgpu)");
   EXPECT_EQ(error_of("kill"), "--inject kill: expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1");
   EXPECT_EQ(error_of(""), "--inject '': an empty fault (expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1)");
   EXPECT_EQ(error_of("kill@3,"), "--inject '': an empty fault (expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1)");
@@ -165,14 +177,16 @@ TEST(Faults, MalformedSpecsAreOneLineNamingTheWord) {
   EXPECT_EQ(error_of("exit@3:-1"), "--inject exit@3:-1: '-1' is not an exit code (0-255)");
   EXPECT_EQ(error_of("exit@3:1:2"), "--inject exit@3:1:2: more than one argument");
   EXPECT_EQ(error_of("slow@3:fast"), "--inject slow@3:fast: 'fast' is not milliseconds (0-86400000)");
+  EXPECT_EQ(error_of("slowgpu@3:1"), "--inject slowgpu@3:1: '1' is not a slowdown factor (2-1000)");
+  EXPECT_EQ(error_of("slowgpu@3:x"), "--inject slowgpu@3:x: 'x' is not a slowdown factor (2-1000)");
   EXPECT_EQ(error_of("spike@3:0"), "--inject spike@3:0: '0' is not a loss factor (a number > 0)");
   EXPECT_EQ(error_of("spike@3:x"), "--inject spike@3:x: 'x' is not a loss factor (a number > 0)");
   EXPECT_EQ(error_of("spike@3:-2"), "--inject spike@3:-2: '-2' is not a loss factor (a number > 0)");
   EXPECT_EQ(error_of("spike@3:1e999"), "--inject spike@3:1e999: '1e999' is not a loss factor (a number > 0)");
   EXPECT_EQ(error_of("spike@3:5x"), "--inject spike@3:5x: '5x' is not a loss factor (a number > 0)");
   EXPECT_EQ(error_of("diskfull@3:2"), "--inject diskfull@3:2: diskfull takes no argument ('2'; a rank is written r2)");
-  EXPECT_EQ(error_of("spike@3-5"), "--inject spike@3-5: a step range is for slow only (spike fires at one step)");
-  EXPECT_EQ(error_of("kill@3-5"), "--inject kill@3-5: a step range is for slow only (kill fires at one step)");
+  EXPECT_EQ(error_of("spike@3-5"), "--inject spike@3-5: a step range is for slow and slowgpu only (spike fires at one step)");
+  EXPECT_EQ(error_of("kill@3-5"), "--inject kill@3-5: a step range is for slow and slowgpu only (kill fires at one step)");
   EXPECT_EQ(error_of("slow@5-3"), "--inject slow@5-3: the range 5-3 ends before it starts");
   EXPECT_EQ(error_of("slow@0-3"), "--inject slow@0-3: step 0: steps count from 1");
   EXPECT_EQ(error_of("slow@3-"), "--inject slow@3-: '' is not a step (a number >= 1)");
@@ -182,7 +196,7 @@ TEST(Faults, MalformedSpecsAreOneLineNamingTheWord) {
     parse_faults("oops@1", "keel run --inject");
     FAIL() << "no error";
   } catch (const UsageError& e) {
-    EXPECT_EQ(std::string(e.what()), "keel run --inject oops@1: unknown fault 'oops' (kill, exit, hang, slow, nan, spike, diskfull, health)");
+    EXPECT_EQ(std::string(e.what()), "keel run --inject oops@1: unknown fault 'oops' (kill, exit, hang, slow, nan, spike, diskfull, health, slowgpu)");
   }
 }
 

@@ -48,6 +48,17 @@ keel_cli_test(NAME run_train_loss_spike_tp NP 2 EXIT nonzero MATCH "step 8: loss
 keel_cli_test(NAME run_train_disk_full EXIT 1
   MATCH "^keel: error: checkpoint\\.dir run_cli/diskfull: save of step 4 failed on 1 rank\\(s\\), nothing committed, the previous checkpoint stays: rank 0: cannot write run_cli/diskfull/step_00000004/data_r00000_b0\\.bin: No space left on device; `latest` is step_00000002$"
   ARGS train ${rcfg} ${rshort} --set checkpoint.interval=2 --set output_dir=run_cli/diskfull --inject diskfull@4)
+# A GPU straggler on a GPU machine (skipped elsewhere): rank 1's device canary made 8 times
+# slower from step 2 (slowgpu: its GEMM runs 8 times) is named, with its kind, while the step
+# times cannot tell the ranks apart; 2 ranks, NCCL staged through MPI where they share a GPU.
+# Both ranks sleep 150 ms a step (so keel run, polling every 0.1 s, sees every heartbeat).
+keel_cli_test(NAME run_gpu_straggler GPUS "1+" MATCH "^keel run: rank 1 \\(host .*, pid [0-9]+\\) is a GPU straggler: its device takes"
+  NOT "rank 0 .* is a (GPU )?straggler|rank 1 .* is a straggler"
+  ARGS run ${rcfg} ${rshort} --ranks 2 --set device=cuda --set steps=30 --set batch.grad_accum=2 --set checkpoint.interval=0
+       --set output_dir=run_cli/gpu_straggler --straggler-steps 3
+       --inject slowgpu@10-30:r1:8 --inject slow@1-30:r0:150 --inject slow@1-30:r1:150)
+set_tests_properties(cli_run_gpu_straggler PROPERTIES ENVIRONMENT "KEEL_NCCL_OVER_MPI=1"
+                     FIXTURES_REQUIRED "train_stories;run_cli_clean")
 add_test(NAME run_cli_clean COMMAND ${CMAKE_COMMAND} -E rm -rf run_cli)
 set_tests_properties(run_cli_clean PROPERTIES FIXTURES_SETUP run_cli_clean)
 set_tests_properties(cli_run_train_loss_spike cli_run_train_loss_spike_tp cli_run_train_disk_full
