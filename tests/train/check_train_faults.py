@@ -59,7 +59,7 @@ def check(cond, what):
 
 
 def heartbeat(keel, stories, out, launcher):
-    keys = ["rank", "step", "time", "step_seconds", "wait_seconds", "phase", "host", "pid", "world"]
+    keys = ["rank", "step", "time", "step_seconds", "wait_seconds", "device_seconds", "phase", "host", "pid", "world"]
     world = 2 if launcher else 1
     hb = out + "_hb"
     shutil.rmtree(hb, ignore_errors=True)
@@ -72,6 +72,7 @@ def heartbeat(keel, stories, out, launcher):
         check(list(j) == keys, f"{path}: keys {list(j)}, expected {keys}")
         check(j["rank"] == r and j["world"] == world, f"{path}: rank/world {j['rank']}/{j['world']}")
         check(0 <= j["wait_seconds"] <= j["step_seconds"], f"{path}: waited {j['wait_seconds']} s of a {j['step_seconds']} s step")
+        check(j["device_seconds"] == 0, f"{path}: a device canary on CPU ranks ({j['device_seconds']} s)")
         check(j["phase"] == "done" and j["step"] == STEPS, f"{path}: phase {j['phase']} at step {j['step']}")
         check(began - 1 <= j["time"] <= time.time() + 1, f"{path}: time {j['time']} is not now")
         check(j["step_seconds"] > 0, f"{path}: step_seconds {j['step_seconds']}")
