@@ -282,22 +282,35 @@ MemoryEstimate estimate_memory(const Setup& s) {
       const double h = m.hidden;
       const double per_layer = s.recompute == Recompute::kFull ? (kFp32 - kBf16) * h : kFp32 * h;
       e.items.push_back({"fp32 residual stream (keel train)", act_tokens * (per_layer * per_stage + kFp32 * h)});
+      // The attention block's bf16 output, kept per layer where it does not add into the stream
+      // inside its GEMM: CCA, residual scaling, tensor parallelism (train/cuda_model_cuda.cc).
+      const int cca_layers = model::attention_layer_count(m, AttentionKind::kCca);
+      if (cca_layers > 0 || m.residual_scaling || l.tp > 1)
+        e.items.push_back({"attention outputs (keel train)",
+                           kBf16 * h * act_tokens * (s.recompute == Recompute::kFull ? 1 : per_stage)});
       // Its backward scratch, shared by the layers (one at a time): the residual stream's
-      // gradients (fp32 and bf16, twice), the final norm's output; the attention's (the output,
-      // q, k and v gradients in bf16, an fp32 q accumulator) and the MLP's (dense: the bf16
-      // gate, up and activation gradients; routed: routed_row_backward_scratch_bytes per row)
-      // over the rows a block reads (every token of this rank's sequences under TP).
+      // gradients (fp32 and bf16) and the final norm's output over this rank's rows; the bf16
+      // input gradient, the attention's (the output, q, k and v gradients in bf16; the local
+      // core's fp32 q, k and v accumulators and D_i, where no context-parallel core holds k and v
+      // of the whole sequence) and the MLP's (dense: the bf16 gate, up and activation gradients;
+      // routed: routed_row_backward_scratch_bytes per row; the fp32 block output that routed
+      // layers and tensor parallelism's split dense outputs add into) over the rows a block
+      // reads (every token of this rank's sequences under TP).
       const double shard = static_cast<double>(l.tp) * l.tsp;
       const double q = static_cast<double>(m.heads) * m.head_dim / shard;
       const double kv = std::max<double>(1.0, static_cast<double>(m.kv_heads) / shard) * m.head_dim;
+      const bool softmax = model::attention_layer_count(m, AttentionKind::kLinear) < m.layers;
+      const double core = softmax && l.cp == 1 && l.tsp == 1 ? kFp32 * (2 * kv) + kFp32 * m.heads / shard : 0;
       double mlp = 0;
       if (moe_layers < m.layers) mlp += 3 * kBf16 * m.ffn_hidden / shard;
       if (moe_layers > 0) {
         const double eh = static_cast<double>(m.expert_hidden) / shard;
         mlp += m.top_k * ((kBf16 + kFp32) * h + (kFp32 + 2 * kBf16) * eh);
       }
-      const double scratch = act_tokens * (2 * (kFp32 + kBf16) * h + kBf16 * h) +
-                             tokens_local * (kBf16 * h + kBf16 * (2 * q + 2 * kv) + kFp32 * q + mlp);
+      const bool residual_out = !m.residual_scaling || l.tsp > 1;
+      if (residual_out && (moe_layers > 0 || (moe_layers < m.layers && l.tp > 1))) mlp += kFp32 * h;
+      const double scratch = act_tokens * (2 * kFp32 * h + 2 * kBf16 * h) +
+                             tokens_local * (kBf16 * h + kBf16 * (2 * q + 2 * kv) + kFp32 * q + core + mlp);
       e.items.push_back({"backward scratch (keel train)", scratch});
       // tensor parallelism's sequence-parallel gathers (tensor_parallel_cuda.h): three bf16 and
       // two fp32 [tokens, hidden] buffers

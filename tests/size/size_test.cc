@@ -31,6 +31,12 @@ Setup setup(const std::string& model_name, const std::string& layout, int gpus, 
   return s;
 }
 
+bool has_item(const MemoryEstimate& e, const std::string& prefix) {
+  for (const auto& i : e.items)
+    if (i.name.rfind(prefix, 0) == 0) return true;
+  return false;
+}
+
 double item(const MemoryEstimate& e, const std::string& prefix) {
   for (const auto& i : e.items)
     if (i.name.rfind(prefix, 0) == 0) return i.bytes;
@@ -184,17 +190,40 @@ TEST(Memory, TspShardsAndGathersByHand) {
   EXPECT_DOUBLE_EQ(item(e, "TSP k/v gathers"), 24 * whole + 12 * whole / 2);
   EXPECT_DOUBLE_EQ(item(e, "logits (chunks of 8192"), 16384.0 * 8192 * 6 + 16384.0 * 4096 * 4);
   // keel train's fp32 residual stream (32 layers' inputs and the output) and its backward
-  // scratch: the stream's gradients and the final norm's output (14 B x hidden per row), the
-  // attention's (bf16 output, q, k, v gradients and the fp32 q accumulator, shard 1 of 2: 16
-  // query heads, 4 kv heads) and the dense MLP's (three bf16 [tokens, 14336 / 2]).
+  // scratch: the stream's gradients (fp32, bf16), the input gradient (fp32) and the final
+  // norm's output (12 B x hidden per row), the bf16 input gradient of the rows a block reads,
+  // the attention's (bf16 output, q, k, v gradients and the fp32 q accumulator, shard 1 of 2:
+  // 16 query heads, 4 kv heads; k and v accumulate in the context-parallel core) and the dense
+  // MLP's (three bf16 [tokens, 14336 / 2]).
   EXPECT_DOUBLE_EQ(item(e, "fp32 residual stream"), 16384.0 * 4 * 4096 * 33);
   EXPECT_DOUBLE_EQ(item(e, "backward scratch"),
-                   16384.0 * (14 * 4096) + 16384.0 * (2 * 4096 + 2 * (2 * 2048 + 2 * 512) + 4 * 2048 + 6 * 7168));
+                   16384.0 * (12 * 4096) + 16384.0 * (2 * 4096 + 2 * (2 * 2048 + 2 * 512) + 4 * 2048 + 6 * 7168));
+  EXPECT_FALSE(has_item(e, "attention outputs")) << "no attention outputs kept under TSP";
   // no such items without TSP
   s = setup("llama3-8b", "tp=2", 2);
   s.seq = 32768;
   const MemoryEstimate t = estimate_memory(s);
   for (const auto& it : t.items) EXPECT_EQ(it.name.find("TSP"), std::string::npos) << it.name;
+}
+
+// Tensor parallelism (with sequence parallelism) on Llama-3-8B at tp=2, 32768 tokens: keel
+// train keeps every layer's bf16 attention output (it does not add into the stream inside the
+// output GEMM) over the rank's 16384 rows; its backward scratch adds to TSP's the local
+// attention core's fp32 k and v accumulators and D_i (4 kv heads and 16 query heads of this
+// rank) and the dense MLP's fp32 output that the split row-parallel partials add into, over the
+// 32768 rows a block reads. Measured on the 7B shape, these make keel size's TP=2+SP total
+// keel train's to 0.01 GiB at 16K-128K (docs/PERFORMANCE.md).
+TEST(Memory, TensorParallelKeepsAttentionOutputsAndScratchByHand) {
+  keel::size::Setup s = setup("llama3-8b", "tp=2", 2);
+  s.seq = 32768;
+  const MemoryEstimate e = estimate_memory(s);
+  EXPECT_DOUBLE_EQ(item(e, "attention outputs"), 2.0 * 4096 * 16384 * 32);
+  const double core = 4.0 * (2 * 512) + 4.0 * 16;
+  EXPECT_DOUBLE_EQ(item(e, "backward scratch"),
+                   16384.0 * (12 * 4096) +
+                       32768.0 * (2 * 4096 + 2 * (2 * 2048 + 2 * 512) + 4 * 2048 + core + 6 * 7168 + 4 * 4096));
+  s = setup("llama3-8b", "zero=1", 2);  // one rank's whole layers: no attention outputs kept
+  EXPECT_FALSE(has_item(estimate_memory(s), "attention outputs"));
 }
 
 // The LASP-2 hybrid (4 kv heads of 128): the CUDA op's chunk states, and under context
