@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp tsp linattn decode ckpt ab
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp tsp compose linattn decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -239,6 +239,20 @@ for step in "${steps[@]}"; do
       else
         note "tsp: FAILED or timed out before the table (see tsp_memory.log)"
       fi
+      unset KEEL_NCCL_OVER_MPI ;;
+    compose)
+      # The parallel schemes composed on GPUs (TP x DP, TP x DP x EP, TSP x DP, TSP x DP x EP, CP x TP,
+      # EP in the classic ZeRO-1 step) against one GPU, at 4 ranks: one per GPU on 4+ GPUs, else
+      # sharing the GPUs with NCCL staged through MPI (KEEL_NCCL_OVER_MPI: correctness only,
+      # nothing timed). Then every multi-rank GPU test at 2 ranks the same way.
+      [ "$gpus" -lt 1 ] && { note "compose: skipped (no GPU)"; continue; }
+      [ "$gpus" -lt 4 ] && export KEEL_NCCL_OVER_MPI=1
+      mpi_gtest compose 4 'TensorParallel.Gpu*:Tsp.Gpu*:ContextParallel.Gpu*:DataParallel.GpuClassicStep*:DataParallel.GpusMatchOneGpu' \
+          "${KEEL_COMPOSE_TIMEOUT:-600}" '^  [a-z0-9_]+: (last step|step 9)|^  classic step with ep'
+      [ "$gpus" -lt 2 ] && export KEEL_NCCL_OVER_MPI=1
+      [ "$gpus" -ge 2 ] && unset KEEL_NCCL_OVER_MPI
+      mpi_gtest compose 2 'TensorParallel.Gpu*:Tsp.Gpu*:ContextParallel.Gpu*:DataParallel.Gpu*' \
+          "${KEEL_COMPOSE_TIMEOUT:-600}" '^  [a-z0-9_]+: (last step|step 9)|^  classic step with ep'
       unset KEEL_NCCL_OVER_MPI ;;
     linattn)
       # keel's linear attention kernels against flash-linear-attention's (bench/linear_attention_vs_fla.py;
