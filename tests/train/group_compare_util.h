@@ -73,6 +73,24 @@ inline double max_rel_diff(const optim::ParamLayout& local, const std::vector<fl
   return den > 0 ? num / den : num;
 }
 
+// Step 1's routing of a GPU group against one GPU's: the same counts per MoE layer and class but
+// for at most `moved` of the routing slots (near-ties that rounding tips the other way; 0:
+// exactly the same).
+inline void expect_routing_close(const StepStats& a, const StepStats& b, double moved, const std::string& tag) {
+  if (moved == 0) {
+    EXPECT_EQ(a.routing_counts, b.routing_counts) << tag << ": step 1 routed differently (a near-tie; see above)";
+    return;
+  }
+  ASSERT_EQ(a.routing_counts.size(), b.routing_counts.size()) << tag;
+  for (std::size_t m = 0; m < a.routing_counts.size(); ++m) {
+    double diff = 0, total = 0;
+    ASSERT_EQ(a.routing_counts[m].size(), b.routing_counts[m].size()) << tag;
+    for (std::size_t e = 0; e < a.routing_counts[m].size(); ++e)
+      diff += std::fabs(double(a.routing_counts[m][e]) - b.routing_counts[m][e]), total += b.routing_counts[m][e];
+    EXPECT_LE(diff / 2, moved * total) << tag << ": step 1, MoE layer " << m << " routed too differently";
+  }
+}
+
 // A GPU group (a GPU per rank, `group` run over `mesh`) against one GPU (`one`, the same run on
 // each rank alone). They agree only to bf16 rounding (the group sums partial outputs of GEMMs of
 // other shapes, in bf16 for the attention outputs), so the comparison is of the first step, as
@@ -105,18 +123,7 @@ inline void expect_gpu_group_matches_one_gpu(const TrainConfig& group, const par
   const StepStats a = t.run(1).at(0), b = single.run(1).at(0);
   EXPECT_NEAR(a.loss, b.loss, 2e-3 * std::fabs(b.loss)) << tag;
   EXPECT_NEAR(a.grad_norm, b.grad_norm, 2e-2 * b.grad_norm) << tag;
-  if (moved == 0) {
-    EXPECT_EQ(a.routing_counts, b.routing_counts) << tag << ": step 1 routed differently (a near-tie; see above)";
-  } else {
-    ASSERT_EQ(a.routing_counts.size(), b.routing_counts.size()) << tag;
-    for (std::size_t m = 0; m < a.routing_counts.size(); ++m) {
-      double diff = 0, total = 0;
-      ASSERT_EQ(a.routing_counts[m].size(), b.routing_counts[m].size()) << tag;
-      for (std::size_t e = 0; e < a.routing_counts[m].size(); ++e)
-        diff += std::fabs(double(a.routing_counts[m][e]) - b.routing_counts[m][e]), total += b.routing_counts[m][e];
-      EXPECT_LE(diff / 2, moved * total) << tag << ": step 1, MoE layer " << m << " routed too differently";
-    }
-  }
+  expect_routing_close(a, b, moved, tag);
   std::map<std::string, std::pair<double, double>> err;  // per parameter: sum of squared differences, of squares
   const std::vector<MomentRange> shards = moment_ranges(t.backend().state_slice());  // + the expert shard
   const auto in_shards = [&](std::int64_t at) {
