@@ -26,19 +26,17 @@ int launcher_rank() {
   return 0;
 }
 
+// srun's step size, not SLURM_NTASKS: a Slurm batch script has that too, and a command run there
+// once (keel run, keel data) is no rank of several.
 int launcher_size() {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"}) {
     int n = env_int(name, -1);
     if (n > 0) return n;
   }
   return 1;
 }
 
-bool launched_as_rank() {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"})
-    if (env_int(name, -1) > 1) return true;
-  return false;
-}
+bool launched_as_rank() { return launcher_size() > 1; }
 
 void report_error(const std::string& message) {
   if (launcher_size() > 1)

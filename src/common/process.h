@@ -9,11 +9,11 @@ namespace keel {
 // This process's rank as the launcher set it (mpirun, srun), before MPI is initialized;
 // 0 without a launcher.
 int launcher_rank();
-// The world size the launcher set; 1 without a launcher.
+// The world size the launcher set (mpirun's or PMI's size, or srun's step: SLURM_STEP_NUM_TASKS;
+// a Slurm batch script's SLURM_NTASKS alone makes none); 1 without a launcher.
 int launcher_size();
-// Whether this process is one rank of several that a launcher started (mpirun's or PMI's size,
-// or srun's step: SLURM_STEP_NUM_TASKS above 1). A Slurm batch script's SLURM_NTASKS alone
-// does not make one: keel run runs there, once, and launches the ranks with srun.
+// Whether this process is one rank of several that a launcher started (launcher_size() > 1):
+// keel run, which runs once in the batch script and launches the ranks, refuses to be one.
 bool launched_as_rank();
 
 // Prints "keel: error: <message>" on stderr. Under a launcher with several ranks, the rank

@@ -20,6 +20,14 @@ keel_cli_test(NAME run_bad_inject EXIT 1 MATCH "--inject kil@3: unknown fault 'k
   ARGS run ${rcfg} --inject kil@3)
 keel_cli_test(NAME run_inside_a_launcher_is_refused NP 2 EXIT 1
   MATCH "keel run is the supervisor, not a rank" ARGS run ${rcfg})
+# In a Slurm batch script (SLURM_NTASKS set, no step) keel run is no rank: its errors carry no
+# rank prefix; inside an srun step of 2 tasks it refuses to run.
+keel_cli_test(NAME run_in_a_batch_script EXIT 1 MATCH "^keel: error: --max-restarts -1: must be >= 0$"
+  ARGS run ${rcfg} --max-restarts -1)
+set_tests_properties(cli_run_in_a_batch_script PROPERTIES ENVIRONMENT "SLURM_NTASKS=4;SLURM_PROCID=0")
+keel_cli_test(NAME run_in_an_srun_step_is_refused EXIT 1 MATCH "\\[rank 0\\] run: keel run is the supervisor, not a rank"
+  ARGS run ${rcfg})
+set_tests_properties(cli_run_in_an_srun_step_is_refused PROPERTIES ENVIRONMENT "SLURM_STEP_NUM_TASKS=2;SLURM_PROCID=0")
 keel_cli_test(NAME run_bad_inject_spike EXIT 1 MATCH "--inject spike@3:0: '0' is not a loss factor \\(a number > 0\\)"
   ARGS run ${rcfg} --inject spike@3:0)
 keel_cli_test(NAME run_bad_preflight_floor EXIT 1
