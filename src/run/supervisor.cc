@@ -241,9 +241,12 @@ int run(const Options& o) {
   if (!o.hosts.empty()) read_hostfile(o.hosts);  // one line now when it cannot be read
   std::vector<std::string> nodes_out;  // excluded nodes, in order
   std::string hostfile = o.hosts;      // the next attempt's (without them)
+  const char* const unit = multi_node ? "node" : "device";  // what an exclusion takes out
+  int units_out = 0;                                          // how many, as applied
   const auto apply_excluded = [&] {
+    int gone = 0;  // ranks leaving
+    units_out = 0;
     if (multi_node) {
-      int gone_ranks = 0;
       nodes_out.clear();
       for (const auto& e : excluded) {
         if (std::find(nodes_out.begin(), nodes_out.end(), e.host) != nodes_out.end()) continue;
@@ -252,56 +255,49 @@ int run(const Options& o) {
                                   "several nodes takes whole nodes out: move the bad list aside",
                                   bad_list, e.host));
         nodes_out.push_back(e.host);
-        gone_ranks += e.ranks;
+        gone += e.ranks, ++units_out;
       }
-      if (nodes_out.empty()) return;
-      ranks = o.ranks - gone_ranks;
-      const std::string why = cannot_run_on(ranks);
-      if (!why.empty())
-        throw Error(fmt::format("run: without the {} excluded node(s) (bad list {}) the job cannot run: {}; move the "
-                                "bad list aside or change the layout",
-                                nodes_out.size(), bad_list, why));
-      shrink_sets = {"parallel.data=" + std::to_string(ranks / model_ranks)};
-      if (!o.hosts.empty()) {
-        hostfile = (out_dir / "run_hostfile").string();
-        write_hostfile_without(o.hosts, nodes_out, hostfile);
+    } else {
+      ids = gpu_ids;
+      for (const auto& e : excluded) {
+        if (e.host != this_host) continue;
+        if (!e.gpu.empty()) {
+          const auto it = std::find(ids.begin(), ids.end(), e.gpu);
+          if (it == ids.end()) continue;
+          ids.erase(it);
+        }
+        ++gone, ++units_out;
       }
-      return;
     }
-    int gone = 0;
-    ids = gpu_ids;
-    for (const auto& e : excluded) {
-      if (e.host != this_host) continue;
-      if (!e.gpu.empty()) {
-        const auto it = std::find(ids.begin(), ids.end(), e.gpu);
-        if (it == ids.end()) continue;
-        ids.erase(it);
-      }
-      ++gone;
-    }
-    if (gone == 0) return;
+    if (units_out == 0) return;
     ranks = o.ranks - gone;
-    if (cuda) ranks = std::min(ranks, static_cast<int>(ids.size()));
-    const int dp = ranks / model_ranks;
+    if (!multi_node && cuda) ranks = std::min(ranks, static_cast<int>(ids.size()));
     const std::string why = cannot_run_on(ranks);
     if (!why.empty())
-      throw Error(fmt::format("run: without the {} excluded device(s) (bad list {}) the job cannot run: {}; move "
-                              "the bad list aside or change the layout",
-                              gone, bad_list, why));
-    shrink_sets = {"parallel.data=" + std::to_string(dp)};
-    if (cuda) {
+      throw Error(fmt::format("run: without the {} excluded {}(s) (bad list {}) the job cannot run: {}; move the bad "
+                              "list aside or change the layout",
+                              units_out, unit, bad_list, why));
+    shrink_sets = {"parallel.data=" + std::to_string(ranks / model_ranks)};
+    if (multi_node && !o.hosts.empty()) {
+      hostfile = (out_dir / "run_hostfile").string();
+      write_hostfile_without(o.hosts, nodes_out, hostfile);
+    } else if (!multi_node && cuda) {
       std::string list;
       for (const auto& id : ids) list += (list.empty() ? "" : ",") + id;
       setenv("CUDA_VISIBLE_DEVICES", list.c_str(), 1);
     }
   };
+  // An exclusion of rank r (host, device): its node on several nodes (with the node's ranks),
+  // else its device (its GPU id on GPUs).
+  const auto exclusion_of = [&](int r, const std::string& host, const std::string& device, const std::string& reason,
+                                int attempt, int node_ranks) {
+    return Excluded{host, !multi_node && cuda && r < static_cast<int>(ids.size()) ? ids[static_cast<std::size_t>(r)] : "",
+                    device, reason, attempt, multi_node ? node_ranks : 0};
+  };
   apply_excluded();
-  if (ranks != o.ranks && multi_node)
-    std::printf("keel run: %zu node(s) on the bad list %s: the job runs on %d rank%s\n", nodes_out.size(),
-                bad_list.c_str(), ranks, ranks == 1 ? "" : "s");
-  else if (ranks != o.ranks)
-    std::printf("keel run: %d device(s) on the bad list %s: the job runs on %d rank%s\n", o.ranks - ranks,
-                bad_list.c_str(), ranks, ranks == 1 ? "" : "s");
+  if (ranks != o.ranks)
+    std::printf("keel run: %d %s(s) on the bad list %s: the job runs on %d rank%s\n", units_out, unit, bad_list.c_str(),
+                ranks, ranks == 1 ? "" : "s");
   events.write({{"event", "start"}, {"config", o.config}, {"ranks", ranks}, {"steps", cfg.steps}});
   for (int attempt = 1;; ++attempt) {
     const std::int64_t resume = usable_latest(ckpt_root, events);
@@ -339,9 +335,7 @@ int run(const Options& o) {
           if (multi_node && std::any_of(excluded.begin(), excluded.end(),
                                         [&](const Excluded& x) { return x.host == h.host && x.attempt == attempt; }))
             continue;  // its node is out already
-          Excluded e{h.host,
-                     !multi_node && cuda && r < static_cast<int>(ids.size()) ? ids[static_cast<std::size_t>(r)] : "",
-                     h.device, "", attempt, multi_node ? on_host[h.host] : 0};
+          Excluded e = exclusion_of(r, h.host, h.device, "", attempt, on_host[h.host]);
           for (const auto& f : p.failures)
             if (f.rfind(fmt::format("rank {} ", r), 0) == 0) e.reason += (e.reason.empty() ? "" : "; ") + f;
           excluded.push_back(e);
@@ -416,6 +410,15 @@ int run(const Options& o) {
     std::vector<double> step_times;
     std::int64_t seen_step = resume;
     std::map<int, Beat> beats;
+    // SIGTERM to the ranks on this host (a launcher that gets it aborts the job instead of letting
+    // the ranks finish their save; keel train passes a stop on to every rank), or to the job's
+    // group when none is (yet) known here
+    const auto ask_to_stop = [&](const std::map<int, Beat>& known) {
+      bool told = false;
+      for (const auto& [r, b] : known)
+        if (b.pid > 0 && b.host == this_host) told |= kill(b.pid, SIGTERM) == 0;
+      if (!told) kill(-child.pid, SIGTERM);
+    };
     StragglerWatch stragglers(o.straggler);
     StragglerOptions device_options = o.straggler;
     device_options.min_gap = 0;  // the canary takes tens of microseconds: the factor alone
@@ -430,13 +433,7 @@ int run(const Options& o) {
       if (const int sig = g_stop.load(); sig != 0 && !stopping) {
         stopping = true, stop_at = Clock::now();
         std::printf("keel run: signal %d: the job saves at its next step and stops\n", sig);
-        // to the ranks themselves (a launcher that gets it aborts the job instead of letting the
-        // ranks finish their save), or the group before any rank has started
-        const std::map<int, Beat> now_beats = read_beats(beats_dir);
-        bool told = false;
-        for (const auto& [r, b] : now_beats)
-          if (b.pid > 0 && b.host == host_name()) told |= kill(b.pid, SIGTERM) == 0;
-        if (!told) kill(-child.pid, SIGTERM);
+        ask_to_stop(read_beats(beats_dir));
       }
       if (stopping) {
         if (std::chrono::duration<double>(Clock::now() - stop_at).count() > o.grace) kill_job(read_beats(beats_dir));
@@ -467,18 +464,13 @@ int run(const Options& o) {
           std::printf("keel run: the straggler stays: without it %s\n", why.c_str());
           return false;
         }
-        straggler_out = Excluded{b.host,
-                                 !multi_node && cuda && r < static_cast<int>(ids.size()) ? ids[static_cast<std::size_t>(r)] : "",
-                                 "", fmt::format("rank {} straggled: {}", r, what), attempt, multi_node ? node_ranks : 0};
+        straggler_out = exclusion_of(r, b.host, "", fmt::format("rank {} straggled: {}", r, what), attempt, node_ranks);
         straggler_rank = r;
         stopping = true, stop_at = Clock::now();
         std::printf("keel run: taking rank %d's %s out: the job saves at its next step and resumes without it\n", r,
                     multi_node ? fmt::format("node ({})", b.host).c_str() : "device");
         std::fflush(stdout);
-        bool told = false;
-        for (const auto& [q, qb] : beats)
-          if (qb.pid > 0 && qb.host == host_name()) told |= kill(qb.pid, SIGTERM) == 0;
-        if (!told) kill(-child.pid, SIGTERM);
+        ask_to_stop(beats);
         return true;
       };
       for (const auto& [r, b] : beats) {
@@ -504,7 +496,7 @@ int run(const Options& o) {
       }
       // a rank whose process is gone (same host: its pid)
       for (const auto& [r, b] : beats)
-        if (b.pid > 0 && b.phase != "done" && b.host == host_name() && kill(b.pid, 0) != 0 && errno == ESRCH) {
+        if (b.pid > 0 && b.phase != "done" && b.host == this_host && kill(b.pid, 0) != 0 && errno == ESRCH) {
           Fault f;
           f.kind = "dead", f.rank = r, f.pid = b.pid, f.host = b.host, f.step = b.step;
           f.detect_seconds = o.poll;  // within one poll of its exit

@@ -340,9 +340,8 @@ class CudaBackend final : public TrainBackend {
     optimizer_->set_lr(lr);
     std::pair<double, float> r;
     if (schedule_) r = schedule_->step(*optimizer_, max_norm, model_->gemm());
-    else if (dp_ && plan_->weight_group()) r = tensor_zero1_step(max_norm);
-    else if (dp_) r = zero1_step(max_norm);
     else if (plan_->weight_group()) r = tensor_parallel_step(max_norm);
+    else if (dp_) r = zero1_step(max_norm);
     else r = optimizer_->step_all(max_norm, model_->gemm(), stream_);
     return {r.first, static_cast<double>(r.second)};
   }
@@ -485,30 +484,6 @@ class CudaBackend final : public TrainBackend {
     return {norm, coef};
   }
 
-  // Tensor parallelism (one tensor group, or TSP's tsp group; no data parallelism): the replicated parameters'
-  // partial gradients summed over the group (parallel::tp_partial_gradient), the norm over every
-  // rank's blocks (split parameters summed over the group, replicated ones counted once: they
-  // are the same on every rank), then AdamW on this rank's blocks.
-  std::pair<double, float> tensor_parallel_step(double max_norm) {
-    parallel::CudaTensorParallelLinear& tp = *plan_->weight_group();
-    sum_partial_gradients(tp);
-    bool first = true;
-    for (const auto& [b, e] : split_ranges_) optimizer_->sum_squares(b, e, /*accumulate=*/!first, stream_), first = false;
-    if (first) optimizer_->sum_squares(0, 0, /*accumulate=*/false, stream_), first = false;
-    tp.group().all_reduce_sum(optimizer_->sum_squares_buffer(), 1, parallel::NcclType::kFloat64, stream_);
-    for (const auto& [b, e] : whole_ranges_) optimizer_->sum_squares(b, e, /*accumulate=*/true, stream_);
-    optimizer_->clip(max_norm, stream_);
-    const auto [norm, coef] = optimizer_->read_norm(stream_);
-    CudaOptimizer::require_finite(norm);
-    optimizer_->begin_updates();
-    optimizer_->update(0, layout_.total_floats, model_->gemm(), stream_);
-    if (tp_muon_)
-      tp_muon_->step(params_, grads_, adam_m_, params_bf16_, optimizer_->lr(), optimizer_->clip_coefficient(),
-                     model_->gemm(), stream_);
-    optimizer_->end_updates();
-    return {norm, coef};
-  }
-
   // The replicated parameters' partial gradients (tensor parallelism's with sequence
   // parallelism, TSP's) summed over the group, packed into one all-reduce.
   void sum_partial_gradients(parallel::CudaTensorParallelLinear& tp) {
@@ -549,18 +524,20 @@ class CudaBackend final : public TrainBackend {
       if (r.end > r.begin) optimizer_->update(r.begin, r.end, model_->gemm(), stream_);
   }
 
-  // Tensor parallelism (or TSP) with data parallelism: ZeRO-1 over the data axis, as the CPU
-  // backend's step (cpu_backend.cc). The partial gradients summed over the tensor group; the
-  // gradients reduce-scattered over the data group (the shard bounds are alike on the tensor
-  // ranks: check_shards_alike); the norm in two parts, this shard's blocks of the split
-  // parameters (summed over the data and the tensor group) and of the others (over the data group
-  // only: they are the same on every tensor rank); AdamW on the shard, Muon's split matrices
-  // gathered over the tensor group to their owners (CudaTensorParallelMuon over the shard's
-  // range), the rest whole; the fp32 parameters all-gathered over the data group.
-  std::pair<double, float> tensor_zero1_step(double max_norm) {
+  // Tensor parallelism (one tensor group, or TSP's tsp group), with data parallelism ZeRO-1 over
+  // the data axis, as the CPU backend's step (cpu_backend.cc). The replicated parameters' partial
+  // gradients summed over the tensor group (parallel::tp_partial_gradient); with data
+  // parallelism the gradients reduce-scattered over the data group (the shard bounds are alike on
+  // the tensor ranks: check_shards_alike); the norm in two parts, this rank's shards' blocks of
+  // the split parameters (summed over the data and the tensor group) and of the others (over the
+  // data group only: they are the same on every tensor rank); AdamW on the shards (without data
+  // parallelism the whole buffer), Muon's split matrices gathered over the tensor group to their
+  // owners (CudaTensorParallelMuon over the shards' ranges), the rest whole; with data
+  // parallelism the fp32 parameters all-gathered over the data group.
+  std::pair<double, float> tensor_parallel_step(double max_norm) {
     parallel::CudaTensorParallelLinear& tp = *plan_->weight_group();
     sum_partial_gradients(tp);
-    reduce_scatter_gradients();
+    if (dp_) reduce_scatter_gradients();
     const std::vector<MomentRange> shards = moment_ranges(slice_);
     const auto sum_in = [&](int part, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
       bool first = true;
@@ -573,7 +550,7 @@ class CudaBackend final : public TrainBackend {
     };
     sum_in(0, split_ranges_);
     sum_in(1, whole_ranges_);
-    dp_->all_reduce_sum(optimizer_->sum_squares_buffer(), 2);
+    if (dp_) dp_->all_reduce_sum(optimizer_->sum_squares_buffer(), 2);
     tp.group().all_reduce_sum(optimizer_->sum_squares_buffer(), 1, parallel::NcclType::kFloat64, stream_);
     optimizer_->clip_parts(max_norm, stream_);
     const auto [norm, coef] = optimizer_->read_norm(stream_);
@@ -584,7 +561,7 @@ class CudaBackend final : public TrainBackend {
       tp_muon_->step(params_, grads_, adam_m_, params_bf16_, optimizer_->lr(), optimizer_->clip_coefficient(),
                      model_->gemm(), stream_);
     optimizer_->end_updates();
-    all_gather_parameters();
+    if (dp_) all_gather_parameters();
     return {norm, coef};
   }
 
