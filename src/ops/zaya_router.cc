@@ -187,26 +187,33 @@ State update(const Config& c, const State& s, const std::int64_t* counts) {
   for (std::size_t i = 0; i < e; ++i) {
     const double err = c.target < 0 ? (double(counts[i]) * double(e) - double(total)) / (double(e) * double(total))
                                      : double(counts[i]) / double(total) - target;  // > 0: overloaded
-    double delta = 0;
+    double step = 0;  // the bias goes down by it
     switch (c.rule) {
       case Rule::Adam: {
         const double m = c.beta1 * double(s.m[i]) + (1.0 - c.beta1) * err;
         const double v = c.beta2 * double(s.v[i]) + (1.0 - c.beta2) * err * err;
         out.m[i] = static_cast<float>(m);
         out.v[i] = static_cast<float>(v);
-        delta = (m / bc1) / (std::sqrt(v / bc2) + c.eps);
+        step = c.lr * (m / bc1) / (std::sqrt(v / bc2) + c.eps);
         break;
       }
       case Rule::Sign:
-        delta = err > 0 ? 1.0 : (err < 0 ? -1.0 : 0.0);
+        step = c.lr * (err > 0 ? 1.0 : (err < 0 ? -1.0 : 0.0));
         break;
       case Rule::Proportional:
-        delta = err;
+        step = c.lr * err;
         break;
+      case Rule::Pid: {
+        const double e1 = s.m[i], e2 = s.v[i];
+        step = c.lr * err + c.kp * (err - e1) + c.kd * (err - 2.0 * e1 + e2);
+        out.m[i] = static_cast<float>(err);
+        out.v[i] = static_cast<float>(e1);
+        break;
+      }
     }
     double b = s.bias[i];
     if (c.rule == Rule::Adam && c.weight_decay != 0.f) b *= 1.0 - c.lr * c.weight_decay;
-    out.bias[i] = static_cast<float>(b - c.lr * delta);
+    out.bias[i] = static_cast<float>(b - step);
   }
   return out;
 }

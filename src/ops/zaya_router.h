@@ -99,10 +99,13 @@ float gelu_grad(float x);
 // lr 1e-3, betas (0.9, 0.999), eps 1e-8 (added to sqrt(v_hat)), Adam bias correction, no
 // weight decay (AMD-AGI/Primus zaya1_modules.py `ZayaRouter._update_biases`, see
 // docs/zaya1_ops.md); overloaded classes get a lower bias. Alternatives: Sign (DeepSeek-V3:
-// beta -= lr * sign(f - target)) and Proportional (beta -= lr * (f - target)).
+// beta -= lr * sign(f - target)), Proportional (beta -= lr * (f - target): the bias integrates
+// the error) and Pid (the velocity form of a PID controller on the error e = f - target:
+// beta -= lr e_t + kp (e_t - e_{t-1}) + kd (e_t - 2 e_{t-1} + e_{t-2}), so beta is -lr sum e
+// - kp e_t - kd (e_t - e_{t-1}); the previous two errors are its state, 0 before the first).
 namespace keel::ops::bias_controller {
 
-enum class Rule { Adam, Sign, Proportional };
+enum class Rule { Adam, Sign, Proportional, Pid };
 
 struct Config {
   Rule rule = Rule::Adam;
@@ -110,11 +113,13 @@ struct Config {
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
   float weight_decay = 0.f;  // decoupled (AdamW): bias *= 1 - lr * wd before the step; Adam only
   float target = -1.f;  // < 0: 1 / E
+  double kp = 0, kd = 0;  // Pid's proportional and derivative gains (lr is its integral gain)
 };
 
 struct State {
   std::vector<float> bias;  // [E]
-  std::vector<float> m, v;  // [E] Adam moments (unused by Sign / Proportional)
+  std::vector<float> m, v;  // [E] Adam: moments; Pid: the errors of the last and the one before
+                            // (unused by Sign / Proportional)
   std::int64_t step = 0;
 };
 

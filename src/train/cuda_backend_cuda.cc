@@ -358,7 +358,7 @@ class CudaBackend final : public TrainBackend {
   StateSlice state_slice() const override { return slice_; }
   void update_router_bias() override {
     if (opt_.bias_update_rate != 0.0) {
-      update_balancing_bias(load_, opt_.bias_update_rate, opt_.balance_rule, bias_, balance_);
+      update_balancing_bias(load_, balance_config(opt_), bias_, balance_);
       upload_bias();
     }
     reset_load();

@@ -279,38 +279,45 @@ void MoeTransformer::reset_load() {
   for (auto& l : load_) std::fill(l.begin(), l.end(), 0);
 }
 
-void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, double rate,
-                           ops::bias_controller::Rule rule, std::vector<std::vector<float>>& bias,
-                           BalanceMemory& memory) {
+ops::bias_controller::Config balance_config(const ModelOptions& options) {
+  ops::bias_controller::Config c;
+  c.rule = options.balance_rule;
+  c.lr = options.bias_update_rate;
+  c.kp = options.balance_kp;
+  c.kd = options.balance_kd;
+  return c;
+}
+
+void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, const ops::bias_controller::Config& c,
+                           std::vector<std::vector<float>>& bias, BalanceMemory& memory) {
   if (bias.size() != load.size()) fail("update_balancing_bias: {} bias vectors for {} MoE layers", bias.size(), load.size());
-  const bool adam = rule == ops::bias_controller::Rule::Adam;
-  if (adam && memory.m.size() != load.size()) {  // first use (or a state saved under another rule)
+  const bool keeps = c.rule == ops::bias_controller::Rule::Adam || c.rule == ops::bias_controller::Rule::Pid;
+  // First use, a state saved under another rule (or sized for other layers): start at zero.
+  if (keeps && (memory.m.size() != load.size() || memory.rule != c.rule)) {
     memory.m.assign(load.size(), {});
     memory.v.assign(load.size(), {});
     for (std::size_t i = 0; i < load.size(); ++i) memory.m[i].assign(load[i].size(), 0.f), memory.v[i].assign(load[i].size(), 0.f);
     memory.updates = 0;
+    memory.rule = c.rule;
   }
-  ops::bias_controller::Config c;
-  c.rule = rule;
-  c.lr = rate;
   bool counted = false;
   for (std::size_t i = 0; i < load.size(); ++i) {
     if (bias[i].size() != load[i].size()) fail("update_balancing_bias: MoE layer {} has {} biases for {} classes", i, bias[i].size(), load[i].size());
     ops::bias_controller::State s;
     s.bias = bias[i];
-    s.m = adam ? memory.m[i] : std::vector<float>(bias[i].size(), 0.f);
-    s.v = adam ? memory.v[i] : s.m;
+    s.m = keeps ? memory.m[i] : std::vector<float>(bias[i].size(), 0.f);
+    s.v = keeps ? memory.v[i] : s.m;
     s.step = memory.updates;
     ops::bias_controller::State next = ops::bias_controller::update(c, s, load[i].data());
     counted |= next.step != s.step;
     bias[i] = std::move(next.bias);
-    if (adam) memory.m[i] = std::move(next.m), memory.v[i] = std::move(next.v);
+    if (keeps) memory.m[i] = std::move(next.m), memory.v[i] = std::move(next.v);
   }
-  if (adam && counted) ++memory.updates;  // the others keep no memory
+  if (keeps && counted) ++memory.updates;  // the others keep no memory
 }
 
 void MoeTransformer::update_router_bias() {
-  if (opt_.bias_update_rate != 0.0) update_balancing_bias(load_, opt_.bias_update_rate, opt_.balance_rule, bias_, balance_);
+  if (opt_.bias_update_rate != 0.0) update_balancing_bias(load_, balance_config(opt_), bias_, balance_);
   reset_load();
 }
 

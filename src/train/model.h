@@ -67,9 +67,12 @@ struct ModelOptions {
   // the class's share of the step's routed tokens: sign: bias_e -= rate * sign(f_e - 1/classes)
   // (DeepSeek-V3); proportional: bias_e -= rate * (f_e - 1/classes); adam: AdamW on the bias
   // with gradient f_e - 1/classes and lr = rate, betas (0.9, 0.999), eps 1e-8 (ZAYA1's
-  // controller as Primus implements it; its moments are train state). 0 = biases fixed.
+  // controller as Primus implements it; its moments are train state); pid: proportional's
+  // integral term plus balance_kp times the error's change and balance_kd times its second
+  // difference (ops::bias_controller; its last two errors are train state). 0 = biases fixed.
   double bias_update_rate = 0.0;
   ops::bias_controller::Rule balance_rule = ops::bias_controller::Rule::Sign;
+  double balance_kp = 0.0, balance_kd = 0.0;
   // The MLP router's r x r layers and output layer start as normal(0, router_init_gain /
   // sqrt(fan_in)) (variance preserving: the first softmax depends on the token); 0: init_std,
   // as every other matrix (Hugging Face's init, whose logits are ~1e-3 and route by the bias).
@@ -100,21 +103,24 @@ void validate_trainable(const model::ModelConfig& cfg, const ModelOptions& opt);
 // 6 x active matmul parameters (LM head included) x tokens + causal attention, fwd + bwd.
 double model_flops_per_micro_batch(const model::ModelConfig& cfg, int micro_batch, int seq_length);
 
-// What the balancing controller remembers besides the biases: the Adam rule's moments, one
-// [classes] vector per MoE layer (empty under sign and proportional, which keep none), and the
-// number of updates so far (Adam's bias correction). Train state: checkpoints carry it.
+// What the balancing controller remembers besides the biases: the Adam rule's moments or the
+// Pid rule's last two errors, one [classes] vector per MoE layer (empty under sign and
+// proportional, which keep none), the rule that wrote them, and the number of updates so far
+// (Adam's bias correction). Train state: checkpoints carry it.
 struct BalanceMemory {
   std::vector<std::vector<float>> m, v;
   std::int64_t updates = 0;
+  ops::bias_controller::Rule rule = ops::bias_controller::Rule::Adam;
 };
 
 // Aux-loss-free balancing from expert loads (one vector per MoE layer, summed since the last
-// update), by `rule` at `rate` (ops::bias_controller::update for each layer; ModelOptions says
-// each rule). The biases stay where they are kept (`bias`); `memory` is sized on first use.
-// Shared by the CPU and CUDA backends.
-void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, double rate,
-                           ops::bias_controller::Rule rule, std::vector<std::vector<float>>& bias,
-                           BalanceMemory& memory);
+// update), by the controller `c` (ops::bias_controller::update for each layer; ModelOptions says
+// each rule). The biases stay where they are kept (`bias`); `memory` is sized on first use, and
+// started again at zero when another rule wrote it. Shared by the CPU and CUDA backends.
+void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, const ops::bias_controller::Config& c,
+                           std::vector<std::vector<float>>& bias, BalanceMemory& memory);
+// ModelOptions' controller (rule, rate, gains).
+ops::bias_controller::Config balance_config(const ModelOptions& options);
 
 class MoeTransformer {
  public:

@@ -180,7 +180,7 @@ std::vector<ckpt::SaveShard> checkpoint_shards(const CheckpointView& view, const
     if (static_cast<int>(i % static_cast<std::size_t>(ranks)) != rank) continue;
     const ckpt::Shape shape{static_cast<std::int64_t>(view.router_bias[i].size())};
     out.push_back(shard(fmt::format("router/bias.{}", i), shape, ckpt::full_box(shape), view.router_bias[i].data(), false));
-    const BalanceMemory& mem = view.router_balance;  // the adam rule's moments, when it keeps them
+    const BalanceMemory& mem = view.router_balance;  // the adam or pid rule's memory, when it keeps one
     if (i < mem.m.size() && i < mem.v.size()) {
       out.push_back(shard(fmt::format("router/bias_m.{}", i), shape, ckpt::full_box(shape), mem.m[i].data(), false));
       out.push_back(shard(fmt::format("router/bias_v.{}", i), shape, ckpt::full_box(shape), mem.v[i].data(), false));
@@ -228,7 +228,10 @@ double TrainCheckpointer::save(std::int64_t step, const CheckpointView& view, co
   s["format"] = kTrainFormat;
   s["step"] = step;
   s["optimizer_step"] = view.adamw_step;
-  if (!view.router_balance.m.empty()) s["router_balance_updates"] = view.router_balance.updates;
+  if (!view.router_balance.m.empty()) {
+    s["router_balance_updates"] = view.router_balance.updates;
+    s["router_balance_rule"] = view.router_balance.rule == ops::bias_controller::Rule::Pid ? "pid" : "adam";
+  }
   // The parameters saved without optim/exp_avg_sq (Muon keeps no v): what makes the state whole
   // checkable (keel ckpt verify, the load) rather than a missing v passing for Muon's.
   nlohmann::json muon = nlohmann::json::array();
@@ -397,6 +400,11 @@ LoadedTrainState load_train_checkpoint(const std::string& path, const model::Mod
   if (moments != 0) {
     BalanceMemory& mem = st.router_balance;
     mem.updates = state_count(s, "router_balance_updates", reader.dir());
+    // Checkpoints from before the pid rule kept only Adam's moments (and no rule name).
+    const nlohmann::json rule = s.value("router_balance_rule", nlohmann::json("adam"));
+    if (rule != "adam" && rule != "pid")
+      fail("checkpoint {}: router_balance_rule {} is neither \"adam\" nor \"pid\"", reader.dir(), rule.dump());
+    mem.rule = rule == "pid" ? ops::bias_controller::Rule::Pid : ops::bias_controller::Rule::Adam;
     mem.m.assign(st.router_bias.size(), std::vector<float>(classes, 0.f));
     mem.v = mem.m;
     for (std::size_t i = 0; i < st.router_bias.size(); ++i) {

@@ -272,17 +272,27 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   if (const auto r = root["router"]) {
     ctx.only(r, "router",
              {"aux_loss_weight", "z_loss_weight", "bias_update_rate", "balance", "init_gain", "lr_scale", "renormalize",
-              "log_counts", "forced_balance"});
+              "log_counts", "forced_balance", "balance_kp", "balance_kd"});
     if (r["aux_loss_weight"]) mo.aux_loss_weight = ctx.get<double>(r["aux_loss_weight"], "router.aux_loss_weight", "a number");
     if (r["z_loss_weight"]) mo.z_loss_weight = ctx.get<double>(r["z_loss_weight"], "router.z_loss_weight", "a number");
     if (r["bias_update_rate"])
       mo.bias_update_rate = ctx.get<double>(r["bias_update_rate"], "router.bias_update_rate", "a number");
     if (r["balance"]) {
-      const std::string rule = ctx.get<std::string>(r["balance"], "router.balance", "sign, proportional or adam");
+      const std::string rule = ctx.get<std::string>(r["balance"], "router.balance", "sign, proportional, pid or adam");
       if (rule == "sign") mo.balance_rule = ops::bias_controller::Rule::Sign;
       else if (rule == "proportional") mo.balance_rule = ops::bias_controller::Rule::Proportional;
+      else if (rule == "pid") mo.balance_rule = ops::bias_controller::Rule::Pid;
       else if (rule == "adam") mo.balance_rule = ops::bias_controller::Rule::Adam;
-      else ctx.bad("router.balance", r["balance"], fmt::format("unknown rule '{}' (sign, proportional or adam)", rule));
+      else ctx.bad("router.balance", r["balance"], fmt::format("unknown rule '{}' (sign, proportional, pid or adam)", rule));
+    }
+    for (const char* key : {"balance_kp", "balance_kd"}) {
+      if (!r[key]) continue;
+      const std::string name = fmt::format("router.{}", key);
+      const double gain = ctx.get<double>(r[key], name, "a number");
+      if (!(gain >= 0 && gain <= 100)) ctx.bad(name, r[key], "must be in [0, 100]");
+      if (mo.balance_rule != ops::bias_controller::Rule::Pid)
+        ctx.bad(name, r[key], "is the pid rule's gain: set router.balance: pid");
+      (std::string(key) == "balance_kp" ? mo.balance_kp : mo.balance_kd) = gain;
     }
     if (r["init_gain"]) {
       mo.router_init_gain = ctx.get<double>(r["init_gain"], "router.init_gain", "a number");

@@ -249,10 +249,11 @@ TEST(OpZayaRouter, BiasControllerMovesLoadTowardUniform) {
     for (int j = 0; j < e; ++j) probs[i * e + j] = float(z[j] / s);
   }
   std::vector<std::int64_t> counts(e);
-  for (auto rule : {bc::Rule::Adam, bc::Rule::Sign, bc::Rule::Proportional}) {
+  for (auto rule : {bc::Rule::Adam, bc::Rule::Sign, bc::Rule::Proportional, bc::Rule::Pid}) {
     bc::Config c;
     c.rule = rule;
-    c.lr = rule == bc::Rule::Proportional ? 0.05f : 2e-3f;
+    c.lr = rule == bc::Rule::Proportional || rule == bc::Rule::Pid ? 0.05f : 2e-3f;
+    if (rule == bc::Rule::Pid) c.kp = 0.2, c.kd = 0.05;
     bc::State s = bc::init(int(e), false);
     const double start = max_imbalance(probs, n, e, s.bias, counts);
     EXPECT_GT(start, 0.3);

@@ -63,23 +63,69 @@ TEST(RouterBalance, InitGainScalesTheRouterMlpByFanIn) {
   }
 }
 
+ops::bias_controller::Config controller(ops::bias_controller::Rule rule, double rate, double kp = 0, double kd = 0) {
+  ops::bias_controller::Config c;
+  c.rule = rule;
+  c.lr = rate;
+  c.kp = kp;
+  c.kd = kd;
+  return c;
+}
+
 TEST(RouterBalance, RulesMoveTheBiasTowardTheFairShare) {
   // 3 classes, 12 tokens: shares 1/2, 1/3, 1/6 against 1/3 each.
   const std::vector<std::vector<std::int64_t>> load = {{6, 4, 2}};
   std::vector<std::vector<float>> sign = {{0.f, 0.f, 0.f}}, prop = sign;
   BalanceMemory mem;
-  update_balancing_bias(load, 0.1, ops::bias_controller::Rule::Sign, sign, mem);
+  update_balancing_bias(load, controller(ops::bias_controller::Rule::Sign, 0.1), sign, mem);
   EXPECT_FLOAT_EQ(sign[0][0], -0.1f);
   EXPECT_FLOAT_EQ(sign[0][1], 0.f);  // exactly at its share: unchanged
   EXPECT_FLOAT_EQ(sign[0][2], 0.1f);
-  update_balancing_bias(load, 0.6, ops::bias_controller::Rule::Proportional, prop, mem);
+  update_balancing_bias(load, controller(ops::bias_controller::Rule::Proportional, 0.6), prop, mem);
   EXPECT_NEAR(prop[0][0], -0.6 * (0.5 - 1.0 / 3), 1e-7);
   EXPECT_NEAR(prop[0][1], 0.0, 1e-7);
   EXPECT_NEAR(prop[0][2], 0.6 * (1.0 / 3 - 1.0 / 6), 1e-7);
   EXPECT_TRUE(mem.m.empty());  // sign and proportional keep no moments
   std::vector<std::vector<float>> none = {{0.5f, 0.f, 0.f}};
-  update_balancing_bias({{0, 0, 0}}, 0.1, ops::bias_controller::Rule::Proportional, none, mem);  // no tokens
+  update_balancing_bias({{0, 0, 0}}, controller(ops::bias_controller::Rule::Proportional, 0.1), none, mem);  // no tokens
   EXPECT_EQ(none[0][0], 0.5f);
+}
+
+// The pid rule by hand on one class: the bias is -rate sum e - kp e_t - kd (e_t - e_{t-1}), its
+// memory the last two errors; with kp = kd = 0 it is the proportional rule exactly.
+TEST(RouterBalance, PidRuleByHand) {
+  // 2 classes: errors f_0 - 1/2 of 0.25, 0.125, -0.25 on three steps.
+  const std::vector<std::vector<std::vector<std::int64_t>>> loads = {{{6, 2}}, {{5, 3}}, {{2, 6}}};
+  const double rate = 0.1, kp = 0.5, kd = 0.2, e[3] = {0.25, 0.125, -0.25};
+  std::vector<std::vector<float>> bias = {{0.f, 0.f}}, prop = bias, pid0 = bias;
+  BalanceMemory mem, prop_mem, pid0_mem;
+  double sum = 0;
+  for (int t = 0; t < 3; ++t) {
+    update_balancing_bias(loads[t], controller(ops::bias_controller::Rule::Pid, rate, kp, kd), bias, mem);
+    update_balancing_bias(loads[t], controller(ops::bias_controller::Rule::Proportional, rate), prop, prop_mem);
+    update_balancing_bias(loads[t], controller(ops::bias_controller::Rule::Pid, rate), pid0, pid0_mem);
+    sum += e[t];
+    const double prev = t > 0 ? e[t - 1] : 0.0;
+    EXPECT_NEAR(bias[0][0], -rate * sum - kp * e[t] - kd * (e[t] - prev), 1e-6) << "step " << t;
+    EXPECT_NEAR(bias[0][1], rate * sum + kp * e[t] + kd * (e[t] - prev), 1e-6) << "step " << t;
+    EXPECT_FLOAT_EQ(mem.m[0][0], static_cast<float>(e[t]));
+    EXPECT_FLOAT_EQ(mem.v[0][0], static_cast<float>(prev));
+    EXPECT_EQ(mem.rule, ops::bias_controller::Rule::Pid);
+    EXPECT_EQ(pid0, prop) << "step " << t;
+  }
+  EXPECT_TRUE(prop_mem.m.empty());
+  // Memory another rule wrote is not read: it starts again at zero.
+  BalanceMemory adam_mem;
+  std::vector<std::vector<float>> a = {{0.f, 0.f}}, b = a;
+  update_balancing_bias(loads[0], controller(ops::bias_controller::Rule::Adam, 0.01), a, adam_mem);
+  ASSERT_FALSE(adam_mem.m.empty());
+  BalanceMemory none;
+  a = b;
+  update_balancing_bias(loads[1], controller(ops::bias_controller::Rule::Pid, rate, kp, kd), a, adam_mem);
+  update_balancing_bias(loads[1], controller(ops::bias_controller::Rule::Pid, rate, kp, kd), b, none);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(adam_mem.m, none.m);
+  EXPECT_EQ(adam_mem.updates, 1);
 }
 
 // ZAYA1's controller (AdamW on the bias, as Primus): keel train's update of every layer is the
@@ -95,7 +141,7 @@ TEST(RouterBalance, AdamRuleIsTheControllerOpWithItsMomentsCarried) {
   ops::bias_controller::Config c;
   c.lr = 0.003;
   for (std::size_t step = 0; step < loads.size(); ++step) {
-    update_balancing_bias(loads[step], 0.003, ops::bias_controller::Rule::Adam, bias, mem);
+    update_balancing_bias(loads[step], c, bias, mem);
     for (std::size_t l = 0; l < 2; ++l) {
       want[l].step = static_cast<std::int64_t>(step);  // one count for all layers: keel's updates
       want[l] = ops::bias_controller::update(c, want[l], loads[step][l].data());
@@ -153,7 +199,15 @@ TEST(RouterBalance, ConfigKeys) {
   std::vector<std::string> given = mlp;
   given.push_back("router.lr_scale=0.5");
   EXPECT_DOUBLE_EQ(parse_train_config(text, "t.yaml", given).model_options.router_lr_scale, 0.5);
-  fixtures::expect_usage_error(text, {"router.balance=pid"}, "router.balance");
+  fixtures::expect_usage_error(text, {"router.balance=pd"}, "router.balance");
+  const TrainConfig pid =
+      parse_train_config(text, "t.yaml", {"router.balance=pid", "router.balance_kp=0.3", "router.balance_kd=0.1"});
+  EXPECT_EQ(pid.model_options.balance_rule, ops::bias_controller::Rule::Pid);
+  EXPECT_DOUBLE_EQ(pid.model_options.balance_kp, 0.3);
+  EXPECT_DOUBLE_EQ(pid.model_options.balance_kd, 0.1);
+  EXPECT_EQ(balance_config(pid.model_options).kp, 0.3);
+  fixtures::expect_usage_error(text, {"router.balance_kp=0.3"}, "router.balance_kp");  // not the pid rule
+  fixtures::expect_usage_error(text, {"router.balance=pid", "router.balance_kd=-1"}, "router.balance_kd");
   fixtures::expect_usage_error(text, {"router.init_gain=-1"}, "router.init_gain");
   fixtures::expect_usage_error(text, {"router.lr_scale=nan"}, "router.lr_scale");
   fixtures::expect_usage_error(text, {"router.balanse=sign"}, "balanse");

@@ -54,6 +54,7 @@ ModelOptions options(ops::bias_controller::Rule rule = ops::bias_controller::Rul
   o.seq_length = 8;
   o.bias_update_rate = 0.01;
   o.balance_rule = rule;
+  if (rule == ops::bias_controller::Rule::Pid) o.balance_kp = 0.02, o.balance_kd = 0.01;
   return o;
 }
 
@@ -119,12 +120,16 @@ TEST(TrainCheckpoint, SaveCommitsAndLoadRestoresEveryTensorBitForBit) {
   EXPECT_EQ(b->forward(tok.data(), tgt.data()).total, a->forward(tok.data(), tgt.data()).total);
 }
 
-// The adam balancing controller's moments and update count are train state: saved, restored,
-// and the restored controller moves the biases exactly as the original. A run saved under
-// another rule has none, and loads with empty moments.
-TEST(TrainCheckpoint, BalanceControllerMomentsRoundTrip) {
+// The adam balancing controller's moments (the pid rule's last errors) and update count are
+// train state: saved, restored with the rule that wrote them, and the restored controller moves
+// the biases exactly as the original. A run saved under another rule has none, and loads with
+// empty moments.
+class BalanceMemoryRoundTrip : public ::testing::TestWithParam<ops::bias_controller::Rule> {};
+
+TEST_P(BalanceMemoryRoundTrip, SavedRestoredAndContinued) {
+  const ops::bias_controller::Rule rule = GetParam();
   const fs::path root = fresh_dir("balance");
-  auto a = trained(tiny(), ops::bias_controller::Rule::Adam);
+  auto a = trained(tiny(), rule);
   const TrainState st = a->state();
   ASSERT_EQ(st.router_balance.m.size(), st.router_bias.size());
   EXPECT_EQ(st.router_balance.updates, 2);
@@ -141,7 +146,8 @@ TEST(TrainCheckpoint, BalanceControllerMomentsRoundTrip) {
   EXPECT_EQ(got.state.router_balance.m, st.router_balance.m);
   EXPECT_EQ(got.state.router_balance.v, st.router_balance.v);
   EXPECT_EQ(got.state.router_balance.updates, 2);
-  auto b = make_cpu_backend(tiny(), options(ops::bias_controller::Rule::Adam), {}, parallel::Mesh());
+  EXPECT_EQ(got.state.router_balance.rule, rule);
+  auto b = make_cpu_backend(tiny(), options(rule), {}, parallel::Mesh());
   b->set_state(got.state);
   std::vector<std::uint32_t> tok(16);
   std::vector<std::int32_t> tgt(16);
@@ -153,6 +159,25 @@ TEST(TrainCheckpoint, BalanceControllerMomentsRoundTrip) {
   }
   EXPECT_EQ(a->state().router_bias, b->state().router_bias);
   EXPECT_EQ(a->state().router_balance.m, b->state().router_balance.m);
+  EXPECT_EQ(a->state().router_balance.v, b->state().router_balance.v);
+  // Resumed under the other rule, the memory is not reused: it starts again at zero, as
+  // update_balancing_bias does on a first update.
+  const ops::bias_controller::Rule other =
+      rule == ops::bias_controller::Rule::Adam ? ops::bias_controller::Rule::Pid : ops::bias_controller::Rule::Adam;
+  auto c = make_cpu_backend(tiny(), options(other), {}, parallel::Mesh());
+  auto fresh = make_cpu_backend(tiny(), options(other), {}, parallel::Mesh());
+  TrainState no_memory = got.state;
+  no_memory.router_balance = {};
+  c->set_state(got.state);
+  fresh->set_state(no_memory);
+  for (auto* x : {c.get(), fresh.get()}) {
+    x->zero_grads();
+    x->forward(tok.data(), tgt.data());
+    x->update_router_bias();
+  }
+  EXPECT_EQ(c->state().router_bias, fresh->state().router_bias);
+  EXPECT_EQ(c->state().router_balance.m, fresh->state().router_balance.m);
+  EXPECT_EQ(c->state().router_balance.rule, other);
 
   const fs::path sign_root = fresh_dir("balance_sign");
   {
@@ -164,6 +189,12 @@ TEST(TrainCheckpoint, BalanceControllerMomentsRoundTrip) {
   }
   EXPECT_TRUE(load_train_checkpoint(sign_root.string(), tiny()).state.router_balance.m.empty());
 }
+
+INSTANTIATE_TEST_SUITE_P(Rules, BalanceMemoryRoundTrip,
+                         ::testing::Values(ops::bias_controller::Rule::Adam, ops::bias_controller::Rule::Pid),
+                         [](const auto& info) {
+                           return info.param == ops::bias_controller::Rule::Adam ? std::string("Adam") : std::string("Pid");
+                         });
 
 TEST(TrainCheckpoint, WrongModelOrFileIsAClearError) {
   const fs::path root = fresh_dir("wrong");
