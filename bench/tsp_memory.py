@@ -108,7 +108,8 @@ def measure(a, prefix, seq, layout):
     return row
 
 
-SIZE_LAYOUT = {"TSP=2": "tsp=2", "TP=2": "tp=2", "TP=2+SP": "tp=2", "CP=2": "cp=2", "DP=2": "zero=1"}
+SIZE_LAYOUT = {"TSP=2": ["tsp=2"], "TP=2": ["tp=2", "--no-sequence-parallel"], "TP=2+SP": ["tp=2"], "CP=2": ["cp=2"],
+               "DP=2": ["zero=1"]}
 
 
 def predicted(a, run_dir, seq, layout):
@@ -116,7 +117,7 @@ def predicted(a, run_dir, seq, layout):
     model = os.path.join(run_dir, "model.yaml")
     open(model, "w").write(model_text(a, seq))
     js = os.path.join(run_dir, "size.json")
-    r = subprocess.run([a.keel, "size", model, "--layout", SIZE_LAYOUT[layout], "--gpus", "2", "--seq", str(seq),
+    r = subprocess.run([a.keel, "size", model, "--layout", *SIZE_LAYOUT[layout], "--gpus", "2", "--seq", str(seq),
                         "--hardware", "h200", "--json", js], capture_output=True, text=True)
     if r.returncode != 0:
         return None

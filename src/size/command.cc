@@ -29,7 +29,7 @@ struct RawFlags {
   int micro_batch = 1;
   std::int64_t ce_chunk = 8192;
   double mfu = 0.4;
-  bool moe_study = false, gemms = false, quiet = false;
+  bool moe_study = false, gemms = false, quiet = false, sequence_parallel = true;
 };
 
 // A flag that may be left out but, when given, must be at least 1.
@@ -60,6 +60,7 @@ int run(const RawFlags& f) {
   require_positive(f.gpus, "--gpus");
   s.layout = parse_layout(f.layout, f.gpus.value_or(0));
   check_layout(s.layout, s.model);
+  s.sequence_parallel = f.sequence_parallel;
   require_positive(f.seq, "--seq");
   s.seq = f.seq ? *f.seq : s.model.max_seq_len > 0 ? s.model.max_seq_len : 4096;
   if (s.seq % (s.layout.cp * s.layout.tsp) != 0)
@@ -120,6 +121,10 @@ void add_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--layout", f->layout,
                   "Parallel layout, e.g. tp=2,pp=4,ep=8,cp=1,tsp=1,zero=1 (dp from --gpus when left out; ep folds into dp*cp)");
+  cmd->add_flag("--sequence-parallel,!--no-sequence-parallel", f->sequence_parallel,
+                "With tp above 1: Megatron sequence parallelism (keel train's parallel.sequence), the residual stream, "
+                "norms and routers on 1/tp of the tokens (the default); --no-sequence-parallel keeps every token's on "
+                "each tensor rank");
   cmd->add_option("--gpus", f->gpus, "GPUs in the run (default: the layout's product)");
   CLI::Option* train_tokens =
       cmd->add_option("--train-tokens", f->tokens, "Tokens to train (14T, 500B, 2.5e12): prints the time to train");

@@ -40,50 +40,65 @@ double routed_row_backward_scratch_bytes(const ModelConfig& m) {
 }
 
 // Bytes one token leaves behind in one layer for backward, before any sharding (bf16
-// activations, fp32 softmax statistics and router logits). docs/size.md itemises them.
-double layer_activation_bytes(const ModelConfig& m, int layer, Recompute r) {
+// activations, fp32 softmax statistics and router logits). docs/size.md itemises them. Two
+// parts: `whole`, the hidden-wide items (norm inputs and outputs, residual-scaling streams,
+// routers, the routed rows' input and output), which tensor parallelism keeps for every token
+// unless sequence parallelism splits the tokens; `split`, the items over heads and FFN / expert
+// widths, which tensor parallelism divides either way.
+struct LayerBytes {
+  double whole = 0, split = 0;
+  double total() const { return whole + split; }
+};
+
+LayerBytes layer_activation_parts(const ModelConfig& m, int layer, Recompute r) {
   const double h = m.hidden, hd = m.head_dim, q = m.heads * hd, kv = m.kv_heads * hd;
-  if (r == Recompute::kFull) return kBf16 * h;  // the layer input only
+  LayerBytes b;
+  if (r == Recompute::kFull) return {kBf16 * h, 0};  // the layer input only
   const bool sel = r == Recompute::kSelective;
-  double b = 0;
   // Attention half.
-  b += kBf16 * h;                // norm input (the residual)
-  if (!sel) b += kBf16 * h;      // norm output = projection input (selective: recomputed)
+  b.whole += kBf16 * h;                // norm input (the residual)
+  if (!sel) b.whole += kBf16 * h;      // norm output = projection input (selective: recomputed)
   switch (model::layer_attention_kind(m, layer)) {
     case AttentionKind::kMha:
     case AttentionKind::kGqa:
     case AttentionKind::kLinear:
-      b += kBf16 * (q + 2 * kv);            // q, k, v
-      if (m.qk_norm && !sel) b += kBf16 * (q + kv);  // pre-norm q, k
+      b.split += kBf16 * (q + 2 * kv);            // q, k, v
+      if (m.qk_norm && !sel) b.split += kBf16 * (q + kv);  // pre-norm q, k
       if (model::layer_attention_kind(m, layer) == AttentionKind::kLinear)
-        b += kFp32 * m.heads * hd * hd / m.linear_chunk;  // per-chunk d x d prefix states
+        b.split += kFp32 * m.heads * hd * hd / m.linear_chunk;  // per-chunk d x d prefix states
       break;
     case AttentionKind::kCca: {
       const double ch = static_cast<double>(m.cca_q_dim) + m.cca_k_dim;
-      b += kBf16 * ch;                       // pre-conv q~|k~ (kept either way)
-      if (!sel) b += kBf16 * 3 * ch;         // conv1 out, conv2 out, normalised q|k
-      b += kBf16 * m.cca_v_dim;              // v (current | previous token)
+      b.split += kBf16 * ch;                       // pre-conv q~|k~ (kept either way)
+      if (!sel) b.split += kBf16 * 3 * ch;         // conv1 out, conv2 out, normalised q|k
+      b.split += kBf16 * m.cca_v_dim;              // v (current | previous token)
       break;
     }
   }
-  b += kBf16 * q + kFp32 * m.heads;  // attention output (o-proj input) and log-sum-exp
-  if (m.residual_scaling) b += kBf16 * 2 * h;  // (x + b) of both streams
+  b.split += kBf16 * q + kFp32 * m.heads;  // attention output (o-proj input) and log-sum-exp
+  if (m.residual_scaling) b.whole += kBf16 * 2 * h;  // (x + b) of both streams
   // MLP half.
-  b += kBf16 * h;
-  if (!sel) b += kBf16 * h;
+  b.whole += kBf16 * h;
+  if (!sel) b.whole += kBf16 * h;
   if (model::is_moe_layer(m, layer)) {
     const double k = m.top_k, eh = m.expert_hidden, classes = m.experts + (m.router_skip_expert ? 1.0 : 0.0);
     if (m.router_hidden > 0)
-      b += kBf16 * m.router_hidden * (2.0 * m.router_mlp_layers);  // down out, normed, MLP pre/post GELU
-    b += kFp32 * 2 * classes;                      // logits, probabilities
-    b += k * routed_row_bytes(m, sel);
+      b.whole += kBf16 * m.router_hidden * (2.0 * m.router_mlp_layers);  // down out, normed, MLP pre/post GELU
+    b.whole += kFp32 * 2 * classes;                      // logits, probabilities
+    const double row = routed_row_bytes(m, sel), row_hidden = kBf16 * 2 * h;  // input and output rows
+    b.whole += k * row_hidden;
+    b.split += k * (row - row_hidden);
     const double se = static_cast<double>(m.shared_experts) * eh;
-    b += kBf16 * (sel ? 2 : 3) * se;
+    b.split += kBf16 * (sel ? 2 : 3) * se;
   } else {
-    b += kBf16 * (sel ? 2 : 3) * m.ffn_hidden;
+    b.split += kBf16 * (sel ? 2 : 3) * m.ffn_hidden;
   }
-  if (m.residual_scaling) b += kBf16 * 2 * h;
+  if (m.residual_scaling) b.whole += kBf16 * 2 * h;
   return b;
+}
+
+double layer_activation_bytes(const ModelConfig& m, int layer, Recompute r) {
+  return layer_activation_parts(m, layer, r).total();
 }
 
 // a * b, or a one-line error naming the quantity when it overflows int64.
@@ -210,16 +225,23 @@ MemoryEstimate estimate_memory(const Setup& s) {
   if (m.tied_embeddings && l.pp > 1) head = emb;  // the last stage keeps its own copy of the tied matrix
 
   const double tokens_local = static_cast<double>(s.micro_batch) * s.seq / (l.cp * l.tsp);
-  const double act_tokens = tokens_local / l.tp;  // sequence parallelism shards the rest over tp
+  // Rows of the hidden-wide items (the residual stream, norms, routers): tensor parallelism keeps
+  // every token's unless sequence parallelism splits them over tp; the items over heads and
+  // widths divide by tp either way (LayerBytes).
+  const double act_tokens = l.tp > 1 && !s.sequence_parallel ? tokens_local : tokens_local / l.tp;
+  const double split_tokens = tokens_local / l.tp;
   const int inflight = l.pp > 1 ? std::min(l.pp, s.micro_batches) : 1;
 
   MemoryEstimate best;
-  double per_token[3] = {0, 0, 0}, worst_layer_none = 0;
+  double per_token[3] = {0, 0, 0};
+  LayerBytes mean_parts[3], worst_layer_none;
   for (int i = 0; i < 3; ++i)
     for (int layer = 0; layer < m.layers; ++layer) {
-      const double b = layer_activation_bytes(m, layer, static_cast<Recompute>(i));
-      per_token[i] += b / L;
-      if (i == 0) worst_layer_none = std::max(worst_layer_none, b);
+      const LayerBytes b = layer_activation_parts(m, layer, static_cast<Recompute>(i));
+      per_token[i] += b.total() / L;
+      mean_parts[i].whole += b.whole / L;
+      mean_parts[i].split += b.split / L;
+      if (i == 0 && b.total() > worst_layer_none.total()) worst_layer_none = b;
     }
   for (int i = 0; i < 3; ++i) best.activation_bytes_per_token_layer[i] = per_token[i];
   int moe_layers = 0;
@@ -265,10 +287,11 @@ MemoryEstimate estimate_memory(const Setup& s) {
     } else {
       e.items.push_back({"optimizer (master, m, v: 12 B)", 12 * o});
     }
-    const double layers_tokens = per_stage * act_tokens * (st.first ? inflight : 1);
+    const double layers = per_stage * (st.first ? inflight : 1);
+    const auto on_rank = [&](const LayerBytes& b) { return b.whole * act_tokens + b.split * split_tokens; };
     auto acts = [&](Recompute r) {
-      double a = per_token[static_cast<int>(r)] * layers_tokens;
-      if (r == Recompute::kFull) a += worst_layer_none * act_tokens;  // one layer rebuilt at a time
+      double a = on_rank(mean_parts[static_cast<int>(r)]) * layers;
+      if (r == Recompute::kFull) a += on_rank(worst_layer_none);  // one layer rebuilt at a time
       return a;
     };
     e.activations_none = acts(Recompute::kNone);
@@ -313,8 +336,9 @@ MemoryEstimate estimate_memory(const Setup& s) {
                              tokens_local * (kBf16 * h + kBf16 * (2 * q + 2 * kv) + kFp32 * q + core + mlp);
       e.items.push_back({"backward scratch (keel train)", scratch});
       // tensor parallelism's sequence-parallel gathers (tensor_parallel_cuda.h): three bf16 and
-      // two fp32 [tokens, hidden] buffers
-      if (l.tp > 1) e.items.push_back({"sequence-parallel gathers (keel train)", 14 * tokens_local * h});
+      // two fp32 [tokens, hidden] buffers (none without sequence parallelism: its all-reduces
+      // work in place)
+      if (l.tp > 1 && s.sequence_parallel) e.items.push_back({"sequence-parallel gathers (keel train)", 14 * tokens_local * h});
     }
     if (st.last) e.items.push_back(logits_item(m, s, tokens_local));
     if (l.cp > 1 && l.tsp == 1) {

@@ -30,6 +30,9 @@ struct Setup {
   model::ModelConfig model;
   hw::Hardware hardware;
   mesh::Shape layout{.zero = 1};  // keel size's default: ZeRO-1, as keel train runs
+  // With tp > 1: Megatron sequence parallelism (keel train's parallel.sequence), the residual
+  // stream, norms and routers on 1/tp of the tokens; false keeps them on every token.
+  bool sequence_parallel = true;
   std::int64_t seq = 4096;
   int micro_batch = 1;
   int micro_batches = 1;  // per step per pipeline (gradient accumulation): sets the pipeline bubble

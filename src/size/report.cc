@@ -59,6 +59,12 @@ void require_finite_estimates(const SizeReport& r) {
   require_finite(r.train.seconds_predicted, "predicted time to train", s);
 }
 
+// Sequence parallelism, where tensor parallelism makes it a choice.
+std::string layout_note(const Setup& s) {
+  if (s.layout.tp < 2) return "";
+  return s.sequence_parallel ? ", sequence parallel" : ", no sequence parallelism";
+}
+
 }  // namespace
 
 SizeReport build_report(const std::string& config_path, const Setup& s, const MoeStudyOptions* moe) {
@@ -88,9 +94,10 @@ void print_report(const SizeReport& r, std::FILE* out, bool show_gemms) {
   for (const auto& src : s.hardware.sources) line("#   hardware: " + src);
   line(fmt::format("#   peak bf16 {:.0f} TFLOP/s dense, HBM {:.2f} TB/s, {:.0f} GiB, {} SMs/CUs, link {:.0f} GB/s",
                    hw.bf16_tflops, hw.hbm_tbps, hw.hbm_gib, hw.sm_count, hw.link_gbps));
-  line(fmt::format("#   layout {} on {} GPUs, seq {}, micro-batch {}, {} micro-batches/step, recompute {}, {}",
+  line(fmt::format("#   layout {} on {} GPUs, seq {}, micro-batch {}, {} micro-batches/step, recompute {}, {}{}",
                    s.layout.str(), s.layout.world(), s.seq, s.micro_batch, s.micro_batches,
-                   model::recompute_name(s.recompute), s.optimizer == Optimizer::kMuon ? "Muon" : "AdamW"));
+                   model::recompute_name(s.recompute), s.optimizer == Optimizer::kMuon ? "Muon" : "AdamW",
+                   layout_note(s)));
 
   // Parameters.
   const auto& p = r.params;
@@ -124,7 +131,7 @@ void print_report(const SizeReport& r, std::FILE* out, bool show_gemms) {
 
   // Memory.
   const auto& mem = r.memory;
-  line(fmt::format("\n## Memory per GPU ({}; heaviest pipeline stage: {})", s.layout.str(), mem.stage));
+  line(fmt::format("\n## Memory per GPU ({}{}; heaviest pipeline stage: {})", s.layout.str(), layout_note(s), mem.stage));
   line(fmt::format("parameters on this GPU: {} (ZeRO-{} shards {} over dp*cp = {}, experts over dp*cp/ep = {})",
                    human_count(mem.params_on_gpu), s.layout.zero,
                    s.layout.zero == 0 ? "nothing" : s.layout.zero == 1 ? "optimizer states" : s.layout.zero == 2 ? "optimizer states and gradients" : "optimizer states, gradients and weights",
@@ -256,7 +263,7 @@ nlohmann::json report_json(const SizeReport& r) {
                    {"sources", s.hardware.sources}};
   const auto& l = s.layout;
   j["layout"] = {{"gpus", l.world()}, {"dp", l.dp}, {"tp", l.tp}, {"ep", l.ep}, {"pp", l.pp},
-                 {"cp", l.cp},       {"tsp", l.tsp}, {"zero", l.zero}};
+                 {"cp", l.cp},       {"tsp", l.tsp}, {"zero", l.zero}, {"sequence_parallel", l.tp > 1 && s.sequence_parallel}};
   j["run"] = {{"seq", s.seq},
               {"micro_batch", s.micro_batch},
               {"micro_batches", s.micro_batches},

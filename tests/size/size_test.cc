@@ -226,6 +226,33 @@ TEST(Memory, TensorParallelKeepsAttentionOutputsAndScratchByHand) {
   EXPECT_FALSE(has_item(estimate_memory(s), "attention outputs"));
 }
 
+// Tensor parallelism without sequence parallelism (keel train's parallel.tensor alone): the
+// hidden-wide items (residual stream, norms, attention outputs, the backward scratch's stream
+// rows) are every token's on each tensor rank, the items over heads and widths still half, and
+// no sequence-parallel gathers; with tp = 1 the choice changes nothing.
+TEST(Memory, TensorParallelWithoutSequenceParallelByHand) {
+  keel::size::Setup sp = setup("llama3-8b", "tp=2", 2);
+  sp.seq = 32768;
+  keel::size::Setup no = sp;
+  no.sequence_parallel = false;
+  const MemoryEstimate a = estimate_memory(sp), b = estimate_memory(no);
+  EXPECT_DOUBLE_EQ(item(b, "attention outputs"), 2 * item(a, "attention outputs"));
+  EXPECT_DOUBLE_EQ(item(b, "fp32 residual stream"), 2 * item(a, "fp32 residual stream"));
+  EXPECT_TRUE(has_item(a, "sequence-parallel gathers"));
+  EXPECT_FALSE(has_item(b, "sequence-parallel gathers"));
+  EXPECT_DOUBLE_EQ(item(b, "backward scratch") - item(a, "backward scratch"), 16384.0 * (12 * 4096));
+  // llama3-8b (dense gqa): per token and layer 4 x bf16 h (norm inputs and outputs) are whole,
+  // q, k, v, the attention output, the log-sum-exp and the 3 MLP widths split.
+  const double h = 4096, whole = 2.0 * 4 * h;
+  const double split = 2.0 * (4096 + 2 * 1024) + 2.0 * 4096 + 4.0 * 32 + 2.0 * 3 * 14336;
+  EXPECT_DOUBLE_EQ(a.activations_none, 32.0 * 16384 * (whole + split));
+  EXPECT_DOUBLE_EQ(b.activations_none, 32.0 * (32768 * whole + 16384 * split));
+  EXPECT_DOUBLE_EQ(b.activations_full, 32.0 * 32768 * 2 * h + 32768 * whole + 16384 * split);
+  keel::size::Setup one = setup("llama3-8b", "zero=1", 1), one_no = one;
+  one_no.sequence_parallel = false;
+  EXPECT_DOUBLE_EQ(estimate_memory(one).total(), estimate_memory(one_no).total());
+}
+
 // The LASP-2 hybrid (4 kv heads of 128): the CUDA op's chunk states, and under context
 // parallelism the gathered states and the saved initial states, by hand.
 TEST(Memory, LinearAttentionStatesByHand) {
