@@ -107,11 +107,24 @@ void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, c
     ops::swiglu::forward(a.g, a.u, a.a);
     ops::linear::forward(a.a, w.w_down, {}, out);
   } else if (s.mlp_router) {
-    // ZAYA1 router: no aux or z loss (balancing is the bias controller's job).
+    // ZAYA1 router: no z loss; its Switch aux loss over all classes is reported, and trained
+    // only where its weight is set (ZAYA1 has none: balancing is the bias controller's job).
     a.zmoe.router.state = eda.state;
     zaya::moe_forward(s.zaya, {w.zrouter, w.experts, experts}, x, eda.prev, bias, s.zaya.eps, a.zmoe, sc.zs, out);
+    const int classes = s.zaya.classes();
     if (load)
-      for (int e = 0; e < s.zaya.classes(); ++e) load[e] += a.zmoe.router.counts[static_cast<std::size_t>(e)];
+      for (int e = 0; e < classes; ++e) load[e] += a.zmoe.router.counts[static_cast<std::size_t>(e)];
+    a.zmoe.aux_counts.clear();
+    a.zmoe.aux_rows = 0;
+    if (tokens.size() > 1) {  // the micro-batch's counts (backward reads them too)
+      a.zmoe.aux_counts = a.zmoe.router.counts;
+      tokens.sum(a.zmoe.aux_counts.data(), classes);
+      a.zmoe.aux_rows = N * tokens.size();
+    }
+    if (losses)
+      losses->aux += tokens.size() > 1
+                         ? ops::router::aux_loss(a.zmoe.router.probs, a.zmoe.aux_counts.data(), a.zmoe.aux_rows, 1)
+                         : ops::router::aux_loss(a.zmoe.router.probs, a.zmoe.router.counts.data(), N, 1);
   } else {
     ops::linear::forward(x, w.router, {}, a.rlogits);
     ops::router::Losses l =
@@ -147,7 +160,7 @@ void mlp_backward(const MlpShape& s, const LayerWeights& w, LayerWeights& g, con
     add_into(dx, sc.tmp);
   } else if (s.mlp_router) {
     zaya::moe_backward(s.zaya, {w.zrouter, w.experts, experts}, {g.zrouter, g.experts, nullptr}, x, eda.prev, a.zmoe,
-                       sc.zs, dy, deda.dstate_next, dx, deda.dprev);
+                       sc.zs, dy, deda.dstate_next, dx, deda.dprev, aux_weight);
   } else {
     if (experts)
       experts->backward(a.plan, x, a.gates, w.experts, a.experts, dy, sc.moe, dx, sc.dgates, g.experts);

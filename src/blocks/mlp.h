@@ -63,14 +63,16 @@ struct RouterLosses {
 
 // bias: this layer's router selection bias [classes]. load: when not null, this layer's routing
 // counts (E experts, + the skip class) of this rank's tokens are added into it; losses likewise.
-// tokens: the ranks sharing the micro-batch's sequences; the linear router's aux loss takes its
-// expert shares f_e over all of their tokens (router::aux_loss), its P_e over this rank's.
+// tokens: the ranks sharing the micro-batch's sequences; the routers' aux loss takes its
+// expert shares f_e over all of their tokens (router::aux_loss), its P_e over this rank's (the
+// MLP router's over all its classes, skip included; it has no z loss).
 void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, const Tensor& x, const EdaIo& eda,
                  MlpSaved& a, const MlpScratch& sc, const Tensor& y, LinearRunner& linear,
                  ops::moe::ExpertRunner* experts, std::int64_t* load, RouterLosses* losses,
                  TokenGroup& tokens = local_tokens());
 
-// aux_weight, z_weight: the linear router's loss weights times the loss scale.
+// aux_weight, z_weight: the router's loss weights times the loss scale (the MLP router takes the
+// aux weight only).
 void mlp_backward(const MlpShape& s, const LayerWeights& w, LayerWeights& g, const Tensor& x, const EdaIo& eda,
                   const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc, const Tensor& dy, const Tensor& dx,
                   float aux_weight, float z_weight, LinearRunner& linear, ops::moe::ExpertRunner* experts,

@@ -53,7 +53,7 @@ void moe_forward(const Shape& s, const MoeParams& p, const Tensor& x, const Tens
 
 void moe_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const Tensor& x, const Tensor& prev_state,
                   MoeActs& a, const MoeScratch& sc, const Tensor& dy, const Tensor& dstate_next, const Tensor& dx,
-                  const Tensor& dprev_state) {
+                  const Tensor& dprev_state, float aux_weight) {
   // The skip path writes the skip rows of dx and dgates; the scatters below write the routed
   // rows; together they cover every row.
   ops::zaya_router::skip_backward(x, a.router.idx.data(), a.router.gates, s.skip ? s.experts : -1, dy, dx, sc.dgates);
@@ -71,8 +71,9 @@ void moe_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const 
     scatter(dxk, a.kept, dx);
     scatter(dgk, a.kept, sc.dgates);
   }
+  const bool group = !a.aux_counts.empty();
   ops::zaya_router::backward(x, prev_state, p.router, a.router, sc.dgates, dstate_next, sc.dx_router, dprev_state,
-                             g.router, sc.router);
+                             g.router, sc.router, aux_weight, group ? a.aux_counts.data() : nullptr, a.aux_rows);
   const std::int64_t total = dx.numel();
   float* d = dx.data();
   const float* r = sc.dx_router.data();

@@ -40,6 +40,10 @@ struct MoeActs {
   std::vector<std::int32_t> kept_idx;  // their expert index
   ops::moe::Plan plan;             // over the kept rows
   ops::moe::Saved experts;         // full [N, ...] buffers; the first kept.size() rows are used
+  // The aux loss's class counts and the tokens they were taken over (the micro-batch's under
+  // context parallelism; set by the caller, empty: the router's own counts over N).
+  std::vector<std::int64_t> aux_counts;
+  std::int64_t aux_rows = 0;
 };
 
 // Scratch shared by every MoE stage (forward and backward): [N, D] xk, yk, dyk, dxk, dx_router;
@@ -56,9 +60,10 @@ void moe_forward(const Shape& s, const MoeParams& p, const Tensor& x, const Tens
                  float eps, MoeActs& a, const MoeScratch& scratch, const Tensor& y);
 
 // dy [N, D]; dstate_next [N, R] or empty (dL/d state from the next MoE stage's EDA);
-// dx [N, D] and dprev_state [N, R] (or empty) overwritten; g: gradient views (+=).
+// dx [N, D] and dprev_state [N, R] (or empty) overwritten; g: gradient views (+=). aux_weight:
+// the router's load-balancing loss weight (zaya_router::backward's d_aux; 0: none).
 void moe_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const Tensor& x, const Tensor& prev_state,
                   MoeActs& a, const MoeScratch& scratch, const Tensor& dy, const Tensor& dstate_next, const Tensor& dx,
-                  const Tensor& dprev_state);
+                  const Tensor& dprev_state, float aux_weight = 0.f);
 
 }  // namespace keel::blocks::zaya

@@ -88,7 +88,7 @@ std::int64_t backward_scratch_floats(std::int64_t n, std::int64_t d, std::int64_
 
 void backward(const Tensor& x, const Tensor& prev_state, const Params& p, const Saved& s, const Tensor& dgates,
               const Tensor& dstate_next, const Tensor& dx, const Tensor& dprev_state, const Params& g,
-              const Tensor& scratch) {
+              const Tensor& scratch, float d_aux, const std::int64_t* aux_counts, std::int64_t aux_rows) {
   const std::int64_t n = x.dim(0), d = p.w_down.dim(0), e = p.w3.dim(0);
   require_shape(dgates, {n, 1}, "zaya_router dgates");
   if (scratch.numel() < backward_scratch_floats(n, d, e))
@@ -97,7 +97,8 @@ void backward(const Tensor& x, const Tensor& prev_state, const Params& p, const 
   Tensor dlogits(sp, {n, e}), b1(sp + n * e, {n, d}), b2(sp + n * e + n * d, {n, d});
   router::Options o;
   o.top_k = 1;
-  router::backward(s.probs, s.lse, s.idx.data(), s.gates, s.counts.data(), o, dgates, 0.f, 0.f, dlogits);
+  router::backward(s.probs, s.lse, s.idx.data(), s.gates, aux_counts ? aux_counts : s.counts.data(), o, dgates, d_aux,
+                   0.f, dlogits, aux_counts ? aux_rows : 0);
   linear::backward(s.h2, p.w3, dlogits, b1, g.w3, Tensor());  // b1 = dh2
   for (std::int64_t i = 0; i < n * d; ++i) b1[i] *= gelu_grad(s.z2[i]);  // dz2
   linear::backward(s.h1, p.w2, b1, b2, g.w2, g.b2);  // b2 = dh1

@@ -68,9 +68,14 @@ std::int64_t backward_scratch_floats(std::int64_t n, std::int64_t d, std::int64_
 // dgates [N, 1]: dL/dg (from the MoE combine and the skip path). dstate_next [N, D] or empty:
 // dL/d(state) coming back from the next stage's EDA (and any other user of state).
 // dx [N, H], dprev_state [N, D] (needs prev_state), grads: a Params of gradient views.
+// d_aux: the Switch load-balancing loss's weight over all E classes (ops::router: aux = E sum_e
+// f_e P_e, the gradient d_aux E f_e / N into every p[n, e]); 0: none (ZAYA1 has none). Its f_e
+// are s.counts over this call's tokens, or aux_counts over aux_rows tokens where given (the
+// micro-batch's counts under context parallelism: ops::router::aux_loss).
 void backward(const Tensor& x, const Tensor& prev_state, const Params& p, const Saved& s, const Tensor& dgates,
               const Tensor& dstate_next, const Tensor& dx, const Tensor& dprev_state, const Params& grads,
-              const Tensor& scratch);
+              const Tensor& scratch, float d_aux = 0.f, const std::int64_t* aux_counts = nullptr,
+              std::int64_t aux_rows = 0);
 
 // The MoD skip path: a token routed to the skip class runs no expert and its MoE output is 0,
 // so only the residual path carries it (as the maintained implementations of the released

@@ -310,16 +310,13 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
   }
   for (std::size_t m = 0; m < moe_layer_ids_.size(); ++m) {
     LayerActs& a = acts_for(moe_layer_ids_[m]);
-    if (mlp_shape_.mlp_router) {
-      // the MLP router has no aux or z loss (its balance is the bias controller's)
-    } else if (opt_.recompute == Recompute::kNone || moe_layer_ids_.size() == 1) {
-      const auto losses = k::router::read_losses(a.mlp.losses, stream_);
-      lp.aux += losses.aux;
-      lp.z += losses.z;
-    } else {
-      lp.aux += host_losses_[m].aux;
-      lp.z += host_losses_[m].z;
-    }
+    // (the MLP router's aux loss over its classes, reported and trained where its weight is
+    // set; it has no z loss)
+    const auto losses = opt_.recompute == Recompute::kNone || moe_layer_ids_.size() == 1
+                            ? k::router::read_losses(bc::router_losses(a.mlp), stream_)
+                            : host_losses_[m];
+    lp.aux += losses.aux;
+    if (!mlp_shape_.mlp_router) lp.z += losses.z;
     for (int e = 0; e < classes; ++e) load[m][static_cast<std::size_t>(e)] += layer_counts_[m][static_cast<std::size_t>(e)];
   }
   ce_share_ = 1.0;
@@ -334,7 +331,7 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
     lp.aux = parts[2] / C;
     lp.z = parts[3] / C;
   }
-  lp.total = lp.ce + opt_.aux_loss_weight * lp.aux + opt_.z_loss_weight * lp.z;
+  lp.total = lp.ce + aux_loss_weight(cfg_, opt_) * lp.aux + opt_.z_loss_weight * lp.z;
   have_forward_ = true;
   return lp;
 }
@@ -460,8 +457,8 @@ void CudaModel::mlp_forward(int l, LayerActs& a, const float* residual, float* y
                     residual, y, a.mlp, mlp_scratch_, *r.mlp_linear, r.experts, stream_);
   if (m < 0 || !count_load) return;
   bc::mlp_loads(mlp_shape_, a.mlp, layer_counts_[static_cast<std::size_t>(m)].data());
-  if (!mlp_shape_.mlp_router && opt_.recompute == Recompute::kFull)
-    host_losses_[static_cast<std::size_t>(m)] = k::router::read_losses(a.mlp.losses, stream_);
+  if (opt_.recompute == Recompute::kFull)
+    host_losses_[static_cast<std::size_t>(m)] = k::router::read_losses(bc::router_losses(a.mlp), stream_);
 }
 
 // Plain pre-norm layer: x_mid = x_in + attn(n1(x_in)); x_out = x_mid + mlp(n2(x_mid)).
@@ -571,7 +568,7 @@ void CudaModel::mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fr
       deda.dprev = m > 0 ? pair[m % 2] : nullptr;
     }
     bc::mlp_backward(*gemm_, mlp_shape_, w, g, a.h2, eda(std::max(m, 0)), deda, a.mlp_of(shard), mlp_scratch_, dy,
-                     st_->dh, static_cast<float>(own * opt_.aux_loss_weight * cur_scale_),
+                     st_->dh, static_cast<float>(own * aux_loss_weight(cfg_, opt_) * cur_scale_),
                      static_cast<float>(own * opt_.z_loss_weight * cur_scale_), linear, r.experts_of(shard), stream_);
   };
   if (!tsp_)

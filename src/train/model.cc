@@ -279,6 +279,10 @@ void MoeTransformer::reset_load() {
   for (auto& l : load_) std::fill(l.begin(), l.end(), 0);
 }
 
+double aux_loss_weight(const model::ModelConfig& cfg, const ModelOptions& options) {
+  return cfg.router_mlp_layers > 0 ? options.mlp_router_aux_weight : options.aux_loss_weight;
+}
+
 ops::bias_controller::Config balance_config(const ModelOptions& options) {
   ops::bias_controller::Config c;
   c.rule = options.balance_rule;
@@ -371,7 +375,7 @@ void MoeTransformer::mlp_backward(int l, LayerActs& a, const Tensor& dy, const T
       if (m > 0) deda.dprev = pair[m % 2];
     }
     blocks::mlp_backward(mlp_shards_[std::size_t(r)], w, g, a.h2, eda(m), deda, a.mlp[std::size_t(r)], mlp_scratch_, dy,
-                         dh, static_cast<float>(opt_.aux_loss_weight * cur_scale_ * own),
+                         dh, static_cast<float>(aux_loss_weight(cfg_, opt_) * cur_scale_ * own),
                          static_cast<float>(opt_.z_loss_weight * cur_scale_ * own), linear, plan_.experts(l, r),
                          *runners.tokens);
   };
@@ -549,7 +553,7 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
     lp.aux = parts[2] / cp_;
     lp.z = parts[3] / cp_;
   }
-  lp.total = lp.ce + opt_.aux_loss_weight * lp.aux + opt_.z_loss_weight * lp.z;
+  lp.total = lp.ce + aux_loss_weight(cfg_, opt_) * lp.aux + opt_.z_loss_weight * lp.z;
   have_forward_ = true;
   return lp;
 }

@@ -10,8 +10,9 @@
 // With residual_scaling (ZAYA1) the two `+` become scaled merges of two streams (residual r and
 // mixer output h): r <- (r + b_r) * s_r + (h + b_h) * s_h before each stage, and once more
 // before the final norm (docs/train.md has the exact data flow).
-// Loss = CE + aux_loss_weight * sum_layers aux + z_loss_weight * sum_layers z (linear routers
-// only: the MLP router has no aux or z loss, its balance is the bias controller's).
+// Loss = CE + aux_loss_weight * sum_layers aux + z_loss_weight * sum_layers z (linear routers;
+// ZAYA1's MLP router has no z loss, and its aux loss, over all its classes, is reported but
+// weighted by mlp_router_aux_weight, 0 by default: its balance is the bias controller's).
 //
 // Memory: three arenas. Parameters in one (named regions laid out by optim::assign_groups, so
 // the flat parameter buffer is the optimizer's buffer), gradients in a second with the same
@@ -57,6 +58,10 @@ struct ModelOptions {
   int seq_length = 0;   // T
   Recompute recompute = Recompute::kNone;
   double aux_loss_weight = 0.01;  // Switch load-balancing loss weight (per MoE layer, summed)
+  // The same loss on ZAYA1's MLP router, over all its classes (skip included): 0 = none, as
+  // ZAYA1 trains (its balance is the bias controller's). keel train's router.aux_loss_weight
+  // sets whichever of the two the model's router takes.
+  double mlp_router_aux_weight = 0.0;
   double z_loss_weight = 0.001;   // router z-loss weight
   bool renormalize_gates = true;  // gates renormalized over the top_k
   // Benchmarking only (router.forced_balance): every MoE layer routes slot j of token n to
@@ -121,6 +126,9 @@ void update_balancing_bias(const std::vector<std::vector<std::int64_t>>& load, c
                            std::vector<std::vector<float>>& bias, BalanceMemory& memory);
 // ModelOptions' controller (rule, rate, gains).
 ops::bias_controller::Config balance_config(const ModelOptions& options);
+// The aux loss weight the model's routers train with: mlp_router_aux_weight for ZAYA1's MLP
+// router, aux_loss_weight for the linear one.
+double aux_loss_weight(const model::ModelConfig& cfg, const ModelOptions& options);
 
 class MoeTransformer {
  public:

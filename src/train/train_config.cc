@@ -273,7 +273,10 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     ctx.only(r, "router",
              {"aux_loss_weight", "z_loss_weight", "bias_update_rate", "balance", "init_gain", "lr_scale", "renormalize",
               "log_counts", "forced_balance", "balance_kp", "balance_kd"});
-    if (r["aux_loss_weight"]) mo.aux_loss_weight = ctx.get<double>(r["aux_loss_weight"], "router.aux_loss_weight", "a number");
+    if (r["aux_loss_weight"]) {  // the model's router's: the MLP router's own weight when it has one
+      const double w = ctx.get<double>(r["aux_loss_weight"], "router.aux_loss_weight", "a number");
+      (c.model.router_mlp_layers > 0 ? mo.mlp_router_aux_weight : mo.aux_loss_weight) = w;
+    }
     if (r["z_loss_weight"]) mo.z_loss_weight = ctx.get<double>(r["z_loss_weight"], "router.z_loss_weight", "a number");
     if (r["bias_update_rate"])
       mo.bias_update_rate = ctx.get<double>(r["bias_update_rate"], "router.bias_update_rate", "a number");
@@ -308,7 +311,8 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (r["forced_balance"])  // benchmarking only (ModelOptions::forced_balance)
       mo.forced_balance = ctx.get<bool>(r["forced_balance"], "router.forced_balance", "true or false");
     if (r["log_counts"]) c.log_routing_counts = ctx.get<bool>(r["log_counts"], "router.log_counts", "true or false");
-    if (!(mo.aux_loss_weight >= 0) || !(mo.z_loss_weight >= 0) || !(mo.bias_update_rate >= 0))
+    if (!(mo.aux_loss_weight >= 0) || !(mo.mlp_router_aux_weight >= 0) || !(mo.z_loss_weight >= 0) ||
+        !(mo.bias_update_rate >= 0))
       ctx.bad("router", r, "weights and bias_update_rate must be >= 0");
   }
   if (root["ce_chunk"]) mo.ce_chunk = ctx.get<std::int64_t>(root["ce_chunk"], "ce_chunk", "an integer");

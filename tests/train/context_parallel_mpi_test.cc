@@ -106,6 +106,9 @@ const std::string& kMuon = fixtures::kMuonOptimizer;
 TEST(ContextParallel, WorldMatchesOneRank) { expect_matches_single_rank({world_size(), 1, 1, {}, "", "cpN"}); }
 TEST(ContextParallel, WorldZayaMatchesOneRank) {
   expect_matches_single_rank({world_size(), 1, 1, kZaya, "", "zaya_cpN"});
+  // With the MLP router's aux loss on: its class shares are the micro-batch's (summed over the
+  // context group), its gradient each rank's share.
+  expect_matches_single_rank({world_size(), 1, 1, fixtures::kZayaAux, "", "zaya_aux_cpN"});
 }
 TEST(ContextParallel, WorldZayaSlidingWithMuonMatchesOneRank) {
   expect_matches_single_rank({world_size(), 1, 1, joined(kZaya, kSliding), kMuon, "zaya_sliding_cpN"});

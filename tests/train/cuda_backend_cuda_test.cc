@@ -119,9 +119,10 @@ void bf16_embedding(TrainBackend& cpu, TrainBackend& gpu) {
   gpu.set_state(st);
 }
 
-void compare_with_cpu(const model::ModelConfig& cfg, Recompute r) {
+void compare_with_cpu(const model::ModelConfig& cfg, Recompute r, double mlp_router_aux = 0) {
   if (visible_cuda_devices() == 0) GTEST_SKIP() << "no CUDA device visible";
-  const auto opt = small_options(r);
+  auto opt = small_options(r);
+  opt.mlp_router_aux_weight = mlp_router_aux;
   optim::AdamWConfig adamw;
   auto cpu = make_cpu_backend(cfg, opt, adamw, parallel::Mesh());
   auto gpu = make_cuda_backend(cfg, opt, adamw, parallel::Mesh());
@@ -248,6 +249,9 @@ TEST(CudaBackend, ZayaMatchesCpuWithSkipAndRecompute) { compare_with_cpu(zaya_co
 TEST(CudaBackend, ZayaMatchesCpuWithoutSkip) { compare_with_cpu(zaya_config(false), Recompute::kNone); }
 TEST(CudaBackend, ZayaMatchesCpuWithoutSkipWithRecompute) { compare_with_cpu(zaya_config(false), Recompute::kFull); }
 // CCA and the MLP router on the plain residual adds (no residual scaling)
+// The MLP router's aux loss (router.aux_loss_weight; ZAYA1 has none), weighted so that its
+// gradient dominates the routers': both backends report the loss and train it alike.
+TEST(CudaBackend, ZayaWithAuxLossMatchesCpu) { compare_with_cpu(zaya_config(true), Recompute::kNone, 10.0); }
 TEST(CudaBackend, ZayaMatchesCpuUnscaled) { compare_with_cpu(zaya_config(true, false), Recompute::kNone); }
 // Sliding-window layers: the windowed flash kernels (forward and backward, GQA and CCA's core)
 // and the per-layer RoPE tables against the CPU backend. GQA on dense layers: a linear top-2

@@ -196,6 +196,19 @@ TEST(RouterBalance, ConfigKeys) {
   std::string bare = text;  // without it: the default rate
   bare.replace(bare.find("  bias_update_rate: 0.01\n"), std::string("  bias_update_rate: 0.01\n").size(), "");
   EXPECT_DOUBLE_EQ(parse_train_config(bare, "t.yaml", mlp).model_options.bias_update_rate, 0.05);
+  // router.aux_loss_weight is the model's router's: the MLP router's own weight (0 unless given:
+  // ZAYA1 has no aux loss), the linear router's otherwise.
+  EXPECT_DOUBLE_EQ(z.model_options.mlp_router_aux_weight, 0.01);  // the fixture gives 0.01
+  EXPECT_DOUBLE_EQ(aux_loss_weight(z.model, z.model_options), 0.01);
+  EXPECT_DOUBLE_EQ(parse_train_config(bare, "t.yaml", mlp).model_options.mlp_router_aux_weight, 0.01);
+  std::string no_aux = bare;
+  no_aux.replace(no_aux.find("  aux_loss_weight: 0.01\n"), std::string("  aux_loss_weight: 0.01\n").size(), "");
+  const TrainConfig zn = parse_train_config(no_aux, "t.yaml", mlp);
+  EXPECT_DOUBLE_EQ(aux_loss_weight(zn.model, zn.model_options), 0.0);
+  EXPECT_DOUBLE_EQ(aux_loss_weight(d.model, d.model_options), 0.01);  // the linear router's
+  fixtures::expect_usage_error(text, {"model.router_hidden=8", "model.router_mlp_layers=3", "model.top_k=1",
+                                      "router.aux_loss_weight=-1"},
+                               "router");
   std::vector<std::string> given = mlp;
   given.push_back("router.lr_scale=0.5");
   EXPECT_DOUBLE_EQ(parse_train_config(text, "t.yaml", given).model_options.router_lr_scale, 0.5);

@@ -144,6 +144,10 @@ TEST(TensorParallel, Tp4WithoutSequenceParallelMatchesOneRank) {
   expect_matches_single_rank({4, false, 1, {}, "", "tp4nosp"});
 }
 TEST(TensorParallel, Tp2ZayaMatchesOneRank) { expect_matches_single_rank({2, true, 1, kZaya, "", "zaya_tp2"}); }
+// The MLP router's aux loss on: replicated routers, its gradient added once (tensor rank 0).
+TEST(TensorParallel, Tp2ZayaAuxLossMatchesOneRank) {
+  expect_matches_single_rank({2, true, 1, fixtures::kZayaAux, "", "zaya_aux_tp2"});
+}
 TEST(TensorParallel, Tp2ZayaWithMuonMatchesOneRank) {
   expect_matches_single_rank({2, false, 1, kZaya, kMuon, "zaya_tp2muon"});
 }

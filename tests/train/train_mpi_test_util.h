@@ -33,16 +33,18 @@ inline const std::string kMuonOptimizer = "  muon:\n    enabled: true\n";
 // near-tied token within a few steps (7e-4 relative in the parameters at 2 ranks).
 inline const std::vector<std::string> kZayaRouterSets = {"model.router_hidden=8", "model.router_mlp_layers=3",
                                                          "model.top_k=1", "model.router_skip_expert=true",
-                                                         "router.init_gain=0"};
+                                                         "router.init_gain=0", "router.aux_loss_weight=0"};
 
 // A ZAYA1-shaped tiny model: CCA (4 query heads of 4, 2 kv heads), the MLP router with the skip
-// class, residual scaling, tied embeddings (--set lines over train_config_text's tiny MoE).
+// class, residual scaling, tied embeddings (--set lines over train_config_text's tiny MoE). No
+// aux loss, as ZAYA1 (the fixture's 0.01 would otherwise reach the MLP router; kZayaAux has it).
 inline const std::vector<std::string> kZaya = {"model.attention=cca",         "model.cca_q_dim=16",
                                                "model.cca_k_dim=8",           "model.cca_v_dim=8",
                                                "model.cca_conv_width=2",      "model.cca_group_conv_width=2",
                                                "model.residual_scaling=true", "model.tied_embeddings=true",
                                                "model.router_hidden=8",       "model.router_mlp_layers=3",
-                                               "model.top_k=1",               "model.router_skip_expert=true"};
+                                               "model.top_k=1",               "model.router_skip_expert=true",
+                                               "router.aux_loss_weight=0"};
 
 // Layer 1 of 2 slides over 5 tokens with its own RoPE: the window and the layer's table must
 // reach the blocks through a scheme's runners (and cross its rank boundaries).
@@ -53,6 +55,9 @@ inline std::vector<std::string> joined(std::vector<std::string> a, const std::ve
   a.insert(a.end(), b.begin(), b.end());
   return a;
 }
+
+// kZaya with the MLP router's load-balancing loss on (router.aux_loss_weight, ZAYA1 has none).
+inline const std::vector<std::string> kZayaAux = joined(kZaya, {"router.aux_loss_weight=0.05"});
 
 // Linear attention (LASP-2's layers): every layer linear, decayed (RetNet), elu+1 features, chunks
 // of 2 tokens (each rank's runs span several); and a LASP-2H hybrid, layer 0 linear (identity

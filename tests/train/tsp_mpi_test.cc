@@ -98,6 +98,8 @@ TEST(Tsp, WorldWithMuonMatchesOneRank) { expect_matches_single_rank({world_size(
 TEST(Tsp, WorldSlidingMatchesOneRank) { expect_matches_single_rank({world_size(), 1, kSliding, "", "tspN_sliding"}); }
 // CCA needs the degree to divide its 2 kv heads: D = 2 (x DP 2 at 4 ranks)
 TEST(Tsp, Tsp2ZayaMatchesOneRank) { expect_matches_single_rank({2, 1, kZaya, "", "zaya_tsp2"}); }
+// The MLP router's aux loss on: every shard routes alike, the first shard's pass adds its gradient.
+TEST(Tsp, Tsp2ZayaAuxLossMatchesOneRank) { expect_matches_single_rank({2, 1, fixtures::kZayaAux, "", "zaya_aux_tsp2"}); }
 TEST(Tsp, Tsp2ZayaSlidingWithMuonMatchesOneRank) {
   expect_matches_single_rank({2, 1, joined(kZaya, kSliding), kMuon, "zaya_sliding_tsp2"});
 }

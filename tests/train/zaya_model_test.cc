@@ -75,9 +75,10 @@ void perturb_vectors(MoeTransformer& m, std::uint32_t seed) {
   }
 }
 
-void zaya_gradcheck(bool skip) {
+void zaya_gradcheck(bool skip, double aux_weight = 0) {
   const auto cfg = zaya_config(skip);
   ModelOptions o;
+  o.mlp_router_aux_weight = aux_weight;  // the MLP router's load-balancing loss (0: none, as ZAYA1)
   o.micro_batch = 2;
   o.seq_length = 6;
   o.init_std = 0.3;       // large weights: gradients well above the fp32 noise floor
@@ -124,6 +125,11 @@ void zaya_gradcheck(bool skip) {
       for (auto c : l) all_used &= c > 0;
     }
     if (!all_used) continue;
+    const LossParts parts = model.forward(b.tokens.data(), b.targets.data());
+    // the aux loss over all classes is reported either way (1 at a perfect balance), and is in
+    // the total only with its weight
+    EXPECT_GT(parts.aux, 0.5);
+    EXPECT_NEAR(parts.total, parts.ce + aux_weight * parts.aux, 1e-6 * parts.total);
     model.backward();
     std::vector<float> grads(model.grads(), model.grads() + model.param_floats());
     bool flipped = false;
@@ -158,6 +164,9 @@ void zaya_gradcheck(bool skip) {
 
 TEST(TrainZaya, WholeModelGradCheck) { zaya_gradcheck(false); }
 TEST(TrainZaya, WholeModelGradCheckWithSkipClass) { zaya_gradcheck(true); }
+// The MLP router's aux loss (router.aux_loss_weight; ZAYA1 trains without it), weighted large so
+// its gradient through the router's softmax is well above the CE's in the check.
+TEST(TrainZaya, WholeModelGradCheckWithAuxLoss) { zaya_gradcheck(true, 0.5); }
 
 TEST(TrainZaya, LayoutNamesGroupsAndInit) {
   const auto cfg = zaya_config(true);

@@ -82,10 +82,14 @@ void mlp_forward(ops::cuda::GemmRunner& gemm, const MlpShape& s, const LayerWeig
 // The routed layer's expert loads of the last forward: slots per class (ZAYA1: experts, then
 // the skip class).
 void mlp_loads(const MlpShape& s, const MlpSaved& a, std::int32_t* counts);
+// The routed layer's device router losses (ops::cuda::router's aux, z, P_e): the MLP router's
+// or the linear one's.
+inline const float* router_losses(const MlpSaved& a) { return a.zmoe.router.losses ? a.zmoe.router.losses : a.losses; }
 
 // dy fp32 [N, D] -> dx fp32 [N, D] (overwritten). ZAYA1: dstate_next is dL/d this stage's state
 // from the next stage (null on the last), dprev receives dL/d the previous stage's state (null on
-// the first). aux_weight, z_weight: the linear router's loss weights times the loss scale.
+// the first). aux_weight, z_weight: the router's loss weights times the loss scale (the MLP
+// router takes the aux weight only).
 struct EdaGrads {
   const float* dstate_next = nullptr;
   float* dprev = nullptr;

@@ -165,7 +165,7 @@ void mlp_backward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w,
   const float* dy = linear.exit_backward(dy_in, N, D, stream);
   if (s.mlp_router) {
     zaya::moe_backward(gemm, s.zaya, {w.zrouter, w.experts}, {g.zrouter, g.experts}, x, eda.prev, a.zmoe, sc.zs, dy,
-                       deda.dstate_next, dx, deda.dprev, stream, experts);
+                       deda.dstate_next, dx, deda.dprev, stream, experts, aux_weight);
     linear.enter_backward(dx, dx_in, N, D, stream);
     return;
   }

@@ -83,6 +83,6 @@ void moe_forward(ops::cuda::GemmRunner& gemm, const Shape& s, const Weights& w, 
 void moe_backward(ops::cuda::GemmRunner& gemm, const Shape& s, const Weights& w, const Grads& g, const bf16* x,
                   const float* prev_state, Acts& a, const Scratch& sc, const float* dy, const float* dstate_next,
                   float* dx, float* dprev_state, cudaStream_t stream,
-                  ops::cuda::moe::ExpertRunner* experts = nullptr);
+                  ops::cuda::moe::ExpertRunner* experts = nullptr, float aux_weight = 0.f);
 
 }  // namespace keel::blocks::cuda::zaya

@@ -31,7 +31,8 @@ void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf
 
 void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const Grads& g, const bf16* x,
                   const float* prev_state, Acts& a, const Scratch& sc, const float* dy, const float* dstate_next,
-                  float* dx, float* dprev_state, cudaStream_t stream, k::moe::ExpertRunner* experts) {
+                  float* dx, float* dprev_state, cudaStream_t stream, k::moe::ExpertRunner* experts,
+                  float aux_weight) {
   const std::int64_t N = s.tokens, D = s.hidden;
   if (a.nk > 0 || (experts && experts->collective())) {
     gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
@@ -53,7 +54,7 @@ void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const G
     k::zaya_router::skip_backward(x, a.router.idx, a.router.gates, s.experts, dy, nullptr, sc.dgates, N, D, stream);
   // The router's share of dx goes through the bf16 scratch (the expert dx there is consumed).
   k::zaya_router::backward(gemm, router_dims(s), x, prev_state, w.router, a.router, sc.dgates, dstate_next, sc.dxk,
-                           dprev_state, g.router, sc.router, stream);
+                           dprev_state, g.router, sc.router, stream, aux_weight);
   k::add_bf16_to_f32(sc.dxk, dx, N * D, stream);
 }
 

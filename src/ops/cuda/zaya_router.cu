@@ -213,7 +213,7 @@ std::size_t backward_scratch_bytes(const Dims& d) {
 
 void backward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_state, const Weights& w,
               const Saved& s, const float* dgates, const float* dstate_next, bf16* dx, float* dprev_state,
-              const Grads& g, void* scratch, cudaStream_t stream) {
+              const Grads& g, void* scratch, cudaStream_t stream, float d_aux) {
   check_dims(d);
   const std::int64_t N = d.tokens, D = d.dim, E = d.classes;
   if (N == 0) return;
@@ -223,7 +223,7 @@ void backward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_
   router::Options o;
   o.top_k = 1;
   o.renormalize = false;
-  router::backward(s.probs, s.lse, s.idx, s.gates, s.counts, N, d.classes, o, dgates, 0.f, 0.f, k.dlogits, stream);
+  router::backward(s.probs, s.lse, s.idx, s.gates, s.counts, N, d.classes, o, dgates, d_aux, 0.f, k.dlogits, stream);
   f32_to_bf16(k.dlogits, k.dlogits_b, N * E, stream);
   const ColumnSplit cs = column_split(N, D, kColThreads, kTargetBlocks);
   // W3 -> GELU' -> W2 -> GELU' -> W1, ping-ponging between the two bf16 buffers a and b.

@@ -93,9 +93,11 @@ void forward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_s
 std::size_t backward_scratch_bytes(const Dims& d);
 // dgates [N]: dL/dg (MoE combine + skip path). dstate_next [N, D] or null: dL/d(state) from the
 // next stage's EDA. dx [N, H] bf16, dprev_state [N, D] fp32 (overwritten; null to skip).
+// d_aux: the Switch load-balancing loss's weight over all E classes, with f_e from s.counts
+// (as the CPU op's without aux_counts); 0: none (ZAYA1 has none).
 void backward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_state, const Weights& w,
               const Saved& s, const float* dgates, const float* dstate_next, bf16* dx, float* dprev_state,
-              const Grads& g, void* scratch, cudaStream_t stream);
+              const Grads& g, void* scratch, cudaStream_t stream, float d_aux = 0.f);
 
 // y[n] = 0 where idx[n] == skip_class (written); other rows untouched. x [N, H] bf16,
 // y [N, H] fp32, gates [N] fp32.

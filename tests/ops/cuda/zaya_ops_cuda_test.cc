@@ -256,6 +256,7 @@ struct RouterCase {
   std::int64_t N, H, D;
   int E;
   bool eda;
+  float aux = 0.f;  // the aux loss's weight in backward (large enough to matter beside dgates)
 };
 
 TEST(ZayaRouterCuda, ForwardAndBackwardMatchCpu) {
@@ -264,9 +265,9 @@ TEST(ZayaRouterCuda, ForwardAndBackwardMatchCpu) {
   namespace kzr = ops::cuda::zaya_router;
   auto& gemm = ops::cuda::thread_gemm();
   for (const RouterCase rc : {RouterCase{74, 256, 256, 17, true}, RouterCase{74, 256, 256, 17, false},
-                              RouterCase{37, 96, 48, 5, true}}) {
+                              RouterCase{37, 96, 48, 5, true}, RouterCase{74, 256, 256, 17, true, 20.f}}) {
     SCOPED_TRACE(testing::Message() << "N " << rc.N << " H " << rc.H << " D " << rc.D << " E " << rc.E
-                                    << (rc.eda ? " EDA" : " no EDA"));
+                                    << (rc.eda ? " EDA" : " no EDA") << " aux " << rc.aux);
     const std::int64_t N = rc.N, H = rc.H, D = rc.D, E = rc.E;
     const float eps = 1e-5f, sh = 1.f / std::sqrt(float(H)), sd = 1.f / std::sqrt(float(D));
     // Parameters: GEMM weights rounded to bf16 (the GPU uses exactly these), the rest fp32.
@@ -364,7 +365,8 @@ TEST(ZayaRouterCuda, ForwardAndBackwardMatchCpu) {
     std::vector<float> dx(N * H), dprev(N * D), scratch(zr::backward_scratch_floats(N, D, E));
     zr::backward(Tensor(x.data(), {N, H}), prev_t, view(p), cs, Tensor(dgates.data(), {N, 1}),
                  Tensor(dstate_next.data(), {N, D}), Tensor(dx.data(), {N, H}),
-                 rc.eda ? Tensor(dprev.data(), {N, D}) : Tensor(), view(g), Tensor(scratch.data(), {std::int64_t(scratch.size())}));
+                 rc.eda ? Tensor(dprev.data(), {N, D}) : Tensor(), view(g), Tensor(scratch.data(), {std::int64_t(scratch.size())}),
+                 rc.aux);
 
     std::vector<DeviceArray<float>> d_g;
     for (auto& v : g0) d_g.push_back(to_device<float>(v));
@@ -376,7 +378,7 @@ TEST(ZayaRouterCuda, ForwardAndBackwardMatchCpu) {
     DeviceArray<float> d_dprev(N * D);
     DeviceArray<unsigned char> d_scratch(kzr::backward_scratch_bytes(dims));
     kzr::backward(gemm, dims, d_x.get(), rc.eda ? d_prev.get() : nullptr, w, s, d_dgates.get(), d_dnext.get(),
-                  d_dx.get(), rc.eda ? d_dprev.get() : nullptr, gr, d_scratch.get(), nullptr);
+                  d_dx.get(), rc.eda ? d_dprev.get() : nullptr, gr, d_scratch.get(), nullptr, rc.aux);
     EXPECT_LT(logged_rel_err("dx", to_host(d_dx), dx), 3e-2) << "dx";
     if (rc.eda) {
       EXPECT_LT(logged_rel_err("dprev_state", to_host(d_dprev), dprev), 3e-2) << "dprev_state";
