@@ -46,13 +46,14 @@ CudaTspShards::CudaTspShards(std::shared_ptr<NcclGroup> side, std::int64_t token
   tmp_f32_ = reinterpret_cast<float*>(at + b16);
   boundary_ = std::make_unique<CudaTspBoundary>(reinterpret_cast<bf16*>(at), tmp_f32_);
   KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
-  for (cudaEvent_t* e : {&start_, &done_, &ready_[0], &ready_[1], &free_[0], &free_[1], &reduced_[0], &reduced_[1]})
+  for (cudaEvent_t* e :
+       {&start_, &done_, &ready_[0], &ready_[1], &free_[0], &free_[1], &reduced_[0], &reduced_[1], &ring_})
     KEEL_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
 }
 
 CudaTspShards::~CudaTspShards() {
   if (comm_) cudaStreamSynchronize(comm_);
-  for (cudaEvent_t e : {start_, done_, ready_[0], ready_[1], free_[0], free_[1], reduced_[0], reduced_[1]})
+  for (cudaEvent_t e : {start_, done_, ready_[0], ready_[1], free_[0], free_[1], reduced_[0], reduced_[1], ring_})
     if (e) cudaEventDestroy(e);
   if (comm_) cudaStreamDestroy(comm_);
   if (mem_) cudaFree(mem_);
@@ -97,7 +98,7 @@ void CudaTspShards::bind(const model::ModelConfig& cfg, const optim::ParamLayout
     for (const Slice& s : u.slices) sliced[s.offset] = &s;
   }
   const std::size_t gbytes = aligned(static_cast<std::size_t>(gmost) * sizeof(float));
-  const std::size_t bytes = 2 * (wmost + gbytes);
+  const std::size_t bytes = 2 * wmost + 3 * gbytes;
   if (bytes > 0 && cudaMalloc(&mem_, bytes) != cudaSuccess)
     throw_out_of_gpu_memory("out of GPU memory: TSP's weight and gradient shard buffers", bytes,
                             "train on more GPUs (parallel.tsp) or a smaller model");
@@ -107,6 +108,7 @@ void CudaTspShards::bind(const model::ModelConfig& cfg, const optim::ParamLayout
     wbuf_[b] = at, at += wmost;
     gbuf_[b] = reinterpret_cast<float*>(at), at += gbytes;
   }
+  ring_g_ = reinterpret_cast<float*>(at);
   own_w_ = blocks::cuda::device_weights(
       cfg, layout, [&](const optim::ParamInfo& p) { return params + p.offset; },
       [&](const optim::ParamInfo& p) { return params_bf16 + p.offset; });
@@ -167,6 +169,7 @@ void CudaTspShards::sweep(const Unit& u, cudaStream_t stream, bool backward,
   post(u, 0, 0);
   for (int r = 0; r < D; ++r) {
     const int b = r % 2;
+    first_ = r == 0;
     if (r + 1 < D) post(u, r + 1, (r + 1) % 2);  // prefetched while shard r computes
     KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, ready_[b], 0));
     const bool own = r == rank();
@@ -181,21 +184,92 @@ void CudaTspShards::sweep(const Unit& u, cudaStream_t stream, bool backward,
       reduce(u, r, b);
     }
   }
+  first_ = true;
+  KEEL_CUDA_CHECK(cudaEventRecord(done_, comm_));
+  KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, done_, 0));
+}
+
+void CudaTspShards::pass_weights(const Unit& u, bool own, int from_buf, int to_buf) {
+  KEEL_CUDA_CHECK(cudaStreamWaitEvent(comm_, free_[to_buf], 0));  // its last pass is done with it
+  const int D = size(), next = (rank() + 1) % D, prev = (rank() + D - 1) % D;
+  side_->group_start();
+  for (const Slice& s : u.slices) {
+    const NcclType type = s.bf16 ? NcclType::kBfloat16 : NcclType::kFloat32;
+    const void* from = !own  ? static_cast<const void*>(wbuf_[from_buf] + s.at)
+                       : s.bf16 ? static_cast<const void*>(params_bf16_ + s.offset)
+                                : static_cast<const void*>(params_ + s.offset);
+    side_->send(from, s.numel, type, next, comm_);
+    side_->recv(wbuf_[to_buf] + s.at, s.numel, type, prev, comm_);
+  }
+  side_->group_end();
+  KEEL_CUDA_CHECK(cudaEventRecord(ready_[to_buf], comm_));
+}
+
+void CudaTspShards::pass_grads(const Unit& u, int buf) {
+  KEEL_CUDA_CHECK(cudaStreamWaitEvent(comm_, free_[buf], 0));  // its sum so far is complete
+  const int D = size(), next = (rank() + 1) % D, prev = (rank() + D - 1) % D;
+  side_->group_start();
+  side_->send(gbuf_[buf], u.grad_floats, NcclType::kFloat32, next, comm_);
+  side_->recv(ring_g_, u.grad_floats, NcclType::kFloat32, prev, comm_);
+  side_->group_end();
+  KEEL_CUDA_CHECK(cudaEventRecord(reduced_[buf], comm_));
+  KEEL_CUDA_CHECK(cudaEventRecord(ring_, comm_));
+}
+
+void CudaTspShards::ring_sweep(const Unit& u, cudaStream_t stream, bool backward,
+                               const std::function<void(int, int, bool)>& fn) {
+  if (!mem_) fail("tsp (cuda): a sweep before bind()");
+  const int D = size(), s = rank();
+  const std::size_t gbytes = static_cast<std::size_t>(u.grad_floats) * sizeof(float);
+  KEEL_CUDA_CHECK(cudaEventRecord(start_, stream));
+  KEEL_CUDA_CHECK(cudaStreamWaitEvent(comm_, start_, 0));
+  for (int k = 0; k < D; ++k) {
+    // step k: shard s - k, in buffer k % 2 (k = 0: this rank's own, in place)
+    const int b = k % 2, shard = (s - k + D) % D;
+    if (k + 1 < D) pass_weights(u, k == 0, b, (k + 1) % 2);  // passed on, the next received, while this computes
+    if (k > 0) KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, ready_[b], 0));
+    if (backward && k > 0) {
+      // shard s - k's gradients start here (k = 1) or arrive from rank s - 1 (in ring_g_):
+      // this rank's share goes to a zeroed buffer, once its send of two steps ago has left it
+      KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, reduced_[b], 0));
+      KEEL_CUDA_CHECK(cudaMemsetAsync(gbuf_[b], 0, gbytes, stream));
+    }
+    first_ = k == 0;
+    fn(shard, b, k == 0);
+    if (backward && k > 1) {
+      KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, ring_, 0));
+      blocks::cuda::add_f32(gbuf_[b], ring_g_, gbuf_[b], u.grad_floats, stream);
+    }
+    KEEL_CUDA_CHECK(cudaEventRecord(free_[b], stream));
+    if (backward && k > 0) pass_grads(u, b);  // on to rank s + 1 (shard s - k's rank after the last)
+  }
+  if (backward && D > 1) {
+    // the other ranks' sum of this rank's shard, after its own pass wrote its gradients
+    KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, ring_, 0));
+    for (const Slice& sl : u.slices)
+      blocks::cuda::add_f32(grads_ + sl.offset, ring_g_ + sl.grad_at, grads_ + sl.offset, sl.numel, stream);
+  }
+  first_ = true;
   KEEL_CUDA_CHECK(cudaEventRecord(done_, comm_));
   KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, done_, 0));
 }
 
 void CudaTspShards::forward(int layer, Part part, cudaStream_t stream, const Forward& fn) {
   const std::size_t l = static_cast<std::size_t>(layer);
-  sweep(units_.at(l * 2 + (part == Part::kMlp ? 1 : 0)), stream, false,
-        [&](int r, int b, bool own) { fn(r, own ? own_w_.layers[l] : buf_w_[b].layers[l]); });
+  const Unit& u = units_.at(l * 2 + (part == Part::kMlp ? 1 : 0));
+  const auto each = [&](int r, int b, bool own) { fn(r, own ? own_w_.layers[l] : buf_w_[b].layers[l]); };
+  if (part == Part::kMlp) return ring_sweep(u, stream, false, each);
+  sweep(u, stream, false, each);
 }
 
 void CudaTspShards::backward(int layer, Part part, cudaStream_t stream, const Backward& fn) {
   const std::size_t l = static_cast<std::size_t>(layer);
-  sweep(units_.at(l * 2 + (part == Part::kMlp ? 1 : 0)), stream, true, [&](int r, int b, bool own) {
+  const Unit& u = units_.at(l * 2 + (part == Part::kMlp ? 1 : 0));
+  const auto each = [&](int r, int b, bool own) {
     fn(r, own ? own_w_.layers[l] : buf_w_[b].layers[l], own ? own_g_.layers[l] : buf_g_[b].layers[l]);
-  });
+  };
+  if (part == Part::kMlp) return ring_sweep(u, stream, true, each);
+  sweep(u, stream, true, each);
 }
 
 void CudaTspShards::table_sweep(Part table, cudaStream_t stream, bool backward, const TableFn& fn) {

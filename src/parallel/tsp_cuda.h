@@ -12,15 +12,23 @@
 //               is computed (two buffers). Backward broadcasts again; this rank's share of
 //               shard r's gradients goes to a gradient buffer and is summed onto rank r
 //               (ncclReduce, in place there) on the side stream while shard r + 1 computes.
-//               The MLP's shards travel by broadcast too (the CPU twin rings them).
+//   MLP ring    the MLP's (or experts') shards travel in a ring, as on CPU ranks: at step
+//               k = 0 .. D-1 rank s computes shard (s - k) mod D, its own first, while it sends
+//               the shard it holds to rank s + 1 and receives the next from rank s - 1 (two
+//               buffers, on the side stream). Backward rings the weights again; shard j's
+//               gradients start at rank j + 1 in a zeroed buffer, each rank adds its share into
+//               the buffer it receives and passes it on, and rank j adds the other ranks' sum
+//               into its own gradients (which its own pass wrote) at the end. The block output
+//               (and input gradient) is written by the first pass a rank makes, its own shard's.
 //   boundary    the block output (and in backward the input gradient) is the sum of the
-//               shards' row-parallel partials: shard 0 writes, later shards add (boundary()).
+//               shards' row-parallel partials: a sweep's first pass writes (shard 0's, or
+//               under the ring this rank's own), later passes add (boundary(), first()).
 //   tables      the embedding's and the untied LM head's rows are split by vocabulary; each
 //               shard's rows travel the same way in pieces no larger than a sub-block's shard
 //               (tsp_sizes), and the model looks its tokens up in each piece and keeps the
 //               head's log-sum-exp statistics piece by piece: no hidden state is gathered.
-// Buffers: two weight shards and two gradient shards of the largest sub-block (or table
-// piece), and the boundary's bf16 and fp32 [N, D].
+// Buffers: two weight shards and three gradient shards (two computed into, one the ring's
+// receive) of the largest sub-block (or table piece), and the boundary's bf16 and fp32 [N, D].
 #pragma once
 
 #include <cstdint>
@@ -73,9 +81,11 @@ class CudaTspShards {
 
   int size() const { return side_->size(); }
   int rank() const { return side_->rank(); }
-  // The boundary of shard `shard`'s pass.
-  blocks::cuda::LinearRunner& boundary(int shard) {
-    boundary_->begin(shard == 0);
+  // Inside a sweep's fn: whether this is the sweep's first pass (it writes the block output and
+  // input gradient; later passes add), and the boundary of this pass.
+  bool first() const { return first_; }
+  blocks::cuda::LinearRunner& boundary() {
+    boundary_->begin(first_);
     return *boundary_;
   }
   // An fp32 [tokens, hidden] buffer the model may use between shards' passes (the tables').
@@ -130,6 +140,12 @@ class CudaTspShards {
   // buffer, whether it is this rank's own), and in backward the shard's gradients summed on
   // its rank.
   void sweep(const Unit& u, cudaStream_t stream, bool backward, const std::function<void(int, int, bool)>& fn);
+  // The MLP ring: fn(shard, buffer, whether it is this rank's own shard) for the shards in ring
+  // order (this rank's own first), the weights passed on to rank + 1 while each computes, and
+  // in backward the gradients following their shard round the ring to its rank.
+  void ring_sweep(const Unit& u, cudaStream_t stream, bool backward, const std::function<void(int, int, bool)>& fn);
+  void pass_weights(const Unit& u, bool own, int from_buf, int to_buf);  // send one, receive the next
+  void pass_grads(const Unit& u, int buf);  // send gradient buffer buf on, receive into ring_g_
   void table_sweep(Part table, cudaStream_t stream, bool backward, const TableFn& fn);
   void post(const Unit& u, int shard, int buf);    // the broadcast of shard into weight buffer buf
   void reduce(const Unit& u, int shard, int buf);  // the gradient buffer buf summed onto shard's rank
@@ -146,13 +162,17 @@ class CudaTspShards {
   blocks::cuda::ModelGrads own_g_, buf_g_[2];
   std::byte* wbuf_[2] = {nullptr, nullptr};
   float* gbuf_[2] = {nullptr, nullptr};
+  float* ring_g_ = nullptr;  // the MLP ring's received gradient sums (a third gradient buffer)
   void* tmp_ = nullptr;  // the boundary's buffers
   void* mem_ = nullptr;  // the shard buffers
   std::size_t shard_bytes_ = 0;
+  bool first_ = true;  // the current pass is its sweep's first
   cudaStream_t comm_ = nullptr;
-  // start: the model stream's work so far; ready/free: a weight buffer's broadcast landed, its
-  // compute done; reduced: a gradient buffer's sum done; done: the sweep's traffic done.
-  cudaEvent_t start_ = nullptr, done_ = nullptr, ready_[2] = {}, free_[2] = {}, reduced_[2] = {};
+  // start: the model stream's work so far; ready/free: a weight buffer's broadcast (or ring
+  // receive) landed, its compute done; reduced: a gradient buffer's sum (or ring send and
+  // receive) done; done: the sweep's traffic done.
+  // ring: the ring's gradient sum received.
+  cudaEvent_t start_ = nullptr, done_ = nullptr, ready_[2] = {}, free_[2] = {}, reduced_[2] = {}, ring_ = nullptr;
 };
 
 }  // namespace keel::parallel

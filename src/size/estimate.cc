@@ -370,7 +370,9 @@ MemoryEstimate estimate_memory(const Setup& s) {
       try {
         const double largest =
             static_cast<double>(parallel::tsp_sizes(model::param_layout(m, shape), m.layers).largest);
-        e.items.push_back({"TSP shards (2 weight, 2 gradient)", (2 * 2 + 2 * 4) * largest});
+        // two bf16 weight buffers; three fp32 gradient buffers (two computed into, one the MLP
+        // ring's receive)
+        e.items.push_back({"TSP shards (2 weight, 3 gradient)", (2 * 2 + 3 * 4) * largest});
       } catch (const UsageError&) {  // a width the degree does not divide: no shard to size
       }
       e.items.push_back({"TSP partial outputs", (kBf16 + kFp32) * tokens_local * m.hidden});

@@ -440,17 +440,18 @@ void CudaModel::head_backward(float loss_scale, bool grads_fresh) {
 
 // A routed or dense MLP block: y = residual + mlp(a.h2) (residual null: y = mlp(a.h2)).
 // Records the layer's loads when count_load.
-// Under TSP once per weight shard: the first pass writes y (= residual + its partial), the
-// later ones pass y as their residual (their partials add in); every pass routes the same
-// tokens alike, and the first one's loads and losses are the layer's.
+// Under TSP once per weight shard, in the shards' ring order (this rank's own first): the first
+// pass writes y (= residual + its partial), the later ones pass y as their residual (their
+// partials add in); every pass routes the same tokens alike, and shard 0's loads and losses are
+// the layer's.
 void CudaModel::mlp_forward(int l, LayerActs& a, const float* residual, float* y, bool count_load) {
   const int m = moe_index_of_layer_[static_cast<std::size_t>(l)];
   const bc::LayerRunners& r = runners_[static_cast<std::size_t>(l)];
   const float* bias = m >= 0 ? bias_ + std::int64_t(m) * classes() : nullptr;
   if (tsp_)
     tsp_->forward(l, parallel::CudaTspShards::Part::kMlp, stream_, [&](int shard, const bc::LayerWeights& w) {
-      bc::mlp_forward(*gemm_, mlp_shape_, w, bias, a.h2, eda(std::max(m, 0)), shard == 0 ? residual : y, y,
-                      a.mlp_of(shard), mlp_scratch_, tsp_->boundary(shard), r.experts_of(shard), stream_);
+      bc::mlp_forward(*gemm_, mlp_shape_, w, bias, a.h2, eda(std::max(m, 0)), tsp_->first() ? residual : y, y,
+                      a.mlp_of(shard), mlp_scratch_, tsp_->boundary(), r.experts_of(shard), stream_);
     });
   else
     bc::mlp_forward(*gemm_, mlp_shape_, w_.layers[static_cast<std::size_t>(l)], bias, a.h2, eda(std::max(m, 0)),
@@ -575,7 +576,7 @@ void CudaModel::mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fr
     return run(0, w_.layers[static_cast<std::size_t>(l)], g_.layers[static_cast<std::size_t>(l)], true, *r.mlp_linear);
   tsp_->backward(l, parallel::CudaTspShards::Part::kMlp, stream_,
                  [&](int shard, const bc::LayerWeights& w, const bc::LayerGrads& g) {
-                   run(shard, w, g, shard == tsp_->rank(), tsp_->boundary(shard));
+                   run(shard, w, g, shard == tsp_->rank(), tsp_->boundary());
                  });
 }
 
@@ -589,7 +590,7 @@ void CudaModel::attention_forward(int l, LayerActs& a, float* add_into, bf16* ou
   if (!tsp_) return bc::attention_forward(*gemm_, attn_shape_, W, a.h1, ctx, a.attn, add_into, out, stream_);
   float* fused = W.cca ? nullptr : add_into;
   tsp_->forward(l, parallel::CudaTspShards::Part::kAttention, stream_, [&](int shard, const bc::LayerWeights& w) {
-    ctx.linear = &tsp_->boundary(shard);
+    ctx.linear = &tsp_->boundary();
     bc::attention_forward(*gemm_, shard_shapes_[static_cast<std::size_t>(shard)], w, a.h1, ctx, a.attn_of(shard), fused,
                           out, stream_);
   });
@@ -605,7 +606,7 @@ void CudaModel::attention_backward(int l, LayerActs& a) {
                                   st.dh_bf, stream_);
   tsp_->backward(l, parallel::CudaTspShards::Part::kAttention, stream_,
                  [&](int shard, const bc::LayerWeights& w, const bc::LayerGrads& g) {
-                   ctx.linear = &tsp_->boundary(shard);
+                   ctx.linear = &tsp_->boundary();
                    bc::attention_backward(*gemm_, shard_shapes_[static_cast<std::size_t>(shard)], w, g, a.h1, ctx,
                                           a.attn_of(shard), attn_scratch_, st.dres_bf, st.dh_bf, stream_);
                  });

@@ -401,10 +401,9 @@ std::string Trainer::parallel_text() const {
     out += fmt::format(" x tensor parallel {}{}", sh.tp, cfg_.model_options.sequence_parallel ? " (sequence parallel)" : "");
   if (sh.tsp > 1) {
     const int linear = model::attention_layer_count(cfg_.model, model::AttentionKind::kLinear);
-    // the GPU twin broadcasts the MLP's shards too, and keeps the tables' rows in place
-    const bool cpu = backend_->device() == "cpu";
-    out += fmt::format(" x TSP {} (attention shards broadcast, MLP shards {}, tokens zigzag{})", sh.tsp,
-                       cpu ? "ringed" : "broadcast", linear > 0 ? ", LASP-2 for the linear layers" : "");
+    // both backends ring the MLP's shards (parallel/tsp.h, tsp_cuda.h)
+    out += fmt::format(" x TSP {} (attention shards broadcast, MLP shards ringed, tokens zigzag{})", sh.tsp,
+                       linear > 0 ? ", LASP-2 for the linear layers" : "");
   }
   return out;
 }

@@ -184,7 +184,7 @@ TEST(Memory, TspShardsAndGathersByHand) {
   keel::size::Setup s = setup("llama3-8b", "tsp=2", 2);
   s.seq = 32768;
   const MemoryEstimate e = estimate_memory(s);
-  EXPECT_DOUBLE_EQ(item(e, "TSP shards"), (2 * 2 + 2 * 4) * 3.0 * 4096 * 14336 / 2);
+  EXPECT_DOUBLE_EQ(item(e, "TSP shards"), (2 * 2 + 3 * 4) * 3.0 * 4096 * 14336 / 2);
   EXPECT_DOUBLE_EQ(item(e, "TSP partial outputs"), 6.0 * 16384 * 4096);
   const double whole = 32768.0 * 4 * 128;
   EXPECT_DOUBLE_EQ(item(e, "TSP k/v gathers"), 24 * whole + 12 * whole / 2);

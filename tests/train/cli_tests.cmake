@@ -185,7 +185,7 @@ keel_cli_test(NAME train_tsp2 NP 2 MATCH "x TSP 2 \\(attention shards broadcast,
 keel_cli_test(NAME train_tsp_bad_degree EXIT 1 MATCH "parallel\\.tsp.*must be >= 1"
   ARGS train ${tcfg} ${tdp} --set parallel.tsp=0)
 # TSP on 2 GPUs (skipped elsewhere): it trains and says so.
-keel_cli_test(NAME train_tsp2_gpus NP 2 GPUS "2+" MATCH "TSP 2 \\(attention shards broadcast, MLP shards broadcast"
+keel_cli_test(NAME train_tsp2_gpus NP 2 GPUS "2+" MATCH "TSP 2 \\(attention shards broadcast, MLP shards ringed"
   ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.tsp=2 --set checkpoint.final=false
        --set output_dir=train_tsp2_gpu)
 set_tests_properties(cli_train_tsp2 cli_train_tsp2_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
