@@ -82,6 +82,7 @@ void CudaContextParallel::gather(const bf16* k, const bf16* v, std::int64_t B, s
 
 void CudaContextParallel::forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T,
                                   int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
+  if (linear_ring_) fail("context parallel (cuda): the linear ring (LASP-1) has no softmax attention");
   gather(k, v, B, T, std::int64_t(Hkv) * Dh, stream);
   ops::cuda::attention::forward_runs(q, k_, v_, out, lse, B, T, static_cast<int>(seq_), Hq, Hkv, Dh, scale, window,
                                      run_start_, 2, stream);
@@ -94,6 +95,7 @@ std::size_t CudaContextParallel::backward_workspace_bytes(int B, int T, int Hq, 
 void CudaContextParallel::backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                                    const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T,
                                    int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
+  if (linear_ring_) fail("context parallel (cuda): the linear ring (LASP-1) has no softmax attention");
   const std::int64_t w = std::int64_t(Hkv) * Dh, n = std::int64_t(B) * T * w, C = size();
   gather(k, v, B, T, w, stream);  // forward's gathered keys are not kept: one buffer serves every layer
   ops::cuda::attention::backward_runs(q, k_, v_, out, lse, dout, dq, dk_, dv_, workspace, B, T, static_cast<int>(seq_),

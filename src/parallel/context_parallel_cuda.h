@@ -11,7 +11,10 @@
 //   halos      one NCCL send-receive with each neighbour (bf16 forward, fp32 backward).
 //   linear     LASP-2 (lasp2_cuda.cc): the runs' fp32 memory states all-gathered, walked in
 //              sequence order to each run's initial state; backward gathers the initial-state
-//              gradients and walks them back.
+//              gradients and walks them back. With the linear ring (parallel.context_mode:
+//              ring, LASP-1) the states are passed rank to rank instead, in sequence order: up
+//              the ranks for the first runs, down for the second, one NCCL send and receive
+//              per hop (reversed in backward).
 // Collectives run on the caller's stream, in the order the blocks call them. Buffers: the
 // gathered k and v (bf16 [B, S, Hkv, Dh] each, plus the all-gather's receive buffer of the same
 // size), the fp32 dk, dv of the whole sequence and their reduce-scatter buffers, and the halos'
@@ -62,7 +65,9 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout,
                 bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv, int Dh, float scale,
                 int window, cudaStream_t stream) override;
-  // LASP-2 (lasp2_cuda.cc)
+  // LASP-2 (lasp2_cuda.cc); with set_linear_ring(true) LASP-1's chain of states instead (the
+  // softmax core has no ring on GPUs: forward/backward then refuse).
+  void set_linear_ring(bool ring) { linear_ring_ = ring; }
   std::size_t linear_workspace_bytes(const ops::linear_attention::Config& c, std::int64_t runs,
                                      std::int64_t len) const override;
   void attend_linear(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t len, const bf16* q,
@@ -96,6 +101,10 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   float* state_buffers(std::int64_t floats, cudaStream_t stream);
   std::size_t state_bytes_ = 0;
   void* states_ = nullptr;
+  bool linear_ring_ = false;
+  // LASP-1's hops: the message from `from` (or zeros, from -1) and to `to` (-1: none).
+  void chain_recv(float* msg, std::int64_t n, int from, cudaStream_t stream);
+  void chain_send(const float* msg, std::int64_t n, int to, cudaStream_t stream);
 };
 
 }  // namespace keel::parallel

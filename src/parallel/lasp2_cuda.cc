@@ -2,6 +2,9 @@
 // (context_parallel_cuda.h), the twin of lasp2.cc (read that first). One NCCL all-gather of the
 // runs' fp32 memory states per layer in forward, one of the initial-state gradients in backward,
 // on the caller's stream; the walk over the 2C chunks is one small kernel (lasp2_kernels.h).
+// With the linear ring (parallel.context_mode: ring) LASP-1 instead, the twin of
+// context_ring.cc: the states passed rank to rank (2C - 1 hops of NCCL send/receive), each hop
+// one small kernel.
 #include <cmath>
 
 #include "common/error.h"
@@ -49,6 +52,18 @@ std::size_t CudaContextParallel::linear_workspace_bytes(const la::Config& c, std
   return la::workspace_bytes(c, runs, len);
 }
 
+void CudaContextParallel::chain_recv(float* msg, std::int64_t n, int from, cudaStream_t stream) {
+  if (from < 0) {
+    KEEL_CUDA_CHECK(cudaMemsetAsync(msg, 0, sizeof(float) * static_cast<std::size_t>(n), stream));
+    return;
+  }
+  group_->recv(msg, n, NcclType::kFloat32, from, stream);
+}
+
+void CudaContextParallel::chain_send(const float* msg, std::int64_t n, int to, cudaStream_t stream) {
+  if (to >= 0) group_->send(msg, n, NcclType::kFloat32, to, stream);
+}
+
 void CudaContextParallel::attend_linear(const la::Config& c, std::int64_t runs, std::int64_t len, const bf16* q,
                                         const bf16* k, const bf16* v, float* init, bf16* out, void* workspace,
                                         cudaStream_t stream) {
@@ -60,6 +75,21 @@ void CudaContextParallel::attend_linear(const la::Config& c, std::int64_t runs, 
   float* mine = state_buffers(n, stream);
   float* gathered = mine + 2 * n;
   la::local_states(c, runs, len, k, v, mine, stream);
+  if (linear_ring_) {
+    // LASP-1 (the CPU twin: context_ring.cc): first runs up the ranks, chunk r starting from the
+    // state after chunk r - 1; second runs down, chunk 2C-1-r from the state after 2C-2-r (rank
+    // r + 1's second run, or the last rank's own first run, already in msg).
+    float* msg = mine + n;
+    const int last = size() - 1;
+    const lasp2::Decays d = decays_over(c, len);
+    chain_recv(msg, n / 2, rank() - 1, stream);
+    lasp2::hop(msg, init, mine, 0, batch_, c.kv_heads, dd, d, stream);
+    chain_send(msg, n / 2, rank() < last ? rank() + 1 : -1, stream);
+    if (rank() < last) chain_recv(msg, n / 2, rank() + 1, stream);
+    lasp2::hop(msg, init, mine, 1, batch_, c.kv_heads, dd, d, stream);
+    chain_send(msg, n / 2, rank() > 0 ? rank() - 1 : -1, stream);
+    return la::forward(c, runs, len, q, k, v, init, out, workspace, stream);
+  }
   group_->all_gather(mine, gathered, n, NcclType::kFloat32, stream);
   lasp2::walk(gathered, init, size(), rank(), batch_, c.kv_heads, dd, decays_over(c, len), /*reverse=*/false, stream);
   la::forward(c, runs, len, q, k, v, init, out, workspace, stream);
@@ -73,6 +103,20 @@ void CudaContextParallel::attend_linear_backward(const la::Config& c, std::int64
   float* dS = state_buffers(n, stream);
   float *dM = dS + n, *gathered = dS + 2 * n;
   la::init_gradient(c, runs, len, q, dout, dS, stream);
+  if (linear_ring_) {
+    // The chunks in reverse: second runs up the ranks (rank 0's is the sequence's last chunk),
+    // then first runs down; a run's dM is the gradient arriving after it.
+    float* msg = gathered;
+    const int last = size() - 1;
+    const lasp2::Decays d = decays_over(c, len);
+    chain_recv(msg, n / 2, rank() > 0 ? rank() - 1 : -1, stream);
+    lasp2::hop(msg, dM, dS, 1, batch_, c.kv_heads, dd, d, stream);
+    chain_send(msg, n / 2, rank() < last ? rank() + 1 : -1, stream);
+    if (rank() < last) chain_recv(msg, n / 2, rank() + 1, stream);
+    lasp2::hop(msg, dM, dS, 0, batch_, c.kv_heads, dd, d, stream);
+    chain_send(msg, n / 2, rank() > 0 ? rank() - 1 : -1, stream);
+    return la::backward(c, runs, len, q, k, v, init, dout, dM, dq, dk, dv, nullptr, workspace, stream);
+  }
   group_->all_gather(dS, gathered, n, NcclType::kFloat32, stream);
   lasp2::walk(gathered, dM, size(), rank(), batch_, c.kv_heads, dd, decays_over(c, len), /*reverse=*/true, stream);
   la::backward(c, runs, len, q, k, v, init, dout, dM, dq, dk, dv, nullptr, workspace, stream);

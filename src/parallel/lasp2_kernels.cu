@@ -25,7 +25,30 @@ __global__ void walk_kernel(const float* __restrict__ gathered, float* __restric
     x = decay * x + gathered[owner * per_rank + block];
   }
 }
+__global__ void hop_kernel(float* __restrict__ msg, float* __restrict__ mine, const float* __restrict__ runs, int seg,
+                           int hkv, long long dd, Decays decay_L, long long total) {
+  const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (i >= total) return;
+  const long long e = i % dd, bg = i / dd;
+  const int g = static_cast<int>(bg % hkv);
+  const long long b = bg / hkv;
+  const long long block = ((b * 2 + seg) * hkv + g) * dd + e;
+  const float x = msg[i];
+  mine[block] = x;
+  msg[i] = decay_L.g[g] * x + runs[block];
+}
 }  // namespace
+
+void hop(float* msg, float* mine, const float* runs, int seg, std::int64_t B, int hkv, std::int64_t dd,
+         const Decays& decay_L, cudaStream_t stream) {
+  if (hkv < 1 || hkv > kMaxKvHeads) fail("LASP-1 (cuda): {} kv heads, at most {}", hkv, kMaxKvHeads);
+  const long long total = B * hkv * dd;
+  if (total == 0) return;
+  const int threads = 256;
+  hop_kernel<<<static_cast<unsigned>((total + threads - 1) / threads), threads, 0, stream>>>(msg, mine, runs, seg, hkv,
+                                                                                             dd, decay_L, total);
+  KEEL_CUDA_CHECK(cudaGetLastError());
+}
 
 void walk(const float* gathered, float* mine, int C, int rank, std::int64_t B, int hkv, std::int64_t dd,
           const Decays& decay_L, bool reverse, cudaStream_t stream) {

@@ -1,5 +1,6 @@
 // LASP-2's state walk on the GPU (parallel/lasp2_cuda.cc): the gathered per-run d x d blocks of
-// every context rank, walked in sequence order. CUDA builds only.
+// every context rank, walked in sequence order; and LASP-1's hop, one rank's step of the state
+// chain. CUDA builds only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,5 +22,11 @@ struct Decays {
 };
 void walk(const float* gathered, float* mine, int C, int rank, std::int64_t B, int hkv, std::int64_t dd,
           const Decays& decay_L, bool reverse, cudaStream_t stream);
+
+// One hop of LASP-1's chain (context_mode: ring) over this rank's run `seg` of every sequence:
+// msg [B, Hkv, dd] holds the state arriving before the run; it is written into `mine` [B * 2,
+// Hkv, dd] at the run, then msg = decay_L[g] * msg + runs[the run] (the state after it).
+void hop(float* msg, float* mine, const float* runs, int seg, std::int64_t B, int hkv, std::int64_t dd,
+         const Decays& decay_L, cudaStream_t stream);
 
 }  // namespace keel::parallel::lasp2

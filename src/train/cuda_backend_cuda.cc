@@ -117,12 +117,16 @@ class CudaBackend final : public TrainBackend {
       std::fprintf(stderr, "keel: data parallel: %s; the ZeRO-1 step will not overlap communication\n",
                    weight_split ? "tensor parallelism (or TSP) on GPUs takes the classic step"
                                 : "this layout's stages are not in offset order");
-    if (opt_.context_ring && mesh_.group(parallel::GroupKind::kContext).size > 1)
-      throw UsageError("parallel.context_mode: ring runs on CPU ranks only so far (device: cpu); on GPUs context "
-                       "parallelism all-gathers k and v (parallel.context_mode: allgather)");
+    const bool all_linear =
+        model::attention_layer_count(cfg_, model::AttentionKind::kLinear) == cfg_.layers;
+    if (opt_.context_ring && mesh_.group(parallel::GroupKind::kContext).size > 1 && !all_linear)
+      throw UsageError("parallel.context_mode: ring on GPUs is LASP-1, for models whose layers are all linear "
+                       "attention; the softmax and CCA layers' ring runs on CPU ranks only (device: cpu), and on GPUs "
+                       "context parallelism all-gathers their k and v (parallel.context_mode: allgather)");
     if (opt_.context_ring && tsp > 1)
       throw UsageError("parallel.context_mode: ring is context parallelism's; TSP gathers the k and v of each head shard");
     plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_, opt_.micro_batch, opt_.seq_length, opt_.sequence_parallel);
+    if (opt_.context_ring && plan_->context()) plan_->context()->set_linear_ring(true);  // LASP-1
     model_ = std::make_unique<CudaModel>(cfg_, opt_, layout_, plan_->layers(), plan_->tensor(), plan_->context(),
                                          prop.totalGlobalMem, stream_, plan_->tsp());
     // TSP's step is tensor parallelism's over the tsp group (its gradients partial as under

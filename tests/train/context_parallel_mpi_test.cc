@@ -290,6 +290,33 @@ TEST(ContextParallel, GpusLinearMatchOneGpu) {
                             "linear_cp");
 }
 TEST(ContextParallel, GpusHybridMatchOneGpu) { expect_gpus_match_one_gpu(kHybrid, "hybrid_cp"); }
+// LASP-1 on GPUs (parallel.context_mode: ring, all layers linear): the states passed rank to
+// rank; against one GPU as above, and against LASP-2's all-gather on the same ranks: the same
+// chunk walk in the same order, so the first step agrees to fp32 rounding.
+const std::vector<std::string> kLinearGpu = {"model.attention=linear", "model.linear_feature=elu1",
+                                             "model.linear_decay=retnet"};
+TEST(ContextParallel, GpusLinearRingMatchOneGpu) {
+  expect_gpus_match_one_gpu(joined(kLinearGpu, {"parallel.context_mode=ring"}), "linear_ring_cp");
+}
+TEST(ContextParallel, GpusLinearRingMatchesAllGather) {
+  if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
+  keel::test::use_rank_gpu();
+  const int C = world_size();
+  const fs::path dir = shared_dir("gpu_linear_ring_vs_gather");
+  if (world_rank() == 0) fixtures::make_dataset(dir, "d", 600);
+  std::vector<std::string> sets = joined(kGpu, kLinearGpu);
+  sets.insert(sets.end(), {"steps=3", "data.seq_length=" + std::to_string(2 * C * 128), "parallel.context=" + std::to_string(C)});
+  const TrainConfig gather = config(dir, dir / "gather", sets);
+  const TrainConfig ring = config(dir, dir / "ring", joined(sets, {"parallel.context_mode=ring"}));
+  Trainer a(gather, cp_mesh(C, 1, 1), true), b(ring, cp_mesh(C, 1, 1), true);
+  const auto sa = a.run(), sb = b.run();
+  ASSERT_EQ(sa.size(), 3u);
+  ASSERT_EQ(sb.size(), 3u);
+  for (std::size_t i = 0; i < sa.size(); ++i) {
+    EXPECT_NEAR(sb[i].loss, sa[i].loss, 1e-5 * std::fabs(sa[i].loss)) << "step " << i + 1;
+    EXPECT_NEAR(sb[i].grad_norm, sa[i].grad_norm, 1e-4 * sa[i].grad_norm) << "step " << i + 1;
+  }
+}
 // Expert parallelism folded over the context ranks: each GPU holds half of the experts.
 TEST(ContextParallel, GpusZayaWithExpertParallelMatchOneGpu) {
   expect_gpus_match_one_gpu(kZayaGpu, "zaya_cp_ep", 0, world_size());
