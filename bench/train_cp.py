@@ -20,6 +20,11 @@ the CCA layers the k/v all-gather; MFU counts the linear layers' core as keel do
 --longest: the longest sequence (of --lengths) that trains on 1 GPU and on 2 (CP=2), with and
 without full recomputation, and its peak memory (keel's device arenas, rank 0).
 
+--lasp: LASP-2 against LASP-1 (issue 31): every layer linear attention (RetNet decay), CP=2 at
+each of --lengths, the memory states all-gathered once per layer (LASP-2, context_mode
+allgather) and passed rank to rank (LASP-1, context_mode ring: 2C - 1 sequential hops); the
+ratio of their tokens/s per length (target: LASP-2 at least 1.15x at the longest).
+
 Reported with every row: the routing (bench/routing_health.py: the busiest class over its fair
 share, worst layer after warm-up, and the skip share). Writes OUT/train_cp.json, prints the
 table last.
@@ -60,7 +65,7 @@ def run(a, out, prefix, name, ranks, parallel, seq, micro_batch, accum, recomput
     if err:
         return {"error": f"keel train {err}: {tpb.last_line(log)}", "seq": seq, "gpus": ranks, "recompute": recompute}
     rows = [json.loads(line) for line in open(metrics) if '"loss"' in line]
-    fpt = flops_per_token(d, a.hybrid)
+    fpt = flops_per_token(d, a.hybrid, a.lasp)
     res = tpb.summarize_rows(rows, d["experts"] + 1, warmup, ranks, fpt, accum * micro_batch * seq)
     res.update(memory_gib=max(r.get("memory_mib", 0) for r in rows) / 1024, gpus=ranks, seq=seq, recompute=recompute,
                tokens_per_gpu_s=res["tokens_per_s"] / ranks, wall_s=time.time() - t0)
@@ -68,15 +73,18 @@ def run(a, out, prefix, name, ranks, parallel, seq, micro_batch, accum, recomput
 
 
 HYBRID = ["model.layer_attention=[linear, linear, linear, cca]", "model.linear_decay=retnet"]
+LINEAR = ["model.attention=linear", "model.linear_decay=retnet"]
 
 
-def flops_per_token(d, hybrid):
-    """zaya_vs_torch.flops_per_token, with --hybrid's linear layers (3 of every 4) counted as keel's
-    model_flops_per_micro_batch does: no convs, the core Hq (4 Dh^2 + 2 Dh min(256, seq)) x 3."""
+def flops_per_token(d, hybrid, all_linear=False):
+    """zaya_vs_torch.flops_per_token, with --hybrid's linear layers (3 of every 4; --lasp: all)
+    counted as keel's model_flops_per_micro_batch does: no convs, the core Hq (4 Dh^2 + 2 Dh
+    min(256, seq)) x 3."""
     f = zaya_vs_torch.flops_per_token(d)
-    if not hybrid:
+    if not hybrid and not all_linear:
         return f
-    Dh, Hq, Hkv, linear = d["head_dim"], d["heads"], d["kv_heads"], d["layers"] * 3 // 4
+    Dh, Hq, Hkv = d["head_dim"], d["heads"], d["kv_heads"]
+    linear = d["layers"] if all_linear else d["layers"] * 3 // 4
     f -= linear * 6 * (Hq + Hkv) * Dh * (d["conv0"] + Dh * d["conv1"])
     f -= linear * 6 * d["seq"] * Hq * Dh
     return f + linear * 3 * Hq * (4 * Dh * Dh + 2 * Dh * min(256, d["seq"]))
@@ -111,9 +119,15 @@ def main():
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra keel --set, both configs")
     ap.add_argument("--hybrid", action="store_true", help="LASP-2H: 3 of every 4 layers linear attention")
+    ap.add_argument("--lasp", action="store_true",
+                    help="LASP-2 against LASP-1 (ring) at CP=2 over --lengths, every layer linear attention")
     a = ap.parse_args()
+    if a.hybrid and a.lasp:
+        sys.exit("--hybrid and --lasp: choose one (LASP-1's ring on GPUs needs every layer linear)")
     if a.hybrid:
         a.sets += HYBRID
+    if a.lasp:
+        a.sets += LINEAR
     lengths = [int(x) for x in a.lengths.split(",")]
     a.max_seq = max([a.seq, a.short] + lengths)
     os.makedirs(a.out, exist_ok=True)
@@ -123,6 +137,8 @@ def main():
     nrows = max(64, 4 * (a.steps + a.warmup + 2))
     zaya_vs_torch.write_dataset(prefix, rng.integers(0, d["vocab"], size=(nrows, a.max_seq + 1), dtype=np.uint64))
     results = {}
+    if a.lasp:
+        return lasp(a, prefix, lengths, results)
     per_gpu = a.seq // 2  # tokens per GPU per step of the CP run
     mb = 2 if per_gpu >= 2 * a.short else 1
     accum = max(1, per_gpu // (mb * a.short)) * 2  # over both GPUs
@@ -151,6 +167,30 @@ def main():
         ratio = cp["tokens_per_s"] / dp["tokens_per_s"]
         lines.append(f"target: CP=2 at {a.seq} / DP=2 at {a.short} tokens/s per GPU = {ratio:.3f} (>= 0.95: "
                      f"{'met' if ratio >= 0.95 else 'NOT met'}); MFU {100 * cp['mfu']:.1f}% vs {100 * dp['mfu']:.1f}%")
+    lines.append("busiest: the busiest class over its fair share, worst MoE layer and step after warm-up (mean over "
+                 "steps); skip: mean skip share; GiB/GPU: keel's device arenas, rank 0")
+    print("\n".join(lines))
+
+
+def lasp(a, prefix, lengths, results):
+    """--lasp: CP=2, LASP-2 and LASP-1 at each length; the table and their ratio last."""
+    for L in lengths:
+        for mode, label in (("allgather", "LASP-2"), ("ring", "LASP-1")):
+            results[f"CP=2 {L} {label}"] = run(a, a.out, prefix, f"cp2_{L}_{mode}", 2,
+                                               {"context": 2, "context_mode": mode}, L, 1, 1)
+    json.dump(results, open(os.path.join(a.out, "train_cp.json"), "w"), indent=1)
+    lines = [f"== keel context parallelism, LASP-2 vs LASP-1 ({'tiny, ' if a.tiny else ''}ZAYA1-shaped, every layer "
+             f"linear attention, RetNet decay; {a.device}); one sequence per step over 2 ranks; {a.steps} timed steps "
+             f"after {a.warmup}",
+             f"{'config':26} {'GPUs':>4} {'seq':>7} {'tok/s/GPU':>11} {'MFU':>6} {'GiB/GPU':>8} {'busiest':>8} "
+             f"{'(mean)':>6} {'skip':>5}  per-layer busiest/fair"]
+    lines += [row(n, r) for n, r in results.items()]
+    for L in lengths:
+        two, one = results[f"CP=2 {L} LASP-2"], results[f"CP=2 {L} LASP-1"]
+        if "tokens_per_s" in two and "tokens_per_s" in one:
+            ratio = two["tokens_per_s"] / one["tokens_per_s"]
+            target = f" (target at the longest, >= 1.15: {'met' if ratio >= 1.15 else 'NOT met'})" if L == lengths[-1] else ""
+            lines.append(f"LASP-2 / LASP-1 at {L}: {ratio:.3f}{target}")
     lines.append("busiest: the busiest class over its fair share, worst MoE layer and step after warm-up (mean over "
                  "steps); skip: mean skip share; GiB/GPU: keel's device arenas, rank 0")
     print("\n".join(lines))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp tsp compose linattn decode ckpt ab
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp lasp tsp compose linattn decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -221,6 +221,17 @@ for step in "${steps[@]}"; do
         grep -A20 '^== keel context parallelism' "$out/train_cp.log" >>"$summary"
       else
         note "cp: FAILED or timed out before the table (see train_cp.log)"
+      fi ;;
+    lasp)
+      # LASP-2 against LASP-1 on 2 GPUs (issue 31): bench/train_cp.py --lasp, every layer linear
+      # attention, CP=2 with the states all-gathered and passed rank to rank (KEEL_LASP_ARGS).
+      if [ "$gpus" -lt 2 ]; then note "lasp: skipped (needs 2+ GPUs)"; continue; fi
+      timeout "${KEEL_LASP_TIMEOUT:-900}" python3 bench/train_cp.py --keel "$build/keel" --out "$out/lasp" --lasp \
+          --lengths 16384,32768,65536,131072 ${KEEL_LASP_ARGS:-} 2>&1 | tee "$out/train_lasp.log" | tail -14
+      if grep -q '^== keel context parallelism, LASP-2 vs LASP-1' "$out/train_lasp.log"; then
+        grep -A14 '^== keel context parallelism, LASP-2 vs LASP-1' "$out/train_lasp.log" >>"$summary"
+      else
+        note "lasp: FAILED or timed out before the table (see train_lasp.log)"
       fi ;;
     tsp)
       # TSP on GPUs: the tests against one GPU (KEEL_TSP_TESTS=0 skips), then bench/tsp_memory.py
