@@ -49,8 +49,24 @@ std::vector<std::int32_t> zigzag_positions(std::int64_t seq, int degree, int ran
   return pos;
 }
 
-ContextParallel::ContextParallel(MPI_Comm context, std::int64_t seq, bool ring)
-    : comm_(context), seq_(seq), ring_mode_(ring) {
+ContextMode parse_context_mode(const std::string& word) {
+  if (word == "allgather") return ContextMode::kAllGather;
+  if (word == "ring") return ContextMode::kRing;
+  if (word == "alltoall") return ContextMode::kAllToAll;
+  throw UsageError(fmt::format("unknown context mode '{}' (allgather, ring or alltoall)", word));
+}
+
+const char* context_mode_name(ContextMode m) {
+  switch (m) {
+    case ContextMode::kAllGather: return "allgather";
+    case ContextMode::kRing: return "ring";
+    case ContextMode::kAllToAll: return "alltoall";
+  }
+  return "?";
+}
+
+ContextParallel::ContextParallel(MPI_Comm context, std::int64_t seq, ContextMode mode)
+    : comm_(context), seq_(seq), mode_(mode), ring_mode_(mode == ContextMode::kRing) {
   if (comm_ != MPI_COMM_NULL) {
     mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
     mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
@@ -122,6 +138,7 @@ void ContextParallel::gather(const Tensor& k, const Tensor& v) {
 void ContextParallel::attend(const Tensor& q, const Tensor& k, const Tensor& v, float scale, int window,
                              const Tensor& out, const Tensor& lse) {
   if (ring_mode_) return attend_ring(q, k, v, scale, window, out, lse);
+  if (mode_ == ContextMode::kAllToAll) return attend_heads(q, k, v, scale, window, out, lse);
   gather(k, v);
   const std::int64_t B = k.dim(0), H = k.dim(2), D = k.dim(3);
   ops::attention::forward_at(q, Tensor(k_.data(), {B, seq_, H, D}), Tensor(v_.data(), {B, seq_, H, D}), pos_.data(),
@@ -132,6 +149,7 @@ void ContextParallel::attend_backward(const Tensor& q, const Tensor& k, const Te
                                       const Tensor& lse, const Tensor& dout, float scale, int window, const Tensor& dq,
                                       const Tensor& dk, const Tensor& dv) {
   if (ring_mode_) return attend_ring_backward(q, k, v, out, lse, dout, scale, window, dq, dk, dv);
+  if (mode_ == ContextMode::kAllToAll) return attend_heads_backward(q, k, v, out, lse, dout, scale, window, dq, dk, dv);
   gather(k, v);  // forward's gathered keys are not kept: one buffer serves every layer
   const std::int64_t B = k.dim(0), T = k.dim(1), H = k.dim(2), D = k.dim(3), w = H * D, n = k.numel();
   dk_.resize(k_.size());

@@ -18,6 +18,12 @@
 //               k and v travel around the group, one at a time, merged by log-sum-exp; two
 //               blocks held at once instead of the whole sequence. Linear layers then pass
 //               their states rank to rank (LASP-1) instead of LASP-2's all-gather.
+//               Or heads (parallel.context_mode: alltoall; context_alltoall.cc, DeepSpeed-
+//               Ulysses' schedule): one all-to-all turns every rank's q, k, v of its tokens and
+//               all heads into the whole sequences of 1/C of the heads, the rank attends over
+//               them (softmax or linear, from a zero state), and one all-to-all brings the
+//               outputs back to the tokens' ranks; backward the same with the gradients. The
+//               heads (and kv heads) of every layer must divide by C.
 //   linear      LASP-2 (lasp2.cc): linear attention's runs start from the decayed sum of the
 //               earlier chunks' memory states, one all-gather of d x d states per layer in forward
 //               and one of their gradients in backward.
@@ -53,13 +59,19 @@ std::vector<std::int32_t> zigzag_positions(std::int64_t seq, int degree, int ran
 // same bits on every rank (MPI_COMM_NULL: nothing to sum).
 void sum_over_context(MPI_Comm context, double* x, int n);
 
+// How the sequence mixers see the rest of the sequence (parallel.context_mode).
+enum class ContextMode { kAllGather, kRing, kAllToAll };
+// "allgather", "ring", "alltoall"; UsageError naming the word otherwise.
+ContextMode parse_context_mode(const std::string& word);
+const char* context_mode_name(ContextMode m);
+
 class ContextParallel final : public blocks::AttentionCore, public blocks::TokenGroup {
  public:
-  // context: the mesh's context group (MPI); seq: the whole sequence's tokens; ring: attention
-  // by the ring (else the all-gather).
-  ContextParallel(MPI_Comm context, std::int64_t seq, bool ring = false);
+  // context: the mesh's context group (MPI); seq: the whole sequence's tokens; mode: above.
+  ContextParallel(MPI_Comm context, std::int64_t seq, ContextMode mode = ContextMode::kAllGather);
   const std::vector<std::int32_t>& positions() const { return pos_; }
   bool ring() const { return ring_mode_; }
+  ContextMode mode() const { return mode_; }
 
   // AttentionCore
   int segments() const override { return 2; }
@@ -115,13 +127,35 @@ class ContextParallel final : public blocks::AttentionCore, public blocks::Token
                                    const Tensor& dq, const Tensor& dk, const Tensor& dv);
   void chain_recv(float* msg, std::int64_t n, int from) const;
   void chain_send(const float* msg, std::int64_t n, int to) const;
+  // By heads (context_alltoall.cc): attention and linear attention over whole sequences of this
+  // rank's 1/C of the heads.
+  void attend_heads(const Tensor& q, const Tensor& k, const Tensor& v, float scale, int window, const Tensor& out,
+                    const Tensor& lse);
+  void attend_heads_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                             const Tensor& dout, float scale, int window, const Tensor& dq, const Tensor& dk,
+                             const Tensor& dv);
+  void attend_linear_heads(const ops::linear_attention::Config& c, std::int64_t runs, const Tensor& q,
+                           const Tensor& k, const Tensor& v, const Tensor& init, const Tensor& out);
+  void attend_linear_heads_backward(const ops::linear_attention::Config& c, std::int64_t runs, const Tensor& q,
+                                    const Tensor& k, const Tensor& v, const Tensor& init, const Tensor& dout,
+                                    const Tensor& dq, const Tensor& dk, const Tensor& dv);
+  // x [B, T, H, w] of this rank's tokens (rows in zigzag order) -> whole [B, S, H / C, w] of
+  // this rank's heads in sequence order; and back (from_heads overwrites x).
+  void to_heads(const float* x, std::int64_t B, std::int64_t H, std::int64_t w, std::vector<float>& whole);
+  void from_heads(const std::vector<float>& whole, std::int64_t B, std::int64_t H, std::int64_t w, float* x);
+  // lse [B, H, T] <-> [B, H / C, S], as above.
+  void lse_to_heads(const float* lse, std::int64_t B, std::int64_t H, std::vector<float>& whole);
+  void lse_from_heads(const std::vector<float>& whole, std::int64_t B, std::int64_t H, float* lse);
+  void all_to_all(std::int64_t per_rank, const char* what);  // a2a_send_ -> a2a_recv_, per_rank floats each
 
   MPI_Comm comm_;
   int size_ = 1, rank_ = 0;
   std::int64_t seq_, chunk_;  // S, S / (2C)
   std::vector<std::int32_t> pos_;
   std::vector<float> send_, recv_, k_, v_, dk_, dv_, states_;
+  ContextMode mode_ = ContextMode::kAllGather;
   bool ring_mode_ = false;
+  std::vector<float> a2a_send_, a2a_recv_, hq_, hk_, hv_, ho_, hl_, hd_, hdq_, hdk_, hdv_;  // by heads
   std::vector<std::vector<std::int32_t>> ring_pos_;  // every rank's positions (ring mode)
   std::vector<float> ring_, block_out_, block_lse_, block_dkv_;
 };

@@ -53,8 +53,21 @@ std::int64_t context_halo(const model::ModelConfig& cfg) {
   return 1;
 }
 
+// parallel.context_mode: alltoall splits every layer's heads (and kv heads) of this tensor rank
+// over the context group: one line naming the first that does not divide.
+void check_alltoall(const model::ModelConfig& cfg, int tensor, int context) {
+  const int kv = cfg.kv_heads >= tensor ? cfg.kv_heads / tensor : cfg.kv_heads;  // replicated past the kv heads
+  const int q = cfg.heads / tensor;
+  if (q % context != 0 || kv % context != 0)
+    throw UsageError(fmt::format("parallel.context_mode: alltoall splits each layer's heads over the {} context ranks: "
+                                 "model '{}' has {} query and {} kv heads per tensor rank; both must divide by {} (or "
+                                 "use parallel.context_mode: allgather)",
+                                 context, cfg.name, q, kv, context));
+}
+
 CpuPlan::CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t batch, std::int64_t seq, bool sequence,
-                 bool ring) {
+                 ContextMode mode) {
+  const bool ring = mode == ContextMode::kRing;
   check_plan(cfg, mesh.shape());
   layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::LayerRunners{});
   // The tokens split over the context group, or under TSP over the tsp group (which then also
@@ -64,12 +77,16 @@ CpuPlan::CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t b
   std::int64_t tokens = batch * seq;
   if (tsp.size > 1) {
     if (sequence) throw UsageError("parallel.sequence is tensor parallelism's; TSP (parallel.tsp) splits the tokens already");
-    if (ring) throw UsageError("parallel.context_mode: ring is context parallelism's; TSP gathers the k and v of each head shard");
+    if (mode != ContextMode::kAllGather)
+      throw UsageError(fmt::format("parallel.context_mode: {} is context parallelism's; TSP gathers the k and v of "
+                                   "each head shard",
+                                   context_mode_name(mode)));
     tsp_ = std::make_unique<TspShards>(tsp.comm);
   }
   if (context.size > 1) {
     check_context_split(seq, context.size, context_halo(cfg), "keel train");
-    cp_ = std::make_unique<ContextParallel>(context.comm, seq, ring);
+    if (mode == ContextMode::kAllToAll) check_alltoall(cfg, mesh.group(GroupKind::kTensor).size, context.size);
+    cp_ = std::make_unique<ContextParallel>(context.comm, seq, mode);
     for (auto& l : layers_) {
       l.attention = cp_.get();
       l.tokens = cp_.get();

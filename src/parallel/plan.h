@@ -41,9 +41,10 @@ class CpuPlan {
  public:
   // Checks the model against the mesh (check_plan, and that seq splits over the context
   // group). batch x seq: the micro-batch (seq: whole sequences); sequence: sequence
-  // parallelism over the tensor group; ring: context parallelism's attention by the ring.
+  // parallelism over the tensor group; context: how context parallelism's sequence mixers see
+  // the rest of the sequence (context_parallel.h).
   CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t batch = 0, std::int64_t seq = 0,
-          bool sequence = false, bool ring = false);
+          bool sequence = false, ContextMode context = ContextMode::kAllGather);
   const std::vector<blocks::LayerRunners>& layers() const { return layers_; }
   // The tensor-parallel boundary, null at tensor degree 1.
   TensorParallelLinear* tensor() const { return tp_.get(); }

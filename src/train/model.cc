@@ -98,7 +98,7 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
     : cfg_(config),
       opt_(options),
       mesh_(mesh),
-      plan_(cfg_, mesh_, options.micro_batch, options.seq_length, options.sequence_parallel, options.context_ring) {
+      plan_(cfg_, mesh_, options.micro_batch, options.seq_length, options.sequence_parallel, options.context_mode) {
   validate_trainable(cfg_, opt_);
   tp_ = {mesh_.group(parallel::GroupKind::kTensor).size, mesh_.group(parallel::GroupKind::kTensor).rank};
   const parallel::Group& tsp = mesh_.group(parallel::GroupKind::kTsp);

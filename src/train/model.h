@@ -93,9 +93,11 @@ struct ModelOptions {
   // Under tensor parallelism (the mesh's tp > 1): the residual stream, norms and residual scales
   // hold 1/tp of the tokens (Megatron's sequence parallelism; parallel/tensor_parallel.h).
   bool sequence_parallel = false;
-  // Under context parallelism (the mesh's cp > 1): attention by the ring of k, v blocks instead
-  // of their all-gather (parallel.context_mode: ring; parallel/context_parallel.h). CPU only.
-  bool context_ring = false;
+  // Under context parallelism (the mesh's cp > 1): how the sequence mixers see the rest of the
+  // sequence (parallel.context_mode; parallel/context_parallel.h): the all-gather of k, v (and
+  // LASP-2's of states), the ring of k, v blocks (and LASP-1's states; CPU ranks, and on GPUs for
+  // all-linear models), or heads by all-to-all (CPU ranks).
+  parallel::ContextMode context_mode = parallel::ContextMode::kAllGather;
 };
 
 struct LossParts {

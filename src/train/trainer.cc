@@ -387,11 +387,15 @@ std::string Trainer::parallel_text() const {
   if (sh.cp > 1) {
     const model::ModelConfig& m = cfg_.model;
     const int linear = model::attention_layer_count(m, model::AttentionKind::kLinear);
-    const bool ring = cfg_.model_options.context_ring;  // LASP-1 for the linear layers then
+    const parallel::ContextMode mode = cfg_.model_options.context_mode;
+    const bool ring = mode == parallel::ContextMode::kRing;  // LASP-1 for the linear layers then
+    const bool heads = mode == parallel::ContextMode::kAllToAll;
     const char* lasp = linear == 0 ? ""
+                       : heads     ? "; linear layers by heads"
                        : ring      ? (linear == m.layers ? "; LASP-1 ring" : "; LASP-1 for the linear layers")
                                    : (linear == m.layers ? "; LASP-2" : "; LASP-2H: LASP-2 for the linear layers");
-    out += fmt::format(" x context parallel {} (zigzag{}{})", sh.cp, linear < m.layers && ring ? ", k/v ring" : "", lasp);
+    const char* softmax = linear == m.layers ? "" : ring ? ", k/v ring" : heads ? ", heads by all-to-all" : "";
+    out += fmt::format(" x context parallel {} (zigzag{}{})", sh.cp, softmax, lasp);
   }
   if (mesh_.data().size > 1)
     out += fmt::format(" (ZeRO-1{}){}",

@@ -64,11 +64,13 @@ TEST(ContextParallelCore, ZigzagPositions) {
   EXPECT_NO_THROW(check_context_split(12, 3, 2, "x"));
 }
 
-void expect_attention_matches_whole_sequences(bool ring) {
+void expect_attention_matches_whole_sequences(ContextMode mode) {
   const int C = world_size();
-  const std::int64_t B = 2, S = 2 * C * 3, Hq = 4, Hkv = 2, D = 8;
-  ContextParallel cp(MPI_COMM_WORLD, S, ring);
-  ASSERT_EQ(cp.ring(), ring);
+  // by heads (alltoall) each rank takes 1/C of the query and kv heads: 2 kv heads per rank
+  const std::int64_t B = 2, S = 2 * C * 3, Hkv = mode == ContextMode::kAllToAll ? 2 * C : 2, Hq = 2 * Hkv, D = 8;
+  ContextParallel cp(MPI_COMM_WORLD, S, mode);
+  ASSERT_EQ(cp.ring(), mode == ContextMode::kRing);
+  ASSERT_EQ(cp.mode(), mode);
   const auto& pos = cp.positions();
   const std::int64_t T = S / C;
   for (int window : {0, 5}) {
@@ -108,10 +110,25 @@ void expect_attention_matches_whole_sequences(bool ring) {
   }
 }
 
-TEST(ContextParallelCore, AttentionMatchesWholeSequences) { expect_attention_matches_whole_sequences(false); }
+TEST(ContextParallelCore, AttentionMatchesWholeSequences) {
+  expect_attention_matches_whole_sequences(ContextMode::kAllGather);
+}
 // The ring (parallel.context_mode: ring): every rank's block of k, v visits each rank in turn,
 // merged by log-sum-exp; backward carries each block's dk, dv around and home.
-TEST(ContextParallelCore, RingAttentionMatchesWholeSequences) { expect_attention_matches_whole_sequences(true); }
+TEST(ContextParallelCore, RingAttentionMatchesWholeSequences) {
+  expect_attention_matches_whole_sequences(ContextMode::kRing);
+}
+// By heads (parallel.context_mode: alltoall): one all-to-all to whole sequences of 1/C of the
+// heads, the plain op, one all-to-all back; backward likewise.
+TEST(ContextParallelCore, AllToAllAttentionMatchesWholeSequences) {
+  expect_attention_matches_whole_sequences(ContextMode::kAllToAll);
+}
+TEST(ContextParallelCore, ContextModeWords) {
+  EXPECT_EQ(parse_context_mode("alltoall"), ContextMode::kAllToAll);
+  EXPECT_EQ(parse_context_mode("ring"), ContextMode::kRing);
+  EXPECT_STREQ(context_mode_name(parse_context_mode("allgather")), "allgather");
+  EXPECT_THROW(parse_context_mode("ulysses"), UsageError);
+}
 
 TEST(ContextParallelCore, HalosAreThePrecedingChunksTailsAndBackwardIsTheAdjoint) {
   const int C = world_size(), r = world_rank();
@@ -261,9 +278,10 @@ TEST(ContextParallelCore, CcaIsCausalAcrossRankBoundaries) {
 struct Linear {
   std::int64_t B = 2, S, Hq = 4, Hkv = 2, D = 4;
   ops::linear_attention::Config c;
-  Linear(std::int64_t seq, int chunk, bool decay) : S(seq) {
+  Linear(std::int64_t seq, int chunk, bool decay, std::int64_t kv_heads = 2) : S(seq), Hq(2 * kv_heads), Hkv(kv_heads) {
     c.heads = int(Hq), c.kv_heads = int(Hkv), c.head_dim = int(D), c.chunk = chunk;
-    if (decay) c.decay = {0.9f, 0.7f};
+    if (decay)
+      for (std::int64_t g = 0; g < Hkv; ++g) c.decay.push_back(0.9f - 0.2f * float(g) / float(Hkv));
   }
   // out (and with dout: dq, dk, dv) of the rows q, k, v hold ([B * T, H * D], T tokens each).
   void run(ContextParallel* cp, std::int64_t T, std::vector<float> q, std::vector<float> k, std::vector<float> v,
@@ -284,15 +302,15 @@ struct Linear {
   }
 };
 
-void expect_linear_matches_whole_sequences(bool ring) {
+void expect_linear_matches_whole_sequences(ContextMode mode) {
   const int C = world_size();
-  const std::int64_t S = 2 * C * 5;
-  ContextParallel cp(MPI_COMM_WORLD, S, ring);
+  const std::int64_t S = 2 * C * 5, kv_heads = mode == ContextMode::kAllToAll ? 2 * C : 2;
+  ContextParallel cp(MPI_COMM_WORLD, S, mode);
   const auto& pos = cp.positions();
   const std::int64_t T = S / C;
   for (const bool decay : {false, true})
     for (const int chunk : {2, 5, 64}) {
-      const Linear m(S, chunk, decay);
+      const Linear m(S, chunk, decay, kv_heads);
       const std::uint32_t seed = 700 + chunk + (decay ? 50 : 0);
       const auto q = random_vector(m.B * S * m.Hq * m.D, seed, 0.5f), k = random_vector(m.B * S * m.Hkv * m.D, seed + 1, 0.5f),
                  v = random_vector(m.B * S * m.Hkv * m.D, seed + 2), dout = random_vector(m.B * S * m.Hq * m.D, seed + 3);
@@ -309,9 +327,13 @@ void expect_linear_matches_whole_sequences(bool ring) {
     }
 }
 
-TEST(ContextParallelCore, Lasp2MatchesWholeSequences) { expect_linear_matches_whole_sequences(false); }
+TEST(ContextParallelCore, Lasp2MatchesWholeSequences) { expect_linear_matches_whole_sequences(ContextMode::kAllGather); }
 // The ring mode's linear layers: LASP-1, the states passed rank to rank in sequence order.
-TEST(ContextParallelCore, Lasp1RingMatchesWholeSequences) { expect_linear_matches_whole_sequences(true); }
+TEST(ContextParallelCore, Lasp1RingMatchesWholeSequences) { expect_linear_matches_whole_sequences(ContextMode::kRing); }
+// By heads: whole sequences of 1/C of the heads (and their decays) from a zero state.
+TEST(ContextParallelCore, AllToAllLinearMatchesWholeSequences) {
+  expect_linear_matches_whole_sequences(ContextMode::kAllToAll);
+}
 
 // Perturbing the k and v of any position p (every position: inside chunks, at chunk and rank
 // boundaries, in both zigzag runs) changes no output before p on any rank, and every one from p on.

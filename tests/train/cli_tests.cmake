@@ -70,7 +70,8 @@ keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must
 add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_memory train_zaya train_stop_iv train_hang train_hang_ck
          train_dp_auto train_dp_auto1 train_dp_bf16 train_memory_auto train_timeout_inf train_tp_gpu train_tp_gpu_muon
          train_inject_exit train_inject_kill train_inject_nan train_inject_nan_dp train_inject_nan_tp train_inject_slow
-         train_forced_balance train_cp_ring train_cp_ring_gpu train_tsp2 train_tsp2_gpu WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+         train_forced_balance train_cp_ring train_cp_ring_gpu train_cp_alltoall train_cp_alltoall_gpu train_tsp2
+         train_tsp2_gpu WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
 # Data parallel (ZeRO-1) on CPU ranks under mpiexec: 2 ranks train and save; one rank resumes
@@ -176,8 +177,18 @@ keel_cli_test(NAME train_cp_bad_degree EXIT 1 MATCH "parallel\\.context.*must be
 keel_cli_test(NAME train_cp2_ring NP 2 MATCH "on cpu x context parallel 2 \\(zigzag, k/v ring\\) \\(ZeRO-1\\), "
   ARGS train ${tcfg} ${tshort} --set device=cpu --set parallel.context=2 --set parallel.context_mode=ring
        --set checkpoint.final=false --set output_dir=train_cp_ring)
-keel_cli_test(NAME train_cp_mode_typo EXIT 1 MATCH "parallel\\.context_mode.*must be allgather or ring"
+keel_cli_test(NAME train_cp_mode_typo EXIT 1 MATCH "parallel\\.context_mode.*must be allgather, ring or alltoall"
   ARGS train ${tcfg} ${tdp} --set parallel.context_mode=rnig)
+# By heads (parallel.context_mode: alltoall) on 2 CPU ranks: trains and says so; on GPUs refused.
+keel_cli_test(NAME train_cp2_alltoall NP 2 MATCH "on cpu x context parallel 2 \\(zigzag, heads by all-to-all\\) \\(ZeRO-1\\), "
+  ARGS train ${tcfg} ${tshort} --set device=cpu --set parallel.context=2 --set parallel.context_mode=alltoall
+       --set checkpoint.final=false --set output_dir=train_cp_alltoall)
+set_tests_properties(cli_train_cp2_alltoall PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+keel_cli_test(NAME train_cp2_alltoall_gpus NP 2 GPUS "2+" EXIT 1
+  MATCH "parallel\\.context_mode: alltoall \\(heads by all-to-all\\) runs on CPU ranks only so far"
+  ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.context=2 --set parallel.context_mode=alltoall
+       --set checkpoint.final=false --set output_dir=train_cp_alltoall_gpu)
+set_tests_properties(cli_train_cp2_alltoall_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 # TSP (parallel.tsp) on 2 CPU ranks trains and says so; a bad degree is one line; on GPUs
 # (skipped elsewhere) it is refused with one line.
 keel_cli_test(NAME train_tsp2 NP 2 MATCH "x TSP 2 \\(attention shards broadcast, MLP shards ringed, tokens zigzag\\)"

@@ -104,6 +104,27 @@ void expect_matches_single_rank(const Case& c) {
 const std::string& kMuon = fixtures::kMuonOptimizer;
 
 TEST(ContextParallel, WorldMatchesOneRank) { expect_matches_single_rank({world_size(), 1, 1, {}, "", "cpN"}); }
+// By heads (parallel.context_mode: alltoall): each rank attends over whole sequences of 1/C of
+// the heads. The tiny MoE with 4 kv heads (MHA: C = 2 or 4), ZAYA1's CCA (4 query, 2 kv heads:
+// C = 2) with Muon, the LASP-2H hybrid (its linear layer by heads too) and C=2 x DP=2 with EP.
+const std::vector<std::string> kAllToAll = {"parallel.context_mode=alltoall"};
+TEST(ContextParallel, WorldAllToAllMatchesOneRank) {
+  if (4 % world_size() != 0) GTEST_SKIP() << "4 heads do not split over " << world_size() << " ranks";
+  expect_matches_single_rank({world_size(), 1, 1, joined(kAllToAll, {"model.kv_heads=4"}), "", "a2a_cpN"});
+}
+TEST(ContextParallel, Cp2ZayaAllToAllWithMuonMatchesOneRank) {
+  expect_matches_single_rank({2, 1, 1, joined(kZaya, kAllToAll), kMuon, "zaya_a2a_cp2"});
+}
+TEST(ContextParallel, Cp2HybridAllToAllMatchesOneRank) {
+  expect_matches_single_rank({2, 1, 1, joined(kHybrid, kAllToAll), "", "hybrid_a2a_cp2"});
+}
+TEST(ContextParallel, Cp2LinearAllToAllMatchesOneRank) {
+  expect_matches_single_rank({2, 1, 1, joined(kLinear, kAllToAll), "", "linear_a2a_cp2"});
+}
+TEST(ContextParallel, Cp2TimesDp2AllToAllWithExpertParallelMatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, 1, 2, joined(kZaya, kAllToAll), "", "zaya_a2a_cp2dp2ep2"});
+}
 TEST(ContextParallel, WorldZayaMatchesOneRank) {
   expect_matches_single_rank({world_size(), 1, 1, kZaya, "", "zaya_cpN"});
   // With the MLP router's aux loss on: its class shares are the micro-batch's (summed over the
@@ -176,7 +197,10 @@ TEST(ContextParallel, SequenceThatDoesNotSplitIsOneClearError) {
   const fs::path dir = shared_dir("bad");
   for (const auto& [sets, word] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"data.seq_length=22"}, "does not split over context-parallel degree 2"},
-           {joined(kZaya, {"data.seq_length=4", "model.cca_conv_width=3"}), "fewer than the 3"}}) {
+           {joined(kZaya, {"data.seq_length=4", "model.cca_conv_width=3"}), "fewer than the 3"},
+           // by heads, one kv head does not split over 2 ranks
+           {{"parallel.context_mode=alltoall", "model.heads=2", "model.kv_heads=1"},
+            "parallel.context_mode: alltoall splits each layer's heads over the 2 context ranks"}}) {
     std::vector<std::string> s = sets;
     s.push_back("parallel.context=2");
     TrainConfig cfg = config(dir, dir / "bad", s);

@@ -128,7 +128,9 @@ class BalanceMemoryRoundTrip : public ::testing::TestWithParam<ops::bias_control
 
 TEST_P(BalanceMemoryRoundTrip, SavedRestoredAndContinued) {
   const ops::bias_controller::Rule rule = GetParam();
-  const fs::path root = fresh_dir("balance");
+  // a directory per rule: ctest runs the two instances at once
+  const std::string tag = rule == ops::bias_controller::Rule::Adam ? "adam" : "pid";
+  const fs::path root = fresh_dir("balance_" + tag);
   auto a = trained(tiny(), rule);
   const TrainState st = a->state();
   ASSERT_EQ(st.router_balance.m.size(), st.router_bias.size());
@@ -179,7 +181,7 @@ TEST_P(BalanceMemoryRoundTrip, SavedRestoredAndContinued) {
   EXPECT_EQ(c->state().router_balance.m, fresh->state().router_balance.m);
   EXPECT_EQ(c->state().router_balance.rule, other);
 
-  const fs::path sign_root = fresh_dir("balance_sign");
+  const fs::path sign_root = fresh_dir("balance_sign_" + tag);
   {
     auto c = trained(tiny());
     EXPECT_TRUE(c->state().router_balance.m.empty());
