@@ -121,6 +121,11 @@ TEST(ContextParallel, Cp2HybridAllToAllMatchesOneRank) {
 TEST(ContextParallel, Cp2LinearAllToAllMatchesOneRank) {
   expect_matches_single_rank({2, 1, 1, joined(kLinear, kAllToAll), "", "linear_a2a_cp2"});
 }
+// ... and with tensor parallelism (+ SP): each tensor rank's heads split again over the context ranks.
+TEST(ContextParallel, Cp2TimesTp2AllToAllMatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, 2, 1, joined(kAllToAll, {"model.kv_heads=4"}), "", "a2a_cp2tp2"});
+}
 TEST(ContextParallel, Cp2TimesDp2AllToAllWithExpertParallelMatchesOneRank) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   expect_matches_single_rank({2, 1, 2, joined(kZaya, kAllToAll), "", "zaya_a2a_cp2dp2ep2"});
