@@ -114,17 +114,11 @@ void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, c
     const int classes = s.zaya.classes();
     if (load)
       for (int e = 0; e < classes; ++e) load[e] += a.zmoe.router.counts[static_cast<std::size_t>(e)];
-    a.zmoe.aux_counts.clear();
-    a.zmoe.aux_rows = 0;
-    if (tokens.size() > 1) {  // the micro-batch's counts (backward reads them too)
-      a.zmoe.aux_counts = a.zmoe.router.counts;
-      tokens.sum(a.zmoe.aux_counts.data(), classes);
-      a.zmoe.aux_rows = N * tokens.size();
-    }
-    if (losses)
-      losses->aux += tokens.size() > 1
-                         ? ops::router::aux_loss(a.zmoe.router.probs, a.zmoe.aux_counts.data(), a.zmoe.aux_rows, 1)
-                         : ops::router::aux_loss(a.zmoe.router.probs, a.zmoe.router.counts.data(), N, 1);
+    // the micro-batch's counts over its tokens (backward reads them too; one rank: its own)
+    a.zmoe.aux_counts = a.zmoe.router.counts;
+    tokens.sum(a.zmoe.aux_counts.data(), classes);
+    a.zmoe.aux_rows = N * tokens.size();
+    if (losses) losses->aux += ops::router::aux_loss(a.zmoe.router.probs, a.zmoe.aux_counts.data(), a.zmoe.aux_rows, 1);
   } else {
     ops::linear::forward(x, w.router, {}, a.rlogits);
     ops::router::Losses l =

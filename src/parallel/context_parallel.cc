@@ -66,7 +66,7 @@ const char* context_mode_name(ContextMode m) {
 }
 
 ContextParallel::ContextParallel(MPI_Comm context, std::int64_t seq, ContextMode mode)
-    : comm_(context), seq_(seq), mode_(mode), ring_mode_(mode == ContextMode::kRing) {
+    : comm_(context), seq_(seq), mode_(mode) {
   if (comm_ != MPI_COMM_NULL) {
     mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
     mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
@@ -74,7 +74,7 @@ ContextParallel::ContextParallel(MPI_Comm context, std::int64_t seq, ContextMode
   check_context_split(seq, size_, 1, "context parallel");
   chunk_ = seq / (2 * size_);
   pos_ = zigzag_positions(seq, size_, rank_);
-  if (ring_mode_)
+  if (ring())
     for (int r = 0; r < size_; ++r) ring_pos_.push_back(zigzag_positions(seq, size_, r));
 }
 
@@ -137,7 +137,7 @@ void ContextParallel::gather(const Tensor& k, const Tensor& v) {
 
 void ContextParallel::attend(const Tensor& q, const Tensor& k, const Tensor& v, float scale, int window,
                              const Tensor& out, const Tensor& lse) {
-  if (ring_mode_) return attend_ring(q, k, v, scale, window, out, lse);
+  if (ring()) return attend_ring(q, k, v, scale, window, out, lse);
   if (mode_ == ContextMode::kAllToAll) return attend_heads(q, k, v, scale, window, out, lse);
   gather(k, v);
   const std::int64_t B = k.dim(0), H = k.dim(2), D = k.dim(3);
@@ -148,7 +148,7 @@ void ContextParallel::attend(const Tensor& q, const Tensor& k, const Tensor& v, 
 void ContextParallel::attend_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                       const Tensor& lse, const Tensor& dout, float scale, int window, const Tensor& dq,
                                       const Tensor& dk, const Tensor& dv) {
-  if (ring_mode_) return attend_ring_backward(q, k, v, out, lse, dout, scale, window, dq, dk, dv);
+  if (ring()) return attend_ring_backward(q, k, v, out, lse, dout, scale, window, dq, dk, dv);
   if (mode_ == ContextMode::kAllToAll) return attend_heads_backward(q, k, v, out, lse, dout, scale, window, dq, dk, dv);
   gather(k, v);  // forward's gathered keys are not kept: one buffer serves every layer
   const std::int64_t B = k.dim(0), T = k.dim(1), H = k.dim(2), D = k.dim(3), w = H * D, n = k.numel();

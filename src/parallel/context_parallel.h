@@ -70,7 +70,7 @@ class ContextParallel final : public blocks::AttentionCore, public blocks::Token
   // context: the mesh's context group (MPI); seq: the whole sequence's tokens; mode: above.
   ContextParallel(MPI_Comm context, std::int64_t seq, ContextMode mode = ContextMode::kAllGather);
   const std::vector<std::int32_t>& positions() const { return pos_; }
-  bool ring() const { return ring_mode_; }
+  bool ring() const { return mode_ == ContextMode::kRing; }
   ContextMode mode() const { return mode_; }
 
   // AttentionCore
@@ -154,7 +154,6 @@ class ContextParallel final : public blocks::AttentionCore, public blocks::Token
   std::vector<std::int32_t> pos_;
   std::vector<float> send_, recv_, k_, v_, dk_, dv_, states_;
   ContextMode mode_ = ContextMode::kAllGather;
-  bool ring_mode_ = false;
   std::vector<float> a2a_send_, a2a_recv_, hq_, hk_, hv_, ho_, hl_, hd_, hdq_, hdk_, hdv_;  // by heads
   std::vector<std::vector<std::int32_t>> ring_pos_;  // every rank's positions (ring mode)
   std::vector<float> ring_, block_out_, block_lse_, block_dkv_;

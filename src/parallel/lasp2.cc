@@ -55,7 +55,7 @@ void ContextParallel::attend_linear(const la::Config& c, std::int64_t runs, cons
     fail("context parallel: linear attention over {} runs of {} rows, expected 2 runs of {} per sequence", runs,
          q.rows() / std::max<std::int64_t>(runs, 1), chunk_);
   require_shape(init, {runs, hkv, c.head_dim, c.head_dim}, "context parallel linear attention init");
-  if (ring_mode_) return attend_linear_ring(c, runs, q, k, v, init, out);  // LASP-1 (context_ring.cc)
+  if (ring()) return attend_linear_ring(c, runs, q, k, v, init, out);  // LASP-1 (context_ring.cc)
   if (mode_ == ContextMode::kAllToAll) return attend_linear_heads(c, runs, q, k, v, init, out);
   states_.resize(static_cast<std::size_t>(runs * hkv * dd));
   const Tensor M(states_.data(), {runs, hkv, c.head_dim, c.head_dim});
@@ -74,7 +74,7 @@ void ContextParallel::attend_linear(const la::Config& c, std::int64_t runs, cons
 void ContextParallel::attend_linear_backward(const la::Config& c, std::int64_t runs, const Tensor& q, const Tensor& k,
                                              const Tensor& v, const Tensor& init, const Tensor& dout, const Tensor& dq,
                                              const Tensor& dk, const Tensor& dv) {
-  if (ring_mode_) return attend_linear_ring_backward(c, runs, q, k, v, init, dout, dq, dk, dv);
+  if (ring()) return attend_linear_ring_backward(c, runs, q, k, v, init, dout, dq, dk, dv);
   if (mode_ == ContextMode::kAllToAll) return attend_linear_heads_backward(c, runs, q, k, v, init, dout, dq, dk, dv);
   const std::int64_t B = runs / 2, hkv = c.kv_heads, dd = std::int64_t(c.head_dim) * c.head_dim;
   states_.resize(static_cast<std::size_t>(2 * runs * hkv * dd));

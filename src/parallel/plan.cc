@@ -67,7 +67,6 @@ void check_alltoall(const model::ModelConfig& cfg, int tensor, int context) {
 
 CpuPlan::CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t batch, std::int64_t seq, bool sequence,
                  ContextMode mode) {
-  const bool ring = mode == ContextMode::kRing;
   check_plan(cfg, mesh.shape());
   layers_.assign(static_cast<std::size_t>(cfg.layers), blocks::LayerRunners{});
   // The tokens split over the context group, or under TSP over the tsp group (which then also

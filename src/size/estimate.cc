@@ -97,10 +97,6 @@ LayerBytes layer_activation_parts(const ModelConfig& m, int layer, Recompute r) 
   return b;
 }
 
-double layer_activation_bytes(const ModelConfig& m, int layer, Recompute r) {
-  return layer_activation_parts(m, layer, r).total();
-}
-
 // a * b, or a one-line error naming the quantity when it overflows int64.
 std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* what) {
   std::int64_t r = 0;

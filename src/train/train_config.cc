@@ -402,9 +402,11 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (p["context"]) c.parallel_context = ctx.get<int>(p["context"], "parallel.context", "an integer");
     if (p["context_mode"]) {
       const auto m = ctx.get<std::string>(p["context_mode"], "parallel.context_mode", "allgather, ring or alltoall");
-      if (m != "allgather" && m != "ring" && m != "alltoall")
+      try {
+        c.model_options.context_mode = parallel::parse_context_mode(m);
+      } catch (const UsageError&) {
         ctx.bad("parallel.context_mode", p["context_mode"], "must be allgather, ring or alltoall");
-      c.model_options.context_mode = parallel::parse_context_mode(m);
+      }
     }
     if (p["tensor"]) c.parallel_tensor = ctx.get<int>(p["tensor"], "parallel.tensor", "an integer");
     if (p["sequence"])

@@ -83,6 +83,30 @@ TrainRun train(const fs::path& dir, const std::string& tag, const std::string& o
   return r;
 }
 
+// Two runs of one model and data that must train alike: the first step's loss, gradient norm
+// (within norm_tol) and update, the next 3 steps' losses, and the parameters after 4 steps
+// (drift: below). Returns the first update's and the 4-step difference, over their sizes.
+std::pair<double, double> expect_trains_alike(const TrainRun& got, const TrainRun& want, double norm_tol,
+                                              const std::string& tag) {
+  EXPECT_TRUE(got.p0 == want.p0) << tag << ": the same initialization";
+  const StepStats &a = got.stats[0], &b = want.stats[0];
+  EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(b.loss)) << tag;
+  EXPECT_NEAR(a.grad_norm, b.grad_norm, norm_tol * b.grad_norm) << tag;
+  const double d1 = fixtures::norm_rel_diff(got.p1, want.p1, want.p0);
+  EXPECT_LT(d1, 1e-3) << tag << ": first update";
+  for (std::size_t i = 1; i < 4; ++i)
+    EXPECT_NEAR(got.stats[i].loss, want.stats[i].loss, 1e-2 * std::fabs(want.stats[i].loss)) << tag << " step " << i + 1;
+  const double d4 = fixtures::norm_rel_diff(got.p4, want.p4, want.p0);
+  // Later steps drift apart where the deferred embedding scatter runs: it adds the rows'
+  // gradients in another order than the classic step, so embedding masters differ in their
+  // last bits and some round to other bf16 values for the lookup (which reads the bf16
+  // copy); the rest of the model carries that on, and Muon's normalized updates in full. On
+  // 4 H200s: 2.7e-3 (AdamW) and 6.3e-2 (Muon) with the scatter deferred, 5e-9 without; a
+  // wrong update is O(1).
+  EXPECT_LT(d4, 1.5e-1) << tag << ": after 4 steps";
+  return {d1, d4};
+}
+
 TEST(DataParallel, GpuOverlappedStepMatchesClassicStep) {
   // NCCL's own reductions: its summation order is what the tolerances below were set on (ranks
   // sharing a GPU through KEEL_NCCL_OVER_MPI sum in MPI's order, which Muon's Newton-Schulz
@@ -108,23 +132,7 @@ TEST(DataParallel, GpuOverlappedStepMatchesClassicStep) {
       const std::string tag = name + "_" + o;
       const TrainRun got = train(dir, tag, opt, env);
       ASSERT_EQ(got.stats.size(), 4u) << tag;
-      EXPECT_TRUE(got.p0 == classic.p0) << tag << ": the same initialization";
-      const StepStats &a = got.stats[0], &b = classic.stats[0];
-      EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(b.loss)) << tag;
-      EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5 * b.grad_norm) << tag;
-      const double d1 = fixtures::norm_rel_diff(got.p1, classic.p1, classic.p0);
-      EXPECT_LT(d1, 1e-3) << tag << ": first update";
-      for (std::size_t i = 1; i < 4; ++i)
-        EXPECT_NEAR(got.stats[i].loss, classic.stats[i].loss, 1e-2 * std::fabs(classic.stats[i].loss))
-            << tag << " step " << i + 1;
-      const double d4 = fixtures::norm_rel_diff(got.p4, classic.p4, classic.p0);
-      // Later steps drift apart where the deferred embedding scatter runs: it adds the rows'
-      // gradients in another order than the classic step, so embedding masters differ in their
-      // last bits and some round to other bf16 values for the lookup (which reads the bf16
-      // copy); the rest of the model carries that on, and Muon's normalized updates in full. On
-      // 4 H200s: 2.7e-3 (AdamW) and 6.3e-2 (Muon) with the scatter deferred, 5e-9 without; a
-      // wrong update is O(1).
-      EXPECT_LT(d4, 1.5e-1) << tag << ": after 4 steps";
+      const auto [d1, d4] = expect_trains_alike(got, classic, 1e-5, tag);
       if (world_rank() == 0)
         std::printf("  %s on %d GPUs: step 1 update differs by %.2e of its size, after 4 steps %.2e; loss %.6f vs %.6f "
                     "(classic)\n",
@@ -150,16 +158,7 @@ TEST(DataParallel, GpuClassicStepWithExpertParallelMatchesOverlapped) {
     const TrainRun overlap = train(dir, "overlap_ep_" + o, opt, {}, {}, ep);
     ASSERT_EQ(classic.stats.size(), 4u);
     ASSERT_EQ(overlap.stats.size(), 4u);
-    EXPECT_TRUE(classic.p0 == overlap.p0) << o << ": the same initialization";
-    EXPECT_NEAR(classic.stats[0].loss, overlap.stats[0].loss, 1e-5 * std::fabs(overlap.stats[0].loss)) << o;
-    EXPECT_NEAR(classic.stats[0].grad_norm, overlap.stats[0].grad_norm, 1e-4 * overlap.stats[0].grad_norm) << o;
-    const double d1 = fixtures::norm_rel_diff(classic.p1, overlap.p1, overlap.p0);
-    EXPECT_LT(d1, 1e-3) << o << ": first update";
-    for (std::size_t i = 1; i < 4; ++i)
-      EXPECT_NEAR(classic.stats[i].loss, overlap.stats[i].loss, 1e-2 * std::fabs(overlap.stats[i].loss))
-          << o << " step " << i + 1;
-    const double d4 = fixtures::norm_rel_diff(classic.p4, overlap.p4, overlap.p0);
-    EXPECT_LT(d4, 1.5e-1) << o << ": after 4 steps";
+    const auto [d1, d4] = expect_trains_alike(classic, overlap, 1e-4, o);
     if (world_rank() == 0)
       std::printf("  classic step with ep %d, %s, %d GPUs: step 1 update differs by %.2e of its size, after 4 steps "
                   "%.2e; loss %.6f vs %.6f (overlapped)\n",
