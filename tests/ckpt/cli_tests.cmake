@@ -74,7 +74,7 @@ keel_cli_test(NAME ckpt_export_into_checkpoint EXIT 1
   MATCH "keel: error: ${ck}/root/step_00000020/metadata\\.json: lies inside the checkpoint ${ck}/root/step_00000020 being exported"
   ARGS ckpt export ${ck}/root ${ck}/root/step_00000020/metadata.json)
 keel_cli_test(NAME ckpt_export_exists EXIT 1
-  MATCH "keel: error: ${ck}/model\\.safetensors: exists; pass --force to replace it"
+  MATCH "keel: error: ${ck}/model\\.safetensors: exists. pass --force to replace it"
   ARGS ckpt export ${ck}/root ${ck}/model.safetensors)
 keel_cli_test(NAME ckpt_reshard_huge_mesh EXIT 1
   MATCH "keel: error: layout 'dp=65536,tp=65536': pp\\*dp\\*cp\\*tsp\\*tp = 4294967296 ranks, more than the 1048576 keel supports"
@@ -157,7 +157,7 @@ keel_cli_test(NAME ckpt_zaya_train_from_imported
        --set steps=1 --set data.seq_length=64 --set schedule.warmup_steps=0 --set batch.micro_batch=2
        --set checkpoint.final=false --set output_dir=ckpt_zaya/finetune --set init_from=ckpt_zaya/imported)
 keel_cli_test(NAME ckpt_zaya_generate_from_imported
-  MATCH "^model zaya1-tiny: .*; checkpoint ckpt_zaya/imported/step_00000002 \\(weights imported from ckpt_zaya/alt"
+  MATCH "^model zaya1-tiny: .*. checkpoint ckpt_zaya/imported/step_00000002 \\(weights imported from ckpt_zaya/alt"
   ARGS generate ckpt_zaya/imported --config ${zcfg} --prompt "Tom ran" --max-new-tokens 4 --ignore-eos)
 keel_cli_test(NAME ckpt_zaya_generate_imported_other_model EXIT 1
   MATCH "^keel: error: checkpoint ckpt_zaya/imported/step_00000002 holds model 'zaya1-tiny' \\(2 layers, hidden 256\\), not the model 'zaya1-tiny' given with it: vocab_size is 264 in the checkpoint, 1024 given$"
@@ -182,10 +182,10 @@ keel_cli_test(NAME ckpt_zaya_import_by_config_json MATCH
 set_tests_properties(cli_ckpt_zaya_import_by_config_json PROPERTIES FIXTURES_REQUIRED ckpt_zaya_exported
   FIXTURES_SETUP ckpt_zaya_from_json)
 keel_cli_test(NAME ckpt_zaya_generate_by_config_json
-  MATCH "^model hf: .*; checkpoint ckpt_zaya/from_json/step_00000002 \\(weights imported from ckpt_zaya/hf \\(zaya1 names\\)\\)$"
+  MATCH "^model hf: .*. checkpoint ckpt_zaya/from_json/step_00000002 \\(weights imported from ckpt_zaya/hf \\(zaya1 names\\)\\)$"
   ARGS generate ckpt_zaya/from_json --prompt "Tom ran" --max-new-tokens 4 --ignore-eos --device cpu)
 keel_cli_test(NAME ckpt_zaya_eval_by_config_json
-  MATCH "^model hf: checkpoint ckpt_zaya/from_json/step_00000002 \\(weights imported from ckpt_zaya/hf \\(zaya1 names\\)\\); device cpu"
+  MATCH "^model hf: checkpoint ckpt_zaya/from_json/step_00000002 \\(weights imported from ckpt_zaya/hf \\(zaya1 names\\)\\). device cpu"
   ARGS eval ckpt_zaya/from_json --data train_stories_heldout --max-batches 1 --device cpu)
 keel_cli_test(NAME ckpt_zaya_train_by_config_json
   MATCH "^initialized from checkpoint ckpt_zaya/from_json/step_00000002 \\(weights imported from ckpt_zaya/hf \\(zaya1 names\\)\\)$"
@@ -230,7 +230,7 @@ keel_cli_test(NAME ckpt_zaya_unknown_dtype EXIT 1 MATCH "keel: error: unknown --
 # `config`, the train YAML text, as demo sizes: "[json.exception.type_error.304] cannot use at()
 # with string". It names the checkpoint and what it is instead.
 keel_cli_test(NAME ckpt_demo_load_train_checkpoint EXIT 1
-  MATCH "^keel: error: train_stop/step_[0-9]+: a keel train checkpoint \\(keel\\.train/[0-9]+\\), not a demo one: demo-load checks what keel ckpt demo-save wrote; use keel ckpt inspect or keel ckpt verify for this one$"
+  MATCH "^keel: error: train_stop/step_[0-9]+: a keel train checkpoint \\(keel\\.train/[0-9]+\\), not a demo one: demo-load checks what keel ckpt demo-save wrote. use keel ckpt inspect or keel ckpt verify for this one$"
   NOT "json\\.exception"
   ARGS ckpt demo-load train_stop)
 set_tests_properties(cli_ckpt_demo_load_train_checkpoint PROPERTIES FIXTURES_REQUIRED "train_stories;train_stop")

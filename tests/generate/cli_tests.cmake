@@ -13,13 +13,13 @@ set_tests_properties(cli_generate_train PROPERTIES FIXTURES_REQUIRED "train_stor
 
 # (expect.sh greps line by line: one line's regex per test.)
 set(gen_args generate gen_train --prompt "Once upon a time" --max-new-tokens 12 --batch 1,4 --ignore-eos)
-keel_cli_test(NAME generate_from_checkpoint MATCH "^model moe-tiny: 4 layers \\(gqa\\), .*; checkpoint gen_train/step_00000004 \\(step 4\\)$"
+keel_cli_test(NAME generate_from_checkpoint MATCH "^model moe-tiny: 4 layers \\(gqa\\), .*. checkpoint gen_train/step_00000004 \\(step 4\\)$"
   ARGS ${gen_args})
 keel_cli_test(NAME generate_text MATCH "^--- sequence 0 of batch 1: prompt \\+ 12 generated tokens ---$" ARGS ${gen_args})
 # The latency row at batch 4: prompt 16 tokens, 11 decode steps after the prefill's token.
 keel_cli_test(NAME generate_latency_table MATCH "^ +4 +16 +11 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$"
   ARGS ${gen_args})
-keel_cli_test(NAME generate_sampling MATCH "^tokenizer byte; prompt 7 tokens; up to 8 new tokens, temperature 0.8, top-k 20, seed 7$"
+keel_cli_test(NAME generate_sampling MATCH "^tokenizer byte. prompt 7 tokens. up to 8 new tokens, temperature 0.8, top-k 20, seed 7$"
   ARGS generate gen_train --prompt "The dog" --max-new-tokens 8 -t 0.8 --top-k 20 --seed 7)
 keel_cli_test(NAME generate_checkpoint_other_model EXIT 1
   MATCH "^keel: error: checkpoint gen_train/step_00000004 holds model 'moe-tiny' \\(4 layers, hidden [0-9]+\\), not the model 'zaya1-tiny' given with it: [a-z_]+ is .* in the checkpoint, .* given$"
@@ -47,7 +47,7 @@ keel_cli_test(NAME generate_zaya1_from_checkpoint MATCH "^ +2 +7 +7 +[0-9.]+ +[0
 set_tests_properties(cli_generate_zaya1_from_checkpoint PROPERTIES FIXTURES_REQUIRED generate_zaya_ckpt)
 
 keel_cli_test(NAME generate_zaya1_fresh
-  MATCH "model zaya1-tiny: 2 layers \\(cca\\), 2 MoE layers of 4 experts top-1 \\(MLP router, skip class\\); fresh init"
+  MATCH "model zaya1-tiny: 2 layers \\(cca\\), 2 MoE layers of 4 experts top-1 \\(MLP router, skip class\\). fresh init"
   ARGS generate --model ${PROJECT_SOURCE_DIR}/configs/zaya1-tiny.yaml --prompt "hello" --max-new-tokens 6 --batch 1,2 --ignore-eos)
 
 # Bad input.

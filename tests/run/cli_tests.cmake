@@ -12,7 +12,7 @@ keel_cli_test(NAME run_bad_straggler_factor EXIT 1 MATCH "--straggler-factor 1: 
 keel_cli_test(NAME run_bad_launcher EXIT 1 MATCH "^keel: error: --launcher slurm: must be mpirun or srun$"
   ARGS run ${rcfg} --launcher slurm)
 keel_cli_test(NAME run_srun_takes_no_hosts EXIT 1
-  MATCH "^keel: error: --hosts hosts.txt: srun runs on the Slurm allocation's nodes; --hosts is mpirun's$"
+  MATCH "^keel: error: --hosts hosts.txt: srun runs on the Slurm allocation's nodes. --hosts is mpirun's$"
   ARGS run ${rcfg} --launcher srun --hosts hosts.txt)
 keel_cli_test(NAME run_bad_hosts_file EXIT 1 MATCH "^keel: error: run: --hosts no_such_hosts.txt: cannot read the host file$"
   ARGS run ${rcfg} --set device=cpu --hosts no_such_hosts.txt)
@@ -54,7 +54,7 @@ keel_cli_test(NAME run_train_loss_spike_tp NP 2 EXIT nonzero MATCH "step 8: loss
   ARGS train ${rcfg} ${rshort} ${rspike} --set parallel.tensor=2 --set output_dir=run_cli/spike_tp --timeout 60
        --inject spike@8:r1)
 keel_cli_test(NAME run_train_disk_full EXIT 1
-  MATCH "^keel: error: checkpoint\\.dir run_cli/diskfull: save of step 4 failed on 1 rank\\(s\\), nothing committed, the previous checkpoint stays: rank 0: cannot write run_cli/diskfull/step_00000004/data_r00000_b0\\.bin: No space left on device; `latest` is step_00000002$"
+  MATCH "^keel: error: checkpoint\\.dir run_cli/diskfull: save of step 4 failed on 1 rank\\(s\\), nothing committed, the previous checkpoint stays: rank 0: cannot write run_cli/diskfull/step_00000004/data_r00000_b0\\.bin: No space left on device. `latest` is step_00000002$"
   ARGS train ${rcfg} ${rshort} --set checkpoint.interval=2 --set output_dir=run_cli/diskfull --inject diskfull@4)
 # A GPU straggler on a GPU machine (skipped elsewhere): rank 1's device canary made 8 times
 # slower from step 2 (slowgpu: its GEMM runs 8 times) is named, with its kind, while the step

@@ -29,7 +29,7 @@ keel_cli_test(NAME size_layout_zero0_line MATCH "^#   layout dp=4,tp=2 on 8 GPUs
 keel_cli_test(NAME size_layout_sequence_parallel MATCH "^#   layout dp=4,tp=2,zero=1 on 8 GPUs, .*, AdamW, sequence parallel$"
   ARGS size ${cfg}/llama3-8b.yaml --hardware h100 --layout tp=2 --gpus 8)
 keel_cli_test(NAME size_layout_no_sequence_parallel
-  MATCH "^## Memory per GPU \\(dp=4,tp=2,zero=1, no sequence parallelism;"
+  MATCH "^## Memory per GPU \\(dp=4,tp=2,zero=1, no sequence parallelism."
   ARGS size ${cfg}/llama3-8b.yaml --hardware h100 --layout tp=2 --gpus 8 --no-sequence-parallel)
 keel_cli_test(NAME size_mixtral MATCH "with embeddings +46\\.70B +12\\.88B"
   ARGS size ${cfg}/mixtral-8x7b.yaml --hardware h100 --layout tp=2,ep=8,pp=4 --gpus 64 --recompute full)

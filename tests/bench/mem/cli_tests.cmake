@@ -35,7 +35,7 @@ if(KEEL_HAVE_CUDA)
 endif()
 # A group that leaves nothing to run on this backend is an error, not an empty run that exits 0.
 keel_cli_test(NAME mem_peer_on_cpu EXIT 1
-  MATCH "keel: error: --op peer_write, peer_read, peer_bidir_write, peer_bidir_read needs a GPU: --backend cuda; nothing to run on the cpu backend"
+  MATCH "keel: error: --op peer_write, peer_read, peer_bidir_write, peer_bidir_read needs a GPU: --backend cuda. nothing to run on the cpu backend"
   ARGS bench mem --backend cpu --op peer -b 64K -e 64K)
 keel_cli_test(NAME mem_transfers_on_cpu EXIT 1 MATCH "keel: error: --op h2d_pinned, .* nothing to run on the cpu backend"
   ARGS bench mem --backend cpu --op transfers -b 64K -e 64K)
