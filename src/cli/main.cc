@@ -11,6 +11,7 @@
 
 #include "bench/comm/command.h"
 #include "bench/gemm/command.h"
+#include "bench/kernels/command.h"
 #include "bench/linattn/command.h"
 #include "bench/mem/command.h"
 #include "ckpt/command.h"
@@ -99,6 +100,7 @@ int main(int argc, char** argv) {
   keel::bench::add_comm_command(*bench);
   keel::bench::add_mem_command(*bench);
   keel::bench::add_gemm_command(*bench);
+  keel::bench::add_kernels_command(*bench);
   keel::bench::add_linattn_command(*bench);
   keel::size::add_command(app);
   keel::ckpt::add_command(app);

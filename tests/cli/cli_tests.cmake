@@ -17,7 +17,7 @@ keel_cli_test(NAME unknown_subcommand_suggests EXIT 1
   MATCH "^keel: error: unknown command 'inspct' for keel data: did you mean 'inspect'\\? "
   ARGS data inspct some/prefix)
 keel_cli_test(NAME missing_subcommand EXIT 1
-  MATCH "^keel: error: keel bench: missing command \\(one of: comm, mem, gemm, linattn. see keel bench --help\\)$"
+  MATCH "^keel: error: keel bench: missing command \\(one of: comm, mem, gemm, kernels, linattn. see keel bench --help\\)$"
   ARGS bench)
 keel_cli_test(NAME train_dev_zero EXIT 1
   MATCH "^keel: error: cannot read /dev/zero: it is a character device, not a config file$"

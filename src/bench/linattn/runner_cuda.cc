@@ -3,10 +3,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
+#include <string>
 #include <vector>
 
 #include "bench/linattn/command.h"
+#include "bench/timing_cuda.h"
 #include "common/error.h"
 #include "device/cuda_check.h"
 #include "device/cuda_devices.h"
@@ -18,53 +19,6 @@ namespace keel::bench {
 namespace la = ops::cuda::linear_attention;
 using ops::cuda::bf16;
 
-namespace {
-
-struct Dev {
-  void* p = nullptr;
-  explicit Dev(std::size_t bytes) {
-    if (cudaMalloc(&p, std::max<std::size_t>(bytes, 256)) != cudaSuccess)
-      throw UsageError(fmt::format("bench linattn: out of GPU memory ({} bytes)", bytes));
-  }
-  ~Dev() { cudaFree(p); }
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
-
-void fill(bf16* d, std::int64_t n, float scale, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> g(0.f, scale);
-  std::vector<bf16> h(static_cast<std::size_t>(n));
-  for (auto& x : h) x = __float2bfloat16(g(rng));
-  KEEL_CUDA_CHECK(cudaMemcpy(d, h.data(), sizeof(bf16) * h.size(), cudaMemcpyHostToDevice));
-}
-
-template <class Fn>
-double median_ms(int warmup, int iters, cudaStream_t s, Fn&& fn) {
-  cudaEvent_t a, b;
-  KEEL_CUDA_CHECK(cudaEventCreate(&a));
-  KEEL_CUDA_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    KEEL_CUDA_CHECK(cudaEventRecord(a, s));
-    fn();
-    KEEL_CUDA_CHECK(cudaEventRecord(b, s));
-    KEEL_CUDA_CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    KEEL_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-}  // namespace
-
 std::vector<LinattnRow> run_linattn_cuda(const LinattnOptions& o) {
   if (visible_cuda_devices() == 0) throw UsageError("bench linattn: no CUDA device is visible");
   la::Config c;
@@ -75,23 +29,26 @@ std::vector<LinattnRow> run_linattn_cuda(const LinattnOptions& o) {
   std::vector<LinattnRow> rows;
   for (const std::int64_t T : o.seqs) {
     const std::int64_t N = o.batch * T, Q = std::int64_t(o.heads) * o.head_dim, KV = std::int64_t(o.kv_heads) * o.head_dim;
-    Dev q(sizeof(bf16) * N * Q), k(sizeof(bf16) * N * KV), v(sizeof(bf16) * N * KV), out(sizeof(bf16) * N * Q),
-        dout(sizeof(bf16) * N * Q), dq(sizeof(bf16) * N * Q), dk(sizeof(bf16) * N * KV), dv(sizeof(bf16) * N * KV),
-        ws(la::workspace_bytes(c, o.batch, T));
+    const std::string w = "bench linattn";
+    DeviceBuffer q(sizeof(bf16) * N * Q, w), k(sizeof(bf16) * N * KV, w), v(sizeof(bf16) * N * KV, w),
+        out(sizeof(bf16) * N * Q, w), dout(sizeof(bf16) * N * Q, w), dq(sizeof(bf16) * N * Q, w),
+        dk(sizeof(bf16) * N * KV, w), dv(sizeof(bf16) * N * KV, w), ws(la::workspace_bytes(c, o.batch, T), w);
     // q, k scaled so q.k is O(1) per pair (the layer normalizes the outputs anyway)
     const float qk = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
-    fill(q.as<bf16>(), N * Q, qk, 1);
-    fill(k.as<bf16>(), N * KV, qk, 2);
-    fill(v.as<bf16>(), N * KV, 1.f, 3);
-    fill(dout.as<bf16>(), N * Q, 1.f, 4);
+    fill_normal_bf16(q.as<bf16>(), N * Q, qk, 1);
+    fill_normal_bf16(k.as<bf16>(), N * KV, qk, 2);
+    fill_normal_bf16(v.as<bf16>(), N * KV, 1.f, 3);
+    fill_normal_bf16(dout.as<bf16>(), N * Q, 1.f, 4);
     LinattnRow r;
     r.seq = T;
-    auto fwd = [&] { la::forward(c, o.batch, T, q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), nullptr, out.as<bf16>(), ws.p, s); };
+    auto fwd = [&] {
+      la::forward(c, o.batch, T, q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), nullptr, out.as<bf16>(), ws.get(), s);
+    };
     r.fwd_ms = median_ms(o.warmup, o.iters, s, fwd);
     r.fwd_bwd_ms = median_ms(o.warmup, o.iters, s, [&] {
       fwd();
       la::backward(c, o.batch, T, q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), nullptr, dout.as<bf16>(), nullptr,
-                   dq.as<bf16>(), dk.as<bf16>(), dv.as<bf16>(), nullptr, ws.p, s);
+                   dq.as<bf16>(), dk.as<bf16>(), dv.as<bf16>(), nullptr, ws.get(), s);
     });
     // docs/size.md: heads x (4 d^2 + 2 d chunk) per token forward; backward twice that
     const double d = o.head_dim;
