@@ -39,6 +39,7 @@
 #include "parallel/zero1_buckets.h"
 #include "train/model.h"
 #include "train/param_rules.h"
+#include "train/step_profile.h"
 
 namespace keel::train {
 
@@ -170,6 +171,12 @@ class TrainBackend {
     for (const auto& it : memory_breakdown()) sum += it.bytes;
     return sum;
   }
+
+  // kernels.profile: from now on time each step phase by phase, the first `warmup` steps not
+  // counted (train/step_profile.h); report() closes the open step. GPU backends only: the CPU's
+  // throws keel::UsageError.
+  virtual void enable_profile(int warmup);
+  virtual ProfileReport profile_report() { return {}; }
 
   virtual void zero_grads() = 0;
   // The trainer announces, after zero_grads(), how many backward() calls this step makes on

@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "common/faults.h"
+#include "common/fileio.h"
 #include "common/hash.h"
 #include "common/mpi_session.h"
 #include "common/process.h"
@@ -21,6 +22,7 @@
 #include "device/rank_gpu.h"
 #include "parallel/plan.h"
 #include "train/backend.h"
+#include "train/step_profile.h"
 #include "train/trainer.h"
 
 namespace keel::train {
@@ -269,11 +271,16 @@ void add_command(CLI::App& app) {
       return;
     }
     if (mpi.rank() != 0) return;  // rank 0 speaks for the group
-    if (!stats.empty())
+    if (!stats.empty()) {
       std::printf("done: steps %lld -> %lld in %.1f s, loss %.4f -> %.4f (start-up %.1f s before the first step)\n",
                   static_cast<long long>(start), static_cast<long long>(t.step()), sec, stats.front().loss,
                   stats.back().loss, startup_sec);
-    else
+      if (cfg.kernels.profile) {
+        const ProfileReport report = t.backend().profile_report();
+        std::printf("%s", format_profile(report).c_str());
+        write_file_atomically((std::filesystem::path(cfg.output_dir) / "profile.json").string(), profile_json(report));
+      }
+    } else
       std::printf("done: nothing to do (step %lld of %lld)\n", static_cast<long long>(t.step()),
                   static_cast<long long>(cfg.steps));
   });

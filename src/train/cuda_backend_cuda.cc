@@ -311,7 +311,14 @@ class CudaBackend final : public TrainBackend {
     return last;
   }
 
+  void enable_profile(int warmup) override {
+    step_prof_ = std::make_unique<CudaStepProfile>(warmup);
+    model_->set_profile(step_prof_.get());
+  }
+  ProfileReport profile_report() override { return step_prof_ ? step_prof_->report(stream_) : ProfileReport{}; }
+
   void zero_grads() override {
+    if (step_prof_) step_prof_->step("batch + zero grads", stream_);
     grads_fresh_ = true;  // grad_overwrite_ is left for the step's first backward to write
     if (schedule_) {
       schedule_->new_step();
@@ -345,6 +352,7 @@ class CudaBackend final : public TrainBackend {
   }
 
   StepResult clip_and_step(double max_norm, double lr) override {
+    model_->mark("grad norm + optimizer");
     flush_zero_grads();
     settle_fresh_grads();
     optimizer_->set_lr(lr);
@@ -367,6 +375,7 @@ class CudaBackend final : public TrainBackend {
   std::pair<std::int64_t, std::int64_t> optimizer_shard() const override { return {slice_.shard_begin, slice_.shard_end}; }
   StateSlice state_slice() const override { return slice_; }
   void update_router_bias() override {
+    model_->mark("router bias + host until next step");
     if (opt_.bias_update_rate != 0.0) {
       update_balancing_bias(load_, balance_config(opt_), bias_, balance_);
       upload_bias();
@@ -703,6 +712,7 @@ class CudaBackend final : public TrainBackend {
   std::unique_ptr<CudaOptimizer> optimizer_;
   std::unique_ptr<parallel::CudaTensorParallelMuon> tp_muon_;  // tensor parallelism with Muon
   std::unique_ptr<Zero1Profile> prof_;                         // parallel.zero1.profile
+  std::unique_ptr<CudaStepProfile> step_prof_;                 // kernels.profile
   std::unique_ptr<ProfileHooks> profile_hooks_;                // its marks in the classic step
   std::unique_ptr<parallel::Zero1OverlapSchedule> schedule_;   // the overlapped ZeRO-1 step
   std::unique_ptr<parallel::DataParallelComm> dp_;             // the classic ZeRO-1 step

@@ -276,6 +276,7 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
   KEEL_CUDA_CHECK(cudaMemcpyAsync(h.targets, targets_host, N * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
   hooks.forward_begin();
   hooks.before_stage(0);  // overlapped ZeRO-1: the parameters of each stage as they arrive
+  mark("embedding fwd");
   embedding_forward();
   for (int l = 0; l < cfg_.layers; ++l) {
     if (scaled_)
@@ -284,6 +285,7 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
       layer_forward(l, acts_for(l), st.resid[l], st.resid[l + 1], /*count_load=*/true, hooks);
   }
   hooks.before_stage(model::stage_count(cfg_.layers) - 1);
+  mark("final norm + lm head + ce fwd");
   const float* final_in = st.resid[cfg_.layers];
   if (scaled_) {
     const bc::ResScale& F = w_.final_scale;
@@ -334,6 +336,18 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
   lp.total = lp.ce + aux_loss_weight(cfg_, opt_) * lp.aux + opt_.z_loss_weight * lp.z;
   have_forward_ = true;
   return lp;
+}
+
+const char* CudaModel::attention_phase(bool backward) const {
+  if (backward) return "attention block bwd";
+  return recomputing_ ? "attention block fwd (recompute)" : "attention block fwd";
+}
+
+const char* CudaModel::mlp_phase(int l, bool backward) const {
+  const bool moe = moe_index_of_layer_[static_cast<std::size_t>(l)] >= 0;
+  if (backward) return moe ? "moe block bwd" : "mlp block bwd";
+  if (recomputing_) return moe ? "moe block fwd (recompute)" : "mlp block fwd (recompute)";
+  return moe ? "moe block fwd" : "mlp block fwd";
 }
 
 // ---- the embedding and the LM head: whole at tensor degree 1, else vocabulary-parallel ----
@@ -469,10 +483,12 @@ void CudaModel::layer_forward(int l, LayerActs& a, const float* x_in, float* x_o
   const std::int64_t N = rows_, D = cfg_.hidden;  // this rank's rows of the residual stream
   const float eps = static_cast<float>(cfg_.norm_eps);
   hooks.before_stage(1 + 2 * l);
+  mark(attention_phase(false));
   k::rmsnorm::forward(x_in, W.attn_norm, eps, a.h1, a.rstd1, N, D, stream_);
   KEEL_CUDA_CHECK(cudaMemcpyAsync(a.x_mid, x_in, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   attention_forward(l, a, a.x_mid, a.attn_out);
   hooks.before_stage(2 + 2 * l);
+  mark(mlp_phase(l, false));
   k::rmsnorm::forward(a.x_mid, W.mlp_norm, eps, a.h2, a.rstd2, N, D, stream_);
   mlp_forward(l, a, a.x_mid, x_out, count_load);
 }
@@ -489,6 +505,7 @@ void CudaModel::scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h
   const bc::ResScale &A = W.attn_scale, &M = W.mlp_scale;
   Stream& st = *st_;
   hooks.before_stage(1 + 2 * l);
+  mark(attention_phase(false));
   if (l == 0)
     k::residual_scale::forward(st.resid[0], A.h_bias, A.h_scale, a.x_mid, N, D, stream_);
   else
@@ -497,6 +514,7 @@ void CudaModel::scaled_layer_forward(int l, LayerActs& a, float* r_out, float* h
   k::rmsnorm::forward(a.x_mid, W.attn_norm, eps, a.h1, a.rstd1, N, D, stream_);
   attention_forward(l, a, nullptr, a.attn_out);
   hooks.before_stage(2 + 2 * l);
+  mark(mlp_phase(l, false));
   k::residual_scale::merge_forward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, r_out, N, D, stream_);
   k::rmsnorm::forward(r_out, W.mlp_norm, eps, a.h2, a.rstd2, N, D, stream_);
   mlp_forward(l, a, nullptr, h_out, count_load);
@@ -508,6 +526,7 @@ void CudaModel::backward(float loss_scale, bool grads_fresh, parallel::StageHook
   const std::int64_t N = tokens_, D = cfg_.hidden, L = rows_;
   Stream& st = *st_;
   Head& h = *head_;
+  mark("lm head + ce + final norm bwd");
   head_backward(static_cast<float>(loss_scale * ce_share_), grads_fresh);  // st.dh_bf = dL/d final_h
   KEEL_CUDA_CHECK(cudaMemsetAsync(st.dres, 0, L * D * sizeof(float), stream_));
   k::rmsnorm::backward(scaled_ ? st.final_r : st.resid[cfg_.layers], w_.final_norm, h.final_rstd, st.dh_bf, st.dres,
@@ -527,15 +546,20 @@ void CudaModel::backward(float loss_scale, bool grads_fresh, parallel::StageHook
       // Recompute: the residual output goes to the spare (resid[l + 1] already holds it and the
       // MLP-norm backward reads it there); the mixer output to hres[l + 1], which only layer
       // l + 1's backward read, and that has run.
+      recomputing_ = true;
       if (full)
         scaled_layer_forward(l, a, st.spare, st.hres[static_cast<std::size_t>(l) + 1], /*count_load=*/false, hooks);
+      recomputing_ = false;
       scaled_layer_backward(l, a, grads_fresh, hooks);
     } else {
+      recomputing_ = true;
       if (full) layer_forward(l, a, st.resid[static_cast<std::size_t>(l)], st.spare, /*count_load=*/false, hooks);
+      recomputing_ = false;
       layer_backward(l, a, st.resid[static_cast<std::size_t>(l)], grads_fresh, hooks);
     }
   }
   hooks.layers_done();
+  mark("embedding bwd");
   if (!hooks.take_embedding_grads(h.tokens, st.dres, N)) {
     embedding_backward();
     hooks.grads_final(0);
@@ -619,11 +643,13 @@ void CudaModel::layer_backward(int l, LayerActs& a, const float* x_in, bool grad
   const std::int64_t N = rows_, D = cfg_.hidden;  // this rank's rows of the residual stream
   Stream& st = *st_;
   // MLP block: out = x_mid + mlp(n2(x_mid)); st.dh collects dL/dh2.
+  mark(mlp_phase(l, true));
   mlp_backward(l, a, st.dres, grads_fresh);
   k::f32_to_bf16(st.dh, st.dh_bf, N * D, stream_);
   k::rmsnorm::backward(a.x_mid, W.mlp_norm, a.rstd2, st.dh_bf, st.dres, G.mlp_norm, N, D, stream_);
   hooks.grads_final(2 + 2 * l);
   // Attention block: x_mid = x_in + attn(n1(x_in)); dres is now dL/dx_mid.
+  mark(attention_phase(true));
   k::f32_to_bf16(st.dres, st.dres_bf, N * D, stream_);
   attention_backward(l, a);
   k::rmsnorm::backward(x_in, W.attn_norm, a.rstd1, st.dh_bf, st.dres, G.attn_norm, N, D, stream_);
@@ -639,6 +665,7 @@ void CudaModel::scaled_layer_backward(int l, LayerActs& a, bool grads_fresh, par
   const bc::ResScale &A = W.attn_scale, &M = W.mlp_scale;
   const bc::ResScaleGrads &dA = G.attn_scale, &dM = G.mlp_scale;
   Stream& st = *st_;
+  mark(mlp_phase(l, true));
   mlp_backward(l, a, st.dhres, grads_fresh);
   k::f32_to_bf16(st.dh, st.dh_bf, N * D, stream_);
   k::rmsnorm::backward(st.resid[static_cast<std::size_t>(l) + 1], W.mlp_norm, a.rstd2, st.dh_bf, st.dres, G.mlp_norm, N,
@@ -647,6 +674,7 @@ void CudaModel::scaled_layer_backward(int l, LayerActs& a, bool grads_fresh, par
   k::residual_scale::merge_backward(a.x_mid, a.attn_out, M.r_bias, M.r_scale, M.h_bias, M.h_scale, st.dres, st.dres,
                                     st.dres_bf, dM.r_bias, dM.r_scale, dM.h_bias, dM.h_scale, N, D, stream_);
   hooks.grads_final(2 + 2 * l);
+  mark(attention_phase(true));
   attention_backward(l, a);
   k::rmsnorm::backward(a.x_mid, W.attn_norm, a.rstd1, st.dh_bf, st.dres, G.attn_norm, N, D, stream_);
   if (l == 0)

@@ -33,6 +33,7 @@
 #include "parallel/tensor_parallel_cuda.h"
 #include "parallel/tsp_cuda.h"
 #include "train/model.h"
+#include "train/step_profile_cuda.h"
 
 namespace keel::train {
 
@@ -82,6 +83,12 @@ class CudaModel {
   // blocks a step's first backward writes (grads_fresh: the expert stacks and the LM head).
   void backward(float loss_scale, bool grads_fresh, parallel::StageHooks& hooks);
 
+  // kernels.profile: the phases of forward and backward are marked on `p` (null: none).
+  void set_profile(CudaStepProfile* p) { prof_ = p; }
+  void mark(const char* phase) const {
+    if (prof_) prof_->mark(phase, stream_);
+  }
+
   std::int64_t tokens() const { return tokens_; }  // the rows a block reads (this rank's tokens)
   std::int64_t rows() const { return rows_; }  // the residual stream's rows here (tokens / T under sequence parallelism)
   int moe_layer_count() const { return static_cast<int>(moe_layer_ids_.size()); }
@@ -96,6 +103,9 @@ class CudaModel {
   struct Stream;
   struct Head;
   LayerActs& acts_for(int l);
+  // kernels.profile's phase names (string literals) of layer l's two blocks
+  const char* attention_phase(bool backward) const;
+  const char* mlp_phase(int l, bool backward) const;
   blocks::cuda::AttnContext attn_context(int l) const;
   blocks::cuda::EdaIo eda(int m) const;
   ops::cuda::cross_entropy::Options ce_options() const;
@@ -153,6 +163,8 @@ class CudaModel {
   std::size_t saved_bytes_ = 0, ce_bytes_ = 0;
   bool have_forward_ = false;
   float cur_scale_ = 1.0f;
+  CudaStepProfile* prof_ = nullptr;
+  bool recomputing_ = false;  // full recompute's forward inside backward (its own phases)
 };
 
 }  // namespace keel::train

@@ -428,7 +428,8 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
       ctx.bad("parallel.sequence", p["sequence"], "needs parallel.tensor above 1 (it splits the tokens over the tensor group)");
   }
   if (const auto k = root["kernels"]) {
-    ctx.only(k, "kernels", {"moe_lanes", "cpu_threads"});
+    ctx.only(k, "kernels", {"moe_lanes", "cpu_threads", "profile"});
+    if (k["profile"]) c.kernels.profile = ctx.get<bool>(k["profile"], "kernels.profile", "true or false");
     if (k["moe_lanes"]) c.kernels.moe_lanes = ctx.get<int>(k["moe_lanes"], "kernels.moe_lanes", "an integer");
     if (c.kernels.moe_lanes < 1 || c.kernels.moe_lanes > 8) ctx.bad("kernels.moe_lanes", k["moe_lanes"], "must be 1 to 8");
     if (k["cpu_threads"]) c.kernels.cpu_threads = ctx.get<int>(k["cpu_threads"], "kernels.cpu_threads", "an integer");

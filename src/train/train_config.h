@@ -18,12 +18,13 @@
 
 namespace keel::train {
 
-// `kernels:` of the train config: how the ops use the machine. Neither changes a result (the MoE
-// lanes run experts that write disjoint rows; the CPU ops split work statically), only speed
-// and memory.
+// `kernels:` of the train config: how the ops use the machine. None changes a result (the MoE
+// lanes run experts that write disjoint rows; the CPU ops split work statically; the profile
+// only records events), only speed and memory.
 struct KernelOptions {
   int moe_lanes = 4;    // `kernels.moe_lanes`: side streams the CUDA experts run on (1: one after another)
   int cpu_threads = 0;  // `kernels.cpu_threads`: threads of the CPU reference ops (0: every core)
+  bool profile = false;  // `kernels.profile`: time the GPU step phase by phase (train/step_profile.h)
 };
 
 struct TrainConfig {

@@ -99,6 +99,7 @@ Trainer::Trainer(TrainConfig config, const parallel::Mesh& mesh, bool quiet)
   apply_kernel_options(cfg_.kernels);
   backend_ = cuda ? make_cuda_backend(cfg_.model, cfg_.model_options, optimizer, mesh_, cfg_.data_parallel)
                   : make_cpu_backend(cfg_.model, cfg_.model_options, optimizer, mesh_, cfg_.data_parallel);
+  if (cfg_.kernels.profile) backend_->enable_profile(kProfileWarmupSteps);
   // CPUs: about 2 cores of fp32 FMA, the CI machine's; set mfu_peak_flops for a real figure.
   if (!(cfg_.peak_flops > 0)) cfg_.peak_flops = cuda ? device_peak_bf16_flops(backend_->device()) : 1e11;
   // After the backend, whose sizes it checks in a moment: the scan reads eval.batches x

@@ -395,3 +395,15 @@ add_test(NAME train_routing_health
          COMMAND python3 ${CMAKE_CURRENT_SOURCE_DIR}/train/check_routing.py $<TARGET_FILE:keel> train_stories train_routing
          WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(train_routing_health PROPERTIES FIXTURES_REQUIRED train_stories ENVIRONMENT "CUDA_VISIBLE_DEVICES=" TIMEOUT 600)
+
+# kernels.profile: the step's phases on the GPU (the table after the closing line), a clear
+# refusal on the CPU.
+keel_cli_test(NAME train_profile_cpu EXIT 1
+  MATCH "^keel: error: kernels.profile: times the GPU step phase by phase \\(CUDA events\\). this run is on cpu$"
+  ARGS train ${tcfg} ${tshort} --set steps=4 --set device=cpu --set output_dir=train_profile_cpu --set kernels.profile=true)
+set_tests_properties(cli_train_profile_cpu PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+keel_cli_test(NAME train_profile_gpu GPUS 1+
+  MATCH "step profile \\(kernels.profile: CUDA events on the compute stream. mean over 4 steps after 2 warm-up\\)"
+  ARGS train ${tcfg} ${tshort} --set steps=6 --set device=cuda --set output_dir=train_profile_gpu --set kernels.profile=true
+       --set checkpoint.final=false)
+set_tests_properties(cli_train_profile_gpu PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
