@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp lasp tsp compose linattn decode ckpt ab
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp lasp tsp compose linattn kernels decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -274,6 +274,16 @@ for step in "${steps[@]}"; do
         grep -A10 '^== keel linear attention vs' "$out/linattn_vs_fla.log" >>"$summary"
       else
         note "linattn: FAILED or timed out before the table (see linattn_vs_fla.log)"
+      fi ;;
+    kernels)
+      # keel's step kernels (attention, the experts' GEMMs, LM head + cross-entropy) beside PyTorch's on the
+      # same shapes (bench/kernels_vs_torch.py; KEEL_KERNELS_ARGS to the script).
+      timeout "${KEEL_KERNELS_TIMEOUT:-600}" python3 bench/kernels_vs_torch.py --keel "$build/keel" \
+          --json "$out/kernels.json" ${KEEL_KERNELS_ARGS:-} 2>&1 | tee "$out/kernels_vs_torch.log" | grep -v "Warning\|return F" | tail -30
+      if grep -q '^== keel kernels vs' "$out/kernels_vs_torch.log"; then
+        sed -n '/^== keel kernels vs/,$p' "$out/kernels_vs_torch.log" | grep -E '^==|^--|keel  |cudnn|grouped_mm eager|compiled  ' >>"$summary"
+      else
+        note "kernels: FAILED or timed out before the table (see kernels_vs_torch.log)"
       fi ;;
     train)
       # keel train vs a PyTorch implementation of the same MoE and step (eager and torch.compile).
