@@ -20,10 +20,12 @@ the CCA layers the k/v all-gather; MFU counts the linear layers' core as keel do
 --longest: the longest sequence (of --lengths) that trains on 1 GPU and on 2 (CP=2), with and
 without full recomputation, and its peak memory (keel's device arenas, rank 0).
 
---lasp: LASP-2 against LASP-1 (issue 31): every layer linear attention (RetNet decay), CP=2 at
-each of --lengths, the memory states all-gathered once per layer (LASP-2, context_mode
-allgather) and passed rank to rank (LASP-1, context_mode ring: 2C - 1 sequential hops); the
-ratio of their tokens/s per length (target: LASP-2 at least 1.15x at the longest).
+--lasp: LASP-2 against LASP-1 and the all-to-all (issue 31): every layer linear attention (RetNet
+decay), CP=2 at each of --lengths, the memory states all-gathered once per layer (LASP-2,
+context_mode allgather), passed rank to rank (LASP-1, context_mode ring: 2C - 1 sequential hops)
+and the heads exchanged instead (DeepSpeed-Ulysses' schedule, context_mode alltoall: whole
+sequences of half the heads per rank); the ratios of their tokens/s per length (target: LASP-2 at
+least 1.15x LASP-1 at the longest).
 
 Reported with every row: the routing (bench/routing_health.py: the busiest class over its fair
 share, worst layer after warm-up, and the skip share). Writes OUT/train_cp.json, prints the
@@ -120,7 +122,7 @@ def main():
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra keel --set, both configs")
     ap.add_argument("--hybrid", action="store_true", help="LASP-2H: 3 of every 4 layers linear attention")
     ap.add_argument("--lasp", action="store_true",
-                    help="LASP-2 against LASP-1 (ring) at CP=2 over --lengths, every layer linear attention")
+                    help="LASP-2 against LASP-1 (ring) and the all-to-all at CP=2 over --lengths, every layer linear attention")
     a = ap.parse_args()
     if a.hybrid and a.lasp:
         sys.exit("--hybrid and --lasp: choose one (LASP-1's ring on GPUs needs every layer linear)")
@@ -175,11 +177,11 @@ def main():
 def lasp(a, prefix, lengths, results):
     """--lasp: CP=2, LASP-2 and LASP-1 at each length; the table and their ratio last."""
     for L in lengths:
-        for mode, label in (("allgather", "LASP-2"), ("ring", "LASP-1")):
+        for mode, label in (("allgather", "LASP-2"), ("ring", "LASP-1"), ("alltoall", "all-to-all")):
             results[f"CP=2 {L} {label}"] = run(a, a.out, prefix, f"cp2_{L}_{mode}", 2,
                                                {"context": 2, "context_mode": mode}, L, 1, 1)
     json.dump(results, open(os.path.join(a.out, "train_cp.json"), "w"), indent=1)
-    lines = [f"== keel context parallelism, LASP-2 vs LASP-1 ({'tiny, ' if a.tiny else ''}ZAYA1-shaped, every layer "
+    lines = [f"== keel context parallelism, LASP-2 vs LASP-1 and all-to-all ({'tiny, ' if a.tiny else ''}ZAYA1-shaped, every layer "
              f"linear attention, RetNet decay; {a.device}); one sequence per step over 2 ranks; {a.steps} timed steps "
              f"after {a.warmup}",
              f"{'config':26} {'GPUs':>4} {'seq':>7} {'tok/s/GPU':>11} {'MFU':>6} {'GiB/GPU':>8} {'busiest':>8} "
@@ -191,6 +193,9 @@ def lasp(a, prefix, lengths, results):
             ratio = two["tokens_per_s"] / one["tokens_per_s"]
             target = f" (target at the longest, >= 1.15: {'met' if ratio >= 1.15 else 'NOT met'})" if L == lengths[-1] else ""
             lines.append(f"LASP-2 / LASP-1 at {L}: {ratio:.3f}{target}")
+        a2a = results[f"CP=2 {L} all-to-all"]
+        if "tokens_per_s" in two and "tokens_per_s" in a2a:
+            lines.append(f"LASP-2 / all-to-all at {L}: {two['tokens_per_s'] / a2a['tokens_per_s']:.3f}")
     lines.append("busiest: the busiest class over its fair share, worst MoE layer and step after warm-up (mean over "
                  "steps); skip: mean skip share; GiB/GPU: keel's device arenas, rank 0")
     print("\n".join(lines))

@@ -223,13 +223,14 @@ for step in "${steps[@]}"; do
         note "cp: FAILED or timed out before the table (see train_cp.log)"
       fi ;;
     lasp)
-      # LASP-2 against LASP-1 on 2 GPUs (issue 31): bench/train_cp.py --lasp, every layer linear
-      # attention, CP=2 with the states all-gathered and passed rank to rank (KEEL_LASP_ARGS).
+      # LASP-2 against LASP-1 and the all-to-all on 2 GPUs (issue 31): bench/train_cp.py --lasp, every
+      # layer linear attention, CP=2 with the states all-gathered, passed rank to rank, or the heads
+      # exchanged instead (KEEL_LASP_ARGS).
       if [ "$gpus" -lt 2 ]; then note "lasp: skipped (needs 2+ GPUs)"; continue; fi
       timeout "${KEEL_LASP_TIMEOUT:-900}" python3 bench/train_cp.py --keel "$build/keel" --out "$out/lasp" --lasp \
           --lengths 16384,32768,65536,131072 ${KEEL_LASP_ARGS:-} 2>&1 | tee "$out/train_lasp.log" | tail -14
       if grep -q '^== keel context parallelism, LASP-2 vs LASP-1' "$out/train_lasp.log"; then
-        grep -A14 '^== keel context parallelism, LASP-2 vs LASP-1' "$out/train_lasp.log" >>"$summary"
+        grep -A20 '^== keel context parallelism, LASP-2 vs LASP-1' "$out/train_lasp.log" >>"$summary"
       else
         note "lasp: FAILED or timed out before the table (see train_lasp.log)"
       fi ;;

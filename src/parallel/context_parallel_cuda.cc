@@ -8,19 +8,13 @@
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cast.h"
 #include "parallel/context_parallel.h"
+#include "parallel/copy_rows_cuda.h"
 
 namespace keel::parallel {
 
 namespace {
 constexpr std::size_t kAlign = 256;
 std::size_t aligned(std::size_t b) { return (b + kAlign - 1) / kAlign * kAlign; }
-
-// `height` rows of `width` bytes from src (rows `src_pitch` apart) to dst (`dst_pitch` apart).
-void copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch, std::size_t width,
-               std::size_t height, cudaStream_t stream) {
-  if (width == 0 || height == 0) return;
-  KEEL_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, cudaMemcpyDeviceToDevice, stream));
-}
 }  // namespace
 
 CudaContextParallel::CudaContextParallel(std::shared_ptr<NcclGroup> group, MPI_Comm context, std::int64_t batch,
@@ -55,6 +49,7 @@ CudaContextParallel::CudaContextParallel(std::shared_ptr<NcclGroup> group, MPI_C
 
 CudaContextParallel::~CudaContextParallel() {
   if (mem_) cudaFree(mem_);
+  if (a2a_) cudaFree(a2a_);
   if (halo_) cudaFree(halo_);
   if (states_) cudaFree(states_);
 }
@@ -83,12 +78,20 @@ void CudaContextParallel::gather(const bf16* k, const bf16* v, std::int64_t B, s
 void CudaContextParallel::forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T,
                                   int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
   if (linear_ring_) fail("context parallel (cuda): the linear ring (LASP-1) has no softmax attention");
+  if (heads_) {
+    if (B != batch_ || T != 2 * chunk_)
+      fail("context parallel (cuda): attention of [{}, {}] through a core of [{}, {}]", B, T, batch_, 2 * chunk_);
+    return heads_forward(q, k, v, out, lse, Hq, Hkv, Dh, scale, window, stream);
+  }
   gather(k, v, B, T, std::int64_t(Hkv) * Dh, stream);
   ops::cuda::attention::forward_runs(q, k_, v_, out, lse, B, T, static_cast<int>(seq_), Hq, Hkv, Dh, scale, window,
                                      run_start_, 2, stream);
 }
 
 std::size_t CudaContextParallel::backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh) const {
+  if (heads_)  // whole sequences of this rank's heads
+    return ops::cuda::attention::backward_workspace_bytes(B, static_cast<int>(seq_), static_cast<int>(Hq / size()),
+                                                          static_cast<int>(Hkv / size()), Dh);
   return ops::cuda::attention::backward_runs_workspace_bytes(B, T, static_cast<int>(seq_), Hq, Hkv, Dh);
 }
 
@@ -96,6 +99,11 @@ void CudaContextParallel::backward(const bf16* q, const bf16* k, const bf16* v, 
                                    const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T,
                                    int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
   if (linear_ring_) fail("context parallel (cuda): the linear ring (LASP-1) has no softmax attention");
+  if (heads_) {
+    if (B != batch_ || T != 2 * chunk_)
+      fail("context parallel (cuda): attention of [{}, {}] through a core of [{}, {}]", B, T, batch_, 2 * chunk_);
+    return heads_backward(q, k, v, out, lse, dout, dq, dk, dv, workspace, Hq, Hkv, Dh, scale, window, stream);
+  }
   const std::int64_t w = std::int64_t(Hkv) * Dh, n = std::int64_t(B) * T * w, C = size();
   gather(k, v, B, T, w, stream);  // forward's gathered keys are not kept: one buffer serves every layer
   ops::cuda::attention::backward_runs(q, k_, v_, out, lse, dout, dq, dk_, dv_, workspace, B, T, static_cast<int>(seq_),

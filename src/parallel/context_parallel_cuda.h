@@ -9,6 +9,12 @@
 //              (attention::backward_runs), reduce-scatters them in fp32 to the ranks holding
 //              those keys and rounds them to bf16 once.
 //   halos      one NCCL send-receive with each neighbour (bf16 forward, fp32 backward).
+//   heads      with set_heads(true) (parallel.context_mode: alltoall; context_alltoall_cuda.cc):
+//              DeepSpeed-Ulysses' schedule instead of the gather, for the softmax and the linear
+//              cores alike. One NCCL all-to-all (grouped send/receive) per tensor gives each rank
+//              the whole sequences of 1/C of the heads; the plain kernels run over them; one
+//              all-to-all brings the outputs back. Backward sends q, k, v, out, lse and dout and
+//              returns dq, dk, dv whole: nothing is summed.
 //   linear     LASP-2 (lasp2_cuda.cc): the runs' fp32 memory states all-gathered, walked in
 //              sequence order to each run's initial state; backward gathers the initial-state
 //              gradients and walks them back. With the linear ring (parallel.context_mode:
@@ -68,6 +74,9 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   // LASP-2 (lasp2_cuda.cc); with set_linear_ring(true) LASP-1's chain of states instead (the
   // softmax core has no ring on GPUs: forward/backward then refuse).
   void set_linear_ring(bool ring) { linear_ring_ = ring; }
+  // parallel.context_mode: alltoall: heads by all-to-all (every layer's heads and kv heads must
+  // divide by the context degree: the plan checks it).
+  void set_heads(bool heads) { heads_ = heads; }
   std::size_t linear_workspace_bytes(const ops::linear_attention::Config& c, std::int64_t runs,
                                      std::int64_t len) const override;
   void attend_linear(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t len, const bf16* q,
@@ -102,6 +111,32 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   std::size_t state_bytes_ = 0;
   void* states_ = nullptr;
   bool linear_ring_ = false;
+  // Heads by all-to-all (context_alltoall_cuda.cc). x [B, T, H, w] (elem bytes) of this rank's
+  // rows <-> whole [B, S, H/C, w] of this rank's heads in sequence order; lse [B, H, T] <-> [B,
+  // H/C, S]. The staging and the whole-sequence tensors live in one buffer grown on demand.
+  bool heads_ = false;
+  std::size_t a2a_bytes_ = 0;
+  void* a2a_ = nullptr;
+  std::byte* heads_scratch(std::size_t bytes, cudaStream_t stream);
+  void all_to_all(const void* send, void* recv, std::int64_t per_rank, NcclType type, std::size_t elem,
+                  cudaStream_t stream);
+  void to_heads(const void* x, std::int64_t H, std::int64_t w, std::size_t elem, NcclType type, void* whole,
+                cudaStream_t stream);
+  void from_heads(const void* whole, std::int64_t H, std::int64_t w, std::size_t elem, NcclType type, void* x,
+                  cudaStream_t stream);
+  void lse_to_heads(const float* lse, std::int64_t H, float* whole, cudaStream_t stream);
+  void lse_from_heads(const float* whole, std::int64_t H, float* lse, cudaStream_t stream);
+  std::int64_t heads_of(std::int64_t H, const char* what) const;
+  void heads_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int Hq, int Hkv, int Dh,
+                     float scale, int window, cudaStream_t stream);
+  void heads_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
+                      const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace, int Hq, int Hkv, int Dh,
+                      float scale, int window, cudaStream_t stream);
+  ops::linear_attention::Config heads_config(const ops::linear_attention::Config& c) const;
+  void heads_linear(const ops::linear_attention::Config& c, const bf16* q, const bf16* k, const bf16* v, float* init,
+                    bf16* out, void* workspace, cudaStream_t stream);
+  void heads_linear_backward(const ops::linear_attention::Config& c, const bf16* q, const bf16* k, const bf16* v,
+                             const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace, cudaStream_t stream);
   // LASP-1's hops: the message from `from` (or zeros, from -1) and to `to` (-1: none).
   void chain_recv(float* msg, std::int64_t n, int from, cudaStream_t stream);
   void chain_send(const float* msg, std::int64_t n, int to, cudaStream_t stream);

@@ -49,6 +49,7 @@ float* CudaContextParallel::state_buffers(std::int64_t floats, cudaStream_t stre
 
 std::size_t CudaContextParallel::linear_workspace_bytes(const la::Config& c, std::int64_t runs,
                                                         std::int64_t len) const {
+  if (heads_) return la::workspace_bytes(heads_config(c), batch_, seq_);  // whole sequences of this rank's heads
   return la::workspace_bytes(c, runs, len);
 }
 
@@ -71,6 +72,7 @@ void CudaContextParallel::attend_linear(const la::Config& c, std::int64_t runs, 
     fail("context parallel (cuda): linear attention over {} runs of {} tokens, expected {} of {}", runs, len,
          2 * batch_, chunk_);
   if (!init) fail("context parallel (cuda): linear attention needs the layer's initial-state buffer");
+  if (heads_) return heads_linear(c, q, k, v, init, out, workspace, stream);
   const std::int64_t dd = std::int64_t(c.head_dim) * c.head_dim, n = runs * c.kv_heads * dd;
   float* mine = state_buffers(n, stream);
   float* gathered = mine + 2 * n;
@@ -99,6 +101,7 @@ void CudaContextParallel::attend_linear_backward(const la::Config& c, std::int64
                                                  const bf16* q, const bf16* k, const bf16* v, const float* init,
                                                  const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace,
                                                  cudaStream_t stream) {
+  if (heads_) return heads_linear_backward(c, q, k, v, dout, dq, dk, dv, workspace, stream);
   const std::int64_t dd = std::int64_t(c.head_dim) * c.head_dim, n = runs * c.kv_heads * dd;
   float* dS = state_buffers(n, stream);
   float *dM = dS + n, *gathered = dS + 2 * n;

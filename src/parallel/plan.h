@@ -30,6 +30,10 @@ void check_plan(const model::ModelConfig& model, const mesh::Shape& shape, const
 // without CCA (the split must still leave every chunk a token).
 std::int64_t context_halo(const model::ModelConfig& cfg);
 
+// parallel.context_mode: alltoall splits every layer's heads (and kv heads) of each tensor rank
+// over the context ranks: throws keel::UsageError naming the counts that do not divide.
+void check_alltoall(const model::ModelConfig& cfg, int tensor, int context);
+
 // The CPU runners of a model under a mesh (blocks/runners.h): one LayerRunners per layer. At
 // degree 1 every runner is the local op; context parallelism gives every layer the
 // ContextParallel attention core and token group, tensor parallelism the TensorParallelLinear

@@ -124,15 +124,17 @@ class CudaBackend final : public TrainBackend {
       throw UsageError("parallel.context_mode: ring on GPUs is LASP-1, for models whose layers are all linear "
                        "attention; the softmax and CCA layers' ring runs on CPU ranks only (device: cpu), and on GPUs "
                        "context parallelism all-gathers their k and v (parallel.context_mode: allgather)");
-    if (opt_.context_mode == parallel::ContextMode::kAllToAll && mesh_.group(parallel::GroupKind::kContext).size > 1)
-      throw UsageError("parallel.context_mode: alltoall (heads by all-to-all) runs on CPU ranks only so far (device: "
-                       "cpu); on GPUs context parallelism all-gathers k and v (parallel.context_mode: allgather)");
+    const bool heads = opt_.context_mode == parallel::ContextMode::kAllToAll;
+    if (heads && mesh_.group(parallel::GroupKind::kContext).size > 1)
+      parallel::check_alltoall(cfg_, mesh_.group(parallel::GroupKind::kTensor).size,
+                               mesh_.group(parallel::GroupKind::kContext).size);
     if (opt_.context_mode != parallel::ContextMode::kAllGather && tsp > 1)
       throw UsageError(fmt::format("parallel.context_mode: {} is context parallelism's; TSP gathers the k and v of "
                                    "each head shard",
                                    parallel::context_mode_name(opt_.context_mode)));
     plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_, opt_.micro_batch, opt_.seq_length, opt_.sequence_parallel);
     if (ring && plan_->context()) plan_->context()->set_linear_ring(true);  // LASP-1
+    if (heads && plan_->context()) plan_->context()->set_heads(true);       // heads by all-to-all (Ulysses)
     model_ = std::make_unique<CudaModel>(cfg_, opt_, layout_, plan_->layers(), plan_->tensor(), plan_->context(),
                                          prop.totalGlobalMem, stream_, plan_->tsp());
     // TSP's step is tensor parallelism's over the tsp group (its gradients partial as under

@@ -179,13 +179,13 @@ keel_cli_test(NAME train_cp2_ring NP 2 MATCH "on cpu x context parallel 2 \\(zig
        --set checkpoint.final=false --set output_dir=train_cp_ring)
 keel_cli_test(NAME train_cp_mode_typo EXIT 1 MATCH "parallel\\.context_mode.*must be allgather, ring or alltoall"
   ARGS train ${tcfg} ${tdp} --set parallel.context_mode=rnig)
-# By heads (parallel.context_mode: alltoall) on 2 CPU ranks: trains and says so; on GPUs refused.
+# By heads (parallel.context_mode: alltoall) on 2 CPU ranks and on 2 GPUs: trains and says so.
 keel_cli_test(NAME train_cp2_alltoall NP 2 MATCH "on cpu x context parallel 2 \\(zigzag, heads by all-to-all\\) \\(ZeRO-1\\), "
   ARGS train ${tcfg} ${tshort} --set device=cpu --set parallel.context=2 --set parallel.context_mode=alltoall
        --set checkpoint.final=false --set output_dir=train_cp_alltoall)
 set_tests_properties(cli_train_cp2_alltoall PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
-keel_cli_test(NAME train_cp2_alltoall_gpus NP 2 GPUS "2+" EXIT 1
-  MATCH "parallel\\.context_mode: alltoall \\(heads by all-to-all\\) runs on CPU ranks only so far"
+keel_cli_test(NAME train_cp2_alltoall_gpus NP 2 GPUS "2+"
+  MATCH "context parallel 2 \\(zigzag, heads by all-to-all\\)"
   ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.context=2 --set parallel.context_mode=alltoall
        --set checkpoint.final=false --set output_dir=train_cp_alltoall_gpu)
 set_tests_properties(cli_train_cp2_alltoall_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")

@@ -346,6 +346,29 @@ TEST(ContextParallel, GpusLinearRingMatchesAllGather) {
     EXPECT_NEAR(sb[i].grad_norm, sa[i].grad_norm, 1e-4 * sa[i].grad_norm) << "step " << i + 1;
   }
 }
+// By heads on GPUs (parallel.context_mode: alltoall, context_alltoall_cuda.cc): the tiny MoE with
+// 4 kv heads (C = 2 or 4), ZAYA1's CCA (4 query / 2 kv heads: C = 2), the LASP-2H hybrid and an
+// all-linear model (their linear layers by heads too), and C = 2 x TP = 2 (4 ranks).
+TEST(ContextParallel, GpusAllToAllMatchOneGpu) {
+  if (4 % world_size() != 0) GTEST_SKIP() << "4 heads do not split over " << world_size() << " ranks";
+  expect_gpus_match_one_gpu(joined(kAllToAll, {"model.kv_heads=4"}), "a2a_cp");
+}
+TEST(ContextParallel, GpusZayaAllToAllMatchOneGpu) {
+  if (world_size() != 2) GTEST_SKIP() << "ZAYA1-tiny's 2 kv heads split over 2 ranks";
+  expect_gpus_match_one_gpu(joined(kZayaGpu, kAllToAll), "zaya_a2a_cp");
+}
+TEST(ContextParallel, GpusHybridAllToAllMatchOneGpu) {
+  if (world_size() != 2) GTEST_SKIP() << "the hybrid's 2 kv heads split over 2 ranks";
+  expect_gpus_match_one_gpu(joined(kHybrid, kAllToAll), "hybrid_a2a_cp");
+}
+TEST(ContextParallel, GpusLinearAllToAllMatchOneGpu) {
+  if (world_size() != 2) GTEST_SKIP() << "2 kv heads split over 2 ranks";
+  expect_gpus_match_one_gpu(joined(kLinearGpu, kAllToAll), "linear_a2a_cp");
+}
+TEST(ContextParallel, GpusAllToAllWithTensorParallelMatchOneGpu) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_gpus_match_one_gpu(joined(kAllToAll, {"model.kv_heads=4"}), "a2a_cp_tp", 0, 1, 2);
+}
 // Expert parallelism folded over the context ranks: each GPU holds half of the experts.
 TEST(ContextParallel, GpusZayaWithExpertParallelMatchOneGpu) {
   expect_gpus_match_one_gpu(kZayaGpu, "zaya_cp_ep", 0, world_size());
