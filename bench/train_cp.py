@@ -121,6 +121,9 @@ def main():
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra keel --set, both configs")
     ap.add_argument("--hybrid", action="store_true", help="LASP-2H: 3 of every 4 layers linear attention")
+    ap.add_argument("--modes", default="allgather",
+                    help="context modes of the CP=2 run, a comma list of allgather, ring, alltoall (each timed; "
+                         "the others' tokens/s against the all-gather's printed)")
     ap.add_argument("--lasp", action="store_true",
                     help="LASP-2 against LASP-1 (ring) and the all-to-all at CP=2 over --lengths, every layer linear attention")
     a = ap.parse_args()
@@ -145,7 +148,14 @@ def main():
     mb = 2 if per_gpu >= 2 * a.short else 1
     accum = max(1, per_gpu // (mb * a.short)) * 2  # over both GPUs
     cp_name, dp_name = f"CP=2 {a.seq}", f"DP=2 {a.short}"
-    results[cp_name] = run(a, a.out, prefix, "cp2", 2, {"context": 2}, a.seq, 1, 1)
+    modes = a.modes.split(",")
+    for m in modes:
+        if m not in ("allgather", "ring", "alltoall"):
+            sys.exit(f"--modes: '{m}' is not allgather, ring or alltoall")
+    for m in modes:
+        name = cp_name if m == "allgather" else f"CP=2 {a.seq} {m}"
+        results[name] = run(a, a.out, prefix, "cp2" if m == "allgather" else f"cp2_{m}", 2,
+                            {"context": 2, "context_mode": m}, a.seq, 1, 1)
     results[dp_name] = run(a, a.out, prefix, "dp2", 2, {"data": 2}, a.short, mb, accum)
     if a.longest:
         for rc in ("none", "full"):
@@ -164,7 +174,11 @@ def main():
              f"{'config':26} {'GPUs':>4} {'seq':>7} {'tok/s/GPU':>11} {'MFU':>6} {'GiB/GPU':>8} {'busiest':>8} "
              f"{'(mean)':>6} {'skip':>5}  per-layer busiest/fair"]
     lines += [row(n, r) for n, r in results.items()]
-    cp, dp = results[cp_name], results[dp_name]
+    cp, dp = results.get(cp_name, {}), results[dp_name]
+    for m in modes:
+        other = results.get(f"CP=2 {a.seq} {m}", {})
+        if m != "allgather" and "tokens_per_s" in other and "tokens_per_s" in cp:
+            lines.append(f"CP=2 at {a.seq}: {m} / all-gather tokens/s = {other['tokens_per_s'] / cp['tokens_per_s']:.3f}")
     if "tokens_per_s" in cp and "tokens_per_s" in dp:
         ratio = cp["tokens_per_s"] / dp["tokens_per_s"]
         lines.append(f"target: CP=2 at {a.seq} / DP=2 at {a.short} tokens/s per GPU = {ratio:.3f} (>= 0.95: "

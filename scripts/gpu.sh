@@ -212,11 +212,12 @@ for step in "${steps[@]}"; do
       if [ "$gpus" -lt 2 ]; then note "cp: skipped (needs 2+ GPUs)"; continue; fi
       # Context parallelism on 2 GPUs: the tests against one GPU (KEEL_CP_TESTS=0 skips), then
       # bench/train_cp.py (KEEL_CP_ARGS, e.g. --longest): the ZAYA1-shaped model at 32K over
-      # CP=2 against 4K over DP=2, same tokens per GPU, with routing.
+      # CP=2 (the k/v all-gather, the ring and heads by all-to-all) against 4K over DP=2, same
+      # tokens per GPU, with routing.
       [ "${KEEL_CP_TESTS:-1}" = 0 ] || mpi_gtest cp 2 'ContextParallel*' "${KEEL_CP_TEST_TIMEOUT:-300}" '^  [a-z0-9_]+: step 9'
       [ "${KEEL_CP_BENCH:-1}" = 0 ] && continue
       timeout "${KEEL_CP_TIMEOUT:-900}" python3 bench/train_cp.py --keel "$build/keel" --out "$out/cp" \
-          ${KEEL_CP_ARGS:-} 2>&1 | tee "$out/train_cp.log" | tail -20
+          --modes allgather,ring,alltoall ${KEEL_CP_ARGS:-} 2>&1 | tee "$out/train_cp.log" | tail -20
       if grep -q '^== keel context parallelism' "$out/train_cp.log"; then
         grep -A20 '^== keel context parallelism' "$out/train_cp.log" >>"$summary"
       else

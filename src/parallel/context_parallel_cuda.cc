@@ -50,6 +50,9 @@ CudaContextParallel::CudaContextParallel(std::shared_ptr<NcclGroup> group, MPI_C
 CudaContextParallel::~CudaContextParallel() {
   if (mem_) cudaFree(mem_);
   if (a2a_) cudaFree(a2a_);
+  if (ring_ready_) cudaEventDestroy(ring_ready_);
+  if (ring_done_) cudaEventDestroy(ring_done_);
+  if (ring_stream_) cudaStreamDestroy(ring_stream_);
   if (halo_) cudaFree(halo_);
   if (states_) cudaFree(states_);
 }
@@ -77,10 +80,10 @@ void CudaContextParallel::gather(const bf16* k, const bf16* v, std::int64_t B, s
 
 void CudaContextParallel::forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int T,
                                   int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
-  if (linear_ring_) fail("context parallel (cuda): the linear ring (LASP-1) has no softmax attention");
-  if (heads_) {
+  if (heads_ || ring_) {
     if (B != batch_ || T != 2 * chunk_)
       fail("context parallel (cuda): attention of [{}, {}] through a core of [{}, {}]", B, T, batch_, 2 * chunk_);
+    if (ring_) return ring_forward(q, k, v, out, lse, Hq, Hkv, Dh, scale, window, stream);
     return heads_forward(q, k, v, out, lse, Hq, Hkv, Dh, scale, window, stream);
   }
   gather(k, v, B, T, std::int64_t(Hkv) * Dh, stream);
@@ -89,6 +92,7 @@ void CudaContextParallel::forward(const bf16* q, const bf16* k, const bf16* v, b
 }
 
 std::size_t CudaContextParallel::backward_workspace_bytes(int B, int T, int Hq, int Hkv, int Dh) const {
+  if (ring_) return 0;  // the ring's accumulators are its own
   if (heads_)  // whole sequences of this rank's heads
     return ops::cuda::attention::backward_workspace_bytes(B, static_cast<int>(seq_), static_cast<int>(Hq / size()),
                                                           static_cast<int>(Hkv / size()), Dh);
@@ -98,10 +102,10 @@ std::size_t CudaContextParallel::backward_workspace_bytes(int B, int T, int Hq, 
 void CudaContextParallel::backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                                    const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T,
                                    int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
-  if (linear_ring_) fail("context parallel (cuda): the linear ring (LASP-1) has no softmax attention");
-  if (heads_) {
+  if (heads_ || ring_) {
     if (B != batch_ || T != 2 * chunk_)
       fail("context parallel (cuda): attention of [{}, {}] through a core of [{}, {}]", B, T, batch_, 2 * chunk_);
+    if (ring_) return ring_backward(q, k, v, out, lse, dout, dq, dk, dv, Hq, Hkv, Dh, scale, window, stream);
     return heads_backward(q, k, v, out, lse, dout, dq, dk, dv, workspace, Hq, Hkv, Dh, scale, window, stream);
   }
   const std::int64_t w = std::int64_t(Hkv) * Dh, n = std::int64_t(B) * T * w, C = size();

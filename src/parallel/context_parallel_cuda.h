@@ -15,6 +15,12 @@
 //              the whole sequences of 1/C of the heads; the plain kernels run over them; one
 //              all-to-all brings the outputs back. Backward sends q, k, v, out, lse and dout and
 //              returns dq, dk, dv whole: nothing is summed.
+//   ring       with set_ring(true) (parallel.context_mode: ring; context_ring_cuda.cc): each
+//              rank's k, v block travels around the group instead of the gather, one NCCL
+//              send/receive hop per step on a side stream while the current block is computed;
+//              the queries attend block by block (attention::forward_block, merged by
+//              log-sum-exp in fp32). Backward passes the blocks again with their fp32 dk, dv
+//              accumulators, which come home after C hops. Two blocks held at once.
 //   linear     LASP-2 (lasp2_cuda.cc): the runs' fp32 memory states all-gathered, walked in
 //              sequence order to each run's initial state; backward gathers the initial-state
 //              gradients and walks them back. With the linear ring (parallel.context_mode:
@@ -71,9 +77,9 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout,
                 bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv, int Dh, float scale,
                 int window, cudaStream_t stream) override;
-  // LASP-2 (lasp2_cuda.cc); with set_linear_ring(true) LASP-1's chain of states instead (the
-  // softmax core has no ring on GPUs: forward/backward then refuse).
-  void set_linear_ring(bool ring) { linear_ring_ = ring; }
+  // parallel.context_mode: ring: the softmax core passes k, v blocks around the group
+  // (context_ring_cuda.cc) and the linear core LASP-1's chain of states (lasp2_cuda.cc).
+  void set_ring(bool ring) { ring_ = ring; }
   // parallel.context_mode: alltoall: heads by all-to-all (every layer's heads and kv heads must
   // divide by the context degree: the plan checks it).
   void set_heads(bool heads) { heads_ = heads; }
@@ -110,10 +116,23 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   float* state_buffers(std::int64_t floats, cudaStream_t stream);
   std::size_t state_bytes_ = 0;
   void* states_ = nullptr;
-  bool linear_ring_ = false;
+  bool ring_ = false;
+  // The ring (context_ring_cuda.cc): its hops on their own stream, ordered by two events.
+  cudaStream_t ring_stream_ = nullptr;
+  cudaEvent_t ring_ready_ = nullptr, ring_done_ = nullptr;
+  // Posts one hop once `stream` gets here: send to rank + 1, receive from rank - 1 (on
+  // ring_stream_); ring_wait makes `stream` wait for the hops posted so far.
+  void ring_post(const void* send, void* recv, std::int64_t count, NcclType type, cudaStream_t stream);
+  void ring_wait(cudaStream_t stream);
+  void ring_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int Hq, int Hkv, int Dh,
+                    float scale, int window, cudaStream_t stream);
+  void ring_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout,
+                     bf16* dq, bf16* dk, bf16* dv, int Hq, int Hkv, int Dh, float scale, int window,
+                     cudaStream_t stream);
   // Heads by all-to-all (context_alltoall_cuda.cc). x [B, T, H, w] (elem bytes) of this rank's
   // rows <-> whole [B, S, H/C, w] of this rank's heads in sequence order; lse [B, H, T] <-> [B,
-  // H/C, S]. The staging and the whole-sequence tensors live in one buffer grown on demand.
+  // H/C, S]. The staging and the whole-sequence tensors live in one buffer grown on demand,
+  // which the ring's blocks and accumulators use too (one mode at a time).
   bool heads_ = false;
   std::size_t a2a_bytes_ = 0;
   void* a2a_ = nullptr;

@@ -77,7 +77,7 @@ void CudaContextParallel::attend_linear(const la::Config& c, std::int64_t runs, 
   float* mine = state_buffers(n, stream);
   float* gathered = mine + 2 * n;
   la::local_states(c, runs, len, k, v, mine, stream);
-  if (linear_ring_) {
+  if (ring_) {
     // LASP-1 (the CPU twin: context_ring.cc): first runs up the ranks, chunk r starting from the
     // state after chunk r - 1; second runs down, chunk 2C-1-r from the state after 2C-2-r (rank
     // r + 1's second run, or the last rank's own first run, already in msg).
@@ -106,7 +106,7 @@ void CudaContextParallel::attend_linear_backward(const la::Config& c, std::int64
   float* dS = state_buffers(n, stream);
   float *dM = dS + n, *gathered = dS + 2 * n;
   la::init_gradient(c, runs, len, q, dout, dS, stream);
-  if (linear_ring_) {
+  if (ring_) {
     // The chunks in reverse: second runs up the ranks (rank 0's is the sequence's last chunk),
     // then first runs down; a run's dM is the gradient arriving after it.
     float* msg = gathered;

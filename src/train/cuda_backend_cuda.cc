@@ -117,13 +117,7 @@ class CudaBackend final : public TrainBackend {
       std::fprintf(stderr, "keel: data parallel: %s; the ZeRO-1 step will not overlap communication\n",
                    weight_split ? "tensor parallelism (or TSP) on GPUs takes the classic step"
                                 : "this layout's stages are not in offset order");
-    const bool all_linear =
-        model::attention_layer_count(cfg_, model::AttentionKind::kLinear) == cfg_.layers;
     const bool ring = opt_.context_mode == parallel::ContextMode::kRing;
-    if (ring && mesh_.group(parallel::GroupKind::kContext).size > 1 && !all_linear)
-      throw UsageError("parallel.context_mode: ring on GPUs is LASP-1, for models whose layers are all linear "
-                       "attention; the softmax and CCA layers' ring runs on CPU ranks only (device: cpu), and on GPUs "
-                       "context parallelism all-gathers their k and v (parallel.context_mode: allgather)");
     const bool heads = opt_.context_mode == parallel::ContextMode::kAllToAll;
     if (heads && mesh_.group(parallel::GroupKind::kContext).size > 1)
       parallel::check_alltoall(cfg_, mesh_.group(parallel::GroupKind::kTensor).size,
@@ -133,7 +127,7 @@ class CudaBackend final : public TrainBackend {
                                    "each head shard",
                                    parallel::context_mode_name(opt_.context_mode)));
     plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_, opt_.micro_batch, opt_.seq_length, opt_.sequence_parallel);
-    if (ring && plan_->context()) plan_->context()->set_linear_ring(true);  // LASP-1
+    if (ring && plan_->context()) plan_->context()->set_ring(true);  // k/v blocks around the ring; LASP-1
     if (heads && plan_->context()) plan_->context()->set_heads(true);       // heads by all-to-all (Ulysses)
     model_ = std::make_unique<CudaModel>(cfg_, opt_, layout_, plan_->layers(), plan_->tensor(), plan_->context(),
                                          prop.totalGlobalMem, stream_, plan_->tsp());

@@ -200,9 +200,9 @@ keel_cli_test(NAME train_tsp2_gpus NP 2 GPUS "2+" MATCH "TSP 2 \\(attention shar
   ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.tsp=2 --set checkpoint.final=false
        --set output_dir=train_tsp2_gpu)
 set_tests_properties(cli_train_tsp2 cli_train_tsp2_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
-# On GPUs the ring is LASP-1, for all-linear models: a softmax model's is refused with one line.
-keel_cli_test(NAME train_cp2_ring_gpus NP 2 GPUS "2+" EXIT 1
-  MATCH "parallel\\.context_mode: ring on GPUs is LASP-1, for models whose layers are all linear attention"
+# The k/v ring on 2 GPUs: trains and says so.
+keel_cli_test(NAME train_cp2_ring_gpus NP 2 GPUS "2+"
+  MATCH "on .* x context parallel 2 \\(zigzag, k/v ring\\)"
   ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.context=2 --set parallel.context_mode=ring
        --set checkpoint.final=false --set output_dir=train_cp_ring_gpu)
 set_tests_properties(cli_train_cp2_ring cli_train_cp2_ring_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")

@@ -1,5 +1,6 @@
 #include "ops/cuda/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -203,7 +204,7 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l_run[r] = quad_sum(l_run[r]);
-    inv[r] = 1.f / l_run[r];
+    inv[r] = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;  // a row that saw no key (a ring block): out 0
   }
   bf16* o_s = q_s + warp * 16 * kLd;
 #pragma unroll
@@ -223,8 +224,8 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
   }
   if ((lane & 3) == 0) {
     float* lse_g = lse + (static_cast<std::int64_t>(b) * Hq + h) * q_rows;
-    if (row_lo < Lq) lse_g[row_lo] = (m_run[0] + log2f(l_run[0])) * kLn2;
-    if (row_hi < Lq) lse_g[row_hi] = (m_run[1] + log2f(l_run[1])) * kLn2;
+    if (row_lo < Lq) lse_g[row_lo] = l_run[0] > 0.f ? (m_run[0] + log2f(l_run[0])) * kLn2 : -INFINITY;
+    if (row_hi < Lq) lse_g[row_hi] = l_run[1] > 0.f ? (m_run[1] + log2f(l_run[1])) * kLn2 : -INFINITY;
   }
 }
 
@@ -497,6 +498,28 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
   }
 }
 
+// Ring blocks: one warp per (b, t, h) row of a run folds the block's (out, lse) into the fp32
+// running (acc_out, acc_lse) with log-sum-exp weights; a side of lse -inf contributes nothing.
+__global__ void merge_block_kernel(const bf16* __restrict__ out, const float* __restrict__ lse,
+                                   float* __restrict__ acc_out, float* __restrict__ acc_lse, std::int64_t rows,
+                                   int q_rows, int Lq, int Hq, int Dh) {
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const std::int64_t b = row / (std::int64_t(Lq) * Hq);
+  const int t = static_cast<int>((row / Hq) % Lq), h = static_cast<int>(row % Hq);
+  const std::int64_t l_at = (b * Hq + h) * q_rows + t, o_at = ((b * q_rows + t) * Hq + h) * Dh;
+  const float l1 = acc_lse[l_at], l2 = lse[l_at];
+  const float m = fmaxf(l1, l2);
+  if (m == -INFINITY) return;  // neither side saw a key yet
+  const float w1 = l1 == -INFINITY ? 0.f : expf(l1 - m), w2 = l2 == -INFINITY ? 0.f : expf(l2 - m);
+  const float inv = 1.f / (w1 + w2);
+  for (int i = lane; i < Dh; i += 32)
+    acc_out[o_at + i] = (acc_out[o_at + i] * w1 + __bfloat162float(out[o_at + i]) * w2) * inv;
+  __syncwarp();
+  if (lane == 0) acc_lse[l_at] = m + logf(w1 + w2);
+}
+
 // ---------------------------------------------- host side ----------------------------------------------
 
 constexpr int kMaxRuns = 8;
@@ -573,19 +596,24 @@ void launch_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, floa
 template <int kDh>
 void launch_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* d_row,
                      float* dq_acc, float* dk_acc, float* dv_acc, int B, int Tq, int Tk, int Hq, int Hkv, int W,
-                     float scale, const int* run_start, int runs, cudaStream_t stream) {
+                     float scale, const int* run_start, int runs, cudaStream_t stream, int q_rows = 0) {
   using C = Bwd<kDh>;
   KEEL_CUDA_CHECK(
       cudaFuncSetAttribute(backward_kernel<kDh>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
   const int L = Tq / runs;
+  if (q_rows == 0) q_rows = Tq;  // the rows per sequence (a ring block's run: more than its own)
   for (int s = 0; s < runs; ++s) {
     const int p0 = run_start[s];
-    const int kt0 = (p0 >= W ? p0 - W + 1 : 0) / C::kBc, kt_end = (p0 + L + C::kBc - 1) / C::kBc;
+    const int kt0 = (p0 >= W ? p0 - W + 1 : 0) / C::kBc;
+    const int kt_end = static_cast<int>(
+        std::min<std::int64_t>((std::int64_t(p0) + L + C::kBc - 1) / C::kBc, (std::int64_t(Tk) + C::kBc - 1) / C::kBc));
+    if (kt_end <= kt0) continue;  // a ring block wholly before the run's windows
     const dim3 grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>(kt_end - kt0));
     const std::int64_t row0 = static_cast<std::int64_t>(s) * L, off = row0 * Hq * kDh;
     backward_kernel<kDh><<<grid, C::kThreads, C::kSmemBytes, stream>>>(q + off, k, v, dout + off, lse + row0,
-                                                                      d_row + row0, dq_acc + off, dk_acc, dv_acc, L, Tq,
-                                                                      p0, Tk, kt0, Hq, Hkv, W, scale, scale * kLog2e);
+                                                                      d_row + row0, dq_acc + off, dk_acc, dv_acc, L,
+                                                                      q_rows, p0, Tk, kt0, Hq, Hkv, W, scale,
+                                                                      scale * kLog2e);
     KEEL_CUDA_CHECK_LAUNCH();
   }
 }
@@ -727,6 +755,85 @@ void backward_runs(const bf16* q, const bf16* k, const bf16* v, const bf16* out,
   backward_accumulate(q, k, v, out, lse, dout, d_row, dq_acc, dk, dv, B, Tq, Tk, Hq, Hkv, Dh, scale, window, run_start,
                       runs, stream);
   launch_to_bf16(dq_acc, dq, static_cast<std::size_t>(B) * Tq * Hq * Dh, stream);
+}
+
+// ---- ring attention's pieces ----
+
+namespace {
+// The window of a ring block's kernels: positions are relative to the block's first key, so
+// "every earlier key" is no window at all (forward()'s W = T would cut off a block p0 >= T back).
+int block_window(int window) { return window > 0 ? window : 1 << 29; }
+
+void check_block(const char* what, int B, int q_rows, int Lq, int p0, int Tk, int Hq, int Hkv, int Dh, int window) {
+  check_extents(what, B, q_rows, Hq, Hkv, Dh);
+  check_window(what, window);
+  if (Lq < 0 || Lq > q_rows || p0 < 0 || Tk < 0)
+    fail("attention {}: a run of {} queries (of {} rows) {} positions after a block of {} keys: each must be >= 0 and "
+         "the run within its rows",
+         what, Lq, q_rows, p0, Tk);
+  if (static_cast<std::int64_t>(B) * Hq > 0x7fffffff) fail("attention {}: B * Hq = {} is too large", what, B * Hq);
+}
+}  // namespace
+
+void forward_block(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int q_rows, int Lq,
+                   int p0, int Tk, int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
+  check_block("forward_block", B, q_rows, Lq, p0, Tk, Hq, Hkv, Dh, window);
+  if (B == 0 || Lq == 0) return;
+  const char* names[] = {"q", "k", "v", "out"};
+  const void* ptrs[] = {q, k, v, out};
+  for (int i = 0; i < 4; ++i) check_aligned("forward_block", names[i], ptrs[i]);
+  if (lse == nullptr) fail("attention forward_block: lse is null");
+  const int W = block_window(window);
+  const auto launch = [&](auto kernel, int smem, int threads, int br) {
+    KEEL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const dim3 grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>((Lq + br - 1) / br));
+    kernel<<<grid, threads, smem, stream>>>(q, k, v, out, lse, Lq, q_rows, p0, Tk, Hq, Hkv, W, scale * kLog2e);
+    KEEL_CUDA_CHECK_LAUNCH();
+  };
+  if (Dh == 64)
+    launch(forward_kernel<64>, Fwd<64>::kSmemBytes, Fwd<64>::kThreads, Fwd<64>::kBr);
+  else
+    launch(forward_kernel<128>, Fwd<128>::kSmemBytes, Fwd<128>::kThreads, Fwd<128>::kBr);
+}
+
+void merge_block(const bf16* out, const float* lse, float* acc_out, float* acc_lse, int B, int q_rows, int Lq, int Hq,
+                 int Dh, cudaStream_t stream) {
+  if (B < 0 || Lq < 0 || Lq > q_rows || Hq <= 0 || Dh <= 0)
+    fail("attention merge_block: B {}, {} of {} rows, {} heads of {}", B, Lq, q_rows, Hq, Dh);
+  const std::int64_t rows = static_cast<std::int64_t>(B) * Lq * Hq;
+  if (rows == 0) return;
+  constexpr int kWarps = 8;
+  merge_block_kernel<<<grid_for(rows, kWarps), kWarps * 32, 0, stream>>>(out, lse, acc_out, acc_lse, rows, q_rows, Lq,
+                                                                          Hq, Dh);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+void dot_rows(const bf16* dout, const bf16* out, float* d_row, int B, int q_rows, int Hq, int Dh, cudaStream_t stream) {
+  const std::int64_t rows = static_cast<std::int64_t>(B) * q_rows * Hq;
+  if (rows == 0) return;
+  constexpr int kDotWarps = 8;
+  dot_rows_kernel<<<grid_for(rows, kDotWarps), kDotWarps * 32, 0, stream>>>(dout, out, d_row, rows, q_rows, Hq, Dh);
+  KEEL_CUDA_CHECK_LAUNCH();
+}
+
+void backward_block(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
+                    const float* d_row, float* dq_acc, float* dk_acc, float* dv_acc, int B, int q_rows, int Lq, int p0,
+                    int Tk, int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
+  check_block("backward_block", B, q_rows, Lq, p0, Tk, Hq, Hkv, Dh, window);
+  if (B == 0 || Lq == 0 || Tk == 0) return;
+  const char* names[] = {"q", "k", "v", "dout", "dq_acc", "dk_acc", "dv_acc"};
+  const void* ptrs[] = {q, k, v, dout, dq_acc, dk_acc, dv_acc};
+  for (int i = 0; i < 7; ++i) check_aligned("backward_block", names[i], ptrs[i]);
+  if (lse == nullptr || d_row == nullptr) fail("attention backward_block: lse or d_row is null");
+  const int W = block_window(window);
+  // launch_backward's run loop, for the one run at p0 (q, dout, lse, d_row, dq_acc at its first row)
+  const int start[1] = {p0};
+  if (Dh == 64)
+    launch_backward<64>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, Lq, Tk, Hq, Hkv, W, scale, start, 1,
+                        stream, q_rows);
+  else
+    launch_backward<128>(q, k, v, dout, lse, d_row, dq_acc, dk_acc, dv_acc, B, Lq, Tk, Hq, Hkv, W, scale, start, 1,
+                         stream, q_rows);
 }
 
 }  // namespace keel::ops::cuda::attention

@@ -90,4 +90,30 @@ void backward_runs(const bf16* q, const bf16* k, const bf16* v, const bf16* out,
                    bf16* dq, float* dk, float* dv, void* workspace, int B, int Tq, int Tk, int Hq, int Hkv, int Dh,
                    float scale, int window, const int* run_start, int runs, cudaStream_t stream);
 
+// ---- Ring attention's pieces (context parallelism, parallel.context_mode: ring; the CPU twins
+// are ops::attention::forward_block / merge / backward_block) ----
+// One run of Lq queries against one block of Tk keys k, v [B, Tk, Hkv, Dh] whose first key sits
+// p0 positions before the run's first query (p0 >= 0: no key of the block is in the run's
+// future but the causal diagonal; p0 >= Tk: the block is wholly in the past). q, out, dout and
+// dq_acc point at the run's first row and lse, d_row at its first column; q_rows is the rows per
+// sequence of all of them (their batch stride, and the length of lse's and d_row's (b, h) rows),
+// Lq <= q_rows. window as forward's, by position (0: every earlier key).
+// forward_block: the run's out and lse OVERWRITTEN with this block's attention alone; a row that
+// sees no key of the block gets out 0 and lse -inf.
+void forward_block(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int q_rows, int Lq,
+                   int p0, int Tk, int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
+// The run's rows of acc_out (fp32, q's layout) and acc_lse (lse's) fold in a block's out and lse
+// by log-sum-exp weights (a side of lse -inf contributes nothing). From acc_out 0 and acc_lse
+// -inf, merging every block of the sequence gives forward's out (in fp32) and lse.
+void merge_block(const bf16* out, const float* lse, float* acc_out, float* acc_lse, int B, int q_rows, int Lq, int Hq,
+                 int Dh, cudaStream_t stream);
+// Backward's D_i = dout_i . out_i of every row, d_row [B, Hq, q_rows] fp32 (with the final out).
+void dot_rows(const bf16* dout, const bf16* out, float* d_row, int B, int q_rows, int Hq, int Dh, cudaStream_t stream);
+// This block's share of the gradients, with the FINAL (merged) lse and dot_rows' d_row: dq_acc
+// (fp32, the run's rows) and dk_acc, dv_acc (fp32 [B, Tk, Hkv, Dh]) ADDED TO (fp32 atomics, so
+// the sums are deterministic only up to addition order). Summed over the blocks: backward's.
+void backward_block(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
+                    const float* d_row, float* dq_acc, float* dk_acc, float* dv_acc, int B, int q_rows, int Lq, int p0,
+                    int Tk, int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
+
 }  // namespace keel::ops::cuda::attention

@@ -278,6 +278,121 @@ void time_and_spot_check(int window) {
   }
 }
 
+// ---- Ring attention's pieces (forward_block, merge_block, dot_rows, backward_block) against
+// the CPU's forward_block / merge / backward_block: a run of 96 queries (the second half of 192
+// rows per sequence, so the strides matter) against a block of 80 keys on the causal diagonal,
+// partly and wholly in the past, and with a window; merging two halves of a past block gives
+// the whole block; a block wholly before the run's windows gives out 0 and lse -inf. ----
+
+struct BlockCase {
+  int p0, window;
+};
+
+TEST(AttentionCuda, RingBlockPiecesMatchCpu) {
+  KEEL_REQUIRE_GPU();
+  const int B = 2, Hq = 4, Hkv = 2, Dh = 64, q_rows = 192, Lq = 96, r0 = 96, Tk = 80;
+  const float scale = 1.f / std::sqrt(static_cast<float>(Dh));
+  const std::size_t nq = std::size_t(B) * q_rows * Hq * Dh, nkv = std::size_t(B) * Tk * Hkv * Dh;
+  const std::vector<float> q = rounded_bf16(random_vector(nq, 71, -1.7f, 1.7f));
+  const std::vector<float> k = rounded_bf16(random_vector(nkv, 72, -1.7f, 1.7f));
+  const std::vector<float> v = rounded_bf16(random_vector(nkv, 73, -1.7f, 1.7f));
+  const std::vector<float> dout = rounded_bf16(random_vector(nq, 74, -1.f, 1.f));
+  // the run's rows alone, [B, Lq, Hq, Dh], for the CPU
+  const auto run_rows = [&](const std::vector<float>& full) {
+    std::vector<float> r(std::size_t(B) * Lq * Hq * Dh);
+    for (int b = 0; b < B; ++b)
+      std::copy_n(full.begin() + (std::size_t(b) * q_rows + r0) * Hq * Dh, std::size_t(Lq) * Hq * Dh,
+                  r.begin() + std::size_t(b) * Lq * Hq * Dh);
+    return r;
+  };
+  const auto run_lse = [&](const std::vector<float>& full) {  // [B, Hq, q_rows] -> [B, Hq, Lq]
+    std::vector<float> r(std::size_t(B) * Hq * Lq);
+    for (int bh = 0; bh < B * Hq; ++bh)
+      std::copy_n(full.begin() + std::size_t(bh) * q_rows + r0, Lq, r.begin() + std::size_t(bh) * Lq);
+    return r;
+  };
+  std::vector<float> q_run = run_rows(q), dout_run = run_rows(dout);
+  auto d_q = to_device<Bf16>(q), d_k = to_device<Bf16>(k), d_v = to_device<Bf16>(v), d_dout = to_device<Bf16>(dout);
+  const std::size_t off = std::size_t(r0) * Hq * Dh;
+  std::vector<std::int32_t> k_pos(Tk);
+  for (int j = 0; j < Tk; ++j) k_pos[j] = j;
+  const Tensor tq(q_run.data(), {B, Lq, Hq, Dh}), tk(const_cast<float*>(k.data()), {B, Tk, Hkv, Dh});
+  const Tensor tv(const_cast<float*>(v.data()), {B, Tk, Hkv, Dh}), tdo(dout_run.data(), {B, Lq, Hq, Dh});
+  for (const BlockCase c : {BlockCase{0, 0}, BlockCase{50, 0}, BlockCase{200, 0}, BlockCase{30, 60}}) {
+    SCOPED_TRACE("p0=" + std::to_string(c.p0) + " window=" + std::to_string(c.window));
+    std::vector<std::int32_t> q_pos(Lq);
+    for (int i = 0; i < Lq; ++i) q_pos[i] = c.p0 + i;
+    std::vector<float> out_ref(q_run.size()), lse_ref(std::size_t(B) * Hq * Lq);
+    ops::attention::forward_block(tq, tk, tv, q_pos.data(), k_pos.data(), scale, Tensor(out_ref.data(), {B, Lq, Hq, Dh}),
+                                  Tensor(lse_ref.data(), {B, Hq, Lq}), c.window);
+    DeviceArray<Bf16> out(nq);
+    DeviceArray<float> lse(std::size_t(B) * Hq * q_rows);
+    gpu::forward_block(d_q.get() + off, d_k.get(), d_v.get(), out.get() + off, lse.get() + r0, B, q_rows, Lq, c.p0, Tk,
+                       Hq, Hkv, Dh, scale, c.window, nullptr);
+    const std::vector<float> out_got = run_rows(to_host(out)), lse_got = run_lse(to_host(lse));
+    EXPECT_TRUE(all_close(out_got, out_ref, 2e-2f, 2e-2f, "block out"));
+    for (std::size_t i = 0; i < lse_ref.size(); ++i)
+      ASSERT_NEAR(lse_got[i], lse_ref[i], 1e-3f * (1.f + std::fabs(lse_ref[i]))) << "lse " << i;
+
+    // backward with the block's own (out, lse) as the final ones
+    std::vector<float> dq_ref(q_run.size(), 0.f), dk_ref(nkv), dv_ref(nkv);
+    ops::attention::backward_block(tq, tk, tv, q_pos.data(), k_pos.data(), Tensor(out_ref.data(), {B, Lq, Hq, Dh}),
+                                   Tensor(lse_ref.data(), {B, Hq, Lq}), tdo, scale, Tensor(dq_ref.data(), {B, Lq, Hq, Dh}),
+                                   Tensor(dk_ref.data(), {B, Tk, Hkv, Dh}), Tensor(dv_ref.data(), {B, Tk, Hkv, Dh}),
+                                   c.window);
+    DeviceArray<float> d_row(std::size_t(B) * Hq * q_rows), dq(nq), dk(nkv), dv(nkv);
+    gpu::dot_rows(d_dout.get(), out.get(), d_row.get(), B, q_rows, Hq, Dh, nullptr);
+    gpu::backward_block(d_q.get() + off, d_k.get(), d_v.get(), d_dout.get() + off, lse.get() + r0, d_row.get() + r0,
+                        dq.get() + off, dk.get(), dv.get(), B, q_rows, Lq, c.p0, Tk, Hq, Hkv, Dh, scale, c.window,
+                        nullptr);
+    EXPECT_LT(norm_rel_error(run_rows(to_host(dq)), dq_ref), 2e-2) << "dq";
+    EXPECT_LT(norm_rel_error(to_host(dk), dk_ref), 2e-2) << "dk";
+    EXPECT_LT(norm_rel_error(to_host(dv), dv_ref), 2e-2) << "dv";
+  }
+
+  // Two halves of a block wholly in the past, merged, against the whole block in one call.
+  {
+    const int p0 = 200, half = Tk / 2;
+    DeviceArray<Bf16> whole(nq), part(nq);
+    DeviceArray<float> whole_lse(std::size_t(B) * Hq * q_rows), part_lse(std::size_t(B) * Hq * q_rows);
+    DeviceArray<float> acc(nq);
+    auto acc_lse = to_device<float>(std::vector<float>(std::size_t(B) * Hq * q_rows, -INFINITY));
+    gpu::forward_block(d_q.get() + off, d_k.get(), d_v.get(), whole.get() + off, whole_lse.get() + r0, B, q_rows, Lq,
+                       p0, Tk, Hq, Hkv, Dh, scale, 0, nullptr);
+    // the halves as their own [B, half, Hkv, Dh] tensors
+    std::vector<float> k1, v1, k2, v2;
+    for (int b = 0; b < B; ++b) {
+      const auto at = [&](int j) { return std::size_t(b * Tk + j) * Hkv * Dh; };
+      k1.insert(k1.end(), k.begin() + at(0), k.begin() + at(half));
+      v1.insert(v1.end(), v.begin() + at(0), v.begin() + at(half));
+      k2.insert(k2.end(), k.begin() + at(half), k.begin() + at(Tk));
+      v2.insert(v2.end(), v.begin() + at(half), v.begin() + at(Tk));
+    }
+    auto dk1 = to_device<Bf16>(k1), dv1 = to_device<Bf16>(v1), dk2 = to_device<Bf16>(k2), dv2 = to_device<Bf16>(v2);
+    gpu::forward_block(d_q.get() + off, dk1.get(), dv1.get(), part.get() + off, part_lse.get() + r0, B, q_rows, Lq, p0,
+                       half, Hq, Hkv, Dh, scale, 0, nullptr);
+    gpu::merge_block(part.get() + off, part_lse.get() + r0, acc.get() + off, acc_lse.get() + r0, B, q_rows, Lq, Hq, Dh,
+                     nullptr);
+    gpu::forward_block(d_q.get() + off, dk2.get(), dv2.get(), part.get() + off, part_lse.get() + r0, B, q_rows, Lq,
+                       p0 - half, half, Hq, Hkv, Dh, scale, 0, nullptr);
+    gpu::merge_block(part.get() + off, part_lse.get() + r0, acc.get() + off, acc_lse.get() + r0, B, q_rows, Lq, Hq, Dh,
+                     nullptr);
+    EXPECT_TRUE(all_close(run_rows(to_host(acc)), run_rows(to_host(whole)), 2e-2f, 2e-2f, "merged halves"));
+    const std::vector<float> lw = run_lse(to_host(whole_lse)), lm = run_lse(to_host(acc_lse));
+    for (std::size_t i = 0; i < lw.size(); ++i) ASSERT_NEAR(lm[i], lw[i], 1e-4f * (1.f + std::fabs(lw[i]))) << i;
+  }
+
+  // A block wholly before every row's window: out 0, lse -inf.
+  {
+    DeviceArray<Bf16> out(nq);
+    auto lse = to_device<float>(std::vector<float>(std::size_t(B) * Hq * q_rows, 7.f));
+    gpu::forward_block(d_q.get() + off, d_k.get(), d_v.get(), out.get() + off, lse.get() + r0, B, q_rows, Lq, 300, Tk,
+                       Hq, Hkv, Dh, scale, 60, nullptr);
+    for (float x : run_lse(to_host(lse))) ASSERT_EQ(x, -INFINITY);
+    for (float x : run_rows(to_host(out))) ASSERT_EQ(x, 0.f);
+  }
+}
+
 TEST(AttentionCudaPerf, Forward4096) {
   KEEL_REQUIRE_GPU();
   time_and_spot_check(0);

@@ -1,0 +1,186 @@
+// Ring attention for context parallelism on GPUs (parallel.context_mode: ring): the GPU twin of
+// context_ring.cc's softmax half (read that first), CudaContextParallel's ring mode. The linear
+// layers' ring (LASP-1) is in lasp2_cuda.cc.
+//
+// Forward: this rank's k, v (its two zigzag chunks) are laid out chunk by chunk ([2][B][L][w],
+// so each chunk is a plain [B, L, Hkv, Dh] tensor) and travel around the context group, one NCCL
+// send to rank + 1 and receive from rank - 1 per step on a side stream while the compute stream
+// attends to the block it holds: each of its query runs against each of the block's chunks that
+// is not in the run's future (attention::forward_block at the chunk's offset; the diagonal
+// chunk causally), merged in fp32 by log-sum-exp (attention::merge_block). Step 0 (its own
+// block) starts the running (out, lse) from the two diagonal chunks. C - 1 hops.
+// Backward: the blocks travel again with fp32 dk, dv accumulators; each rank adds its queries'
+// share (attention::backward_block, with the final out and lse) into the block's accumulators
+// and into its fp32 dq, then passes the accumulators on; after C hops every block is home with
+// the whole group's dk, dv. The k, v hop runs while the block is computed; the accumulators'
+// once this rank has added its share.
+// Memory: two blocks (k, v bf16; in backward also dk, dv fp32) and the fp32 running out (or dq),
+// against the all-gather's whole-sequence k, v. Scratch: the core's on-demand buffer.
+#include <fmt/format.h>
+
+#include <utility>
+
+#include "common/error.h"
+#include "device/cuda_check.h"
+#include "device/device_buffer.h"
+#include "ops/cuda/attention.h"
+#include "ops/cuda/cast.h"
+#include "parallel/context_parallel_cuda.h"
+#include "parallel/copy_rows_cuda.h"
+
+namespace keel::parallel {
+
+namespace att = ops::cuda::attention;
+
+namespace {
+constexpr std::size_t kAlign = 256;
+std::size_t aligned(std::size_t b) { return (b + kAlign - 1) / kAlign * kAlign; }
+
+// x [B, T = 2L, w] (elem bytes) <-> chunk-major [2][B][L][w].
+void to_chunks(const void* x, void* chunks, std::int64_t B, std::int64_t L, std::int64_t w, std::size_t e,
+               cudaStream_t stream) {
+  for (int c = 0; c < 2; ++c)
+    copy_rows(static_cast<std::byte*>(chunks) + c * B * L * w * e, L * w * e,
+              static_cast<const std::byte*>(x) + c * L * w * e, 2 * L * w * e, L * w * e, B, stream);
+}
+void from_chunks(const void* chunks, void* x, std::int64_t B, std::int64_t L, std::int64_t w, std::size_t e,
+                 cudaStream_t stream) {
+  for (int c = 0; c < 2; ++c)
+    copy_rows(static_cast<std::byte*>(x) + c * L * w * e, 2 * L * w * e,
+              static_cast<const std::byte*>(chunks) + c * B * L * w * e, L * w * e, L * w * e, B, stream);
+}
+}  // namespace
+
+void CudaContextParallel::ring_post(const void* send, void* recv, std::int64_t count, NcclType type,
+                                    cudaStream_t stream) {
+  if (!ring_stream_) {
+    KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&ring_stream_, cudaStreamNonBlocking));
+    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&ring_ready_, cudaEventDisableTiming));
+    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&ring_done_, cudaEventDisableTiming));
+  }
+  // the hop reads `send` and overwrites `recv`: only once the compute stream's earlier work on
+  // them (the previous step's) is done
+  KEEL_CUDA_CHECK(cudaEventRecord(ring_ready_, stream));
+  KEEL_CUDA_CHECK(cudaStreamWaitEvent(ring_stream_, ring_ready_, 0));
+  const int C = size();
+  group_->group_start();
+  group_->send(send, count, type, (rank() + 1) % C, ring_stream_);
+  group_->recv(recv, count, type, (rank() + C - 1) % C, ring_stream_);
+  group_->group_end();
+  KEEL_CUDA_CHECK(cudaEventRecord(ring_done_, ring_stream_));
+}
+
+void CudaContextParallel::ring_wait(cudaStream_t stream) {
+  KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, ring_done_, 0));
+}
+
+void CudaContextParallel::ring_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int Hq,
+                                       int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
+  const int C = size(), B = static_cast<int>(batch_), L = static_cast<int>(chunk_), T = 2 * L;
+  const std::int64_t w = std::int64_t(Hkv) * Dh, n = B * T * w, nq = std::int64_t(B) * T * Hq * Dh,
+                     nl = std::int64_t(B) * Hq * T;
+  const std::size_t slot = aligned(sizeof(bf16) * 2 * n);  // [k | v], chunk-major
+  std::byte* base = heads_scratch(2 * slot + aligned(sizeof(float) * nq) + aligned(sizeof(float) * nl) +
+                                      aligned(sizeof(bf16) * nq) + aligned(sizeof(float) * nl),
+                                  stream);
+  bf16* blocks[2] = {reinterpret_cast<bf16*>(base), reinterpret_cast<bf16*>(base + slot)};
+  std::byte* at = base + 2 * slot;
+  float* acc = reinterpret_cast<float*>(at);
+  at += aligned(sizeof(float) * nq);
+  float* acc_lse = reinterpret_cast<float*>(at);
+  at += aligned(sizeof(float) * nl);
+  bf16* blk = reinterpret_cast<bf16*>(at);
+  at += aligned(sizeof(bf16) * nq);
+  float* blk_lse = reinterpret_cast<float*>(at);
+
+  to_chunks(k, blocks[0], B, L, w, sizeof(bf16), stream);
+  to_chunks(v, blocks[0] + n, B, L, w, sizeof(bf16), stream);
+  const std::int64_t run_q = std::int64_t(L) * Hq * Dh;  // a run's first row in q, out
+  const int mine[2] = {rank(), 2 * C - 1 - rank()};     // the chunks of this rank's query runs
+  int cur = 0;
+  for (int s = 0; s < C; ++s) {
+    const int src = (rank() - s + C) % C;
+    if (s + 1 < C) ring_post(blocks[cur], blocks[1 - cur], 2 * n, NcclType::kBfloat16, stream);
+    const bf16* kb = blocks[cur];
+    const bf16* vb = blocks[cur] + n;
+    const int theirs[2] = {src, 2 * C - 1 - src};
+    if (s == 0) {  // the running (out, lse) start from each run's diagonal chunk
+      for (int r = 0; r < 2; ++r)
+        att::forward_block(q + r * run_q, kb + r * B * L * w, vb + r * B * L * w, blk + r * run_q, blk_lse + r * L, B, T,
+                           L, 0, L, Hq, Hkv, Dh, scale, window, stream);
+      ops::cuda::bf16_to_f32(blk, acc, nq, stream);
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(acc_lse, blk_lse, sizeof(float) * nl, cudaMemcpyDeviceToDevice, stream));
+    }
+    for (int c = 0; c < 2; ++c)
+      for (int r = 0; r < 2; ++r) {
+        if (mine[r] <= theirs[c]) continue;  // the diagonal (done above) or the run's future
+        const int p0 = (mine[r] - theirs[c]) * L;
+        if (window > 0 && p0 - window >= L - 1) continue;  // wholly before every row's window
+        att::forward_block(q + r * run_q, kb + c * B * L * w, vb + c * B * L * w, blk + r * run_q, blk_lse + r * L, B,
+                           T, L, p0, L, Hq, Hkv, Dh, scale, window, stream);
+        att::merge_block(blk + r * run_q, blk_lse + r * L, acc + r * run_q, acc_lse + r * L, B, T, L, Hq, Dh, stream);
+      }
+    if (s + 1 < C) {
+      ring_wait(stream);
+      cur = 1 - cur;
+    }
+  }
+  ops::cuda::f32_to_bf16(acc, out, nq, stream);
+  KEEL_CUDA_CHECK(cudaMemcpyAsync(lse, acc_lse, sizeof(float) * nl, cudaMemcpyDeviceToDevice, stream));
+}
+
+void CudaContextParallel::ring_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
+                                        const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int Hq, int Hkv, int Dh,
+                                        float scale, int window, cudaStream_t stream) {
+  const int C = size(), B = static_cast<int>(batch_), L = static_cast<int>(chunk_), T = 2 * L;
+  const std::int64_t w = std::int64_t(Hkv) * Dh, n = B * T * w, nq = std::int64_t(B) * T * Hq * Dh,
+                     nl = std::int64_t(B) * Hq * T;
+  // a block: [k | v] bf16, then [dk | dv] fp32, each chunk-major
+  const std::size_t kv = aligned(sizeof(bf16) * 2 * n), acc = aligned(sizeof(float) * 2 * n);
+  std::byte* base = heads_scratch(2 * (kv + acc) + aligned(sizeof(float) * nq) + aligned(sizeof(float) * nl) +
+                                      aligned(sizeof(bf16) * n),
+                                  stream);
+  bf16* kvs[2] = {reinterpret_cast<bf16*>(base), reinterpret_cast<bf16*>(base + kv + acc)};
+  float* accs[2] = {reinterpret_cast<float*>(base + kv), reinterpret_cast<float*>(base + 2 * kv + acc)};
+  std::byte* at = base + 2 * (kv + acc);
+  float* dq_acc = reinterpret_cast<float*>(at);
+  at += aligned(sizeof(float) * nq);
+  float* d_row = reinterpret_cast<float*>(at);
+  at += aligned(sizeof(float) * nl);
+  bf16* tmp = reinterpret_cast<bf16*>(at);
+
+  to_chunks(k, kvs[0], B, L, w, sizeof(bf16), stream);
+  to_chunks(v, kvs[0] + n, B, L, w, sizeof(bf16), stream);
+  KEEL_CUDA_CHECK(cudaMemsetAsync(accs[0], 0, sizeof(float) * 2 * n, stream));
+  KEEL_CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, sizeof(float) * nq, stream));
+  att::dot_rows(dout, out, d_row, B, T, Hq, Dh, stream);
+  const std::int64_t run_q = std::int64_t(L) * Hq * Dh;
+  const int mine[2] = {rank(), 2 * C - 1 - rank()};
+  int cur = 0;
+  for (int s = 0; s < C; ++s) {
+    const int src = (rank() - s + C) % C;
+    if (s + 1 < C) ring_post(kvs[cur], kvs[1 - cur], 2 * n, NcclType::kBfloat16, stream);  // the next block's k, v
+    const int theirs[2] = {src, 2 * C - 1 - src};
+    for (int c = 0; c < 2; ++c)
+      for (int r = 0; r < 2; ++r) {
+        if (mine[r] < theirs[c]) continue;  // the run's future
+        const int p0 = (mine[r] - theirs[c]) * L;
+        if (window > 0 && p0 - window >= L - 1) continue;
+        const std::int64_t chunk = std::int64_t(c) * B * L * w;
+        att::backward_block(q + r * run_q, kvs[cur] + chunk, kvs[cur] + n + chunk, dout + r * run_q, lse + r * L,
+                            d_row + r * L, dq_acc + r * run_q, accs[cur] + chunk, accs[cur] + n + chunk, B, T, L, p0, L,
+                            Hq, Hkv, Dh, scale, window, stream);
+      }
+    ring_post(accs[cur], accs[1 - cur], 2 * n, NcclType::kFloat32, stream);  // this rank's share added: pass it on
+    ring_wait(stream);
+    cur = 1 - cur;
+  }
+  // after C hops of the accumulators, accs[cur] is this rank's own block with every rank's share
+  ops::cuda::f32_to_bf16(dq_acc, dq, nq, stream);
+  ops::cuda::f32_to_bf16(accs[cur], tmp, n, stream);
+  from_chunks(tmp, dk, B, L, w, sizeof(bf16), stream);
+  ops::cuda::f32_to_bf16(accs[cur] + n, tmp, n, stream);
+  from_chunks(tmp, dv, B, L, w, sizeof(bf16), stream);
+}
+
+}  // namespace keel::parallel
