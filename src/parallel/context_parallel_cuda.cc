@@ -59,8 +59,27 @@ CudaContextParallel::~CudaContextParallel() {
 
 void CudaContextParallel::sum(double* x, int n) const { sum_over_context(comm_, x, n); }
 
+void CudaContextParallel::release_gather() {
+  if (mem_) cudaFree(mem_);
+  mem_ = nullptr;
+  bytes_ = 0;
+  send_ = recv_ = k_ = v_ = nullptr;
+  dk_ = dv_ = rs_send_ = rs_recv_ = nullptr;
+}
+
+void CudaContextParallel::use_ring() {
+  release_gather();
+  ring_ = true;
+}
+
+void CudaContextParallel::use_heads() {
+  release_gather();
+  heads_ = true;
+}
+
 void CudaContextParallel::gather(const bf16* k, const bf16* v, std::int64_t B, std::int64_t T, std::int64_t w,
                                  cudaStream_t stream) {
+  if (!mem_) fail("context parallel (cuda): the k/v gather's buffers were released (ring or all-to-all mode)");
   if (B != batch_ || T != 2 * chunk_ || w > kv_dim_)
     fail("context parallel (cuda): k, v of [{}, {}, {}] through a core of [{}, {}, {}]", B, T, w, batch_, 2 * chunk_,
          kv_dim_);

@@ -9,13 +9,13 @@
 //              (attention::backward_runs), reduce-scatters them in fp32 to the ranks holding
 //              those keys and rounds them to bf16 once.
 //   halos      one NCCL send-receive with each neighbour (bf16 forward, fp32 backward).
-//   heads      with set_heads(true) (parallel.context_mode: alltoall; context_alltoall_cuda.cc):
+//   heads      with use_heads() (parallel.context_mode: alltoall; context_alltoall_cuda.cc):
 //              DeepSpeed-Ulysses' schedule instead of the gather, for the softmax and the linear
 //              cores alike. One NCCL all-to-all (grouped send/receive) per tensor gives each rank
 //              the whole sequences of 1/C of the heads; the plain kernels run over them; one
 //              all-to-all brings the outputs back. Backward sends q, k, v, out, lse and dout and
 //              returns dq, dk, dv whole: nothing is summed.
-//   ring       with set_ring(true) (parallel.context_mode: ring; context_ring_cuda.cc): each
+//   ring       with use_ring() (parallel.context_mode: ring; context_ring_cuda.cc): each
 //              rank's k, v block travels around the group instead of the gather, one NCCL
 //              send/receive hop per step on a side stream while the current block is computed;
 //              the queries attend block by block (attention::forward_block, merged by
@@ -30,7 +30,8 @@
 // Collectives run on the caller's stream, in the order the blocks call them. Buffers: the
 // gathered k and v (bf16 [B, S, Hkv, Dh] each, plus the all-gather's receive buffer of the same
 // size), the fp32 dk, dv of the whole sequence and their reduce-scatter buffers, and the halos'
-// staging: allocated once, for the largest layer.
+// staging: allocated once, for the largest layer (the gathers' released by use_ring() and
+// use_heads(), whose modes never gather).
 #pragma once
 
 #include <mpi.h>
@@ -61,7 +62,9 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   const std::vector<std::int32_t>& positions() const { return pos_; }  // this rank's rows' positions in a sequence
   // Sums x[0..n) over the group on the host, in rank order (the same bits on every rank).
   void sum(double* x, int n) const;
-  std::size_t device_bytes() const { return bytes_; }  // the k/v gathers and halos (not LASP-2's states)
+  // the k/v gathers (none in the ring and all-to-all modes) and the modes' scratch so far (grown
+  // at the first step); not the halos or LASP-2's states
+  std::size_t device_bytes() const { return bytes_ + a2a_bytes_; }
   // LASP-2's state buffers for `floats` states per rank (grown on demand otherwise; nothing may be
   // queued on them), and their bytes.
   void reserve_states(std::int64_t floats);
@@ -78,11 +81,12 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
                 bf16* dq, bf16* dk, bf16* dv, void* workspace, int B, int T, int Hq, int Hkv, int Dh, float scale,
                 int window, cudaStream_t stream) override;
   // parallel.context_mode: ring: the softmax core passes k, v blocks around the group
-  // (context_ring_cuda.cc) and the linear core LASP-1's chain of states (lasp2_cuda.cc).
-  void set_ring(bool ring) { ring_ = ring; }
+  // (context_ring_cuda.cc) and the linear core LASP-1's chain of states (lasp2_cuda.cc). Frees
+  // the whole-sequence gather buffers, which this mode never uses; call before any work.
+  void use_ring();
   // parallel.context_mode: alltoall: heads by all-to-all (every layer's heads and kv heads must
-  // divide by the context degree: the plan checks it).
-  void set_heads(bool heads) { heads_ = heads; }
+  // divide by the context degree: the plan checks it). Frees the gather buffers as use_ring().
+  void use_heads();
   std::size_t linear_workspace_bytes(const ops::linear_attention::Config& c, std::int64_t runs,
                                      std::int64_t len) const override;
   void attend_linear(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t len, const bf16* q,
@@ -93,6 +97,7 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
                               bf16* dq, bf16* dk, bf16* dv, void* workspace, cudaStream_t stream) override;
 
  private:
+  void release_gather();  // the ring and all-to-all modes: no whole-sequence k, v
   // k, v [B, T, w] of every rank -> k_, v_ [B, S, w] in sequence order.
   void gather(const bf16* k, const bf16* v, std::int64_t B, std::int64_t T, std::int64_t w, cudaStream_t stream);
   // The halo exchange of either direction's element type: `first` (rows b*2) go up and

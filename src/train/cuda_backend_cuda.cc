@@ -127,8 +127,8 @@ class CudaBackend final : public TrainBackend {
                                    "each head shard",
                                    parallel::context_mode_name(opt_.context_mode)));
     plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_, opt_.micro_batch, opt_.seq_length, opt_.sequence_parallel);
-    if (ring && plan_->context()) plan_->context()->set_ring(true);  // k/v blocks around the ring; LASP-1
-    if (heads && plan_->context()) plan_->context()->set_heads(true);       // heads by all-to-all (Ulysses)
+    if (ring && plan_->context()) plan_->context()->use_ring();  // k/v blocks around the ring; LASP-1
+    if (heads && plan_->context()) plan_->context()->use_heads();  // heads by all-to-all (Ulysses)
     model_ = std::make_unique<CudaModel>(cfg_, opt_, layout_, plan_->layers(), plan_->tensor(), plan_->context(),
                                          prop.totalGlobalMem, stream_, plan_->tsp());
     // TSP's step is tensor parallelism's over the tsp group (its gradients partial as under
