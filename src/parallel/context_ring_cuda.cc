@@ -6,8 +6,8 @@
 // so each chunk is a plain [B, L, Hkv, Dh] tensor) and travel around the context group, one NCCL
 // send to rank + 1 and receive from rank - 1 per step on a side stream while the compute stream
 // attends to the block it holds: each of its query runs against each of the block's chunks that
-// is not in the run's future (attention::forward_block at the chunk's offset; the diagonal
-// chunk causally), merged in fp32 by log-sum-exp (attention::merge_block). Step 0 (its own
+// is not in the run's future (attention::forward_block at the chunk's offset, its output in fp32;
+// the diagonal chunk causally), merged in fp32 by log-sum-exp (attention::merge_block). Step 0 (its own
 // block) starts the running (out, lse) from the two diagonal chunks. C - 1 hops.
 // Backward: the blocks travel again with fp32 dk, dv accumulators; each rank adds its queries'
 // share (attention::backward_block, with the final out and lse) into the block's accumulators
@@ -81,7 +81,7 @@ void CudaContextParallel::ring_forward(const bf16* q, const bf16* k, const bf16*
                      nl = std::int64_t(B) * Hq * T;
   const std::size_t slot = aligned(sizeof(bf16) * 2 * n);  // [k | v], chunk-major
   std::byte* base = heads_scratch(2 * slot + aligned(sizeof(float) * nq) + aligned(sizeof(float) * nl) +
-                                      aligned(sizeof(bf16) * nq) + aligned(sizeof(float) * nl),
+                                      aligned(sizeof(float) * nq) + aligned(sizeof(float) * nl),
                                   stream);
   bf16* blocks[2] = {reinterpret_cast<bf16*>(base), reinterpret_cast<bf16*>(base + slot)};
   std::byte* at = base + 2 * slot;
@@ -89,8 +89,8 @@ void CudaContextParallel::ring_forward(const bf16* q, const bf16* k, const bf16*
   at += aligned(sizeof(float) * nq);
   float* acc_lse = reinterpret_cast<float*>(at);
   at += aligned(sizeof(float) * nl);
-  bf16* blk = reinterpret_cast<bf16*>(at);
-  at += aligned(sizeof(bf16) * nq);
+  float* blk = reinterpret_cast<float*>(at);  // a block's output, fp32 (never rounded before the merge)
+  at += aligned(sizeof(float) * nq);
   float* blk_lse = reinterpret_cast<float*>(at);
 
   to_chunks(k, blocks[0], B, L, w, sizeof(bf16), stream);
@@ -108,7 +108,7 @@ void CudaContextParallel::ring_forward(const bf16* q, const bf16* k, const bf16*
       for (int r = 0; r < 2; ++r)
         att::forward_block(q + r * run_q, kb + r * B * L * w, vb + r * B * L * w, blk + r * run_q, blk_lse + r * L, B, T,
                            L, 0, L, Hq, Hkv, Dh, scale, window, stream);
-      ops::cuda::bf16_to_f32(blk, acc, nq, stream);
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(acc, blk, sizeof(float) * nq, cudaMemcpyDeviceToDevice, stream));
       KEEL_CUDA_CHECK(cudaMemcpyAsync(acc_lse, blk_lse, sizeof(float) * nl, cudaMemcpyDeviceToDevice, stream));
     }
     for (int c = 0; c < 2; ++c)

@@ -382,10 +382,12 @@ TEST(ContextParallel, GpusZayaSlidingRingMatchOneGpu) {
       joined(kZayaGpu, {"model.layer_sliding=[false, true]", "model.sliding_window=200", "parallel.context_mode=ring"}),
       "zaya_sliding_ring_cp");
 }
-// The ring rounds each block's attention output to bf16 before the fp32 merge; the hybrid's
-// trajectory at this toy size amplifies that (and the backward's fp32-atomic order): its step-9
-// loss came 0.7% and 7% off one GPU's in two runs at C = 2 (the first step agrees as tightly as
-// the all-gather's), hence 10% here.
+// The hybrid's trajectory at this toy size amplifies the ring's other summation order (the merge,
+// the backward's fp32 atomics): against the all-gather on the same 2 ranks its step-9 gradient
+// norm came 0.28 against 0.67 while the losses agreed to 0.2%. Its step-9 loss against one GPU
+// came 0.07% (C = 2) and 0.14% (C = 4) off with the blocks merged in fp32; while the blocks were
+// rounded to bf16 first, 0.7% and 7% in two runs at C = 2. Hence 10% here; the first step is
+// checked as tightly as everywhere.
 TEST(ContextParallel, GpusHybridRingMatchOneGpu) {
   expect_gpus_match_one_gpu(joined(kHybrid, kRing), "hybrid_ring_cp", 0, 1, 1, 0.1);
 }

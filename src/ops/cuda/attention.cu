@@ -60,12 +60,13 @@ struct Fwd {
 
 // One run of Lq queries at positions p0 .. p0 + Lq - 1 over Tk keys: q, out, lse point at the
 // run's first row, and q_rows is the rows per sequence of q, out and lse (their batch stride;
-// lse's (b, h) stride). forward() is the run p0 = 0, Lq = q_rows = Tk = T.
+// lse's (b, h) stride). forward() is the run p0 = 0, Lq = q_rows = Tk = T. With out_f32 the
+// output goes there in fp32 instead of to out (a ring block, merged in fp32).
 template <int kDh>
 __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
     forward_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                    bf16* __restrict__ out, float* __restrict__ lse, int Lq, int q_rows, int p0, int Tk, int Hq, int Hkv,
-                   int W, float scale_log2) {
+                   int W, float scale_log2, float* __restrict__ out_f32 = nullptr) {
   using C = Fwd<kDh>;
   constexpr int kBr = C::kBr, kBc = C::kBc, kLd = C::kLd;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -206,21 +207,33 @@ __global__ void __launch_bounds__(Fwd<kDh>::kThreads, 2)
     l_run[r] = quad_sum(l_run[r]);
     inv[r] = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;  // a row that saw no key (a ring block): out 0
   }
-  bf16* o_s = q_s + warp * 16 * kLd;
+  if (out_f32) {  // straight from the accumulators, two floats per store
+    float* of = out_f32 + (static_cast<std::int64_t>(b) * q_rows * Hq + h) * kDh;
 #pragma unroll
-  for (int n = 0; n < kDh / 8; ++n) {
-    const int col = n * 8 + 2 * (lane & 3);
-    *reinterpret_cast<std::uint32_t*>(o_s + (lane >> 2) * kLd + col) = pack_bf16(o[n][0] * inv[0], o[n][1] * inv[0]);
-    *reinterpret_cast<std::uint32_t*>(o_s + ((lane >> 2) + 8) * kLd + col) =
-        pack_bf16(o[n][2] * inv[1], o[n][3] * inv[1]);
-  }
-  __syncwarp();
-  bf16* out_g = out + (static_cast<std::int64_t>(b) * q_rows * Hq + h) * kDh;
-  for (int c = lane; c < 16 * (kDh / 8); c += 32) {
-    const int r = c / (kDh / 8), ch = c % (kDh / 8);
-    if (w_row0 + r < Lq)
-      *reinterpret_cast<uint4*>(out_g + (w_row0 + r) * q_stride + ch * 8) =
-          *reinterpret_cast<const uint4*>(o_s + r * kLd + ch * 8);
+    for (int n = 0; n < kDh / 8; ++n) {
+      const int col = n * 8 + 2 * (lane & 3);
+      if (row_lo < Lq)
+        *reinterpret_cast<float2*>(of + row_lo * q_stride + col) = make_float2(o[n][0] * inv[0], o[n][1] * inv[0]);
+      if (row_hi < Lq)
+        *reinterpret_cast<float2*>(of + row_hi * q_stride + col) = make_float2(o[n][2] * inv[1], o[n][3] * inv[1]);
+    }
+  } else {
+    bf16* o_s = q_s + warp * 16 * kLd;
+#pragma unroll
+    for (int n = 0; n < kDh / 8; ++n) {
+      const int col = n * 8 + 2 * (lane & 3);
+      *reinterpret_cast<std::uint32_t*>(o_s + (lane >> 2) * kLd + col) = pack_bf16(o[n][0] * inv[0], o[n][1] * inv[0]);
+      *reinterpret_cast<std::uint32_t*>(o_s + ((lane >> 2) + 8) * kLd + col) =
+          pack_bf16(o[n][2] * inv[1], o[n][3] * inv[1]);
+    }
+    __syncwarp();
+    bf16* out_g = out + (static_cast<std::int64_t>(b) * q_rows * Hq + h) * kDh;
+    for (int c = lane; c < 16 * (kDh / 8); c += 32) {
+      const int r = c / (kDh / 8), ch = c % (kDh / 8);
+      if (w_row0 + r < Lq)
+        *reinterpret_cast<uint4*>(out_g + (w_row0 + r) * q_stride + ch * 8) =
+            *reinterpret_cast<const uint4*>(o_s + r * kLd + ch * 8);
+    }
   }
   if ((lane & 3) == 0) {
     float* lse_g = lse + (static_cast<std::int64_t>(b) * Hq + h) * q_rows;
@@ -500,7 +513,7 @@ __global__ void __launch_bounds__(Bwd<kDh>::kThreads)
 
 // Ring blocks: one warp per (b, t, h) row of a run folds the block's (out, lse) into the fp32
 // running (acc_out, acc_lse) with log-sum-exp weights; a side of lse -inf contributes nothing.
-__global__ void merge_block_kernel(const bf16* __restrict__ out, const float* __restrict__ lse,
+__global__ void merge_block_kernel(const float* __restrict__ out, const float* __restrict__ lse,
                                    float* __restrict__ acc_out, float* __restrict__ acc_lse, std::int64_t rows,
                                    int q_rows, int Lq, int Hq, int Dh) {
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -515,7 +528,7 @@ __global__ void merge_block_kernel(const bf16* __restrict__ out, const float* __
   const float w1 = l1 == -INFINITY ? 0.f : expf(l1 - m), w2 = l2 == -INFINITY ? 0.f : expf(l2 - m);
   const float inv = 1.f / (w1 + w2);
   for (int i = lane; i < Dh; i += 32)
-    acc_out[o_at + i] = (acc_out[o_at + i] * w1 + __bfloat162float(out[o_at + i]) * w2) * inv;
+    acc_out[o_at + i] = (acc_out[o_at + i] * w1 + out[o_at + i] * w2) * inv;
   __syncwarp();
   if (lane == 0) acc_lse[l_at] = m + logf(w1 + w2);
 }
@@ -775,7 +788,7 @@ void check_block(const char* what, int B, int q_rows, int Lq, int p0, int Tk, in
 }
 }  // namespace
 
-void forward_block(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int q_rows, int Lq,
+void forward_block(const bf16* q, const bf16* k, const bf16* v, float* out, float* lse, int B, int q_rows, int Lq,
                    int p0, int Tk, int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
   check_block("forward_block", B, q_rows, Lq, p0, Tk, Hq, Hkv, Dh, window);
   if (B == 0 || Lq == 0) return;
@@ -787,7 +800,7 @@ void forward_block(const bf16* q, const bf16* k, const bf16* v, bf16* out, float
   const auto launch = [&](auto kernel, int smem, int threads, int br) {
     KEEL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>((Lq + br - 1) / br));
-    kernel<<<grid, threads, smem, stream>>>(q, k, v, out, lse, Lq, q_rows, p0, Tk, Hq, Hkv, W, scale * kLog2e);
+    kernel<<<grid, threads, smem, stream>>>(q, k, v, nullptr, lse, Lq, q_rows, p0, Tk, Hq, Hkv, W, scale * kLog2e, out);
     KEEL_CUDA_CHECK_LAUNCH();
   };
   if (Dh == 64)
@@ -796,7 +809,7 @@ void forward_block(const bf16* q, const bf16* k, const bf16* v, bf16* out, float
     launch(forward_kernel<128>, Fwd<128>::kSmemBytes, Fwd<128>::kThreads, Fwd<128>::kBr);
 }
 
-void merge_block(const bf16* out, const float* lse, float* acc_out, float* acc_lse, int B, int q_rows, int Lq, int Hq,
+void merge_block(const float* out, const float* lse, float* acc_out, float* acc_lse, int B, int q_rows, int Lq, int Hq,
                  int Dh, cudaStream_t stream) {
   if (B < 0 || Lq < 0 || Lq > q_rows || Hq <= 0 || Dh <= 0)
     fail("attention merge_block: B {}, {} of {} rows, {} heads of {}", B, Lq, q_rows, Hq, Dh);

@@ -98,14 +98,15 @@ void backward_runs(const bf16* q, const bf16* k, const bf16* v, const bf16* out,
 // dq_acc point at the run's first row and lse, d_row at its first column; q_rows is the rows per
 // sequence of all of them (their batch stride, and the length of lse's and d_row's (b, h) rows),
 // Lq <= q_rows. window as forward's, by position (0: every earlier key).
-// forward_block: the run's out and lse OVERWRITTEN with this block's attention alone; a row that
-// sees no key of the block gets out 0 and lse -inf.
-void forward_block(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int B, int q_rows, int Lq,
+// forward_block: the run's out (fp32, q's layout: the merge's input, never rounded to bf16) and
+// lse OVERWRITTEN with this block's attention alone; a row that sees no key of the block gets out
+// 0 and lse -inf.
+void forward_block(const bf16* q, const bf16* k, const bf16* v, float* out, float* lse, int B, int q_rows, int Lq,
                    int p0, int Tk, int Hq, int Hkv, int Dh, float scale, int window, cudaStream_t stream);
 // The run's rows of acc_out (fp32, q's layout) and acc_lse (lse's) fold in a block's out and lse
 // by log-sum-exp weights (a side of lse -inf contributes nothing). From acc_out 0 and acc_lse
 // -inf, merging every block of the sequence gives forward's out (in fp32) and lse.
-void merge_block(const bf16* out, const float* lse, float* acc_out, float* acc_lse, int B, int q_rows, int Lq, int Hq,
+void merge_block(const float* out, const float* lse, float* acc_out, float* acc_lse, int B, int q_rows, int Lq, int Hq,
                  int Dh, cudaStream_t stream);
 // Backward's D_i = dout_i . out_i of every row, d_row [B, Hq, q_rows] fp32 (with the final out).
 void dot_rows(const bf16* dout, const bf16* out, float* d_row, int B, int q_rows, int Hq, int Dh, cudaStream_t stream);
