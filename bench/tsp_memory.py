@@ -161,7 +161,8 @@ def main():
         groups = {"weights": ["fp32 master weights", "bf16 weights"], "grads": ["fp32 gradients"],
                   "optim": ["optimizer m (Muon momentum)", "AdamW v"],
                   "acts": ["saved activations", "backward scratch", "cross-entropy (kept logits)"],
-                  "comm": ["sequence-parallel gathers", "context-parallel k/v gathers", "tsp shards",
+                  "comm": ["sequence-parallel gathers", "context-parallel k/v gathers",
+                           "context-parallel ring blocks", "context-parallel all-to-all buffers", "tsp shards",
                            "expert-parallel exchange", "bf16 gradient-reduce scratch"]}
     print(f"{'layout':8s} " + " ".join(f"{s:>8d}" for s in lengths) +
           f"   (at the longest: {' / '.join(groups)})" + ("   keel size at each length" if a.size else ""))

@@ -15,6 +15,7 @@
 #include "device/device_buffer.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/linear_attention.h"
+#include "parallel/context_mode.h"
 #include "parallel/context_parallel_cuda.h"
 #include "parallel/copy_rows_cuda.h"
 
@@ -23,8 +24,7 @@ namespace keel::parallel {
 namespace la = ops::cuda::linear_attention;
 
 namespace {
-constexpr std::size_t kAlign = 256;
-std::size_t aligned(std::size_t b) { return (b + kAlign - 1) / kAlign * kAlign; }
+const auto aligned = &context_aligned;  // the regions' alignment (context_mode.h)
 
 // Regions carved off a buffer in order, each 256-byte aligned.
 struct Carver {
@@ -145,9 +145,7 @@ void CudaContextParallel::heads_forward(const bf16* q, const bf16* k, const bf16
   const std::int64_t hq = heads_of(Hq, "query heads"), hkv = heads_of(Hkv, "kv heads");
   const std::int64_t nq = batch_ * seq_ * hq * Dh, nkv = batch_ * seq_ * hkv * Dh, nl = batch_ * hq * seq_;
   const std::size_t stage = aligned(sizeof(bf16) * static_cast<std::size_t>(nq));  // the local q (>= any other send)
-  const std::size_t bytes = 2 * stage + 2 * aligned(sizeof(bf16) * nq) + 2 * aligned(sizeof(bf16) * nkv) +
-                            aligned(sizeof(float) * nl);
-  Carver cv{heads_scratch(bytes, stream) + 2 * stage};
+  Carver cv{heads_scratch(alltoall_forward_bytes({batch_, 2 * chunk_, Hq, Hkv, Dh}), stream) + 2 * stage};
   bf16 *Q = cv.take<bf16>(nq), *O = cv.take<bf16>(nq), *K = cv.take<bf16>(nkv), *V = cv.take<bf16>(nkv);
   float* L = cv.take<float>(nl);
   const NcclType b16 = NcclType::kBfloat16;
@@ -167,9 +165,7 @@ void CudaContextParallel::heads_backward(const bf16* q, const bf16* k, const bf1
   const std::int64_t hq = heads_of(Hq, "query heads"), hkv = heads_of(Hkv, "kv heads");
   const std::int64_t nq = batch_ * seq_ * hq * Dh, nkv = batch_ * seq_ * hkv * Dh, nl = batch_ * hq * seq_;
   const std::size_t stage = aligned(sizeof(bf16) * static_cast<std::size_t>(nq));
-  const std::size_t bytes = 2 * stage + 4 * aligned(sizeof(bf16) * nq) + 4 * aligned(sizeof(bf16) * nkv) +
-                            aligned(sizeof(float) * nl);
-  Carver cv{heads_scratch(bytes, stream) + 2 * stage};
+  Carver cv{heads_scratch(alltoall_backward_bytes({batch_, 2 * chunk_, Hq, Hkv, Dh}), stream) + 2 * stage};
   bf16 *Q = cv.take<bf16>(nq), *O = cv.take<bf16>(nq), *D = cv.take<bf16>(nq), *dQ = cv.take<bf16>(nq);
   bf16 *K = cv.take<bf16>(nkv), *V = cv.take<bf16>(nkv), *dK = cv.take<bf16>(nkv), *dV = cv.take<bf16>(nkv);
   float* L = cv.take<float>(nl);
@@ -204,7 +200,7 @@ void CudaContextParallel::heads_linear(const la::Config& c, const bf16* q, const
   const la::Config h = heads_config(c);
   const std::int64_t D = c.head_dim, nq = batch_ * seq_ * h.heads * D, nkv = batch_ * seq_ * h.kv_heads * D;
   const std::size_t stage = aligned(sizeof(bf16) * static_cast<std::size_t>(nq));
-  Carver cv{heads_scratch(2 * stage + 2 * aligned(sizeof(bf16) * nq) + 2 * aligned(sizeof(bf16) * nkv), stream) +
+  Carver cv{heads_scratch(alltoall_linear_forward_bytes({batch_, 2 * chunk_, c.heads, c.kv_heads, D}), stream) +
             2 * stage};
   bf16 *Q = cv.take<bf16>(nq), *O = cv.take<bf16>(nq), *K = cv.take<bf16>(nkv), *V = cv.take<bf16>(nkv);
   // whole sequences start from zeros: the runs' initial states are not used (kept zero, as the
@@ -225,7 +221,7 @@ void CudaContextParallel::heads_linear_backward(const la::Config& c, const bf16*
   const la::Config h = heads_config(c);
   const std::int64_t D = c.head_dim, nq = batch_ * seq_ * h.heads * D, nkv = batch_ * seq_ * h.kv_heads * D;
   const std::size_t stage = aligned(sizeof(bf16) * static_cast<std::size_t>(nq));
-  Carver cv{heads_scratch(2 * stage + 3 * aligned(sizeof(bf16) * nq) + 4 * aligned(sizeof(bf16) * nkv), stream) +
+  Carver cv{heads_scratch(alltoall_linear_backward_bytes({batch_, 2 * chunk_, c.heads, c.kv_heads, D}), stream) +
             2 * stage};
   bf16 *Q = cv.take<bf16>(nq), *Dout = cv.take<bf16>(nq), *dQ = cv.take<bf16>(nq);
   bf16 *K = cv.take<bf16>(nkv), *V = cv.take<bf16>(nkv), *dK = cv.take<bf16>(nkv), *dV = cv.take<bf16>(nkv);

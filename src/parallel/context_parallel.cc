@@ -49,22 +49,6 @@ std::vector<std::int32_t> zigzag_positions(std::int64_t seq, int degree, int ran
   return pos;
 }
 
-ContextMode parse_context_mode(const std::string& word) {
-  if (word == "allgather") return ContextMode::kAllGather;
-  if (word == "ring") return ContextMode::kRing;
-  if (word == "alltoall") return ContextMode::kAllToAll;
-  throw UsageError(fmt::format("unknown context mode '{}' (allgather, ring or alltoall)", word));
-}
-
-const char* context_mode_name(ContextMode m) {
-  switch (m) {
-    case ContextMode::kAllGather: return "allgather";
-    case ContextMode::kRing: return "ring";
-    case ContextMode::kAllToAll: return "alltoall";
-  }
-  return "?";
-}
-
 ContextParallel::ContextParallel(MPI_Comm context, std::int64_t seq, ContextMode mode)
     : comm_(context), seq_(seq), mode_(mode) {
   if (comm_ != MPI_COMM_NULL) {

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "blocks/runners.h"
+#include "parallel/context_mode.h"
 #include "tensor/tensor.h"
 
 namespace keel::parallel {
@@ -58,12 +59,6 @@ std::vector<std::int32_t> zigzag_positions(std::int64_t seq, int degree, int ran
 // Sums x[0..n) over the ranks of `context` on the host, in place, each added in rank order: the
 // same bits on every rank (MPI_COMM_NULL: nothing to sum).
 void sum_over_context(MPI_Comm context, double* x, int n);
-
-// How the sequence mixers see the rest of the sequence (parallel.context_mode).
-enum class ContextMode { kAllGather, kRing, kAllToAll };
-// "allgather", "ring", "alltoall"; UsageError naming the word otherwise.
-ContextMode parse_context_mode(const std::string& word);
-const char* context_mode_name(ContextMode m);
 
 class ContextParallel final : public blocks::AttentionCore, public blocks::TokenGroup {
  public:

@@ -7,6 +7,7 @@
 #include "device/device_buffer.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cast.h"
+#include "parallel/context_mode.h"
 #include "parallel/context_parallel.h"
 #include "parallel/copy_rows_cuda.h"
 
@@ -67,14 +68,16 @@ void CudaContextParallel::release_gather() {
   dk_ = dv_ = rs_send_ = rs_recv_ = nullptr;
 }
 
-void CudaContextParallel::use_ring() {
+void CudaContextParallel::use_ring(int hq, int dh) {
   release_gather();
   ring_ = true;
+  heads_scratch(ring_buffer_bytes({batch_, 2 * chunk_, hq, kv_dim_ / dh, dh}), nullptr);
 }
 
-void CudaContextParallel::use_heads() {
+void CudaContextParallel::use_heads(int hq, int dh, bool softmax, bool linear) {
   release_gather();
   heads_ = true;
+  heads_scratch(alltoall_buffer_bytes({batch_, 2 * chunk_, hq, kv_dim_ / dh, dh}, softmax, linear), nullptr);
 }
 
 void CudaContextParallel::gather(const bf16* k, const bf16* v, std::int64_t B, std::int64_t T, std::int64_t w,

@@ -62,8 +62,8 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   const std::vector<std::int32_t>& positions() const { return pos_; }  // this rank's rows' positions in a sequence
   // Sums x[0..n) over the group on the host, in rank order (the same bits on every rank).
   void sum(double* x, int n) const;
-  // the k/v gathers (none in the ring and all-to-all modes) and the modes' scratch so far (grown
-  // at the first step); not the halos or LASP-2's states
+  // the k/v gathers, or in the ring and all-to-all modes their buffers (context_mode.h); not
+  // the halos or LASP-2's states
   std::size_t device_bytes() const { return bytes_ + a2a_bytes_; }
   // LASP-2's state buffers for `floats` states per rank (grown on demand otherwise; nothing may be
   // queued on them), and their bytes.
@@ -82,11 +82,13 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
                 int window, cudaStream_t stream) override;
   // parallel.context_mode: ring: the softmax core passes k, v blocks around the group
   // (context_ring_cuda.cc) and the linear core LASP-1's chain of states (lasp2_cuda.cc). Frees
-  // the whole-sequence gather buffers, which this mode never uses; call before any work.
-  void use_ring();
+  // the whole-sequence gather buffers, which this mode never uses, and allocates the ring's for
+  // the widest layer (hq query heads of dh on this tensor rank); call before any work.
+  void use_ring(int hq, int dh);
   // parallel.context_mode: alltoall: heads by all-to-all (every layer's heads and kv heads must
-  // divide by the context degree: the plan checks it). Frees the gather buffers as use_ring().
-  void use_heads();
+  // divide by the context degree: the plan checks it). Frees the gather buffers and allocates
+  // its own as use_ring(); softmax / linear: whether the model has such layers.
+  void use_heads(int hq, int dh, bool softmax, bool linear);
   std::size_t linear_workspace_bytes(const ops::linear_attention::Config& c, std::int64_t runs,
                                      std::int64_t len) const override;
   void attend_linear(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t len, const bf16* q,

@@ -25,6 +25,7 @@
 #include "device/device_buffer.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cast.h"
+#include "parallel/context_mode.h"
 #include "parallel/context_parallel_cuda.h"
 #include "parallel/copy_rows_cuda.h"
 
@@ -33,8 +34,7 @@ namespace keel::parallel {
 namespace att = ops::cuda::attention;
 
 namespace {
-constexpr std::size_t kAlign = 256;
-std::size_t aligned(std::size_t b) { return (b + kAlign - 1) / kAlign * kAlign; }
+const auto aligned = &context_aligned;  // the regions' alignment (context_mode.h)
 
 // x [B, T = 2L, w] (elem bytes) <-> chunk-major [2][B][L][w].
 void to_chunks(const void* x, void* chunks, std::int64_t B, std::int64_t L, std::int64_t w, std::size_t e,
@@ -80,9 +80,7 @@ void CudaContextParallel::ring_forward(const bf16* q, const bf16* k, const bf16*
   const std::int64_t w = std::int64_t(Hkv) * Dh, n = B * T * w, nq = std::int64_t(B) * T * Hq * Dh,
                      nl = std::int64_t(B) * Hq * T;
   const std::size_t slot = aligned(sizeof(bf16) * 2 * n);  // [k | v], chunk-major
-  std::byte* base = heads_scratch(2 * slot + aligned(sizeof(float) * nq) + aligned(sizeof(float) * nl) +
-                                      aligned(sizeof(float) * nq) + aligned(sizeof(float) * nl),
-                                  stream);
+  std::byte* base = heads_scratch(ring_forward_bytes({B, T, Hq, Hkv, Dh}), stream);
   bf16* blocks[2] = {reinterpret_cast<bf16*>(base), reinterpret_cast<bf16*>(base + slot)};
   std::byte* at = base + 2 * slot;
   float* acc = reinterpret_cast<float*>(at);
@@ -137,9 +135,7 @@ void CudaContextParallel::ring_backward(const bf16* q, const bf16* k, const bf16
                      nl = std::int64_t(B) * Hq * T;
   // a block: [k | v] bf16, then [dk | dv] fp32, each chunk-major
   const std::size_t kv = aligned(sizeof(bf16) * 2 * n), acc = aligned(sizeof(float) * 2 * n);
-  std::byte* base = heads_scratch(2 * (kv + acc) + aligned(sizeof(float) * nq) + aligned(sizeof(float) * nl) +
-                                      aligned(sizeof(bf16) * n),
-                                  stream);
+  std::byte* base = heads_scratch(ring_backward_bytes({B, T, Hq, Hkv, Dh}), stream);
   bf16* kvs[2] = {reinterpret_cast<bf16*>(base), reinterpret_cast<bf16*>(base + kv + acc)};
   float* accs[2] = {reinterpret_cast<float*>(base + kv), reinterpret_cast<float*>(base + 2 * kv + acc)};
   std::byte* at = base + 2 * (kv + acc);

@@ -30,6 +30,7 @@ struct RawFlags {
   std::int64_t ce_chunk = 8192;
   double mfu = 0.4;
   bool moe_study = false, gemms = false, quiet = false, sequence_parallel = true;
+  std::string context_mode = "allgather";
 };
 
 // A flag that may be left out but, when given, must be at least 1.
@@ -61,6 +62,11 @@ int run(const RawFlags& f) {
   s.layout = parse_layout(f.layout, f.gpus.value_or(0));
   check_layout(s.layout, s.model);
   s.sequence_parallel = f.sequence_parallel;
+  try {
+    s.context_mode = parallel::parse_context_mode(f.context_mode);
+  } catch (const UsageError& e) {
+    throw UsageError(fmt::format("--context-mode: {}", e.what()));
+  }
   require_positive(f.seq, "--seq");
   s.seq = f.seq ? *f.seq : s.model.max_seq_len > 0 ? s.model.max_seq_len : 4096;
   if (s.seq % (s.layout.cp * s.layout.tsp) != 0)
@@ -125,6 +131,11 @@ void add_command(CLI::App& app) {
                 "With tp above 1: Megatron sequence parallelism (keel train's parallel.sequence), the residual stream, "
                 "norms and routers on 1/tp of the tokens (the default); --no-sequence-parallel keeps every token's on "
                 "each tensor rank");
+  cmd->add_option("--context-mode", f->context_mode,
+                  "With cp above 1: allgather (every rank's k, v gathered), ring (k, v blocks passed around) or "
+                  "alltoall (heads by all-to-all), as keel train's parallel.context_mode: sets the context-parallel "
+                  "buffers")
+      ->capture_default_str();
   cmd->add_option("--gpus", f->gpus, "GPUs in the run (default: the layout's product)");
   CLI::Option* train_tokens =
       cmd->add_option("--train-tokens", f->tokens, "Tokens to train (14T, 500B, 2.5e12): prints the time to train");

@@ -344,8 +344,17 @@ MemoryEstimate estimate_memory(const Setup& s) {
       const double kv = std::max<double>(1.0, static_cast<double>(m.kv_heads) / l.tp) * m.head_dim;
       const double whole = static_cast<double>(s.micro_batch) * s.seq * kv;
       const int linear = model::attention_layer_count(m, AttentionKind::kLinear);
-      if (linear < m.layers)
-        e.items.push_back({"context-parallel k/v gathers (one layer)", 24 * whole + 12 * whole / l.cp});
+      // the ring and the all-to-all hold no whole-sequence k, v: their own buffers for the widest
+      // layer instead (parallel/context_mode.h, the same bytes keel train allocates)
+      const parallel::ContextExtents ext{s.micro_batch, s.seq / l.cp, m.heads / l.tp,
+                                         static_cast<std::int64_t>(kv / m.head_dim), m.head_dim};
+      const std::string name = std::string(parallel::context_buffer_name(s.context_mode)) + " (one layer)";
+      if (s.context_mode == parallel::ContextMode::kRing && linear < m.layers)
+        e.items.push_back({name, static_cast<double>(parallel::ring_buffer_bytes(ext))});
+      else if (s.context_mode == parallel::ContextMode::kAllToAll)
+        e.items.push_back({name, static_cast<double>(parallel::alltoall_buffer_bytes(ext, linear < m.layers, linear > 0))});
+      else if (s.context_mode == parallel::ContextMode::kAllGather && linear < m.layers)
+        e.items.push_back({name, 24 * whole + 12 * whole / l.cp});
       if (linear > 0) {
         // LASP-2 (parallel/lasp2.cc): fp32 d x d states of this rank's 2 runs per sequence and kv
         // head; every rank's gathered (one layer at a time, plus this rank's own and their

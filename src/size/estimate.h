@@ -12,6 +12,7 @@
 #include "model/config.h"
 #include "model/flops.h"
 #include "model/params.h"
+#include "parallel/context_mode.h"
 
 namespace keel::size {
 
@@ -33,6 +34,9 @@ struct Setup {
   // With tp > 1: Megatron sequence parallelism (keel train's parallel.sequence), the residual
   // stream, norms and routers on 1/tp of the tokens; false keeps them on every token.
   bool sequence_parallel = true;
+  // With cp > 1: how the attention sees the rest of the sequence (keel train's
+  // parallel.context_mode), which sets the GPU core's buffers.
+  parallel::ContextMode context_mode = parallel::ContextMode::kAllGather;
   std::int64_t seq = 4096;
   int micro_batch = 1;
   int micro_batches = 1;  // per step per pipeline (gradient accumulation): sets the pipeline bubble

@@ -59,10 +59,14 @@ void require_finite_estimates(const SizeReport& r) {
   require_finite(r.train.seconds_predicted, "predicted time to train", s);
 }
 
-// Sequence parallelism, where tensor parallelism makes it a choice.
+// Sequence parallelism, where tensor parallelism makes it a choice; the context mode where
+// context parallelism does (but the default all-gather).
 std::string layout_note(const Setup& s) {
-  if (s.layout.tp < 2) return "";
-  return s.sequence_parallel ? ", sequence parallel" : ", no sequence parallelism";
+  std::string note;
+  if (s.layout.tp >= 2) note = s.sequence_parallel ? ", sequence parallel" : ", no sequence parallelism";
+  if (s.layout.cp >= 2 && s.context_mode != parallel::ContextMode::kAllGather)
+    note += fmt::format(", context mode {}", parallel::context_mode_name(s.context_mode));
+  return note;
 }
 
 }  // namespace

@@ -127,8 +127,13 @@ class CudaBackend final : public TrainBackend {
                                    "each head shard",
                                    parallel::context_mode_name(opt_.context_mode)));
     plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_, opt_.micro_batch, opt_.seq_length, opt_.sequence_parallel);
-    if (ring && plan_->context()) plan_->context()->use_ring();  // k/v blocks around the ring; LASP-1
-    if (heads && plan_->context()) plan_->context()->use_heads();  // heads by all-to-all (Ulysses)
+    {  // the modes' buffers, for the widest layer: this tensor rank's query heads
+      const int hq = cfg_.heads / mesh_.group(parallel::GroupKind::kTensor).size;
+      const int linear = model::attention_layer_count(cfg_, model::AttentionKind::kLinear);
+      if (ring && plan_->context()) plan_->context()->use_ring(hq, cfg_.head_dim);  // k/v ring; LASP-1
+      if (heads && plan_->context())  // heads by all-to-all (Ulysses)
+        plan_->context()->use_heads(hq, cfg_.head_dim, linear < cfg_.layers, linear > 0);
+    }
     model_ = std::make_unique<CudaModel>(cfg_, opt_, layout_, plan_->layers(), plan_->tensor(), plan_->context(),
                                          prop.totalGlobalMem, stream_, plan_->tsp());
     // TSP's step is tensor parallelism's over the tsp group (its gradients partial as under
@@ -267,7 +272,7 @@ class CudaBackend final : public TrainBackend {
             {"cross-entropy (kept logits)", ce},
             {"expert-parallel exchange", plan_->expert_bytes()},
             {"sequence-parallel gathers", plan_->tensor_bytes()},
-            {"context-parallel k/v gathers", plan_->context_bytes()},
+            {parallel::context_buffer_name(opt_.context_mode), plan_->context_bytes()},
             {"LASP-2 state gathers", plan_->lasp2_bytes()},
             {"tsp shards", plan_->tsp_bytes()},
             {"device canary (keel run)", canary_.capacity()}};

@@ -118,3 +118,9 @@ keel_cli_test(NAME size_hw_tiny_tflops EXIT 1
 keel_cli_test(NAME size_hw_sm_count_wraps EXIT 1
   MATCH "keel: error: .*mem_sm_count_wraps\\.json: devices\\[0\\]\\.sm_count must be a whole number in \\[1, 65536\\] \\(got 4294967297\\)"
   ARGS size ${cfg}/mixtral-8x7b.yaml --hardware ${data}/mem_sm_count_wraps.json)
+# --context-mode names the cp buffers keel train holds in each mode; a bad word is one line.
+keel_cli_test(NAME size_context_mode_ring MATCH "context-parallel ring blocks \\(one layer\\)"
+  ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout cp=2 --seq 65536 --context-mode ring)
+keel_cli_test(NAME size_context_mode_typo EXIT 1
+  MATCH "^keel: error: --context-mode: unknown context mode 'rnig' \\(allgather, ring or alltoall\\)$"
+  ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout cp=2 --context-mode rnig)

@@ -180,6 +180,27 @@ TEST(Memory, DenseByHand) {
 // outputs (bf16 + fp32, this rank's 16384 tokens); one layer's k and v of one shard's 4 kv
 // heads over the whole sequence, gathered; the head's logits in chunks (its pieces pass one
 // after another: none kept).
+// parallel.context_mode under cp = 2 (parallel/context_mode.h): the ring holds two blocks of
+// this rank's k, v (bf16; in backward with fp32 dk, dv), the fp32 dq (or running output) and
+// the log-sum-exps, no whole-sequence k, v; the all-to-all the staging and the whole-sequence
+// tensors of half the heads (q, out, dout, dq, k, v, dk, dv in bf16, the log-sum-exp). By hand
+// for llama3-8b at 8192 tokens: this rank's 4096 tokens, 32 query and 8 kv heads of 128.
+TEST(Memory, ContextModesBuffersByHand) {
+  keel::size::Setup s = setup("llama3-8b", "cp=2", 2);
+  s.seq = 8192;
+  const double kv = 4096.0 * 8 * 128, q = 4096.0 * 32 * 128, lse = 32.0 * 4096;
+  const double whole = 8192.0 * 8 * 128;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "context-parallel k/v gathers"), 24 * whole + 12 * whole / 2);
+  s.context_mode = parallel::ContextMode::kRing;
+  const MemoryEstimate ring = estimate_memory(s);
+  const double ring_fwd = 2 * (2 * kv * 2) + 2 * (4 * q) + 2 * (4 * lse);
+  const double ring_bwd = 2 * (2 * kv * 2 + 2 * kv * 4) + 4 * q + 4 * lse + 2 * kv;
+  EXPECT_DOUBLE_EQ(item(ring, "context-parallel ring blocks"), std::max(ring_fwd, ring_bwd));
+  for (const auto& it : ring.items) EXPECT_EQ(it.name.find("k/v gathers"), std::string::npos) << it.name;
+  s.context_mode = parallel::ContextMode::kAllToAll;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "context-parallel all-to-all buffers"), 12 * q + 8 * kv + 4 * lse);
+}
+
 TEST(Memory, TspShardsAndGathersByHand) {
   keel::size::Setup s = setup("llama3-8b", "tsp=2", 2);
   s.seq = 32768;
