@@ -292,6 +292,15 @@ void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std:
   one.model_options.sequence_parallel = false;
   one.output_dir = one.checkpoint_dir = (dir / ("single" + std::to_string(world_rank()))).string();
   Trainer single(one, parallel::Mesh(), true);
+  // the context core's buffers (the gathers, or the ring's and all-to-all's, allocated when the
+  // mode is chosen for the widest layer: parallel/context_mode.h) never grow during training
+  const auto context_bytes = [&] {
+    std::size_t b = 0;
+    for (const auto& it : t.backend().memory_breakdown())
+      if (it.name.rfind("context-parallel", 0) == 0) b += it.bytes;
+    return b;
+  };
+  const std::size_t context_at_start = context_bytes();
   const StepStats a = t.run(1).at(0), b = single.run(1).at(0);
   EXPECT_NEAR(a.loss, b.loss, 2e-3 * std::fabs(b.loss)) << tag;
   EXPECT_NEAR(a.grad_norm, b.grad_norm, 2e-2 * b.grad_norm) << tag;
@@ -305,6 +314,8 @@ void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std:
     std::printf("  %s: step 9 loss %.4f at context degree %d, %.4f on one GPU\n", tag.c_str(), rest.back().loss, C,
                 single_rest.back().loss);
   EXPECT_NEAR(rest.back().loss, single_rest.back().loss, drift * single_rest.back().loss) << tag;
+  EXPECT_GT(context_at_start, 0u) << tag;
+  EXPECT_EQ(context_bytes(), context_at_start) << tag << ": the context-parallel buffers grew during training";
   if (ep > 1 || tp > 1) return;  // each rank holds other experts, or other blocks
   std::vector<float> mine = t.backend().state().params, root = mine;
   MPI_Bcast(root.data(), static_cast<int>(root.size()), MPI_FLOAT, 0, MPI_COMM_WORLD);
