@@ -68,10 +68,10 @@ void CudaContextParallel::release_gather() {
   dk_ = dv_ = rs_send_ = rs_recv_ = nullptr;
 }
 
-void CudaContextParallel::use_ring(int hq, int dh) {
+void CudaContextParallel::use_ring(int hq, int dh, bool softmax) {
   release_gather();
   ring_ = true;
-  heads_scratch(ring_buffer_bytes({batch_, 2 * chunk_, hq, kv_dim_ / dh, dh}), nullptr);
+  if (softmax) heads_scratch(ring_buffer_bytes({batch_, 2 * chunk_, hq, kv_dim_ / dh, dh}), nullptr);
 }
 
 void CudaContextParallel::use_heads(int hq, int dh, bool softmax, bool linear) {

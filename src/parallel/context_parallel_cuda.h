@@ -83,8 +83,9 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   // parallel.context_mode: ring: the softmax core passes k, v blocks around the group
   // (context_ring_cuda.cc) and the linear core LASP-1's chain of states (lasp2_cuda.cc). Frees
   // the whole-sequence gather buffers, which this mode never uses, and allocates the ring's for
-  // the widest layer (hq query heads of dh on this tensor rank); call before any work.
-  void use_ring(int hq, int dh);
+  // the widest layer (hq query heads of dh on this tensor rank) where the model has softmax (or
+  // CCA) layers; call before any work.
+  void use_ring(int hq, int dh, bool softmax);
   // parallel.context_mode: alltoall: heads by all-to-all (every layer's heads and kv heads must
   // divide by the context degree: the plan checks it). Frees the gather buffers and allocates
   // its own as use_ring(); softmax / linear: whether the model has such layers.

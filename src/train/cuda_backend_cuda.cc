@@ -130,7 +130,8 @@ class CudaBackend final : public TrainBackend {
     {  // the modes' buffers, for the widest layer: this tensor rank's query heads
       const int hq = cfg_.heads / mesh_.group(parallel::GroupKind::kTensor).size;
       const int linear = model::attention_layer_count(cfg_, model::AttentionKind::kLinear);
-      if (ring && plan_->context()) plan_->context()->use_ring(hq, cfg_.head_dim);  // k/v ring; LASP-1
+      if (ring && plan_->context())  // the k/v ring; LASP-1 for linear layers
+        plan_->context()->use_ring(hq, cfg_.head_dim, linear < cfg_.layers);
       if (heads && plan_->context())  // heads by all-to-all (Ulysses)
         plan_->context()->use_heads(hq, cfg_.head_dim, linear < cfg_.layers, linear > 0);
     }

@@ -314,7 +314,6 @@ void expect_gpus_match_one_gpu(const std::vector<std::string>& model, const std:
     std::printf("  %s: step 9 loss %.4f at context degree %d, %.4f on one GPU\n", tag.c_str(), rest.back().loss, C,
                 single_rest.back().loss);
   EXPECT_NEAR(rest.back().loss, single_rest.back().loss, drift * single_rest.back().loss) << tag;
-  EXPECT_GT(context_at_start, 0u) << tag;
   EXPECT_EQ(context_bytes(), context_at_start) << tag << ": the context-parallel buffers grew during training";
   if (ep > 1 || tp > 1) return;  // each rank holds other experts, or other blocks
   std::vector<float> mine = t.backend().state().params, root = mine;
