@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "device/cuda_check.h"
+#include "device/device_arena.h"
 #include "device/device_buffer.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/linear_attention.h"
@@ -26,16 +27,14 @@ namespace la = ops::cuda::linear_attention;
 namespace {
 const auto aligned = &context_aligned;  // the regions' alignment (context_mode.h)
 
-// Regions carved off a buffer in order, each 256-byte aligned.
-struct Carver {
-  std::byte* at;
-  template <class T>
-  T* take(std::int64_t n) {
-    T* p = reinterpret_cast<T*>(at);
-    at += aligned(sizeof(T) * static_cast<std::size_t>(n));
-    return p;
-  }
-};
+// The scratch in context_mode.h's order: the send and receive staging (the local q's size each,
+// the largest send; to_heads and from_heads use it), then the regions the caller takes.
+DeviceCarver past_staging(std::byte* base, std::size_t bytes, std::int64_t nq) {
+  DeviceCarver cv(base, bytes);
+  cv.take<__nv_bfloat16>(nq);
+  cv.take<__nv_bfloat16>(nq);
+  return cv;
+}
 }  // namespace
 
 std::int64_t CudaContextParallel::heads_of(std::int64_t H, const char* what) const {
@@ -144,8 +143,8 @@ void CudaContextParallel::heads_forward(const bf16* q, const bf16* k, const bf16
                                         int Hkv, int Dh, float scale, int window, cudaStream_t stream) {
   const std::int64_t hq = heads_of(Hq, "query heads"), hkv = heads_of(Hkv, "kv heads");
   const std::int64_t nq = batch_ * seq_ * hq * Dh, nkv = batch_ * seq_ * hkv * Dh, nl = batch_ * hq * seq_;
-  const std::size_t stage = aligned(sizeof(bf16) * static_cast<std::size_t>(nq));  // the local q (>= any other send)
-  Carver cv{heads_scratch(alltoall_forward_bytes({batch_, 2 * chunk_, Hq, Hkv, Dh}), stream) + 2 * stage};
+  const std::size_t bytes = alltoall_forward_bytes({batch_, 2 * chunk_, Hq, Hkv, Dh});
+  DeviceCarver cv = past_staging(heads_scratch(bytes, stream), bytes, nq);
   bf16 *Q = cv.take<bf16>(nq), *O = cv.take<bf16>(nq), *K = cv.take<bf16>(nkv), *V = cv.take<bf16>(nkv);
   float* L = cv.take<float>(nl);
   const NcclType b16 = NcclType::kBfloat16;
@@ -164,8 +163,8 @@ void CudaContextParallel::heads_backward(const bf16* q, const bf16* k, const bf1
                                          cudaStream_t stream) {
   const std::int64_t hq = heads_of(Hq, "query heads"), hkv = heads_of(Hkv, "kv heads");
   const std::int64_t nq = batch_ * seq_ * hq * Dh, nkv = batch_ * seq_ * hkv * Dh, nl = batch_ * hq * seq_;
-  const std::size_t stage = aligned(sizeof(bf16) * static_cast<std::size_t>(nq));
-  Carver cv{heads_scratch(alltoall_backward_bytes({batch_, 2 * chunk_, Hq, Hkv, Dh}), stream) + 2 * stage};
+  const std::size_t bytes = alltoall_backward_bytes({batch_, 2 * chunk_, Hq, Hkv, Dh});
+  DeviceCarver cv = past_staging(heads_scratch(bytes, stream), bytes, nq);
   bf16 *Q = cv.take<bf16>(nq), *O = cv.take<bf16>(nq), *D = cv.take<bf16>(nq), *dQ = cv.take<bf16>(nq);
   bf16 *K = cv.take<bf16>(nkv), *V = cv.take<bf16>(nkv), *dK = cv.take<bf16>(nkv), *dV = cv.take<bf16>(nkv);
   float* L = cv.take<float>(nl);
@@ -199,9 +198,8 @@ void CudaContextParallel::heads_linear(const la::Config& c, const bf16* q, const
                                        bf16* out, void* workspace, cudaStream_t stream) {
   const la::Config h = heads_config(c);
   const std::int64_t D = c.head_dim, nq = batch_ * seq_ * h.heads * D, nkv = batch_ * seq_ * h.kv_heads * D;
-  const std::size_t stage = aligned(sizeof(bf16) * static_cast<std::size_t>(nq));
-  Carver cv{heads_scratch(alltoall_linear_forward_bytes({batch_, 2 * chunk_, c.heads, c.kv_heads, D}), stream) +
-            2 * stage};
+  const std::size_t bytes = alltoall_linear_forward_bytes({batch_, 2 * chunk_, c.heads, c.kv_heads, D});
+  DeviceCarver cv = past_staging(heads_scratch(bytes, stream), bytes, nq);
   bf16 *Q = cv.take<bf16>(nq), *O = cv.take<bf16>(nq), *K = cv.take<bf16>(nkv), *V = cv.take<bf16>(nkv);
   // whole sequences start from zeros: the runs' initial states are not used (kept zero, as the
   // block saves them)
@@ -220,9 +218,8 @@ void CudaContextParallel::heads_linear_backward(const la::Config& c, const bf16*
                                                 cudaStream_t stream) {
   const la::Config h = heads_config(c);
   const std::int64_t D = c.head_dim, nq = batch_ * seq_ * h.heads * D, nkv = batch_ * seq_ * h.kv_heads * D;
-  const std::size_t stage = aligned(sizeof(bf16) * static_cast<std::size_t>(nq));
-  Carver cv{heads_scratch(alltoall_linear_backward_bytes({batch_, 2 * chunk_, c.heads, c.kv_heads, D}), stream) +
-            2 * stage};
+  const std::size_t bytes = alltoall_linear_backward_bytes({batch_, 2 * chunk_, c.heads, c.kv_heads, D});
+  DeviceCarver cv = past_staging(heads_scratch(bytes, stream), bytes, nq);
   bf16 *Q = cv.take<bf16>(nq), *Dout = cv.take<bf16>(nq), *dQ = cv.take<bf16>(nq);
   bf16 *K = cv.take<bf16>(nkv), *V = cv.take<bf16>(nkv), *dK = cv.take<bf16>(nkv), *dV = cv.take<bf16>(nkv);
   const NcclType b16 = NcclType::kBfloat16;

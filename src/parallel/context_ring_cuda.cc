@@ -22,6 +22,7 @@
 
 #include "common/error.h"
 #include "device/cuda_check.h"
+#include "device/device_arena.h"
 #include "device/device_buffer.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cast.h"
@@ -34,8 +35,6 @@ namespace keel::parallel {
 namespace att = ops::cuda::attention;
 
 namespace {
-const auto aligned = &context_aligned;  // the regions' alignment (context_mode.h)
-
 // x [B, T = 2L, w] (elem bytes) <-> chunk-major [2][B][L][w].
 void to_chunks(const void* x, void* chunks, std::int64_t B, std::int64_t L, std::int64_t w, std::size_t e,
                cudaStream_t stream) {
@@ -79,17 +78,13 @@ void CudaContextParallel::ring_forward(const bf16* q, const bf16* k, const bf16*
   const int C = size(), B = static_cast<int>(batch_), L = static_cast<int>(chunk_), T = 2 * L;
   const std::int64_t w = std::int64_t(Hkv) * Dh, n = B * T * w, nq = std::int64_t(B) * T * Hq * Dh,
                      nl = std::int64_t(B) * Hq * T;
-  const std::size_t slot = aligned(sizeof(bf16) * 2 * n);  // [k | v], chunk-major
-  std::byte* base = heads_scratch(ring_forward_bytes({B, T, Hq, Hkv, Dh}), stream);
-  bf16* blocks[2] = {reinterpret_cast<bf16*>(base), reinterpret_cast<bf16*>(base + slot)};
-  std::byte* at = base + 2 * slot;
-  float* acc = reinterpret_cast<float*>(at);
-  at += aligned(sizeof(float) * nq);
-  float* acc_lse = reinterpret_cast<float*>(at);
-  at += aligned(sizeof(float) * nl);
-  float* blk = reinterpret_cast<float*>(at);  // a block's output, fp32 (never rounded before the merge)
-  at += aligned(sizeof(float) * nq);
-  float* blk_lse = reinterpret_cast<float*>(at);
+  const std::size_t bytes = ring_forward_bytes({B, T, Hq, Hkv, Dh});
+  DeviceCarver cv(heads_scratch(bytes, stream), bytes);  // in context_mode.h's order
+  bf16* blocks[2] = {cv.take<bf16>(2 * n), cv.take<bf16>(2 * n)};  // [k | v], chunk-major
+  float* acc = cv.take<float>(nq);
+  float* acc_lse = cv.take<float>(nl);
+  float* blk = cv.take<float>(nq);  // a block's output, fp32 (never rounded before the merge)
+  float* blk_lse = cv.take<float>(nl);
 
   to_chunks(k, blocks[0], B, L, w, sizeof(bf16), stream);
   to_chunks(v, blocks[0] + n, B, L, w, sizeof(bf16), stream);
@@ -134,16 +129,14 @@ void CudaContextParallel::ring_backward(const bf16* q, const bf16* k, const bf16
   const std::int64_t w = std::int64_t(Hkv) * Dh, n = B * T * w, nq = std::int64_t(B) * T * Hq * Dh,
                      nl = std::int64_t(B) * Hq * T;
   // a block: [k | v] bf16, then [dk | dv] fp32, each chunk-major
-  const std::size_t kv = aligned(sizeof(bf16) * 2 * n), acc = aligned(sizeof(float) * 2 * n);
-  std::byte* base = heads_scratch(ring_backward_bytes({B, T, Hq, Hkv, Dh}), stream);
-  bf16* kvs[2] = {reinterpret_cast<bf16*>(base), reinterpret_cast<bf16*>(base + kv + acc)};
-  float* accs[2] = {reinterpret_cast<float*>(base + kv), reinterpret_cast<float*>(base + 2 * kv + acc)};
-  std::byte* at = base + 2 * (kv + acc);
-  float* dq_acc = reinterpret_cast<float*>(at);
-  at += aligned(sizeof(float) * nq);
-  float* d_row = reinterpret_cast<float*>(at);
-  at += aligned(sizeof(float) * nl);
-  bf16* tmp = reinterpret_cast<bf16*>(at);
+  const std::size_t bytes = ring_backward_bytes({B, T, Hq, Hkv, Dh});
+  DeviceCarver cv(heads_scratch(bytes, stream), bytes);  // in context_mode.h's order
+  bf16* kvs[2];
+  float* accs[2];
+  for (int i = 0; i < 2; ++i) kvs[i] = cv.take<bf16>(2 * n), accs[i] = cv.take<float>(2 * n);
+  float* dq_acc = cv.take<float>(nq);
+  float* d_row = cv.take<float>(nl);
+  bf16* tmp = cv.take<bf16>(n);
 
   to_chunks(k, kvs[0], B, L, w, sizeof(bf16), stream);
   to_chunks(v, kvs[0] + n, B, L, w, sizeof(bf16), stream);
