@@ -46,17 +46,7 @@ std::int64_t CudaContextParallel::heads_of(std::int64_t H, const char* what) con
 }
 
 std::byte* CudaContextParallel::heads_scratch(std::size_t bytes, cudaStream_t stream) {
-  if (bytes > a2a_bytes_) {
-    KEEL_CUDA_CHECK(keel::stream_sync(stream));  // work queued may still read the old buffer
-    if (a2a_) cudaFree(a2a_);
-    a2a_ = nullptr;
-    a2a_bytes_ = 0;
-    if (cudaMalloc(&a2a_, bytes) != cudaSuccess)
-      throw_out_of_gpu_memory("out of GPU memory: context parallelism's all-to-all buffers", bytes,
-                              "lower batch.micro_batch or data.seq_length, or raise parallel.context");
-    a2a_bytes_ = bytes;
-  }
-  return static_cast<std::byte*>(a2a_);
+  return static_cast<std::byte*>(scratch_.ensure(bytes, stream, ring_ ? "ring blocks" : "all-to-all buffers"));
 }
 
 void CudaContextParallel::all_to_all(const void* send, void* recv, std::int64_t per_rank, NcclType type,
@@ -76,7 +66,7 @@ void CudaContextParallel::all_to_all(const void* send, void* recv, std::int64_t 
 void CudaContextParallel::to_heads(const void* x, std::int64_t H, std::int64_t w, std::size_t e, NcclType type,
                                    void* whole, cudaStream_t stream) {
   const std::int64_t B = batch_, T = 2 * chunk_, C = size(), h = heads_of(H, "heads"), row = h * w, per = B * T * row;
-  auto* send = static_cast<std::byte*>(a2a_);
+  auto* send = static_cast<std::byte*>(scratch_.get());
   std::byte* recv = send + aligned(e * static_cast<std::size_t>(per * C));
   const auto* src = static_cast<const std::byte*>(x);
   auto* dst = static_cast<std::byte*>(whole);
@@ -94,7 +84,7 @@ void CudaContextParallel::to_heads(const void* x, std::int64_t H, std::int64_t w
 void CudaContextParallel::from_heads(const void* whole, std::int64_t H, std::int64_t w, std::size_t e, NcclType type,
                                      void* x, cudaStream_t stream) {
   const std::int64_t B = batch_, T = 2 * chunk_, C = size(), h = heads_of(H, "heads"), row = h * w, per = B * T * row;
-  auto* send = static_cast<std::byte*>(a2a_);
+  auto* send = static_cast<std::byte*>(scratch_.get());
   std::byte* recv = send + aligned(e * static_cast<std::size_t>(per * C));
   const auto* src = static_cast<const std::byte*>(whole);
   auto* dst = static_cast<std::byte*>(x);
@@ -112,7 +102,7 @@ void CudaContextParallel::from_heads(const void* whole, std::int64_t H, std::int
 void CudaContextParallel::lse_to_heads(const float* lse, std::int64_t H, float* whole, cudaStream_t stream) {
   const std::int64_t B = batch_, T = 2 * chunk_, C = size(), h = heads_of(H, "query heads"), per = B * h * T;
   const std::size_t e = sizeof(float);
-  auto* send = reinterpret_cast<float*>(a2a_);
+  auto* send = static_cast<float*>(scratch_.get());
   float* recv = send + aligned(e * static_cast<std::size_t>(per * C)) / e;
   for (int j = 0; j < C; ++j)  // [B, h, T] of rank j's heads
     copy_rows(send + j * per, h * T * e, lse + j * h * T, H * T * e, h * T * e, B, stream);
@@ -127,7 +117,7 @@ void CudaContextParallel::lse_to_heads(const float* lse, std::int64_t H, float* 
 void CudaContextParallel::lse_from_heads(const float* whole, std::int64_t H, float* lse, cudaStream_t stream) {
   const std::int64_t B = batch_, T = 2 * chunk_, C = size(), h = heads_of(H, "query heads"), per = B * h * T;
   const std::size_t e = sizeof(float);
-  auto* send = reinterpret_cast<float*>(a2a_);
+  auto* send = static_cast<float*>(scratch_.get());
   float* recv = send + aligned(e * static_cast<std::size_t>(per * C)) / e;
   for (int i = 0; i < C; ++i)
     for (int s = 0; s < 2; ++s) {

@@ -50,7 +50,6 @@ CudaContextParallel::CudaContextParallel(std::shared_ptr<NcclGroup> group, MPI_C
 
 CudaContextParallel::~CudaContextParallel() {
   if (mem_) cudaFree(mem_);
-  if (a2a_) cudaFree(a2a_);
   if (ring_ready_) cudaEventDestroy(ring_ready_);
   if (ring_done_) cudaEventDestroy(ring_done_);
   if (ring_stream_) cudaStreamDestroy(ring_stream_);

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "blocks/cuda/runners.h"
+#include "device/device_buffer.h"
 #include "parallel/nccl_group.h"
 
 namespace keel::parallel {
@@ -64,7 +65,7 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   void sum(double* x, int n) const;
   // the k/v gathers, or in the ring and all-to-all modes their buffers (context_mode.h); not
   // the halos or LASP-2's states
-  std::size_t device_bytes() const { return bytes_ + a2a_bytes_; }
+  std::size_t device_bytes() const { return bytes_ + scratch_.capacity(); }
   // LASP-2's state buffers for `floats` states per rank (grown on demand otherwise; nothing may be
   // queued on them), and their bytes.
   void reserve_states(std::int64_t floats);
@@ -142,8 +143,8 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   // H/C, S]. The staging and the whole-sequence tensors live in one buffer grown on demand,
   // which the ring's blocks and accumulators use too (one mode at a time).
   bool heads_ = false;
-  std::size_t a2a_bytes_ = 0;
-  void* a2a_ = nullptr;
+  GrowingDeviceBuffer scratch_{"out of GPU memory: context parallelism's ",
+                               "lower batch.micro_batch or data.seq_length, or raise parallel.context"};
   std::byte* heads_scratch(std::size_t bytes, cudaStream_t stream);
   void all_to_all(const void* send, void* recv, std::int64_t per_rank, NcclType type, std::size_t elem,
                   cudaStream_t stream);
