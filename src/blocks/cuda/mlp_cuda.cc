@@ -70,10 +70,12 @@ void carve(DeviceCarver& c, const MlpShape& s, const MlpScratchParts& parts, Mlp
     sc.moe = c.take<std::byte>(static_cast<std::int64_t>(k::moe::backward_scratch_bytes(N * K, D, FE)));
   if (parts.routed && s.mlp_router) {
     zaya::Scratch& z = sc.zs;
-    z.xk = c.take<bf16>(N * D);
-    if (parts.backward) z.dxk = c.take<bf16>(N * D);
-    z.yk = c.take<float>(N * D);
-    if (parts.backward) z.dyk = c.take<float>(N * D);
+    if (!parts.expert_rows) {  // the packed rows around an expert runner (zaya_moe.h)
+      z.xk = c.take<bf16>(N * D);
+      if (parts.backward) z.dxk = c.take<bf16>(N * D);
+      z.yk = c.take<float>(N * D);
+      if (parts.backward) z.dyk = c.take<float>(N * D);
+    }
     z.gk = c.take<float>(N);
     if (parts.backward) {
       z.dgk = c.take<float>(N);

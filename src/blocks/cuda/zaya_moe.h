@@ -5,9 +5,13 @@
 // and, with `skip`, class E = skip:
 //   router: state [N, R] (post-EDA; the caller's per-stage buffer), probs, idx, gate = p_idx
 //   y[n] = gate[n] * Expert_idx[n](x[n])   for idx[n] <  E
-//   y[n] = gate[n] * x[n]                  for idx[n] == E (skip: no expert compute)
+//   y[n] = 0                               for idx[n] == E (skip: no expert compute)
 // The experts run on the packed rows `kept` (idx < E, in token order): moe::make_plan only
-// accepts indices in [0, E), and skipped tokens then cost no expert FLOPs.
+// accepts indices in [0, E), and skipped tokens then cost no expert FLOPs. With the experts all
+// on this GPU the plan reads x and dy and writes y and dx at the kept rows themselves
+// (moe::Plan::rows), dx in fp32, and the router's input gradient is added into dx by its GEMM:
+// no packed copies of x, y, dy or dx. With an expert runner (expert parallelism) the kept rows
+// are packed into Scratch::xk / dyk and unpacked from yk / dxk around it.
 //
 // Dtypes: x bf16; y, dy, dx fp32 [N, D] (y is the block output that the fp32 residual stream or
 // the residual merge consumes; dx feeds the fp32 sum of the stage's input gradient); prev_state,
@@ -61,7 +65,8 @@ struct Acts {
 
 // Scratch shared by every stage, forward and backward (contents ignored between calls):
 // xk [N, D] bf16, yk [N, D] fp32, gk [N], dgk [N], dgates [N] fp32, dyk [N, D] fp32,
-// dxk [N, D] bf16 (the experts' packed dx, then the router's dx), router
+// dxk [N, D] bf16 (the experts' packed dx, then the router's dx; xk, yk, dyk and dxk are used
+// only with an expert runner), router
 // (zaya_router::backward_scratch_bytes), experts (moe::backward_scratch_bytes(N, D, F)).
 struct Scratch {
   bf16 *xk = nullptr, *dxk = nullptr;

@@ -16,12 +16,22 @@ void moe_forward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const bf
   // The plan's one sync also brings nk, the tokens left after the skip class, to the host.
   a.plan = k::moe::make_plan(a.kept_idx, N, 1, s.experts, a.plan_ws, stream, s.skip ? a.count : nullptr);
   a.nk = a.plan.tokens;
+  if (!experts) {
+    // The experts read x's kept rows and write y's in place (Plan::rows): no packed copies. The
+    // skip path writes the skipped rows (0).
+    a.plan.rows = a.kept;
+    if (a.nk > 0) {
+      gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
+      k::moe::forward(a.plan, x, sc.gk, w.experts, D, s.expert_hidden, a.experts, y, stream);
+    }
+    if (s.skip) k::zaya_router::skip_forward(x, a.router.idx, a.router.gates, s.experts, y, N, D, stream);
+    return;
+  }
   // With expert parallelism every rank takes part, with no routed tokens too.
-  if (a.nk > 0 || (experts && experts->collective())) {
+  if (a.nk > 0 || experts->collective()) {
     gather_rows(x, a.kept, a.nk, D, sc.xk, stream);
     gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
-    if (experts) experts->forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
-    else k::moe::forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
+    experts->forward(a.plan, sc.xk, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.yk, stream);
   }
   // Expert rows from the packed output, 0 on skipped rows (the skip class's MoE output); the
   // skip path writes those rows again (0), after the unpack.
@@ -34,15 +44,28 @@ void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const G
                   float* dx, float* dprev_state, cudaStream_t stream, k::moe::ExpertRunner* experts,
                   float aux_weight) {
   const std::int64_t N = s.tokens, D = s.hidden;
-  if (a.nk > 0 || (experts && experts->collective())) {
+  if (!experts) {
+    // forward's plan reads dy's kept rows and writes dx's (fp32, unrounded) in place; the skip
+    // path zeroes the skipped rows of dx and dgates, the router adds its share into dx.
+    if (a.nk > 0) {
+      gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
+      k::moe::backward_f32(a.plan, sc.gk, w.experts, D, s.expert_hidden, a.experts, dy, sc.experts, dx, sc.dgk,
+                           g.experts, stream);
+    } else {
+      k::moe::zero_expert_grads(g.experts, s.experts, D, s.expert_hidden, stream);
+    }
+    unpack_rows(sc.dgk, a.pos, N, 1, sc.dgates, stream);
+    if (s.skip)
+      k::zaya_router::skip_backward(x, a.router.idx, a.router.gates, s.experts, dy, dx, sc.dgates, N, D, stream);
+    k::zaya_router::backward_add_dx(gemm, router_dims(s), x, prev_state, w.router, a.router, sc.dgates, dstate_next,
+                                    dx, dprev_state, g.router, sc.router, stream, aux_weight);
+    return;
+  }
+  if (a.nk > 0 || experts->collective()) {
     gather_rows(a.router.gates, a.kept, a.nk, 1, sc.gk, stream);
     gather_rows(dy, a.kept, a.nk, D, sc.dyk, stream);
-    if (experts)
-      experts->backward(a.plan, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.dyk, sc.experts, sc.dxk, sc.dgk,
-                        g.experts, stream);
-    else
-      k::moe::backward(a.plan, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.dyk, sc.experts, sc.dxk, sc.dgk,
-                       g.experts, stream);
+    experts->backward(a.plan, sc.gk, w.experts, D, s.expert_hidden, a.experts, sc.dyk, sc.experts, sc.dxk, sc.dgk,
+                      g.experts, stream);
   } else {
     k::moe::zero_expert_grads(g.experts, s.experts, D, s.expert_hidden, stream);  // no routed rows: all zeros
   }
@@ -51,7 +74,8 @@ void moe_backward(k::GemmRunner& gemm, const Shape& s, const Weights& w, const G
   unpack_moe_dx(sc.dxk, a.pos, N, D, dx, stream);
   unpack_rows(sc.dgk, a.pos, N, 1, sc.dgates, stream);
   if (s.skip)
-    k::zaya_router::skip_backward(x, a.router.idx, a.router.gates, s.experts, dy, nullptr, sc.dgates, N, D, stream);
+    k::zaya_router::skip_backward(x, a.router.idx, a.router.gates, s.experts, dy, static_cast<bf16*>(nullptr),
+                                  sc.dgates, N, D, stream);
   // The router's share of dx goes through the bf16 scratch (the expert dx there is consumed).
   k::zaya_router::backward(gemm, router_dims(s), x, prev_state, w.router, a.router, sc.dgates, dstate_next, sc.dxk,
                            dprev_state, g.router, sc.router, stream, aux_weight);

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
 
 #include "common/error.h"
@@ -90,12 +91,18 @@ __global__ void plan_scatter_kernel(const std::int32_t* __restrict__ expert_idx,
   }
 }
 
-// xs[slot] = x[source[slot] / top_k]. kVec: d % 8 == 0 and both pointers 16-byte aligned.
+// The row of x / y / dy / dx of planned token n (Plan::rows).
+__device__ inline std::int64_t token_row(const std::int32_t* __restrict__ rows, std::int64_t n) {
+  return rows ? rows[n] : n;
+}
+
+// xs[slot] = x[row(source[slot] / top_k)]. kVec: d % 8 == 0 and both pointers 16-byte aligned.
 template <bool kVec>
-__global__ void gather_kernel(const bf16* __restrict__ x, const std::int32_t* __restrict__ source, int top_k,
-                              std::int64_t d, bf16* __restrict__ xs) {
+__global__ void gather_kernel(const bf16* __restrict__ x, const std::int32_t* __restrict__ source,
+                              const std::int32_t* __restrict__ rows, int top_k, std::int64_t d,
+                              bf16* __restrict__ xs) {
   const std::int64_t slot = blockIdx.x;
-  const bf16* src = x + static_cast<std::int64_t>(source[slot] / top_k) * d;
+  const bf16* src = x + token_row(rows, source[slot] / top_k) * d;
   bf16* dst = xs + slot * d;
   if constexpr (kVec) {
     for (std::int64_t j = threadIdx.x; j < d / 8; j += blockDim.x)
@@ -128,36 +135,84 @@ __global__ void swiglu_backward_kernel(const bf16* __restrict__ gate, const bf16
   }
 }
 
-// y[n] = sum_k gates[n, k] ys[position[n k + k]] in fp32, k in order (the CPU order).
-__global__ void combine_kernel(const bf16* __restrict__ ys, const float* __restrict__ gates,
-                               const std::int32_t* __restrict__ position, int top_k, std::int64_t d,
-                               float* __restrict__ y) {
-  const std::int64_t n = blockIdx.x;
-  for (std::int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-    float acc = 0.f;
-    for (int k = 0; k < top_k; ++k) {
-      const std::int64_t slot = position[n * top_k + k];
-      acc += gates[n * top_k + k] * __bfloat162float(ys[slot * d + c]);
-    }
-    y[n * d + c] = acc;
+// The row kernels below take kVec = 8 columns per thread access (d % 8 == 0 and every pointer
+// 16-byte aligned: 16-byte bf16 and 2 x 16-byte fp32 accesses) or 1. Each element's sum over k
+// runs in k order (the CPU order) either way: the same bits. (dgates' dot products are summed
+// over the columns in another order by the two.)
+template <int kVec>
+__device__ inline void load_cols(const bf16* p, float* v) {
+  if constexpr (kVec == 8) load_bf16<8>(p, v);
+  else v[0] = __bfloat162float(*p);
+}
+template <int kVec>
+__device__ inline void load_cols(const float* p, float* v) {
+  if constexpr (kVec == 8) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+    v[0] = *p;
+  }
+}
+template <int kVec>
+__device__ inline void store_cols(bf16* p, const float* v) {
+  if constexpr (kVec == 8) store_bf16<8>(p, v);
+  else *p = __float2bfloat16(v[0]);
+}
+template <int kVec>
+__device__ inline void store_cols(float* p, const float* v) {
+  if constexpr (kVec == 8) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    *p = v[0];
   }
 }
 
-// dgates[n, k] = dy[n] . ys[slot]; dys[slot] = gates[n, k] dy[n] (bf16: a GEMM operand).
+// y[row(n)] = sum_k gates[n, k] ys[position[n k + k]] in fp32, k in order (the CPU order).
+template <int kVec>
+__global__ void combine_kernel(const bf16* __restrict__ ys, const float* __restrict__ gates,
+                               const std::int32_t* __restrict__ position, const std::int32_t* __restrict__ rows,
+                               int top_k, std::int64_t d, float* __restrict__ y) {
+  const std::int64_t n = blockIdx.x;
+  float* yr = y + token_row(rows, n) * d;
+  for (std::int64_t c = threadIdx.x * kVec; c < d; c += blockDim.x * kVec) {
+    float acc[kVec], v[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i] = 0.f;
+    for (int k = 0; k < top_k; ++k) {
+      const std::int64_t slot = position[n * top_k + k];
+      const float g = gates[n * top_k + k];
+      load_cols<kVec>(ys + slot * d + c, v);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[i] += g * v[i];
+    }
+    store_cols<kVec>(yr + c, acc);
+  }
+}
+
+// dgates[n, k] = dy[row(n)] . ys[slot]; dys[slot] = gates[n, k] dy[row(n)] (bf16: a GEMM operand).
+template <int kVec>
 __global__ void combine_backward_kernel(const bf16* __restrict__ ys, const float* __restrict__ gates,
-                                        const std::int32_t* __restrict__ position, int top_k, std::int64_t d,
+                                        const std::int32_t* __restrict__ position,
+                                        const std::int32_t* __restrict__ rows, int top_k, std::int64_t d,
                                         const float* __restrict__ dy, bf16* __restrict__ dys,
                                         float* __restrict__ dgates) {
   const std::int64_t n = blockIdx.x;
-  const float* dyr = dy + n * d;
+  const float* dyr = dy + token_row(rows, n) * d;
   for (int k = 0; k < top_k; ++k) {
     const std::int64_t slot = position[n * top_k + k];
     const float g = gates[n * top_k + k];
     float dot = 0.f;
-    for (std::int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-      const float v = dyr[c];
-      dot += v * __bfloat162float(ys[slot * d + c]);
-      dys[slot * d + c] = __float2bfloat16(g * v);
+    for (std::int64_t c = threadIdx.x * kVec; c < d; c += blockDim.x * kVec) {
+      float v[kVec], u[kVec];
+      load_cols<kVec>(dyr + c, v);
+      load_cols<kVec>(ys + slot * d + c, u);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        dot += v[i] * u[i];
+        v[i] *= g;
+      }
+      store_cols<kVec>(dys + slot * d + c, v);
     }
     if (dgates) {  // uniform branch: every thread takes part in the block reduction
       dot = block_sum_all<kRowThreads>(dot);
@@ -166,15 +221,32 @@ __global__ void combine_backward_kernel(const bf16* __restrict__ ys, const float
   }
 }
 
-// dx[n] = sum_k dxs[position[n k + k]], k in order.
-__global__ void scatter_dx_kernel(const float* __restrict__ dxs, const std::int32_t* __restrict__ position, int top_k,
-                                  std::int64_t d, bf16* __restrict__ dx) {
+// dx[row(n)] = sum_k dxs[position[n k + k]], k in order; DX bf16 or fp32.
+template <int kVec, typename DX>
+__global__ void scatter_dx_kernel(const float* __restrict__ dxs, const std::int32_t* __restrict__ position,
+                                  const std::int32_t* __restrict__ rows, int top_k, std::int64_t d,
+                                  DX* __restrict__ dx) {
   const std::int64_t n = blockIdx.x;
-  for (std::int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-    float acc = 0.f;
-    for (int k = 0; k < top_k; ++k) acc += dxs[static_cast<std::int64_t>(position[n * top_k + k]) * d + c];
-    dx[n * d + c] = __float2bfloat16(acc);
+  DX* dxr = dx + token_row(rows, n) * d;
+  for (std::int64_t c = threadIdx.x * kVec; c < d; c += blockDim.x * kVec) {
+    float acc[kVec], v[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i] = 0.f;
+    for (int k = 0; k < top_k; ++k) {
+      load_cols<kVec>(dxs + static_cast<std::int64_t>(position[n * top_k + k]) * d + c, v);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[i] += v[i];
+    }
+    store_cols<kVec>(dxr + c, acc);
   }
+}
+
+// Whether d and every pointer allow the 8-column accesses.
+bool vec8(std::int64_t d, std::initializer_list<const void*> ptrs) {
+  if (d % 8 != 0) return false;
+  for (const void* p : ptrs)
+    if (p && reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+  return true;
 }
 
 unsigned elem_grid(std::int64_t n) {
@@ -354,10 +426,11 @@ Plan make_plan(const std::int32_t* expert_idx, std::int64_t tokens, int top_k, i
 void dispatch_rows(const Plan& plan, const bf16* x, std::int64_t d, bf16* xs, cudaStream_t stream) {
   const std::int64_t s = plan.slots();
   if (s == 0) return;
-  const bool vec = d % 8 == 0 && reinterpret_cast<std::uintptr_t>(x) % 16 == 0 &&
-                   reinterpret_cast<std::uintptr_t>(xs) % 16 == 0;
-  if (vec) gather_kernel<true><<<static_cast<unsigned>(s), kRowThreads, 0, stream>>>(x, plan.source, plan.top_k, d, xs);
-  else gather_kernel<false><<<static_cast<unsigned>(s), kRowThreads, 0, stream>>>(x, plan.source, plan.top_k, d, xs);
+  const unsigned grid = static_cast<unsigned>(s);
+  if (vec8(d, {x, xs}))
+    gather_kernel<true><<<grid, kRowThreads, 0, stream>>>(x, plan.source, plan.rows, plan.top_k, d, xs);
+  else
+    gather_kernel<false><<<grid, kRowThreads, 0, stream>>>(x, plan.source, plan.rows, plan.top_k, d, xs);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
@@ -385,16 +458,24 @@ void experts_forward(const std::vector<std::int64_t>& offsets, const Weights& w,
 
 void combine(const Plan& plan, const bf16* ys, const float* gates, std::int64_t d, float* y, cudaStream_t stream) {
   if (plan.tokens == 0) return;
-  combine_kernel<<<static_cast<unsigned>(plan.tokens), kRowThreads, 0, stream>>>(ys, gates, plan.position, plan.top_k,
-                                                                                d, y);
+  const unsigned grid = static_cast<unsigned>(plan.tokens);
+  if (vec8(d, {ys, y}))
+    combine_kernel<8><<<grid, kRowThreads, 0, stream>>>(ys, gates, plan.position, plan.rows, plan.top_k, d, y);
+  else
+    combine_kernel<1><<<grid, kRowThreads, 0, stream>>>(ys, gates, plan.position, plan.rows, plan.top_k, d, y);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
 void combine_backward(const Plan& plan, const bf16* ys, const float* gates, std::int64_t d, const float* dy,
                       bf16* dys, float* dgates, cudaStream_t stream) {
   if (plan.tokens == 0) return;
-  combine_backward_kernel<<<static_cast<unsigned>(plan.tokens), kRowThreads, 0, stream>>>(
-      ys, gates, plan.position, plan.top_k, d, dy, dys, dgates);
+  const unsigned grid = static_cast<unsigned>(plan.tokens);
+  if (vec8(d, {ys, dy, dys}))
+    combine_backward_kernel<8><<<grid, kRowThreads, 0, stream>>>(ys, gates, plan.position, plan.rows, plan.top_k, d,
+                                                                 dy, dys, dgates);
+  else
+    combine_backward_kernel<1><<<grid, kRowThreads, 0, stream>>>(ys, gates, plan.position, plan.rows, plan.top_k, d,
+                                                                 dy, dys, dgates);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
@@ -467,11 +548,26 @@ void experts_backward(const std::vector<std::int64_t>& offsets, const Weights& w
   });
 }
 
-void combine_dx(const Plan& plan, const float* dxs, std::int64_t d, bf16* dx, cudaStream_t stream) {
+namespace {
+
+template <typename DX>
+void combine_dx_impl(const Plan& plan, const float* dxs, std::int64_t d, DX* dx, cudaStream_t stream) {
   if (plan.tokens == 0) return;
-  scatter_dx_kernel<<<static_cast<unsigned>(plan.tokens), kRowThreads, 0, stream>>>(dxs, plan.position, plan.top_k, d,
-                                                                                   dx);
+  const unsigned grid = static_cast<unsigned>(plan.tokens);
+  if (vec8(d, {dxs, dx}))
+    scatter_dx_kernel<8, DX><<<grid, kRowThreads, 0, stream>>>(dxs, plan.position, plan.rows, plan.top_k, d, dx);
+  else
+    scatter_dx_kernel<1, DX><<<grid, kRowThreads, 0, stream>>>(dxs, plan.position, plan.rows, plan.top_k, d, dx);
   KEEL_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void combine_dx(const Plan& plan, const float* dxs, std::int64_t d, bf16* dx, cudaStream_t stream) {
+  combine_dx_impl(plan, dxs, d, dx, stream);
+}
+void combine_dx(const Plan& plan, const float* dxs, std::int64_t d, float* dx, cudaStream_t stream) {
+  combine_dx_impl(plan, dxs, d, dx, stream);
 }
 
 void forward(const Plan& plan, const bf16* x, const float* gates, const Weights& w, std::int64_t d, std::int64_t f,
@@ -490,8 +586,12 @@ std::int64_t backward_scratch_bytes(std::int64_t slots, std::int64_t d, std::int
   return align_up(slots * d * 2) + experts_backward_scratch_bytes(slots, f) + align_up(slots * d * 4);
 }
 
-void backward(const Plan& plan, const float* gates, const Weights& w, std::int64_t d, std::int64_t f, const Saved& sv,
-              const float* dy, void* scratch, bf16* dx, float* dgates, const Grads& dw, cudaStream_t stream) {
+namespace {
+
+template <typename DX>
+void backward_impl(const Plan& plan, const float* gates, const Weights& w, std::int64_t d, std::int64_t f,
+                   const Saved& sv, const float* dy, void* scratch, DX* dx, float* dgates, const Grads& dw,
+                   cudaStream_t stream) {
   check_plan(plan, d, f);
   const std::int64_t s = plan.slots();
   if (plan.tokens == 0) return zero_expert_grads(dw, plan.experts, d, f, stream);
@@ -507,6 +607,19 @@ void backward(const Plan& plan, const float* gates, const Weights& w, std::int64
   combine_backward(plan, sv.ys, gates, d, dy, dys, dgates, stream);
   experts_backward(plan.host_offsets, w, d, f, sv, dys, experts_scratch, dx ? dxs : nullptr, dw, stream);
   if (dx) combine_dx(plan, dxs, d, dx, stream);
+}
+
+}  // namespace
+
+void backward(const Plan& plan, const float* gates, const Weights& w, std::int64_t d, std::int64_t f, const Saved& sv,
+              const float* dy, void* scratch, bf16* dx, float* dgates, const Grads& dw, cudaStream_t stream) {
+  backward_impl(plan, gates, w, d, f, sv, dy, scratch, dx, dgates, dw, stream);
+}
+
+void backward_f32(const Plan& plan, const float* gates, const Weights& w, std::int64_t d, std::int64_t f,
+                  const Saved& sv, const float* dy, void* scratch, float* dx, float* dgates, const Grads& dw,
+                  cudaStream_t stream) {
+  backward_impl(plan, gates, w, d, f, sv, dy, scratch, dx, dgates, dw, stream);
 }
 
 }  // namespace keel::ops::cuda::moe

@@ -56,6 +56,12 @@ struct Plan {
   std::int32_t* source = nullptr;    // device [S] sorted slot -> a = n * top_k + k
   std::int32_t* position = nullptr;  // device [S] a -> sorted slot
   std::vector<std::int64_t> host_offsets;  // [E + 1] host copy of offsets
+  // Device [tokens] or null (row t): the row of x, y, dy and dx that planned token t reads and
+  // writes. Set by the caller after make_plan when the planned tokens are a subset of a larger
+  // [rows, D] tensor (ZAYA1's tokens left after the skip class), so dispatch reads and combine
+  // writes that tensor in place with no packing copy; rows it does not name are neither read
+  // nor written. Gates and dgates stay indexed by the planned token ([tokens, top_k]).
+  const std::int32_t* rows = nullptr;
   std::int64_t slots() const { return tokens * top_k; }
   std::int64_t count(int e) const { return host_offsets[e + 1] - host_offsets[e]; }
 };
@@ -111,6 +117,11 @@ std::int64_t backward_scratch_bytes(std::int64_t slots, std::int64_t d, std::int
 void backward(const Plan& plan, const float* gates, const Weights& w, std::int64_t d, std::int64_t f,
               const Saved& saved, const float* dy, void* scratch, bf16* dx, float* dgates, const Grads& dweights,
               cudaStream_t stream);
+// The same with dx in fp32 (overwritten, not rounded to bf16): for a caller that sums dx into an
+// fp32 gradient anyway.
+void backward_f32(const Plan& plan, const float* gates, const Weights& w, std::int64_t d, std::int64_t f,
+                  const Saved& saved, const float* dy, void* scratch, float* dx, float* dgates, const Grads& dweights,
+                  cudaStream_t stream);
 
 // ---- The pieces forward() and backward() are made of. Expert parallelism
 // (parallel/expert_parallel_cuda.h) runs them with all-to-alls between: dispatch and combine at
@@ -142,8 +153,9 @@ void experts_backward(const std::vector<std::int64_t>& offsets, const Weights& w
                       const Saved& sv, const bf16* dys, void* scratch, float* dxs, const Grads& dw,
                       cudaStream_t stream);
 
-// dx[n] = sum_k dxs[position[n top_k + k]] -> bf16 (overwritten).
+// dx[n] = sum_k dxs[position[n top_k + k]] -> bf16 or fp32 (overwritten).
 void combine_dx(const Plan& plan, const float* dxs, std::int64_t d, bf16* dx, cudaStream_t stream);
+void combine_dx(const Plan& plan, const float* dxs, std::int64_t d, float* dx, cudaStream_t stream);
 
 // Where a routed layer's experts run when they are not all on this GPU (callers without a runner
 // call forward() and backward() above): spread over an expert-parallel group of GPUs (parallel/

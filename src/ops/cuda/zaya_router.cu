@@ -106,15 +106,16 @@ __global__ void skip_forward_kernel(const bf16* __restrict__ x, const std::int32
   for (std::int64_t j = threadIdx.x % 32; j < hidden; j += 32) y[n * hidden + j] = 0.f;
 }
 
+template <typename DX>
 __global__ void skip_backward_kernel(const bf16* __restrict__ x, const std::int32_t* __restrict__ idx,
                                      const float* __restrict__ gates, int skip_class, const float* __restrict__ dy,
-                                     bf16* __restrict__ dx, float* __restrict__ dgates, std::int64_t tokens,
+                                     DX* __restrict__ dx, float* __restrict__ dgates, std::int64_t tokens,
                                      std::int64_t hidden) {
   const std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (n >= tokens || idx[n] != skip_class) return;
   const int lane = threadIdx.x % 32;
   if (dx)
-    for (std::int64_t j = lane; j < hidden; j += 32) dx[n * hidden + j] = __float2bfloat16(0.f);
+    for (std::int64_t j = lane; j < hidden; j += 32) dx[n * hidden + j] = DX(0.f);
   if (dgates && lane == 0) dgates[n] = 0.f;
 }
 
@@ -211,9 +212,12 @@ std::size_t backward_scratch_bytes(const Dims& d) {
   return round_up(ne * 4) + round_up(ne * 2) + 2 * round_up(nd * 2) + round_up(nd * 4);
 }
 
-void backward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_state, const Weights& w,
-              const Saved& s, const float* dgates, const float* dstate_next, bf16* dx, float* dprev_state,
-              const Grads& g, void* scratch, cudaStream_t stream, float d_aux) {
+namespace {
+
+// dx (bf16, written) or dx_sum (fp32, added into): the router's input gradient.
+void backward_impl(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_state, const Weights& w,
+                   const Saved& s, const float* dgates, const float* dstate_next, bf16* dx, float* dx_sum,
+                   float* dprev_state, const Grads& g, void* scratch, cudaStream_t stream, float d_aux) {
   check_dims(d);
   const std::int64_t N = d.tokens, D = d.dim, E = d.classes;
   if (N == 0) return;
@@ -244,6 +248,26 @@ void backward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_
                                                            dprev_state, N, D, cs.chunk);  // b = bf16(da)
   KEEL_CUDA_CHECK_LAUNCH();
   linear::backward(gemm, x, w.w_down, k.b, dx, g.w_down, N, d.hidden, D, stream);
+  if (dx_sum) {  // dx_sum [N, H] += b [N, D] W_down [D, H]
+    GemmDesc gd;
+    gd.m = N, gd.n = d.hidden, gd.k = D, gd.c_type = GemmOut::kFp32, gd.beta = 1.f;
+    gemm.run(gd, k.b, w.w_down, dx_sum, stream);
+  }
+}
+
+}  // namespace
+
+void backward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_state, const Weights& w,
+              const Saved& s, const float* dgates, const float* dstate_next, bf16* dx, float* dprev_state,
+              const Grads& g, void* scratch, cudaStream_t stream, float d_aux) {
+  backward_impl(gemm, d, x, prev_state, w, s, dgates, dstate_next, dx, nullptr, dprev_state, g, scratch, stream, d_aux);
+}
+
+void backward_add_dx(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_state, const Weights& w,
+                     const Saved& s, const float* dgates, const float* dstate_next, float* dx_sum,
+                     float* dprev_state, const Grads& g, void* scratch, cudaStream_t stream, float d_aux) {
+  backward_impl(gemm, d, x, prev_state, w, s, dgates, dstate_next, nullptr, dx_sum, dprev_state, g, scratch, stream,
+                d_aux);
 }
 
 void skip_forward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, float* y,
@@ -254,13 +278,27 @@ void skip_forward(const bf16* x, const std::int32_t* idx, const float* gates, in
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
-void skip_backward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, const float* dy,
-                   bf16* dx, float* dgates, std::int64_t tokens, std::int64_t hidden, cudaStream_t stream) {
+namespace {
+
+template <typename DX>
+void skip_backward_impl(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, const float* dy,
+                        DX* dx, float* dgates, std::int64_t tokens, std::int64_t hidden, cudaStream_t stream) {
   if (tokens < 0 || hidden <= 0) fail("cuda zaya_router skip: bad extents {} x {}", tokens, hidden);
   if (tokens == 0 || (!dx && !dgates)) return;
-  skip_backward_kernel<<<grid_for(tokens, 8), 256, 0, stream>>>(x, idx, gates, skip_class, dy, dx, dgates, tokens,
-                                                                hidden);
+  skip_backward_kernel<DX><<<grid_for(tokens, 8), 256, 0, stream>>>(x, idx, gates, skip_class, dy, dx, dgates, tokens,
+                                                                    hidden);
   KEEL_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void skip_backward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, const float* dy,
+                   bf16* dx, float* dgates, std::int64_t tokens, std::int64_t hidden, cudaStream_t stream) {
+  skip_backward_impl(x, idx, gates, skip_class, dy, dx, dgates, tokens, hidden, stream);
+}
+void skip_backward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, const float* dy,
+                   float* dx, float* dgates, std::int64_t tokens, std::int64_t hidden, cudaStream_t stream) {
+  skip_backward_impl(x, idx, gates, skip_class, dy, dx, dgates, tokens, hidden, stream);
 }
 
 }  // namespace keel::ops::cuda::zaya_router

@@ -98,15 +98,22 @@ std::size_t backward_scratch_bytes(const Dims& d);
 void backward(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_state, const Weights& w,
               const Saved& s, const float* dgates, const float* dstate_next, bf16* dx, float* dprev_state,
               const Grads& g, void* scratch, cudaStream_t stream, float d_aux = 0.f);
+// The same, with the input gradient ADDED into dx_sum [N, H] fp32 (by the last GEMM, beta = 1)
+// instead of written to a bf16 dx: for a caller that sums it with the experts' dx in fp32.
+void backward_add_dx(GemmRunner& gemm, const Dims& d, const bf16* x, const float* prev_state, const Weights& w,
+                     const Saved& s, const float* dgates, const float* dstate_next, float* dx_sum,
+                     float* dprev_state, const Grads& g, void* scratch, cudaStream_t stream, float d_aux = 0.f);
 
 // y[n] = 0 where idx[n] == skip_class (written); other rows untouched. x [N, H] bf16,
 // y [N, H] fp32, gates [N] fp32.
 void skip_forward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, float* y,
                   std::int64_t tokens, std::int64_t hidden, cudaStream_t stream);
-// On skip tokens: dgates[n] = 0 (fp32) and dx[n] = 0 (bf16) (both written: activation
+// On skip tokens: dgates[n] = 0 (fp32) and dx[n] = 0 (bf16 or fp32) (both written: activation
 // gradients); other rows untouched. dy [N, H] fp32 (the MoE output's gradient). Either output
 // may be null.
 void skip_backward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, const float* dy,
                    bf16* dx, float* dgates, std::int64_t tokens, std::int64_t hidden, cudaStream_t stream);
+void skip_backward(const bf16* x, const std::int32_t* idx, const float* gates, int skip_class, const float* dy,
+                   float* dx, float* dgates, std::int64_t tokens, std::int64_t hidden, cudaStream_t stream);
 
 }  // namespace keel::ops::cuda::zaya_router

@@ -360,6 +360,98 @@ TEST(MoeCuda, MatchesCpuForwardAndBackward) {
   }
 }
 
+// A plan with Plan::rows reads x and dy and writes y and dx at those rows of larger tensors,
+// leaving the other rows alone, and computes exactly what the plain plan computes on the rows
+// packed by hand (the same kernels in the same order): ZAYA1's kept tokens without copies. Both
+// the 8-column and the element-wise kernels (d % 8 != 0).
+TEST(MoeCuda, PlanRowsReadAndWriteInPlace) {
+  KEEL_REQUIRE_GPU();
+  for (const std::int64_t d : {64, 36}) {
+    SCOPED_TRACE(d);
+    const std::int64_t full = 300, n = 170, f = 48;
+    const int e = 5, k = 2;
+    const std::int64_t s = n * k;
+    std::vector<std::int32_t> order(full);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), std::mt19937_64(d));
+    const std::vector<std::int32_t> rows(order.begin(), order.begin() + n);  // any order, no repeats
+    const std::vector<std::int32_t> idx = random_routing(n, e, k, 90 + d);
+    const std::vector<float> x = rounded_bf16(random_vector(full * d, 91 + d)), dy = random_vector(full * d, 92 + d);
+    const std::vector<float> gates = random_vector(n * k, 93 + d, 0.1f, 1.f);
+    const float a = 1.f / std::sqrt(float(d));
+    const std::vector<float> wg = rounded_bf16(random_vector(e * f * d, 94 + d, -a, a)),
+                             wu = rounded_bf16(random_vector(e * f * d, 95 + d, -a, a)),
+                             wd = rounded_bf16(random_vector(e * d * f, 96 + d, -a, a));
+    std::vector<float> xp(n * d), dyp(n * d);
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::int64_t c = 0; c < d; ++c) {
+        xp[t * d + c] = x[rows[t] * d + c];
+        dyp[t * d + c] = dy[rows[t] * d + c];
+      }
+    auto d_idx = ints_to_device(idx);
+    auto d_rows = ints_to_device(rows);
+    DeviceArray<std::int32_t> ws(gpu_moe::plan_ints(s, e));
+    const gpu_moe::Plan packed = gpu_moe::make_plan(d_idx.get(), n, k, e, ws.get(), nullptr);
+    gpu_moe::Plan in_place = packed;
+    in_place.rows = d_rows.get();
+    auto d_wg = to_device<bf16>(wg), d_wu = to_device<bf16>(wu), d_wd = to_device<bf16>(wd);
+    const gpu_moe::Weights gw{d_wg.get(), d_wu.get(), d_wd.get()};
+    auto d_gates = to_device<float>(gates);
+    struct Run {
+      std::vector<float> xs, y, dx, dgates, dwg, dwu, dwd;
+    };
+    const float sentinel = 7.f;
+    auto run = [&](const gpu_moe::Plan& plan, const std::vector<float>& xin, const std::vector<float>& dyin,
+                   std::int64_t rows_out) {
+      auto d_x = to_device<bf16>(xin);
+      auto d_dy = to_device<float>(dyin);
+      DeviceArray<bf16> xs(s * d), hg(s * f), hu(s * f), act(s * f), ys(s * d);
+      auto y = to_device<float>(std::vector<float>(rows_out * d, sentinel));
+      const gpu_moe::Saved sv{xs.get(), hg.get(), hu.get(), act.get(), ys.get()};
+      gpu_moe::forward(plan, d_x.get(), d_gates.get(), gw, d, f, sv, y.get(), nullptr);
+      DeviceArray<char> scratch(gpu_moe::backward_scratch_bytes(s, d, f));
+      auto dx = to_device<float>(std::vector<float>(rows_out * d, sentinel));
+      DeviceArray<float> dgates(n * k);
+      const std::vector<float> zeros(static_cast<std::size_t>(e * f * d), 0.f);
+      auto dwg = to_device<float>(zeros), dwu = to_device<float>(zeros), dwd = to_device<float>(zeros);
+      gpu_moe::backward_f32(plan, d_gates.get(), gw, d, f, sv, d_dy.get(), scratch.get(), dx.get(), dgates.get(),
+                            gpu_moe::Grads{dwg.get(), dwu.get(), dwd.get()}, nullptr);
+      return Run{to_host(xs), to_host(y), to_host(dx), to_host(dgates), to_host(dwg), to_host(dwu), to_host(dwd)};
+    };
+    const Run want = run(packed, xp, dyp, n);
+    const Run got = run(in_place, x, dy, full);
+    EXPECT_EQ(got.xs, want.xs);
+    EXPECT_EQ(got.dgates, want.dgates);
+    EXPECT_EQ(got.dwg, want.dwg);
+    EXPECT_EQ(got.dwu, want.dwu);
+    EXPECT_EQ(got.dwd, want.dwd);
+    std::vector<bool> named(full, false);
+    for (std::int64_t t = 0; t < n; ++t) named[rows[t]] = true;
+    for (std::int64_t r = 0; r < full; ++r)
+      for (std::int64_t c = 0; c < d; ++c)
+        if (!named[r]) {
+          ASSERT_EQ(got.y[r * d + c], sentinel) << "row " << r;
+          ASSERT_EQ(got.dx[r * d + c], sentinel) << "row " << r;
+        }
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::int64_t c = 0; c < d; ++c) {
+        ASSERT_EQ(got.y[rows[t] * d + c], want.y[t * d + c]) << "token " << t;
+        ASSERT_EQ(got.dx[rows[t] * d + c], want.dx[t * d + c]) << "token " << t;
+      }
+    // backward_f32's dx is backward's before its bf16 rounding.
+    auto d_xp = to_device<bf16>(xp);
+    auto d_dyp = to_device<float>(dyp);
+    DeviceArray<bf16> xs(s * d), hg(s * f), hu(s * f), act(s * f), ys(s * d), dx_bf(n * d);
+    DeviceArray<float> y(n * d);
+    const gpu_moe::Saved sv{xs.get(), hg.get(), hu.get(), act.get(), ys.get()};
+    gpu_moe::forward(packed, d_xp.get(), d_gates.get(), gw, d, f, sv, y.get(), nullptr);
+    DeviceArray<char> scratch(gpu_moe::backward_scratch_bytes(s, d, f));
+    gpu_moe::backward(packed, d_gates.get(), gw, d, f, sv, d_dyp.get(), scratch.get(), dx_bf.get(), nullptr, {},
+                      nullptr);
+    EXPECT_EQ(to_host(dx_bf), rounded_bf16(want.dx));
+  }
+}
+
 // An overwriting backward over no tokens (no expert got a row) leaves every expert's gradient
 // zero; an accumulating one leaves them as they were.
 TEST(MoeCuda, OverwriteWithNoTokensZeroesEveryExpert) {
