@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Per-rank memory of keel train's two-rank layouts: TSP=2 against TP=2, TP=2+SP, CP=2 and DP=2,
-as sequences grow (issue 30's comparison, the memory half), on CPU ranks or on GPUs.
+"""Per-rank memory (and with --steps, tokens/s) of keel train's two-rank layouts: TSP=2 against
+TP=2, TP=2+SP, CP=2 and DP=2, as sequences grow (issue 30's comparison), on CPU ranks or on GPUs.
 
 Model: a dense decoder of the TSP paper's 7B proportions (hidden --hidden, heads of 128, FFN x4,
 --layers layers, vocabulary 32,000; on CPU ranks the hidden is scaled down), one sequence per
 micro-batch, AdamW. For each layout and sequence length it starts `mpirun -np 2 keel train`
 (--device cpu or cuda) on random tokens, reads rank 0's start-up memory line (keel's own
-allocations, sized before the first step) and stops the run: no step is timed, so nothing here is
-a throughput figure. With --size it also prints `keel size`'s prediction for the same layout.
+allocations, sized before the first step) and stops the run: no step is timed. With --steps N
+(N > 3) it trains N steps instead and also prints the median tokens/s per GPU over the steps
+after 2 (a throughput figure only on a GPU per rank). With --size it also prints `keel size`'s
+prediction for the same layout.
 On a machine with one GPU, KEEL_NCCL_OVER_MPI=1 lets both ranks share it (the collectives go
 through MPI; both ranks' memory must then fit on the one GPU). Writes OUT/tsp_memory.json and
 prints the table last.
@@ -63,7 +65,7 @@ parallel:
   grad_accum: {accum}
 optimizer:
   lr: 0.0001
-steps: 1
+steps: {max(1, a.steps)}
 output_dir: {out}
 checkpoint: {{final: false}}
 """
@@ -86,12 +88,16 @@ def measure(a, prefix, seq, layout):
             cmd += ["-x", k]
     p = subprocess.Popen(cmd + [a.keel, "train", cfg],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    line, seen = None, []
+    line, seen, rates = None, [], []
     for out in p.stdout:
         seen.append(out)
         if out.startswith("memory on this rank:"):
             line = out.strip()
-            break
+            if a.steps <= 1:
+                break
+        m = re.search(r"\| ([0-9]+) tok/s \|", out)
+        if m and out.startswith("step"):
+            rates.append(float(m.group(1)))
     p.kill()
     p.wait()
     if not line:
@@ -105,6 +111,11 @@ def measure(a, prefix, seq, layout):
             row[m.group(1)] = gib(m.group(2))
     if a.size:
         row["keel size"] = predicted(a, run_dir, seq, layout)
+    timed = rates[2:]  # the first two steps warm up
+    if timed:
+        row["tokens/s per GPU"] = float(np.median(timed)) / 2
+    elif a.steps > 1:
+        row["error"] = "no timed step: " + "".join(seen[-3:]).strip()
     return row
 
 
@@ -137,6 +148,8 @@ def main():
     ap.add_argument("--mpirun", default="mpirun")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--size", action="store_true", help="also print keel size's prediction (GPU layouts)")
+    ap.add_argument("--steps", type=int, default=1,
+                    help="steps per run: above 3, also the median tokens/s per GPU over the steps after 2")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -178,6 +191,15 @@ def main():
         print(f"{layout:8s} " + " ".join(cells) + "   " + detail + ("   " + " ".join(sizes) if a.size else ""))
     lowest = {seq: min((results[f"{l} {seq}"].get("total_gib", 1e9), l) for l in layouts)[1] for seq in lengths}
     print("lowest: " + ", ".join(f"{seq}: {l}" for seq, l in lowest.items()))
+    if a.steps > 3:
+        print(f"\n== keel train tokens/s per GPU (median of the steps after 2 of {a.steps}; same layouts)")
+        print(f"{'layout':8s} " + " ".join(f"{s:>8d}" for s in lengths))
+        for layout in layouts:
+            cells = []
+            for seq in lengths:
+                r = results[f"{layout} {seq}"]
+                cells.append(f"{r['tokens/s per GPU']:8.0f}" if "tokens/s per GPU" in r else f"{'-':>8s}")
+            print(f"{layout:8s} " + " ".join(cells))
     for k, r in results.items():
         if "error" in r:
             print(f"{k}: {r['error'][:200]}")

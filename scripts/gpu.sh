@@ -244,11 +244,14 @@ for step in "${steps[@]}"; do
       [ "$gpus" -lt 2 ] && export KEEL_NCCL_OVER_MPI=1
       [ "${KEEL_TSP_TESTS:-1}" = 0 ] || mpi_gtest tsp 2 'Tsp.Gpu*' "${KEEL_TSP_TEST_TIMEOUT:-300}" '^  [a-z0-9_]+: last step'
       [ "${KEEL_TSP_BENCH:-1}" = 0 ] && { unset KEEL_NCCL_OVER_MPI; continue; }
+      # On 2+ GPUs each layout also trains 5 steps: tokens/s per GPU beside the memory.
+      tsp_steps=""; [ "$gpus" -ge 2 ] && tsp_steps="--steps 5"
       timeout "${KEEL_TSP_TIMEOUT:-600}" python3 bench/tsp_memory.py --keel "$build/keel" --out "$out/tsp" \
-          --device cuda --size --hidden 4096 --lengths 16384,32768,65536,131072 ${KEEL_TSP_ARGS:-} 2>&1 \
+          --device cuda --size --hidden 4096 --lengths 16384,32768,65536,131072 $tsp_steps ${KEEL_TSP_ARGS:-} 2>&1 \
           | tee "$out/tsp_memory.log" | tail -20
       if grep -q '^== keel train per-rank memory' "$out/tsp_memory.log"; then
         grep -A12 '^== keel train per-rank memory' "$out/tsp_memory.log" >>"$summary"
+        grep -A8 '^== keel train tokens/s per GPU' "$out/tsp_memory.log" >>"$summary"
       else
         note "tsp: FAILED or timed out before the table (see tsp_memory.log)"
       fi
