@@ -154,11 +154,21 @@ WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout&
 ops::cca::Config cca_config(const model::ModelConfig& cfg, TensorSplit tp) {
   ops::cca::Config c;
   c.hidden = cfg.hidden;
-  c.q_heads = cfg.heads / tp.degree;
-  c.kv_heads = std::max(1, cfg.kv_heads / tp.degree);
   c.head_dim = cfg.head_dim;
   c.conv0_width = cfg.cca_conv_width;
   c.conv1_width = cfg.cca_group_conv_width;
+  if (tp.degree > cfg.kv_heads) {
+    // More ranks than kv heads (model::kv_replicated): the projections, convolutions, mixing and
+    // temperatures are whole on every rank (replicated parameters) and the rank attends its own
+    // query heads, which share one kv head; W_o is split by them as always.
+    c.q_heads = cfg.heads;
+    c.kv_heads = cfg.kv_heads;
+    c.attend_q = cfg.heads / tp.degree;
+    c.attend_q0 = std::int64_t(tp.rank) * c.attend_q;
+    return c;
+  }
+  c.q_heads = cfg.heads / tp.degree;
+  c.kv_heads = std::max(1, cfg.kv_heads / tp.degree);
   if (tp.degree > 1) {
     // This rank's value heads are the columns [lo, hi) of the whole [current | previous] value;
     // the previous-token half is [KV / 2, KV).

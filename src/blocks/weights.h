@@ -75,7 +75,9 @@ Tensor* layer_slot(LayerWeights& L, Slot s);
 // Throws keel::Error naming a parameter of the layout it has no role for.
 WeightViews map_weights(const model::ModelConfig& cfg, const optim::ParamLayout& layout, float* base);
 
-// The CCA layer shape of a model (ops::cca::Config from its heads, head_dim and conv widths).
+// The CCA layer shape of a model (ops::cca::Config from its heads, head_dim and conv widths) on
+// tensor rank tp.rank of tp.degree: its share of the heads, or with more ranks than kv heads
+// every head with its own query heads attended (Config::attend_q0 / attend_q).
 ops::cca::Config cca_config(const model::ModelConfig& cfg, TensorSplit tp = {});
 
 }  // namespace keel::blocks

@@ -185,6 +185,11 @@ optim::ParamLayout param_layout(const ModelConfig& cfg, const mesh::Shape& given
     // replicates them) and its query heads read theirs (blocks/shape.h: AttnShape::kv_head0).
     if (kv_replicated(cfg, mesh) && (p.name.ends_with(".attn.wk") || p.name.ends_with(".attn.wv")))
       p.placement = mesh::Placement::replicated(static_cast<int>(p.shape.size()));
+    // CCA likewise: its projections, convolutions and temperatures whole on every rank (the k
+    // mixing averages a kv group's query heads, which then span ranks); each rank attends its
+    // own query heads (ops/cca.h: Config::attend_q) and W_o stays split by them.
+    if (kv_replicated(cfg, mesh) && p.name.find(".attn.cca.") != std::string::npos && !p.name.ends_with(".attn.cca.wo"))
+      p.placement = mesh::Placement::replicated(static_cast<int>(p.shape.size()));
     for (std::size_t d = 0; d < p.shape.size(); ++d) {
       std::int64_t split = 1;
       for (mesh::Axis a : p.placement.dims[d]) split *= mesh.degree(a);

@@ -13,6 +13,27 @@
 namespace keel::ops::cca {
 
 namespace {
+// Config::attend_q0 / attend_q: a range of query heads inside one kv group, or none.
+void check_attended(const Config& c) {
+  if (c.attend_q == 0 && c.attend_q0 == 0) return;
+  const std::int64_t G = c.q_heads / c.kv_heads, last = c.attend_q0 + c.attend_q - 1;
+  if (c.attend_q < 1 || c.attend_q0 < 0 || last >= c.q_heads || (c.attends_part() && c.attend_q0 / G != last / G))
+    fail("cca: attended query heads [{}, {}) must lie inside one kv group of {} query heads (of {})", c.attend_q0,
+         c.attend_q0 + c.attend_q, G, c.q_heads);
+}
+
+// Attending a part: columns [c0, c0 + w) of each of the n rows of src (row length ld) to dst
+// (rows of w), or back (to_src, into src's columns).
+void copy_columns(float* src, std::int64_t ld, std::int64_t c0, std::int64_t w, float* dst, std::int64_t n,
+                  bool to_src) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    float* a = src + i * ld + c0;
+    float* b = dst + i * w;
+    if (to_src) std::memcpy(a, b, sizeof(float) * w);
+    else std::memcpy(b, a, sizeof(float) * w);
+  }
+}
+
 void check_config(const Config& c, std::int64_t B, std::int64_t T, const rope::Table& rt) {
   if (c.hidden <= 0 || c.q_heads <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 || c.q_heads % c.kv_heads)
     fail("cca: need positive sizes and q_heads % kv_heads == 0 (got q {}, kv {})", c.q_heads, c.kv_heads);
@@ -23,6 +44,7 @@ void check_config(const Config& c, std::int64_t B, std::int64_t T, const rope::T
   if (c.conv0_width < 1 || c.conv1_width < 1) fail("cca: conv widths must be >= 1");
   if (B <= 0 || T <= 0) fail("cca: B and T must be positive, got {} and {}", B, T);
   if (rt.head_dim != c.head_dim) fail("cca: rope table head_dim {} != head_dim {}", rt.head_dim, c.head_dim);
+  check_attended(c);
 }
 
 std::int64_t halo_rows(const Config& c) { return (c.conv0_width - 1) + (c.conv1_width - 1); }
@@ -56,9 +78,10 @@ std::int64_t halo_floats(const Config& c) { return halo_rows(c) * c.qk_channels(
 
 std::int64_t saved_floats(const Config& c, std::int64_t B, std::int64_t T, int segments) {
   const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
+  const std::int64_t da = c.att_heads() * c.head_dim, part = c.attends_part() ? N * (da + 2 * c.head_dim) : 0;
   const Runs r = runs_of(c, B, T, segments);
-  return 2 * N * C + r.R * (r.L + c.conv1_width - 1) * C + N * (c.q_heads + c.kv_heads) + 2 * N * dq + 2 * N * dk +
-         B * c.q_heads * T + (segments > 0 ? r.R * halo_floats(c) : 0);
+  return 2 * N * C + r.R * (r.L + c.conv1_width - 1) * C + N * (c.q_heads + c.kv_heads) + N * dq + 2 * N * dk +
+         N * da + B * c.att_heads() * T + part + (segments > 0 ? r.R * halo_floats(c) : 0);
 }
 
 Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, float* p, int segments) {
@@ -77,9 +100,14 @@ Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, float* p, int
   s.q = take({N, dq});
   s.k = take({N, dk});
   s.v = take({N, dk});
-  s.att = take({N, dq});
-  s.lse = take({B, c.q_heads, T});
+  s.att = take({N, c.att_heads() * c.head_dim});
+  s.lse = take({B, c.att_heads(), T});
   if (segments > 0) s.halo = take({r.R, halo_floats(c)});
+  if (c.attends_part()) {
+    s.qa = take({N, c.attend_q * c.head_dim});
+    s.ka = take({N, c.head_dim});
+    s.va = take({N, c.head_dim});
+  }
   return s;
 }
 
@@ -168,21 +196,31 @@ void forward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, c
       std::memset(s.v.row(i * L) + half, 0, sizeof(float) * width);
   }
 
-  // 5. Causal GQA attention (the layer's window; a split's over its whole sequences) and the
-  //    output projection.
-  const Tensor q4 = s.q.reshaped({B, T, nq, d}), k4 = s.k.reshaped({B, T, nkv, d}), v4 = s.v.reshaped({B, T, nkv, d});
+  // 5. Causal GQA attention (the layer's window; a split's over its whole sequences) of the
+  //    attended query heads, and the output projection.
+  const std::int64_t na = c.att_heads(), nka = c.att_kv_heads();
+  if (c.attends_part()) {
+    copy_columns(s.q.data(), dq, c.attend_q0 * d, na * d, s.qa.data(), N, false);
+    copy_columns(s.k.data(), nkv * d, c.att_kv0() * d, d, s.ka.data(), N, false);
+    copy_columns(s.v.data(), nkv * d, c.att_kv0() * d, d, s.va.data(), N, false);
+  }
+  const Tensor& qs = c.attends_part() ? s.qa : s.q;
+  const Tensor& ks = c.attends_part() ? s.ka : s.k;
+  const Tensor& vs = c.attends_part() ? s.va : s.v;
+  const Tensor q4 = qs.reshaped({B, T, na, d}), k4 = ks.reshaped({B, T, nka, d}), v4 = vs.reshaped({B, T, nka, d});
   const float scale = static_cast<float>(1.0 / std::sqrt(double(d)));
   if (split)
-    split->attend(q4, k4, v4, scale, c.window, s.att.reshaped({B, T, nq, d}), s.lse);
+    split->attend(q4, k4, v4, scale, c.window, s.att.reshaped({B, T, na, d}), s.lse);
   else
-    attention::forward(q4, k4, v4, scale, s.att.reshaped({B, T, nq, d}), s.lse, c.window);
+    attention::forward(q4, k4, v4, scale, s.att.reshaped({B, T, na, d}), s.lse, c.window);
   linear::forward(s.att, p.w_o, Tensor(), y);
 }
 
 std::int64_t backward_scratch_floats(const Config& c, std::int64_t B, std::int64_t T, int segments) {
   const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
+  const std::int64_t da = c.att_heads() * c.head_dim, part = c.attends_part() ? N * (da + 2 * c.head_dim) : 0;
   const Runs r = runs_of(c, B, T, segments);
-  return N * (2 * dq + 2 * dk + 2 * C + c.hidden) + r.R * (r.L + c.conv1_width - 1) * C +
+  return N * (da + dq + 2 * dk + 2 * C + c.hidden) + part + r.R * (r.L + c.conv1_width - 1) * C +
          (segments > 0 ? 2 * r.R * halo_floats(c) : 0);
 }
 
@@ -205,22 +243,37 @@ void backward(const Config& c, std::int64_t B, std::int64_t T, const Tensor& x, 
     sp += t.numel();
     return t;
   };
-  const Tensor datt = take({N, dq}), dqv = take({N, dq}), dkv = take({N, dk}), dv = take({N, dk});
+  const std::int64_t na = c.att_heads(), nka = c.att_kv_heads();
+  const Tensor datt = take({N, na * d}), dqv = take({N, dq}), dkv = take({N, dk}), dv = take({N, dk});
   const Tensor dqk = take({N, C}), dqk0 = take({N, C}), dxt = take({N, H}), dc0 = take({R, L + W1 - 1, C});
   const Tensor dhalos = split ? take({R, F}) : Tensor(), dtails = split ? take({R, F}) : Tensor();
+  const bool part = c.attends_part();
+  const Tensor dqa = part ? take({N, na * d}) : dqv, dka = part ? take({N, d}) : dkv, dva = part ? take({N, d}) : dv;
 
-  // 5. Output projection and attention.
+  // 5. Output projection and attention (of the attended query heads; the others' q, k and v
+  //    gradients are 0 here: they reach the loss only through the k mixing, below).
   linear::backward(s.att, p.w_o, dy, datt, g.w_o, Tensor());
-  const Tensor q4 = s.q.reshaped({B, T, nq, d}), k4 = s.k.reshaped({B, T, nkv, d}), v4 = s.v.reshaped({B, T, nkv, d});
+  const Tensor& qs = part ? s.qa : s.q;
+  const Tensor& ks = part ? s.ka : s.k;
+  const Tensor& vs = part ? s.va : s.v;
+  const Tensor q4 = qs.reshaped({B, T, na, d}), k4 = ks.reshaped({B, T, nka, d}), v4 = vs.reshaped({B, T, nka, d});
   const float scale = static_cast<float>(1.0 / std::sqrt(double(d)));
   if (split)
-    split->attend_backward(q4, k4, v4, s.att.reshaped({B, T, nq, d}), s.lse, datt.reshaped({B, T, nq, d}), scale,
-                           c.window, dqv.reshaped({B, T, nq, d}), dkv.reshaped({B, T, nkv, d}),
-                           dv.reshaped({B, T, nkv, d}));
+    split->attend_backward(q4, k4, v4, s.att.reshaped({B, T, na, d}), s.lse, datt.reshaped({B, T, na, d}), scale,
+                           c.window, dqa.reshaped({B, T, na, d}), dka.reshaped({B, T, nka, d}),
+                           dva.reshaped({B, T, nka, d}));
   else
-    attention::backward(q4, k4, v4, s.att.reshaped({B, T, nq, d}), s.lse, datt.reshaped({B, T, nq, d}), scale,
-                        dqv.reshaped({B, T, nq, d}), dkv.reshaped({B, T, nkv, d}), dv.reshaped({B, T, nkv, d}),
+    attention::backward(q4, k4, v4, s.att.reshaped({B, T, na, d}), s.lse, datt.reshaped({B, T, na, d}), scale,
+                        dqa.reshaped({B, T, na, d}), dka.reshaped({B, T, nka, d}), dva.reshaped({B, T, nka, d}),
                         c.window);
+  if (part) {
+    dqv.fill(0.f);
+    dkv.fill(0.f);
+    dv.fill(0.f);
+    copy_columns(dqv.data(), dq, c.attend_q0 * d, na * d, dqa.data(), N, true);
+    copy_columns(dkv.data(), dk, c.att_kv0() * d, d, dka.data(), N, true);
+    copy_columns(dv.data(), dk, c.att_kv0() * d, d, dva.data(), N, true);
+  }
 
   // 4. Values: undo the shift within each run (du2[t] = dv2[t + 1]; a run's first token's dv2 is
   //    its halo's gradient; 0 for the last token, where the next run's part is added below).

@@ -21,6 +21,8 @@
 //     (with Config::window W > 0 token t attends to tokens t - W < j <= t only: a sliding
 //     layer; the convolutions and the value shift are unchanged)
 //   y = att W_o^T                                                       [N, H]
+//   (Config::attend_q > 0: att holds only query heads [attend_q0, attend_q0 + attend_q), all
+//   in one kv group, and W_o their columns; every step before the attention is whole.)
 // Positions are per token (rope); the conv and the value shift restart per sequence (of T, or of
 // a split's runs joined by their halos, below), not at document boundaries inside a packed
 // sequence (neither does the reference).
@@ -55,6 +57,16 @@ struct Config {
   // the value heads gives its own range (blocks::cca_config).
   std::int64_t v_shift_begin = -1, v_shift_end = -1;
   int window = 0;  // the attention's sliding window (ops/attention.h); 0: full causal
+  // The query heads the attention and the output projection take: [attend_q0, attend_q0 +
+  // attend_q) of q_heads, inside one kv group (they read its kv head); 0: all of them. Tensor
+  // parallelism over more ranks than kv heads (blocks::cca_config) computes the projections,
+  // convolutions and mixing of every head on every rank (the k mixing averages a group's query
+  // heads) and attends only the rank's own query heads; W_o is then [H, attend_q d].
+  std::int64_t attend_q0 = 0, attend_q = 0;
+  bool attends_part() const { return attend_q > 0 && attend_q < q_heads; }
+  std::int64_t att_heads() const { return attends_part() ? attend_q : q_heads; }
+  std::int64_t att_kv_heads() const { return attends_part() ? 1 : kv_heads; }
+  std::int64_t att_kv0() const { return attends_part() ? attend_q0 / (q_heads / kv_heads) : 0; }
   std::int64_t qk_channels() const { return (q_heads + kv_heads) * head_dim; }
   std::int64_t shift_begin() const { return v_shift_begin < 0 ? kv_heads * head_dim / 2 : v_shift_begin; }
   std::int64_t shift_end() const { return v_shift_end < 0 ? kv_heads * head_dim : v_shift_end; }
@@ -68,7 +80,7 @@ struct Params {
   Tensor conv1_w;  // [C, d, W1]  grouped, one group per head
   Tensor conv1_b;  // [C]
   Tensor temp;     // [nkv]       per-kv-head temperature on k (HF init 0, Primus 1)
-  Tensor w_o;      // [H, nq d]
+  Tensor w_o;      // [H, nq d] ([H, attend_q d] when attending a part)
 };
 
 // What forward saves for backward (caller-allocated; saved_floats / carve_saved, given the
@@ -81,9 +93,12 @@ struct Saved {
   Tensor q;      // [N, nq d] attention query (normalized, scaled, rotated)
   Tensor k;      // [N, nkv d] attention key (normalized, temperature, rotated)
   Tensor v;      // [N, nkv d] values (current | previous token)
-  Tensor att;    // [N, nq d] attention output
-  Tensor lse;    // [B, nq, T] attention log-sum-exp
+  Tensor att;    // [N, na d] attention output (na = att_heads(): nq, or attend_q)
+  Tensor lse;    // [B, na, T] attention log-sum-exp
   Tensor halo;   // [R, halo_floats] each run's halo (split only; empty for segments 0)
+  // Attending a part: the attended query heads' columns of q, and their kv head's of k and v
+  // ([N, attend_q d], [N, d], [N, d]); empty otherwise.
+  Tensor qa, ka, va;
 };
 
 // Floats a run gives the next one: (W0-1 + W1-1) qk0 rows of C, plus the value-shift columns.

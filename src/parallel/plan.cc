@@ -40,9 +40,9 @@ void check_plan(const model::ModelConfig& model, const mesh::Shape& shape, const
   if (model.kv_heads % T != 0 && T % model.kv_heads != 0)
     refuse(fmt::format("{} kv heads: the degree must divide them or be a multiple of them (to replicate them)",
                        model.kv_heads));
-  if (cca && model.kv_heads % T != 0)
-    refuse(fmt::format("CCA needs the degree to divide its {} kv heads: its k mixing term averages the query heads "
-                       "of a kv group, which would then span ranks",
+  if (cca && model.kv_heads % T != 0 && shape.tsp > 1)
+    refuse(fmt::format("TSP over more ranks than CCA's {} kv heads is not supported (its shards would repeat the "
+                       "whole CCA projections per shard); parallel.tensor replicates them",
                        model.kv_heads));
 }
 

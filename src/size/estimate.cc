@@ -50,7 +50,10 @@ struct LayerBytes {
   double total() const { return whole + split; }
 };
 
-LayerBytes layer_activation_parts(const ModelConfig& m, int layer, Recompute r) {
+// tensor: the ranks that divide the heads (tp x tsp); CCA over more of them than its kv heads keeps
+// its pre-attention items whole on every rank (ops/cca.h: Config::attend_q), counted here as
+// `split` items times the degree.
+LayerBytes layer_activation_parts(const ModelConfig& m, int layer, Recompute r, int tensor = 1) {
   const double h = m.hidden, hd = m.head_dim, q = m.heads * hd, kv = m.kv_heads * hd;
   LayerBytes b;
   if (r == Recompute::kFull) return {kBf16 * h, 0};  // the layer input only
@@ -69,9 +72,11 @@ LayerBytes layer_activation_parts(const ModelConfig& m, int layer, Recompute r) 
       break;
     case AttentionKind::kCca: {
       const double ch = static_cast<double>(m.cca_q_dim) + m.cca_k_dim;
-      b.split += kBf16 * ch;                       // pre-conv q~|k~ (kept either way)
-      if (!sel) b.split += kBf16 * 3 * ch;         // conv1 out, conv2 out, normalised q|k
-      b.split += kBf16 * m.cca_v_dim;              // v (current | previous token)
+      const double whole = tensor > m.kv_heads ? tensor : 1;  // replicated: every rank, every head
+      b.split += whole * kBf16 * ch;               // pre-conv q~|k~ (kept either way)
+      if (!sel) b.split += whole * kBf16 * 3 * ch; // conv1 out, conv2 out, normalised q|k
+      b.split += whole * kBf16 * m.cca_v_dim;      // v (current | previous token)
+      if (tensor > m.kv_heads) b.split += kBf16 * (q + 2 * hd * tensor);  // the attended heads' copies
       break;
     }
   }
@@ -210,6 +215,12 @@ MemoryEstimate estimate_memory(const Setup& s) {
     }
     const bool sharded = c.matrix && c.name != "router";  // router and norm vectors replicate over tp
     double p = static_cast<double>(c.total) * frac / (sharded ? l.tp * l.tsp : 1);
+    if (c.name == "cca_attention" && l.tp * l.tsp > m.kv_heads) {
+      // More ranks than kv heads: CCA's q|k and value projections replicate (model/param_layout),
+      // only W_o divides (the convolutions, never sharded here, replicate too).
+      const double wo = static_cast<double>(m.cca_q_dim) * m.hidden / static_cast<double>(c.per_layer);
+      p = static_cast<double>(c.total) * frac * (wo / (l.tp * l.tsp) + (1 - wo));
+    }
     if (c.expert) {
       p /= l.ep;
       body_expert += p;
@@ -233,7 +244,7 @@ MemoryEstimate estimate_memory(const Setup& s) {
   LayerBytes mean_parts[3], worst_layer_none;
   for (int i = 0; i < 3; ++i)
     for (int layer = 0; layer < m.layers; ++layer) {
-      const LayerBytes b = layer_activation_parts(m, layer, static_cast<Recompute>(i));
+      const LayerBytes b = layer_activation_parts(m, layer, static_cast<Recompute>(i), l.tp * l.tsp);
       per_token[i] += b.total() / L;
       mean_parts[i].whole += b.whole / L;
       mean_parts[i].split += b.split / L;

@@ -64,7 +64,7 @@ struct CcaCase {
     q.conv1_w = Tensor(v[4].data(), {C, d, c.conv1_width});
     q.conv1_b = Tensor(v[5].data(), {C});
     q.temp = Tensor(v[6].data(), {c.kv_heads});
-    q.w_o = Tensor(v[7].data(), {c.hidden, c.q_heads * d});
+    q.w_o = Tensor(v[7].data(), {c.hidden, c.att_heads() * d});
     return q;
   }
   void forward() { ca::forward(c, B, T, Tensor(x.data(), {N, c.hidden}), pos.data(), rt, view(p), s, Tensor(y.data(), {N, c.hidden})); }
@@ -325,6 +325,59 @@ TEST(CcaSplit, AdjacentRunsEqualWholeSequences) {
       EXPECT_LT(rel_diff(runs.g[i], whole.g[i]), 1e-5) << tag << ": d" << kNames[i];
       EXPECT_GT(rel_diff(whole.g[i], std::vector<float>(whole.g[i].size(), 0.f)), 0.0) << tag << ": d" << kNames[i] << " is zero";
     }
+  }
+}
+
+// Config::attend_q (tensor parallelism past the kv heads): P parts, each attending its query
+// heads with W_o's matching columns, sum to the whole op: y and dx summed over the parts, the
+// projections', convolutions' and temperatures' gradients too (each part's a partial one), and
+// each part's W_o gradient is the whole one's columns. With and without a sequence split.
+TEST(OpCca, AttendedPartsSumToTheWhole) {
+  for (int P : {4, 2}) {
+    for (int S : {0, 2}) {
+      CcaCase k(2, 12, 32, 4, 2, 8);
+      const std::int64_t H = 32, d = 8, per = 4 / P;
+      auto dy = random_vector(k.N * H, 740);
+      AdjacentRuns runs(S > 0 ? S : 1);
+      ops::SequenceSplit* split = S > 0 ? &runs : nullptr;
+      const CcaResult whole = run_cca(k, split, dy);
+      std::vector<float> y(whole.y.size(), 0.f), dx(whole.dx.size(), 0.f);
+      std::vector<std::vector<float>> g;
+      for (int i = 0; i < 7; ++i) g.emplace_back(whole.g[i].size(), 0.f);
+      for (int r = 0; r < P; ++r) {
+        CcaCase part = k;
+        part.c.attend_q0 = r * per;
+        part.c.attend_q = per;
+        std::vector<float> wo(static_cast<std::size_t>(H * per * d));
+        for (std::int64_t i = 0; i < H; ++i)
+          for (std::int64_t j = 0; j < per * d; ++j) wo[i * per * d + j] = k.p[7][i * 4 * d + r * per * d + j];
+        part.p[7] = wo;
+        const CcaResult got = run_cca(part, split, dy);
+        for (std::size_t i = 0; i < y.size(); ++i) y[i] += got.y[i], dx[i] += got.dx[i];
+        for (int i = 0; i < 7; ++i)
+          for (std::size_t j = 0; j < g[i].size(); ++j) g[i][j] += got.g[i][j];
+        std::vector<float> want_wo(wo.size());
+        for (std::int64_t i = 0; i < H; ++i)
+          for (std::int64_t j = 0; j < per * d; ++j) want_wo[i * per * d + j] = whole.g[7][i * 4 * d + r * per * d + j];
+        EXPECT_LT(rel_diff(got.g[7], want_wo), 1e-6) << "P " << P << " S " << S << " part " << r << ": dw_o";
+      }
+      const std::string tag = "P " + std::to_string(P) + " S " + std::to_string(S);
+      EXPECT_LT(rel_diff(y, whole.y), 1e-5) << tag << ": y";
+      EXPECT_LT(rel_diff(dx, whole.dx), 1e-5) << tag << ": dx";
+      for (int i = 0; i < 7; ++i) EXPECT_LT(rel_diff(g[i], whole.g[i]), 1e-5) << tag << ": d" << kNames[i];
+    }
+  }
+}
+
+TEST(OpCca, AttendedHeadsMustShareOneKvHead) {
+  CcaCase k(1, 4, 16, 4, 2, 8);
+  k.c.attend_q0 = 1, k.c.attend_q = 2;  // heads 1 and 2: kv heads 0 and 1
+  std::vector<float> dy(k.y.size(), 1.f);
+  try {
+    run_cca(k, nullptr, dy);
+    ADD_FAILURE() << "accepted query heads of two kv groups";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("inside one kv group"), std::string::npos) << e.what();
   }
 }
 

@@ -94,10 +94,21 @@ TEST(ParallelPlan, TensorDegreesThatDoNotSplitAreOneError) {
   m = moe(4);
   m.heads = 6, m.kv_heads = 3, m.head_dim = 4;
   check(m, 2, "3 kv heads");
-  m = moe(4);
+}
+
+// CCA over more tensor ranks than its kv heads replicates its projections (and attends each
+// rank's own query heads); TSP does not.
+TEST(ParallelPlan, CcaPastItsKvHeadsReplicatesUnderTensorParallelism) {
+  model::ModelConfig m = moe(4);
   m.attention = model::AttentionKind::kCca;
   m.heads = 8, m.kv_heads = 2;
-  check(m, 4, "CCA needs the degree to divide its 2 kv heads");
+  mesh::Shape s;
+  s.tp = 4;
+  EXPECT_EQ(error_of(m, s), "");
+  s.tp = 1, s.tsp = 4;
+  const std::string e = error_of(m, s);
+  EXPECT_NE(e.find("does not split over tsp degree 4"), std::string::npos) << e;
+  EXPECT_NE(e.find("TSP over more ranks than CCA's 2 kv heads"), std::string::npos) << e;
 }
 
 TEST(ParallelPlan, ExpertsMustSplit) {

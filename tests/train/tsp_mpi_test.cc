@@ -96,7 +96,7 @@ const std::string& kMuon = fixtures::kMuonOptimizer;
 TEST(Tsp, WorldMatchesOneRank) { expect_matches_single_rank({world_size(), 1, {}, "", "tspN"}); }
 TEST(Tsp, WorldWithMuonMatchesOneRank) { expect_matches_single_rank({world_size(), 1, {}, kMuon, "tspN_muon"}); }
 TEST(Tsp, WorldSlidingMatchesOneRank) { expect_matches_single_rank({world_size(), 1, kSliding, "", "tspN_sliding"}); }
-// CCA needs the degree to divide its 2 kv heads: D = 2 (x DP 2 at 4 ranks)
+// TSP past CCA's 2 kv heads is refused: D = 2 (x DP 2 at 4 ranks)
 TEST(Tsp, Tsp2ZayaMatchesOneRank) { expect_matches_single_rank({2, 1, kZaya, "", "zaya_tsp2"}); }
 // The MLP router's aux loss on: every shard routes alike, the first shard's pass adds its gradient.
 TEST(Tsp, Tsp2ZayaAuxLossMatchesOneRank) { expect_matches_single_rank({2, 1, fixtures::kZayaAux, "", "zaya_aux_tsp2"}); }
@@ -135,7 +135,7 @@ TEST(Tsp, BadCombinationsAreOneClearError) {
            {tsp_tp, {"parallel.tensor=2", "parallel.tsp=2"}, "parallel.tsp (2) with parallel.tensor (2)"},
            {tsp_cp, {"parallel.context=2", "parallel.tsp=2"}, "parallel.tsp (2) with parallel.context (2)"},
            {tsp2, {"parallel.tsp=2", "parallel.context_mode=ring"}, "ring is context parallelism's"},
-           {tsp4, joined(kZaya, {"parallel.tsp=4"}), "CCA needs the degree to divide its 2 kv heads"},
+           {tsp4, joined(kZaya, {"parallel.tsp=4"}), "TSP over more ranks than CCA's 2 kv heads"},
            {tsp4, joined(widths_for(3), {"parallel.tsp=4"}),
             "does not split over tsp degree 4 (parallel.tsp)"}}) {
     TrainConfig cfg = config(dir, dir / "bad", b.sets);

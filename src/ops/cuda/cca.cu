@@ -200,10 +200,38 @@ __global__ void halo_value_grad_kernel(const bf16* __restrict__ dv, float* __res
 
 struct Dims {
   std::int64_t N, H, d, nq, nkv, C, dq, dk, W0, W1;
+  // The attention's query and kv heads (Config::attend_q: a part of the query heads and their kv
+  // head; else nq, nkv), its output's columns, and the rows of att / datt, which also hold the
+  // value projection u [N, dk] before the attention (forward) and after it (backward).
+  std::int64_t na, nka, da, att_cols;
   // The runs the convolutions and the value shift see (R = B, L = T without a split), the
   // depthwise output's rows per run, the halo's qk0 rows and its floats (0 without a split).
   std::int64_t R, L, Tc0, hh, F;
 };
+
+// Config::attend_q0 / attend_q: a range of query heads inside one kv group (ops/cca.h), or all.
+void set_attended(const Config& c, Dims& d) {
+  if (c.attend_q != 0 || c.attend_q0 != 0) {
+    const std::int64_t G = c.q_heads / c.kv_heads, last = c.attend_q0 + c.attend_q - 1;
+    if (c.attend_q < 1 || c.attend_q0 < 0 || last >= c.q_heads || (c.attends_part() && c.attend_q0 / G != last / G))
+      fail("cuda cca: attended query heads [{}, {}) must lie inside one kv group of {} query heads (of {})",
+           c.attend_q0, c.attend_q0 + c.attend_q, G, c.q_heads);
+  }
+  d.na = c.att_heads(), d.nka = c.att_kv_heads(), d.da = d.na * c.head_dim;
+  d.att_cols = std::max(d.da, std::int64_t(c.kv_heads) * c.head_dim);
+}
+
+// Attending a part: columns [c0, c0 + w) of n rows of `from` (row length ld) into `to` (rows of
+// w), or back from `to` into those columns (back). bf16.
+void copy_columns(bf16* from, std::int64_t ld, std::int64_t c0, std::int64_t w, bf16* to, std::int64_t n, bool back,
+                  cudaStream_t stream) {
+  if (n == 0) return;
+  const std::size_t e = sizeof(bf16);
+  if (back)
+    KEEL_CUDA_CHECK(cudaMemcpy2DAsync(from + c0, ld * e, to, w * e, w * e, n, cudaMemcpyDeviceToDevice, stream));
+  else
+    KEEL_CUDA_CHECK(cudaMemcpy2DAsync(to, w * e, from + c0, ld * e, w * e, n, cudaMemcpyDeviceToDevice, stream));
+}
 
 Dims check(const Config& c, std::int64_t B, std::int64_t T, const rope::DeviceTable& rt) {
   if (c.hidden <= 0 || c.q_heads <= 0 || c.kv_heads <= 0 || c.q_heads % c.kv_heads)
@@ -225,6 +253,7 @@ Dims check(const Config& c, std::int64_t B, std::int64_t T, const rope::DeviceTa
   d.N = B * T, d.H = c.hidden, d.d = c.head_dim, d.nq = c.q_heads, d.nkv = c.kv_heads, d.C = c.qk_channels();
   d.dq = d.nq * d.d, d.dk = d.nkv * d.d, d.W0 = c.conv0_width, d.W1 = c.conv1_width;
   d.R = B, d.L = T, d.Tc0 = T + c.conv1_width - 1, d.hh = (c.conv0_width - 1) + (c.conv1_width - 1), d.F = 0;
+  set_attended(c, d);
   return d;
 }
 
@@ -255,6 +284,7 @@ Dims check(const Config& c, std::int64_t B, std::int64_t T, const rope::DeviceTa
 Dims layout_dims(const Config& c, std::int64_t B, std::int64_t T, int segments) {
   Dims d{};
   d.C = c.qk_channels();
+  set_attended(c, d);
   d.R = B, d.L = T, d.Tc0 = T + c.conv1_width - 1, d.hh = (c.conv0_width - 1) + (c.conv1_width - 1), d.F = 0;
   apply_runs(c, B, T, segments, d);
   return d;
@@ -268,7 +298,8 @@ int split_segments(const SequenceSplit* split) {
 }
 
 struct Scratch {
-  bf16* datt;   // [N, dq]; after the attention backward, du [N, dk] (the unshifted value grad)
+  bf16* datt;   // [N, att_cols]: [N, da]; after the attention backward, du [N, dk] (the unshifted value grad)
+  bf16 *dqa, *dka, *dva;  // attending a part: the attended heads' gradients [N, da], [N, d], [N, d]
   bf16* dq;     // [N, dq]
   bf16* dk;     // [N, dk]
   bf16* dv;     // [N, dk]
@@ -292,7 +323,11 @@ std::size_t scratch_layout(const Config& c, std::int64_t B, std::int64_t T, cons
   };
   const std::size_t N = static_cast<std::size_t>(d.N);
   Scratch t;
-  t.datt = reinterpret_cast<bf16*>(take(N * d.dq * 2));
+  t.datt = reinterpret_cast<bf16*>(take(N * d.att_cols * 2));
+  const bool part = c.attends_part();
+  t.dqa = part ? reinterpret_cast<bf16*>(take(N * d.da * 2)) : nullptr;
+  t.dka = part ? reinterpret_cast<bf16*>(take(N * d.d * 2)) : nullptr;
+  t.dva = part ? reinterpret_cast<bf16*>(take(N * d.d * 2)) : nullptr;
   t.dq = reinterpret_cast<bf16*>(take(N * d.dq * 2));
   t.dk = reinterpret_cast<bf16*>(take(N * d.dk * 2));
   t.dv = reinterpret_cast<bf16*>(take(N * d.dk * 2));
@@ -301,11 +336,10 @@ std::size_t scratch_layout(const Config& c, std::int64_t B, std::int64_t T, cons
   t.dc0 = reinterpret_cast<float*>(take(static_cast<std::size_t>(d.R * d.Tc0 * d.C) * 4));
   t.dqk0b = reinterpret_cast<bf16*>(take(N * d.C * 2));
   t.conv_ws = take(d.N > 0 ? causal_conv::grouped_backward_gemm_scratch_bytes(d.R, d.L, d.C, d.d, int(d.W1)) : 0);
-  t.attn_ws = take(d.N > 0 ? attention::backward_workspace_bytes(int(B), int(T), int(d.nq), int(d.nkv), int(d.d)) : 0);
+  t.attn_ws = take(d.N > 0 ? attention::backward_workspace_bytes(int(B), int(T), int(d.na), int(d.nka), int(d.d)) : 0);
   t.dhalos = reinterpret_cast<float*>(take(static_cast<std::size_t>(d.R * d.F) * 4));  // F = 0 without a split
   t.dtails = reinterpret_cast<float*>(take(static_cast<std::size_t>(d.R * d.F) * 4));
   if (s) *s = t;
-  (void)c;
   return off;
 }
 
@@ -315,9 +349,10 @@ std::size_t saved_bytes(const Config& c, std::int64_t B, std::int64_t T, int seg
   const Dims d = layout_dims(c, B, T, segments);
   const std::int64_t N = B * T, C = c.qk_channels(), dq = c.q_heads * c.head_dim, dk = c.kv_heads * c.head_dim;
   const std::size_t Tc0 = static_cast<std::size_t>(d.R * d.Tc0);
+  const std::size_t part = c.attends_part() ? round_up(N * d.da * 2) + 2 * round_up(N * c.head_dim * 2) : 0;
   return round_up(N * C * 2) + round_up(Tc0 * C * 2) + round_up(N * C * 4) + round_up(N * (c.q_heads + c.kv_heads) * 4) +
-         round_up(N * dq * 2) + 2 * round_up(N * dk * 2) + round_up(N * dq * 2) + round_up(B * c.q_heads * T * 4) +
-         round_up(c.conv1_width * C * c.head_dim * 2) + (segments > 0 ? round_up(d.R * d.F * 2) : 0);
+         round_up(N * dq * 2) + 2 * round_up(N * dk * 2) + round_up(N * d.att_cols * 2) + round_up(B * d.na * T * 4) +
+         round_up(c.conv1_width * C * c.head_dim * 2) + (segments > 0 ? round_up(d.R * d.F * 2) : 0) + part;
 }
 
 Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, void* buffer, int segments) {
@@ -337,10 +372,15 @@ Saved carve_saved(const Config& c, std::int64_t B, std::int64_t T, void* buffer,
   s.q = reinterpret_cast<bf16*>(take(N * dq * 2));
   s.k = reinterpret_cast<bf16*>(take(N * dk * 2));
   s.v = reinterpret_cast<bf16*>(take(N * dk * 2));
-  s.att = reinterpret_cast<bf16*>(take(N * dq * 2));
-  s.lse = reinterpret_cast<float*>(take(B * c.q_heads * T * 4));
+  s.att = reinterpret_cast<bf16*>(take(N * d.att_cols * 2));
+  s.lse = reinterpret_cast<float*>(take(B * d.na * T * 4));
   s.conv1_wt = reinterpret_cast<bf16*>(take(c.conv1_width * C * c.head_dim * 2));
   if (segments > 0) s.halo = reinterpret_cast<bf16*>(take(static_cast<std::size_t>(d.R * d.F) * 2));
+  if (c.attends_part()) {
+    s.qa = reinterpret_cast<bf16*>(take(N * d.da * 2));
+    s.ka = reinterpret_cast<bf16*>(take(N * c.head_dim * 2));
+    s.va = reinterpret_cast<bf16*>(take(N * c.head_dim * 2));
+  }
   return s;
 }
 
@@ -394,15 +434,22 @@ void forward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T, 
       s.att, s.v, d.N, d.L, d.dk, lo, c.shift_end(), split ? s.halo : nullptr, d.F, hc);
   KEEL_CUDA_CHECK_LAUNCH();
 
-  // 5. Causal GQA attention (the layer's window; a split's over its whole sequences) and the
-  //    output projection.
+  // 5. Causal GQA attention (the layer's window; a split's over its whole sequences) of the
+  //    attended query heads, and the output projection.
+  const bool part = c.attends_part();
+  if (part) {
+    copy_columns(s.q, d.dq, c.attend_q0 * d.d, d.da, s.qa, d.N, false, stream);
+    copy_columns(s.k, d.dk, c.att_kv0() * d.d, d.d, s.ka, d.N, false, stream);
+    copy_columns(s.v, d.dk, c.att_kv0() * d.d, d.d, s.va, d.N, false, stream);
+  }
+  const bf16 *q = part ? s.qa : s.q, *k = part ? s.ka : s.k, *v = part ? s.va : s.v;
   if (split)
-    split->forward(s.q, s.k, s.v, s.att, s.lse, int(B), int(T), int(d.nq), int(d.nkv), int(d.d), 1.f / sqrt_d, c.window,
+    split->forward(q, k, v, s.att, s.lse, int(B), int(T), int(d.na), int(d.nka), int(d.d), 1.f / sqrt_d, c.window,
                    stream);
   else
-    attention::forward(s.q, s.k, s.v, s.att, s.lse, int(B), int(T), int(d.nq), int(d.nkv), int(d.d),
-                       1.f / sqrt_d, c.window, stream);
-  linear::forward(gemm, s.att, w.w_o, y, d.N, d.dq, d.H, stream);
+    attention::forward(q, k, v, s.att, s.lse, int(B), int(T), int(d.na), int(d.nka), int(d.d), 1.f / sqrt_d, c.window,
+                       stream);
+  linear::forward(gemm, s.att, w.w_o, y, d.N, d.da, d.H, stream);
 }
 
 std::size_t backward_scratch_bytes(const Config& c, std::int64_t B, std::int64_t T, int segments) {
@@ -419,8 +466,8 @@ void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T,
   if (split && d.F > 0 && !s.halo) fail("cuda cca: a split needs Saved::halo (carve_saved with the split's segments)");
   if (d.N == 0) return;
   if (split) {
-    const std::size_t need = split->backward_workspace_bytes(int(B), int(T), int(d.nq), int(d.nkv), int(d.d)),
-                      have = attention::backward_workspace_bytes(int(B), int(T), int(d.nq), int(d.nkv), int(d.d));
+    const std::size_t need = split->backward_workspace_bytes(int(B), int(T), int(d.na), int(d.nka), int(d.d)),
+                      have = attention::backward_workspace_bytes(int(B), int(T), int(d.na), int(d.nka), int(d.d));
     if (need > have)
       fail("cuda cca backward: the split's attention workspace ({} bytes) exceeds the scratch's ({} bytes, "
            "attention::backward_workspace_bytes)", need, have);
@@ -431,14 +478,26 @@ void backward(GemmRunner& gemm, const Config& c, std::int64_t B, std::int64_t T,
   const int extra = static_cast<int>(d.W1 - 1);
   const std::int64_t lo = c.shift_begin(), hc = d.hh * d.C;
 
-  // 5. Output projection and attention.
-  linear::backward(gemm, s.att, w.w_o, dy, k.datt, g.w_o, d.N, d.dq, d.H, stream);
+  // 5. Output projection and attention (of the attended query heads: the others' q, k and v
+  //    gradients are 0 here; they reach the loss only through the k mixing, in 1.).
+  linear::backward(gemm, s.att, w.w_o, dy, k.datt, g.w_o, d.N, d.da, d.H, stream);
+  const bool part = c.attends_part();
+  const bf16 *q = part ? s.qa : s.q, *kk = part ? s.ka : s.k, *v = part ? s.va : s.v;
+  bf16 *dqa = part ? k.dqa : k.dq, *dka = part ? k.dka : k.dk, *dva = part ? k.dva : k.dv;
   if (split)
-    split->backward(s.q, s.k, s.v, s.att, s.lse, k.datt, k.dq, k.dk, k.dv, k.attn_ws, int(B), int(T), int(d.nq),
-                    int(d.nkv), int(d.d), 1.f / sqrt_d, c.window, stream);
+    split->backward(q, kk, v, s.att, s.lse, k.datt, dqa, dka, dva, k.attn_ws, int(B), int(T), int(d.na), int(d.nka),
+                    int(d.d), 1.f / sqrt_d, c.window, stream);
   else
-    attention::backward(s.q, s.k, s.v, s.att, s.lse, k.datt, k.dq, k.dk, k.dv, k.attn_ws, int(B), int(T), int(d.nq),
-                        int(d.nkv), int(d.d), 1.f / sqrt_d, c.window, stream);
+    attention::backward(q, kk, v, s.att, s.lse, k.datt, dqa, dka, dva, k.attn_ws, int(B), int(T), int(d.na),
+                        int(d.nka), int(d.d), 1.f / sqrt_d, c.window, stream);
+  if (part) {
+    KEEL_CUDA_CHECK(cudaMemsetAsync(k.dq, 0, static_cast<std::size_t>(d.N * d.dq) * sizeof(bf16), stream));
+    KEEL_CUDA_CHECK(cudaMemsetAsync(k.dk, 0, static_cast<std::size_t>(d.N * d.dk) * sizeof(bf16), stream));
+    KEEL_CUDA_CHECK(cudaMemsetAsync(k.dv, 0, static_cast<std::size_t>(d.N * d.dk) * sizeof(bf16), stream));
+    copy_columns(k.dq, d.dq, c.attend_q0 * d.d, d.da, k.dqa, d.N, true, stream);
+    copy_columns(k.dk, d.dk, c.att_kv0() * d.d, d.d, k.dka, d.N, true, stream);
+    copy_columns(k.dv, d.dk, c.att_kv0() * d.d, d.d, k.dva, d.N, true, stream);
+  }
 
   // 4. Values: undo the shift into du (datt's memory, free now). Its GEMMs run last, once the
   //    W_qk dgrad has overwritten dx, so the W_v dgrad can add into dx (beta = 1). With a split

@@ -67,7 +67,7 @@ struct Weights {
   const float* conv1_w = nullptr;  // [C, d, W1]
   const float* conv1_b = nullptr;  // [C]
   const float* temp = nullptr;     // [nkv]
-  const bf16* w_o = nullptr;       // [H, nq d]
+  const bf16* w_o = nullptr;       // [H, nq d] ([H, attend_q d] attending a part)
 };
 
 struct Grads {  // fp32, accumulated; null to skip
@@ -83,10 +83,13 @@ struct Saved {
   bf16* q = nullptr;      // [N, nq d]
   bf16* k = nullptr;      // [N, nkv d]
   bf16* v = nullptr;      // [N, nkv d]
-  bf16* att = nullptr;    // [N, nq d]
-  float* lse = nullptr;   // [B, nq, T]
+  bf16* att = nullptr;    // [N, na d] (na = Config::att_heads(); the rows hold max(na d, nkv d) bf16)
+  float* lse = nullptr;   // [B, na, T]
   bf16* conv1_wt = nullptr; // [W1, C, d] the grouped conv's weights, tap-major bf16 (causal_conv.h)
   bf16* halo = nullptr;   // [B*S, F] each run's halo (carved only for segments > 0)
+  // Config::attend_q > 0 (a part of the query heads attended): their columns of q and their kv
+  // head's of k and v, [N, attend_q d], [N, d], [N, d]; null otherwise.
+  bf16 *qa = nullptr, *ka = nullptr, *va = nullptr;
 };
 
 // segments: the split's segments(), 0 without a split (today's layout).

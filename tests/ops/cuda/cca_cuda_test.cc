@@ -199,8 +199,20 @@ struct SplitCase {
     q.conv1_w = Tensor(v[4].data(), {C, d, W1});
     q.conv1_b = Tensor(v[5].data(), {C});
     q.temp = Tensor(v[6].data(), {nkv});
-    q.w_o = Tensor(v[7].data(), {H, nq * d});
+    q.w_o = Tensor(v[7].data(), {H, c.att_heads() * d});
     return q;
+  }
+
+  // Attend query heads [q0, q0 + n) only (Config::attend_q): W_o becomes their columns.
+  void attend(std::int64_t q0, std::int64_t n) {
+    std::vector<float> wo(static_cast<std::size_t>(H * n * d));
+    for (std::int64_t i = 0; i < H; ++i)
+      for (std::int64_t j = 0; j < n * d; ++j) wo[i * n * d + j] = p[7][i * nq * d + q0 * d + j];
+    c.attend_q0 = q0, c.attend_q = n;
+    p[7] = wo;
+    g0[7].resize(wo.size());
+    d_wo = to_device<cuda_bf16>(p[7]);
+    w.w_o = d_wo.get();
   }
 };
 
@@ -229,7 +241,7 @@ GpuRun run_gpu(SplitCase& k, ops::cuda::SequenceSplit* split) {
   r.q = download_bf16(s.q, N * k.nq * k.d);
   r.k = download_bf16(s.k, N * k.nkv * k.d);
   r.v = download_bf16(s.v, N * k.nkv * k.d);
-  r.att = download_bf16(s.att, N * k.nq * k.d);
+  r.att = download_bf16(s.att, N * k.c.att_heads() * k.d);
   if (S > 0) r.halo = download_bf16(s.halo, B * S * ca::halo_floats(k.c));
 
   std::vector<DeviceArray<float>> d_g;
@@ -248,7 +260,7 @@ GpuRun run_gpu(SplitCase& k, ops::cuda::SequenceSplit* split) {
 
 // The CPU op's forward then backward of k through `split` (null: whole sequences), and the scale
 // of its dtemp: sqrt(d) sum_n |g_n| per kv head with g the post-RoPE-inverse dk (the CPU scratch
-// layout: datt [N, nq d], dq [N, nq d], then dk), as CcaCuda.ForwardAndBackwardMatchCpu.
+// layout: datt [N, na d], dq [N, nq d], then dk), as CcaCuda.ForwardAndBackwardMatchCpu.
 struct CpuRun {
   std::vector<float> y, dx, saved_buf;
   ca::Saved sv;
@@ -273,7 +285,7 @@ CpuRun run_cpu(SplitCase& k, ops::SequenceSplit* split) {
                Tensor(scratch.data(), {std::int64_t(scratch.size())}), split);
   for (std::size_t i = 0; i < g.size(); ++i) r.g.push_back(minus(g[i], k.g0[i]));
   r.temp_scale.assign(nkv, 0.0);
-  const float* dk = scratch.data() + 2 * N * nq * d;
+  const float* dk = scratch.data() + N * (k.c.att_heads() + nq) * d;
   for (std::int64_t n = 0; n < N; ++n)
     for (std::int64_t gk = 0; gk < nkv; ++gk) {
       double ss = 0;
@@ -461,6 +473,40 @@ TEST(CcaSplitCuda, ForwardAndBackwardMatchCpuSplit) {
       }
       const double own = norm_rel_err(whole_gpu.g[i], whole_cpu.g[i]);
       EXPECT_LT(logged_rel_err(kNames[i], r.g[i], want.g[i]), std::max(3e-2, 1.5 * own)) << kNames[i];
+    }
+  }
+}
+
+// Config::attend_q (tensor parallelism past the kv heads): every head's projections, convolutions
+// and mixing, attention of a part of the query heads with W_o's matching columns, against the
+// CPU op on the same part; without and with a sequence split (context parallelism).
+TEST(CcaCuda, AttendedPartMatchesCpu) {
+  KEEL_REQUIRE_GPU();
+  struct Case {
+    std::int64_t q0, n;
+    int S;
+  };
+  for (const Case& cs : {Case{1, 1, 0}, Case{2, 2, 0}, Case{3, 1, 2}}) {
+    SplitCase k(SplitShape{2, 36, 256, 4, 2, 64, 2, 2});
+    k.attend(cs.q0, cs.n);
+    SCOPED_TRACE("heads [" + std::to_string(cs.q0) + ", " + std::to_string(cs.q0 + cs.n) + ") S " +
+                 std::to_string(cs.S));
+    AdjacentRuns cpu_split(cs.S > 0 ? cs.S : 1);
+    AdjacentRunsCuda gpu_split(cs.S > 0 ? cs.S : 1);
+    const CpuRun want = run_cpu(k, cs.S > 0 ? &cpu_split : nullptr);
+    const GpuRun r = run_gpu(k, cs.S > 0 ? &gpu_split : nullptr);
+    auto cpu = [](const Tensor& t) { return std::vector<float>(t.data(), t.data() + t.numel()); };
+    EXPECT_LT(norm_rel_err(r.q, cpu(want.sv.q)), 1e-2) << "q";
+    EXPECT_LT(norm_rel_err(r.k, cpu(want.sv.k)), 1e-2) << "k";
+    EXPECT_LT(norm_rel_err(r.att, cpu(want.sv.att)), 2e-2) << "att";
+    EXPECT_LT(logged_rel_err("y", r.y, want.y), 2e-2) << "y";
+    EXPECT_LT(logged_rel_err("dx", r.dx, want.dx), 3e-2) << "dx";
+    for (std::size_t i = 0; i < k.p.size(); ++i) {
+      if (i == 6) {
+        expect_dtemp(r.g[i], want.g[i], want.temp_scale, 1e-2);
+        continue;
+      }
+      EXPECT_LT(logged_rel_err(kNames[i], r.g[i], want.g[i]), 3e-2) << kNames[i];
     }
   }
 }
