@@ -260,6 +260,7 @@ void expect_gpus_match_one_gpu(bool sequence, const std::vector<std::string>& mo
   if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
   if (tp == 0) tp = world_size();
   if (tp == world_size() && tag.find("_dp") != std::string::npos) GTEST_SKIP() << "needs 2 data ranks (4 ranks or more)";
+  if (tag.starts_with("zaya") && 4 % tp != 0) GTEST_SKIP() << "the ZAYA1 tiny model's 4 query heads do not split over " << tp;
   keel::test::use_rank_gpu();
   const fs::path dir = shared_dir("gpu_" + tag);
   std::vector<std::string> sets = joined(kGpu, model);
@@ -279,11 +280,17 @@ void expect_gpus_match_one_gpu(bool sequence, const std::vector<std::string>& mo
 
 TEST(TensorParallel, GpusMatchOneGpu) { expect_gpus_match_one_gpu(false, {}, "tp"); }
 TEST(TensorParallel, GpusWithSequenceParallelMatchOneGpu) { expect_gpus_match_one_gpu(true, {}, "tp_sp"); }
-TEST(TensorParallel, GpusZayaMatchOneGpu) { expect_gpus_match_one_gpu(false, kZayaGpu, "zaya_tp"); }
+// At T = 4 (CCA's pre-attention replicated past its 2 kv heads) seed 1's first batch holds a
+// routing near-tie that T = 4's rounding tips (one token of 64); seed 2's does not (seeds 2-4 and
+// 6-8 were tried on an H200; expect_gpu_group_matches_one_gpu says why the routing must match).
+int zaya_seed() { return world_size() == 4 ? 2 : 1; }
+TEST(TensorParallel, GpusZayaMatchOneGpu) { expect_gpus_match_one_gpu(false, kZayaGpu, "zaya_tp", "", zaya_seed()); }
 TEST(TensorParallel, GpusWithMuonMatchOneGpu) { expect_gpus_match_one_gpu(true, {}, "tp_sp_muon", kMuon); }
-TEST(TensorParallel, GpusZayaWithMuonMatchOneGpu) { expect_gpus_match_one_gpu(false, kZayaGpu, "zaya_tp_muon", kMuon); }
+TEST(TensorParallel, GpusZayaWithMuonMatchOneGpu) {
+  expect_gpus_match_one_gpu(false, kZayaGpu, "zaya_tp_muon", kMuon, zaya_seed());
+}
 TEST(TensorParallel, GpusZayaWithSequenceParallelMatchOneGpu) {
-  expect_gpus_match_one_gpu(true, joined(kZayaGpu, kSliding), "zaya_sliding_tp_sp");
+  expect_gpus_match_one_gpu(true, joined(kZayaGpu, kSliding), "zaya_sliding_tp_sp", "", zaya_seed());
 }
 // TP=2 with data parallelism over the other ranks (ZeRO-1, the classic step): 4 ranks or more.
 int tp2_with_data() { return world_size() >= 4 && world_size() % 2 == 0 ? 2 : world_size(); }
