@@ -53,7 +53,7 @@ using test::upload_raw;
 
 TEST(ResidualScaleCuda, ForwardAndBackwardMatchCpu) {
   KEEL_REQUIRE_GPU();
-  const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{37, 200}, {300, 7}, {1, 1}};
+  const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{37, 200}, {300, 7}, {1, 1}, {96, 2048}};
   for (const auto& [rows, dim] : shapes) {
     SCOPED_TRACE(testing::Message() << "rows " << rows << " dim " << dim);
     const std::int64_t n = rows * dim;
@@ -83,9 +83,10 @@ TEST(ResidualScaleCuda, ForwardAndBackwardMatchCpu) {
   }
 }
 
-TEST(ResidualScaleCuda, MergeMatchesCpuForBf16AndFp32Branches) {
-  KEEL_REQUIRE_GPU();
-  const std::int64_t rows = 75, dim = 130, n = rows * dim;
+// dim 130: the element-wise backward kernel; 256: 4 columns per thread (vector accesses).
+void expect_merge_matches_cpu(std::int64_t rows, std::int64_t dim) {
+  SCOPED_TRACE(testing::Message() << "rows " << rows << " dim " << dim);
+  const std::int64_t n = rows * dim;
   auto r = random_vector(n, 11), h = rounded_bf16(random_vector(n, 12));
   auto b_r = random_vector(dim, 13, -0.3f, 0.3f), s_r = random_vector(dim, 14, 0.5f, 1.5f);
   auto b_h = random_vector(dim, 15, -0.3f, 0.3f), s_h = random_vector(dim, 16, 0.5f, 1.5f);
@@ -145,6 +146,12 @@ TEST(ResidualScaleCuda, MergeMatchesCpuForBf16AndFp32Branches) {
   EXPECT_TRUE(all_close(to_host(d_db_r), g[0], 1e-5f, 1e-4f, "db_r (others skipped)"));
   EXPECT_TRUE(all_close(to_host(d_ds_h), g[3], 1e-5f, 1e-4f, "ds_h (others skipped)"));
   EXPECT_TRUE(all_close(to_host(d_dout), dout, 0.f, 0.f, "dout unchanged"));
+}
+
+TEST(ResidualScaleCuda, MergeMatchesCpuForBf16AndFp32Branches) {
+  KEEL_REQUIRE_GPU();
+  expect_merge_matches_cpu(75, 130);
+  expect_merge_matches_cpu(75, 256);
 }
 
 // ---------------------------------------------------------------- causal convolutions
