@@ -104,7 +104,8 @@ __global__ void column_backward_kernel(const float* r, const X* h, StreamGrad gr
     bh[c] = merge ? gh.b[j0 + c] : 0.f, sh[c] = merge ? gh.s[j0 + c] : 0.f;
     g_sum[c] = gs_r[c] = gs_h[c] = 0.f;
   }
-#pragma unroll 2
+  constexpr int kUnroll = kV == 1 ? 4 : 2;  // rows in flight per thread
+#pragma unroll kUnroll
   for (std::int64_t i = begin; i < end; ++i) {
     const std::int64_t k = i * dim + j0;
     float g[kV], v[kV];
