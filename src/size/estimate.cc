@@ -491,7 +491,10 @@ StepEstimate estimate_step(const Setup& s) {
     // TSP runs its tsp shards one after another on local tokens. Experts: each GPU holds
     // experts/ep and receives the tokens routed to them from ep ranks.
     double repeats = 1;
-    if (column_parallel(g.name)) g.n = ceil_div(g.n, shard), repeats = l.tsp;
+    // CCA over more ranks than its kv heads: its q, k and v projections are whole on every rank
+    // (model/param_layout.cc; TSP refuses that case)
+    const bool cca_whole = shard > m.kv_heads && (g.name == "q" || g.name == "k" || g.name == "v");
+    if (column_parallel(g.name) && !cca_whole) g.n = ceil_div(g.n, shard), repeats = l.tsp;
     if (row_parallel(g.name)) g.k = ceil_div(g.k, shard), repeats = l.tsp;
     if (g.name == "expert_up_gate" || g.name == "expert_down") {
       g.m = tokens_per_local_expert(t, l.ep, m.top_k, m.experts);

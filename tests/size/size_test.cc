@@ -423,6 +423,29 @@ TEST(TrainTime, FollowsFromFlopsAndMfu) {
   EXPECT_NEAR(t.seconds_predicted * st.predicted_mfu, t.seconds_at_mfu * 0.4, 1e-6 * t.seconds_at_mfu);
 }
 
+// CCA's q, k and v projections split over tensor ranks up to its kv heads and are whole past
+// them (its pre-attention replicates: model/param_layout.cc); W_o splits either way.
+TEST(TrainTime, CcaProjectionsAreWholePastTheKvHeads) {
+  const auto n_of = [](const StepEstimate& st, const std::string& name) {
+    for (const auto& g : st.gemms)
+      if (g.gemm.name == name && g.gemm.pass == "fwd") return g.gemm.n;
+    return std::int64_t(-1);
+  };
+  const auto k_of = [](const StepEstimate& st, const std::string& name) {
+    for (const auto& g : st.gemms)
+      if (g.gemm.name == name && g.gemm.pass == "fwd") return g.gemm.k;
+    return std::int64_t(-1);
+  };
+  const StepEstimate tp2 = estimate_step(setup("zaya1-8b", "tp=2", 2, "h200"));
+  const StepEstimate tp4 = estimate_step(setup("zaya1-8b", "tp=4", 4, "h200"));
+  EXPECT_EQ(n_of(tp2, "q"), 512);
+  EXPECT_EQ(n_of(tp2, "k"), 128);
+  EXPECT_EQ(n_of(tp4, "q"), 1024);
+  EXPECT_EQ(n_of(tp4, "k"), 256);
+  EXPECT_EQ(k_of(tp2, "attn_out"), 512);
+  EXPECT_EQ(k_of(tp4, "attn_out"), 256);
+}
+
 TEST(TrainTime, PipelineBubbleAndRecomputeCostTime) {
   keel::size::Setup s = setup("llama3-8b", "pp=4", 32);
   s.micro_batches = 4;
