@@ -56,7 +56,8 @@ std::int64_t context_halo(const model::ModelConfig& cfg) {
 // parallel.context_mode: alltoall splits every layer's heads (and kv heads) of this tensor rank
 // over the context group: one line naming the first that does not divide.
 void check_alltoall(const model::ModelConfig& cfg, int tensor, int context) {
-  const int kv = cfg.kv_heads >= tensor ? cfg.kv_heads / tensor : cfg.kv_heads;  // replicated past the kv heads
+  // replicated past the kv heads: the rank's query heads read one (blocks::AttnShape::kv_head0)
+  const int kv = cfg.kv_heads >= tensor ? cfg.kv_heads / tensor : 1;
   const int q = cfg.heads / tensor;
   if (q % context != 0 || kv % context != 0)
     throw UsageError(fmt::format("parallel.context_mode: alltoall splits each layer's heads over the {} context ranks: "

@@ -495,6 +495,10 @@ StepEstimate estimate_step(const Setup& s) {
     // (model/param_layout.cc; TSP refuses that case)
     const bool cca_whole = shard > m.kv_heads && (g.name == "q" || g.name == "k" || g.name == "v");
     if (column_parallel(g.name) && !cca_whole) g.n = ceil_div(g.n, shard), repeats = l.tsp;
+    // mha / gqa past the kv heads: the query heads split, the k and v projections replicate
+    // (each rank's one kv head is what it computes: blocks::AttnShape::kv_head0)
+    if ((g.name == "qkv" || g.name == "linear_qkv") && shard > m.kv_heads)
+      g.n = ceil_div(static_cast<std::int64_t>(m.heads) * m.head_dim, shard) + 2 * m.head_dim;
     if (row_parallel(g.name)) g.k = ceil_div(g.k, shard), repeats = l.tsp;
     if (g.name == "expert_up_gate" || g.name == "expert_down") {
       g.m = tokens_per_local_expert(t, l.ep, m.top_k, m.experts);

@@ -111,6 +111,24 @@ TEST(ParallelPlan, CcaPastItsKvHeadsReplicatesUnderTensorParallelism) {
   EXPECT_NE(e.find("TSP over more ranks than CCA's 2 kv heads"), std::string::npos) << e;
 }
 
+// The all-to-all splits each tensor rank's heads over the context ranks: past the kv heads a
+// tensor rank's query heads read one kv head, which does not split over 2.
+TEST(ParallelPlan, AllToAllCountsTheKvHeadsATensorRankReads) {
+  model::ModelConfig m = moe(4);
+  m.heads = 8, m.kv_heads = 2;
+  EXPECT_NO_THROW(check_alltoall(m, 2, 1));  // 4 query, 1 kv head per tensor rank; C = 1
+  EXPECT_NO_THROW(check_alltoall(m, 1, 2));  // 8 query, 2 kv heads
+  for (int tensor : {2, 4}) {                // 1 kv head per tensor rank (at 4: one replicated)
+    try {
+      check_alltoall(m, tensor, 2);
+      ADD_FAILURE() << "accepted tensor " << tensor;
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("1 kv heads per tensor rank; both must divide by 2"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(ParallelPlan, ExpertsMustSplit) {
   mesh::Shape s;
   s.dp = 6;

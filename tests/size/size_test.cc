@@ -425,7 +425,7 @@ TEST(TrainTime, FollowsFromFlopsAndMfu) {
 
 // CCA's q, k and v projections split over tensor ranks up to its kv heads and are whole past
 // them (its pre-attention replicates: model/param_layout.cc); W_o splits either way.
-TEST(TrainTime, CcaProjectionsAreWholePastTheKvHeads) {
+TEST(TrainTime, ProjectionsPastTheKvHeads) {
   const auto n_of = [](const StepEstimate& st, const std::string& name) {
     for (const auto& g : st.gemms)
       if (g.gemm.name == name && g.gemm.pass == "fwd") return g.gemm.n;
@@ -444,6 +444,10 @@ TEST(TrainTime, CcaProjectionsAreWholePastTheKvHeads) {
   EXPECT_EQ(n_of(tp4, "k"), 256);
   EXPECT_EQ(k_of(tp2, "attn_out"), 512);
   EXPECT_EQ(k_of(tp4, "attn_out"), 256);
+  // gqa (Llama 3 8B: 32 query, 8 kv heads of 128): q, k and v split up to 8 ranks; past them the
+  // query heads split and each rank computes its one kv head's k and v
+  EXPECT_EQ(n_of(estimate_step(setup("llama3-8b", "tp=8", 8, "h200")), "qkv"), (32 + 2 * 8) * 128 / 8);
+  EXPECT_EQ(n_of(estimate_step(setup("llama3-8b", "tp=16", 16, "h200")), "qkv"), 32 * 128 / 16 + 2 * 128);
 }
 
 TEST(TrainTime, PipelineBubbleAndRecomputeCostTime) {
