@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""keel run's soak (issue 32): the tiny model on CPU ranks, faults of every kind at random.
+"""keel run's soak (issue 32): faults of every kind at random, on CPU ranks or GPUs.
 
 `keel run` trains configs/train/tiny.yaml (device cpu, --ranks 2, the global batch of the config:
 micro_batch 4 x grad_accum 2 over the two ranks) for about --minutes of wall time, with faults
@@ -20,11 +20,19 @@ faults planned, fired (their "keel: fault injection" lines), detected (a fault e
 attempt they fired in, with the kind keel run gave it), recovered (a restart after it, and the run
 ended done), detection latency (the fault events' detect_seconds: the deadline's wait for a hang,
 one poll for the others) and the steps lost (the restart events' steps_lost); fault events with no
-injected fault behind them (a real one, or a false spike); and keel run's `done` event: wall time,
-attempts, effective_ratio (seconds of the steps kept over the wall time). Writes
-OUT/soak_result.json; the table comes last.
+injected fault behind them (a real one, or a false spike); the restart time (keel run's fault event
+to the first step the next attempt finishes: back-off, start-up, the checkpoint's load and that
+step; every step is logged, log_interval 1); and keel run's `done` event: wall time, attempts,
+effective_ratio (seconds of the steps kept over the wall time). Writes OUT/soak_result.json; the
+table comes last.
 
   python3 bench/run_soak.py --keel build/keel --minutes 10 --out out/soak
+
+On GPUs (issue 32's 2-GPU benchmark: a killed and a hung rank on the ZAYA1-shaped model), with a
+train config of that model and its own data (bench/zaya_vs_torch.py writes one):
+
+  python3 bench/run_soak.py --keel build-gpu/keel --device cuda --config OUT/keel_train.yaml --own-data \
+      --kinds kill,hang --minutes 4 --interval 60 --checkpoint-interval 100 --spike-window 10 --out out/soak_gpu
 """
 import argparse
 import collections
@@ -63,10 +71,14 @@ def mpi_env():
 
 
 def train_sets(a, prefix, out, steps):
-    sets = ["device=cpu", f"data.datasets.stories={prefix}", f"eval.prefix={prefix}_heldout", "eval.interval=0",
-            f"steps={steps}", "log_interval=10", f"checkpoint.interval={a.checkpoint_interval}", "checkpoint.keep_last=3",
-            "batch.micro_batch=4", f"batch.grad_accum={a.ranks}", f"output_dir={out}",
+    # log_interval 1: every step's time lands in metrics.jsonl (the restart timing reads it)
+    sets = [f"device={a.device}", "eval.interval=0", f"steps={steps}", "log_interval=1",
+            f"checkpoint.interval={a.checkpoint_interval}", "checkpoint.keep_last=3", f"output_dir={out}",
             f"fault.loss_spike_sigma={a.spike_sigma}", f"fault.loss_spike_window={a.spike_window}"]
+    if not a.own_data:
+        sets += [f"data.datasets.stories={prefix}", f"eval.prefix={prefix}_heldout", "batch.micro_batch=4",
+                 f"batch.grad_accum={a.ranks}"]
+    sets += a.sets
     return [x for s in sets for x in ("--set", s)]
 
 
@@ -160,13 +172,18 @@ def main():
     ap.add_argument("--backoff", type=float, default=0.5)
     ap.add_argument("--backoff-max", type=float, default=1.0)
     ap.add_argument("--min-deadline", type=float, default=5.0, help="keel run --min-deadline (hang detection floor)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: one rank per GPU (keel run's --ranks GPUs of this machine)")
+    ap.add_argument("--own-data", action="store_true",
+                    help="train on --config's own datasets and batch (else the story corpus, micro-batch 4)")
+    ap.add_argument("--set", action="append", default=[], dest="sets", help="a keel train override (repeatable)")
     a = ap.parse_args()
     for k in a.kinds.split(","):
         if k not in KINDS:
             sys.exit(f"--kinds: unknown kind '{k}' ({', '.join(KINDS)})")
     os.makedirs(a.out, exist_ok=True)
     prefix = a.data
-    if not os.path.exists(prefix + ".idx"):
+    if not a.own_data and not os.path.exists(prefix + ".idx"):
         prefix = os.path.join(a.out, "stories")
         subprocess.run([a.keel, "data", "tokenize", "data/corpus/stories.jsonl", "--out", prefix, "--append-eos",
                         "--holdout", "0.05", "--force"], check=True, capture_output=True)
@@ -200,7 +217,11 @@ def main():
     restart_ev = {e["attempt"]: e for e in events if e["event"] == "restart"}  # keyed by the new attempt
     fired = fired_faults(run_out)
     rows = collections.OrderedDict((k, {"planned": 0, "fired": 0, "detected": 0, "recovered": 0, "latency": [],
-                                        "lost": []}) for k in a.kinds.split(","))
+                                        "lost": [], "restart": []}) for k in a.kinds.split(","))
+    # every step's wall-clock time (log_interval 1), for the time from a fault's event to the
+    # first step the next attempt finishes
+    step_times = sorted(r["time"] for r in (json.loads(l) for l in open(os.path.join(run_out, "metrics.jsonl")))
+                        if "loss" in r and "time" in r)
     for kind, _, _ in faults:
         rows[kind]["planned"] += 1
     provoked = set()
@@ -224,6 +245,9 @@ def main():
             rs = restart_ev.get(attempt + 1)
             if rs is not None:
                 r["lost"].append(rs["steps_lost"])
+                after = [t for t in step_times if t > rs["time"]]
+                if after:  # back-off, start-up (launch, devices, the checkpoint's load) and one step
+                    r["restart"].append(after[0] - ev["time"])
                 if done:
                     r["recovered"] += 1
     unprovoked = [f"attempt {n}: {e['kind']} at step {e['reached']}: {e['detail']}" for n, e in fault_ev.items()
@@ -247,14 +271,17 @@ def main():
               f"{done['step_seconds_kept']:.0f} s: effective_ratio {done['effective_ratio']:.3f}; steps lost in all "
               f"{sum(e['steps_lost'] for e in restart_ev.values())}")
     print(f"\n{'kind':<9} {'planned':>7} {'fired':>5} {'detected':>8} {'recovered':>9} {'detect s mean':>13} "
-          f"{'detect s max':>12} {'steps lost':>10}")
+          f"{'detect s max':>12} {'restart s mean':>14} {'steps lost':>10}")
     for kind, r in rows.items():
         lat = r["latency"]
         mean = f"{statistics.mean(lat):.2f}" if lat else "-"
         mx = f"{max(lat):.2f}" if lat else "-"
+        rst = f"{statistics.mean(r['restart']):.2f}" if r["restart"] else "-"
         det = "n/a" if kind == "slow" else str(r["detected"])
         print(f"{kind:<9} {r['planned']:>7} {r['fired']:>5} {det:>8} {r['recovered']:>9} {mean:>13} {mx:>12} "
-              f"{sum(r['lost']):>10}")
+              f"{rst:>14} {sum(r['lost']):>10}")
+    print("detect s: the fault to keel run's verdict; restart s: keel run's fault event to the first step the "
+          "next attempt finishes (back-off, start-up and that step)")
     return 0 if done and recovered_n == fired_n and not mismatched else 1
 
 

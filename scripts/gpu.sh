@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp lasp tsp compose linattn kernels decode ckpt ab
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp lasp tsp compose linattn kernels soak decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -279,6 +279,22 @@ for step in "${steps[@]}"; do
         grep -A10 '^== keel linear attention vs' "$out/linattn_vs_fla.log" >>"$summary"
       else
         note "linattn: FAILED or timed out before the table (see linattn_vs_fla.log)"
+      fi ;;
+    soak)
+      # keel run on 2 GPUs through a killed and a hung rank on the ZAYA1-shaped model (issue 32):
+      # detection latency, restart time, steps lost (bench/run_soak.py; KEEL_SOAK_ARGS to it). The
+      # model's config and data come from a short bench/zaya_vs_torch.py run.
+      if [ "$gpus" -lt 2 ]; then note "soak: skipped (needs 2+ GPUs)"; continue; fi
+      python3 bench/zaya_vs_torch.py --keel "$build/keel" --out "$out/soak_model" --steps 2 --warmup 1 \
+          --skip-torch --skip-compile >"$out/soak_model.log" 2>&1
+      timeout "${KEEL_SOAK_TIMEOUT:-540}" python3 bench/run_soak.py --keel "$build/keel" --device cuda \
+          --config "$out/soak_model/keel_train.yaml" --own-data --kinds kill,hang --minutes 4 --interval 60 \
+          --checkpoint-interval 100 --spike-window 10 --out "$out/soak" ${KEEL_SOAK_ARGS:-} 2>&1 \
+          | tee "$out/soak.log" | tail -14
+      if grep -q '^kind ' "$out/soak.log"; then
+        sed -n '/^keel run exit/,$p' "$out/soak.log" >>"$summary"
+      else
+        note "soak: FAILED or timed out before the table (see soak.log)"
       fi ;;
     kernels)
       # keel's step kernels (attention, the experts' GEMMs, LM head + cross-entropy) beside PyTorch's on the
