@@ -15,6 +15,10 @@ ContextMode parse_context_mode(const std::string& word) {
   throw UsageError(fmt::format("unknown context mode '{}' (allgather, ring or alltoall)", word));
 }
 
+ContextMode auto_context_mode(bool linear_layers, int tensor, int tsp) {
+  return !linear_layers && tensor <= 1 && tsp <= 1 ? ContextMode::kRing : ContextMode::kAllGather;
+}
+
 const char* context_mode_name(ContextMode m) {
   switch (m) {
     case ContextMode::kAllGather: return "allgather";

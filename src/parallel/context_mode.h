@@ -14,8 +14,17 @@
 namespace keel::parallel {
 
 enum class ContextMode { kAllGather, kRing, kAllToAll };
-// "allgather", "ring", "alltoall"; UsageError naming the word otherwise.
+// "allgather", "ring", "alltoall"; UsageError naming the word otherwise ("auto" is resolved by
+// the callers with auto_context_mode, which needs the model and the layout).
 ContextMode parse_context_mode(const std::string& word);
+// parallel.context_mode: auto: the k/v ring for a model whose layers are all softmax or CCA
+// attention, under context parallelism alone (no tensor or TSP axis): on 2 x H200 at 32K the
+// ring ran the ZAYA1-shaped model 1.007x as fast as the all-gather (the all-to-all 0.990x) and
+// holds one layer's k/v blocks instead of the whole sequence's (docs/PERFORMANCE.md). The
+// all-gather otherwise: LASP-2's one all-gather of states for linear layers (the ring would make
+// them LASP-1), and the layouts whose ring has not run on GPUs (with tensor parallelism) or
+// that do not take it (TSP).
+ContextMode auto_context_mode(bool linear_layers, int tensor, int tsp);
 const char* context_mode_name(ContextMode m);
 // The GPU core's buffers in each mode, as keel train's start-up line and keel size name them:
 // "context-parallel k/v gathers", "context-parallel ring blocks", "context-parallel all-to-all buffers".

@@ -62,10 +62,16 @@ int run(const RawFlags& f) {
   s.layout = parse_layout(f.layout, f.gpus.value_or(0));
   check_layout(s.layout, s.model);
   s.sequence_parallel = f.sequence_parallel;
-  try {
-    s.context_mode = parallel::parse_context_mode(f.context_mode);
-  } catch (const UsageError& e) {
-    throw UsageError(fmt::format("--context-mode: {}", e.what()));
+  if (f.context_mode == "auto") {  // keel train's parallel.context_mode: auto
+    s.context_mode = parallel::auto_context_mode(
+        model::attention_layer_count(s.model, model::AttentionKind::kLinear) > 0, s.layout.tp, s.layout.tsp);
+  } else {
+    try {
+      s.context_mode = parallel::parse_context_mode(f.context_mode);
+    } catch (const UsageError&) {
+      throw UsageError(fmt::format("--context-mode: unknown context mode '{}' (allgather, ring, alltoall or auto)",
+                                   f.context_mode));
+    }
   }
   require_positive(f.seq, "--seq");
   s.seq = f.seq ? *f.seq : s.model.max_seq_len > 0 ? s.model.max_seq_len : 4096;
@@ -132,9 +138,9 @@ void add_command(CLI::App& app) {
                 "norms and routers on 1/tp of the tokens (the default); --no-sequence-parallel keeps every token's on "
                 "each tensor rank");
   cmd->add_option("--context-mode", f->context_mode,
-                  "With cp above 1: allgather (every rank's k, v gathered), ring (k, v blocks passed around) or "
-                  "alltoall (heads by all-to-all), as keel train's parallel.context_mode: sets the context-parallel "
-                  "buffers")
+                  "With cp above 1: allgather (every rank's k, v gathered), ring (k, v blocks passed around), "
+                  "alltoall (heads by all-to-all) or auto (keel train's choice), as keel train's "
+                  "parallel.context_mode: sets the context-parallel buffers")
       ->capture_default_str();
   cmd->add_option("--gpus", f->gpus, "GPUs in the run (default: the layout's product)");
   CLI::Option* train_tokens =

@@ -401,11 +401,13 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (p["data"]) c.parallel_data = ctx.get<int>(p["data"], "parallel.data", "an integer");
     if (p["context"]) c.parallel_context = ctx.get<int>(p["context"], "parallel.context", "an integer");
     if (p["context_mode"]) {
-      const auto m = ctx.get<std::string>(p["context_mode"], "parallel.context_mode", "allgather, ring or alltoall");
+      const auto m =
+          ctx.get<std::string>(p["context_mode"], "parallel.context_mode", "allgather, ring, alltoall or auto");
       try {
-        c.model_options.context_mode = parallel::parse_context_mode(m);
+        c.context_mode_auto = m == "auto";  // resolved below, once the layout is read
+        if (!c.context_mode_auto) c.model_options.context_mode = parallel::parse_context_mode(m);
       } catch (const UsageError&) {
-        ctx.bad("parallel.context_mode", p["context_mode"], "must be allgather, ring or alltoall");
+        ctx.bad("parallel.context_mode", p["context_mode"], "must be allgather, ring, alltoall or auto");
       }
     }
     if (p["tensor"]) c.parallel_tensor = ctx.get<int>(p["tensor"], "parallel.tensor", "an integer");
@@ -413,6 +415,9 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
       c.model_options.sequence_parallel = ctx.get<bool>(p["sequence"], "parallel.sequence", "true or false");
     if (p["tsp"]) c.parallel_tsp = ctx.get<int>(p["tsp"], "parallel.tsp", "an integer");
     if (p["expert"]) c.parallel_expert = ctx.get<int>(p["expert"], "parallel.expert", "an integer");
+    if (c.context_mode_auto)
+      c.model_options.context_mode = parallel::auto_context_mode(
+          model::attention_layer_count(c.model, model::AttentionKind::kLinear) > 0, c.parallel_tensor, c.parallel_tsp);
     if (p["grad_reduce"]) {
       const auto v = ctx.get<std::string>(p["grad_reduce"], "parallel.grad_reduce", "fp32 or bf16");
       if (v != "fp32" && v != "bf16") ctx.bad("parallel.grad_reduce", p["grad_reduce"], "must be fp32 or bf16");

@@ -52,6 +52,8 @@ struct TrainConfig {
                                     // parallel/tsp.h)
   int parallel_expert = 1;          // `parallel.expert`: expert-parallel degree, dividing the data-parallel
                                     // ranks and the experts
+  bool context_mode_auto = false;   // `parallel.context_mode: auto`: model_options.context_mode was chosen
+                                    // by parallel::auto_context_mode
   // `parallel.grad_reduce` (fp32 or bf16: parallel/data_parallel_comm.h) and `parallel.zero1.*`
   // (the GPU ZeRO-1 step's switches: parallel/zero1_buckets.h)
   parallel::DataParallelOptions data_parallel;

@@ -396,7 +396,8 @@ std::string Trainer::parallel_text() const {
                        : ring      ? (linear == m.layers ? "; LASP-1 ring" : "; LASP-1 for the linear layers")
                                    : (linear == m.layers ? "; LASP-2" : "; LASP-2H: LASP-2 for the linear layers");
     const char* softmax = linear == m.layers ? "" : ring ? ", k/v ring" : heads ? ", heads by all-to-all" : "";
-    out += fmt::format(" x context parallel {} (zigzag{}{})", sh.cp, softmax, lasp);
+    out += fmt::format(" x context parallel {} (zigzag{}{}{})", sh.cp, softmax, lasp,
+                       cfg_.context_mode_auto ? "; context_mode auto" : "");
   }
   if (mesh_.data().size > 1)
     out += fmt::format(" (ZeRO-1{}){}",

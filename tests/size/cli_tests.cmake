@@ -122,5 +122,10 @@ keel_cli_test(NAME size_hw_sm_count_wraps EXIT 1
 keel_cli_test(NAME size_context_mode_ring MATCH "context-parallel ring blocks \\(one layer\\)"
   ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout cp=2 --seq 65536 --context-mode ring)
 keel_cli_test(NAME size_context_mode_typo EXIT 1
-  MATCH "^keel: error: --context-mode: unknown context mode 'rnig' \\(allgather, ring or alltoall\\)$"
+  MATCH "^keel: error: --context-mode: unknown context mode 'rnig' \\(allgather, ring, alltoall or auto\\)$"
   ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout cp=2 --context-mode rnig)
+# auto: the ring for a model of softmax / CCA layers (ZAYA1), the all-gather with linear layers
+keel_cli_test(NAME size_context_mode_auto_ring MATCH "context-parallel ring blocks \\(one layer\\)"
+  ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout cp=2 --seq 65536 --context-mode auto)
+keel_cli_test(NAME size_context_mode_auto_lasp2 MATCH "context-parallel k/v gathers \\(one layer\\)"
+  ARGS size ${PROJECT_SOURCE_DIR}/configs/lasp2-hybrid-1b.yaml --layout cp=2 --seq 65536 --context-mode auto)

@@ -70,7 +70,7 @@ keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must
 add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_memory train_zaya train_stop_iv train_hang train_hang_ck
          train_dp_auto train_dp_auto1 train_dp_bf16 train_memory_auto train_timeout_inf train_tp_gpu train_tp_gpu_muon
          train_inject_exit train_inject_kill train_inject_nan train_inject_nan_dp train_inject_nan_tp train_inject_slow
-         train_forced_balance train_cp_ring train_cp_ring_gpu train_cp_alltoall train_cp_alltoall_gpu train_tsp2
+         train_forced_balance train_cp_ring train_cp_ring_gpu train_cp_alltoall train_cp_alltoall_gpu train_cp_auto train_tsp2
          train_tsp2_gpu WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
@@ -177,8 +177,13 @@ keel_cli_test(NAME train_cp_bad_degree EXIT 1 MATCH "parallel\\.context.*must be
 keel_cli_test(NAME train_cp2_ring NP 2 MATCH "on cpu x context parallel 2 \\(zigzag, k/v ring\\) \\(ZeRO-1\\), "
   ARGS train ${tcfg} ${tshort} --set device=cpu --set parallel.context=2 --set parallel.context_mode=ring
        --set checkpoint.final=false --set output_dir=train_cp_ring)
-keel_cli_test(NAME train_cp_mode_typo EXIT 1 MATCH "parallel\\.context_mode.*must be allgather, ring or alltoall"
+keel_cli_test(NAME train_cp_mode_typo EXIT 1 MATCH "parallel\\.context_mode.*must be allgather, ring, alltoall or auto"
   ARGS train ${tcfg} ${tdp} --set parallel.context_mode=rnig)
+# auto: the tiny MoE's softmax layers under context parallelism alone take the ring, and the line says why.
+keel_cli_test(NAME train_cp2_auto NP 2 MATCH "on cpu x context parallel 2 \\(zigzag, k/v ring. context_mode auto\\) "
+  ARGS train ${tcfg} ${tshort} --set device=cpu --set parallel.context=2 --set parallel.context_mode=auto
+       --set checkpoint.final=false --set output_dir=train_cp_auto)
+set_tests_properties(cli_train_cp2_auto PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 # By heads (parallel.context_mode: alltoall) on 2 CPU ranks and on 2 GPUs: trains and says so.
 keel_cli_test(NAME train_cp2_alltoall NP 2 MATCH "on cpu x context parallel 2 \\(zigzag, heads by all-to-all\\) \\(ZeRO-1\\), "
   ARGS train ${tcfg} ${tshort} --set device=cpu --set parallel.context=2 --set parallel.context_mode=alltoall

@@ -117,6 +117,31 @@ TEST(TrainConfig, LinearAttentionModelBuildsOnCpu) {
   EXPECT_NO_THROW(Trainer(c, parallel::Mesh(), true));
 }
 
+// parallel.context_mode: auto (parallel/context_mode.h): the k/v ring for softmax / CCA layers
+// under context parallelism alone, the all-gather with linear layers (LASP-2) or with a tensor
+// or TSP axis; a word it does not know is one line listing auto.
+TEST(TrainConfig, ContextModeAutoPicksByLayersAndLayout) {
+  const auto dir = fixtures::temp_dir("train_test", "cmauto");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const std::string good = fixtures::train_config_text(prefix, dir / "out");
+  const auto mode = [&](const std::vector<std::string>& sets) {
+    const TrainConfig c = parse_train_config(good, "t.yaml", sets);
+    EXPECT_TRUE(c.context_mode_auto);
+    return c.model_options.context_mode;
+  };
+  EXPECT_EQ(mode({"parallel.context_mode=auto", "parallel.context=2"}), parallel::ContextMode::kRing);
+  EXPECT_EQ(mode({"parallel.context_mode=auto", "parallel.context=2", "parallel.tensor=2"}),
+            parallel::ContextMode::kAllGather);
+  EXPECT_EQ(mode({"parallel.context_mode=auto", "parallel.tsp=2"}), parallel::ContextMode::kAllGather);
+  EXPECT_EQ(mode({"parallel.context_mode=auto", "parallel.context=2", "model.attention=linear"}),
+            parallel::ContextMode::kAllGather);
+  EXPECT_EQ(mode({"parallel.context_mode=auto", "parallel.context=2", "model.layer_attention=[linear, gqa]"}),
+            parallel::ContextMode::kAllGather);
+  EXPECT_FALSE(parse_train_config(good, "t.yaml", {"parallel.context_mode=ring"}).context_mode_auto);
+  fixtures::expect_usage_error(good, {"parallel.context_mode=rnig"},
+                               "key 'parallel.context_mode' (from --set): must be allgather, ring, alltoall or auto");
+}
+
 TEST(Trainer, MissingAndTruncatedDataset) {
   const auto dir = fixtures::temp_dir("train_test", "trunc");
   const auto prefix = fixtures::make_dataset(dir, "d");
