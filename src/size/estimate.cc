@@ -213,7 +213,10 @@ MemoryEstimate estimate_memory(const Setup& s) {
       head = static_cast<double>(c.total) / (l.tp * l.tsp);
       continue;
     }
-    const bool sharded = c.matrix && c.name != "router";  // router and norm vectors replicate over tp
+    // router and norm vectors replicate over tp; CCA's convolutions and temperatures split by heads
+    // up to its kv heads (model/param_layout.cc), whole past them
+    const bool sharded =
+        (c.matrix && c.name != "router") || (c.name == "cca_conv" && l.tp * l.tsp <= m.kv_heads);
     double p = static_cast<double>(c.total) * frac / (sharded ? l.tp * l.tsp : 1);
     if (c.name == "cca_attention" && l.tp * l.tsp > m.kv_heads) {
       // More ranks than kv heads: CCA's q|k and value projections replicate (model/param_layout),

@@ -140,6 +140,18 @@ TEST(KeelTrainShards, TensorParallelLayoutsAreKeelTrainsOwn) {
   EXPECT_NEAR(k->muon_flops_total, one->muon_flops_total, 0.01 * one->muon_flops_total);
 }
 
+// keel size's parameters per GPU past CCA's kv heads are what keel train's layout holds: W_o
+// split, the rest of CCA whole (model/param_layout.cc), the embedding vocabulary-parallel.
+TEST(KeelTrainShards, ParametersPastCcaKvHeadsMatchTheLayout) {
+  for (int tp : {2, 4, 8}) {
+    const keel::size::Setup s = setup("zaya1-8b", "tp=" + std::to_string(tp), tp, Optimizer::kMuon);
+    mesh::Shape m;
+    m.tp = tp;
+    const double layout = static_cast<double>(model::param_layout(s.model, m).total_floats);
+    EXPECT_NEAR(estimate_memory(s).params_on_gpu, layout, 0.001 * layout) << "tp " << tp;
+  }
+}
+
 TEST(KeelTrainShards, LayoutsAndModelsKeelTrainDoesNotRunKeepTheGeneralFormulas) {
   EXPECT_FALSE(keel_train_shards(setup("zaya1-8b", "tsp=2,zero=1", 8, Optimizer::kMuon)));
   // 8 query heads over 8 ranks, CCA's pre-attention replicated past its 2 kv heads: keel train runs it
