@@ -218,6 +218,11 @@ MemoryEstimate estimate_memory(const Setup& s) {
     const bool sharded =
         (c.matrix && c.name != "router") || (c.name == "cca_conv" && l.tp * l.tsp <= m.kv_heads);
     double p = static_cast<double>(c.total) * frac / (sharded ? l.tp * l.tsp : 1);
+    if ((c.name == "attention" || c.name == "linear_attention") && l.tp * l.tsp > m.kv_heads) {
+      // mha / gqa past the kv heads: the k and v projections whole on every rank (param_layout)
+      const double kv = 2.0 * m.hidden * m.kv_heads * m.head_dim / static_cast<double>(c.per_layer);
+      p = static_cast<double>(c.total) * frac * ((1 - kv) / (l.tp * l.tsp) + kv);
+    }
     if (c.name == "cca_attention" && l.tp * l.tsp > m.kv_heads) {
       // More ranks than kv heads: CCA's q|k and value projections replicate (model/param_layout),
       // only W_o divides (the convolutions, never sharded here, replicate too).

@@ -140,15 +140,24 @@ TEST(KeelTrainShards, TensorParallelLayoutsAreKeelTrainsOwn) {
   EXPECT_NEAR(k->muon_flops_total, one->muon_flops_total, 0.01 * one->muon_flops_total);
 }
 
-// keel size's parameters per GPU past CCA's kv heads are what keel train's layout holds: W_o
-// split, the rest of CCA whole (model/param_layout.cc), the embedding vocabulary-parallel.
-TEST(KeelTrainShards, ParametersPastCcaKvHeadsMatchTheLayout) {
+// keel size's parameters per GPU are what keel train's layout holds (model/param_layout.cc), up
+// to and past the kv heads: CCA's W_o split and the rest of CCA whole past them, gqa's k and v
+// projections whole past them; the embedding vocabulary-parallel throughout.
+TEST(KeelTrainShards, ParametersPastTheKvHeadsMatchTheLayout) {
   for (int tp : {2, 4, 8}) {
     const keel::size::Setup s = setup("zaya1-8b", "tp=" + std::to_string(tp), tp, Optimizer::kMuon);
     mesh::Shape m;
     m.tp = tp;
     const double layout = static_cast<double>(model::param_layout(s.model, m).total_floats);
     EXPECT_NEAR(estimate_memory(s).params_on_gpu, layout, 0.001 * layout) << "tp " << tp;
+  }
+  // gqa past its kv heads (Llama 3 8B, 8 kv heads, at 16): the k and v projections whole
+  for (int tp : {8, 16}) {
+    const keel::size::Setup s = setup("llama3-8b", "tp=" + std::to_string(tp), tp, Optimizer::kAdamW);
+    mesh::Shape m;
+    m.tp = tp;
+    const double layout = static_cast<double>(model::param_layout(s.model, m).total_floats);
+    EXPECT_NEAR(estimate_memory(s).params_on_gpu, layout, 0.001 * layout) << "llama tp " << tp;
   }
 }
 
