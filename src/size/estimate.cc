@@ -50,9 +50,9 @@ struct LayerBytes {
   double total() const { return whole + split; }
 };
 
-// tensor: the ranks that divide the heads (tp x tsp); CCA over more of them than its kv heads keeps
-// its pre-attention items whole on every rank (ops/cca.h: Config::attend_q), counted here as
-// `split` items times the degree.
+// tensor: the ranks that divide the heads (tp x tsp). Past the kv heads a rank keeps one kv
+// head's k and v (mha / gqa / linear), and CCA its whole pre-attention (ops/cca.h:
+// Config::attend_q): counted here as `split` items times the degree.
 LayerBytes layer_activation_parts(const ModelConfig& m, int layer, Recompute r, int tensor = 1) {
   const double h = m.hidden, hd = m.head_dim, q = m.heads * hd, kv = m.kv_heads * hd;
   LayerBytes b;
@@ -64,12 +64,15 @@ LayerBytes layer_activation_parts(const ModelConfig& m, int layer, Recompute r, 
   switch (model::layer_attention_kind(m, layer)) {
     case AttentionKind::kMha:
     case AttentionKind::kGqa:
-    case AttentionKind::kLinear:
-      b.split += kBf16 * (q + 2 * kv);            // q, k, v
-      if (m.qk_norm && !sel) b.split += kBf16 * (q + kv);  // pre-norm q, k
+    case AttentionKind::kLinear: {
+      // past the kv heads each rank's query heads read one kv head: its k and v per rank
+      const double kvr = tensor > m.kv_heads ? hd * tensor : kv;
+      b.split += kBf16 * (q + 2 * kvr);            // q, k, v
+      if (m.qk_norm && !sel) b.split += kBf16 * (q + kvr);  // pre-norm q, k
       if (model::layer_attention_kind(m, layer) == AttentionKind::kLinear)
         b.split += kFp32 * m.heads * hd * hd / m.linear_chunk;  // per-chunk d x d prefix states
       break;
+    }
     case AttentionKind::kCca: {
       const double ch = static_cast<double>(m.cca_q_dim) + m.cca_k_dim;
       const double whole = tensor > m.kv_heads ? tensor : 1;  // replicated: every rank, every head
