@@ -110,7 +110,6 @@ __global__ void update_tail_kernel(float* __restrict__ param, const float* __res
   }
 }
 
-bool aligned(const void* p, int bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 
 }  // namespace
 
@@ -123,8 +122,8 @@ void update(float* param, const float* grad, float* m, float* v, bf16* param_bf1
   optim::validate(optim::AdamWConfig{h.beta1, h.beta2, h.eps, h.weight_decay});
   if (n == 0) return;
   const Scalars s = make_scalars(h, t, grad_scale);
-  const bool vec = aligned(param, 16) && aligned(grad, 16) && aligned(m, 16) && aligned(v, 16) &&
-                   (!param_bf16 || aligned(param_bf16, 8));
+  const bool vec = aligned_to(param, 16) && aligned_to(grad, 16) && aligned_to(m, 16) && aligned_to(v, 16) &&
+                   (!param_bf16 || aligned_to(param_bf16, 8));
   const std::int64_t n4 = vec ? n / 4 : 0;
   if (n4 > 0) {
     const std::int64_t per_block = kVecThreads * kVecPerThread;

@@ -16,6 +16,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -36,6 +37,11 @@ T& for_thread_and_device() {
   std::unique_ptr<T>& object = objects[device];
   if (!object) object = std::make_unique<T>();
   return *object;
+}
+
+// Whether p (a null p too) sits on a multiple of `bytes`: the vector-access paths' test.
+inline bool aligned_to(const void* p, std::size_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
 }
 
 // Blocks of `threads` covering n items, at least one.

@@ -84,8 +84,6 @@ Rows check_slice(std::int64_t n, std::int64_t begin, std::int64_t rows, std::int
   return {begin, rows, vocab};
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-bool aligned8(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 8 == 0; }
 
 unsigned blocks_for_tokens(std::int64_t n) { return static_cast<unsigned>(n < kMaxBlocks ? n : kMaxBlocks); }
 
@@ -128,14 +126,14 @@ void forward(const std::uint32_t* ids, std::int64_t n, const float* table, float
              std::int64_t dim, cudaStream_t stream, unsigned long long* bad_id) {
   check_args(n, vocab, dim, "forward");
   launch_forward(ids, n, table, out, Rows{0, vocab, vocab}, dim, stream, bad_id,
-                 dim % 4 == 0 && aligned16(table) && aligned16(out));
+                 dim % 4 == 0 && aligned_to(table, 16) && aligned_to(out, 16));
 }
 
 void forward_bf16_table(const std::uint32_t* ids, std::int64_t n, const bf16* table, float* out, std::int64_t vocab,
                         std::int64_t dim, cudaStream_t stream, unsigned long long* bad_id) {
   check_args(n, vocab, dim, "forward");
   launch_forward(ids, n, table, out, Rows{0, vocab, vocab}, dim, stream, bad_id,
-                 dim % 4 == 0 && aligned8(table) && aligned16(out));
+                 dim % 4 == 0 && aligned_to(table, 8) && aligned_to(out, 16));
 }
 
 void forward_bf16_table_slice(const std::uint32_t* ids, std::int64_t n, const bf16* table_local, float* out,
@@ -143,7 +141,7 @@ void forward_bf16_table_slice(const std::uint32_t* ids, std::int64_t n, const bf
                               cudaStream_t stream, unsigned long long* bad_id) {
   const Rows rows = check_slice(n, vocab_begin, vocab_local, vocab, dim, "slice forward");
   launch_forward(ids, n, table_local, out, rows, dim, stream, bad_id,
-                 dim % 4 == 0 && aligned8(table_local) && aligned16(out));
+                 dim % 4 == 0 && aligned_to(table_local, 8) && aligned_to(out, 16));
 }
 
 void backward(const std::uint32_t* ids, std::int64_t n, const float* dout, float* dtable, std::int64_t vocab,

@@ -74,14 +74,13 @@ __global__ void scale_kernel(float* __restrict__ g, std::int64_t n, const float*
   for (std::int64_t i = body + tid; i < n; i += stride) g[i] *= s;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
 void sum_squares(const float* g, std::int64_t n, double* workspace, double* sum_sq, bool accumulate,
                  cudaStream_t stream) {
   if (n < 0) fail("grad_norm: element count must be >= 0, got {}", n);
-  const bool vec = aligned16(g);
+  const bool vec = aligned_to(g, 16);
   // The grid depends only on n (and alignment), so the summation order is fixed for a buffer.
   const std::int64_t items = vec ? n / 4 + 4 : n;
   const int blocks = static_cast<int>(std::min<std::int64_t>(grid_for(items, kThreads), kWorkspaceDoubles));
@@ -106,7 +105,7 @@ void clip_coefficient(const double* sum_sq, double max_norm, float* coef, double
 void scale_inplace(float* g, std::int64_t n, const float* device_scale, cudaStream_t stream) {
   if (n < 0) fail("grad_norm: element count must be >= 0, got {}", n);
   if (n == 0) return;
-  const bool vec = aligned16(g);
+  const bool vec = aligned_to(g, 16);
   const std::int64_t items = vec ? n / 4 + 4 : n;
   const unsigned grid = static_cast<unsigned>(std::min<std::int64_t>(grid_for(items, kThreads), 132 * 8));
   if (vec)

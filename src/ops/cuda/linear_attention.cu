@@ -396,7 +396,7 @@ void forward(const Config& c, std::int64_t runs, std::int64_t len, const bf16* q
 
   const int kD = padded(s.d);
   OutArgs oa{q, k, v, states, out, s.Hq, s.Hkv, s.L, s.d, s.NT, s.group,
-             s.d == kD && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(out)};
+             s.d == kD && aligned_to(q, 16) && aligned_to(k, 16) && aligned_to(v, 16) && aligned_to(out, 16)};
   switch (kD) {
     case 16: launch_output<16>(s, oa, gm, stream); break;
     case 32: launch_output<32>(s, oa, gm, stream); break;
@@ -426,8 +426,8 @@ void backward(const Config& c, std::int64_t runs, std::int64_t len, const bf16* 
 
   const int kD = padded(s.d);
   BwdArgs ba{q, k, v, dout, states, gstates, dq, dk, dv, s.Hq, s.Hkv, s.L, s.d, s.NT, s.group,
-             s.d == kD && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout) && aligned16(dq) &&
-                 aligned16(dk) && aligned16(dv)};
+             s.d == kD && aligned_to(q, 16) && aligned_to(k, 16) && aligned_to(v, 16) && aligned_to(dout, 16) &&
+                 aligned_to(dq, 16) && aligned_to(dk, 16) && aligned_to(dv, 16)};
   switch (kD) {
     case 16: launch_backward<16>(s, ba, gm, stream); break;
     case 32: launch_backward<32>(s, ba, gm, stream); break;

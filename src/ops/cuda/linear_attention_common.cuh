@@ -152,7 +152,6 @@ inline Gammas gammas_of(const Config& c) {
   return gm;
 }
 
-inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 // The padded head width of the tensor-core kernels.
 inline int padded(int d) { return d <= 16 ? 16 : d <= 32 ? 32 : d <= 64 ? 64 : 128; }

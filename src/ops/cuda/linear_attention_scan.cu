@@ -316,12 +316,11 @@ float* segment_buffer(const Dims& s, void* workspace) {
   return reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + 2 * states_bytes(s));
 }
 
-bool aligned8(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 7u) == 0; }  // null: true
 
 template <int kT, bool kExtra>
 void launch_scan_tiles(ScanArgs a, int tasks, const Gammas& gm, cudaStream_t stream) {
   using C = Scan<kT, kExtra>;
-  a.f2 = a.d % 2 == 0 && aligned8(a.init) && aligned8(a.extra) && aligned8(a.final_state);
+  a.f2 = a.d % 2 == 0 && aligned_to(a.init, 8) && aligned_to(a.extra, 8) && aligned_to(a.final_state, 8);
   if (C::kSmemBytes > 48 * 1024)
     KEEL_CUDA_CHECK(
         cudaFuncSetAttribute(scan_kernel<kT, kExtra>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
@@ -342,7 +341,7 @@ ScanArgs scan_args(const Dims& s, const bf16* a, const bf16* b, std::int64_t str
   p.NT = s.NT;
   p.pairs = pairs;
   p.reverse = reverse;
-  p.vec = aligned16(a) && aligned16(b);
+  p.vec = aligned_to(a, 16) && aligned_to(b, 16);
   return p;
 }
 
@@ -386,7 +385,7 @@ void segmented_scan(const Dims& s, const ScanArgs& a, const float* start, float*
   segment_scan(s, own, sg, gm, stream);
 
   const int dd = s.d * s.d;  // 2. their starting states
-  const bool vec = dd % 4 == 0 && (!start || aligned16(start));
+  const bool vec = dd % 4 == 0 && (!start || aligned_to(start, 16));
   const std::int64_t n = static_cast<std::int64_t>(s.R) * s.Hkv * dd / (vec ? 4 : 1);
   const int seg_tokens = sg.seg * kChunk;
   if (vec)

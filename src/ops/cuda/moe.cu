@@ -168,25 +168,31 @@ __device__ inline void store_cols(float* p, const float* v) {
   }
 }
 
-// y[row(n)] = sum_k gates[n, k] ys[position[n k + k]] in fp32, k in order (the CPU order).
-template <int kVec>
-__global__ void combine_kernel(const bf16* __restrict__ ys, const float* __restrict__ gates,
-                               const std::int32_t* __restrict__ position, const std::int32_t* __restrict__ rows,
-                               int top_k, std::int64_t d, float* __restrict__ y) {
+// out[row(n)] = sum_k g_k src[position[n k + k]] in fp32, k in order (the CPU order), with g_k =
+// gates[n, k] (combine: src the experts' bf16 outputs) or 1 (gates null: the input gradient
+// from the slots' fp32 dxs, bf16 or fp32 out).
+template <int kVec, typename In, typename Out>
+__global__ void sum_slots_kernel(const In* __restrict__ src, const float* __restrict__ gates,
+                                 const std::int32_t* __restrict__ position, const std::int32_t* __restrict__ rows,
+                                 int top_k, std::int64_t d, Out* __restrict__ out) {
   const std::int64_t n = blockIdx.x;
-  float* yr = y + token_row(rows, n) * d;
+  Out* outr = out + token_row(rows, n) * d;
   for (std::int64_t c = threadIdx.x * kVec; c < d; c += blockDim.x * kVec) {
     float acc[kVec], v[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) acc[i] = 0.f;
     for (int k = 0; k < top_k; ++k) {
-      const std::int64_t slot = position[n * top_k + k];
-      const float g = gates[n * top_k + k];
-      load_cols<kVec>(ys + slot * d + c, v);
+      load_cols<kVec>(src + static_cast<std::int64_t>(position[n * top_k + k]) * d + c, v);
+      if (gates) {
+        const float g = gates[n * top_k + k];
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[i] += g * v[i];
+        for (int i = 0; i < kVec; ++i) acc[i] += g * v[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) acc[i] += v[i];
+      }
     }
-    store_cols<kVec>(yr + c, acc);
+    store_cols<kVec>(outr + c, acc);
   }
 }
 
@@ -221,31 +227,11 @@ __global__ void combine_backward_kernel(const bf16* __restrict__ ys, const float
   }
 }
 
-// dx[row(n)] = sum_k dxs[position[n k + k]], k in order; DX bf16 or fp32.
-template <int kVec, typename DX>
-__global__ void scatter_dx_kernel(const float* __restrict__ dxs, const std::int32_t* __restrict__ position,
-                                  const std::int32_t* __restrict__ rows, int top_k, std::int64_t d,
-                                  DX* __restrict__ dx) {
-  const std::int64_t n = blockIdx.x;
-  DX* dxr = dx + token_row(rows, n) * d;
-  for (std::int64_t c = threadIdx.x * kVec; c < d; c += blockDim.x * kVec) {
-    float acc[kVec], v[kVec];
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[i] = 0.f;
-    for (int k = 0; k < top_k; ++k) {
-      load_cols<kVec>(dxs + static_cast<std::int64_t>(position[n * top_k + k]) * d + c, v);
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[i] += v[i];
-    }
-    store_cols<kVec>(dxr + c, acc);
-  }
-}
-
 // Whether d and every pointer allow the 8-column accesses.
 bool vec8(std::int64_t d, std::initializer_list<const void*> ptrs) {
   if (d % 8 != 0) return false;
   for (const void* p : ptrs)
-    if (p && reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+    if (!aligned_to(p, 16)) return false;
   return true;
 }
 
@@ -459,10 +445,11 @@ void experts_forward(const std::vector<std::int64_t>& offsets, const Weights& w,
 void combine(const Plan& plan, const bf16* ys, const float* gates, std::int64_t d, float* y, cudaStream_t stream) {
   if (plan.tokens == 0) return;
   const unsigned grid = static_cast<unsigned>(plan.tokens);
+  if (!gates) fail("cuda moe: combine got no gates");
   if (vec8(d, {ys, y}))
-    combine_kernel<8><<<grid, kRowThreads, 0, stream>>>(ys, gates, plan.position, plan.rows, plan.top_k, d, y);
+    sum_slots_kernel<8><<<grid, kRowThreads, 0, stream>>>(ys, gates, plan.position, plan.rows, plan.top_k, d, y);
   else
-    combine_kernel<1><<<grid, kRowThreads, 0, stream>>>(ys, gates, plan.position, plan.rows, plan.top_k, d, y);
+    sum_slots_kernel<1><<<grid, kRowThreads, 0, stream>>>(ys, gates, plan.position, plan.rows, plan.top_k, d, y);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 
@@ -554,10 +541,11 @@ template <typename DX>
 void combine_dx_impl(const Plan& plan, const float* dxs, std::int64_t d, DX* dx, cudaStream_t stream) {
   if (plan.tokens == 0) return;
   const unsigned grid = static_cast<unsigned>(plan.tokens);
+  const float* no_gates = nullptr;
   if (vec8(d, {dxs, dx}))
-    scatter_dx_kernel<8, DX><<<grid, kRowThreads, 0, stream>>>(dxs, plan.position, plan.rows, plan.top_k, d, dx);
+    sum_slots_kernel<8><<<grid, kRowThreads, 0, stream>>>(dxs, no_gates, plan.position, plan.rows, plan.top_k, d, dx);
   else
-    scatter_dx_kernel<1, DX><<<grid, kRowThreads, 0, stream>>>(dxs, plan.position, plan.rows, plan.top_k, d, dx);
+    sum_slots_kernel<1><<<grid, kRowThreads, 0, stream>>>(dxs, no_gates, plan.position, plan.rows, plan.top_k, d, dx);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 

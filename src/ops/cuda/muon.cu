@@ -226,7 +226,6 @@ __global__ void update_kernel(float* __restrict__ param, bf16* __restrict__ para
   }
 }
 
-bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 
 // The launch shape of the per-chunk kernels at vector width W: grid (chunks, matrices), each
 // matrix `units` units of W elements in chunks of `chunk_len` units.
@@ -353,8 +352,8 @@ void matrix_step(float* param, const float* grad, float* momentum, bf16* param_b
   const std::int64_t mn = rows * cols;
   const MomentumArgs ma{static_cast<float>(c.momentum), static_cast<float>(1.0 - c.momentum), grad_scale, c.nesterov};
   // 4-wide when every matrix starts on a 16-byte boundary (fp32; 8 bytes for bf16)
-  const bool vec = mn % 4 == 0 && aligned(param, 16) && aligned(grad, 16) && aligned(momentum, 16) &&
-                   (!param_bf16 || aligned(param_bf16, 8)) && (!update_out || aligned(update_out, 16));
+  const bool vec = mn % 4 == 0 && aligned_to(param, 16) && aligned_to(grad, 16) && aligned_to(momentum, 16) &&
+                   (!param_bf16 || aligned_to(param_bf16, 8)) && (!update_out || aligned_to(update_out, 16));
 
   // 1. momentum, ||U||, X0
   if (vec)

@@ -150,30 +150,27 @@ void check(std::int64_t rows, std::int64_t dim, const char* what) {
 
 unsigned row_grid(std::int64_t rows) { return static_cast<unsigned>(std::min<std::int64_t>(rows, 1 << 20)); }
 
-template <typename T>
-bool aligned_to(const T* p, std::size_t bytes) {
-  return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
-}
-
 // Four times the usual block count: each thread walks its rows one step at a time, so it takes
 // many threads in flight to keep the loads coming.
-
 template <typename X, typename D>
 void launch_column_backward(const float* r, const X* h, const StreamGrad& gr, const StreamGrad& gh, const float* dy,
                             float* dr, D* dh, std::int64_t rows, std::int64_t dim, cudaStream_t stream) {
   // 4 columns per thread for a merge with a bf16 branch where every row start allows the vector
   // accesses: on an H200 at [8192, 2048] 112 -> 92 us; the all-fp32 passes went 70 -> 80 us that
   // way (fewer rows in flight per thread), so they keep one column per thread.
-  const bool vec = sizeof(X) == 2 && dim % 4 == 0 && aligned_to(dy, 16) && aligned_to(r, 16) && aligned_to(dr, 16) &&
-                   aligned_to(h, 4 * sizeof(X)) && aligned_to(dh, 4 * sizeof(D));
-  const int v = vec ? 4 : 1;
-  const ColumnSplit split = column_split(rows, dim / v, kColThreads, 4 * kColTargetBlocks);
-  if (vec)
-    column_backward_kernel<4, X, D><<<split.grid, kColThreads, 0, stream>>>(r, h, gr, gh, dy, dr, dh, rows, dim,
-                                                                           split.chunk);
-  else
-    column_backward_kernel<1, X, D><<<split.grid, kColThreads, 0, stream>>>(r, h, gr, gh, dy, dr, dh, rows, dim,
-                                                                           split.chunk);
+  if constexpr (sizeof(X) == 2) {
+    if (dim % 4 == 0 && aligned_to(dy, 16) && aligned_to(r, 16) && aligned_to(dr, 16) && aligned_to(h, 8) &&
+        aligned_to(dh, 4 * sizeof(D))) {
+      const ColumnSplit split = column_split(rows, dim / 4, kColThreads, 4 * kColTargetBlocks);
+      column_backward_kernel<4, X, D><<<split.grid, kColThreads, 0, stream>>>(r, h, gr, gh, dy, dr, dh, rows, dim,
+                                                                             split.chunk);
+      KEEL_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
+  const ColumnSplit split = column_split(rows, dim, kColThreads, 4 * kColTargetBlocks);
+  column_backward_kernel<1, X, D><<<split.grid, kColThreads, 0, stream>>>(r, h, gr, gh, dy, dr, dh, rows, dim,
+                                                                         split.chunk);
   KEEL_CUDA_CHECK_LAUNCH();
 }
 

@@ -111,7 +111,6 @@ __global__ void backward_dw_kernel(const float* __restrict__ x, const float* __r
     atomicAdd(dw + j, acc);
 }
 
-bool aligned(const void* p, int bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 
 void check_args(std::int64_t rows, std::int64_t dim, const char* what) {
   if (rows < 0 || dim <= 0) fail("rmsnorm {}: need rows >= 0 and dim > 0, got rows {}, dim {}", what, rows, dim);
@@ -125,7 +124,7 @@ void forward(const float* x, const float* w, float eps, bf16* y, float* rstd, st
   check_args(rows, dim, "forward");
   if (rows == 0) return;
   const unsigned grid = grid_for(rows, kWarpsPerBlock);
-  const bool vec = dim % 4 == 0 && aligned(x, 16) && aligned(w, 16) && aligned(y, 8);
+  const bool vec = dim % 4 == 0 && aligned_to(x, 16) && aligned_to(w, 16) && aligned_to(y, 8);
   if (vec)
     forward_kernel<true><<<grid, 32 * kWarpsPerBlock, 0, stream>>>(x, w, eps, y, rstd, rows, dim);
   else
@@ -139,7 +138,8 @@ void backward(const float* x, const float* w, const float* rstd, const bf16* dy,
   if (rows == 0) return;
   if (dx) {
     const unsigned grid = grid_for(rows, kWarpsPerBlock);
-    const bool vec = dim % 4 == 0 && aligned(x, 16) && aligned(w, 16) && aligned(dx, 16) && aligned(dy, 8);
+    const bool vec =
+        dim % 4 == 0 && aligned_to(x, 16) && aligned_to(w, 16) && aligned_to(dx, 16) && aligned_to(dy, 8);
     if (vec)
       backward_dx_kernel<true><<<grid, 32 * kWarpsPerBlock, 0, stream>>>(x, w, rstd, dy, dx, rows, dim);
     else

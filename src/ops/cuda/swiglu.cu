@@ -66,7 +66,6 @@ __global__ void backward_kernel(const bf16* gate, const bf16* up, const bf16* do
   for (std::int64_t i = body + tid; i < n; i += stride) backward_one(gate, up, dout, dgate, dup, i);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 unsigned grid_of(std::int64_t items) {
   return static_cast<unsigned>(std::min<std::int64_t>(grid_for(items, kThreads), 132 * 16));
@@ -77,7 +76,7 @@ unsigned grid_of(std::int64_t items) {
 void forward(const bf16* gate, const bf16* up, bf16* out, std::int64_t n, cudaStream_t stream) {
   if (n < 0) fail("swiglu forward: n must be >= 0, got {}", n);
   if (n == 0) return;
-  const bool vec = aligned16(gate) && aligned16(up) && aligned16(out);
+  const bool vec = aligned_to(gate, 16) && aligned_to(up, 16) && aligned_to(out, 16);
   forward_kernel<<<grid_of(vec ? n / kVec + kVec : n), kThreads, 0, stream>>>(gate, up, out, n, vec);
   KEEL_CUDA_CHECK_LAUNCH();
 }
@@ -86,8 +85,8 @@ void backward(const bf16* gate, const bf16* up, const bf16* dout, bf16* dgate, b
               cudaStream_t stream) {
   if (n < 0) fail("swiglu backward: n must be >= 0, got {}", n);
   if (n == 0 || (!dgate && !dup)) return;
-  const bool vec = aligned16(gate) && aligned16(up) && aligned16(dout) && (!dgate || aligned16(dgate)) &&
-                   (!dup || aligned16(dup));
+  const bool vec = aligned_to(gate, 16) && aligned_to(up, 16) && aligned_to(dout, 16) &&
+                   (!dgate || aligned_to(dgate, 16)) && (!dup || aligned_to(dup, 16));
   backward_kernel<<<grid_of(vec ? n / kVec + kVec : n), kThreads, 0, stream>>>(gate, up, dout, dgate, dup, n, vec);
   KEEL_CUDA_CHECK_LAUNCH();
 }
