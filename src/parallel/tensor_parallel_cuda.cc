@@ -22,19 +22,29 @@ CudaTensorParallelLinear::CudaTensorParallelLinear(std::shared_ptr<NcclGroup> gr
   if (!sequence_) return;
   const std::size_t nd = static_cast<std::size_t>(tokens_ * hidden_);
   const std::size_t b16 = aligned(nd * sizeof(bf16)), f32 = aligned(nd * sizeof(float));
-  bytes_ = 3 * b16 + 2 * f32;
+  bytes_ = 4 * b16 + 2 * f32;
   if (cudaMalloc(&mem_, bytes_) != cudaSuccess)
     throw_out_of_gpu_memory("out of GPU memory: sequence parallelism's gather buffers", bytes_,
                             "lower batch.micro_batch or data.seq_length");
   auto* at = static_cast<std::byte*>(mem_);
-  in_bf_ = reinterpret_cast<bf16*>(at), at += b16;
+  in_bf_[0] = reinterpret_cast<bf16*>(at), at += b16;
+  in_bf_[1] = reinterpret_cast<bf16*>(at), at += b16;
   dy_bf_ = reinterpret_cast<bf16*>(at), at += b16;
   io_bf_ = reinterpret_cast<bf16*>(at), at += b16;
   dy_f_ = reinterpret_cast<float*>(at), at += f32;
   io_f_ = reinterpret_cast<float*>(at);
+  KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+  KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&ev_go_, cudaEventDisableTiming));
+  KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&ev_done_, cudaEventDisableTiming));
 }
 
 CudaTensorParallelLinear::~CudaTensorParallelLinear() {
+  if (comm_) {
+    cudaStreamSynchronize(comm_);
+    cudaStreamDestroy(comm_);
+  }
+  for (cudaEvent_t e : {ev_go_, ev_done_})
+    if (e) cudaEventDestroy(e);
   if (mem_) cudaFree(mem_);
 }
 
@@ -68,8 +78,39 @@ const CudaTensorParallelLinear::bf16* CudaTensorParallelLinear::enter(const bf16
                                                                       std::int64_t width, cudaStream_t stream) {
   if (!sequence_) return x;
   check(tokens, width);
-  group_->all_gather(x, in_bf_, tokens * width / size(), NcclType::kBfloat16, stream);
-  return in_bf_;
+  if (pending_ && pending_ == x) {  // prefetched: wait for it, and its buffer is enter's now
+    KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_done_, 0));
+    pending_ = nullptr;
+    cur_ = 1 - cur_;
+    return in_bf_[cur_];
+  }
+  group_->all_gather(x, in_bf_[cur_], tokens * width / size(), NcclType::kBfloat16, stream);
+  return in_bf_[cur_];
+}
+
+void CudaTensorParallelLinear::prefetch(const bf16* x, std::int64_t tokens, std::int64_t width, cudaStream_t stream) {
+  if (!sequence_) return;
+  check(tokens, width);
+  // After everything queued so far: x's rows are written, and in_bf_[1 - cur_]'s last reader
+  // (the block before the current one) is done with it.
+  KEEL_CUDA_CHECK(cudaEventRecord(ev_go_, stream));
+  KEEL_CUDA_CHECK(cudaStreamWaitEvent(comm_, ev_go_, 0));
+  group_->all_gather(x, in_bf_[1 - cur_], tokens * width / size(), NcclType::kBfloat16, comm_);
+  KEEL_CUDA_CHECK(cudaEventRecord(ev_done_, comm_));
+  pending_ = x;
+}
+
+void CudaTensorParallelLinear::prefetch_next(const bf16* x, std::int64_t tokens, std::int64_t width) {
+  if (!sequence_) return;
+  check(tokens, width);
+  requested_ = x;
+}
+
+void CudaTensorParallelLinear::start_requested(cudaStream_t stream) {
+  if (!requested_) return;
+  const bf16* x = requested_;
+  requested_ = nullptr;
+  prefetch(x, tokens_, hidden_, stream);
 }
 
 CudaTensorParallelLinear::bf16* CudaTensorParallelLinear::out(bf16* y, std::int64_t tokens, std::int64_t width) {
@@ -105,6 +146,7 @@ const CudaTensorParallelLinear::bf16* CudaTensorParallelLinear::exit_backward(co
   if (!sequence_) return dy;
   check(tokens, width);
   group_->all_gather(dy, dy_bf_, tokens * width / size(), NcclType::kBfloat16, stream);
+  start_requested(stream);
   return dy_bf_;
 }
 
@@ -113,6 +155,7 @@ const float* CudaTensorParallelLinear::exit_backward(const float* dy, std::int64
   if (!sequence_) return dy;
   check(tokens, width);
   group_->all_gather(dy, dy_f_, tokens * width / size(), NcclType::kFloat32, stream);
+  start_requested(stream);
   return dy_f_;
 }
 

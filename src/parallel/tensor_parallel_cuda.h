@@ -15,9 +15,18 @@
 // bits, which the replicated routers' top-k and the replicated parameters' updates rely on.
 // Collectives run on the caller's stream, in the order the blocks call them (the same on every
 // rank). A count that is not a multiple of T reduces its last (count mod T) elements with one
-// NCCL all-reduce. Buffers: five [N, D] device buffers under sequence parallelism (bf16: the
-// gathered input, the gathered output gradient, the partial output or input gradient; fp32: the
+// NCCL all-reduce. Buffers: six [N, D] device buffers under sequence parallelism (bf16: two for
+// gathered inputs, the gathered output gradient, the partial output or input gradient; fp32: the
 // gathered output gradient, the partial output or input gradient), none otherwise.
+//
+// Backward re-gathers each block's saved input for its weight gradients. A prefetch starts that
+// gather for the block whose backward comes next, on a communication stream, while the current
+// block computes; the next enter() of the same rows waits for it instead of gathering (the two
+// input buffers alternate). Without one, enter() gathers on the caller's stream. The model asks
+// for the next block's prefetch before the current block's backward (prefetch_next), and it
+// starts right after that block's output-gradient gather (exit_backward): the group's
+// collectives keep one order on every rank, and the block's own early collectives do not queue
+// behind the prefetch.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +50,14 @@ class CudaTensorParallelLinear final : public blocks::cuda::LinearRunner {
 
   std::int64_t rows(std::int64_t tokens) const override { return sequence_ ? tokens / size() : tokens; }
   const bf16* enter(const bf16* x, std::int64_t tokens, std::int64_t width, cudaStream_t stream) override;
+  // Sequence parallelism (otherwise nothing): gathers x (this rank's rows of a block input) on
+  // the communication stream, after the work queued on `stream` so far, for the next enter(x).
+  // prefetch() starts now; prefetch_next() at the next exit_backward(). One prefetch is kept: a
+  // later one replaces it. forget_prefetch(): drop both (the rows at those addresses change
+  // before they are entered again: at the start of a forward, at the end of a backward).
+  void prefetch(const bf16* x, std::int64_t tokens, std::int64_t width, cudaStream_t stream);
+  void prefetch_next(const bf16* x, std::int64_t tokens, std::int64_t width);
+  void forget_prefetch() { pending_ = requested_ = nullptr; }
   bool output_is_whole() const override { return false; }
   bf16* out(bf16* y, std::int64_t tokens, std::int64_t width) override;
   float* out(float* y, std::int64_t tokens, std::int64_t width) override;
@@ -77,8 +94,15 @@ class CudaTensorParallelLinear final : public blocks::cuda::LinearRunner {
   bool sequence_;
   std::size_t bytes_ = 0;
   void* mem_ = nullptr;                            // one allocation, carved below
-  bf16 *in_bf_ = nullptr, *dy_bf_ = nullptr, *io_bf_ = nullptr;  // [N, D] each (sequence)
-  float *dy_f_ = nullptr, *io_f_ = nullptr;                       // [N, D] each (sequence)
+  bf16* in_bf_[2] = {nullptr, nullptr};            // gathered inputs: [cur_] enter's, the other a prefetch's
+  bf16 *dy_bf_ = nullptr, *io_bf_ = nullptr;       // [N, D] each (sequence)
+  float *dy_f_ = nullptr, *io_f_ = nullptr;        // [N, D] each (sequence)
+  int cur_ = 0;
+  const bf16* pending_ = nullptr;                  // the rows the prefetch into in_bf_[1 - cur_] gathers
+  const bf16* requested_ = nullptr;                // prefetch_next's rows, not started yet
+  void start_requested(cudaStream_t stream);
+  cudaStream_t comm_ = nullptr;
+  cudaEvent_t ev_go_ = nullptr, ev_done_ = nullptr;
 };
 
 }  // namespace keel::parallel

@@ -353,10 +353,10 @@ MemoryEstimate estimate_memory(const Setup& s) {
       const double scratch = act_tokens * (2 * kFp32 * h + 2 * kBf16 * h) +
                              tokens_local * (kBf16 * h + kBf16 * (2 * q + 2 * kv) + kFp32 * q + core + mlp);
       e.items.push_back({"backward scratch (keel train)", scratch});
-      // tensor parallelism's sequence-parallel gathers (tensor_parallel_cuda.h): three bf16 and
-      // two fp32 [tokens, hidden] buffers (none without sequence parallelism: its all-reduces
-      // work in place)
-      if (l.tp > 1 && s.sequence_parallel) e.items.push_back({"sequence-parallel gathers (keel train)", 14 * tokens_local * h});
+      // tensor parallelism's sequence-parallel gathers (tensor_parallel_cuda.h): four bf16 (two for
+      // block inputs, one prefetched) and two fp32 [tokens, hidden] buffers (none without sequence
+      // parallelism: its all-reduces work in place)
+      if (l.tp > 1 && s.sequence_parallel) e.items.push_back({"sequence-parallel gathers (keel train)", 16 * tokens_local * h});
     }
     if (st.last) e.items.push_back(logits_item(m, s, tokens_local));
     if (l.cp > 1 && l.tsp == 1) {

@@ -274,6 +274,7 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
       fail("token id {} at position {} is outside the vocabulary ({})", tokens_host[i], i, V);
   KEEL_CUDA_CHECK(cudaMemcpyAsync(h.tokens, tokens_host, N * sizeof(std::uint32_t), cudaMemcpyHostToDevice, stream_));
   KEEL_CUDA_CHECK(cudaMemcpyAsync(h.targets, targets_host, N * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
+  if (tp_) tp_->forget_prefetch();  // the saved block inputs are about to be rewritten
   hooks.forward_begin();
   hooks.before_stage(0);  // overlapped ZeRO-1: the parameters of each stage as they arrive
   mark("embedding fwd");
@@ -445,6 +446,9 @@ void CudaModel::head_backward(float loss_scale, bool grads_fresh) {
     return k::cross_entropy::backward(h.final_h, w_.lm_head, h.targets, h.lse, loss_scale, N, D, V, ce, h.scratch,
                                       st.dh_bf, g_.lm_head, stream_);
   const bf16* hidden = tp_->enter(h.final_h, N, D, stream_);
+  // the last layer's MLP input gathers beside the LM head's backward (saved since forward;
+  // under full recompute it is recomputed first)
+  if (opt_.recompute != Recompute::kFull) tp_->prefetch(acts_for(cfg_.layers - 1).h2, N, D, stream_);
   float* partial = tp_->dx_out(st.dh, N, D);
   k::cross_entropy::slice_backward(hidden, w_.lm_head, h.targets, h.lse, loss_scale, N, D, vocab_slice(), ce,
                                    h.scratch, partial, g_.lm_head, stream_);
@@ -558,6 +562,7 @@ void CudaModel::backward(float loss_scale, bool grads_fresh, parallel::StageHook
       layer_backward(l, a, st.resid[static_cast<std::size_t>(l)], grads_fresh, hooks);
     }
   }
+  if (tp_) tp_->forget_prefetch();
   hooks.layers_done();
   mark("embedding bwd");
   if (!hooks.take_embedding_grads(h.tokens, st.dres, N)) {
@@ -636,6 +641,16 @@ void CudaModel::attention_backward(int l, LayerActs& a) {
                  });
 }
 
+// Sequence parallelism: the input of the block whose backward follows the next one gathers
+// beside it (CudaTensorParallelLinear::prefetch_next). Before layer l's MLP block (attention):
+// the layer's attention input; before its attention block: layer l - 1's MLP input, saved since
+// forward (under full recompute it is recomputed just before its layer's backward: not yet).
+void CudaModel::prefetch_inputs(int l, LayerActs& a, bool attention) {
+  if (!tp_ || !tp_->sequence()) return;
+  if (attention) return tp_->prefetch_next(a.h1, tokens_, cfg_.hidden);
+  if (l > 0 && opt_.recompute != Recompute::kFull) tp_->prefetch_next(acts_for(l - 1).h2, tokens_, cfg_.hidden);
+}
+
 // dres holds dL/d(layer output) on entry and dL/d(layer input) on return.
 void CudaModel::layer_backward(int l, LayerActs& a, const float* x_in, bool grads_fresh, parallel::StageHooks& hooks) {
   const bc::LayerWeights& W = w_.layers[static_cast<std::size_t>(l)];
@@ -644,6 +659,7 @@ void CudaModel::layer_backward(int l, LayerActs& a, const float* x_in, bool grad
   Stream& st = *st_;
   // MLP block: out = x_mid + mlp(n2(x_mid)); st.dh collects dL/dh2.
   mark(mlp_phase(l, true));
+  prefetch_inputs(l, a, /*attention=*/true);
   mlp_backward(l, a, st.dres, grads_fresh);
   k::f32_to_bf16(st.dh, st.dh_bf, N * D, stream_);
   k::rmsnorm::backward(a.x_mid, W.mlp_norm, a.rstd2, st.dh_bf, st.dres, G.mlp_norm, N, D, stream_);
@@ -651,6 +667,7 @@ void CudaModel::layer_backward(int l, LayerActs& a, const float* x_in, bool grad
   // Attention block: x_mid = x_in + attn(n1(x_in)); dres is now dL/dx_mid.
   mark(attention_phase(true));
   k::f32_to_bf16(st.dres, st.dres_bf, N * D, stream_);
+  prefetch_inputs(l, a, /*attention=*/false);
   attention_backward(l, a);
   k::rmsnorm::backward(x_in, W.attn_norm, a.rstd1, st.dh_bf, st.dres, G.attn_norm, N, D, stream_);
   hooks.grads_final(1 + 2 * l);
@@ -666,6 +683,7 @@ void CudaModel::scaled_layer_backward(int l, LayerActs& a, bool grads_fresh, par
   const bc::ResScaleGrads &dA = G.attn_scale, &dM = G.mlp_scale;
   Stream& st = *st_;
   mark(mlp_phase(l, true));
+  prefetch_inputs(l, a, /*attention=*/true);
   mlp_backward(l, a, st.dhres, grads_fresh);
   k::f32_to_bf16(st.dh, st.dh_bf, N * D, stream_);
   k::rmsnorm::backward(st.resid[static_cast<std::size_t>(l) + 1], W.mlp_norm, a.rstd2, st.dh_bf, st.dres, G.mlp_norm, N,
@@ -675,6 +693,7 @@ void CudaModel::scaled_layer_backward(int l, LayerActs& a, bool grads_fresh, par
                                     st.dres_bf, dM.r_bias, dM.r_scale, dM.h_bias, dM.h_scale, N, D, stream_);
   hooks.grads_final(2 + 2 * l);
   mark(attention_phase(true));
+  prefetch_inputs(l, a, /*attention=*/false);
   attention_backward(l, a);
   k::rmsnorm::backward(a.x_mid, W.attn_norm, a.rstd1, st.dh_bf, st.dres, G.attn_norm, N, D, stream_);
   if (l == 0)
