@@ -408,7 +408,7 @@ std::pair<double, float> Zero1OverlapSchedule::step(ShardOptimizer& opt, double 
   if (s_.shards.expert_end > s_.shards.expert_begin)  // each expert element is in one rank's shard: one sum over all ranks
     opt.sum_squares(s_.shards.expert_begin, s_.shards.expert_end, /*accumulate=*/true, compute_);
   signal_comm();
-  nccl_->all_reduce_sum(opt.sum_squares_buffer(), 1, NcclType::kFloat64, comm_);
+  nccl_->all_reduce_sum(opt.sum_squares_buffer(), opt.sum_squares_count(), NcclType::kFloat64, comm_);
   join();
   opt.clip(max_norm, compute_);
   if (prof_) prof_->mark(Zero1Profile::kNormed, compute_);

@@ -49,6 +49,9 @@ class ShardOptimizer {
   // double at sum_squares_buffer()), added to it with `accumulate`.
   virtual void sum_squares(std::int64_t begin, std::int64_t end, bool accumulate, cudaStream_t stream) = 0;
   virtual double* sum_squares_buffer() = 0;
+  // How many doubles at sum_squares_buffer() the data group sums (a norm kept in parts, each
+  // reduced over its own groups before clip() adds them: tensor parallelism's).
+  virtual int sum_squares_count() const { return 1; }
   // The global norm and clip coefficient from the (summed) accumulator, on the device; then both
   // on the host (read_norm: the step's one sync; the caller checks that the norm is finite).
   virtual void clip(double max_norm, cudaStream_t stream) = 0;

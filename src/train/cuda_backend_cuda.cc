@@ -20,11 +20,15 @@
 // all-gather after the update). Expert parallelism (parallel.expert): the plan
 // (parallel/plan_cuda.h) gives each MoE layer its expert runner over the expert group; this
 // rank's experts sit after the replicated parameters and the expert region is ZeRO-1 over the
-// expert-data group (the overlapped step only).
+// expert-data group (the overlapped step only). Tensor parallelism (or TSP) with data
+// parallelism takes the overlapped step with AdamW (TensorParallelShards: the partial gradients
+// summed over the tensor group on the shard, after the data group's reduces), the classic one
+// with Muon or expert parallelism.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -109,14 +113,22 @@ class CudaBackend final : public TrainBackend {
     const bool weight_split = tp > 1 || tsp > 1;
     if (weight_split && mesh_.data().size > 1) check_shards_alike(weight_kind);
     std::optional<std::vector<std::int64_t>> stages;
-    // Tensor parallelism (or TSP) with data parallelism: the classic ZeRO-1 step (the overlapped
-    // one reduces buckets during backward, before the tensor group's partial gradients are summed)
-    if (mesh_.data().size > 1 && dp.zero1.enabled && !weight_split)
+    // Tensor parallelism (or TSP) with data parallelism overlaps too: the data group reduces
+    // each tensor rank's buckets during backward (the tensor ranks of a data rank cut their
+    // buffers alike), and the replicated parameters' partial gradients are summed over the
+    // tensor group afterwards, on the shard only (the sums commute: TensorParallelShards). Not
+    // yet with Muon (its split matrices gather over the tensor group: CudaTensorParallelMuon
+    // steps whole shards) or with expert parallelism's expert region.
+    const bool experts_apart = shards_.replicated_end < layout_.total_floats;
+    const char* classic = nullptr;
+    if (weight_split && optimizer.muon.enabled) classic = "tensor parallelism (or TSP) with Muon on GPUs takes the classic step";
+    else if (weight_split && experts_apart) classic = "tensor parallelism (or TSP) with expert parallelism on GPUs takes the classic step";
+    if (mesh_.data().size > 1 && dp.zero1.enabled && !classic) {
       stages = parallel::Zero1OverlapSchedule::stages_of(layout_, cfg_.layers, shards_.replicated_end);
-    if (mesh_.data().size > 1 && dp.zero1.enabled && !stages && mesh_.data().rank == 0 && mesh_.rank() == 0)
-      std::fprintf(stderr, "keel: data parallel: %s; the ZeRO-1 step will not overlap communication\n",
-                   weight_split ? "tensor parallelism (or TSP) on GPUs takes the classic step"
-                                : "this layout's stages are not in offset order");
+      if (!stages) classic = "this layout's stages are not in offset order";
+    }
+    if (mesh_.data().size > 1 && dp.zero1.enabled && classic && mesh_.data().rank == 0 && mesh_.rank() == 0)
+      std::fprintf(stderr, "keel: data parallel: %s; the ZeRO-1 step will not overlap communication\n", classic);
     const bool ring = opt_.context_mode == parallel::ContextMode::kRing;
     const bool heads = opt_.context_mode == parallel::ContextMode::kAllToAll;
     if (heads && mesh_.group(parallel::GroupKind::kContext).size > 1)
@@ -160,6 +172,8 @@ class CudaBackend final : public TrainBackend {
       su.shards = {shards_.replicated_end,  shards_.replicated, shards_.experts,  slice_.shard_begin,
                    slice_.shard_end,        slice_.expert_begin, slice_.expert_end};
       su.options = dp;
+      // the deferred embedding scatter adds whole-table rows: not for a vocabulary-split table
+      if (weight_split) su.options.zero1.defer_embedding = 0;
       su.tokens = model_->tokens();
       su.hidden = cfg_.hidden;
       su.vocab = cfg_.vocab_size;
@@ -233,6 +247,8 @@ class CudaBackend final : public TrainBackend {
     model_->bind({params_, params_bf16_, grads_, bias_dev_});
     optimizer_->bind({params_, params_bf16_, grads_, adam_m_, adam_v_, muon_ws_});
     if (schedule_) schedule_->bind({params_, params_bf16_, grads_, grads_bf16});
+    if (schedule_ && plan_->weight_group())
+      tp_shards_ = std::make_unique<TensorParallelShards>(*this, *plan_->weight_group());
 
     std::vector<float> init(static_cast<std::size_t>(n));
     model::init_parameters(cfg_, layout_, opt_.init_std, opt_.init_seed, init.data(), mesh_.shape(), mesh_.coord(),
@@ -359,7 +375,8 @@ class CudaBackend final : public TrainBackend {
     settle_fresh_grads();
     optimizer_->set_lr(lr);
     std::pair<double, float> r;
-    if (schedule_) r = schedule_->step(*optimizer_, max_norm, model_->gemm());
+    if (schedule_ && tp_shards_) r = schedule_->step(*tp_shards_, max_norm, model_->gemm());
+    else if (schedule_) r = schedule_->step(*optimizer_, max_norm, model_->gemm());
     else if (plan_->weight_group()) r = tensor_parallel_step(max_norm);
     else if (dp_) r = zero1_step(max_norm);
     else r = optimizer_->step_all(max_norm, model_->gemm(), stream_);
@@ -506,26 +523,77 @@ class CudaBackend final : public TrainBackend {
   }
 
   // The replicated parameters' partial gradients (tensor parallelism's with sequence
-  // parallelism, TSP's) summed over the group, packed into one all-reduce.
-  void sum_partial_gradients(parallel::CudaTensorParallelLinear& tp) {
-    if (partial_floats_ > 0) {
-      float* pack = static_cast<float*>(tp_pack_.ensure(static_cast<std::size_t>(partial_floats_) * sizeof(float), stream_,
-                                                        "partial-gradient pack"));
-      std::int64_t at = 0;
-      for (const auto& [b, e] : partial_ranges_) {
-        KEEL_CUDA_CHECK(cudaMemcpyAsync(pack + at, grads_ + b, static_cast<std::size_t>(e - b) * sizeof(float),
-                                        cudaMemcpyDeviceToDevice, stream_));
-        at += e - b;
-      }
-      tp.all_reduce(pack, partial_floats_, stream_);
-      at = 0;
-      for (const auto& [b, e] : partial_ranges_) {
-        KEEL_CUDA_CHECK(cudaMemcpyAsync(grads_ + b, pack + at, static_cast<std::size_t>(e - b) * sizeof(float),
-                                        cudaMemcpyDeviceToDevice, stream_));
-        at += e - b;
-      }
+  // parallelism, TSP's) inside [lo, hi) summed over the group, packed into one all-reduce (the
+  // tensor ranks of a data rank call it with the same range, so their packs match).
+  void sum_partial_gradients(parallel::CudaTensorParallelLinear& tp, std::int64_t lo = 0,
+                             std::int64_t hi = std::numeric_limits<std::int64_t>::max()) {
+    std::vector<std::pair<std::int64_t, std::int64_t>> in;
+    std::int64_t n = 0;
+    for (const auto& [b, e] : partial_ranges_)
+      if (std::max(b, lo) < std::min(e, hi)) in.emplace_back(std::max(b, lo), std::min(e, hi)), n += in.back().second - in.back().first;
+    if (n == 0) return;
+    float* pack = static_cast<float*>(tp_pack_.ensure(static_cast<std::size_t>(partial_floats_) * sizeof(float), stream_,
+                                                      "partial-gradient pack"));
+    std::int64_t at = 0;
+    for (const auto& [b, e] : in) {
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(pack + at, grads_ + b, static_cast<std::size_t>(e - b) * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream_));
+      at += e - b;
+    }
+    tp.all_reduce(pack, n, stream_);
+    at = 0;
+    for (const auto& [b, e] : in) {
+      KEEL_CUDA_CHECK(cudaMemcpyAsync(grads_ + b, pack + at, static_cast<std::size_t>(e - b) * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream_));
+      at += e - b;
     }
   }
+
+  // The norm of this rank's shards in two parts: the split blocks (part 0, summed over the data
+  // and the weight group) and the rest (part 1, over the data group only: alike on every tensor
+  // rank). `accumulate`: add [b, e)'s sums to the parts.
+  void sum_squares_parts(std::int64_t b, std::int64_t e, bool accumulate) {
+    const auto sum_in = [&](int part, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
+      bool first = !accumulate;
+      for (const auto& [rb, re] : ranges) {
+        const std::int64_t lo = std::max(rb, b), hi = std::min(re, e);
+        if (lo < hi) optimizer_->sum_squares_part(part, lo, hi, /*accumulate=*/!first, stream_), first = false;
+      }
+      if (first) optimizer_->sum_squares_part(part, 0, 0, /*accumulate=*/false, stream_);
+    };
+    sum_in(0, split_ranges_);
+    sum_in(1, whole_ranges_);
+  }
+
+  // The overlapped ZeRO-1 step's optimizer under tensor parallelism (or TSP): the data group
+  // has reduced each bucket to its owner; on the shard, the partial gradients are summed over
+  // the weight group, the norm is kept in two parts, and part 0 is summed over the weight group
+  // before the clip. AdamW only (the backend keeps Muon on the classic step).
+  class TensorParallelShards final : public parallel::ShardOptimizer {
+   public:
+    TensorParallelShards(CudaBackend& b, parallel::CudaTensorParallelLinear& tp) : b_(b), tp_(tp) {}
+    void sum_squares(std::int64_t begin, std::int64_t end, bool accumulate, cudaStream_t stream) override {
+      if (stream != b_.stream_) fail("cuda backend: the shard's norm on another stream");
+      if (!accumulate) b_.sum_partial_gradients(tp_, begin, end);
+      b_.sum_squares_parts(begin, end, accumulate);
+    }
+    double* sum_squares_buffer() override { return b_.optimizer_->sum_squares_buffer(); }
+    int sum_squares_count() const override { return 2; }
+    void clip(double max_norm, cudaStream_t stream) override {
+      tp_.group().all_reduce_sum(b_.optimizer_->sum_squares_buffer(), 1, parallel::NcclType::kFloat64, stream);
+      b_.optimizer_->clip_parts(max_norm, stream);
+    }
+    std::pair<double, float> read_norm(cudaStream_t stream) override { return b_.optimizer_->read_norm(stream); }
+    void begin_updates() override { b_.optimizer_->begin_updates(); }
+    void update(std::int64_t begin, std::int64_t end, ops::cuda::GemmRunner& gemm, cudaStream_t stream) override {
+      b_.optimizer_->update(begin, end, gemm, stream);
+    }
+    void end_updates() override { b_.optimizer_->end_updates(); }
+
+   private:
+    CudaBackend& b_;
+    parallel::CudaTensorParallelLinear& tp_;
+  };
 
   // The classic step's collectives: the replicated region over the data group and, with expert
   // parallelism, the expert region over the expert-data group (a region of one rank stays).
@@ -559,18 +627,8 @@ class CudaBackend final : public TrainBackend {
     parallel::CudaTensorParallelLinear& tp = *plan_->weight_group();
     sum_partial_gradients(tp);
     if (dp_) reduce_scatter_gradients();
-    const std::vector<MomentRange> shards = moment_ranges(slice_);
-    const auto sum_in = [&](int part, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
-      bool first = true;
-      for (const MomentRange& sh : shards)
-        for (const auto& [rb, re] : ranges) {
-          const std::int64_t lo = std::max(rb, sh.begin), hi = std::min(re, sh.end);
-          if (lo < hi) optimizer_->sum_squares_part(part, lo, hi, /*accumulate=*/!first, stream_), first = false;
-        }
-      if (first) optimizer_->sum_squares_part(part, 0, 0, /*accumulate=*/false, stream_);
-    };
-    sum_in(0, split_ranges_);
-    sum_in(1, whole_ranges_);
+    bool first = true;
+    for (const MomentRange& sh : moment_ranges(slice_)) sum_squares_parts(sh.begin, sh.end, !first), first = false;
     if (dp_) dp_->all_reduce_sum(optimizer_->sum_squares_buffer(), 2);
     tp.group().all_reduce_sum(optimizer_->sum_squares_buffer(), 1, parallel::NcclType::kFloat64, stream_);
     optimizer_->clip_parts(max_norm, stream_);
@@ -717,6 +775,7 @@ class CudaBackend final : public TrainBackend {
   std::unique_ptr<CudaStepProfile> step_prof_;                 // kernels.profile
   std::unique_ptr<ProfileHooks> profile_hooks_;                // its marks in the classic step
   std::unique_ptr<parallel::Zero1OverlapSchedule> schedule_;   // the overlapped ZeRO-1 step
+  std::unique_ptr<TensorParallelShards> tp_shards_;            // its optimizer under tensor parallelism
   std::unique_ptr<parallel::DataParallelComm> dp_;             // the classic ZeRO-1 step
   std::unique_ptr<parallel::DataParallelComm> expert_dp_;      // its expert region (expert parallelism)
   DeviceArena param_arena_, grad_arena_, state_arena_, act_arena_;

@@ -292,7 +292,8 @@ TEST(TensorParallel, GpusZayaWithMuonMatchOneGpu) {
 TEST(TensorParallel, GpusZayaWithSequenceParallelMatchOneGpu) {
   expect_gpus_match_one_gpu(true, joined(kZayaGpu, kSliding), "zaya_sliding_tp_sp", "", zaya_seed());
 }
-// TP=2 with data parallelism over the other ranks (ZeRO-1, the classic step): 4 ranks or more.
+// TP=2 with data parallelism over the other ranks (ZeRO-1: the overlapped step with AdamW, the
+// classic one with Muon): 4 ranks or more.
 int tp2_with_data() { return world_size() >= 4 && world_size() % 2 == 0 ? 2 : world_size(); }
 TEST(TensorParallel, GpusWithDataParallelMatchOneGpu) {
   expect_gpus_match_one_gpu(true, {}, "tp_sp_dp", "", 1, tp2_with_data());
@@ -300,6 +301,45 @@ TEST(TensorParallel, GpusWithDataParallelMatchOneGpu) {
 TEST(TensorParallel, GpusZayaWithDataParallelAndMuonMatchOneGpu) {
   expect_gpus_match_one_gpu(false, kZayaGpu, "zaya_tp_dp_muon", kMuon, 1, tp2_with_data());
 }
+// TP=2 x DP=2 (4 ranks or more), AdamW: the overlapped ZeRO-1 step (each tensor rank's
+// buckets reduced over its data group during backward; the replicated parameters' partial
+// gradients summed over the tensor group afterwards, on the shard) against the classic step
+// (parallel.zero1.overlap: false: partial sums first, then the reduce-scatter) on the same ranks
+// and batches, with sequence parallelism (the norms' gradients are partial) and without. Not
+// bit for bit (the embedding's atomics, another summation order): the first step's loss and
+// norm to 1e-5, its update to 1e-3 of its size, 4 steps' losses to 1e-2. The replicated
+// parameters match across all ranks (checked in expect_gpus_match_one_gpu's runs too).
+TEST(TensorParallel, GpusWithDataParallelOverlappedStepMatchesClassicStep) {
+  if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
+  if (world_size() < 4 || world_size() % 2) GTEST_SKIP() << "needs 2 data ranks of TP=2 (4 ranks or more)";
+  keel::test::use_rank_gpu();
+  for (const bool sequence : {true, false}) {
+    const std::string tag = sequence ? "tp_sp_dp_overlap" : "tp_dp_overlap";
+    const fs::path dir = shared_dir("gpu_" + tag);
+    const auto run = [&](const std::string& name, const std::vector<std::string>& more) {
+      std::vector<std::string> sets = joined(kGpu, {"batch.micro_batch=1", "batch.grad_accum=4", "steps=5"});
+      sets.insert(sets.end(), more.begin(), more.end());
+      Trainer t(config(dir, dir / name, 2, sequence, sets), tp_mesh(2), true);
+      std::vector<std::vector<float>> params{t.backend().state().params};
+      std::vector<StepStats> stats = t.run(1);
+      params.push_back(t.backend().state().params);
+      const auto rest = t.run(4);  // to step 4
+      stats.insert(stats.end(), rest.begin(), rest.end());
+      return std::pair{stats, params};
+    };
+    const auto [got, gp] = run("overlap", {});
+    const auto [want, wp] = run("classic", {"parallel.zero1.overlap=false"});
+    ASSERT_EQ(got.size(), 4u) << tag;
+    ASSERT_EQ(want.size(), 4u) << tag;
+    EXPECT_TRUE(gp[0] == wp[0]) << tag << ": the same initialization";
+    EXPECT_NEAR(got[0].loss, want[0].loss, 1e-5 * std::fabs(want[0].loss)) << tag;
+    EXPECT_NEAR(got[0].grad_norm, want[0].grad_norm, 1e-5 * want[0].grad_norm) << tag;
+    EXPECT_LT(fixtures::norm_rel_diff(gp[1], wp[1], wp[0]), 1e-3) << tag << ": first update";
+    for (std::size_t i = 1; i < 4; ++i)
+      EXPECT_NEAR(got[i].loss, want[i].loss, 1e-2 * std::fabs(want[i].loss)) << tag << " step " << i + 1;
+  }
+}
+
 // ... and expert parallelism over the 2 data ranks (each holds half the experts, tensor-sliced).
 TEST(TensorParallel, GpusWithExpertParallelMatchOneGpu) {
   expect_gpus_match_one_gpu(true, {}, "tp_sp_dp_ep", "", 1, tp2_with_data(), 2);
