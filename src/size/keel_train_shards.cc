@@ -152,7 +152,10 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
     if (experts) k.muon_flops_total += l.tp * l.ep * muon_range(sh.replicated_end, total).flops_total;
   }
   if (s.grad_reduce_bf16 && data > 1) {
-    const auto stages = parallel::overlap_stage_bounds(layout, s.model.layers, sh.replicated_end);
+    // keel train's GPU step: the overlapped one (a stage's scratch), but tensor parallelism (or
+    // TSP) with Muon or expert parallelism takes the classic one (train/cuda_backend_cuda.cc)
+    const bool classic = (l.tp > 1 || l.tsp > 1) && (muon || experts);
+    const auto stages = classic ? std::nullopt : parallel::overlap_stage_bounds(layout, s.model.layers, sh.replicated_end);
     if (stages) {
       k.bf16_reduce_scratch = static_cast<double>(parallel::largest_stage_floats(*stages));
       if (experts && data / l.ep > 1)

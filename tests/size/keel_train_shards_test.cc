@@ -119,6 +119,17 @@ TEST(KeelTrainShards, Bf16ReduceScratchIsTheLargestStageOrTheExpertRegion) {
   // Gradients reduced in fp32, or a single GPU: no scratch.
   EXPECT_EQ(scratch("zero=1", 8, false), 0);
   EXPECT_EQ(scratch("zero=1", 1, true), 0);
+  // Tensor parallelism with data parallelism: AdamW takes the overlapped step (the tp=2
+  // embedding stage, half the vocabulary), Muon the classic one (a bf16 copy of the whole
+  // buffer).
+  EXPECT_GE(scratch("tp=2,zero=1", 8, true), embedding / 2);
+  EXPECT_LT(scratch("tp=2,zero=1", 8, true), embedding / 2 + 64);
+  keel::size::Setup m = setup("zaya1-8b", "tp=2,zero=1", 8, Optimizer::kMuon);
+  m.grad_reduce_bf16 = true;
+  const auto k = keel_train_shards(m).value();
+  double total = 0;
+  for (double f : k.rank_optimizer_floats) total += f;  // the data group's shards tile the buffer
+  EXPECT_NEAR(k.bf16_reduce_scratch, total, 64.0 * 4);
 }
 
 TEST(KeelTrainShards, TensorParallelLayoutsAreKeelTrainsOwn) {
