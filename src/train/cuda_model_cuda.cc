@@ -641,13 +641,14 @@ void CudaModel::attention_backward(int l, LayerActs& a) {
                  });
 }
 
-// Sequence parallelism: the input of the block whose backward follows the next one gathers
-// beside it (CudaTensorParallelLinear::prefetch_next). Before layer l's MLP block (attention):
-// the layer's attention input; before its attention block: layer l - 1's MLP input, saved since
-// forward (under full recompute it is recomputed just before its layer's backward: not yet).
-void CudaModel::prefetch_inputs(int l, LayerActs& a, bool attention) {
+// Sequence parallelism: before a block's backward, ask for the input of the block whose
+// backward comes next, to gather beside this one (CudaTensorParallelLinear::prefetch_next).
+// Before layer l's MLP block (next_is_attention): the layer's attention input; before its
+// attention block: layer l - 1's MLP input, saved since forward (under full recompute it is
+// recomputed just before its layer's backward: not yet).
+void CudaModel::prefetch_inputs(int l, LayerActs& a, bool next_is_attention) {
   if (!tp_ || !tp_->sequence()) return;
-  if (attention) return tp_->prefetch_next(a.h1, tokens_, cfg_.hidden);
+  if (next_is_attention) return tp_->prefetch_next(a.h1, tokens_, cfg_.hidden);
   if (l > 0 && opt_.recompute != Recompute::kFull) tp_->prefetch_next(acts_for(l - 1).h2, tokens_, cfg_.hidden);
 }
 
@@ -659,7 +660,7 @@ void CudaModel::layer_backward(int l, LayerActs& a, const float* x_in, bool grad
   Stream& st = *st_;
   // MLP block: out = x_mid + mlp(n2(x_mid)); st.dh collects dL/dh2.
   mark(mlp_phase(l, true));
-  prefetch_inputs(l, a, /*attention=*/true);
+  prefetch_inputs(l, a, /*next_is_attention=*/true);
   mlp_backward(l, a, st.dres, grads_fresh);
   k::f32_to_bf16(st.dh, st.dh_bf, N * D, stream_);
   k::rmsnorm::backward(a.x_mid, W.mlp_norm, a.rstd2, st.dh_bf, st.dres, G.mlp_norm, N, D, stream_);
@@ -667,7 +668,7 @@ void CudaModel::layer_backward(int l, LayerActs& a, const float* x_in, bool grad
   // Attention block: x_mid = x_in + attn(n1(x_in)); dres is now dL/dx_mid.
   mark(attention_phase(true));
   k::f32_to_bf16(st.dres, st.dres_bf, N * D, stream_);
-  prefetch_inputs(l, a, /*attention=*/false);
+  prefetch_inputs(l, a, /*next_is_attention=*/false);
   attention_backward(l, a);
   k::rmsnorm::backward(x_in, W.attn_norm, a.rstd1, st.dh_bf, st.dres, G.attn_norm, N, D, stream_);
   hooks.grads_final(1 + 2 * l);
@@ -683,7 +684,7 @@ void CudaModel::scaled_layer_backward(int l, LayerActs& a, bool grads_fresh, par
   const bc::ResScaleGrads &dA = G.attn_scale, &dM = G.mlp_scale;
   Stream& st = *st_;
   mark(mlp_phase(l, true));
-  prefetch_inputs(l, a, /*attention=*/true);
+  prefetch_inputs(l, a, /*next_is_attention=*/true);
   mlp_backward(l, a, st.dhres, grads_fresh);
   k::f32_to_bf16(st.dh, st.dh_bf, N * D, stream_);
   k::rmsnorm::backward(st.resid[static_cast<std::size_t>(l) + 1], W.mlp_norm, a.rstd2, st.dh_bf, st.dres, G.mlp_norm, N,
@@ -693,7 +694,7 @@ void CudaModel::scaled_layer_backward(int l, LayerActs& a, bool grads_fresh, par
                                     st.dres_bf, dM.r_bias, dM.r_scale, dM.h_bias, dM.h_scale, N, D, stream_);
   hooks.grads_final(2 + 2 * l);
   mark(attention_phase(true));
-  prefetch_inputs(l, a, /*attention=*/false);
+  prefetch_inputs(l, a, /*next_is_attention=*/false);
   attention_backward(l, a);
   k::rmsnorm::backward(a.x_mid, W.attn_norm, a.rstd1, st.dh_bf, st.dres, G.attn_norm, N, D, stream_);
   if (l == 0)

@@ -103,7 +103,7 @@ class CudaModel {
   struct Stream;
   struct Head;
   LayerActs& acts_for(int l);
-  void prefetch_inputs(int l, LayerActs& a, bool attention);
+  void prefetch_inputs(int l, LayerActs& a, bool next_is_attention);
   // kernels.profile's phase names (string literals) of layer l's two blocks
   const char* attention_phase(bool backward) const;
   const char* mlp_phase(int l, bool backward) const;
