@@ -13,6 +13,8 @@ both sides), bf16 with fp32 master weights.
 Configurations per model, keel first, then the peer, in the same invocation:
   keel T=2        mpirun -np 2 keel train, parallel: {tensor: 2}
   keel T=2+SP     parallel: {tensor: 2, sequence: true}
+  keel T=2+SP serial  the same with tensor_overlap: false (backward's input re-gathers on the
+                  compute stream, not beside the block before: what the overlap saves)
   keel DP=2       parallel: {data: 2} (ZeRO-1, overlapped)
   keel EP=2       parallel: {expert: 2} (8 experts per GPU, data parallel over both)
   torch TP=2      bench/train_tp_torch.py under torchrun: torch.distributed.tensor.parallel
@@ -72,6 +74,7 @@ PEAK = train_vs_torch.PEAK
 KEEL_CONFIGS = {  # name -> (ranks, parallel section)
     "keel T=2": (2, {"tensor": 2, "sequence": "false"}),
     "keel T=2+SP": (2, {"tensor": 2, "sequence": "true"}),
+    "keel T=2+SP serial": (2, {"tensor": 2, "sequence": "true", "tensor_overlap": "false"}),
     "keel DP=2": (2, {"data": 2}),
     "keel EP=2": (2, {"expert": 2}),
     "keel 1 GPU": (1, {}),
@@ -82,7 +85,8 @@ TORCH_CONFIGS = {  # name -> (ranks, sequence parallel)
     "torch 1 GPU": (1, False),
 }
 MATCHED = {"keel T=2": "torch TP=2", "keel T=2+SP": "torch TP=2+SP", "keel 1 GPU": "torch 1 GPU"}
-KEYS = {"keel-tp": "keel T=2", "keel-tp-sp": "keel T=2+SP", "keel-dp": "keel DP=2", "keel-ep": "keel EP=2",
+KEYS = {"keel-tp": "keel T=2", "keel-tp-sp": "keel T=2+SP", "keel-tp-sp-serial": "keel T=2+SP serial",
+        "keel-dp": "keel DP=2", "keel-ep": "keel EP=2",
         "keel-1gpu": "keel 1 GPU", "torch-tp": "torch TP=2", "torch-tp-sp": "torch TP=2+SP", "torch-1gpu": "torch 1 GPU"}
 
 
@@ -260,7 +264,7 @@ def fmt_table(results, a, dev_name, torch_ver):
     T = 2
     lines.append(f"== keel TP vs PyTorch TP ({T} GPUs) -- {dev_name}, torch {torch_ver}; "
                  f"{a.accum} micro-batches of micro_batch x seq per step, {a.steps} timed steps after {a.warmup}")
-    head = (f"{'model':6} {'config':17} {'GPUs':>4} {'tok/s':>9} {'MFU':>6} {'GiB/GPU':>8} {'over ideal ms':>13} "
+    head = (f"{'model':6} {'config':18} {'GPUs':>4} {'tok/s':>9} {'MFU':>6} {'GiB/GPU':>8} {'over ideal ms':>13} "
             f"{'busiest/fair':>12} {'(mean)':>6} {'skip':>5} {'keel/torch':>10} {'mem k/t':>7}  per-layer busiest/fair")
     lines.append(head)
     for model, m in results.items():
@@ -272,7 +276,7 @@ def fmt_table(results, a, dev_name, torch_ver):
             r = runs[name]
             label = name + (" (ref)" if "1 GPU" in name else "")
             if "error" in r:
-                lines.append(f"{model:6} {label:17} {'':>4} {r['error']}")
+                lines.append(f"{model:6} {label:18} {'':>4} {r['error']}")
                 continue
             base = one[name.split()[0]]
             if r["gpus"] > 1 and "step_ms" in base:
@@ -286,7 +290,7 @@ def fmt_table(results, a, dev_name, torch_ver):
             else:
                 ratio, mem = f"{'':>10}", f"{'':>7}"
             per_layer = " ".join(f"{x:.2f}" for x in r["busiest_per_layer"])
-            lines.append(f"{model:6} {label:17} {r['gpus']:>4} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
+            lines.append(f"{model:6} {label:18} {r['gpus']:>4} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
                          f"{gib(r['memory_gib'])} {over} {r['busiest_worst']:12.2f} {r['busiest_mean']:6.2f} "
                          f"{r['skip_mean']:5.2f} {ratio} {mem}  {per_layer}")
     lines.append("tok/s: the group's (global batch, each token once); MFU per GPU, one formula for both sides; GiB/GPU: "
@@ -296,6 +300,11 @@ def fmt_table(results, a, dev_name, torch_ver):
                  "worst MoE layer and step after warm-up (mean over steps of the worst layer), per layer its worst; "
                  "skip: mean share routed to the skip class; keel/torch and mem k/t: against the matched PyTorch row.")
     for model, m in results.items():
+        on, off = m["runs"].get("keel T=2+SP", {}), m["runs"].get("keel T=2+SP serial", {})
+        if "tokens_per_s" in on and "tokens_per_s" in off:
+            lines.append(f"{model} keel T=2+SP, backward's input re-gathers beside the block before vs on the compute "
+                         f"stream: {on['tokens_per_s'] / off['tokens_per_s']:.3f}x tokens/s"
+                         + (" (CPU ranks: the switch changes nothing there; run to run noise)" if a.device == "cpu" else ""))
         for k, t in (("keel T=2", "torch TP=2"), ("keel T=2+SP", "torch TP=2+SP")):
             kr, tr = m["runs"].get(k, {}), m["runs"].get(t, {})
             if "tokens_per_s" in kr and "tokens_per_s" in tr:

@@ -448,7 +448,8 @@ void CudaModel::head_backward(float loss_scale, bool grads_fresh) {
   const bf16* hidden = tp_->enter(h.final_h, N, D, stream_);
   // the last layer's MLP input gathers beside the LM head's backward (saved since forward;
   // under full recompute it is recomputed first)
-  if (opt_.recompute != Recompute::kFull) tp_->prefetch(acts_for(cfg_.layers - 1).h2, N, D, stream_);
+  if (opt_.tensor_overlap && opt_.recompute != Recompute::kFull)
+    tp_->prefetch(acts_for(cfg_.layers - 1).h2, N, D, stream_);
   float* partial = tp_->dx_out(st.dh, N, D);
   k::cross_entropy::slice_backward(hidden, w_.lm_head, h.targets, h.lse, loss_scale, N, D, vocab_slice(), ce,
                                    h.scratch, partial, g_.lm_head, stream_);
@@ -647,7 +648,7 @@ void CudaModel::attention_backward(int l, LayerActs& a) {
 // attention block: layer l - 1's MLP input, saved since forward (under full recompute it is
 // recomputed just before its layer's backward: not yet).
 void CudaModel::prefetch_inputs(int l, LayerActs& a, bool next_is_attention) {
-  if (!tp_ || !tp_->sequence()) return;
+  if (!tp_ || !tp_->sequence() || !opt_.tensor_overlap) return;
   if (next_is_attention) return tp_->prefetch_next(a.h1, tokens_, cfg_.hidden);
   if (l > 0 && opt_.recompute != Recompute::kFull) tp_->prefetch_next(acts_for(l - 1).h2, tokens_, cfg_.hidden);
 }

@@ -93,6 +93,10 @@ struct ModelOptions {
   // Under tensor parallelism (the mesh's tp > 1): the residual stream, norms and residual scales
   // hold 1/tp of the tokens (Megatron's sequence parallelism; parallel/tensor_parallel.h).
   bool sequence_parallel = false;
+  // GPUs, with sequence parallelism: backward's re-gather of each block's saved input runs
+  // beside the block before it (parallel.tensor_overlap; parallel/tensor_parallel_cuda.h).
+  // false gathers on the compute stream when the block needs it (for comparison).
+  bool tensor_overlap = true;
   // Under context parallelism (the mesh's cp > 1): how the sequence mixers see the rest of the
   // sequence (parallel.context_mode; parallel/context_parallel.h): the all-gather of k, v (and
   // LASP-2's of states), the ring of k, v blocks (and LASP-1's states; CPU ranks, and on GPUs for

@@ -397,7 +397,8 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   }
   if (const auto p = root["parallel"]) {
     ctx.only(p, "parallel",
-             {"data", "context", "context_mode", "tensor", "sequence", "tsp", "expert", "grad_reduce", "zero1"});
+             {"data", "context", "context_mode", "tensor", "sequence", "tensor_overlap", "tsp", "expert", "grad_reduce",
+              "zero1"});
     if (p["data"]) c.parallel_data = ctx.get<int>(p["data"], "parallel.data", "an integer");
     if (p["context"]) c.parallel_context = ctx.get<int>(p["context"], "parallel.context", "an integer");
     if (p["context_mode"]) {
@@ -413,6 +414,8 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (p["tensor"]) c.parallel_tensor = ctx.get<int>(p["tensor"], "parallel.tensor", "an integer");
     if (p["sequence"])
       c.model_options.sequence_parallel = ctx.get<bool>(p["sequence"], "parallel.sequence", "true or false");
+    if (p["tensor_overlap"])
+      c.model_options.tensor_overlap = ctx.get<bool>(p["tensor_overlap"], "parallel.tensor_overlap", "true or false");
     if (p["tsp"]) c.parallel_tsp = ctx.get<int>(p["tsp"], "parallel.tsp", "an integer");
     if (p["expert"]) c.parallel_expert = ctx.get<int>(p["expert"], "parallel.expert", "an integer");
     if (c.context_mode_auto)

@@ -142,6 +142,18 @@ TEST(TrainConfig, ContextModeAutoPicksByLayersAndLayout) {
                                "key 'parallel.context_mode' (from --set): must be allgather, ring, alltoall or auto");
 }
 
+// parallel.tensor_overlap (GPUs, sequence parallelism: backward's input re-gathers beside the
+// block before): on by default, off for comparison; a word that is not a boolean is one line.
+TEST(TrainConfig, TensorOverlapIsOnByDefaultAndParses) {
+  const auto dir = fixtures::temp_dir("train_test", "toverlap");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const std::string good = fixtures::train_config_text(prefix, dir / "out");
+  EXPECT_TRUE(parse_train_config(good, "t.yaml").model_options.tensor_overlap);
+  EXPECT_FALSE(parse_train_config(good, "t.yaml", {"parallel.tensor_overlap=false"}).model_options.tensor_overlap);
+  fixtures::expect_usage_error(good, {"parallel.tensor_overlap=sometimes"},
+                               "key 'parallel.tensor_overlap' (from --set): must be true or false");
+}
+
 TEST(Trainer, MissingAndTruncatedDataset) {
   const auto dir = fixtures::temp_dir("train_test", "trunc");
   const auto prefix = fixtures::make_dataset(dir, "d");
