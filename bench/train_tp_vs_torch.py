@@ -15,6 +15,9 @@ Configurations per model, keel first, then the peer, in the same invocation:
   keel T=2+SP     parallel: {tensor: 2, sequence: true}
   keel T=2+SP serial  the same with tensor_overlap: false (backward's input re-gathers on the
                   compute stream, not beside the block before: what the overlap saves)
+  keel T2xDP2, keel T2xDP2 classic  (4 GPUs; only when --configs names keel-tp-dp,
+                  keel-tp-dp-classic) T=2+SP with 2 data ranks: the overlapped ZeRO-1 step
+                  (AdamW) against parallel.zero1.overlap: false, the same global batch
   keel DP=2       parallel: {data: 2} (ZeRO-1, overlapped)
   keel EP=2       parallel: {expert: 2} (8 experts per GPU, data parallel over both)
   torch TP=2      bench/train_tp_torch.py under torchrun: torch.distributed.tensor.parallel
@@ -75,6 +78,8 @@ KEEL_CONFIGS = {  # name -> (ranks, parallel section)
     "keel T=2": (2, {"tensor": 2, "sequence": "false"}),
     "keel T=2+SP": (2, {"tensor": 2, "sequence": "true"}),
     "keel T=2+SP serial": (2, {"tensor": 2, "sequence": "true", "tensor_overlap": "false"}),
+    "keel T2xDP2": (4, {"tensor": 2, "sequence": "true"}),
+    "keel T2xDP2 classic": (4, {"tensor": 2, "sequence": "true", "zero1": "{overlap: false}"}),
     "keel DP=2": (2, {"data": 2}),
     "keel EP=2": (2, {"expert": 2}),
     "keel 1 GPU": (1, {}),
@@ -84,9 +89,11 @@ TORCH_CONFIGS = {  # name -> (ranks, sequence parallel)
     "torch TP=2+SP": (2, True),
     "torch 1 GPU": (1, False),
 }
+FOUR_GPUS = ("keel-tp-dp", "keel-tp-dp-classic")  # not in the default --configs: 4 GPUs
 MATCHED = {"keel T=2": "torch TP=2", "keel T=2+SP": "torch TP=2+SP", "keel 1 GPU": "torch 1 GPU"}
 KEYS = {"keel-tp": "keel T=2", "keel-tp-sp": "keel T=2+SP", "keel-tp-sp-serial": "keel T=2+SP serial",
-        "keel-dp": "keel DP=2", "keel-ep": "keel EP=2",
+        "keel-dp": "keel DP=2", "keel-ep": "keel EP=2", "keel-tp-dp": "keel T2xDP2",
+        "keel-tp-dp-classic": "keel T2xDP2 classic",
         "keel-1gpu": "keel 1 GPU", "torch-tp": "torch TP=2", "torch-tp-sp": "torch TP=2+SP", "torch-1gpu": "torch 1 GPU"}
 
 
@@ -262,9 +269,9 @@ def gib(x):
 def fmt_table(results, a, dev_name, torch_ver):
     lines = []
     T = 2
-    lines.append(f"== keel TP vs PyTorch TP ({T} GPUs) -- {dev_name}, torch {torch_ver}; "
+    lines.append(f"== keel TP vs PyTorch TP (tensor degree {T}; each row's GPUs in its column) -- {dev_name}, torch {torch_ver}; "
                  f"{a.accum} micro-batches of micro_batch x seq per step, {a.steps} timed steps after {a.warmup}")
-    head = (f"{'model':6} {'config':18} {'GPUs':>4} {'tok/s':>9} {'MFU':>6} {'GiB/GPU':>8} {'over ideal ms':>13} "
+    head = (f"{'model':6} {'config':19} {'GPUs':>4} {'tok/s':>9} {'MFU':>6} {'GiB/GPU':>8} {'over ideal ms':>13} "
             f"{'busiest/fair':>12} {'(mean)':>6} {'skip':>5} {'keel/torch':>10} {'mem k/t':>7}  per-layer busiest/fair")
     lines.append(head)
     for model, m in results.items():
@@ -276,7 +283,7 @@ def fmt_table(results, a, dev_name, torch_ver):
             r = runs[name]
             label = name + (" (ref)" if "1 GPU" in name else "")
             if "error" in r:
-                lines.append(f"{model:6} {label:18} {'':>4} {r['error']}")
+                lines.append(f"{model:6} {label:19} {'':>4} {r['error']}")
                 continue
             base = one[name.split()[0]]
             if r["gpus"] > 1 and "step_ms" in base:
@@ -290,7 +297,7 @@ def fmt_table(results, a, dev_name, torch_ver):
             else:
                 ratio, mem = f"{'':>10}", f"{'':>7}"
             per_layer = " ".join(f"{x:.2f}" for x in r["busiest_per_layer"])
-            lines.append(f"{model:6} {label:18} {r['gpus']:>4} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
+            lines.append(f"{model:6} {label:19} {r['gpus']:>4} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
                          f"{gib(r['memory_gib'])} {over} {r['busiest_worst']:12.2f} {r['busiest_mean']:6.2f} "
                          f"{r['skip_mean']:5.2f} {ratio} {mem}  {per_layer}")
     lines.append("tok/s: the group's (global batch, each token once); MFU per GPU, one formula for both sides; GiB/GPU: "
@@ -305,6 +312,11 @@ def fmt_table(results, a, dev_name, torch_ver):
             lines.append(f"{model} keel T=2+SP, backward's input re-gathers beside the block before vs on the compute "
                          f"stream: {on['tokens_per_s'] / off['tokens_per_s']:.3f}x tokens/s"
                          + (" (CPU ranks: the switch changes nothing there; run to run noise)" if a.device == "cpu" else ""))
+        on, off = m["runs"].get("keel T2xDP2", {}), m["runs"].get("keel T2xDP2 classic", {})
+        if "tokens_per_s" in on and "tokens_per_s" in off:
+            lines.append(f"{model} keel T=2+SP x DP=2, the overlapped ZeRO-1 step vs the classic one: "
+                         f"{on['tokens_per_s'] / off['tokens_per_s']:.3f}x tokens/s"
+                         + (" (CPU ranks: no overlap there; run to run noise)" if a.device == "cpu" else ""))
         for k, t in (("keel T=2", "torch TP=2"), ("keel T=2+SP", "torch TP=2+SP")):
             kr, tr = m["runs"].get(k, {}), m["runs"].get(t, {})
             if "tokens_per_s" in kr and "tokens_per_s" in tr:
@@ -326,7 +338,7 @@ def main():
     ap.add_argument("--keel", default="build/keel")
     ap.add_argument("--out", default="out/bench_tp")
     ap.add_argument("--models", default="bench,zaya1", help="comma list of bench, zaya1")
-    ap.add_argument("--configs", default=",".join(KEYS),
+    ap.add_argument("--configs", default=",".join(k for k in KEYS if k not in FOUR_GPUS),
                     help=f"comma list of the configurations to run, of {', '.join(f'{k} ({v})' for k, v in KEYS.items())}")
     ap.add_argument("--no-one-gpu", action="store_true", help="skip the one-GPU reference rows (no exposed-time column)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")

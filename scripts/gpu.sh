@@ -201,6 +201,9 @@ for step in "${steps[@]}"; do
       # memory per GPU, routing, and the time over the one-GPU runs). KEEL_TP_ARGS go to the script;
       # both models take about 16 runs: where a call's time is short, split them, e.g.
       # KEEL_TP_ARGS="--models bench" then "--models zaya1" (or --no-one-gpu, --configs ...).
+      # The "keel T=2+SP serial" row times backward's re-gathers on the compute stream (what
+      # parallel.tensor_overlap saves). On 4 GPUs, --configs keel-tp-dp,keel-tp-dp-classic times
+      # TP=2 x DP=2 on the overlapped ZeRO-1 step against the classic one.
       timeout "${KEEL_TP_TIMEOUT:-900}" python3 bench/train_tp_vs_torch.py --keel "$build/keel" --out "$out/tp" \
           ${KEEL_TP_ARGS:-} 2>&1 | tee "$out/tp_vs_torch.log" | tail -30
       if grep -q '^== keel TP vs PyTorch TP' "$out/tp_vs_torch.log"; then
