@@ -31,6 +31,13 @@ std::optional<std::vector<std::int64_t>> overlap_stage_bounds(const optim::Param
   return bounds;
 }
 
+const char* weight_split_classic_reason(bool weight_split, bool muon, bool expert_region) {
+  if (!weight_split) return nullptr;
+  if (muon) return "tensor parallelism (or TSP) with Muon on GPUs takes the classic step";
+  if (expert_region) return "tensor parallelism (or TSP) with expert parallelism on GPUs takes the classic step";
+  return nullptr;
+}
+
 std::int64_t largest_stage_floats(const std::vector<std::int64_t>& stage_bounds) {
   std::int64_t widest = 0;
   for (std::size_t s = 0; s + 1 < stage_bounds.size(); ++s) widest = std::max(widest, stage_bounds[s + 1] - stage_bounds[s]);

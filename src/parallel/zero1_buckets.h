@@ -43,6 +43,12 @@ std::optional<std::vector<std::int64_t>> overlap_stage_bounds(const optim::Param
 // hold for one stage at a time.
 std::int64_t largest_stage_floats(const std::vector<std::int64_t>& stage_bounds);
 
+// Why keel train's GPU ZeRO-1 step cannot overlap a layout whose weights split over a tensor or
+// TSP group (`weight_split`), or null when it can: with Muon (its split matrices gather over the
+// tensor group shard by shard) or with an expert region (expert parallelism). One rule for the
+// backend (train/cuda_backend_cuda.cc) and keel size (size/keel_train_shards.cc).
+const char* weight_split_classic_reason(bool weight_split, bool muon, bool expert_region);
+
 // `stage_bounds`: stages + 1 ascending offsets from 0 to layout.total_floats (empty stages
 // allowed). Returns the buckets in offset order; they tile [0, total_floats). Throws
 // keel::Error on bad stage bounds, a target < 1, or a plan of another buffer size.

@@ -154,7 +154,7 @@ std::optional<KeelTrainShards> keel_train_shards(const Setup& s) {
   if (s.grad_reduce_bf16 && data > 1) {
     // keel train's GPU step: the overlapped one (a stage's scratch), but tensor parallelism (or
     // TSP) with Muon or expert parallelism takes the classic one (train/cuda_backend_cuda.cc)
-    const bool classic = (l.tp > 1 || l.tsp > 1) && (muon || experts);
+    const bool classic = parallel::weight_split_classic_reason(l.tp > 1 || l.tsp > 1, muon, experts) != nullptr;
     const auto stages = classic ? std::nullopt : parallel::overlap_stage_bounds(layout, s.model.layers, sh.replicated_end);
     if (stages) {
       k.bf16_reduce_scratch = static_cast<double>(parallel::largest_stage_floats(*stages));

@@ -119,10 +119,8 @@ class CudaBackend final : public TrainBackend {
     // tensor group afterwards, on the shard only (the sums commute: TensorParallelShards). Not
     // yet with Muon (its split matrices gather over the tensor group: CudaTensorParallelMuon
     // steps whole shards) or with expert parallelism's expert region.
-    const bool experts_apart = shards_.replicated_end < layout_.total_floats;
-    const char* classic = nullptr;
-    if (weight_split && optimizer.muon.enabled) classic = "tensor parallelism (or TSP) with Muon on GPUs takes the classic step";
-    else if (weight_split && experts_apart) classic = "tensor parallelism (or TSP) with expert parallelism on GPUs takes the classic step";
+    const char* classic = parallel::weight_split_classic_reason(weight_split, optimizer.muon.enabled,
+                                                                shards_.replicated_end < layout_.total_floats);
     if (mesh_.data().size > 1 && dp.zero1.enabled && !classic) {
       stages = parallel::Zero1OverlapSchedule::stages_of(layout_, cfg_.layers, shards_.replicated_end);
       if (!stages) classic = "this layout's stages are not in offset order";
@@ -565,6 +563,13 @@ class CudaBackend final : public TrainBackend {
     sum_in(1, whole_ranges_);
   }
 
+  // The clip coefficient from the two parts (sum_squares_parts, each already summed over the
+  // data group): part 0 summed over the weight group too, then the two added.
+  void clip_parts(parallel::CudaTensorParallelLinear& tp, double max_norm) {
+    tp.group().all_reduce_sum(optimizer_->sum_squares_buffer(), 1, parallel::NcclType::kFloat64, stream_);
+    optimizer_->clip_parts(max_norm, stream_);
+  }
+
   // The overlapped ZeRO-1 step's optimizer under tensor parallelism (or TSP): the data group
   // has reduced each bucket to its owner; on the shard, the partial gradients are summed over
   // the weight group, the norm is kept in two parts, and part 0 is summed over the weight group
@@ -580,8 +585,8 @@ class CudaBackend final : public TrainBackend {
     double* sum_squares_buffer() override { return b_.optimizer_->sum_squares_buffer(); }
     int sum_squares_count() const override { return 2; }
     void clip(double max_norm, cudaStream_t stream) override {
-      tp_.group().all_reduce_sum(b_.optimizer_->sum_squares_buffer(), 1, parallel::NcclType::kFloat64, stream);
-      b_.optimizer_->clip_parts(max_norm, stream);
+      if (stream != b_.stream_) fail("cuda backend: the shard's clip on another stream");
+      b_.clip_parts(tp_, max_norm);
     }
     std::pair<double, float> read_norm(cudaStream_t stream) override { return b_.optimizer_->read_norm(stream); }
     void begin_updates() override { b_.optimizer_->begin_updates(); }
@@ -630,8 +635,7 @@ class CudaBackend final : public TrainBackend {
     bool first = true;
     for (const MomentRange& sh : moment_ranges(slice_)) sum_squares_parts(sh.begin, sh.end, !first), first = false;
     if (dp_) dp_->all_reduce_sum(optimizer_->sum_squares_buffer(), 2);
-    tp.group().all_reduce_sum(optimizer_->sum_squares_buffer(), 1, parallel::NcclType::kFloat64, stream_);
-    optimizer_->clip_parts(max_norm, stream_);
+    clip_parts(tp, max_norm);
     const auto [norm, coef] = optimizer_->read_norm(stream_);
     CudaOptimizer::require_finite(norm);
     optimizer_->begin_updates();

@@ -307,8 +307,9 @@ TEST(TensorParallel, GpusZayaWithDataParallelAndMuonMatchOneGpu) {
 // (parallel.zero1.overlap: false: partial sums first, then the reduce-scatter) on the same ranks
 // and batches, with sequence parallelism (the norms' gradients are partial) and without. Not
 // bit for bit (the embedding's atomics, another summation order): the first step's loss and
-// norm to 1e-5, its update to 1e-3 of its size, 4 steps' losses to 1e-2. The replicated
-// parameters match across all ranks (checked in expect_gpus_match_one_gpu's runs too).
+// norm to 1e-5, its update to 1e-3 of its size, 4 steps' losses to 1e-2. (That the replicated
+// parameters match across the ranks is expect_gpus_match_one_gpu's check, in
+// GpusWithDataParallelMatchOneGpu on the same step.)
 TEST(TensorParallel, GpusWithDataParallelOverlappedStepMatchesClassicStep) {
   if (!gpu_per_rank()) GTEST_SKIP() << "needs a GPU per rank (" << visible_cuda_devices() << " visible)";
   if (world_size() < 4 || world_size() % 2) GTEST_SKIP() << "needs 2 data ranks of TP=2 (4 ranks or more)";
