@@ -1,11 +1,16 @@
 #include "run/child.h"
 
+#include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
 
 #include "common/error.h"
 
@@ -29,6 +34,41 @@ pid_t fork_exec(const std::vector<std::string>& argv, int out, int close_in_chil
   }
   setpgid(pid, pid);
   return pid;
+}
+
+namespace {
+
+// A zombie's /proc/PID/stat state is Z while other threads of it may still be exiting; it has
+// let go of everything once its task directory lists the leader alone.
+bool exited(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  const std::string dir = "/proc/" + std::to_string(pid);
+  std::ifstream stat(dir + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // gone between the two looks
+  const auto paren = line.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z') return false;
+  int tasks = 0;
+  if (DIR* d = opendir((dir + "/task").c_str())) {
+    while (const dirent* e = readdir(d))
+      if (e->d_name[0] != '.') ++tasks;
+    closedir(d);
+  }
+  return tasks <= 1;
+}
+
+}  // namespace
+
+std::vector<pid_t> wait_gone(const std::vector<pid_t>& pids, double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  std::vector<pid_t> left;
+  for (;;) {
+    left.clear();
+    for (const pid_t p : pids)
+      if (p > 0 && !exited(p)) left.push_back(p);
+    if (left.empty() || std::chrono::steady_clock::now() >= until) return left;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
 }
 
 }  // namespace keel::run

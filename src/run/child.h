@@ -16,4 +16,11 @@ namespace keel::run {
 // prints one line on `out` and exits 127.
 pid_t fork_exec(const std::vector<std::string>& argv, int out, int close_in_child = -1);
 
+// Waits up to `seconds` for every process of `pids` (on this host) to be gone, and returns those
+// still there. Gone: no such process, or a zombie whose threads have all exited (its files, and
+// so a flock a rank held, are released by then; it waits only on its parent's reaping). A rank
+// killed while a GPU kernel of its spins on a peer takes seconds to tear down its device
+// context, and holds its output directory's lock until then.
+std::vector<pid_t> wait_gone(const std::vector<pid_t>& pids, double seconds);
+
 }  // namespace keel::run

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -360,7 +361,9 @@ int run(const Options& o) {
     argv.insert(argv.end(), {exe, "train", o.config, "--heartbeat", beats_dir.string()});
     for (const auto& s : o.sets) argv.insert(argv.end(), {"--set", s});
     for (const auto& s : shrink_sets) argv.insert(argv.end(), {"--set", s});
-    if (resume > 0) argv.insert(argv.end(), {"--resume", ckpt_root});
+    // a restart resumes, also from step 0 when nothing was committed yet: keel train's --resume of
+    // its own directory starts it over there (a plain start refuses the earlier attempt's metrics)
+    if (resume > 0 || attempt > 1) argv.insert(argv.end(), {"--resume", ckpt_root});
     for (std::int64_t s : skips) argv.insert(argv.end(), {"--skip-step", std::to_string(s)});
     for (const auto& f : pending)  // (not those of a rank taken out: the ranks left are fewer)
       if (f.rank < ranks) argv.insert(argv.end(), {"--inject", f.spec});
@@ -545,6 +548,26 @@ int run(const Options& o) {
     if (!partial.empty()) tail.push_back(partial);
     close(child.out);
     beats = read_beats(beats_dir);
+    // The launcher is gone; its ranks on this host may not be yet (a rank killed while a kernel
+    // of its spins on a peer tears its device context down for seconds, its output directory's
+    // lock held): the next attempt starts once they are.
+    double ranks_exit_seconds = 0;
+    {
+      std::vector<pid_t> local;
+      for (const auto& [r, b] : beats)
+        if (b.pid > 0 && b.host == this_host) local.push_back(b.pid);
+      const auto t0 = Clock::now();
+      const std::vector<pid_t> left = wait_gone(local, o.exit_wait);
+      ranks_exit_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (!left.empty())
+        std::printf("keel run: %zu rank process%s of this attempt (pid %s) still there %.0f s after the job ended; "
+                    "the next attempt may find the output directory locked\n",
+                    left.size(), left.size() == 1 ? "" : "es", fmt::format("{}", fmt::join(left, ", ")).c_str(),
+                    o.exit_wait);
+      else if (ranks_exit_seconds >= 1.0)
+        std::printf("keel run: the attempt's ranks were gone %.1f s after the job ended\n", ranks_exit_seconds);
+      std::fflush(stdout);
+    }
     std::int64_t reached = resume;
     bool done = !beats.empty();
     for (const auto& [r, b] : beats) {
@@ -670,6 +693,7 @@ int run(const Options& o) {
     nlohmann::json fault_event = {{"event", "fault"}, {"attempt", attempt}, {"kind", fault->kind}, {"rank", fault->rank},
                                   {"host", fault->host}, {"pid", fault->pid}, {"step", fault->step}, {"reached", reached},
                                   {"detect_seconds", fault->detect_seconds}, {"attempt_seconds", attempt_seconds},
+                                  {"ranks_exit_seconds", ranks_exit_seconds},
                                   {"detail", fault->detail}, {"skip_step", fault->skip_step}};
     fault_event.update(fault->numbers);
     events.write(fault_event);

@@ -70,6 +70,7 @@ struct Options {
   bool exclude_stragglers = false;    // --exclude-stragglers: a straggler's device is taken out too
   double backoff = 1.0, backoff_max = 30.0;
   double grace = 120.0;               // after a stop signal
+  double exit_wait = 60.0;            // for an ended attempt's ranks (this host's) to be gone
   double poll = 0.1;                  // seconds between checks
   std::vector<std::string> inject;    // keel train --inject specs (faults for testing; see run())
   std::string events;                 // events file (default: <output_dir>/run_events.jsonl)

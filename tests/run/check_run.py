@@ -128,6 +128,15 @@ done = [e for e in ev if e["event"] == "done"]
 check(done and done[0]["faults_survived"] == 1 and 0 < done[0]["effective_ratio"] <= 1,
       f"kill: done, one fault survived, an effective ratio ({done})")
 
+# a fault before the first checkpoint: the next attempt starts again from step 0 in the same
+# output_dir (which holds the first attempt's metrics.jsonl and heartbeats)
+out, _ = keel_run("before_first_save", "--inject", "kill@3:r1")
+got, ev = losses(out), events(out)
+check(got == ref, "before_first_save: every step's loss equals the uninterrupted run's bit for bit")
+restart = [e for e in ev if e["event"] == "restart"]
+check(len(restart) == 1 and restart[0]["resume_step"] == 0 and any(e["event"] == "done" for e in ev),
+      f"before_first_save: one restart, from step 0, and done ({restart})")
+
 # hang
 out, _ = keel_run("hang", "--inject", "hang@10:r0", "--min-deadline", "2", "--hang-factor", "3")
 got, ev = losses(out), events(out)
