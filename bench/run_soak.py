@@ -32,7 +32,8 @@ On GPUs (issue 32's 2-GPU benchmark: a killed and a hung rank on the ZAYA1-shape
 train config of that model and its own data (bench/zaya_vs_torch.py writes one):
 
   python3 bench/run_soak.py --keel build-gpu/keel --device cuda --config OUT/keel_train.yaml --own-data \
-      --kinds kill,hang --minutes 4 --interval 60 --checkpoint-interval 100 --spike-window 10 --out out/soak_gpu
+      --kinds kill,hang --minutes 3 --interval 90 --checkpoint-interval 300 --spike-window 10 \
+      --set batch.grad_accum=2 --out out/soak_gpu
 """
 import argparse
 import collections

@@ -330,6 +330,8 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="toy dimensions")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--sp", action="store_true", help="sequence parallelism")
+    ap.add_argument("--forced-balance", action="store_true",
+                    help="benchmarking only: token n -> expert n mod E (keel's router.forced_balance)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--accum", type=int, default=2, help="micro-batches per step")
@@ -370,11 +372,11 @@ def main():
     # construction does not draw from the device's RNG first).
     with torch.device(dev):
         if a.model == "zaya1":
-            model = zaya_vs_torch.build_torch_model(d, dev, torch.bfloat16 if cuda else torch.float32)
+            model = zaya_vs_torch.build_torch_model(d, dev, torch.bfloat16 if cuda else torch.float32, a.forced_balance)
             lr = a.lr or zaya_vs_torch.LR
             classes = d["experts"] + 1
         else:
-            model = train_vs_torch.build_torch_model(d, dev)
+            model = train_vs_torch.build_torch_model(d, dev, a.forced_balance)
             lr = a.lr or train_vs_torch.LR
             classes = d["experts"]
     nparams_full = sum(p.numel() for p in model.parameters())

@@ -136,17 +136,17 @@ def flops_per_token(model, d):
     return (zaya_vs_torch if model == "zaya1" else train_vs_torch).flops_per_token(d)
 
 
-def keel_config(model, d, prefix, run_dir, steps, device, accum, parallel, lr, bias_rate):
+def keel_config(model, d, prefix, run_dir, steps, device, accum, parallel, lr, bias_rate, forced=False):
     """The model script's keel config at `accum` micro-batches per step, on `device`, with a
     parallel section; returns (text, metrics path)."""
     if model == "zaya1":
         text = zaya_vs_torch.keel_config(d, prefix, run_dir, steps, device, lr=lr or zaya_vs_torch.LR,
-                                         bias_rate=bias_rate)
+                                         bias_rate=bias_rate, forced=forced)
         assert "  grad_accum: 1\n" in text
         text = text.replace("  grad_accum: 1\n", f"  grad_accum: {accum}\n")
         metrics = os.path.join(run_dir, "run", "metrics.jsonl")
     else:
-        text = train_vs_torch.keel_config(d, prefix, run_dir, steps, grad_accum=accum)
+        text = train_vs_torch.keel_config(d, prefix, run_dir, steps, grad_accum=accum, forced=forced)
         assert text.startswith("device: cuda\n")
         text = f"device: {device}\n" + text[len("device: cuda\n"):]
         if lr is not None:
@@ -213,7 +213,7 @@ def run_keel(a, model, d, out, prefix, name, ranks, parallel, fpt, classes):
     shutil.rmtree(run_dir, ignore_errors=True)  # keel train refuses another run's metrics
     os.makedirs(run_dir)
     text, metrics = keel_config(model, d, prefix, run_dir, a.steps + a.warmup, a.device, a.accum, parallel, a.lr,
-                                a.bias_rate)
+                                a.bias_rate, a.forced_balance)
     cfg = os.path.join(run_dir, "train.yaml")
     open(cfg, "w").write(text)
     log = os.path.join(run_dir, "keel_train.log")
@@ -243,6 +243,7 @@ def run_torch(a, model, d, out, name, ranks, sp, fpt, classes):
            "--json", path, "--model", model, "--device", a.device, "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--accum", str(a.accum), "--bias-rate", str(a.bias_rate)]
     cmd += ["--tiny"] if a.tiny else []
+    cmd += ["--forced-balance"] if a.forced_balance else []
     cmd += ["--sp"] if sp else []
     cmd += ["--layers", str(a.layers)] if a.layers else []
     cmd += ["--lr", str(a.lr)] if a.lr is not None else []
@@ -351,6 +352,9 @@ def main():
                     help="zaya1's selection-bias rate, both sides")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: keel's CPU ranks and the peer on gloo (a check of the script, with --tiny)")
+    ap.add_argument("--forced-balance", action="store_true",
+                    help="benchmarking only: token n of each step's tokens -> expert n mod E on both sides "
+                         "(keel: router.forced_balance), so every row times balanced experts")
     ap.add_argument("--tiny", action="store_true", help="toy dimensions (with --device cpu: runs in seconds)")
     ap.add_argument("--run-timeout", type=int, default=600, help="seconds per run")
     ap.add_argument("--mpirun", default="mpirun")

@@ -204,8 +204,10 @@ for step in "${steps[@]}"; do
       # The "keel T=2+SP serial" row times backward's re-gathers on the compute stream (what
       # parallel.tensor_overlap saves). On 4 GPUs, --configs keel-tp-dp,keel-tp-dp-classic times
       # TP=2 x DP=2 on the overlapped ZeRO-1 step against the classic one.
+      # Routing: forced balance on both sides (KEEL_TP_ROUTING="" for the learned router, which
+      # collapses on the script's random tokens).
       timeout "${KEEL_TP_TIMEOUT:-900}" python3 bench/train_tp_vs_torch.py --keel "$build/keel" --out "$out/tp" \
-          ${KEEL_TP_ARGS:-} 2>&1 | tee "$out/tp_vs_torch.log" | tail -30
+          ${KEEL_TP_ROUTING---forced-balance} ${KEEL_TP_ARGS:-} 2>&1 | tee "$out/tp_vs_torch.log" | tail -30
       if grep -q '^== keel TP vs PyTorch TP' "$out/tp_vs_torch.log"; then
         grep -A40 '^== keel TP vs PyTorch TP' "$out/tp_vs_torch.log" >>"$summary"
       else
@@ -286,19 +288,25 @@ for step in "${steps[@]}"; do
     soak)
       # keel run on 2 GPUs through a killed and a hung rank on the ZAYA1-shaped model (issue 32):
       # detection latency, restart time, steps lost (bench/run_soak.py; KEEL_SOAK_ARGS to it). The
-      # model's config and data come from a short bench/zaya_vs_torch.py run.
+      # model's config and data come from a short bench/zaya_vs_torch.py run. The run (and its
+      # checkpoints, ~25 GB each) lives in /tmp/keel-soak; its logs and events come back in $out/soak.
       if [ "$gpus" -lt 2 ]; then note "soak: skipped (needs 2+ GPUs)"; continue; fi
-      python3 bench/zaya_vs_torch.py --keel "$build/keel" --out "$out/soak_model" --steps 2 --warmup 1 \
+      python3 bench/zaya_vs_torch.py --keel "$build/keel" --out /tmp/keel-soak/model --steps 2 --warmup 1 \
           --skip-torch --skip-compile >"$out/soak_model.log" 2>&1
       timeout "${KEEL_SOAK_TIMEOUT:-540}" python3 bench/run_soak.py --keel "$build/keel" --device cuda \
-          --config "$out/soak_model/keel_train.yaml" --own-data --kinds kill,hang --minutes 4 --interval 60 \
-          --checkpoint-interval 100 --spike-window 10 --out "$out/soak" ${KEEL_SOAK_ARGS:-} 2>&1 \
+          --config /tmp/keel-soak/model/keel_train.yaml --own-data --kinds kill,hang --ranks "$gpus" \
+          ${KEEL_SOAK_PLAN:---minutes 3 --interval 90 --checkpoint-interval 300} --spike-window 10 \
+          --set batch.grad_accum=$gpus --out /tmp/keel-soak/soak ${KEEL_SOAK_ARGS:-} 2>&1 \
           | tee "$out/soak.log" | tail -14
+      mkdir -p "$out/soak"
+      cp /tmp/keel-soak/soak/soak_result.json /tmp/keel-soak/soak/keel_run.log /tmp/keel-soak/soak/run/run_events.jsonl \
+          "$out/soak/" 2>/dev/null
       if grep -q '^kind ' "$out/soak.log"; then
         sed -n '/^keel run exit/,$p' "$out/soak.log" >>"$summary"
       else
         note "soak: FAILED or timed out before the table (see soak.log)"
-      fi ;;
+      fi
+      rm -rf /tmp/keel-soak ;;
     kernels)
       # keel's step kernels (attention, the experts' GEMMs, LM head + cross-entropy) beside PyTorch's on the
       # same shapes (bench/kernels_vs_torch.py; KEEL_KERNELS_ARGS to the script).
