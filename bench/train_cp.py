@@ -20,6 +20,16 @@ the CCA layers the k/v all-gather; MFU counts the linear layers' core as keel do
 --longest: the longest sequence (of --lengths) that trains on 1 GPU and on 2 (CP=2), with and
 without full recomputation, and its peak memory (keel's device arenas, rank 0).
 
+--peer (--only-peer: those runs alone): PyTorch's context parallelism beside keel's, on the model
+with GQA attention at the same widths (q 8 / kv 2 heads of 128; CCA's convolutions would need a
+halo exchange that torch's context parallelism does not do): keel CP=2 at --seq and DP=2 at
+--short, then bench/train_cp_torch.py under torchrun, the same two layouts
+(torch.distributed.tensor.experimental.context_parallel: its load-balanced split and ring
+attention, DistributedDataParallel over the group; DDP for the DP row). Printed: keel / torch at
+CP=2, and each side's CP=2 / DP=2 tokens per GPU (what context parallelism costs each).
+--forced-balance: every run routes token n to expert n mod E (router.forced_balance; the peer the
+same), so no row times a collapsed router.
+
 --lasp: LASP-2 against LASP-1 and the all-to-all (issue 31): every layer linear attention (RetNet
 decay), CP=2 at each of --lengths, the memory states all-gathered once per layer (LASP-2,
 context_mode allgather), passed rank to rank (LASP-1, context_mode ring: 2C - 1 sequential hops)
@@ -46,17 +56,24 @@ import train_tp_vs_torch as tpb  # noqa: E402
 import zaya_vs_torch  # noqa: E402
 
 
-def run(a, out, prefix, name, ranks, parallel, seq, micro_batch, accum, recompute="none", steps=None, warmup=None):
-    steps = a.steps if steps is None else steps
-    warmup = a.warmup if warmup is None else warmup
-    d = dict(zaya_vs_torch.TINY if a.tiny else zaya_vs_torch.ZAYA8, seq=seq, micro_batch=micro_batch)
+def dims(a, seq, micro_batch, attention="cca"):
+    d = dict(zaya_vs_torch.TINY if a.tiny else zaya_vs_torch.ZAYA8, seq=seq, micro_batch=micro_batch,
+             attention=attention)
     if a.layers:
         d["layers"] = a.layers
+    return d
+
+
+def run(a, out, prefix, name, ranks, parallel, seq, micro_batch, accum, recompute="none", steps=None, warmup=None,
+        attention="cca"):
+    steps = a.steps if steps is None else steps
+    warmup = a.warmup if warmup is None else warmup
+    d = dims(a, seq, micro_batch, attention)
     run_dir = os.path.join(out, name.replace(" ", "_").replace("=", ""))
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     text, metrics = tpb.keel_config("zaya1", d, prefix, run_dir, steps + warmup, a.device, accum, parallel, a.lr,
-                                    a.bias_rate)
+                                    a.bias_rate, a.forced_balance)
     text = text.replace("recompute: none\n", f"recompute: {recompute}\n")
     text = text.replace(f"  max_seq_len: {d['seq']}\n", f"  max_seq_len: {max(d['seq'], a.max_seq)}\n")
     cfg = os.path.join(run_dir, "train.yaml")
@@ -72,6 +89,62 @@ def run(a, out, prefix, name, ranks, parallel, seq, micro_batch, accum, recomput
     res.update(memory_gib=max(r.get("memory_mib", 0) for r in rows) / 1024, gpus=ranks, seq=seq, recompute=recompute,
                tokens_per_gpu_s=res["tokens_per_s"] / ranks, wall_s=time.time() - t0)
     return res
+
+
+def run_torch(a, out, name, ranks, cp, seq, micro_batch, accum):
+    """bench/train_cp_torch.py under torchrun: the GQA model, context parallelism (cp) or data
+    parallelism over `ranks`; accum micro-batches per rank and step."""
+    d = dims(a, seq, micro_batch, "gqa")
+    run_dir = os.path.join(out, name.replace(" ", "_").replace("=", ""))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    path, log = os.path.join(run_dir, "torch.json"), os.path.join(run_dir, "torch.log")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_cp_torch.py")
+    cmd = [a.python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", worker, "--json", path,
+           "--device", a.device, "--seq", str(seq), "--micro-batch", str(micro_batch), "--accum", str(accum),
+           "--steps", str(a.steps), "--warmup", str(a.warmup), "--lr", str(a.lr), "--bias-rate", str(a.bias_rate)]
+    cmd += ["--cp"] if cp else []
+    cmd += ["--tiny"] if a.tiny else []
+    cmd += ["--forced-balance"] if a.forced_balance else []
+    cmd += ["--layers", str(a.layers)] if a.layers else []
+    t0 = time.time()
+    err = tpb.run_cmd(cmd, log, a.run_timeout, tpb.run_env(a.device))
+    if err is None and not os.path.exists(path):
+        err = "exit 0 without its JSON"
+    if err:
+        text = open(log, errors="replace").read().splitlines()
+        why = [line for line in text if line.startswith("[rank0]: ") and "Error" in line.split(":")[1]]
+        return {"error": f"torch {err}: {(why[-1][9:] if why else tpb.last_line(log))[:300]}", "seq": seq, "gpus": ranks}
+    res = json.load(open(path))
+    s = tpb.summarize_rows(res["rows"], d["experts"] + 1, a.warmup, ranks, zaya_vs_torch.flops_per_token(d),
+                           res["tokens_per_step"])
+    s.update(memory_gib=res["memory_gib"] or 0.0, gpus=ranks, seq=seq, recompute="none",
+             tokens_per_gpu_s=s["tokens_per_s"] / ranks, wall_s=time.time() - t0, torch=res["torch"])
+    return s
+
+
+def peer(a, prefix, results, per_gpu, mb, accum):
+    """--peer: keel and PyTorch's context parallelism on the GQA model of the same widths, CP=2 at
+    --seq and DP=2 at --short on the same tokens per GPU; returns the summary lines."""
+    cp_k, cp_t = f"keel GQA CP=2 {a.seq}", f"torch GQA CP=2 {a.seq}"
+    dp_k, dp_t = f"keel GQA DP=2 {a.short}", f"torch GQA DP=2 {a.short}"
+    results[cp_k] = run(a, a.out, prefix, "gqa_cp2", 2, {"context": 2}, a.seq, 1, 1, attention="gqa")
+    results[cp_t] = run_torch(a, a.out, "torch_gqa_cp2", 2, True, a.seq, 1, 1)
+    results[dp_k] = run(a, a.out, prefix, "gqa_dp2", 2, {"data": 2}, a.short, mb, accum, attention="gqa")
+    results[dp_t] = run_torch(a, a.out, "torch_gqa_dp2", 2, False, a.short, mb, accum // 2)
+    lines = []
+    ok = lambda *ns: all("tokens_per_s" in results[n] for n in ns)  # noqa: E731
+    if ok(cp_k, cp_t):
+        k, t = results[cp_k], results[cp_t]
+        lines.append(f"peer: keel / PyTorch context parallel (GQA, CP=2 at {a.seq}): "
+                     f"{k['tokens_per_s'] / t['tokens_per_s']:.2f}x tokens/s, memory {k['memory_gib']:.2f} vs "
+                     f"{t['memory_gib']:.2f} GiB per GPU")
+    for side, c, p in (("keel", cp_k, dp_k), ("torch", cp_t, dp_t)):
+        if ok(c, p):
+            lines.append(f"{side} GQA: CP=2 at {a.seq} / DP=2 at {a.short} tokens/s per GPU = "
+                         f"{results[c]['tokens_per_s'] / results[p]['tokens_per_s']:.3f} (MFU "
+                         f"{100 * results[c]['mfu']:.1f}% vs {100 * results[p]['mfu']:.1f}%)")
+    return lines
 
 
 HYBRID = ["model.layer_attention=[linear, linear, linear, cca]", "model.linear_decay=retnet"]
@@ -124,6 +197,13 @@ def main():
     ap.add_argument("--modes", default="allgather",
                     help="context modes of the CP=2 run, a comma list of allgather, ring, alltoall (each timed; "
                          "the others' tokens/s against the all-gather's printed)")
+    ap.add_argument("--peer", action="store_true",
+                    help="also keel and PyTorch's context parallelism (bench/train_cp_torch.py under torchrun) on the "
+                         "GQA model of the same widths: CP=2 at --seq and DP=2 at --short")
+    ap.add_argument("--only-peer", action="store_true", help="--peer's four runs alone")
+    ap.add_argument("--forced-balance", action="store_true",
+                    help="benchmarking only: token n -> expert n mod E in every run (keel: router.forced_balance)")
+    ap.add_argument("--python", default=sys.executable, help="the interpreter that runs the peer (torchrun)")
     ap.add_argument("--lasp", action="store_true",
                     help="LASP-2 against LASP-1 (ring) and the all-to-all at CP=2 over --lengths, every layer linear attention")
     a = ap.parse_args()
@@ -152,11 +232,17 @@ def main():
     for m in modes:
         if m not in ("allgather", "ring", "alltoall"):
             sys.exit(f"--modes: '{m}' is not allgather, ring or alltoall")
+    peer_lines = []
+    if a.only_peer:
+        modes = []
     for m in modes:
         name = cp_name if m == "allgather" else f"CP=2 {a.seq} {m}"
         results[name] = run(a, a.out, prefix, "cp2" if m == "allgather" else f"cp2_{m}", 2,
                             {"context": 2, "context_mode": m}, a.seq, 1, 1)
-    results[dp_name] = run(a, a.out, prefix, "dp2", 2, {"data": 2}, a.short, mb, accum)
+    if not a.only_peer:
+        results[dp_name] = run(a, a.out, prefix, "dp2", 2, {"data": 2}, a.short, mb, accum)
+    if a.peer or a.only_peer:
+        peer_lines = peer(a, prefix, results, per_gpu, mb, accum)
     if a.longest:
         for rc in ("none", "full"):
             for gpus in (1, 2):
@@ -174,7 +260,7 @@ def main():
              f"{'config':26} {'GPUs':>4} {'seq':>7} {'tok/s/GPU':>11} {'MFU':>6} {'GiB/GPU':>8} {'busiest':>8} "
              f"{'(mean)':>6} {'skip':>5}  per-layer busiest/fair"]
     lines += [row(n, r) for n, r in results.items()]
-    cp, dp = results.get(cp_name, {}), results[dp_name]
+    cp, dp = results.get(cp_name, {}), results.get(dp_name, {})
     for m in modes:
         other = results.get(f"CP=2 {a.seq} {m}", {})
         if m != "allgather" and "tokens_per_s" in other and "tokens_per_s" in cp:
@@ -183,8 +269,10 @@ def main():
         ratio = cp["tokens_per_s"] / dp["tokens_per_s"]
         lines.append(f"target: CP=2 at {a.seq} / DP=2 at {a.short} tokens/s per GPU = {ratio:.3f} (>= 0.95: "
                      f"{'met' if ratio >= 0.95 else 'NOT met'}); MFU {100 * cp['mfu']:.1f}% vs {100 * dp['mfu']:.1f}%")
+    lines += peer_lines
     lines.append("busiest: the busiest class over its fair share, worst MoE layer and step after warm-up (mean over "
-                 "steps); skip: mean skip share; GiB/GPU: keel's device arenas, rank 0")
+                 "steps); skip: mean skip share; GiB/GPU: keel's device arenas, rank 0 (torch rows: "
+                 "max_memory_allocated, the largest rank)")
     print("\n".join(lines))
 
 

@@ -108,7 +108,10 @@ def total_params(d):
     n = d["vocab"] * D
     for l in range(L):
         n += (4 if l else 2) * D + D                                       # res_scale.attn, attn_norm
-        n += C * D + KV * D + C * d["conv0"] + C + C * Dh * d["conv1"] + C + Hkv + D * Q
+        if d["attention"] == "cca":
+            n += C * D + KV * D + C * d["conv0"] + C + C * Dh * d["conv1"] + C + Hkv + D * Q
+        else:                                                              # gqa: wq, wk, wv, wo
+            n += Q * D + 2 * KV * D + D * Q
         n += 4 * D + D                                                     # res_scale.mlp, mlp_norm
         n += R * D + R + (R if l else 0) + R + 2 * (R * R + R) + (E + 1) * R
         n += 3 * E * F * D
@@ -289,10 +292,19 @@ def build_torch_model(d, dev, act_dtype, forced=False):
     cos = ang.cos().float().to(dev)[None, :, None, :]
     sin = ang.sin().float().to(dev)[None, :, None, :]
 
+    # The positions of the tokens a forward sees (Model.forward's `positions`, [T]: a context-
+    # parallel rank's share of the sequence); None: 0..T-1.
+    at = {"positions": None}
+
     def rope(x):  # x [B, T, H, Dh] fp32; rotate-half inside the first `rot` channels
         h = rot // 2
+        c, s = cos, sin
+        if at["positions"] is not None:
+            c, s = cos[:, at["positions"]], sin[:, at["positions"]]
+        elif x.shape[1] != cos.shape[1]:
+            c, s = cos[:, :x.shape[1]], sin[:, :x.shape[1]]
         x1, x2 = x[..., :h], x[..., h:rot]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], -1)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, x[..., rot:]], -1)
 
     def rmsnorm(x, w, out_dtype):
         xf = x.float()
@@ -355,6 +367,29 @@ def build_torch_model(d, dev, act_dtype, forced=False):
             att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2).to(act_dtype),
                                                  is_causal=True, scale=1.0 / sqrt_d, enable_gqa=True)
             return F.linear(att.transpose(1, 2).reshape(B, T, Q), _local(self.wo))
+
+    class GQA(nn.Module):
+        """d["attention"] == "gqa": keel's GQA layer at the same widths (q, k, v and o projections,
+        RoPE on the first `rot` channels, causal attention). The kv heads are repeated to the query
+        heads before scaled_dot_product_attention, as torchtitan's models do, so that context
+        parallelism's SDPA handlers (equal head counts) take it."""
+
+        def __init__(self):
+            super().__init__()
+            self.wq = nn.Parameter(torch.empty(Q, D))
+            self.wk = nn.Parameter(torch.empty(KV, D))
+            self.wv = nn.Parameter(torch.empty(KV, D))
+            self.wo = nn.Parameter(torch.empty(D, Q))
+
+        def forward(self, x):  # x [B, T, D]
+            B, T = x.shape[0], x.shape[1]
+            q = rope(F.linear(x, self.wq).float().view(B, T, nq, Dh)).to(act_dtype)
+            k = rope(F.linear(x, self.wk).float().view(B, T, nkv, Dh)).to(act_dtype)
+            v = F.linear(x, self.wv).view(B, T, nkv, Dh).to(act_dtype)
+            k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+            att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, scale=1.0 / sqrt_d)
+            return F.linear(att.transpose(1, 2).reshape(B, T, Q), self.wo)
 
     class Router(nn.Module):
         def __init__(self, eda):
@@ -428,7 +463,7 @@ def build_torch_model(d, dev, act_dtype, forced=False):
             super().__init__()
             self.res_attn, self.res_mlp = ResScale(l > 0), ResScale(True)
             self.attn_norm, self.mlp_norm = vec(D, 1), vec(D, 1)
-            self.cca = CCA()
+            self.cca = CCA() if d["attention"] == "cca" else GQA()  # (the name a TP plan addresses)
             self.moe = MoE(l)
             self.register_buffer("sel_bias", torch.zeros(classes))
             with torch.no_grad():
@@ -461,9 +496,10 @@ def build_torch_model(d, dev, act_dtype, forced=False):
             self.final_norm = vec(D, 1)
             self.head = TiedHead(self.embed)
 
-        def forward(self, tokens, targets):
+        def forward(self, tokens, targets, positions=None):
             # (torch.compile falls back to eager for this loop, as the expert loop breaks the
             # graph; each Layer.forward and loss() are compiled as frames of their own.)
+            at["positions"] = positions
             r, h, prev, counts = None, self.embed(tokens), None, []
             for layer in self.layers:
                 r, h, prev, c = layer(r, h, prev)
@@ -487,9 +523,14 @@ def build_torch_model(d, dev, act_dtype, forced=False):
                 rs(p + "res_scale.attn.", y.res_attn)
                 m[p + "attn_norm.weight"] = (y.attn_norm, None)
                 a = y.cca
-                for k, t in (("w_qk", a.w_qk), ("w_v", a.w_v), ("conv0.weight", a.conv0_w), ("conv0.bias", a.conv0_b),
-                             ("conv1.weight", a.conv1_w), ("conv1.bias", a.conv1_b), ("temp", a.temp), ("wo", a.wo)):
-                    m[p + "attn.cca." + k] = (t, (C, W0) if k == "conv0.weight" else None)
+                if d["attention"] != "cca":
+                    for k in ("wq", "wk", "wv", "wo"):
+                        m[p + "attn." + k] = (getattr(a, k), None)
+                else:
+                    for k, t in (("w_qk", a.w_qk), ("w_v", a.w_v), ("conv0.weight", a.conv0_w),
+                                 ("conv0.bias", a.conv0_b), ("conv1.weight", a.conv1_w), ("conv1.bias", a.conv1_b),
+                                 ("temp", a.temp), ("wo", a.wo)):
+                        m[p + "attn.cca." + k] = (t, (C, W0) if k == "conv0.weight" else None)
                 rs(p + "res_scale.mlp.", y.res_mlp)
                 m[p + "mlp_norm.weight"] = (y.mlp_norm, None)
                 ro = y.moe.router
@@ -795,17 +836,20 @@ def main():
                     help="Muon on the weight matrices, AdamW on the rest, on both sides (ZAYA1's recipe)")
     ap.add_argument("--forced-balance", action="store_true",
                     help="benchmarking only: token n -> expert n mod E on both sides (keel: router.forced_balance)")
+    ap.add_argument("--attention", choices=("cca", "gqa"), default="cca",
+                    help="the attention of both sides' model (gqa: keel's GQA layer at the same widths; the "
+                         "context-parallel peer's, bench/train_cp_torch.py)")
     ap.add_argument("--ablations", action="store_true",
                     help="also run keel with GQA attention instead of CCA, and without the skip class")
     args = ap.parse_args()
-    d = TINY if args.tiny else ZAYA8
+    d = dict(TINY if args.tiny else ZAYA8, attention=args.attention)
     if args.parity:
         if not (args.tiny and args.device == "cpu"):
             sys.exit("--parity needs --tiny --device cpu (keel's fp32 CPU reference)")
         sys.exit(0 if parity(args.keel, args.out, d, muon=args.muon, forced=args.forced_balance) else 1)
     fpt = flops_per_token(d)
     tokens_per_step = d["micro_batch"] * d["seq"]
-    print(f"model: {d['layers']} x (CCA + MoE), hidden {d['hidden']}, {d['experts']} experts + skip, vocab "
+    print(f"model: {d['layers']} x ({d['attention'].upper()} + MoE), hidden {d['hidden']}, {d['experts']} experts + skip, vocab "
           f"{d['vocab']}; {total_params(d) / 1e9:.3f} B parameters; {fpt / 1e9:.3f} GFLOP per token (model FLOPs)",
           flush=True)
     results = {}

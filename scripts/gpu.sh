@@ -218,7 +218,9 @@ for step in "${steps[@]}"; do
       # Context parallelism on 2 GPUs: the tests against one GPU (KEEL_CP_TESTS=0 skips), then
       # bench/train_cp.py (KEEL_CP_ARGS, e.g. --longest): the ZAYA1-shaped model at 32K over
       # CP=2 (the k/v all-gather, the ring and heads by all-to-all) against 4K over DP=2, same
-      # tokens per GPU, with routing.
+      # tokens per GPU, with routing. KEEL_CP_ARGS="--only-peer --forced-balance" (KEEL_CP_TESTS=0):
+      # keel's context parallelism beside PyTorch's (context_parallel + DDP, bench/train_cp_torch.py)
+      # on the GQA model of the same widths, CP=2 at 32K and DP=2 at 4K on each side.
       [ "${KEEL_CP_TESTS:-1}" = 0 ] || mpi_gtest cp 2 'ContextParallel*' "${KEEL_CP_TEST_TIMEOUT:-300}" '^  [a-z0-9_]+: step 9'
       [ "${KEEL_CP_BENCH:-1}" = 0 ] && continue
       timeout "${KEEL_CP_TIMEOUT:-900}" python3 bench/train_cp.py --keel "$build/keel" --out "$out/cp" \
