@@ -104,21 +104,27 @@ void attention_forward(const AttnShape& s, const LayerWeights& w, model::Attenti
     c.linear->exit(out, y);
     return;
   }
-  ops::linear::forward(x, w.wq, {}, rows(a.q, N));
-  ops::linear::forward(x, kv_rows(s, w.wk), {}, rows(a.k, N));
-  ops::linear::forward(x, kv_rows(s, w.wv), {}, rows(a.v, N));
   if (kind == model::AttentionKind::kLinear) {
+    // k and v first: the core's exchange that needs only them (LASP-2's states) starts before
+    // the q projection, which computes while it travels
     namespace la = ops::linear_attention;
-    la::feature_forward(s.feature, a.q, a.q);
+    const std::int64_t runs = s.batch * std::max(s.segments, 1);
+    ops::linear::forward(x, kv_rows(s, w.wk), {}, rows(a.k, N));
+    ops::linear::forward(x, kv_rows(s, w.wv), {}, rows(a.v, N));
     la::feature_forward(s.feature, a.k, a.k);
-    c.core->attend_linear(s.linear, s.batch * std::max(s.segments, 1), rows(a.q, N), rows(a.k, N), rows(a.v, N), a.init,
-                          rows(a.att, N));
+    c.core->begin_linear(s.linear, runs, rows(a.k, N), rows(a.v, N));
+    ops::linear::forward(x, w.wq, {}, rows(a.q, N));
+    la::feature_forward(s.feature, a.q, a.q);
+    c.core->attend_linear(s.linear, runs, rows(a.q, N), rows(a.k, N), rows(a.v, N), a.init, rows(a.att, N));
     const Tensor heads = a.att.reshaped({N * s.heads, s.head_dim});
     la::norm_forward(heads, s.eps, heads, a.rstd);
     ops::linear::forward(rows(a.att, N), w.wo, {}, out);
     c.linear->exit(out, y);
     return;
   }
+  ops::linear::forward(x, w.wq, {}, rows(a.q, N));
+  ops::linear::forward(x, kv_rows(s, w.wk), {}, rows(a.k, N));
+  ops::linear::forward(x, kv_rows(s, w.wv), {}, rows(a.v, N));
   const Tensor q3 = a.q.reshaped({N, s.heads, s.head_dim}), k3 = a.k.reshaped({N, s.kv_heads, s.head_dim});
   ops::rope::forward(*c.rope, q3, c.pos, q3);
   ops::rope::forward(*c.rope, k3, c.pos, k3);
@@ -139,17 +145,22 @@ void attention_backward(const AttnShape& s, const LayerWeights& w, LayerWeights&
     c.linear->enter_backward(dx, dh);
     return;
   }
-  ops::linear::backward(rows(a.att, N), w.wo, g_out, rows(sc.datt, N), g.wo, {});
   if (kind == model::AttentionKind::kLinear) {
+    // the output projection's input gradient, the core's exchange begun from it (LASP-2's
+    // initial-state gradients), then its weight gradient while that travels
     namespace la = ops::linear_attention;
+    const std::int64_t runs = s.batch * std::max(s.segments, 1);
+    ops::linear::backward(rows(a.att, N), w.wo, g_out, rows(sc.datt, N), {}, {});
     const Tensor dheads = sc.datt.reshaped({N * s.heads, s.head_dim});
     la::norm_backward(a.att.reshaped({N * s.heads, s.head_dim}), a.rstd, dheads, dheads);
-    c.core->attend_linear_backward(s.linear, s.batch * std::max(s.segments, 1), rows(a.q, N), rows(a.k, N),
-                                   rows(a.v, N), a.init, rows(sc.datt, N), rows(sc.dq, N), rows(sc.dk, N),
-                                   rows(sc.dv, N));
+    c.core->begin_linear_backward(s.linear, runs, rows(a.q, N), rows(sc.datt, N));
+    ops::linear::backward(rows(a.att, N), w.wo, g_out, {}, g.wo, {});
+    c.core->attend_linear_backward(s.linear, runs, rows(a.q, N), rows(a.k, N), rows(a.v, N), a.init, rows(sc.datt, N),
+                                   rows(sc.dq, N), rows(sc.dk, N), rows(sc.dv, N));
     la::feature_backward(s.feature, a.q, sc.dq, sc.dq);
     la::feature_backward(s.feature, a.k, sc.dk, sc.dk);
   } else {
+    ops::linear::backward(rows(a.att, N), w.wo, g_out, rows(sc.datt, N), g.wo, {});
     c.core->attend_backward(a.q, a.k, a.v, a.att, a.lse, sc.datt, s.scale(), c.window, sc.dq, sc.dk, sc.dv);
     const Tensor dq3 = sc.dq.reshaped({N, s.heads, s.head_dim}), dk3 = sc.dk.reshaped({N, s.kv_heads, s.head_dim});
     ops::rope::backward(*c.rope, dq3, c.pos, dq3);

@@ -56,9 +56,22 @@ class SequenceSplit {
   // through later runs' initial states included.
   virtual void attend_linear(const linear_attention::Config& c, std::int64_t runs, const Tensor& q, const Tensor& k,
                              const Tensor& v, const Tensor& init, const Tensor& out);
+  // Optional, before attend_linear with the same k and v: the part of the exchange that needs only
+  // k and v (LASP-2: each run's memory state, their all-gather started), so that the caller's
+  // next work (the q projection) overlaps it; attend_linear then finishes it. Without the call
+  // attend_linear does it all. Whole sequences (and the other modes): nothing.
+  virtual void begin_linear(const linear_attention::Config& c, std::int64_t runs, const Tensor& k, const Tensor& v) {
+    (void)c, (void)runs, (void)k, (void)v;
+  }
   virtual void attend_linear_backward(const linear_attention::Config& c, std::int64_t runs, const Tensor& q,
                                       const Tensor& k, const Tensor& v, const Tensor& init, const Tensor& dout,
                                       const Tensor& dq, const Tensor& dk, const Tensor& dv);
+  // Backward's begin_linear, from q and dout (LASP-2: each run's initial-state gradient, their
+  // all-gather started), before attend_linear_backward with the same q and dout.
+  virtual void begin_linear_backward(const linear_attention::Config& c, std::int64_t runs, const Tensor& q,
+                                     const Tensor& dout) {
+    (void)c, (void)runs, (void)q, (void)dout;
+  }
 };
 
 // The whole-sequence split (stateless; shared).

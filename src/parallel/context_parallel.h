@@ -83,6 +83,11 @@ class ContextParallel final : public blocks::AttentionCore, public blocks::Token
   void attend_linear_backward(const ops::linear_attention::Config& c, std::int64_t runs, const Tensor& q,
                               const Tensor& k, const Tensor& v, const Tensor& init, const Tensor& dout,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv) override;
+  // LASP-2's all-gathers started early (MPI_Iallgather), finished by the attend call after
+  void begin_linear(const ops::linear_attention::Config& c, std::int64_t runs, const Tensor& k,
+                    const Tensor& v) override;
+  void begin_linear_backward(const ops::linear_attention::Config& c, std::int64_t runs, const Tensor& q,
+                             const Tensor& dout) override;
   // TokenGroup
   int size() const override { return size_; }
   void sum(std::int64_t* x, int n) override;
@@ -98,8 +103,12 @@ class ContextParallel final : public blocks::AttentionCore, public blocks::Token
   void sendrecv(const float* send, int to, float* recv, int from, std::int64_t n) const;
   // halo() (backward false) and halo_backward() (true): in, out [B * 2, F].
   void exchange(const Tensor& in, const Tensor& out, bool backward) const;
-  // LASP-2: every rank's `mine` (its runs' d x d blocks) into recv_, rank by rank.
-  void gather_states(const Tensor& mine, const char* what);
+  // LASP-2: every rank's `mine` (its runs' d x d blocks) into recv_, rank by rank; start_gather
+  // posts it (MPI_Iallgather) and finish_gather waits for it.
+  void start_gather(const Tensor& mine);
+  void finish_gather(const char* what);
+  // LASP-2's check of the runs and the states' floats per rank
+  std::int64_t linear_states(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t rows) const;
   // The gathered blocks of each sequence and kv head in chunk order (reverse: last first):
   // fn(kv head, chunk's block, this rank's block of `local` when it holds the chunk else nullptr,
   // first chunk of the walk).
@@ -148,6 +157,9 @@ class ContextParallel final : public blocks::AttentionCore, public blocks::Token
   std::int64_t seq_, chunk_;  // S, S / (2C)
   std::vector<std::int32_t> pos_;
   std::vector<float> send_, recv_, k_, v_, dk_, dv_, states_;
+  // a LASP-2 all-gather begun (begin_linear: 1, begin_linear_backward: 2) and not yet finished
+  int begun_ = 0;
+  MPI_Request begun_req_ = MPI_REQUEST_NULL;
   ContextMode mode_ = ContextMode::kAllGather;
   std::vector<float> a2a_send_, a2a_recv_, hq_, hk_, hv_, ho_, hl_, hd_, hdq_, hdk_, hdv_;  // by heads
   std::vector<std::vector<std::int32_t>> ring_pos_;  // every rank's positions (ring mode)

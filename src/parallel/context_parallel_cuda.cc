@@ -53,6 +53,9 @@ CudaContextParallel::~CudaContextParallel() {
   if (ring_ready_) cudaEventDestroy(ring_ready_);
   if (ring_done_) cudaEventDestroy(ring_done_);
   if (ring_stream_) cudaStreamDestroy(ring_stream_);
+  if (lasp_ready_) cudaEventDestroy(lasp_ready_);
+  if (lasp_done_) cudaEventDestroy(lasp_done_);
+  if (lasp_stream_) cudaStreamDestroy(lasp_stream_);
   if (halo_) cudaFree(halo_);
   if (states_) cudaFree(states_);
 }

@@ -99,6 +99,11 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   void attend_linear_backward(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t len,
                               const bf16* q, const bf16* k, const bf16* v, const float* init, const bf16* dout,
                               bf16* dq, bf16* dk, bf16* dv, void* workspace, cudaStream_t stream) override;
+  // LASP-2's all-gathers on a side stream from here, waited for by the attend call after
+  void begin_linear(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t len, const bf16* k,
+                    const bf16* v, cudaStream_t stream) override;
+  void begin_linear_backward(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t len,
+                             const bf16* q, const bf16* dout, cudaStream_t stream) override;
 
  private:
   void release_gather();  // the ring and all-to-all modes: no whole-sequence k, v
@@ -125,6 +130,14 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   float* state_buffers(std::int64_t floats, cudaStream_t stream);
   std::size_t state_bytes_ = 0;
   void* states_ = nullptr;
+  // A LASP-2 all-gather begun (1: the states, 2: their gradients) on lasp_stream_ (made on first
+  // use), after lasp_ready_ on the caller's stream; lasp_done_ marks its end.
+  int begun_ = 0;
+  cudaStream_t lasp_stream_ = nullptr;
+  cudaEvent_t lasp_ready_ = nullptr, lasp_done_ = nullptr;
+  std::int64_t linear_states(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t len) const;
+  void start_gather(float* mine, std::int64_t n, cudaStream_t stream);
+  void finish_gather(cudaStream_t stream);
   bool ring_ = false;
   // The ring (context_ring_cuda.cc): its hops on their own stream, ordered by two events.
   cudaStream_t ring_stream_ = nullptr;

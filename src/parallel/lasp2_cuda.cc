@@ -1,7 +1,9 @@
 // LASP-2 on GPUs: CudaContextParallel's attend_linear / attend_linear_backward
 // (context_parallel_cuda.h), the twin of lasp2.cc (read that first). One NCCL all-gather of the
 // runs' fp32 memory states per layer in forward, one of the initial-state gradients in backward,
-// on the caller's stream; the walk over the 2C chunks is one small kernel (lasp2_kernels.h).
+// on a side stream from begin_linear / begin_linear_backward (or the attend call itself), the
+// caller's stream waiting for it at the attend call; the walk over the 2C chunks is one small
+// kernel (lasp2_kernels.h).
 // With the linear ring (parallel.context_mode: ring) LASP-1 instead, the twin of
 // context_ring.cc: the states passed rank to rank (2C - 1 hops of NCCL send/receive), each hop
 // one small kernel.
@@ -65,35 +67,84 @@ void CudaContextParallel::chain_send(const float* msg, std::int64_t n, int to, c
   if (to >= 0) group_->send(msg, n, NcclType::kFloat32, to, stream);
 }
 
-void CudaContextParallel::attend_linear(const la::Config& c, std::int64_t runs, std::int64_t len, const bf16* q,
-                                        const bf16* k, const bf16* v, float* init, bf16* out, void* workspace,
-                                        cudaStream_t stream) {
+std::int64_t CudaContextParallel::linear_states(const la::Config& c, std::int64_t runs, std::int64_t len) const {
   if (runs != 2 * batch_ || len != chunk_)
     fail("context parallel (cuda): linear attention over {} runs of {} tokens, expected {} of {}", runs, len,
          2 * batch_, chunk_);
+  return runs * c.kv_heads * std::int64_t(c.head_dim) * c.head_dim;
+}
+
+// mine[0, n) -> the gathered blocks (state_buffers' third part), on lasp_stream_ once `stream`
+// has written mine; lasp_done_ after.
+void CudaContextParallel::start_gather(float* mine, std::int64_t n, cudaStream_t stream) {
+  if (!lasp_stream_) {
+    KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&lasp_stream_, cudaStreamNonBlocking));
+    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&lasp_ready_, cudaEventDisableTiming));
+    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&lasp_done_, cudaEventDisableTiming));
+  }
+  KEEL_CUDA_CHECK(cudaEventRecord(lasp_ready_, stream));
+  KEEL_CUDA_CHECK(cudaStreamWaitEvent(lasp_stream_, lasp_ready_, 0));
+  group_->all_gather(mine, mine + 2 * n, n, NcclType::kFloat32, lasp_stream_);
+  KEEL_CUDA_CHECK(cudaEventRecord(lasp_done_, lasp_stream_));
+}
+
+void CudaContextParallel::finish_gather(cudaStream_t stream) {
+  KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, lasp_done_, 0));
+  begun_ = 0;
+}
+
+// The states and their all-gather before the caller's q projection, which overlaps it.
+void CudaContextParallel::begin_linear(const la::Config& c, std::int64_t runs, std::int64_t len, const bf16* k,
+                                       const bf16* v, cudaStream_t stream) {
+  if (heads_ || ring_) return;
+  if (begun_) fail("context parallel (cuda): LASP-2's states begun twice without attend_linear between");
+  const std::int64_t n = linear_states(c, runs, len);
+  float* mine = state_buffers(n, stream);
+  la::local_states(c, runs, len, k, v, mine, stream);
+  start_gather(mine, n, stream);
+  begun_ = 1;
+}
+
+void CudaContextParallel::begin_linear_backward(const la::Config& c, std::int64_t runs, std::int64_t len,
+                                                const bf16* q, const bf16* dout, cudaStream_t stream) {
+  if (heads_ || ring_) return;
+  if (begun_) fail("context parallel (cuda): LASP-2's state gradients begun with another exchange unfinished");
+  const std::int64_t n = linear_states(c, runs, len);
+  float* dS = state_buffers(n, stream);
+  la::init_gradient(c, runs, len, q, dout, dS, stream);
+  start_gather(dS, n, stream);
+  begun_ = 2;
+}
+
+void CudaContextParallel::attend_linear(const la::Config& c, std::int64_t runs, std::int64_t len, const bf16* q,
+                                        const bf16* k, const bf16* v, float* init, bf16* out, void* workspace,
+                                        cudaStream_t stream) {
+  const std::int64_t dd = std::int64_t(c.head_dim) * c.head_dim, n = linear_states(c, runs, len);
   if (!init) fail("context parallel (cuda): linear attention needs the layer's initial-state buffer");
   if (heads_) return heads_linear(c, q, k, v, init, out, workspace, stream);
-  const std::int64_t dd = std::int64_t(c.head_dim) * c.head_dim, n = runs * c.kv_heads * dd;
-  float* mine = state_buffers(n, stream);
-  float* gathered = mine + 2 * n;
-  la::local_states(c, runs, len, k, v, mine, stream);
-  if (ring_) {
-    // LASP-1 (the CPU twin: context_ring.cc): first runs up the ranks, chunk r starting from the
-    // state after chunk r - 1; second runs down, chunk 2C-1-r from the state after 2C-2-r (rank
-    // r + 1's second run, or the last rank's own first run, already in msg).
-    float* msg = mine + n;
-    const int last = size() - 1;
-    const lasp2::Decays d = decays_over(c, len);
-    chain_recv(msg, n / 2, rank() - 1, stream);
-    lasp2::hop(msg, init, mine, 0, batch_, c.kv_heads, dd, d, stream);
-    chain_send(msg, n / 2, rank() < last ? rank() + 1 : -1, stream);
-    if (rank() < last) chain_recv(msg, n / 2, rank() + 1, stream);
-    lasp2::hop(msg, init, mine, 1, batch_, c.kv_heads, dd, d, stream);
-    chain_send(msg, n / 2, rank() > 0 ? rank() - 1 : -1, stream);
+  if (!ring_) {  // LASP-2
+    if (begun_ == 2) fail("context parallel (cuda): attend_linear with LASP-2's state gradients begun");
+    if (!begun_) begin_linear(c, runs, len, k, v, stream);
+    finish_gather(stream);
+    float* gathered = static_cast<float*>(states_) + 2 * n;
+    lasp2::walk(gathered, init, size(), rank(), batch_, c.kv_heads, dd, decays_over(c, len), /*reverse=*/false,
+                stream);
     return la::forward(c, runs, len, q, k, v, init, out, workspace, stream);
   }
-  group_->all_gather(mine, gathered, n, NcclType::kFloat32, stream);
-  lasp2::walk(gathered, init, size(), rank(), batch_, c.kv_heads, dd, decays_over(c, len), /*reverse=*/false, stream);
+  float* mine = state_buffers(n, stream);
+  la::local_states(c, runs, len, k, v, mine, stream);
+  // LASP-1 (the CPU twin: context_ring.cc): first runs up the ranks, chunk r starting from the
+  // state after chunk r - 1; second runs down, chunk 2C-1-r from the state after 2C-2-r (rank
+  // r + 1's second run, or the last rank's own first run, already in msg).
+  float* msg = mine + n;
+  const int last = size() - 1;
+  const lasp2::Decays d = decays_over(c, len);
+  chain_recv(msg, n / 2, rank() - 1, stream);
+  lasp2::hop(msg, init, mine, 0, batch_, c.kv_heads, dd, d, stream);
+  chain_send(msg, n / 2, rank() < last ? rank() + 1 : -1, stream);
+  if (rank() < last) chain_recv(msg, n / 2, rank() + 1, stream);
+  lasp2::hop(msg, init, mine, 1, batch_, c.kv_heads, dd, d, stream);
+  chain_send(msg, n / 2, rank() > 0 ? rank() - 1 : -1, stream);
   la::forward(c, runs, len, q, k, v, init, out, workspace, stream);
 }
 
@@ -102,26 +153,29 @@ void CudaContextParallel::attend_linear_backward(const la::Config& c, std::int64
                                                  const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace,
                                                  cudaStream_t stream) {
   if (heads_) return heads_linear_backward(c, q, k, v, dout, dq, dk, dv, workspace, stream);
-  const std::int64_t dd = std::int64_t(c.head_dim) * c.head_dim, n = runs * c.kv_heads * dd;
+  const std::int64_t dd = std::int64_t(c.head_dim) * c.head_dim, n = linear_states(c, runs, len);
+  if (!ring_) {  // LASP-2
+    if (begun_ == 1) fail("context parallel (cuda): attend_linear_backward with LASP-2's states begun");
+    if (!begun_) begin_linear_backward(c, runs, len, q, dout, stream);
+    finish_gather(stream);
+    float *dM = static_cast<float*>(states_) + n, *gathered = static_cast<float*>(states_) + 2 * n;
+    lasp2::walk(gathered, dM, size(), rank(), batch_, c.kv_heads, dd, decays_over(c, len), /*reverse=*/true, stream);
+    return la::backward(c, runs, len, q, k, v, init, dout, dM, dq, dk, dv, nullptr, workspace, stream);
+  }
   float* dS = state_buffers(n, stream);
   float *dM = dS + n, *gathered = dS + 2 * n;
   la::init_gradient(c, runs, len, q, dout, dS, stream);
-  if (ring_) {
-    // The chunks in reverse: second runs up the ranks (rank 0's is the sequence's last chunk),
-    // then first runs down; a run's dM is the gradient arriving after it.
-    float* msg = gathered;
-    const int last = size() - 1;
-    const lasp2::Decays d = decays_over(c, len);
-    chain_recv(msg, n / 2, rank() > 0 ? rank() - 1 : -1, stream);
-    lasp2::hop(msg, dM, dS, 1, batch_, c.kv_heads, dd, d, stream);
-    chain_send(msg, n / 2, rank() < last ? rank() + 1 : -1, stream);
-    if (rank() < last) chain_recv(msg, n / 2, rank() + 1, stream);
-    lasp2::hop(msg, dM, dS, 0, batch_, c.kv_heads, dd, d, stream);
-    chain_send(msg, n / 2, rank() > 0 ? rank() - 1 : -1, stream);
-    return la::backward(c, runs, len, q, k, v, init, dout, dM, dq, dk, dv, nullptr, workspace, stream);
-  }
-  group_->all_gather(dS, gathered, n, NcclType::kFloat32, stream);
-  lasp2::walk(gathered, dM, size(), rank(), batch_, c.kv_heads, dd, decays_over(c, len), /*reverse=*/true, stream);
+  // The chunks in reverse: second runs up the ranks (rank 0's is the sequence's last chunk),
+  // then first runs down; a run's dM is the gradient arriving after it.
+  float* msg = gathered;
+  const int last = size() - 1;
+  const lasp2::Decays d = decays_over(c, len);
+  chain_recv(msg, n / 2, rank() > 0 ? rank() - 1 : -1, stream);
+  lasp2::hop(msg, dM, dS, 1, batch_, c.kv_heads, dd, d, stream);
+  chain_send(msg, n / 2, rank() < last ? rank() + 1 : -1, stream);
+  if (rank() < last) chain_recv(msg, n / 2, rank() + 1, stream);
+  lasp2::hop(msg, dM, dS, 0, batch_, c.kv_heads, dd, d, stream);
+  chain_send(msg, n / 2, rank() > 0 ? rank() - 1 : -1, stream);
   la::backward(c, runs, len, q, k, v, init, dout, dM, dq, dk, dv, nullptr, workspace, stream);
 }
 

@@ -284,17 +284,21 @@ struct Linear {
       for (std::int64_t g = 0; g < Hkv; ++g) c.decay.push_back(0.9f - 0.2f * float(g) / float(Hkv));
   }
   // out (and with dout: dq, dk, dv) of the rows q, k, v hold ([B * T, H * D], T tokens each).
+  // begin: the exchanges begun first (begin_linear, begin_linear_backward), as the blocks do.
   void run(ContextParallel* cp, std::int64_t T, std::vector<float> q, std::vector<float> k, std::vector<float> v,
-           const std::vector<float>& dout, std::vector<float>& out, std::vector<float>* grads) const {
+           const std::vector<float>& dout, std::vector<float>& out, std::vector<float>* grads,
+           bool begin = false) const {
     const std::int64_t N = B * T, runs = cp ? 2 * B : B;
     const Tensor tq(q.data(), {N, Hq * D}), tk(k.data(), {N, Hkv * D}), tv(v.data(), {N, Hkv * D});
     out.assign(q.size(), 0.f);
     std::vector<float> init(cp ? std::size_t(runs * Hkv * D * D) : 0);
     const Tensor tinit = cp ? Tensor(init.data(), {runs, Hkv, D, D}) : Tensor();
     ops::SequenceSplit& split = cp ? static_cast<ops::SequenceSplit&>(*cp) : ops::whole_sequences();
+    if (begin) split.begin_linear(c, runs, tk, tv);
     split.attend_linear(c, runs, tq, tk, tv, tinit, Tensor(out.data(), {N, Hq * D}));
     if (!grads) return;
     std::vector<float> dq(q.size()), dk(k.size()), dv(v.size()), d = dout;
+    if (begin) split.begin_linear_backward(c, runs, tq, Tensor(d.data(), {N, Hq * D}));
     split.attend_linear_backward(c, runs, tq, tk, tv, tinit, Tensor(d.data(), {N, Hq * D}),
                                  Tensor(dq.data(), {N, Hq * D}), Tensor(dk.data(), {N, Hkv * D}),
                                  Tensor(dv.data(), {N, Hkv * D}));
@@ -302,7 +306,7 @@ struct Linear {
   }
 };
 
-void expect_linear_matches_whole_sequences(ContextMode mode) {
+void expect_linear_matches_whole_sequences(ContextMode mode, bool begin = false) {
   const int C = world_size();
   const std::int64_t S = 2 * C * 5, kv_heads = mode == ContextMode::kAllToAll ? 2 * C : 2;
   ContextParallel cp(MPI_COMM_WORLD, S, mode);
@@ -318,8 +322,8 @@ void expect_linear_matches_whole_sequences(ContextMode mode) {
       std::vector<float> g[3], lg[3];
       m.run(nullptr, S, q, k, v, dout, out, g);
       m.run(&cp, T, local_rows(q, m.B, S, m.Hq * m.D, pos), local_rows(k, m.B, S, m.Hkv * m.D, pos),
-            local_rows(v, m.B, S, m.Hkv * m.D, pos), local_rows(dout, m.B, S, m.Hq * m.D, pos), lout, lg);
-      const std::string tag = fmt::format("decay {} chunk {}", decay, chunk);
+            local_rows(v, m.B, S, m.Hkv * m.D, pos), local_rows(dout, m.B, S, m.Hq * m.D, pos), lout, lg, begin);
+      const std::string tag = fmt::format("decay {} chunk {}{}", decay, chunk, begin ? " begun" : "");
       EXPECT_LT(max_diff(lout, local_rows(out, m.B, S, m.Hq * m.D, pos)), 1e-5) << tag;
       EXPECT_LT(max_diff(lg[0], local_rows(g[0], m.B, S, m.Hq * m.D, pos)), 1e-5) << tag;
       EXPECT_LT(max_diff(lg[1], local_rows(g[1], m.B, S, m.Hkv * m.D, pos)), 1e-5) << tag;
@@ -329,6 +333,39 @@ void expect_linear_matches_whole_sequences(ContextMode mode) {
 
 TEST(ContextParallelCore, Lasp2MatchesWholeSequences) { expect_linear_matches_whole_sequences(ContextMode::kAllGather); }
 // The ring mode's linear layers: LASP-1, the states passed rank to rank in sequence order.
+// The blocks' order: each all-gather begun (MPI_Iallgather) before the work that overlaps it,
+// finished by the attend call; the other modes take the begin calls as nothing.
+TEST(ContextParallelCore, Lasp2BegunEarlyMatchesWholeSequences) {
+  expect_linear_matches_whole_sequences(ContextMode::kAllGather, true);
+  expect_linear_matches_whole_sequences(ContextMode::kRing, true);
+}
+
+// A begin not followed by its attend call (another begin, or the other direction's attend) is
+// a programming error, named; the core is usable after the pair completes.
+TEST(ContextParallelCore, Lasp2BeginsPairWithTheirAttendCalls) {
+  const int C = world_size();
+  const std::int64_t S = 2 * C * 4, T = S / C;
+  ContextParallel cp(MPI_COMM_WORLD, S);
+  const Linear m(S, 4, true);
+  const std::int64_t runs = 2 * m.B, N = m.B * T;
+  auto q = random_vector(N * m.Hq * m.D, 81, 0.5f), k = random_vector(N * m.Hkv * m.D, 82, 0.5f),
+       v = random_vector(N * m.Hkv * m.D, 83), d = random_vector(N * m.Hq * m.D, 84), out = q, dq = q, dk = k, dv = v;
+  std::vector<float> init(std::size_t(runs * m.Hkv * m.D * m.D));
+  const Tensor tq(q.data(), {N, m.Hq * m.D}), tk(k.data(), {N, m.Hkv * m.D}), tv(v.data(), {N, m.Hkv * m.D}),
+      td(d.data(), {N, m.Hq * m.D}), tinit(init.data(), {runs, m.Hkv, m.D, m.D}), tout(out.data(), {N, m.Hq * m.D});
+  cp.begin_linear(m.c, runs, tk, tv);
+  EXPECT_THROW(cp.begin_linear(m.c, runs, tk, tv), Error);
+  EXPECT_THROW(cp.attend_linear_backward(m.c, runs, tq, tk, tv, tinit, td, Tensor(dq.data(), {N, m.Hq * m.D}),
+                                         Tensor(dk.data(), {N, m.Hkv * m.D}), Tensor(dv.data(), {N, m.Hkv * m.D})),
+               Error);
+  cp.attend_linear(m.c, runs, tq, tk, tv, tinit, tout);
+  cp.begin_linear_backward(m.c, runs, tq, td);
+  EXPECT_THROW(cp.attend_linear(m.c, runs, tq, tk, tv, tinit, tout), Error);
+  cp.attend_linear_backward(m.c, runs, tq, tk, tv, tinit, td, Tensor(dq.data(), {N, m.Hq * m.D}),
+                            Tensor(dk.data(), {N, m.Hkv * m.D}), Tensor(dv.data(), {N, m.Hkv * m.D}));
+  cp.attend_linear(m.c, runs, tq, tk, tv, tinit, tout);  // nothing begun: the whole exchange here
+}
+
 TEST(ContextParallelCore, Lasp1RingMatchesWholeSequences) { expect_linear_matches_whole_sequences(ContextMode::kRing); }
 // By heads: whole sequences of 1/C of the heads (and their decays) from a zero state.
 TEST(ContextParallelCore, AllToAllLinearMatchesWholeSequences) {

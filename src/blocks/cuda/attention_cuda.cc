@@ -87,18 +87,24 @@ void attention_forward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeigh
     if (add_into) k::add_bf16_to_f32(out, add_into, R * D, stream);
     return;
   }
-  k::linear::forward(gemm, x, w.wq, a.q, N, D, Q, stream);
-  k::linear::forward(gemm, x, kv_rows(s, w.wk), a.k, N, D, KV, stream);
-  k::linear::forward(gemm, x, kv_rows(s, w.wv), a.v, N, D, KV, stream);
   if (w.linear) {
+    // k and v first: the core's exchange that needs only them (LASP-2's states, on its side
+    // stream) starts before the q projection, which computes while it travels
     namespace la = k::linear_attention;
-    la::feature_forward(s.feature, a.q, a.q, N * Q, stream);
-    la::feature_forward(s.feature, a.k, a.k, N * KV, stream);
     const std::int64_t runs = linear_runs(s);
+    k::linear::forward(gemm, x, kv_rows(s, w.wk), a.k, N, D, KV, stream);
+    k::linear::forward(gemm, x, kv_rows(s, w.wv), a.v, N, D, KV, stream);
+    la::feature_forward(s.feature, a.k, a.k, N * KV, stream);
+    p.core->begin_linear(s.linear, runs, N / runs, a.k, a.v, stream);
+    k::linear::forward(gemm, x, w.wq, a.q, N, D, Q, stream);
+    la::feature_forward(s.feature, a.q, a.q, N * Q, stream);
     // forward's workspace is the backward scratch's (layers run one at a time)
     p.core->attend_linear(s.linear, runs, N / runs, a.q, a.k, a.v, a.init, a.att, p.linear_workspace, stream);
     la::norm_forward(a.att, N * s.heads, s.head_dim, s.eps, a.att, a.rstd, stream);
   } else {
+    k::linear::forward(gemm, x, w.wq, a.q, N, D, Q, stream);
+    k::linear::forward(gemm, x, kv_rows(s, w.wk), a.k, N, D, KV, stream);
+    k::linear::forward(gemm, x, kv_rows(s, w.wv), a.v, N, D, KV, stream);
     k::rope::forward(*p.rope, a.q, p.pos, N, s.heads, stream);
     k::rope::forward(*p.rope, a.k, p.pos, N, s.kv_heads, stream);
     p.core->forward(a.q, a.k, a.v, a.att, a.lse, static_cast<int>(s.batch), static_cast<int>(s.seq), s.heads,
@@ -130,16 +136,21 @@ void attention_backward(k::GemmRunner& gemm, const AttnShape& s, const LayerWeig
     p.linear->enter_backward(dpart, dh, N, D, stream);
     return;
   }
-  k::linear::backward(gemm, a.att, w.wo, g_out, sc.datt, g.wo, N, Q, D, stream);
   if (w.linear) {
+    // the output projection's input gradient, the core's exchange begun from it (LASP-2's
+    // initial-state gradients, on its side stream), then its weight gradient while that travels
     namespace la = k::linear_attention;
     const std::int64_t runs = linear_runs(s);
+    k::linear::backward(gemm, a.att, w.wo, g_out, sc.datt, nullptr, N, Q, D, stream);
     la::norm_backward(a.att, a.rstd, sc.datt, sc.datt, N * s.heads, s.head_dim, stream);
+    p.core->begin_linear_backward(s.linear, runs, N / runs, a.q, sc.datt, stream);
+    k::linear::backward(gemm, a.att, w.wo, g_out, nullptr, g.wo, N, Q, D, stream);
     p.core->attend_linear_backward(s.linear, runs, N / runs, a.q, a.k, a.v, a.init, sc.datt, sc.dq, sc.dk, sc.dv,
                                    sc.linear, stream);
     la::feature_backward(s.feature, a.q, sc.dq, sc.dq, N * Q, stream);
     la::feature_backward(s.feature, a.k, sc.dk, sc.dk, N * KV, stream);
   } else {
+    k::linear::backward(gemm, a.att, w.wo, g_out, sc.datt, g.wo, N, Q, D, stream);
     p.core->backward(a.q, a.k, a.v, a.att, a.lse, sc.datt, sc.dq, sc.dk, sc.dv, sc.attn, static_cast<int>(s.batch),
                      static_cast<int>(s.seq), s.heads, s.kv_heads, s.head_dim, s.scale(), p.window, stream);
     k::rope::backward(*p.rope, sc.dq, p.pos, N, s.heads, stream);

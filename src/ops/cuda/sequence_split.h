@@ -55,6 +55,18 @@ class SequenceSplit {
                                       const bf16* q, const bf16* k, const bf16* v, const float* init,
                                       const bf16* dout, bf16* dq, bf16* dk, bf16* dv, void* workspace,
                                       cudaStream_t stream);
+  // Optional, as the CPU twin's: the exchange's part that needs only k and v (forward) or q and
+  // dout (backward) enqueued now, its collective on a side stream, so that what the caller
+  // enqueues next on `stream` overlaps it; the attend call with the same tensors finishes it.
+  // Whole sequences (and the other modes): nothing.
+  virtual void begin_linear(const linear_attention::Config& c, std::int64_t runs, std::int64_t len, const bf16* k,
+                            const bf16* v, cudaStream_t stream) {
+    (void)c, (void)runs, (void)len, (void)k, (void)v, (void)stream;
+  }
+  virtual void begin_linear_backward(const linear_attention::Config& c, std::int64_t runs, std::int64_t len,
+                                     const bf16* q, const bf16* dout, cudaStream_t stream) {
+    (void)c, (void)runs, (void)len, (void)q, (void)dout, (void)stream;
+  }
 };
 
 // The whole-sequence split (stateless; shared).
