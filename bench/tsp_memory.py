@@ -4,7 +4,11 @@ TP=2, TP=2+SP, CP=2 and DP=2, as sequences grow (issue 30's comparison), on CPU 
 
 Model: a dense decoder of the TSP paper's 7B proportions (hidden --hidden, heads of 128, FFN x4,
 --layers layers, vocabulary 32,000; on CPU ranks the hidden is scaled down), one sequence per
-micro-batch, AdamW. For each layout and sequence length it starts `mpirun -np 2 keel train`
+micro-batch, AdamW. --model zaya1: bench/zaya_vs_torch.py's ZAYA1-shaped model instead (the
+8-layer cut of ZAYA1-8B: CCA 8/2 heads of 128, MLP router with EDA and the skip class, 16
+experts of 2,048 top-1, vocabulary 262,272 tied; --tiny: its toy sizes, for CPU ranks), with
+forced-balance routing (router.forced_balance: every expert an equal share, never skip) so the
+tokens/s of every layout time balanced experts. For each layout and sequence length it starts `mpirun -np 2 keel train`
 (--device cpu or cuda) on random tokens, reads rank 0's start-up memory line (keel's own
 allocations, sized before the first step) and stops the run: no step is timed. With --steps N
 (N > 3) it trains N steps instead and also prints the median tokens/s per GPU over the steps
@@ -50,7 +54,31 @@ max_seq_len: {seq}
 """
 
 
+PARALLEL = {"TSP=2": {"tsp": 2}, "TP=2": {"tensor": 2}, "TP=2+SP": {"tensor": 2, "sequence": "true"},
+            "CP=2": {"context": 2}, "DP=2": {"data": 2}}
+
+
+def zaya_dims(a, seq):
+    import zaya_vs_torch
+    d = dict(zaya_vs_torch.TINY if a.tiny else zaya_vs_torch.ZAYA8, seq=seq, micro_batch=1)
+    if a.layers:
+        d["layers"] = a.layers
+    return d
+
+
+def zaya_config(a, prefix, out, seq, layout):
+    import zaya_vs_torch
+    text = zaya_vs_torch.keel_config(zaya_dims(a, seq), prefix, out, max(1, a.steps), a.device, lr=3e-5, forced=True)
+    if layout == "DP=2":  # the same tokens per GPU: a micro-batch on each rank
+        assert "  grad_accum: 1\n" in text
+        text = text.replace("  grad_accum: 1\n", "  grad_accum: 2\n")
+    assert "\nparallel:" not in text
+    return text + "parallel:\n" + "".join(f"  {k}: {v}\n" for k, v in PARALLEL[layout].items())
+
+
 def config(a, prefix, out, seq, layout):
+    if a.model == "zaya1":
+        return zaya_config(a, prefix, out, seq, layout)
     accum = 2 if layout == "DP=2" else 1
     model = "".join("  " + line + "\n" for line in model_text(a, seq).splitlines())
     return f"""device: {a.device}
@@ -126,7 +154,12 @@ SIZE_LAYOUT = {"TSP=2": ["tsp=2"], "TP=2": ["tp=2", "--no-sequence-parallel"], "
 def predicted(a, run_dir, seq, layout):
     """keel size's per-GPU total for the same model and layout (GiB), or None."""
     model = os.path.join(run_dir, "model.yaml")
-    open(model, "w").write(model_text(a, seq))
+    if a.model == "zaya1":  # the training config's model section, unindented
+        lines = open(os.path.join(run_dir, "train.yaml")).read().split("\nmodel:\n", 1)[1].splitlines()
+        text = "".join(line[2:] + "\n" for line in lines[:next(i for i, x in enumerate(lines) if not x.startswith("  "))])
+    else:
+        text = model_text(a, seq)
+    open(model, "w").write(text)
     js = os.path.join(run_dir, "size.json")
     r = subprocess.run([a.keel, "size", model, "--layout", *SIZE_LAYOUT[layout], "--gpus", "2", "--seq", str(seq),
                         "--hardware", "h200", "--json", js], capture_output=True, text=True)
@@ -142,7 +175,9 @@ def main():
     ap.add_argument("--keel", default="build/keel")
     ap.add_argument("--out", default="out/bench_tsp_memory")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden width (heads of 128; the 7B's is 4096)")
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=None, help="layers (default: 2 for the dense model, 8 for zaya1)")
+    ap.add_argument("--model", choices=["dense", "zaya1"], default="dense")
+    ap.add_argument("--tiny", action="store_true", help="zaya1 at toy sizes (CPU ranks)")
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--mpirun", default="mpirun")
@@ -151,12 +186,16 @@ def main():
     ap.add_argument("--steps", type=int, default=1,
                     help="steps per run: above 3, also the median tokens/s per GPU over the steps after 2")
     a = ap.parse_args()
+    if a.model == "dense" and a.layers is None:
+        a.layers = 2
     os.makedirs(a.out, exist_ok=True)
     lengths = [int(x) for x in a.lengths.split(",")]
     layouts = [x.strip() for x in a.layouts.split(",") if x.strip()]
     prefix = os.path.join(a.out, "random")
     rng = np.random.default_rng(0)
-    write_dataset(prefix, rng.integers(0, 32000, size=4 * (max(lengths) + 1), dtype=np.uint64), max(lengths))
+    vocab = zaya_dims(a, 1)["vocab"] if a.model == "zaya1" else 32000
+    write_dataset(prefix, rng.integers(0, min(vocab, 32000), size=4 * (max(lengths) + 1), dtype=np.uint64),
+                  max(lengths))
     results = {}
     for seq in lengths:
         for layout in layouts:
@@ -165,8 +204,13 @@ def main():
     json.dump(results, open(os.path.join(a.out, "tsp_memory.json"), "w"), indent=1)
     where = "2 CPU ranks (GiB, rank 0's arenas, fp32)" if a.device == "cpu" else \
         "2 GPU ranks (GiB, rank 0's allocations: bf16 GEMM operands, fp32 masters/grads/optimizer)"
-    print(f"\n== keel train per-rank memory on {where}: dense h={a.hidden}, "
-          f"{a.layers} layers, FFN x4, vocab 32000, one sequence per micro-batch")
+    if a.model == "zaya1":
+        d = zaya_dims(a, lengths[-1])
+        what = (f"ZAYA1-shaped{' (tiny)' if a.tiny else ''}, h={d['hidden']}, {d['layers']} layers of CCA + "
+                f"{d['experts']} experts, vocab {d['vocab']}, forced-balance routing")
+    else:
+        what = f"dense h={a.hidden}, {a.layers} layers, FFN x4, vocab 32000"
+    print(f"\n== keel train per-rank memory on {where}: {what}, one sequence per micro-batch")
     if a.device == "cpu":
         groups = {"params": ["parameters"], "grads": ["gradients"], "optim": ["optimizer state"],
                   "acts": ["activations and scratch"], "shards": ["tsp shards"]}
