@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_tp_torch  # noqa: E402
 import zaya_vs_torch  # noqa: E402
 
 
@@ -151,31 +152,9 @@ def main():
         dist.all_reduce(ce)
         return ce / world, total, norm
 
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     tokens_per_step = a.accum * B * T * (1 if a.cp else world)
-    rows, times = [], []
     t0 = time.time()
-    for i in range(a.warmup + a.steps):
-        if i == a.warmup:
-            sync()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-        ts = time.perf_counter()
-        ce, counts, norm = step()
-        ce = ce.item()  # syncs: the step is done
-        dt = time.perf_counter() - ts
-        if i >= a.warmup:
-            times.append(dt)
-        c = counts.double()
-        share = (c.max(1).values / c.sum(1).clamp(min=1)).tolist()
-        row = {"step": i + 1, "ce": ce, "grad_norm": norm.item(), "step_s": dt, "tokens_per_s": tokens_per_step / dt}
-        for l, s in enumerate(share):
-            row[f"routing_busiest_share.{l}"] = s
-            row[f"routing_skip_share.{l}"] = (c[l, -1] / c[l].sum().clamp(min=1)).item()
-        rows.append(row)
-        if rank == 0:
-            print(f"step {i + 1}: ce {ce:.4f}, {dt * 1e3:.1f} ms, busiest/fair "
-                  f"{' '.join(f'{s * classes:.2f}' for s in share)}", flush=True)
+    rows, times = train_tp_torch.timed_steps(step, a.steps, a.warmup, tokens_per_step, classes, True, rank == 0, cuda)
     mem = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")], device=dev)
     mems = [torch.zeros_like(mem) for _ in range(world)]
     dist.all_gather(mems, mem)

@@ -323,6 +323,35 @@ def parallelize_zaya(model, mesh, sp):
 # The step
 # ---------------------------------------------------------------------------------------------
 
+def timed_steps(step, steps, warmup, tokens_per_step, classes, skip_class, verbose, cuda):
+    """Runs warmup + steps calls of step() -> (ce, per-layer class counts [L, classes], grad
+    norm); returns (rows in keel's metrics.jsonl format, the timed steps' seconds). The peak
+    memory counters restart after the warm-up; skip_class: the last class is the skip class."""
+    rows, times = [], []
+    for i in range(warmup + steps):
+        if i == warmup and cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        ts = time.perf_counter()
+        ce, counts, norm = step()
+        ce = ce.item()  # syncs: the step is done
+        dt = time.perf_counter() - ts
+        if i >= warmup:
+            times.append(dt)
+        c = counts.double()
+        share = (c.max(1).values / c.sum(1).clamp(min=1)).tolist()
+        row = {"step": i + 1, "ce": ce, "grad_norm": norm.item(), "step_s": dt, "tokens_per_s": tokens_per_step / dt}
+        for l, s in enumerate(share):
+            row[f"routing_busiest_share.{l}"] = s
+            if skip_class:
+                row[f"routing_skip_share.{l}"] = (c[l, -1] / c[l].sum().clamp(min=1)).item()
+        rows.append(row)
+        if verbose:
+            print(f"step {i + 1}: ce {ce:.4f}, {dt * 1e3:.1f} ms, busiest/fair "
+                  f"{' '.join(f'{s * classes:.2f}' for s in share)}", flush=True)
+    return rows, times
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
@@ -445,32 +474,9 @@ def main():
             zaya_vs_torch.update_selection_bias(torch, model, list(total.unbind(0)), a.bias_rate)
         return torch.stack(ces).mean(), total, norm
 
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     tokens_per_step = a.accum * B * T
-    rows, times = [], []
     t0 = time.time()
-    for i in range(a.warmup + a.steps):
-        if i == a.warmup:
-            sync()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-        ts = time.perf_counter()
-        ce, counts, norm = step()
-        ce = ce.item()  # syncs: the step is done
-        dt = time.perf_counter() - ts
-        if i >= a.warmup:
-            times.append(dt)
-        c = counts.double()
-        share = (c.max(1).values / c.sum(1).clamp(min=1)).tolist()
-        row = {"step": i + 1, "ce": ce, "grad_norm": norm.item(), "step_s": dt, "tokens_per_s": tokens_per_step / dt}
-        for l, s in enumerate(share):
-            row[f"routing_busiest_share.{l}"] = s
-            if a.model == "zaya1":
-                row[f"routing_skip_share.{l}"] = (c[l, -1] / c[l].sum().clamp(min=1)).item()
-        rows.append(row)
-        if rank == 0:
-            print(f"step {i + 1}: ce {ce:.4f}, {dt * 1e3:.1f} ms, busiest/fair "
-                  f"{' '.join(f'{s * classes:.2f}' for s in share)}", flush=True)
+    rows, times = timed_steps(step, a.steps, a.warmup, tokens_per_step, classes, a.model == "zaya1", rank == 0, cuda)
     mem = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
                         torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan")], device=dev)
     mems = [torch.zeros_like(mem) for _ in range(world)]
