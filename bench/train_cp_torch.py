@@ -67,14 +67,7 @@ def main():
                  "would need a halo exchange it does not do (--attention gqa)")
 
     cuda = a.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    dev, world, rank = train_tp_torch.start_rank(cuda)
     d = dict(zaya_vs_torch.TINY if a.tiny else zaya_vs_torch.ZAYA8, attention=a.attention, seq=a.seq,
              micro_batch=a.micro_batch)
     if a.layers:
@@ -137,12 +130,7 @@ def main():
         return ce.detach(), counts
 
     def step():
-        ces, total = [], None
-        for _ in range(a.accum):
-            ce, counts = micro_batch()
-            ces.append(ce)
-            c = torch.stack([x.to(torch.int64) for x in counts])
-            total = c if total is None else total + c
+        ces, total = train_tp_torch.accumulate(micro_batch, a.accum)
         norm = torch.nn.utils.clip_grad_norm_(params, zaya_vs_torch.CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -165,6 +153,7 @@ def main():
                "classes": classes, "params": nparams, "build_s": t0 - t_build, "run_s": time.time() - t0,
                "rows": rows, "ce": [r["ce"] for r in rows], "torch": torch.__version__}
         json.dump(res, open(a.json, "w"), indent=1)
+    del ddp  # (DDP's reducer before the process group: gloo's threads may abort the exit otherwise)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -323,6 +323,31 @@ def parallelize_zaya(model, mesh, sp):
 # The step
 # ---------------------------------------------------------------------------------------------
 
+def start_rank(cuda):
+    """This torchrun rank's device (its LOCAL_RANK's GPU, or the CPU with one thread) and process
+    group (NCCL or gloo); returns (device, world size, rank)."""
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dev, dist.get_world_size(), dist.get_rank()
+
+
+def accumulate(micro_batch, accum):
+    """accum calls of micro_batch() -> (ce, per-layer class counts); returns their ce's and the
+    counts summed ([L, classes] int64)."""
+    ces, total = [], None
+    for _ in range(accum):
+        ce, counts = micro_batch()
+        ces.append(ce)
+        c = torch.stack([x.to(torch.int64) for x in counts])
+        total = c if total is None else total + c
+    return ces, total
+
+
 def timed_steps(step, steps, warmup, tokens_per_step, classes, skip_class, verbose, cuda):
     """Runs warmup + steps calls of step() -> (ce, per-layer class counts [L, classes], grad
     norm); returns (rows in keel's metrics.jsonl format, the timed steps' seconds). The peak
@@ -376,14 +401,7 @@ def main():
     a = ap.parse_args()
 
     cuda = a.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    dev, world, rank = start_rank(cuda)
     mesh = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -461,12 +479,7 @@ def main():
         return ce.detach(), counts
 
     def step():
-        ces, total = [], None
-        for _ in range(a.accum):
-            ce, counts = micro_batch()
-            ces.append(ce)
-            c = torch.stack([x.to(torch.int64) for x in counts])
-            total = c if total is None else total + c
+        ces, total = accumulate(micro_batch, a.accum)
         norm = clip_grad_norm(params, clip, group)
         opt.step()
         opt.zero_grad(set_to_none=True)
