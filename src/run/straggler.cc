@@ -22,12 +22,15 @@ std::optional<Straggler> StragglerWatch::add(int rank, std::int64_t step, double
   while (static_cast<int>(me.busy.size()) > o_.window) me.busy.pop_front();
   // every rank's window full, else no verdict yet
   if (static_cast<int>(ranks_.size()) < world) return std::nullopt;
+  const auto figure = [&](const std::deque<double>& w) {
+    return o_.fastest ? *std::min_element(w.begin(), w.end()) : median_of({w.begin(), w.end()});
+  };
   std::vector<double> others;
   for (const auto& [r, x] : ranks_) {
     if (static_cast<int>(x.busy.size()) < o_.window) return std::nullopt;
-    if (r != rank) others.push_back(median_of({x.busy.begin(), x.busy.end()}));
+    if (r != rank) others.push_back(figure(x.busy));
   }
-  const double mine = median_of({me.busy.begin(), me.busy.end()}), rest = median_of(others);
+  const double mine = figure(me.busy), rest = median_of(others);
   if (mine > o_.factor * rest && mine - rest >= o_.min_gap)
     ++me.above;
   else

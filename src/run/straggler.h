@@ -4,8 +4,8 @@
 // as the slowest one's, so the step time alone cannot name it, but the slowest rank is the one
 // that waits least: its busy time (step - wait) stands out.
 //
-// Per rank, the median busy time of its last `window` steps; a rank is a straggler when that is
-// above `factor` x the median of the other ranks' medians and at least `min_gap` seconds above
+// Per rank, the median busy time of its last `window` steps (or their minimum: `fastest`); a
+// rank is a straggler when that is above `factor` x the median of the other ranks' figures and at least `min_gap` seconds above
 // it, for `steps` of its steps in a row. Each rank is reported once. Pure bookkeeping: no
 // processes, no files (the supervisor feeds it heartbeats).
 #pragma once
@@ -27,6 +27,10 @@ struct StragglerOptions {
   int steps = 5;          // steps in a row above the bar
   int window = 5;         // steps per rank in its median
   double min_gap = 0.05;  // seconds above the others at least
+  // each rank's figure: the median of its window, or with `fastest` its minimum (the device
+  // canary's: a GPU's own speed is its best time, work it shares its SMs with only adds to a
+  // sample, so a rank is named only when every sample of its window stays slow)
+  bool fastest = false;
 };
 
 struct Straggler {

@@ -63,5 +63,29 @@ TEST(StragglerWatch, OffAndOneRankAndRepeatedSteps) {
   EXPECT_EQ(x->rank, 0);
 }
 
+// The device canary's watch (fastest): a rank whose samples are slow only some of the time
+// (another stream's kernels sharing its SMs) is not named, though the median of its window
+// would be; one slow at every sample is, as with the median.
+TEST(StragglerWatch, FastestOfTheWindowIgnoresSpikes) {
+  const auto run = [](bool fastest, bool every_sample) {
+    StragglerWatch w({1.5, 5, 5, 0.0, fastest});
+    std::optional<Straggler> first;
+    for (std::int64_t s = 1; s <= 40; ++s)
+      for (int r = 0; r < 2; ++r) {
+        // rank 1: 3x slower at 3 of every 5 steps (or at every step), as the canary measured
+        // beside a concurrent collective
+        const bool slow = r == 1 && (every_sample || s % 5 < 3);
+        if (auto x = w.add(r, s, 1.0, 1.0 - (slow ? 0.00075 : 0.00025), 2); x && !first) first = x;
+      }
+    return first;
+  };
+  EXPECT_TRUE(run(false, false).has_value()) << "the median is fooled by 3 spikes in 5";
+  EXPECT_FALSE(run(true, false).has_value());
+  const auto x = run(true, true);
+  ASSERT_TRUE(x.has_value());
+  EXPECT_EQ(x->rank, 1);
+  EXPECT_NEAR(x->busy, 0.00075, 1e-9);
+}
+
 }  // namespace
 }  // namespace keel::run
