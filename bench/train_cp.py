@@ -269,6 +269,12 @@ def main():
         ratio = cp["tokens_per_s"] / dp["tokens_per_s"]
         lines.append(f"target: CP=2 at {a.seq} / DP=2 at {a.short} tokens/s per GPU = {ratio:.3f} (>= 0.95: "
                      f"{'met' if ratio >= 0.95 else 'NOT met'}); MFU {100 * cp['mfu']:.1f}% vs {100 * dp['mfu']:.1f}%")
+        # the most the ratio can be at equal MFU: the model FLOPs per token of each length
+        f_long = flops_per_token(dims(a, a.seq, 1), a.hybrid, a.lasp)
+        f_short = flops_per_token(dims(a, a.short, mb), a.hybrid, a.lasp)
+        lines.append(f"at equal MFU the ratio is at most {f_short / f_long:.3f}: {f_long / 1e9:.3g} against "
+                     f"{f_short / 1e9:.3g} GFLOP per token (attention's grow with the sequence); measured "
+                     f"{ratio / (f_short / f_long):.3f} of that")
     lines += peer_lines
     lines.append("busiest: the busiest class over its fair share, worst MoE layer and step after warm-up (mean over "
                  "steps); skip: mean skip share; GiB/GPU: keel's device arenas, rank 0 (torch rows: "
