@@ -121,6 +121,11 @@ def main():
     ap.add_argument("--after", type=int, default=50)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="toy dimensions (a CPU check of this script)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    ap.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default: the model's)")
+    ap.add_argument("--mid", action="store_true",
+                    help="a CPU-sized cut with ZAYA1's routing: 16 experts + skip, hidden 256, 4 layers, 16 x 512 = "
+                         "8,192 tokens per step (the GPU runs' count), byte vocabulary")
     ap.add_argument("--text", action="append", default=[],
                     help="a plain-text file added to the corpus (cut into ~2 KB documents); repeatable")
     ap.add_argument("--variants", default=",".join(VARIANTS),
@@ -128,6 +133,13 @@ def main():
     a = ap.parse_args()
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     d = dict(TINY if a.tiny else ZAYA8)
+    if a.mid:
+        d = dict(TINY, name="zaya1-mid-cpu", hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, experts=16,
+                 expert_hidden=512, router_hidden=64, seq=512, micro_batch=16)
+    if a.seq:
+        d["seq"] = a.seq
+    if a.micro_batch:
+        d["micro_batch"] = a.micro_batch
     os.makedirs(a.out, exist_ok=True)
     prefix, corpus_bytes = tokenize(a.keel, src, a.out, a.text)
     classes = d["experts"] + (1 if d["skip"] else 0)
