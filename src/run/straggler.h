@@ -5,8 +5,8 @@
 // that waits least: its busy time (step - wait) stands out.
 //
 // Per rank, the median busy time of its last `window` steps (or their minimum: `fastest`); a
-// rank is a straggler when that is above `factor` x the median of the other ranks' figures and at least `min_gap` seconds above
-// it, for `steps` of its steps in a row. Each rank is reported once. Pure bookkeeping: no
+// rank is a straggler when that is above `factor` x the median of the other ranks' figures and
+// at least `min_gap` seconds above it, for `steps` of its steps in a row. Each rank is reported once. Pure bookkeeping: no
 // processes, no files (the supervisor feeds it heartbeats).
 #pragma once
 
