@@ -8,10 +8,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <thread>
 
+#include "common/dir_lock.h"
 #include "common/error.h"
 
 namespace keel::run {
@@ -68,6 +70,18 @@ std::vector<pid_t> wait_gone(const std::vector<pid_t>& pids, double seconds) {
       if (p > 0 && !exited(p)) left.push_back(p);
     if (left.empty() || std::chrono::steady_clock::now() >= until) return left;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+std::string wait_unlocked(const std::string& dir, double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  for (;;) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec)) return "";
+    DirLock::Result r = DirLock::acquire(dir, lock_holder_line("keel run: seeing that the job let go"));
+    if (r.lock || !r.unsupported.empty()) return "";  // free: dropped again as r goes
+    if (std::chrono::steady_clock::now() >= until) return r.holder.empty() ? "(a holder that wrote no line)" : r.holder;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }
 

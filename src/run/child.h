@@ -23,4 +23,11 @@ pid_t fork_exec(const std::vector<std::string>& argv, int out, int close_in_chil
 // context, and holds its output directory's lock until then.
 std::vector<pid_t> wait_gone(const std::vector<pid_t>& pids, double seconds);
 
+// Waits up to `seconds` for the keel lock of directory `dir` (common/dir_lock.h) to be free,
+// taking and dropping it to see: the lock of a rank on another host that shares the directory
+// (where no pid of it can be looked at from here), or of one whose pid was never reported.
+// Returns "" once free (or when `dir` does not exist or its file system has no locks), else
+// the holder's line.
+std::string wait_unlocked(const std::string& dir, double seconds);
+
 }  // namespace keel::run

@@ -551,7 +551,8 @@ int run(const Options& o) {
     beats = read_beats(beats_dir);
     // The launcher is gone; its ranks on this host may not be yet (a rank killed while a kernel
     // of its spins on a peer tears its device context down for seconds, its output directory's
-    // lock held): the next attempt starts once they are.
+    // lock and its GPU memory held), nor those on other hosts: the next attempt starts once this
+    // host's rank processes are gone and the directories' locks are free.
     double ranks_exit_seconds = 0;
     {
       std::vector<pid_t> local;
@@ -559,14 +560,21 @@ int run(const Options& o) {
         if (b.pid > 0 && b.host == this_host) local.push_back(b.pid);
       const auto t0 = Clock::now();
       const std::vector<pid_t> left = wait_gone(local, o.exit_wait);
-      ranks_exit_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
       if (!left.empty())
         std::printf("keel run: %zu rank process%s of this attempt (pid %s) still there %.0f s after the job ended; "
                     "the next attempt may find the output directory locked\n",
                     left.size(), left.size() == 1 ? "" : "es", fmt::format("{}", fmt::join(left, ", ")).c_str(),
                     o.exit_wait);
-      else if (ranks_exit_seconds >= 1.0)
-        std::printf("keel run: the attempt's ranks were gone %.1f s after the job ended\n", ranks_exit_seconds);
+      for (const std::string& dir : {cfg.output_dir, ckpt_root}) {
+        const double budget = std::max(1.0, o.exit_wait - std::chrono::duration<double>(Clock::now() - t0).count());
+        const std::string holder = wait_unlocked(dir, budget);
+        if (!holder.empty())
+          std::printf("keel run: %s is still locked by %s; the next attempt may be refused\n", dir.c_str(),
+                      holder.c_str());
+      }
+      ranks_exit_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (ranks_exit_seconds >= 1.0)
+        std::printf("keel run: the attempt's ranks had let go %.1f s after the job ended\n", ranks_exit_seconds);
       std::fflush(stdout);
     }
     std::int64_t reached = resume;

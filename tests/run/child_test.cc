@@ -14,7 +14,11 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
+#include <string>
 #include <vector>
+
+#include "common/dir_lock.h"
 
 namespace keel::run {
 namespace {
@@ -89,6 +93,47 @@ TEST(RunWaitGone, NoSuchProcessIsGone) {
   const pid_t pid = child_exiting_after(0);
   waitpid(pid, nullptr, 0);  // reaped: the pid names nothing now
   EXPECT_TRUE(wait_gone({pid}, 0.0).empty());
+}
+
+// A child process holding the keel lock of a directory for `ms`, then exiting; the lock is
+// held once this returns.
+pid_t child_holding_the_lock(const std::string& dir, int ms) {
+  int ready[2];
+  if (pipe(ready) != 0) return -1;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(ready[0]);
+    auto r = DirLock::acquire(dir, lock_holder_line("the test's holder"));
+    const char ok = r.lock ? '1' : '0';
+    if (write(ready[1], &ok, 1) != 1) _exit(2);
+    usleep(static_cast<useconds_t>(ms) * 1000);
+    _exit(0);
+  }
+  close(ready[1]);
+  char ok = '0';
+  if (read(ready[0], &ok, 1) != 1 || ok != '1') ADD_FAILURE() << "the child did not take the lock";
+  close(ready[0]);
+  return pid;
+}
+
+TEST(RunWaitUnlocked, WaitsForTheHolderToLetGo) {
+  const std::string dir = testing::TempDir() + "keel_wait_unlocked";
+  std::filesystem::create_directories(dir);
+  pid_t pid = child_holding_the_lock(dir, 30000);
+  auto t0 = Clock::now();
+  const std::string holder = wait_unlocked(dir, 0.3);
+  EXPECT_NE(holder.find("the test's holder"), std::string::npos) << holder;
+  EXPECT_GE(seconds_since(t0), 0.25);
+  reap(pid);
+  EXPECT_EQ(wait_unlocked(dir, 0.0), "") << "free once its holder is gone";
+  pid = child_holding_the_lock(dir, 800);
+  t0 = Clock::now();
+  EXPECT_EQ(wait_unlocked(dir, 10.0), "");
+  EXPECT_GE(seconds_since(t0), 0.5) << "returned while the child still held the lock";
+  EXPECT_LT(seconds_since(t0), 5.0);
+  reap(pid);
+  EXPECT_EQ(wait_unlocked(dir + "/no_such_directory", 1.0), "");
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
