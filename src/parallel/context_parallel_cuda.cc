@@ -50,17 +50,31 @@ CudaContextParallel::CudaContextParallel(std::shared_ptr<NcclGroup> group, MPI_C
 
 CudaContextParallel::~CudaContextParallel() {
   if (mem_) cudaFree(mem_);
-  if (ring_ready_) cudaEventDestroy(ring_ready_);
-  if (ring_done_) cudaEventDestroy(ring_done_);
-  if (ring_stream_) cudaStreamDestroy(ring_stream_);
-  if (lasp_ready_) cudaEventDestroy(lasp_ready_);
-  if (lasp_done_) cudaEventDestroy(lasp_done_);
-  if (lasp_stream_) cudaStreamDestroy(lasp_stream_);
+  if (side_ready_) cudaEventDestroy(side_ready_);
+  if (side_done_) cudaEventDestroy(side_done_);
+  if (side_stream_) cudaStreamDestroy(side_stream_);
   if (halo_) cudaFree(halo_);
   if (states_) cudaFree(states_);
 }
 
 void CudaContextParallel::sum(double* x, int n) const { sum_over_context(comm_, x, n); }
+
+cudaStream_t CudaContextParallel::side_start(cudaStream_t stream) {
+  if (!side_stream_) {
+    KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&side_ready_, cudaEventDisableTiming));
+    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
+  }
+  KEEL_CUDA_CHECK(cudaEventRecord(side_ready_, stream));
+  KEEL_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_ready_, 0));
+  return side_stream_;
+}
+
+void CudaContextParallel::side_end() { KEEL_CUDA_CHECK(cudaEventRecord(side_done_, side_stream_)); }
+
+void CudaContextParallel::side_wait(cudaStream_t stream) {
+  KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, side_done_, 0));
+}
 
 void CudaContextParallel::release_gather() {
   if (mem_) cudaFree(mem_);

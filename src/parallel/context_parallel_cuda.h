@@ -130,22 +130,24 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   float* state_buffers(std::int64_t floats, cudaStream_t stream);
   std::size_t state_bytes_ = 0;
   void* states_ = nullptr;
-  // A LASP-2 all-gather begun (1: the states, 2: their gradients) on lasp_stream_ (made on first
-  // use), after lasp_ready_ on the caller's stream; lasp_done_ marks its end.
+  // A LASP-2 all-gather begun (1: the states, 2: their gradients) on the side stream.
   int begun_ = 0;
-  cudaStream_t lasp_stream_ = nullptr;
-  cudaEvent_t lasp_ready_ = nullptr, lasp_done_ = nullptr;
   std::int64_t linear_states(const ops::linear_attention::Config& c, std::int64_t runs, std::int64_t len) const;
   void start_gather(float* mine, std::int64_t n, cudaStream_t stream);
   void finish_gather(cudaStream_t stream);
   bool ring_ = false;
-  // The ring (context_ring_cuda.cc): its hops on their own stream, ordered by two events.
-  cudaStream_t ring_stream_ = nullptr;
-  cudaEvent_t ring_ready_ = nullptr, ring_done_ = nullptr;
-  // Posts one hop once `stream` gets here: send to rank + 1, receive from rank - 1 (on
-  // ring_stream_); ring_wait makes `stream` wait for the hops posted so far.
+  // The side stream of the collectives that overlap the blocks (the ring's hops, LASP-2's
+  // all-gathers; one mode at a time), made on first use and ordered by two events: side_start
+  // makes it wait for `stream` to get here and returns it, side_end marks the work posted on it
+  // so far, side_wait makes `stream` wait for that.
+  cudaStream_t side_stream_ = nullptr;
+  cudaEvent_t side_ready_ = nullptr, side_done_ = nullptr;
+  cudaStream_t side_start(cudaStream_t stream);
+  void side_end();
+  void side_wait(cudaStream_t stream);
+  // The ring (context_ring_cuda.cc): posts one hop on the side stream once `stream` gets here:
+  // send to rank + 1, receive from rank - 1; side_wait makes `stream` wait for the hops so far.
   void ring_post(const void* send, void* recv, std::int64_t count, NcclType type, cudaStream_t stream);
-  void ring_wait(cudaStream_t stream);
   void ring_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int Hq, int Hkv, int Dh,
                     float scale, int window, cudaStream_t stream);
   void ring_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout,

@@ -52,25 +52,15 @@ void from_chunks(const void* chunks, void* x, std::int64_t B, std::int64_t L, st
 
 void CudaContextParallel::ring_post(const void* send, void* recv, std::int64_t count, NcclType type,
                                     cudaStream_t stream) {
-  if (!ring_stream_) {
-    KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&ring_stream_, cudaStreamNonBlocking));
-    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&ring_ready_, cudaEventDisableTiming));
-    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&ring_done_, cudaEventDisableTiming));
-  }
   // the hop reads `send` and overwrites `recv`: only once the compute stream's earlier work on
   // them (the previous step's) is done
-  KEEL_CUDA_CHECK(cudaEventRecord(ring_ready_, stream));
-  KEEL_CUDA_CHECK(cudaStreamWaitEvent(ring_stream_, ring_ready_, 0));
+  const cudaStream_t side = side_start(stream);
   const int C = size();
   group_->group_start();
-  group_->send(send, count, type, (rank() + 1) % C, ring_stream_);
-  group_->recv(recv, count, type, (rank() + C - 1) % C, ring_stream_);
+  group_->send(send, count, type, (rank() + 1) % C, side);
+  group_->recv(recv, count, type, (rank() + C - 1) % C, side);
   group_->group_end();
-  KEEL_CUDA_CHECK(cudaEventRecord(ring_done_, ring_stream_));
-}
-
-void CudaContextParallel::ring_wait(cudaStream_t stream) {
-  KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, ring_done_, 0));
+  side_end();
 }
 
 void CudaContextParallel::ring_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int Hq,
@@ -114,7 +104,7 @@ void CudaContextParallel::ring_forward(const bf16* q, const bf16* k, const bf16*
         att::merge_block(blk + r * run_q, blk_lse + r * L, acc + r * run_q, acc_lse + r * L, B, T, L, Hq, Dh, stream);
       }
     if (s + 1 < C) {
-      ring_wait(stream);
+      side_wait(stream);
       cur = 1 - cur;
     }
   }
@@ -161,7 +151,7 @@ void CudaContextParallel::ring_backward(const bf16* q, const bf16* k, const bf16
                             Hq, Hkv, Dh, scale, window, stream);
       }
     ring_post(accs[cur], accs[1 - cur], 2 * n, NcclType::kFloat32, stream);  // this rank's share added: pass it on
-    ring_wait(stream);
+    side_wait(stream);
     cur = 1 - cur;
   }
   // after C hops of the accumulators, accs[cur] is this rank's own block with every rank's share

@@ -74,22 +74,15 @@ std::int64_t CudaContextParallel::linear_states(const la::Config& c, std::int64_
   return runs * c.kv_heads * std::int64_t(c.head_dim) * c.head_dim;
 }
 
-// mine[0, n) -> the gathered blocks (state_buffers' third part), on lasp_stream_ once `stream`
-// has written mine; lasp_done_ after.
+// mine[0, n) -> the gathered blocks (state_buffers' third part), on the side stream once
+// `stream` has written mine.
 void CudaContextParallel::start_gather(float* mine, std::int64_t n, cudaStream_t stream) {
-  if (!lasp_stream_) {
-    KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&lasp_stream_, cudaStreamNonBlocking));
-    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&lasp_ready_, cudaEventDisableTiming));
-    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&lasp_done_, cudaEventDisableTiming));
-  }
-  KEEL_CUDA_CHECK(cudaEventRecord(lasp_ready_, stream));
-  KEEL_CUDA_CHECK(cudaStreamWaitEvent(lasp_stream_, lasp_ready_, 0));
-  group_->all_gather(mine, mine + 2 * n, n, NcclType::kFloat32, lasp_stream_);
-  KEEL_CUDA_CHECK(cudaEventRecord(lasp_done_, lasp_stream_));
+  group_->all_gather(mine, mine + 2 * n, n, NcclType::kFloat32, side_start(stream));
+  side_end();
 }
 
 void CudaContextParallel::finish_gather(cudaStream_t stream) {
-  KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, lasp_done_, 0));
+  side_wait(stream);
   begun_ = 0;
 }
 
