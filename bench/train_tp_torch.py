@@ -63,21 +63,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_vs_torch  # noqa: E402
 import zaya_vs_torch  # noqa: E402
-
-# --tiny: the bench model at toy sizes (bench/zaya_vs_torch.py has its own TINY)
-TINY_BENCH = dict(vocab=512, hidden=128, heads=4, kv_heads=2, head_dim=32, experts=4, expert_hidden=128, top_k=1,
-                  layers=2, seq=64, micro_batch=2)
-
-
-def dims(model, tiny, layers=None):
-    if model == "zaya1":
-        d = dict(zaya_vs_torch.TINY if tiny else zaya_vs_torch.ZAYA8)
-    else:
-        d = dict(TINY_BENCH if tiny else train_vs_torch.DIMS)
-    if layers:
-        d["layers"] = layers
-    return d
-
+from train_tp_vs_torch import dims  # noqa: E402  (the models' dimensions: the driver's)
 
 # ---------------------------------------------------------------------------------------------
 # Tensor-parallel pieces beyond the stock styles

@@ -69,7 +69,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import routing_health  # noqa: E402
-import train_tp_torch  # noqa: E402
 import train_vs_torch  # noqa: E402
 import zaya_vs_torch  # noqa: E402
 
@@ -130,6 +129,22 @@ def run_cmd(cmd, log, timeout, env):
             if isinstance(e, Interrupted):
                 raise
             return f"timed out after {timeout} s"
+
+
+# --tiny: the bench model at toy sizes (bench/zaya_vs_torch.py has its own TINY); the peer
+# (train_tp_torch.py) reads the same dimensions from here
+TINY_BENCH = dict(vocab=512, hidden=128, heads=4, kv_heads=2, head_dim=32, experts=4, expert_hidden=128, top_k=1,
+                  layers=2, seq=64, micro_batch=2)
+
+
+def dims(model, tiny, layers=None):
+    if model == "zaya1":
+        d = dict(zaya_vs_torch.TINY if tiny else zaya_vs_torch.ZAYA8)
+    else:
+        d = dict(TINY_BENCH if tiny else train_vs_torch.DIMS)
+    if layers:
+        d["layers"] = layers
+    return d
 
 
 def flops_per_token(model, d):
@@ -407,7 +422,7 @@ def main():
 
 def run_model(a, model, configs, results, save):
     """Every configuration of one model, keel then the peer."""
-    d = train_tp_torch.dims(model, a.tiny, a.layers)
+    d = dims(model, a.tiny, a.layers)
     fpt = flops_per_token(model, d)
     classes = d["experts"] + (1 if model == "zaya1" else 0)
     out = os.path.join(a.out, model)

@@ -67,13 +67,12 @@ def zaya_dims(a, seq):
 
 
 def zaya_config(a, prefix, out, seq, layout):
+    import train_tp_vs_torch
     import zaya_vs_torch
-    text = zaya_vs_torch.keel_config(zaya_dims(a, seq), prefix, out, max(1, a.steps), a.device, lr=3e-5, forced=True)
-    if layout == "DP=2":  # the same tokens per GPU: a micro-batch on each rank
-        assert "  grad_accum: 1\n" in text
-        text = text.replace("  grad_accum: 1\n", "  grad_accum: 2\n")
-    assert "\nparallel:" not in text
-    return text + "parallel:\n" + "".join(f"  {k}: {v}\n" for k, v in PARALLEL[layout].items())
+    accum = 2 if layout == "DP=2" else 1  # the same tokens per GPU: a micro-batch on each rank
+    text, _ = train_tp_vs_torch.keel_config("zaya1", zaya_dims(a, seq), prefix, out, max(1, a.steps), a.device, accum,
+                                            PARALLEL[layout], 3e-5, zaya_vs_torch.BIAS_RATE, forced=True)
+    return text
 
 
 def config(a, prefix, out, seq, layout):
