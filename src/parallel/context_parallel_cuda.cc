@@ -49,32 +49,13 @@ CudaContextParallel::CudaContextParallel(std::shared_ptr<NcclGroup> group, MPI_C
 }
 
 CudaContextParallel::~CudaContextParallel() {
+  side_.synchronize();  // hops or gathers may still use the buffers below
   if (mem_) cudaFree(mem_);
-  if (side_ready_) cudaEventDestroy(side_ready_);
-  if (side_done_) cudaEventDestroy(side_done_);
-  if (side_stream_) cudaStreamDestroy(side_stream_);
   if (halo_) cudaFree(halo_);
   if (states_) cudaFree(states_);
 }
 
 void CudaContextParallel::sum(double* x, int n) const { sum_over_context(comm_, x, n); }
-
-cudaStream_t CudaContextParallel::side_start(cudaStream_t stream) {
-  if (!side_stream_) {
-    KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&side_ready_, cudaEventDisableTiming));
-    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
-  }
-  KEEL_CUDA_CHECK(cudaEventRecord(side_ready_, stream));
-  KEEL_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_ready_, 0));
-  return side_stream_;
-}
-
-void CudaContextParallel::side_end() { KEEL_CUDA_CHECK(cudaEventRecord(side_done_, side_stream_)); }
-
-void CudaContextParallel::side_wait(cudaStream_t stream) {
-  KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, side_done_, 0));
-}
 
 void CudaContextParallel::release_gather() {
   if (mem_) cudaFree(mem_);

@@ -42,6 +42,7 @@
 
 #include "blocks/cuda/runners.h"
 #include "device/device_buffer.h"
+#include "device/side_stream.h"
 #include "parallel/nccl_group.h"
 
 namespace keel::parallel {
@@ -136,17 +137,11 @@ class CudaContextParallel final : public blocks::cuda::AttentionCore {
   void start_gather(float* mine, std::int64_t n, cudaStream_t stream);
   void finish_gather(cudaStream_t stream);
   bool ring_ = false;
-  // The side stream of the collectives that overlap the blocks (the ring's hops, LASP-2's
-  // all-gathers; one mode at a time), made on first use and ordered by two events: side_start
-  // makes it wait for `stream` to get here and returns it, side_end marks the work posted on it
-  // so far, side_wait makes `stream` wait for that.
-  cudaStream_t side_stream_ = nullptr;
-  cudaEvent_t side_ready_ = nullptr, side_done_ = nullptr;
-  cudaStream_t side_start(cudaStream_t stream);
-  void side_end();
-  void side_wait(cudaStream_t stream);
-  // The ring (context_ring_cuda.cc): posts one hop on the side stream once `stream` gets here:
-  // send to rank + 1, receive from rank - 1; side_wait makes `stream` wait for the hops so far.
+  // The collectives that overlap the blocks (the ring's hops, LASP-2's all-gathers; one mode
+  // at a time).
+  SideStream side_;
+  // The ring (context_ring_cuda.cc): posts one hop on side_ once `stream` gets here: send to
+  // rank + 1, receive from rank - 1; side_.wait makes `stream` wait for the hops so far.
   void ring_post(const void* send, void* recv, std::int64_t count, NcclType type, cudaStream_t stream);
   void ring_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int Hq, int Hkv, int Dh,
                     float scale, int window, cudaStream_t stream);

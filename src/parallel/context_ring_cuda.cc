@@ -54,13 +54,13 @@ void CudaContextParallel::ring_post(const void* send, void* recv, std::int64_t c
                                     cudaStream_t stream) {
   // the hop reads `send` and overwrites `recv`: only once the compute stream's earlier work on
   // them (the previous step's) is done
-  const cudaStream_t side = side_start(stream);
+  const cudaStream_t side = side_.start(stream);
   const int C = size();
   group_->group_start();
   group_->send(send, count, type, (rank() + 1) % C, side);
   group_->recv(recv, count, type, (rank() + C - 1) % C, side);
   group_->group_end();
-  side_end();
+  side_.end();
 }
 
 void CudaContextParallel::ring_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int Hq,
@@ -104,7 +104,7 @@ void CudaContextParallel::ring_forward(const bf16* q, const bf16* k, const bf16*
         att::merge_block(blk + r * run_q, blk_lse + r * L, acc + r * run_q, acc_lse + r * L, B, T, L, Hq, Dh, stream);
       }
     if (s + 1 < C) {
-      side_wait(stream);
+      side_.wait(stream);
       cur = 1 - cur;
     }
   }
@@ -151,7 +151,7 @@ void CudaContextParallel::ring_backward(const bf16* q, const bf16* k, const bf16
                             Hq, Hkv, Dh, scale, window, stream);
       }
     ring_post(accs[cur], accs[1 - cur], 2 * n, NcclType::kFloat32, stream);  // this rank's share added: pass it on
-    side_wait(stream);
+    side_.wait(stream);
     cur = 1 - cur;
   }
   // after C hops of the accumulators, accs[cur] is this rank's own block with every rank's share

@@ -77,12 +77,12 @@ std::int64_t CudaContextParallel::linear_states(const la::Config& c, std::int64_
 // mine[0, n) -> the gathered blocks (state_buffers' third part), on the side stream once
 // `stream` has written mine.
 void CudaContextParallel::start_gather(float* mine, std::int64_t n, cudaStream_t stream) {
-  group_->all_gather(mine, mine + 2 * n, n, NcclType::kFloat32, side_start(stream));
-  side_end();
+  group_->all_gather(mine, mine + 2 * n, n, NcclType::kFloat32, side_.start(stream));
+  side_.end();
 }
 
 void CudaContextParallel::finish_gather(cudaStream_t stream) {
-  side_wait(stream);
+  side_.wait(stream);
   begun_ = 0;
 }
 

@@ -33,18 +33,10 @@ CudaTensorParallelLinear::CudaTensorParallelLinear(std::shared_ptr<NcclGroup> gr
   io_bf_ = reinterpret_cast<bf16*>(at), at += b16;
   dy_f_ = reinterpret_cast<float*>(at), at += f32;
   io_f_ = reinterpret_cast<float*>(at);
-  KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
-  KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&ev_go_, cudaEventDisableTiming));
-  KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&ev_done_, cudaEventDisableTiming));
 }
 
 CudaTensorParallelLinear::~CudaTensorParallelLinear() {
-  if (comm_) {
-    cudaStreamSynchronize(comm_);
-    cudaStreamDestroy(comm_);
-  }
-  for (cudaEvent_t e : {ev_go_, ev_done_})
-    if (e) cudaEventDestroy(e);
+  comm_.synchronize();  // a prefetch may still write into mem_
   if (mem_) cudaFree(mem_);
 }
 
@@ -79,7 +71,7 @@ const CudaTensorParallelLinear::bf16* CudaTensorParallelLinear::enter(const bf16
   if (!sequence_) return x;
   check(tokens, width);
   if (pending_ && pending_ == x) {  // prefetched: wait for it, and its buffer is enter's now
-    KEEL_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_done_, 0));
+    comm_.wait(stream);
     pending_ = nullptr;
     cur_ = 1 - cur_;
     return in_bf_[cur_];
@@ -93,10 +85,8 @@ void CudaTensorParallelLinear::prefetch(const bf16* x, std::int64_t tokens, std:
   check(tokens, width);
   // After everything queued so far: x's rows are written, and in_bf_[1 - cur_]'s last reader
   // (the block before the current one) is done with it.
-  KEEL_CUDA_CHECK(cudaEventRecord(ev_go_, stream));
-  KEEL_CUDA_CHECK(cudaStreamWaitEvent(comm_, ev_go_, 0));
-  group_->all_gather(x, in_bf_[1 - cur_], tokens * width / size(), NcclType::kBfloat16, comm_);
-  KEEL_CUDA_CHECK(cudaEventRecord(ev_done_, comm_));
+  group_->all_gather(x, in_bf_[1 - cur_], tokens * width / size(), NcclType::kBfloat16, comm_.start(stream));
+  comm_.end();
   pending_ = x;
 }
 

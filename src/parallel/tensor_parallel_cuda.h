@@ -34,6 +34,7 @@
 
 #include "blocks/cuda/runners.h"
 #include "device/device_buffer.h"
+#include "device/side_stream.h"
 #include "parallel/nccl_group.h"
 
 namespace keel::parallel {
@@ -101,8 +102,7 @@ class CudaTensorParallelLinear final : public blocks::cuda::LinearRunner {
   const bf16* pending_ = nullptr;                  // the rows the prefetch into in_bf_[1 - cur_] gathers
   const bf16* requested_ = nullptr;                // prefetch_next's rows, not started yet
   void start_requested(cudaStream_t stream);
-  cudaStream_t comm_ = nullptr;
-  cudaEvent_t ev_go_ = nullptr, ev_done_ = nullptr;
+  SideStream comm_;  // the prefetch's gathers
 };
 
 }  // namespace keel::parallel
