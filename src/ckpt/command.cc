@@ -2,11 +2,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -35,6 +40,8 @@ struct Flags {
   std::string token_ids;     // export --names: PAD,BOS,EOS for config.json
   std::int64_t step = 1, import_step = 0;  // import_step counts only when --step was given
   int saves = 1, every = 1, threads = 2, keep_last = 0, keep_every = 0;
+  int flush_behind_mib = 256;  // demo-save: SaveOptions::flush_behind_bytes in MiB
+  double probe_ms = 0;         // demo-save: a step loop's small writes every this many ms (0: none)
   double timeout = kDefaultTimeoutSeconds;  // keel's --timeout (common/watchdog.h)
   bool verify_checksums = false, all = false, shards = false, force = false;
   int die_rank = -1, enospc_rank = -1;
@@ -68,6 +75,54 @@ double max_over_ranks(double v) {
 
 int run_demo_save_ranks(const Flags& f);
 
+// demo-save --probe-ms: while a save's background writes run, what a training step loop does on
+// the same disk every M ms: a heartbeat through a .tmp file and a rename, and a metrics line
+// appended. The latency of each such pair says how long a save can hold a rank's step loop (a
+// journaling file system holds small writes while it flushes gigabytes); compare
+// --flush-behind-mib 0 with the default (docs/PERFORMANCE.md).
+class SmallWriteProbe {
+ public:
+  SmallWriteProbe(const std::string& root, int rank)
+      : beat_((std::filesystem::path(root) / fmt::format(".probe-rank-{}.json", rank)).string()),
+        metrics_((std::filesystem::path(root) / fmt::format(".probe-rank-{}.jsonl", rank)).string()) {}
+  ~SmallWriteProbe() {
+    std::error_code ec;
+    std::filesystem::remove(beat_, ec);
+    std::filesystem::remove(metrics_, ec);
+  }
+  void run(const Saver& saver, double every_ms) {
+    while (!saver.writes_done()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      write_file(beat_ + ".tmp", fmt::format("{{\"n\": {}}}\n", seconds_.size()), "w");
+      std::filesystem::rename(beat_ + ".tmp", beat_);
+      write_file(metrics_, fmt::format("{{\"n\": {}, \"pad\": \"{:0>200}\"}}\n", seconds_.size(), 0), "a");
+      seconds_.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(every_ms));
+    }
+  }
+  void report(double every_ms, bool root) {
+    std::vector<double> s = seconds_;
+    std::sort(s.begin(), s.end());
+    double sum = 0;
+    for (double x : s) sum += x;
+    const auto at = [&](double q) { return s.empty() ? 0.0 : 1e3 * s[std::min(s.size() - 1, std::size_t(q * s.size()))]; };
+    if (root)  // rank 0's own probe
+      fmt::print("probe (rank 0, a heartbeat rename + a metrics append every {} ms while writing): {} pairs, median "
+                 "{:.2f} ms, p99 {:.2f} ms, max {:.2f} ms, {:.2f} s in all\n",
+                 every_ms, s.size(), at(0.5), at(0.99), s.empty() ? 0.0 : 1e3 * s.back(), sum);
+  }
+
+ private:
+  static void write_file(const std::string& path, const std::string& text, const char* mode) {
+    std::FILE* f = std::fopen(path.c_str(), mode);
+    if (!f) fail("--probe-ms: cannot write {}: {}", path, std::strerror(errno));
+    std::fwrite(text.data(), 1, text.size(), f);
+    std::fclose(f);
+  }
+  std::string beat_, metrics_;
+  std::vector<double> seconds_;
+};
+
 // keel's --timeout, as every command takes it: seconds >= 0; 0 or inf (or from 1e9) is no
 // deadline, which the watchdog takes as it is.
 void check_timeout(double seconds) { check_timeout_flag(seconds); }
@@ -98,6 +153,9 @@ int run_demo_save_ranks(const Flags& f) {
   const DemoConfig cfg = usage([&] { return parse_demo_config(f.model); });
   if (f.saves < 1 || f.every < 1 || f.threads < 1) throw UsageError("--saves, --every and --threads must be at least 1");
   if (f.keep_last < 0 || f.keep_every < 0) throw UsageError("--keep-last and --keep-every must be at least 0");
+  if (f.flush_behind_mib < 0) throw UsageError(fmt::format("--flush-behind-mib {}: must be >= 0 (0: off)", f.flush_behind_mib));
+  if (!(f.probe_ms >= 0) || f.probe_ms > 60000)
+    throw UsageError(fmt::format("--probe-ms {}: must be 0 (off) to 60000", f.probe_ms));
   check_demo_steps(f);
   check_timeout(f.timeout);
   MpiSession mpi;
@@ -109,6 +167,7 @@ int run_demo_save_ranks(const Flags& f) {
   so.threads = f.threads;
   so.keep_last = f.keep_last;
   so.keep_every = f.keep_every;
+  so.flush_behind_bytes = static_cast<std::uint64_t>(f.flush_behind_mib) << 20;
   const std::int64_t last = f.step + static_cast<std::int64_t>(f.saves - 1) * f.every;
   const std::int64_t inject_at = f.inject_step >= 0 ? f.inject_step : last;
   const bool root = mpi.rank() == 0;
@@ -116,6 +175,7 @@ int run_demo_save_ranks(const Flags& f) {
     fmt::print("# keel ckpt demo-save  |  {} ranks  |  layout {}  |  model {}\n", mpi.size(), mesh.str(),
                cfg.to_json().dump());
   Saver saver(*comm, f.root, so);
+  SmallWriteProbe probe(f.root, mpi.rank());
   auto report = [&](const SaveStats& st) {
     const double stall = max_over_ranks(st.stall_s), blocked = max_over_ranks(st.blocked_s);
     if (root)
@@ -151,11 +211,13 @@ int run_demo_save_ranks(const Flags& f) {
     s->save(step, state.shards, global, demo_rank_state(mpi.rank(), step), mesh.str());
     // The buffers may be reused at once: save() copied them (the staging copy is the stall).
     state = DemoShards();
+    if (f.probe_ms > 0) probe.run(*s, f.probe_ms);
     if (injected) {
       if (auto st = injected->wait()) report(*st);
     }
   }
   if (auto st = saver.wait()) report(*st);
+  if (f.probe_ms > 0) probe.report(f.probe_ms, root);
   return kExitOk;
 }
 
@@ -254,6 +316,10 @@ void add_command(CLI::App& app) {
   save->add_option("--keep-last", f->keep_last, "Retention: keep the newest K checkpoints (0 = all)");
   save->add_option("--keep-every", f->keep_every, "Retention: also keep every step divisible by M");
   save->add_option("--timeout", f->timeout, "Seconds before a hung save is an error (exit 124); 0 or inf: no deadline")->capture_default_str();
+  save->add_option("--flush-behind-mib", f->flush_behind_mib,
+                   "Write-behind window per data file, MiB (0: off, one fsync at the end)")->capture_default_str();
+  save->add_option("--probe-ms", f->probe_ms,
+                   "While writing, time a heartbeat rename + a metrics append every this many ms (0: off)")->capture_default_str();
   save->add_option("--inject-die-rank", f->die_rank, "Testing: this rank _exit()s mid-save")->group("");
   save->add_option("--inject-die-after", f->die_after, "Testing: ... after writing this many bytes")->group("");
   save->add_option("--inject-enospc-rank", f->enospc_rank, "Testing: this rank's writes fail with ENOSPC")->group("");

@@ -27,6 +27,42 @@ namespace {
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
+
+// Write-behind for one file written front to back: when a window of `window` bytes is full its
+// writeback starts (SYNC_FILE_RANGE_WRITE); the window before it is waited for and dropped from
+// the page cache (the checkpoint is not read back by this process). At most two windows are
+// dirty at a time. Durability still comes from the final fsync; where the file system refuses
+// sync_file_range (EINVAL, ENOSYS, EOPNOTSUPP, ESPIPE) the writer goes on without it, and a real
+// I/O error reaches the fsync too.
+class FlushBehind {
+ public:
+  FlushBehind(int fd, std::uint64_t window) : fd_(fd), window_(window) {}
+  // The file now holds [0, end).
+  void wrote(std::uint64_t end) {
+    if (window_ == 0 || end - started_ < window_) return;
+    if (!range(started_, end - started_, SYNC_FILE_RANGE_WRITE)) return;
+    if (started_ > waited_) {  // the window before this one: on disk, then out of the cache
+      if (!range(waited_, started_ - waited_,
+                 SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER))
+        return;
+      ::posix_fadvise(fd_, static_cast<off_t>(waited_), static_cast<off_t>(started_ - waited_), POSIX_FADV_DONTNEED);
+      waited_ = started_;
+    }
+    started_ = end;
+  }
+  std::uint64_t flushed() const { return waited_; }
+
+ private:
+  bool range(std::uint64_t offset, std::uint64_t n, unsigned flags) {
+    if (::sync_file_range(fd_, static_cast<off_t>(offset), static_cast<off_t>(n), flags) == 0) return true;
+    window_ = 0;  // unsupported here (or failing): the final fsync does it all
+    return false;
+  }
+  int fd_;
+  std::uint64_t window_;
+  std::uint64_t started_ = 0;  // writeback started for [waited_, started_)
+  std::uint64_t waited_ = 0;   // on disk and dropped: [0, waited_)
+};
 }  // namespace
 
 // A staging buffer reused across saves and the shards laid out in it (= in its file).
@@ -78,6 +114,7 @@ struct Saver::Bucket {
   std::vector<Item> items;
   std::string error;
   double seconds = 0;
+  std::uint64_t flushed = 0;  // bytes written back while writing (SaveOptions::flush_behind_bytes)
 };
 
 Saver::Saver(Comm& comm, std::string root, SaveOptions options)
@@ -198,6 +235,8 @@ void Saver::write_bucket(Bucket& k) {
     try {
       for (auto& it : k.items) it.crc = crc32c(0, k.buf.data() + it.offset, it.nbytes);
       std::uint64_t pos = 0;
+      FlushBehind behind(fd, opt_.flush_behind_bytes);
+      k.flushed = 0;
       while (pos < k.used) {
         const std::uint64_t n = std::min(opt_.chunk_bytes, k.used - pos);
         if (enospc_) {
@@ -210,6 +249,7 @@ void Saver::write_bucket(Bucket& k) {
           fail("cannot write {}: {}", k.path, std::strerror(errno));
         }
         pos += static_cast<std::uint64_t>(w);
+        behind.wrote(pos);
         const std::int64_t total = written_ += w;
         if (opt_.die_after_bytes >= 0 && total >= opt_.die_after_bytes) {
           std::fprintf(stderr, "keel: fault injection: rank exits after writing %lld bytes of %s\n",
@@ -218,6 +258,7 @@ void Saver::write_bucket(Bucket& k) {
           std::_Exit(137);
         }
       }
+      k.flushed = behind.flushed();
       if (::fsync(fd) != 0) fail("cannot fsync {}: {}", k.path, std::strerror(errno));
     } catch (...) {
       ::close(fd);
@@ -242,7 +283,7 @@ std::optional<SaveStats> Saver::wait() {
   // This rank's report: shard records completed with byte ranges and CRCs.
   std::string error;
   double write_s = 0;
-  std::uint64_t bytes = 0;
+  std::uint64_t bytes = 0, flushed = 0;
   nlohmann::json files = nlohmann::json::object();
   for (auto& kp : buckets_) {
     Bucket& k = *kp;
@@ -250,6 +291,7 @@ std::optional<SaveStats> Saver::wait() {
     if (!k.error.empty() && error.empty()) error = k.error;
     write_s = std::max(write_s, k.seconds);
     bytes += k.used;
+    flushed += k.flushed;
     files[k.file] = k.used;
     for (const auto& it : k.items) {
       auto& r = report_["shards"][it.shard];
@@ -361,6 +403,7 @@ std::optional<SaveStats> Saver::wait() {
   st.write_s = outcome["write_s"];
   st.bytes = outcome["bytes"];
   st.files = outcome["files"];
+  st.flushed_behind = flushed;
   st.removed = outcome["removed"].get<std::vector<std::string>>();
   st.commit_s = now_s() - t0;
   return st;

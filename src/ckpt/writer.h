@@ -4,7 +4,13 @@
 // buffers (page-locked when a shard lives in GPU memory, so the device-to-host copy runs at
 // the link's rate; plain memcpy for host shards), then returns. Background
 // threads, one per bucket, write each bucket's buffer to its own data file with large
-// sequential writes (chunk_bytes, default 8 MiB), CRC32C every shard and fsync. wait()
+// sequential writes (chunk_bytes, default 8 MiB), CRC32C every shard and fsync. Written data
+// goes to disk as it is written (flush_behind_bytes: each window's writeback is started when it
+// is full and waited for one window later, then dropped from the page cache), so dirty pages
+// never pile up to the checkpoint's size: the final fsync has one window left to flush, and
+// the training thread's own small writes (heartbeats, metrics) do not queue behind the flush
+// of tens of gigabytes (which on a journaling file system stalled a rank for over 10 s,
+// docs/PERFORMANCE.md). wait()
 // runs the commit on the calling thread: every rank's report is gathered at rank 0, which
 // checks that every tensor is covered exactly once, writes metadata.json (temp, fsync,
 // rename, fsync dir) and then `latest`, applies retention, and broadcasts the outcome so
@@ -51,6 +57,9 @@ struct SaveShard {
 struct SaveOptions {
   int threads = 2;                           // write buckets (files) per rank
   std::uint64_t chunk_bytes = 8ull << 20;    // bytes per write call
+  // Write-behind window (0: off, the data waits in the page cache for the final fsync). Where
+  // the file system does not support sync_file_range the writer goes on without it.
+  std::uint64_t flush_behind_bytes = 256ull << 20;
   int keep_last = 0;                         // retention: newest K committed (0 = all)
   int keep_every = 0;                        // retention: also every step divisible by M
   // Fault injection (tests): this rank _exit()s after writing this many bytes; or the write
@@ -69,6 +78,7 @@ struct SaveStats {
   double blocked_s = 0;       // wait() blocked on this rank's writers (0 when the writes fully overlapped)
   double commit_s = 0;        // wait() after the writes: gather, checks, metadata, latest, retention
   std::uint64_t bytes = 0;    // bytes written by all ranks
+  std::uint64_t flushed_behind = 0;  // of this rank's bytes, those flushed while writing (flush_behind_bytes)
   int files = 0;
   double write_gbps() const { return write_s > 0 ? bytes / write_s / 1e9 : 0; }
   std::vector<std::string> removed;  // directories retention removed

@@ -176,13 +176,20 @@ struct Fault {
 
 }  // namespace
 
+std::string heartbeat_dir(const std::string& output_dir, bool multi_node, const std::string& local_root) {
+  std::error_code ec;
+  if (!multi_node && !local_root.empty() && fs::is_directory(local_root, ec) && ::access(local_root.c_str(), W_OK) == 0)
+    return (fs::path(local_root) / fmt::format("keel-run-{}", ::getpid())).string();
+  return (fs::path(output_dir) / ".heartbeat").string();
+}
+
 int run(const Options& o) {
   const train::TrainConfig cfg = train::load_train_config(o.config, o.sets);
   const std::string ckpt_root = cfg.checkpoint_dir.empty() ? cfg.output_dir : cfg.checkpoint_dir;
   if (cfg.checkpoint_interval <= 0)
     std::fprintf(stderr, "keel: warning: run: checkpoint.interval is 0: a fault restarts the run from its start "
                          "(or from the checkpoint it resumed)\n");
-  const fs::path out_dir = cfg.output_dir, beats_dir = out_dir / ".heartbeat";
+  const fs::path out_dir = cfg.output_dir;
   EventLog events(o.events.empty() ? (out_dir / "run_events.jsonl").string() : o.events);
   const std::string exe = self_exe();
   std::signal(SIGINT, on_stop);
@@ -239,6 +246,14 @@ int run(const Options& o) {
   // Several nodes (--hosts, srun): a failing device takes its node out; the launch leaves the
   // excluded nodes out (nodes.h).
   const bool multi_node = !o.hosts.empty() || o.launcher == "srun";
+  const fs::path beats_dir = heartbeat_dir(out_dir.string(), multi_node);
+  struct RemoveLocal {  // a node-local heartbeat directory goes with this keel run
+    fs::path dir;
+    ~RemoveLocal() {
+      std::error_code ec;
+      if (!dir.empty()) fs::remove_all(dir, ec);
+    }
+  } remove_local{beats_dir.parent_path() == out_dir ? fs::path() : beats_dir};
   if (!o.hosts.empty()) read_hostfile(o.hosts);  // one line now when it cannot be read
   std::vector<std::string> nodes_out;  // excluded nodes, in order
   std::string hostfile = o.hosts;      // the next attempt's (without them)

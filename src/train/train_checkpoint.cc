@@ -201,6 +201,7 @@ TrainCheckpointer::TrainCheckpointer(std::string root, const TrainCheckpointOpti
   o.keep_last = options.keep_last;
   o.keep_every = options.keep_every;
   o.threads = options.threads;
+  o.flush_behind_bytes = options.flush_behind_bytes;
   o.fail_with_enospc_at = options.fail_with_enospc_at;
   saver_ = std::make_unique<ckpt::Saver>(*comm_, root_, o);
 }

@@ -52,6 +52,7 @@ struct TrainCheckpointOptions {
   int keep_last = 0;   // newest K committed checkpoints kept (0: all)
   int keep_every = 0;  // also every step divisible by M
   int threads = 2;     // writer threads (data files per rank)
+  std::uint64_t flush_behind_bytes = 256ull << 20;  // ckpt::SaveOptions::flush_behind_bytes
   int context_parallel = 1;  // the run's cp degree: named in the saved layout (it splits no tensor)
   int tsp = 1;               // the run's tsp degree: its blocks are the tensor degree's (model::weight_shape)
   std::function<bool(std::int64_t step)> fail_with_enospc_at;  // fault injection (ckpt::SaveOptions)

@@ -451,7 +451,11 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   if (root["output_dir"]) c.output_dir = ctx.get<std::string>(root["output_dir"], "output_dir", "a directory");
   c.checkpoint_dir = c.output_dir;
   if (const auto k = root["checkpoint"]) {
-    ctx.only(k, "checkpoint", {"dir", "interval", "final", "keep_last", "keep_every"});
+    ctx.only(k, "checkpoint", {"dir", "interval", "final", "keep_last", "keep_every", "flush_behind_mib"});
+    if (k["flush_behind_mib"])
+      c.checkpoint_flush_behind_mib = ctx.get<int>(k["flush_behind_mib"], "checkpoint.flush_behind_mib", "an integer");
+    if (c.checkpoint_flush_behind_mib < 0)
+      ctx.bad("checkpoint.flush_behind_mib", k["flush_behind_mib"], "must be >= 0 (0: off)");
     if (k["keep_last"]) c.checkpoint_keep_last = ctx.get<int>(k["keep_last"], "checkpoint.keep_last", "an integer");
     if (k["keep_every"]) c.checkpoint_keep_every = ctx.get<int>(k["keep_every"], "checkpoint.keep_every", "an integer");
     if (c.checkpoint_keep_last < 0) ctx.bad("checkpoint.keep_last", k["keep_last"], "must be >= 0");

@@ -66,6 +66,7 @@ struct TrainConfig {
   bool checkpoint_final = true;     // `checkpoint.final`: save when training ends (off for benchmarks)
   int checkpoint_keep_last = 0;     // `checkpoint.keep_last`: newest K kept (0: all)
   int checkpoint_keep_every = 0;    // `checkpoint.keep_every`: also every step divisible by M
+  int checkpoint_flush_behind_mib = 256;  // `checkpoint.flush_behind_mib`: write-behind window (0: off)
   double loss_spike_sigma = 0;      // `fault.loss_spike_sigma` k: a loss above mean + k x std of the last
                                     // `fault.loss_spike_window` steps' stops the run (0: off; train/loss_guard.h)
   int loss_spike_window = 50;       // `fault.loss_spike_window` W (>= 5)

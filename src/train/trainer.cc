@@ -507,6 +507,9 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
     progress(fmt::format("step {}", step_ + 1));
     const auto step_start = clock::now();
     const double waited_before = peer_wait_seconds();
+    // Under fault injection the previous step's heartbeat is on file before a fault can end the
+    // process, as keel run's drills expect (a real crash may leave it one step behind).
+    if (heartbeat_writer_ && !faults_.empty()) heartbeat_writer_->flush();
     faults_.before_step(step_ + 1, mesh_.rank());  // fault injection: kill, exit, hang, slow
     if (std::find(skip_steps_.begin(), skip_steps_.end(), step_ + 1) != skip_steps_.end()) {
       // --skip-step: this step's micro-batches, drawn as train_step() would and dropped
@@ -573,7 +576,6 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
 
 void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seconds, double device_seconds) {
   if (heartbeat_dir_.empty()) return;
-  namespace fs = std::filesystem;
   last_step_seconds_ = step_seconds;
   nlohmann::ordered_json j;
   j["rank"] = mesh_.rank();
@@ -587,31 +589,11 @@ void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seco
   j["host"] = heartbeat_host_;
   j["pid"] = static_cast<std::int64_t>(::getpid());
   j["world"] = mesh_.size();
-  const std::string text = j.dump() + "\n";
-  const std::string path = (fs::path(heartbeat_dir_) / fmt::format("rank-{}.json", mesh_.rank())).string();
-  const std::string tmp = path + ".tmp";
-  std::string why;
-  std::error_code ec;
-  if (!heartbeat_dir_made_) {
-    fs::create_directories(heartbeat_dir_, ec);
-    heartbeat_dir_made_ = !ec;
-    if (ec) why = fmt::format("cannot create {}: {}", heartbeat_dir_, ec.message());
-  }
-  if (why.empty()) {
-    // One small file per step: no fsync (a heartbeat lost to a crash of the machine is stale anyway).
-    std::FILE* f = std::fopen(tmp.c_str(), "w");
-    if (!f) {
-      why = fmt::format("cannot write {}: {}", tmp, std::strerror(errno));
-      heartbeat_dir_made_ = false;  // made again next time (removed under the run?)
-    } else {
-      const bool wrote = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-      const int err = errno;
-      if (std::fclose(f) != 0 || !wrote)
-        why = fmt::format("cannot write {}: {}", tmp, std::strerror(wrote ? errno : err));
-      else if (std::rename(tmp.c_str(), path.c_str()) != 0)
-        why = fmt::format("cannot rename {} to {}: {}", tmp, path, std::strerror(errno));
-    }
-  }
+  if (!heartbeat_writer_)
+    heartbeat_writer_ = std::make_unique<HeartbeatWriter>(heartbeat_file_writer(heartbeat_dir_, mesh_.rank()));
+  heartbeat_writer_->post(j.dump() + "\n");
+  if (std::strcmp(phase, "done") == 0) heartbeat_writer_->flush();  // keel run reads it once the process is gone
+  const std::string why = heartbeat_writer_->take_error();
   if (why.empty() || heartbeat_warned_) return;
   heartbeat_warned_ = true;
   std::fprintf(stderr, "keel: warning: %s--heartbeat %s: %s; training goes on (this warning once)\n",
@@ -651,6 +633,7 @@ void Trainer::make_checkpointer() {
   TrainCheckpointOptions o;
   o.keep_last = cfg_.checkpoint_keep_last;
   o.keep_every = cfg_.checkpoint_keep_every;
+  o.flush_behind_bytes = static_cast<std::uint64_t>(cfg_.checkpoint_flush_behind_mib) << 20;
   o.context_parallel = mesh_.shape().cp;
   o.tsp = mesh_.shape().tsp;
   o.fail_with_enospc_at = [this](std::int64_t step) {  // fault injection: diskfull@S:rR

@@ -18,6 +18,7 @@
 #include "common/watchdog.h"
 #include "data/blend.h"
 #include "train/backend.h"
+#include "train/heartbeat.h"
 #include "train/loss_guard.h"
 #include "train/metrics_log.h"
 #include "train/model.h"
@@ -105,7 +106,9 @@ class Trainer {
   // file and a rename) after start-up (phase "start"), after every step (phase "step", after
   // that step's checkpoint save) and at run()'s end (phase "done"): {"rank", "step", "time"
   // (unix seconds), "step_seconds", "phase", "host", "pid", "world"}. DIR is created when
-  // missing; a failed write is one warning line, never an error.
+  // missing; a failed write is one warning line, never an error. A thread writes the files
+  // (train/heartbeat.h): the step loop never waits for the file system; run() returns after
+  // its "done" heartbeat is written.
   // On GPUs the device canary's buffers are taken here (TrainBackend::device_canary_seconds), so
   // the start-up memory line holds them.
   void heartbeat_to(std::string dir) {
@@ -179,7 +182,7 @@ class Trainer {
   std::string heartbeat_dir_;
   bool heartbeat_started_ = false;  // the "start" heartbeat is written
   bool heartbeat_warned_ = false;
-  bool heartbeat_dir_made_ = false;
+  std::unique_ptr<HeartbeatWriter> heartbeat_writer_;  // made by the first heartbeat
   double last_step_seconds_ = 0;  // the step_seconds of the last heartbeat
   std::string heartbeat_host_;
   std::vector<std::int32_t> targets_;

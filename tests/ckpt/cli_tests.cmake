@@ -114,6 +114,19 @@ keel_cli_test(NAME ckpt_timeout_negative EXIT 1
   ARGS ckpt demo-save ${ck}/timeout --timeout -1)
 keel_cli_test(NAME ckpt_negative_step EXIT 1 MATCH "keel: error: --step must be at least 0, got -5"
   ARGS ckpt demo-save ${ck}/negative --step -5)
+keel_cli_test(NAME ckpt_bad_flush_behind EXIT 1 MATCH "^keel: error: --flush-behind-mib -1: must be >= 0 \\(0: off\\)$"
+  ARGS ckpt demo-save ${ck}/flush --flush-behind-mib -1)
+keel_cli_test(NAME ckpt_bad_probe EXIT 1 MATCH "^keel: error: --probe-ms nan: must be 0 \\(off\\) to 60000$"
+  ARGS ckpt demo-save ${ck}/probe --probe-ms nan)
+# --probe-ms: a step loop's small writes timed while the save writes (here a small window, so the
+# write-behind path runs; the checkpoint loads back bit for bit in ckpt_probe_load).
+keel_cli_test(NAME ckpt_probe NP 2 MATCH "probe \\(rank 0, a heartbeat rename \\+ a metrics append every 0.5 ms while writing\\): [0-9]+ pairs, median"
+  ARGS ckpt demo-save ${ck}/probe --model layers=2,hidden=256,vocab=4096,experts=4,ffn=256 --flush-behind-mib 1
+       --probe-ms 0.5)
+keel_cli_test(NAME ckpt_probe_load MATCH "every element bit-identical to what was saved"
+  ARGS ckpt demo-load ${ck}/probe --verify-checksums)
+set_tests_properties(cli_ckpt_probe PROPERTIES FIXTURES_REQUIRED ckpt_clean FIXTURES_SETUP ckpt_probed)
+set_tests_properties(cli_ckpt_probe_load PROPERTIES FIXTURES_REQUIRED ckpt_probed)
 
 add_test(NAME cli_ckpt_faults COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/ckpt/faults.sh $<TARGET_FILE:keel> ${MPIEXEC_EXECUTABLE})
 set_tests_properties(cli_ckpt_faults PROPERTIES ENVIRONMENT "${KEEL_MPI_ENV}" TIMEOUT 120)

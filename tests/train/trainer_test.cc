@@ -154,6 +154,19 @@ TEST(TrainConfig, TensorOverlapIsOnByDefaultAndParses) {
                                "key 'parallel.tensor_overlap' (from --set): must be true or false");
 }
 
+TEST(TrainConfig, CheckpointFlushBehindDefaultsTo256MiBAndParses) {
+  const auto dir = fixtures::temp_dir("train_test", "flushbehind");
+  const auto prefix = fixtures::make_dataset(dir, "d");
+  const std::string good = fixtures::train_config_text(prefix, dir / "out");
+  EXPECT_EQ(parse_train_config(good, "t.yaml").checkpoint_flush_behind_mib, 256);
+  EXPECT_EQ(parse_train_config(good, "t.yaml", {"checkpoint.flush_behind_mib=0"}).checkpoint_flush_behind_mib, 0);
+  EXPECT_EQ(parse_train_config(good, "t.yaml", {"checkpoint.flush_behind_mib=64"}).checkpoint_flush_behind_mib, 64);
+  fixtures::expect_usage_error(good, {"checkpoint.flush_behind_mib=-1"},
+                               "key 'checkpoint.flush_behind_mib' (from --set): must be >= 0 (0: off)");
+  fixtures::expect_usage_error(good, {"checkpoint.flush_behind_mib=lots"},
+                               "key 'checkpoint.flush_behind_mib' (from --set): must be an integer");
+}
+
 TEST(Trainer, MissingAndTruncatedDataset) {
   const auto dir = fixtures::temp_dir("train_test", "trunc");
   const auto prefix = fixtures::make_dataset(dir, "d");
