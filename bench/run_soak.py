@@ -32,8 +32,11 @@ On GPUs (issue 32's 2-GPU benchmark: a killed and a hung rank on the ZAYA1-shape
 train config of that model and its own data (bench/zaya_vs_torch.py writes one):
 
   python3 bench/run_soak.py --keel build-gpu/keel --device cuda --config OUT/keel_train.yaml --own-data \
-      --kinds kill,hang --minutes 3 --interval 90 --checkpoint-interval 300 --spike-window 10 \
-      --set batch.grad_accum=2 --out out/soak_gpu
+      --kinds kill,hang --minutes 2.6 --interval 78 --checkpoint-interval 200 --first-fault-step 460 \
+      --spike-window 10 --min-deadline 10 --set batch.grad_accum=2 --out out/soak_gpu
+
+(scripts/gpu.sh soak runs this on every GPU of the machine; the faults come after the first
+25 GB checkpoint is committed, and keel run's own 10 s hang floor is kept.)
 """
 import argparse
 import collections
@@ -101,14 +104,15 @@ def plan_faults(a, steps, step_s):
     """[(kind, step, spec)]: --minutes * 60 / --interval faults (the count a Poisson process of that
     mean gap has on average), at the steps of one conditioned on that count (uniform order
     statistics: exponential gaps scaled to the span), at least a checkpoint interval + 5 steps
-    apart (one fault per attempt), none before the spike guard's window is full; kinds in
-    shuffled rounds, each on a random rank."""
+    apart (one fault per attempt), none before the spike guard's window is full (nor before
+    --first-fault-step: on GPUs, after the first checkpoint's commit, so that no fault restarts the
+    run from its start); kinds in shuffled rounds, each on a random rank."""
     rng = random.Random(a.seed)
     kinds = a.kinds.split(",")
     count = max(1, round(a.minutes * 60 / a.interval))
     min_gap = a.checkpoint_interval + 5
     # the steps faults may fall on: after the loss-spike guard's window has filled
-    first, last = a.spike_window + 10, steps - 2 * a.checkpoint_interval
+    first, last = max(a.spike_window + 10, a.first_fault_step), steps - 2 * a.checkpoint_interval
     span = last - first - count * min_gap
     if span < 0:
         sys.exit(f"{count} faults {min_gap} steps apart do not fit in {steps} steps: a longer run or a longer --interval")
@@ -169,6 +173,9 @@ def main():
     ap.add_argument("--expect-ratio", type=float, default=0.85, help="effective ratio the run is sized with")
     ap.add_argument("--spike-sigma", type=float, default=8.0)
     ap.add_argument("--spike-window", type=int, default=50)
+    ap.add_argument("--first-fault-step", type=int, default=0,
+                    help="no fault before this step (e.g. after the first checkpoint's commit: a 25 GB save takes "
+                         "~250 steps of the ZAYA1-shaped model on an H200 machine's disk)")
     ap.add_argument("--max-restarts", type=int, default=1000)
     ap.add_argument("--backoff", type=float, default=0.5)
     ap.add_argument("--backoff-max", type=float, default=1.0)

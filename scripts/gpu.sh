@@ -290,16 +290,17 @@ for step in "${steps[@]}"; do
         note "linattn: FAILED or timed out before the table (see linattn_vs_fla.log)"
       fi ;;
     soak)
-      # keel run on 2 GPUs through a killed and a hung rank on the ZAYA1-shaped model (issue 32):
-      # detection latency, restart time, steps lost (bench/run_soak.py; KEEL_SOAK_ARGS to it). The
-      # model's config and data come from a short bench/zaya_vs_torch.py run. The run (and its
+      # keel run on every GPU (one rank each) through a killed and a hung rank on the ZAYA1-shaped
+      # model (issue 32): detection latency, restart time, steps lost (bench/run_soak.py;
+      # KEEL_SOAK_ARGS to it). The hang deadline's floor is keel run's default, 10 s: at 5 s a
+      # one-GPU soak took a spontaneous 5 s pause of a healthy rank for a hang (PERFORMANCE.md).
+      # The model's config and data come from a short bench/zaya_vs_torch.py run. The run (and its
       # checkpoints, ~25 GB each) lives in /tmp/keel-soak; its logs and events come back in $out/soak.
-      if [ "$gpus" -lt 2 ]; then note "soak: skipped (needs 2+ GPUs)"; continue; fi
       python3 bench/zaya_vs_torch.py --keel "$build/keel" --out /tmp/keel-soak/model --steps 2 --warmup 1 \
           --skip-torch --skip-compile >"$out/soak_model.log" 2>&1
       timeout "${KEEL_SOAK_TIMEOUT:-540}" python3 bench/run_soak.py --keel "$build/keel" --device cuda \
           --config /tmp/keel-soak/model/keel_train.yaml --own-data --kinds kill,hang --ranks "$gpus" \
-          ${KEEL_SOAK_PLAN:---minutes 3 --interval 90 --checkpoint-interval 300} --spike-window 10 \
+          ${KEEL_SOAK_PLAN:---minutes 2.6 --interval 78 --checkpoint-interval 200 --first-fault-step 460} --spike-window 10 --min-deadline 10 \
           --set batch.grad_accum=$gpus --out /tmp/keel-soak/soak ${KEEL_SOAK_ARGS:-} 2>&1 \
           | tee "$out/soak.log" | tail -14
       mkdir -p "$out/soak"
