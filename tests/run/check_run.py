@@ -116,9 +116,16 @@ ref = losses(ref_out)
 assert len(ref) == STEPS, ref
 
 # kill
+shm = "/dev/shm"
+local_beats = os.path.isdir(shm) and os.access(shm, os.W_OK)
+shm_before = set(os.listdir(shm)) if local_beats else set()
 out, _ = keel_run("kill", "--inject", "kill@7:r1")
 got, ev = losses(out), events(out)
 check(got == ref, "kill: every step's loss equals the uninterrupted run's bit for bit")
+if local_beats:  # one node: the heartbeats lived in /dev/shm/keel-run-<pid>, gone with keel run
+    left = [n for n in set(os.listdir(shm)) - shm_before if n.startswith("keel-run-")]
+    check(not left and not os.path.exists(os.path.join(out, ".heartbeat")),
+          f"kill: the heartbeats in {shm}, removed when keel run ended (left: {left})")
 faults = [e for e in ev if e["event"] == "fault"]
 check(len(faults) == 1 and faults[0]["kind"] == "dead", f"kill: one dead-rank fault ({[f['kind'] for f in faults]})")
 restart = [e for e in ev if e["event"] == "restart"]
