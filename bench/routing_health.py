@@ -17,7 +17,9 @@ Runs, the same data and seed:
            with the same controller;
   after-proportional: the defaults with router.balance proportional, rate 0.1.
 Each run reports, after step --after: the worst per-layer busiest class over its fair share
-(1/17, skip included), its mean, the share of steps with a layer above 2x, the mean skip share, the loss (mean of the last 5 steps) and the loss at
+(1/17, skip included), its mean, the share of steps with a layer above 2x, the same worst over
+windows of 10 steps' summed counts (router.log_counts: the balance the controller holds apart
+from one step's sampling of a few documents), the mean skip share, the loss (mean of the last 5 steps) and the loss at
 steps 10/25/50, tokens/s and MFU (median over steps 5..end). Table last; JSON to OUT/routing.json.
 """
 import argparse
@@ -86,11 +88,26 @@ def run(keel, d, prefix, out, steps, device, extra):
     cfg = os.path.join(out, "train.yaml")
     with open(cfg, "w") as f:
         f.write(keel_config(d, prefix, out, steps, device))
-    r = subprocess.run([keel, "train", cfg, *extra], capture_output=True, text=True)
+    r = subprocess.run([keel, "train", cfg, "--set", "router.log_counts=true", *extra], capture_output=True, text=True)
     open(os.path.join(out, "train.log"), "w").write(r.stdout + r.stderr)
     if r.returncode != 0:
         sys.exit(f"keel train failed ({r.returncode}): {(r.stdout + r.stderr)[-3000:]}")
-    return [json.loads(l) for l in open(os.path.join(out, "run", "metrics.jsonl")) if '"loss"' in l]
+    rows = [json.loads(l) for l in open(os.path.join(out, "run", "metrics.jsonl"))]
+    counts = {r["step"]: r["routing_counts"] for r in rows if "routing_counts" in r}
+    return [dict(r, counts=counts.get(r["step"])) for r in rows if "loss" in r]
+
+
+def window_busiest(rows, classes, after, width):
+    """The worst layer's busiest class over its fair share with each layer's counts summed over
+    windows of `width` steps after step `after` (what the controller holds on average, apart from
+    the sampling of one step's few documents): the windows' worst and mean."""
+    late = [r["counts"] for r in rows if r["step"] > after and r.get("counts")]
+    out = []
+    for w in range(0, len(late) - width + 1, width):
+        layers = [[sum(step[l][c] for step in late[w:w + width]) for c in range(len(late[w][l]))]
+                  for l in range(len(late[w]))]
+        out.append(max(max(l) / sum(l) * classes for l in layers if sum(l) > 0))
+    return (max(out), statistics.mean(out)) if out else (None, None)
 
 
 def summarize(rows, classes, after):
@@ -100,7 +117,10 @@ def summarize(rows, classes, after):
     per_layer = sorted(k for k in rows[0] if k.startswith("routing_busiest_share."))
     at = {r["step"]: r["ce"] for r in rows}
     timed = [r for r in rows if r["step"] >= 5]
+    w_worst, w_mean = window_busiest(rows, classes, after, 10)
     return {
+        "window10_busiest_over_fair_worst_after": w_worst,
+        "window10_busiest_over_fair_mean_after": w_mean,
         "worst_busiest_over_fair_after": max(busiest(r) for r in late),
         "mean_busiest_over_fair_after": statistics.mean(busiest(r) for r in late),
         "share_of_steps_over_2x_after": sum(busiest(r) > 2 for r in late) / len(late),
@@ -153,13 +173,14 @@ def main():
     print(f"\n== routing health: {d['name']}, {a.steps} steps of {d['seq'] * d['micro_batch']} tokens, real text "
           f"(byte-tokenized data/corpus{''.join(' + ' + os.path.basename(t) for t in a.text)}, "
           f"{corpus_bytes / 2e6:.2f} M tokens), {a.device}; after step {a.after}:")
-    print(f"{'variant':20s} {'busiest/fair worst':>18s} {'mean':>6s} {'>2x':>5s} {'skip':>6s} {'ce@10':>7s} {'ce@25':>7s} "
-          f"{'ce@50':>7s} {'ce end':>7s} {'tok/s':>8s} {'MFU':>6s}")
+    print(f"{'variant':20s} {'busiest/fair worst':>18s} {'mean':>6s} {'>2x':>5s} {'10-step worst':>13s} {'skip':>6s} "
+          f"{'ce@10':>7s} {'ce@25':>7s} {'ce@50':>7s} {'ce end':>7s} {'tok/s':>8s} {'MFU':>6s}")
     for v, r in results.items():
         c = r["ce_at"]
         f = lambda x: f"{x:7.3f}" if x is not None else "      -"
+        w10 = r["window10_busiest_over_fair_worst_after"]
         print(f"{v:20s} {r['worst_busiest_over_fair_after']:18.2f} {r['mean_busiest_over_fair_after']:6.2f} {r['share_of_steps_over_2x_after']:5.2f} "
-              f"{r['mean_skip_share_after']:6.3f} {f(c[10])} {f(c[25])} {f(c[50])} {r['ce_final']:7.3f} "
+              f"{w10 if w10 is not None else float('nan'):13.2f} {r['mean_skip_share_after']:6.3f} {f(c[10])} {f(c[25])} {f(c[50])} {r['ce_final']:7.3f} "
               f"{r['tokens_per_s']:8.0f} {100 * r['mfu']:5.1f}%")
 
 
