@@ -86,7 +86,7 @@ int run(const Options& o);
 // Where the ranks write their heartbeats (keel train --heartbeat). On one node: a directory of
 // the node's memory file system, local_root/keel-run-<this pid> (no journal, no disk: a
 // checkpoint being flushed to the run's disk cannot hold a heartbeat back until the rank looks
-// hung, as it did on an H200, docs/PERFORMANCE.md); removed when keel run ends. On several nodes,
+// hung, as one seemed to on an H200 machine, docs/PERFORMANCE.md); removed when keel run ends. On several nodes,
 // or without a writable local_root: <output_dir>/.heartbeat, which every node sees.
 std::string heartbeat_dir(const std::string& output_dir, bool multi_node, const std::string& local_root = "/dev/shm");
 

@@ -3,8 +3,9 @@
 // The step loop posts each heartbeat and goes on; a thread of its own writes it (through
 // DIR/rank-<r>.json.tmp and a rename). A file system that stalls, as a journaling one does while
 // a checkpoint's tens of gigabytes are flushed to the same disk, then delays the file and never
-// the step: on an H200 a step loop that wrote its heartbeat itself stood still for over 10 s
-// during such a flush and keel run took it for a hung rank (docs/PERFORMANCE.md, issue 32).
+// the step. (On an H200 machine, when the step loop still wrote its heartbeat itself, a rank's
+// heartbeat went 10 s stale during such a flush and keel run took the rank for a hung one:
+// docs/PERFORMANCE.md, issue 32.)
 // Records posted while one is being written are coalesced: only the newest is written next.
 #pragma once
 
