@@ -253,7 +253,7 @@ int run(const Options& o) {
       std::error_code ec;
       if (!dir.empty()) fs::remove_all(dir, ec);
     }
-  } remove_local{beats_dir.parent_path() == out_dir ? fs::path() : beats_dir};
+  } remove_local{beats_dir == heartbeat_dir(out_dir.string(), true) ? fs::path() : beats_dir};
   if (!o.hosts.empty()) read_hostfile(o.hosts);  // one line now when it cannot be read
   std::vector<std::string> nodes_out;  // excluded nodes, in order
   std::string hostfile = o.hosts;      // the next attempt's (without them)
