@@ -30,4 +30,29 @@ std::vector<pid_t> wait_gone(const std::vector<pid_t>& pids, double seconds);
 // the holder's line.
 std::string wait_unlocked(const std::string& dir, double seconds);
 
+// What one thread of a process is doing, from /proc/PID/task/TID (Linux): its name, its
+// scheduler state (R running, S sleeping, D in uninterruptible wait, ...), the kernel function
+// it waits in (wchan; "" when the kernel hides it), its system call (number and arguments, or
+// "running"), and its kernel stack's functions (only where /proc lets this process read them:
+// root, or the owner with ptrace rights).
+struct ThreadState {
+  int tid = 0;
+  std::string name;
+  char state = '?';
+  std::string wchan;
+  std::string syscall;
+  std::vector<std::string> kernel_stack;  // innermost first, "func" without offsets
+};
+
+// Every thread of `pid` as /proc shows it now; empty when the process is gone or unreadable.
+// A hung rank's fault report names what its threads were waiting in (a stalled write, a lock,
+// a driver call), which the heartbeats alone cannot tell apart.
+std::vector<ThreadState> thread_states(pid_t pid);
+
+// One line for a report: the main thread (tid == pid) first, then the other threads that are
+// not plainly asleep (state other than S, or S in a wait that is not a futex, poll or sleep),
+// up to `limit` of them, then how many sleep. E.g. "main D in folio_wait_bit (syscall 1, write);
+// keel-ckpt S in pipe_read; 14 others asleep".
+std::string describe_threads(const std::vector<ThreadState>& threads, pid_t pid, int limit = 6);
+
 }  // namespace keel::run

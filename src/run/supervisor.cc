@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -32,6 +33,7 @@
 #include "common/error.h"
 #include "common/faults.h"
 #include "common/host.h"
+#include "common/stack_dump.h"
 #include "device/cuda_devices.h"
 #include "run/child.h"
 #include "run/nodes.h"
@@ -172,6 +174,7 @@ struct Fault {
   std::string detail;
   std::int64_t skip_step = 0;  // nan, loss_spike: the step whose data is skipped on restart
   nlohmann::json numbers = nlohmann::json::object();  // loss_spike: loss, mean, std (into the event)
+  std::vector<std::string> threads;                    // hang: what each local rank's threads wait in
 };
 
 }  // namespace
@@ -554,6 +557,18 @@ int run(const Options& o) {
         f.detect_seconds = now - oldest->time;
         f.detail = fmt::format("no heartbeat for {:.1f} s (deadline {:.1f} s: {} x the median step {:.3f} s, at least {} s)",
                                f.detect_seconds, deadline, o.hang_factor, median_of(step_times), o.min_deadline);
+        // before the kill: what this host's ranks were waiting in (a stalled write, a lock, a
+        // driver call or a spinning collective tell a slow disk from a hung peer)
+        for (const auto& [r, b] : beats)
+          if (b.pid > 0 && b.host == this_host)
+            f.threads.push_back(fmt::format("rank {} (pid {}): {}", r, b.pid, describe_threads(thread_states(b.pid), b.pid)));
+        // and each one's main thread writes its own stack into the attempt's log (SIGUSR2), one
+        // rank at a time so that their lines do not interleave
+        for (const auto& [r, b] : beats)
+          if (b.pid > 0 && b.host == this_host && ::syscall(SYS_tgkill, b.pid, b.pid, kStackDumpSignal) == 0) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(o.stack_wait_ms));
+            drain();
+          }
         fault = f;
         kill_job(beats);
         break;
@@ -720,10 +735,12 @@ int run(const Options& o) {
                                   {"ranks_exit_seconds", ranks_exit_seconds},
                                   {"detail", fault->detail}, {"skip_step", fault->skip_step}};
     fault_event.update(fault->numbers);
+    if (!fault->threads.empty()) fault_event["threads"] = fault->threads;
     events.write(fault_event);
     std::printf("keel run: fault (%s%s) at step %lld: %s; detected in %.2f s\n", fault->kind.c_str(),
                 fault->rank >= 0 ? fmt::format(", rank {} on {} pid {}", fault->rank, fault->host, fault->pid).c_str() : "",
                 static_cast<long long>(reached), fault->detail.c_str(), fault->detect_seconds);
+    for (const auto& t : fault->threads) std::printf("keel run:   at detection, %s\n", t.c_str());
     if (in_a_row > o.max_restarts) {
       events.write({{"event", "give_up"}, {"restarts", restarts - 1}, {"last_fault", fault->kind}});
       throw Error(fmt::format("run: gave up after {} restarts without progress (--max-restarts {}; {} in all); the "

@@ -9,7 +9,10 @@
 //               the launcher exited with an error;
 //   hung rank   a rank's heartbeat is older than a deadline that adapts to the run: hang_factor
 //               x the median step time of this attempt, at least min_deadline (start_deadline
-//               before the first step); the job's processes are then killed;
+//               before the first step); the job's processes are then killed, after the
+//               fault has recorded what this host's ranks were doing: each thread's kernel
+//               wait (run/child.h thread_states, in the fault event's "threads") and each
+//               main thread's own stack (SIGUSR2, common/stack_dump.h: in the attempt's log);
 //   NaN / inf   keel train stops with "step S: loss is nan" (or a non-finite gradient norm):
 //               the restart resumes from the last checkpoint and skips step S's data;
 //   loss spike  keel train stops with "step S: loss X is a spike (...)" (fault.loss_spike_*):
@@ -43,7 +46,7 @@
 // next step boundary and exits 0; the supervisor waits up to `grace` seconds.
 //
 // Events (one JSON object per line, events file): start, fault (kind, rank, host, pid, step,
-// detect_seconds), straggler (rank, host, pid, step, busy and others' busy seconds), restart (resume step, steps lost, back-off), done / give_up, and a summary:
+// detect_seconds; a hang also threads), straggler (rank, host, pid, step, busy and others' busy seconds), restart (resume step, steps lost, back-off), done / give_up, and a summary:
 // faults survived by kind and the effective training time ratio (the time of the steps kept
 // over the wall time).
 #pragma once
@@ -71,6 +74,7 @@ struct Options {
   double backoff = 1.0, backoff_max = 30.0;
   double grace = 120.0;               // after a stop signal
   double exit_wait = 60.0;            // for an ended attempt's ranks (this host's) to be gone
+  int stack_wait_ms = 200;            // a hang: for each of this host's ranks to write its main stack
   double poll = 0.1;                  // seconds between checks
   std::vector<std::string> inject;    // keel train --inject specs (faults for testing; see run())
   std::string events;                 // events file (default: <output_dir>/run_events.jsonl)

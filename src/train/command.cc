@@ -16,6 +16,7 @@
 #include "common/hash.h"
 #include "common/mpi_session.h"
 #include "common/process.h"
+#include "common/stack_dump.h"
 #include "common/stop_signal.h"
 #include "common/watchdog.h"
 #include "device/cuda_devices.h"
@@ -214,6 +215,8 @@ void add_command(CLI::App& app) {
     // SIGINT / SIGTERM (Ctrl-C, a preemption): the first stops the run at the next step boundary,
     // every rank at the same one, after saving a checkpoint there; a second exits at once.
     install_stop_signals();
+    // SIGUSR2: the receiving thread's stack on stderr (keel run asks a hung rank's main thread)
+    install_stack_dump();
     // A hung or dead peer blocks the others inside a collective forever: each phase below runs
     // under a deadline, so every surviving rank exits with one line instead (and the launcher
     // tears down the rest).

@@ -153,6 +153,21 @@ check(len(faults) == 1 and faults[0]["kind"] == "hang", f"hang: one hung-rank fa
 if faults:
     check(faults[0]["detect_seconds"] <= 3 * 2 + 3,
           f"hang: detected {faults[0]['detect_seconds']:.2f} s after its last heartbeat (deadline floor 2 s)")
+    # what each rank's threads waited in, read before the kill: the hung rank's main thread
+    # sleeps in the injected hang's loop (a nanosleep, where /proc shows waits or system calls)
+    threads = faults[0].get("threads", [])
+    check(len(threads) == 2 and all(t.startswith(f"rank {r} (pid ") for r, t in enumerate(threads)),
+          f"hang: both ranks' threads in the fault event ({threads})")
+    hung = threads[0] if threads else ""
+    check(": main S" in hung and ("nanosleep" in hung or ("(" not in hung.split(": ", 1)[1] and " in " not in hung)),
+          f"hang: rank 0's main thread asleep in the hang's nanosleep ({hung})")
+    # and each main thread's own stack, written into the attempt's log before the kill: the hung
+    # rank's names the injected hang's function
+    with open(os.path.join(out, "run_attempt_1.log")) as f:
+        log = f.read()
+    heads = re.findall(r"keel: \[rank (\d)\] stack of thread \d+ \(main\), on request \(SIGUSR2\):", log)
+    check(sorted(heads) == ["0", "1"], f"hang: both ranks' main stacks in the attempt's log ({heads})")
+    check("hang_forever" in log, "hang: rank 0's stack names keel::hang_forever")
 
 # nan
 out, _ = keel_run("nan", "--inject", "nan@11")
