@@ -220,11 +220,30 @@ TEST(Memory, TspShardsAndGathersByHand) {
   EXPECT_DOUBLE_EQ(item(e, "backward scratch"),
                    16384.0 * (12 * 4096) + 16384.0 * (2 * 4096 + 2 * (2 * 2048 + 2 * 512) + 4 * 2048 + 6 * 7168));
   EXPECT_FALSE(has_item(e, "attention outputs")) << "no attention outputs kept under TSP";
+  EXPECT_FALSE(has_item(e, "TSP per-shard routing state")) << "a dense model routes nothing";
   // no such items without TSP
   s = setup("llama3-8b", "tp=2", 2);
   s.seq = 32768;
   const MemoryEstimate t = estimate_memory(s);
   for (const auto& it : t.items) EXPECT_EQ(it.name.find("TSP"), std::string::npos) << it.name;
+}
+
+// TSP on ZAYA1-8B (40 MoE layers, 16 experts + the skip class, top-1, its MLP router over 256
+// wide, hidden 2048) at tsp=2, 32768 tokens: the second shard's pass through each MoE layer
+// keeps its own routing state for this rank's 16384 tokens (blocks/cuda/mlp_cuda.cc): the
+// router's (EDA state and GELU pre-activations fp32, their bf16 outputs: 256 x (4 + 2 + 2 x 6);
+// logits and probabilities over 17 classes; four fp32 and three int32 per token), then the
+// routed row's bf16 input and output (2 x 2 x 2048). Under full recompute one layer's.
+TEST(Memory, TspPerShardRoutingStateByHand) {
+  keel::size::Setup s = setup("zaya1-8b", "tsp=2", 2);
+  s.seq = 32768;
+  const double per_token = 256.0 * 18 + 2 * 4 * 17 + 16 + 12 + 2 * 2 * 2048;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "TSP per-shard routing state"), 40 * 16384.0 * per_token);
+  s.recompute = model::Recompute::kFull;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "TSP per-shard routing state"), 16384.0 * per_token);
+  s = setup("zaya1-8b", "tsp=4", 4);
+  s.seq = 32768;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "TSP per-shard routing state"), 3 * 40 * 8192.0 * per_token);
 }
 
 // Tensor parallelism (with sequence parallelism) on Llama-3-8B at tp=2, 32768 tokens: keel
