@@ -32,8 +32,8 @@ On GPUs (issue 32's 2-GPU benchmark: a killed and a hung rank on the ZAYA1-shape
 train config of that model and its own data (bench/zaya_vs_torch.py writes one):
 
   python3 bench/run_soak.py --keel build-gpu/keel --device cuda --config OUT/keel_train.yaml --own-data \
-      --kinds kill,hang --minutes 2.6 --interval 78 --checkpoint-interval 200 --first-fault-step 460 \
-      --spike-window 10 --min-deadline 10 --set batch.grad_accum=2 --out out/soak_gpu
+      --kinds kill,hang --minutes 3.0 --interval 90 --checkpoint-interval 200 --first-fault-step 440 \
+      --spike-window 50 --min-deadline 10 --set batch.grad_accum=2 --out out/soak_gpu
 
 (scripts/gpu.sh soak runs this on every GPU of the machine; the faults come after the first
 25 GB checkpoint is committed, and keel run's own 10 s hang floor is kept.)

@@ -300,7 +300,7 @@ for step in "${steps[@]}"; do
           --skip-torch --skip-compile >"$out/soak_model.log" 2>&1
       timeout "${KEEL_SOAK_TIMEOUT:-540}" python3 bench/run_soak.py --keel "$build/keel" --device cuda \
           --config /tmp/keel-soak/model/keel_train.yaml --own-data --kinds kill,hang --ranks "$gpus" \
-          ${KEEL_SOAK_PLAN:---minutes 2.6 --interval 78 --checkpoint-interval 200 --first-fault-step 460} --spike-window 10 --min-deadline 10 \
+          ${KEEL_SOAK_PLAN:---minutes 3.0 --interval 90 --checkpoint-interval 200 --first-fault-step 440} --spike-window 50 --min-deadline 10 \
           --set batch.grad_accum=$gpus --out /tmp/keel-soak/soak ${KEEL_SOAK_ARGS:-} 2>&1 \
           | tee "$out/soak.log" | tail -14
       mkdir -p "$out/soak"

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <thread>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -145,6 +146,7 @@ double Saver::save(std::int64_t step, const std::vector<SaveShard>& shards, cons
   if (ec) fail("cannot create {}: {}", dir, ec.message());
   step_ = step;
   enospc_ = opt_.fail_with_enospc || (opt_.fail_with_enospc_at && opt_.fail_with_enospc_at(step));
+  delay_ms_ = opt_.write_delay_ms_at ? std::max<std::int64_t>(0, opt_.write_delay_ms_at(step)) : 0;
   dir_ = dir;
   layout_ = layout;
   report_ = nlohmann::json::object();
@@ -237,8 +239,10 @@ void Saver::write_bucket(Bucket& k) {
       std::uint64_t pos = 0;
       FlushBehind behind(fd, opt_.flush_behind_bytes);
       k.flushed = 0;
+      // a delayed save (fault injection) writes in 64 paced pieces, so its progress shows
+      const std::uint64_t chunk = delay_ms_ > 0 ? std::max<std::uint64_t>(4096, k.used / 64) : opt_.chunk_bytes;
       while (pos < k.used) {
-        const std::uint64_t n = std::min(opt_.chunk_bytes, k.used - pos);
+        const std::uint64_t n = std::min(chunk, k.used - pos);
         if (enospc_) {
           errno = ENOSPC;
           fail("cannot write {}: {}", k.path, std::strerror(errno));
@@ -250,6 +254,11 @@ void Saver::write_bucket(Bucket& k) {
         }
         pos += static_cast<std::uint64_t>(w);
         behind.wrote(pos);
+        if (delay_ms_ > 0) {
+          const double due = 1e-3 * static_cast<double>(delay_ms_) * static_cast<double>(pos) / static_cast<double>(k.used);
+          const double ahead = due - (now_s() - t0);
+          if (ahead > 0) std::this_thread::sleep_for(std::chrono::duration<double>(ahead));
+        }
         const std::int64_t total = written_ += w;
         if (opt_.die_after_bytes >= 0 && total >= opt_.die_after_bytes) {
           std::fprintf(stderr, "keel: fault injection: rank exits after writing %lld bytes of %s\n",

@@ -68,6 +68,9 @@ struct SaveOptions {
   bool fail_with_enospc = false;
   // The same per save: asked once by save() with its step (keel train --inject diskfull@S).
   std::function<bool(std::int64_t step)> fail_with_enospc_at;
+  // How long this rank's writes of each save take at least (ms; 0: as fast as they go), paced
+  // evenly over the bytes as a saturated disk would write them (keel train --inject slowsave@S).
+  std::function<std::int64_t(std::int64_t step)> write_delay_ms_at;
 };
 
 struct SaveStats {
@@ -104,6 +107,8 @@ class Saver {
   bool in_flight() const { return in_flight_; }
   // True once this rank's background writes are done (no communication).
   bool writes_done() const { return pending_.load() == 0; }
+  // Bytes this rank's writes of the save in flight have handed to the file system so far.
+  std::int64_t bytes_written() const { return written_.load(); }
 
  private:
   struct Bucket;
@@ -118,6 +123,7 @@ class Saver {
   std::atomic<std::int64_t> written_{0};
   bool in_flight_ = false;
   bool enospc_ = false;  // this save's writes fail as on a full disk (fault injection)
+  std::int64_t delay_ms_ = 0;  // this save's writes take at least this long (fault injection)
   std::int64_t step_ = 0;
   std::string dir_, layout_;
   double stall_s_ = 0;

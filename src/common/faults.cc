@@ -55,9 +55,10 @@ Fault parse_one(const std::string& word, const std::string& flag) {
   else if (kind == "nan") f.kind = Fault::Kind::kNan;
   else if (kind == "spike") f.kind = Fault::Kind::kSpike;
   else if (kind == "diskfull") f.kind = Fault::Kind::kDiskFull;
+  else if (kind == "slowsave") f.kind = Fault::Kind::kSlowSave, f.sleep_ms = 5000;
   else if (kind == "health") f.kind = Fault::Kind::kHealth;
   else if (kind == "slowgpu") f.kind = Fault::Kind::kSlowGpu;
-  else throw bad(fmt::format("unknown fault '{}' (kill, exit, hang, slow, nan, spike, diskfull, health, slowgpu)", kind));
+  else throw bad(fmt::format("unknown fault '{}' (kill, exit, hang, slow, nan, spike, diskfull, slowsave, health, slowgpu)", kind));
   const bool slow = f.kind == Fault::Kind::kSlow || f.kind == Fault::Kind::kSlowGpu;
   const std::vector<std::string> fields = split(word.substr(at + 1), ':');
 
@@ -99,6 +100,7 @@ Fault parse_one(const std::string& word, const std::string& flag) {
         f.exit_code = static_cast<int>(v);
         break;
       case Fault::Kind::kSlow:
+      case Fault::Kind::kSlowSave:
         if (!parse_int(x, v) || v > 86'400'000) throw bad(fmt::format("'{}' is not milliseconds (0-86400000)", x));
         f.sleep_ms = v;
         break;
@@ -187,6 +189,11 @@ int FaultPlan::canary_repeats_at(std::int64_t step, int rank) const {
 
 bool FaultPlan::disk_full_at(std::int64_t step, int rank) const {
   return due_at(faults, Fault::Kind::kDiskFull, step, rank);
+}
+
+std::int64_t FaultPlan::save_delay_ms_at(std::int64_t step, int rank) const {
+  const Fault* f = due_at(faults, Fault::Kind::kSlowSave, step, rank);
+  return f ? f->sleep_ms : 0;
 }
 
 }  // namespace keel

@@ -14,6 +14,9 @@
 //                          before the reduction over ranks (the trainer asks loss_factor_at)
 //   diskfull@S[:rR]        rank R's write of the checkpoint of step S fails as with ENOSPC
 //                          (nothing when step S saves no checkpoint; the trainer asks disk_full_at)
+//   slowsave@S[:rR][:MS]   rank R's writes of the checkpoint of step S take at least MS ms
+//                          (default 5000), paced evenly over the bytes, as a saturated disk would
+//                          (the trainer asks save_delay_ms_at)
 //   slowgpu@S[-E][:rR][:F] at steps S..E rank R's device canary (keel run's GPU straggler check:
 //                          TrainBackend::device_canary_seconds) runs its GEMM F times (default 4),
 //                          as a throttled GPU would take F times as long (GPUs only)
@@ -30,13 +33,13 @@
 namespace keel {
 
 struct Fault {
-  enum class Kind { kKill, kExit, kHang, kSlow, kNan, kSpike, kDiskFull, kHealth, kSlowGpu };
+  enum class Kind { kKill, kExit, kHang, kSlow, kNan, kSpike, kDiskFull, kHealth, kSlowGpu, kSlowSave };
   Kind kind = Kind::kKill;
   std::int64_t first_step = 1, last_step = 1;  // the steps it fires at, inclusive (a range for slow only;
                                                // health: the attempt)
   int rank = 0;                                // world rank
   int exit_code = 3;                           // exit
-  std::int64_t sleep_ms = 500;                 // slow
+  std::int64_t sleep_ms = 500;                 // slow (slowsave: 5000, set by the parser)
   double factor = 100;                         // spike
   int repeats = 4;                             // slowgpu
   std::string spec;                            // the word it was parsed from ("kill@3:r1"), for messages
@@ -57,12 +60,14 @@ struct FaultPlan {
   double loss_factor_at(std::int64_t step, int rank) const;
   // Whether world rank `rank`'s write of the checkpoint of step `step` is to fail as on a full disk.
   bool disk_full_at(std::int64_t step, int rank) const;
+  // How long world rank `rank`'s writes of the checkpoint of step `step` are to take at least (ms; 0: no fault).
+  std::int64_t save_delay_ms_at(std::int64_t step, int rank) const;
   // How many times world rank `rank`'s device canary runs its GEMM at step `step` (1: no fault).
   int canary_repeats_at(std::int64_t step, int rank) const;
 };
 
 // Parses a spec (above). A malformed word is a keel::UsageError of one line naming it:
-// "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health, slowgpu)" (`flag`
+// "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, slowsave, health, slowgpu)" (`flag`
 // names the source).
 FaultPlan parse_faults(const std::string& spec, const std::string& flag = "--inject");
 

@@ -176,7 +176,8 @@ void add_command(CLI::App& app) {
                   "Fault injection (tests, supervisor drills; repeatable): a comma list of KIND@STEP[:rRANK][:ARG]: "
                   "kill@S (SIGKILL), exit@S[:CODE] (_exit, default 3), hang@S, slow@S[-E][:MS] (sleep MS ms, default "
                   "500, at each step S..E), nan@S (the step's loss is NaN), spike@S[:FACTOR] (the step's loss times "
-                  "FACTOR, default 100), diskfull@S (the write of step S's checkpoint fails with ENOSPC); at the start "
+                  "FACTOR, default 100), diskfull@S (the write of step S's checkpoint fails with ENOSPC), slowsave@S[:MS] "
+                  "(the writes of step S's checkpoint take at least MS ms, default 5000); at the start "
                   "of step S on world rank RANK (default 0)");
   CLI::Option* heartbeat = cmd->add_option("--heartbeat", args->heartbeat,
                   "Every rank writes DIR/rank-<rank>.json after start-up, after every step and at the end: "

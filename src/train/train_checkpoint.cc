@@ -203,6 +203,7 @@ TrainCheckpointer::TrainCheckpointer(std::string root, const TrainCheckpointOpti
   o.threads = options.threads;
   o.flush_behind_bytes = options.flush_behind_bytes;
   o.fail_with_enospc_at = options.fail_with_enospc_at;
+  o.write_delay_ms_at = options.write_delay_ms_at;
   saver_ = std::make_unique<ckpt::Saver>(*comm_, root_, o);
 }
 

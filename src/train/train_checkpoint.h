@@ -56,6 +56,7 @@ struct TrainCheckpointOptions {
   int context_parallel = 1;  // the run's cp degree: named in the saved layout (it splits no tensor)
   int tsp = 1;               // the run's tsp degree: its blocks are the tensor degree's (model::weight_shape)
   std::function<bool(std::int64_t step)> fail_with_enospc_at;  // fault injection (ckpt::SaveOptions)
+  std::function<std::int64_t(std::int64_t step)> write_delay_ms_at;  // fault injection (ckpt::SaveOptions)
 };
 
 // The mesh a slice stands for (only the degrees of the axes that split parameters matter: ep
@@ -115,6 +116,7 @@ class TrainCheckpointer {
   bool in_flight() const { return saver_->in_flight(); }
   // This rank's background writes of the save in flight are done (no communication).
   bool writes_done() const { return saver_->writes_done(); }
+  std::int64_t bytes_written() const { return saver_->bytes_written(); }
   const std::string& root() const { return root_; }
 
  private:

@@ -25,6 +25,7 @@
 #include "optim/clip.h"
 #include "optim/schedule.h"
 #include "train/config_changes.h"
+#include "train/write_wait.h"
 
 namespace keel::train {
 namespace {
@@ -576,7 +577,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
 
 void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seconds, double device_seconds) {
   if (heartbeat_dir_.empty()) return;
-  last_step_seconds_ = step_seconds;
+  if (std::strcmp(phase, "step") == 0) last_step_seconds_ = step_seconds;
   nlohmann::ordered_json j;
   j["rank"] = mesh_.rank();
   j["step"] = step_;
@@ -643,6 +644,13 @@ void Trainer::make_checkpointer() {
                    static_cast<long long>(step));
     return full;
   };
+  o.write_delay_ms_at = [this](std::int64_t step) {  // fault injection: slowsave@S:rR:MS
+    const std::int64_t ms = faults_.save_delay_ms_at(step, mesh_.rank());
+    if (ms > 0)
+      std::fprintf(stderr, "keel: fault injection: rank %d's writes of the checkpoint of step %lld take at least %lld ms\n",
+                   mesh_.rank(), static_cast<long long>(step), static_cast<long long>(ms));
+    return ms;
+  };
   ckpt_ = std::make_unique<TrainCheckpointer>(cfg_.checkpoint_dir, o, mesh_.world());
   // the staging buffers now, not in the first save's stall (pinned gigabytes take seconds)
   ckpt_->reserve(backend_->checkpoint_view(), backend_->layout());
@@ -699,6 +707,20 @@ void Trainer::commit_when_written() {
 
 void Trainer::finish_checkpoint() {
   if (!ckpt_) return;
+  // Under keel run, wait for the writes with heartbeats while they move (train/write_wait.h):
+  // a blocked rank would otherwise look hung. Every rank reaches this point alike (a save in
+  // flight on one is in flight on all), so the poll's all-reduce pairs up.
+  if (!heartbeat_dir_.empty() && ckpt_->in_flight()) {
+    const auto poll = [&] {
+      long long v[2] = {ckpt_->writes_done() ? 0 : 1, static_cast<long long>(ckpt_->bytes_written())};
+      if (mesh_.size() > 1) {
+        PeerWait wait("MPI_Allreduce (checkpoint writes)");
+        mpi_check(MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_LONG_LONG, MPI_SUM, mesh_.world()), "MPI_Allreduce");
+      }
+      return WriteProgress{v[0] == 0, static_cast<std::int64_t>(v[1])};
+    };
+    wait_for_writes(poll, [&] { heartbeat("save", 0.0); }, 0.2);
+  }
   const auto stats = ckpt_->finish();
   if (!stats) return;
   if (log_) log_->scalars(stats->step, {{"checkpoint_write_gbps", stats->write_gbps()}});

@@ -109,6 +109,24 @@ TEST(Faults, SpikeAndDiskFullMatchTheirStepAndRankOnly) {
   p.before_step(8, 1);
 }
 
+// slowsave: the delay of one save's writes (default 5000 ms), at its step and rank only; no
+// step hook fires for it, and a range is refused.
+TEST(Faults, SlowSaveDelaysItsSavesWritesOnItsRankOnly) {
+  const FaultPlan p = parse_faults("slowsave@8:r1,slowsave@12:250");
+  ASSERT_EQ(p.faults.size(), 2u);
+  EXPECT_EQ(p.faults[0].kind, Fault::Kind::kSlowSave);
+  EXPECT_EQ(p.save_delay_ms_at(8, 1), 5000);
+  EXPECT_EQ(p.save_delay_ms_at(8, 0), 0);
+  EXPECT_EQ(p.save_delay_ms_at(9, 1), 0);
+  EXPECT_EQ(p.save_delay_ms_at(12, 0), 250);
+  EXPECT_FALSE(p.disk_full_at(8, 1));
+  const auto t0 = std::chrono::steady_clock::now();
+  p.before_step(8, 1);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0.2);
+  EXPECT_THROW(parse_faults("slowsave@8-9"), UsageError);
+  EXPECT_THROW(parse_faults("slowsave@8:fast"), UsageError);
+}
+
 // slowgpu: the device canary's repeats over the range, on its rank only (the GPU straggler drill).
 TEST(Faults, SlowGpuRepeatsTheCanaryOverItsRangeOnItsRankOnly) {
   const FaultPlan p = parse_faults("slowgpu@3-5:r1,slowgpu@7:r0:10");
@@ -155,8 +173,8 @@ TEST(Faults, KillAndExitEndTheProcess) {
 }
 
 TEST(Faults, MalformedSpecsAreOneLineNamingTheWord) {
-  EXPECT_EQ(error_of("kil@3"), "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health, slowgpu)");
-  EXPECT_EQ(error_of("kill@3,kil@4"), "--inject kil@4: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, health, slowgpu)");
+  EXPECT_EQ(error_of("kil@3"), "--inject kil@3: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, slowsave, health, slowgpu)");
+  EXPECT_EQ(error_of("kill@3,kil@4"), "--inject kil@4: unknown fault 'kil' (kill, exit, hang, slow, nan, spike, diskfull, slowsave, health, slowgpu)");
   EXPECT_EQ(error_of("kill"), "--inject kill: expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1");
   EXPECT_EQ(error_of(""), "--inject '': an empty fault (expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1)");
   EXPECT_EQ(error_of("kill@3,"), "--inject '': an empty fault (expected KIND@STEP[:rRANK][:ARG], e.g. kill@3:r1)");
@@ -196,7 +214,7 @@ TEST(Faults, MalformedSpecsAreOneLineNamingTheWord) {
     parse_faults("oops@1", "keel run --inject");
     FAIL() << "no error";
   } catch (const UsageError& e) {
-    EXPECT_EQ(std::string(e.what()), "keel run --inject oops@1: unknown fault 'oops' (kill, exit, hang, slow, nan, spike, diskfull, health, slowgpu)");
+    EXPECT_EQ(std::string(e.what()), "keel run --inject oops@1: unknown fault 'oops' (kill, exit, hang, slow, nan, spike, diskfull, slowsave, health, slowgpu)");
   }
 }
 

@@ -318,7 +318,7 @@ keel_cli_test(NAME train_inject_hang_needs_both EXIT 1 MATCH "--inject-hang-rank
 # kills, exits, slows or NaNs a rank at a step, one line each; a malformed spec is one line naming it.
 set(tfault ${tshort} --set device=cpu --set checkpoint.final=false --set log_interval=1)
 keel_cli_test(NAME train_inject_unknown EXIT 1
-  MATCH "^keel: error: --inject kil@3: unknown fault 'kil' \\(kill, exit, hang, slow, nan, spike, diskfull, health, slowgpu\\)$"
+  MATCH "^keel: error: --inject kil@3: unknown fault 'kil' \\(kill, exit, hang, slow, nan, spike, diskfull, slowsave, health, slowgpu\\)$"
   ARGS train ${tcfg} ${tfault} --set output_dir=train_never --inject kill@5 --inject kil@3)
 keel_cli_test(NAME train_inject_rank_outside EXIT 1
   MATCH "^keel: error: --inject exit@2:r1: rank 1 is not in this run of 1 rank \\(0-0\\)$"
