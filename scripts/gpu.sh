@@ -298,6 +298,12 @@ for step in "${steps[@]}"; do
       # checkpoints, ~25 GB each) lives in /tmp/keel-soak; its logs and events come back in $out/soak.
       python3 bench/zaya_vs_torch.py --keel "$build/keel" --out /tmp/keel-soak/model --steps 2 --warmup 1 \
           --skip-torch --skip-compile >"$out/soak_model.log" 2>&1
+      # data the run cannot memorize (the model's own 12 rows are learned to a loss near 0.001 in
+      # 200 steps, where the loss-spike guard fires on noise): 6,000 fresh rows, more than the
+      # soak reads
+      python3 -c "import sys; sys.path.insert(0, 'bench'); import numpy as np, zaya_vs_torch as z; d = z.ZAYA8; \
+z.write_dataset('/tmp/keel-soak/model/random', np.random.default_rng(1).integers(0, d['vocab'], size=(6000, d['seq'] + 1), dtype=np.uint64))" \
+          >>"$out/soak_model.log" 2>&1
       timeout "${KEEL_SOAK_TIMEOUT:-540}" python3 bench/run_soak.py --keel "$build/keel" --device cuda \
           --config /tmp/keel-soak/model/keel_train.yaml --own-data --kinds kill,hang --ranks "$gpus" \
           ${KEEL_SOAK_PLAN:---minutes 3.0 --interval 90 --checkpoint-interval 200 --first-fault-step 440} --spike-window 50 --min-deadline 10 \
