@@ -50,6 +50,15 @@ void add_command(CLI::App& app) {
   cmd->add_option("--backoff", o->backoff, "Seconds before the first restart; doubles per restart in a row (reset by progress)")->capture_default_str();
   cmd->add_option("--backoff-max", o->backoff_max, "The back-off's ceiling, seconds")->capture_default_str();
   cmd->add_option("--grace", o->grace, "Seconds a stop signal gives the job to save and exit")->capture_default_str();
+  cmd->add_option("--heartbeats", o->heartbeats,
+                  "How the ranks' heartbeats reach keel run: files (a directory: /dev/shm on one node, the output "
+                  "directory on several), udp (datagrams to a port keel run listens on), both, or auto (files on one "
+                  "node, both on several)")
+      ->check(CLI::IsMember({"auto", "files", "udp", "both"}))
+      ->capture_default_str();
+  cmd->add_option("--heartbeat-host", o->heartbeat_host,
+                  "The name or address of this host that the ranks send heartbeat datagrams to (default: its host "
+                  "name; 127.0.0.1 on one node)");
   cmd->add_option("--events", o->events, "Event log (JSONL; default: <output_dir>/run_events.jsonl)");
   cmd->add_option("--inject", o->inject,
                   "Fault injection (tests, soak runs): keel train --inject specs, e.g. kill@5:r1 (repeatable)");

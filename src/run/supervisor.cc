@@ -34,6 +34,7 @@
 #include "common/faults.h"
 #include "common/host.h"
 #include "common/stack_dump.h"
+#include "common/udp.h"
 #include "device/cuda_devices.h"
 #include "run/child.h"
 #include "run/nodes.h"
@@ -68,26 +69,54 @@ struct Beat {
   std::string phase, host;
 };
 
+// A heartbeat's JSON (keel train's file or datagram); rank -1 when it is not one.
+Beat beat_of(const nlohmann::json& j) {
+  Beat b;
+  if (!j.is_object()) return b;
+  b.rank = j.value("rank", -1), b.pid = j.value("pid", 0), b.world = j.value("world", 0);
+  b.step = j.value("step", std::int64_t{0});
+  b.time = j.value("time", 0.0), b.step_seconds = j.value("step_seconds", 0.0);
+  b.wait_seconds = j.value("wait_seconds", 0.0);
+  b.device_seconds = j.value("device_seconds", 0.0);
+  b.phase = j.value("phase", std::string()), b.host = j.value("host", std::string());
+  return b;
+}
+
 std::map<int, Beat> read_beats(const fs::path& dir) {
   std::map<int, Beat> out;
+  if (dir.empty()) return out;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     if (!name.starts_with("rank-") || !name.ends_with(".json")) continue;
     std::ifstream f(e.path());
-    const nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_object()) continue;  // being replaced: read it next time
-    Beat b;
-    b.rank = j.value("rank", -1), b.pid = j.value("pid", 0), b.world = j.value("world", 0);
-    b.step = j.value("step", std::int64_t{0});
-    b.time = j.value("time", 0.0), b.step_seconds = j.value("step_seconds", 0.0);
-    b.wait_seconds = j.value("wait_seconds", 0.0);
-    b.device_seconds = j.value("device_seconds", 0.0);
-    b.phase = j.value("phase", std::string()), b.host = j.value("host", std::string());
-    if (b.rank >= 0) out[b.rank] = b;
+    const Beat b = beat_of(nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false));
+    if (b.rank >= 0) out[b.rank] = b;  // (a file being replaced does not parse: read it next time)
   }
   return out;
 }
+
+// The heartbeats that came as datagrams (keel train --heartbeat-udp): each rank's newest of
+// this attempt (tag), kept across polls; merged over the files' by time.
+struct UdpBeats {
+  std::unique_ptr<UdpReceiver> socket;
+  std::string tag;
+  std::map<int, Beat> last;
+  void start(std::string attempt_tag) { tag = std::move(attempt_tag), last.clear(); }
+  std::map<int, Beat> merged(std::map<int, Beat> beats) {
+    if (!socket) return beats;
+    for (const std::string& text : socket->drain()) {
+      const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+      const Beat b = beat_of(j);
+      // an earlier attempt's rank (on another host, still going down) says so by its tag
+      if (b.rank < 0 || !j.is_object() || j.value("tag", std::string()) != tag) continue;
+      if (auto it = last.find(b.rank); it == last.end() || it->second.time <= b.time) last[b.rank] = b;
+    }
+    for (const auto& [r, b] : last)
+      if (auto it = beats.find(r); it == beats.end() || it->second.time < b.time) beats[r] = b;
+    return beats;
+  }
+};
 
 // The step `latest` of a checkpoint root names (0 without one).
 std::int64_t latest_step(const std::string& root) {
@@ -249,14 +278,33 @@ int run(const Options& o) {
   // Several nodes (--hosts, srun): a failing device takes its node out; the launch leaves the
   // excluded nodes out (nodes.h).
   const bool multi_node = !o.hosts.empty() || o.launcher == "srun";
-  const fs::path beats_dir = heartbeat_dir(out_dir.string(), multi_node);
+  // Heartbeats: files (a directory every node sees), datagrams to this keel run (several nodes:
+  // a shared file system can hold a file back behind a checkpoint's writes), or both.
+  const std::string beat_mode = o.heartbeats == "auto" ? (multi_node ? "both" : "files") : o.heartbeats;
+  const bool beat_files = beat_mode != "udp";
+  UdpBeats udp;
+  std::string udp_host;
+  if (beat_mode != "files") {
+    udp.socket = std::make_unique<UdpReceiver>(0);
+    udp_host = !o.heartbeat_host.empty() ? o.heartbeat_host : multi_node ? host_name() : "127.0.0.1";
+    try {  // the name must resolve here at least (the ranks resolve it again where they run)
+      UdpSender probe(udp_host, udp.socket->port());
+    } catch (const Error& e) {
+      if (beat_mode == "udp" || !o.heartbeat_host.empty())
+        throw UsageError(fmt::format("--heartbeat-host {}: {}", udp_host, e.what()));
+      std::printf("keel run: heartbeat datagrams off (%s); the heartbeat files carry them\n", e.what());
+      udp.socket.reset();
+    }
+  }
+  const fs::path beats_dir = beat_files ? fs::path(heartbeat_dir(out_dir.string(), multi_node)) : fs::path();
+  const auto current_beats = [&] { return udp.merged(read_beats(beats_dir)); };
   struct RemoveLocal {  // a node-local heartbeat directory goes with this keel run
     fs::path dir;
     ~RemoveLocal() {
       std::error_code ec;
       if (!dir.empty()) fs::remove_all(dir, ec);
     }
-  } remove_local{beats_dir == heartbeat_dir(out_dir.string(), true) ? fs::path() : beats_dir};
+  } remove_local{beats_dir.empty() || beats_dir == heartbeat_dir(out_dir.string(), true) ? fs::path() : beats_dir};
   if (!o.hosts.empty()) read_hostfile(o.hosts);  // one line now when it cannot be read
   std::vector<std::string> nodes_out;  // excluded nodes, in order
   std::string hostfile = o.hosts;      // the next attempt's (without them)
@@ -321,8 +369,10 @@ int run(const Options& o) {
   for (int attempt = 1;; ++attempt) {
     const std::int64_t resume = usable_latest(ckpt_root, events);
     std::error_code ec;
-    fs::remove_all(beats_dir, ec);
-    fs::create_directories(beats_dir, ec);
+    if (beat_files) {
+      fs::remove_all(beats_dir, ec);
+      fs::create_directories(beats_dir, ec);
+    }
     std::vector<std::string> argv = launch_args(o.launcher, ranks, hostfile, nodes_out);
     if (o.preflight.enabled) {
       std::vector<int> injected;
@@ -376,7 +426,12 @@ int run(const Options& o) {
         continue;
       }
     }
-    argv.insert(argv.end(), {exe, "train", o.config, "--heartbeat", beats_dir.string()});
+    argv.insert(argv.end(), {exe, "train", o.config});
+    if (beat_files) argv.insert(argv.end(), {"--heartbeat", beats_dir.string()});
+    if (udp.socket) {
+      udp.start(std::to_string(attempt));
+      argv.insert(argv.end(), {"--heartbeat-udp", fmt::format("{}:{}/{}", udp_host, udp.socket->port(), attempt)});
+    }
     for (const auto& s : o.sets) argv.insert(argv.end(), {"--set", s});
     for (const auto& s : shrink_sets) argv.insert(argv.end(), {"--set", s});
     // a restart resumes, also from step 0 when nothing was committed yet: keel train's --resume of
@@ -455,13 +510,13 @@ int run(const Options& o) {
       if (const int sig = g_stop.load(); sig != 0 && !stopping) {
         stopping = true, stop_at = Clock::now();
         std::printf("keel run: signal %d: the job saves at its next step and stops\n", sig);
-        ask_to_stop(read_beats(beats_dir));
+        ask_to_stop(current_beats());
       }
       if (stopping) {
-        if (std::chrono::duration<double>(Clock::now() - stop_at).count() > o.grace) kill_job(read_beats(beats_dir));
+        if (std::chrono::duration<double>(Clock::now() - stop_at).count() > o.grace) kill_job(current_beats());
         continue;
       }
-      beats = read_beats(beats_dir);
+      beats = current_beats();
       const double now = unix_now();
       // step times: every rank reports its last; the median over the attempt's steps so far
       if (!beats.empty())
@@ -578,7 +633,7 @@ int run(const Options& o) {
     drain();
     if (!partial.empty()) tail.push_back(partial);
     close(child.out);
-    beats = read_beats(beats_dir);
+    beats = current_beats();
     // The launcher is gone; its ranks on this host may not be yet (a rank killed while a kernel
     // of its spins on a peer tears its device context down for seconds, its output directory's
     // lock and its GPU memory held), nor those on other hosts: the next attempt starts once this

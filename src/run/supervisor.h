@@ -76,6 +76,12 @@ struct Options {
   double exit_wait = 60.0;            // for an ended attempt's ranks (this host's) to be gone
   int stack_wait_ms = 200;            // a hang: for each of this host's ranks to write its main stack
   double poll = 0.1;                  // seconds between checks
+  // How the ranks' heartbeats reach keel run: "files" (keel train --heartbeat: heartbeat_dir),
+  // "udp" (--heartbeat-udp: datagrams to a port keel run listens on, tagged by attempt), "both"
+  // (each rank's newest of the two counts), "auto": files on one node, both on several (a shared
+  // file system can hold a heartbeat file back behind a checkpoint's writes for seconds).
+  std::string heartbeats = "auto";
+  std::string heartbeat_host;         // the name the ranks send datagrams to (default: this host's; one node: 127.0.0.1)
   std::vector<std::string> inject;    // keel train --inject specs (faults for testing; see run())
   std::string events;                 // events file (default: <output_dir>/run_events.jsonl)
   std::vector<std::string> train_args;  // more keel train flags, as given
@@ -87,11 +93,11 @@ struct Options {
 // lies beyond the step its predecessor reached (the others have fired).
 int run(const Options& o);
 
-// Where the ranks write their heartbeats (keel train --heartbeat). On one node: a directory of
-// the node's memory file system, local_root/keel-run-<this pid> (no journal, no disk: a
-// checkpoint being flushed to the run's disk cannot hold a heartbeat back until the rank looks
-// hung, as one seemed to on an H200 machine, docs/PERFORMANCE.md); removed when keel run ends. On several nodes,
-// or without a writable local_root: <output_dir>/.heartbeat, which every node sees.
+// Where the ranks write their heartbeat files (keel train --heartbeat). On one node: a directory
+// of the node's memory file system, local_root/keel-run-<this pid> (no journal, no disk: a
+// checkpoint being flushed to the run's disk cannot hold a heartbeat back); removed when keel
+// run ends. On several nodes, or without a writable local_root: <output_dir>/.heartbeat, which
+// every node sees (and the heartbeats also come as datagrams: Options::heartbeats).
 std::string heartbeat_dir(const std::string& output_dir, bool multi_node, const std::string& local_root = "/dev/shm");
 
 }  // namespace keel::run

@@ -17,6 +17,7 @@
 #include "common/mpi_session.h"
 #include "common/process.h"
 #include "common/stack_dump.h"
+#include "common/udp.h"
 #include "common/stop_signal.h"
 #include "common/watchdog.h"
 #include "device/cuda_devices.h"
@@ -153,6 +154,7 @@ void add_command(CLI::App& app) {
     std::int64_t hang_step = -1;  // 0: at start-up, before the ranks compare their configs
     std::vector<std::string> inject;        // fault specs (common/faults.h)
     std::string heartbeat;                  // directory of the ranks' heartbeat files
+    std::string heartbeat_udp;              // HOST:PORT[/TAG]: the heartbeats also as datagrams
     std::vector<std::int64_t> skip_steps;   // steps whose data is skipped
   };
   auto args = std::make_shared<Args>();
@@ -182,6 +184,9 @@ void add_command(CLI::App& app) {
   CLI::Option* heartbeat = cmd->add_option("--heartbeat", args->heartbeat,
                   "Every rank writes DIR/rank-<rank>.json after start-up, after every step and at the end: "
                   "{rank, step, time, step_seconds, phase (start|step|done), host, pid, world}");
+  cmd->add_option("--heartbeat-udp", args->heartbeat_udp,
+                  "HOST:PORT[/TAG]: every heartbeat also goes as one UDP datagram there (the same JSON, with \"tag\": "
+                  "TAG), never blocking the step loop; with or without --heartbeat (keel run listens on several nodes)");
   cmd->add_option("--skip-step", args->skip_steps,
                   "Skip the data of step S (repeatable): before step S the loader drops that step's micro-batches and "
                   "step S trains on the following ones; nothing for a step at or before the one resumed from");
@@ -196,6 +201,21 @@ void add_command(CLI::App& app) {
       if (s < 1) throw UsageError(fmt::format("--skip-step {}: must be a step >= 1 (steps count from 1)", s));
     if (heartbeat->count() > 0 && args->heartbeat.empty())
       throw UsageError("--heartbeat: needs a directory (it is created when missing)");
+    std::string udp_host, udp_tag;
+    int udp_port = 0;
+    if (!args->heartbeat_udp.empty()) {
+      const std::string& u = args->heartbeat_udp;
+      const auto slash = u.find('/');
+      udp_tag = slash == std::string::npos ? "" : u.substr(slash + 1);
+      std::string why;
+      if (!parse_host_port(u.substr(0, slash), &udp_host, &udp_port, &why))
+        throw UsageError(fmt::format("--heartbeat-udp {}: {}", u, why));
+      try {  // resolved now, before any start-up work
+        UdpSender probe(udp_host, udp_port);
+      } catch (const Error& e) {
+        throw UsageError(fmt::format("--heartbeat-udp {}: {}", u, e.what()));
+      }
+    }
     TrainConfig cfg = load_train_config(args->config, args->sets);
     if ((args->hang_rank >= 0) != (args->hang_step >= 0))
       throw UsageError("--inject-hang-rank and --inject-hang-step go together");
@@ -242,6 +262,7 @@ void add_command(CLI::App& app) {
     t.watch_progress(&dog, args->timeout);
     t.set_faults(faults);
     if (!args->heartbeat.empty()) t.heartbeat_to(args->heartbeat);
+    if (!udp_host.empty()) t.heartbeat_udp_to(udp_host, udp_port, udp_tag);
     t.skip_data_of(args->skip_steps);
     t.stop_when([] { return stop_signal(); });
     if (!args->resume.empty()) {

@@ -557,7 +557,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
     const double step_seconds = std::chrono::duration<double>(clock::now() - step_start).count();
     const double waited = peer_wait_seconds() - waited_before;
     // keel run's GPU straggler check: the device's own speed, timed after the step (heartbeats only)
-    const double device = heartbeat_dir_.empty() ? 0.0
+    const double device = !beating() ? 0.0
                                                  : backend_->device_canary_seconds(faults_.canary_repeats_at(step_, mesh_.rank()));
     heartbeat("step", step_seconds, waited, device);
     std::fflush(stdout);
@@ -576,7 +576,7 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
 }
 
 void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seconds, double device_seconds) {
-  if (heartbeat_dir_.empty()) return;
+  if (!beating()) return;
   if (std::strcmp(phase, "step") == 0) last_step_seconds_ = step_seconds;
   nlohmann::ordered_json j;
   j["rank"] = mesh_.rank();
@@ -590,16 +590,24 @@ void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seco
   j["host"] = heartbeat_host_;
   j["pid"] = static_cast<std::int64_t>(::getpid());
   j["world"] = mesh_.size();
-  if (!heartbeat_writer_)
-    heartbeat_writer_ = std::make_unique<HeartbeatWriter>(heartbeat_file_writer(heartbeat_dir_, mesh_.rank()));
-  heartbeat_writer_->post(j.dump() + "\n");
-  if (std::strcmp(phase, "done") == 0) heartbeat_writer_->flush();  // keel run reads it once the process is gone
-  const std::string why = heartbeat_writer_->take_error();
+  std::string why, flag = "--heartbeat " + heartbeat_dir_;
+  if (heartbeat_udp_) {  // first, and from here: a file write held by the file system holds no datagram
+    j["tag"] = heartbeat_tag_;
+    if (!heartbeat_udp_->send(j.dump())) why = std::strerror(errno), flag = "--heartbeat-udp";
+  }
+  if (!heartbeat_dir_.empty()) {
+    if (!heartbeat_writer_)
+      heartbeat_writer_ = std::make_unique<HeartbeatWriter>(heartbeat_file_writer(heartbeat_dir_, mesh_.rank()));
+    j.erase("tag");
+    heartbeat_writer_->post(j.dump() + "\n");
+    if (std::strcmp(phase, "done") == 0) heartbeat_writer_->flush();  // keel run reads it once the process is gone
+    if (std::string file_why = heartbeat_writer_->take_error(); !file_why.empty())
+      why = std::move(file_why), flag = "--heartbeat " + heartbeat_dir_;
+  }
   if (why.empty() || heartbeat_warned_) return;
   heartbeat_warned_ = true;
-  std::fprintf(stderr, "keel: warning: %s--heartbeat %s: %s; training goes on (this warning once)\n",
-               mesh_.size() > 1 ? fmt::format("[rank {}] ", mesh_.rank()).c_str() : "", heartbeat_dir_.c_str(),
-               why.c_str());
+  std::fprintf(stderr, "keel: warning: %s%s: %s; training goes on (this warning once)\n",
+               mesh_.size() > 1 ? fmt::format("[rank {}] ", mesh_.rank()).c_str() : "", flag.c_str(), why.c_str());
   std::fflush(stderr);
 }
 
@@ -710,7 +718,7 @@ void Trainer::finish_checkpoint() {
   // Under keel run, wait for the writes with heartbeats while they move (train/write_wait.h):
   // a blocked rank would otherwise look hung. Every rank reaches this point alike (a save in
   // flight on one is in flight on all), so the poll's all-reduce pairs up.
-  if (!heartbeat_dir_.empty() && ckpt_->in_flight()) {
+  if (beating() && ckpt_->in_flight()) {
     const auto poll = [&] {
       long long v[2] = {ckpt_->writes_done() ? 0 : 1, static_cast<long long>(ckpt_->bytes_written())};
       if (mesh_.size() > 1) {

@@ -15,6 +15,7 @@
 #include "common/dir_lock.h"
 #include "common/error.h"
 #include "common/faults.h"
+#include "common/udp.h"
 #include "common/watchdog.h"
 #include "data/blend.h"
 #include "train/backend.h"
@@ -115,6 +116,14 @@ class Trainer {
     heartbeat_dir_ = std::move(dir);
     backend_->device_canary_seconds(0);
   }
+  // keel train --heartbeat-udp HOST:PORT/TAG: every heartbeat also as one datagram there, sent
+  // from the step loop itself (non-blocking, common/udp.h), the JSON with "tag": TAG (keel run
+  // tells its attempts apart by it). keel::Error when HOST does not resolve.
+  void heartbeat_udp_to(const std::string& host, int port, std::string tag) {
+    heartbeat_udp_ = std::make_unique<UdpSender>(host, port);
+    heartbeat_tag_ = std::move(tag);
+    backend_->device_canary_seconds(0);
+  }
   // keel train --skip-step S: just before step S runs, the loader skips one step's micro-batches
   // (the data of step S), and step S trains on the data that follows. Steps this run does not
   // execute (at or before the step it resumed from) skip nothing.
@@ -180,6 +189,9 @@ class Trainer {
   std::vector<std::int64_t> skip_steps_;
   LossGuard loss_guard_;  // fault.loss_spike_*; its window is saved with every checkpoint while on
   std::string heartbeat_dir_;
+  std::unique_ptr<UdpSender> heartbeat_udp_;  // --heartbeat-udp
+  std::string heartbeat_tag_;
+  bool beating() const { return !heartbeat_dir_.empty() || heartbeat_udp_; }
   bool heartbeat_started_ = false;  // the "start" heartbeat is written
   bool heartbeat_warned_ = false;
   std::unique_ptr<HeartbeatWriter> heartbeat_writer_;  // made by the first heartbeat

@@ -169,6 +169,17 @@ if faults:
     check(sorted(heads) == ["0", "1"], f"hang: both ranks' main stacks in the attempt's log ({heads})")
     check("hang_forever" in log, "hang: rank 0's stack names keel::hang_forever")
 
+# the same hang with the heartbeats as datagrams only (--heartbeats udp: what several nodes add
+# to the shared files): no heartbeat directory at all, the hang still detected, the losses kept
+out, r = keel_run("hang_udp", "--heartbeats", "udp", "--inject", "hang@10:r0", "--min-deadline", "2",
+                  "--hang-factor", "3")
+got, ev = losses(out), events(out)
+check(got == ref, "hang_udp: every step's loss equals the uninterrupted run's bit for bit")
+faults = [e for e in ev if e["event"] == "fault"]
+# (without heartbeats keel run would wait --start-deadline, 300 s, and report ranks not started)
+check(len(faults) == 1 and faults[0]["kind"] == "hang" and faults[0]["detail"].startswith("no heartbeat for")
+      and faults[0]["detect_seconds"] <= 3 * 2 + 3, f"hang_udp: one hung-rank fault, detected within the deadline ({faults})")
+
 # nan
 out, _ = keel_run("nan", "--inject", "nan@11")
 got, ev = losses(out), events(out)

@@ -3,6 +3,11 @@
 # straggler (reported, and excluded), the pre-flight gate passing, excluding and stopping, SIGTERM;
 # about 80 s).
 set(rcfg ${PROJECT_SOURCE_DIR}/configs/train/tiny.yaml)
+keel_cli_test(NAME run_bad_heartbeats EXIT 1 MATCH "^keel: error: --heartbeats: bogus not in \\{auto,files,udp,both\\}"
+  ARGS run ${rcfg} --heartbeats bogus)
+keel_cli_test(NAME run_bad_heartbeat_host EXIT 1
+  MATCH "^keel: error: --heartbeat-host no-such-host.invalid: cannot resolve no-such-host.invalid:[0-9]+: "
+  ARGS run ${rcfg} --heartbeats udp --heartbeat-host no-such-host.invalid)
 keel_cli_test(NAME run_bad_max_restarts EXIT 1 MATCH "--max-restarts -1: must be >= 0"
   ARGS run ${rcfg} --max-restarts -1)
 keel_cli_test(NAME run_bad_hang_factor EXIT 1 MATCH "--hang-factor 0.5: must be >= 1"

@@ -320,6 +320,12 @@ set(tfault ${tshort} --set device=cpu --set checkpoint.final=false --set log_int
 keel_cli_test(NAME train_inject_unknown EXIT 1
   MATCH "^keel: error: --inject kil@3: unknown fault 'kil' \\(kill, exit, hang, slow, nan, spike, diskfull, slowsave, health, slowgpu\\)$"
   ARGS train ${tcfg} ${tfault} --set output_dir=train_never --inject kill@5 --inject kil@3)
+keel_cli_test(NAME train_heartbeat_udp_malformed EXIT 1
+  MATCH "^keel: error: --heartbeat-udp node7/2: expected HOST:PORT$"
+  ARGS train ${tcfg} ${tfault} --set output_dir=train_never --heartbeat-udp node7/2)
+keel_cli_test(NAME train_heartbeat_udp_unresolved EXIT 1
+  MATCH "^keel: error: --heartbeat-udp no-such-host.invalid:9/1: cannot resolve no-such-host.invalid:9: "
+  ARGS train ${tcfg} ${tfault} --set output_dir=train_never --heartbeat-udp no-such-host.invalid:9/1)
 keel_cli_test(NAME train_inject_rank_outside EXIT 1
   MATCH "^keel: error: --inject exit@2:r1: rank 1 is not in this run of 1 rank \\(0-0\\)$"
   ARGS train ${tcfg} ${tfault} --set output_dir=train_never --inject exit@2:r1)
