@@ -4,12 +4,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <thread>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <thread>
 
 #include <fmt/format.h>
 
