@@ -114,8 +114,14 @@ def plan_faults(a, steps, step_s):
     # the steps faults may fall on: after the loss-spike guard's window has filled
     first, last = max(a.spike_window + 10, a.first_fault_step), steps - 2 * a.checkpoint_interval
     span = last - first - count * min_gap
+    while span < 0 and count > 1:  # fewer faults rather than none: the run is measured anyway
+        print(f"{count} faults {min_gap} steps apart do not fit in steps {first}-{last} of {steps}: "
+              f"planning {count - 1}", flush=True)
+        count -= 1
+        span = last - first - count * min_gap
     if span < 0:
-        sys.exit(f"{count} faults {min_gap} steps apart do not fit in {steps} steps: a longer run or a longer --interval")
+        sys.exit(f"{count} fault {min_gap} steps from the end does not fit in steps {first}-{last} of {steps}: "
+                 f"a longer run (--minutes) or an earlier --first-fault-step")
     gaps = [rng.expovariate(1.0) for _ in range(count + 1)]
     scale = span / sum(gaps)
     out, step, bag = [], first, []
