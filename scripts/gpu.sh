@@ -292,8 +292,9 @@ for step in "${steps[@]}"; do
     soak)
       # keel run on every GPU (one rank each) through a killed and a hung rank on the ZAYA1-shaped
       # model (issue 32): detection latency, restart time, steps lost (bench/run_soak.py;
-      # KEEL_SOAK_ARGS to it). The hang deadline's floor is keel run's default, 10 s: at 5 s a
-      # one-GPU soak took a spontaneous 5 s pause of a healthy rank for a hang (PERFORMANCE.md).
+      # KEEL_SOAK_ARGS to it). The hang deadline's floor is keel run's default, 10 s. (The false
+      # hangs of the earlier soaks were a loss-spike save waiting on writes with no heartbeat:
+      # fixed, PERFORMANCE.md.)
       # The model's config and data come from a short bench/zaya_vs_torch.py run. The run (and its
       # checkpoints, ~25 GB each) lives in /tmp/keel-soak; its logs and events come back in $out/soak.
       python3 bench/zaya_vs_torch.py --keel "$build/keel" --out /tmp/keel-soak/model --steps 2 --warmup 1 \
@@ -315,8 +316,12 @@ z.write_dataset('/tmp/keel-soak/model/random', np.random.default_rng(1).integers
       if grep -q '^kind ' "$out/soak.log"; then
         sed -n '/^keel run exit/,$p' "$out/soak.log" >>"$summary"
       else
-        note "soak: FAILED or timed out before the table (see soak.log)"
+        note "soak: FAILED or timed out before the table (see soak.log); its faults so far:"
+        grep -E "^keel run: (fault|  at detection)" /tmp/keel-soak/soak/keel_run.log 2>/dev/null | cut -c1-400 \
+          | tail -16 >>"$summary"
       fi
+      # a timed-out soak leaves keel run and its ranks going: stop them before the next step
+      pkill -KILL -f /tmp/keel-soak/ 2>/dev/null && sleep 5
       rm -rf /tmp/keel-soak ;;
     kernels)
       # keel's step kernels (attention, the experts' GEMMs, LM head + cross-entropy) beside PyTorch's on the
