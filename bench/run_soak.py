@@ -279,7 +279,9 @@ def main():
     fired_n = sum(r["fired"] for r in rows.values())
     recovered_n = sum(r["recovered"] for r in rows.values())
     print(f"\nkeel run exit {p.returncode} after {elapsed:.0f} s; {fired_n} faults fired of {len(faults)} planned "
-          f"(one per {elapsed / max(fired_n, 1):.1f} s), {recovered_n} recovered ({100.0 * recovered_n / max(fired_n, 1):.0f}%)")
+          f"(one per {elapsed / max(fired_n, 1):.1f} s), {recovered_n} recovered ({100.0 * recovered_n / max(fired_n, 1):.0f}%); "
+          f"{len(unprovoked)} fault event(s) with no injected fault behind them"
+          + (" (" + ", ".join(u.split(":")[1].strip() for u in unprovoked) + ")" if unprovoked else ""))
     if done:
         print(f"done: {done['steps']} steps, {done['attempts']} attempts, wall {done['wall_seconds']:.0f} s, steps kept "
               f"{done['step_seconds_kept']:.0f} s: effective_ratio {done['effective_ratio']:.3f}; steps lost in all "
