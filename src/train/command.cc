@@ -183,7 +183,7 @@ void add_command(CLI::App& app) {
                   "of step S on world rank RANK (default 0)");
   CLI::Option* heartbeat = cmd->add_option("--heartbeat", args->heartbeat,
                   "Every rank writes DIR/rank-<rank>.json after start-up, after every step and at the end: "
-                  "{rank, step, time, step_seconds, phase (start|step|done), host, pid, world}");
+                  "{rank, step, time, step_seconds, phase (start|step|save|done), host, pid, world}");
   cmd->add_option("--heartbeat-udp", args->heartbeat_udp,
                   "HOST:PORT[/TAG]: every heartbeat also goes as one UDP datagram there (the same JSON, with \"tag\": "
                   "TAG), never blocking the step loop; with or without --heartbeat (keel run listens on several nodes)");
