@@ -9,8 +9,7 @@
 // is full and waited for one window later, then dropped from the page cache), so dirty pages
 // never pile up to the checkpoint's size: the final fsync has one window left to flush, and
 // the training thread's own small writes (heartbeats, metrics) do not queue behind the flush
-// of tens of gigabytes (the likely cause of a rank's 10 s stall during such a flush on an H200
-// machine, docs/PERFORMANCE.md). wait()
+// of tens of gigabytes. wait()
 // runs the commit on the calling thread: every rank's report is gathered at rank 0, which
 // checks that every tensor is covered exactly once, writes metadata.json (temp, fsync,
 // rename, fsync dir) and then `latest`, applies retention, and broadcasts the outcome so

@@ -109,7 +109,7 @@ struct UdpBeats {
       const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
       const Beat b = beat_of(j);
       // an earlier attempt's rank (on another host, still going down) says so by its tag
-      if (b.rank < 0 || !j.is_object() || j.value("tag", std::string()) != tag) continue;
+      if (b.rank < 0 || j.value("tag", std::string()) != tag) continue;  // (rank -1: no JSON object)
       if (auto it = last.find(b.rank); it == last.end() || it->second.time <= b.time) last[b.rank] = b;
     }
     for (const auto& [r, b] : last)

@@ -201,17 +201,18 @@ void add_command(CLI::App& app) {
       if (s < 1) throw UsageError(fmt::format("--skip-step {}: must be a step >= 1 (steps count from 1)", s));
     if (heartbeat->count() > 0 && args->heartbeat.empty())
       throw UsageError("--heartbeat: needs a directory (it is created when missing)");
-    std::string udp_host, udp_tag;
-    int udp_port = 0;
+    std::unique_ptr<UdpSender> udp;
+    std::string udp_tag;
     if (!args->heartbeat_udp.empty()) {
       const std::string& u = args->heartbeat_udp;
       const auto slash = u.find('/');
       udp_tag = slash == std::string::npos ? "" : u.substr(slash + 1);
-      std::string why;
-      if (!parse_host_port(u.substr(0, slash), &udp_host, &udp_port, &why))
+      std::string host, why;
+      int port = 0;
+      if (!parse_host_port(u.substr(0, slash), &host, &port, &why))
         throw UsageError(fmt::format("--heartbeat-udp {}: {}", u, why));
       try {  // resolved now, before any start-up work
-        UdpSender probe(udp_host, udp_port);
+        udp = std::make_unique<UdpSender>(host, port);
       } catch (const Error& e) {
         throw UsageError(fmt::format("--heartbeat-udp {}: {}", u, e.what()));
       }
@@ -262,7 +263,7 @@ void add_command(CLI::App& app) {
     t.watch_progress(&dog, args->timeout);
     t.set_faults(faults);
     if (!args->heartbeat.empty()) t.heartbeat_to(args->heartbeat);
-    if (!udp_host.empty()) t.heartbeat_udp_to(udp_host, udp_port, udp_tag);
+    if (udp) t.heartbeat_udp_to(std::move(udp), udp_tag);
     t.skip_data_of(args->skip_steps);
     t.stop_when([] { return stop_signal(); });
     if (!args->resume.empty()) {

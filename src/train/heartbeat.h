@@ -1,11 +1,10 @@
 // A rank's heartbeat file for keel run, written off the training thread.
 //
 // The step loop posts each heartbeat and goes on; a thread of its own writes it (through
-// DIR/rank-<r>.json.tmp and a rename). A file system that stalls, as a journaling one does while
+// DIR/rank-<r>.json.tmp and a rename). A file system that stalls, as a journaling one can while
 // a checkpoint's tens of gigabytes are flushed to the same disk, then delays the file and never
-// the step. (On an H200 machine, when the step loop still wrote its heartbeat itself, a rank's
-// heartbeat went 10 s stale during such a flush and keel run took the rank for a hung one:
-// docs/PERFORMANCE.md, issue 32.)
+// the step. (The 10 s stale heartbeats of the GPU soaks, once blamed on such a stall, were a
+// rank blocked on its checkpoint writes: train/write_wait.h, docs/PERFORMANCE.md.)
 // Records posted while one is being written are coalesced: only the newest is written next.
 #pragma once
 

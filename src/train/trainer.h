@@ -116,11 +116,11 @@ class Trainer {
     heartbeat_dir_ = std::move(dir);
     backend_->device_canary_seconds(0);
   }
-  // keel train --heartbeat-udp HOST:PORT/TAG: every heartbeat also as one datagram there, sent
-  // from the step loop itself (non-blocking, common/udp.h), the JSON with "tag": TAG (keel run
-  // tells its attempts apart by it). keel::Error when HOST does not resolve.
-  void heartbeat_udp_to(const std::string& host, int port, std::string tag) {
-    heartbeat_udp_ = std::make_unique<UdpSender>(host, port);
+  // keel train --heartbeat-udp HOST:PORT/TAG: every heartbeat also as one datagram through
+  // `sender`, sent from the step loop itself (non-blocking, common/udp.h), the JSON with "tag":
+  // TAG (keel run tells its attempts apart by it).
+  void heartbeat_udp_to(std::unique_ptr<UdpSender> sender, std::string tag) {
+    heartbeat_udp_ = std::move(sender);
     heartbeat_tag_ = std::move(tag);
     backend_->device_canary_seconds(0);
   }
