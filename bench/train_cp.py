@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""keel train's context parallelism on 2 GPUs: long sequences at the throughput of short ones.
+"""keel train's context parallelism on 2 GPUs (--degree C: on C): long sequences at the throughput of short ones.
 
 Model: bench/zaya_vs_torch.py's ZAYA1-shaped model (the 8-layer cut of ZAYA1-8B: CCA 8/2 heads,
 MLP router with EDA and the skip class, residual scaling, 16 experts top-1, selection-bias
@@ -9,6 +9,8 @@ Configurations (same tokens per GPU per step, 16K):
   CP=2 32K   mpirun -np 2 keel train, parallel: {context: 2}: one sequence of 32,768 tokens per
              step split over both GPUs (zigzag, k/v all-gathered)
   DP=2 4K    parallel: {data: 2}: sequences of 4,096, 2 per micro-batch, 2 micro-batches per GPU
+--degree C runs every C-rank row (CP, DP, the peer, --longest, --lasp) on C GPUs instead of 2 (then
+each CP=C rank holds 32,768 / C tokens and DP=C trains the same tokens per GPU).
 The target (issue 29): CP=2 at 32K within 5% of DP=2 at 4K in tokens/s per GPU. Attention's
 FLOPs grow with the sequence, so MFU (one formula: keel's model FLOPs, attention included) is
 printed beside tokens/s.
@@ -124,24 +126,25 @@ def run_torch(a, out, name, ranks, cp, seq, micro_batch, accum):
 
 
 def peer(a, prefix, results, per_gpu, mb, accum):
-    """--peer: keel and PyTorch's context parallelism on the GQA model of the same widths, CP=2 at
-    --seq and DP=2 at --short on the same tokens per GPU; returns the summary lines."""
-    cp_k, cp_t = f"keel GQA CP=2 {a.seq}", f"torch GQA CP=2 {a.seq}"
-    dp_k, dp_t = f"keel GQA DP=2 {a.short}", f"torch GQA DP=2 {a.short}"
-    results[cp_k] = run(a, a.out, prefix, "gqa_cp2", 2, {"context": 2}, a.seq, 1, 1, attention="gqa")
-    results[cp_t] = run_torch(a, a.out, "torch_gqa_cp2", 2, True, a.seq, 1, 1)
-    results[dp_k] = run(a, a.out, prefix, "gqa_dp2", 2, {"data": 2}, a.short, mb, accum, attention="gqa")
-    results[dp_t] = run_torch(a, a.out, "torch_gqa_dp2", 2, False, a.short, mb, accum // 2)
+    """--peer: keel and PyTorch's context parallelism on the GQA model of the same widths, CP=C at
+    --seq and DP=C at --short on the same tokens per GPU; returns the summary lines."""
+    C = a.degree
+    cp_k, cp_t = f"keel GQA CP={C} {a.seq}", f"torch GQA CP={C} {a.seq}"
+    dp_k, dp_t = f"keel GQA DP={C} {a.short}", f"torch GQA DP={C} {a.short}"
+    results[cp_k] = run(a, a.out, prefix, f"gqa_cp{C}", C, {"context": C}, a.seq, 1, 1, attention="gqa")
+    results[cp_t] = run_torch(a, a.out, f"torch_gqa_cp{C}", C, True, a.seq, 1, 1)
+    results[dp_k] = run(a, a.out, prefix, f"gqa_dp{C}", C, {"data": C}, a.short, mb, accum, attention="gqa")
+    results[dp_t] = run_torch(a, a.out, f"torch_gqa_dp{C}", C, False, a.short, mb, accum // C)
     lines = []
     ok = lambda *ns: all("tokens_per_s" in results[n] for n in ns)  # noqa: E731
     if ok(cp_k, cp_t):
         k, t = results[cp_k], results[cp_t]
-        lines.append(f"peer: keel / PyTorch context parallel (GQA, CP=2 at {a.seq}): "
+        lines.append(f"peer: keel / PyTorch context parallel (GQA, CP={C} at {a.seq}): "
                      f"{k['tokens_per_s'] / t['tokens_per_s']:.2f}x tokens/s, memory {k['memory_gib']:.2f} vs "
                      f"{t['memory_gib']:.2f} GiB per GPU")
     for side, c, p in (("keel", cp_k, dp_k), ("torch", cp_t, dp_t)):
         if ok(c, p):
-            lines.append(f"{side} GQA: CP=2 at {a.seq} / DP=2 at {a.short} tokens/s per GPU = "
+            lines.append(f"{side} GQA: CP={C} at {a.seq} / DP={C} at {a.short} tokens/s per GPU = "
                          f"{results[c]['tokens_per_s'] / results[p]['tokens_per_s']:.3f} (MFU "
                          f"{100 * results[c]['mfu']:.1f}% vs {100 * results[p]['mfu']:.1f}%)")
     return lines
@@ -182,7 +185,8 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="layers (default: the model's 8)")
     ap.add_argument("--seq", type=int, default=32768, help="the context-parallel sequence")
     ap.add_argument("--short", type=int, default=4096, help="the data-parallel sequence")
-    ap.add_argument("--longest", action="store_true", help="also probe the longest sequence on 1 and 2 GPUs")
+    ap.add_argument("--degree", type=int, default=2, help="the context-parallel degree C (GPUs of the C-rank rows)")
+    ap.add_argument("--longest", action="store_true", help="also probe the longest sequence on 1 and C GPUs")
     ap.add_argument("--lengths", default="32768,65536,131072", help="--longest's sequence lengths")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lr", type=float, default=3e-5,
@@ -224,10 +228,11 @@ def main():
     results = {}
     if a.lasp:
         return lasp(a, prefix, lengths, results)
-    per_gpu = a.seq // 2  # tokens per GPU per step of the CP run
+    C = a.degree
+    per_gpu = a.seq // C  # tokens per GPU per step of the CP run
     mb = 2 if per_gpu >= 2 * a.short else 1
-    accum = max(1, per_gpu // (mb * a.short)) * 2  # over both GPUs
-    cp_name, dp_name = f"CP=2 {a.seq}", f"DP=2 {a.short}"
+    accum = max(1, per_gpu // (mb * a.short)) * C  # over the C GPUs
+    cp_name, dp_name = f"CP={C} {a.seq}", f"DP={C} {a.short}"
     modes = a.modes.split(",")
     for m in modes:
         if m not in ("allgather", "ring", "alltoall"):
@@ -236,19 +241,19 @@ def main():
     if a.only_peer:
         modes = []
     for m in modes:
-        name = cp_name if m == "allgather" else f"CP=2 {a.seq} {m}"
-        results[name] = run(a, a.out, prefix, "cp2" if m == "allgather" else f"cp2_{m}", 2,
-                            {"context": 2, "context_mode": m}, a.seq, 1, 1)
+        name = cp_name if m == "allgather" else f"CP={C} {a.seq} {m}"
+        results[name] = run(a, a.out, prefix, f"cp{C}" if m == "allgather" else f"cp{C}_{m}", C,
+                            {"context": C, "context_mode": m}, a.seq, 1, 1)
     if not a.only_peer:
-        results[dp_name] = run(a, a.out, prefix, "dp2", 2, {"data": 2}, a.short, mb, accum)
+        results[dp_name] = run(a, a.out, prefix, f"dp{C}", C, {"data": C}, a.short, mb, accum)
     if a.peer or a.only_peer:
         peer_lines = peer(a, prefix, results, per_gpu, mb, accum)
     if a.longest:
         for rc in ("none", "full"):
-            for gpus in (1, 2):
+            for gpus in (1, C):
                 for L in lengths:
-                    name = f"{'CP=2' if gpus == 2 else '1 GPU'} {L} recompute {rc}"
-                    r = run(a, a.out, prefix, name, gpus, {"context": 2} if gpus == 2 else {}, L, 1, 1, rc, steps=3,
+                    name = f"{f'CP={C}' if gpus == C else '1 GPU'} {L} recompute {rc}"
+                    r = run(a, a.out, prefix, name, gpus, {"context": C} if gpus == C else {}, L, 1, 1, rc, steps=3,
                             warmup=2)
                     results[name] = r
                     if "error" in r:
@@ -262,12 +267,12 @@ def main():
     lines += [row(n, r) for n, r in results.items()]
     cp, dp = results.get(cp_name, {}), results.get(dp_name, {})
     for m in modes:
-        other = results.get(f"CP=2 {a.seq} {m}", {})
+        other = results.get(f"CP={C} {a.seq} {m}", {})
         if m != "allgather" and "tokens_per_s" in other and "tokens_per_s" in cp:
-            lines.append(f"CP=2 at {a.seq}: {m} / all-gather tokens/s = {other['tokens_per_s'] / cp['tokens_per_s']:.3f}")
+            lines.append(f"CP={C} at {a.seq}: {m} / all-gather tokens/s = {other['tokens_per_s'] / cp['tokens_per_s']:.3f}")
     if "tokens_per_s" in cp and "tokens_per_s" in dp:
         ratio = cp["tokens_per_s"] / dp["tokens_per_s"]
-        lines.append(f"target: CP=2 at {a.seq} / DP=2 at {a.short} tokens/s per GPU = {ratio:.3f} (>= 0.95: "
+        lines.append(f"target: CP={C} at {a.seq} / DP={C} at {a.short} tokens/s per GPU = {ratio:.3f} (>= 0.95: "
                      f"{'met' if ratio >= 0.95 else 'NOT met'}); MFU {100 * cp['mfu']:.1f}% vs {100 * dp['mfu']:.1f}%")
         # the most the ratio can be at equal MFU: the model FLOPs per token of each length
         f_long = flops_per_token(dims(a, a.seq, 1), a.hybrid, a.lasp)
@@ -283,25 +288,26 @@ def main():
 
 
 def lasp(a, prefix, lengths, results):
-    """--lasp: CP=2, LASP-2 and LASP-1 at each length; the table and their ratio last."""
+    """--lasp: CP=C, LASP-2 and LASP-1 at each length; the table and their ratio last."""
+    C = a.degree
     for L in lengths:
         for mode, label in (("allgather", "LASP-2"), ("ring", "LASP-1"), ("alltoall", "all-to-all")):
-            results[f"CP=2 {L} {label}"] = run(a, a.out, prefix, f"cp2_{L}_{mode}", 2,
-                                               {"context": 2, "context_mode": mode}, L, 1, 1)
+            results[f"CP={C} {L} {label}"] = run(a, a.out, prefix, f"cp{C}_{L}_{mode}", C,
+                                                 {"context": C, "context_mode": mode}, L, 1, 1)
     json.dump(results, open(os.path.join(a.out, "train_cp.json"), "w"), indent=1)
     lines = [f"== keel context parallelism, LASP-2 vs LASP-1 and all-to-all ({'tiny, ' if a.tiny else ''}ZAYA1-shaped, every layer "
-             f"linear attention, RetNet decay; {a.device}); one sequence per step over 2 ranks; {a.steps} timed steps "
+             f"linear attention, RetNet decay; {a.device}); one sequence per step over {C} ranks; {a.steps} timed steps "
              f"after {a.warmup}",
              f"{'config':26} {'GPUs':>4} {'seq':>7} {'tok/s/GPU':>11} {'MFU':>6} {'GiB/GPU':>8} {'busiest':>8} "
              f"{'(mean)':>6} {'skip':>5}  per-layer busiest/fair"]
     lines += [row(n, r) for n, r in results.items()]
     for L in lengths:
-        two, one = results[f"CP=2 {L} LASP-2"], results[f"CP=2 {L} LASP-1"]
+        two, one = results[f"CP={C} {L} LASP-2"], results[f"CP={C} {L} LASP-1"]
         if "tokens_per_s" in two and "tokens_per_s" in one:
             ratio = two["tokens_per_s"] / one["tokens_per_s"]
             target = f" (target at the longest, >= 1.15: {'met' if ratio >= 1.15 else 'NOT met'})" if L == lengths[-1] else ""
             lines.append(f"LASP-2 / LASP-1 at {L}: {ratio:.3f}{target}")
-        a2a = results[f"CP=2 {L} all-to-all"]
+        a2a = results[f"CP={C} {L} all-to-all"]
         if "tokens_per_s" in two and "tokens_per_s" in a2a:
             lines.append(f"LASP-2 / all-to-all at {L}: {two['tokens_per_s'] / a2a['tokens_per_s']:.3f}")
     lines.append("busiest: the busiest class over its fair share, worst MoE layer and step after warm-up (mean over "

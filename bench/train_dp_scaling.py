@@ -125,7 +125,7 @@ def run(keel, out, d, steps, warmup, gpus, prefix, classic=False, timeout=900, e
             "load_max": statistics.median(load) if load else float("nan")}
 
 
-def run_torch(out, steps, warmup, gpus, layers, model="bench", lr=None, bias_rate=0.0):
+def run_torch(out, steps, warmup, gpus, layers, model="bench", lr=None, bias_rate=0.0, forced=False):
     path = os.path.join(out, f"torch{gpus}.json")
     log = os.path.join(out, f"torch{gpus}.log")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_dp_torch.py")
@@ -133,6 +133,7 @@ def run_torch(out, steps, warmup, gpus, layers, model="bench", lr=None, bias_rat
            "--warmup", str(warmup), "--layers", str(layers), "--model", model]
     if model == "zaya1":  # the keel runs' settings (zaya_vs_torch's defaults where not given)
         cmd += ["--lr", str(lr or zaya_vs_torch.LR), "--bias-rate", str(bias_rate or zaya_vs_torch.BIAS_RATE)]
+        cmd += ["--forced-balance"] if forced else []
     with open(log, "w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=900,
                            env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
@@ -166,8 +167,15 @@ def main():
     ap.add_argument("--muon", action="store_true", help="Muon + AdamW in every keel run (--model zaya1 only)")
     ap.add_argument("--no-same-batch", action="store_true",
                     help="skip the one-GPU runs of each N-GPU run's global batch (the 'same batch' columns)")
+    ap.add_argument("--forced-balance", action="store_true",
+                    help="benchmarking only (--model zaya1): token n -> expert n mod E in every run, keel's "
+                         "(router.forced_balance) and the peer's, so no row times a collapsed router")
     a = ap.parse_args()
     EXTRA_SETS.extend(a.sets)
+    if a.forced_balance:
+        if a.model != "zaya1":
+            ap.error("--forced-balance needs --model zaya1")
+        EXTRA_SETS.append("router.forced_balance=true")
     if a.muon and a.model != "zaya1":
         ap.error("--muon needs --model zaya1")
     d = dict(zaya_vs_torch.ZAYA8 if a.model == "zaya1" else DIMS)
@@ -207,11 +215,12 @@ def main():
             print("keel ep", n, res_ep[n], flush=True)
         if not a.no_torch:
             peer[n] = run_torch(a.out, a.steps, a.warmup, n, d["layers"], model=a.model, lr=a.lr,
-                                bias_rate=a.router_bias_rate)
+                                bias_rate=a.router_bias_rate, forced=a.forced_balance)
             print("torch", n, peer[n], flush=True)
     tok_step = d["micro_batch"] * d["seq"]  # tokens per GPU per step
     bal = f", router bias balancing {a.router_bias_rate}" if a.router_bias_rate > 0 else ""
     bal += f", lr {a.lr}" if a.lr is not None else ""
+    bal += ", forced-balance routing (busiest/fair 1.06 by construction, skip 0)" if a.forced_balance else ""
     model = ", ZAYA1-shaped model" if a.model == "zaya1" else ""
     model += ", Muon + AdamW" if a.muon else ""
     print(f"\n== keel train weak scaling, data parallel + ZeRO-1 (8K tokens per GPU per step{model}{bal}) ==")

@@ -28,6 +28,7 @@ def main():
     ap.add_argument("--model", choices=["bench", "zaya1"], default="bench")
     ap.add_argument("--lr", type=float, default=zaya_vs_torch.LR, help="learning rate (zaya1)")
     ap.add_argument("--bias-rate", type=float, default=zaya_vs_torch.BIAS_RATE, help="selection-bias rate (zaya1)")
+    ap.add_argument("--forced-balance", action="store_true", help="token n -> expert n mod E (zaya1; keel's router.forced_balance)")
     a = ap.parse_args()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
@@ -35,7 +36,7 @@ def main():
     if a.model == "zaya1":
         d = dict(zaya_vs_torch.ZAYA8, layers=a.layers or zaya_vs_torch.ZAYA8["layers"])
         r = zaya_vs_torch.run_torch(d, a.steps, a.warmup, compiled=False, dev="cuda", ddp=ddp, lr=a.lr,
-                                    bias_rate=a.bias_rate)
+                                    bias_rate=a.bias_rate, forced=a.forced_balance)
         r["load_max"] = statistics.median(r["load_max"])  # over the timed steps, as keel's runs report it
         del r["ce"]
     else:

@@ -18,6 +18,10 @@ Configurations per model, keel first, then the peer, in the same invocation:
   keel T2xDP2, keel T2xDP2 classic  (4 GPUs; only when --configs names keel-tp-dp,
                   keel-tp-dp-classic) T=2+SP with 2 data ranks: the overlapped ZeRO-1 step
                   (AdamW) against parallel.zero1.overlap: false, the same global batch
+  keel T=4, keel T=4+SP, torch TP=4, torch TP=4+SP  (4 GPUs; only when --configs names keel-tp4,
+                  keel-tp4-sp, torch-tp4, torch-tp4-sp) the same at tensor degree 4 (keel holds the
+                  2 kv heads, and CCA's projections, whole on every rank, as Megatron replicates
+                  kv heads; the peer's plan splits kv heads and refuses a degree above them)
   keel DP=2       parallel: {data: 2} (ZeRO-1, overlapped)
   keel EP=2       parallel: {expert: 2} (8 experts per GPU, data parallel over both)
   torch TP=2      bench/train_tp_torch.py under torchrun: torch.distributed.tensor.parallel
@@ -77,6 +81,8 @@ KEEL_CONFIGS = {  # name -> (ranks, parallel section)
     "keel T=2": (2, {"tensor": 2, "sequence": "false"}),
     "keel T=2+SP": (2, {"tensor": 2, "sequence": "true"}),
     "keel T=2+SP serial": (2, {"tensor": 2, "sequence": "true", "tensor_overlap": "false"}),
+    "keel T=4": (4, {"tensor": 4, "sequence": "false"}),
+    "keel T=4+SP": (4, {"tensor": 4, "sequence": "true"}),
     "keel T2xDP2": (4, {"tensor": 2, "sequence": "true"}),
     "keel T2xDP2 classic": (4, {"tensor": 2, "sequence": "true", "zero1": "{overlap: false}"}),
     "keel DP=2": (2, {"data": 2}),
@@ -86,13 +92,17 @@ KEEL_CONFIGS = {  # name -> (ranks, parallel section)
 TORCH_CONFIGS = {  # name -> (ranks, sequence parallel)
     "torch TP=2": (2, False),
     "torch TP=2+SP": (2, True),
+    "torch TP=4": (4, False),
+    "torch TP=4+SP": (4, True),
     "torch 1 GPU": (1, False),
 }
-FOUR_GPUS = ("keel-tp-dp", "keel-tp-dp-classic")  # not in the default --configs: 4 GPUs
-MATCHED = {"keel T=2": "torch TP=2", "keel T=2+SP": "torch TP=2+SP", "keel 1 GPU": "torch 1 GPU"}
+FOUR_GPUS = ("keel-tp-dp", "keel-tp-dp-classic", "keel-tp4", "keel-tp4-sp", "torch-tp4", "torch-tp4-sp")  # not default
+MATCHED = {"keel T=2": "torch TP=2", "keel T=2+SP": "torch TP=2+SP", "keel T=4": "torch TP=4",
+           "keel T=4+SP": "torch TP=4+SP", "keel 1 GPU": "torch 1 GPU"}
 KEYS = {"keel-tp": "keel T=2", "keel-tp-sp": "keel T=2+SP", "keel-tp-sp-serial": "keel T=2+SP serial",
         "keel-dp": "keel DP=2", "keel-ep": "keel EP=2", "keel-tp-dp": "keel T2xDP2",
-        "keel-tp-dp-classic": "keel T2xDP2 classic",
+        "keel-tp-dp-classic": "keel T2xDP2 classic", "keel-tp4": "keel T=4", "keel-tp4-sp": "keel T=4+SP",
+        "torch-tp4": "torch TP=4", "torch-tp4-sp": "torch TP=4+SP",
         "keel-1gpu": "keel 1 GPU", "torch-tp": "torch TP=2", "torch-tp-sp": "torch TP=2+SP", "torch-1gpu": "torch 1 GPU"}
 
 
@@ -284,8 +294,8 @@ def gib(x):
 
 def fmt_table(results, a, dev_name, torch_ver):
     lines = []
-    T = 2
-    lines.append(f"== keel TP vs PyTorch TP (tensor degree {T}; each row's GPUs in its column) -- {dev_name}, torch {torch_ver}; "
+    T = "/".join(sorted({n.split("=")[1][0] for m in results.values() for n in m["runs"] if "T=" in n or "TP=" in n}))
+    lines.append(f"== keel TP vs PyTorch TP (tensor degree {T or 2}; each row's GPUs in its column) -- {dev_name}, torch {torch_ver}; "
                  f"{a.accum} micro-batches of micro_batch x seq per step, {a.steps} timed steps after {a.warmup}")
     head = (f"{'model':6} {'config':19} {'GPUs':>4} {'tok/s':>9} {'MFU':>6} {'GiB/GPU':>8} {'over ideal ms':>13} "
             f"{'busiest/fair':>12} {'(mean)':>6} {'skip':>5} {'keel/torch':>10} {'mem k/t':>7}  per-layer busiest/fair")
@@ -333,7 +343,8 @@ def fmt_table(results, a, dev_name, torch_ver):
             lines.append(f"{model} keel T=2+SP x DP=2, the overlapped ZeRO-1 step vs the classic one: "
                          f"{on['tokens_per_s'] / off['tokens_per_s']:.3f}x tokens/s"
                          + (" (CPU ranks: no overlap there; run to run noise)" if a.device == "cpu" else ""))
-        for k, t in (("keel T=2", "torch TP=2"), ("keel T=2+SP", "torch TP=2+SP")):
+        for k, t in (("keel T=2", "torch TP=2"), ("keel T=2+SP", "torch TP=2+SP"), ("keel T=4", "torch TP=4"),
+                     ("keel T=4+SP", "torch TP=4+SP")):
             kr, tr = m["runs"].get(k, {}), m["runs"].get(t, {})
             if "tokens_per_s" in kr and "tokens_per_s" in tr:
                 ratio = kr["tokens_per_s"] / tr["tokens_per_s"]

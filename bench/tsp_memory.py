@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Per-rank memory (and with --steps, tokens/s) of keel train's two-rank layouts: TSP=2 against
 TP=2, TP=2+SP, CP=2 and DP=2, as sequences grow (issue 30's comparison), on CPU ranks or on GPUs.
+--degree D: the same layouts on D ranks (TSP=D, TP=D, TP=D+SP, CP=D, DP=D).
 
 Model: a dense decoder of the TSP paper's 7B proportions (hidden --hidden, heads of 128, FFN x4,
 --layers layers, vocabulary 32,000; on CPU ranks the hidden is scaled down), one sequence per
@@ -8,7 +9,7 @@ micro-batch, AdamW. --model zaya1: bench/zaya_vs_torch.py's ZAYA1-shaped model i
 8-layer cut of ZAYA1-8B: CCA 8/2 heads of 128, MLP router with EDA and the skip class, 16
 experts of 2,048 top-1, vocabulary 262,272 tied; --tiny: its toy sizes, for CPU ranks), with
 forced-balance routing (router.forced_balance: every expert an equal share, never skip) so the
-tokens/s of every layout time balanced experts. For each layout and sequence length it starts `mpirun -np 2 keel train`
+tokens/s of every layout time balanced experts. For each layout and sequence length it starts `mpirun -np D keel train`
 (--device cpu or cuda) on random tokens, reads rank 0's start-up memory line (keel's own
 allocations, sized before the first step) and stops the run: no step is timed. With --steps N
 (N > 3) it trains N steps instead and also prints the median tokens/s per GPU over the steps
@@ -31,13 +32,22 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_vs_torch import write_dataset  # noqa: E402
 
-LAYOUTS = {
-    "TSP=2": "  tsp: 2\n",
-    "TP=2": "  tensor: 2\n",
-    "TP=2+SP": "  tensor: 2\n  sequence: true\n",
-    "CP=2": "  context: 2\n",
-    "DP=2": "",  # parallel.data: 2 is written by config()
-}
+KINDS = ["TSP", "TP", "TP+SP", "CP", "DP"]
+
+
+def kind(layout):
+    """A layout's kind: "TP=4+SP" -> "TP+SP"."""
+    return re.sub(r"=[0-9]+", "", layout)
+
+
+def layout_name(k, degree):
+    return f"TP={degree}+SP" if k == "TP+SP" else f"{k}={degree}"
+
+
+def parallel(k, degree):
+    """parallel: keys of a layout kind at `degree` (data for DP)."""
+    return {"TSP": {"tsp": degree}, "TP": {"tensor": degree}, "TP+SP": {"tensor": degree, "sequence": "true"},
+            "CP": {"context": degree}, "DP": {"data": degree}}[k]
 
 
 def model_text(a, seq):
@@ -54,10 +64,6 @@ max_seq_len: {seq}
 """
 
 
-PARALLEL = {"TSP=2": {"tsp": 2}, "TP=2": {"tensor": 2}, "TP=2+SP": {"tensor": 2, "sequence": "true"},
-            "CP=2": {"context": 2}, "DP=2": {"data": 2}}
-
-
 def zaya_dims(a, seq):
     import zaya_vs_torch
     d = dict(zaya_vs_torch.TINY if a.tiny else zaya_vs_torch.ZAYA8, seq=seq, micro_batch=1)
@@ -69,16 +75,19 @@ def zaya_dims(a, seq):
 def zaya_config(a, prefix, out, seq, layout):
     import train_tp_vs_torch
     import zaya_vs_torch
-    accum = 2 if layout == "DP=2" else 1  # the same tokens per GPU: a micro-batch on each rank
+    k = kind(layout)
+    accum = a.degree if k == "DP" else 1  # the same tokens per GPU: a micro-batch on each rank
     text, _ = train_tp_vs_torch.keel_config("zaya1", zaya_dims(a, seq), prefix, out, max(1, a.steps), a.device, accum,
-                                            PARALLEL[layout], 3e-5, zaya_vs_torch.BIAS_RATE, forced=True)
+                                            parallel(k, a.degree), 3e-5, zaya_vs_torch.BIAS_RATE, forced=True)
     return text
 
 
 def config(a, prefix, out, seq, layout):
     if a.model == "zaya1":
         return zaya_config(a, prefix, out, seq, layout)
-    accum = 2 if layout == "DP=2" else 1
+    k = kind(layout)
+    accum = a.degree if k == "DP" else 1
+    keys = "".join(f"  {key}: {v}\n" for key, v in parallel(k, a.degree).items() if key != "data")
     model = "".join("  " + line + "\n" for line in model_text(a, seq).splitlines())
     return f"""device: {a.device}
 model:
@@ -86,8 +95,8 @@ model:
   datasets: {{train: {prefix}}}
   seq_length: {seq}
 parallel:
-  data: {2 if layout == "DP=2" else 1}
-{LAYOUTS[layout]}batch:
+  data: {a.degree if k == "DP" else 1}
+{keys}batch:
   micro_batch: 1
   grad_accum: {accum}
 optimizer:
@@ -109,7 +118,7 @@ def measure(a, prefix, seq, layout):
     cfg = os.path.join(run_dir, "train.yaml")
     open(cfg, "w").write(config(a, prefix, os.path.join(run_dir, "run"), seq, layout))
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [a.mpirun, "--oversubscribe", "--bind-to", "none", "-n", "2"]
+    cmd = [a.mpirun, "--oversubscribe", "--bind-to", "none", "-n", str(a.degree)]
     for k in os.environ:
         if k.startswith("KEEL_") or k.startswith("NCCL_"):
             cmd += ["-x", k]
@@ -140,14 +149,16 @@ def measure(a, prefix, seq, layout):
         row["keel size"] = predicted(a, run_dir, seq, layout)
     timed = rates[2:]  # the first two steps warm up
     if timed:
-        row["tokens/s per GPU"] = float(np.median(timed)) / 2
+        row["tokens/s per GPU"] = float(np.median(timed)) / a.degree
     elif a.steps > 1:
         row["error"] = "no timed step: " + "".join(seen[-3:]).strip()
     return row
 
 
-SIZE_LAYOUT = {"TSP=2": ["tsp=2"], "TP=2": ["tp=2", "--no-sequence-parallel"], "TP=2+SP": ["tp=2"], "CP=2": ["cp=2"],
-               "DP=2": ["zero=1"]}
+def size_layout(layout, degree):
+    """keel size --layout words of a layout."""
+    return {"TSP": [f"tsp={degree}"], "TP": [f"tp={degree}", "--no-sequence-parallel"], "TP+SP": [f"tp={degree}"],
+            "CP": [f"cp={degree}"], "DP": ["zero=1"]}[kind(layout)]
 
 
 def predicted(a, run_dir, seq, layout):
@@ -160,7 +171,8 @@ def predicted(a, run_dir, seq, layout):
         text = model_text(a, seq)
     open(model, "w").write(text)
     js = os.path.join(run_dir, "size.json")
-    r = subprocess.run([a.keel, "size", model, "--layout", *SIZE_LAYOUT[layout], "--gpus", "2", "--seq", str(seq),
+    r = subprocess.run([a.keel, "size", model, "--layout", *size_layout(layout, a.degree), "--gpus", str(a.degree),
+                        "--seq", str(seq),
                         "--hardware", "h200", "--json", js], capture_output=True, text=True)
     if r.returncode != 0:
         return None
@@ -178,7 +190,8 @@ def main():
     ap.add_argument("--model", choices=["dense", "zaya1"], default="dense")
     ap.add_argument("--tiny", action="store_true", help="zaya1 at toy sizes (CPU ranks)")
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--layouts", default=",".join(KINDS), help=f"a comma list of {', '.join(KINDS)} (TSP=2 etc. too)")
+    ap.add_argument("--degree", type=int, default=2, help="ranks of every layout (TSP=D, TP=D, ...)")
     ap.add_argument("--mpirun", default="mpirun")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--size", action="store_true", help="also print keel size's prediction (GPU layouts)")
@@ -189,7 +202,10 @@ def main():
         a.layers = 2
     os.makedirs(a.out, exist_ok=True)
     lengths = [int(x) for x in a.lengths.split(",")]
-    layouts = [x.strip() for x in a.layouts.split(",") if x.strip()]
+    layouts = [layout_name(kind(x.strip()), a.degree) for x in a.layouts.split(",") if x.strip()]
+    bad = [x for x in layouts if kind(x) not in KINDS]
+    if bad or a.degree < 2:
+        ap.error(f"--layouts: {bad} not of {', '.join(KINDS)}" if bad else "--degree: at least 2")
     prefix = os.path.join(a.out, "random")
     rng = np.random.default_rng(0)
     vocab = zaya_dims(a, 1)["vocab"] if a.model == "zaya1" else 32000
@@ -201,8 +217,8 @@ def main():
             results[f"{layout} {seq}"] = r = measure(a, prefix, seq, layout)
             print(f"{layout:8s} {seq:6d}: {r}", flush=True)
     json.dump(results, open(os.path.join(a.out, "tsp_memory.json"), "w"), indent=1)
-    where = "2 CPU ranks (GiB, rank 0's arenas, fp32)" if a.device == "cpu" else \
-        "2 GPU ranks (GiB, rank 0's allocations: bf16 GEMM operands, fp32 masters/grads/optimizer)"
+    where = f"{a.degree} CPU ranks (GiB, rank 0's arenas, fp32)" if a.device == "cpu" else \
+        f"{a.degree} GPU ranks (GiB, rank 0's allocations: bf16 GEMM operands, fp32 masters/grads/optimizer)"
     if a.model == "zaya1":
         d = zaya_dims(a, lengths[-1])
         what = (f"ZAYA1-shaped{' (tiny)' if a.tiny else ''}, h={d['hidden']}, {d['layers']} layers of CCA + "
