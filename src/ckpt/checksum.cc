@@ -3,6 +3,11 @@
 #include <array>
 #include <cstring>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <nmmintrin.h>
+#define KEEL_CRC32C_X86 1
+#endif
+
 namespace keel::ckpt {
 namespace {
 
@@ -26,9 +31,44 @@ const Tables& tables() {
   return t;
 }
 
+#ifdef KEEL_CRC32C_X86
+// The same sum with SSE4.2's crc32 (the Castagnoli polynomial, reflected): 8 bytes per
+// instruction. Compiled for SSE4.2 whatever the build's target; called only where the CPU has it.
+__attribute__((target("sse4.2"))) std::uint32_t crc32c_sse42(std::uint32_t crc, const void* data, std::size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::uint64_t c = ~crc;
+  while (n >= 8) {
+    std::uint64_t w;
+    std::memcpy(&w, p, 8);
+    c = _mm_crc32_u64(c, w);
+    p += 8;
+    n -= 8;
+  }
+  auto c32 = static_cast<std::uint32_t>(c);
+  while (n--) c32 = _mm_crc32_u8(c32, *p++);
+  return ~c32;
+}
+#endif
+
 }  // namespace
 
+bool crc32c_hardware() {
+#ifdef KEEL_CRC32C_X86
+  static const bool has = __builtin_cpu_supports("sse4.2");
+  return has;
+#else
+  return false;
+#endif
+}
+
 std::uint32_t crc32c(std::uint32_t crc, const void* data, std::size_t n) {
+#ifdef KEEL_CRC32C_X86
+  if (crc32c_hardware()) return crc32c_sse42(crc, data, n);
+#endif
+  return crc32c_table(crc, data, n);
+}
+
+std::uint32_t crc32c_table(std::uint32_t crc, const void* data, std::size_t n) {
   const Tables& t = tables();
   const auto* p = static_cast<const unsigned char*>(data);
   std::uint32_t c = ~crc;

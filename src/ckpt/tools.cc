@@ -4,12 +4,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -135,27 +137,32 @@ VerifyResult verify_checkpoint(const std::string& dir) {
     r.problems.push_back(e.what());
     return r;
   }
-  // Shards by file, in file order, so each file is read once, sequentially.
+  // Shards by file, in offset order, so each file is read once, sequentially; the files on
+  // threads of their own (a checkpoint's files are its ranks' writers': a restart waits on this).
   std::map<std::string, std::vector<std::pair<const StoredShard*, const TensorMeta*>>> by_file;
   for (const auto& t : m.tensors)
     for (const auto& s : t.shards) by_file[s.file].push_back({&s, &t});
-  std::vector<char> buf;
-  for (const auto& [file, size] : m.files) {
+  const std::vector<std::pair<std::string, std::uint64_t>> files(m.files.begin(), m.files.end());
+  std::vector<VerifyResult> per_file(files.size());
+  const auto check_file = [&](std::size_t i) {
+    const auto& [file, size] = files[i];
+    VerifyResult& out = per_file[i];
     const std::string path = (fs::path(dir) / file).string();
     const int fd = ::open(path.c_str(), O_RDONLY);
     if (fd < 0) {
-      r.problems.push_back(fmt::format("data file {}: {}", path, std::strerror(errno)));
-      continue;
+      out.problems.push_back(fmt::format("data file {}: {}", path, std::strerror(errno)));
+      return;
     }
     const off_t actual = ::lseek(fd, 0, SEEK_END);
     if (static_cast<std::uint64_t>(actual) != size) {
-      r.problems.push_back(fmt::format("data file {} has {} bytes, the metadata says {}: truncated or damaged", path,
-                                       static_cast<long long>(actual), size));
+      out.problems.push_back(fmt::format("data file {} has {} bytes, the metadata says {}: truncated or damaged", path,
+                                         static_cast<long long>(actual), size));
       ::close(fd);
-      continue;
+      return;
     }
-    auto& list = by_file[file];
+    auto list = by_file[file];  // a copy: the map is shared between the threads
     std::sort(list.begin(), list.end(), [](const auto& a, const auto& b) { return a.first->offset < b.first->offset; });
+    std::vector<char> buf;
     for (const auto& [s, t] : list) {
       buf.resize(s->nbytes);
       std::uint64_t got = 0;
@@ -164,13 +171,32 @@ VerifyResult verify_checkpoint(const std::string& dir) {
         if (n <= 0) break;
         got += static_cast<std::uint64_t>(n);
       }
-      ++r.shards;
-      r.bytes += got;
+      ++out.shards;
+      out.bytes += got;
       if (got != s->nbytes || crc32c(0, buf.data(), s->nbytes) != s->crc)
-        r.problems.push_back(fmt::format("tensor '{}' shard {} in {} (bytes {}..{}): checksum mismatch, data corrupted",
-                                         t->name, box_str(s->box), file, s->offset, s->offset + s->nbytes));
+        out.problems.push_back(fmt::format("tensor '{}' shard {} in {} (bytes {}..{}): checksum mismatch, data corrupted",
+                                           t->name, box_str(s->box), file, s->offset, s->offset + s->nbytes));
     }
     ::close(fd);
+  };
+  {
+    const std::size_t workers = std::min<std::size_t>(files.size(), std::max(1u, std::thread::hardware_concurrency()));
+    std::atomic<std::size_t> next{0};
+    const auto work = [&] {
+      for (std::size_t i = next++; i < files.size(); i = next++) try {
+          check_file(i);
+        } catch (const std::exception& e) {  // a shard too large to read into memory, say: a problem, not an abort
+          per_file[i].problems.push_back(fmt::format("data file {}: {}", files[i].first, e.what()));
+        }
+    };
+    std::vector<std::jthread> threads;
+    for (std::size_t w = 1; w < workers; ++w) threads.emplace_back(work);
+    work();
+  }
+  for (auto& f : per_file) {  // in file order, whichever thread finished first
+    r.shards += f.shards;
+    r.bytes += f.bytes;
+    for (auto& p : f.problems) r.problems.push_back(std::move(p));
   }
   for (const auto& t : m.tensors) {
     std::vector<Box> boxes;
