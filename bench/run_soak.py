@@ -23,7 +23,12 @@ one poll for the others) and the steps lost (the restart events' steps_lost); fa
 injected fault behind them (a real one, or a false spike); the restart time (keel run's fault event
 to the first step the next attempt finishes: back-off, start-up, the checkpoint's load and that
 step; every step is logged, log_interval 1); and keel run's `done` event: wall time, attempts,
-effective_ratio (seconds of the steps kept over the wall time). Writes OUT/soak_result.json; the
+effective_ratio (seconds of the steps kept over the wall time). Beside the restart time, its
+parts from keel run's own events: the checksum check of the checkpoint it resumes from
+("verified") and the next attempt's launch to its first step ("first_step": start-up, the load
+and one step). --deadline S stops keel run (SIGTERM: the job saves and exits) S seconds after this
+script started, so that a run longer than its time still prints its table: a fault counts as
+recovered there when the attempt after it finished a step. Writes OUT/soak_result.json; the
 table comes last.
 
   python3 bench/run_soak.py --keel build/keel --minutes 10 --out out/soak
@@ -47,9 +52,12 @@ import random
 import re
 import shutil
 import statistics
+import signal
 import subprocess
 import sys
 import time
+
+STARTED = time.time()
 
 KINDS = ["kill", "exit", "hang", "slow", "nan", "spike", "diskfull"]
 # the fault kind keel run records for each injected kind (slow: none, it is no fault it detects)
@@ -191,6 +199,9 @@ def main():
     ap.add_argument("--own-data", action="store_true",
                     help="train on --config's own datasets and batch (else the story corpus, micro-batch 4)")
     ap.add_argument("--set", action="append", default=[], dest="sets", help="a keel train override (repeatable)")
+    ap.add_argument("--deadline", type=float, default=0,
+                    help="seconds after this script's start to stop keel run (SIGTERM) and print what ran (0: none)")
+    ap.add_argument("--stop-grace", type=float, default=60, help="seconds keel run gets to stop after --deadline")
     a = ap.parse_args()
     for k in a.kinds.split(","):
         if k not in KINDS:
@@ -218,9 +229,26 @@ def main():
     for _, _, spec in faults:
         args += ["--inject", spec]
     t0 = time.time()
+    stopped = False  # by --deadline
     with open(os.path.join(a.out, "keel_run.log"), "w") as log:
-        p = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=mpi_env(), timeout=wall * 4 + 600)
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=mpi_env(), start_new_session=True)
+        limit = wall * 4 + 600
+        if a.deadline > 0:
+            limit = min(limit, max(1.0, a.deadline - (t0 - STARTED)))
+        try:
+            p.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            stopped = True
+            p.send_signal(signal.SIGTERM)  # keel run: the job saves at its next step and exits
+            try:
+                p.wait(timeout=a.stop_grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
     elapsed = time.time() - t0
+    if stopped:
+        print(f"keel run stopped at --deadline ({a.deadline:g} s after this script started): the table holds what ran",
+              flush=True)
     for line in open(os.path.join(a.out, "keel_run.log"), errors="replace"):
         if line.startswith("keel run:") or line.startswith("keel: error: run"):
             print("  " + line.rstrip())
@@ -229,9 +257,17 @@ def main():
     done = next((e for e in events if e["event"] == "done"), None)
     fault_ev = {e["attempt"]: e for e in events if e["event"] == "fault"}
     restart_ev = {e["attempt"]: e for e in events if e["event"] == "restart"}  # keyed by the new attempt
+    first_ev = {e["attempt"]: e for e in events if e["event"] == "first_step"}
+    verify_ev, attempt_now = {}, 1  # a checkpoint's check before an attempt: after the restart event naming it
+    for e in events:
+        if e["event"] == "restart":
+            attempt_now = e["attempt"]
+        elif e["event"] == "verified":
+            verify_ev[attempt_now] = e
     fired = fired_faults(run_out)
     rows = collections.OrderedDict((k, {"planned": 0, "fired": 0, "detected": 0, "recovered": 0, "latency": [],
-                                        "lost": [], "restart": []}) for k in a.kinds.split(","))
+                                        "lost": [], "restart": [], "verify": [], "first_step": []})
+                               for k in a.kinds.split(","))
     # every step's wall-clock time (log_interval 1), for the time from a fault's event to the
     # first step the next attempt finishes
     step_times = sorted(r["time"] for r in (json.loads(l) for l in open(os.path.join(run_out, "metrics.jsonl")))
@@ -262,13 +298,18 @@ def main():
                 after = [t for t in step_times if t > rs["time"]]
                 if after:  # back-off, start-up (launch, devices, the checkpoint's load) and one step
                     r["restart"].append(after[0] - ev["time"])
-                if done:
+                if attempt + 1 in verify_ev:
+                    r["verify"].append(verify_ev[attempt + 1]["seconds"])
+                if attempt + 1 in first_ev:
+                    r["first_step"].append(first_ev[attempt + 1]["seconds"])
+                if done or (stopped and attempt + 1 in first_ev):
                     r["recovered"] += 1
     unprovoked = [f"attempt {n}: {e['kind']} at step {e['reached']}: {e['detail']}" for n, e in fault_ev.items()
                   if n not in provoked]
     result = {"step_seconds": step_s, "steps": steps, "minutes": a.minutes, "interval_s": a.interval, "seed": a.seed,
               "checkpoint_interval": a.checkpoint_interval, "faults": [s for _, _, s in faults], "exit": p.returncode,
-              "elapsed_s": elapsed, "done": done, "by_kind": rows, "mismatched": mismatched, "unprovoked": unprovoked}
+              "elapsed_s": elapsed, "done": done, "stopped_at_deadline": stopped, "by_kind": rows,
+              "mismatched": mismatched, "unprovoked": unprovoked}
     with open(os.path.join(a.out, "soak_result.json"), "w") as f:
         json.dump(result, f, indent=1)
 
@@ -287,18 +328,21 @@ def main():
               f"{done['step_seconds_kept']:.0f} s: effective_ratio {done['effective_ratio']:.3f}; steps lost in all "
               f"{sum(e['steps_lost'] for e in restart_ev.values())}")
     print(f"\n{'kind':<9} {'planned':>7} {'fired':>5} {'detected':>8} {'recovered':>9} {'detect s mean':>13} "
-          f"{'detect s max':>12} {'restart s mean':>14} {'steps lost':>10}")
+          f"{'detect s max':>12} {'restart s mean':>14} {'verify s':>8} {'launch s':>8} {'steps lost':>10}")
     for kind, r in rows.items():
         lat = r["latency"]
         mean = f"{statistics.mean(lat):.2f}" if lat else "-"
         mx = f"{max(lat):.2f}" if lat else "-"
         rst = f"{statistics.mean(r['restart']):.2f}" if r["restart"] else "-"
         det = "n/a" if kind == "slow" else str(r["detected"])
+        ver = f"{statistics.mean(r['verify']):.2f}" if r["verify"] else "-"
+        fst = f"{statistics.mean(r['first_step']):.2f}" if r["first_step"] else "-"
         print(f"{kind:<9} {r['planned']:>7} {r['fired']:>5} {det:>8} {r['recovered']:>9} {mean:>13} {mx:>12} "
-              f"{rst:>14} {sum(r['lost']):>10}")
+              f"{rst:>14} {ver:>8} {fst:>8} {sum(r['lost']):>10}")
     print("detect s: the fault to keel run's verdict; restart s: keel run's fault event to the first step the "
-          "next attempt finishes (back-off, start-up and that step)")
-    return 0 if done and recovered_n == fired_n and not mismatched else 1
+          "next attempt finishes (back-off, start-up and that step); of it, verify s: the checksums of the "
+          "checkpoint resumed from, and launch s: the next attempt's launch to its first step")
+    return 0 if (done or stopped) and recovered_n == fired_n and not mismatched else 1
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ mpi_gtest() {
   fi
 }
 
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# KEEL_GPUS=N (with CUDA_VISIBLE_DEVICES naming N GPUs) runs the steps as on an N-GPU machine.
+gpus=${KEEL_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
 note "== keel on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) x $gpus, $(date -u +%F)"
 
 for step in "${steps[@]}"; do
@@ -295,6 +296,8 @@ for step in "${steps[@]}"; do
       # KEEL_SOAK_ARGS to it). The hang deadline's floor is keel run's default, 10 s. (The false
       # hangs of the earlier soaks were a loss-spike save waiting on writes with no heartbeat:
       # fixed, PERFORMANCE.md.)
+      # keel run is stopped 90 s before KEEL_SOAK_TIMEOUT (run_soak.py --deadline), so a run longer
+      # than the call still prints its table.
       # The model's config and data come from a short bench/zaya_vs_torch.py run. The run (and its
       # checkpoints, ~25 GB each) lives in /tmp/keel-soak; its logs and events come back in $out/soak.
       python3 bench/zaya_vs_torch.py --keel "$build/keel" --out /tmp/keel-soak/model --steps 2 --warmup 1 \
@@ -308,7 +311,8 @@ z.write_dataset('/tmp/keel-soak/model/random', np.random.default_rng(1).integers
       timeout "${KEEL_SOAK_TIMEOUT:-540}" python3 bench/run_soak.py --keel "$build/keel" --device cuda \
           --config /tmp/keel-soak/model/keel_train.yaml --own-data --kinds kill,hang --ranks "$gpus" \
           ${KEEL_SOAK_PLAN:---minutes 3.0 --interval 90 --checkpoint-interval 200 --first-fault-step 440} --spike-window 50 --min-deadline 10 \
-          --set batch.grad_accum=$gpus --out /tmp/keel-soak/soak ${KEEL_SOAK_ARGS:-} 2>&1 \
+          --set batch.grad_accum=$gpus --out /tmp/keel-soak/soak --deadline $(( ${KEEL_SOAK_TIMEOUT:-540} - 90 )) \
+          --stop-grace 60 ${KEEL_SOAK_ARGS:-} 2>&1 \
           | tee "$out/soak.log" | tail -14
       mkdir -p "$out/soak"
       cp /tmp/keel-soak/soak/soak_result.json /tmp/keel-soak/soak/keel_run.log /tmp/keel-soak/soak/run/run_events.jsonl \

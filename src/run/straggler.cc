@@ -37,7 +37,7 @@ std::optional<Straggler> StragglerWatch::add(int rank, std::int64_t step, double
     me.above = 0;
   if (me.reported || me.above < o_.steps) return std::nullopt;
   me.reported = true;
-  return Straggler{rank, step, mine, rest};
+  return Straggler{rank, step, mine, rest, {me.busy.begin(), me.busy.end()}};
 }
 
 }  // namespace keel::run

@@ -37,6 +37,7 @@ struct Straggler {
   int rank = -1;
   std::int64_t step = 0;       // the step that confirmed it
   double busy = 0, others = 0;  // its median busy seconds per step, the other ranks'
+  std::vector<double> window;    // its window's samples, oldest first (what the verdict read)
 };
 
 class StragglerWatch {

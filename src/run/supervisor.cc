@@ -140,8 +140,15 @@ std::int64_t usable_latest(const std::string& root, Log& events) {
     }
     if (dir.empty()) return 0;
     const std::int64_t step = latest_step(root);
+    const auto t0 = std::chrono::steady_clock::now();
     const ckpt::VerifyResult v = ckpt::verify_checkpoint(dir);
-    if (v.problems.empty()) return step;
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (v.problems.empty()) {
+      std::printf("keel run: %s verifies (%.2f GiB of shards, their checksums in %.1f s)\n",
+                  fs::path(dir).filename().c_str(), static_cast<double>(v.bytes) / (1ull << 30), seconds);
+      events.write({{"event", "verified"}, {"step", step}, {"bytes", v.bytes}, {"seconds", seconds}});
+      return step;
+    }
     const fs::path aside = fs::path(root) / fmt::format("corrupt_{}", fs::path(dir).filename().string());
     std::error_code ec;
     fs::remove_all(aside, ec);
@@ -486,6 +493,10 @@ int run(const Options& o) {
     std::vector<double> step_times;
     std::int64_t seen_step = resume;
     std::map<int, Beat> beats;
+    // the attempt's start-up, itemised once: launch to every rank's first beat (start-up and
+    // resume), then to the first step any rank finished
+    double all_started_after = -1;
+    bool first_step_seen = false;
     // SIGTERM to the ranks on this host (a launcher that gets it aborts the job instead of letting
     // the ranks finish their save; keel train passes a stop on to every rank), or to the job's
     // group when none is (yet) known here
@@ -518,6 +529,19 @@ int run(const Options& o) {
       }
       beats = current_beats();
       const double now = unix_now();
+      if (!first_step_seen && !beats.empty()) {
+        const double since_launch = std::chrono::duration<double>(Clock::now() - t_start).count();
+        const int world = beats.begin()->second.world;
+        if (all_started_after < 0 && world > 0 && static_cast<int>(beats.size()) >= world) all_started_after = since_launch;
+        if (std::any_of(beats.begin(), beats.end(), [&](const auto& rb) { return rb.second.step > resume; })) {
+          first_step_seen = true;
+          std::printf("keel run: attempt %d's first step %.1f s after its launch (every rank started in %s)\n", attempt,
+                      since_launch, all_started_after < 0 ? "-" : fmt::format("{:.1f} s", all_started_after).c_str());
+          std::fflush(stdout);
+          events.write({{"event", "first_step"}, {"attempt", attempt}, {"seconds", since_launch},
+                        {"started_seconds", all_started_after}});
+        }
+      }
       // step times: every rank reports its last; the median over the attempt's steps so far
       if (!beats.empty())
         if (const Beat& b = beats.begin()->second; b.step > seen_step && b.step_seconds > 0) {
@@ -554,7 +578,8 @@ int run(const Options& o) {
         if (b.phase != "step") continue;
         if (const auto x = stragglers.add(r, b.step, b.step_seconds, b.wait_seconds, b.world)) {
           events.write({{"event", "straggler"}, {"kind", "host"}, {"rank", r}, {"host", b.host}, {"pid", b.pid},
-                        {"step", x->step}, {"busy_seconds", x->busy}, {"others_busy_seconds", x->others}});
+                        {"step", x->step}, {"busy_seconds", x->busy}, {"others_busy_seconds", x->others},
+                        {"window_seconds", x->window}});
           if (straggled(r, b, "host",
                         fmt::format("{:.3f} s of its own work per step against {:.3f} s for the other ranks, to step {}",
                                     x->busy, x->others, x->step)))
@@ -563,7 +588,8 @@ int run(const Options& o) {
         if (b.device_seconds <= 0) continue;
         if (const auto x = device_stragglers.add(r, b.step, b.device_seconds, 0.0, b.world)) {
           events.write({{"event", "straggler"}, {"kind", "device"}, {"rank", r}, {"host", b.host}, {"pid", b.pid},
-                        {"step", x->step}, {"device_seconds", x->busy}, {"others_device_seconds", x->others}});
+                        {"step", x->step}, {"device_seconds", x->busy}, {"others_device_seconds", x->others},
+                        {"window_seconds", x->window}});
           if (straggled(r, b, "device",
                         fmt::format("its device takes {:.3f} ms for the canary GEMM against {:.3f} ms on the other "
                                     "ranks' devices, to step {}",

@@ -131,6 +131,13 @@ check(len(faults) == 1 and faults[0]["kind"] == "dead", f"kill: one dead-rank fa
 restart = [e for e in ev if e["event"] == "restart"]
 check(restart and restart[0]["resume_step"] == 4 and restart[0]["steps_lost"] <= INTERVAL,
       f"kill: resumed from step 4, at most {INTERVAL} steps lost ({restart})")
+verified = [e for e in ev if e["event"] == "verified"]
+check(len(verified) == 1 and verified[0]["step"] == 4 and verified[0]["bytes"] > 0 and verified[0]["seconds"] >= 0,
+      f"kill: the restart's checkpoint verified, its bytes and time recorded ({verified})")
+first = [e for e in ev if e["event"] == "first_step"]
+check([e["attempt"] for e in first] == [1, 2] and all(e["started_seconds"] == -1 or 0 <= e["started_seconds"] <= e["seconds"] for e in first)
+      and all(e["seconds"] > 0 for e in first),
+      f"kill: each attempt's first step after its ranks started, recorded ({first})")
 done = [e for e in ev if e["event"] == "done"]
 check(done and done[0]["faults_survived"] == 1 and 0 < done[0]["effective_ratio"] <= 1,
       f"kill: done, one fault survived, an effective ratio ({done})")

@@ -35,6 +35,8 @@ TEST(StragglerWatch, NamesTheRankThatWaitsLeastOnce) {
   EXPECT_EQ(x->step, 10);
   EXPECT_NEAR(x->busy, 0.95, 1e-9);
   EXPECT_NEAR(x->others, 0.4, 0.02);
+  ASSERT_EQ(x->window.size(), 5u) << "the window the verdict read, in the report";
+  for (double b : x->window) EXPECT_NEAR(b, 0.95, 1e-9);
   EXPECT_FALSE(w.add(2, 41, 1.0, 0.05, 4).has_value()) << "reported twice";
 }
 
