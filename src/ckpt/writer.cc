@@ -30,9 +30,11 @@ double now_s() {
 }
 
 // Write-behind for one file written front to back: when a window of `window` bytes is full its
-// writeback starts (SYNC_FILE_RANGE_WRITE); the window before it is waited for and dropped from
-// the page cache (the checkpoint is not read back by this process). At most two windows are
-// dirty at a time. Durability still comes from the final fsync; where the file system refuses
+// writeback starts (SYNC_FILE_RANGE_WRITE); the window before it is waited for. At most two
+// windows are dirty at a time. The written pages stay in the page cache, clean: a restart on
+// this host reads the newest checkpoint from memory instead of the disk (keel run checks every
+// shard's checksum before it resumes, then keel train loads it), and the kernel reclaims clean
+// pages whenever memory is wanted. Durability still comes from the final fsync; where the file system refuses
 // sync_file_range (EINVAL, ENOSYS, EOPNOTSUPP, ESPIPE) the writer goes on without it, and a real
 // I/O error reaches the fsync too.
 class FlushBehind {
@@ -42,11 +44,10 @@ class FlushBehind {
   void wrote(std::uint64_t end) {
     if (window_ == 0 || end - started_ < window_) return;
     if (!range(started_, end - started_, SYNC_FILE_RANGE_WRITE)) return;
-    if (started_ > waited_) {  // the window before this one: on disk, then out of the cache
+    if (started_ > waited_) {  // the window before this one: on disk
       if (!range(waited_, started_ - waited_,
                  SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER))
         return;
-      ::posix_fadvise(fd_, static_cast<off_t>(waited_), static_cast<off_t>(started_ - waited_), POSIX_FADV_DONTNEED);
       waited_ = started_;
     }
     started_ = end;
@@ -62,7 +63,7 @@ class FlushBehind {
   int fd_;
   std::uint64_t window_;
   std::uint64_t started_ = 0;  // writeback started for [waited_, started_)
-  std::uint64_t waited_ = 0;   // on disk and dropped: [0, waited_)
+  std::uint64_t waited_ = 0;   // on disk: [0, waited_)
 };
 }  // namespace
 
