@@ -160,7 +160,8 @@ VerifyResult verify_checkpoint(const std::string& dir) {
       ::close(fd);
       return;
     }
-    auto list = by_file[file];  // a copy: the map is shared between the threads
+    const auto it = by_file.find(file);  // read only: the map is shared between the threads
+    auto list = it == by_file.end() ? decltype(it->second){} : it->second;
     std::sort(list.begin(), list.end(), [](const auto& a, const auto& b) { return a.first->offset < b.first->offset; });
     std::vector<char> buf;
     for (const auto& [s, t] : list) {
