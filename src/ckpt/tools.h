@@ -22,9 +22,10 @@ struct VerifyResult {
   std::string note;  // of a keel train checkpoint: "a complete train state", or what could not be checked
 };
 // Verifies one checkpoint directory: metadata, every data file's size, every shard's CRC32C
-// (reading each file once, sequentially; the files in parallel) and coverage (every element exactly once); of a keel
-// train checkpoint (state format keel.train/N) also that it is a whole train state: step
-// counters, sampler position, each parameter's optimizer moments (m; v unless Muon trained it).
+// (reading each file once, sequentially; the files in parallel) and coverage (every element
+// exactly once); of a keel train checkpoint (state format keel.train/N) also that it is a whole
+// train state: step counters, sampler position, each parameter's optimizer moments (m; v unless
+// Muon trained it).
 VerifyResult verify_checkpoint(const std::string& dir);
 // Verifies `path` (a root: lists every step, verifies `latest` or all committed steps with
 // `all`); prints what it finds and returns the number of problems.

@@ -34,9 +34,9 @@ double now_s() {
 // windows are dirty at a time. The written pages stay in the page cache, clean: a restart on
 // this host reads the newest checkpoint from memory instead of the disk (keel run checks every
 // shard's checksum before it resumes, then keel train loads it), and the kernel reclaims clean
-// pages whenever memory is wanted. Durability still comes from the final fsync; where the file system refuses
-// sync_file_range (EINVAL, ENOSYS, EOPNOTSUPP, ESPIPE) the writer goes on without it, and a real
-// I/O error reaches the fsync too.
+// pages whenever memory is wanted. Durability still comes from the final fsync; where the file
+// system refuses sync_file_range (EINVAL, ENOSYS, EOPNOTSUPP, ESPIPE) the writer goes on without
+// it, and a real I/O error reaches the fsync too.
 class FlushBehind {
  public:
   FlushBehind(int fd, std::uint64_t window) : fd_(fd), window_(window) {}

@@ -532,7 +532,8 @@ int run(const Options& o) {
       if (!first_step_seen && !beats.empty()) {
         const double since_launch = std::chrono::duration<double>(Clock::now() - t_start).count();
         const int world = beats.begin()->second.world;
-        if (all_started_after < 0 && world > 0 && static_cast<int>(beats.size()) >= world) all_started_after = since_launch;
+        if (all_started_after < 0 && world > 0 && static_cast<int>(beats.size()) >= world)
+          all_started_after = since_launch;
         if (std::any_of(beats.begin(), beats.end(), [&](const auto& rb) { return rb.second.step > resume; })) {
           first_step_seen = true;
           std::printf("keel run: attempt %d's first step %.1f s after its launch (every rank started in %s)\n", attempt,
