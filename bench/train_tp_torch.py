@@ -15,7 +15,10 @@ Megatron layout as torchtitan's llama / llama4 plans write it:
   bench:  embed RowwiseParallel (vocabulary rows; output all-reduced, or reduce-scattered over
           the sequence with --sp); attention PrepareModuleInput (one all-gather / one gradient
           reduction for q, k and v), wq / wk / wv ColwiseParallel, wo RowwiseParallel, the
-          module's head counts divided by the degree (n_heads // tp, as torchtitan does); the
+          module's head counts divided by the degree (n_heads // tp, as torchtitan does; above
+          the kv heads, as keel and Megatron do, wk / wv replicated, k and v computed whole with
+          their gradients summed over the group, each rank's q heads reading their group's kv
+          head: not run yet, written 2026-11-29 for T=4 on 4 GPUs); the
           router replicated (a plain module: every rank routes every token alike); the expert
           stacks tensor-sliced by ExpertTensorParallel below (torchtitan's TensorParallel for
           GroupedExperts: w_gate / w_up Shard(1), w_down Shard(2), the MoE output Partial and
@@ -169,21 +172,37 @@ def parallelize_bench(model, mesh, sp):
         top["norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     ETP = expert_tensor_parallel()
+    distribute_module = _tp()[4]
     for layer in model.layers:
         a = layer.attn
-        assert a.n_heads % tp == 0 and a.n_kv_heads % tp == 0, "tensor degree must divide the q and kv heads"
-        a.n_heads, a.n_kv_heads = a.n_heads // tp, a.n_kv_heads // tp
+        assert a.n_heads % tp == 0, "tensor degree must divide the query heads"
+        # More ranks than kv heads (keel's rule, as Megatron replicates kv heads): wk, wv whole on
+        # every rank (Replicate), k and v computed whole, their gradients summed over the group
+        # (each rank's query heads use part of them), each rank's query heads reading their
+        # group's kv head. The stock plan (torchtitan's) splits the kv heads and needs tp | kv.
+        replicate_kv = a.n_kv_heads < tp
+        if replicate_kv:
+            group = a.n_heads // a.n_kv_heads  # query heads per kv head
+            assert tp % a.n_kv_heads == 0, "tensor degree above the kv heads must be a multiple of them"
+            a.n_heads = a.n_heads // tp
+            a.kv_select = (mesh.get_local_rank() * a.n_heads // group, 1)
+            a.kv_hook = lambda t, mesh=mesh: grad_summed(t, mesh)
+            distribute_module(a.wk, mesh)  # parameters replicated
+            distribute_module(a.wv, mesh)
+        else:
+            assert a.n_kv_heads % tp == 0, "tensor degree must divide the kv heads"
+            a.n_heads, a.n_kv_heads = a.n_heads // tp, a.n_kv_heads // tp
         plan = {
             "attn": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
             "attn.wq": ColwiseParallel(),
-            "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=between),
             "moe": PrepareModuleInputOutput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
                                             use_local_input=True, output_layouts=(Partial(), None, None),
                                             desired_output_layouts=(between, None, None), use_local_output=True),
             "moe.experts": ETP(summed=(0, 1)),  # forward(h, gate, sel, counts)
         }
+        if not replicate_kv:
+            plan["attn.wk"], plan["attn.wv"] = ColwiseParallel(), ColwiseParallel()
         if sp:
             plan["n1"] = SequenceParallel()
             plan["n2"] = SequenceParallel()

@@ -19,9 +19,11 @@ Configurations per model, keel first, then the peer, in the same invocation:
                   keel-tp-dp-classic) T=2+SP with 2 data ranks: the overlapped ZeRO-1 step
                   (AdamW) against parallel.zero1.overlap: false, the same global batch
   keel T=4, keel T=4+SP, torch TP=4, torch TP=4+SP  (4 GPUs; only when --configs names keel-tp4,
-                  keel-tp4-sp, torch-tp4, torch-tp4-sp) the same at tensor degree 4 (keel holds the
-                  2 kv heads, and CCA's projections, whole on every rank, as Megatron replicates
-                  kv heads; the peer's plan splits kv heads and refuses a degree above them)
+                  keel-tp4-sp, torch-tp4, torch-tp4-sp) the same at tensor degree 4, above both
+                  models' 2 kv heads: keel holds them (and CCA's projections) whole on every
+                  rank, as Megatron replicates kv heads; the peer does the same for the bench
+                  model's GQA (bench/train_tp_torch.py) and refuses it for ZAYA1's CCA (its
+                  head split needs the degree to divide the kv heads)
   keel DP=2       parallel: {data: 2} (ZeRO-1, overlapped)
   keel EP=2       parallel: {expert: 2} (8 experts per GPU, data parallel over both)
   torch TP=2      bench/train_tp_torch.py under torchrun: torch.distributed.tensor.parallel

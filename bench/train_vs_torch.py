@@ -171,6 +171,10 @@ def build_torch_model(d, dev, forced=False):
         def __init__(self):
             super().__init__()
             self.n_heads, self.n_kv_heads = Hq, Hkv  # the heads this module computes (a shard's under TP)
+            # Tensor degree above the kv heads (bench/train_tp_torch.py): k and v whole on every
+            # rank, from replicated weights, their gradients summed over the group (kv_hook); this
+            # rank's query heads read kv heads [kv_select[0], kv_select[0] + kv_select[1]).
+            self.kv_select, self.kv_hook = None, None
             self.wq = nn.Linear(D, Hq * Dh, bias=False)
             self.wk = nn.Linear(D, Hkv * Dh, bias=False)
             self.wv = nn.Linear(D, Hkv * Dh, bias=False)
@@ -179,6 +183,14 @@ def build_torch_model(d, dev, forced=False):
         def forward(self, h):  # h [B, T, D]
             B, S = h.shape[0], h.shape[1]
             q = rope(self.wq(h).view(B, S, self.n_heads, Dh)).transpose(1, 2)
+            if self.kv_select is not None:
+                hl, (kv0, nkv) = _local(h), self.kv_select
+                k = self.kv_hook(F.linear(hl, _local(self.wk.weight))).view(B, S, Hkv, Dh)
+                v = self.kv_hook(F.linear(hl, _local(self.wv.weight))).view(B, S, Hkv, Dh)
+                k = rope(k[:, :, kv0:kv0 + nkv]).transpose(1, 2)
+                v = v[:, :, kv0:kv0 + nkv].transpose(1, 2)
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                return self.wo(a.transpose(1, 2).reshape(B, S, self.n_heads * Dh))
             k = rope(self.wk(h).view(B, S, self.n_kv_heads, Dh)).transpose(1, 2)
             v = self.wv(h).view(B, S, self.n_kv_heads, Dh).transpose(1, 2)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
