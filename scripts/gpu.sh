@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp lasp tsp compose linattn kernels soak decode ckpt ab
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp lasp tsp compose linattn kernels soak canary decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -327,6 +327,32 @@ z.write_dataset('/tmp/keel-soak/model/random', np.random.default_rng(1).integers
       # a timed-out soak leaves keel run and its ranks going: stop them before the next step
       pkill -KILL -f /tmp/keel-soak/ 2>/dev/null && sleep 5
       rm -rf /tmp/keel-soak ;;
+    canary)
+      # keel run's GPU straggler watch on healthy GPUs (issue 32; docs/fault_tolerance.md, "GPU
+      # stragglers"): no fault, the ZAYA1-shaped model on every GPU for KEEL_CANARY_STEPS (400)
+      # steps, once with the overlapped ZeRO-1 step and once with the classic one (nothing else
+      # runs beside the canary then). Prints each run's straggler events with the canary samples
+      # their verdicts read: a rank named in the first run and not in the second points at the
+      # overlapped work beside the canary; named in both, at the host's launch delay.
+      if [ "$gpus" -lt 2 ]; then note "canary: skipped (needs 2+ GPUs)"; continue; fi
+      python3 bench/zaya_vs_torch.py --keel "$build/keel" --out /tmp/keel-canary/model --steps 2 --warmup 1 \
+          --skip-torch --skip-compile >"$out/canary_model.log" 2>&1
+      python3 -c "import sys; sys.path.insert(0, 'bench'); import numpy as np, zaya_vs_torch as z; d = z.ZAYA8; \
+z.write_dataset('/tmp/keel-canary/model/random', np.random.default_rng(1).integers(0, d['vocab'], size=(6000, d['seq'] + 1), dtype=np.uint64))" \
+          >>"$out/canary_model.log" 2>&1
+      for overlap in true false; do
+        timeout 300 "$build/keel" run /tmp/keel-canary/model/keel_train.yaml --ranks "$gpus" \
+            --set steps="${KEEL_CANARY_STEPS:-400}" --set batch.grad_accum="$gpus" --set checkpoint.interval=0 \
+            --set checkpoint.final=false --set eval.interval=0 --set log_interval=50 \
+            --set parallel.zero1.overlap=$overlap --set output_dir=/tmp/keel-canary/run_$overlap \
+            >"$out/canary_overlap_$overlap.log" 2>&1
+        rc=$?
+        n=$(grep -c '"event":"straggler"' /tmp/keel-canary/run_$overlap/run_events.jsonl 2>/dev/null)
+        note "canary, parallel.zero1.overlap $overlap: keel run exit $rc, ${n:-0} straggler report(s)"
+        grep '"event":"straggler"' /tmp/keel-canary/run_$overlap/run_events.jsonl 2>/dev/null | cut -c1-400 >>"$summary"
+        cp /tmp/keel-canary/run_$overlap/run_events.jsonl "$out/canary_events_$overlap.jsonl" 2>/dev/null
+      done
+      rm -rf /tmp/keel-canary ;;
     kernels)
       # keel's step kernels (attention, the experts' GEMMs, LM head + cross-entropy) beside PyTorch's on the
       # same shapes (bench/kernels_vs_torch.py; KEEL_KERNELS_ARGS to the script).
