@@ -188,6 +188,9 @@ def main():
     ap.add_argument("--degree", type=int, default=2, help="the context-parallel degree C (GPUs of the C-rank rows)")
     ap.add_argument("--longest", action="store_true", help="also probe the longest sequence on 1 and C GPUs")
     ap.add_argument("--lengths", default="32768,65536,131072", help="--longest's sequence lengths")
+    ap.add_argument("--longest-recompute", default="none,full",
+                    help="--longest's recompute modes, a comma list of none, full (e.g. full alone at lengths "
+                         "only full recompute can fit)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lr", type=float, default=3e-5,
                     help="learning rate (3e-5: the routers stay spread over the classes on random tokens; the model "
@@ -249,7 +252,9 @@ def main():
     if a.peer or a.only_peer:
         peer_lines = peer(a, prefix, results, per_gpu, mb, accum)
     if a.longest:
-        for rc in ("none", "full"):
+        for rc in a.longest_recompute.split(","):
+            if rc not in ("none", "full"):
+                sys.exit(f"--longest-recompute: '{rc}' is not none or full")
             for gpus in (1, C):
                 for L in lengths:
                     name = f"{f'CP={C}' if gpus == C else '1 GPU'} {L} recompute {rc}"
