@@ -67,6 +67,7 @@ struct Beat {
   double time = 0, step_seconds = 0, wait_seconds = 0;
   double device_seconds = 0;  // the device canary's time (GPUs; 0: none)
   std::string phase, host;
+  std::string gpu;  // the rank's GPU ("cuda:N <PCI bus id>"; empty on CPU ranks)
 };
 
 // A heartbeat's JSON (keel train's file or datagram); rank -1 when it is not one.
@@ -79,6 +80,7 @@ Beat beat_of(const nlohmann::json& j) {
   b.wait_seconds = j.value("wait_seconds", 0.0);
   b.device_seconds = j.value("device_seconds", 0.0);
   b.phase = j.value("phase", std::string()), b.host = j.value("host", std::string());
+  b.gpu = j.value("gpu", std::string());
   return b;
 }
 
@@ -204,7 +206,7 @@ Child spawn(const std::vector<std::string>& argv) {
 struct Fault {
   std::string kind;  // dead, hang, nan, loss_spike, disk_full, exit
   int rank = -1, pid = 0;
-  std::string host;
+  std::string host, gpu;  // gpu: from the rank's heartbeat (empty: a CPU rank, or not known)
   std::int64_t step = 0;  // the last step every rank finished
   double detect_seconds = 0;
   std::string detail;
@@ -554,8 +556,9 @@ int run(const Options& o) {
       // can run on them). Two watches: the rank's own work per step (host-side slowness) and, on
       // GPUs, its device canary (a GPU's own slowness, which the step times cannot show).
       const auto straggled = [&](int r, const Beat& b, const std::string& kind, const std::string& what) {
-        std::printf("keel run: rank %d (host %s, pid %d) is a %sstraggler: %s, %d steps in a row\n", r, b.host.c_str(),
-                    b.pid, kind == "device" ? "GPU " : "", what.c_str(), o.straggler.steps);
+        const std::string gpu = b.gpu.empty() ? "" : ", GPU " + b.gpu;
+        std::printf("keel run: rank %d (host %s, pid %d%s) is a %sstraggler: %s, %d steps in a row\n", r,
+                    b.host.c_str(), b.pid, gpu.c_str(), kind == "device" ? "GPU " : "", what.c_str(), o.straggler.steps);
         std::fflush(stdout);
         if (!o.exclude_stragglers || stopping || !(multi_node || b.host == this_host)) return false;
         int node_ranks = 0;  // several nodes: its node's ranks leave with it
@@ -579,7 +582,7 @@ int run(const Options& o) {
         if (b.phase != "step") continue;
         if (const auto x = stragglers.add(r, b.step, b.step_seconds, b.wait_seconds, b.world)) {
           events.write({{"event", "straggler"}, {"kind", "host"}, {"rank", r}, {"host", b.host}, {"pid", b.pid},
-                        {"step", x->step}, {"busy_seconds", x->busy}, {"others_busy_seconds", x->others},
+                        {"gpu", b.gpu}, {"step", x->step}, {"busy_seconds", x->busy}, {"others_busy_seconds", x->others},
                         {"window_seconds", x->window}});
           if (straggled(r, b, "host",
                         fmt::format("{:.3f} s of its own work per step against {:.3f} s for the other ranks, to step {}",
@@ -589,7 +592,8 @@ int run(const Options& o) {
         if (b.device_seconds <= 0) continue;
         if (const auto x = device_stragglers.add(r, b.step, b.device_seconds, 0.0, b.world)) {
           events.write({{"event", "straggler"}, {"kind", "device"}, {"rank", r}, {"host", b.host}, {"pid", b.pid},
-                        {"step", x->step}, {"device_seconds", x->busy}, {"others_device_seconds", x->others},
+                        {"gpu", b.gpu}, {"step", x->step}, {"device_seconds", x->busy},
+                        {"others_device_seconds", x->others},
                         {"window_seconds", x->window}});
           if (straggled(r, b, "device",
                         fmt::format("its device takes {:.3f} ms for the canary GEMM against {:.3f} ms on the other "
@@ -602,7 +606,7 @@ int run(const Options& o) {
       for (const auto& [r, b] : beats)
         if (b.pid > 0 && b.phase != "done" && b.host == this_host && kill(b.pid, 0) != 0 && errno == ESRCH) {
           Fault f;
-          f.kind = "dead", f.rank = r, f.pid = b.pid, f.host = b.host, f.step = b.step;
+          f.kind = "dead", f.rank = r, f.pid = b.pid, f.host = b.host, f.gpu = b.gpu, f.step = b.step;
           f.detect_seconds = o.poll;  // within one poll of its exit
           f.detail = "its process is gone";
           fault = f;
@@ -635,7 +639,8 @@ int run(const Options& o) {
         if (b.phase != "done" && (!oldest || b.time < oldest->time)) oldest = &b;
       if (oldest && now - oldest->time > deadline) {
         Fault f;
-        f.kind = "hang", f.rank = oldest->rank, f.pid = oldest->pid, f.host = oldest->host, f.step = oldest->step;
+        f.kind = "hang", f.rank = oldest->rank, f.pid = oldest->pid, f.host = oldest->host, f.gpu = oldest->gpu;
+        f.step = oldest->step;
         f.detect_seconds = now - oldest->time;
         f.detail = fmt::format("no heartbeat for {:.1f} s (deadline {:.1f} s: {} x the median step {:.3f} s, at least {} s)",
                                f.detect_seconds, deadline, o.hang_factor, median_of(step_times), o.min_deadline);
@@ -818,9 +823,13 @@ int run(const Options& o) {
                                   {"detail", fault->detail}, {"skip_step", fault->skip_step}};
     fault_event.update(fault->numbers);
     if (!fault->threads.empty()) fault_event["threads"] = fault->threads;
+    fault_event["gpu"] = fault->gpu;  // empty on CPU ranks, or when no heartbeat named it
     events.write(fault_event);
     std::printf("keel run: fault (%s%s) at step %lld: %s; detected in %.2f s\n", fault->kind.c_str(),
-                fault->rank >= 0 ? fmt::format(", rank {} on {} pid {}", fault->rank, fault->host, fault->pid).c_str() : "",
+                fault->rank >= 0 ? fmt::format(", rank {} on {} pid {}{}", fault->rank, fault->host, fault->pid,
+                                               fault->gpu.empty() ? "" : ", GPU " + fault->gpu)
+                                       .c_str()
+                                 : "",
                 static_cast<long long>(reached), fault->detail.c_str(), fault->detect_seconds);
     for (const auto& t : fault->threads) std::printf("keel run:   at detection, %s\n", t.c_str());
     if (in_a_row > o.max_restarts) {

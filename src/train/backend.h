@@ -145,6 +145,9 @@ class TrainBackend {
   virtual ~TrainBackend() = default;
 
   virtual std::string device() const = 0;  // "cpu" or the GPU's name
+  // This rank's GPU, as keel run's events name it: its CUDA ordinal and PCI bus id
+  // ("cuda:1 0000:1B:00.0"); empty on the CPU.
+  virtual std::string device_id() const { return {}; }
   virtual const optim::ParamLayout& layout() const = 0;
   virtual std::int64_t param_count() const = 0;  // without padding
   virtual int moe_layer_count() const = 0;

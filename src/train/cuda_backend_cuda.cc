@@ -95,6 +95,10 @@ class CudaBackend final : public TrainBackend {
     cudaDeviceProp prop{};
     KEEL_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
     device_name_ = prop.name;
+    char bus[32] = {};
+    device_id_ = cudaDeviceGetPCIBusId(bus, sizeof bus, device) == cudaSuccess
+                     ? fmt::format("cuda:{} {}", device, bus)
+                     : fmt::format("cuda:{}", device);
     KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
     // With expert parallelism this rank's experts come last (E / ep per MoE layer).
@@ -265,6 +269,7 @@ class CudaBackend final : public TrainBackend {
   }
 
   std::string device() const override { return device_name_; }
+  std::string device_id() const override { return device_id_; }
   const optim::ParamLayout& layout() const override { return layout_; }
   std::int64_t param_count() const override { return model::global_param_count(layout_); }  // the whole model's
   int moe_layer_count() const override { return model_->moe_layer_count(); }
@@ -767,6 +772,7 @@ class CudaBackend final : public TrainBackend {
   ModelOptions opt_;
   parallel::Mesh mesh_;
   std::string device_name_;
+  std::string device_id_;  // "cuda:N <PCI bus id>" (device_id())
   cudaStream_t stream_ = nullptr;
   optim::ParamLayout layout_;
   StateShards shards_;

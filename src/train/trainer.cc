@@ -589,6 +589,7 @@ void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seco
   if (heartbeat_host_.empty()) heartbeat_host_ = host_name();
   j["host"] = heartbeat_host_;
   j["pid"] = static_cast<std::int64_t>(::getpid());
+  if (const std::string gpu = backend_->device_id(); !gpu.empty()) j["gpu"] = gpu;
   j["world"] = mesh_.size();
   std::string why, flag = "--heartbeat " + heartbeat_dir_;
   if (heartbeat_udp_) {  // first, and from here: a file write held by the file system holds no datagram

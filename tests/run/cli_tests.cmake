@@ -64,8 +64,10 @@ keel_cli_test(NAME run_train_disk_full EXIT 1
 # A GPU straggler on a GPU machine (skipped elsewhere): rank 1's device canary made 8 times
 # slower from step 2 (slowgpu: its GEMM runs 8 times) is named, with its kind, while the step
 # times cannot tell the ranks apart; 2 ranks, NCCL staged through MPI where they share a GPU.
-# Both ranks sleep 150 ms a step (so keel run, polling every 0.1 s, sees every heartbeat).
-keel_cli_test(NAME run_gpu_straggler GPUS "1+" MATCH "^keel run: rank 1 \\(host .*, pid [0-9]+\\) is a GPU straggler: its device takes"
+# Both ranks sleep 150 ms a step (so keel run, polling every 0.1 s, sees every heartbeat). The
+# line names the rank's GPU (its heartbeat's: CUDA ordinal and PCI bus id).
+keel_cli_test(NAME run_gpu_straggler GPUS "1+"
+  MATCH "^keel run: rank 1 \\(host .*, pid [0-9]+, GPU cuda:[0-9]+ [0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\\.[0-9A-Fa-f]+\\) is a GPU straggler: its device takes"
   NOT "rank 0 .* is a (GPU )?straggler|rank 1 .* is a straggler"
   ARGS run ${rcfg} ${rshort} --ranks 2 --set device=cuda --set steps=30 --set batch.grad_accum=2 --set checkpoint.interval=0
        --set output_dir=run_cli/gpu_straggler --straggler-steps 3
