@@ -375,6 +375,7 @@ int run(const Options& o) {
     std::printf("keel run: %d %s(s) on the bad list %s: the job runs on %d rank%s\n", units_out, unit, bad_list.c_str(),
                 ranks, ranks == 1 ? "" : "s");
   events.write({{"event", "start"}, {"config", o.config}, {"ranks", ranks}, {"steps", cfg.steps}});
+  double fault_at = -1;  // when keel run declared the last fault (unix seconds): the restart time's start
   for (int attempt = 1;; ++attempt) {
     const std::int64_t resume = usable_latest(ckpt_root, events);
     std::error_code ec;
@@ -538,11 +539,15 @@ int run(const Options& o) {
           all_started_after = since_launch;
         if (std::any_of(beats.begin(), beats.end(), [&](const auto& rb) { return rb.second.step > resume; })) {
           first_step_seen = true;
-          std::printf("keel run: attempt %d's first step %.1f s after its launch (every rank started in %s)\n", attempt,
-                      since_launch, all_started_after < 0 ? "-" : fmt::format("{:.1f} s", all_started_after).c_str());
+          const double restart = fault_at < 0 ? -1 : now - fault_at;
+          fault_at = -1;  // once: a later restart without a fault (a straggler taken out) has none
+          std::printf("keel run: attempt %d's first step %.1f s after its launch (every rank started in %s)%s\n",
+                      attempt, since_launch,
+                      all_started_after < 0 ? "-" : fmt::format("{:.1f} s", all_started_after).c_str(),
+                      restart < 0 ? "" : fmt::format(", {:.1f} s after the fault", restart).c_str());
           std::fflush(stdout);
           events.write({{"event", "first_step"}, {"attempt", attempt}, {"seconds", since_launch},
-                        {"started_seconds", all_started_after}});
+                        {"started_seconds", all_started_after}, {"restart_seconds", restart}});
         }
       }
       // step times: every rank reports its last; the median over the attempt's steps so far
@@ -825,6 +830,7 @@ int run(const Options& o) {
     if (!fault->threads.empty()) fault_event["threads"] = fault->threads;
     fault_event["gpu"] = fault->gpu;  // empty on CPU ranks, or when no heartbeat named it
     events.write(fault_event);
+    fault_at = unix_now();
     std::printf("keel run: fault (%s%s) at step %lld: %s; detected in %.2f s\n", fault->kind.c_str(),
                 fault->rank >= 0 ? fmt::format(", rank {} on {} pid {}{}", fault->rank, fault->host, fault->pid,
                                                fault->gpu.empty() ? "" : ", GPU " + fault->gpu)

@@ -136,7 +136,8 @@ check(len(verified) == 1 and verified[0]["step"] == 4 and verified[0]["bytes"] >
       f"kill: the restart's checkpoint verified, its bytes and time recorded ({verified})")
 first = [e for e in ev if e["event"] == "first_step"]
 check([e["attempt"] for e in first] == [1, 2] and all(e["seconds"] > 0 for e in first)
-      and all(e["started_seconds"] == -1 or 0 <= e["started_seconds"] <= e["seconds"] for e in first),
+      and all(e["started_seconds"] == -1 or 0 <= e["started_seconds"] <= e["seconds"] for e in first)
+      and first[0]["restart_seconds"] == -1 and first[1]["restart_seconds"] >= first[1]["seconds"] - 0.01,
       f"kill: each attempt's first step after its ranks started, recorded ({first})")
 done = [e for e in ev if e["event"] == "done"]
 check(done and done[0]["faults_survived"] == 1 and 0 < done[0]["effective_ratio"] <= 1,
