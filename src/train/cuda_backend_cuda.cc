@@ -96,9 +96,12 @@ class CudaBackend final : public TrainBackend {
     KEEL_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
     device_name_ = prop.name;
     char bus[32] = {};
-    device_id_ = cudaDeviceGetPCIBusId(bus, sizeof bus, device) == cudaSuccess
-                     ? fmt::format("cuda:{} {}", device, bus)
-                     : fmt::format("cuda:{}", device);
+    if (cudaDeviceGetPCIBusId(bus, sizeof bus, device) == cudaSuccess) {
+      device_id_ = fmt::format("cuda:{} {}", device, bus);
+    } else {
+      (void)cudaGetLastError();  // not this run's concern: cleared, so no later check reports it
+      device_id_ = fmt::format("cuda:{}", device);
+    }
     KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
     // With expert parallelism this rank's experts come last (E / ep per MoE layer).
