@@ -7,8 +7,26 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 namespace keel::train {
+
+std::string heartbeat_json(const HeartbeatRecord& r, const std::string& tag) {
+  nlohmann::ordered_json j;
+  j["rank"] = r.rank;
+  j["step"] = r.step;
+  j["time"] = r.time;
+  j["step_seconds"] = r.step_seconds;
+  j["wait_seconds"] = r.wait_seconds;
+  j["device_seconds"] = r.device_seconds;
+  j["phase"] = r.phase;
+  j["host"] = r.host;
+  j["pid"] = r.pid;
+  if (!r.gpu.empty()) j["gpu"] = r.gpu;
+  j["world"] = r.world;
+  if (!tag.empty()) j["tag"] = tag;
+  return j.dump();
+}
 
 HeartbeatWriter::HeartbeatWriter(WriteFn write) : write_(std::move(write)), thread_([this] { loop(); }) {}
 

@@ -48,6 +48,22 @@ class HeartbeatWriter {
   std::thread thread_;
 };
 
+// What one heartbeat says (keel run reads it: run/supervisor.cc, beat_of). The rank's identity
+// (rank, world, host, pid, gpu: empty on the CPU) is the same in every record of a run.
+struct HeartbeatRecord {
+  int rank = 0, world = 1;
+  std::string host, gpu;
+  std::int64_t pid = 0;
+  const char* phase = "";  // start, step, save, done
+  std::int64_t step = 0;
+  double time = 0;                // unix seconds
+  double step_seconds = 0;        // the last step's
+  double wait_seconds = 0;        // of it, blocked on other ranks (PeerWait)
+  double device_seconds = 0;      // the device canary (0: none)
+};
+// One line of JSON, no newline; tag (the attempt's, datagrams only) last when not empty.
+std::string heartbeat_json(const HeartbeatRecord& r, const std::string& tag = "");
+
 // The file writer keel train uses: DIR/rank-<rank>.json through a .tmp file and a rename, DIR
 // created when missing; no fsync (a heartbeat lost to a crash of the machine is stale anyway).
 HeartbeatWriter::WriteFn heartbeat_file_writer(std::string dir, int rank);

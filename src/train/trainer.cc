@@ -578,31 +578,25 @@ std::vector<StepStats> Trainer::run(std::int64_t until, bool checkpoint_at_stop)
 void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seconds, double device_seconds) {
   if (!beating()) return;
   if (std::strcmp(phase, "step") == 0) last_step_seconds_ = step_seconds;
-  nlohmann::ordered_json j;
-  j["rank"] = mesh_.rank();
-  j["step"] = step_;
-  j["time"] = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  j["step_seconds"] = step_seconds;
-  j["wait_seconds"] = wait_seconds;  // of it, blocked on other ranks (PeerWait)
-  j["device_seconds"] = device_seconds;  // the device canary (0: none)
-  j["phase"] = phase;
-  if (heartbeat_host_.empty()) heartbeat_host_ = host_name();
-  j["host"] = heartbeat_host_;
-  j["pid"] = static_cast<std::int64_t>(::getpid());
-  if (const std::string gpu = backend_->device_id(); !gpu.empty()) j["gpu"] = gpu;
-  j["world"] = mesh_.size();
+  HeartbeatRecord& r = beat_;
+  if (r.host.empty()) {  // the rank's identity, once
+    r.rank = mesh_.rank(), r.world = mesh_.size(), r.pid = static_cast<std::int64_t>(::getpid());
+    r.host = host_name(), r.gpu = backend_->device_id();
+  }
+  r.phase = phase, r.step = step_;
+  r.step_seconds = step_seconds, r.wait_seconds = wait_seconds, r.device_seconds = device_seconds;
+  r.time = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   std::string why, flag = "--heartbeat " + heartbeat_dir_;
   if (heartbeat_udp_) {  // first, and from here: a file write held by the file system holds no datagram
-    j["tag"] = heartbeat_tag_;
     // (a full socket buffer drops this beat, by design: the next one replaces it)
-    if (!heartbeat_udp_->send(j.dump()) && errno != EAGAIN && errno != EWOULDBLOCK && errno != ENOBUFS)
+    if (!heartbeat_udp_->send(heartbeat_json(r, heartbeat_tag_)) && errno != EAGAIN && errno != EWOULDBLOCK &&
+        errno != ENOBUFS)
       why = std::strerror(errno), flag = "--heartbeat-udp";
   }
   if (!heartbeat_dir_.empty()) {
     if (!heartbeat_writer_)
       heartbeat_writer_ = std::make_unique<HeartbeatWriter>(heartbeat_file_writer(heartbeat_dir_, mesh_.rank()));
-    j.erase("tag");
-    heartbeat_writer_->post(j.dump() + "\n");
+    heartbeat_writer_->post(heartbeat_json(r) + "\n");
     if (std::strcmp(phase, "done") == 0) heartbeat_writer_->flush();  // keel run reads it once the process is gone
     if (std::string file_why = heartbeat_writer_->take_error(); !file_why.empty())
       why = std::move(file_why), flag = "--heartbeat " + heartbeat_dir_;

@@ -196,7 +196,7 @@ class Trainer {
   bool heartbeat_warned_ = false;
   std::unique_ptr<HeartbeatWriter> heartbeat_writer_;  // made by the first heartbeat
   double last_step_seconds_ = 0;  // the step_seconds of the last heartbeat
-  std::string heartbeat_host_;
+  HeartbeatRecord beat_;  // the last heartbeat (its identity fields set by the first)
   std::vector<std::int32_t> targets_;
   std::vector<std::uint32_t> inputs_;
 };

@@ -8,9 +8,12 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -107,6 +110,34 @@ TEST(HeartbeatWriter, TheFileWriterReplacesTheRecordWhole) {
     EXPECT_NE(hb.take_error().find("cannot create"), std::string::npos);
   }
   fs::remove_all(dir.parent_path());
+}
+
+// The record keel run parses (run/supervisor.cc, beat_of): every field, the GPU only where the
+// rank has one, the attempt's tag only on datagrams, one line.
+TEST(HeartbeatJson, EveryFieldKeelRunReads) {
+  HeartbeatRecord r;
+  r.rank = 3, r.world = 4, r.host = "node7", r.pid = 4242, r.phase = "step", r.step = 17, r.time = 1.5e9;
+  r.step_seconds = 0.25, r.wait_seconds = 0.125, r.device_seconds = 1e-4;
+  const std::string cpu = heartbeat_json(r);
+  EXPECT_EQ(cpu.find('\n'), std::string::npos);
+  const auto j = nlohmann::json::parse(cpu);
+  EXPECT_EQ(j["rank"], 3);
+  EXPECT_EQ(j["world"], 4);
+  EXPECT_EQ(j["host"], "node7");
+  EXPECT_EQ(j["pid"], 4242);
+  EXPECT_EQ(j["phase"], "step");
+  EXPECT_EQ(j["step"], 17);
+  EXPECT_DOUBLE_EQ(j["time"].get<double>(), 1.5e9);
+  EXPECT_DOUBLE_EQ(j["step_seconds"].get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(j["wait_seconds"].get<double>(), 0.125);
+  EXPECT_DOUBLE_EQ(j["device_seconds"].get<double>(), 1e-4);
+  EXPECT_FALSE(j.contains("gpu")) << "a CPU rank names no GPU";
+  EXPECT_FALSE(j.contains("tag")) << "the file's record carries no tag";
+  r.gpu = "cuda:1 0000:1B:00.0";
+  const auto tagged = nlohmann::ordered_json::parse(heartbeat_json(r, "2"));
+  EXPECT_EQ(tagged["gpu"], "cuda:1 0000:1B:00.0");
+  EXPECT_EQ(tagged["tag"], "2");
+  EXPECT_EQ(std::prev(tagged.end()).key(), "tag");
 }
 
 }  // namespace
