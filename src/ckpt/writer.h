@@ -6,14 +6,13 @@
 // threads, one per bucket, write each bucket's buffer to its own data file with large
 // sequential writes (chunk_bytes, default 8 MiB), CRC32C every shard and fsync. Written data
 // goes to disk as it is written (flush_behind_bytes: each window's writeback is started when it
-// is full and waited for one window later, then dropped from the page cache), so dirty pages
-// never pile up to the checkpoint's size: the final fsync has one window left to flush, and
-// the training thread's own small writes (heartbeats, metrics) do not queue behind the flush
-// of tens of gigabytes. wait()
-// runs the commit on the calling thread: every rank's report is gathered at rank 0, which
-// checks that every tensor is covered exactly once, writes metadata.json (temp, fsync,
-// rename, fsync dir) and then `latest`, applies retention, and broadcasts the outcome so
-// every rank returns the same stats or throws the same error.
+// is full and waited for one window later; the clean pages stay cached for a restart), so dirty
+// pages never pile up to the checkpoint's size: the final fsync has one window left to flush,
+// and the training thread's own small writes (heartbeats, metrics) do not queue behind the
+// flush of tens of gigabytes. wait() runs the commit on the calling thread: every rank's
+// report is gathered at rank 0, which checks that every tensor is covered exactly once, writes
+// metadata.json (temp, fsync, rename, fsync dir) and then `latest`, applies retention, and
+// broadcasts the outcome so every rank returns the same stats or throws the same error.
 //
 // One save is in flight at a time: save() while one is in flight first completes it (wait()),
 // so the caller sees the earlier save's error there. MPI calls happen only in save() and

@@ -586,7 +586,7 @@ void Trainer::heartbeat(const char* phase, double step_seconds, double wait_seco
   r.phase = phase, r.step = step_;
   r.step_seconds = step_seconds, r.wait_seconds = wait_seconds, r.device_seconds = device_seconds;
   r.time = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  std::string why, flag = "--heartbeat " + heartbeat_dir_;
+  std::string why, flag;  // the first failure and the flag it is about
   if (heartbeat_udp_) {  // first, and from here: a file write held by the file system holds no datagram
     // (a full socket buffer drops this beat, by design: the next one replaces it)
     if (!heartbeat_udp_->send(heartbeat_json(r, heartbeat_tag_)) && errno != EAGAIN && errno != EWOULDBLOCK &&
