@@ -33,6 +33,17 @@ mpi_gtest() {
   fi
 }
 
+# zaya_model DIR LOG: the ZAYA1-shaped model's keel config in DIR (a short bench/zaya_vs_torch.py
+# run) and data it cannot memorize: 6,000 fresh random rows at DIR/random (its own 12 rows are
+# learned to a loss near 0.001 in 200 steps, where the loss-spike guard fires on noise).
+zaya_model() {
+  python3 bench/zaya_vs_torch.py --keel "$build/keel" --out "$1" --steps 2 --warmup 1 --skip-torch --skip-compile \
+      >"$2" 2>&1
+  python3 -c "import sys; sys.path.insert(0, 'bench'); import numpy as np, zaya_vs_torch as z; d = z.ZAYA8; \
+z.write_dataset('$1/random', np.random.default_rng(1).integers(0, d['vocab'], size=(6000, d['seq'] + 1), dtype=np.uint64))" \
+      >>"$2" 2>&1
+}
+
 # KEEL_GPUS=N (with CUDA_VISIBLE_DEVICES naming N GPUs) runs the steps as on an N-GPU machine.
 gpus=${KEEL_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
 note "== keel on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) x $gpus, $(date -u +%F)"
@@ -298,16 +309,9 @@ for step in "${steps[@]}"; do
       # fixed, PERFORMANCE.md.)
       # keel run is stopped 90 s before KEEL_SOAK_TIMEOUT (run_soak.py --deadline), so a run longer
       # than the call still prints its table.
-      # The model's config and data come from a short bench/zaya_vs_torch.py run. The run (and its
-      # checkpoints, ~25 GB each) lives in /tmp/keel-soak; its logs and events come back in $out/soak.
-      python3 bench/zaya_vs_torch.py --keel "$build/keel" --out /tmp/keel-soak/model --steps 2 --warmup 1 \
-          --skip-torch --skip-compile >"$out/soak_model.log" 2>&1
-      # data the run cannot memorize (the model's own 12 rows are learned to a loss near 0.001 in
-      # 200 steps, where the loss-spike guard fires on noise): 6,000 fresh rows, more than the
-      # soak reads
-      python3 -c "import sys; sys.path.insert(0, 'bench'); import numpy as np, zaya_vs_torch as z; d = z.ZAYA8; \
-z.write_dataset('/tmp/keel-soak/model/random', np.random.default_rng(1).integers(0, d['vocab'], size=(6000, d['seq'] + 1), dtype=np.uint64))" \
-          >>"$out/soak_model.log" 2>&1
+      # The model's config and data: zaya_model (6,000 rows, more than the soak reads). The run (and
+      # its checkpoints, ~25 GB each) lives in /tmp/keel-soak; its logs and events come back in $out/soak.
+      zaya_model /tmp/keel-soak/model "$out/soak_model.log"
       timeout "${KEEL_SOAK_TIMEOUT:-540}" python3 bench/run_soak.py --keel "$build/keel" --device cuda \
           --config /tmp/keel-soak/model/keel_train.yaml --own-data --kinds kill,hang --ranks "$gpus" \
           ${KEEL_SOAK_PLAN:---minutes 3.0 --interval 90 --checkpoint-interval 200 --first-fault-step 440} --spike-window 50 --min-deadline 10 \
@@ -335,11 +339,7 @@ z.write_dataset('/tmp/keel-soak/model/random', np.random.default_rng(1).integers
       # their verdicts read: a rank named in the first run and not in the second points at the
       # overlapped work beside the canary; named in both, at the host's launch delay.
       if [ "$gpus" -lt 2 ]; then note "canary: skipped (needs 2+ GPUs)"; continue; fi
-      python3 bench/zaya_vs_torch.py --keel "$build/keel" --out /tmp/keel-canary/model --steps 2 --warmup 1 \
-          --skip-torch --skip-compile >"$out/canary_model.log" 2>&1
-      python3 -c "import sys; sys.path.insert(0, 'bench'); import numpy as np, zaya_vs_torch as z; d = z.ZAYA8; \
-z.write_dataset('/tmp/keel-canary/model/random', np.random.default_rng(1).integers(0, d['vocab'], size=(6000, d['seq'] + 1), dtype=np.uint64))" \
-          >>"$out/canary_model.log" 2>&1
+      zaya_model /tmp/keel-canary/model "$out/canary_model.log"
       for overlap in true false; do
         timeout 300 "$build/keel" run /tmp/keel-canary/model/keel_train.yaml --ranks "$gpus" \
             --set steps="${KEEL_CANARY_STEPS:-400}" --set batch.grad_accum="$gpus" --set checkpoint.interval=0 \
