@@ -511,7 +511,7 @@ int run(const Options& o) {
     };
     StragglerWatch stragglers(o.straggler);
     StragglerOptions device_options = o.straggler;
-    device_options.min_gap = 0;     // the canary takes tens of microseconds: the factor alone
+    device_options.min_gap = 0;     // the canary takes about 0.1 ms: the factor alone
     device_options.fastest = true;  // its best time of the window (straggler.h)
     StragglerWatch device_stragglers(device_options);
     while (!exited) {
@@ -601,7 +601,7 @@ int run(const Options& o) {
                         {"others_device_seconds", x->others},
                         {"window_seconds", x->window}});
           if (straggled(r, b, "device",
-                        fmt::format("its device takes {:.3f} ms for the canary GEMM against {:.3f} ms on the other "
+                        fmt::format("its device takes {:.3f} ms for the canary against {:.3f} ms on the other "
                                     "ranks' devices, to step {}",
                                     1e3 * x->busy, 1e3 * x->others, x->step)))
             break;

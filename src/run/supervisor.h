@@ -35,8 +35,9 @@
 //   straggler   a rank whose own work per step (its step time less the time it waited on the
 //               others, from its heartbeat) stays well above the other ranks' (run/straggler.h):
 //               one line naming its rank, host and pid, and a "straggler" event (kind host);
-//   GPU straggler on GPUs, a rank whose device canary (a fixed GEMM timed by CUDA events after
-//               each step: the heartbeat's device_seconds) stays well above the other ranks':
+//   GPU straggler on GPUs, a rank whose device canary (a fixed loop on every SM after each step,
+//               its fastest SM's time: the heartbeat's device_seconds) stays well above the
+//               other ranks':
 //               the same line with "GPU straggler", a "straggler" event of kind device.
 // Restart: from `latest` of the run's checkpoint root (committed atomically by keel train: a
 // torn save is never `latest`) once it verifies (ckpt::verify_checkpoint; a newer one that does

@@ -159,12 +159,13 @@ class TrainBackend {
     std::size_t bytes = 0;
   };
   virtual std::vector<MemoryItem> memory_breakdown() const = 0;
-  // Seconds this rank's device takes for a fixed piece of work, timed on the device after the
-  // step's work (keel run's GPU straggler check: a GPU whose own speed drops shows here, where
-  // the step time cannot show it, every rank waiting for the slowest in the collectives). The
-  // CUDA backend enqueues a bf16 GEMM between CUDA events, `repeats` times (fault injection: a
-  // throttled GPU), and returns the previous call's time (0 at the first: the host never waits
-  // for it); 0 where there is no such device (the CPU). repeats 0: only takes its buffers.
+  // Seconds this rank's device takes for a fixed piece of work, enqueued after the step's work
+  // (keel run's GPU straggler check: a GPU whose own speed drops shows here, where the step time
+  // cannot show it, every rank waiting for the slowest in the collectives). The CUDA backend's
+  // probe (device/device_canary_cuda.h) times its SMs, not what other streams run beside it;
+  // `repeats` times as long (fault injection: a throttled GPU). Returns the previous call's time
+  // (0 at the first: the host never waits for it); 0 where there is no such device (the CPU).
+  // repeats 0: only makes the probe.
   virtual double device_canary_seconds(int repeats) {
     (void)repeats;
     return 0;

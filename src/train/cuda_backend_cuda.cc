@@ -37,6 +37,7 @@
 #include "device/cuda_devices.h"
 #include "device/device_arena.h"
 #include "device/device_buffer.h"
+#include "device/device_canary_cuda.h"
 #include "device/sparse_device_buffer.h"
 #include "ops/cuda/cast.h"
 #include "ops/cuda/muon.h"
@@ -263,8 +264,7 @@ class CudaBackend final : public TrainBackend {
 
   ~CudaBackend() override {
     schedule_.reset();  // its streams first: they may still read the buffers
-    for (cudaEvent_t& e : canary_events_)
-      if (e) cudaEventDestroy(e);
+    canary_.reset();
     if (stream_) {
       keel::stream_sync(stream_);
       cudaStreamDestroy(stream_);
@@ -297,42 +297,15 @@ class CudaBackend final : public TrainBackend {
             {"sequence-parallel gathers", plan_->tensor_bytes()},
             {parallel::context_buffer_name(opt_.context_mode), plan_->context_bytes()},
             {"LASP-2 state gathers", plan_->lasp2_bytes()},
-            {"tsp shards", plan_->tsp_bytes()},
-            {"device canary (keel run)", canary_.capacity()}};
+            {"tsp shards", plan_->tsp_bytes()}};
   }
 
-  // A bf16 GEMM of 2048 x 2048 x 4096 (34 GFLOP: about 50 us on an H200) enqueued on the
-  // compute stream after the step's work, between two events. What it returns is the previous
-  // call's GEMM (long done by then: no host wait, no bubble before the next step), 0 at the
-  // first. The buffers on first use (40 MiB, a constant non-zero bf16: the same work every time).
+  // The SM-speed probe (device/device_canary_cuda.h) enqueued on the compute stream after the
+  // step's work; what it returns is the previous call's probe (long done by then: no host wait),
+  // 0 at the first.
   double device_canary_seconds(int repeats) override {
-    constexpr std::int64_t M = 2048, N = 2048, K = 4096;
-    const std::size_t ab = static_cast<std::size_t>(M * K) * sizeof(bf16);
-    double last = 0;
-    if (canary_.capacity() == 0) {
-      auto* p = static_cast<std::byte*>(canary_.ensure(2 * ab + static_cast<std::size_t>(M * N) * sizeof(bf16), stream_,
-                                                       "device canary"));
-      KEEL_CUDA_CHECK(cudaMemsetAsync(p, 0x3c, 2 * ab, stream_));  // 0x3c3c: about 0.0115
-      KEEL_CUDA_CHECK(cudaEventCreate(&canary_events_[0]));
-      KEEL_CUDA_CHECK(cudaEventCreate(&canary_events_[1]));
-      canary_pending_ = false;
-    }
-    if (repeats <= 0) return 0;  // the buffers only
-    if (canary_pending_) {
-      KEEL_CUDA_CHECK(cudaEventSynchronize(canary_events_[1]));
-      float ms = 0;
-      KEEL_CUDA_CHECK(cudaEventElapsedTime(&ms, canary_events_[0], canary_events_[1]));
-      last = ms * 1e-3;
-    }
-    auto* p = static_cast<std::byte*>(canary_.get());
-    k::GemmDesc d;
-    d.m = M, d.n = N, d.k = K, d.trans_b = true;
-    KEEL_CUDA_CHECK(cudaEventRecord(canary_events_[0], stream_));
-    for (int i = 0; i < repeats; ++i)
-      model_->gemm().run(d, reinterpret_cast<const bf16*>(p), reinterpret_cast<const bf16*>(p + ab), p + 2 * ab, stream_);
-    KEEL_CUDA_CHECK(cudaEventRecord(canary_events_[1], stream_));
-    canary_pending_ = true;
-    return last;
+    if (!canary_) canary_ = std::make_unique<DeviceCanary>();
+    return repeats <= 0 ? 0.0 : canary_->sample(repeats, stream_);
   }
 
   void enable_profile(int warmup) override {
@@ -809,9 +782,7 @@ class CudaBackend final : public TrainBackend {
   std::vector<std::pair<std::int64_t, std::int64_t>> split_ranges_, whole_ranges_, partial_ranges_;
   std::int64_t partial_floats_ = 0;
   GrowingDeviceBuffer tp_pack_{"out of GPU memory: the ", "train on more GPUs or a smaller model"};
-  GrowingDeviceBuffer canary_{"out of GPU memory: the ", "train on more GPUs or a smaller model"};  // device_canary_seconds
-  cudaEvent_t canary_events_[2] = {nullptr, nullptr};
-  bool canary_pending_ = false;  // the events hold a GEMM not read yet
+  std::unique_ptr<DeviceCanary> canary_;  // device_canary_seconds
   mutable bool grads_fresh_ = false;   // zero_grads() ran, no backward since: grad_overwrite_ holds stale values
   mutable bool zero_pending_ = false;  // zero_grads() deferred to the first backward
 };

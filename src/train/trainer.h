@@ -110,8 +110,8 @@ class Trainer {
   // missing; a failed write is one warning line, never an error. A thread writes the files
   // (train/heartbeat.h): the step loop never waits for the file system; run() returns after
   // its "done" heartbeat is written.
-  // On GPUs the device canary's buffers are taken here (TrainBackend::device_canary_seconds), so
-  // the start-up memory line holds them.
+  // On GPUs the device canary (TrainBackend::device_canary_seconds) is made here, before the
+  // first step.
   void heartbeat_to(std::string dir) {
     heartbeat_dir_ = std::move(dir);
     backend_->device_canary_seconds(0);
