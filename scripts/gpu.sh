@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, in one call: build keel for sm_90, run the whole test suite (GPU tests
 # included), run the benchmarks beside their peers, and print a short table last.
-#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp lasp tsp compose linattn kernels soak canary decode ckpt ab
+#   scripts/gpu.sh [STEP ...]     steps: build test gtest comm latency mpi launch peer memgemm train routing dp ep tp cp lasp tsp compose linattn kernels soak canary preflight decode ckpt ab
 #                                 (default: build test comm mpi memgemm; comm includes latency)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./out/gpu.
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
@@ -353,6 +353,25 @@ for step in "${steps[@]}"; do
         cp /tmp/keel-canary/run_$overlap/run_events.jsonl "$out/canary_events_$overlap.jsonl" 2>/dev/null
       done
       rm -rf /tmp/keel-canary ;;
+    preflight)
+      # keel run's pre-flight health gate on every GPU (issue 32; docs/fault_tolerance.md): the tiny
+      # config for 20 steps, once on healthy GPUs, once with rank 1's figures cut to a hundredth
+      # before attempt 1 (health@1:r1): each GPU's GEMM and memory figures, the all-reduce, the
+      # gate's seconds, and the failing GPU's exclusion (the job goes on without it).
+      if [ "$gpus" -lt 2 ]; then note "preflight: skipped (needs 2+ GPUs)"; continue; fi
+      "$build/keel" data tokenize data/corpus/stories.jsonl --out /tmp/keel-preflight/stories --append-eos \
+          --holdout 0.05 --force >"$out/preflight_data.log" 2>&1
+      for inject in none health@1:r1; do
+        timeout 300 "$build/keel" run configs/train/tiny.yaml --ranks "$gpus" --preflight --set device=cuda \
+            --set data.datasets.stories=/tmp/keel-preflight/stories --set eval.prefix=/tmp/keel-preflight/stories_heldout \
+            --set steps=20 --set log_interval=10 --set batch.grad_accum="$gpus" \
+            --set output_dir="/tmp/keel-preflight/run_${inject%%@*}" $([ "$inject" = none ] || echo --inject "$inject") \
+            >"$out/preflight_${inject%%@*}.log" 2>&1
+        note "preflight, inject $inject: keel run exit $?"
+        grep -E '^keel run: (pre-flight|excluding|done)' "$out/preflight_${inject%%@*}.log" | cut -c1-300 >>"$summary"
+        cp "/tmp/keel-preflight/run_${inject%%@*}/run_events.jsonl" "$out/preflight_events_${inject%%@*}.jsonl" 2>/dev/null
+      done
+      rm -rf /tmp/keel-preflight ;;
     kernels)
       # keel's step kernels (attention, the experts' GEMMs, LM head + cross-entropy) beside PyTorch's on the
       # same shapes (bench/kernels_vs_torch.py; KEEL_KERNELS_ARGS to the script).

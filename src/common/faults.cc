@@ -140,8 +140,8 @@ void FaultPlan::before_step(std::int64_t step, int rank) const {
   };
   for (const Fault& f : faults)
     if (f.kind == Fault::Kind::kSlowGpu && due(f) && step == f.first_step)
-      say(fmt::format("runs its device canary's GEMM {} times (a GPU {} times slower) to step {}", f.repeats, f.repeats,
-                      f.last_step));
+      say(fmt::format("runs its device canary {} times as long (a GPU {} times slower) to step {}", f.repeats,
+                      f.repeats, f.last_step));
   for (const Fault& f : faults)
     if (f.kind == Fault::Kind::kSlow && due(f)) {
       say(fmt::format("sleeps {} ms", f.sleep_ms));

@@ -18,8 +18,8 @@
 //                          (default 5000), paced evenly over the bytes, as a saturated disk would
 //                          (the trainer asks save_delay_ms_at)
 //   slowgpu@S[-E][:rR][:F] at steps S..E rank R's device canary (keel run's GPU straggler check:
-//                          TrainBackend::device_canary_seconds) runs its GEMM F times (default 4),
-//                          as a throttled GPU would take F times as long (GPUs only)
+//                          TrainBackend::device_canary_seconds) runs its loop F times as long
+//                          (default 4), as a GPU F times slower would (GPUs only)
 //   health@A[:rR]          keel run's pre-flight health check before attempt A finds rank R's
 //                          GEMM and memory figures at a hundredth of what it measured (a failing
 //                          GPU; keel run's gate, run/preflight.h: keel train ignores it)
@@ -62,7 +62,7 @@ struct FaultPlan {
   bool disk_full_at(std::int64_t step, int rank) const;
   // How long world rank `rank`'s writes of the checkpoint of step `step` are to take at least (ms; 0: no fault).
   std::int64_t save_delay_ms_at(std::int64_t step, int rank) const;
-  // How many times world rank `rank`'s device canary runs its GEMM at step `step` (1: no fault).
+  // How many times world rank `rank`'s device canary runs its loop at step `step` (1: no fault).
   int canary_repeats_at(std::int64_t step, int rank) const;
 };
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 
 #include "../ops/cuda/cuda_test_util.h"
 #include "device/device_canary_cuda.h"
@@ -41,6 +42,7 @@ TEST(DeviceCanaryCuda, ItsTimeScalesWithItsRepeats) {
     EXPECT_GT(previous, 0.0) << "sample returns the previous probe's time";
     canary.wait();
     const double one = quiet(canary, s, 5), four = quiet(canary, s, 3, 4);
+    std::printf("  canary: %.4f ms, with 4 repeats %.4f ms (%.2fx)\n", one * 1e3, four * 1e3, four / one);
     EXPECT_GT(one, 20e-6);
     EXPECT_LT(one, 5e-3);
     EXPECT_NEAR(four / one, 4.0, 0.4) << one << " s once, " << four << " s with 4 repeats";
@@ -78,6 +80,8 @@ TEST(DeviceCanaryCuda, WorkOnOtherStreamsIsNotInItsTime) {
     float ms = 0;
     ASSERT_EQ(cudaEventElapsedTime(&ms, begin, end), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(other), cudaSuccess);
+    std::printf("  canary alone %.4f ms; beside the GEMMs %.4f ms, CUDA events around it %.3f ms\n", alone * 1e3,
+                busy * 1e3, ms);
     // the GEMMs did hold the SMs: timed by events, the probe takes several times longer
     EXPECT_GT(ms * 1e-3, 3 * alone) << "events " << ms << " ms, alone " << alone * 1e3 << " ms";
     // the probe's own time does not

@@ -62,7 +62,7 @@ keel_cli_test(NAME run_train_disk_full EXIT 1
   MATCH "^keel: error: checkpoint\\.dir run_cli/diskfull: save of step 4 failed on 1 rank\\(s\\), nothing committed, the previous checkpoint stays: rank 0: cannot write run_cli/diskfull/step_00000004/data_r00000_b0\\.bin: No space left on device. `latest` is step_00000002$"
   ARGS train ${rcfg} ${rshort} --set checkpoint.interval=2 --set output_dir=run_cli/diskfull --inject diskfull@4)
 # A GPU straggler on a GPU machine (skipped elsewhere): rank 1's device canary made 8 times
-# slower from step 2 (slowgpu: its GEMM runs 8 times) is named, with its kind, while the step
+# slower from step 10 (slowgpu: its loop runs 8 times as long) is named, with its kind, while the step
 # times cannot tell the ranks apart; 2 ranks, NCCL staged through MPI where they share a GPU.
 # Both ranks sleep 150 ms a step (so keel run, polling every 0.1 s, sees every heartbeat). The
 # line names the rank's GPU (its heartbeat's: CUDA ordinal and PCI bus id).
