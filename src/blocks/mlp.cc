@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/error.h"
 #include "ops/linear.h"
 #include "ops/router.h"
 #include "ops/swiglu.h"
@@ -96,7 +97,8 @@ void carve(ArenaPlanner& p, const MlpShape& s, bool dense, bool routed, bool bac
 
 void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, const Tensor& x_in, const EdaIo& eda,
                  MlpSaved& a, const MlpScratch& sc, const Tensor& y, LinearRunner& linear,
-                 ops::moe::ExpertRunner* experts, std::int64_t* load, RouterLosses* losses, TokenGroup& tokens) {
+                 ops::moe::ExpertRunner* experts, std::int64_t* load, RouterLosses* losses, TokenGroup& tokens,
+                 const MlpSaved* routing) {
   const std::int64_t N = s.tokens;
   // Under tensor parallelism the routers run on every token of the group (replicated) and the
   // experts, like the dense MLP, are column- then row-parallel: `out` is a partial sum.
@@ -109,8 +111,16 @@ void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, c
   } else if (s.mlp_router) {
     // ZAYA1 router: no z loss; its Switch aux loss over all classes is reported, and trained
     // only where its weight is set (ZAYA1 has none: balancing is the bias controller's job).
+    const zaya::MoeParams p{w.zrouter, w.experts, experts};
+    if (routing) {
+      zaya::share_routing(routing->zmoe, a.zmoe);
+      zaya::experts_forward(s.zaya, p, x, a.zmoe, sc.zs, out);
+      linear.exit(out, y);
+      return;
+    }
     a.zmoe.router.state = eda.state;
-    zaya::moe_forward(s.zaya, {w.zrouter, w.experts, experts}, x, eda.prev, bias, s.zaya.eps, a.zmoe, sc.zs, out);
+    zaya::route(s.zaya, p, x, eda.prev, bias, s.zaya.eps, a.zmoe);
+    zaya::experts_forward(s.zaya, p, x, a.zmoe, sc.zs, out);
     const int classes = s.zaya.classes();
     if (load)
       for (int e = 0; e < classes; ++e) load[e] += a.zmoe.router.counts[static_cast<std::size_t>(e)];
@@ -120,18 +130,23 @@ void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, c
     a.zmoe.aux_rows = N * tokens.size();
     if (losses) losses->aux += ops::router::aux_loss(a.zmoe.router.probs, a.zmoe.aux_counts.data(), a.zmoe.aux_rows, 1);
   } else {
-    ops::linear::forward(x, w.router, {}, a.rlogits);
-    ops::router::Losses l =
-        ops::router::forward(a.rlogits, bias, {s.top_k, s.renormalize, s.forced_classes()}, a.probs, a.rlse, a.idx,
-                             a.gates, a.counts);
-    if (load)
-      for (int e = 0; e < s.experts; ++e) load[e] += a.counts[e];
-    if (tokens.size() > 1) {  // the micro-batch's counts (backward reads them too)
-      tokens.sum(a.counts, s.experts);
-      l.aux = ops::router::aux_loss(a.probs, a.counts, N * tokens.size(), s.top_k);
+    if (routing) {  // the router's saved views and the plan are the routing pass's
+      a.rlogits = routing->rlogits, a.probs = routing->probs, a.rlse = routing->rlse, a.gates = routing->gates;
+      a.idx = routing->idx, a.counts = routing->counts, a.plan = routing->plan;
+    } else {
+      ops::linear::forward(x, w.router, {}, a.rlogits);
+      ops::router::Losses l =
+          ops::router::forward(a.rlogits, bias, {s.top_k, s.renormalize, s.forced_classes()}, a.probs, a.rlse, a.idx,
+                               a.gates, a.counts);
+      if (load)
+        for (int e = 0; e < s.experts; ++e) load[e] += a.counts[e];
+      if (tokens.size() > 1) {  // the micro-batch's counts (backward reads them too)
+        tokens.sum(a.counts, s.experts);
+        l.aux = ops::router::aux_loss(a.probs, a.counts, N * tokens.size(), s.top_k);
+      }
+      if (losses) losses->aux += l.aux, losses->z += l.z;
+      a.plan = ops::moe::make_plan(a.idx, N, s.top_k, s.experts);
     }
-    if (losses) losses->aux += l.aux, losses->z += l.z;
-    a.plan = ops::moe::make_plan(a.idx, N, s.top_k, s.experts);
     if (experts)
       experts->forward(a.plan, x, a.gates, w.experts, a.experts, out);
     else
@@ -140,10 +155,30 @@ void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, c
   linear.exit(out, y);
 }
 
+namespace {
+
+// A pass's dL/d gates into the shared sum (the first pass writes it); the sum to route back from.
+Tensor add_gates(const SharedRouting* shared, const Tensor& dgates) {
+  if (!shared) return dgates;
+  const std::int64_t n = dgates.numel();
+  if (shared->dgates.numel() < n)
+    fail("mlp: the shared routing's gate gradients hold {} floats, not {}", shared->dgates.numel(), n);
+  const Tensor sum(shared->dgates.data(), {dgates.dim(0), dgates.dim(1)});
+  const float* d = dgates.data();
+  float* o = sum.data();
+  if (shared->first)
+    std::copy(d, d + n, o);
+  else
+    for (std::int64_t i = 0; i < n; ++i) o[i] += d[i];
+  return sum;
+}
+
+}  // namespace
+
 void mlp_backward(const MlpShape& s, const LayerWeights& w, LayerWeights& g, const Tensor& x_in, const EdaIo& eda,
                   const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc, const Tensor& dy_in, const Tensor& dx_in,
                   float aux_weight, float z_weight, LinearRunner& linear, ops::moe::ExpertRunner* experts,
-                  TokenGroup& tokens) {
+                  TokenGroup& tokens, const SharedRouting* shared) {
   const Tensor x = linear.enter(x_in);  // the rows forward's projections read
   const Tensor dy = linear.exit_backward(dy_in), dx = linear.dx_out(dx_in);
   if (!w.moe) {
@@ -153,14 +188,19 @@ void mlp_backward(const MlpShape& s, const LayerWeights& w, LayerWeights& g, con
     ops::linear::backward(x, w.w_up, sc.du, sc.tmp, g.w_up, {});
     add_into(dx, sc.tmp);
   } else if (s.mlp_router) {
-    zaya::moe_backward(s.zaya, {w.zrouter, w.experts, experts}, {g.zrouter, g.experts, nullptr}, x, eda.prev, a.zmoe,
-                       sc.zs, dy, deda.dstate_next, dx, deda.dprev, aux_weight);
+    const zaya::MoeParams p{w.zrouter, w.experts, experts}, gp{g.zrouter, g.experts, nullptr};
+    zaya::experts_backward(s.zaya, p, gp, x, a.zmoe, sc.zs, dy, dx, sc.zs.dgates);
+    const Tensor dgates = add_gates(shared, sc.zs.dgates);
+    if (!shared || shared->last)
+      zaya::route_backward(p, gp, x, eda.prev, a.zmoe, sc.zs, dgates, deda.dstate_next, dx, deda.dprev, aux_weight);
   } else {
     if (experts)
       experts->backward(a.plan, x, a.gates, w.experts, a.experts, dy, sc.moe, dx, sc.dgates, g.experts);
     else
       ops::moe::backward(a.plan, x, a.gates, w.experts, a.experts, dy, sc.moe, dx, sc.dgates, g.experts);
-    ops::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, {s.top_k, s.renormalize}, sc.dgates, aux_weight,
+    const Tensor dgates = add_gates(shared, sc.dgates);
+    if (shared && !shared->last) return linear.enter_backward(dx, dx_in);
+    ops::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, {s.top_k, s.renormalize}, dgates, aux_weight,
                           z_weight, sc.dlogits, s.tokens * tokens.size());
     ops::linear::backward(x, w.router, sc.dlogits, sc.tmp, g.router, {});
     add_into(dx, sc.tmp);

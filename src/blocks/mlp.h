@@ -66,16 +66,27 @@ struct RouterLosses {
 // tokens: the ranks sharing the micro-batch's sequences; the routers' aux loss takes its
 // expert shares f_e over all of their tokens (router::aux_loss), its P_e over this rank's (the
 // MLP router's over all its classes, skip included; it has no z loss).
+// routing: null, or a pass over the same tokens that routed them (TSP: a layer's later weight
+// shards): this pass takes its routing (a's router views point at routing's) and runs no router,
+// adds no load and no losses.
 void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, const Tensor& x, const EdaIo& eda,
                  MlpSaved& a, const MlpScratch& sc, const Tensor& y, LinearRunner& linear,
                  ops::moe::ExpertRunner* experts, std::int64_t* load, RouterLosses* losses,
-                 TokenGroup& tokens = local_tokens());
+                 TokenGroup& tokens = local_tokens(), const MlpSaved* routing = nullptr);
+
+// Passes that share one routing (mlp_forward's `routing`) share its backward too: each adds its
+// dL/d gates into `dgates` ([N top_k]; the first pass writes it), and only the last runs the
+// router's backward, on their sum (its losses' gradients, its share of dx, its EDA gradient).
+struct SharedRouting {
+  bool first = true, last = true;
+  Tensor dgates;
+};
 
 // aux_weight, z_weight: the router's loss weights times the loss scale (the MLP router takes the
 // aux weight only).
 void mlp_backward(const MlpShape& s, const LayerWeights& w, LayerWeights& g, const Tensor& x, const EdaIo& eda,
                   const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc, const Tensor& dy, const Tensor& dx,
                   float aux_weight, float z_weight, LinearRunner& linear, ops::moe::ExpertRunner* experts,
-                  TokenGroup& tokens = local_tokens());
+                  TokenGroup& tokens = local_tokens(), const SharedRouting* shared = nullptr);
 
 }  // namespace keel::blocks

@@ -66,4 +66,24 @@ void moe_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const 
                   MoeActs& a, const MoeScratch& scratch, const Tensor& dy, const Tensor& dstate_next, const Tensor& dx,
                   const Tensor& dprev_state, float aux_weight = 0.f);
 
+// The two halves of each, for passes that share one routing (TSP: a layer's weight shards visit
+// the same tokens, and the router runs once; blocks/mlp.h's `routing`):
+//   route            the router and the compaction (kept rows, their plan) into a
+//   share_routing    a later pass takes `from`'s routing (its experts' Saved stays its own)
+//   experts_forward  the experts (and the skip rows' 0) over a's routing: y overwritten
+//   experts_backward dx overwritten (the experts' input gradient, 0 on skip rows) and
+//                    dgates [N, 1] overwritten (dL/d gate, the router's input)
+//   route_backward   the router's backward from dgates (every pass's, summed): its share added
+//                    into dx, dprev_state overwritten, the router's gradients accumulated
+void route(const Shape& s, const MoeParams& p, const Tensor& x, const Tensor& prev_state, const Tensor& bias, float eps,
+           MoeActs& a);
+void share_routing(const MoeActs& from, MoeActs& to);
+void experts_forward(const Shape& s, const MoeParams& p, const Tensor& x, MoeActs& a, const MoeScratch& scratch,
+                     const Tensor& y);
+void experts_backward(const Shape& s, const MoeParams& p, const MoeParams& g, const Tensor& x, MoeActs& a,
+                      const MoeScratch& scratch, const Tensor& dy, const Tensor& dx, const Tensor& dgates);
+void route_backward(const MoeParams& p, const MoeParams& g, const Tensor& x, const Tensor& prev_state, MoeActs& a,
+                    const MoeScratch& scratch, const Tensor& dgates, const Tensor& dstate_next, const Tensor& dx,
+                    const Tensor& dprev_state, float aux_weight);
+
 }  // namespace keel::blocks::zaya

@@ -220,10 +220,10 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
     if (cca_need(attn_shards_[r]) > cca_need(attn_shards_[widest])) widest = r;
   blocks::carve(p, attn_shards_[widest], any_kind, attn_scratch_);
   blocks::carve(p, mlp_shape_, any_dense, any_moe, /*backward=*/true, mlp_scratch_);
-  deda_.assign(static_cast<std::size_t>(shards_), {});
   if (any_moe && mlp_router)
-    for (int r = 0; r < shards_; ++r)
-      for (int i = 0; i < 2; ++i) deda_[std::size_t(r)][std::size_t(i)] = p.tensor(fmt::format("bwd.deda.{}.{}", r, i), {N, R});
+    for (int i = 0; i < 2; ++i) deda_[std::size_t(i)] = p.tensor(fmt::format("bwd.deda.{}", i), {N, R});
+  // TSP: every weight shard's dL/d gates, summed for the router's one backward (blocks::SharedRouting)
+  if (any_moe && shards_ > 1) routing_dgates_ = p.tensor("bwd.routing_dgates", {N * std::max(cfg_.top_k, 1)});
   dres_ = p.tensor("bwd.dres", {L, D});
   dtmp_ = p.tensor("bwd.dtmp", {L, D});
   dtmp2_ = p.tensor("bwd.dtmp2", {N, D});  // the blocks' [N, D] scratch
@@ -341,14 +341,17 @@ void MoeTransformer::mlp_forward(int l, LayerActs& a, bool count_load, LossParts
   const int m = moe_index_of_layer_[static_cast<std::size_t>(l)];
   const blocks::LayerRunners& runners = plan_.layers()[static_cast<std::size_t>(l)];
   const Tensor bias = m >= 0 ? Tensor(bias_[static_cast<std::size_t>(m)].data(), {mlp_shape_.classes()}) : Tensor();
-  // Under TSP every shard's pass routes the same tokens alike: the first one counts the load
-  // and the router losses.
+  // Under TSP the router runs once, in the first pass (the ring starts with this rank's own
+  // shard): it counts the load and the router losses, and the later passes take its routing.
+  const int own = shards_ > 1 ? plan_.tsp()->rank() : 0;
   const auto run = [&](int r, const blocks::LayerWeights& w, blocks::LinearRunner& linear) {
+    const bool routes = r == own;
     blocks::RouterLosses losses;
-    std::int64_t* load = r == 0 && count_load && m >= 0 ? load_[static_cast<std::size_t>(m)].data() : nullptr;
+    std::int64_t* load = routes && count_load && m >= 0 ? load_[static_cast<std::size_t>(m)].data() : nullptr;
     blocks::mlp_forward(mlp_shards_[std::size_t(r)], w, bias, a.h2, eda(m), a.mlp[std::size_t(r)], mlp_scratch_, y,
-                        linear, plan_.experts(l, r), load, &losses, *runners.tokens);
-    if (r == 0) lp.aux += losses.aux, lp.z += losses.z;
+                        linear, plan_.experts(l, r), load, &losses, *runners.tokens,
+                        routes ? nullptr : &a.mlp[std::size_t(own)]);
+    if (routes) lp.aux += losses.aux, lp.z += losses.z;
   };
   if (shards_ == 1) return run(0, w_.layers[static_cast<std::size_t>(l)], *runners.mlp_linear);
   plan_.tsp()->forward(l, parallel::TspShards::Part::kMlp, run);
@@ -358,26 +361,29 @@ void MoeTransformer::mlp_forward(int l, LayerActs& a, bool count_load, LossParts
 void MoeTransformer::mlp_backward(int l, LayerActs& a, const Tensor& dy, const Tensor& dh) {
   const int m = moe_index_of_layer_[static_cast<std::size_t>(l)];
   const blocks::LayerRunners& runners = plan_.layers()[static_cast<std::size_t>(l)];
+  // Under TSP the passes share the first one's routing (mlp_forward): the ring's last pass (shard
+  // rank + 1) runs the router's backward once, on every pass's dL/d gates summed.
+  const int own = shards_ > 1 ? plan_.tsp()->rank() : 0, last = shards_ > 1 ? (own + 1) % shards_ : 0;
   const auto run = [&](int r, const blocks::LayerWeights& w, blocks::LayerWeights& g, blocks::LinearRunner& linear) {
-    // The router losses' gradients are whole on every tensor rank (and in every TSP shard's
-    // pass), the rest of the router's partial: the first rank (shard) adds them
-    // (reduce_partial_gradients sums the router's gradients). Under context parallelism and
-    // TSP the micro-batch's router losses are the mean of the ranks'.
-    const bool first = shards_ > 1 ? r == 0 : tp_.rank == 0;
-    const float own = first ? 1.f / static_cast<float>(cp_) : 0.f;
+    // The router losses' gradients are whole on every tensor rank, the rest of the router's
+    // partial: the first rank adds them (reduce_partial_gradients sums the router's gradients);
+    // under TSP the pass that runs the router's backward. Under context parallelism and TSP the
+    // micro-batch's router losses are the mean of the ranks'.
+    const bool first = shards_ > 1 ? r == last : tp_.rank == 0;
+    const float scale = first ? 1.f / static_cast<float>(cp_) : 0.f;
     // EDA chain: stage m + 1 left dL/d state_m in deda_[(m + 1) % 2]; this stage writes
-    // dL/d state_{m-1} into the other buffer (each shard's share in its own pair).
+    // dL/d state_{m-1} into the other buffer.
     blocks::EdaGrads deda;
     if (m >= 0 && mlp_shape_.mlp_router) {
-      const auto& pair = deda_[std::size_t(r)];
       const int nmoe = static_cast<int>(moe_layer_ids_.size());
-      if (m + 1 < nmoe) deda.dstate_next = pair[(m + 1) % 2];
-      if (m > 0) deda.dprev = pair[m % 2];
+      if (m + 1 < nmoe) deda.dstate_next = deda_[(m + 1) % 2];
+      if (m > 0) deda.dprev = deda_[m % 2];
     }
+    const blocks::SharedRouting shared{r == own, r == last, routing_dgates_};
     blocks::mlp_backward(mlp_shards_[std::size_t(r)], w, g, a.h2, eda(m), deda, a.mlp[std::size_t(r)], mlp_scratch_, dy,
-                         dh, static_cast<float>(aux_loss_weight(cfg_, opt_) * cur_scale_ * own),
-                         static_cast<float>(opt_.z_loss_weight * cur_scale_ * own), linear, plan_.experts(l, r),
-                         *runners.tokens);
+                         dh, static_cast<float>(aux_loss_weight(cfg_, opt_) * cur_scale_ * scale),
+                         static_cast<float>(opt_.z_loss_weight * cur_scale_ * scale), linear, plan_.experts(l, r),
+                         *runners.tokens, shards_ > 1 && m >= 0 ? &shared : nullptr);
   };
   if (shards_ == 1)
     return run(0, w_.layers[static_cast<std::size_t>(l)], g_.layers[static_cast<std::size_t>(l)], *runners.mlp_linear);

@@ -260,9 +260,10 @@ class MoeTransformer {
   std::vector<Tensor> resid_;    // [layers + 1] residual stream (layer inputs, final output)
   std::vector<Tensor> hres_;     // [layers + 1] residual scaling: mixer output into layer l (l >= 1)
   std::vector<Tensor> eda_state_;  // per MoE stage: the MLP router's EDA state [N, router_hidden]
-  // dL/d EDA state, alternating between consecutive MoE stages; one pair per weight shard (each
-  // shard's backward carries its share of the chain)
-  std::vector<std::array<Tensor, 2>> deda_;
+  // dL/d EDA state, alternating between consecutive MoE stages (under TSP only the pass that runs
+  // the router's backward carries the chain)
+  std::array<Tensor, 2> deda_;
+  Tensor routing_dgates_;  // TSP: the weight shards' dL/d gates summed (blocks::SharedRouting)
   Tensor final_r_, final_h_, final_rstd_, ce_lse_, ce_scratch_;
   Tensor whole_a_, whole_b_;  // tensor parallelism: [N, D] rows of every token (embedding, head)
   Tensor dres_, dtmp_, dtmp2_, dtmp3_, dhres_;
