@@ -40,9 +40,10 @@ struct CudaModel::Stream {
   std::vector<float*> resid;      // [layers + 1] layer inputs and the final output, fp32 [N, D]
   std::vector<float*> hres;       // residual scaling: [layers + 1] the mixer output entering layer l
   std::vector<float*> eda_state;  // per MoE stage: the MLP router's EDA state [N, R]
-  // dL/d EDA state, alternating between consecutive stages; one pair per TSP shard (each shard's
-  // pass carries its share of the chain)
-  std::vector<std::array<float*, 2>> deda;
+  // dL/d EDA state, alternating between consecutive stages (under TSP only the pass that runs the
+  // router's backward carries the chain)
+  std::array<float*, 2> deda = {nullptr, nullptr};
+  float* routing_dgates = nullptr;  // TSP: the weight shards' dL/d gates summed (bc::SharedRouting)
   float* spare = nullptr;               // full recompute: where a recomputed residual output goes
   float *final_r = nullptr, *dres = nullptr, *dhres = nullptr, *dh = nullptr;
   bf16 *dres_bf = nullptr, *dh_bf = nullptr;
@@ -195,8 +196,8 @@ void CudaModel::carve(DeviceArena& A) {
   mlp_scratch_.dx = st.dh_bf;
   bc::carve(c, attn_shape_, any_kind_, *runners_.front().attention, attn_scratch_);
   attn_scratch_.dh = st.dh;
-  st.deda.assign(zaya_moe ? static_cast<std::size_t>(shards_) : 0, {nullptr, nullptr});
-  for (auto& pair : st.deda) pair = {c.take<float>(N * R), c.take<float>(N * R)};
+  if (zaya_moe) st.deda = {c.take<float>(N * R), c.take<float>(N * R)};
+  if (tsp_ && any_moe) st.routing_dgates = c.take<float>(N * std::max(cfg_.top_k, 1));
   if (scaled_) {
     st.dhres = c.take<float>(L * D);
     st.final_r = c.take<float>(L * D);
@@ -461,16 +462,18 @@ void CudaModel::head_backward(float loss_scale, bool grads_fresh) {
 // Records the layer's loads when count_load.
 // Under TSP once per weight shard, in the shards' ring order (this rank's own first): the first
 // pass writes y (= residual + its partial), the later ones pass y as their residual (their
-// partials add in); every pass routes the same tokens alike, and shard 0's loads and losses are
-// the layer's.
+// partials add in); the first pass routes (its loads and losses are the layer's) and the later
+// ones take its routing (no router, no host sync).
 void CudaModel::mlp_forward(int l, LayerActs& a, const float* residual, float* y, bool count_load) {
   const int m = moe_index_of_layer_[static_cast<std::size_t>(l)];
   const bc::LayerRunners& r = runners_[static_cast<std::size_t>(l)];
   const float* bias = m >= 0 ? bias_ + std::int64_t(m) * classes() : nullptr;
   if (tsp_)
     tsp_->forward(l, parallel::CudaTspShards::Part::kMlp, stream_, [&](int shard, const bc::LayerWeights& w) {
-      bc::mlp_forward(*gemm_, mlp_shape_, w, bias, a.h2, eda(std::max(m, 0)), tsp_->first() ? residual : y, y,
-                      a.mlp_of(shard), mlp_scratch_, tsp_->boundary(), r.experts_of(shard), stream_);
+      const bool routes = tsp_->first();  // this rank's own shard
+      bc::mlp_forward(*gemm_, mlp_shape_, w, bias, a.h2, eda(std::max(m, 0)), routes ? residual : y, y, a.mlp_of(shard),
+                      mlp_scratch_, tsp_->boundary(), r.experts_of(shard), stream_,
+                      routes ? nullptr : &a.mlp_of(tsp_->rank()));
     });
   else
     bc::mlp_forward(*gemm_, mlp_shape_, w_.layers[static_cast<std::size_t>(l)], bias, a.h2, eda(std::max(m, 0)),
@@ -583,24 +586,28 @@ void CudaModel::mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fr
     // this rank's expert gradients are written by the step's first backward; a TSP shard buffer
     // is fresh for every pass
     g.experts.overwrite = own_grads ? grads_fresh : true;
-    // The router losses' gradient terms are whole on every tensor rank (and in every TSP
-    // shard's pass), the rest of the router's gradient a partial sum (summed over the group
-    // with the other partial gradients): the first tensor rank (shard) adds them, once.
-    // Context parallelism and TSP: the micro-batch's router losses are the mean of the ranks'.
-    const bool first = tsp_ ? shard == 0 : !(tp_ && tp_->rank() != 0);
+    // The router losses' gradient terms are whole on every tensor rank, the rest of the router's
+    // gradient a partial sum (summed over the group with the other partial gradients): the
+    // first tensor rank adds them, once. Under TSP the passes share the first one's routing
+    // (mlp_forward), and the ring's last pass (shard rank + 1) runs the router's backward once,
+    // on every pass's dL/d gates summed. Context parallelism and TSP: the micro-batch's router
+    // losses are the mean of the ranks'.
+    const int last = tsp_ ? (tsp_->rank() + 1) % tsp_->size() : 0;
+    const bool first = tsp_ ? shard == last : !(tp_ && tp_->rank() != 0);
     const double own = (first ? 1.0 : 0.0) / (cp_ ? cp_->size() : 1);
     // EDA chain: stage m + 1 left dL/d state_m in deda[(m + 1) % 2]; this stage writes dL/d
-    // state_{m-1} into the other buffer (each shard's share in its own pair).
+    // state_{m-1} into the other buffer.
     bc::EdaGrads deda;
     if (m >= 0 && mlp_shape_.mlp_router) {
-      const auto& pair = st_->deda[static_cast<std::size_t>(shard)];
       const int nmoe = static_cast<int>(moe_layer_ids_.size());
-      deda.dstate_next = m + 1 < nmoe ? pair[(m + 1) % 2] : nullptr;
-      deda.dprev = m > 0 ? pair[m % 2] : nullptr;
+      deda.dstate_next = m + 1 < nmoe ? st_->deda[(m + 1) % 2] : nullptr;
+      deda.dprev = m > 0 ? st_->deda[m % 2] : nullptr;
     }
+    const bc::SharedRouting shared{tsp_ && shard == tsp_->rank(), shard == last, st_->routing_dgates};
     bc::mlp_backward(*gemm_, mlp_shape_, w, g, a.h2, eda(std::max(m, 0)), deda, a.mlp_of(shard), mlp_scratch_, dy,
                      st_->dh, static_cast<float>(own * aux_loss_weight(cfg_, opt_) * cur_scale_),
-                     static_cast<float>(own * opt_.z_loss_weight * cur_scale_), linear, r.experts_of(shard), stream_);
+                     static_cast<float>(own * opt_.z_loss_weight * cur_scale_), linear, r.experts_of(shard), stream_,
+                     tsp_ && m >= 0 ? &shared : nullptr);
   };
   if (!tsp_)
     return run(0, w_.layers[static_cast<std::size_t>(l)], g_.layers[static_cast<std::size_t>(l)], true, *r.mlp_linear);

@@ -74,10 +74,13 @@ struct EdaIo {
 };
 
 // x bf16 [N, D] -> y fp32 [N, D] (see the top). bias: this layer's router selection bias
-// (device, [classes]).
+// (device, [classes]). routing: null, or a pass over the same tokens that routed them (TSP: a
+// layer's later weight shards): this pass takes its routing (a's router pointers point at
+// routing's) and runs no router (and no host sync).
 void mlp_forward(ops::cuda::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, const float* bias,
                  const bf16* x, const EdaIo& eda, const float* residual, float* y, MlpSaved& a, const MlpScratch& sc,
-                 LinearRunner& linear, ops::cuda::moe::ExpertRunner* experts, cudaStream_t stream);
+                 LinearRunner& linear, ops::cuda::moe::ExpertRunner* experts, cudaStream_t stream,
+                 const MlpSaved* routing = nullptr);
 
 // The routed layer's expert loads of the last forward: slots per class (ZAYA1: experts, then
 // the skip class).
@@ -94,9 +97,16 @@ struct EdaGrads {
   const float* dstate_next = nullptr;
   float* dprev = nullptr;
 };
+// Passes that share one routing (mlp_forward's `routing`) share its backward too: each adds its
+// dL/d gates into `dgates` ([N top_k] fp32; the first pass writes it), and only the last runs the
+// router's backward, on their sum (its losses' gradients, its share of dx, its EDA gradient).
+struct SharedRouting {
+  bool first = true, last = true;
+  float* dgates = nullptr;
+};
 void mlp_backward(ops::cuda::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, const LayerGrads& g,
                   const bf16* x, const EdaIo& eda, const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc,
                   const float* dy, float* dx, float aux_weight, float z_weight, LinearRunner& linear,
-                  ops::cuda::moe::ExpertRunner* experts, cudaStream_t stream);
+                  ops::cuda::moe::ExpertRunner* experts, cudaStream_t stream, const SharedRouting* shared = nullptr);
 
 }  // namespace keel::blocks::cuda

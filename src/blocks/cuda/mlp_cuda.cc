@@ -88,7 +88,7 @@ void carve(DeviceCarver& c, const MlpShape& s, const MlpScratchParts& parts, Mlp
 
 void mlp_forward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, const float* bias, const bf16* x_in,
                  const EdaIo& eda, const float* residual, float* y, MlpSaved& a, const MlpScratch& sc,
-                 LinearRunner& linear, k::moe::ExpertRunner* experts, cudaStream_t stream) {
+                 LinearRunner& linear, k::moe::ExpertRunner* experts, cudaStream_t stream, const MlpSaved* routing) {
   const std::int64_t N = s.tokens, D = s.hidden, R = linear.rows(N);
   const bf16* x = linear.enter(x_in, N, D, stream);
   if (w.moe < 0) {
@@ -112,14 +112,26 @@ void mlp_forward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, 
   float* out = residual ? sc.moe_out : y;
   float* partial = linear.out(out, N, D);
   if (s.mlp_router) {
-    a.zmoe.router.state = eda.state;
-    zaya::moe_forward(gemm, s.zaya, {w.zrouter, w.experts}, x, eda.prev, bias, a.zmoe, sc.zs, partial, stream, experts);
+    const zaya::Weights zw{w.zrouter, w.experts};
+    if (routing) {
+      zaya::share_routing(routing->zmoe, a.zmoe);
+    } else {
+      a.zmoe.router.state = eda.state;
+      zaya::route(gemm, s.zaya, zw, x, eda.prev, bias, a.zmoe, stream);
+    }
+    zaya::experts_forward(s.zaya, zw, x, a.zmoe, sc.zs, partial, stream, experts);
   } else {
     const int E = s.experts;
-    k::linear::forward_f32(gemm, x, w.router, a.rlogits, N, D, E, stream);
-    k::router::Options ro{s.top_k, s.renormalize, s.forced_classes()};
-    k::router::forward(a.rlogits, bias, N, E, ro, a.probs, a.rlse, a.idx, a.gates, a.counts, a.losses, stream);
-    a.plan = k::moe::make_plan(a.idx, N, s.top_k, E, a.plan_ws, stream);  // syncs: host expert offsets
+    if (routing) {  // the router's saved pointers and the plan are the routing pass's
+      a.rlogits = routing->rlogits, a.probs = routing->probs, a.rlse = routing->rlse, a.gates = routing->gates;
+      a.losses = routing->losses, a.idx = routing->idx, a.counts = routing->counts, a.plan_ws = routing->plan_ws;
+      a.plan = routing->plan;
+    } else {
+      k::linear::forward_f32(gemm, x, w.router, a.rlogits, N, D, E, stream);
+      k::router::Options ro{s.top_k, s.renormalize, s.forced_classes()};
+      k::router::forward(a.rlogits, bias, N, E, ro, a.probs, a.rlse, a.idx, a.gates, a.counts, a.losses, stream);
+      a.plan = k::moe::make_plan(a.idx, N, s.top_k, E, a.plan_ws, stream);  // syncs: host expert offsets
+    }
     if (experts)
       experts->forward(a.plan, x, a.gates, w.experts, D, s.expert_hidden, a.experts, partial, stream);
     else
@@ -139,10 +151,25 @@ void mlp_loads(const MlpShape& s, const MlpSaved& a, std::int32_t* counts) {
   for (int e = 0; e < E; ++e) counts[e] = static_cast<std::int32_t>(a.plan.count(e));
 }
 
+namespace {
+
+// A pass's dL/d gates (n floats) into the shared sum (the first pass writes it); the sum to
+// route back from.
+const float* add_gates(const SharedRouting* shared, const float* dgates, std::int64_t n, cudaStream_t stream) {
+  if (!shared) return dgates;
+  if (shared->first)
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(shared->dgates, dgates, n * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+  else
+    add_f32(shared->dgates, dgates, shared->dgates, n, stream);
+  return shared->dgates;
+}
+
+}  // namespace
+
 void mlp_backward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w, const LayerGrads& g, const bf16* x_in,
                   const EdaIo& eda, const EdaGrads& deda, MlpSaved& a, const MlpScratch& sc, const float* dy_in,
                   float* dx_in, float aux_weight, float z_weight, LinearRunner& linear, k::moe::ExpertRunner* experts,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, const SharedRouting* shared) {
   const std::int64_t N = s.tokens, D = s.hidden, R = linear.rows(N);
   const bf16* x = linear.enter(x_in, N, D, stream);  // the rows forward's projections read
   float* dx = linear.dx_out(dx_in, N, D);            // their input gradient, summed over the group below
@@ -166,8 +193,13 @@ void mlp_backward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w,
   }
   const float* dy = linear.exit_backward(dy_in, N, D, stream);
   if (s.mlp_router) {
-    zaya::moe_backward(gemm, s.zaya, {w.zrouter, w.experts}, {g.zrouter, g.experts}, x, eda.prev, a.zmoe, sc.zs, dy,
-                       deda.dstate_next, dx, deda.dprev, stream, experts, aux_weight);
+    const zaya::Weights zw{w.zrouter, w.experts};
+    const zaya::Grads zg{g.zrouter, g.experts};
+    zaya::experts_backward(s.zaya, zw, zg, x, a.zmoe, sc.zs, dy, dx, sc.zs.dgates, stream, experts);
+    const float* dgates = add_gates(shared, sc.zs.dgates, N, stream);
+    if (!shared || shared->last)
+      zaya::route_backward(gemm, s.zaya, zw, zg, x, eda.prev, a.zmoe, sc.zs, dgates, deda.dstate_next, dx, deda.dprev,
+                           stream, !experts, aux_weight);
     linear.enter_backward(dx, dx_in, N, D, stream);
     return;
   }
@@ -178,8 +210,14 @@ void mlp_backward(k::GemmRunner& gemm, const MlpShape& s, const LayerWeights& w,
   else
     k::moe::backward(a.plan, a.gates, w.experts, D, s.expert_hidden, a.experts, dy, sc.moe, sc.dx, sc.dgates,
                      g.experts, stream);
+  const float* dgates = add_gates(shared, sc.dgates, N * s.top_k, stream);
+  if (shared && !shared->last) {
+    k::bf16_to_f32(sc.dx, dx, N * D, stream);
+    linear.enter_backward(dx, dx_in, N, D, stream);
+    return;
+  }
   k::router::Options ro{s.top_k, s.renormalize};
-  k::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, N, E, ro, sc.dgates, aux_weight, z_weight, sc.dlogits,
+  k::router::backward(a.probs, a.rlse, a.idx, a.gates, a.counts, N, E, ro, dgates, aux_weight, z_weight, sc.dlogits,
                       stream);
   k::f32_to_bf16(sc.dlogits, sc.dlogits_bf, N * E, stream);
   k::bf16_to_f32(sc.dx, dx, N * D, stream);

@@ -90,4 +90,28 @@ void moe_backward(ops::cuda::GemmRunner& gemm, const Shape& s, const Weights& w,
                   float* dx, float* dprev_state, cudaStream_t stream,
                   ops::cuda::moe::ExpertRunner* experts = nullptr, float aux_weight = 0.f);
 
+// The two halves of each, for passes that share one routing (TSP: a layer's weight shards visit
+// the same tokens and the router runs once; blocks/cuda/mlp.h's `routing`), as on the CPU
+// (blocks/zaya_moe.h):
+//   route            the router, the packing and the plan (forward's one sync) into a
+//   share_routing    a later pass takes `from`'s routing (device pointers; its experts' Saved
+//                    stays its own)
+//   experts_forward  the experts (and the skip rows' 0) over a's routing: y overwritten
+//   experts_backward dx overwritten (the experts' input gradient, 0 on skip rows) and dgates
+//                    [N] overwritten (dL/d gate, the router's input)
+//   route_backward   the router's backward from dgates (every pass's, summed): its share added
+//                    into dx (by its GEMM with add_in_gemm, else through Scratch::dxk),
+//                    dprev_state overwritten, the router's gradients accumulated
+void route(ops::cuda::GemmRunner& gemm, const Shape& s, const Weights& w, const bf16* x, const float* prev_state,
+           const float* bias, Acts& a, cudaStream_t stream);
+void share_routing(const Acts& from, Acts& to);
+void experts_forward(const Shape& s, const Weights& w, const bf16* x, Acts& a, const Scratch& sc, float* y,
+                     cudaStream_t stream, ops::cuda::moe::ExpertRunner* experts);
+void experts_backward(const Shape& s, const Weights& w, const Grads& g, const bf16* x, Acts& a, const Scratch& sc,
+                      const float* dy, float* dx, float* dgates, cudaStream_t stream,
+                      ops::cuda::moe::ExpertRunner* experts);
+void route_backward(ops::cuda::GemmRunner& gemm, const Shape& s, const Weights& w, const Grads& g, const bf16* x,
+                    const float* prev_state, Acts& a, const Scratch& sc, const float* dgates, const float* dstate_next,
+                    float* dx, float* dprev_state, cudaStream_t stream, bool add_in_gemm, float aux_weight);
+
 }  // namespace keel::blocks::cuda::zaya
