@@ -142,6 +142,8 @@ VerifyResult verify_checkpoint(const std::string& dir) {
   std::map<std::string, std::vector<std::pair<const StoredShard*, const TensorMeta*>>> by_file;
   for (const auto& t : m.tensors)
     for (const auto& s : t.shards) by_file[s.file].push_back({&s, &t});
+  for (auto& [file, list] : by_file)
+    std::sort(list.begin(), list.end(), [](const auto& a, const auto& b) { return a.first->offset < b.first->offset; });
   const std::vector<std::pair<std::string, std::uint64_t>> files(m.files.begin(), m.files.end());
   std::vector<VerifyResult> per_file(files.size());
   const auto check_file = [&](std::size_t i) {
@@ -161,10 +163,12 @@ VerifyResult verify_checkpoint(const std::string& dir) {
       return;
     }
     const auto it = by_file.find(file);  // read only: the map is shared between the threads
-    auto list = it == by_file.end() ? decltype(it->second){} : it->second;
-    std::sort(list.begin(), list.end(), [](const auto& a, const auto& b) { return a.first->offset < b.first->offset; });
+    if (it == by_file.end()) {
+      ::close(fd);
+      return;
+    }
     std::vector<char> buf;
-    for (const auto& [s, t] : list) {
+    for (const auto& [s, t] : it->second) {
       buf.resize(s->nbytes);
       std::uint64_t got = 0;
       while (got < s->nbytes) {
