@@ -114,21 +114,20 @@ void mlp_forward(const MlpShape& s, const LayerWeights& w, const Tensor& bias, c
     const zaya::MoeParams p{w.zrouter, w.experts, experts};
     if (routing) {
       zaya::share_routing(routing->zmoe, a.zmoe);
-      zaya::experts_forward(s.zaya, p, x, a.zmoe, sc.zs, out);
-      linear.exit(out, y);
-      return;
+    } else {
+      a.zmoe.router.state = eda.state;
+      zaya::route(s.zaya, p, x, eda.prev, bias, s.zaya.eps, a.zmoe);
+      const int classes = s.zaya.classes();
+      if (load)
+        for (int e = 0; e < classes; ++e) load[e] += a.zmoe.router.counts[static_cast<std::size_t>(e)];
+      // the micro-batch's counts over its tokens (backward reads them too; one rank: its own)
+      a.zmoe.aux_counts = a.zmoe.router.counts;
+      tokens.sum(a.zmoe.aux_counts.data(), classes);
+      a.zmoe.aux_rows = N * tokens.size();
+      if (losses)
+        losses->aux += ops::router::aux_loss(a.zmoe.router.probs, a.zmoe.aux_counts.data(), a.zmoe.aux_rows, 1);
     }
-    a.zmoe.router.state = eda.state;
-    zaya::route(s.zaya, p, x, eda.prev, bias, s.zaya.eps, a.zmoe);
     zaya::experts_forward(s.zaya, p, x, a.zmoe, sc.zs, out);
-    const int classes = s.zaya.classes();
-    if (load)
-      for (int e = 0; e < classes; ++e) load[e] += a.zmoe.router.counts[static_cast<std::size_t>(e)];
-    // the micro-batch's counts over its tokens (backward reads them too; one rank: its own)
-    a.zmoe.aux_counts = a.zmoe.router.counts;
-    tokens.sum(a.zmoe.aux_counts.data(), classes);
-    a.zmoe.aux_rows = N * tokens.size();
-    if (losses) losses->aux += ops::router::aux_loss(a.zmoe.router.probs, a.zmoe.aux_counts.data(), a.zmoe.aux_rows, 1);
   } else {
     if (routing) {  // the router's saved views and the plan are the routing pass's
       a.rlogits = routing->rlogits, a.probs = routing->probs, a.rlse = routing->rlse, a.gates = routing->gates;

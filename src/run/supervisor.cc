@@ -511,7 +511,7 @@ int run(const Options& o) {
     };
     StragglerWatch stragglers(o.straggler);
     StragglerOptions device_options = o.straggler;
-    device_options.min_gap = 0;     // the canary takes about 0.1 ms: the factor alone
+    device_options.min_gap = 0;     // the canary takes about 0.2 ms: the factor alone
     device_options.fastest = true;  // its best time of the window (straggler.h)
     StragglerWatch device_stragglers(device_options);
     while (!exited) {

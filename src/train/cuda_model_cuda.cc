@@ -593,8 +593,8 @@ void CudaModel::mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fr
     // on every pass's dL/d gates summed. Context parallelism and TSP: the micro-batch's router
     // losses are the mean of the ranks'.
     const int last = tsp_ ? (tsp_->rank() + 1) % tsp_->size() : 0;
-    const bool first = tsp_ ? shard == last : !(tp_ && tp_->rank() != 0);
-    const double own = (first ? 1.0 : 0.0) / (cp_ ? cp_->size() : 1);
+    const bool router_pass = tsp_ ? shard == last : !(tp_ && tp_->rank() != 0);
+    const double own = (router_pass ? 1.0 : 0.0) / (cp_ ? cp_->size() : 1);
     // EDA chain: stage m + 1 left dL/d state_m in deda[(m + 1) % 2]; this stage writes dL/d
     // state_{m-1} into the other buffer.
     bc::EdaGrads deda;

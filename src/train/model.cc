@@ -369,8 +369,8 @@ void MoeTransformer::mlp_backward(int l, LayerActs& a, const Tensor& dy, const T
     // partial: the first rank adds them (reduce_partial_gradients sums the router's gradients);
     // under TSP the pass that runs the router's backward. Under context parallelism and TSP the
     // micro-batch's router losses are the mean of the ranks'.
-    const bool first = shards_ > 1 ? r == last : tp_.rank == 0;
-    const float scale = first ? 1.f / static_cast<float>(cp_) : 0.f;
+    const bool router_pass = shards_ > 1 ? r == last : tp_.rank == 0;
+    const float scale = router_pass ? 1.f / static_cast<float>(cp_) : 0.f;
     // EDA chain: stage m + 1 left dL/d state_m in deda_[(m + 1) % 2]; this stage writes
     // dL/d state_{m-1} into the other buffer.
     blocks::EdaGrads deda;
