@@ -50,6 +50,14 @@ def parallel(k, degree):
             "CP": {"context": degree}, "DP": {"data": degree}}[k]
 
 
+def parallel_keys(a, k):
+    """parallel: keys of a run: its layout's, and --tsp-tables for TSP."""
+    keys = dict(parallel(k, a.degree))
+    if k == "TSP" and a.tsp_tables:
+        keys["tsp_tables"] = a.tsp_tables
+    return keys
+
+
 def model_text(a, seq):
     return f"""name: dense-7b-shape
 vocab_size: 32000
@@ -78,7 +86,7 @@ def zaya_config(a, prefix, out, seq, layout):
     k = kind(layout)
     accum = a.degree if k == "DP" else 1  # the same tokens per GPU: a micro-batch on each rank
     text, _ = train_tp_vs_torch.keel_config("zaya1", zaya_dims(a, seq), prefix, out, max(1, a.steps), a.device, accum,
-                                            parallel(k, a.degree), 3e-5, zaya_vs_torch.BIAS_RATE, forced=True)
+                                            parallel_keys(a, k), 3e-5, zaya_vs_torch.BIAS_RATE, forced=True)
     return text
 
 
@@ -87,7 +95,7 @@ def config(a, prefix, out, seq, layout):
         return zaya_config(a, prefix, out, seq, layout)
     k = kind(layout)
     accum = a.degree if k == "DP" else 1
-    keys = "".join(f"  {key}: {v}\n" for key, v in parallel(k, a.degree).items() if key != "data")
+    keys = "".join(f"  {key}: {v}\n" for key, v in parallel_keys(a, k).items() if key != "data")
     model = "".join("  " + line + "\n" for line in model_text(a, seq).splitlines())
     return f"""device: {a.device}
 model:
@@ -116,7 +124,11 @@ def measure(a, prefix, seq, layout):
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     cfg = os.path.join(run_dir, "train.yaml")
-    open(cfg, "w").write(config(a, prefix, os.path.join(run_dir, "run"), seq, layout))
+    text = config(a, prefix, os.path.join(run_dir, "run"), seq, layout)
+    if a.profile:  # kernels.profile: the step's phases (CUDA events), printed by keel train at its end
+        text = text.replace("\nkernels:\n", "\nkernels:\n  profile: true\n") if "\nkernels:\n" in text \
+            else text + "kernels:\n  profile: true\n"
+    open(cfg, "w").write(text)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [a.mpirun, "--oversubscribe", "--bind-to", "none", "-n", str(a.degree)]
     for k in os.environ:
@@ -136,11 +148,18 @@ def measure(a, prefix, seq, layout):
             rates.append(float(m.group(1)))
     p.kill()
     p.wait()
+    open(os.path.join(run_dir, "keel.log"), "w").write("".join(seen))
     if not line:
         errors = [x for x in seen if "error" in x]
         return {"error": (errors[0] if errors else "".join(seen[-5:])).strip()}
+    row = {}
+    if a.profile:
+        start = next((i for i, x in enumerate(seen) if x.startswith("step profile")), None)
+        if start is not None:
+            end = next((i for i in range(start + 1, len(seen)) if re.match(r"  step ", seen[i])), len(seen) - 1)
+            row["profile"] = "".join(seen[start:end + 1])
     total, parts = line.split(" = ", 1)
-    row = {"total_gib": gib(total.split(": ")[1])}
+    row["total_gib"] = gib(total.split(": ")[1])
     for part in parts.split(" + "):
         m = re.match(r"(.+) ([0-9.]+ GiB)$", part)
         if m:
@@ -171,7 +190,8 @@ def predicted(a, run_dir, seq, layout):
         text = model_text(a, seq)
     open(model, "w").write(text)
     js = os.path.join(run_dir, "size.json")
-    r = subprocess.run([a.keel, "size", model, "--layout", *size_layout(layout, a.degree), "--gpus", str(a.degree),
+    tables = ["--tsp-tables", a.tsp_tables] if a.tsp_tables and kind(layout) == "TSP" else []
+    r = subprocess.run([a.keel, "size", model, "--layout", *size_layout(layout, a.degree), *tables, "--gpus", str(a.degree),
                         "--seq", str(seq),
                         "--hardware", "h200", "--json", js], capture_output=True, text=True)
     if r.returncode != 0:
@@ -197,6 +217,10 @@ def main():
     ap.add_argument("--size", action="store_true", help="also print keel size's prediction (GPU layouts)")
     ap.add_argument("--steps", type=int, default=1,
                     help="steps per run: above 3, also the median tokens/s per GPU over the steps after 2")
+    ap.add_argument("--tsp-tables", choices=["auto", "sweep", "gather"], default=None,
+                    help="TSP layouts: parallel.tsp_tables (default: keel train's, auto)")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU: also train with kernels.profile and print each run's step phases (with --steps)")
     a = ap.parse_args()
     if a.model == "dense" and a.layers is None:
         a.layers = 2
@@ -215,7 +239,7 @@ def main():
     for seq in lengths:
         for layout in layouts:
             results[f"{layout} {seq}"] = r = measure(a, prefix, seq, layout)
-            print(f"{layout:8s} {seq:6d}: {r}", flush=True)
+            print(f"{layout:8s} {seq:6d}: { {k: v for k, v in r.items() if k != 'profile'} }", flush=True)
     json.dump(results, open(os.path.join(a.out, "tsp_memory.json"), "w"), indent=1)
     where = f"{a.degree} CPU ranks (GiB, rank 0's arenas, fp32)" if a.device == "cpu" else \
         f"{a.degree} GPU ranks (GiB, rank 0's allocations: bf16 GEMM operands, fp32 masters/grads/optimizer)"
@@ -259,6 +283,9 @@ def main():
                 r = results[f"{layout} {seq}"]
                 cells.append(f"{r['tokens/s per GPU']:8.0f}" if "tokens/s per GPU" in r else f"{'-':>8s}")
             print(f"{layout:8s} " + " ".join(cells))
+    for k, r in results.items():
+        if r.get("profile"):
+            print(f"\n== {k}: rank 0's {r['profile']}", end="")
     for k, r in results.items():
         if "error" in r:
             print(f"{k}: {r['error'][:200]}")

@@ -23,7 +23,8 @@ CudaPlan::CudaPlan(const model::ModelConfig& cfg, Mesh& mesh, std::int64_t batch
     cp_ = std::make_unique<CudaContextParallel>(mesh.nccl(GroupKind::kTsp), tsp.comm, batch, seq, s.kv_dim());
     for (auto& l : layers_) l.attention = cp_.get();
     tokens /= tsp.size;
-    tsp_ = std::make_unique<CudaTspShards>(mesh.nccl_side(GroupKind::kTsp), tokens, cfg.hidden);
+    tsp_ = std::make_unique<CudaTspShards>(mesh.nccl_side(GroupKind::kTsp), mesh.nccl(GroupKind::kTsp), tokens,
+                                           cfg.hidden);
     tsp_sums_ = std::make_unique<CudaTensorParallelLinear>(mesh.nccl(GroupKind::kTsp), tokens, cfg.hidden, false);
     reserve_lasp2(cfg, s, batch);
   } else if (context.size > 1) {

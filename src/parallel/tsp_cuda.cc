@@ -32,9 +32,10 @@ void CudaTspBoundary::enter_backward(bf16* partial, bf16* dx, std::int64_t token
   if (!first_) blocks::cuda::add_bf16(dx, partial, dx, tokens * width, stream);
 }
 
-CudaTspShards::CudaTspShards(std::shared_ptr<NcclGroup> side, std::int64_t tokens, std::int64_t hidden)
-    : side_(std::move(side)) {
-  if (!side_) fail("tsp (cuda): no tsp group");
+CudaTspShards::CudaTspShards(std::shared_ptr<NcclGroup> side, std::shared_ptr<NcclGroup> group, std::int64_t tokens,
+                             std::int64_t hidden)
+    : side_(std::move(side)), group_(std::move(group)) {
+  if (!side_ || !group_) fail("tsp (cuda): no tsp group");
   const std::size_t nd = static_cast<std::size_t>(tokens * hidden);
   const std::size_t b16 = aligned(nd * sizeof(bf16));
   const std::size_t bytes = b16 + aligned(nd * sizeof(float));

@@ -72,15 +72,19 @@ class CudaTspShards {
   enum class Part { kAttention, kMlp, kEmbedding, kHead };
 
   // side: a communicator of the group for the shards (Mesh::nccl_side), on a stream of this
-  // object's. tokens: this rank's rows of a micro-batch; hidden: D. Allocates the boundary's
+  // object's; group: the group's own (Mesh::nccl), for the model's collectives on its stream
+  // (group()). tokens: this rank's rows of a micro-batch; hidden: D. Allocates the boundary's
   // buffers (this rank's GPU).
-  CudaTspShards(std::shared_ptr<NcclGroup> side, std::int64_t tokens, std::int64_t hidden);
+  CudaTspShards(std::shared_ptr<NcclGroup> side, std::shared_ptr<NcclGroup> group, std::int64_t tokens,
+                std::int64_t hidden);
   ~CudaTspShards();
   CudaTspShards(const CudaTspShards&) = delete;
   CudaTspShards& operator=(const CudaTspShards&) = delete;
 
   int size() const { return side_->size(); }
   int rank() const { return side_->rank(); }
+  // The group's communicator for collectives on the model's stream (parallel.tsp_tables: gather).
+  NcclGroup& group() const { return *group_; }
   // Inside a sweep's fn: whether this is the sweep's first pass (it writes the block output and
   // input gradient; later passes add), and the boundary of this pass.
   bool first() const { return first_; }
@@ -150,7 +154,7 @@ class CudaTspShards {
   void post(const Unit& u, int shard, int buf);    // the broadcast of shard into weight buffer buf
   void reduce(const Unit& u, int shard, int buf);  // the gradient buffer buf summed onto shard's rank
 
-  std::shared_ptr<NcclGroup> side_;
+  std::shared_ptr<NcclGroup> side_, group_;
   std::unique_ptr<CudaTspBoundary> boundary_;
   float* tmp_f32_ = nullptr;  // the boundary's fp32 buffer
   std::vector<Unit> units_;  // [layer * 2 + part]

@@ -31,6 +31,7 @@ struct RawFlags {
   double mfu = 0.4;
   bool moe_study = false, gemms = false, quiet = false, sequence_parallel = true;
   std::string context_mode = "allgather";
+  std::string tsp_tables = "auto";
 };
 
 // A flag that may be left out but, when given, must be at least 1.
@@ -72,6 +73,11 @@ int run(const RawFlags& f) {
       throw UsageError(fmt::format("--context-mode: unknown context mode '{}' (allgather, ring, alltoall or auto)",
                                    f.context_mode));
     }
+  }
+  try {
+    s.tsp_tables = parallel::parse_tsp_tables(f.tsp_tables);
+  } catch (const UsageError&) {
+    throw UsageError(fmt::format("--tsp-tables: '{}' (must be auto, sweep or gather)", f.tsp_tables));
   }
   require_positive(f.seq, "--seq");
   s.seq = f.seq ? *f.seq : s.model.max_seq_len > 0 ? s.model.max_seq_len : 4096;
@@ -141,6 +147,11 @@ void add_command(CLI::App& app) {
                   "With cp above 1: allgather (every rank's k, v gathered), ring (k, v blocks passed around), "
                   "alltoall (heads by all-to-all) or auto (keel train's choice), as keel train's "
                   "parallel.context_mode: sets the context-parallel buffers")
+      ->capture_default_str();
+  cmd->add_option("--tsp-tables", f->tsp_tables,
+                  "With tsp above 1: sweep (the vocabulary tables' rows travel), gather (the tokens do) or auto "
+                  "(keel train's choice: gather when the micro-batch has at most as many tokens as the vocabulary "
+                  "has rows), as keel train's parallel.tsp_tables: sets the gather buffers")
       ->capture_default_str();
   cmd->add_option("--gpus", f->gpus, "GPUs in the run (default: the layout's product)");
   CLI::Option* train_tokens =

@@ -33,24 +33,6 @@ double routed_row_bytes(const ModelConfig& m, bool selective) {
   return kBf16 * (h + 2 * eh + (selective ? 0 : eh) + h);
 }
 
-// What one token's pass through a MoE layer keeps of its routing for backward, as keel train's
-// CUDA blocks carve it (blocks/cuda/mlp_cuda.cc): ZAYA1's MLP router (ops/cuda/zaya_router.cu
-// saved_bytes: the fp32 EDA state, down-projection output (bf16) and the two GELU layers' fp32
-// pre-activations and bf16 outputs over router_hidden, fp32 logits and probabilities over the
-// classes, per-token statistics, and the kept-token indices) or the linear router (fp32 logits,
-// probabilities, log-sum-exp, gates and indices), then the routed rows' bf16 input and output.
-double routing_state_bytes(const ModelConfig& m) {
-  const double classes = m.experts + (m.router_skip_expert ? 1.0 : 0.0), k = m.top_k, h = m.hidden;
-  double router = 0;
-  if (m.router_hidden > 0) {
-    const double r = m.router_hidden;
-    router = r * (kFp32 + kBf16 + 2 * (kFp32 + kBf16)) + 2 * kFp32 * classes + 4 * kFp32 + 3 * 4.0;
-  } else {
-    router = 2 * kFp32 * classes + kFp32 + k * (kFp32 + 4.0);
-  }
-  return router + k * 2 * kBf16 * h;
-}
-
 // Backward scratch per routed row at the experts' GPU: the output gradient (bf16) and input
 // gradient (fp32) rows, and the expert MLP's fp32 dact with bf16 dgate, dup.
 double routed_row_backward_scratch_bytes(const ModelConfig& m) {
@@ -421,19 +403,26 @@ MemoryEstimate estimate_memory(const Setup& s) {
       } catch (const UsageError&) {  // a width the degree does not divide: no shard to size
       }
       e.items.push_back({"TSP partial outputs", (kBf16 + kFp32) * tokens_local * m.hidden});
-      // Each shard's pass through a MoE layer keeps its own routing state for backward
-      // (train/cuda_model_cuda.cc carves an MLP saved set per shard): the router's, the routed
-      // rows' input and output, and the dispatch indices. The activations count one; the
-      // tsp - 1 others are here (under full recompute, one layer's).
+      // Each shard's pass through a MoE layer keeps its routed rows' bf16 input and output for
+      // backward (train/cuda_model_cuda.cc carves an MLP saved set per shard); only this rank's
+      // own shard's pass routes, so the router's state and the dispatch indices are kept once.
+      // The activations count one pass; the tsp - 1 others are here (under full recompute, one
+      // layer's).
       if (moe_layers > 0) {
         const double kept_layers = s.recompute == Recompute::kFull ? 1 : moe_layers * frac;
-        e.items.push_back({"TSP per-shard routing state",
-                           (l.tsp - 1) * kept_layers * tokens_local * routing_state_bytes(m)});
+        e.items.push_back({"TSP per-shard routed rows",
+                           (l.tsp - 1) * kept_layers * tokens_local * m.top_k * 2 * kBf16 * m.hidden});
       }
       const double kv = std::max<double>(1.0, static_cast<double>(m.kv_heads) / (l.tp * l.tsp)) * m.head_dim;
       const double whole = static_cast<double>(s.micro_batch) * s.seq * kv;
       if (model::attention_layer_count(m, AttentionKind::kLinear) < m.layers)
         e.items.push_back({"TSP k/v gathers (one layer, one shard's heads)", 24 * whole + 12 * whole / l.tsp});
+      // parallel.tsp_tables gather (train/cuda_model_cuda.cc): the micro-batch's token ids and
+      // targets, bf16 final hidden states, an fp32 [tokens, D] buffer, every token's lse and the
+      // head's statistics of every token against this rank's rows.
+      const double batch_tokens = static_cast<double>(s.micro_batch) * s.seq;
+      if (parallel::tsp_gathers_tables(s.tsp_tables, s.micro_batch * s.seq, m.vocab_size))
+        e.items.push_back({"TSP table gathers", batch_tokens * (4 + 4 + (kBf16 + kFp32) * m.hidden + 3 * kFp32)});
     }
     if (model::attention_layer_count(m, AttentionKind::kLinear) > 0 && l.tsp == 1) {
       // keel train's CUDA linear attention (ops/cuda/linear_attention.h), one layer's workspace

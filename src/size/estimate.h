@@ -13,6 +13,7 @@
 #include "model/flops.h"
 #include "model/params.h"
 #include "parallel/context_mode.h"
+#include "parallel/tsp_tables.h"
 
 namespace keel::size {
 
@@ -37,6 +38,9 @@ struct Setup {
   // With cp > 1: how the attention sees the rest of the sequence (keel train's
   // parallel.context_mode), which sets the GPU core's buffers.
   parallel::ContextMode context_mode = parallel::ContextMode::kAllGather;
+  // With tsp > 1: whether the vocabulary tables' rows travel or the tokens do (keel train's
+  // parallel.tsp_tables), which sets the gather buffers.
+  parallel::TspTables tsp_tables = parallel::TspTables::kAuto;
   std::int64_t seq = 4096;
   int micro_batch = 1;
   int micro_batches = 1;  // per step per pipeline (gradient accumulation): sets the pipeline bubble

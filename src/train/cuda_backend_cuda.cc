@@ -281,7 +281,7 @@ class CudaBackend final : public TrainBackend {
   }
   std::vector<MemoryItem> memory_breakdown() const override {
     const std::size_t acts = act_arena_.capacity(), state = state_arena_.capacity();
-    const std::size_t saved = model_->saved_bytes(), ce = model_->ce_bytes();
+    const std::size_t saved = model_->saved_bytes(), ce = model_->ce_bytes(), tables = model_->tables_bytes();
     return {{"fp32 master weights", masters_->backed_bytes()},
             {"bf16 weights", param_arena_.capacity()},
             {"fp32 gradients", grad_arena_.capacity() - reduce_scratch_bytes_},
@@ -291,13 +291,14 @@ class CudaBackend final : public TrainBackend {
             {"AdamW v", adam_v_buffer_->backed_bytes()},
             {"Muon workspace", muon_ws_bytes_},
             {"saved activations", saved},
-            {"backward scratch", acts - saved - ce},
+            {"backward scratch", acts - saved - ce - tables},
             {"cross-entropy (kept logits)", ce},
             {"expert-parallel exchange", plan_->expert_bytes()},
             {"sequence-parallel gathers", plan_->tensor_bytes()},
             {parallel::context_buffer_name(opt_.context_mode), plan_->context_bytes()},
             {"LASP-2 state gathers", plan_->lasp2_bytes()},
-            {"tsp shards", plan_->tsp_bytes()}};
+            {"tsp shards", plan_->tsp_bytes()},
+            {"tsp table gathers", model_->tables_bytes()}};
   }
 
   // The SM-speed probe (device/device_canary_cuda.h) enqueued on the compute stream after the

@@ -58,6 +58,14 @@ struct CudaModel::Head {
   std::byte* scratch = nullptr;
   std::uint32_t* tokens = nullptr;
   std::int32_t *targets = nullptr, *positions = nullptr;
+  // TSP gathering its tables: the group's token ids and targets, final hidden states (bf16) and
+  // every token's lse, in rank order; an fp32 [group tokens, D] buffer (the embedding's partial
+  // rows, its gathered output gradient, the head's input-gradient shares); the head's statistics
+  // of every rank's tokens against this rank's rows, [rank][lse | target logit].
+  std::uint32_t* tokens_all = nullptr;
+  std::int32_t* targets_all = nullptr;
+  bf16* hidden_all = nullptr;
+  float *rows_all = nullptr, *lse_all = nullptr, *stats_out = nullptr;
 };
 
 CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options, const optim::ParamLayout& layout,
@@ -85,7 +93,12 @@ CudaModel::CudaModel(const model::ModelConfig& cfg, const ModelOptions& options,
   rows_ = tp_ ? tp_->rows(tokens_) : tokens_;
   vocab_local_ = cfg_.vocab_size / split.degree;
   vocab_begin_ = vocab_local_ * split.rank;
-  if (tsp_) {  // the head's statistics come piece by piece: every shard's rows in pieces (tsp_sizes)
+  gather_tables_ = tsp_ && parallel::tsp_gathers_tables(opt_.tsp_tables,
+                                                         std::int64_t(opt_.micro_batch) * opt_.seq_length,
+                                                         cfg_.vocab_size);
+  if (gather_tables_) {  // the head's statistics come from each rank (its vocabulary rows)
+    head_pieces_ = shards_;
+  } else if (tsp_) {  // the head's statistics come piece by piece: every shard's rows in pieces (tsp_sizes)
     const std::int64_t piece = std::max<std::int64_t>(parallel::tsp_sizes(layout_, cfg_.layers).piece_rows, 1);
     head_pieces_ = static_cast<int>((vocab_local_ + piece - 1) / piece) * shards_;
   }
@@ -175,9 +188,10 @@ void CudaModel::carve(DeviceArena& A) {
     a.x_mid = c.take<float>(L * D);
     a.h2 = c.take<bf16>(L * D);
     a.rstd2 = c.take<float>(L);
-    bc::carve(c, mlp_shape_, bc::MlpParts{dense, moe, expert_rows}, a.mlp);
+    // TSP: only this rank's own shard's pass routes (mlp_forward); the others keep no router state
     a.mlp_more.assign(static_cast<std::size_t>(shards_ - 1), bc::MlpSaved{});
-    for (int r = 1; r < shards_; ++r) bc::carve(c, mlp_shape_, bc::MlpParts{dense, moe, expert_rows}, a.mlp_of(r));
+    for (int r = 0; r < shards_; ++r)
+      bc::carve(c, mlp_shape_, bc::MlpParts{dense, moe, expert_rows, !tsp_ || r == tsp_->rank()}, a.mlp_of(r));
   }
   saved_bytes_ = c.used() - start;
   // shared backward scratch
@@ -216,6 +230,17 @@ void CudaModel::carve(DeviceArena& A) {
   h.tokens = c.take<std::uint32_t>(N);
   h.targets = c.take<std::int32_t>(N);
   h.positions = c.take<std::int32_t>(N);
+  if (gather_tables_) {
+    const std::size_t before_tables = c.used();
+    const std::int64_t all = N * shards_;
+    h.tokens_all = c.take<std::uint32_t>(all);
+    h.targets_all = c.take<std::int32_t>(all);
+    h.hidden_all = c.take<bf16>(all * D);
+    h.rows_all = c.take<float>(all * D);
+    h.lse_all = c.take<float>(all);
+    h.stats_out = c.take<float>(2 * all);
+    tables_bytes_ = c.used() - before_tables;
+  }
 }
 
 void CudaModel::bind(const Buffers& b) {
@@ -275,6 +300,11 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
       fail("token id {} at position {} is outside the vocabulary ({})", tokens_host[i], i, V);
   KEEL_CUDA_CHECK(cudaMemcpyAsync(h.tokens, tokens_host, N * sizeof(std::uint32_t), cudaMemcpyHostToDevice, stream_));
   KEEL_CUDA_CHECK(cudaMemcpyAsync(h.targets, targets_host, N * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
+  if (gather_tables_) {  // every rank's ids and targets, in rank order (int32 travels as its bits)
+    parallel::NcclGroup& g = tsp_->group();
+    g.all_gather(h.tokens, h.tokens_all, N, parallel::NcclType::kUint32, stream_);
+    g.all_gather(h.targets, h.targets_all, N, parallel::NcclType::kUint32, stream_);
+  }
   if (tp_) tp_->forget_prefetch();  // the saved block inputs are about to be rewritten
   hooks.forward_begin();
   hooks.before_stage(0);  // overlapped ZeRO-1: the parameters of each stage as they arrive
@@ -327,10 +357,17 @@ LossParts CudaModel::forward(const std::uint32_t* tokens_host, const std::int32_
   if (cp_) {
     // The micro-batch's losses on every rank of the context group: the cross-entropy over all
     // of its valid targets, the router losses' means over the ranks.
+    // Gathering TSP's tables, the head's backward takes every rank's tokens: each one's share.
     const double valid = r.valid, C = cp_->size();
-    double parts[4] = {lp.ce * valid, valid, lp.aux, lp.z};
-    cp_->sum(parts, 4);
+    std::vector<double> parts = {lp.ce * valid, valid, lp.aux, lp.z};
+    if (gather_tables_) {
+      parts.resize(4 + static_cast<std::size_t>(shards_), 0.0);
+      parts[4 + static_cast<std::size_t>(tsp_->rank())] = valid;
+    }
+    cp_->sum(parts.data(), static_cast<int>(parts.size()));
     ce_share_ = parts[1] > 0 ? valid / parts[1] : 0.0;  // this rank's CE gradient weight
+    valid_share_.assign(parts.begin() + 4, parts.end());
+    for (double& v : valid_share_) v = parts[1] > 0 ? v / parts[1] : 0.0;
     lp.ce = parts[1] > 0 ? parts[0] / parts[1] : 0.0;
     lp.aux = parts[2] / C;
     lp.z = parts[3] / C;
@@ -363,6 +400,7 @@ const char* CudaModel::mlp_phase(int l, bool backward) const {
 void CudaModel::embedding_forward() {
   const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
   float* resid0 = st_->resid[0];
+  if (gather_tables_) return gathered_embedding_forward();
   if (tsp_) {
     bool first = true;
     return tsp_->forward(parallel::CudaTspShards::Part::kEmbedding, stream_,
@@ -384,6 +422,7 @@ void CudaModel::embedding_forward() {
 // piece's rank).
 void CudaModel::embedding_backward() {
   const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  if (gather_tables_) return gathered_embedding_backward();
   if (tsp_)
     return tsp_->backward(parallel::CudaTspShards::Part::kEmbedding, stream_,
                           [&](int, std::int64_t begin, std::int64_t rows, const bf16*, float* g) {
@@ -403,6 +442,7 @@ void CudaModel::head_forward() {
   const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
   Head& h = *head_;
   const std::int64_t part = 2 * N;  // [lse_r | target logit_r] per rank (piece)
+  if (gather_tables_) return gathered_head_forward();
   if (tsp_) {
     int piece = 0;
     tsp_->forward(parallel::CudaTspShards::Part::kHead, stream_,
@@ -456,6 +496,77 @@ void CudaModel::head_backward(float loss_scale, bool grads_fresh) {
                                    h.scratch, partial, g_.lm_head, stream_);
   tp_->enter_backward(partial, st.dh, N, D, stream_);
   k::f32_to_bf16(st.dh, st.dh_bf, rows_ * D, stream_);
+}
+
+// ---- TSP gathering its tables (parallel.tsp_tables: gather; parallel/tsp_tables.h): the
+// group's tokens meet this rank's vocabulary rows, which never travel. The group's rows are in
+// rank order: rank q's tokens at [q N, (q + 1) N). Collectives on the model's stream, over the
+// tsp group's communicator. ----
+
+// resid[0] (this rank's tokens) = the sum over the group of each rank's lookup of every token in
+// its rows (zeros elsewhere): a reduce-scatter.
+void CudaModel::gathered_embedding_forward() {
+  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  Head& h = *head_;
+  k::embedding::forward_bf16_table_slice(h.tokens_all, N * shards_, w_.embed, h.rows_all, vocab_begin_, vocab_local_,
+                                         V, D, stream_);
+  tsp_->group().reduce_scatter_sum(h.rows_all, st_->resid[0], N * D, parallel::NcclType::kFloat32, stream_);
+}
+
+// Every rank's dL/d resid[0] gathered; this rank's rows take the tokens that fall in them.
+void CudaModel::gathered_embedding_backward() {
+  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden;
+  Head& h = *head_;
+  tsp_->group().all_gather(st_->dres, h.rows_all, N * D, parallel::NcclType::kFloat32, stream_);
+  k::embedding::backward_slice(h.tokens_all, N * shards_, h.rows_all, g_.embed, vocab_begin_, vocab_local_, V, D,
+                               stream_);
+}
+
+// Every rank's final hidden states gathered; each rank's tokens scored against this rank's rows
+// ([lse | target logit] of the slice, cross_entropy.h's step 1), which go to that rank (an
+// all-to-all); each rank combines its tokens' statistics from every rank's rows (step 2), as the
+// other layouts do.
+void CudaModel::gathered_head_forward() {
+  const std::int64_t N = tokens_, V = cfg_.vocab_size, D = cfg_.hidden, part = 2 * N;
+  Head& h = *head_;
+  parallel::NcclGroup& g = tsp_->group();
+  const int me = g.rank();
+  g.all_gather(h.final_h, h.hidden_all, N * D, parallel::NcclType::kBfloat16, stream_);
+  for (int q = 0; q < shards_; ++q)
+    k::cross_entropy::slice_forward(h.hidden_all + q * N * D, w_.lm_head, h.targets_all + q * N, N, D, vocab_slice(),
+                                    ce_options(), h.stats_out + q * part, h.scratch, stream_);
+  g.group_start();
+  for (int q = 0; q < shards_; ++q) {
+    if (q == me) continue;
+    g.send(h.stats_out + q * part, part, parallel::NcclType::kFloat32, q, stream_);
+    g.recv(h.parts + q * part, part, parallel::NcclType::kFloat32, q, stream_);
+  }
+  g.group_end();
+  KEEL_CUDA_CHECK(cudaMemcpyAsync(h.parts + me * part, h.stats_out + me * part, part * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, stream_));
+  k::cross_entropy::combine(h.parts, shards_, h.targets, N, V, ce_options(), h.lse, h.result, stream_);
+}
+
+// loss_scale: of the micro-batch's loss (every token's). Each rank's tokens through this rank's
+// rows at that rank's share of the valid targets (slice_backward divides by the valid targets
+// it is given); the input-gradient shares reduce-scattered to the tokens' ranks.
+void CudaModel::gathered_head_backward(float loss_scale, bool grads_fresh) {
+  const std::int64_t N = tokens_, D = cfg_.hidden;
+  Stream& st = *st_;
+  Head& h = *head_;
+  parallel::NcclGroup& g = tsp_->group();
+  if (static_cast<int>(valid_share_.size()) != shards_) fail("cuda model: the head's backward before its forward");
+  g.all_gather(h.lse, h.lse_all, N, parallel::NcclType::kFloat32, stream_);
+  k::cross_entropy::Options ce = ce_options();
+  ce.overwrite_dw = grads_fresh;  // the LM head's gradient is written first (a tied table's scatter-add follows)
+  for (int q = 0; q < shards_; ++q) {
+    k::cross_entropy::slice_backward(h.hidden_all + q * N * D, w_.lm_head, h.targets_all + q * N, h.lse_all + q * N,
+                                     static_cast<float>(loss_scale * valid_share_[static_cast<std::size_t>(q)]), N, D,
+                                     vocab_slice(), ce, h.scratch, h.rows_all + q * N * D, g_.lm_head, stream_);
+    ce.overwrite_dw = false;
+  }
+  g.reduce_scatter_sum(h.rows_all, st.dh, N * D, parallel::NcclType::kFloat32, stream_);
+  k::f32_to_bf16(st.dh, st.dh_bf, N * D, stream_);
 }
 
 // A routed or dense MLP block: y = residual + mlp(a.h2) (residual null: y = mlp(a.h2)).
@@ -535,7 +646,10 @@ void CudaModel::backward(float loss_scale, bool grads_fresh, parallel::StageHook
   Stream& st = *st_;
   Head& h = *head_;
   mark("lm head + ce + final norm bwd");
-  head_backward(static_cast<float>(loss_scale * ce_share_), grads_fresh);  // st.dh_bf = dL/d final_h
+  if (gather_tables_)
+    gathered_head_backward(loss_scale, grads_fresh);  // each rank's tokens at its share
+  else
+    head_backward(static_cast<float>(loss_scale * ce_share_), grads_fresh);  // st.dh_bf = dL/d final_h
   KEEL_CUDA_CHECK(cudaMemsetAsync(st.dres, 0, L * D * sizeof(float), stream_));
   k::rmsnorm::backward(scaled_ ? st.final_r : st.resid[cfg_.layers], w_.final_norm, h.final_rstd, st.dh_bf, st.dres,
                        g_.final_norm, L, D, stream_);

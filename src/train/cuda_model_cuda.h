@@ -97,6 +97,7 @@ class CudaModel {
   ops::cuda::GemmRunner& gemm() { return *gemm_; }
   std::size_t saved_bytes() const { return saved_bytes_; }  // the layers' saved activations
   std::size_t ce_bytes() const { return ce_bytes_; }        // the cross-entropy's scratch (kept logits)
+  std::size_t tables_bytes() const { return tables_bytes_; }  // TSP gathering its tables: their exchange buffers
 
  private:
   struct LayerActs;
@@ -119,6 +120,12 @@ class CudaModel {
   void embedding_backward();
   void head_forward();
   void head_backward(float loss_scale, bool grads_fresh);
+  // parallel.tsp_tables gather: the embedding and the head over the group's tokens (rank order),
+  // this rank's vocabulary rows staying here (parallel/tsp_tables.h).
+  void gathered_embedding_forward();
+  void gathered_embedding_backward();
+  void gathered_head_forward();
+  void gathered_head_backward(float loss_scale, bool grads_fresh);
   void mlp_forward(int l, LayerActs& a, const float* residual, float* y, bool count_load);
   void mlp_backward(int l, LayerActs& a, const float* dy, bool grads_fresh);
   // The attention block of layer l: out (and add_into, when given, += out) from a.h1; backward
@@ -139,6 +146,8 @@ class CudaModel {
   int head_pieces_ = 0;  // TSP: the LM head's pieces (every shard's)
   std::vector<blocks::cuda::AttnShape> shard_shapes_;  // TSP: shard r's heads
   double ce_share_ = 1.0;  // context parallelism: this rank's share of the micro-batch's valid targets
+  bool gather_tables_ = false;       // TSP: parallel.tsp_tables resolved to gather
+  std::vector<double> valid_share_;  // gather_tables_: each rank's share of the micro-batch's valid targets
   std::vector<std::uint32_t> host_tokens_;  // context parallelism: this rank's rows of the micro-batch
   std::vector<std::int32_t> host_targets_;
   cudaStream_t stream_;
@@ -161,7 +170,7 @@ class CudaModel {
   blocks::cuda::MlpScratch mlp_scratch_;
   std::vector<std::vector<std::int32_t>> layer_counts_;  // per MoE layer: this micro-batch's loads
   std::vector<ops::cuda::router::Losses> host_losses_;  // full recompute: read in forward
-  std::size_t saved_bytes_ = 0, ce_bytes_ = 0;
+  std::size_t saved_bytes_ = 0, ce_bytes_ = 0, tables_bytes_ = 0;
   bool have_forward_ = false;
   float cur_scale_ = 1.0f;
   CudaStepProfile* prof_ = nullptr;

@@ -106,6 +106,9 @@ MoeTransformer::MoeTransformer(const model::ModelConfig& config, const ModelOpti
   shards_ = tsp.size;
   cp_ = seq_group.size;
   vocab_ = shards_ > 1 ? blocks::TensorSplit{tsp.size, tsp.rank} : tp_;
+  gather_tables_ = shards_ > 1 && parallel::tsp_gathers_tables(opt_.tsp_tables,
+                                                               std::int64_t(opt_.micro_batch) * opt_.seq_length,
+                                                               cfg_.vocab_size);
   if (opt_.precise_loss && (vocab_.degree > 1 || cp_ > 1))
     fail("model: precise_loss needs the whole LM head and whole sequences (tensor, tsp and context degree 1)");
   for (int l = 0; l < cfg_.layers; ++l) {
@@ -235,13 +238,17 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
   }
   final_h_ = p.tensor("final_h", {L, D});
   final_rstd_ = p.tensor("final_rstd", {L});
-  if (tp_.degree > 1) {  // the vocabulary-parallel embedding and head: every token's rows
-    whole_a_ = p.tensor("tp.whole_a", {N, D});
-    whole_b_ = p.tensor("tp.whole_b", {N, D});
+  // the vocabulary-parallel embedding and head: every token's rows (TSP gathering its tables:
+  // the group's tokens)
+  const std::int64_t whole = gather_tables_ ? N * shards_ : N;
+  if (tp_.degree > 1 || gather_tables_) {
+    whole_a_ = p.tensor("tp.whole_a", {whole, D});
+    whole_b_ = p.tensor("tp.whole_b", {whole, D});
   }
+  if (gather_tables_) lse_all_ = p.tensor("tsp.lse_all", {whole});
   ce_lse_ = p.tensor("ce_lse", {N});
   const std::int64_t chunk = std::min<std::int64_t>(opt_.ce_chunk, Vl);
-  ce_scratch_ = p.tensor("ce_scratch", {ops::cross_entropy::scratch_floats(N, chunk)});
+  ce_scratch_ = p.tensor("ce_scratch", {ops::cross_entropy::scratch_floats(whole, chunk)});
 }
 
 std::int64_t MoeTransformer::param_count() const {  // the whole model's, whatever this rank holds
@@ -493,6 +500,15 @@ LossParts MoeTransformer::forward(const std::uint32_t* tokens, const std::int32_
     tokens_[static_cast<std::size_t>(i)] = tokens[at];
     targets_[static_cast<std::size_t>(i)] = targets[at];
   }
+  if (gather_tables_) {  // every rank's rows, in rank order (the tables' gathers use this order)
+    const MPI_Comm comm = plan_.tsp()->group().comm();
+    tokens_all_.resize(tokens_.size() * static_cast<std::size_t>(shards_));
+    targets_all_.resize(targets_.size() * static_cast<std::size_t>(shards_));
+    MPI_Allgather(tokens_.data(), static_cast<int>(N), MPI_UINT32_T, tokens_all_.data(), static_cast<int>(N),
+                  MPI_UINT32_T, comm);
+    MPI_Allgather(targets_.data(), static_cast<int>(N), MPI_INT32_T, targets_all_.data(), static_cast<int>(N),
+                  MPI_INT32_T, comm);
+  }
   // Under TSP the routers see this rank's tokens only: the micro-batch's loads are the group's
   // sums (data parallelism sums them further, as for every scheme).
   std::vector<std::vector<std::int64_t>> load_before;
@@ -607,7 +623,9 @@ void MoeTransformer::backward(float loss_scale) {
   if (!have_forward_) fail("model: backward() without a forward()");
   cur_scale_ = loss_scale;
   const bool scaled = cfg_.residual_scaling, full = opt_.recompute == Recompute::kFull;
-  head_backward(static_cast<float>(loss_scale * ce_share_));  // dtmp_ = dL/d final_h_
+  // (gathering TSP's tables, the head's backward takes every token of the micro-batch: the
+  // mean's whole gradient)
+  head_backward(static_cast<float>(loss_scale * (gather_tables_ ? 1.0 : ce_share_)));  // dtmp_ = dL/d final_h_
   // rmsnorm adds its dx into the residual gradient; the final norm is its first writer in this
   // micro-batch, so clear what the previous backward left there (as the CUDA backend does).
   dres_.zero();
@@ -643,6 +661,7 @@ const parallel::TensorGroup* MoeTransformer::vocab_group() const {
 
 void MoeTransformer::embed_forward() {
   const std::int64_t N = static_cast<std::int64_t>(tokens_.size());
+  if (gather_tables_) return gathered_embed_forward();
   if (shards_ > 1) {  // each piece's rows of this rank's tokens (zeros elsewhere), summed here
     bool first_piece = true;
     plan_.tsp()->forward(parallel::TspShards::Part::kEmbedding, [&](int, std::int64_t first, const Tensor& rows) {
@@ -668,6 +687,7 @@ void MoeTransformer::embed_forward() {
 // dres_: dL/d the embedding output (this rank's rows).
 void MoeTransformer::embed_backward() {
   const std::int64_t N = static_cast<std::int64_t>(tokens_.size());
+  if (gather_tables_) return gathered_embed_backward();
   if (shards_ > 1) {  // each piece's rows get this rank's tokens' gradients, summed on their rank
     plan_.tsp()->backward(parallel::TspShards::Part::kEmbedding,
                           [&](int, std::int64_t first, const Tensor&, const Tensor& grad) {
@@ -688,6 +708,7 @@ void MoeTransformer::embed_backward() {
 float MoeTransformer::head_forward() {
   ops::cross_entropy::Options co;
   co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  if (gather_tables_) return gathered_head_forward();
   if (shards_ > 1) {
     // This rank's tokens against each shard's rows of the head: the running max and sum of
     // every row carry over the shards (slice_lse), as over one table's chunks.
@@ -716,6 +737,7 @@ float MoeTransformer::head_forward() {
 void MoeTransformer::head_backward(float loss_scale) {
   ops::cross_entropy::Options co;
   co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  if (gather_tables_) return gathered_head_backward(loss_scale);
   if (shards_ > 1) {  // each piece's share of dL/d final_h_ added here, its rows' gradients summed on their rank
     bool first_piece = true;
     plan_.tsp()->backward(parallel::TspShards::Part::kHead,
@@ -741,6 +763,47 @@ void MoeTransformer::head_backward(float loss_scale) {
     group->all_reduce(whole_b_.data(), whole_b_.numel());
     std::memcpy(dtmp_.data(), whole_b_.data(), sizeof(float) * static_cast<std::size_t>(whole_b_.numel()));
   }
+}
+
+// ---- TSP gathering its tables (parallel.tsp_tables: gather): the group's tokens meet this
+// rank's rows, as under tensor + sequence parallelism; the rows never travel ----
+
+void MoeTransformer::gathered_embed_forward() {
+  const parallel::TensorGroup& group = plan_.tsp()->group();
+  const std::int64_t all = static_cast<std::int64_t>(tokens_all_.size());
+  parallel::vocab_embedding_forward(tokens_all_.data(), all, w_.embed, vocab_begin(), cfg_.vocab_size, whole_a_);
+  group.reduce_scatter(whole_a_.data(), resid_[0].data(), resid_[0].numel());  // this rank's tokens' rows
+}
+
+void MoeTransformer::gathered_embed_backward() {
+  const parallel::TensorGroup& group = plan_.tsp()->group();
+  const std::int64_t all = static_cast<std::int64_t>(tokens_all_.size());
+  group.all_gather(dres_.data(), whole_b_.data(), dres_.numel());
+  parallel::vocab_embedding_backward(tokens_all_.data(), all, whole_b_, vocab_begin(), cfg_.vocab_size, g_.embed);
+}
+
+// The micro-batch's mean loss (the same on every rank of the group); ce_lse_ gets this rank's
+// tokens' rows of lse_all_.
+float MoeTransformer::gathered_head_forward() {
+  ops::cross_entropy::Options co;
+  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  const parallel::TensorGroup& group = plan_.tsp()->group();
+  group.all_gather(final_h_.data(), whole_a_.data(), final_h_.numel());
+  const float loss = parallel::vocab_ce_forward(whole_a_, w_.lm_head, vocab_begin(), cfg_.vocab_size,
+                                                targets_all_.data(), co, lse_all_, ce_scratch_, group.comm());
+  const std::int64_t n = ce_lse_.numel();
+  std::memcpy(ce_lse_.data(), lse_all_.data() + n * group.rank(), sizeof(float) * static_cast<std::size_t>(n));
+  return loss;
+}
+
+// loss_scale: the micro-batch's mean loss's (every token's share of it is in the gradient).
+void MoeTransformer::gathered_head_backward(float loss_scale) {
+  ops::cross_entropy::Options co;
+  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  const parallel::TensorGroup& group = plan_.tsp()->group();
+  parallel::vocab_ce_backward(whole_a_, w_.lm_head, vocab_begin(), cfg_.vocab_size, targets_all_.data(), lse_all_,
+                              loss_scale, co, ce_scratch_, whole_b_, g_.lm_head);
+  group.reduce_scatter(whole_b_.data(), dtmp_.data(), dtmp_.numel());
 }
 
 std::int64_t MoeTransformer::vocab_begin() const { return cfg_.vocab_size / vocab_.degree * vocab_.rank; }

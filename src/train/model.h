@@ -44,6 +44,7 @@
 #include "optim/param_groups.h"
 #include "parallel/mesh.h"
 #include "parallel/plan.h"
+#include "parallel/tsp_tables.h"
 #include "tensor/arena.h"
 #include "tensor/tensor.h"
 
@@ -102,6 +103,9 @@ struct ModelOptions {
   // LASP-2's of states), the ring of k, v blocks (and LASP-1's states; CPU ranks, and on GPUs for
   // all-linear models), or heads by all-to-all (CPU ranks).
   parallel::ContextMode context_mode = parallel::ContextMode::kAllGather;
+  // Under TSP: whether the vocabulary tables' rows travel or the tokens do (parallel.tsp_tables;
+  // parallel/tsp_tables.h).
+  parallel::TspTables tsp_tables = parallel::TspTables::kAuto;
 };
 
 struct LossParts {
@@ -231,8 +235,14 @@ class MoeTransformer {
   void head_backward(float loss_scale);
   std::int64_t vocab_begin() const;  // the first vocabulary row this rank holds
   // The tensor group the embedding and the head split the vocabulary over, null when whole or
-  // under TSP (whose tables are visited shard by shard).
+  // under TSP (whose tables are visited shard by shard, or gathered over: gather_tables_).
   const parallel::TensorGroup* vocab_group() const;
+  // parallel.tsp_tables gather: the embedding and the head over every token of the micro-batch
+  // (the group's, rank order), their rows staying here.
+  void gathered_embed_forward();
+  void gathered_embed_backward();
+  float gathered_head_forward();
+  void gathered_head_backward(float loss_scale);
 
   model::ModelConfig cfg_;
   ModelOptions opt_;
@@ -243,6 +253,7 @@ class MoeTransformer {
   int shards_ = 1;          // weight shards each sub-block runs over: the tsp degree (parallel/tsp.h)
   int cp_ = 1;              // the ranks sharing each sequence (context or tsp degree): this rank holds 1/cp_ of it
   double ce_share_ = 1.0;   // this rank's share of the micro-batch's valid targets (its CE gradient weight)
+  bool gather_tables_ = false;  // TSP: parallel.tsp_tables resolved to gather
   std::int64_t rows_ = 0;   // rows of the residual stream on this rank (N, or N / tp with sequence parallelism)
   optim::ParamLayout layout_;
   std::unique_ptr<Arena> param_arena_, grad_arena_, act_arena_;
@@ -265,12 +276,14 @@ class MoeTransformer {
   std::array<Tensor, 2> deda_;
   Tensor routing_dgates_;  // TSP: the weight shards' dL/d gates summed (blocks::SharedRouting)
   Tensor final_r_, final_h_, final_rstd_, ce_lse_, ce_scratch_;
-  Tensor whole_a_, whole_b_;  // tensor parallelism: [N, D] rows of every token (embedding, head)
+  // tensor parallelism: [N, D] rows of every token (embedding, head); TSP gathering its
+  // tables: [group x N, D], and every token's lse
+  Tensor whole_a_, whole_b_, lse_all_;
   Tensor dres_, dtmp_, dtmp2_, dtmp3_, dhres_;
   blocks::AttnScratch attn_scratch_;
   blocks::MlpScratch mlp_scratch_;
-  std::vector<std::uint32_t> tokens_;
-  std::vector<std::int32_t> targets_, positions_;
+  std::vector<std::uint32_t> tokens_, tokens_all_;  // tokens_all_, targets_all_: gather_tables_'s
+  std::vector<std::int32_t> targets_, targets_all_, positions_;
   std::vector<std::vector<std::int64_t>> load_;
   std::vector<std::vector<float>> bias_;
   BalanceMemory balance_;

@@ -397,8 +397,8 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   }
   if (const auto p = root["parallel"]) {
     ctx.only(p, "parallel",
-             {"data", "context", "context_mode", "tensor", "sequence", "tensor_overlap", "tsp", "expert", "grad_reduce",
-              "zero1"});
+             {"data", "context", "context_mode", "tensor", "sequence", "tensor_overlap", "tsp", "tsp_tables", "expert",
+              "grad_reduce", "zero1"});
     if (p["data"]) c.parallel_data = ctx.get<int>(p["data"], "parallel.data", "an integer");
     if (p["context"]) c.parallel_context = ctx.get<int>(p["context"], "parallel.context", "an integer");
     if (p["context_mode"]) {
@@ -417,6 +417,14 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (p["tensor_overlap"])
       c.model_options.tensor_overlap = ctx.get<bool>(p["tensor_overlap"], "parallel.tensor_overlap", "true or false");
     if (p["tsp"]) c.parallel_tsp = ctx.get<int>(p["tsp"], "parallel.tsp", "an integer");
+    if (p["tsp_tables"]) {
+      const auto m = ctx.get<std::string>(p["tsp_tables"], "parallel.tsp_tables", "auto, sweep or gather");
+      try {
+        c.model_options.tsp_tables = parallel::parse_tsp_tables(m);
+      } catch (const UsageError&) {
+        ctx.bad("parallel.tsp_tables", p["tsp_tables"], "must be auto, sweep or gather");
+      }
+    }
     if (p["expert"]) c.parallel_expert = ctx.get<int>(p["expert"], "parallel.expert", "an integer");
     if (c.context_mode_auto)
       c.model_options.context_mode = parallel::auto_context_mode(

@@ -409,8 +409,13 @@ std::string Trainer::parallel_text() const {
   if (sh.tsp > 1) {
     const int linear = model::attention_layer_count(cfg_.model, model::AttentionKind::kLinear);
     // both backends ring the MLP's shards (parallel/tsp.h, tsp_cuda.h)
-    out += fmt::format(" x TSP {} (attention shards broadcast, MLP shards ringed, tokens zigzag{})", sh.tsp,
+    const parallel::TspTables tables = cfg_.model_options.tsp_tables;
+    const bool gather = parallel::tsp_gathers_tables(
+        tables, std::int64_t(cfg_.micro_batch) * cfg_.model_options.seq_length, cfg_.model.vocab_size);
+    out += fmt::format(" x TSP {} (attention shards broadcast, MLP shards ringed, {}, tokens zigzag{})", sh.tsp,
+                       gather ? "tokens gathered for the vocabulary tables" : "vocabulary tables swept",
                        linear > 0 ? ", LASP-2 for the linear layers" : "");
+    if (tables == parallel::TspTables::kAuto) out.insert(out.size() - 1, "; tsp_tables auto");
   }
   return out;
 }

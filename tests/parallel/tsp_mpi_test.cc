@@ -31,7 +31,9 @@ constexpr int kBatch = 2, kSeq = 24;  // 24 tokens: 2D chunks for D = 2, 3 and 4
 // The model and options: the tiny MoE (widths D divides; untied head), or ZAYA1's tiny shape;
 // vocab: a vocabulary large enough that each shard of the tables travels in several pieces
 // (TspShards: pieces no larger than a layer's shard), or 0 for the fixture's 24.
-std::pair<model::ModelConfig, ModelOptions> setup(int d, bool zaya, int vocab = 0) {
+// tables: parallel.tsp_tables (TspTables::kSweep: the rows travel in pieces; kGather: the tokens).
+std::pair<model::ModelConfig, ModelOptions> setup(int d, bool zaya, int vocab = 0,
+                                                  parallel::TspTables tables = parallel::TspTables::kSweep) {
   std::vector<std::string> sets = {"data.seq_length=24", "model.tied_embeddings=false"};
   if (d == 3)
     sets.insert(sets.end(), {"model.hidden=24", "model.heads=6", "model.kv_heads=3", "model.ffn_hidden=24",
@@ -43,6 +45,7 @@ std::pair<model::ModelConfig, ModelOptions> setup(int d, bool zaya, int vocab = 
   ModelOptions o = c.model_options;
   o.micro_batch = kBatch;
   o.seq_length = kSeq;
+  o.tsp_tables = tables;
   return {c.model, o};
 }
 
@@ -53,10 +56,10 @@ parallel::Mesh tsp_mesh(int d) {
   return parallel::Mesh(s, MPI_COMM_WORLD);
 }
 
-void expect_gradients_match(bool zaya, int vocab = 0) {
+void expect_gradients_match(bool zaya, int vocab = 0, parallel::TspTables tables = parallel::TspTables::kSweep) {
   const int d = zaya ? 2 : world_size();
   if (world_size() % d != 0) GTEST_SKIP();
-  const auto [cfg, o] = setup(d, zaya, vocab);
+  const auto [cfg, o] = setup(d, zaya, vocab, tables);
   const parallel::Mesh mesh = tsp_mesh(d);
   MoeTransformer one(cfg, o), tsp(cfg, o, mesh);
   const fixtures::Batch b = fixtures::random_batch(kBatch * kSeq, static_cast<int>(cfg.vocab_size), 11, 7);
@@ -109,13 +112,17 @@ TEST(TspModel, ZayaGradientsPerParameterMatchOneRank) { expect_gradients_match(t
 // MoE), or of the tied table (ZAYA1), travels in pieces of 64-96 rows
 TEST(TspModel, TablesInPiecesMatchOneRank) { expect_gradients_match(false, 4104); }
 TEST(TspModel, ZayaTiedTableInPiecesMatchesOneRank) { expect_gradients_match(true, 4104); }
+// The rows stay and the tokens travel (parallel.tsp_tables: gather), untied and tied, with targets
+// ignored here and there (the mean over the micro-batch's valid targets).
+TEST(TspModel, GatheredTablesMatchOneRank) { expect_gradients_match(false, 4104, parallel::TspTables::kGather); }
+TEST(TspModel, ZayaGatheredTiedTableMatchesOneRank) { expect_gradients_match(true, 0, parallel::TspTables::kGather); }
 
 // The loss over positions before p (targets at p and later ignored) must not move when token p
 // changes, at every p: chunk and rank boundaries included; changing token p - 1 must move it.
-void expect_causal(bool zaya) {
+void expect_causal(bool zaya, parallel::TspTables tables = parallel::TspTables::kSweep) {
   const int d = zaya ? 2 : world_size();
   if (world_size() % d != 0) GTEST_SKIP();
-  const auto [cfg, o] = setup(d, zaya);
+  const auto [cfg, o] = setup(d, zaya, 0, tables);
   MoeTransformer tsp(cfg, o, tsp_mesh(d));
   const fixtures::Batch b = fixtures::random_batch(kBatch * kSeq, static_cast<int>(cfg.vocab_size), 5);
   const std::uint32_t V = static_cast<std::uint32_t>(cfg.vocab_size);
@@ -136,6 +143,7 @@ void expect_causal(bool zaya) {
 
 TEST(TspModel, NoTokenReachesAnEarlierPosition) { expect_causal(false); }
 TEST(TspModel, ZayaNoTokenReachesAnEarlierPosition) { expect_causal(true); }
+TEST(TspModel, GatheredTablesLetNoTokenReachAnEarlierPosition) { expect_causal(false, parallel::TspTables::kGather); }
 
 }  // namespace
 }  // namespace keel::train

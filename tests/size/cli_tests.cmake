@@ -124,6 +124,14 @@ keel_cli_test(NAME size_context_mode_ring MATCH "context-parallel ring blocks \\
 keel_cli_test(NAME size_context_mode_typo EXIT 1
   MATCH "^keel: error: --context-mode: unknown context mode 'rnig' \\(allgather, ring, alltoall or auto\\)$"
   ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout cp=2 --context-mode rnig)
+# --tsp-tables as keel train's parallel.tsp_tables; a bad word is one line.
+keel_cli_test(NAME size_tsp_tables_gather MATCH "TSP table gathers"
+  ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout tsp=2 --seq 32768 --tsp-tables gather)
+keel_cli_test(NAME size_tsp_tables_sweep NOT "TSP table gathers"
+  ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout tsp=2 --seq 32768 --tsp-tables sweep)
+keel_cli_test(NAME size_tsp_tables_typo EXIT 1
+  MATCH "^keel: error: --tsp-tables: 'gahter' \\(must be auto, sweep or gather\\)$"
+  ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout tsp=2 --tsp-tables gahter)
 # auto: the ring for a model of softmax / CCA layers (ZAYA1), the all-gather with linear layers
 keel_cli_test(NAME size_context_mode_auto_ring MATCH "context-parallel ring blocks \\(one layer\\)"
   ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout cp=2 --seq 65536 --context-mode auto)

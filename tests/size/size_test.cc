@@ -210,6 +210,15 @@ TEST(Memory, TspShardsAndGathersByHand) {
   const double whole = 32768.0 * 4 * 128;
   EXPECT_DOUBLE_EQ(item(e, "TSP k/v gathers"), 24 * whole + 12 * whole / 2);
   EXPECT_DOUBLE_EQ(item(e, "logits (chunks of 8192"), 16384.0 * 8192 * 6 + 16384.0 * 4096 * 4);
+  // parallel.tsp_tables auto: 32,768 tokens <= 128,256 vocabulary rows gathers them: the ids and
+  // targets (4 B each), bf16 + fp32 rows and three floats (lse, the head's two statistics)
+  EXPECT_DOUBLE_EQ(item(e, "TSP table gathers"), 32768.0 * (8 + 6 * 4096 + 12));
+  keel::size::Setup swept = s;
+  swept.tsp_tables = parallel::TspTables::kSweep;
+  EXPECT_FALSE(has_item(estimate_memory(swept), "TSP table gathers")) << "the rows travel instead";
+  swept.tsp_tables = parallel::TspTables::kAuto;
+  swept.seq = 262144;  // more tokens than vocabulary rows: auto sweeps
+  EXPECT_FALSE(has_item(estimate_memory(swept), "TSP table gathers"));
   // keel train's fp32 residual stream (32 layers' inputs and the output) and its backward
   // scratch: the stream's gradients (fp32, bf16), the input gradient (fp32) and the final
   // norm's output (12 B x hidden per row), the bf16 input gradient of the rows a block reads,
@@ -220,7 +229,7 @@ TEST(Memory, TspShardsAndGathersByHand) {
   EXPECT_DOUBLE_EQ(item(e, "backward scratch"),
                    16384.0 * (12 * 4096) + 16384.0 * (2 * 4096 + 2 * (2 * 2048 + 2 * 512) + 4 * 2048 + 6 * 7168));
   EXPECT_FALSE(has_item(e, "attention outputs")) << "no attention outputs kept under TSP";
-  EXPECT_FALSE(has_item(e, "TSP per-shard routing state")) << "a dense model routes nothing";
+  EXPECT_FALSE(has_item(e, "TSP per-shard routed rows")) << "a dense model routes nothing";
   // no such items without TSP
   s = setup("llama3-8b", "tp=2", 2);
   s.seq = 32768;
@@ -228,22 +237,20 @@ TEST(Memory, TspShardsAndGathersByHand) {
   for (const auto& it : t.items) EXPECT_EQ(it.name.find("TSP"), std::string::npos) << it.name;
 }
 
-// TSP on ZAYA1-8B (40 MoE layers, 16 experts + the skip class, top-1, its MLP router over 256
-// wide, hidden 2048) at tsp=2, 32768 tokens: the second shard's pass through each MoE layer
-// keeps its own routing state for this rank's 16384 tokens (blocks/cuda/mlp_cuda.cc): the
-// router's (EDA state and GELU pre-activations fp32, their bf16 outputs: 256 x (4 + 2 + 2 x 6);
-// logits and probabilities over 17 classes; four fp32 and three int32 per token), then the
-// routed row's bf16 input and output (2 x 2 x 2048). Under full recompute one layer's.
-TEST(Memory, TspPerShardRoutingStateByHand) {
+// TSP on ZAYA1-8B (40 MoE layers, 16 experts + the skip class, top-1, hidden 2048) at tsp=2,
+// 32768 tokens: the other shard's pass through each MoE layer keeps its routed rows' bf16 input
+// and output (2 x 2 x 2048) for this rank's 16384 tokens, and nothing of the router (only the own
+// shard's pass routes: blocks/cuda/mlp_cuda.cc). Under full recompute one layer's.
+TEST(Memory, TspPerShardRoutedRowsByHand) {
   keel::size::Setup s = setup("zaya1-8b", "tsp=2", 2);
   s.seq = 32768;
-  const double per_token = 256.0 * 18 + 2 * 4 * 17 + 16 + 12 + 2 * 2 * 2048;
-  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "TSP per-shard routing state"), 40 * 16384.0 * per_token);
+  const double per_token = 2 * 2 * 2048;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "TSP per-shard routed rows"), 40 * 16384.0 * per_token);
   s.recompute = model::Recompute::kFull;
-  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "TSP per-shard routing state"), 16384.0 * per_token);
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "TSP per-shard routed rows"), 16384.0 * per_token);
   s = setup("zaya1-8b", "tsp=4", 4);
   s.seq = 32768;
-  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "TSP per-shard routing state"), 3 * 40 * 8192.0 * per_token);
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "TSP per-shard routed rows"), 3 * 40 * 8192.0 * per_token);
 }
 
 // Tensor parallelism (with sequence parallelism) on Llama-3-8B at tp=2, 32768 tokens: keel

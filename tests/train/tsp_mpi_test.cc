@@ -69,6 +69,7 @@ struct Case {
   std::vector<std::string> sets;
   std::string optimizer;
   std::string tag;
+  std::string tables = "sweep";  // parallel.tsp_tables (auto would pick by the batch's size)
 };
 
 void expect_matches_single_rank(const Case& c) {
@@ -78,6 +79,7 @@ void expect_matches_single_rank(const Case& c) {
   const fs::path dir = shared_dir(c.tag);
   std::vector<std::string> sets = joined(widths_for(c.tsp), c.sets);
   sets.push_back("parallel.tsp=" + std::to_string(c.tsp));
+  sets.push_back("parallel.tsp_tables=" + c.tables);
   if (c.ep > 1) sets.push_back("parallel.expert=" + std::to_string(c.ep));
   if (dp > 1) sets.insert(sets.end(), {"batch.micro_batch=1", "batch.grad_accum=" + std::to_string(4 * dp)});
   TrainConfig cfg = config(dir, dir / "tsp", sets, c.optimizer);
@@ -105,6 +107,18 @@ TEST(Tsp, Tsp2ZayaSlidingWithMuonMatchesOneRank) {
 }
 TEST(Tsp, Tsp2HybridMatchesOneRank) {  // LASP-2 for the linear layer on the same axis
   expect_matches_single_rank({2, 1, kHybrid, "", "hybrid_tsp2"});
+}
+// The tables' rows stay and the tokens travel (parallel.tsp_tables: gather): the untied tiny MoE,
+// ZAYA1's tied table, and with data and expert parallelism.
+TEST(Tsp, WorldGatheringTablesMatchesOneRank) {
+  expect_matches_single_rank({world_size(), 1, {}, "", "tspN_gather", "gather"});
+}
+TEST(Tsp, Tsp2ZayaGatheringTablesMatchesOneRank) {
+  expect_matches_single_rank({2, 1, kZaya, kMuon, "zaya_tsp2_gather", "gather"});
+}
+TEST(Tsp, Tsp2TimesDp2ZayaGatheringTablesWithExpertParallelMatchesOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  expect_matches_single_rank({2, 2, kZaya, "", "zaya_tsp2_ep2_gather", "gather"});
 }
 TEST(Tsp, Tsp2TimesDp2WithExpertParallelMatchesOneRank) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
@@ -248,6 +262,12 @@ TEST(Tsp, GpusMatchOneGpu) { expect_gpus_match_one_gpu({}, "tsp"); }
 TEST(Tsp, GpusZayaMatchOneGpu) { expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp"); }
 TEST(Tsp, GpusZayaWithMuonMatchOneGpu) { expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp_muon", kMuon); }
 TEST(Tsp, GpusHybridMatchOneGpu) { expect_gpus_match_one_gpu(kHybrid, "hybrid_tsp"); }
+// The tables' rows stay and the tokens travel (parallel.tsp_tables: gather): untied, and ZAYA1's
+// tied table with Muon.
+TEST(Tsp, GpusGatheringTablesMatchOneGpu) { expect_gpus_match_one_gpu({"parallel.tsp_tables=gather"}, "tsp_gather"); }
+TEST(Tsp, GpusZayaGatheringTablesWithMuonMatchOneGpu) {
+  expect_gpus_match_one_gpu(joined(kZayaGpu, {"parallel.tsp_tables=gather"}), "zaya_tsp_gather_muon", kMuon);
+}
 // TSP=2 with data parallelism over the other ranks (ZeRO-1, the classic step): 4 ranks or more.
 int tsp2_with_data() { return world_size() >= 4 && world_size() % 2 == 0 ? 2 : world_size(); }
 TEST(Tsp, GpusZayaWithDataParallelMatchOneGpu) { expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp_dp", "", tsp2_with_data()); }

@@ -45,6 +45,10 @@ struct MlpSaved {
 struct MlpParts {
   bool dense = false, routed = false;
   bool expert_rows = true;  // false with expert parallelism: the experts' rows live at their rank
+  // false: a pass that takes another pass's routing (mlp_forward's `routing`: TSP's passes over
+  // the other ranks' weight shards): no router state, dispatch indices or plan workspace of its
+  // own (forward points them at the routing pass's).
+  bool routing = true;
 };
 void carve(DeviceCarver& c, const MlpShape& s, const MlpParts& parts, MlpSaved& a);
 

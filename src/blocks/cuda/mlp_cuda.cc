@@ -22,7 +22,9 @@ void carve(DeviceCarver& c, const MlpShape& s, const MlpParts& parts, MlpSaved& 
     a.a = c.take<bf16>(N * FD);
   }
   if (!parts.routed) return;
-  if (s.mlp_router) {
+  if (!parts.routing) {
+    // the routing pass's router state and indices are used (mlp_forward's `routing`)
+  } else if (s.mlp_router) {
     // the router's `state` region goes unused: forward points it at the caller's EDA buffer
     const k::zaya_router::Dims zdims = zaya::router_dims(s.zaya);
     std::byte* buf = c.take<std::byte>(static_cast<std::int64_t>(k::zaya_router::saved_bytes(zdims)));
