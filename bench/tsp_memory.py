@@ -51,10 +51,12 @@ def parallel(k, degree):
 
 
 def parallel_keys(a, k):
-    """parallel: keys of a run: its layout's, and --tsp-tables for TSP."""
+    """parallel: keys of a run: its layout's, --tsp-tables for TSP, --context-mode for TSP and CP."""
     keys = dict(parallel(k, a.degree))
     if k == "TSP" and a.tsp_tables:
         keys["tsp_tables"] = a.tsp_tables
+    if k in ("TSP", "CP") and a.context_mode:
+        keys["context_mode"] = a.context_mode
     return keys
 
 
@@ -191,6 +193,8 @@ def predicted(a, run_dir, seq, layout):
     open(model, "w").write(text)
     js = os.path.join(run_dir, "size.json")
     tables = ["--tsp-tables", a.tsp_tables] if a.tsp_tables and kind(layout) == "TSP" else []
+    if a.context_mode and kind(layout) in ("TSP", "CP"):
+        tables += ["--context-mode", a.context_mode]
     r = subprocess.run([a.keel, "size", model, "--layout", *size_layout(layout, a.degree), *tables, "--gpus", str(a.degree),
                         "--seq", str(seq),
                         "--hardware", "h200", "--json", js], capture_output=True, text=True)
@@ -219,6 +223,8 @@ def main():
                     help="steps per run: above 3, also the median tokens/s per GPU over the steps after 2")
     ap.add_argument("--tsp-tables", choices=["auto", "sweep", "gather"], default=None,
                     help="TSP layouts: parallel.tsp_tables (default: keel train's, auto)")
+    ap.add_argument("--context-mode", choices=["allgather", "ring"], default=None,
+                    help="TSP and CP layouts: parallel.context_mode (default: keel train's)")
     ap.add_argument("--profile", action="store_true",
                     help="GPU: also train with kernels.profile and print each run's step phases (with --steps)")
     a = ap.parse_args()

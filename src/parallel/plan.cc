@@ -77,9 +77,9 @@ CpuPlan::CpuPlan(const model::ModelConfig& cfg, const Mesh& mesh, std::int64_t b
   std::int64_t tokens = batch * seq;
   if (tsp.size > 1) {
     if (sequence) throw UsageError("parallel.sequence is tensor parallelism's; TSP (parallel.tsp) splits the tokens already");
-    if (mode != ContextMode::kAllGather)
+    if (mode == ContextMode::kAllToAll)
       throw UsageError(fmt::format("parallel.context_mode: {} is context parallelism's; TSP gathers the k and v of "
-                                   "each head shard",
+                                   "each head shard (allgather) or passes them around the group (ring)",
                                    context_mode_name(mode)));
     tsp_ = std::make_unique<TspShards>(tsp.comm);
   }

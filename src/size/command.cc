@@ -74,6 +74,8 @@ int run(const RawFlags& f) {
                                    f.context_mode));
     }
   }
+  if (s.layout.tsp > 1 && s.context_mode == parallel::ContextMode::kAllToAll)
+    throw UsageError("--context-mode alltoall is context parallelism's; under tsp keel train takes allgather or ring");
   try {
     s.tsp_tables = parallel::parse_tsp_tables(f.tsp_tables);
   } catch (const UsageError&) {
@@ -146,7 +148,7 @@ void add_command(CLI::App& app) {
   cmd->add_option("--context-mode", f->context_mode,
                   "With cp above 1: allgather (every rank's k, v gathered), ring (k, v blocks passed around), "
                   "alltoall (heads by all-to-all) or auto (keel train's choice), as keel train's "
-                  "parallel.context_mode: sets the context-parallel buffers")
+                  "parallel.context_mode: sets the context-parallel buffers; with tsp above 1 allgather or ring")
       ->capture_default_str();
   cmd->add_option("--tsp-tables", f->tsp_tables,
                   "With tsp above 1: sweep (the vocabulary tables' rows travel), gather (the tokens do) or auto "

@@ -415,8 +415,17 @@ MemoryEstimate estimate_memory(const Setup& s) {
       }
       const double kv = std::max<double>(1.0, static_cast<double>(m.kv_heads) / (l.tp * l.tsp)) * m.head_dim;
       const double whole = static_cast<double>(s.micro_batch) * s.seq * kv;
-      if (model::attention_layer_count(m, AttentionKind::kLinear) < m.layers)
-        e.items.push_back({"TSP k/v gathers (one layer, one shard's heads)", 24 * whole + 12 * whole / l.tsp});
+      // parallel.context_mode ring: the context core's two k/v blocks and the running output
+      // for one shard's heads instead (parallel/context_mode.h, as keel train allocates them)
+      const parallel::ContextExtents shard{s.micro_batch, s.seq / l.tsp, m.heads / (l.tp * l.tsp),
+                                           static_cast<std::int64_t>(kv / m.head_dim), m.head_dim};
+      if (model::attention_layer_count(m, AttentionKind::kLinear) < m.layers) {
+        if (s.context_mode == parallel::ContextMode::kRing)
+          e.items.push_back({"TSP k/v ring blocks (one layer, one shard's heads)",
+                             static_cast<double>(parallel::ring_buffer_bytes(shard))});
+        else
+          e.items.push_back({"TSP k/v gathers (one layer, one shard's heads)", 24 * whole + 12 * whole / l.tsp});
+      }
       // parallel.tsp_tables gather (train/cuda_model_cuda.cc): the micro-batch's token ids and
       // targets, bf16 final hidden states, an fp32 [tokens, D] buffer, every token's lse and the
       // head's statistics of every token against this rank's rows.

@@ -140,13 +140,14 @@ class CudaBackend final : public TrainBackend {
     if (heads && mesh_.group(parallel::GroupKind::kContext).size > 1)
       parallel::check_alltoall(cfg_, mesh_.group(parallel::GroupKind::kTensor).size,
                                mesh_.group(parallel::GroupKind::kContext).size);
-    if (opt_.context_mode != parallel::ContextMode::kAllGather && tsp > 1)
+    if (opt_.context_mode == parallel::ContextMode::kAllToAll && tsp > 1)
       throw UsageError(fmt::format("parallel.context_mode: {} is context parallelism's; TSP gathers the k and v of "
-                                   "each head shard",
+                                   "each head shard (allgather) or passes them around the group (ring)",
                                    parallel::context_mode_name(opt_.context_mode)));
     plan_ = std::make_unique<parallel::CudaPlan>(cfg_, mesh_, opt_.micro_batch, opt_.seq_length, opt_.sequence_parallel);
-    {  // the modes' buffers, for the widest layer: this tensor rank's query heads
-      const int hq = cfg_.heads / mesh_.group(parallel::GroupKind::kTensor).size;
+    {  // the modes' buffers, for the widest layer: this tensor rank's query heads (TSP: one
+       // weight shard's)
+      const int hq = cfg_.heads / (mesh_.group(parallel::GroupKind::kTensor).size * tsp);
       const int linear = model::attention_layer_count(cfg_, model::AttentionKind::kLinear);
       if (ring && plan_->context())  // the k/v ring; LASP-1 for linear layers
         plan_->context()->use_ring(hq, cfg_.head_dim, linear < cfg_.layers);

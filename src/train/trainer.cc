@@ -412,9 +412,11 @@ std::string Trainer::parallel_text() const {
     const parallel::TspTables tables = cfg_.model_options.tsp_tables;
     const bool gather = parallel::tsp_gathers_tables(
         tables, std::int64_t(cfg_.micro_batch) * cfg_.model_options.seq_length, cfg_.model.vocab_size);
+    const bool ring = cfg_.model_options.context_mode == parallel::ContextMode::kRing;
     out += fmt::format(" x TSP {} (attention shards broadcast, MLP shards ringed, {}, tokens zigzag{})", sh.tsp,
                        gather ? "tokens gathered for the vocabulary tables" : "vocabulary tables swept",
-                       linear > 0 ? ", LASP-2 for the linear layers" : "");
+                       linear > 0 ? (ring ? ", LASP-1 for the linear layers" : ", LASP-2 for the linear layers") : "");
+    if (ring && linear < cfg_.model.layers) out.insert(out.size() - 1, "; k/v ring");
     if (tables == parallel::TspTables::kAuto) out.insert(out.size() - 1, "; tsp_tables auto");
   }
   return out;

@@ -129,6 +129,11 @@ keel_cli_test(NAME size_tsp_tables_gather MATCH "TSP table gathers"
   ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout tsp=2 --seq 32768 --tsp-tables gather)
 keel_cli_test(NAME size_tsp_tables_sweep NOT "TSP table gathers"
   ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout tsp=2 --seq 32768 --tsp-tables sweep)
+keel_cli_test(NAME size_tsp_ring MATCH "TSP k/v ring blocks \\(one layer, one shard's heads\\)"
+  ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout tsp=2 --seq 32768 --context-mode ring)
+keel_cli_test(NAME size_tsp_alltoall EXIT 1
+  MATCH "^keel: error: --context-mode alltoall is context parallelism's. under tsp keel train takes allgather or ring$"
+  ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout tsp=2 --context-mode alltoall)
 keel_cli_test(NAME size_tsp_tables_typo EXIT 1
   MATCH "^keel: error: --tsp-tables: 'gahter' \\(must be auto, sweep or gather\\)$"
   ARGS size ${PROJECT_SOURCE_DIR}/configs/zaya1-8b.yaml --layout tsp=2 --tsp-tables gahter)

@@ -210,6 +210,14 @@ TEST(Memory, TspShardsAndGathersByHand) {
   const double whole = 32768.0 * 4 * 128;
   EXPECT_DOUBLE_EQ(item(e, "TSP k/v gathers"), 24 * whole + 12 * whole / 2);
   EXPECT_DOUBLE_EQ(item(e, "logits (chunks of 8192"), 16384.0 * 8192 * 6 + 16384.0 * 4096 * 4);
+  // parallel.context_mode ring: the ring's blocks for one shard's heads (16 query, 4 kv heads of
+  // 128 over this rank's 16,384 tokens) instead of the gathered k and v
+  keel::size::Setup ringed = s;
+  ringed.context_mode = parallel::ContextMode::kRing;
+  const MemoryEstimate r = estimate_memory(ringed);
+  EXPECT_DOUBLE_EQ(item(r, "TSP k/v ring blocks"),
+                   static_cast<double>(parallel::ring_buffer_bytes({1, 16384, 16, 4, 128})));
+  EXPECT_FALSE(has_item(r, "TSP k/v gathers"));
   // parallel.tsp_tables auto: 32,768 tokens <= 128,256 vocabulary rows gathers them: the ids and
   // targets (4 B each), bf16 + fp32 rows and three floats (lse, the head's two statistics)
   EXPECT_DOUBLE_EQ(item(e, "TSP table gathers"), 32768.0 * (8 + 6 * 4096 + 12));

@@ -70,7 +70,7 @@ keel_cli_test(NAME train_stop_after_negative EXIT 1 MATCH "--stop-after -5: must
 add_test(NAME cli_train_outputs_clean COMMAND ${CMAKE_COMMAND} -E rm -rf train_out train_eval train_memory train_zaya train_stop_iv train_hang train_hang_ck
          train_dp_auto train_dp_auto1 train_dp_bf16 train_memory_auto train_timeout_inf train_tp_gpu train_tp_gpu_muon
          train_inject_exit train_inject_kill train_inject_nan train_inject_nan_dp train_inject_nan_tp train_inject_slow
-         train_forced_balance train_cp_ring train_cp_ring_gpu train_cp_alltoall train_cp_alltoall_gpu train_cp_auto train_tsp2 train_tsp2_gather
+         train_forced_balance train_cp_ring train_cp_ring_gpu train_cp_alltoall train_cp_alltoall_gpu train_cp_auto train_tsp2 train_tsp2_gather train_tsp2_ring
          train_tsp2_gpu WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 set_tests_properties(cli_train_outputs_clean PROPERTIES FIXTURES_SETUP train_outputs_clean)
 
@@ -203,6 +203,9 @@ keel_cli_test(NAME train_tsp2_gather NP 2
   MATCH "x TSP 2 \\(attention shards broadcast, MLP shards ringed, tokens gathered for the vocabulary tables, tokens zigzag\\)"
   ARGS train ${tcfg} ${tdp} --set parallel.tsp=2 --set parallel.tsp_tables=gather --set checkpoint.final=false
        --set output_dir=train_tsp2_gather)
+keel_cli_test(NAME train_tsp2_ring NP 2 MATCH "x TSP 2 \\(attention shards broadcast, .*tokens zigzag. k/v ring"
+  ARGS train ${tcfg} ${tdp} --set parallel.tsp=2 --set parallel.context_mode=ring --set checkpoint.final=false
+       --set output_dir=train_tsp2_ring)
 keel_cli_test(NAME train_tsp_bad_degree EXIT 1 MATCH "parallel\\.tsp.*must be >= 1"
   ARGS train ${tcfg} ${tdp} --set parallel.tsp=0)
 keel_cli_test(NAME train_tsp_bad_tables EXIT 1 MATCH "parallel\\.tsp_tables.*must be auto, sweep or gather"
@@ -211,7 +214,7 @@ keel_cli_test(NAME train_tsp_bad_tables EXIT 1 MATCH "parallel\\.tsp_tables.*mus
 keel_cli_test(NAME train_tsp2_gpus NP 2 GPUS "2+" MATCH "TSP 2 \\(attention shards broadcast, MLP shards ringed"
   ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.tsp=2 --set checkpoint.final=false
        --set output_dir=train_tsp2_gpu)
-set_tests_properties(cli_train_tsp2 cli_train_tsp2_gather cli_train_tsp2_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
+set_tests_properties(cli_train_tsp2 cli_train_tsp2_gather cli_train_tsp2_ring cli_train_tsp2_gpus PROPERTIES FIXTURES_REQUIRED "train_stories;train_outputs_clean")
 # The k/v ring on 2 GPUs: trains and says so.
 keel_cli_test(NAME train_cp2_ring_gpus NP 2 GPUS "2+"
   MATCH "on .* x context parallel 2 \\(zigzag, k/v ring\\)"

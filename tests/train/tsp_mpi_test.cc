@@ -120,6 +120,18 @@ TEST(Tsp, Tsp2TimesDp2ZayaGatheringTablesWithExpertParallelMatchesOneRank) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   expect_matches_single_rank({2, 2, kZaya, "", "zaya_tsp2_ep2_gather", "gather"});
 }
+// Each shard's k and v passed around the group instead of gathered (parallel.context_mode: ring):
+// the tiny MoE at D = 2-4, ZAYA1 (CCA's halos beside the ring), the hybrid (LASP-1 for its linear
+// layer).
+TEST(Tsp, WorldRingMatchesOneRank) {
+  expect_matches_single_rank({world_size(), 1, {"parallel.context_mode=ring"}, "", "tspN_ring"});
+}
+TEST(Tsp, Tsp2ZayaRingMatchesOneRank) {
+  expect_matches_single_rank({2, 1, joined(kZaya, {"parallel.context_mode=ring"}), "", "zaya_tsp2_ring"});
+}
+TEST(Tsp, Tsp2HybridRingMatchesOneRank) {
+  expect_matches_single_rank({2, 1, joined(kHybrid, {"parallel.context_mode=ring"}), "", "hybrid_tsp2_ring"});
+}
 TEST(Tsp, Tsp2TimesDp2WithExpertParallelMatchesOneRank) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   expect_matches_single_rank({2, 2, {}, "", "tsp2_ep2"});
@@ -129,7 +141,7 @@ TEST(Tsp, Tsp2TimesDp2ZayaWithExpertParallelMatchesOneRank) {
   expect_matches_single_rank({2, 2, kZaya, "", "zaya_tsp2_ep2"});
 }
 
-// tsp beside tp or cp, a model whose heads do not split, ring mode and sequence parallelism:
+// tsp beside tp or cp, a model whose heads do not split, the all-to-all mode and sequence parallelism:
 // each one clear error naming what to change.
 TEST(Tsp, BadCombinationsAreOneClearError) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
@@ -148,7 +160,7 @@ TEST(Tsp, BadCombinationsAreOneClearError) {
   for (const Bad& b : std::vector<Bad>{
            {tsp_tp, {"parallel.tensor=2", "parallel.tsp=2"}, "parallel.tsp (2) with parallel.tensor (2)"},
            {tsp_cp, {"parallel.context=2", "parallel.tsp=2"}, "parallel.tsp (2) with parallel.context (2)"},
-           {tsp2, {"parallel.tsp=2", "parallel.context_mode=ring"}, "ring is context parallelism's"},
+           {tsp2, {"parallel.tsp=2", "parallel.context_mode=alltoall"}, "alltoall is context parallelism's"},
            {tsp4, joined(kZaya, {"parallel.tsp=4"}), "TSP over more ranks than CCA's 2 kv heads"},
            {tsp4, joined(widths_for(3), {"parallel.tsp=4"}),
             "does not split over tsp degree 4 (parallel.tsp)"}}) {
@@ -262,6 +274,12 @@ TEST(Tsp, GpusMatchOneGpu) { expect_gpus_match_one_gpu({}, "tsp"); }
 TEST(Tsp, GpusZayaMatchOneGpu) { expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp"); }
 TEST(Tsp, GpusZayaWithMuonMatchOneGpu) { expect_gpus_match_one_gpu(kZayaGpu, "zaya_tsp_muon", kMuon); }
 TEST(Tsp, GpusHybridMatchOneGpu) { expect_gpus_match_one_gpu(kHybrid, "hybrid_tsp"); }
+// Each shard's k and v passed around the group (parallel.context_mode: ring): the tiny MoE and
+// ZAYA1 (CCA).
+TEST(Tsp, GpusRingMatchOneGpu) { expect_gpus_match_one_gpu({"parallel.context_mode=ring"}, "tsp_ring"); }
+TEST(Tsp, GpusZayaRingMatchOneGpu) {
+  expect_gpus_match_one_gpu(joined(kZayaGpu, {"parallel.context_mode=ring"}), "zaya_tsp_ring");
+}
 // The tables' rows stay and the tokens travel (parallel.tsp_tables: gather): untied, and ZAYA1's
 // tied table with Muon.
 TEST(Tsp, GpusGatheringTablesMatchOneGpu) { expect_gpus_match_one_gpu({"parallel.tsp_tables=gather"}, "tsp_gather"); }
