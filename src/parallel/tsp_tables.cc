@@ -13,15 +13,6 @@ TspTables parse_tsp_tables(const std::string& word) {
   throw UsageError(fmt::format("parallel.tsp_tables: '{}' (must be auto, sweep or gather)", word));
 }
 
-const char* tsp_tables_name(TspTables t) {
-  switch (t) {
-    case TspTables::kAuto: return "auto";
-    case TspTables::kSweep: return "sweep";
-    case TspTables::kGather: return "gather";
-  }
-  return "?";
-}
-
 bool tsp_gathers_tables(TspTables t, std::int64_t tokens, std::int64_t vocab) {
   if (t == TspTables::kAuto) return tokens <= vocab;
   return t == TspTables::kGather;

@@ -25,7 +25,6 @@ enum class TspTables { kAuto, kSweep, kGather };
 
 // "auto", "sweep", "gather"; keel::UsageError naming the word otherwise.
 TspTables parse_tsp_tables(const std::string& word);
-const char* tsp_tables_name(TspTables t);
 // Whether a run gathers (kAuto resolved): tokens is the micro-batch's (micro_batch x seq_length,
 // every rank's together), vocab the vocabulary's rows.
 bool tsp_gathers_tables(TspTables t, std::int64_t tokens, std::int64_t vocab);

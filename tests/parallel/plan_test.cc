@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "parallel/tsp_tables.h"
 
 namespace keel::parallel {
 namespace {
@@ -135,6 +136,32 @@ TEST(ParallelPlan, ExpertsMustSplit) {
   s.ep = 3;
   EXPECT_NE(error_of(moe(4), s).find("4 experts do not split over expert-parallel degree 3"), std::string::npos);
   EXPECT_NE(error_of(moe(0), s).find("0 experts do not split"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace keel::parallel
+
+namespace keel::parallel {
+namespace {
+
+// parallel.tsp_tables: the three words, one line naming a bad one, and auto's rule (gather while
+// the micro-batch has at most as many tokens as the vocabulary has rows).
+TEST(TspTables, WordsAndTheAutoRule) {
+  EXPECT_EQ(parse_tsp_tables("auto"), TspTables::kAuto);
+  EXPECT_EQ(parse_tsp_tables("sweep"), TspTables::kSweep);
+  EXPECT_EQ(parse_tsp_tables("gather"), TspTables::kGather);
+  try {
+    parse_tsp_tables("gahter");
+    ADD_FAILURE() << "accepted 'gahter'";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("'gahter'"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(tsp_gathers_tables(TspTables::kAuto, 32768, 262272));
+  EXPECT_TRUE(tsp_gathers_tables(TspTables::kAuto, 32000, 32000));
+  EXPECT_FALSE(tsp_gathers_tables(TspTables::kAuto, 32001, 32000));
+  EXPECT_FALSE(tsp_gathers_tables(TspTables::kAuto, 131072, 32000));
+  EXPECT_TRUE(tsp_gathers_tables(TspTables::kGather, 131072, 32000));
+  EXPECT_FALSE(tsp_gathers_tables(TspTables::kSweep, 16, 32000));
 }
 
 }  // namespace
