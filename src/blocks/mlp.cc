@@ -33,7 +33,8 @@ MlpShape MlpShape::of(const model::ModelConfig& cfg, std::int64_t tokens, bool r
   return s;
 }
 
-void carve(ArenaPlanner& p, const std::string& prefix, const MlpShape& s, bool dense, bool routed, MlpSaved& a) {
+void carve(ArenaPlanner& p, const std::string& prefix, const MlpShape& s, bool dense, bool routed, MlpSaved& a,
+           bool routing) {
   const std::int64_t N = s.tokens, D = s.hidden, E = std::max(s.experts, 1), K = std::max(s.top_k, 1);
   const std::int64_t FE = std::max<std::int64_t>(s.expert_hidden, 1), FD = std::max<std::int64_t>(s.ffn, 1);
   const std::int64_t SL = N * K, R = std::max<std::int64_t>(s.zaya.router_hidden, 1);
@@ -43,7 +44,9 @@ void carve(ArenaPlanner& p, const std::string& prefix, const MlpShape& s, bool d
     a.a = p.tensor(prefix + "a", {N, FD});
   }
   if (!routed) return;
-  if (s.mlp_router) {
+  if (!routing) {
+    // the routing pass's router state and indices are used (mlp_forward's `routing`)
+  } else if (s.mlp_router) {
     // The router's `state` view in this buffer goes unused: forward points it at the caller's EDA buffer.
     const Tensor buf = p.tensor(prefix + "router_saved", {ops::zaya_router::saved_floats(N, R, s.zaya.classes())});
     if (!p.sizing()) a.zmoe.router = ops::zaya_router::carve_saved(buf.data(), N, R, s.zaya.classes());

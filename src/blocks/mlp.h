@@ -34,7 +34,10 @@ struct MlpSaved {
   ops::moe::Saved experts;            // [N top_k, ...]
   zaya::MoeActs zmoe;                 // ZAYA1 stage (its experts' Saved is `experts`)
 };
-void carve(ArenaPlanner& p, const std::string& prefix, const MlpShape& s, bool dense, bool routed, MlpSaved& a);
+// routing false: a pass that takes another pass's routing (mlp_forward's `routing`: TSP's passes
+// over the other ranks' weight shards) keeps no router state or dispatch indices of its own.
+void carve(ArenaPlanner& p, const std::string& prefix, const MlpShape& s, bool dense, bool routed, MlpSaved& a,
+           bool routing = true);
 
 // Scratch shared by every layer (contents ignored between calls); `tmp` [N, D] is the caller's.
 struct MlpScratch {

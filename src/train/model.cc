@@ -210,7 +210,9 @@ void MoeTransformer::plan_acts(ArenaPlanner& p) {
     a.rstd2 = p.tensor(pre + "rstd2", {L});
     for (int r = 0; r < shards_; ++r) {
       const std::string at = shards_ > 1 ? fmt::format("{}shard.{}.", pre, r) : pre;
-      blocks::carve(p, at, mlp_shards_[std::size_t(r)], dense, moe, a.mlp[std::size_t(r)]);
+      // TSP: only this rank's own shard's pass routes (mlp_forward); the others keep no router state
+      blocks::carve(p, at, mlp_shards_[std::size_t(r)], dense, moe, a.mlp[std::size_t(r)],
+                    shards_ == 1 || r == plan_.tsp()->rank());
     }
   }
   // Backward scratch, shared by all layers.
