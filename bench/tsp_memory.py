@@ -192,14 +192,14 @@ def predicted(a, run_dir, seq, layout):
         text = model_text(a, seq)
     open(model, "w").write(text)
     js = os.path.join(run_dir, "size.json")
-    tables = ["--tsp-tables", a.tsp_tables] if a.tsp_tables and kind(layout) == "TSP" else []
+    extra = ["--tsp-tables", a.tsp_tables] if a.tsp_tables and kind(layout) == "TSP" else []
     if a.context_mode and kind(layout) in ("TSP", "CP"):
-        tables += ["--context-mode", a.context_mode]
+        extra += ["--context-mode", a.context_mode]
     # the run's cross-entropy chunk (the ZAYA1-shaped config's is 32768; keel size's default 8192)
     chunk = re.search(r"^ce_chunk: ([0-9]+)$", open(os.path.join(run_dir, "train.yaml")).read(), re.M)
     if chunk:
-        tables += ["--ce-chunk", chunk.group(1)]
-    r = subprocess.run([a.keel, "size", model, "--layout", *size_layout(layout, a.degree), *tables, "--gpus", str(a.degree),
+        extra += ["--ce-chunk", chunk.group(1)]
+    r = subprocess.run([a.keel, "size", model, "--layout", *size_layout(layout, a.degree), *extra, "--gpus", str(a.degree),
                         "--seq", str(seq),
                         "--hardware", "h200", "--json", js], capture_output=True, text=True)
     if r.returncode != 0:
