@@ -260,7 +260,8 @@ for step in "${steps[@]}"; do
       # beside keel size's prediction. With one GPU both ranks share it (KEEL_NCCL_OVER_MPI:
       # collectives through MPI; memory only, nothing timed). The ZAYA1-shaped model instead:
       # KEEL_TSP_ARGS="--model zaya1 --lengths 4096,16384,32768" (forced-balance routing; later
-      # --lengths override the 7B's).
+      # --lengths override the 7B's). KEEL_TSP_ARGS may add --profile (each run's step phases),
+      # --tsp-tables sweep|gather and --context-mode ring.
       [ "$gpus" -lt 1 ] && { note "tsp: skipped (no GPU)"; continue; }
       [ "$gpus" -lt 2 ] && export KEEL_NCCL_OVER_MPI=1
       [ "${KEEL_TSP_TESTS:-1}" = 0 ] || mpi_gtest tsp 2 'Tsp.Gpu*' "${KEEL_TSP_TEST_TIMEOUT:-300}" '^  [a-z0-9_]+: last step'
