@@ -442,6 +442,9 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     if (c.parallel_tsp < 1) ctx.bad("parallel.tsp", p["tsp"], "must be >= 1");
     if (c.model_options.sequence_parallel && c.parallel_tensor < 2)
       ctx.bad("parallel.sequence", p["sequence"], "needs parallel.tensor above 1 (it splits the tokens over the tensor group)");
+    if (c.model_options.tsp_tables != parallel::TspTables::kAuto && c.parallel_tsp < 2)
+      ctx.bad("parallel.tsp_tables", p["tsp_tables"],
+              "needs parallel.tsp above 1 (it chooses how TSP's vocabulary tables meet the tokens)");
   }
   if (const auto k = root["kernels"]) {
     ctx.only(k, "kernels", {"moe_lanes", "cpu_threads", "profile"});

@@ -210,6 +210,8 @@ keel_cli_test(NAME train_tsp_bad_degree EXIT 1 MATCH "parallel\\.tsp.*must be >=
   ARGS train ${tcfg} ${tdp} --set parallel.tsp=0)
 keel_cli_test(NAME train_tsp_bad_tables EXIT 1 MATCH "parallel\\.tsp_tables.*must be auto, sweep or gather"
   ARGS train ${tcfg} ${tdp} --set parallel.tsp=2 --set parallel.tsp_tables=sideways)
+keel_cli_test(NAME train_tsp_tables_without_tsp EXIT 1 MATCH "parallel\\.tsp_tables.*needs parallel\\.tsp above 1"
+  ARGS train ${tcfg} ${tdp} --set parallel.tsp_tables=gather)
 # TSP on 2 GPUs (skipped elsewhere): it trains and says so.
 keel_cli_test(NAME train_tsp2_gpus NP 2 GPUS "2+" MATCH "TSP 2 \\(attention shards broadcast, MLP shards ringed"
   ARGS train ${tcfg} ${tshort} --set device=cuda --set parallel.tsp=2 --set checkpoint.final=false
