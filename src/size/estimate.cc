@@ -329,6 +329,17 @@ MemoryEstimate estimate_memory(const Setup& s) {
       if (cca_layers > 0 || m.residual_scaling || l.tp > 1)
         e.items.push_back({"attention outputs (keel train)",
                            kBf16 * h * act_tokens * (s.recompute == Recompute::kFull ? 1 : per_stage)});
+      // Under sequence parallelism keel train's MoE block routes every token of its gathered
+      // input on each tensor rank: the router's state and the routed rows' input and output are
+      // kept for all of them, where the activations count this rank's 1/tp.
+      if (l.tp > 1 && s.sequence_parallel && moe_layers > 0) {
+        const double classes = m.experts + (m.router_skip_expert ? 1.0 : 0.0);
+        double per_token = kFp32 * 2 * classes + m.top_k * kBf16 * 2 * h;
+        if (m.router_hidden > 0) per_token += kBf16 * m.router_hidden * (2.0 * m.router_mlp_layers);
+        const double kept = s.recompute == Recompute::kFull ? 1 : moe_layers * frac;
+        e.items.push_back({"routing state of the gathered tokens (keel train)",
+                           (tokens_local - act_tokens) * kept * per_token});
+      }
       // Its backward scratch, shared by the layers (one at a time): the residual stream's
       // gradients (fp32 and bf16) and the final norm's output over this rank's rows; the bf16
       // input gradient, the attention's (the output, q, k and v gradients in bf16; the local

@@ -281,6 +281,25 @@ TEST(Memory, TensorParallelKeepsAttentionOutputsAndScratchByHand) {
   EXPECT_FALSE(has_item(estimate_memory(s), "attention outputs"));
 }
 
+// Tensor parallelism with sequence parallelism on ZAYA1-8B (40 MoE layers, 16 experts + skip,
+// top-1, hidden 2048, its router over 256 wide with 3 MLP layers) at tp=2, 32768 tokens: keel
+// train's MoE block routes every token of its gathered input on each tensor rank, so the routing
+// state the activations count for this rank's 16384 rows is kept for the other 16384 too: the
+// router's bf16 rows (2 x 256 x 2 x 3), fp32 logits and probabilities over 17 classes, the routed
+// row's bf16 input and output (2 x 2 x 2048). None without sequence parallelism or tensor degree.
+TEST(Memory, SequenceParallelRoutingStateOfTheGatheredTokensByHand) {
+  keel::size::Setup s = setup("zaya1-8b", "tp=2", 2);
+  s.seq = 32768;
+  const double per_token = 2.0 * 256 * 2 * 3 + 4.0 * 2 * 17 + 2.0 * 2 * 2048;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "routing state of the gathered tokens"), 16384.0 * 40 * per_token);
+  s.recompute = model::Recompute::kFull;
+  EXPECT_DOUBLE_EQ(item(estimate_memory(s), "routing state of the gathered tokens"), 16384.0 * per_token);
+  s.recompute = model::Recompute::kNone;
+  s.sequence_parallel = false;  // every token's already, in the activations
+  EXPECT_FALSE(has_item(estimate_memory(s), "routing state of the gathered tokens"));
+  EXPECT_FALSE(has_item(estimate_memory(setup("zaya1-8b", "zero=1", 2)), "routing state of the gathered tokens"));
+}
+
 // Tensor parallelism without sequence parallelism (keel train's parallel.tensor alone): the
 // hidden-wide items (residual stream, norms, attention outputs, the backward scratch's stream
 // rows) are every token's on each tensor rank, the items over heads and widths still half, and
