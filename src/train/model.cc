@@ -654,6 +654,18 @@ void MoeTransformer::backward(float loss_scale) {
   have_forward_ = false;
 }
 
+namespace {
+
+// The LM head's cross-entropy options: ce_chunk columns at a time over this rank's vocabulary rows.
+ops::cross_entropy::Options head_options(const ModelOptions& opt, const model::ModelConfig& cfg,
+                                         const blocks::TensorSplit& vocab) {
+  ops::cross_entropy::Options co;
+  co.chunk = std::min<std::int64_t>(opt.ce_chunk, cfg.vocab_size / vocab.degree);
+  return co;
+}
+
+}  // namespace
+
 // ---- the embedding and the LM head: whole, vocabulary-parallel over the tensor group, or
 // under TSP visited shard by shard (each rank's rows of the table broadcast in turn) ----
 
@@ -708,8 +720,7 @@ void MoeTransformer::embed_backward() {
 }
 
 float MoeTransformer::head_forward() {
-  ops::cross_entropy::Options co;
-  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  const ops::cross_entropy::Options co = head_options(opt_, cfg_, vocab_);
   if (gather_tables_) return gathered_head_forward();
   if (shards_ > 1) {
     // This rank's tokens against each shard's rows of the head: the running max and sum of
@@ -737,8 +748,7 @@ float MoeTransformer::head_forward() {
 
 // dtmp_ (overwritten): dL/d final_h_ (this rank's rows).
 void MoeTransformer::head_backward(float loss_scale) {
-  ops::cross_entropy::Options co;
-  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  const ops::cross_entropy::Options co = head_options(opt_, cfg_, vocab_);
   if (gather_tables_) return gathered_head_backward(loss_scale);
   if (shards_ > 1) {  // each piece's share of dL/d final_h_ added here, its rows' gradients summed on their rank
     bool first_piece = true;
@@ -787,8 +797,7 @@ void MoeTransformer::gathered_embed_backward() {
 // The micro-batch's mean loss (the same on every rank of the group); ce_lse_ gets this rank's
 // tokens' rows of lse_all_.
 float MoeTransformer::gathered_head_forward() {
-  ops::cross_entropy::Options co;
-  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  const ops::cross_entropy::Options co = head_options(opt_, cfg_, vocab_);
   const parallel::TensorGroup& group = plan_.tsp()->group();
   group.all_gather(final_h_.data(), whole_a_.data(), final_h_.numel());
   const float loss = parallel::vocab_ce_forward(whole_a_, w_.lm_head, vocab_begin(), cfg_.vocab_size,
@@ -800,8 +809,7 @@ float MoeTransformer::gathered_head_forward() {
 
 // loss_scale: the micro-batch's mean loss's (every token's share of it is in the gradient).
 void MoeTransformer::gathered_head_backward(float loss_scale) {
-  ops::cross_entropy::Options co;
-  co.chunk = std::min<std::int64_t>(opt_.ce_chunk, cfg_.vocab_size / vocab_.degree);
+  const ops::cross_entropy::Options co = head_options(opt_, cfg_, vocab_);
   const parallel::TensorGroup& group = plan_.tsp()->group();
   parallel::vocab_ce_backward(whole_a_, w_.lm_head, vocab_begin(), cfg_.vocab_size, targets_all_.data(), lse_all_,
                               loss_scale, co, ce_scratch_, whole_b_, g_.lm_head);
